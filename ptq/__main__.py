@@ -1,0 +1,3 @@
+from ptq.cli import main
+
+main()
