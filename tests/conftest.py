@@ -1,0 +1,80 @@
+"""Shared fixtures: a tiny randomly initialised Llama with a byte-level BPE tokenizer, saved as a local
+Hugging Face directory, so that the whole pipeline runs offline in seconds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TEXT = (
+    "Who's there? Nay, answer me: stand, and unfold yourself. Long live the king! "
+    "You come most carefully upon your hour. 'Tis now struck twelve; get thee to bed. "
+    "For this relief much thanks: 'tis bitter cold, and I am sick at heart. "
+) * 20
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def save_tiny_llama(path: Path, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def other_tiny_model(tmp_path_factory) -> Path:
+    """Same architecture, different weights: a calibration file from one must be refused by the other."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-other"), seed=1)
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT * 3)
+    return path
+
+
+@pytest.fixture
+def ptq_cli(monkeypatch, capsys):
+    """Run `ptq ARGS...` in-process; return (exit code, stdout, stderr)."""
+    from ptq import cli, progress
+
+    def run(*args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["ptq", *map(str, args)])
+        code = 0
+        try:
+            cli.main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        finally:
+            progress.QUIET = False
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
