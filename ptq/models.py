@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,10 @@ def _from_pretrained(location: str, spec: str, trust_remote_code: bool, **kwargs
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from ptq import progress
+
     hf_logging.set_verbosity_error()
+    (hf_logging.disable_progress_bar if progress.QUIET else hf_logging.enable_progress_bar)()
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
@@ -132,8 +136,10 @@ def gguf_caveat(gguf_path: Path) -> str:
     except Exception as e:
         raise PtqError(f"cannot read GGUF file {gguf_path}: {e}") from None
     listed = ", ".join(f"{name} x{n}" for name, n in types.most_common())
-    return (f"Weights were dequantized from the GGUF file {gguf_path.name} (tensor types: {listed}): "
-            "quantized weights already sit on a coarse grid, so weight-only 8-bit error looks smaller "
+    bits = [int(m.group(1)) for name, _ in types.most_common() if (m := re.match(r"I?Q(\d)", name))]
+    grid = f"a {bits[0]}-bit GGUF" if bits else "a GGUF"  # named after its most common quantized type
+    return (f"Weights were dequantized from {grid} ({gguf_path.name}; tensor types: {listed}): "
+            "they already sit on a coarse grid, so weight-only 8-bit error looks smaller "
             "than on an original 16-bit checkpoint; activation quantization is fully real.")
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ptq import __version__
 from ptq.calibrate import Calibration, calibrate, load_calibration, save_calibration, summary_rows
-from ptq.data import load_corpus, make_windows
+from ptq.data import Corpus, load_corpus, make_windows
 from ptq.errors import PtqError
 from ptq.evaluate import evaluate
 from ptq.files import check_writable
@@ -43,13 +43,13 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
                   output: Path, force: bool = False, trust_remote_code: bool = False) -> Calibration:
     check_writable(output, force)
     loaded_recipes = [load_recipe(r) for r in recipes]
+    corpus = load_corpus(data, role="calibration")  # bad data fails before the (slow) model load
     loaded = load_model(model, trust_remote_code)
-    return _calibrate(loaded, data, samples, seq_len, loaded_recipes, output, force)
+    return _calibrate(loaded, corpus, samples, seq_len, loaded_recipes, output, force)
 
 
-def _calibrate(loaded: LoadedModel, data: str | None, samples: int, seq_len: int, recipes: list[Recipe],
+def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, recipes: list[Recipe],
                output: Path | None, force: bool) -> Calibration:
-    corpus = load_corpus(data, role="calibration")
     windows = make_windows(corpus, loaded.tokenizer, seq_len, samples)
     layers = sorted({name for r in recipes for name in calibrated_layers(loaded.model, r)})
     if not layers:
@@ -78,13 +78,14 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     if len({r.name for r in variants} | {baseline.name}) != len(variants) + 1:
         raise PtqError("each recipe may appear once, and not as the baseline 'bf16'")
     calibration = load_calibration(calib) if calib else None
-    loaded = load_model(model, trust_remote_code)
+    needs_calibration = [r for r in variants if r.needs_calibration]
+    calib_corpus = load_corpus(calib_data, role="calibration") if needs_calibration and calibration is None else None
     eval_corpus = load_corpus(eval_data, role="evaluation")
+    loaded = load_model(model, trust_remote_code)
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
 
-    needs_calibration = [r for r in variants if r.needs_calibration]
-    if needs_calibration and calibration is None:
-        calibration = _calibrate(loaded, calib_data, calib_samples, seq_len, needs_calibration, None, force)
+    if calib_corpus is not None:
+        calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, needs_calibration, None, force)
         calibration_source = "Calibrated in this run (no --calib file)."
     else:
         calibration_source = f"Calibration file {calib}." if calib else ""

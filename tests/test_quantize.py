@@ -1,0 +1,92 @@
+"""QuantLinear against an independent reference: ml_dtypes casts (round to nearest even) after
+clipping, multiplied in float64 numpy, and the calibration amax against activations captured by hand."""
+
+import copy
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ptq.calibrate import calibrate
+from ptq.quantize import QuantLinear, calibrated_layers, plan, quantize_
+from ptq.recipes import load_recipe
+
+
+def ref_fake_quant(x: np.ndarray, amax, fmt: str, axis=None) -> np.ndarray:
+    """The 30-line reference of REFERENCE.md: scale = amax / max, clip, cast, multiply back."""
+    x = x.astype(np.float32)
+    if fmt == "bf16":
+        return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    maxval = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0}[fmt]
+    scale = (np.asarray(amax, np.float32) / np.float32(maxval)).astype(np.float32)
+    q = np.clip(x / scale, -maxval, maxval)
+    if fmt == "int8":
+        q = np.rint(q)
+    else:
+        q = q.astype({"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]).astype(np.float32)
+    return (q * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("recipe_name, wfmt, per_channel", [
+    ("fp8-e4m3", "e4m3", False), ("fp8-e5m2", "e5m2", False), ("int8", "int8", True), ("bf16", "bf16", False)])
+def test_quant_linear_matches_reference(recipe_name, wfmt, per_channel):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    x = torch.randn(3, 7, 64) * 5
+    x[0, 0, 0] = 40.0  # beyond the calibrated amax: must saturate
+    input_amax = torch.tensor(20.0)
+    recipe = load_recipe(recipe_name)
+    q = QuantLinear(linear, recipe.weights, recipe.inputs, input_amax if recipe.needs_calibration else None)
+
+    w = linear.weight.detach().numpy()
+    w_amax = np.abs(w).max(axis=1, keepdims=True) if per_channel else np.abs(w).max()
+    w_ref = ref_fake_quant(w, w_amax, wfmt)
+    x_ref = ref_fake_quant(x.numpy(), 20.0, wfmt)
+    y_ref = x_ref.astype(np.float64) @ w_ref.T.astype(np.float64) + linear.bias.detach().numpy()
+
+    assert np.array_equal(q.weight.numpy(), w_ref)  # weights quantized once, bit-exact
+    y = q(x).detach().numpy()
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)  # fp32 accumulation vs float64
+
+
+def test_plan_keeps_lm_head_in_bf16_and_quantizes_the_rest(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    layers = plan(model, load_recipe("fp8-e4m3"))
+    assert layers["lm_head"][0].format.name == "bf16"
+    body = [name for name in layers if name != "lm_head"]
+    assert len(body) == 14 and all(layers[n][0].format.name == "e4m3" for n in body)
+    assert calibrated_layers(model, load_recipe("fp8-e4m3")) == body
+    assert calibrated_layers(model, load_recipe("bf16")) == []
+
+
+def test_calibration_amax_is_the_max_of_the_inputs_seen(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ids = torch.randint(0, model.config.vocab_size, (5, 16), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    hooks = [m.register_forward_hook(lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].clone()))
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    layers = calibrated_layers(model, load_recipe("fp8-e4m3"))
+    cal = calibrate(model, ids, layers, batch_size=2)  # batches of 2, 2, 1: the running max must merge them
+    for name in layers:
+        expected = max(float(t.abs().max()) for t in seen[name])
+        assert float(cal.input_amax[name]) == pytest.approx(expected, rel=1e-6)
+        assert float(cal.weight_amax[name]) == float(model.get_submodule(name).weight.detach().abs().max())
+
+
+def test_quantize_swaps_every_linear_and_bf16_baseline_is_close_to_fp32(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    cal = calibrate(model, ids, calibrated_layers(model, load_recipe("fp8-e4m3")))
+    bf16 = quantize_(copy.deepcopy(model), load_recipe("bf16"), None)
+    e4m3 = quantize_(copy.deepcopy(model), load_recipe("fp8-e4m3"), cal)
+    assert not any(type(m) is torch.nn.Linear for m in e4m3.modules())
+    with torch.no_grad():
+        ref, y16, y8 = (m(input_ids=ids).logits for m in (model, bf16, e4m3))
+    err16, err8 = (ref - y16).abs().max(), (ref - y8).abs().max()
+    assert 0 < err16 < err8  # bf16 rounds (not a no-op) and loses less than E4M3

@@ -1,0 +1,65 @@
+import pytest
+import torch
+import yaml
+
+from ptq.errors import PtqError
+from ptq.formats import FORMATS
+from ptq.recipes import builtin_recipe_names, load_recipe, parse_recipe
+
+VALID = {"name": "x", "weights": {"format": "e4m3"}, "inputs": {"format": "e4m3"}}
+
+
+def test_builtin_recipes_load_with_the_documented_formats():
+    assert set(builtin_recipe_names()) >= {"bf16", "fp8-e4m3", "fp8-e5m2", "int8"}
+    bf16, e4m3, e5m2, int8 = (load_recipe(n) for n in ("bf16", "fp8-e4m3", "fp8-e5m2", "int8"))
+    assert bf16.weights.format is FORMATS["bf16"] and not bf16.needs_calibration and bf16.ignore == ()
+    assert e4m3.inputs.format is FORMATS["e4m3"] and e4m3.needs_calibration and e4m3.ignore == ("lm_head",)
+    assert e5m2.weights.format is FORMATS["e5m2"]
+    assert int8.weights.granularity == "channel" and int8.inputs.granularity == "tensor"
+    assert bf16.weights.saturate is False and e4m3.weights.saturate is True  # 16-bit overflows like an IEEE cast
+
+
+def test_recipe_from_a_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(VALID | {"ignore": ["lm_head", "*.down_proj"]}))
+    recipe = load_recipe(str(path))
+    assert recipe.name == "x" and recipe.ignore == ("lm_head", "*.down_proj")
+    assert recipe.targets_module("model.layers.0.mlp.up_proj", torch.nn.Linear(2, 2))
+    assert not recipe.targets_module("model.layers.0.mlp.down_proj", torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"colour": "red"}, "unknown key 'colour'"),
+    ({"weights": {"format": "e3m4"}}, "unknown number format 'e3m4'"),
+    ({"weights": {"format": "e4m3", "granularity": "row"}}, "unknown granularity 'row'"),
+    ({"inputs": {"format": "e4m3", "granularity": "channel"}}, "per-channel scales apply to weights only"),
+    ({"inputs": {"format": "e4m3", "saturate": "yes"}}, "saturate must be true or false"),
+    ({"targets": ["Conv2d"]}, "unknown target type 'Conv2d'"),
+    ({"ignore": "lm_head"}, "'ignore' must be a list of strings"),
+    ({"weights": {"format": "e4m3", "scale": 2}}, "unknown key 'scale'"),
+])
+def test_invalid_recipes_name_the_problem(change, message):
+    with pytest.raises(PtqError, match=message):
+        parse_recipe(VALID | change)
+
+
+def test_missing_key_and_non_mapping():
+    with pytest.raises(PtqError, match="missing key 'inputs'"):
+        parse_recipe({"name": "x", "weights": {"format": "e4m3"}})
+    with pytest.raises(PtqError, match="must be a mapping"):
+        parse_recipe(["name", "x"])
+
+
+def test_unknown_name_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(PtqError, match="unknown recipe 'fp7'.*built-in: bf16"):
+        load_recipe("fp7")
+    with pytest.raises(PtqError, match="does not exist"):
+        load_recipe(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(PtqError, match="not valid YAML"):
+        load_recipe(str(bad))
+    unsafe = tmp_path / "unsafe.yaml"
+    unsafe.write_text("!!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(PtqError, match="not valid YAML"):  # safe_load refuses Python tags
+        load_recipe(str(unsafe))
