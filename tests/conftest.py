@@ -3,11 +3,16 @@ Hugging Face directory, so that the whole pipeline runs offline in seconds."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Tests run the eager quantization kernel (bit-identical to the compiled one, which
+# test_quantize.py checks once) so that each test process does not pay for compilation.
+os.environ.setdefault("PTQ_COMPILE", "0")
 
 TEXT = (
     "Who's there? Nay, answer me: stand, and unfold yourself. Long live the king! "

@@ -90,3 +90,40 @@ def test_quantize_swaps_every_linear_and_bf16_baseline_is_close_to_fp32(tiny_mod
         ref, y16, y8 = (m(input_ids=ids).logits for m in (model, bf16, e4m3))
     err16, err8 = (ref - y16).abs().max(), (ref - y8).abs().max()
     assert 0 < err16 < err8  # bf16 rounds (not a no-op) and loses less than E4M3
+
+
+def test_compiled_input_kernel_is_bit_identical_to_the_eager_ops():
+    from ptq.formats import FORMATS, fake_quantize
+    from ptq.quantize import InputQuantizer
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 50, 96) * 30
+    x[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -1e9, 0.0])
+    scale = torch.tensor(0.05)
+    compiled = InputQuantizer(compile=True)
+    for fmt in ("e4m3", "int8"):
+        for saturate in (True, False):
+            y = compiled(x.clone(), scale, FORMATS[fmt], saturate)
+            ref = fake_quantize(x, scale, FORMATS[fmt], saturate)
+            assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.nan_to_num(), ref.nan_to_num())
+            assert torch.equal(y.view(torch.int32)[~y.isnan()], ref.view(torch.int32)[~ref.isnan()])  # signed zeros too
+
+
+def test_an_input_shared_by_q_k_v_and_gate_up_is_quantized_once(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    cal = calibrate(model, ids, calibrated_layers(model, load_recipe("fp8-e4m3")))
+    q = quantize_(copy.deepcopy(model), load_recipe("fp8-e4m3"), cal)
+    quantizer = q.model.layers[0].self_attn.q_proj.input_quantizer
+    calls = []
+    kernel = quantizer._kernel
+    quantizer._kernel = lambda *a: calls.append(1) or kernel(*a)
+    with torch.no_grad():
+        cached = q(input_ids=ids).logits
+    # per block: q/k/v input, o_proj input, gate/up input, down_proj input; lm_head (bf16) once
+    assert len(calls) == 2 * 4 + 1
+    for m in q.modules():  # one quantizer per layer (no sharing) must give the same logits
+        if isinstance(m, QuantLinear):
+            m.input_quantizer = type(quantizer)(compile=False)
+    with torch.no_grad():
+        assert torch.equal(q(input_ids=ids).logits, cached)
