@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.ptq-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Speed and memory targets, printed as ratios measured in one run (see ptq/bench.py).
+bench: $(STAMP)
+	$(BIN)/python -m ptq.bench
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache

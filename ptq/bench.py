@@ -9,19 +9,25 @@ from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from ptq import progress
-from ptq.calibrate import calibrate
+from ptq.calibrate import calibrate, save_calibration
 from ptq.data import load_corpus, make_windows
 from ptq.evaluate import evaluate
 from ptq.formats import FORMATS, compute_scale, fake_quantize
 from ptq.models import load_model
 from ptq.quantize import calibrated_layers, quantize_
 from ptq.recipes import load_recipe
+from ptq.workflows import run_compare
 
 
 def median_time(fn, repeats: int) -> float:
@@ -79,9 +85,31 @@ def main() -> None:
     t_cast = median_time(lambda: (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale, args.repeats)
     t_copy = median_time(lambda: x.clone(), args.repeats)
 
+    # 3. A whole compare (baseline + two recipes, calibration file given) against its three models' forwards.
+    baseline = quantize_(copy.deepcopy(model), load_recipe("bf16"), None)
+    t_forwards = sum(median_time(lambda m=m: plain_forward(m), args.repeats) for m in (baseline, *variants.values()))
+    tmp = Path(tempfile.mkdtemp(prefix="ptq-bench-"))
+    save_calibration(calibration, tmp / "calib.safetensors")
+    compare_args = dict(model=args.model, recipes=["fp8-e4m3", "int8"], calib=tmp / "calib.safetensors", calib_data=None,
+                        calib_samples=args.windows, eval_data=None, seq_len=args.seq_len, max_windows=args.windows,
+                        out=tmp / "report", force=True)
+    t_compare = median_time(lambda: run_compare(**compare_args), args.repeats)
+
+    # 4. Peak memory of `ptq compare` in a fresh process, against the model's 16-bit size.
+    bytes_16bit = 2 * sum(p.numel() for p in model.parameters())
+    subprocess.run([sys.executable, "-m", "ptq", "compare", args.model, "--calib", str(tmp / "calib.safetensors"),
+                    "--max-windows", str(args.windows), "--seq-len", str(args.seq_len), "--out", str(tmp / "mem"),
+                    "--force", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
+
     print(line("simulated E4M3 evaluation / unquantized evaluation", t_eval["fp8-e4m3"] / t_eval_plain, 1.10))
     print(line("simulated int8 evaluation / unquantized evaluation", t_eval["int8"] / t_eval_plain, 1.10))
     print(line("calibration / plain no-grad forward over the same tokens", t_calib / t_plain_calib, 1.10))
+    print(line("compare (bf16 + fp8-e4m3 + int8) / its three models' forward passes", t_compare / t_forwards, 1.10))
+    constant = 1.0e9  # interpreter, torch and transformers, tokenizer, one batch of logits
+    print(line(f"compare peak RSS / 16-bit model size, after a {constant / 1e9:.0f} GB constant",
+               (peak - constant) / bytes_16bit, 1.5))
+    print(f"INFO  compare peak RSS {peak / 1e9:.2f} GB; 16-bit model {bytes_16bit / 1e9:.2f} GB")
     gbps = lambda t: 2 * x.numel() * 4 / t / 1e9  # read + write of float32
     print(f"INFO  E4M3 quantize-dequantize, 64 MiB: {gbps(t_qdq):.1f} GB/s; torch cast round trip {gbps(t_cast):.1f} GB/s; "
           f"copy {gbps(t_copy):.1f} GB/s (ratio to copy {t_qdq / t_copy:.1f}x)")

@@ -36,8 +36,11 @@ class InputQuantizer:
         self._last: tuple | None = None
 
     def __call__(self, x: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool) -> torch.Tensor:
+        # Inference tensors keep no version counter; between the Linears that share an input no
+        # module writes to it in place (they would corrupt the unquantized model's math too).
+        version = None if x.is_inference() else x._version
         last = self._last
-        if last is not None and last[0] is x and last[1] == x._version and last[2] is scale and last[3] == (fmt, saturate):
+        if last is not None and last[0] is x and last[1] == version and last[2] is scale and last[3] == (fmt, saturate):
             return last[4]
         try:
             x_q = self._kernel(x, scale, fmt, saturate)
@@ -47,7 +50,7 @@ class InputQuantizer:
             warnings.warn(f"torch.compile failed ({type(e).__name__}); quantizing with eager ops", stacklevel=2)
             self._kernel = fake_quantize
             x_q = fake_quantize(x, scale, fmt, saturate)
-        self._last = (x, x._version, scale, (fmt, saturate), x_q)
+        self._last = (x, version, scale, (fmt, saturate), x_q)
         return x_q
 
 
