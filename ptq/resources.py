@@ -64,6 +64,10 @@ def check_fits(directory: Path, copies: int, device: torch.device, what: str) ->
     if needed > free:
         copies_text = f" x {copies} copies (the original and one per variant)" if copies > 1 else ""
         raise PtqError(
-            f"{what} needs at least {needed / GIB:.1f} GiB ({params / 1e6:,.0f}M parameters x {FLOAT32_BYTES} bytes in "
-            f"float32{copies_text}) but only {free / GIB:.1f} GiB is available on {device.type}: use a machine with "
+            f"{what} needs at least {_size(needed)} ({params:,} parameters x {FLOAT32_BYTES} bytes in "
+            f"float32{copies_text}) but only {_size(free)} is available on {device.type}: use a machine with "
             f"more memory{', compare fewer recipes per run' if copies > 2 else ''}, or pass {NO_CHECK_FLAG} to try anyway")
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
