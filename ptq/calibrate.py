@@ -1,11 +1,31 @@
 """Calibration: run text through the model and record the amax (max |x|) of every tensor that a recipe
 quantizes: each targeted Linear's weight and its input. Observers stream (a running max), they never
 keep activations. The result is saved as safetensors (the amax tensors) plus JSON metadata.
+
+Faults, each with one documented rule (docs/reliability.md):
+- NaN/inf in a weight: always an error naming the layer and the element (the checkpoint is broken).
+- NaN/inf in a layer's input: `on_nonfinite="fail"` (default) stops at the first such batch, naming
+  the layer and the batch; "skip" leaves that batch out of that layer's amax and counts it.
+- A layer no calibration batch reached (an MoE expert no token was routed to): `on_unseen="fallback"`
+  (default) gives it the largest input amax of its siblings (see fallback_amax), listed in the
+  metadata; "fail" stops.
+- amax 0 (an all-zero tensor) or so small that its scale is not a normal float32: a warning (the
+  scale is finite and the tensor is zero to the format's precision); an amax whose largest quantized
+  value would overflow float32: an error (see range_findings).
+
+Long runs save the observers to a checkpoint every `checkpoint_every` seconds (atomically); a resumed
+run skips the batches already seen and, since a running max does not depend on how the batches are
+split between runs, ends with exactly the same amax.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
+import re
+import reprlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,22 +35,44 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError
-from ptq.files import atomic_path, check_writable
-from ptq.formats import amax
+from ptq.files import check_writable, save_safetensors
+from ptq.formats import NumberFormat, amax, compute_scale, fake_quantize
 from ptq.progress import progress
 
 FILE_KIND = "ptq-calibration/1"
+CHECKPOINT_KIND = "ptq-calibration-checkpoint/1"
+NONFINITE_POLICIES = ("fail", "skip")
+UNSEEN_POLICIES = ("fallback", "fail")
+# The fields reports read from a calibration file's metadata, and their types.
+REQUIRED_METADATA = {"data": str, "data_sha256": str, "windows": int, "seq_len": int, "tokens": int}
+
+
+_CALLS = itertools.count()  # orders observer calls, so a fault is reported where it first appears
 
 
 class AmaxObserver:
-    """Running per-tensor max |x| over every batch it sees."""
+    """Running per-tensor max |x| over the batches it sees. A batch with NaN or inf is left out of the
+    max and counted instead (the caller applies the policy). Nothing here syncs with the device."""
 
     def __init__(self) -> None:
-        self.amax: torch.Tensor | None = None
+        self.amax: torch.Tensor | None = None  # max over finite batches; None until the first call
+        self.calls = 0  # batches seen
+        self.nonfinite: torch.Tensor | int = 0  # batches with NaN/inf (a device tensor once counted)
+        self.last: torch.Tensor | None = None  # the latest batch's amax (NaN or inf names the fault)
+        self.step = -1  # when it was last called, in the order of all observers' calls
 
     def __call__(self, module: nn.Module, args: tuple) -> None:  # a forward pre-hook
         batch_amax = amax(args[0].detach())
-        self.amax = batch_amax if self.amax is None else torch.maximum(self.amax, batch_amax)
+        finite = torch.isfinite(batch_amax)
+        kept = torch.where(finite, batch_amax, 0.0)
+        self.amax = kept if self.amax is None else torch.maximum(self.amax, kept)
+        self.nonfinite = self.nonfinite + (~finite).long()
+        self.last = batch_amax
+        self.calls += 1
+        self.step = next(_CALLS)
+
+    def finite_batches(self) -> int:
+        return self.calls - int(self.nonfinite)
 
 
 @dataclass
@@ -52,32 +94,190 @@ class Calibration:
                                f"the weights of layer '{name}' differ")
 
 
-def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4) -> Calibration:
-    """Record input and weight amax of the named Linear layers over the calibration windows."""
+def checkpoint_path(output: Path) -> Path:
+    """Where `ptq calibrate -o OUTPUT` keeps its checkpoint: OUTPUT.checkpoint (a different kind of file,
+    which load_calibration refuses, so it can never be mistaken for a finished calibration)."""
+    return Path(output).with_name(Path(output).name + ".checkpoint")
+
+
+def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4,
+              on_nonfinite: str = "fail", on_unseen: str = "fallback", checkpoint: Path | None = None,
+              checkpoint_every: float = 60.0, resume: bool = False) -> Calibration:
+    """Record input and weight amax of the named Linear layers over the calibration windows.
+
+    With `checkpoint`, the observers are saved there (atomically) at most every `checkpoint_every`
+    seconds; `resume=True` continues from it. The caller deletes the checkpoint once the result is saved.
+    """
+    if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
+        raise PtqError(f"unknown policy: on_nonfinite={on_nonfinite!r}, on_unseen={on_unseen!r}")
     modules = dict(model.named_modules())
+    weight_amax = {name: check_weight(name, modules[name].weight) for name in layers}
     observers = {name: AmaxObserver() for name in layers}
-    hooks = [modules[name].register_forward_pre_hook(obs) for name, obs in observers.items()]
-    # Layers outside the base model (lm_head) are not quantized by default: skip computing them.
-    base = getattr(model, "base_model", model)
-    base_names = {f"{model.base_model_prefix}.{n}" if n else model.base_model_prefix for n, _ in base.named_modules()}
-    runner = base if base is not model and set(layers) <= base_names else model
+    batches = input_ids.split(batch_size)
+    fingerprint = run_fingerprint(input_ids, layers, batch_size, on_nonfinite, weight_amax)
     device = next(model.parameters()).device
+    start = load_checkpoint(checkpoint, observers, fingerprint, len(batches), device) if resume else 0
+    hooks = [modules[name].register_forward_pre_hook(obs) for name, obs in observers.items()]
+    runner = _runner(model, layers)
+    saved_at = time.monotonic()
     try:
         with torch.inference_mode(), progress("calibrating", len(input_ids), input_ids.shape[1]) as advance:
-            for batch in input_ids.split(batch_size):
-                runner(input_ids=batch.to(device))
-                advance(len(batch))
+            advance(sum(len(b) for b in batches[:start]))
+            for i in range(start, len(batches)):
+                runner(input_ids=batches[i].to(device))
+                if on_nonfinite == "fail":
+                    _fail_on_nonfinite(observers, i, batch_size)
+                advance(len(batches[i]))
+                if checkpoint is not None and i + 1 < len(batches) and time.monotonic() - saved_at >= checkpoint_every:
+                    save_checkpoint(checkpoint, observers, fingerprint, i + 1, len(batches))
+                    saved_at = time.monotonic()
     finally:
         for h in hooks:
             h.remove()
-    input_amax = {name: obs.amax.float().cpu() for name, obs in observers.items()}
-    weight_amax = {name: amax(modules[name].weight).cpu() for name in layers}
-    for kind, values in (("input", input_amax), ("weight", weight_amax)):
-        bad = [name for name, a in values.items() if not torch.isfinite(a)]
-        if bad:
-            raise PtqError(f"non-finite {kind} values (NaN or inf) in layer '{bad[0]}' during calibration"
-                           + (f" and {len(bad) - 1} more layers" if len(bad) > 1 else ""))
-    return Calibration(input_amax, weight_amax)
+
+    input_amax, unseen, skipped = {}, [], {}
+    for name, obs in observers.items():
+        if int(obs.nonfinite):
+            skipped[name] = int(obs.nonfinite)
+        if obs.finite_batches() == 0:
+            unseen.append(name)
+        else:
+            input_amax[name] = obs.amax.float().cpu()
+    if len(unseen) == len(layers):
+        raise PtqError("no calibration batch reached any calibrated layer with finite values: nothing to calibrate from")
+    metadata: dict = {"on_nonfinite": on_nonfinite, "on_unseen": on_unseen}
+    if skipped:
+        metadata["nonfinite_batches"] = skipped
+    if unseen:
+        if on_unseen == "fail":
+            raise PtqError(f"{len(unseen)} layer(s) received no calibration data, e.g. '{unseen[0]}' (an MoE expert no "
+                           "token was routed to?): calibrate on more text, or use --on-unseen fallback")
+        metadata["unseen_layers"] = []
+        for name in unseen:
+            value, rule = fallback_amax(name, input_amax)
+            input_amax[name] = value
+            metadata["unseen_layers"].append({"layer": name, "input_amax": float(value), "rule": rule})
+    input_amax = {name: input_amax[name] for name in layers}
+    return Calibration(input_amax, weight_amax, metadata)
+
+
+def _runner(model: nn.Module, layers: list[str]) -> nn.Module:
+    """Layers outside the base model (lm_head) are not quantized by default: skip computing them."""
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return model
+    base_names = {f"{model.base_model_prefix}.{n}" if n else model.base_model_prefix for n, _ in base.named_modules()}
+    return base if set(layers) <= base_names else model
+
+
+def check_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """The weight's amax; NaN/inf is always an error, naming the first bad element."""
+    value = amax(weight.detach())
+    if not torch.isfinite(value):
+        bad = (~torch.isfinite(weight.detach())).nonzero()[0].tolist()
+        what = "NaN" if torch.isnan(weight.detach()).any() else "inf"
+        raise PtqError(f"weight of layer '{name}' contains {what} (first at index {bad}): the model's weights are "
+                       "damaged; --on-nonfinite skip applies to activations only")
+    return value.cpu()
+
+
+def _fail_on_nonfinite(observers: dict[str, AmaxObserver], batch: int, batch_size: int) -> None:
+    counts = torch.stack([torch.as_tensor(o.nonfinite).cpu() for o in observers.values()])
+    if bool(counts.any()):  # one device sync per batch, only in "fail" mode
+        name, obs = min(((n, o) for n, o in observers.items() if int(o.nonfinite)), key=lambda no: no[1].step)
+        what = "NaN" if torch.isnan(obs.last) else "inf"
+        raise PtqError(f"input of layer '{name}' contains {what} in calibration batch {batch} (windows "
+                       f"{batch * batch_size}-{batch * batch_size + batch_size - 1}); use --on-nonfinite skip to leave "
+                       "such batches out of that layer's amax")
+
+
+def fallback_amax(name: str, seen: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
+    """Input amax for a layer no batch reached: the largest among its closest relatives, in order
+    (1) same name but for the last number (the other experts of the same block: experts.*.down_proj),
+    (2) same name but for every number (that projection in every block), (3) every calibrated layer.
+    The largest, because a too-large scale costs precision while a too-small one clips."""
+    parts = name.split(".")
+    numbers = [i for i, p in enumerate(parts) if p.isdigit()]
+    wildcards = [{numbers[-1]}, set(numbers)] if numbers else []
+    for wild in wildcards:
+        pattern = ".".join("*" if i in wild else p for i, p in enumerate(parts))
+        regex = re.compile(r"\.".join(r"\d+" if i in wild else re.escape(p) for i, p in enumerate(parts)))
+        relatives = [n for n in seen if regex.fullmatch(n)]
+        if relatives:
+            return max(seen[n] for n in relatives).clone(), f"max input amax of {len(relatives)} calibrated layer(s) matching {pattern}"
+    return max(seen.values()).clone(), f"max input amax of all {len(seen)} calibrated layers"
+
+
+def range_findings(checks: list[tuple[str, str, torch.Tensor, NumberFormat]]) -> list[str]:
+    """Apply the range rule to (layer, tensor, amax, format) tuples; return the warnings, raise for errors.
+
+    With a per-tensor scale (amax / format max) every finite amax maps onto the format, so the only
+    failures are at float32's own edges: an amax whose scale is not a normal float32 (below
+    format max * 2^-126, about 5e-36 for E4M3) quantizes coarsely but the tensor is then zero for any
+    practical purpose (warning, like an all-zero tensor, whose scale is 1); an amax so close to
+    float32's max that the largest quantized value, format max * scale, rounds to inf is an error.
+    """
+    warnings = []
+    for layer, tensor, value, fmt in checks:
+        if not fmt.scaled:
+            continue
+        top = fake_quantize(value.reshape(1), compute_scale(value, fmt), fmt)
+        if not bool(torch.isfinite(top).all()):
+            raise PtqError(f"{tensor} amax {float(value):.4g} of layer '{layer}' is beyond {fmt.name}'s reach in float32: "
+                           "its largest quantized value overflows to inf")
+        if float(value) == 0:
+            warnings.append(f"{tensor} of layer '{layer}' is all zeros (amax 0): scale 1 is used")
+        elif float(value) < fmt.max * 2.0**-126:
+            warnings.append(f"{tensor} amax {float(value):.3g} of layer '{layer}' is below {fmt.max * 2.0**-126:.3g}: its "
+                            f"{fmt.name} scale is not a normal float32, so it quantizes coarsely (the tensor is nearly zero)")
+    return list(dict.fromkeys(warnings))
+
+
+def run_fingerprint(input_ids: torch.Tensor, layers: list[str], batch_size: int, on_nonfinite: str,
+                    weight_amax: dict[str, torch.Tensor]) -> str:
+    """What a checkpoint must match to be resumed: the same windows, layers, batches, policy and weights."""
+    h = hashlib.sha256()
+    h.update(json.dumps([list(input_ids.shape), layers, batch_size, on_nonfinite]).encode())
+    h.update(input_ids.cpu().contiguous().numpy().tobytes())
+    h.update(torch.stack([weight_amax[n] for n in layers]).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_checkpoint(path: Path, observers: dict[str, AmaxObserver], fingerprint: str, done: int, total: int) -> None:
+    tensors = {}
+    for name, obs in observers.items():
+        if obs.amax is not None:
+            tensors[f"amax/{name}"] = obs.amax.float().cpu().contiguous()
+        tensors[f"counts/{name}"] = torch.tensor([obs.calls, int(obs.nonfinite)], dtype=torch.int64)
+    header = {"kind": CHECKPOINT_KIND, "fingerprint": fingerprint, "batches_done": str(done), "batches": str(total)}
+    save_safetensors(tensors, path, header)
+
+
+def load_checkpoint(path: Path | None, observers: dict[str, AmaxObserver], fingerprint: str, total: int,
+                    device: torch.device | str = "cpu") -> int:
+    """Restore the observers from `path`; return the number of batches it covers."""
+    if path is None or not Path(path).is_file():
+        raise PtqError(f"no checkpoint to resume from ({path} does not exist); run without --resume")
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        done = int(header.get("batches_done", ""))
+    except Exception:
+        raise PtqError(f"{path} is not a readable calibration checkpoint; delete it or use --force to start over") from None
+    if header.get("kind") != CHECKPOINT_KIND or header.get("batches") != str(total) or not 0 < done < total:
+        raise PtqError(f"{path} is not a checkpoint of this calibration (kind or batch count differ); use --force to start over")
+    if header.get("fingerprint") != fingerprint:
+        raise PtqError(f"{path} was made by a different run (model, data, layers, --samples, --seq-len or "
+                       "--on-nonfinite differ); rerun with the same options, or use --force to start over")
+    for name, obs in observers.items():
+        counts = tensors.get(f"counts/{name}")
+        if counts is None or counts.shape != (2,):
+            raise PtqError(f"{path} is damaged (no counts for layer '{name}'); use --force to start over")
+        obs.calls, obs.nonfinite = int(counts[0]), int(counts[1])
+        if f"amax/{name}" in tensors:
+            obs.amax = tensors[f"amax/{name}"].to(device)
+    return done
 
 
 def save_calibration(calibration: Calibration, path: Path, force: bool = False) -> None:
@@ -85,8 +285,7 @@ def save_calibration(calibration: Calibration, path: Path, force: bool = False) 
     tensors = {f"input_amax/{k}": v.contiguous() for k, v in calibration.input_amax.items()}
     tensors |= {f"weight_amax/{k}": v.contiguous() for k, v in calibration.weight_amax.items()}
     header = {"kind": FILE_KIND, "metadata": json.dumps(calibration.metadata, sort_keys=True)}
-    with atomic_path(path) as tmp:
-        safetensors.torch.save_file(tensors, str(tmp), metadata=header)
+    save_safetensors(tensors, path, header)
 
 
 def load_calibration(path: Path) -> Calibration:
@@ -100,21 +299,46 @@ def load_calibration(path: Path) -> Calibration:
     except Exception as e:
         raise PtqError(f"{path} is not a readable calibration file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if header.get("kind") != FILE_KIND:
-        raise PtqError(f"{path} is not a ptq calibration file (kind {header.get('kind')!r}, expected {FILE_KIND!r})")
+        raise PtqError(f"{path} is not a ptq calibration file (kind {reprlib.repr(header.get('kind'))}, expected {FILE_KIND!r})")
     try:
         metadata = json.loads(header.get("metadata", "{}"))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise PtqError(f"{path}: calibration metadata is not valid JSON") from None
+    check_metadata(metadata, path)
     calibration = Calibration({}, {}, metadata)
     for key, tensor in tensors.items():
         kind, _, name = key.partition("/")
         target = {"input_amax": calibration.input_amax, "weight_amax": calibration.weight_amax}.get(kind)
-        if target is None or tensor.dtype != torch.float32 or tensor.numel() != 1 or not torch.isfinite(tensor).all() or tensor.item() < 0:
-            raise PtqError(f"{path}: invalid entry '{key}' (expected a finite, non-negative float32 amax)")
+        if (target is None or not name or tensor.dtype != torch.float32 or tensor.numel() != 1
+                or not torch.isfinite(tensor).all() or tensor.item() < 0):
+            raise PtqError(f"{path}: invalid entry {reprlib.repr(key)} (expected input_amax/LAYER or weight_amax/LAYER: "
+                           "a finite, non-negative float32 scalar)")
         target[name] = tensor.reshape(())
+    if not calibration.input_amax:
+        raise PtqError(f"{path}: the calibration file has no amax entries")
     if set(calibration.input_amax) != set(calibration.weight_amax):
         raise PtqError(f"{path}: input and weight amax name different layers")
     return calibration
+
+
+def check_metadata(metadata: object, path: Path) -> None:
+    """The metadata is read into reports: it must be a JSON object with the fields they use, well typed."""
+    if not isinstance(metadata, dict):
+        raise PtqError(f"{path}: calibration metadata must be a JSON object, not {type(metadata).__name__}")
+    for key, kind in REQUIRED_METADATA.items():
+        value = metadata.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            raise PtqError(f"{path}: calibration metadata field '{key}' must be a {'non-negative integer' if kind is int else 'string'}, "
+                           f"not {reprlib.repr(value)}")
+    unseen = metadata.get("unseen_layers", [])
+    if not isinstance(unseen, list) or not all(isinstance(u, dict) and isinstance(u.get("layer"), str)
+                                               and isinstance(u.get("rule"), str) for u in unseen):
+        raise PtqError(f"{path}: calibration metadata field 'unseen_layers' is malformed")
+    warnings, skipped = metadata.get("warnings", []), metadata.get("nonfinite_batches", {})
+    if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+        raise PtqError(f"{path}: calibration metadata field 'warnings' must be a list of strings")
+    if not isinstance(skipped, dict) or not all(isinstance(v, int) for v in skipped.values()):
+        raise PtqError(f"{path}: calibration metadata field 'nonfinite_batches' must map layers to counts")
 
 
 def summary_rows(calibration: Calibration, top: int = 10) -> dict:

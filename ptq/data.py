@@ -345,6 +345,9 @@ def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | Non
     encoded = tokenizer(list(corpus.documents), add_special_tokens=False, verbose=False)["input_ids"]
     if sum(len(ids) for ids in encoded) == 0:
         raise PtqError(f"the tokenizer produced no tokens for {corpus.source}")
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    if special and all(t in special for ids in encoded for t in ids):
+        raise PtqError(f"{corpus.source} holds only special tokens (such as the EOS marker), no text to run the model on")
     eos = getattr(tokenizer, "eos_token_id", None)
     stream: list[int] = []
     for i, ids in enumerate(encoded):

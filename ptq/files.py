@@ -1,12 +1,21 @@
 """Atomic output: everything ptq writes goes to a temporary name first, then is renamed into place,
-so an interrupted run never leaves a file that looks complete."""
+so an interrupted run never leaves a file that looks complete. A failed write (a full disk, no
+permission) is one line for the user, and the temporary file is removed.
+
+Also the helpers that keep outputs safe and reproducible: `check_output_dir` (fail before hours of work,
+not after), `safe_join` (a name taken from a user's file cannot escape the output directory), and
+`save_safetensors` (byte-identical files for identical content).
+"""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
+import struct
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -27,15 +36,74 @@ def atomic_path(path: Path) -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise PtqError(f"cannot create output directory {path.parent}: {e.strerror}") from None
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise PtqError(f"cannot write in {path.parent}: {e.strerror}") from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600 files; outputs get the usual mode
         yield tmp_path
         os.replace(tmp_path, path)
+    except OSError as e:
+        tmp_path.unlink(missing_ok=True)
+        raise PtqError(f"cannot write {path}: {_reason(e)} (nothing was written)") from None
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+def _reason(e: OSError) -> str:
+    if e.errno == errno.ENOSPC:
+        return "no space left on device"
+    return e.strerror or str(e) or type(e).__name__
+
+
+def check_output_dir(directory: Path) -> None:
+    """Make sure files can be created in `directory` (creating it if needed), before any long work:
+    by creating and removing a probe file, which also works where permission bits say nothing (root)."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".ptq-probe.", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PtqError(f"cannot write in output directory {directory}: {_reason(e)}") from None
+
+
+def safe_join(directory: Path, name: str) -> Path:
+    """directory / name for a `name` that comes from a user's file (a tensor or layer name, a recipe):
+    refused if it is absolute, climbs with '..', or resolves (through symlinks) outside `directory`."""
+    directory = Path(directory)
+    relative = Path(name)
+    if not name or "\x00" in name or relative.is_absolute() or ".." in relative.parts:
+        raise PtqError(f"refusing output name {name!r}: it must stay inside {directory}")
+    path = directory / relative
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise PtqError(f"refusing output name {name!r}: it resolves outside {directory}")
+    return path
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
+    """safetensors.torch.save_file, atomically and deterministically: the safetensors library writes
+    the header's metadata in a random order (a Rust HashMap), so the header is rewritten with sorted
+    keys; the tensor data are untouched (their offsets are relative to the end of the header)."""
+    import safetensors.torch
+
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    canonical = {"__metadata__": dict(sorted(header.pop("__metadata__", {}).items()))} | dict(sorted(header.items()))
+    text = json.dumps(canonical, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes with spaces
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            f.write(data[8 + n:])
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -43,11 +111,26 @@ def write_text_atomic(path: Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+def write_texts_atomic(texts: dict[Path, str]) -> None:
+    """Several files that belong together (results.json and report.md): all are written to temporary
+    files first and renamed only once every one is complete, so a full disk leaves the old set or none."""
+    with ExitStack() as stack:
+        tmps = {path: stack.enter_context(atomic_path(path)) for path in texts}
+        for path, tmp in tmps.items():
+            tmp.write_text(texts[path], encoding="utf-8")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_dir(path: Path) -> Iterator[Path]:
     """Like atomic_path, for a directory: built under a temporary name, renamed when complete."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_output_dir(path.parent)
     tmp_path = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp_path

@@ -39,11 +39,18 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.device | None = None) -> LoadedModel:
-    """Load a causal LM in float32 (exact for bf16/fp16 checkpoints), in eval mode, on `device`."""
+def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.device | None = None,
+               allow_pickle: bool = False, copies: int = 1, memory_check: bool = True) -> LoadedModel:
+    """Load a causal LM in float32 (exact for bf16/fp16 checkpoints), in eval mode, on `device`.
+
+    Pickle checkpoints (pytorch_model.bin) can run code when loaded: refused unless `allow_pickle`, and
+    then loaded with torch.load(weights_only=True). Before loading a local model, its float32 size times
+    `copies` (the copies the command will hold) is checked against the memory available (ptq.resources).
+    """
     spec = spec or DEFAULT_MODEL
     device = device or default_device()
     caveats: tuple[str, ...] = ()
+    pickle_only = False
     if spec == DEFAULT_MODEL:
         gguf_path = default_gguf_path()
         directory, caveats = converted_gguf_dir(gguf_path)
@@ -61,15 +68,25 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
         if not (directory / "config.json").is_file():
             raise PtqError(f"{spec} is not a Hugging Face model directory (no config.json)")
         if not any(directory.glob("*.safetensors")):
-            raise PtqError(f"{spec} has no .safetensors weights (pickle checkpoints are not loaded, for safety)")
+            pickle_only = any(directory.glob("*.bin")) or any(directory.glob("*.pt"))
+            if not pickle_only:
+                raise PtqError(f"{spec} has no .safetensors weights")
+            if not allow_pickle:
+                raise PtqError(f"{spec} has only pickle weights (.bin), which can run code when loaded: convert them to "
+                               "safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)")
         source = str(directory.resolve())
     else:
         directory, source = spec, f"Hugging Face Hub: {spec}"
-    model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code)
+    if memory_check and Path(directory).is_dir():
+        from ptq.resources import check_fits
+
+        check_fits(Path(directory), copies, device, f"model '{spec}'")
+    model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code, allow_pickle=allow_pickle)
     return LoadedModel(model.to(device), tokenizer, name=spec, source=source, caveats=caveats)
 
 
-def _from_pretrained(location: str, spec: str, trust_remote_code: bool, **kwargs) -> tuple[nn.Module, object]:
+def _from_pretrained(location: str, spec: str, trust_remote_code: bool, allow_pickle: bool = False,
+                     **kwargs) -> tuple[nn.Module, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -80,8 +97,8 @@ def _from_pretrained(location: str, spec: str, trust_remote_code: bool, **kwargs
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=torch.float32, use_safetensors=None if "gguf_file" in kwargs else True,
-            trust_remote_code=trust_remote_code, **kwargs)
+            location, dtype=torch.float32, use_safetensors=None if "gguf_file" in kwargs or allow_pickle else True,
+            weights_only=True, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as e:  # transformers raises OSError, ValueError, safetensors errors, ... for bad models
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PtqError(f"cannot load model '{spec}': {reason}") from None

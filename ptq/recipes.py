@@ -9,6 +9,7 @@ baseline only where the recipe says.
 from __future__ import annotations
 
 import fnmatch
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,8 @@ def load_recipe(name_or_path: str) -> Recipe:
         raise PtqError(f"cannot read recipe {path}: {e}") from None
     except yaml.YAMLError as e:
         raise PtqError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:  # PyYAML builds nested collections recursively
+        raise PtqError(f"recipe {path} is nested too deeply to be a recipe") from None
     return parse_recipe(data, source=str(path))
 
 
@@ -118,21 +121,21 @@ def _tensor_quant(data: object, where: str, allow_channel: bool) -> TensorQuant:
         raise PtqError(f"{where}: {e}") from None
     granularity = fields.get("granularity", "tensor")
     if granularity not in GRANULARITIES:
-        raise PtqError(f"{where}: unknown granularity '{granularity}' (known: {', '.join(GRANULARITIES)})")
+        raise PtqError(f"{where}: unknown granularity {reprlib.repr(granularity)} (known: {', '.join(GRANULARITIES)})")
     if granularity == "channel" and not allow_channel:
         raise PtqError(f"{where}: per-channel scales apply to weights only; inputs use one static per-tensor scale")
     saturate = fields.get("saturate", fmt.scaled)  # 16-bit formats overflow to inf like an IEEE cast
     if not isinstance(saturate, bool):
-        raise PtqError(f"{where}.saturate must be true or false, not {saturate!r}")
+        raise PtqError(f"{where}.saturate must be true or false, not {reprlib.repr(saturate)}")
     return TensorQuant(format=fmt, granularity=granularity, saturate=saturate)
 
 
 def _mapping(data: object, where: str, required: set[str], optional: set[str]) -> dict:
     if not isinstance(data, dict):
         raise PtqError(f"{where} must be a mapping, not {type(data).__name__}")
-    unknown = sorted(str(k) for k in set(data) - required - optional)
+    unknown = sorted(reprlib.repr(k) for k in set(data) - required - optional)
     if unknown:
-        raise PtqError(f"{where}: unknown key '{unknown[0]}' (known: {', '.join(sorted(required | optional))})")
+        raise PtqError(f"{where}: unknown key {unknown[0]} (known: {', '.join(sorted(required | optional))})")
     missing = sorted(required - set(data))
     if missing:
         raise PtqError(f"{where}: missing key '{missing[0]}'")
@@ -141,11 +144,11 @@ def _mapping(data: object, where: str, required: set[str], optional: set[str]) -
 
 def _string(value: object, where: str) -> str:
     if not isinstance(value, str) or not value:
-        raise PtqError(f"{where} must be a non-empty string, not {value!r}")
+        raise PtqError(f"{where} must be a non-empty string, not {reprlib.repr(value)}")
     return value
 
 
 def _string_list(value: object, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise PtqError(f"{where} must be a list of strings, not {value!r}")
+        raise PtqError(f"{where} must be a list of strings, not {reprlib.repr(value)}")
     return value

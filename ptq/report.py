@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ptq.files import check_writable, write_text_atomic
+from ptq.files import check_writable, write_texts_atomic
 
 
 def write_report(out_dir: Path, results: dict, force: bool) -> tuple[Path, Path]:
@@ -14,8 +14,7 @@ def write_report(out_dir: Path, results: dict, force: bool) -> tuple[Path, Path]
     report, results_file = out_dir / "report.md", out_dir / "results.json"
     for path in (report, results_file):
         check_writable(path, force)
-    write_text_atomic(results_file, json.dumps(results, indent=2, sort_keys=False) + "\n")
-    write_text_atomic(report, render_markdown(results))
+    write_texts_atomic({results_file: json.dumps(results, indent=2, sort_keys=False) + "\n", report: render_markdown(results)})
     return report, results_file
 
 
@@ -48,6 +47,7 @@ def render_markdown(r: dict) -> str:
                   "| layer | input amax | weight amax |", "|---|---:|---:|"]
         lines += [f"| `{row['layer']}` | {row['input_amax']:.4g} | {row['weight_amax']:.4g} |" for row in cal["summary"]["largest"]]
         lines += ["", "</details>"]
+        lines += faults_lines(cal.get("faults") or {})
     lines += ["", "## Versions", "", ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}.", ""]
     return "\n".join(lines)
 
@@ -56,3 +56,17 @@ def verdict(r: dict) -> str:
     base = r["baseline"]["name"]
     parts = [f"{v['name']} {v['ppl_delta_pct']:+.2f}%" for v in r["variants"]]
     return f"**Perplexity vs {base}:** " + ", ".join(parts) + "." if parts else "**Baseline only.**"
+
+
+def faults_lines(faults: dict) -> list[str]:
+    """What calibration worked around (ptq.calibrate's fault rules), so no fallback goes unnoticed."""
+    unseen, skipped, warnings = faults.get("unseen_layers", []), faults.get("nonfinite_batches", {}), faults.get("warnings", [])
+    if not (unseen or skipped or warnings):
+        return []
+    lines = ["", "### Calibration faults", ""]
+    lines += [f"- Layer `{u['layer']}` received no calibration data: input amax {u['input_amax']:.4g} "
+              f"({u['rule']})." for u in unseen]
+    lines += [f"- Layer `{layer}`: {n} calibration batch(es) with NaN/inf inputs left out (--on-nonfinite skip)."
+              for layer, n in skipped.items()]
+    lines += [f"- Warning: {w}." for w in warnings]
+    return lines

@@ -9,20 +9,22 @@ from __future__ import annotations
 import copy
 import datetime
 import importlib.metadata
+import os
 import platform
 from pathlib import Path
 
 import torch
 
 from ptq import __version__
-from ptq.calibrate import Calibration, calibrate, load_calibration, save_calibration, summary_rows
+from ptq.calibrate import (Calibration, calibrate, checkpoint_path, load_calibration, range_findings, save_calibration,
+                           summary_rows)
 from ptq.data import Corpus, load_corpus, make_windows
 from ptq.errors import PtqError
 from ptq.evaluate import evaluate
-from ptq.files import check_writable
+from ptq.files import check_output_dir, check_writable
 from ptq.formats import get_format
 from ptq.models import LoadedModel, load_model
-from ptq.quantize import calibrated_layers, quantize_
+from ptq.quantize import calibrated_layers, plan, quantize_
 from ptq.recipes import Recipe, load_recipe
 from ptq.report import write_report
 
@@ -36,26 +38,50 @@ def versions() -> dict[str, str]:
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    """The `created` timestamp, the one field that differs between two identical runs. SOURCE_DATE_EPOCH
+    (the reproducible-builds convention) pins it, which makes outputs byte-identical."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch is not None:
+        try:
+            moment = datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+        except (ValueError, OverflowError, OSError):
+            raise PtqError(f"SOURCE_DATE_EPOCH must be an integer number of seconds, not {epoch!r}") from None
+    else:
+        moment = datetime.datetime.now(datetime.timezone.utc)
+    return moment.isoformat(timespec="seconds")
 
 
 def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: int, recipes: list[str],
-                  output: Path, force: bool = False, trust_remote_code: bool = False) -> Calibration:
+                  output: Path, force: bool = False, trust_remote_code: bool = False, *, resume: bool = False,
+                  checkpoint_every: float = 60.0, on_nonfinite: str = "fail", on_unseen: str = "fallback",
+                  allow_pickle: bool = False, memory_check: bool = True) -> Calibration:
+    """Calibrate and save; a checkpoint (OUTPUT.checkpoint) is kept while running and removed at the end."""
     check_writable(output, force)
+    checkpoint = checkpoint_path(output)
+    if checkpoint.exists() and not (resume or force):
+        raise PtqError(f"{checkpoint} is left from an interrupted run: pass --resume to continue it, or --force to start over")
+    check_output_dir(Path(output).parent)
     loaded_recipes = [load_recipe(r) for r in recipes]
     corpus = load_corpus(data, role="calibration")  # bad data fails before the (slow) model load
-    loaded = load_model(model, trust_remote_code)
-    return _calibrate(loaded, corpus, samples, seq_len, loaded_recipes, output, force)
+    loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check)
+    calibration = _calibrate(loaded, corpus, samples, seq_len, loaded_recipes, output, force, on_nonfinite=on_nonfinite,
+                             on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume)
+    checkpoint.unlink(missing_ok=True)
+    return calibration
 
 
 def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, recipes: list[Recipe],
-               output: Path | None, force: bool) -> Calibration:
+               output: Path | None, force: bool, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
+               checkpoint: Path | None = None, checkpoint_every: float = 60.0, resume: bool = False) -> Calibration:
     windows = make_windows(corpus, loaded.tokenizer, seq_len, samples)
     layers = sorted({name for r in recipes for name in calibrated_layers(loaded.model, r)})
     if not layers:
         raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
-    calibration = calibrate(loaded.model, windows.input_ids, layers)
-    calibration.metadata = {
+    calibration = calibrate(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
+                            checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume)
+    faults = calibration.metadata
+    warnings = check_ranges(calibration, recipes, loaded.model)
+    calibration.metadata = {**faults, **({"warnings": warnings} if warnings else {}),
         "model": loaded.name, "model_source": loaded.source,
         "data": corpus.source, "data_sha256": corpus.sha256,
         "windows": len(windows.input_ids), "seq_len": windows.seq_len, "tokens": windows.input_ids.numel(),
@@ -68,11 +94,33 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
     return calibration
 
 
+def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list[str]:
+    """The range rule (ptq.calibrate.range_findings) for every amax a recipe turns into a scale."""
+    checks = []
+    for r in recipes:
+        for name, (weights, inputs) in plan(model, r).items():
+            if name in calibration.input_amax and inputs.format.scaled:
+                checks.append((name, "input", calibration.input_amax[name], inputs.format))
+            if name in calibration.weight_amax and weights.format.scaled:
+                checks.append((name, "weight", calibration.weight_amax[name], weights.format))
+    return range_findings(checks)
+
+
+def calibration_faults(metadata: dict) -> dict:
+    """What calibration had to work around, for reports: unseen layers and their fallback, skipped
+    non-finite batches, and range warnings."""
+    return {"on_nonfinite": metadata.get("on_nonfinite", "fail"), "unseen_layers": metadata.get("unseen_layers", []),
+            "nonfinite_batches": metadata.get("nonfinite_batches", {}), "warnings": metadata.get("warnings", [])}
+
+
 def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib_data: str | None,
                 calib_samples: int, eval_data: str | None, seq_len: int, max_windows: int | None,
-                out: Path, force: bool = False, batch_size: int = 4, trust_remote_code: bool = False) -> dict:
+                out: Path, force: bool = False, batch_size: int = 4, trust_remote_code: bool = False, *,
+                on_nonfinite: str = "fail", on_unseen: str = "fallback", allow_pickle: bool = False,
+                memory_check: bool = True) -> dict:
     for name in ("report.md", "results.json"):
         check_writable(Path(out) / name, force)
+    check_output_dir(Path(out))
     baseline = load_recipe(BASELINE_RECIPE)
     variants = [load_recipe(r) for r in recipes]
     if len({r.name for r in variants} | {baseline.name}) != len(variants) + 1:
@@ -81,14 +129,19 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     needs_calibration = [r for r in variants if r.needs_calibration]
     calib_corpus = load_corpus(calib_data, role="calibration") if needs_calibration and calibration is None else None
     eval_corpus = load_corpus(eval_data, role="evaluation")
-    loaded = load_model(model, trust_remote_code)
+    # Peak memory: the float32 original plus one quantized copy per variant and the baseline.
+    loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, copies=len(variants) + 2,
+                        memory_check=memory_check)
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
 
     if calib_corpus is not None:
-        calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, needs_calibration, None, force)
+        calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, needs_calibration, None, force,
+                                 on_nonfinite=on_nonfinite, on_unseen=on_unseen)
         calibration_source = "Calibrated in this run (no --calib file)."
     else:
         calibration_source = f"Calibration file {calib}." if calib else ""
+        if calibration is not None:
+            check_ranges(calibration, needs_calibration, loaded.model)
 
     # Each variant is a quantized copy of the float32 model; the original is then released.
     device = str(next(loaded.model.parameters()).device)
@@ -124,7 +177,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
         m = calibration.metadata
         results["calibration"] = {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
                                   "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
-                                  "summary": summary_rows(calibration)}
+                                  "summary": summary_rows(calibration), "faults": calibration_faults(m)}
     write_report(Path(out), results, force)
     return results
 

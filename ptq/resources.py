@@ -1,0 +1,73 @@
+"""Memory: estimate what loading a model will take, from its checkpoint, before loading it, and fail
+early with the estimate (being killed by the OOM killer half-way through says nothing)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from ptq.errors import PtqError
+
+GIB = 2**30
+FLOAT32_BYTES = 4
+NO_CHECK_FLAG = "--no-memory-check"
+
+
+def checkpoint_parameters(directory: Path) -> int | None:
+    """Parameter count from the safetensors headers (read without loading any tensor data); for pickle
+    checkpoints, the file size over 2 bytes (a 16-bit checkpoint, the common case); None if unknown."""
+    import safetensors
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if files:
+        total = 0
+        for f in files:
+            try:
+                with safetensors.safe_open(str(f), framework="pt") as st:
+                    for key in st.keys():
+                        total += math.prod(st.get_slice(key).get_shape())
+            except Exception:
+                raise PtqError(f"cannot read the weights file {f}: damaged or not safetensors") from None
+        return total
+    pickles = sorted(Path(directory).glob("*.bin"))
+    return sum(f.stat().st_size for f in pickles) // 2 if pickles else None
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device`: free GPU memory, or the kernel's MemAvailable."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(directory: Path, copies: int, device: torch.device, what: str) -> None:
+    """Refuse to load a model whose float32 weights, times the copies the command keeps, exceed the
+    memory available on `device`. Activations come on top: the estimate is a lower bound."""
+    params = checkpoint_parameters(directory)
+    free = available_memory(device)
+    if params is None or free is None:
+        return
+    needed = params * FLOAT32_BYTES * copies
+    if needed > free:
+        copies_text = f" x {copies} copies (the original and one per variant)" if copies > 1 else ""
+        raise PtqError(
+            f"{what} needs at least {_size(needed)} ({params:,} parameters x {FLOAT32_BYTES} bytes in "
+            f"float32{copies_text}) but only {_size(free)} is available on {device.type}: use a machine with "
+            f"more memory{', compare fewer recipes per run' if copies > 2 else ''}, or pass {NO_CHECK_FLAG} to try anyway")
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,341 @@
+"""Numerical faults in calibration, interruption and resume, determinism (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+from ptq.calibrate import (AmaxObserver, calibrate, checkpoint_path, fallback_amax, load_calibration, range_findings)
+from ptq.errors import PtqError
+from ptq.formats import amax, compute_scale, fake_quantize, get_format
+from ptq.models import load_model
+from ptq.recipes import load_recipe
+from ptq.report import faults_lines
+from ptq.workflows import _calibrate, calibration_faults
+
+REPO = Path(__file__).resolve().parent.parent
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def edited_model(src: Path, dst: Path, edit) -> Path:
+    """A copy of the tiny model directory with `edit(tensors)` applied to its weights."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = safetensors.torch.load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    safetensors.torch.save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def one_error_line(err: str) -> bool:
+    """A user-facing failure: exactly one 'error:' line and no traceback (transformers' own loading bar
+    may also be on stderr)."""
+    return sum(line.startswith("error:") for line in err.splitlines()) == 1 and "Traceback" not in err
+
+
+def calib_args(model, text_file, out, *extra):
+    return ("calibrate", str(model), "--data", str(text_file), "--samples", "24", "--seq-len", "16", "-o", str(out), "-q", *extra)
+
+
+# 1. Numerical faults -----------------------------------------------------------------------------
+
+
+def test_nan_weight_is_named_with_its_index(tiny_model, text_file, tmp_path, ptq_cli):
+    def poison(t):
+        t["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+
+    model = edited_model(tiny_model, tmp_path / "m", poison)
+    for policy in ("fail", "skip"):  # a broken checkpoint is an error under either policy
+        code, _, err = ptq_cli(*calib_args(model, text_file, tmp_path / "c.st", "--on-nonfinite", policy))
+        assert code == 2 and one_error_line(err)
+        assert "weight of layer 'model.layers.0.mlp.up_proj' contains NaN (first at index [3, 5])" in err
+    assert not (tmp_path / "c.st").exists()
+
+
+def test_inf_activation_fails_naming_layer_then_skip_falls_back(tiny_model, text_file, tmp_path, ptq_cli):
+    # An inf norm weight is not a quantized tensor, but it makes every input of layer 1 non-finite.
+    def poison(t):
+        t["model.layers.1.input_layernorm.weight"][0] = float("inf")
+
+    model = edited_model(tiny_model, tmp_path / "m", poison)
+    out = tmp_path / "c.st"
+    code, _, err = ptq_cli(*calib_args(model, text_file, out))
+    assert code == 2 and one_error_line(err)
+    # q_proj is the first layer to see it (the forward order, not the alphabetical one).
+    assert "input of layer 'model.layers.1.self_attn.q_proj' contains" in err and "calibration batch 0" in err
+    assert "--on-nonfinite skip" in err and not out.exists()
+
+    code, _, err = ptq_cli(*calib_args(model, text_file, out, "--on-nonfinite", "skip"))
+    assert code == 0, err
+    calibration = load_calibration(out)
+    m = calibration.metadata
+    assert m["nonfinite_batches"]["model.layers.1.self_attn.q_proj"] == 6  # 24 windows / batch 4
+    unseen = {u["layer"]: u for u in m["unseen_layers"]}
+    assert "model.layers.1.self_attn.q_proj" in unseen
+    assert "model.layers.*.self_attn.q_proj" in unseen["model.layers.1.self_attn.q_proj"]["rule"]
+    # Its fallback is layer 0's q_proj amax, the only relative that saw finite data.
+    assert calibration.input_amax["model.layers.1.self_attn.q_proj"] == calibration.input_amax["model.layers.0.self_attn.q_proj"]
+    assert "received no calibration data" in err
+
+
+def test_skip_leaves_exactly_the_bad_batches_out(tiny_model):
+    loaded = load_model(str(tiny_model))
+    model = loaded.model
+    torch.manual_seed(0)
+    ids = torch.randint(0, 200, (12, 16))
+    layer = "model.layers.0.mlp.down_proj"
+    calls = []
+
+    def inject(module, args):  # NaN in batch 1 only, upstream of the observer
+        calls.append(1)
+        return (args[0] * float("nan"),) if len(calls) == 2 else None
+
+    handle = model.get_submodule(layer).register_forward_pre_hook(inject)
+    try:
+        with pytest.raises(PtqError, match=f"input of layer '{layer}' contains NaN in calibration batch 1"):
+            calibrate(model, ids, [layer])
+        calls.clear()
+        skipped = calibrate(model, ids, [layer], on_nonfinite="skip")
+    finally:
+        handle.remove()
+    # Reference: the same layer calibrated on batches 0 and 2 only, with no fault at all.
+    reference = calibrate(model, torch.cat([ids[:4], ids[8:]]), [layer])
+    assert torch.equal(skipped.input_amax[layer], reference.input_amax[layer])
+    assert skipped.metadata["nonfinite_batches"] == {layer: 1}
+
+
+class TinyMoE(nn.Module):
+    """Three experts; the router sends every token to experts 0 and 1 (x and 2x), never to expert 2."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(width, width, bias=False) for _ in range(3)])
+
+    def forward(self, x):
+        return self.experts[0](x) + self.experts[1](2 * x)
+
+
+def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_file):
+    loaded = load_model(str(tiny_model))
+    loaded.model.model.layers[0].mlp = TinyMoE(loaded.model.config.hidden_size)
+    recipe = load_recipe("fp8-e4m3")
+    calibration = _calibrate(loaded, str(text_file), 8, 16, [recipe], None, False)
+    e0, e1, e2 = (f"model.layers.0.mlp.experts.{i}" for i in range(3))
+    assert calibration.input_amax[e1] == 2 * calibration.input_amax[e0]
+    assert calibration.input_amax[e2] == calibration.input_amax[e1]  # the largest sibling, not just any
+    assert calibration.metadata["unseen_layers"] == [
+        {"layer": e2, "input_amax": float(calibration.input_amax[e1]),
+         "rule": "max input amax of 2 calibrated layer(s) matching model.layers.0.mlp.experts.*"}]
+    lines = faults_lines(calibration_faults(calibration.metadata))
+    assert any(e2 in line and "no calibration data" in line for line in lines)
+    with pytest.raises(PtqError, match=r"1 layer\(s\) received no calibration data, e.g. 'model.layers.0.mlp.experts.2'"):
+        _calibrate(loaded, str(text_file), 8, 16, [recipe], None, False, on_unseen="fail")
+
+
+def test_fallback_amax_prefers_close_relatives():
+    seen = {"m.layers.0.experts.0.w": torch.tensor(1.0), "m.layers.1.experts.0.w": torch.tensor(5.0),
+            "m.layers.0.attn.q": torch.tensor(9.0)}
+    assert fallback_amax("m.layers.0.experts.3.w", seen)[0] == 1.0  # same block first
+    value, rule = fallback_amax("m.layers.2.experts.3.w", seen)
+    assert value == 5.0 and "m.layers.*.experts.*.w" in rule  # then that projection anywhere
+    assert fallback_amax("m.other", seen)[0] == 9.0  # then everything
+
+
+def test_observer_ignores_nonfinite_batches_without_syncing():
+    obs = AmaxObserver()
+    for x in (torch.tensor([1.0, -3.0]), torch.tensor([float("inf")]), torch.tensor([2.0, float("nan")])):
+        obs(None, (x,))
+    assert obs.amax == 3.0 and int(obs.nonfinite) == 2 and obs.finite_batches() == 1
+
+
+def test_zero_and_tiny_amax_warn_and_stay_finite():
+    e4m3, int8 = get_format("e4m3"), get_format("int8")
+    warnings = range_findings([("l", "input", torch.tensor(0.0), e4m3), ("l", "weight", torch.tensor(1e-40), e4m3),
+                               ("l", "input", torch.tensor(2.0), e4m3)])
+    assert len(warnings) == 2 and "all zeros" in warnings[0] and "not a normal float32" in warnings[1]
+    # The rule's premise, checked directly: tiny and huge amax quantize to finite values within one amax.
+    for fmt in (e4m3, get_format("e5m2"), int8):
+        for a in (1e-45, 1e-40, 1e-36, 1.0, 1e38):
+            x = torch.tensor([a, -a, a / 3, 0.0])
+            y = fake_quantize(x, compute_scale(torch.tensor(a), fmt), fmt)
+            assert torch.isfinite(y).all() and (y - x).abs().max() <= a
+
+
+def test_amax_beyond_reach_is_an_error():
+    int8 = get_format("int8")
+    # FLT_MAX / 127 rounds up, so 127 * scale overflows float32: the largest code dequantizes to inf.
+    assert not torch.isfinite(fake_quantize(torch.tensor([FLT_MAX]), compute_scale(torch.tensor(FLT_MAX), int8), int8)).all()
+    with pytest.raises(PtqError, match="weight amax 3.403e\\+38 of layer 'x' is beyond int8's reach"):
+        range_findings([("x", "weight", torch.tensor(FLT_MAX), int8)])
+    assert range_findings([("x", "weight", torch.tensor(FLT_MAX), get_format("e4m3"))]) == []
+
+
+def test_all_zero_weight_warns_in_cli_and_file(tiny_model, text_file, tmp_path, ptq_cli):
+    def zero(t):
+        t["model.layers.0.self_attn.o_proj.weight"].zero_()
+
+    model = edited_model(tiny_model, tmp_path / "m", zero)
+    code, _, err = ptq_cli(*calib_args(model, text_file, tmp_path / "c.st"))
+    assert code == 0, err
+    assert "warning: weight of layer 'model.layers.0.self_attn.o_proj' is all zeros (amax 0): scale 1 is used" in err
+    assert load_calibration(tmp_path / "c.st").metadata["warnings"] == [
+        "weight of layer 'model.layers.0.self_attn.o_proj' is all zeros (amax 0): scale 1 is used"]
+
+
+# 2. Interruption and resume ----------------------------------------------------------------------
+
+# Runs the CLI in a child process, slowed to 0.4 s per batch so that a test can kill it midway.
+SLOW_CLI = """
+import sys, time
+import ptq.calibrate as c
+forward = c.AmaxObserver.__call__
+first = []
+def hook(self, module, args):
+    if not first:
+        first.append(module)
+    if module is first[0]:  # once per batch
+        time.sleep(0.4)
+    forward(self, module, args)
+c.AmaxObserver.__call__ = hook
+from ptq.cli import main
+sys.argv = ["ptq", *sys.argv[1:]]
+main()
+"""
+
+
+def start_slow(args, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SOURCE_DATE_EPOCH": "0"}
+    return subprocess.Popen([sys.executable, "-c", SLOW_CLI, *args], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(proc, checkpoint: Path, timeout: float = 90) -> int:
+    """Wait until the child has checkpointed at least one batch; return batches_done."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if checkpoint.is_file():
+            try:
+                with safetensors.safe_open(str(checkpoint), framework="pt") as f:
+                    return int(f.metadata()["batches_done"])
+            except Exception:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("no checkpoint appeared")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_calibration_resumes_to_identical_bytes(sig, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")
+    out = tmp_path / "resumed.st"
+    args = calib_args(tiny_model, text_file, out, "--checkpoint-every", "0")
+    proc = start_slow(args, tmp_path)
+    done = wait_for_checkpoint(proc, checkpoint_path(out))
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143 and "terminated" in err and "--resume" in err
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    # Nothing that looks complete: no output; the checkpoint is of another kind, refused as a calibration.
+    assert not out.exists()
+    if sig == signal.SIGTERM:  # unwound normally: no temporary files either
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    with safetensors.safe_open(str(checkpoint_path(out)), framework="pt") as f:
+        batches_done = int(f.metadata()["batches_done"])
+    assert done <= batches_done < 6
+    with pytest.raises(PtqError, match="not a ptq calibration file"):
+        load_calibration(checkpoint_path(out))
+
+    code, _, err = ptq_cli(*args)  # a plain rerun refuses to clobber the checkpoint
+    assert code == 2 and "--resume" in err
+
+    seen = []
+    forward = AmaxObserver.__call__
+
+    def counting(self, module, args):
+        seen.append(1)
+        forward(self, module, args)
+
+    monkeypatch.setattr(AmaxObserver, "__call__", counting)
+    code, _, err = ptq_cli(*args, "--resume")
+    assert code == 0, err
+    assert len(seen) == 14 * (6 - batches_done)  # only the batches the checkpoint did not cover were run
+    assert not checkpoint_path(out).exists()
+    monkeypatch.setattr(AmaxObserver, "__call__", forward)
+
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, tmp_path / "straight.st"))
+    assert code == 0, err
+    assert out.read_bytes() == (tmp_path / "straight.st").read_bytes()
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tiny_model, text_file, tmp_path, ptq_cli):
+    out = tmp_path / "c.st"
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))
+    assert code == 2 and "no checkpoint to resume from" in err
+    proc = start_slow(calib_args(tiny_model, text_file, out, "--checkpoint-every", "0"), tmp_path)
+    wait_for_checkpoint(proc, checkpoint_path(out))
+    proc.kill()
+    proc.communicate(timeout=60)
+    code, _, err = ptq_cli("calibrate", str(tiny_model), "--data", str(text_file), "--samples", "24", "--seq-len", "32",
+                           "-o", str(out), "-q", "--resume")
+    assert code == 2 and "was made by a different run" in err
+    checkpoint_path(out).write_bytes(b"garbage")
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))
+    assert code == 2 and "not a readable calibration checkpoint" in err
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--force"))  # --force starts over
+    assert code == 0 and not checkpoint_path(out).exists() and out.is_file()
+
+
+# 3. Determinism ----------------------------------------------------------------------------------
+
+
+def test_same_command_gives_identical_bytes(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    def compare(out):
+        code, _, err = ptq_cli("compare", str(tiny_model), "--calib-data", str(text_file), "--eval-data", str(text_file),
+                               "--calib-samples", "8", "--seq-len", "32", "--max-windows", "4", "--out", str(out), "-q")
+        assert code == 0, err
+
+    compare(tmp_path / "a")
+    compare(tmp_path / "b")
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in "ab")
+    assert a.pop("created") is not None and b.pop("created") is not None
+    assert a == b  # without SOURCE_DATE_EPOCH, only the timestamp may differ
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    compare(tmp_path / "c")
+    compare(tmp_path / "d")
+    for name in ("results.json", "report.md"):
+        assert (tmp_path / "c" / name).read_bytes() == (tmp_path / "d" / name).read_bytes()
+    assert json.loads((tmp_path / "c" / "results.json").read_text())["created"] == "2023-11-14T22:13:20+00:00"
+    for name in ("x.st", "y.st"):
+        assert ptq_cli(*calib_args(tiny_model, text_file, tmp_path / name))[0] == 0
+    assert (tmp_path / "x.st").read_bytes() == (tmp_path / "y.st").read_bytes()
+
+
+def test_safetensors_header_is_canonical(tmp_path):
+    """The safetensors library writes metadata in a random order per process; ours is sorted."""
+    code = ("import torch, sys; from ptq.files import save_safetensors; from pathlib import Path; "
+            "save_safetensors({'b': torch.ones(2), 'a': torch.zeros(())}, Path(sys.argv[1]), "
+            "{'kind': 'k', 'zz': '1', 'metadata': '{}', 'aa': '2', 'm': '3'})")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for i in range(3):
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{i}.st")], env=env, check=True)
+    assert len({(tmp_path / f"{i}.st").read_bytes() for i in range(3)}) == 1
+    loaded = safetensors.torch.load_file(str(tmp_path / "0.st"))
+    assert torch.equal(loaded["b"], torch.ones(2)) and loaded["a"].shape == ()
+    with safetensors.safe_open(str(tmp_path / "0.st"), framework="pt") as f:
+        assert f.metadata() == {"kind": "k", "zz": "1", "metadata": "{}", "aa": "2", "m": "3"}

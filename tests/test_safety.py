@@ -1,0 +1,246 @@
+"""Safe loading, resource faults and hostile data (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from ptq import files, resources
+from ptq.data import Corpus, load_corpus, make_windows
+from ptq.errors import PtqError
+from ptq.files import safe_join
+from ptq.models import load_model
+
+from test_faults import calib_args, one_error_line
+
+
+def copy_model(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in skip:
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def no_temporaries(directory: Path) -> bool:
+    return not any(p.name.endswith(".tmp") for p in directory.rglob("*"))
+
+
+# 4. Resource faults ------------------------------------------------------------------------------
+
+
+def test_disk_full_while_writing_calibration(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, tmp_path / "c.st"))
+    assert code == 2 and one_error_line(err)
+    assert "cannot write" in err and "no space left on device" in err
+    assert not (tmp_path / "c.st").exists() and no_temporaries(tmp_path)
+
+
+def test_disk_full_while_writing_report_keeps_the_old_pair(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text("old results")
+    (out / "report.md").write_text("old report")
+    real_write = Path.write_text
+
+    def full_on_report(self, text, *args, **kwargs):
+        if self.name.startswith(".report.md."):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_on_report)
+    code, _, err = ptq_cli("compare", str(tiny_model), "--recipes", "fp8-e4m3", "--calib-data", str(text_file),
+                           "--eval-data", str(text_file), "--calib-samples", "4", "--seq-len", "16",
+                           "--max-windows", "2", "--out", str(out), "--force", "-q")
+    assert code == 2 and one_error_line(err) and "no space left on device" in err
+    # results.json was complete first, but nothing is renamed until both are: the old pair stays.
+    assert (out / "results.json").read_text() == "old results" and (out / "report.md").read_text() == "old report"
+    assert no_temporaries(tmp_path)
+
+
+def test_unwritable_output_fails_before_any_work(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr("ptq.workflows.load_model", never)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, blocker / "c.st"))
+    assert code == 2 and one_error_line(err) and "cannot write in output directory" in err
+
+    def denied(*args, **kwargs):  # what a read-only directory gives a non-root user
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", denied)
+    code, _, err = ptq_cli("compare", str(tiny_model), "--out", str(tmp_path / "out"), "-q")
+    assert code == 2 and one_error_line(err) and "cannot write in output directory" in err and "Permission denied" in err
+
+
+def test_model_too_big_fails_early_with_estimate_and_flag(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    loaded = load_model(str(tiny_model))
+    params = sum(p.numel() for p in loaded.model.parameters())  # tied embeddings counted once, as stored
+    assert resources.checkpoint_parameters(tiny_model) == params
+    monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 * 3)  # room for 3 copies
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, tmp_path / "c.st"))
+    assert code == 0, err  # calibrate holds one copy
+    code, _, err = ptq_cli("compare", str(tiny_model), "--recipes", "fp8-e4m3,int8", "--out", str(tmp_path / "o"), "-q")
+    assert code == 2 and one_error_line(err)  # compare holds 4: the original, bf16 and two variants
+    assert f"needs at least {params * 16 / 2**20:.1f} MiB ({params:,} parameters x 4 bytes in float32 x 4 copies" in err
+    assert "--no-memory-check" in err and "compare fewer recipes" in err and not (tmp_path / "o" / "results.json").exists()
+    code, _, err = ptq_cli("compare", str(tiny_model), "--recipes", "fp8-e4m3,int8", "--calib-data", str(text_file),
+                           "--eval-data", str(text_file), "--calib-samples", "4", "--seq-len", "16",
+                           "--max-windows", "2", "--out", str(tmp_path / "o"), "-q", "--no-memory-check")
+    assert code == 0, err
+
+
+def test_output_symlink_is_replaced_not_followed(tiny_model, text_file, tmp_path, ptq_cli):
+    outside = tmp_path / "outside.json"
+    outside.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").symlink_to(outside)
+    code, _, err = ptq_cli("compare", str(tiny_model), "--recipes", "fp8-e4m3", "--calib-data", str(text_file),
+                           "--eval-data", str(text_file), "--calib-samples", "4", "--seq-len", "16",
+                           "--max-windows", "2", "--out", str(out), "--force", "-q")
+    assert code == 0, err
+    assert outside.read_text() == "precious" and not (out / "results.json").is_symlink()
+    assert json.loads((out / "results.json").read_text())["model"]["name"] == str(tiny_model)
+
+
+# 5. Safe loading ---------------------------------------------------------------------------------
+
+
+class Payload:
+    """A pickle that creates a file when unpickled (harmless stand-in for os.system)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_pickle_checkpoints_refused_unless_allowed_then_weights_only(tiny_model, text_file, tmp_path, ptq_cli):
+    state = safetensors.torch.load_file(str(tiny_model / "model.safetensors"))
+    plain = copy_model(tiny_model, tmp_path / "plain", skip=("model.safetensors",))
+    torch.save(state, plain / "pytorch_model.bin")
+    code, _, err = ptq_cli(*calib_args(plain, text_file, tmp_path / "c.st"))
+    assert code == 2 and one_error_line(err) and "only pickle weights" in err and "--allow-pickle" in err
+    code, _, err = ptq_cli(*calib_args(plain, text_file, tmp_path / "c.st", "--allow-pickle"))
+    assert code == 0, err
+
+    marker = tmp_path / "pwned"
+    evil = copy_model(tiny_model, tmp_path / "evil", skip=("model.safetensors",))
+    torch.save({**state, "extra": Payload(marker)}, evil / "pytorch_model.bin")
+    code, _, err = ptq_cli(*calib_args(evil, text_file, tmp_path / "e.st", "--allow-pickle"))
+    assert code == 2 and one_error_line(err) and "cannot load model" in err
+    assert not marker.exists()  # weights_only=True refused the payload instead of running it
+
+
+def test_remote_code_is_not_run_unless_asked(tiny_model, text_file, tmp_path, ptq_cli):
+    marker = tmp_path / "pwned"
+    model = copy_model(tiny_model, tmp_path / "remote")
+    config = json.loads((model / "config.json").read_text())
+    config["model_type"] = "ptq-test-remote"
+    config["auto_map"] = {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    code, _, err = ptq_cli(*calib_args(model, text_file, tmp_path / "c.st"))
+    assert code == 2 and one_error_line(err) and "cannot load model" in err
+    assert not marker.exists()
+
+
+def test_damaged_model_weights(tiny_model, text_file, tmp_path, ptq_cli):
+    data = (tiny_model / "model.safetensors").read_bytes()
+    truncated = copy_model(tiny_model, tmp_path / "truncated")
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    flipped = copy_model(tiny_model, tmp_path / "flipped")
+    header = bytearray(data)
+    header[8 + 2] ^= 0x40  # inside the JSON header
+    (flipped / "model.safetensors").write_bytes(bytes(header))
+    for model in (truncated, flipped):
+        code, _, err = ptq_cli(*calib_args(model, text_file, tmp_path / "c.st"))
+        assert code == 2 and one_error_line(err), err
+        assert "damaged or not safetensors" in err or "cannot load model" in err
+
+
+def test_paths_from_user_files_cannot_escape(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (out / "link").symlink_to(tmp_path / "elsewhere")
+    assert safe_join(out, "model.layers.0/scale.safetensors") == out / "model.layers.0" / "scale.safetensors"
+    for name in ("../x", "/etc/passwd", "a/../../x", "link/x", "", "a\x00b"):
+        with pytest.raises(PtqError, match="refusing output name"):
+            safe_join(out, name)
+
+
+# 6. Hostile data ---------------------------------------------------------------------------------
+
+
+class SilentTokenizer:
+    """A tokenizer that returns no tokens for any text (e.g. everything maps to nothing)."""
+
+    eos_token_id = None
+    bos_token_id = None
+    all_special_ids: list[int] = []
+
+    def __call__(self, texts, **kwargs):
+        return {"input_ids": [[] for _ in (texts if isinstance(texts, list) else [texts])]}
+
+
+def test_tokenizer_returning_nothing(text_file):
+    corpus = load_corpus(str(text_file), role="calibration")
+    with pytest.raises(PtqError, match="the tokenizer produced no tokens"):
+        make_windows(corpus, SilentTokenizer(), 16, 4)
+
+
+def test_text_of_only_special_tokens_or_symbols(tiny_model, tmp_path, ptq_cli):
+    specials = tmp_path / "eos.txt"
+    specials.write_text("<eos>" * 2000)
+    code, _, err = ptq_cli(*calib_args(tiny_model, specials, tmp_path / "c.st"))
+    assert code == 2 and one_error_line(err) and "only special tokens" in err
+    symbols = tmp_path / "symbols.txt"
+    symbols.write_text("!?*&^%$#@~\u2603\x00\x7f" * 500)  # odd but real text: calibrates
+    code, _, err = ptq_cli(*calib_args(tiny_model, symbols, tmp_path / "c.st"))
+    assert code == 0, err
+
+
+def test_extremely_long_line_is_fine(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    line = ("unfold yourself " * 40_000) + "x" * 300_000  # 940 kB on one line, a 300 kB "word" at the end
+    corpus = Corpus([line], "one long line", "0")
+    windows = make_windows(corpus, tokenizer, 64, 8)
+    assert windows.input_ids.shape == (8, 64)
+
+
+def test_calibration_metadata_is_validated(tmp_path):
+    from ptq.calibrate import FILE_KIND, load_calibration
+
+    tensors = {"input_amax/l": torch.tensor(1.0), "weight_amax/l": torch.tensor(2.0)}
+    good = {"data": "t", "data_sha256": "x", "windows": 1, "seq_len": 2, "tokens": 2}
+    for metadata, message in ((["not", "an", "object"], "must be a JSON object"),
+                              (good | {"tokens": "many"}, "'tokens' must be a non-negative integer"),
+                              (good | {"unseen_layers": [{"layer": 1}]}, "'unseen_layers' is malformed"),
+                              ({k: v for k, v in good.items() if k != "data"}, "'data' must be a string")):
+        path = tmp_path / "c.st"
+        safetensors.torch.save_file(tensors, str(path), metadata={"kind": FILE_KIND, "metadata": json.dumps(metadata)})
+        with pytest.raises(PtqError, match=message):
+            load_calibration(path)
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor(float("nan")), torch.tensor(-1.0), torch.tensor(1.0, dtype=torch.float64)):
+        safetensors.torch.save_file({**tensors, "input_amax/l": bad}, str(path),
+                                    metadata={"kind": FILE_KIND, "metadata": json.dumps(good)})
+        with pytest.raises(PtqError, match="invalid entry 'input_amax/l'"):
+            load_calibration(path)
