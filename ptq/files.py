@@ -61,12 +61,17 @@ def _reason(e: OSError) -> str:
 
 
 def check_output_dir(directory: Path) -> None:
-    """Make sure files can be created in `directory` (creating it if needed), before any long work:
-    by creating and removing a probe file, which also works where permission bits say nothing (root)."""
-    directory = Path(directory)
+    """Make sure files can be created in `directory`, before any long work, without leaving anything:
+    the probe file goes into the directory, or into its nearest existing ancestor when the directory
+    does not exist yet (it is created only when the outputs are written). A probe works where
+    permission bits say nothing (root)."""
+    existing = Path(directory)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".ptq-probe.", dir=directory)
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "not a directory")
+        fd, probe = tempfile.mkstemp(prefix=".ptq-probe.", dir=existing)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

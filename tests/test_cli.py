@@ -71,7 +71,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, ptq_cli, tiny_
     if case == "missing model":
         model, expected = str(tmp_path / "no-such-model"), "does not exist"
     elif case == "corrupted model":
-        model, expected = str(corrupted_model(tiny_model, tmp_path)), "cannot load model"
+        model, expected = str(corrupted_model(tiny_model, tmp_path)), "damaged or not safetensors"
     elif case == "missing data":
         data, expected = str(tmp_path / "nothing.txt"), "data path not found"
     elif case == "empty data":

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ptq.calibrate import (AmaxObserver, calibrate, checkpoint_path, fallback_amax, load_calibration, range_findings)
+from ptq.data import load_corpus
 from ptq.errors import PtqError
 from ptq.formats import amax, compute_scale, fake_quantize, get_format
 from ptq.models import load_model
@@ -132,7 +133,7 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
     loaded = load_model(str(tiny_model))
     loaded.model.model.layers[0].mlp = TinyMoE(loaded.model.config.hidden_size)
     recipe = load_recipe("fp8-e4m3")
-    calibration = _calibrate(loaded, str(text_file), 8, 16, [recipe], None, False)
+    calibration = _calibrate(loaded, load_corpus(str(text_file), "calibration"), 8, 16, [recipe], None, False)
     e0, e1, e2 = (f"model.layers.0.mlp.experts.{i}" for i in range(3))
     assert calibration.input_amax[e1] == 2 * calibration.input_amax[e0]
     assert calibration.input_amax[e2] == calibration.input_amax[e1]  # the largest sibling, not just any
@@ -142,7 +143,7 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
     lines = faults_lines(calibration_faults(calibration.metadata))
     assert any(e2 in line and "no calibration data" in line for line in lines)
     with pytest.raises(PtqError, match=r"1 layer\(s\) received no calibration data, e.g. 'model.layers.0.mlp.experts.2'"):
-        _calibrate(loaded, str(text_file), 8, 16, [recipe], None, False, on_unseen="fail")
+        _calibrate(loaded, load_corpus(str(text_file), "calibration"), 8, 16, [recipe], None, False, on_unseen="fail")
 
 
 def test_fallback_amax_prefers_close_relatives():
