@@ -98,7 +98,7 @@ def verdict(r: dict, checks: list[Check] | None = None, moves: dict | None = Non
     checks = stored_checks(r) if checks is None else checks
     failed = [c for c in checks if not c.passed]
     if not checks:
-        line = f"**{ppl[0].upper()}{ppl[1:]}**" if not parts else f"**Perplexity vs {base}:** " + ", ".join(parts) + "."
+        line = f"**Perplexity vs {base}:** " + ", ".join(parts) + "." if parts else "**Baseline only.**"
     elif failed:
         line = f"{FAIL} **{len(failed)} of {len(checks)} gate checks fail** ({', '.join(sorted({c.variant for c in failed}))}); {ppl}"
     else:
