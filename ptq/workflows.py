@@ -1,7 +1,9 @@
 """The commands' work, one function each, so that cli.py only parses and prints.
 
 calibrate: model + calibration text -> amax of every quantized tensor -> calibration file.
-compare:   model + recipes (+ calibration) -> bf16 baseline and variants on held-out text -> report.
+compare:   model + recipes (+ calibration) -> bf16 baseline and variants on held-out text -> report (+ gates).
+report:    results.json (+ a previous one) -> markdown with verdict, gates, trend and plots.
+inspect:   model + recipes -> what each recipe does to each Linear layer.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from ptq.errors import PtqError
 from ptq.evaluate import evaluate
 from ptq.files import check_output_dir, check_writable
 from ptq.formats import get_format
-from ptq.models import LoadedModel, load_model
+from ptq.gates import Limits, gate_results
+from ptq.layerstats import layer_snr
+from ptq.models import LoadedModel, linear_layers, load_model
 from ptq.quantize import calibrated_layers, plan, quantize_
 from ptq.recipes import Recipe, load_recipe
-from ptq.report import write_report
+from ptq.report import load_results, render_markdown, report_outputs, write_markdown, write_report
 
 BASELINE_RECIPE = "bf16"
 DEFAULT_RECIPES = ("fp8-e4m3", "int8")
@@ -115,11 +119,16 @@ def calibration_faults(metadata: dict) -> dict:
 
 def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib_data: str | None,
                 calib_samples: int, eval_data: str | None, seq_len: int, max_windows: int | None,
-                out: Path, force: bool = False, batch_size: int = 4, trust_remote_code: bool = False, *,
-                on_nonfinite: str = "fail", on_unseen: str = "fallback", allow_pickle: bool = False,
+                out: Path, force: bool = False, batch_size: int = 4, trust_remote_code: bool = False,
+                limits: Limits | None = None, plots: bool = True, *, on_nonfinite: str = "fail", on_unseen: str = "fallback", allow_pickle: bool = False,
                 memory_check: bool = True) -> dict:
     for name in ("report.md", "results.json"):
         check_writable(Path(out) / name, force)
+    if plots:
+        from ptq.plots import plot_paths
+
+        for path in plot_paths(Path(out) / "report.md").values():
+            check_writable(path, force)
     check_output_dir(Path(out))
     baseline = load_recipe(BASELINE_RECIPE)
     variants = [load_recipe(r) for r in recipes]
@@ -146,6 +155,8 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     # Each variant is a quantized copy of the float32 model; the original is then released.
     device = str(next(loaded.model.parameters()).device)
     models = {r.name: quantize_(copy.deepcopy(loaded.model), r, calibration) for r in [baseline, *variants]}
+    snr = layer_snr(loaded.model, {r.name: models[r.name] for r in variants}, windows.input_ids)
+    layer_order = list(linear_layers(loaded.model))
     del loaded.model
     scores = evaluate(models, windows.input_ids, batch_size)
 
@@ -172,14 +183,80 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
             "ppl_delta_pct": 100 * (s.perplexity / base.perplexity - 1),
             "accuracy_delta": s.accuracy - base.accuracy,
             "kl_div": s.kl_div, "top1_agreement": s.top1_agreement, "window_nll": s.window_nll,
+            "snr_db": snr[r.name],
         })
     if calibration is not None and needs_calibration:
         m = calibration.metadata
         results["calibration"] = {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
                                   "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
-                                  "summary": summary_rows(calibration), "faults": calibration_faults(m)}
-    write_report(Path(out), results, force)
+                                  "summary": summary_rows(calibration), "faults": calibration_faults(m),
+                                  "layers": [{"layer": name, "input_amax": float(calibration.input_amax[name]),
+                                              "weight_amax": float(calibration.weight_amax[name])}
+                                             for name in layer_order if name in calibration.input_amax]}
+    results["gates"] = gate_results(results, limits or Limits())
+    write_report(Path(out), results, force, plots)
     return results
+
+
+def recipe_summary(r: Recipe) -> dict:
+    return {"name": r.name, "description": r.description, "weights": r.weights.describe(),
+            "inputs": r.inputs.describe(), "ignore": list(r.ignore), "source": Path(r.source).name}
+
+
+def protocol(windows, baseline: Recipe) -> list[str]:
+    int8 = get_format("int8")
+    return [
+        f"Perplexity: {windows.description}. Each window is scored on its own tokens 2..{windows.seq_len} "
+        f"({windows.seq_len - 1} predictions per window, stride {windows.seq_len}, no overlap); "
+        f"{'a BOS token starts every window' if windows.bos else 'no BOS token (the tokenizer adds none)'}.",
+        "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted positions of "
+        f"KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the variant's top-1 token equals the baseline's.",
+        f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. Embeddings, norms, attention "
+        "and activations run in fp32 in every variant, so variants differ only in the Linear layers' weights and inputs.",
+        "Quantized Linear: weights quantized once; inputs quantized on every forward with the static per-tensor "
+        "scale from calibration; scale = amax / format max; round to nearest even, then saturate to the format's max; "
+        "product in fp32. Linear layers a recipe leaves out (lm_head by default) run as in the baseline.",
+        f"int8 is symmetric: scale = amax / {int8.max:g}, codes in [-{int8.max:g}, {int8.max:g}] (ModelOpt's convention).",
+    ]
+
+
+def run_report(results_file: Path, previous_file: Path | None = None, output: Path | None = None,
+               limits: Limits | None = None, plots: bool = True, force: bool = False) -> tuple[dict, str]:
+    """Render a results file (gates from `limits` if any are given, else those stored by compare) as markdown;
+    write it (and its plots) to `output` if given. Returns the results as judged and the markdown."""
+    results = load_results(results_file)
+    previous = load_results(previous_file, "previous results file") if previous_file else None
+    if limits is not None and limits.any():
+        results = results | {"gates": gate_results(results, limits)}
+    if output is None:
+        return results, render_markdown(results, previous)
+    for path in report_outputs(Path(output), results, plots):
+        check_writable(path, force)
+    write_markdown(Path(output), results, previous, plots, force=True)
+    return results, Path(output).read_text(encoding="utf-8")
+
+
+def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool = False) -> dict:
+    """Every Linear layer of the model with its shape, and what each recipe does to its weights and inputs."""
+    loaded_recipes = [load_recipe(r) for r in recipes]
+    loaded = load_model(model, trust_remote_code, device=torch.device("cpu"))
+    layers = linear_layers(loaded.model)
+    plans = {r.name: plan(loaded.model, r) for r in loaded_recipes}
+    rows = []
+    for name, m in layers.items():
+        row = {"layer": name, "shape": [m.out_features, m.in_features], "parameters": m.weight.numel(), "recipes": {}}
+        for r in loaded_recipes:
+            weights, inputs = plans[r.name][name]
+            row["recipes"][r.name] = {"quantized": r.targets_module(name, m), "weights": weights.describe(),
+                                      "inputs": inputs.describe(), "calibrated": inputs.format.scaled}
+        rows.append(row)
+    total = sum(row["parameters"] for row in rows)
+    summary = {r.name: {"layers": sum(row["recipes"][r.name]["quantized"] for row in rows),
+                        "parameters": sum(row["parameters"] for row in rows if row["recipes"][r.name]["quantized"]),
+                        "description": r.description}
+               for r in loaded_recipes}
+    return {"model": {"name": loaded.name, "source": loaded.source}, "linear_layers": len(rows),
+            "linear_parameters": total, "recipes": summary, "layers": rows}
 
 
 def recipe_summary(r: Recipe) -> dict:

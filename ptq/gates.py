@@ -1,0 +1,167 @@
+"""Gates: limits each quantized variant must stay within, checked against a results file.
+
+    --max-ppl-increase 2%         perplexity may rise at most 2% over the baseline's:
+                                  100 * (ppl_variant / ppl_baseline - 1) <= 2
+    --min-accuracy-recovery 99%   accuracy recovery = accuracy_variant / accuracy_baseline >= 99%,
+                                  for next-token accuracy and for every task in the results;
+                                  `TASK=98%` sets one task's limit (`next-token` names next-token accuracy);
+                                  a task with a limit but no score in the results fails its gate
+    --max-kl 0.01                 mean KL(p_baseline || p_variant) <= 0.01 nats per predicted token
+
+A gate is a budget on the point estimate: it fails when the measured value is beyond the limit. Intervals,
+where results carry them, are reported next to the values but do not decide a gate. Percent limits need the
+'%' sign, so that "0.99" can never be mistaken for 99%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ptq.errors import PtqError
+
+NEXT_TOKEN = "next-token"  # the name of next-token accuracy among the tasks of --min-accuracy-recovery
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_ppl_increase_pct: float | None = None
+    min_accuracy_recovery_pct: float | None = None  # next-token accuracy and every task without its own limit
+    task_accuracy_recovery_pct: dict[str, float] = field(default_factory=dict)
+    max_kl: float | None = None
+
+    def any(self) -> bool:
+        return (self.max_ppl_increase_pct is not None or self.min_accuracy_recovery_pct is not None
+                or bool(self.task_accuracy_recovery_pct) or self.max_kl is not None)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Limits:
+        return cls(data.get("max_ppl_increase_pct"), data.get("min_accuracy_recovery_pct"),
+                   dict(data.get("task_accuracy_recovery_pct") or {}), data.get("max_kl"))
+
+    def describe(self) -> list[str]:
+        parts = []
+        if self.max_ppl_increase_pct is not None:
+            parts.append(f"perplexity increase <= {self.max_ppl_increase_pct:g}%")
+        if self.min_accuracy_recovery_pct is not None:
+            parts.append(f"accuracy recovery >= {self.min_accuracy_recovery_pct:g}%")
+        parts += [f"{task} accuracy recovery >= {v:g}%" for task, v in self.task_accuracy_recovery_pct.items()]
+        if self.max_kl is not None:
+            parts.append(f"KL <= {self.max_kl:g} nats/token")
+        return parts
+
+
+@dataclass(frozen=True)
+class Check:
+    variant: str
+    metric: str  # "ppl_delta_pct", "accuracy_recovery_pct" or "kl_div"
+    task: str | None  # for accuracy recovery: NEXT_TOKEN or a task name
+    value: float | None  # None: the task is not in the results, which fails its gate
+    limit: float
+    passed: bool
+
+    def describe(self) -> str:
+        if self.value is None:
+            return f"{self.variant}: {self.task} accuracy was not measured (its gate needs it)"
+        if self.metric == "ppl_delta_pct":
+            return f"{self.variant}: perplexity {self.value:+.2f}% {'<=' if self.passed else '>'} +{self.limit:g}%"
+        if self.metric == "kl_div":
+            return f"{self.variant}: KL {self.value:.4g} {'<=' if self.passed else '>'} {self.limit:g}"
+        return (f"{self.variant}: {self.task} accuracy recovery {self.value:.2f}% "
+                f"{'>=' if self.passed else '<'} {self.limit:g}%")
+
+
+def parse_percent(value: str, option: str) -> float:
+    text = value.strip()
+    if not text.endswith("%"):
+        raise PtqError(f"{option} takes a percentage such as 2%, not '{value}'")
+    try:
+        number = float(text[:-1])
+    except ValueError:
+        raise PtqError(f"{option}: '{value}' is not a percentage such as 2%") from None
+    if not number >= 0 or number == float("inf"):
+        raise PtqError(f"{option}: '{value}' must be a finite, non-negative percentage")
+    return number
+
+
+def parse_limits(max_ppl_increase: str | None = None, min_accuracy_recovery: list[str] | None = None,
+                 max_kl: str | None = None) -> Limits:
+    """The CLI's gate options -> Limits. min_accuracy_recovery entries are 'P%' or 'TASK=P%'."""
+    default, per_task = None, {}
+    for entry in min_accuracy_recovery or []:
+        task, sep, value = entry.rpartition("=")
+        if sep and not task.strip():
+            raise PtqError(f"--min-accuracy-recovery: '{entry}' names no task (use TASK=99% or 99%)")
+        pct = parse_percent(value, "--min-accuracy-recovery")
+        if sep:
+            per_task[task.strip()] = pct
+        elif default is not None:
+            raise PtqError("--min-accuracy-recovery: give one limit for all tasks (99%) and per-task limits as TASK=99%")
+        else:
+            default = pct
+    kl = None
+    if max_kl is not None:
+        try:
+            kl = float(max_kl)
+        except ValueError:
+            raise PtqError(f"--max-kl takes nats per token such as 0.01, not '{max_kl}'") from None
+        if not kl >= 0 or kl == float("inf"):
+            raise PtqError(f"--max-kl: '{max_kl}' must be a finite, non-negative number")
+    ppl = parse_percent(max_ppl_increase, "--max-ppl-increase") if max_ppl_increase is not None else None
+    return Limits(ppl, default, per_task, kl)
+
+
+def task_scores(entry: dict) -> dict[str, dict]:
+    """Per-task scores of a baseline or variant entry: {'tasks': {name: {...}}} or a list of {'name': ...}."""
+    tasks = entry.get("tasks") or {}
+    if isinstance(tasks, list):
+        return {t.get("name") or t.get("task"): t for t in tasks if isinstance(t, dict)}
+    return {name: t for name, t in tasks.items() if isinstance(t, dict)}
+
+
+def accuracy_recovery_pct(variant_acc: float, baseline_acc: float) -> float:
+    """100 * variant / baseline; a zero baseline cannot be fallen short of (100%)."""
+    return 100.0 * variant_acc / baseline_acc if baseline_acc > 0 else 100.0
+
+
+def check(results: dict, limits: Limits) -> list[Check]:
+    """Every gate against every variant, in the order of the results' variants."""
+    base = results["baseline"]
+    base_tasks = task_scores(base)
+    checks: list[Check] = []
+    for v in results["variants"]:
+        name = v["name"]
+        if limits.max_ppl_increase_pct is not None:
+            checks.append(Check(name, "ppl_delta_pct", None, v["ppl_delta_pct"], limits.max_ppl_increase_pct,
+                                v["ppl_delta_pct"] <= limits.max_ppl_increase_pct))
+        accuracies = {NEXT_TOKEN: (v["accuracy"], base["accuracy"])}
+        variant_tasks = task_scores(v)
+        accuracies |= {t: (variant_tasks[t]["accuracy"], s["accuracy"]) for t, s in base_tasks.items()
+                       if t in variant_tasks and "accuracy" in s and "accuracy" in variant_tasks[t]}
+        for task, (acc, base_acc) in accuracies.items():
+            limit = limits.task_accuracy_recovery_pct.get(task, limits.min_accuracy_recovery_pct)
+            if limit is not None:
+                recovery = accuracy_recovery_pct(acc, base_acc)
+                checks.append(Check(name, "accuracy_recovery_pct", task, recovery, limit, recovery >= limit))
+        for task, limit in limits.task_accuracy_recovery_pct.items():
+            if task not in accuracies:  # a gate on a task that was not measured must not pass silently
+                checks.append(Check(name, "accuracy_recovery_pct", task, None, limit, False))
+        if limits.max_kl is not None:
+            checks.append(Check(name, "kl_div", None, v["kl_div"], limits.max_kl, v["kl_div"] <= limits.max_kl))
+    return checks
+
+
+def gate_results(results: dict, limits: Limits) -> dict | None:
+    """The `gates` entry of results.json: the limits, each check, and whether all passed."""
+    if not limits.any():
+        return None
+    checks = check(results, limits)
+    return {"limits": limits.to_json(), "passed": all(c.passed for c in checks), "checks": [asdict(c) for c in checks]}
+
+
+def stored_checks(results: dict) -> list[Check]:
+    """The checks of a results file, recomputed from its stored limits (so they always match the numbers)."""
+    gates = results.get("gates")
+    return check(results, Limits.from_json(gates["limits"])) if gates else []

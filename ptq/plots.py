@@ -1,0 +1,171 @@
+"""Plots for report.md, drawn from results.json alone (PNG, matplotlib, no pyplot global state).
+
+    <stem>-metrics.png     each metric per recipe, with intervals where the results carry them, and gate limits
+    <stem>-layer-amax.png  per-layer input and weight amax (log scale) against each variant format's max
+    <stem>-layer-snr.png   per-layer quantization SNR (dB) of weights and inputs, one line per variant
+
+File names are fixed by the report's name, so a rerun replaces its plots; the PNG carries no
+version or date, so the same results give the same bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ptq.files import atomic_path
+from ptq.formats import get_format
+from ptq.gates import Limits
+
+PLOT_NAMES = ("metrics", "layer-amax", "layer-snr")
+TITLES = {"metrics": "Metrics per recipe", "layer-amax": "Per-layer amax against each format's max",
+          "layer-snr": "Per-layer quantization SNR"}
+COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
+
+
+def plot_paths(report: Path) -> dict[str, Path]:
+    """Where each plot of `report` goes: next to it, named after it."""
+    return {name: report.with_name(f"{report.stem}-{name}.png") for name in PLOT_NAMES}
+
+
+def available(results: dict) -> list[str]:
+    """The plots this results file has data for."""
+    names = ["metrics"]
+    if (results.get("calibration") or {}).get("layers"):
+        names.append("layer-amax")
+    if any(v.get("snr_db") for v in results["variants"]):
+        names.append("layer-snr")
+    return names
+
+
+def write_plots(results: dict, report: Path) -> dict[str, Path]:
+    """Draw every available plot next to `report`; return {name: path} of those written."""
+    paths = plot_paths(Path(report))
+    draw = {"metrics": metrics_figure, "layer-amax": amax_figure, "layer-snr": snr_figure}
+    written = {}
+    for name in available(results):
+        fig = draw[name](results)
+        with atomic_path(paths[name]) as tmp:
+            fig.savefig(tmp, format="png", dpi=100, metadata={"Software": None})
+        written[name] = paths[name]
+    return written
+
+
+def _figure(width: float, height: float, rows: int = 1, cols: int = 1):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, fig.subplots(rows, cols, squeeze=False).ravel()
+
+
+def _block_ticks(ax, layers: list[str]) -> None:
+    """Tick each transformer block's first Linear with the block number (names like model.layers.7.mlp)."""
+    ticks, labels, seen = [], [], set()
+    for i, name in enumerate(layers):
+        m = re.search(r"\.(\d+)\.", name)
+        if m and m.group(1) not in seen:
+            seen.add(m.group(1))
+            ticks.append(i)
+            labels.append(m.group(1))
+    step = max(1, len(ticks) // 16)
+    ax.set_xticks(ticks[::step], labels[::step])
+    ax.set_xlabel("transformer block (Linear layers in model order)" if ticks else "Linear layer (model order)")
+
+
+def metrics_figure(results: dict):
+    base, variants = results["baseline"], results["variants"]
+    entries = [base, *variants]
+    names = [e["name"] for e in entries]
+    limits = Limits.from_json(results["gates"]["limits"]) if results.get("gates") else Limits()
+    panels = [("perplexity", "perplexity (lower is better)", 1.0),
+              ("accuracy", "next-token accuracy (%)", 100.0),
+              ("kl_div", f"KL vs {base['name']} (nats/token)", 1.0),
+              ("top1_agreement", f"top-1 agreement with {base['name']} (%)", 100.0)]
+    fig, axes = _figure(11, 6.5, 2, 2)
+    for ax, (key, label, factor) in zip(axes, panels):
+        rows = [(i, e) for i, e in enumerate(entries) if isinstance(e.get(key), (int, float))]
+        xs = [i for i, _ in rows]
+        ys = [factor * e[key] for _, e in rows]
+        err = [[0.0] * len(rows), [0.0] * len(rows)]
+        for j, (_, e) in enumerate(rows):
+            ci = e.get(f"{key}_ci")
+            if ci:
+                err[0][j], err[1][j] = factor * e[key] - factor * ci[0], factor * ci[1] - factor * e[key]
+        ax.bar(xs, ys, color=[COLORS[i % len(COLORS)] for i in xs], yerr=err if any(map(any, err)) else None, capsize=4)
+        for x, y in zip(xs, ys):
+            ax.annotate(f"{y:.4g}", (x, y), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+        limit = _limit_line(key, base, limits)
+        if limit is not None:
+            ax.axhline(factor * limit, color="#c44e52", linestyle="--", linewidth=1, label="gate")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_title(label, fontsize=10)
+        ax.margins(y=0.15)
+    fig.suptitle(f"{results['model']['name']}: {results['eval']['windows']} windows x {results['eval']['seq_len']} tokens"
+                 + ("; bars show intervals where results carry them" if _has_ci(entries) else ""), fontsize=11)
+    return fig
+
+
+def _has_ci(entries: list[dict]) -> bool:
+    return any(k.endswith("_ci") for e in entries for k in e)
+
+
+def _limit_line(key: str, base: dict, limits: Limits) -> float | None:
+    if key == "perplexity" and limits.max_ppl_increase_pct is not None:
+        return base["perplexity"] * (1 + limits.max_ppl_increase_pct / 100)
+    if key == "accuracy" and limits.min_accuracy_recovery_pct is not None:
+        return base["accuracy"] * limits.min_accuracy_recovery_pct / 100
+    if key == "kl_div" and limits.max_kl is not None:
+        return limits.max_kl
+    return None
+
+
+def amax_figure(results: dict):
+    layers = results["calibration"]["layers"]
+    names = [row["layer"] for row in layers]
+    fig, (ax,) = _figure(11, 4.5)
+    xs = range(len(layers))
+    ax.plot(xs, [row["input_amax"] for row in layers], "o-", markersize=3, linewidth=1, color=COLORS[0], label="input amax")
+    ax.plot(xs, [row["weight_amax"] for row in layers], "s-", markersize=3, linewidth=1, color=COLORS[1], label="weight amax")
+    formats = []
+    for v in results["variants"]:
+        for part in ("weights", "inputs"):
+            fmt = v["recipe"][part].split()[0]
+            if fmt not in formats and get_format(fmt).scaled:
+                formats.append(fmt)
+    for i, fmt in enumerate(formats):
+        ax.axhline(get_format(fmt).max, color=COLORS[(i + 3) % len(COLORS)], linestyle="--", linewidth=1,
+                   label=f"{fmt} max ({get_format(fmt).max:g})")
+    ax.set_yscale("log")
+    ax.set_ylabel("amax = max |x| (log scale)")
+    _block_ticks(ax, names)
+    ax.legend(fontsize=8, loc="best")
+    ax.set_title("Per-layer amax from calibration; a static per-tensor scale maps each amax onto the format's max "
+                 "(without a scale, values above the max would saturate)", fontsize=9)
+    return fig
+
+
+def snr_figure(results: dict):
+    fig, (ax,) = _figure(11, 4.5)
+    order: list[str] = []
+    for v in results["variants"]:
+        for part in ("weights", "inputs"):
+            order += [n for n in (v.get("snr_db") or {}).get(part, {}) if n not in order]
+    index = {n: i for i, n in enumerate(order)}
+    windows = None
+    for i, v in enumerate(results["variants"]):
+        snr = v.get("snr_db")
+        if not snr:
+            continue
+        windows = snr.get("input_windows", windows)
+        for part, style in (("weights", "s-"), ("inputs", "o--")):
+            points = [(index[n], db) for n, db in snr.get(part, {}).items() if db is not None]
+            if points:
+                ax.plot(*zip(*points), style, markersize=3, linewidth=1, color=COLORS[(i + 1) % len(COLORS)],
+                        label=f"{v['name']} {part}")
+    ax.set_ylabel("SNR (dB, higher is better)")
+    _block_ticks(ax, order)
+    ax.legend(fontsize=8, loc="best")
+    ax.set_title("Quantization SNR per layer: weights; inputs on the unquantized model's activations over "
+                 f"{windows} evaluation windows with the calibrated static scales", fontsize=9)
+    return fig

@@ -1,0 +1,87 @@
+"""Trend: what moved between a previous results file and this one.
+
+Entries are matched by name (the baseline, each variant, each task). A change is flagged as beyond its
+intervals when both runs carry an interval for the metric (a `<metric>_ci` [low, high] field) and the two
+intervals do not overlap, a conservative test; without intervals the plain change is shown, unjudged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ptq.gates import task_scores
+
+# (key in results, label, which direction is better)
+METRICS = (
+    ("perplexity", "perplexity", "lower"),
+    ("ppl_delta_pct", "Δ ppl vs baseline (%)", "lower"),
+    ("accuracy", "next-token accuracy", "higher"),
+    ("kl_div", "KL vs baseline", "lower"),
+    ("top1_agreement", "top-1 agreement", "higher"),
+)
+LABELS = {key: label for key, label, _ in METRICS}
+BETTER = {key: better for key, _, better in METRICS}
+SETUP = (("model", lambda r: r["model"]["name"]), ("evaluation text", lambda r: r["eval"].get("data_sha256")),
+         ("seq_len", lambda r: r["eval"].get("seq_len")), ("windows", lambda r: r["eval"].get("windows")))
+
+
+@dataclass(frozen=True)
+class Move:
+    entry: str  # baseline or variant name
+    metric: str  # a key of METRICS
+    task: str | None
+    previous: float
+    current: float
+    previous_ci: tuple[float, float] | None
+    current_ci: tuple[float, float] | None
+
+    @property
+    def change(self) -> float:
+        return self.current - self.previous
+
+    @property
+    def beyond_intervals(self) -> bool | None:
+        """None without intervals on both sides; True when the two intervals do not overlap."""
+        if self.previous_ci is None or self.current_ci is None:
+            return None
+        return self.current_ci[0] > self.previous_ci[1] or self.current_ci[1] < self.previous_ci[0]
+
+    @property
+    def worse(self) -> bool:
+        better = BETTER.get(self.metric, "higher")
+        return self.change > 0 if better == "lower" else self.change < 0
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"change": self.change, "beyond_intervals": self.beyond_intervals, "worse": self.worse}
+
+
+def _ci(entry: dict, key: str) -> tuple[float, float] | None:
+    ci = entry.get(f"{key}_ci")
+    return (float(ci[0]), float(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None
+
+
+def _moves(name: str, previous: dict, current: dict) -> list[Move]:
+    moves = [Move(name, key, None, previous[key], current[key], _ci(previous, key), _ci(current, key))
+             for key, _, _ in METRICS if isinstance(previous.get(key), (int, float)) and isinstance(current.get(key), (int, float))]
+    old_tasks, new_tasks = task_scores(previous), task_scores(current)
+    for task, new in new_tasks.items():
+        old = old_tasks.get(task)
+        if old and isinstance(old.get("accuracy"), (int, float)) and isinstance(new.get("accuracy"), (int, float)):
+            moves.append(Move(name, "accuracy", task, old["accuracy"], new["accuracy"], _ci(old, "accuracy"), _ci(new, "accuracy")))
+    return moves
+
+
+def trend(results: dict, previous: dict) -> dict:
+    """{"setup_changes": [...], "moves": [Move], "only_now": [...], "only_before": [...]}."""
+    moves = []
+    if previous["baseline"]["name"] == results["baseline"]["name"]:
+        moves += _moves(results["baseline"]["name"], previous["baseline"], results["baseline"])
+    old_variants = {v["name"]: v for v in previous["variants"]}
+    for v in results["variants"]:
+        if v["name"] in old_variants:
+            moves += _moves(v["name"], old_variants[v["name"]], v)
+    now_names = {results["baseline"]["name"], *(v["name"] for v in results["variants"])}
+    old_names = {previous["baseline"]["name"], *old_variants}
+    setup = [f"{what}: {get(previous)} -> {get(results)}" for what, get in SETUP if get(previous) != get(results)]
+    return {"setup_changes": setup, "moves": moves,
+            "only_now": sorted(now_names - old_names), "only_before": sorted(old_names - now_names)}

@@ -1,0 +1,289 @@
+"""Reports for CI and people: gates and their exit codes, `ptq report`, trends, plots, per-layer SNR,
+`ptq inspect`, --json and --help. One tiny-model compare is shared by most tests."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from ptq.gates import Limits, check, parse_limits
+
+COMPARE_ARGS = ("--seq-len", "64", "--max-windows", "8", "--calib-samples", "4", "--batch-size", "4")
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory) -> Path:
+    from conftest import TEXT
+
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(TEXT * 3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def compared(tiny_model, small_text, tmp_path_factory) -> Path:
+    """One compare of the tiny model with a KL gate that must fail (any quantization moves KL above 0)
+    and a perplexity gate that must pass."""
+    from ptq import progress
+    from ptq.workflows import run_compare
+
+    out = tmp_path_factory.mktemp("compare") / "out"
+    progress.QUIET = True
+    try:
+        run_compare(str(tiny_model), ["fp8-e4m3", "int8"], None, str(small_text), 4, str(small_text), 64, 8, out,
+                    limits=parse_limits("50%", None, "0"))
+    finally:
+        progress.QUIET = False
+    return out
+
+
+def load(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def table_row(markdown: str, name: str) -> list[str]:
+    line = next(line for line in markdown.splitlines() if line.startswith(f"| {name}"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+# --- gates: pure semantics on a hand-made results dict -----------------------------------------
+
+def results_dict(ppl_delta: float, acc: float, kl: float, tasks: dict | list | None = None, base_tasks=None) -> dict:
+    variant = {"name": "v", "ppl_delta_pct": ppl_delta, "accuracy": acc, "kl_div": kl}
+    base = {"name": "bf16", "accuracy": 0.5}
+    if tasks is not None:
+        variant["tasks"], base["tasks"] = tasks, base_tasks
+    return {"baseline": base, "variants": [variant]}
+
+
+def test_gate_limits_are_inclusive_and_recovery_is_a_ratio():
+    limits = parse_limits("2%", ["99%"], "0.01")
+    assert limits == Limits(2.0, 99.0, {}, 0.01)
+    at_limit = check(results_dict(2.0, 0.495, 0.01), limits)  # 0.495 / 0.5 = 99% recovery
+    assert [(c.metric, c.passed) for c in at_limit] == [("ppl_delta_pct", True), ("accuracy_recovery_pct", True), ("kl_div", True)]
+    assert at_limit[1].value == pytest.approx(99.0)
+    beyond = check(results_dict(2.01, 0.494, 0.0101), limits)
+    assert [c.passed for c in beyond] == [False, False, False]
+    assert "perplexity +2.01% > +2%" in beyond[0].describe()
+
+
+def test_per_task_gates_default_override_and_missing_task_fails():
+    tasks = {"piqa": {"accuracy": 0.6}, "arc_easy": {"accuracy": 0.45}}
+    base_tasks = [{"name": "piqa", "accuracy": 0.62}, {"name": "arc_easy", "accuracy": 0.5}]  # list form too
+    limits = parse_limits(None, ["95%", "arc_easy=90%", "hellaswag=99%"], None)
+    checks = {c.task: c for c in check(results_dict(0, 0.5, 0, tasks, base_tasks), limits)}
+    assert checks["next-token"].passed and checks["next-token"].limit == 95
+    assert checks["piqa"].value == pytest.approx(100 * 0.6 / 0.62) and checks["piqa"].passed
+    assert checks["arc_easy"].limit == 90 and checks["arc_easy"].passed  # 90% recovery: passes its own limit only
+    assert checks["hellaswag"].value is None and not checks["hellaswag"].passed
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--max-ppl-increase", "0.02"), "takes a percentage such as 2%"),
+    (("--min-accuracy-recovery", "ninety%"), "is not a percentage"),
+    (("--max-kl", "-1"), "non-negative"),
+    (("--min-accuracy-recovery", "99%", "--min-accuracy-recovery", "98%"), "give one limit"),
+])
+def test_bad_gate_values_exit_2_with_one_line(ptq_cli, compared, args, message):
+    code, out, err = ptq_cli("report", compared / "results.json", *args)
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+# --- compare with gates, through the CLI --------------------------------------------------------
+
+def test_compare_failing_gate_exits_1_marks_cells_and_still_writes(ptq_cli, tiny_model, small_text, tmp_path):
+    out = tmp_path / "out"
+    code, stdout, _ = ptq_cli("compare", tiny_model, *COMPARE_ARGS, "--out", out, "--eval-data", small_text,
+                              "--calib-data", small_text, "--max-kl", "0",
+                              "--max-ppl-increase", "50%", "--no-plots", "--json", "--quiet")
+    assert code == 1
+    results = json.loads(stdout)  # --json: the results file's content on stdout
+    assert results == load(out / "results.json")
+    assert results["gates"]["passed"] is False
+    kl_checks = [c for c in results["gates"]["checks"] if c["metric"] == "kl_div"]
+    assert {c["variant"] for c in kl_checks} == {"fp8-e4m3", "int8"} and not any(c["passed"] for c in kl_checks)
+    report = (out / "report.md").read_text()
+    assert report.splitlines()[2].startswith("❌ **2 of 4 gate checks fail** (fp8-e4m3, int8)")  # KL fails, ppl passes
+    for name in ("fp8-e4m3", "int8"):
+        row = table_row(report, name)
+        assert row[0] == f"{name} ❌"
+        assert row[7].startswith("**") and row[7].endswith("❌")  # the KL cell
+        assert "❌" not in row[4]  # the Δ ppl cell passed
+    assert not list(out.glob("*.png"))  # --no-plots
+
+
+def test_compare_passing_gates_exit_0(compared, ptq_cli, tmp_path):
+    # Same numbers re-judged by `ptq report` with limits they meet: exit 0 and every row marked as passing.
+    code, out, _ = ptq_cli("report", compared / "results.json", "--max-kl", "1", "--max-ppl-increase", "50%",
+                           "--min-accuracy-recovery", "50%")
+    assert code == 0
+    assert out.splitlines()[2].startswith("✅ **All 6 gate checks pass**")
+    assert table_row(out, "int8")[0] == "int8 ✅"
+
+
+def test_stored_gates_are_rerendered_and_exit_1(compared, ptq_cli):
+    code, out, _ = ptq_cli("report", compared / "results.json")
+    assert code == 1  # the KL gate stored by compare still fails
+    assert "❌ fp8-e4m3: KL" in out and "❌ int8: KL" in out
+    # Without plots, `ptq report` prints the same markdown as compare wrote, minus the plot section.
+    without_plots = re.sub(r"<details open><summary><b>Plots</b></summary>.*?</details>\n\n", "",
+                           (compared / "report.md").read_text(), flags=re.S)
+    assert out == without_plots
+
+
+# --- the results file carries what the plots need -----------------------------------------------
+
+def test_results_carry_per_layer_amax_in_model_order(compared, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    results = load(compared / "results.json")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    layers = results["calibration"]["layers"]
+    assert [row["layer"] for row in layers] == linear
+    modules = dict(model.named_modules())
+    for row in layers:
+        assert row["weight_amax"] == pytest.approx(modules[row["layer"]].weight.abs().max().item(), rel=1e-6)
+        assert row["input_amax"] > 0
+    top = results["calibration"]["summary"]["largest"][0]
+    assert top["input_amax"] == max(row["input_amax"] for row in layers)
+
+
+def reference_snr(x: np.ndarray, x_q: np.ndarray) -> float:
+    x, x_q = x.astype(np.float64), x_q.astype(np.float64)
+    return 10 * math.log10((x ** 2).sum() / ((x - x_q) ** 2).sum())
+
+
+def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
+    """E4M3 per-tensor through ml_dtypes' cast, int8 per-channel through numpy, against ptq.layerstats."""
+    from ptq.calibrate import calibrate
+    from ptq.layerstats import layer_snr
+    from ptq.models import load_model
+    from ptq.quantize import calibrated_layers, quantize_
+    from ptq.recipes import load_recipe
+
+    loaded = load_model(str(tiny_model), device=torch.device("cpu"))
+    model = loaded.model
+    ids = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(0))
+    recipes = [load_recipe("fp8-e4m3"), load_recipe("int8")]
+    cal = calibrate(model, ids, sorted(calibrated_layers(model, recipes[0])))
+    quantized = {r.name: quantize_(copy.deepcopy(model), r, cal) for r in recipes}
+    snr = layer_snr(model, quantized, ids)
+
+    name = "model.layers.1.mlp.down_proj"
+    w = model.get_submodule(name).weight.detach().numpy()
+    scale = np.float32(np.abs(w).max() / np.float32(448))
+    w_e4m3 = (w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    assert snr["fp8-e4m3"]["weights"][name] == pytest.approx(reference_snr(w, w_e4m3), abs=1e-6)
+    ch_scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
+    w_int8 = np.clip(np.round(w / ch_scale), -127, 127) * ch_scale
+    assert snr["int8"]["weights"][name] == pytest.approx(reference_snr(w, w_int8), abs=1e-4)
+
+    captured = []
+    hook = model.get_submodule(name).register_forward_pre_hook(lambda m, a: captured.append(a[0].detach().numpy().copy()))
+    with torch.inference_mode():
+        model(input_ids=ids)
+    hook.remove()
+    x = np.concatenate([c.reshape(-1) for c in captured])
+    x_scale = np.float32(cal.input_amax[name].item() / np.float32(448))
+    x_e4m3 = np.clip(x / x_scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * x_scale
+    assert snr["fp8-e4m3"]["inputs"][name] == pytest.approx(reference_snr(x, x_e4m3), abs=1e-5)
+    assert snr["fp8-e4m3"]["input_windows"] == 4
+    assert 25 < snr["fp8-e4m3"]["weights"][name] < 35  # 3 mantissa bits: about 31 dB on Gaussian-like weights
+
+
+# --- plots ---------------------------------------------------------------------------------------
+
+def test_plots_are_linked_relative_deterministic_and_skippable(compared, ptq_cli, tmp_path):
+    report = (compared / "report.md").read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
+    assert links == ["report-metrics.png", "report-layer-amax.png", "report-layer-snr.png"]
+    for link in links:
+        assert (compared / link).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Re-rendered elsewhere from results.json alone: same names (after the report's), same bytes.
+    code, _, err = ptq_cli("report", compared / "results.json", "-o", tmp_path / "pr.md")
+    assert code == 1 and "wrote" in err
+    for name in ("metrics", "layer-amax", "layer-snr"):
+        assert (tmp_path / f"pr-{name}.png").read_bytes() == (compared / f"report-{name}.png").read_bytes()
+    assert "](pr-metrics.png)" in (tmp_path / "pr.md").read_text()
+    # Nothing is overwritten without --force, and nothing half-written.
+    before = (tmp_path / "pr.md").read_text()
+    code, _, err = ptq_cli("report", compared / "results.json", "-o", tmp_path / "pr.md", "--max-kl", "1")
+    assert code == 2 and "already exists" in err and (tmp_path / "pr.md").read_text() == before
+    code, _, _ = ptq_cli("report", compared / "results.json", "-o", tmp_path / "bare.md", "--no-plots")
+    assert code == 1 and not list(tmp_path.glob("bare-*.png")) and "![" not in (tmp_path / "bare.md").read_text()
+
+
+# --- trend ---------------------------------------------------------------------------------------
+
+def test_trend_flags_changes_beyond_intervals_and_shows_plain_deltas_otherwise(compared, ptq_cli, tmp_path):
+    current = load(compared / "results.json")
+    previous = copy.deepcopy(current)
+    fp8 = next(v for v in previous["variants"] if v["name"] == "fp8-e4m3")
+    fp8["perplexity"] = current["variants"][0]["perplexity"] * 0.9
+    (tmp_path / "old.json").write_text(json.dumps(previous))
+    code, out, _ = ptq_cli("report", compared / "results.json", "--previous", tmp_path / "old.json", "--max-kl", "1")
+    assert code == 0
+    assert "carry no intervals: plain changes" in out
+    row = next(line for line in out.splitlines() if line.startswith("| fp8-e4m3 | perplexity |"))
+    assert "(+11.11%)" in row and row.endswith("| — |")
+
+    # With intervals on both runs: the moved perplexity is flagged, an overlapping one is not.
+    for results in (current, previous):
+        for entry in [results["baseline"], *results["variants"]]:
+            entry["perplexity_ci"] = [entry["perplexity"] * 0.99, entry["perplexity"] * 1.01]
+    (tmp_path / "new.json").write_text(json.dumps(current))
+    (tmp_path / "old.json").write_text(json.dumps(previous))
+    code, out, _ = ptq_cli("report", tmp_path / "new.json", "--previous", tmp_path / "old.json", "--max-kl", "1", "--json")
+    data = json.loads(out)
+    flagged = [(m["entry"], m["metric"]) for m in data["trend"]["moves"] if m["beyond_intervals"]]
+    assert flagged == [("fp8-e4m3", "perplexity")]
+    assert "1 change beyond the intervals" in data["verdict"]
+    moved = next(m for m in data["trend"]["moves"] if m["beyond_intervals"])
+    assert moved["worse"] is True
+
+
+def test_report_refuses_a_file_that_is_not_results(ptq_cli, tmp_path):
+    (tmp_path / "x.json").write_text('{"a": 1}')
+    for path in (tmp_path / "x.json", tmp_path / "missing.json"):
+        code, out, err = ptq_cli("report", path)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+
+
+# --- inspect and help ---------------------------------------------------------------------------
+
+def test_inspect_lists_every_linear_with_its_shape_and_treatment(ptq_cli, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    code, out, _ = ptq_cli("inspect", tiny_model, "--recipe", "fp8-e4m3,int8", "--json")
+    assert code == 0
+    info = json.loads(out)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    linear = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert [row["layer"] for row in info["layers"]] == list(linear)
+    for row in info["layers"]:
+        assert row["shape"] == list(linear[row["layer"]].weight.shape)
+        fp8, int8 = row["recipes"]["fp8-e4m3"], row["recipes"]["int8"]
+        assert fp8["quantized"] == int8["quantized"] == (row["layer"] != "lm_head")
+        if fp8["quantized"]:
+            assert (fp8["weights"], int8["weights"], int8["inputs"]) == ("e4m3 per-tensor", "int8 per-channel", "int8 per-tensor")
+        else:
+            assert fp8["weights"] == "bf16"
+    assert info["recipes"]["int8"]["layers"] == len(linear) - 1
+    code, out, _ = ptq_cli("inspect", tiny_model, "--recipe", "int8")
+    assert code == 0 and "lm_head" in out and "- (bf16)" in out and "int8 ch / int8" in out
+
+
+@pytest.mark.parametrize("command", ["calibrate", "compare", "report", "inspect"])
+def test_every_command_has_help_with_an_example(ptq_cli, command):
+    code, out, _ = ptq_cli(command, "--help")
+    assert code == 0 and "Example: ptq " + command in " ".join(out.split())
