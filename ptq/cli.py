@@ -246,6 +246,73 @@ def _print_inspect(info: dict) -> None:
                       f"({s['parameters']:,} of {info['linear_parameters']:,} Linear parameters)", highlight=False)
 
 
+@app.command()
+def quantize(
+    model: ModelArg = None,
+    recipe: Annotated[str, typer.Option("--recipe", help="Recipe to export: fp8-e4m3 or int8 (or a .yaml path with E4M3 or int8 weights and inputs).")] = "fp8-e4m3",
+    output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")] = ...,
+    calib: Annotated[Optional[Path], typer.Option("--calib", help="Reuse a calibration file from `ptq calibrate`.")] = None,
+    data: Annotated[Optional[str], typer.Option("--data", help=DATA_HELP + " (calibration split; verification uses its evaluation split).")] = None,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="Calibration windows when calibrating here.")] = 32,
+    seq_len: SeqLen = 512,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload the checkpoint with transformers and check its logits against ptq's simulation.")] = True,
+    verify_windows: Annotated[int, typer.Option("--verify-windows", min=1, help="Evaluation windows for the verification.")] = 8,
+    shard_size: Annotated[float, typer.Option("--shard-size", min=0.001, help="Largest safetensors shard, in MB.")] = 1000.0,
+    compare_results: Annotated[Optional[Path], typer.Option("--compare-results", help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass when verifying.")] = 4,
+    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
+) -> None:
+    """Write a quantized checkpoint (compressed-tensors format) that transformers and vLLM load, and verify it.
+
+    Example: ptq quantize smollm2 --recipe fp8-e4m3 -o smollm2-fp8
+    """
+    progress.QUIET = quiet
+    from ptq.export import VerificationFailed
+    from ptq.workflows import run_quantize
+
+    if calib and data:
+        raise PtqError("give either --calib (a calibration file) or --data (text to calibrate on), not both")
+    try:
+        info = run_quantize(model, recipe, calib, data, samples, seq_len, output, force, verify, verify_windows,
+                            shard_size, compare_results, batch_size, trust_remote_code)
+    except VerificationFailed as e:
+        _print_quantize(e.info, output, written=False)
+        progress.stderr.print(f"[bold red]verification failed:[/] {e}; nothing was written to {output} "
+                              "(--no-verify writes it unverified)", highlight=False, soft_wrap=True)
+        raise SystemExit(1) from None
+    _print_quantize(info, output, written=True)
+
+
+def _print_quantize(info: dict, output: Path, written: bool) -> None:
+    from rich.console import Console
+
+    from ptq.report import human_bytes
+
+    console = Console()
+    size, ver = info["size"], info["verification"]
+    if ver is not None:
+        tol = ver["tolerance"]
+        console.print(
+            f"verification {'[green]passed[/]' if ver['passed'] else '[bold red]FAILED[/]'} (transformers reload vs ptq simulation, "
+            f"{ver['windows']} windows x {ver['seq_len']} tokens): perplexity {ver['reloaded_perplexity']:.4f} vs "
+            f"{ver['simulated_perplexity']:.4f} simulated"
+            + (f", {ver['ptq_perplexity']:.4f} with ptq's own [-127, 127] int8 input rounding" if ver["loader_int8_rounding"] else "")
+            + f" ({ver['ppl_delta_pct']:+.4f}%, limit ±{tol['max_ppl_delta_pct']:g}%), "
+            f"KL {ver['kl_div']:.3g} nats/token (limit {tol['max_kl_div']:g}), same top-1 {100 * ver['top1_agreement']:.2f}% "
+            f"(limit {100 * tol['min_top1_agreement']:g}%), static input quantization in {ver['load']['input_quantized_layers']}/"
+            f"{info['format']['quantized_layers']} layers", highlight=False)
+        for p in ver["problems"]:
+            console.print(f"  problem: {p}", highlight=False)
+    else:
+        console.print("not verified (--no-verify)")
+    if written:
+        pct = 100 * size["bytes_saved"] / size["bytes_16bit"]
+        console.print(f"wrote {output}: {human_bytes(size['bytes'])} in {size['shards']} shard(s), "
+                      f"{info['format']['quantized_layers']} Linear layers as {info['recipe']['weights']} at 1 byte/parameter; "
+                      f"16-bit checkpoint {human_bytes(size['bytes_16bit'])}, saved {human_bytes(size['bytes_saved'])} ({pct:.1f}%)",
+                      highlight=False)
+
+
 def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -11,6 +11,7 @@ import hashlib
 import importlib.metadata
 import os
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,16 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
                 raise PtqError(f"{spec} has only pickle weights (.bin), which can run code when loaded: convert them to "
                                "safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)")
         source = str(directory.resolve())
+        exported = _exported_caveat(directory)
+        if exported:  # a compressed-tensors checkpoint: load its weights dequantized, as plain Linear layers
+            from transformers import CompressedTensorsConfig
+
+            caveats = (exported,)
+            with warnings.catch_warnings():  # "loading attributes will be overwritten": that is the point
+                warnings.simplefilter("ignore", UserWarning)
+                model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code,
+                                                    quantization_config=CompressedTensorsConfig(dequantize=True))
+            return LoadedModel(model.to(device), tokenizer, name=spec, source=source, caveats=caveats)
     else:
         directory, source = spec, f"Hugging Face Hub: {spec}"
     if memory_check and Path(directory).is_dir():
@@ -86,6 +97,7 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
 
 
 def _from_pretrained(location: str, spec: str, trust_remote_code: bool, allow_pickle: bool = False,
+                     quantization_config=None,
                      **kwargs) -> tuple[nn.Module, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -94,17 +106,34 @@ def _from_pretrained(location: str, spec: str, trust_remote_code: bool, allow_pi
 
     hf_logging.set_verbosity_error()
     (hf_logging.disable_progress_bar if progress.QUIET else hf_logging.enable_progress_bar)()
+    model_kwargs = kwargs | ({"quantization_config": quantization_config} if quantization_config is not None else {})
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
             location, dtype=torch.float32, use_safetensors=None if "gguf_file" in kwargs or allow_pickle else True,
-            weights_only=True, trust_remote_code=trust_remote_code, **kwargs)
+            weights_only=True, trust_remote_code=trust_remote_code, **model_kwargs)
     except Exception as e:  # transformers raises OSError, ValueError, safetensors errors, ... for bad models
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PtqError(f"cannot load model '{spec}': {reason}") from None
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def _exported_caveat(directory: Path) -> str | None:
+    """What evaluating a compressed-tensors checkpoint (e.g. from `ptq quantize`) means, or None for other models."""
+    import json
+
+    try:
+        qc = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return None
+    return (f"{directory.name} is a compressed-tensors checkpoint ({qc.get('format')}): it is evaluated as its 8-bit weights "
+            "dequantized to float32, without the checkpoint's own input scales. The 8-bit weight rounding is already in "
+            "every variant, the bf16 baseline included; a recipe re-quantizes those weights (for the recipe the checkpoint "
+            "was exported with, this reproduces them) and quantizes inputs with scales calibrated in this run.")
 
 
 def default_gguf_path() -> Path:

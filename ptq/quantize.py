@@ -17,7 +17,7 @@ from torch import nn
 
 from ptq.calibrate import Calibration
 from ptq.errors import PtqError
-from ptq.formats import NumberFormat, amax, compute_scale, fake_quantize
+from ptq.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
 from ptq.recipes import BASELINE_LINEAR, Recipe, TensorQuant
 
 
@@ -62,9 +62,10 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weights, self.inputs = weights, inputs
         w = linear.weight.detach().float()
-        weight_amax = amax(w, dim=1) if weights.granularity == "channel" else amax(w)
-        self.register_buffer("weight_scale", compute_scale(weight_amax, weights.format))
-        self.register_buffer("weight", fake_quantize(w, self.weight_scale, weights.format, weights.saturate))
+        codes, weight_scale = quantize_weight(w, weights)
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("weight", dequantize(codes, weight_scale))
+        del codes
         self.bias = linear.bias
         if inputs.format.scaled and input_amax is None:
             raise ValueError("a scaled input format needs a calibrated input amax")
@@ -77,6 +78,15 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, weights={self.weights.describe()}, inputs={self.inputs.describe()}"
+
+
+def quantize_weight(w: torch.Tensor, weights: TensorQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Linear weight's codes (float32 values on the format's grid) and its scale ([] or [out, 1]).
+    The one code path for weights: the simulation dequantizes these codes, `ptq quantize` stores them."""
+    w = w.detach().float()
+    weight_amax = amax(w, dim=1) if weights.granularity == "channel" else amax(w)
+    scale = compute_scale(weight_amax, weights.format)
+    return quantize(w, scale, weights.format, weights.saturate), scale
 
 
 def plan(model: nn.Module, recipe: Recipe) -> dict[str, tuple[TensorQuant, TensorQuant]]:

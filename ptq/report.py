@@ -253,3 +253,90 @@ def faults_lines(faults: dict) -> list[str]:
               for layer, n in skipped.items()]
     lines += [f"- Warning: {w}." for w in warnings]
     return lines
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
+def render_model_card(e: dict) -> str:
+    """README.md of a `ptq quantize` checkpoint, rendered from its ptq-export.json alone."""
+    rec, fmt, cal, size, ver = e["recipe"], e["format"], e["calibration"], e["size"], e["verification"]
+    lines = [
+        "---", "library_name: transformers", "tags: [ptq, compressed-tensors, "
+        + ("fp8" if fmt["format"] == "float-quantized" else "int8") + "]", "---", "",
+        f"# {e['model']['name']} — {rec['name']} (ptq {e['versions']['ptq']})", "",
+        f"Post-training quantized with ptq, recipe `{rec['name']}`: {rec['description']}.", "",
+        "| | |", "|---|---|",
+        f"| source model | {e['model']['source']} ({e['model']['architecture']}) |",
+        f"| weights | {rec['weights']}, stored 1 byte per parameter |",
+        f"| inputs (activations) | {rec['inputs']}, static scale from calibration (`input_scale`) |",
+        f"| layers | {fmt['quantized_layers']} Linear layers quantized; left as in the source: {', '.join(f'`{n}`' for n in fmt['ignored_layers']) or 'none'} |",
+        f"| format | compressed-tensors `{fmt['format']}` (compressed-tensors {fmt['compressed_tensors']}) |",
+        f"| size | {human_bytes(size['bytes'])} of tensors in {size['shards']} safetensors shard(s); the 16-bit checkpoint is "
+        f"{human_bytes(size['bytes_16bit'])}: {human_bytes(size['bytes_saved'])} saved ({100 * size['bytes_saved'] / size['bytes_16bit']:.1f}%) |",
+        f"| other tensors | unchanged from the source ({', '.join(size['other_dtypes'])}, {human_bytes(size['other_bytes'])}) |",
+        f"| calibration | {cal['data']} (sha256 `{str(cal['data_sha256'])[:16]}`), {cal['windows']} windows x {cal['seq_len']} tokens "
+        f"= {cal['tokens']:,} tokens; {cal['source']} |",
+        "",
+    ]
+    lines += [f"Note: {c}" for c in e["model"]["caveats"]]
+    lines += ["", "## Verification", ""]
+    if ver is None:
+        lines += ["Not verified (exported with `--no-verify`)."]
+    else:
+        tol = ver["tolerance"]
+        lines += [
+            f"**{'Passed' if ver['passed'] else 'FAILED'}.** After writing, this directory was loaded with transformers' "
+            "`AutoModelForCausalLM.from_pretrained` (float32, CPU, default options) and scored against ptq's simulation "
+            f"of the same recipe and calibration on {ver['description']} of {ver['data']}:", "",
+            "| | simulated (ptq) | reloaded (transformers) | limit |", "|---|---:|---:|---:|",
+            f"| perplexity | {ver['simulated_perplexity']:.4f} | {ver['reloaded_perplexity']:.4f} | |",
+        ]
+        if ver.get("loader_int8_rounding"):
+            lines += [f"| perplexity, ptq's own int8 rounding ([-127, 127] inputs) | {ver['ptq_perplexity']:.4f} | "
+                      f"{ver['reloaded_perplexity']:.4f} | ±{tol['max_ppl_delta_pct']:g}% (here {ver['ppl_delta_pct']:+.4f}%) |"]
+        else:
+            lines[-1] = lines[-1][:-2] + f"| ±{tol['max_ppl_delta_pct']:g}% (here {ver['ppl_delta_pct']:+.4f}%) |"
+        lines += [
+            f"| KL(simulated ‖ reloaded), nats/token | | {ver['kl_div']:.3g} | ≤ {tol['max_kl_div']:g} |",
+            f"| same top-1 token | | {100 * ver['top1_agreement']:.2f}% | ≥ {100 * tol['min_top1_agreement']:g}% |",
+            f"| layers transformers runs with static input quantization | {fmt['quantized_layers']} | "
+            f"{ver['load']['input_quantized_layers']} | all |",
+            "",
+            "transformers (with compressed-tensors installed) decompresses the 8-bit weights to the load dtype on the first "
+            "forward pass and rounds every quantized layer's input with its stored `input_scale` (clamp, then round to the "
+            "8-bit grid) before the matmul, so on a CPU it computes what the ptq simulation computes. Loading with "
+            "`CompressedTensorsConfig(dequantize=True)` instead drops the input scales: only the weight rounding remains.",
+        ]
+        lines += [f"- Problem: {p}" for p in ver["problems"]]
+    lines += ["", "The simulation keeps the left-out layers in the source dtype, as this checkpoint does; `ptq compare` "
+              "rounds them to bf16 like its 16-bit baseline, so its perplexity for this recipe can differ slightly."]
+    if fmt["format"] == "int-quantized":
+        lines += ["", "int8 convention: ptq uses symmetric codes in [-127, 127] (scale = amax / 127). transformers "
+                  "(compressed-tensors) and vLLM clamp inputs to [-128, 127], so an input below -127.5 x input_scale "
+                  "(beyond the calibrated range) becomes -128 there but -127 in ptq; the weights never use -128. The "
+                  "logits check above therefore simulates the loaders' input rounding, and the perplexity row with "
+                  "ptq's own rounding shows what that difference costs."]
+    c = e.get("compare")
+    if c:
+        b, v = c["baseline"], c["variant"]
+        lines += ["", "## Accuracy (ptq compare)", "",
+                  f"From `{c['file']}` (model `{c['model']}`; evaluation: {c['eval']}, sha256 `{str(c['eval_sha256'])[:16]}`); "
+                  "simulated, on the source model:", "",
+                  f"| variant | perplexity | Δ ppl vs {b['name']} | next-token acc | KL vs {b['name']} | top-1 agreement |",
+                  "|---|---:|---:|---:|---:|---:|",
+                  f"| {b['name']} (baseline) | {b['perplexity']:.4f} | | {100 * b['accuracy']:.2f}% | | |",
+                  f"| {v['name']} | {v['perplexity']:.4f} | {v['ppl_delta_pct']:+.2f}% | {100 * v['accuracy']:.2f}% "
+                  f"| {v['kl_div']:.5f} | {100 * v['top1_agreement']:.2f}% |"]
+    lines += ["", "## Use", "", "```python",
+              "from transformers import AutoModelForCausalLM, AutoTokenizer  # needs: pip install compressed-tensors",
+              "model = AutoModelForCausalLM.from_pretrained(\"PATH\")",
+              "tokenizer = AutoTokenizer.from_pretrained(\"PATH\")", "```", "",
+              "vLLM reads the same `quantization_config` (`vllm serve PATH`). With ptq, `ptq compare PATH` evaluates the "
+              "dequantized 8-bit weights as its model (its bf16 baseline is then this checkpoint's weights with 16-bit inputs).",
+              "", "## Versions", "", ", ".join(f"{k} {v}" for k, v in e["versions"].items()) + f"; created {e['created']}.", ""]
+    return "\n".join(lines)

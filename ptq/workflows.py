@@ -4,6 +4,7 @@ calibrate: model + calibration text -> amax of every quantized tensor -> calibra
 compare:   model + recipes (+ calibration) -> bf16 baseline and variants on held-out text -> report (+ gates).
 report:    results.json (+ a previous one) -> markdown with verdict, gates, trend and plots.
 inspect:   model + recipes -> what each recipe does to each Linear layer.
+quantize:  model + recipe (+ calibration) -> compressed-tensors checkpoint, reloaded and verified.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import copy
 import datetime
 import importlib.metadata
 import os
+import json
 import platform
 from pathlib import Path
 
@@ -259,23 +261,105 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
             "linear_parameters": total, "recipes": summary, "layers": rows}
 
 
-def recipe_summary(r: Recipe) -> dict:
-    return {"name": r.name, "description": r.description, "weights": r.weights.describe(),
-            "inputs": r.inputs.describe(), "ignore": list(r.ignore), "source": Path(r.source).name}
+def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str | None, samples: int, seq_len: int,
+                 output: Path, force: bool = False, verify: bool = True, verify_windows: int = 8,
+                 shard_size_mb: float = 1000.0, compare_results: Path | None = None, batch_size: int = 4,
+                 trust_remote_code: bool = False) -> dict:
+    """quantize: model + recipe (+ calibration) -> compressed-tensors checkpoint in `output`, reloaded with
+    transformers and checked against ptq's simulation before it is renamed into place."""
+    from ptq import export
+    from ptq.files import atomic_dir
+    from ptq.progress import progress
+    from ptq.report import render_model_card
+
+    output = Path(output)
+    check_export_target(output, force)
+    r = load_recipe(recipe)
+    export.check_exportable(r)
+    compare = load_compare_results(compare_results, r.name) if compare_results else None
+    calibration = load_calibration(calib) if calib else None
+    check_output_dir(output.parent)
+    calib_corpus = load_corpus(data, role="calibration") if calibration is None else None
+    loaded = load_model(model, trust_remote_code)
+    export.export_layers(loaded.model, r)  # refuse an unexportable model before calibrating it
+    if calibration is None:
+        calibration = _calibrate(loaded, calib_corpus, samples, seq_len, [r], None, force)
+        calibration_source = "calibrated in this run"
+    else:
+        calibration_source = f"calibration file {Path(calib).name}"
+    dtypes = export.source_dtypes(loaded.model.config._name_or_path)
+    entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calibration, dtypes)
+    m = calibration.metadata
+    info = {
+        "kind": "ptq-export/1",
+        "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats),
+                  "architecture": type(loaded.model).__name__},
+        "recipe": recipe_summary(r),
+        "format": {"quant_method": "compressed-tensors", "format": export.quantization_config(r, ignored).format,
+                   "compressed_tensors": importlib.metadata.version("compressed-tensors"),
+                   "quantized_layers": len(quantized), "ignored_layers": ignored},
+        "calibration": {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
+                        "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens")},
+        "size": export.checkpoint_bytes(entries, quantized),
+        "verification": None,
+        "compare": compare,
+        "versions": versions() | {"compressed-tensors": importlib.metadata.version("compressed-tensors")},
+        "created": now(),
+    }
+    with atomic_dir(output) as tmp:
+        with progress("writing", len(entries)) as advance:
+            written = export.write_weights(entries, tmp, int(shard_size_mb * 1e6), advance)
+        del entries
+        info["size"] |= written
+        export.write_config(loaded.model, r, ignored, dtypes, tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+        if verify:
+            corpus = load_corpus(data, role="evaluation")
+            windows = make_windows(corpus, loaded.tokenizer, seq_len, verify_windows)
+            # int8 inputs: the loaders round them over [-128, 127], ptq over [-127, 127]; check the logits against
+            # the simulation of what the loader computes, and the perplexity against ptq's own too.
+            own = (export.simulate_export(copy.deepcopy(loaded.model), r, calibration, loader_int8_inputs=False)
+                   if r.inputs.format.kind == "int" else None)
+            simulated = export.simulate_export(loaded.model, r, calibration)
+            reloaded, load_info = export.reload(tmp)
+            info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized), windows.input_ids,
+                                                 batch_size, ptq_simulated=own)
+            info["verification"] |= {"data": corpus.source, "data_sha256": corpus.sha256, "description": windows.description}
+            del reloaded
+            if not info["verification"]["passed"]:
+                raise export.VerificationFailed(info)
+        (tmp / export.EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / "README.md").write_text(render_model_card(info), encoding="utf-8")
+    return info
 
 
-def protocol(windows, baseline: Recipe) -> list[str]:
-    int8 = get_format("int8")
-    return [
-        f"Perplexity: {windows.description}. Each window is scored on its own tokens 2..{windows.seq_len} "
-        f"({windows.seq_len - 1} predictions per window, stride {windows.seq_len}, no overlap); "
-        f"{'a BOS token starts every window' if windows.bos else 'no BOS token (the tokenizer adds none)'}.",
-        "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted positions of "
-        f"KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the variant's top-1 token equals the baseline's.",
-        f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. Embeddings, norms, attention "
-        "and activations run in fp32 in every variant, so variants differ only in the Linear layers' weights and inputs.",
-        "Quantized Linear: weights quantized once; inputs quantized on every forward with the static per-tensor "
-        "scale from calibration; scale = amax / format max; round to nearest even, then saturate to the format's max; "
-        "product in fp32. Linear layers a recipe leaves out (lm_head by default) run as in the baseline.",
-        f"int8 is symmetric: scale = amax / {int8.max:g}, codes in [-{int8.max:g}, {int8.max:g}] (ModelOpt's convention).",
-    ]
+def check_export_target(output: Path, force: bool) -> None:
+    """Refuse an existing output without --force; with it, replace only an earlier ptq export or an empty
+    directory, never a directory that ptq did not write."""
+    from ptq.export import EXPORT_INFO
+
+    check_writable(output, force)
+    if output.exists():
+        if not output.is_dir():
+            raise PtqError(f"{output} exists and is not a directory")
+        if any(output.iterdir()) and not (output / EXPORT_INFO).is_file():
+            raise PtqError(f"{output} is not a ptq export (no {EXPORT_INFO}): not replacing it, even with --force")
+
+
+def load_compare_results(path: Path, recipe: str) -> dict:
+    """The rows of a `ptq compare` results.json (a file or its directory) for the model card."""
+    path = Path(path)
+    path = path / "results.json" if path.is_dir() else path
+    try:
+        r = json.loads(path.read_text(encoding="utf-8"))
+        variant = next((v for v in r["variants"] if v["name"] == recipe), None)
+        base, ev = r["baseline"], r["eval"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PtqError(f"{path} is not a readable `ptq compare` results.json ({type(e).__name__}: {e})") from None
+    if variant is None:
+        raise PtqError(f"{path} has no results for recipe '{recipe}' (it compares {', '.join(v['name'] for v in r['variants']) or 'nothing'})")
+    return {"file": str(path), "model": r["model"]["name"], "eval": ev.get("description") or ev.get("data"),
+            "eval_data": ev.get("data"), "eval_sha256": ev.get("data_sha256"),
+            "baseline": {k: base.get(k) for k in ("name", "perplexity", "accuracy")} | {"recipe": base.get("recipe")},
+            "variant": {k: variant.get(k) for k in ("name", "perplexity", "accuracy", "ppl_delta_pct", "accuracy_delta",
+                                                    "kl_div", "top1_agreement")} | {"recipe": variant.get("recipe")}}

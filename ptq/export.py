@@ -1,0 +1,386 @@
+"""Export: a quantized model as a Hugging Face checkpoint in the compressed-tensors format, which
+transformers and vLLM load (FP8 E4M3 `float-quantized`, int8 `int-quantized`, W8A8 with static
+per-tensor input scales).
+
+For every Linear the recipe quantizes, the checkpoint holds
+    <layer>.weight        float8_e4m3fn / int8 codes, 1 byte per parameter
+    <layer>.weight_scale  float32, [1] (per-tensor) or [out_features, 1] (per-channel)
+    <layer>.input_scale   float32, [1], the static input scale from calibration
+and every other tensor unchanged, in its dtype in the source checkpoint. The codes come from
+ptq.quantize.quantize_weight, the same function the simulation dequantizes, so the file holds
+exactly what `ptq compare` simulated. Shards are written one at a time: peak memory stays near the
+model plus one shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import safetensors
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptq.calibrate import Calibration
+from ptq.errors import PtqError
+from ptq.formats import NumberFormat, compute_scale, to_storage
+from ptq.quantize import QuantLinear, quantize_, quantize_weight
+from ptq.recipes import Recipe, TensorQuant
+
+EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 1 << 30
+_CT_TYPE = {"float": "float", "int": "int"}  # ptq NumberFormat.kind -> compressed-tensors QuantizationType
+_CT_FORMAT = {"float": "float-quantized", "int": "int-quantized"}
+_DTYPE_NAMES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def check_exportable(recipe: Recipe) -> None:
+    """The recipes the compressed-tensors W8A8 formats can express; anything else is refused up front."""
+    w, x = recipe.weights, recipe.inputs
+    if w.format.name not in ("e4m3", "int8"):
+        raise PtqError(f"recipe '{recipe.name}' stores weights as {w.format.name}: ptq quantize exports FP8 E4M3 and "
+                       "int8 only (the formats transformers and vLLM load as compressed-tensors)")
+    if x.format != w.format:
+        raise PtqError(f"recipe '{recipe.name}' quantizes weights to {w.format.name} but inputs to {x.format.name}: "
+                       "compressed-tensors W8A8 checkpoints use one format for both")
+    if not (w.saturate and x.saturate):
+        raise PtqError(f"recipe '{recipe.name}' is non-saturating: transformers and vLLM always saturate (clamp) "
+                       "when they quantize, so the checkpoint would not run as simulated")
+
+
+def quantization_config(recipe: Recipe, ignore: list[str]):
+    """The compressed-tensors QuantizationConfig for `recipe`: one config group for every Linear except the
+    `ignore`d layers (their exact names), static symmetric scales, weights already compressed on disk."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    def args(kind: str, strategy: str) -> QuantizationArgs:
+        return QuantizationArgs(num_bits=8, type=_CT_TYPE[kind], strategy=strategy, symmetric=True, dynamic=False)
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=args(recipe.weights.format.kind, recipe.weights.granularity),
+        input_activations=args(recipe.inputs.format.kind, "tensor"),
+    )
+    return QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore,
+                              format=_CT_FORMAT[recipe.weights.format.kind], quantization_status="compressed")
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass
+class _Entry:
+    """One tensor of the checkpoint: its name, shape and dtype, and how to produce it when its shard is written."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def source_dtypes(location: str) -> dict[str, torch.dtype]:
+    """The dtype of every tensor in the source checkpoint (a local directory's safetensors headers), so that
+    tensors ptq does not quantize are written back as they were, not in the float32 ptq computes in."""
+    directory = Path(location)
+    if not directory.is_dir():  # a Hub id: its files are in the local cache, if anywhere
+        try:
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(location, local_files_only=True, allow_patterns=["*.safetensors"]))
+        except Exception:
+            return {}
+    dtypes: dict[str, torch.dtype] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                dtypes[key] = _DTYPE_NAMES.get(f.get_slice(key).get_dtype(), None) or f.get_slice(key).get_dtype()
+    return {k: v for k, v in dtypes.items() if isinstance(v, torch.dtype)}
+
+
+def _saved_names(model: nn.Module) -> list[str]:
+    """State-dict names that go into the checkpoint: tied copies dropped as save_pretrained does; refuse
+    architectures whose on-disk names differ from the module names (transformers weight conversions)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    reverted = revert_weight_conversion(model, dict(state))
+    if set(reverted) != set(state):
+        raise PtqError(f"{type(model).__name__} stores its weights under other names on disk (transformers weight "
+                       "conversions): ptq quantize does not export this architecture yet")
+    return list(state)
+
+
+def export_layers(model: nn.Module, recipe: Recipe) -> tuple[list[str], list[str], list[str]]:
+    """The Linear layers the recipe quantizes and those it leaves out, and the state-dict names to save;
+    refuses a model where that is nothing, or where a quantized weight is tied to another tensor."""
+    layers = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    quantized = [name for name in layers if recipe.targets_module(name, model.get_submodule(name))]
+    ignored = sorted(set(layers) - set(quantized))
+    if not quantized:
+        raise PtqError(f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} (it targets "
+                       f"{', '.join(recipe.targets)} modules, and this model has none outside {', '.join(recipe.ignore)})")
+    names = _saved_names(model)
+    tied = [name for name in quantized if f"{name}.weight" not in names]
+    if tied:
+        raise PtqError(f"layer '{tied[0]}' shares its weight with another tensor (tied embeddings): leave it out "
+                       f"of recipe '{recipe.name}' (ignore: [{tied[0]}])")
+    return quantized, ignored, names
+
+
+def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
+                    dtypes: dict[str, torch.dtype]) -> tuple[list[_Entry], list[str], list[str]]:
+    """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers."""
+    quantized, ignored, names = export_layers(model, recipe)
+    if calibration is None:
+        raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
+    calibration.check_model(model, quantized)
+    params = dict(model.state_dict())
+    by_weight = {f"{name}.weight": name for name in quantized}
+    fallback = _dominant_dtype(dtypes)
+    modules = dict(model.named_modules())
+    entries: list[_Entry] = []
+    for name in names:
+        tensor = params[name]
+        layer = by_weight.get(name)
+        if layer is None:
+            dtype = dtypes.get(name, fallback) if tensor.is_floating_point() else tensor.dtype
+            entries.append(_Entry(name, tuple(tensor.shape), dtype, lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous()))
+            continue
+        out_features = tensor.shape[0]
+        weights, inputs = recipe.weights, recipe.inputs
+        scale_shape = (out_features, 1) if weights.granularity == "channel" else (1,)
+        scales: dict[str, torch.Tensor] = {}  # the weight's scale, from the call that made its codes
+        entries += [
+            _Entry(name, tuple(tensor.shape), weights.format.torch_dtype,
+                   lambda m=modules[layer], f=weights, s=scales: _weight_codes(m, f, s)),
+            _Entry(f"{layer}.weight_scale", scale_shape, torch.float32,
+                   lambda s=scales, shape=scale_shape: s.pop("scale").reshape(shape)),
+            _Entry(f"{layer}.input_scale", (1,), torch.float32,
+                   lambda a=calibration.input_amax[layer], f=inputs.format: _input_scale(a, f)),
+        ]
+    return entries, quantized, ignored
+
+
+def _weight_codes(module: nn.Linear, weights: TensorQuant, scales: dict) -> torch.Tensor:
+    codes, scales["scale"] = quantize_weight(module.weight, weights)
+    scales["scale"] = scales["scale"].cpu()
+    return to_storage(codes, weights.format).cpu()
+
+
+def _input_scale(input_amax: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    return compute_scale(input_amax, fmt).reshape(1).cpu()  # exactly QuantLinear's input_scale
+
+
+def _dominant_dtype(dtypes: dict[str, torch.dtype]) -> torch.dtype:
+    floating = [d for d in dtypes.values() if d.is_floating_point]
+    return max(set(floating), key=floating.count) if floating else torch.float32
+
+
+def shard(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+    """Consecutive groups of at most max_bytes (a tensor larger than that gets a shard of its own)."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def write_weights(entries: list[_Entry], directory: Path, max_shard_bytes: int,
+                  advance: Callable[[int], None] = lambda n: None) -> dict:
+    """Write the safetensors shards (and the index when there is more than one), one shard in memory at a time."""
+    groups = shard(entries, max_shard_bytes)
+    n = len(groups)
+    weight_map = {}
+    for i, group in enumerate(groups, 1):
+        filename = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        tensors = {}
+        for e in group:
+            t = e.make()
+            assert t.dtype == e.dtype and tuple(t.shape) == e.shape, (e.name, t.dtype, t.shape)
+            tensors[e.name] = t
+            weight_map[e.name] = filename
+        safetensors.torch.save_file(tensors, str(directory / filename), metadata={"format": "pt"})
+        del tensors
+        advance(len(group))
+    total = sum(e.nbytes for e in entries)
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return {"shards": n, "tensor_bytes": total}
+
+
+def write_config(model: nn.Module, recipe: Recipe, ignored: list[str], dtypes: dict[str, torch.dtype], directory: Path) -> dict:
+    """config.json with the compressed-tensors quantization_config (written by compressed-tensors itself),
+    and generation_config.json; returns the quantization_config as written."""
+    from compressed_tensors.compressors import ModelCompressor
+
+    config = copy.deepcopy(model.config)
+    config.dtype = _dominant_dtype(dtypes)  # the checkpoint's own dtype, not the float32 ptq computed in
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(directory)
+    ModelCompressor(quantization_config=quantization_config(recipe, ignored)).update_config(str(directory))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+    return json.loads((directory / "config.json").read_text())["quantization_config"]
+
+
+def checkpoint_bytes(entries: list[_Entry], quantized_layers: list[str]) -> dict:
+    """Bytes of the tensors written, and of the same model as a 16-bit checkpoint: every parameter of a
+    floating-point or quantized tensor at 2 bytes (the scales are not part of a 16-bit checkpoint)."""
+    codes = {f"{layer}.weight" for layer in quantized_layers}
+    scales = {f"{layer}.{kind}" for layer in quantized_layers for kind in ("weight_scale", "input_scale")}
+    model = [e for e in entries if e.name not in scales]
+    bytes_16bit = sum(e.nbytes // e.dtype.itemsize * (2 if e.dtype.is_floating_point or e.name in codes else e.dtype.itemsize)
+                      for e in model)
+    written = sum(e.nbytes for e in entries)
+    return {"bytes": written, "bytes_16bit": bytes_16bit, "bytes_saved": bytes_16bit - written,
+            "quantized_params": sum(e.nbytes for e in entries if e.name in codes),  # 1 byte each
+            "scale_bytes": sum(e.nbytes for e in entries if e.name in scales),
+            "other_bytes": sum(e.nbytes for e in model if e.name not in codes),
+            "other_dtypes": sorted({str(e.dtype).removeprefix("torch.") for e in model if e.name not in codes})}
+
+
+# ----------------------------------------------------------------------------------------------
+# Verification
+
+
+# What "the logits match" means. Both sides run the same arithmetic (same codes, same float32 scales, same
+# input rounding, float32 matmuls): on SmolLM2 and the test models the KL is exactly 0, and float32 summation-order
+# noise would stay near 1e-10. Input scales 3x off already give 1e-5 on a tiny random model, and int8 inputs
+# rounded over [-127, 127] instead of the loader's [-128, 127] give 0.1 on SmolLM2.
+VERIFY_MAX_KL = 1e-6  # mean KL(simulated || reloaded), nats per predicted token
+VERIFY_MAX_PPL_DELTA = 0.005  # relative perplexity difference from ptq's own simulation (int8: its [-127, 127] inputs)
+VERIFY_MIN_TOP1 = 0.99  # share of positions where both predict the same next token
+
+
+class VerificationFailed(Exception):
+    """The reloaded checkpoint does not match the simulation; carries the export info with its verification."""
+
+    def __init__(self, info: dict):
+        super().__init__("; ".join(info["verification"]["problems"]))
+        self.info = info
+
+
+class _LoaderInt8Inputs(QuantLinear):
+    """A QuantLinear whose int8 inputs round as compressed-tensors (transformers) and vLLM round them:
+    clamp x / scale to [-128, 127], then round. ptq's convention rounds, then clamps to [-127, 127]; the two
+    differ only where x / scale < -127.5, i.e. beyond the calibrated amax on the negative side."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_q = torch.round((x.float() / self.input_scale).clamp(-128, 127)) * self.input_scale
+        return F.linear(x_q.to(x.dtype), self.weight, self.bias)
+
+
+def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, loader_int8_inputs: bool = True) -> nn.Module:
+    """ptq's simulation of the exported checkpoint, in place: quantize_ with the recipe and calibration, except
+    that the layers the recipe leaves out keep their plain Linear (the checkpoint stores them unquantized and
+    transformers runs them as is, where `ptq compare` rounds them to bf16 as in its 16-bit baseline), and, with
+    loader_int8_inputs, int8 inputs round with the loaders' [-128, 127] range instead of ptq's [-127, 127]."""
+    kept = {name: m for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not recipe.targets_module(name, m)}
+    quantize_(model, recipe, calibration)
+    for name, m in kept.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, m)
+    if loader_int8_inputs:
+        for m in model.modules():
+            if isinstance(m, QuantLinear) and m.inputs.format.kind == "int":
+                m.__class__ = _LoaderInt8Inputs
+    return model
+
+
+def reload(directory: Path) -> tuple[nn.Module, dict]:
+    """Load the checkpoint as a user would (AutoModelForCausalLM.from_pretrained, float32, default options),
+    and describe what transformers made of it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:  # compressed-tensors draws its own tqdm bars on stderr; ptq shows its own progress
+        with contextlib.redirect_stderr(io.StringIO()):
+            model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, output_loading_info=True)
+            with torch.inference_mode():  # compressed-tensors decompresses the weights on the first forward
+                model(input_ids=torch.zeros((1, 1), dtype=torch.long))
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PtqError(f"transformers cannot load the exported checkpoint: {reason}") from None
+    model.eval()
+    model.requires_grad_(False)
+    quantized = [m for m in model.modules() if getattr(m, "quantization_scheme", None) is not None]
+    return model, {
+        "missing_keys": sorted(info.get("missing_keys", [])),
+        "unexpected_keys": sorted(info.get("unexpected_keys", [])),
+        "mismatched_keys": sorted(str(k) for k in info.get("mismatched_keys", [])),
+        "quantized_layers": len(quantized),
+        "input_quantized_layers": sum(1 for m in quantized if m.quantization_scheme.input_activations is not None
+                                      and hasattr(m, "input_scale")),
+    }
+
+
+def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_layers: int,
+           input_ids: torch.Tensor, batch_size: int = 4, ptq_simulated: nn.Module | None = None) -> dict:
+    """Score the reloaded checkpoint against the simulation that computes what the loader computes (the gate on
+    logits: KL and top-1), and its perplexity against ptq's own simulation (`ptq_simulated`, when the loader's
+    rounding differs from ptq's: int8 inputs), on the same windows, through the one evaluation loop."""
+    from ptq.evaluate import evaluate
+
+    models = {"simulated": simulated, "reloaded": reloaded} | ({"ptq": ptq_simulated} if ptq_simulated is not None else {})
+    scores = evaluate(models, input_ids, batch_size)
+    sim, rel = scores["simulated"], scores["reloaded"]
+    own = scores.get("ptq", sim)
+    ppl_delta = rel.perplexity / own.perplexity - 1
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        if load_info[kind]:
+            problems.append(f"{kind.replace('_', ' ')} on reload: {', '.join(load_info[kind][:3])}")
+    if load_info["input_quantized_layers"] != expected_layers:
+        problems.append(f"transformers applies static input quantization in {load_info['input_quantized_layers']} "
+                        f"of {expected_layers} quantized layers")
+    if not rel.kl_div <= VERIFY_MAX_KL:
+        problems.append(f"KL(simulated || reloaded) {rel.kl_div:.3g} nats/token > {VERIFY_MAX_KL:g}")
+    if not rel.top1_agreement >= VERIFY_MIN_TOP1:
+        problems.append(f"same top-1 token at {100 * rel.top1_agreement:.2f}% of positions (limit {100 * VERIFY_MIN_TOP1:g}%)")
+    if not abs(ppl_delta) <= VERIFY_MAX_PPL_DELTA:
+        problems.append(f"perplexity differs from ptq's simulation by {100 * ppl_delta:+.3f}% (limit ±{100 * VERIFY_MAX_PPL_DELTA:g}%)")
+    return {
+        "passed": not problems, "problems": problems,
+        "windows": len(input_ids), "seq_len": int(input_ids.shape[1]), "tokens": sim.tokens,
+        "simulated_perplexity": sim.perplexity, "reloaded_perplexity": rel.perplexity, "ptq_perplexity": own.perplexity,
+        "ppl_delta_pct": 100 * ppl_delta, "kl_div": rel.kl_div, "top1_agreement": rel.top1_agreement,
+        "loader_int8_rounding": ptq_simulated is not None,
+        "tolerance": {"max_kl_div": VERIFY_MAX_KL, "max_ppl_delta_pct": 100 * VERIFY_MAX_PPL_DELTA,
+                      "min_top1_agreement": VERIFY_MIN_TOP1},
+        "load": load_info,
+    }
+
+
+def is_exported(directory: Path) -> dict | None:
+    """The compressed-tensors quantization_config of a checkpoint directory, or None."""
+    config = Path(directory) / "config.json"
+    try:
+        qc = json.loads(config.read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    return qc if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" else None

@@ -1,0 +1,271 @@
+"""`ptq quantize`: compressed-tensors checkpoints that transformers reloads, checked against independent
+references (compressed-tensors' own schema and compressors, the source safetensors, transformers' loader)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from conftest import TEXT, make_tokenizer
+
+from ptq import cli, progress
+
+FORMATS = {"fp8-e4m3": (torch.float8_e4m3fn, "float", 448.0), "int8": (torch.int8, "int", 127.0)}
+
+
+def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors |= safetensors.torch.load_file(str(f))
+    return tensors
+
+
+@pytest.fixture(scope="module", params=["fp8-e4m3", "int8"])
+def exported(request, tiny_model, tmp_path_factory):
+    """The tiny Llama exported with each recipe through the CLI, in several shards, verified."""
+    out = tmp_path_factory.mktemp("export") / f"tiny-{request.param}"
+    text = tmp_path_factory.mktemp("text") / "text.txt"
+    text.write_text(TEXT * 3)
+    argv = ["ptq", "quantize", str(tiny_model), "--recipe", request.param, "--data", str(text), "--samples", "4",
+            "--seq-len", "64", "--verify-windows", "4", "--shard-size", "0.05", "-o", str(out), "-q"]
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as e:
+        mp.setattr(sys, "argv", argv)
+        cli.main()
+    progress.QUIET = False
+    assert e.value.code == 0
+    return request.param, out
+
+
+def test_checkpoint_layout_sizes_and_config(exported, tiny_model):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    recipe, out = exported
+    dtype, kind, _ = FORMATS[recipe]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    for name in ("tokenizer.json", "generation_config.json", "README.md", "ptq-export.json"):
+        assert (out / name).is_file()
+    assert not list(out.parent.glob(".*.tmp"))  # the temporary directory was renamed, none left behind
+
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
+    config = QuantizationConfig.model_validate(qc)  # compressed-tensors' own schema accepts it
+    scheme = config.config_groups["group_0"]
+    assert config.format == f"{kind}-quantized" and config.ignore == ["lm_head"]
+    assert scheme.weights.type == kind and scheme.input_activations.type == kind
+    assert scheme.weights.strategy == ("channel" if recipe == "int8" else "tensor")
+    assert scheme.input_activations.strategy == "tensor" and scheme.input_activations.dynamic is False
+
+    tensors = read_checkpoint(out)
+    source = read_checkpoint(tiny_model)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    quantized = [k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")]
+    assert len(quantized) == 14  # 2 layers x (q, k, v, o, gate, up, down); lm_head is tied and left out
+    for layer in quantized:
+        w = tensors[f"{layer}.weight"]
+        assert w.dtype == dtype and w.element_size() == 1 and w.shape == source[f"{layer}.weight"].shape
+        assert tensors[f"{layer}.input_scale"].shape == (1,)
+    others = [k for k in tensors if not k.endswith(("_scale",)) and k.removesuffix(".weight") not in quantized]
+    assert others and all(torch.equal(tensors[k], source[k]) for k in others)  # unchanged, same dtype
+    assert set(others) | {f"{q}.weight" for q in quantized} == set(source)
+
+    info = json.loads((out / "ptq-export.json").read_text())
+    size = info["size"]
+    params_16bit = sum(t.numel() for t in source.values()) * 2
+    assert size["bytes_16bit"] == params_16bit and size["bytes_saved"] == params_16bit - index["metadata"]["total_size"]
+    card = (out / "README.md").read_text()
+    assert recipe in card and info["calibration"]["data_sha256"][:16] in card and "ptq 0.1.0" in card
+
+
+def test_codes_are_bit_identical_to_an_independent_quantization(exported, tiny_model):
+    """Each stored weight equals compressed-tensors' own compressor applied to the source weight with
+    scale = amax / max computed here from scratch."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    recipe, out = exported
+    dtype, _, fmt_max = FORMATS[recipe]
+    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    scheme = config.config_groups["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+    tensors, source = read_checkpoint(out), read_checkpoint(tiny_model)
+    for key in [k for k in tensors if k.endswith(".weight_scale")]:
+        layer = key.removesuffix(".weight_scale")
+        w = source[f"{layer}.weight"].float()
+        amax = w.abs().amax(dim=1, keepdim=True) if recipe == "int8" else w.abs().max().reshape(1)
+        scale = amax / fmt_max
+        assert torch.equal(tensors[key], scale)
+        reference = compressor.compress({"weight": w, "weight_scale": scale}, scheme)["weight"]
+        assert reference.dtype == dtype
+        assert torch.equal(tensors[f"{layer}.weight"].view(torch.uint8), reference.view(torch.uint8))
+
+
+def test_transformers_reload_matches_the_simulation(exported):
+    recipe, out = exported
+    ver = json.loads((out / "ptq-export.json").read_text())["verification"]
+    assert ver["passed"] and not ver["problems"]
+    assert ver["load"]["input_quantized_layers"] == 14 and not ver["load"]["unexpected_keys"]
+    assert ver["kl_div"] <= ver["tolerance"]["max_kl_div"] and abs(ver["ppl_delta_pct"]) < 0.01
+
+
+def test_verification_fails_on_a_wrong_input_scale(exported, tiny_model, tmp_path):
+    """The check can fail: a checkpoint whose input scales are off is caught, and so is a load that drops
+    the static input quantization (dequantize=True)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from ptq import export
+    from ptq.calibrate import calibrate
+    from ptq.data import load_corpus, make_windows
+    from ptq.models import load_model
+    from ptq.quantize import calibrated_layers
+    from ptq.recipes import load_recipe
+
+    recipe_name, out = exported
+    recipe = load_recipe(recipe_name)
+    loaded = load_model(str(tiny_model))
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 3)
+    windows = make_windows(load_corpus(str(text), "calibration"), loaded.tokenizer, 64, 4).input_ids
+    calibration = calibrate(loaded.model, windows, calibrated_layers(loaded.model, recipe))
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    for f in bad.glob("model-*.safetensors"):
+        tensors = safetensors.torch.load_file(str(f))
+        tensors = {k: v * 3 if k.endswith(".input_scale") else v for k, v in tensors.items()}
+        safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
+    simulated = export.simulate_export(loaded.model, recipe, calibration)
+    reloaded, info = export.reload(bad)
+    result = export.verify(simulated, reloaded, info, 14, windows)
+    assert not result["passed"] and any("KL" in p for p in result["problems"])
+
+    dense = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
+    info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "quantized_layers": 0, "input_quantized_layers": 0}
+    result = export.verify(simulated, dense.eval(), info, 14, windows)
+    assert not result["passed"] and any("input quantization in 0 of 14" in p for p in result["problems"])
+
+
+def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp_path):
+    """ptq compare DIR evaluates the dequantized weights; re-quantizing them with the export's recipe
+    reproduces the stored codes exactly."""
+    from ptq.models import load_model
+    from ptq.quantize import quantize_weight
+    from ptq.recipes import load_recipe
+
+    recipe_name, out = exported
+    loaded = load_model(str(out))
+    assert "compressed-tensors checkpoint" in loaded.caveats[0]
+    tensors = read_checkpoint(out)
+    recipe = load_recipe(recipe_name)
+    layer = "model.layers.0.mlp.down_proj"
+    w = loaded.model.get_submodule(layer).weight
+    assert type(loaded.model.get_submodule(layer)) is torch.nn.Linear
+    assert torch.equal(w, tensors[f"{layer}.weight"].float() * tensors[f"{layer}.weight_scale"])
+    codes, scale = quantize_weight(w, recipe.weights)
+    assert torch.equal(codes, tensors[f"{layer}.weight"].float())
+
+    code, stdout, stderr = ptq_cli("compare", out, "--recipes", recipe_name, "--calib-data", text_file, "--eval-data",
+                                   text_file, "--calib-samples", "2", "--seq-len", "32", "--max-windows", "2",
+                                   "--out", tmp_path / "cmp", "-q")
+    assert code == 0, stderr
+    results = json.loads((tmp_path / "cmp" / "results.json").read_text())
+    assert "compressed-tensors checkpoint" in results["model"]["caveats"][0]
+
+
+def test_refusals_leave_nothing_behind(tiny_model, ptq_cli, text_file, tmp_path):
+    common = ["--data", text_file, "--samples", "2", "--seq-len", "32", "--no-verify", "-q"]
+    code, _, err = ptq_cli("quantize", tiny_model, "--recipe", "fp8-e5m2", "-o", tmp_path / "a", *common)
+    assert code == 2 and "E4M3 and int8 only" in err and not (tmp_path / "a").exists()
+    code, _, err = ptq_cli("quantize", tiny_model, "--recipe", "bf16", "-o", tmp_path / "a", *common)
+    assert code == 2 and not (tmp_path / "a").exists()
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    code, _, err = ptq_cli("quantize", tiny_model, "-o", mine, *common)
+    assert code == 2 and "already exists" in err
+    code, _, err = ptq_cli("quantize", tiny_model, "-o", mine, "--force", *common)
+    assert code == 2 and "not a ptq export" in err and (mine / "notes.txt").read_text() == "keep me"
+
+    tied = tmp_path / "tied.yaml"
+    tied.write_text("name: all\nweights: {format: e4m3}\ninputs: {format: e4m3}\nignore: []\n")
+    code, _, err = ptq_cli("quantize", tiny_model, "--recipe", tied, "-o", tmp_path / "b", *common)
+    assert code == 2 and "tied" in err and not (tmp_path / "b").exists()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_force_replaces_an_earlier_export_and_an_interrupted_one_leaves_nothing(tiny_model, ptq_cli, text_file,
+                                                                                tmp_path, monkeypatch):
+    from ptq import export
+
+    out = tmp_path / "out"
+    common = [tiny_model, "-o", out, "--data", text_file, "--samples", "2", "--seq-len", "32", "--no-verify", "-q"]
+    assert ptq_cli("quantize", *common)[0] == 0
+    first = (out / "ptq-export.json").read_text()
+    assert json.loads(first)["verification"] is None and "Not verified" in (out / "README.md").read_text()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "write_config", interrupted)
+    code, _, _ = ptq_cli("quantize", *common, "--force")
+    assert code == 130 and (out / "ptq-export.json").read_text() == first  # the earlier export is untouched
+    assert not list(tmp_path.glob(".*.tmp"))
+    monkeypatch.undo()
+    assert ptq_cli("quantize", *common, "--force", "--recipe", "int8")[0] == 0
+    assert json.loads((out / "ptq-export.json").read_text())["recipe"]["name"] == "int8"
+
+
+ARCHITECTURES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_other_architectures_round_trip(arch, ptq_cli, text_file, tmp_path):
+    """A small random model of each architecture exports, reloads in transformers and matches the simulation."""
+    import transformers
+
+    config_name, model_name, extra = ARCHITECTURES[arch]
+    tokenizer = make_tokenizer()
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id, **extra)
+    torch.manual_seed(0)
+    source = tmp_path / arch
+    getattr(transformers, model_name)(config).to(torch.bfloat16).save_pretrained(source)  # a 16-bit checkpoint
+    tokenizer.save_pretrained(source)
+    out = tmp_path / "out"
+    code, stdout, err = ptq_cli("quantize", source, "--recipe", "fp8-e4m3", "-o", out, "--data", text_file,
+                                "--samples", "2", "--seq-len", "32", "--verify-windows", "2", "-q")
+    assert code == 0, err
+    info = json.loads((out / "ptq-export.json").read_text())
+    assert info["verification"]["passed"] and info["format"]["quantized_layers"] == 14
+    tensors, original = read_checkpoint(out), read_checkpoint(source)
+    assert all(tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], v) for k, v in original.items()
+               if not k.endswith(".weight") or f"{k.removesuffix('.weight')}.weight_scale" not in tensors)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert info["size"]["bytes_saved"] > 0 and "saved" in stdout
+
+
+def test_gpt2_has_no_linear_layers_to_export(ptq_cli, text_file, tmp_path):
+    """GPT-2 builds its projections from Conv1D, not Linear: the recipes quantize nothing there, and say so."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = make_tokenizer()
+    source = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64)).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    code, _, err = ptq_cli("quantize", source, "-o", tmp_path / "out", "--data", text_file, "--samples", "2",
+                           "--seq-len", "32", "-q")
+    assert code == 2 and "quantizes no layer" in err and not (tmp_path / "out").exists()
