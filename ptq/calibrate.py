@@ -1,6 +1,9 @@
 """Calibration: run text through the model and record the amax (max |x|) of every tensor that a recipe
-quantizes: each targeted Linear's weight and its input. Observers stream (a running max), they never
-keep activations. The result is saved as safetensors (the amax tensors) plus JSON metadata.
+quantizes: each targeted Linear's weight and its input, and attention's batched-matmul inputs
+("<attention layer>.query|key|value|probs"). Observers stream (a running max, a fixed-bin histogram of
+|x| for the percentile/MSE/entropy observers and the diagnostics, per-channel maxima for SmoothQuant;
+ptq/observers.py), they never keep activations. The result is saved as safetensors (the amax tensors)
+plus JSON metadata.
 """
 
 from __future__ import annotations
@@ -17,20 +20,10 @@ from torch import nn
 from ptq.errors import PtqError
 from ptq.files import atomic_path, check_writable
 from ptq.formats import amax
+from ptq.observers import NUM_BINS, TensorObserver
 from ptq.progress import progress
 
 FILE_KIND = "ptq-calibration/1"
-
-
-class AmaxObserver:
-    """Running per-tensor max |x| over every batch it sees."""
-
-    def __init__(self) -> None:
-        self.amax: torch.Tensor | None = None
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:  # a forward pre-hook
-        batch_amax = amax(args[0].detach())
-        self.amax = batch_amax if self.amax is None else torch.maximum(self.amax, batch_amax)
 
 
 @dataclass
@@ -38,6 +31,8 @@ class Calibration:
     input_amax: dict[str, torch.Tensor]  # layer name -> scalar float32
     weight_amax: dict[str, torch.Tensor]  # layer name -> scalar float32; also identifies the model
     metadata: dict = field(default_factory=dict)
+    input_hist: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> int64 [NUM_BINS] counts of |x|
+    input_channel_amax: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> float32 [in_features]
 
     def check_model(self, model: nn.Module, layers: list[str]) -> None:
         """Refuse a calibration made for another model: same layers, same weights (by their amax)."""
@@ -46,17 +41,32 @@ class Calibration:
             if name not in self.input_amax:
                 raise PtqError(f"calibration file has no amax for layer '{name}' "
                                f"(made for model '{self.metadata.get('model', '?')}'; recalibrate for this model and recipe)")
+            if name not in self.weight_amax and name.rpartition(".")[0] in modules:
+                continue  # an attention matmul input ("<layer>.query"): no weight of its own
             module = modules.get(name)
             if not isinstance(module, nn.Linear) or not torch.equal(amax(module.weight).cpu(), self.weight_amax[name]):
                 raise PtqError(f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
                                f"the weights of layer '{name}' differ")
 
 
-def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4) -> Calibration:
-    """Record input and weight amax of the named Linear layers over the calibration windows."""
+def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4,
+              channels: list[str] = ()) -> Calibration:
+    """Record input and weight amax of the named Linear layers (and attention matmul inputs, named
+    "<attention layer>.<tensor>") over the calibration windows, with histograms of every input, and
+    per-channel input amax of the Linear layers in `channels`."""
+    from ptq import attention
+
     modules = dict(model.named_modules())
-    observers = {name: AmaxObserver() for name in layers}
-    hooks = [modules[name].register_forward_pre_hook(obs) for name, obs in observers.items()]
+    linears = [name for name in layers if isinstance(modules.get(name), nn.Linear)]
+    observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
+    hooks = [modules[name].register_forward_pre_hook(observers[name]) for name in linears]
+    attention_layers = {}
+    for name in layers:
+        if name not in linears:
+            layer, _, tensor = name.rpartition(".")
+            attention_layers.setdefault(layer, {})[tensor] = observers[name].observe
+    previous = model.config._attn_implementation
+    attention.install(model, {k: attention.AttentionQuant(v) for k, v in attention_layers.items()})
     # Layers outside the base model (lm_head) are not quantized by default: skip computing them.
     base = getattr(model, "base_model", model)
     base_names = {f"{model.base_model_prefix}.{n}" if n else model.base_model_prefix for n, _ in base.named_modules()}
@@ -70,20 +80,25 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     finally:
         for h in hooks:
             h.remove()
+        attention.uninstall(model, previous)
     input_amax = {name: obs.amax.float().cpu() for name, obs in observers.items()}
-    weight_amax = {name: amax(modules[name].weight).cpu() for name in layers}
+    weight_amax = {name: amax(modules[name].weight).cpu() for name in linears}
     for kind, values in (("input", input_amax), ("weight", weight_amax)):
         bad = [name for name, a in values.items() if not torch.isfinite(a)]
         if bad:
             raise PtqError(f"non-finite {kind} values (NaN or inf) in layer '{bad[0]}' during calibration"
                            + (f" and {len(bad) - 1} more layers" if len(bad) > 1 else ""))
-    return Calibration(input_amax, weight_amax)
+    return Calibration(input_amax, weight_amax,
+                       input_hist={name: obs.hist for name, obs in observers.items()},
+                       input_channel_amax={name: obs.channel_amax.cpu() for name, obs in observers.items() if obs.channels})
 
 
 def save_calibration(calibration: Calibration, path: Path, force: bool = False) -> None:
     check_writable(path, force)
     tensors = {f"input_amax/{k}": v.contiguous() for k, v in calibration.input_amax.items()}
     tensors |= {f"weight_amax/{k}": v.contiguous() for k, v in calibration.weight_amax.items()}
+    tensors |= {f"input_hist/{k}": v.contiguous() for k, v in calibration.input_hist.items()}
+    tensors |= {f"input_channel_amax/{k}": v.float().contiguous() for k, v in calibration.input_channel_amax.items()}
     header = {"kind": FILE_KIND, "metadata": json.dumps(calibration.metadata, sort_keys=True)}
     with atomic_path(path) as tmp:
         safetensors.torch.save_file(tensors, str(tmp), metadata=header)
@@ -108,13 +123,31 @@ def load_calibration(path: Path) -> Calibration:
     calibration = Calibration({}, {}, metadata)
     for key, tensor in tensors.items():
         kind, _, name = key.partition("/")
+        if kind in ("input_hist", "input_channel_amax"):
+            _load_statistics(calibration, path, key, tensor)
+            continue
         target = {"input_amax": calibration.input_amax, "weight_amax": calibration.weight_amax}.get(kind)
         if target is None or tensor.dtype != torch.float32 or tensor.numel() != 1 or not torch.isfinite(tensor).all() or tensor.item() < 0:
             raise PtqError(f"{path}: invalid entry '{key}' (expected a finite, non-negative float32 amax)")
         target[name] = tensor.reshape(())
-    if set(calibration.input_amax) != set(calibration.weight_amax):
+    if not set(calibration.weight_amax) <= set(calibration.input_amax):
         raise PtqError(f"{path}: input and weight amax name different layers")
+    if not set(calibration.input_hist) | set(calibration.input_channel_amax) <= set(calibration.input_amax):
+        raise PtqError(f"{path}: histograms or per-channel amax name tensors without an input amax")
     return calibration
+
+
+def _load_statistics(calibration: Calibration, path: Path, key: str, tensor: torch.Tensor) -> None:
+    """Histograms (int64 counts, NUM_BINS) and per-channel amax (finite, non-negative float32 vectors)."""
+    kind, _, name = key.partition("/")
+    if kind == "input_hist":
+        if tensor.dtype != torch.int64 or tensor.shape != (NUM_BINS,) or bool((tensor < 0).any()):
+            raise PtqError(f"{path}: invalid entry '{key}' (expected {NUM_BINS} non-negative int64 counts)")
+        calibration.input_hist[name] = tensor
+    else:
+        if tensor.dtype != torch.float32 or tensor.dim() != 1 or not torch.isfinite(tensor).all() or bool((tensor < 0).any()):
+            raise PtqError(f"{path}: invalid entry '{key}' (expected a finite, non-negative float32 vector)")
+        calibration.input_channel_amax[name] = tensor
 
 
 def summary_rows(calibration: Calibration, top: int = 10) -> dict:

@@ -22,7 +22,7 @@ from ptq.evaluate import evaluate
 from ptq.files import check_writable
 from ptq.formats import get_format
 from ptq.models import LoadedModel, load_model
-from ptq.quantize import calibrated_layers, quantize_
+from ptq.quantize import calibrated_layers, quantize_, smoothed_layers
 from ptq.recipes import Recipe, load_recipe
 from ptq.report import write_report
 
@@ -51,10 +51,11 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
 def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, recipes: list[Recipe],
                output: Path | None, force: bool) -> Calibration:
     windows = make_windows(corpus, loaded.tokenizer, seq_len, samples)
-    layers = sorted({name for r in recipes for name in calibrated_layers(loaded.model, r)})
+    channels = sorted({name for r in recipes for name in smoothed_layers(loaded.model, r)})
+    layers = sorted({name for r in recipes for name in calibrated_layers(loaded.model, r)} | set(channels))
     if not layers:
         raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
-    calibration = calibrate(loaded.model, windows.input_ids, layers)
+    calibration = calibrate(loaded.model, windows.input_ids, layers, channels=channels)
     calibration.metadata = {
         "model": loaded.name, "model_source": loaded.source,
         "data": corpus.source, "data_sha256": corpus.sha256,
