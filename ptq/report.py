@@ -48,6 +48,7 @@ def render_markdown(r: dict) -> str:
                   "| layer | input amax | weight amax |", "|---|---:|---:|"]
         lines += [f"| `{row['layer']}` | {row['input_amax']:.4g} | {row['weight_amax']:.4g} |" for row in cal["summary"]["largest"]]
         lines += ["", "</details>"]
+    lines += render_diagnostics(r)
     lines += ["", "## Versions", "", ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}.", ""]
     return "\n".join(lines)
 
@@ -56,3 +57,25 @@ def verdict(r: dict) -> str:
     base = r["baseline"]["name"]
     parts = [f"{v['name']} {v['ppl_delta_pct']:+.2f}%" for v in r["variants"]]
     return f"**Perplexity vs {base}:** " + ", ".join(parts) + "." if parts else "**Baseline only.**"
+
+
+def render_diagnostics(r: dict, top: int = 10) -> list[str]:
+    """Per-tensor SQNR under E4M3 and int8 (results["diagnostics"]): the worst tensors of each, then all."""
+    d = r.get("diagnostics")
+    if not d:
+        return []
+    rows = {row["tensor"]: row for row in d["tensors"]}
+
+    def fmt_db(v):
+        return "exact" if v is None else f"{v:.1f}"
+
+    lines = ["", "## Per-tensor diagnostics (calibration data)", "", f"- {d['method']}.", ""]
+    for name in ("e4m3", "int8"):
+        lines += [f"Worst {top} under {name}:", "", "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
+        lines += [f"| `{t}` | {rows[t]['amax']:.4g} | {fmt_db(rows[t]['sqnr_e4m3_db'])} | {fmt_db(rows[t]['sqnr_int8_db'])} |"
+                  for t in d[f"worst_{name}"][:top]]
+        lines.append("")
+    lines += ["<details><summary>All tensors</summary>", "", "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
+    lines += [f"| `{t}` | {row['amax']:.4g} | {fmt_db(row['sqnr_e4m3_db'])} | {fmt_db(row['sqnr_int8_db'])} |" for t, row in rows.items()]
+    lines += ["", "</details>"]
+    return lines

@@ -17,6 +17,7 @@ import torch
 from ptq import __version__
 from ptq.calibrate import Calibration, calibrate, load_calibration, save_calibration, summary_rows
 from ptq.data import Corpus, load_corpus, make_windows
+from ptq.diagnostics import sqnr_table
 from ptq.errors import PtqError
 from ptq.evaluate import evaluate
 from ptq.files import check_writable
@@ -126,13 +127,16 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
         results["calibration"] = {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
                                   "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
                                   "summary": summary_rows(calibration)}
+        results["diagnostics"] = sqnr_table(calibration)
     write_report(Path(out), results, force)
     return results
 
 
 def recipe_summary(r: Recipe) -> dict:
     return {"name": r.name, "description": r.description, "weights": r.weights.describe(),
-            "inputs": r.inputs.describe(), "ignore": list(r.ignore), "source": Path(r.source).name}
+            "inputs": r.inputs.describe(), "ignore": list(r.ignore), "source": Path(r.source).name,
+            "attention": r.attention.describe() + f" ({', '.join(r.attention_tensors)})" if r.attention else None,
+            "kv_cache": r.kv_cache.describe() if r.kv_cache else None, "smoothquant_alpha": r.smoothquant}
 
 
 def protocol(windows, baseline: Recipe) -> list[str]:
