@@ -155,3 +155,22 @@ def test_describe_plan_lists_linear_and_attention_tensors(tiny_model):
     assert rows["model.layers.0.self_attn.kv_cache.key"]["quantized"] and not rows["model.layers.0.self_attn.query"]["quantized"]
     assert not rows["model.layers.1.self_attn.probs"]["quantized"] and not rows["model.layers.1.mlp.up_proj"]["quantized"]
     assert rows["model.layers.0.mlp.up_proj"]["weights"] == "e4m3 per-tensor" and rows["lm_head"]["weights"] == "bf16"
+
+
+def test_compare_sweep_with_paper_recipes_reports_sqnr(ptq_cli, tiny_model, text_file, tmp_path):
+    import json
+
+    out = tmp_path / "out"
+    code, stdout, stderr = ptq_cli("compare", tiny_model, "--recipes", "paper-e4m3,paper-int8-smoothquant,fp8-e4m3-dynamic",
+                                   "--calib-data", text_file, "--eval-data", text_file, "--seq-len", "32",
+                                   "--calib-samples", "2", "--max-windows", "2", "--out", out, "--quiet")
+    assert code == 0, stderr
+    results = json.loads((out / "results.json").read_text())
+    assert [v["name"] for v in results["variants"]] == ["paper-e4m3", "paper-int8-smoothquant", "fp8-e4m3-dynamic"]
+    assert results["variants"][0]["recipe"]["attention"].startswith("e4m3 per-tensor best")
+    assert results["variants"][1]["recipe"]["smoothquant_alpha"] == 0.5
+    tensors = {row["tensor"]: row for row in results["diagnostics"]["tensors"]}
+    assert "model.layers.0.self_attn.probs" in tensors and "model.layers.1.mlp.down_proj" in tensors
+    assert all(row["sqnr_e4m3_db"] > 20 for row in tensors.values())
+    assert results["diagnostics"]["worst_int8"][0] in tensors
+    assert "## Per-tensor diagnostics" in (out / "report.md").read_text()
