@@ -41,10 +41,11 @@ class Calibration:
             if name not in self.input_amax:
                 raise PtqError(f"calibration file has no amax for layer '{name}' "
                                f"(made for model '{self.metadata.get('model', '?')}'; recalibrate for this model and recipe)")
-            if name not in self.weight_amax and name.rpartition(".")[0] in modules:
-                continue  # an attention matmul input ("<layer>.query"): no weight of its own
             module = modules.get(name)
-            if not isinstance(module, nn.Linear) or not torch.equal(amax(module.weight).cpu(), self.weight_amax[name]):
+            if module is None and name not in self.weight_amax and name.rpartition(".")[0] in modules:
+                continue  # an attention matmul input ("<layer>.query"): no weight of its own
+            if (not isinstance(module, nn.Linear) or name not in self.weight_amax
+                    or not torch.equal(amax(module.weight).cpu(), self.weight_amax[name])):
                 raise PtqError(f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
                                f"the weights of layer '{name}' differ")
 
@@ -152,7 +153,9 @@ def _load_statistics(calibration: Calibration, path: Path, key: str, tensor: tor
 
 def summary_rows(calibration: Calibration, top: int = 10) -> dict:
     """The tensors with the largest input amax, and the spread across layers, for reports."""
-    items = sorted(((k, float(v)) for k, v in calibration.input_amax.items()), key=lambda kv: -kv[1])
+    # Linear layers only (they have weights); attention matmul inputs are in the per-tensor diagnostics.
+    items = sorted(((k, float(v)) for k, v in calibration.input_amax.items() if k in calibration.weight_amax),
+                   key=lambda kv: -kv[1])
     values = torch.tensor([v for _, v in items]) if items else torch.zeros(1)
     weights = calibration.weight_amax
     return {

@@ -48,6 +48,7 @@ def render_markdown(r: dict) -> str:
                   "| layer | input amax | weight amax |", "|---|---:|---:|"]
         lines += [f"| `{row['layer']}` | {row['input_amax']:.4g} | {row['weight_amax']:.4g} |" for row in cal["summary"]["largest"]]
         lines += ["", "</details>"]
+    lines += render_coverage(r)
     lines += render_diagnostics(r)
     lines += ["", "## Versions", "", ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}.", ""]
     return "\n".join(lines)
@@ -78,4 +79,20 @@ def render_diagnostics(r: dict, top: int = 10) -> list[str]:
     lines += ["<details><summary>All tensors</summary>", "", "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
     lines += [f"| `{t}` | {row['amax']:.4g} | {fmt_db(row['sqnr_e4m3_db'])} | {fmt_db(row['sqnr_int8_db'])} |" for t, row in rows.items()]
     lines += ["", "</details>"]
+    return lines
+
+
+def render_coverage(r: dict) -> list[str]:
+    """What each variant quantizes beyond Linear weights and inputs (attention, KV cache, SmoothQuant)."""
+    rows = [v for v in r["variants"] if v["recipe"].get("attention") or v["recipe"].get("kv_cache")
+            or v["recipe"].get("smoothquant_alpha") is not None]
+    if not rows:
+        return []
+    lines = ["", "## Coverage beyond Linear layers", "", "| variant | attention matmul inputs | KV cache | SmoothQuant alpha |",
+             "|---|---|---|---:|"]
+    for v in rows:
+        rec = v["recipe"]
+        alpha = rec.get("smoothquant_alpha")
+        lines.append(f"| {v['name']} | {rec.get('attention') or 'fp32'} | {rec.get('kv_cache') or 'fp32'} | "
+                     f"{'' if alpha is None else f'{alpha:g}'} |")
     return lines

@@ -148,7 +148,9 @@ def protocol(windows, baseline: Recipe) -> list[str]:
         "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted positions of "
         f"KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the variant's top-1 token equals the baseline's.",
         f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. Embeddings, norms, attention "
-        "and activations run in fp32 in every variant, so variants differ only in the Linear layers' weights and inputs.",
+        "and activations run in fp32 in every variant, so variants differ only in the Linear layers' weights and inputs, "
+        "except where a recipe also quantizes attention's batched-matmul inputs (Q, K, V, softmax output) or the KV cache "
+        "(its `attention` / `kv_cache` entries): such variants compute attention the eager way with those inputs rounded.",
         "Quantized Linear: weights quantized once; inputs quantized on every forward with the static per-tensor "
         "scale from calibration; scale = amax / format max; round to nearest even, then saturate to the format's max; "
         "product in fp32. Linear layers a recipe leaves out (lm_head by default) run as in the baseline.",

@@ -174,3 +174,16 @@ def test_compare_sweep_with_paper_recipes_reports_sqnr(ptq_cli, tiny_model, text
     assert all(row["sqnr_e4m3_db"] > 20 for row in tensors.values())
     assert results["diagnostics"]["worst_int8"][0] in tensors
     assert "## Per-tensor diagnostics" in (out / "report.md").read_text()
+
+
+def test_summary_lists_linear_layers_and_check_model_needs_their_weights(tiny_model):
+    from ptq.calibrate import Calibration, summary_rows
+    from ptq.errors import PtqError
+
+    calibration = Calibration({"a.self_attn.query": torch.tensor(99.0), "a.q_proj": torch.tensor(1.0)},
+                              {"a.q_proj": torch.tensor(2.0)})
+    assert [row["layer"] for row in summary_rows(calibration)["largest"]] == ["a.q_proj"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    name = "model.layers.0.mlp.up_proj"  # an input amax without the weight amax that identifies the model
+    with pytest.raises(PtqError, match="made for another model"):
+        Calibration({name: torch.tensor(1.0)}, {}).check_model(model, [name])
