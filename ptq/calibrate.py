@@ -42,8 +42,8 @@ class Calibration:
                 raise PtqError(f"calibration file has no amax for layer '{name}' "
                                f"(made for model '{self.metadata.get('model', '?')}'; recalibrate for this model and recipe)")
             module = modules.get(name)
-            if module is None and name not in self.weight_amax and name.rpartition(".")[0] in modules:
-                continue  # an attention matmul input ("<layer>.query"): no weight of its own
+            if module is None and name not in self.weight_amax and name.split(".residual.")[0].rpartition(".")[0] in modules:
+                continue  # an attention matmul input ("<layer>.query") or a residual-add input: no weight of its own
             if (not isinstance(module, nn.Linear) or name not in self.weight_amax
                     or not torch.equal(amax(module.weight).cpu(), self.weight_amax[name])):
                 raise PtqError(f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
@@ -55,19 +55,23 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     """Record input and weight amax of the named Linear layers (and attention matmul inputs, named
     "<attention layer>.<tensor>") over the calibration windows, with histograms of every input, and
     per-channel input amax of the Linear layers in `channels`."""
-    from ptq import attention
+    from ptq import attention, residual
 
     modules = dict(model.named_modules())
     linears = [name for name in layers if isinstance(modules.get(name), nn.Linear)]
     observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
     hooks = [modules[name].register_forward_pre_hook(observers[name]) for name in linears]
-    attention_layers = {}
+    attention_layers, residual_blocks = {}, {}
     for name in layers:
         if name not in linears:
             layer, _, tensor = name.rpartition(".")
-            attention_layers.setdefault(layer, {})[tensor] = observers[name].observe
+            if layer.endswith(".residual"):  # "<block>.residual.<tensor>": ptq/residual.py
+                residual_blocks.setdefault(layer.removesuffix(".residual"), {})[tensor] = observers[name].observe
+            else:
+                attention_layers.setdefault(layer, {})[tensor] = observers[name].observe
     previous = model.config._attn_implementation
     attention.install(model, {k: attention.AttentionQuant(v) for k, v in attention_layers.items()})
+    hooks += residual.install(model, residual_blocks)
     # Layers outside the base model (lm_head) are not quantized by default: skip computing them.
     base = getattr(model, "base_model", model)
     base_names = {f"{model.base_model_prefix}.{n}" if n else model.base_model_prefix for n, _ in base.named_modules()}

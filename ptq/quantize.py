@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptq import attention
+from ptq import attention, residual
 from ptq.attention import AttentionQuant
 from ptq.calibrate import Calibration
 from ptq.errors import PtqError
@@ -115,6 +115,19 @@ def plan_attention(model: nn.Module, recipe: Recipe) -> dict[str, dict[str, Tens
     return layers
 
 
+def plan_residual(model: nn.Module, recipe: Recipe) -> dict[str, dict[str, TensorQuant]]:
+    """What the recipe does to each decoder block's residual-add inputs: block -> {tensor: quantization},
+    selected by include/ignore on "<block>.residual.<tensor>"."""
+    if recipe.residual is None:
+        return {}
+    layers = {}
+    for name in residual.residual_blocks(model):
+        tensors = {t: recipe.residual for t in residual.TENSORS if recipe.selects(f"{name}.residual.{t}")}
+        if tensors:
+            layers[name] = tensors
+    return layers
+
+
 def describe_plan(model: nn.Module, recipe: Recipe) -> list[dict]:
     """One row per quantizable tensor: what the recipe does to it (for `ptq inspect` and reports)."""
     rows = []
@@ -129,6 +142,12 @@ def describe_plan(model: nn.Module, recipe: Recipe) -> list[dict]:
             spec = planned.get(layer, {}).get(tensor)
             rows.append({"name": f"{layer}.{tensor}", "kind": "attention", "quantized": spec is not None,
                          "weights": None, "inputs": spec.describe() if spec else "fp32", "smoothquant": None})
+    planned = plan_residual(model, recipe)
+    for block in residual.residual_blocks(model):
+        for tensor in residual.TENSORS:
+            spec = planned.get(block, {}).get(tensor)
+            rows.append({"name": f"{block}.residual.{tensor}", "kind": "residual", "quantized": spec is not None,
+                         "weights": None, "inputs": spec.describe() if spec else "fp32", "smoothquant": None})
     return rows
 
 
@@ -142,6 +161,8 @@ def calibrated_layers(model: nn.Module, recipe: Recipe) -> list[str]:
     names = [name for name, (_, inputs) in plan(model, recipe).items() if inputs.static]
     names += sorted({_calibration_key(layer, t) for layer, tensors in plan_attention(model, recipe).items()
                      for t, spec in tensors.items() if spec.static})
+    names += [f"{block}.residual.{t}" for block, tensors in plan_residual(model, recipe).items()
+              for t, spec in tensors.items() if spec.static]
     return names
 
 
@@ -203,4 +224,9 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None)
         quantizers[layer] = AttentionQuant({t: q for t, q in made.items() if not t.startswith("kv_cache.")},
                                            {t.removeprefix("kv_cache."): q for t, q in made.items() if t.startswith("kv_cache.")})
     attention.install(model, quantizers)
+    for block, tensors in plan_residual(model, recipe).items():
+        made = nn.ModuleDict({t: ActQuant(spec, input_clip(calibration, f"{block}.residual.{t}", spec) if spec.static else None)
+                              for t, spec in tensors.items()})
+        model.get_submodule(block).ptq_residual = made  # registered, so it moves with the model
+        residual.install(model, {block: dict(made.items())})
     return model

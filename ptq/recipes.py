@@ -69,11 +69,13 @@ class Recipe:
     attention_tensors: tuple[str, ...] = ATTENTION_TENSORS
     kv_cache: TensorQuant | None = None  # K and V as stored in the KV cache (after RoPE)
     smoothquant: float | None = None  # SmoothQuant's alpha (None: no smoothing)
+    residual: TensorQuant | None = None  # residual-add inputs of each decoder block (ptq/residual.py)
 
     @property
     def needs_calibration(self) -> bool:
         """Static scales come from calibration; 16-bit formats, dynamic and unscaled ones need none."""
-        return any(q is not None and q.static for q in (self.inputs, self.attention, self.kv_cache)) or self.smoothquant is not None
+        return (any(q is not None and q.static for q in (self.inputs, self.attention, self.kv_cache, self.residual))
+                or self.smoothquant is not None)
 
     def selects(self, name: str) -> bool:
         """Layer selection by name: matches an `include` pattern and no `ignore` pattern."""
@@ -120,7 +122,7 @@ def load_recipe(name_or_path: str) -> Recipe:
 def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
     where = f"recipe {source}"
     fields = _mapping(data, where, required={"name", "weights", "inputs"},
-                      optional={"description", "targets", "ignore", "include", "attention", "kv_cache", "smoothquant"})
+                      optional={"description", "targets", "ignore", "include", "attention", "kv_cache", "smoothquant", "residual"})
     name = _string(fields["name"], f"{where}: 'name'")
     targets = tuple(_string_list(fields.get("targets", ["Linear"]), f"{where}: 'targets'"))
     for t in targets:
@@ -139,6 +141,7 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
                     raise PtqError(f"{where}: unknown attention tensor '{t}' (known: {', '.join(ATTENTION_TENSORS)})")
         attention = _tensor_quant(spec, f"{where}: 'attention'", allow_channel=False)
     kv_cache = _tensor_quant(fields["kv_cache"], f"{where}: 'kv_cache'", allow_channel=False) if "kv_cache" in fields else None
+    residual = _tensor_quant(fields["residual"], f"{where}: 'residual'", allow_channel=False) if "residual" in fields else None
     smoothquant = None
     if "smoothquant" in fields:
         sq = _mapping(fields["smoothquant"], f"{where}: 'smoothquant'", required={"alpha"}, optional=set())
@@ -162,6 +165,7 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         attention_tensors=attention_tensors,
         kv_cache=kv_cache,
         smoothquant=smoothquant,
+        residual=residual,
     )
 
 

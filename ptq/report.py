@@ -85,14 +85,14 @@ def render_diagnostics(r: dict, top: int = 10) -> list[str]:
 def render_coverage(r: dict) -> list[str]:
     """What each variant quantizes beyond Linear weights and inputs (attention, KV cache, SmoothQuant)."""
     rows = [v for v in r["variants"] if v["recipe"].get("attention") or v["recipe"].get("kv_cache")
-            or v["recipe"].get("smoothquant_alpha") is not None]
+            or v["recipe"].get("residual") or v["recipe"].get("smoothquant_alpha") is not None]
     if not rows:
         return []
-    lines = ["", "## Coverage beyond Linear layers", "", "| variant | attention matmul inputs | KV cache | SmoothQuant alpha |",
-             "|---|---|---|---:|"]
+    lines = ["", "## Coverage beyond Linear layers", "", "| variant | attention matmul inputs | KV cache | residual-add inputs | SmoothQuant alpha |",
+             "|---|---|---|---|---:|"]
     for v in rows:
         rec = v["recipe"]
         alpha = rec.get("smoothquant_alpha")
-        lines.append(f"| {v['name']} | {rec.get('attention') or 'fp32'} | {rec.get('kv_cache') or 'fp32'} | "
+        lines.append(f"| {v['name']} | {rec.get('attention') or 'fp32'} | {rec.get('kv_cache') or 'fp32'} | {rec.get('residual') or 'fp32'} | "
                      f"{'' if alpha is None else f'{alpha:g}'} |")
     return lines

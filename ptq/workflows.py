@@ -136,7 +136,8 @@ def recipe_summary(r: Recipe) -> dict:
     return {"name": r.name, "description": r.description, "weights": r.weights.describe(),
             "inputs": r.inputs.describe(), "ignore": list(r.ignore), "source": Path(r.source).name,
             "attention": r.attention.describe() + f" ({', '.join(r.attention_tensors)})" if r.attention else None,
-            "kv_cache": r.kv_cache.describe() if r.kv_cache else None, "smoothquant_alpha": r.smoothquant}
+            "kv_cache": r.kv_cache.describe() if r.kv_cache else None, "smoothquant_alpha": r.smoothquant,
+            "residual": r.residual.describe() if r.residual else None}
 
 
 def protocol(windows, baseline: Recipe) -> list[str]:

@@ -80,3 +80,30 @@ def test_quantizers_change_the_output_and_uninstall_restores():
     attention.uninstall(model, "sdpa")
     with torch.inference_mode():
         assert torch.equal(model(input_ids=IDS).logits, want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_residual_add_inputs_pass_through_and_counting(arch):
+    from ptq import residual
+
+    model = make(arch, "sdpa")
+    with torch.inference_mode():
+        want = model(input_ids=IDS).logits
+    blocks = residual.residual_blocks(model)
+    assert len(blocks) == 3
+    log = []
+    handles = residual.install(model, {b: {t: Counter(log, f"{b}.{t}") for t in residual.TENSORS} for b in blocks})
+    with torch.inference_mode():
+        got = model(input_ids=IDS).logits
+    assert torch.equal(got, want)
+    assert sorted(n for n, _ in log) == sorted(f"{b}.{t}" for b in blocks for t in residual.TENSORS)
+    assert all(shape == (2, 12, 32) for _, shape in log)  # every operand is a [batch, seq, hidden] stream
+    for h in handles:
+        h.remove()
+    # Rounding only the mid-block sum changes the output: the in-place rounding reaches the residual add.
+    block = next(iter(blocks))
+    handles = residual.install(model, {block: {"mid": lambda x: x.to(torch.bfloat16).float()}})
+    with torch.inference_mode():
+        assert not torch.equal(model(input_ids=IDS).logits, want)
+    for h in handles:
+        h.remove()

@@ -187,3 +187,22 @@ def test_summary_lists_linear_layers_and_check_model_needs_their_weights(tiny_mo
     name = "model.layers.0.mlp.up_proj"  # an input amax without the weight amax that identifies the model
     with pytest.raises(PtqError, match="made for another model"):
         Calibration({name: torch.tensor(1.0)}, {}).check_model(model, [name])
+
+
+def test_residual_recipe_calibrates_and_quantizes(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    r = recipe(residual={"format": "e4m3"}, ignore=["lm_head", "*.residual.input"])
+    names = [n for n in calibrated_layers(model, r) if ".residual." in n]
+    assert names == [f"model.layers.{i}.residual.{t}" for i in (0, 1) for t in ("attn_out", "mid", "mlp_out")]
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(2))
+    calibration = calibrate(model, ids, calibrated_layers(model, r))
+    assert float(calibration.input_amax["model.layers.1.residual.mid"]) > 0
+    quantized = quantize_(copy.deepcopy(model), r, calibration)
+    made = quantized.model.layers[1].ptq_residual
+    assert set(made) == {"attn_out", "mid", "mlp_out"}
+    assert float(made["mid"].scale) == pytest.approx(float(calibration.input_amax["model.layers.1.residual.mid"]) / 448)
+    with torch.inference_mode():
+        a, b = model(input_ids=ids).logits, quantized(input_ids=ids).logits
+    assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.5)
+    rows = {row["name"]: row for row in describe_plan(model, r)}
+    assert rows["model.layers.0.residual.mid"]["quantized"] and not rows["model.layers.0.residual.input"]["quantized"]
