@@ -1,6 +1,9 @@
 """Calibration: run text through the model and record the amax (max |x|) of every tensor that a recipe
-quantizes: each targeted Linear's weight and its input. Observers stream (a running max), they never
-keep activations. The result is saved as safetensors (the amax tensors) plus JSON metadata.
+quantizes: each targeted Linear's weight and its input, attention's batched-matmul inputs
+("<attention layer>.query|key|value|probs") and residual-add inputs ("<block>.residual.<tensor>").
+Observers stream (a running max, a fixed-bin histogram of |x| for the percentile/MSE/entropy observers
+and the diagnostics, per-channel maxima for SmoothQuant; ptq/observers.py), they never keep
+activations. The result is saved as safetensors (the amax tensors) plus JSON metadata.
 
 Faults, each with one documented rule (docs/reliability.md):
 - NaN/inf in a weight: always an error naming the layer and the element (the checkpoint is broken).
@@ -15,13 +18,12 @@ Faults, each with one documented rule (docs/reliability.md):
 
 Long runs save the observers to a checkpoint every `checkpoint_every` seconds (atomically); a resumed
 run skips the batches already seen and, since a running max does not depend on how the batches are
-split between runs, ends with exactly the same amax.
+split between runs (nor do histogram counts), ends with exactly the same statistics.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import re
 import reprlib
@@ -37,6 +39,7 @@ from torch import nn
 from ptq.errors import PtqError
 from ptq.files import check_writable, save_safetensors
 from ptq.formats import NumberFormat, amax, compute_scale, fake_quantize
+from ptq.observers import NUM_BINS, TensorObserver
 from ptq.progress import progress
 
 FILE_KIND = "ptq-calibration/1"
@@ -47,39 +50,13 @@ UNSEEN_POLICIES = ("fallback", "fail")
 REQUIRED_METADATA = {"data": str, "data_sha256": str, "windows": int, "seq_len": int, "tokens": int}
 
 
-_CALLS = itertools.count()  # orders observer calls, so a fault is reported where it first appears
-
-
-class AmaxObserver:
-    """Running per-tensor max |x| over the batches it sees. A batch with NaN or inf is left out of the
-    max and counted instead (the caller applies the policy). Nothing here syncs with the device."""
-
-    def __init__(self) -> None:
-        self.amax: torch.Tensor | None = None  # max over finite batches; None until the first call
-        self.calls = 0  # batches seen
-        self.nonfinite: torch.Tensor | int = 0  # batches with NaN/inf (a device tensor once counted)
-        self.last: torch.Tensor | None = None  # the latest batch's amax (NaN or inf names the fault)
-        self.step = -1  # when it was last called, in the order of all observers' calls
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:  # a forward pre-hook
-        batch_amax = amax(args[0].detach())
-        finite = torch.isfinite(batch_amax)
-        kept = torch.where(finite, batch_amax, 0.0)
-        self.amax = kept if self.amax is None else torch.maximum(self.amax, kept)
-        self.nonfinite = self.nonfinite + (~finite).long()
-        self.last = batch_amax
-        self.calls += 1
-        self.step = next(_CALLS)
-
-    def finite_batches(self) -> int:
-        return self.calls - int(self.nonfinite)
-
-
 @dataclass
 class Calibration:
     input_amax: dict[str, torch.Tensor]  # layer name -> scalar float32
     weight_amax: dict[str, torch.Tensor]  # layer name -> scalar float32; also identifies the model
     metadata: dict = field(default_factory=dict)
+    input_hist: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> int64 [NUM_BINS] counts of |x|
+    input_channel_amax: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> float32 [in_features]
 
     def check_model(self, model: nn.Module, layers: list[str]) -> None:
         """Refuse a calibration made for another model: same layers, same weights (by their amax)."""
@@ -89,7 +66,10 @@ class Calibration:
                 raise PtqError(f"calibration file has no amax for layer '{name}' "
                                f"(made for model '{self.metadata.get('model', '?')}'; recalibrate for this model and recipe)")
             module = modules.get(name)
-            if not isinstance(module, nn.Linear) or not torch.equal(amax(module.weight).cpu(), self.weight_amax[name]):
+            if module is None and name not in self.weight_amax and name.split(".residual.")[0].rpartition(".")[0] in modules:
+                continue  # an attention matmul input ("<layer>.query") or a residual-add input: no weight of its own
+            if (not isinstance(module, nn.Linear) or name not in self.weight_amax
+                    or not torch.equal(amax(module.weight).cpu(), self.weight_amax[name])):
                 raise PtqError(f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
                                f"the weights of layer '{name}' differ")
 
@@ -102,22 +82,38 @@ def checkpoint_path(output: Path) -> Path:
 
 def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4,
               on_nonfinite: str = "fail", on_unseen: str = "fallback", checkpoint: Path | None = None,
-              checkpoint_every: float = 60.0, resume: bool = False) -> Calibration:
-    """Record input and weight amax of the named Linear layers over the calibration windows.
+              checkpoint_every: float = 60.0, resume: bool = False, channels: list[str] = ()) -> Calibration:
+    """Record input and weight amax of the named Linear layers (and attention matmul / residual-add
+    inputs) over the calibration windows, with histograms of every input, and per-channel input amax of
+    the Linear layers in `channels`.
 
     With `checkpoint`, the observers are saved there (atomically) at most every `checkpoint_every`
     seconds; `resume=True` continues from it. The caller deletes the checkpoint once the result is saved.
     """
     if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
         raise PtqError(f"unknown policy: on_nonfinite={on_nonfinite!r}, on_unseen={on_unseen!r}")
+    from ptq import attention, residual
+
     modules = dict(model.named_modules())
-    weight_amax = {name: check_weight(name, modules[name].weight) for name in layers}
-    observers = {name: AmaxObserver() for name in layers}
+    linears = [name for name in layers if isinstance(modules.get(name), nn.Linear)]
+    weight_amax = {name: check_weight(name, modules[name].weight) for name in linears}
+    observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
     batches = input_ids.split(batch_size)
-    fingerprint = run_fingerprint(input_ids, layers, batch_size, on_nonfinite, weight_amax)
+    fingerprint = run_fingerprint(input_ids, layers, batch_size, on_nonfinite, weight_amax, channels)
     device = next(model.parameters()).device
     start = load_checkpoint(checkpoint, observers, fingerprint, len(batches), device) if resume else 0
-    hooks = [modules[name].register_forward_pre_hook(obs) for name, obs in observers.items()]
+    hooks = [modules[name].register_forward_pre_hook(observers[name]) for name in linears]
+    attention_layers, residual_blocks = {}, {}
+    for name in layers:
+        if name not in linears:
+            layer, _, tensor = name.rpartition(".")
+            if layer.endswith(".residual"):  # "<block>.residual.<tensor>": ptq/residual.py
+                residual_blocks.setdefault(layer.removesuffix(".residual"), {})[tensor] = observers[name].observe
+            else:
+                attention_layers.setdefault(layer, {})[tensor] = observers[name].observe
+    previous = model.config._attn_implementation
+    attention.install(model, {k: attention.AttentionQuant(v) for k, v in attention_layers.items()})
+    hooks += residual.install(model, residual_blocks)
     runner = _runner(model, layers)
     saved_at = time.monotonic()
     try:
@@ -134,6 +130,7 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     finally:
         for h in hooks:
             h.remove()
+        attention.uninstall(model, previous)
 
     input_amax, unseen, skipped = {}, [], {}
     for name, obs in observers.items():
@@ -158,7 +155,10 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
             input_amax[name] = value
             metadata["unseen_layers"].append({"layer": name, "input_amax": float(value), "rule": rule})
     input_amax = {name: input_amax[name] for name in layers}
-    return Calibration(input_amax, weight_amax, metadata)
+    return Calibration(input_amax, weight_amax, metadata,
+                       input_hist={name: obs.hist for name, obs in observers.items() if obs.finite_batches()},
+                       input_channel_amax={name: obs.channel_amax.cpu() for name, obs in observers.items()
+                                           if obs.channels and obs.channel_amax is not None})
 
 
 def _runner(model: nn.Module, layers: list[str]) -> nn.Module:
@@ -181,7 +181,7 @@ def check_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
     return value.cpu()
 
 
-def _fail_on_nonfinite(observers: dict[str, AmaxObserver], batch: int, batch_size: int) -> None:
+def _fail_on_nonfinite(observers: dict[str, TensorObserver], batch: int, batch_size: int) -> None:
     counts = torch.stack([torch.as_tensor(o.nonfinite).cpu() for o in observers.values()])
     if bool(counts.any()):  # one device sync per batch, only in "fail" mode
         name, obs = min(((n, o) for n, o in observers.items() if int(o.nonfinite)), key=lambda no: no[1].step)
@@ -234,26 +234,30 @@ def range_findings(checks: list[tuple[str, str, torch.Tensor, NumberFormat]]) ->
 
 
 def run_fingerprint(input_ids: torch.Tensor, layers: list[str], batch_size: int, on_nonfinite: str,
-                    weight_amax: dict[str, torch.Tensor]) -> str:
+                    weight_amax: dict[str, torch.Tensor], channels: list[str] = ()) -> str:
     """What a checkpoint must match to be resumed: the same windows, layers, batches, policy and weights."""
     h = hashlib.sha256()
-    h.update(json.dumps([list(input_ids.shape), layers, batch_size, on_nonfinite]).encode())
+    h.update(json.dumps([list(input_ids.shape), layers, batch_size, on_nonfinite, sorted(channels)]).encode())
     h.update(input_ids.cpu().contiguous().numpy().tobytes())
-    h.update(torch.stack([weight_amax[n] for n in layers]).numpy().tobytes())
+    h.update(torch.stack([weight_amax[n] for n in layers if n in weight_amax] or [torch.zeros(())]).numpy().tobytes())
     return h.hexdigest()
 
 
-def save_checkpoint(path: Path, observers: dict[str, AmaxObserver], fingerprint: str, done: int, total: int) -> None:
+def save_checkpoint(path: Path, observers: dict[str, TensorObserver], fingerprint: str, done: int, total: int) -> None:
     tensors = {}
     for name, obs in observers.items():
         if obs.amax is not None:
             tensors[f"amax/{name}"] = obs.amax.float().cpu().contiguous()
+        if obs.hist is not None:
+            tensors[f"hist/{name}"] = obs.hist.cpu().contiguous()
+        if obs.channel_amax is not None:
+            tensors[f"channel_amax/{name}"] = obs.channel_amax.float().cpu().contiguous()
         tensors[f"counts/{name}"] = torch.tensor([obs.calls, int(obs.nonfinite)], dtype=torch.int64)
     header = {"kind": CHECKPOINT_KIND, "fingerprint": fingerprint, "batches_done": str(done), "batches": str(total)}
     save_safetensors(tensors, path, header)
 
 
-def load_checkpoint(path: Path | None, observers: dict[str, AmaxObserver], fingerprint: str, total: int,
+def load_checkpoint(path: Path | None, observers: dict[str, TensorObserver], fingerprint: str, total: int,
                     device: torch.device | str = "cpu") -> int:
     """Restore the observers from `path`; return the number of batches it covers."""
     if path is None or not Path(path).is_file():
@@ -277,6 +281,10 @@ def load_checkpoint(path: Path | None, observers: dict[str, AmaxObserver], finge
         obs.calls, obs.nonfinite = int(counts[0]), int(counts[1])
         if f"amax/{name}" in tensors:
             obs.amax = tensors[f"amax/{name}"].to(device)
+        if obs.hist is not None and f"hist/{name}" in tensors:
+            obs.hist = tensors[f"hist/{name}"].clone()
+        if f"channel_amax/{name}" in tensors:
+            obs.channel_amax = tensors[f"channel_amax/{name}"].to(device)
     return done
 
 
@@ -284,6 +292,8 @@ def save_calibration(calibration: Calibration, path: Path, force: bool = False) 
     check_writable(path, force)
     tensors = {f"input_amax/{k}": v.contiguous() for k, v in calibration.input_amax.items()}
     tensors |= {f"weight_amax/{k}": v.contiguous() for k, v in calibration.weight_amax.items()}
+    tensors |= {f"input_hist/{k}": v.contiguous() for k, v in calibration.input_hist.items()}
+    tensors |= {f"input_channel_amax/{k}": v.float().contiguous() for k, v in calibration.input_channel_amax.items()}
     header = {"kind": FILE_KIND, "metadata": json.dumps(calibration.metadata, sort_keys=True)}
     save_safetensors(tensors, path, header)
 
@@ -308,6 +318,9 @@ def load_calibration(path: Path) -> Calibration:
     calibration = Calibration({}, {}, metadata)
     for key, tensor in tensors.items():
         kind, _, name = key.partition("/")
+        if kind in ("input_hist", "input_channel_amax") and name:
+            _load_statistics(calibration, path, key, tensor)
+            continue
         target = {"input_amax": calibration.input_amax, "weight_amax": calibration.weight_amax}.get(kind)
         if (target is None or not name or tensor.dtype != torch.float32 or tensor.numel() != 1
                 or not torch.isfinite(tensor).all() or tensor.item() < 0):
@@ -316,9 +329,24 @@ def load_calibration(path: Path) -> Calibration:
         target[name] = tensor.reshape(())
     if not calibration.input_amax:
         raise PtqError(f"{path}: the calibration file has no amax entries")
-    if set(calibration.input_amax) != set(calibration.weight_amax):
+    if not set(calibration.weight_amax) <= set(calibration.input_amax):
         raise PtqError(f"{path}: input and weight amax name different layers")
+    if not set(calibration.input_hist) | set(calibration.input_channel_amax) <= set(calibration.input_amax):
+        raise PtqError(f"{path}: histograms or per-channel amax name tensors without an input amax")
     return calibration
+
+
+def _load_statistics(calibration: Calibration, path: Path, key: str, tensor: torch.Tensor) -> None:
+    """Histograms (int64 counts, NUM_BINS) and per-channel amax (finite, non-negative float32 vectors)."""
+    kind, _, name = key.partition("/")
+    if kind == "input_hist":
+        if tensor.dtype != torch.int64 or tensor.shape != (NUM_BINS,) or bool((tensor < 0).any()):
+            raise PtqError(f"{path}: invalid entry {reprlib.repr(key)} (expected {NUM_BINS} non-negative int64 counts)")
+        calibration.input_hist[name] = tensor
+    else:
+        if tensor.dtype != torch.float32 or tensor.dim() != 1 or not torch.isfinite(tensor).all() or bool((tensor < 0).any()):
+            raise PtqError(f"{path}: invalid entry {reprlib.repr(key)} (expected a finite, non-negative float32 vector)")
+        calibration.input_channel_amax[name] = tensor
 
 
 def check_metadata(metadata: object, path: Path) -> None:
@@ -343,7 +371,9 @@ def check_metadata(metadata: object, path: Path) -> None:
 
 def summary_rows(calibration: Calibration, top: int = 10) -> dict:
     """The tensors with the largest input amax, and the spread across layers, for reports."""
-    items = sorted(((k, float(v)) for k, v in calibration.input_amax.items()), key=lambda kv: -kv[1])
+    # Linear layers only (they have weights); attention matmul inputs are in the per-tensor diagnostics.
+    items = sorted(((k, float(v)) for k, v in calibration.input_amax.items() if k in calibration.weight_amax),
+                   key=lambda kv: -kv[1])
     values = torch.tensor([v for _, v in items]) if items else torch.zeros(1)
     weights = calibration.weight_amax
     return {

@@ -1,9 +1,12 @@
 """Simulated quantization: `quantize_(model, recipe, calibration)` swaps every Linear for a QuantLinear.
 
 A QuantLinear holds its weight already quantized and dequantized (done once, not per forward), rounds
-its input to the recipe's format with the static per-tensor scale from calibration on every forward,
-and multiplies in float32. A product of two 8- or 16-bit values is exact in float32, so this simulates
-fp32-accumulating FP8/int8/bf16 hardware faithfully up to summation order.
+its input to the recipe's format on every forward (static per-tensor scale from calibration, or one
+scale per token computed on the fly), and multiplies in float32. A product of two 8- or 16-bit values
+is exact in float32, so this simulates fp32-accumulating FP8/int8/bf16 hardware faithfully up to
+summation order. With `attention` (or `kv_cache`) in the recipe, attention's batched-matmul inputs are
+rounded too (ptq/attention.py). SmoothQuant divides each input channel by s and multiplies the weight's
+column by s (ModelOpt's per-layer pre-quant scale, foldable into the preceding norm or layer).
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptq import attention, residual
+from ptq.attention import AttentionQuant
 from ptq.calibrate import Calibration
 from ptq.errors import PtqError
 from ptq.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
+from ptq.observers import choose_clip
 from ptq.recipes import BASELINE_LINEAR, Recipe, TensorQuant
 
 
@@ -54,26 +60,70 @@ class InputQuantizer:
         return x_q
 
 
+def scale_for(clip: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
+    """The scale that maps `clip` (a calibrated or observed amax) onto the format's max, per the spec's
+    scale mode: amax / max as float32; rounded up to a power of two ("pow2": a per-tensor exponent bias,
+    so the clip never overflows); or 1 ("unscaled": a plain cast). 16-bit formats: 1."""
+    if spec.scale == "unscaled" or not spec.format.scaled:
+        return torch.ones_like(torch.as_tensor(clip, dtype=torch.float32))
+    scale = compute_scale(clip, spec.format)
+    return torch.exp2(torch.ceil(torch.log2(scale))) if spec.scale == "pow2" else scale
+
+
+def token_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
+    """Dynamic per-token scales: one per row of the last dimension, from that token's own amax."""
+    scale = x.detach().abs().amax(-1, keepdim=True).float() / spec.format.max
+    scale = torch.where(scale > 0, scale, 1.0)  # an all-zero token: any scale represents it
+    return torch.exp2(torch.ceil(torch.log2(scale))) if spec.scale == "pow2" else scale
+
+
+class ActQuant(nn.Module):
+    """Fake-quantizes an activation: with a static scale from calibration, or per token (dynamic)."""
+
+    def __init__(self, spec: TensorQuant, clip: torch.Tensor | None):
+        super().__init__()
+        self.spec = spec
+        if spec.static and clip is None:
+            raise ValueError("a static activation scale needs a calibrated clip")
+        self.register_buffer("scale", scale_for(clip, spec) if spec.static else scale_for(torch.ones(()), spec))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = token_scale(x, self.spec) if self.spec.dynamic else self.scale
+        return fake_quantize(x, scale, self.spec.format, self.spec.saturate).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return self.spec.describe()
+
+
 class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, input_amax: torch.Tensor | None,
-                 input_quantizer: InputQuantizer | None = None):
+                 input_quantizer: InputQuantizer | None = None, smooth: torch.Tensor | None = None):
         super().__init__()
         self.input_quantizer = input_quantizer or InputQuantizer(compile=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weights, self.inputs = weights, inputs
         w = linear.weight.detach().float()
+        if smooth is not None:  # SmoothQuant: x / s times W * s is the same product, with easier x
+            smooth = smooth.to(w.device)
+            w = w * smooth
+        self.register_buffer("smooth", smooth)
         codes, weight_scale = quantize_weight(w, weights)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight", dequantize(codes, weight_scale))
         del codes
         self.bias = linear.bias
-        if inputs.format.scaled and input_amax is None:
+        if inputs.static and input_amax is None:
             raise ValueError("a scaled input format needs a calibrated input amax")
-        scale = compute_scale(input_amax.to(w.device), inputs.format) if inputs.format.scaled else torch.ones((), device=w.device)
+        scale = scale_for(input_amax.to(w.device) if inputs.static else torch.ones((), device=w.device), inputs)
         self.register_buffer("input_scale", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_q = self.input_quantizer(x, self.input_scale, self.inputs.format, self.inputs.saturate)
+        if self.smooth is not None:
+            x = x / self.smooth
+        if self.inputs.dynamic:
+            x_q = fake_quantize(x, token_scale(x, self.inputs), self.inputs.format, self.inputs.saturate)
+        else:
+            x_q = self.input_quantizer(x, self.input_scale, self.inputs.format, self.inputs.saturate)
         return F.linear(x_q.to(x.dtype), self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -85,7 +135,7 @@ def quantize_weight(w: torch.Tensor, weights: TensorQuant) -> tuple[torch.Tensor
     The one code path for weights: the simulation dequantizes these codes, `ptq quantize` stores them."""
     w = w.detach().float()
     weight_amax = amax(w, dim=1) if weights.granularity == "channel" else amax(w)
-    scale = compute_scale(weight_amax, weights.format)
+    scale = scale_for(weight_amax, weights)
     return quantize(w, scale, weights.format, weights.saturate), scale
 
 
@@ -98,27 +148,140 @@ def plan(model: nn.Module, recipe: Recipe) -> dict[str, tuple[TensorQuant, Tenso
     }
 
 
+def plan_attention(model: nn.Module, recipe: Recipe) -> dict[str, dict[str, TensorQuant]]:
+    """What the recipe does to each attention layer's batched-matmul inputs: layer name -> {tensor:
+    quantization}, with KV-cache quantization under "kv_cache.key" / "kv_cache.value". Layers are
+    selected by the recipe's include/ignore patterns on "<layer>.<tensor>" (e.g. "*.self_attn.probs")."""
+    layers = {}
+    for name in attention.attention_modules(model):
+        tensors = {}
+        if recipe.kv_cache is not None:
+            tensors |= {f"kv_cache.{t}": recipe.kv_cache for t in ("key", "value") if recipe.selects(f"{name}.{t}")}
+        if recipe.attention is not None:
+            tensors |= {t: recipe.attention for t in recipe.attention_tensors if recipe.selects(f"{name}.{t}")}
+        if tensors:
+            layers[name] = tensors
+    return layers
+
+
+def plan_residual(model: nn.Module, recipe: Recipe) -> dict[str, dict[str, TensorQuant]]:
+    """What the recipe does to each decoder block's residual-add inputs: block -> {tensor: quantization},
+    selected by include/ignore on "<block>.residual.<tensor>"."""
+    if recipe.residual is None:
+        return {}
+    layers = {}
+    for name in residual.residual_blocks(model):
+        tensors = {t: recipe.residual for t in residual.TENSORS if recipe.selects(f"{name}.residual.{t}")}
+        if tensors:
+            layers[name] = tensors
+    return layers
+
+
+def describe_plan(model: nn.Module, recipe: Recipe) -> list[dict]:
+    """One row per quantizable tensor: what the recipe does to it (for `ptq inspect` and reports)."""
+    rows = []
+    for name, (weights, inputs) in plan(model, recipe).items():
+        quantized = weights is not BASELINE_LINEAR
+        rows.append({"name": name, "kind": "linear", "quantized": quantized,
+                     "weights": weights.describe(), "inputs": inputs.describe(),
+                     "smoothquant": recipe.smoothquant if quantized and recipe.smoothquant is not None else None})
+    planned = plan_attention(model, recipe)
+    for layer in attention.attention_modules(model):
+        for tensor in ("kv_cache.key", "kv_cache.value", *attention.TENSORS):
+            spec = planned.get(layer, {}).get(tensor)
+            rows.append({"name": f"{layer}.{tensor}", "kind": "attention", "quantized": spec is not None,
+                         "weights": None, "inputs": spec.describe() if spec else "fp32", "smoothquant": None})
+    planned = plan_residual(model, recipe)
+    for block in residual.residual_blocks(model):
+        for tensor in residual.TENSORS:
+            spec = planned.get(block, {}).get(tensor)
+            rows.append({"name": f"{block}.residual.{tensor}", "kind": "residual", "quantized": spec is not None,
+                         "weights": None, "inputs": spec.describe() if spec else "fp32", "smoothquant": None})
+    return rows
+
+
+def _calibration_key(layer: str, tensor: str) -> str:
+    """KV-cache quantizers share the statistics of the K and V they quantize."""
+    return f"{layer}.{tensor.removeprefix('kv_cache.')}"
+
+
 def calibrated_layers(model: nn.Module, recipe: Recipe) -> list[str]:
-    """Layers whose static input scale must come from calibration."""
-    return [name for name, (_, inputs) in plan(model, recipe).items() if inputs.format.scaled]
+    """Tensors whose static scale must come from calibration: Linear names, and "<attention layer>.<tensor>"."""
+    names = [name for name, (_, inputs) in plan(model, recipe).items() if inputs.static]
+    names += sorted({_calibration_key(layer, t) for layer, tensors in plan_attention(model, recipe).items()
+                     for t, spec in tensors.items() if spec.static})
+    names += [f"{block}.residual.{t}" for block, tensors in plan_residual(model, recipe).items()
+              for t, spec in tensors.items() if spec.static]
+    return names
+
+
+def smoothed_layers(model: nn.Module, recipe: Recipe) -> list[str]:
+    """Linear layers that SmoothQuant rescales (they need per-channel input amax from calibration)."""
+    if recipe.smoothquant is None:
+        return []
+    return [name for name, (weights, _) in plan(model, recipe).items() if weights is not BASELINE_LINEAR]
+
+
+def input_clip(calibration: Calibration, name: str, spec: TensorQuant) -> torch.Tensor:
+    """The calibrated clip of one activation under the spec's observer."""
+    amax_ = calibration.input_amax[name]
+    if spec.observer == "max":
+        return amax_
+    hist = calibration.input_hist.get(name)
+    if hist is None:
+        raise PtqError(f"calibration file has no histogram for '{name}' (observer '{spec.observer}' needs one; recalibrate)")
+    _, clip = choose_clip(spec.observer, hist, float(amax_), spec.format, spec.percentile)
+    return torch.tensor(clip, dtype=torch.float32)
+
+
+def smoothing_factors(channel_amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) per input channel j (Xiao et al. 2022)."""
+    w_amax = weight.detach().float().abs().amax(0).clamp(min=1e-5)
+    return (channel_amax.float().clamp(min=1e-5).pow(alpha) / w_amax.pow(1 - alpha)).clamp(min=1e-5)
 
 
 def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None) -> nn.Module:
-    """Replace, in place, each Linear of `model` by the QuantLinear the recipe asks for."""
+    """Replace, in place, each Linear of `model` by the QuantLinear the recipe asks for, and quantize
+    attention's matmul inputs where the recipe covers them."""
     layers = plan(model, recipe)
-    needed = [name for name, (_, inputs) in layers.items() if inputs.format.scaled]
-    if needed:
+    needed = calibrated_layers(model, recipe)
+    smoothed = set(smoothed_layers(model, recipe))
+    if needed or smoothed:
         if calibration is None:
             raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
         calibration.check_model(model, needed)
+        missing = sorted(smoothed - set(calibration.input_channel_amax))
+        if missing:
+            raise PtqError(f"calibration file has no per-channel input amax for '{missing[0]}' "
+                           f"(SmoothQuant needs one: calibrate with --recipe {recipe.name})")
     input_quantizer = InputQuantizer()
     scales: dict[tuple, torch.Tensor] = {}  # Linears that share an input (same amax) share one scale tensor
     for name, (weights, inputs) in layers.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        input_amax = calibration.input_amax[name] if inputs.format.scaled else None
-        q = QuantLinear(getattr(parent, child), weights, inputs, input_amax, input_quantizer)
-        key = (inputs, float(q.input_scale), q.input_scale.device)
-        q.input_scale = scales.setdefault(key, q.input_scale)
+        linear = getattr(parent, child)
+        smooth = input_amax = None
+        if name in smoothed:
+            channel_amax = calibration.input_channel_amax[name]
+            smooth = smoothing_factors(channel_amax, linear.weight, recipe.smoothquant)
+            input_amax = (channel_amax / smooth).max()  # the smoothed input's amax, exactly
+        elif inputs.static:
+            input_amax = input_clip(calibration, name, inputs)
+        q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth)
+        if smooth is None:
+            key = (inputs, float(q.input_scale), q.input_scale.device)
+            q.input_scale = scales.setdefault(key, q.input_scale)
         setattr(parent, child, q)
+    quantizers = {}
+    for layer, tensors in plan_attention(model, recipe).items():
+        made = {t: ActQuant(spec, input_clip(calibration, _calibration_key(layer, t), spec) if spec.static else None)
+                for t, spec in tensors.items()}
+        quantizers[layer] = AttentionQuant({t: q for t, q in made.items() if not t.startswith("kv_cache.")},
+                                           {t.removeprefix("kv_cache."): q for t, q in made.items() if t.startswith("kv_cache.")})
+    attention.install(model, quantizers)
+    for block, tensors in plan_residual(model, recipe).items():
+        made = nn.ModuleDict({t: ActQuant(spec, input_clip(calibration, f"{block}.residual.{t}", spec) if spec.static else None)
+                              for t, spec in tensors.items()})
+        model.get_submodule(block).ptq_residual = made  # registered, so it moves with the model
+        residual.install(model, {block: dict(made.items())})
     return model

@@ -21,6 +21,9 @@ from ptq.formats import NumberFormat, get_format
 
 GRANULARITIES = ("tensor", "channel")
 TARGET_TYPES = {"Linear": nn.Linear}
+OBSERVERS = ("max", "percentile", "mse", "entropy", "best")  # see ptq/observers.py
+SCALE_MODES = ("amax", "pow2", "unscaled")  # amax / format max; rounded up to a power of two; 1 (plain cast)
+ATTENTION_TENSORS = ("query", "key", "value", "probs")  # inputs of attention's batched matmuls Q.K^T and P.V
 
 
 @dataclass(frozen=True)
@@ -30,11 +33,27 @@ class TensorQuant:
     format: NumberFormat
     granularity: str = "tensor"  # "tensor": one scale; "channel": one scale per output row (weights only)
     saturate: bool = True  # out-of-range values clamp to the format's max (False: NaN / inf)
+    observer: str = "max"  # how a static activation scale is calibrated (OBSERVERS)
+    percentile: float = 99.99  # for observer: percentile
+    dynamic: bool = False  # activations: one scale per token, computed on the fly (no calibration)
+    scale: str = "amax"  # SCALE_MODES: "pow2" is a per-tensor exponent bias, "unscaled" casts with scale 1
+
+    @property
+    def static(self) -> bool:
+        """Whether this tensor needs a calibrated scale (activations only)."""
+        return self.format.scaled and not self.dynamic and self.scale != "unscaled"
 
     def describe(self) -> str:
         if not self.format.scaled:
             return self.format.name
-        return f"{self.format.name} per-{self.granularity}" + ("" if self.saturate else " non-saturating")
+        if self.scale == "unscaled":
+            return f"{self.format.name} unscaled" + ("" if self.saturate else " non-saturating")
+        how = "per-token dynamic" if self.dynamic else f"per-{self.granularity}"
+        if not self.dynamic and self.observer != "max":
+            how += f" {self.observer}" + (f" {self.percentile:g}" if self.observer == "percentile" else "")
+        if self.scale == "pow2":
+            how += " pow2"
+        return f"{self.format.name} {how}" + ("" if self.saturate else " non-saturating")
 
 
 @dataclass(frozen=True)
@@ -46,16 +65,28 @@ class Recipe:
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ("lm_head",)
     source: str = ""
+    include: tuple[str, ...] = ("*",)  # name patterns a quantized tensor must match (then `ignore` removes)
+    attention: TensorQuant | None = None  # attention's batched-matmul inputs (None: left in fp32)
+    attention_tensors: tuple[str, ...] = ATTENTION_TENSORS
+    kv_cache: TensorQuant | None = None  # K and V as stored in the KV cache (after RoPE)
+    smoothquant: float | None = None  # SmoothQuant's alpha (None: no smoothing)
+    residual: TensorQuant | None = None  # residual-add inputs of each decoder block (ptq/residual.py)
 
     @property
     def needs_calibration(self) -> bool:
-        """Static input scales come from calibration; 16-bit formats need none."""
-        return self.inputs.format.scaled
+        """Static scales come from calibration; 16-bit formats, dynamic and unscaled ones need none."""
+        return (any(q is not None and q.static for q in (self.inputs, self.attention, self.kv_cache, self.residual))
+                or self.smoothquant is not None)
+
+    def selects(self, name: str) -> bool:
+        """Layer selection by name: matches an `include` pattern and no `ignore` pattern."""
+        return (any(fnmatch.fnmatchcase(name, p) for p in self.include)
+                and not any(fnmatch.fnmatchcase(name, p) for p in self.ignore))
 
     def targets_module(self, name: str, module: nn.Module) -> bool:
         if not any(isinstance(module, TARGET_TYPES[t]) for t in self.targets):
             return False
-        return not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.ignore)
+        return self.selects(name)
 
 
 BASELINE_LINEAR = TensorQuant(get_format("bf16"), saturate=False)  # bf16 rounds like an IEEE cast
@@ -94,7 +125,7 @@ def load_recipe(name_or_path: str) -> Recipe:
 def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
     where = f"recipe {source}"
     fields = _mapping(data, where, required={"name", "weights", "inputs"},
-                      optional={"description", "targets", "ignore"})
+                      optional={"description", "targets", "ignore", "include", "attention", "kv_cache", "smoothquant", "residual"})
     name = _string(fields["name"], f"{where}: 'name'")
     targets = tuple(_string_list(fields.get("targets", ["Linear"]), f"{where}: 'targets'"))
     for t in targets:
@@ -102,6 +133,28 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
             raise PtqError(f"{where}: unknown target type '{t}' (known: {', '.join(TARGET_TYPES)})")
     weights = _tensor_quant(fields["weights"], f"{where}: 'weights'", allow_channel=True)
     inputs = _tensor_quant(fields["inputs"], f"{where}: 'inputs'", allow_channel=False)
+    attention, attention_tensors = None, ATTENTION_TENSORS
+    if "attention" in fields:
+        spec = fields["attention"]
+        if isinstance(spec, dict) and "tensors" in spec:
+            spec = dict(spec)
+            attention_tensors = tuple(_string_list(spec.pop("tensors"), f"{where}: 'attention.tensors'"))
+            for t in attention_tensors:
+                if t not in ATTENTION_TENSORS:
+                    raise PtqError(f"{where}: unknown attention tensor '{t}' (known: {', '.join(ATTENTION_TENSORS)})")
+        attention = _tensor_quant(spec, f"{where}: 'attention'", allow_channel=False)
+    kv_cache = _tensor_quant(fields["kv_cache"], f"{where}: 'kv_cache'", allow_channel=False) if "kv_cache" in fields else None
+    residual = _tensor_quant(fields["residual"], f"{where}: 'residual'", allow_channel=False) if "residual" in fields else None
+    smoothquant = None
+    if "smoothquant" in fields:
+        sq = _mapping(fields["smoothquant"], f"{where}: 'smoothquant'", required={"alpha"}, optional=set())
+        smoothquant = sq["alpha"]
+        if isinstance(smoothquant, bool) or not isinstance(smoothquant, (int, float)) or not 0 <= smoothquant <= 1:
+            raise PtqError(f"{where}: smoothquant.alpha must be a number in [0, 1], not {reprlib.repr(smoothquant)}")
+        if not inputs.static or inputs.observer != "max":
+            raise PtqError(f"{where}: smoothquant needs static inputs calibrated with observer 'max' "
+                           "(the smoothed amax is derived from per-channel maxima)")
+        smoothquant = float(smoothquant)
     return Recipe(
         name=name,
         description=_string(fields.get("description", name), f"{where}: 'description'"),
@@ -110,11 +163,18 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         targets=targets,
         ignore=tuple(_string_list(fields.get("ignore", ["lm_head"]), f"{where}: 'ignore'")),
         source=source,
+        include=tuple(_string_list(fields.get("include", ["*"]), f"{where}: 'include'")),
+        attention=attention,
+        attention_tensors=attention_tensors,
+        kv_cache=kv_cache,
+        smoothquant=smoothquant,
+        residual=residual,
     )
 
 
 def _tensor_quant(data: object, where: str, allow_channel: bool) -> TensorQuant:
-    fields = _mapping(data, where, required={"format"}, optional={"granularity", "saturate"})
+    fields = _mapping(data, where, required={"format"},
+                      optional={"granularity", "saturate", "observer", "percentile", "dynamic", "scale"})
     try:
         fmt = get_format(_string(fields["format"], f"{where}.format"))
     except PtqError as e:
@@ -127,7 +187,30 @@ def _tensor_quant(data: object, where: str, allow_channel: bool) -> TensorQuant:
     saturate = fields.get("saturate", fmt.scaled)  # 16-bit formats overflow to inf like an IEEE cast
     if not isinstance(saturate, bool):
         raise PtqError(f"{where}.saturate must be true or false, not {reprlib.repr(saturate)}")
-    return TensorQuant(format=fmt, granularity=granularity, saturate=saturate)
+    observer = fields.get("observer", "max")
+    if observer not in OBSERVERS:
+        raise PtqError(f"{where}: unknown observer '{observer}' (known: {', '.join(OBSERVERS)})")
+    if observer != "max" and allow_channel:
+        raise PtqError(f"{where}: weights use max calibration (observer 'max'); observers apply to activations")
+    percentile = fields.get("percentile", 99.99)
+    if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
+        raise PtqError(f"{where}.percentile must be a number in (0, 100], not {reprlib.repr(percentile)}")
+    if "percentile" in fields and observer not in ("percentile", "best"):
+        raise PtqError(f"{where}: 'percentile' applies to observer 'percentile' or 'best', not '{observer}'")
+    dynamic = fields.get("dynamic", False)
+    if not isinstance(dynamic, bool):
+        raise PtqError(f"{where}.dynamic must be true or false, not {reprlib.repr(dynamic)}")
+    if dynamic and allow_channel:
+        raise PtqError(f"{where}: dynamic (per-token) scales apply to activations; weights are known ahead")
+    scale = fields.get("scale", "amax")
+    if scale not in SCALE_MODES:
+        raise PtqError(f"{where}: unknown scale '{scale}' (known: {', '.join(SCALE_MODES)})")
+    if (dynamic or observer != "max") and scale == "unscaled":
+        raise PtqError(f"{where}: scale 'unscaled' uses no scale, so neither 'dynamic' nor an observer applies")
+    if scale != "amax" and not fmt.scaled:
+        raise PtqError(f"{where}: {fmt.name} is not scaled; 'scale: {scale}' applies to 8-bit formats")
+    return TensorQuant(format=fmt, granularity=granularity, saturate=saturate, observer=observer,
+                       percentile=float(percentile), dynamic=dynamic, scale=scale)
 
 
 def _mapping(data: object, where: str, required: set[str], optional: set[str]) -> dict:

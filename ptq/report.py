@@ -228,6 +228,11 @@ def details_sections(r: dict) -> list[str]:
         for v in snr:
             body.append(f"| {v['name']} | " + " | ".join(_snr_summary(v["snr_db"].get(part, {})) for part in ("weights", "inputs")) + " |")
         out += _details("Per-layer SNR", body)
+    coverage, diagnostics = render_coverage(r), render_diagnostics(r)
+    if coverage:
+        out += _details("Coverage beyond Linear layers", coverage)
+    if diagnostics:
+        out += _details("Per-tensor diagnostics (calibration data)", diagnostics)
     out += _details("Versions", [", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}."])
     return out
 
@@ -340,3 +345,41 @@ def render_model_card(e: dict) -> str:
               "dequantized 8-bit weights as its model (its bf16 baseline is then this checkpoint's weights with 16-bit inputs).",
               "", "## Versions", "", ", ".join(f"{k} {v}" for k, v in e["versions"].items()) + f"; created {e['created']}.", ""]
     return "\n".join(lines)
+
+
+def render_diagnostics(r: dict, top: int = 10) -> list[str]:
+    """Per-tensor SQNR under E4M3 and int8 (results["diagnostics"]): the worst tensors of each, then all."""
+    d = r.get("diagnostics")
+    if not d:
+        return []
+    rows = {row["tensor"]: row for row in d["tensors"]}
+
+    def fmt_db(v):
+        return "exact" if v is None else f"{v:.1f}"
+
+    lines = [f"- {d['method']}.", ""]
+    for name in ("e4m3", "int8"):
+        lines += [f"Worst {top} under {name}:", "", "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
+        lines += [f"| `{t}` | {rows[t]['amax']:.4g} | {fmt_db(rows[t]['sqnr_e4m3_db'])} | {fmt_db(rows[t]['sqnr_int8_db'])} |"
+                  for t in d[f"worst_{name}"][:top]]
+        lines.append("")
+    lines += ["<details><summary>All tensors</summary>", "", "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
+    lines += [f"| `{t}` | {row['amax']:.4g} | {fmt_db(row['sqnr_e4m3_db'])} | {fmt_db(row['sqnr_int8_db'])} |" for t, row in rows.items()]
+    lines += ["", "</details>"]
+    return lines
+
+
+def render_coverage(r: dict) -> list[str]:
+    """What each variant quantizes beyond Linear weights and inputs (attention, KV cache, SmoothQuant)."""
+    rows = [v for v in r["variants"] if v["recipe"].get("attention") or v["recipe"].get("kv_cache")
+            or v["recipe"].get("residual") or v["recipe"].get("smoothquant_alpha") is not None]
+    if not rows:
+        return []
+    lines = ["| variant | attention matmul inputs | KV cache | residual-add inputs | SmoothQuant alpha |",
+             "|---|---|---|---|---:|"]
+    for v in rows:
+        rec = v["recipe"]
+        alpha = rec.get("smoothquant_alpha")
+        lines.append(f"| {v['name']} | {rec.get('attention') or 'fp32'} | {rec.get('kv_cache') or 'fp32'} | {rec.get('residual') or 'fp32'} | "
+                     f"{'' if alpha is None else f'{alpha:g}'} |")
+    return lines

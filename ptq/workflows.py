@@ -23,6 +23,7 @@ from ptq import __version__
 from ptq.calibrate import (Calibration, calibrate, checkpoint_path, load_calibration, range_findings, save_calibration,
                            summary_rows)
 from ptq.data import Corpus, load_corpus, make_windows
+from ptq.diagnostics import sqnr_table
 from ptq.errors import PtqError
 from ptq.evaluate import evaluate
 from ptq.files import check_output_dir, check_writable
@@ -30,7 +31,7 @@ from ptq.formats import get_format
 from ptq.gates import Limits, gate_results
 from ptq.layerstats import layer_snr
 from ptq.models import LoadedModel, linear_layers, load_model
-from ptq.quantize import calibrated_layers, plan, quantize_
+from ptq.quantize import calibrated_layers, plan, quantize_, smoothed_layers
 from ptq.recipes import Recipe, load_recipe
 from ptq.report import load_results, render_markdown, report_outputs, write_markdown, write_report
 
@@ -80,11 +81,12 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
                output: Path | None, force: bool, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                checkpoint: Path | None = None, checkpoint_every: float = 60.0, resume: bool = False) -> Calibration:
     windows = make_windows(corpus, loaded.tokenizer, seq_len, samples)
-    layers = sorted({name for r in recipes for name in calibrated_layers(loaded.model, r)})
+    channels = sorted({name for r in recipes for name in smoothed_layers(loaded.model, r)})
+    layers = sorted({name for r in recipes for name in calibrated_layers(loaded.model, r)} | set(channels))
     if not layers:
         raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
     calibration = calibrate(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
-                            checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume)
+                            checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume, channels=channels)
     faults = calibration.metadata
     warnings = check_ranges(calibration, recipes, loaded.model)
     calibration.metadata = {**faults, **({"warnings": warnings} if warnings else {}),
@@ -195,6 +197,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
                                   "layers": [{"layer": name, "input_amax": float(calibration.input_amax[name]),
                                               "weight_amax": float(calibration.weight_amax[name])}
                                              for name in layer_order if name in calibration.input_amax]}
+        results["diagnostics"] = sqnr_table(calibration)
     results["gates"] = gate_results(results, limits or Limits())
     write_report(Path(out), results, force, plots)
     return results
@@ -202,7 +205,10 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
 
 def recipe_summary(r: Recipe) -> dict:
     return {"name": r.name, "description": r.description, "weights": r.weights.describe(),
-            "inputs": r.inputs.describe(), "ignore": list(r.ignore), "source": Path(r.source).name}
+            "inputs": r.inputs.describe(), "ignore": list(r.ignore), "source": Path(r.source).name,
+            "attention": r.attention.describe() + f" ({', '.join(r.attention_tensors)})" if r.attention else None,
+            "kv_cache": r.kv_cache.describe() if r.kv_cache else None, "smoothquant_alpha": r.smoothquant,
+            "residual": r.residual.describe() if r.residual else None}
 
 
 def protocol(windows, baseline: Recipe) -> list[str]:
@@ -214,7 +220,9 @@ def protocol(windows, baseline: Recipe) -> list[str]:
         "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted positions of "
         f"KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the variant's top-1 token equals the baseline's.",
         f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. Embeddings, norms, attention "
-        "and activations run in fp32 in every variant, so variants differ only in the Linear layers' weights and inputs.",
+        "and activations run in fp32 in every variant, so variants differ only in the Linear layers' weights and inputs, "
+        "except where a recipe also quantizes attention's batched-matmul inputs (Q, K, V, softmax output) or the KV cache "
+        "(its `attention` / `kv_cache` entries): such variants compute attention the eager way with those inputs rounded.",
         "Quantized Linear: weights quantized once; inputs quantized on every forward with the static per-tensor "
         "scale from calibration; scale = amax / format max; round to nearest even, then saturate to the format's max; "
         "product in fp32. Linear layers a recipe leaves out (lm_head by default) run as in the baseline.",

@@ -83,8 +83,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, ptq_cli, tiny_
     elif case == "unknown recipe":
         extra, expected = ["--recipes", "fp9"], "unknown recipe 'fp9'"
     elif case == "invalid recipe":
-        (tmp_path / "r.yaml").write_text("name: r\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamic: true}\n")
-        extra, expected = ["--recipes", str(tmp_path / "r.yaml")], "unknown key 'dynamic'"
+        (tmp_path / "r.yaml").write_text("name: r\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamik: true}\n")
+        extra, expected = ["--recipes", str(tmp_path / "r.yaml")], "unknown key 'dynamik'"
     elif case == "other model's calibration":
         calib = tmp_path / "other.safetensors"
         assert ptq_cli("calibrate", other_tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "-o", calib, "--quiet")[0] == 0

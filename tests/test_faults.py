@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ptq.calibrate import (AmaxObserver, calibrate, checkpoint_path, fallback_amax, load_calibration, range_findings)
+from ptq.calibrate import (TensorObserver, calibrate, checkpoint_path, fallback_amax, load_calibration, range_findings)
 from ptq.data import load_corpus
 from ptq.errors import PtqError
 from ptq.formats import amax, compute_scale, fake_quantize, get_format
@@ -155,8 +155,8 @@ def test_fallback_amax_prefers_close_relatives():
     assert fallback_amax("m.other", seen)[0] == 9.0  # then everything
 
 
-def test_observer_ignores_nonfinite_batches_without_syncing():
-    obs = AmaxObserver()
+def test_observer_ignores_nonfinite_batches():
+    obs = TensorObserver()
     for x in (torch.tensor([1.0, -3.0]), torch.tensor([float("inf")]), torch.tensor([2.0, float("nan")])):
         obs(None, (x,))
     assert obs.amax == 3.0 and int(obs.nonfinite) == 2 and obs.finite_batches() == 1
@@ -202,7 +202,7 @@ def test_all_zero_weight_warns_in_cli_and_file(tiny_model, text_file, tmp_path, 
 SLOW_CLI = """
 import sys, time
 import ptq.calibrate as c
-forward = c.AmaxObserver.__call__
+forward = c.TensorObserver.__call__
 first = []
 def hook(self, module, args):
     if not first:
@@ -210,7 +210,7 @@ def hook(self, module, args):
     if module is first[0]:  # once per batch
         time.sleep(0.4)
     forward(self, module, args)
-c.AmaxObserver.__call__ = hook
+c.TensorObserver.__call__ = hook
 from ptq.cli import main
 sys.argv = ["ptq", *sys.argv[1:]]
 main()
@@ -266,18 +266,18 @@ def test_killed_calibration_resumes_to_identical_bytes(sig, tiny_model, text_fil
     assert code == 2 and "--resume" in err
 
     seen = []
-    forward = AmaxObserver.__call__
+    forward = TensorObserver.__call__
 
     def counting(self, module, args):
         seen.append(1)
         forward(self, module, args)
 
-    monkeypatch.setattr(AmaxObserver, "__call__", counting)
+    monkeypatch.setattr(TensorObserver, "__call__", counting)
     code, _, err = ptq_cli(*args, "--resume")
     assert code == 0, err
     assert len(seen) == 14 * (6 - batches_done)  # only the batches the checkpoint did not cover were run
     assert not checkpoint_path(out).exists()
-    monkeypatch.setattr(AmaxObserver, "__call__", forward)
+    monkeypatch.setattr(TensorObserver, "__call__", forward)
 
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, tmp_path / "straight.st"))
     assert code == 0, err

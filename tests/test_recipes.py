@@ -36,7 +36,23 @@ def test_recipe_from_a_path(tmp_path):
     ({"inputs": {"format": "e4m3", "saturate": "yes"}}, "saturate must be true or false"),
     ({"targets": ["Conv2d"]}, "unknown target type 'Conv2d'"),
     ({"ignore": "lm_head"}, "'ignore' must be a list of strings"),
-    ({"weights": {"format": "e4m3", "scale": 2}}, "unknown key 'scale'"),
+    ({"weights": {"format": "e4m3", "scales": 2}}, "unknown key 'scales'"),
+    ({"weights": {"format": "e4m3", "scale": 2}}, "unknown scale '2'"),
+    ({"inputs": {"format": "e4m3", "observer": "minmax"}}, "unknown observer 'minmax'"),
+    ({"weights": {"format": "e4m3", "observer": "mse"}}, "weights use max calibration"),
+    ({"inputs": {"format": "e4m3", "observer": "percentile", "percentile": 101}}, "percentile must be a number in"),
+    ({"inputs": {"format": "e4m3", "observer": "mse", "percentile": 99.9}}, "'percentile' applies to observer"),
+    ({"inputs": {"format": "e4m3", "dynamic": "yes"}}, "dynamic must be true or false"),
+    ({"weights": {"format": "e4m3", "dynamic": True}}, "dynamic .per-token. scales apply to activations"),
+    ({"inputs": {"format": "e4m3", "dynamic": True, "scale": "unscaled"}}, "neither 'dynamic' nor an observer"),
+    ({"inputs": {"format": "bf16", "scale": "pow2"}}, "bf16 is not scaled"),
+    ({"attention": {"format": "e4m3", "tensors": ["query", "scores"]}}, "unknown attention tensor 'scores'"),
+    ({"attention": {"format": "e4m3", "granularity": "channel"}}, "per-channel scales apply to weights only"),
+    ({"kv_cache": {"format": "e4m3", "colour": 1}}, "unknown key 'colour'"),
+    ({"smoothquant": {"alpha": 1.5}}, "alpha must be a number in"),
+    ({"smoothquant": {"beta": 0.5}}, "unknown key 'beta'"),
+    ({"smoothquant": {"alpha": 0.5}, "inputs": {"format": "int8", "observer": "mse"}}, "smoothquant needs static inputs"),
+    ({"include": "model.*"}, "'include' must be a list of strings"),
 ])
 def test_invalid_recipes_name_the_problem(change, message):
     with pytest.raises(PtqError, match=message):
@@ -63,3 +79,24 @@ def test_unknown_name_bad_yaml_and_missing_file(tmp_path):
     unsafe.write_text("!!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(PtqError, match="not valid YAML"):  # safe_load refuses Python tags
         load_recipe(str(unsafe))
+
+
+def test_new_keys_parse_and_describe():
+    recipe = parse_recipe(VALID | {
+        "inputs": {"format": "e4m3", "observer": "best", "percentile": 99.9},
+        "attention": {"format": "e4m3", "observer": "percentile", "tensors": ["query", "key"]},
+        "kv_cache": {"format": "e4m3", "scale": "pow2"},
+        "include": ["model.layers.*"], "ignore": ["model.layers.0.*"],
+    })
+    assert recipe.inputs.observer == "best" and recipe.inputs.percentile == 99.9 and recipe.inputs.static
+    assert recipe.attention_tensors == ("query", "key") and recipe.kv_cache.scale == "pow2"
+    assert recipe.inputs.describe() == "e4m3 per-tensor best"
+    assert recipe.attention.describe() == "e4m3 per-tensor percentile 99.99"
+    assert recipe.selects("model.layers.1.self_attn.query") and not recipe.selects("model.layers.0.mlp.up_proj")
+    assert not recipe.selects("lm_head")
+    dynamic = parse_recipe(VALID | {"inputs": {"format": "e4m3", "dynamic": True}})
+    assert not dynamic.inputs.static and not dynamic.needs_calibration
+    assert dynamic.inputs.describe() == "e4m3 per-token dynamic"
+    unscaled = parse_recipe(VALID | {"inputs": {"format": "e4m3", "scale": "unscaled"}})
+    assert not unscaled.inputs.static and unscaled.inputs.describe() == "e4m3 unscaled"
+    assert parse_recipe(VALID | {"smoothquant": {"alpha": 0.5}}).smoothquant == 0.5

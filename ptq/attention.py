@@ -1,0 +1,120 @@
+"""Attention's batched matmuls: quantize Q and K before Q.K^T, and the softmax output P and V before P.V.
+
+transformers dispatches every attention layer through ALL_ATTENTION_FUNCTIONS by the name in
+`config._attn_implementation` ("eager", "sdpa", ...). We register one more, "ptq": the eager computation
+with a hook point on each matmul input. A layer whose module carries a `ptq_attention` (an
+AttentionQuant) has those inputs passed through its quantizers; any other runs unchanged. Fused SDPA
+kernels never expose P, so a model switched to "ptq" computes attention the eager way (same math), and
+the masks are built the eager way too. Works for every architecture whose attention layer calls the
+attention interface with (module, query, key, value, mask, scaling=...): Llama, Gemma, Qwen2, GPT-2, ...
+
+K and V arrive after RoPE and after the KV-cache update: what is quantized here is exactly what a cache
+stores, so `kv_cache` quantization is applied at the same point, before the matmul quantizers.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+from torch import nn
+
+IMPLEMENTATION = "ptq"
+TENSORS = ("query", "key", "value", "probs")
+
+
+class AttentionQuant(nn.Module):
+    """The quantizers of one attention layer: tensor name -> a callable on that tensor (nn.Modules for
+    real quantization, any callable for observers); a missing name is left as is."""
+
+    def __init__(self, quantizers: dict[str, Callable], kv_cache: dict[str, Callable] | None = None):
+        super().__init__()
+        self.quantizers = nn.ModuleDict({k: v for k, v in quantizers.items() if isinstance(v, nn.Module)})
+        self.callables = {k: v for k, v in quantizers.items() if not isinstance(v, nn.Module)}
+        self.kv_cache = nn.ModuleDict({k: v for k, v in (kv_cache or {}).items() if isinstance(v, nn.Module)})
+        self.kv_callables = {k: v for k, v in (kv_cache or {}).items() if not isinstance(v, nn.Module)}
+
+    def apply(self, tensor: str, x: torch.Tensor) -> torch.Tensor:
+        q = self.quantizers[tensor] if tensor in self.quantizers else self.callables.get(tensor)
+        return x if q is None else q(x)
+
+    def apply_cache(self, tensor: str, x: torch.Tensor) -> torch.Tensor:
+        q = self.kv_cache[tensor] if tensor in self.kv_cache else self.kv_callables.get(tensor)
+        return x if q is None else q(x)
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[b, kv_heads, L, d] -> [b, kv_heads * n_rep, L, d] (grouped-query attention), as transformers does."""
+    if n_rep == 1:
+        return x
+    b, h, length, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n_rep, length, d).reshape(b, h * n_rep, length, d)
+
+
+def quantized_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                        **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' eager attention, with the matmul inputs passed through the layer's AttentionQuant."""
+    aq: AttentionQuant | None = getattr(module, "ptq_attention", None)
+    if aq is not None:
+        key, value = aq.apply_cache("key", key), aq.apply_cache("value", value)
+        query, key, value = aq.apply("query", query), aq.apply("key", key), aq.apply("value", value)
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    if aq is not None:
+        probs = aq.apply("probs", probs)
+    output = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return output, probs
+
+
+def register() -> None:
+    """Make "ptq" a known attention implementation (idempotent), with eager-style masks."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(IMPLEMENTATION, quantized_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, eager_mask)
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The self-attention layers that dispatch through the attention interface, by module name."""
+    found = {}
+    for name, module in model.named_modules():
+        source = sys.modules.get(type(module).__module__)
+        if (type(module).__name__.endswith("Attention") and hasattr(source, "ALL_ATTENTION_FUNCTIONS")
+                and not getattr(module, "is_cross_attention", False)):
+            found[name] = module
+    return found
+
+
+def set_implementation(model: nn.Module, implementation: str) -> str:
+    """Switch the model's attention implementation; returns the previous one."""
+    if implementation == IMPLEMENTATION:
+        register()
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = implementation
+    return previous
+
+
+def install(model: nn.Module, layers: dict[str, AttentionQuant]) -> None:
+    """Attach each layer's AttentionQuant and switch the model to the "ptq" implementation."""
+    modules = attention_modules(model)
+    for name, aq in layers.items():
+        modules[name].ptq_attention = aq
+    if layers:
+        set_implementation(model, IMPLEMENTATION)
+
+
+def uninstall(model: nn.Module, previous: str) -> None:
+    for module in attention_modules(model).values():
+        if hasattr(module, "ptq_attention"):
+            del module.ptq_attention
+    model.config._attn_implementation = previous

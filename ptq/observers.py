@@ -1,0 +1,223 @@
+"""Activation observers: what calibration records about each quantized activation, and the clipping
+value (the amax that the scale maps onto the format's max) that each calibration method derives from it.
+
+Observers stream: a running max, a running per-channel max (for SmoothQuant) and a histogram of |x| on
+fixed, logarithmically spaced bins. Fixed bins make histograms mergeable (add the counts) and let one
+calibration pass serve every method and every format: nothing about the activations is kept.
+
+Methods (the recipe's `observer`):
+    max         the running max |x|
+    percentile  the p-th percentile of |x| (e.g. 99.99)
+    mse         the clip that minimises the mean squared quantization error for the target format
+    entropy     the clip that minimises KL(P || Q) between the histogram and its quantized version
+    best        per tensor, whichever of max / percentile / mse gives the lowest error (the paper's choice)
+
+Errors are estimated on the histogram: each bin stands for SUBSAMPLES values spread over it in log space.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from ptq.formats import NumberFormat, amax, fake_quantize
+
+BINS_PER_OCTAVE = 32
+MIN_EXPONENT, MAX_EXPONENT = -24, 16  # |x| below 2^-24 lands in bin 0, at or above 2^16 in the last bin
+NUM_BINS = (MAX_EXPONENT - MIN_EXPONENT) * BINS_PER_OCTAVE
+SUBSAMPLES = 4
+MSE_CANDIDATES = 128  # clips tried between amax / 2^8 and amax
+METHODS = ("max", "percentile", "mse", "entropy", "best")
+
+
+def bin_edges() -> torch.Tensor:
+    """The NUM_BINS + 1 bin edges on |x| (float64); bin 0 also takes zeros, the last bin everything above."""
+    return torch.exp2(MIN_EXPONENT + torch.arange(NUM_BINS + 1, dtype=torch.float64) / BINS_PER_OCTAVE)
+
+
+def histogram(x: torch.Tensor) -> torch.Tensor:
+    """Counts of |x| in the fixed log2 bins (int64, length NUM_BINS); NaN is not counted."""
+    a = x.detach().float().abs().flatten()
+    a = a[~torch.isnan(a)]
+    index = ((torch.log2(a) - MIN_EXPONENT) * BINS_PER_OCTAVE).floor().clamp(0, NUM_BINS - 1)
+    return torch.bincount(index.long(), minlength=NUM_BINS).cpu()
+
+
+_CALLS = itertools.count()  # orders observer calls, so a fault is reported where it first appears
+
+
+class TensorObserver:
+    """Streaming statistics of one activation: running max |x|, optionally a histogram of |x| and the
+    running max |x| of each channel (the last dimension).
+
+    A batch with NaN or inf is left out of every statistic and counted instead (calibration applies the
+    --on-nonfinite policy); `last` keeps its amax so that the fault can be named."""
+
+    def __init__(self, hist: bool = True, channels: bool = False) -> None:
+        self.amax: torch.Tensor | None = None  # max over finite batches; None until the first one
+        self.hist: torch.Tensor | None = torch.zeros(NUM_BINS, dtype=torch.int64) if hist else None
+        self.channel_amax: torch.Tensor | None = None
+        self.channels = channels
+        self.calls = 0  # batches seen
+        self.nonfinite = 0  # batches with NaN/inf
+        self.last: torch.Tensor | None = None  # the latest batch's amax (NaN or inf names the fault)
+        self.step = -1  # when it was last called, in the order of all observers' calls
+
+    def observe(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach()
+        a = amax(x)
+        self.last, self.calls, self.step = a, self.calls + 1, next(_CALLS)
+        if not bool(torch.isfinite(a)):
+            self.nonfinite += 1
+            return x
+        self.amax = a if self.amax is None else torch.maximum(self.amax, a)
+        if self.hist is not None:
+            self.hist += histogram(x)
+        if self.channels:
+            c = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
+            self.channel_amax = c if self.channel_amax is None else torch.maximum(self.channel_amax, c)
+        return x
+
+    def __call__(self, module, args: tuple) -> None:  # a forward pre-hook on a Linear
+        self.observe(args[0])
+
+    def finite_batches(self) -> int:
+        return self.calls - self.nonfinite
+
+    def merge(self, other: "TensorObserver") -> None:
+        """Fold in another observer's statistics (e.g. from another process or shard)."""
+        self.calls += other.calls
+        self.nonfinite += other.nonfinite
+        if other.amax is None:
+            return
+        self.amax = other.amax if self.amax is None else torch.maximum(self.amax, other.amax)
+        if self.hist is not None:
+            self.hist += other.hist
+        if self.channels:
+            self.channel_amax = other.channel_amax if self.channel_amax is None else torch.maximum(self.channel_amax, other.channel_amax)
+
+
+def _bin_values(hist: torch.Tensor, amax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, weights): SUBSAMPLES representative magnitudes per non-empty bin (spread in log space
+    over the bin, capped at amax) and the count each stands for. float64."""
+    hist = hist.double()
+    nonzero = torch.nonzero(hist).flatten()
+    lo = MIN_EXPONENT + nonzero.double() / BINS_PER_OCTAVE
+    offsets = (torch.arange(SUBSAMPLES, dtype=torch.float64) + 0.5) / (SUBSAMPLES * BINS_PER_OCTAVE)
+    values = torch.exp2(lo[:, None] + offsets[None, :]).clamp(max=max(amax, 0.0))
+    weights = (hist[nonzero] / SUBSAMPLES)[:, None].expand_as(values)
+    return values.flatten(), weights.flatten()
+
+
+def clip_errors(hist: torch.Tensor, amax: float, clips: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """Mean squared error of quantizing the histogram's values with scale clip / fmt.max, per clip."""
+    values, weights = _bin_values(hist, amax)
+    if values.numel() == 0:
+        return torch.zeros_like(clips, dtype=torch.float64)
+    scales = (clips.double() / fmt.max).clamp(min=1e-30).float()[:, None]
+    q = fake_quantize(values.float()[None, :].expand(len(clips), -1), scales, fmt, saturate=True).double()
+    return ((q - values[None, :]) ** 2 * weights[None, :]).sum(1) / weights.sum()
+
+
+def sqnr_db(hist: torch.Tensor, amax: float, fmt: NumberFormat, clip: float | None = None) -> float:
+    """Signal-to-quantization-noise ratio (dB) of the histogram's values quantized with clip / fmt.max
+    (clip defaults to amax: plain max calibration)."""
+    values, weights = _bin_values(hist, amax)
+    if values.numel() == 0 or amax <= 0:
+        return math.inf
+    signal = float((values**2 * weights).sum() / weights.sum())
+    noise = float(clip_errors(hist, amax, torch.tensor([clip if clip is not None else amax]), fmt)[0])
+    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+
+
+def percentile_clip(hist: torch.Tensor, amax: float, percentile: float) -> float:
+    """The `percentile`-th percentile of |x| (0 < percentile <= 100), interpolated in log space inside
+    its bin, never above amax."""
+    hist = hist.double()
+    total = float(hist.sum())
+    if total == 0 or percentile >= 100:
+        return amax
+    cdf = torch.cumsum(hist, 0)
+    target = total * percentile / 100
+    i = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64)).item())
+    i = min(i, NUM_BINS - 1)
+    below = float(cdf[i - 1]) if i > 0 else 0.0
+    fraction = (target - below) / float(hist[i]) if hist[i] > 0 else 1.0
+    value = 2.0 ** (MIN_EXPONENT + (i + fraction) / BINS_PER_OCTAVE)
+    return min(value, amax)
+
+
+def _candidates(amax: float) -> torch.Tensor:
+    return amax * torch.exp2(-torch.linspace(0, 8, MSE_CANDIDATES, dtype=torch.float64))
+
+
+def mse_clip(hist: torch.Tensor, amax: float, fmt: NumberFormat) -> float:
+    """The clip (between amax / 256 and amax) whose scale gives the least mean squared error in `fmt`."""
+    if amax <= 0:
+        return amax
+    clips = _candidates(amax)
+    return float(clips[int(torch.argmin(clip_errors(hist, amax, clips, fmt)))])
+
+
+def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> float:
+    """KL(p || q) in nats of two unnormalised histograms; bins where p is 0 contribute nothing."""
+    p, q = p.double() / p.sum(), q.double() / q.sum()
+    mask = p > 0
+    return float((p[mask] * torch.log(p[mask] / q[mask])).sum())
+
+
+def quantized_histogram(hist: torch.Tensor, clip_bin: int, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TensorRT's entropy construction, for any grid: P is hist[:clip_bin + 1] with the mass above folded
+    into its last bin; Q spreads the mass of each quantization level (bins that round to the same grid
+    value, given by `levels`) evenly over that level's non-empty bins, from the unfolded slice."""
+    sliced = hist[: clip_bin + 1].double()
+    p = sliced.clone()
+    p[-1] += hist[clip_bin + 1:].double().sum()
+    levels = levels[: clip_bin + 1]
+    _, group = torch.unique(levels, return_inverse=True)
+    mass = torch.zeros(int(group.max()) + 1, dtype=torch.float64).index_add_(0, group, sliced)
+    nonempty = torch.zeros_like(mass).index_add_(0, group, (sliced > 0).double())
+    q = torch.where(sliced > 0, mass[group] / nonempty[group].clamp(min=1), 0.0)
+    return p, q
+
+
+def entropy_clip(hist: torch.Tensor, amax: float, fmt: NumberFormat) -> float:
+    """The clip (a bin's upper edge) minimising KL(P || Q) between the histogram and its quantized version."""
+    if amax <= 0 or hist.sum() == 0:
+        return amax
+    edges = bin_edges()
+    centers = torch.sqrt(edges[:-1] * edges[1:])
+    top = int(torch.nonzero(hist).max())
+    best, best_kl = amax, math.inf
+    for clip_bin in range(max(0, top - 8 * BINS_PER_OCTAVE), top + 1):
+        clip = min(float(edges[clip_bin + 1]), amax)
+        levels = fake_quantize(centers.float(), clip / fmt.max, fmt, saturate=True)
+        p, q = quantized_histogram(hist, clip_bin, levels)
+        if q.sum() == 0:
+            continue
+        kl = kl_divergence(p, q)
+        if kl < best_kl:
+            best, best_kl = clip, kl
+    return best
+
+
+def choose_clip(method: str, hist: torch.Tensor | None, amax: float, fmt: NumberFormat,
+                percentile: float = 99.99) -> tuple[str, float]:
+    """(method used, clip) for one activation. `best` tries max, percentile and mse and keeps the one with
+    the lowest mean squared error on the calibration histogram."""
+    if method == "max" or hist is None:
+        return "max", amax
+    if method == "percentile":
+        return method, percentile_clip(hist, amax, percentile)
+    if method == "mse":
+        return method, mse_clip(hist, amax, fmt)
+    if method == "entropy":
+        return method, entropy_clip(hist, amax, fmt)
+    if method != "best":
+        raise ValueError(f"unknown observer '{method}'")
+    options = {"max": amax, "percentile": percentile_clip(hist, amax, percentile), "mse": mse_clip(hist, amax, fmt)}
+    errors = clip_errors(hist, amax, torch.tensor(list(options.values()), dtype=torch.float64), fmt)
+    name = list(options)[int(torch.argmin(errors))]
+    return name, options[name]

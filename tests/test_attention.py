@@ -1,0 +1,109 @@
+"""Attention coverage on small random Llama, Gemma, Qwen2 and GPT-2 models: a pass-through quantizer
+changes nothing, and a counting quantizer sees every batched-matmul input of every layer."""
+
+import copy
+
+import pytest
+import torch
+
+from ptq import attention
+from ptq.attention import AttentionQuant, TENSORS
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+             max_position_embeddings=64)
+
+
+def make(arch: str, implementation: str):
+    import transformers as t
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        config = t.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64)
+        cls = t.GPT2LMHeadModel
+    else:
+        config_cls, cls = {"llama": (t.LlamaConfig, t.LlamaForCausalLM), "gemma": (t.GemmaConfig, t.GemmaForCausalLM),
+                           "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM)}[arch]
+        config = config_cls(**SMALL, num_key_value_heads=2, head_dim=8)
+    config._attn_implementation = implementation
+    return cls(config).eval()
+
+
+ARCHS = ["llama", "gemma", "qwen2", "gpt2"]
+IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+class Counter:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __call__(self, x):
+        self.log.append((self.name, tuple(x.shape)))
+        return x
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pass_through_is_identical_and_counting_sees_every_matmul_input(arch):
+    eager = make(arch, "eager")
+    sdpa = make(arch, "sdpa")
+    sdpa.load_state_dict(eager.state_dict())
+    with torch.inference_mode():
+        want_eager = eager(input_ids=IDS).logits
+        want_sdpa = sdpa(input_ids=IDS).logits
+    layers = attention.attention_modules(sdpa)
+    assert len(layers) == 3
+    log = []
+    quantized = copy.deepcopy(sdpa)
+    attention.install(quantized, {name: AttentionQuant({t: Counter(log, f"{name}.{t}") for t in TENSORS}) for name in layers})
+    assert quantized.config._attn_implementation == "ptq"
+    with torch.inference_mode():
+        got = quantized(input_ids=IDS).logits
+    assert torch.equal(got, want_eager)  # the same eager math, bit for bit
+    torch.testing.assert_close(got, want_sdpa, rtol=1e-5, atol=1e-5)
+    assert sorted(n for n, _ in log) == sorted(f"{name}.{t}" for name in layers for t in TENSORS)
+    shapes = dict(log)
+    name = next(iter(layers))
+    assert shapes[f"{name}.probs"] == (2, 4, 12, 12)  # softmax output: [batch, heads, query, key]
+    assert shapes[f"{name}.query"][:3] == (2, 4, 12)
+    assert sdpa.config._attn_implementation == "sdpa"  # the original model is untouched
+
+
+def test_quantizers_change_the_output_and_uninstall_restores():
+    model = make("llama", "sdpa")
+    with torch.inference_mode():
+        want = model(input_ids=IDS).logits
+    layers = attention.attention_modules(model)
+    rounded = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
+    attention.install(model, {n: AttentionQuant({"probs": rounded}) for n in layers})
+    with torch.inference_mode():
+        got = model(input_ids=IDS).logits
+    assert not torch.equal(got, want)
+    attention.uninstall(model, "sdpa")
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=IDS).logits, want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_residual_add_inputs_pass_through_and_counting(arch):
+    from ptq import residual
+
+    model = make(arch, "sdpa")
+    with torch.inference_mode():
+        want = model(input_ids=IDS).logits
+    blocks = residual.residual_blocks(model)
+    assert len(blocks) == 3
+    log = []
+    handles = residual.install(model, {b: {t: Counter(log, f"{b}.{t}") for t in residual.TENSORS} for b in blocks})
+    with torch.inference_mode():
+        got = model(input_ids=IDS).logits
+    assert torch.equal(got, want)
+    assert sorted(n for n, _ in log) == sorted(f"{b}.{t}" for b in blocks for t in residual.TENSORS)
+    assert all(shape == (2, 12, 32) for _, shape in log)  # every operand is a [batch, seq, hidden] stream
+    for h in handles:
+        h.remove()
+    # Rounding only the mid-block sum changes the output: the in-place rounding reaches the residual add.
+    block = next(iter(blocks))
+    handles = residual.install(model, {block: {"mid": lambda x: x.to(torch.bfloat16).float()}})
+    with torch.inference_mode():
+        assert not torch.equal(model(input_ids=IDS).logits, want)
+    for h in handles:
+        h.remove()

@@ -1,0 +1,124 @@
+"""Observers against independent numpy computations on known distributions."""
+
+import numpy as np
+import pytest
+import torch
+
+from ptq.formats import get_format
+from ptq.observers import (BINS_PER_OCTAVE, TensorObserver, choose_clip, entropy_clip, histogram, kl_divergence,
+                           mse_clip, percentile_clip, quantized_histogram, sqnr_db)
+
+E4M3, INT8 = get_format("e4m3"), get_format("int8")
+BIN = 2 ** (1 / BINS_PER_OCTAVE)  # relative width of one bin
+
+
+def samples(seed=0, n=200_000):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(n).astype(np.float32)
+
+
+def observe(x: np.ndarray, chunks=4, **kw) -> TensorObserver:
+    obs = TensorObserver(**kw)
+    for part in np.array_split(x, chunks):
+        obs.observe(torch.from_numpy(part))
+    return obs
+
+
+def np_quant(x, clip, fmt):
+    """Independent reference: numpy rounding to the format's grid with scale clip / fmt.max."""
+    s = clip / fmt.max
+    y = np.abs(x.astype(np.float64)) / s
+    if fmt.kind == "int":
+        q = np.minimum(np.round(y), fmt.max)
+    else:
+        e = np.floor(np.log2(np.maximum(y, 2.0 ** -30)))
+        e = np.maximum(e, 1 - fmt.bias)
+        quantum = 2.0 ** (e - fmt.mantissa_bits)
+        q = np.minimum(np.round(y / quantum) * quantum, fmt.max)
+    return np.sign(x) * q * s
+
+
+def np_mse(x, clip, fmt):
+    return float(np.mean((np_quant(x, clip, fmt) - x) ** 2))
+
+
+def test_running_max_and_mergeable_histograms():
+    x = samples()
+    obs = observe(x, chunks=7, channels=False)
+    assert float(obs.amax) == pytest.approx(np.abs(x).max())
+    assert int(obs.hist.sum()) == x.size
+    a, b = observe(x[:1000], chunks=1), observe(x[1000:], chunks=3)
+    a.merge(b)
+    assert torch.equal(a.hist, obs.hist) and float(a.amax) == float(obs.amax)
+
+
+def test_channel_amax_is_per_last_dimension():
+    x = torch.randn(3, 5, 8)
+    obs = TensorObserver(hist=False, channels=True)
+    obs.observe(x[:2])
+    obs.observe(x[2:])
+    np.testing.assert_allclose(obs.channel_amax.numpy(), np.abs(x.numpy()).reshape(-1, 8).max(0))
+
+
+@pytest.mark.parametrize("p", [50.0, 99.0, 99.99])
+def test_percentile_matches_numpy_within_a_bin(p):
+    x = samples(1)
+    obs = observe(x)
+    got = percentile_clip(obs.hist, float(obs.amax), p)
+    want = np.percentile(np.abs(x), p)
+    assert want / BIN <= got <= want * BIN
+
+
+@pytest.mark.parametrize("fmt", [E4M3, INT8])
+def test_mse_clip_is_near_the_brute_force_optimum(fmt):
+    # Gaussian bulk plus a few large outliers.
+    x = np.concatenate([samples(2), np.array([40.0, -35.0, 30.0], dtype=np.float32)])
+    obs = observe(x)
+    got = mse_clip(obs.hist, float(obs.amax), fmt)
+    grid = np.abs(x).max() * 2.0 ** -np.linspace(0, 8, 400)
+    best = min(np_mse(x, c, fmt) for c in grid)
+    assert np_mse(x, got, fmt) <= 1.05 * best
+
+
+def test_clip_error_and_sqnr_estimate_match_the_samples():
+    x = samples(3)
+    obs = observe(x)
+    amax = float(obs.amax)
+    for fmt in (E4M3, INT8):
+        want = 10 * np.log10(np.mean(x.astype(np.float64) ** 2) / np_mse(x, amax, fmt))
+        assert sqnr_db(obs.hist, amax, fmt) == pytest.approx(want, abs=0.5)
+
+
+def test_kl_divergence_matches_numpy():
+    p, q = torch.tensor([1.0, 2.0, 0.0, 5.0]), torch.tensor([2.0, 2.0, 1.0, 3.0])
+    pn, qn = p.numpy() / p.sum().item(), q.numpy() / q.sum().item()
+    want = sum(a * np.log(a / b) for a, b in zip(pn, qn) if a > 0)
+    assert kl_divergence(p, q) == pytest.approx(want)
+
+
+def test_quantized_histogram_on_a_known_histogram():
+    hist = torch.tensor([4, 0, 2, 2, 6, 3, 1], dtype=torch.int64)
+    levels = torch.tensor([0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
+    p, q = quantized_histogram(hist, 4, levels)  # clip at bin 4: bins 5, 6 fold into it
+    assert p.tolist() == [4, 0, 2, 2, 10]
+    assert q.tolist() == [4, 0, 2, 2, 6]  # level 1 holds 4 counts over 2 non-empty bins; level 2 holds 6 in 1
+    levels = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    p, q = quantized_histogram(hist, 6, levels)
+    assert p.tolist() == [4, 0, 2, 2, 6, 3, 1] and q.tolist() == [3, 0, 3, 3, 3, 3, 3]
+
+
+def test_entropy_clips_outliers_for_int8_but_keeps_the_bulk():
+    x = np.concatenate([samples(4), np.full(5, 60.0, dtype=np.float32)])
+    obs = observe(x)
+    clip = entropy_clip(obs.hist, float(obs.amax), INT8)
+    assert 2.5 < clip < 30
+
+
+def test_best_picks_the_lowest_error_method():
+    x = np.concatenate([samples(5), np.array([50.0], dtype=np.float32)])
+    obs = observe(x)
+    amax = float(obs.amax)
+    method, clip = choose_clip("best", obs.hist, amax, INT8, percentile=99.99)
+    errors = {m: np_mse(x, choose_clip(m, obs.hist, amax, INT8)[1], INT8) for m in ("max", "percentile", "mse")}
+    assert method == min(errors, key=errors.get) and method != "max"
+    assert choose_clip("max", obs.hist, amax, INT8) == ("max", amax)
