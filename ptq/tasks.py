@@ -22,6 +22,14 @@ Task specs (`--tasks`, comma-separated):
     PATH.jsonl            the same, named after the file
     hellaswag, piqa, arc_easy, winogrande, lambada_openai
                           the Hugging Face dataset, split as in the harness (needs a network or a warm cache)
+
+Where ptq differs from the harness (v0.4 task configs): acc_norm divides by len() of the choice string
+as the harness code does (characters; the issue's "bytes" is the same for ASCII); the continuation's last
+token is fed to the model although nothing reads its logits (the harness drops it; scores are equal);
+lambada_openai reports acc only, not its perplexity; winogrande follows the harness's partial evaluation
+and reports acc only; a model whose tokenizer adds BOS gets it before every context (the harness does so
+only when asked, or for Gemma). Items may be an evenly spaced subset (--max-items): such numbers are
+not comparable with full-set published ones.
 """
 
 from __future__ import annotations
