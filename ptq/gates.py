@@ -117,8 +117,10 @@ def task_scores(entry: dict) -> dict[str, dict]:
     """Per-task scores of a baseline or variant entry: {'tasks': {name: {...}}} or a list of {'name': ...}."""
     tasks = entry.get("tasks") or {}
     if isinstance(tasks, list):
-        return {t.get("name") or t.get("task"): t for t in tasks if isinstance(t, dict)}
-    return {name: t for name, t in tasks.items() if isinstance(t, dict)}
+        tasks = {t.get("name") or t.get("task"): t for t in tasks if isinstance(t, dict)}
+    # compare writes the harness's names (acc, acc_ci); gates and trends read accuracy, accuracy_ci
+    return {name: ({"accuracy": t["acc"], "accuracy_ci": t.get("acc_ci")} | t if "acc" in t else t)
+            for name, t in tasks.items() if isinstance(t, dict)}
 
 
 def accuracy_recovery_pct(variant_acc: float, baseline_acc: float) -> float:

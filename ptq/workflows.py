@@ -5,6 +5,7 @@ compare:   model + recipes (+ calibration) -> bf16 baseline and variants on held
 report:    results.json (+ a previous one) -> markdown with verdict, gates, trend and plots.
 inspect:   model + recipes -> what each recipe does to each Linear layer.
 quantize:  model + recipe (+ calibration) -> compressed-tensors checkpoint, reloaded and verified.
+eval:      model + one recipe (+ calibration) -> perplexity and task accuracy of that one configuration.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import json
 import platform
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from ptq import __version__
+from ptq import __version__, stats
 from ptq.calibrate import (Calibration, calibrate, checkpoint_path, load_calibration, range_findings, save_calibration,
                            summary_rows)
 from ptq.data import Corpus, load_corpus, make_windows
 from ptq.diagnostics import sqnr_table
 from ptq.errors import PtqError
-from ptq.evaluate import evaluate
+from ptq.evaluate import Scores, TaskRun, evaluate, evaluate_tasks
 from ptq.files import check_output_dir, check_writable
 from ptq.formats import get_format
 from ptq.gates import Limits, gate_results
@@ -34,9 +36,12 @@ from ptq.models import LoadedModel, linear_layers, load_model
 from ptq.quantize import calibrated_layers, plan, quantize_, smoothed_layers
 from ptq.recipes import Recipe, load_recipe
 from ptq.report import load_results, render_markdown, report_outputs, write_markdown, write_report
+from ptq.report import render_eval_markdown
+from ptq.tasks import Task, item_correct, load_tasks, parse_task_specs
 
 BASELINE_RECIPE = "bf16"
 DEFAULT_RECIPES = ("fp8-e4m3", "int8")
+DEFAULT_MAX_ITEMS = 300  # per task; an evenly spaced subset keeps a CPU run to minutes
 
 
 def versions() -> dict[str, str]:
@@ -124,8 +129,9 @@ def calibration_faults(metadata: dict) -> dict:
 def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib_data: str | None,
                 calib_samples: int, eval_data: str | None, seq_len: int, max_windows: int | None,
                 out: Path, force: bool = False, batch_size: int = 4, trust_remote_code: bool = False,
-                limits: Limits | None = None, plots: bool = True, *, on_nonfinite: str = "fail", on_unseen: str = "fallback", allow_pickle: bool = False,
-                memory_check: bool = True) -> dict:
+                limits: Limits | None = None, plots: bool = True, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
+                allow_pickle: bool = False, memory_check: bool = True, tasks: str | None = None,
+                max_items: int | None = DEFAULT_MAX_ITEMS) -> dict:
     for name in ("report.md", "results.json"):
         check_writable(Path(out) / name, force)
     if plots:
@@ -142,6 +148,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     needs_calibration = [r for r in variants if r.needs_calibration]
     calib_corpus = load_corpus(calib_data, role="calibration") if needs_calibration and calibration is None else None
     eval_corpus = load_corpus(eval_data, role="evaluation")
+    task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
     # Peak memory: the float32 original plus one quantized copy per variant and the baseline.
     loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, copies=len(variants) + 2,
                         memory_check=memory_check)
@@ -163,6 +170,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     layer_order = list(linear_layers(loaded.model))
     del loaded.model
     scores = evaluate(models, windows.input_ids, batch_size)
+    task_run = evaluate_tasks(models, task_list, loaded.tokenizer, batch_size, _max_len(models)) if task_list else None
 
     base = scores[baseline.name]
     results = {
@@ -179,6 +187,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
         "versions": versions(),
         "created": now(),
     }
+    results["baseline"].update(window_statistics(base))
     for r in variants:
         s = scores[r.name]
         results["variants"].append({
@@ -188,7 +197,15 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
             "accuracy_delta": s.accuracy - base.accuracy,
             "kl_div": s.kl_div, "top1_agreement": s.top1_agreement, "window_nll": s.window_nll,
             "snr_db": snr[r.name],
+            **window_statistics(s, base),
         })
+    results["statistics"] = stats.describe()
+    if task_run is not None:
+        results.update(task_results(task_list, task_run, batch_size))
+        add_task_metrics(results["baseline"], task_list, task_run)
+        for v in results["variants"]:
+            add_task_metrics(v, task_list, task_run, baseline.name)
+        results["protocol"] += task_protocol(task_list)
     if calibration is not None and needs_calibration:
         m = calibration.metadata
         results["calibration"] = {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
@@ -201,6 +218,124 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     results["gates"] = gate_results(results, limits or Limits())
     write_report(Path(out), results, force, plots)
     return results
+
+
+def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str | None, calib_samples: int,
+             eval_data: str | None, seq_len: int, max_windows: int | None, tasks: str | None,
+             max_items: int | None, out: Path, force: bool = False, batch_size: int = 4,
+             trust_remote_code: bool = False) -> dict:
+    """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy
+    on the tasks, each with its interval. No baseline, so no deltas: that is what compare is for."""
+    for name in ("report.md", "results.json"):
+        check_writable(Path(out) / name, force)
+    config = load_recipe(recipe)
+    check_output_dir(Path(out))
+    calibration = load_calibration(calib) if calib else None
+    calib_corpus = load_corpus(calib_data, role="calibration") if config.needs_calibration and calibration is None else None
+    eval_corpus = load_corpus(eval_data, role="evaluation")
+    task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
+    loaded = load_model(model, trust_remote_code)
+    windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
+    calibration_source = f"Calibration file {calib}." if calib else ""
+    if calib_corpus is not None:
+        calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, [config], None, force)
+        calibration_source = "Calibrated in this run (no --calib file)."
+    device = str(next(loaded.model.parameters()).device)
+    models = {config.name: quantize_(loaded.model, config, calibration)}
+    s = evaluate(models, windows.input_ids, batch_size)[config.name]
+    task_run = evaluate_tasks(models, task_list, loaded.tokenizer, batch_size, _max_len(models)) if task_list else None
+    results = {
+        "command": "eval",
+        "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
+        "device": device,
+        "eval": {"data": eval_corpus.source, "data_sha256": eval_corpus.sha256, "seq_len": windows.seq_len,
+                 "stride": windows.seq_len, "windows": len(windows.input_ids), "tokens": s.tokens,
+                 "bos": windows.bos, "description": windows.description},
+        "protocol": protocol(windows, config)[:1] + protocol(windows, config)[3:] + task_protocol(task_list),
+        "config": {"name": config.name, "recipe": recipe_summary(config), "perplexity": s.perplexity,
+                   "accuracy": s.accuracy, "window_nll": s.window_nll, **window_statistics(s)},
+        "statistics": stats.describe(),
+        "calibration": None,
+        "versions": versions(),
+        "created": now(),
+    }
+    if task_run is not None:
+        results.update(task_results(task_list, task_run, batch_size))
+        add_task_metrics(results["config"], task_list, task_run)
+    if calibration is not None and config.needs_calibration:
+        m = calibration.metadata
+        results["calibration"] = {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
+                                  "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
+                                  "summary": summary_rows(calibration)}
+    write_report(Path(out), results, force, plots=False, render=render_eval_markdown)
+    return results
+
+
+def _max_len(models: dict) -> int | None:
+    config = getattr(next(iter(models.values())), "config", None)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def window_statistics(s: Scores, base: Scores | None = None) -> dict:
+    """Standard errors and 95% intervals over windows; against a baseline also the paired deltas."""
+    ppl = stats.estimate(s.window_nll, np.exp)
+    acc = stats.estimate(s.window_correct)
+    out = {"perplexity_stderr": ppl["stderr"], "perplexity_ci": ppl["ci"],
+           "accuracy_stderr": acc["stderr"], "accuracy_ci": acc["ci"]}
+    if base is not None:
+        kl, agree = stats.estimate(s.window_kl), stats.estimate(s.window_agree)
+        ppl_delta = stats.paired_delta(base.window_nll, s.window_nll, stats.ratio_pct_of_exp)
+        acc_delta = stats.paired_delta(base.window_correct, s.window_correct, stats.difference)
+        out.update({"kl_div_stderr": kl["stderr"], "kl_div_ci": kl["ci"],
+                    "top1_agreement_stderr": agree["stderr"], "top1_agreement_ci": agree["ci"],
+                    "ppl_delta_pct_stderr": ppl_delta["stderr"], "ppl_delta_pct_ci": ppl_delta["ci"],
+                    "ppl_delta_significant": ppl_delta["significant"],
+                    "accuracy_delta_stderr": acc_delta["stderr"], "accuracy_delta_ci": acc_delta["ci"],
+                    "accuracy_delta_significant": acc_delta["significant"]})
+    return out
+
+
+def add_task_metrics(entry: dict, tasks: list[Task], run: TaskRun, baseline: str | None = None) -> None:
+    """entry["tasks"] = {task: {acc, acc_stderr, acc_ci, acc_norm?, ..., n}}; with a baseline also
+    entry["task_deltas"] = {task: {metric: {delta, stderr, ci, significant, n}}}, paired on the same items."""
+    entry["tasks"], deltas = {}, {}
+    for task in tasks:
+        correct = item_correct(task, run.scores[entry["name"]][task.name])
+        row: dict = {}
+        for metric, units in correct.items():
+            e = stats.estimate(units)
+            row.update({metric: e["value"], f"{metric}_stderr": e["stderr"], f"{metric}_ci": e["ci"]})
+        entry["tasks"][task.name] = {**row, "n": len(task.items)}
+        if baseline is not None:
+            base = item_correct(task, run.scores[baseline][task.name])
+            deltas[task.name] = {m: stats.paired_delta(base[m], correct[m], stats.difference) for m in correct}
+    if baseline is not None:
+        entry["task_deltas"] = deltas
+
+
+def task_results(tasks: list[Task], run: TaskRun, batch_size: int) -> dict:
+    items = sum(len(t.items) for t in tasks)
+    return {"tasks": [t.describe() for t in tasks],
+            "task_scoring": {"items": items, "batch_size": batch_size, "forward_passes": run.forward_passes,
+                             "expected_forward_passes": -(-items // batch_size),
+                             "packing_check_passes": run.check_passes}}
+
+
+def task_protocol(tasks: list[Task]) -> list[str]:
+    if not tasks:
+        return []
+    s = stats.describe()
+    return [
+        "Tasks, scored as lm-evaluation-harness scores them: a choice's log-likelihood is the sum over its "
+        "continuation's tokens given the context (tokenized as the harness does: context alone, then the pair whole); "
+        "acc = the highest sum is the labelled choice; acc_norm = the highest sum per character of the choice; "
+        "greedy tasks (cloze, lambada_openai): acc = greedy decoding reproduces every token of the continuation.",
+        "Batched scoring: one row per item (shared prefix once, each choice attending to it and to itself through a 4D "
+        "attention mask), rows padded per batch; every variant scores the same batch before the next is made.",
+        f"Intervals: {s['method']} ({s['resamples']} resamples, seed {s['seed']}) over windows (perplexity, next-token "
+        f"accuracy, KL, agreement) or items (tasks), {100 * s['confidence']:.0f}%; deltas vs the baseline are paired "
+        "(both computed on the same resampled windows/items) and marked significant when their interval excludes 0.",
+    ]
 
 
 def recipe_summary(r: Recipe) -> dict:
