@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.ptq-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -29,5 +29,21 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m ptq.bench
 
+# ptq against llm-compressor (see ptq/bench_peers.py). llm-compressor pins its own transformers and
+# compressed-tensors, so it gets a virtual environment of its own, with the same CPU torch first (an unpinned
+# torch would pull a CUDA build); ptq runs from $(VENV). One run of each, a few minutes.
+PEERS_VENV    ?= .venv-peers
+PEERS_STAMP   := $(PEERS_VENV)/.peers-installed
+LLMCOMPRESSOR ?= llmcompressor==0.14.0.1 transformers==5.17.0 compressed-tensors==0.19.0
+
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q $(TORCH)
+	$(PEERS_VENV)/bin/pip install -q $(TORCH) $(LLMCOMPRESSOR)
+	touch $(PEERS_STAMP)
+
+bench-peers: $(STAMP) $(PEERS_STAMP)
+	$(BIN)/python -m ptq.bench_peers --peer-python $(PEERS_VENV)/bin/python $(BENCH_PEERS_ARGS)
+
 clean:
-	rm -rf $(VENV) reports .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) reports .pytest_cache
