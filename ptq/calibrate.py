@@ -134,7 +134,14 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     finally:
         for h in hooks:
             h.remove()
+    return finish(observers, layers, weight_amax, on_nonfinite, on_unseen)
 
+
+def finish(observers: dict[str, AmaxObserver], layers: list[str], weight_amax: dict[str, torch.Tensor],
+           on_nonfinite: str, on_unseen: str) -> Calibration:
+    """The Calibration from the observers once every batch has run: unseen layers get their fallback amax
+    (or stop the run), skipped non-finite batches are counted in the metadata. Shared by `calibrate` and the
+    block-by-block calibration of ptq.streaming."""
     input_amax, unseen, skipped = {}, [], {}
     for name, obs in observers.items():
         if int(obs.nonfinite):
