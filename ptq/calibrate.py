@@ -131,7 +131,14 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
         for h in hooks:
             h.remove()
         attention.uninstall(model, previous)
+    return finish(observers, layers, weight_amax, on_nonfinite, on_unseen)
 
+
+def finish(observers: dict[str, TensorObserver], layers: list[str], weight_amax: dict[str, torch.Tensor],
+           on_nonfinite: str, on_unseen: str) -> Calibration:
+    """The Calibration from the observers once every batch has run: unseen layers get their fallback amax
+    (or stop the run), skipped non-finite batches are counted in the metadata. Shared by `calibrate` and the
+    block-by-block calibration of ptq.streaming."""
     input_amax, unseen, skipped = {}, [], {}
     for name, obs in observers.items():
         if int(obs.nonfinite):

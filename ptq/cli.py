@@ -29,6 +29,10 @@ OnNonfinite = Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a l
 OnUnseen = Annotated[str, typer.Option("--on-unseen", help="A layer no calibration data reached (an MoE expert): 'fallback' "
                                        "gives it its siblings' largest amax (listed in the report), 'fail' stops.")]
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Load pickle (.bin) checkpoints, with torch.load(weights_only=True).")]
+LowMemory = Annotated[Optional[bool], typer.Option(
+    "--low-memory/--in-memory", show_default="automatic",
+    help="Work block by block from a local safetensors checkpoint (Llama architecture): one decoder block in memory at "
+         "a time, for models larger than memory. Default: only when the model's float32 weights do not fit.")]
 NoMemoryCheck = Annotated[bool, typer.Option("--no-memory-check", help="Load the model even if it looks too big for the memory available.")]
 Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
 NoPlots = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots next to report.md.")]
@@ -65,7 +69,7 @@ def calibrate(
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from OUTPUT.checkpoint.")] = False,
     checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", min=0, help="Seconds between checkpoints (0: after every batch).")] = 60.0,
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
-    allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
+    allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False, low_memory: LowMemory = None,
 ) -> None:
     """Record the amax of every tensor a recipe quantizes (weights and Linear inputs).
 
@@ -79,7 +83,8 @@ def calibrate(
     try:
         calibration = run_calibrate(model, data, samples, seq_len, _split(recipe), output, force, trust_remote_code,
                                     resume=resume, checkpoint_every=checkpoint_every, on_nonfinite=on_nonfinite,
-                                    on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check)
+                                    on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check,
+                                    low_memory=low_memory)
     except KeyboardInterrupt:
         from ptq.calibrate import checkpoint_path
 
@@ -267,7 +272,7 @@ def quantize(
     shard_size: Annotated[float, typer.Option("--shard-size", min=0.001, help="Largest safetensors shard, in MB.")] = 1000.0,
     compare_results: Annotated[Optional[Path], typer.Option("--compare-results", help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass when verifying.")] = 4,
-    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
+    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, low_memory: LowMemory = None,
 ) -> None:
     """Write a quantized checkpoint (compressed-tensors format) that transformers and vLLM load, and verify it.
 
@@ -281,7 +286,7 @@ def quantize(
         raise PtqError("give either --calib (a calibration file) or --data (text to calibrate on), not both")
     try:
         info = run_quantize(model, recipe, calib, data, samples, seq_len, output, force, verify, verify_windows,
-                            shard_size, compare_results, batch_size, trust_remote_code)
+                            shard_size, compare_results, batch_size, trust_remote_code, low_memory=low_memory)
     except VerificationFailed as e:
         _print_quantize(e.info, output, written=False)
         progress.stderr.print(f"[bold red]verification failed:[/] {e}; nothing was written to {output} "
@@ -311,7 +316,7 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
         for p in ver["problems"]:
             console.print(f"  problem: {p}", highlight=False)
     else:
-        console.print("not verified (--no-verify)")
+        console.print(f"not verified ({info.get('verification_skipped', '--no-verify')})", highlight=False)
     if written:
         pct = 100 * size["bytes_saved"] / size["bytes_16bit"]
         console.print(f"wrote {output}: {human_bytes(size['bytes'])} in {size['shards']} shard(s), "

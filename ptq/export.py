@@ -163,23 +163,30 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
             dtype = dtypes.get(name, fallback) if tensor.is_floating_point() else tensor.dtype
             entries.append(_Entry(name, tuple(tensor.shape), dtype, lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous()))
             continue
-        out_features = tensor.shape[0]
-        weights, inputs = recipe.weights, recipe.inputs
-        scale_shape = (out_features, 1) if weights.granularity == "channel" else (1,)
-        scales: dict[str, torch.Tensor] = {}  # the weight's scale, from the call that made its codes
-        entries += [
-            _Entry(name, tuple(tensor.shape), weights.format.torch_dtype,
-                   lambda m=modules[layer], f=weights, s=scales: _weight_codes(m, f, s)),
-            _Entry(f"{layer}.weight_scale", scale_shape, torch.float32,
-                   lambda s=scales, shape=scale_shape: s.pop("scale").reshape(shape)),
-            _Entry(f"{layer}.input_scale", (1,), torch.float32,
-                   lambda a=calibration.input_amax[layer], f=inputs.format: _input_scale(a, f)),
-        ]
+        entries += quantized_entries(layer, tuple(tensor.shape), lambda m=modules[layer]: m.weight, recipe,
+                                     calibration.input_amax[layer])
     return entries, quantized, ignored
 
 
-def _weight_codes(module: nn.Linear, weights: TensorQuant, scales: dict) -> torch.Tensor:
-    codes, scales["scale"] = quantize_weight(module.weight, weights)
+def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], torch.Tensor], recipe: Recipe,
+                      input_amax: torch.Tensor) -> list[_Entry]:
+    """The three tensors of a quantized Linear: its codes, weight scale and input scale. `weight()` gives the
+    weight when its shard is written (from the model in memory, or from disk: ptq.streaming)."""
+    weights, inputs = recipe.weights, recipe.inputs
+    scale_shape = (shape[0], 1) if weights.granularity == "channel" else (1,)
+    scales: dict[str, torch.Tensor] = {}  # the weight's scale, from the call that made its codes
+    return [
+        _Entry(f"{layer}.weight", shape, weights.format.torch_dtype,
+               lambda w=weight, f=weights, s=scales: _weight_codes(w(), f, s)),
+        _Entry(f"{layer}.weight_scale", scale_shape, torch.float32,
+               lambda s=scales, shape=scale_shape: s.pop("scale").reshape(shape)),
+        _Entry(f"{layer}.input_scale", (1,), torch.float32,
+               lambda a=input_amax, f=inputs.format: _input_scale(a, f)),
+    ]
+
+
+def _weight_codes(weight: torch.Tensor, weights: TensorQuant, scales: dict) -> torch.Tensor:
+    codes, scales["scale"] = quantize_weight(weight, weights)
     scales["scale"] = scales["scale"].cpu()
     return to_storage(codes, weights.format).cpu()
 

@@ -293,7 +293,7 @@ def render_model_card(e: dict) -> str:
     lines += [f"Note: {c}" for c in e["model"]["caveats"]]
     lines += ["", "## Verification", ""]
     if ver is None:
-        lines += ["Not verified (exported with `--no-verify`)."]
+        lines += [f"Not verified ({e.get('verification_skipped', 'exported with `--no-verify`')})."]
     else:
         tol = ver["tolerance"]
         lines += [

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ptq import __version__, stats
+from ptq import __version__, stats, streaming
 from ptq.calibrate import (Calibration, calibrate, checkpoint_path, load_calibration, range_findings, save_calibration,
                            summary_rows)
 from ptq.data import Corpus, load_corpus, make_windows
@@ -66,8 +66,11 @@ def now() -> str:
 def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: int, recipes: list[str],
                   output: Path, force: bool = False, trust_remote_code: bool = False, *, resume: bool = False,
                   checkpoint_every: float = 60.0, on_nonfinite: str = "fail", on_unseen: str = "fallback",
-                  allow_pickle: bool = False, memory_check: bool = True) -> Calibration:
-    """Calibrate and save; a checkpoint (OUTPUT.checkpoint) is kept while running and removed at the end."""
+                  allow_pickle: bool = False, memory_check: bool = True, low_memory: bool | None = None) -> Calibration:
+    """Calibrate and save; a checkpoint (OUTPUT.checkpoint) is kept while running and removed at the end.
+    low_memory: block by block from disk (ptq.streaming); None: when the model does not fit in memory."""
+    if low_memory and resume:
+        raise PtqError("--resume is not available with --low-memory (block-by-block calibration keeps no checkpoint)")
     check_writable(output, force)
     checkpoint = checkpoint_path(output)
     if checkpoint.exists() and not (resume or force):
@@ -75,7 +78,7 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
     check_output_dir(Path(output).parent)
     loaded_recipes = [load_recipe(r) for r in recipes]
     corpus = load_corpus(data, role="calibration")  # bad data fails before the (slow) model load
-    loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check)
+    loaded = _load(model, trust_remote_code, allow_pickle, memory_check, False if resume else low_memory)
     calibration = _calibrate(loaded, corpus, samples, seq_len, loaded_recipes, output, force, on_nonfinite=on_nonfinite,
                              on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume)
     checkpoint.unlink(missing_ok=True)
@@ -90,8 +93,12 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
     layers = sorted({name for r in recipes for name in calibrated_layers(loaded.model, r)} | set(channels))
     if not layers:
         raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
-    calibration = calibrate(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
-                            checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume, channels=channels)
+    if streaming.is_streamed(loaded.model):
+        calibration = streaming.calibrate_blocks(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite,
+                                                 on_unseen=on_unseen, channels=channels)
+    else:
+        calibration = calibrate(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
+                                checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume, channels=channels)
     faults = calibration.metadata
     warnings = check_ranges(calibration, recipes, loaded.model)
     calibration.metadata = {**faults, **({"warnings": warnings} if warnings else {}),
@@ -105,6 +112,22 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
     if output is not None:
         save_calibration(calibration, output, force)
     return calibration
+
+
+def _load(model: str | None, trust_remote_code: bool, allow_pickle: bool, memory_check: bool,
+          low_memory: bool | None) -> LoadedModel:
+    """The whole model (ptq.models), or with low_memory its meta-device skeleton to stream from disk
+    (ptq.streaming); low_memory None streams a local Llama checkpoint whose float32 weights do not fit."""
+    if low_memory is None:
+        low_memory = memory_check and streaming.too_big(model)
+        if low_memory:
+            from ptq.progress import stderr
+
+            stderr.print(f"note: model '{model}' does not fit in memory in float32: working block by block from disk "
+                         "(--low-memory)", highlight=False, soft_wrap=True)
+    if low_memory:
+        return streaming.load_streamed(model, trust_remote_code)
+    return load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check)
 
 
 def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list[str]:
@@ -407,9 +430,11 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
 def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str | None, samples: int, seq_len: int,
                  output: Path, force: bool = False, verify: bool = True, verify_windows: int = 8,
                  shard_size_mb: float = 1000.0, compare_results: Path | None = None, batch_size: int = 4,
-                 trust_remote_code: bool = False) -> dict:
+                 trust_remote_code: bool = False, low_memory: bool | None = None) -> dict:
     """quantize: model + recipe (+ calibration) -> compressed-tensors checkpoint in `output`, reloaded with
-    transformers and checked against ptq's simulation before it is renamed into place."""
+    transformers and checked against ptq's simulation before it is renamed into place.
+    low_memory: block by block from disk (ptq.streaming), unverified (the model is never whole in memory);
+    None: when the model does not fit in memory."""
     from ptq import export
     from ptq.files import atomic_dir
     from ptq.progress import progress
@@ -423,15 +448,20 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
     calibration = load_calibration(calib) if calib else None
     check_output_dir(output.parent)
     calib_corpus = load_corpus(data, role="calibration") if calibration is None else None
-    loaded = load_model(model, trust_remote_code)
+    loaded = _load(model, trust_remote_code, False, True, low_memory)
+    streamed = streaming.is_streamed(loaded.model)
     export.export_layers(loaded.model, r)  # refuse an unexportable model before calibrating it
     if calibration is None:
         calibration = _calibrate(loaded, calib_corpus, samples, seq_len, [r], None, force)
         calibration_source = "calibrated in this run"
     else:
         calibration_source = f"calibration file {Path(calib).name}"
-    dtypes = export.source_dtypes(loaded.model.config._name_or_path)
-    entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calibration, dtypes)
+    if streamed:
+        dtypes = export.source_dtypes(str(loaded.model.ptq_checkpoint.directory))
+        entries, quantized, ignored = streaming.plan_checkpoint(loaded.model, r, calibration)
+    else:
+        dtypes = export.source_dtypes(loaded.model.config._name_or_path)
+        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calibration, dtypes)
     m = calibration.metadata
     info = {
         "kind": "ptq-export/1",
@@ -445,6 +475,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
                         "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens")},
         "size": export.checkpoint_bytes(entries, quantized),
         "verification": None,
+        "low_memory": streamed,
         "compare": compare,
         "versions": versions() | {"compressed-tensors": importlib.metadata.version("compressed-tensors")},
         "created": now(),
@@ -456,7 +487,10 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
         info["size"] |= written
         export.write_config(loaded.model, r, ignored, dtypes, tmp)
         loaded.tokenizer.save_pretrained(tmp)
-        if verify:
+        if verify and streamed:
+            info["verification_skipped"] = ("exported block by block with `--low-memory`: the model was never whole in "
+                                            "memory to be reloaded and compared")
+        elif verify:
             corpus = load_corpus(data, role="evaluation")
             windows = make_windows(corpus, loaded.tokenizer, seq_len, verify_windows)
             # int8 inputs: the loaders round them over [-128, 127], ptq over [-127, 127]; check the logits against

@@ -1,0 +1,320 @@
+"""Models larger than memory: `ptq calibrate --low-memory` and `ptq quantize --low-memory` work on a
+safetensors checkpoint block by block from disk, so that a model whose weights do not fit in memory can
+still be calibrated and quantized.
+
+The model itself is built on the meta device (shapes, no data). Calibration is one pass over the checkpoint:
+the embedding table is read, the calibration windows are embedded batch by batch and the hidden states kept;
+then, for each decoder block, only that block's tensors are read (safetensors `safe_open`, one tensor at a
+time), given to transformers' own decoder layer (`load_state_dict(assign=True)`), every cached batch runs
+through it with ptq's TensorObservers hooked on its Linear layers (its outputs replace the cached inputs),
+and the block is freed. Position ids, rotary embeddings and the causal mask are made as LlamaModel.forward
+makes them. Same batches, same float32 ops in the same order as the in-memory calibration: the amax are
+bit-identical (tests/test_streaming.py).
+
+Export is a second pass, with no forward: ptq.export's checkpoint plan and shard writer, each tensor read
+from disk when its output shard is written, quantized by ptq.quantize.quantize_weight (the one code path) or
+copied in its own dtype. The files are byte-identical to those of the in-memory `ptq quantize`.
+
+Memory: calibration holds one block in float32 plus the cached hidden states (windows x seq_len x hidden
+x 4 bytes); export holds one output shard (--shard-size) plus one tensor being quantized (about five
+float32 copies of the largest Linear weight while it is rounded). Only the Llama architecture (SmolLM2,
+Llama 2/3) is supported: other architectures build their masks and position embeddings differently.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import safetensors
+import torch
+from torch import nn
+
+from ptq.calibrate import Calibration, TensorObserver, _fail_on_nonfinite, check_weight, finish
+from ptq.errors import PtqError
+from ptq.formats import amax
+from ptq.models import LoadedModel
+from ptq.progress import progress
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+LOW_MEMORY_FLAG = "--low-memory"
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a local safetensors checkpoint, read one at a time (nothing is kept open or cached)."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                raise PtqError(f"{index} is not a readable safetensors index") from None
+        else:
+            files = [p.name for p in sorted(self.directory.glob("*.safetensors"))]
+        self.file: dict[str, Path] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.dtype: dict[str, str] = {}  # safetensors dtype names: "BF16", "F32", ...
+        for name in files:
+            path = self.directory / name
+            try:
+                with safetensors.safe_open(str(path), framework="pt") as f:
+                    for key in f.keys():
+                        if key in self.file:
+                            raise PtqError(f"tensor '{key}' is stored twice, in {self.file[key].name} and {name}")
+                        piece = f.get_slice(key)
+                        self.file[key], self.shape[key], self.dtype[key] = path, tuple(piece.get_shape()), piece.get_dtype()
+            except PtqError:
+                raise
+            except Exception:
+                raise PtqError(f"cannot read the weights file {path}: missing, damaged or not safetensors") from None
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, in their stored dtype; each file is opened once per call and closed after."""
+        missing = [n for n in names if n not in self.file]
+        if missing:
+            raise PtqError(f"the checkpoint in {self.directory} has no tensor '{missing[0]}'")
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.file[n], []).append(n)
+        tensors = {}
+        for path, keys in by_file.items():
+            with safetensors.safe_open(str(path), framework="pt") as f:
+                for k in keys:
+                    tensors[k] = f.get_tensor(k)
+        return tensors
+
+    def read_one(self, name: str) -> torch.Tensor:
+        return self.read([name])[name]
+
+
+def directory_of(spec: str | None) -> tuple[Path, tuple[str, ...], str] | None:
+    """The local safetensors directory behind a model spec (the offline default and .gguf files are converted
+    once, as ptq.models does), its caveats and source text; None for a Hub id."""
+    from ptq import models
+
+    if spec is None or spec == models.DEFAULT_MODEL:
+        import importlib.metadata
+
+        directory, caveats = models.converted_gguf_dir(models.default_gguf_path())
+        return directory, caveats, (f"SmolLM2-135M-Instruct from the PyPI package {models.DEFAULT_DISTRIBUTION} "
+                                    f"{importlib.metadata.version(models.DEFAULT_DISTRIBUTION)}")
+    if spec.endswith(".gguf") and Path(spec).is_file():
+        directory, caveats = models.converted_gguf_dir(Path(spec))
+        return directory, caveats, f"{Path(spec).resolve()} (GGUF)"
+    directory = Path(spec).expanduser()
+    if directory.is_dir():
+        return directory, (), str(directory.resolve())
+    return None
+
+
+def supports(spec: str | None) -> bool:
+    """Whether `spec` is a local safetensors checkpoint of an architecture ptq can stream (no load needed)."""
+    if spec is None or not Path(spec).expanduser().is_dir():
+        return False  # automatic streaming only for local directories: the default model fits anyway
+    directory = Path(spec).expanduser()
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and config.get("model_type") in SUPPORTED_MODEL_TYPES
+            and "quantization_config" not in config and any(directory.glob("*.safetensors")))
+
+
+def too_big(spec: str | None) -> bool:
+    """The estimate of ptq.resources (float32 weights vs the memory available) says the model does not fit."""
+    from ptq.models import default_device
+    from ptq.resources import FLOAT32_BYTES, available_memory, checkpoint_parameters
+
+    if not supports(spec):
+        return False
+    params = checkpoint_parameters(Path(spec).expanduser())
+    free = available_memory(default_device())
+    return params is not None and free is not None and params * FLOAT32_BYTES > free
+
+
+def load_streamed(spec: str | None, trust_remote_code: bool = False) -> LoadedModel:
+    """The model on the meta device (no weights in memory), its tokenizer, and its checkpoint to stream from.
+    No remote code runs: only the architectures transformers itself implements are streamed."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    found = directory_of(spec)
+    if found is None:
+        raise PtqError(f"{LOW_MEMORY_FLAG} works on a local model directory with safetensors weights; '{spec}' is not one "
+                       "(download it first, e.g. with `hf download`)")
+    directory, caveats, source = found
+    if not (directory / "config.json").is_file():
+        raise PtqError(f"{spec} is not a Hugging Face model directory (no config.json)")
+    if not any(directory.glob("*.safetensors")):
+        raise PtqError(f"{spec} has no .safetensors weights ({LOW_MEMORY_FLAG} reads safetensors only)")
+    hf_logging.set_verbosity_error()
+    try:
+        config = AutoConfig.from_pretrained(str(directory))
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PtqError(f"cannot load model '{spec}': {reason}") from None
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise PtqError(f"{LOW_MEMORY_FLAG} supports the {', '.join(SUPPORTED_MODEL_TYPES)} architecture, not "
+                       f"'{config.model_type}' ({spec}): load it whole, without {LOW_MEMORY_FLAG}")
+    if getattr(config, "quantization_config", None) is not None:
+        raise PtqError(f"{spec} is already a quantized checkpoint: {LOW_MEMORY_FLAG} reads 16/32-bit checkpoints only")
+    checkpoint = SafetensorsCheckpoint(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.requires_grad_(False)
+    if (directory / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+    model.ptq_checkpoint = checkpoint
+    return LoadedModel(model, tokenizer, name=spec or "smollm2", source=source, caveats=tuple(caveats))
+
+
+def is_streamed(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "ptq_checkpoint", None), SafetensorsCheckpoint)
+
+
+def _materialise(skeleton: nn.Module, prefix: str, checkpoint: SafetensorsCheckpoint, device: torch.device) -> nn.Module:
+    """A copy of a meta-device module with its tensors from disk, in float32 (as ptq.models loads every model).
+    The skeleton itself stays on the meta device (its tied weights stay tied)."""
+    module = copy.deepcopy(skeleton)
+    names = list(module.state_dict())
+    tensors = checkpoint.read([f"{prefix}.{n}" for n in names])
+    state = {n: _float32(tensors[f"{prefix}.{n}"]).to(device) for n in names}
+    module.load_state_dict(state, strict=True, assign=True)
+    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        raise PtqError(f"module '{prefix}' keeps tensors that are not in the checkpoint: {LOW_MEMORY_FLAG} cannot build it")
+    return module
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
+
+
+def calibrate_blocks(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4,
+                     on_nonfinite: str = "fail", on_unseen: str = "fallback", device: torch.device | None = None,
+                     channels: list[str] = ()) -> Calibration:
+    """ptq.calibrate.calibrate for a streamed model: the same amax, one decoder block in memory at a time."""
+    from transformers.masking_utils import create_causal_mask
+
+    from ptq.models import default_device
+
+    device = device or default_device()
+    checkpoint: SafetensorsCheckpoint = model.ptq_checkpoint
+    prefix = model.base_model_prefix
+    base = model.get_submodule(prefix)
+    blocks = base.layers
+    block_layers: list[list[str]] = [[] for _ in blocks]
+    head = []
+    modules = dict(model.named_modules())
+    for name in layers:
+        if not isinstance(modules.get(name), nn.Linear):
+            raise PtqError(f"{LOW_MEMORY_FLAG} calibrates Linear inputs only; '{name}' (attention or residual coverage) "
+                           "needs the in-memory path")
+        parts = name.split(".")
+        if name.startswith(f"{prefix}.layers.") and parts[2].isdigit() and int(parts[2]) < len(blocks):
+            block_layers[int(parts[2])].append(name)
+        elif name == "lm_head":
+            head.append(name)
+        else:
+            raise PtqError(f"layer '{name}' is neither in a decoder block nor the lm_head: {LOW_MEMORY_FLAG} cannot calibrate it")
+    observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
+    weight_amax: dict[str, torch.Tensor] = {}
+    batches = input_ids.split(batch_size)
+
+    with torch.inference_mode(), progress("calibrating block by block", len(blocks) + 2) as advance:
+        embed = _materialise(base.embed_tokens, f"{prefix}.embed_tokens", checkpoint, device)
+        hidden = [embed(b.to(device)) for b in batches]  # the cached activations: the next block's inputs
+        del embed
+        advance(1)
+        # What LlamaModel.forward computes once per batch before its decoder layers.
+        rotary = type(base.rotary_emb)(config=model.config).to(device)
+        extras = []
+        for h in hidden:
+            position_ids = torch.arange(h.shape[1], device=device).unsqueeze(0)
+            mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                      position_ids=position_ids)
+            extras.append({"attention_mask": mask, "position_embeddings": rotary(h, position_ids=position_ids),
+                           "position_ids": position_ids})
+        for i, skeleton in enumerate(blocks):
+            block = _materialise(skeleton, f"{prefix}.layers.{i}", checkpoint, device)
+            hooks = []
+            for name in block_layers[i]:
+                module = block.get_submodule(name.removeprefix(f"{prefix}.layers.{i}."))
+                weight_amax[name] = check_weight(name, module.weight)
+                hooks.append(module.register_forward_pre_hook(observers[name]))
+            try:
+                for b, h in enumerate(hidden):
+                    hidden[b] = block(h, cache=None, use_cache=False, **extras[b])
+                    if on_nonfinite == "fail":
+                        _fail_on_nonfinite({n: observers[n] for n in block_layers[i]}, b, batch_size)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+                del block  # its weights' memory is freed before the next block is read
+            advance(1)
+        if head:  # the lm_head's input is the final norm's output; its logits are not needed
+            norm = _materialise(base.norm, f"{prefix}.norm", checkpoint, device)
+            name = "lm_head"
+            stored = name + ".weight" if name + ".weight" in checkpoint.file else f"{prefix}.embed_tokens.weight"  # tied
+            weight_amax[name] = check_weight(name, _float32(checkpoint.read_one(stored)))
+            for b, h in enumerate(hidden):
+                observers[name](None, (norm(h),))
+                if on_nonfinite == "fail":
+                    _fail_on_nonfinite({name: observers[name]}, b, batch_size)
+            del norm
+        advance(1)
+    del hidden
+    calibration = finish(observers, layers, {name: weight_amax[name] for name in layers}, on_nonfinite, on_unseen)
+    calibration.metadata["low_memory"] = f"calibrated block by block from disk ({len(blocks)} decoder blocks)"
+    return calibration
+
+
+def plan_checkpoint(model: nn.Module, recipe, calibration: Calibration) -> tuple[list, list[str], list[str]]:
+    """ptq.export.plan_checkpoint for a streamed model: the same tensors in the same order, each read from disk
+    when its shard is written. The calibration is checked against the weights as they are read."""
+    from ptq import export
+
+    checkpoint: SafetensorsCheckpoint = model.ptq_checkpoint
+    quantized, ignored, names = export.export_layers(model, recipe)
+    if calibration is None:
+        raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
+    for layer in quantized:
+        if layer not in calibration.input_amax or layer not in calibration.weight_amax:
+            raise PtqError(f"calibration file has no amax for layer '{layer}' (made for model "
+                           f"'{calibration.metadata.get('model', '?')}'; recalibrate for this model and recipe)")
+    absent = [n for n in names if n not in checkpoint.file]
+    if absent:
+        raise PtqError(f"the checkpoint in {checkpoint.directory} has no tensor '{absent[0]}' that {type(model).__name__} saves")
+    # Refuse a calibration of another model before writing anything (each weight is checked again when read).
+    _checked_weight(quantized[0], checkpoint.read_one(f"{quantized[0]}.weight"), calibration)
+    by_weight = {f"{layer}.weight": layer for layer in quantized}
+    entries = []
+    for name in names:
+        shape = checkpoint.shape[name]
+        layer = by_weight.get(name)
+        if layer is None:
+            dtype = SAFETENSORS_DTYPES.get(checkpoint.dtype[name])
+            if dtype is None:
+                raise PtqError(f"tensor '{name}' has dtype {checkpoint.dtype[name]}, which ptq does not know how to copy")
+            # Unchanged, in its stored dtype: what the in-memory export writes after its float32 round trip.
+            entries.append(export._Entry(name, shape, dtype, lambda n=name: checkpoint.read_one(n).contiguous()))
+            continue
+        entries += export.quantized_entries(
+            layer, shape, lambda n=name, layer=layer: _checked_weight(layer, checkpoint.read_one(n), calibration),
+            recipe, calibration.input_amax[layer])
+    return entries, quantized, ignored
+
+
+def _checked_weight(layer: str, weight: torch.Tensor, calibration: Calibration) -> torch.Tensor:
+    w = weight.float()
+    if not torch.equal(amax(w), calibration.weight_amax[layer]):
+        raise PtqError(f"calibration file was made for another model ('{calibration.metadata.get('model', '?')}'): "
+                       f"the weights of layer '{layer}' differ")
+    return w
