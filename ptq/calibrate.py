@@ -131,6 +131,7 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
         for h in hooks:
             h.remove()
         attention.uninstall(model, previous)
+        TensorObserver.shared = None
     return finish(observers, layers, weight_amax, on_nonfinite, on_unseen)
 
 

@@ -65,20 +65,36 @@ class TensorObserver:
         self.last: torch.Tensor | None = None  # the latest batch's amax (NaN or inf names the fault)
         self.step = -1  # when it was last called, in the order of all observers' calls
 
+    # The statistics of the last tensor observed: q/k/v (and gate/up) see the same input tensor, which is
+    # then measured once. Held by reference (its memory cannot be reused meanwhile); calibration clears it.
+    shared: tuple | None = None
+
     def observe(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach()
-        a = amax(x)
+        a, hist, channel_amax = self._statistics(x)
         self.last, self.calls, self.step = a, self.calls + 1, next(_CALLS)
         if not bool(torch.isfinite(a)):
             self.nonfinite += 1
             return x
         self.amax = a if self.amax is None else torch.maximum(self.amax, a)
         if self.hist is not None:
-            self.hist += histogram(x)
+            self.hist += hist
         if self.channels:
-            c = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
-            self.channel_amax = c if self.channel_amax is None else torch.maximum(self.channel_amax, c)
+            self.channel_amax = channel_amax if self.channel_amax is None else torch.maximum(self.channel_amax, channel_amax)
         return x
+
+    def _statistics(self, x: torch.Tensor) -> tuple:
+        version = None if x.is_inference() else x._version
+        wants = (self.hist is not None, self.channels)
+        shared = TensorObserver.shared
+        if shared is not None and shared[0] is x and shared[1] == version and shared[2] == wants:
+            return shared[3]
+        a = amax(x)
+        finite = bool(torch.isfinite(a))
+        hist = histogram(x) if finite and self.hist is not None else None
+        channel_amax = x.abs().reshape(-1, x.shape[-1]).amax(0).float() if finite and self.channels else None
+        TensorObserver.shared = (x, version, wants, (a, hist, channel_amax))
+        return a, hist, channel_amax
 
     def __call__(self, module, args: tuple) -> None:  # a forward pre-hook on a Linear
         self.observe(args[0])

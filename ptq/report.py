@@ -83,7 +83,7 @@ def render_markdown(r: dict, previous: dict | None = None, plots: dict[str, str]
     if failed:
         lines += [f"- {FAIL} {c.describe()}" for c in failed] + [""]
     lines += results_table(r, checks) + [""]
-    lines += intervals_section(r) + tasks_section(r)
+    lines += intervals_section(r) + tasks_section(r) + [""]
     if r.get("gates"):
         lines += [gates_note(r), ""]
     if moves is not None:

@@ -271,6 +271,7 @@ def calibrate_blocks(model: nn.Module, input_ids: torch.Tensor, layers: list[str
             del norm
         advance(1)
     del hidden
+    TensorObserver.shared = None  # release the last activation it holds
     calibration = finish(observers, layers, {name: weight_amax[name] for name in layers}, on_nonfinite, on_unseen)
     calibration.metadata["low_memory"] = f"calibrated block by block from disk ({len(blocks)} decoder blocks)"
     return calibration
