@@ -56,7 +56,7 @@ def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: 
         for batch in input_ids.split(batch_size):
             batch = batch.to(device)
             targets = batch[:, 1:]
-            base_logp = base_top1 = None
+            base_logp = base_p = base_top1 = None
             for name in names:
                 logits = models[name](input_ids=batch).logits[:, :-1].float()
                 logp = torch.log_softmax(logits, dim=-1)
@@ -70,9 +70,9 @@ def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: 
                 s.window_nll += nll.double().mean(-1).tolist()
                 s.window_correct += (top1 == targets).double().mean(-1).tolist()
                 if base_logp is None:
-                    base_logp, base_top1 = logp, top1
+                    base_logp, base_p, base_top1 = logp, logp.exp(), top1  # exp once per batch, not per variant
                 else:
-                    kl = (base_logp.exp() * (base_logp - logp)).sum(-1).double()  # [b, L-1]
+                    kl = (base_p * (base_logp - logp)).sum(-1).double()  # [b, L-1]
                     s.kl_sum += kl.sum().item()
                     s.agree += (top1 == base_top1).sum().item()
                     s.window_kl += kl.mean(-1).tolist()
