@@ -8,7 +8,6 @@ any machine; nothing here is a timed test.
 from __future__ import annotations
 
 import argparse
-import copy
 import resource
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ from ptq.data import load_corpus, make_windows
 from ptq.evaluate import evaluate
 from ptq.formats import FORMATS, compute_scale, fake_quantize
 from ptq.models import load_model
-from ptq.quantize import calibrated_layers, quantize_
+from ptq.quantize import InputQuantizer, calibrated_layers, quantize_variants
 from ptq.recipes import load_recipe
 from ptq.workflows import run_compare
 
@@ -76,7 +75,7 @@ def main() -> None:
                              "windows": len(calib_ids), "seq_len": args.seq_len, "tokens": calib_ids.numel()}
 
     # 1. Simulated evaluation against the same evaluation of the unquantized model.
-    variants = {r.name: quantize_(copy.deepcopy(model), r, calibration) for r in (e4m3, int8)}
+    variants = quantize_variants(model, [e4m3, int8], calibration)
     t_eval_plain = median_time(lambda: evaluate({"plain": model}, ids), args.repeats)
     t_eval = {name: median_time(lambda m=m: evaluate({name: m}, ids), args.repeats) for name, m in variants.items()}
 
@@ -84,11 +83,13 @@ def main() -> None:
     x = torch.randn(64 * 1024 * 1024 // 4, device=next(model.parameters()).device)  # 64 MiB of float32
     scale = compute_scale(torch.tensor(4.0), FORMATS["e4m3"]).to(x.device)
     t_qdq = median_time(lambda: fake_quantize(x, scale, FORMATS["e4m3"]), args.repeats)
+    fused = InputQuantizer()._kernel  # what QuantLinear runs: torch.compile's fused loop (eager with PTQ_COMPILE=0)
+    t_fused = median_time(lambda: fused(x, scale, FORMATS["e4m3"], True), args.repeats)
     t_cast = median_time(lambda: (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale, args.repeats)
     t_copy = median_time(lambda: x.clone(), args.repeats)
 
     # 3. A whole compare (baseline + two recipes, calibration file given) against its three models' forwards.
-    baseline = quantize_(copy.deepcopy(model), load_recipe("bf16"), None)
+    baseline = quantize_variants(model, [load_recipe("bf16")], None)["bf16"]
     t_forwards = sum(median_time(lambda m=m: plain_forward(m), args.repeats) for m in (baseline, *variants.values()))
     tmp = Path(tempfile.mkdtemp(prefix="ptq-bench-"))
     save_calibration(calibration, tmp / "calib.safetensors")
@@ -97,24 +98,30 @@ def main() -> None:
                         out=tmp / "report", force=True)
     t_compare = median_time(lambda: run_compare(**compare_args), args.repeats)
 
-    # 4. Peak memory of `ptq compare` in a fresh process, against the model's 16-bit size.
+    # 4. Peak memory of `ptq compare` in a fresh process, against the model's 16-bit size. The constant is
+    # measured, not assumed: a process that only imports what `ptq compare` imports, plus the evaluation's
+    # full-vocabulary buffers (a variant's logits, the baseline's probabilities, one window's temporaries).
     bytes_16bit = 2 * sum(p.numel() for p in model.parameters())
+    subprocess.run([sys.executable, "-c", "import ptq.cli, ptq.workflows, ptq.plots"], check=True)
+    imports = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
+    buffers = 3 * 4 * args.seq_len * model.config.vocab_size * 4  # batch of 4 windows, float32
     subprocess.run([sys.executable, "-m", "ptq", "compare", args.model, "--calib", str(tmp / "calib.safetensors"),
                     "--max-windows", str(args.windows), "--seq-len", str(args.seq_len), "--out", str(tmp / "mem"),
                     "--force", "--quiet"], check=True, stdout=subprocess.DEVNULL)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    constant = imports + buffers
 
     print(line("simulated E4M3 evaluation / unquantized evaluation", t_eval["fp8-e4m3"] / t_eval_plain, 1.10))
     print(line("simulated int8 evaluation / unquantized evaluation", t_eval["int8"] / t_eval_plain, 1.10))
     print(line("calibration / plain no-grad forward over the same tokens", t_calib / t_plain_calib, 1.10))
     print(line("compare (bf16 + fp8-e4m3 + int8) / its three models' forward passes", t_compare / t_forwards, 1.10))
-    constant = 1.0e9  # interpreter, torch and transformers, tokenizer, one batch of logits
-    print(line(f"compare peak RSS / 16-bit model size, after a {constant / 1e9:.0f} GB constant",
+    print(line(f"compare peak RSS / 16-bit model size, after a {constant / 1e9:.2f} GB constant",
                (peak - constant) / bytes_16bit, 1.5))
-    print(f"INFO  compare peak RSS {peak / 1e9:.2f} GB; 16-bit model {bytes_16bit / 1e9:.2f} GB")
+    print(f"INFO  compare peak RSS {peak / 1e9:.2f} GB; 16-bit model {bytes_16bit / 1e9:.2f} GB; constant = imports "
+          f"{imports / 1e9:.2f} GB + evaluation buffers {buffers / 1e9:.2f} GB")
     gbps = lambda t: 2 * x.numel() * 4 / t / 1e9  # read + write of float32
-    print(f"INFO  E4M3 quantize-dequantize, 64 MiB: {gbps(t_qdq):.1f} GB/s; torch cast round trip {gbps(t_cast):.1f} GB/s; "
-          f"copy {gbps(t_copy):.1f} GB/s (ratio to copy {t_qdq / t_copy:.1f}x)")
+    print(f"INFO  E4M3 quantize-dequantize, 64 MiB: fused {gbps(t_fused):.1f} GB/s (ratio to copy {t_fused / t_copy:.1f}x); "
+          f"eager ops {gbps(t_qdq):.1f} GB/s; torch cast round trip {gbps(t_cast):.1f} GB/s; copy {gbps(t_copy):.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ from ptq.formats import NumberFormat, amax, compute_scale, fake_quantize
 from ptq.observers import NUM_BINS, TensorObserver
 from ptq.progress import progress
 
-FILE_KIND = "ptq-calibration/1"
-CHECKPOINT_KIND = "ptq-calibration-checkpoint/1"
+FILE_KIND = "ptq-calibration/2"  # /2: histogram bins read off the float32 bit pattern (ptq/observers.py)
+CHECKPOINT_KIND = "ptq-calibration-checkpoint/2"
 NONFINITE_POLICIES = ("fail", "skip")
 UNSEEN_POLICIES = ("fallback", "fail")
 # The fields reports read from a calibration file's metadata, and their types.

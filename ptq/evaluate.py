@@ -56,27 +56,39 @@ def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: 
         for batch in input_ids.split(batch_size):
             batch = batch.to(device)
             targets = batch[:, 1:]
-            base_logp = base_p = base_top1 = None
+            base = None  # the baseline's (probabilities, sum of p * log p, top-1) per window of the batch
             for name in names:
-                logits = models[name](input_ids=batch).logits[:, :-1].float()
-                logp = torch.log_softmax(logits, dim=-1)
+                logits = models[name](input_ids=batch).logits
+                # Full-vocabulary work one window at a time: besides this variant's logits and the baseline's
+                # probabilities, at most two [seq_len, vocab] temporaries are alive.
+                nll, top1, kl, probs = [], [], [], []
+                for i, row in enumerate(logits):
+                    logp = torch.log_softmax(row[:-1].float(), dim=-1)
+                    nll.append(-logp.gather(-1, targets[i].unsqueeze(-1)).squeeze(-1))
+                    top1.append(logp.argmax(-1))
+                    if base is None:
+                        p = logp.exp()
+                        probs.append((p, (p * logp).sum(-1)))
+                    else:  # KL(baseline || variant) = sum p log p - sum p log q, per position
+                        p, p_logp = base[0][i]
+                        kl.append(p_logp - (p * logp).sum(-1))
+                    del logp
                 del logits
-                nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [b, L-1]
-                top1 = logp.argmax(-1)
+                nll, top1 = torch.stack(nll), torch.stack(top1)  # [b, L-1]
                 s = scores[name]
                 s.tokens += targets.numel()
                 s.nll_sum += nll.double().sum().item()
                 s.correct += (top1 == targets).sum().item()
                 s.window_nll += nll.double().mean(-1).tolist()
                 s.window_correct += (top1 == targets).double().mean(-1).tolist()
-                if base_logp is None:
-                    base_logp, base_p, base_top1 = logp, logp.exp(), top1  # exp once per batch, not per variant
+                if base is None:
+                    base = (probs, top1)
                 else:
-                    kl = (base_p * (base_logp - logp)).sum(-1).double()  # [b, L-1]
+                    kl = torch.stack(kl).double()
                     s.kl_sum += kl.sum().item()
-                    s.agree += (top1 == base_top1).sum().item()
+                    s.agree += (top1 == base[1]).sum().item()
                     s.window_kl += kl.mean(-1).tolist()
-                    s.window_agree += (top1 == base_top1).double().mean(-1).tolist()
+                    s.window_agree += (top1 == base[1]).double().mean(-1).tolist()
                 advance(len(batch))
     return scores
 

@@ -297,7 +297,7 @@ class _LoaderInt8Inputs(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_q = torch.round((x.float() / self.input_scale).clamp(-128, 127)) * self.input_scale
-        return F.linear(x_q.to(x.dtype), self.weight, self.bias)
+        return F.linear(x_q.to(x.dtype), self.weight.to(x.dtype), self.bias)
 
 
 def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, loader_int8_inputs: bool = True) -> nn.Module:

@@ -1,8 +1,10 @@
 """Simulated quantization: `quantize_(model, recipe, calibration)` swaps every Linear for a QuantLinear.
 
-A QuantLinear holds its weight already quantized and dequantized (done once, not per forward), rounds
-its input to the recipe's format on every forward (static per-tensor scale from calibration, or one
-scale per token computed on the fly), and multiplies in float32. A product of two 8- or 16-bit values
+A QuantLinear holds its weight already quantized (done once, not per forward), as compact codes (int8,
+or bfloat16 for the 8-bit float formats and bf16, which holds their values exactly) and a scale; it
+dequantizes them on each forward (a cast and a multiply, about 1% of the matmul on CPU), rounds its input
+to the recipe's format (static per-tensor scale from calibration, or one scale per token computed on the
+fly), and multiplies in float32. A product of two 8- or 16-bit values
 is exact in float32, so this simulates fp32-accumulating FP8/int8/bf16 hardware faithfully up to
 summation order. With `attention` (or `kv_cache`) in the recipe, attention's batched-matmul inputs are
 rounded too (ptq/attention.py). SmoothQuant divides each input channel by s and multiplies the weight's
@@ -11,6 +13,7 @@ column by s (ModelOpt's per-layer pre-quant scale, foldable into the preceding n
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -22,7 +25,7 @@ from ptq import attention, residual
 from ptq.attention import AttentionQuant
 from ptq.calibrate import Calibration
 from ptq.errors import PtqError
-from ptq.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
+from ptq.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize, to_storage
 from ptq.observers import choose_clip
 from ptq.recipes import BASELINE_LINEAR, Recipe, TensorQuant
 
@@ -95,22 +98,38 @@ class ActQuant(nn.Module):
         return self.spec.describe()
 
 
+def codes_dtype(fmt: NumberFormat) -> torch.dtype:
+    """The smallest torch dtype that holds every value of the format's grid exactly (and NaN/inf, for
+    non-saturating float formats): int8; bfloat16 for E4M3, E5M2 and bf16; float16 for fp16."""
+    if fmt.kind == "int":
+        return torch.int8
+    return torch.bfloat16 if fmt.mantissa_bits <= 7 else torch.float16
+
+
 class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, input_amax: torch.Tensor | None,
-                 input_quantizer: InputQuantizer | None = None, smooth: torch.Tensor | None = None):
+                 input_quantizer: InputQuantizer | None = None, smooth: torch.Tensor | None = None,
+                 weight_cache: dict | None = None):
         super().__init__()
         self.input_quantizer = input_quantizer or InputQuantizer(compile=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weights, self.inputs = weights, inputs
-        w = linear.weight.detach().float()
+        w = linear.weight.detach()
         if smooth is not None:  # SmoothQuant: x / s times W * s is the same product, with easier x
             smooth = smooth.to(w.device)
-            w = w * smooth
         self.register_buffer("smooth", smooth)
-        codes, weight_scale = quantize_weight(w, weights)
+        # Variants of one model quantize many weights the same way (layers a recipe leaves out run as the
+        # baseline): one copy of the codes serves them all.
+        key = (id(linear.weight), weights) if smooth is None else None
+        if weight_cache is not None and key in weight_cache:
+            codes, weight_scale = weight_cache[key][1:]
+        else:
+            codes, weight_scale = quantize_weight(w.float() * smooth if smooth is not None else w, weights)
+            codes = to_storage(codes, weights.format) if weights.format.kind == "int" else codes.to(codes_dtype(weights.format))
+            if weight_cache is not None and key is not None:
+                weight_cache[key] = (linear.weight, codes, weight_scale)  # the weight is held so its id stays unique
+        self.register_buffer("weight_codes", codes)
         self.register_buffer("weight_scale", weight_scale)
-        self.register_buffer("weight", dequantize(codes, weight_scale))
-        del codes
         self.bias = linear.bias
         if inputs.static and input_amax is None:
             raise ValueError("a scaled input format needs a calibrated input amax")
@@ -124,7 +143,12 @@ class QuantLinear(nn.Module):
             x_q = fake_quantize(x, token_scale(x, self.inputs), self.inputs.format, self.inputs.saturate)
         else:
             x_q = self.input_quantizer(x, self.input_scale, self.inputs.format, self.inputs.saturate)
-        return F.linear(x_q.to(x.dtype), self.weight, self.bias)
+        return F.linear(x_q.to(x.dtype), self.weight.to(x.dtype), self.bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (float32), made from the codes on each call."""
+        return dequantize(self.weight_codes, self.weight_scale)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, weights={self.weights.describe()}, inputs={self.inputs.describe()}"
@@ -240,9 +264,11 @@ def smoothing_factors(channel_amax: torch.Tensor, weight: torch.Tensor, alpha: f
     return (channel_amax.float().clamp(min=1e-5).pow(alpha) / w_amax.pow(1 - alpha)).clamp(min=1e-5)
 
 
-def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None) -> nn.Module:
+def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
+              weight_cache: dict | None = None) -> nn.Module:
     """Replace, in place, each Linear of `model` by the QuantLinear the recipe asks for, and quantize
-    attention's matmul inputs where the recipe covers them."""
+    attention's matmul inputs where the recipe covers them. `weight_cache` (see quantize_variants) lets
+    several variants of one model share the weight codes they have in common."""
     layers = plan(model, recipe)
     needed = calibrated_layers(model, recipe)
     smoothed = set(smoothed_layers(model, recipe))
@@ -267,7 +293,7 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None)
             input_amax = (channel_amax / smooth).max()  # the smoothed input's amax, exactly
         elif inputs.static:
             input_amax = input_clip(calibration, name, inputs)
-        q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth)
+        q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth, weight_cache)
         if smooth is None:
             key = (inputs, float(q.input_scale), q.input_scale.device)
             q.input_scale = scales.setdefault(key, q.input_scale)
@@ -285,3 +311,14 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None)
         model.get_submodule(block).ptq_residual = made  # registered, so it moves with the model
         residual.install(model, {block: dict(made.items())})
     return model
+
+
+def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Calibration | None) -> dict[str, nn.Module]:
+    """One quantized variant of `model` per recipe, built to share memory: every variant shares the
+    parameters no recipe replaces (embeddings, norms) with `model`, and weights quantized the same way
+    (the layers left in 16-bit) are stored once. `model` itself is left as it was; once the caller drops
+    it, its Linear weights are freed."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    weight_cache: dict = {}
+    variants = {r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache) for r in recipes}
+    return variants

@@ -33,7 +33,7 @@ from ptq.formats import get_format
 from ptq.gates import Limits, gate_results
 from ptq.layerstats import layer_snr
 from ptq.models import LoadedModel, linear_layers, load_model
-from ptq.quantize import calibrated_layers, plan, quantize_, smoothed_layers
+from ptq.quantize import calibrated_layers, plan, quantize_, quantize_variants, smoothed_layers
 from ptq.recipes import Recipe, load_recipe
 from ptq.report import load_results, render_markdown, report_outputs, write_markdown, write_report
 from ptq.report import render_eval_markdown
@@ -186,9 +186,10 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
         if calibration is not None:
             check_ranges(calibration, needs_calibration, loaded.model)
 
-    # Each variant is a quantized copy of the float32 model; the original is then released.
+    # Each variant is a quantized copy of the model, sharing what it does not quantize; the original's
+    # Linear weights are then released.
     device = str(next(loaded.model.parameters()).device)
-    models = {r.name: quantize_(copy.deepcopy(loaded.model), r, calibration) for r in [baseline, *variants]}
+    models = quantize_variants(loaded.model, [baseline, *variants], calibration)
     snr = layer_snr(loaded.model, {r.name: models[r.name] for r in variants}, windows.input_ids)
     layer_order = list(linear_layers(loaded.model))
     del loaded.model

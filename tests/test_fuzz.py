@@ -114,7 +114,7 @@ metadata_json = st.one_of(
 
 @FUZZ
 @given(st.dictionaries(entry_names, st.tuples(dtypes, st.lists(values, max_size=3)), max_size=4),
-       st.sampled_from(["ptq-calibration/1", "other", ""]), metadata_json)
+       st.sampled_from(["ptq-calibration/2", "other", ""]), metadata_json)
 def test_structured_calibration_files(tmp_path, entries, kind, metadata):
     tensors = {k: torch.tensor(v, dtype=torch.float32).to(dtype) for k, (dtype, v) in entries.items()}
     path = tmp_path / "fuzz.st"

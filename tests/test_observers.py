@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from ptq.formats import get_format
-from ptq.observers import (BINS_PER_OCTAVE, TensorObserver, choose_clip, entropy_clip, histogram, kl_divergence,
+from ptq.observers import (BINS_PER_OCTAVE, TensorObserver, bin_edges, choose_clip, entropy_clip, histogram, kl_divergence,
                            mse_clip, percentile_clip, quantized_histogram, sqnr_db)
 
 E4M3, INT8 = get_format("e4m3"), get_format("int8")
-BIN = 2 ** (1 / BINS_PER_OCTAVE)  # relative width of one bin
+BIN = 1 + 1 / BINS_PER_OCTAVE  # the largest relative width of a bin (at the start of a power of two)
 
 
 def samples(seed=0, n=200_000):
@@ -50,6 +50,21 @@ def test_running_max_and_mergeable_histograms():
     a, b = observe(x[:1000], chunks=1), observe(x[1000:], chunks=3)
     a.merge(b)
     assert torch.equal(a.hist, obs.hist) and float(a.amax) == float(obs.amax)
+
+
+def test_histogram_matches_numpy_on_the_bin_edges():
+    # Values on, just below and just above every 7th bin edge, zeros, tiny and huge values, both signs:
+    # the bit-pattern binning must agree with numpy's histogram over bin_edges() (bin 0 and the last bin
+    # open-ended).
+    edges = bin_edges().numpy()
+    on = edges[::7].astype(np.float32)
+    x = np.concatenate([on, np.nextafter(on, np.float32(0)), np.nextafter(on, np.float32(np.inf)),
+                        [0.0, 1e-30, 2.0**-25, 2.0**16, 3e38], samples(6, 10_000) * 50]).astype(np.float32)
+    x = np.concatenate([x, -x])
+    a = np.abs(x.astype(np.float64))
+    want, _ = np.histogram(np.clip(a, edges[0], np.nextafter(edges[-1], 0)), bins=edges)
+    assert histogram(torch.from_numpy(x)).tolist() == want.tolist()
+    assert histogram(torch.from_numpy(x).to(torch.bfloat16)).sum() == x.size
 
 
 def test_channel_amax_is_per_last_dimension():

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ptq.calibrate import calibrate
-from ptq.quantize import QuantLinear, calibrated_layers, plan, quantize_
+from ptq.quantize import QuantLinear, calibrated_layers, plan, quantize_, quantize_variants
 from ptq.recipes import load_recipe
 
 
@@ -127,3 +127,24 @@ def test_an_input_shared_by_q_k_v_and_gate_up_is_quantized_once(tiny_model):
             m.input_quantizer = type(quantizer)(compile=False)
     with torch.no_grad():
         assert torch.equal(q(input_ids=ids).logits, cached)
+
+
+def test_variants_share_what_they_do_not_quantize_and_match_separate_copies(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, tie_word_embeddings=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    recipes = [load_recipe(r) for r in ("bf16", "fp8-e4m3", "int8")]
+    cal = calibrate(model, ids, calibrated_layers(model, recipes[1]))
+    variants = quantize_variants(model, recipes, cal)
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    embed = storage(model.model.embed_tokens.weight)
+    assert all(storage(v.model.embed_tokens.weight) == embed for v in variants.values())
+    heads = {storage(v.lm_head.weight_codes) for v in variants.values()}  # left in bf16 by every recipe
+    assert len(heads) == 1
+    assert variants["bf16"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.bfloat16
+    assert variants["fp8-e4m3"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.bfloat16
+    assert variants["int8"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.int8
+    assert model.model.layers[0].mlp.down_proj.__class__ is torch.nn.Linear  # the original is left as it was
+    with torch.no_grad():
+        for r in recipes:
+            alone = quantize_(copy.deepcopy(model), r, cal)
+            assert torch.equal(variants[r.name](input_ids=ids).logits, alone(input_ids=ids).logits)
