@@ -8,7 +8,6 @@ any machine; nothing here is a timed test.
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,22 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def peak_rss(python_args: list[str], tmp: Path) -> int:
+    """Peak resident memory (bytes) of `python ARGS` in a fresh process, read from the process's own
+    /proc/self/status (VmHWM) as it exits. getrusage's ru_maxrss would include the parent's pages that
+    the child held between fork and exec (Linux only)."""
+    out = tmp / "vmhwm"
+    report = ("import atexit, sys\n"
+              f"atexit.register(lambda: open({str(out)!r}, 'w').write([l for l in open('/proc/self/status') "
+              "if l.startswith('VmHWM')][0].split()[1]))\n")
+    if python_args[0] == "-c":
+        code = report + python_args[1]
+    else:  # -m MODULE ARGS
+        code = report + f"import runpy; sys.argv = {python_args[1:]!r}; runpy.run_module({python_args[1]!r}, run_name='__main__')"
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
+    return int(out.read_text()) * 1024  # kB
 
 
 def line(what: str, ratio: float, target: float, unit: str = "x") -> str:
@@ -102,13 +117,10 @@ def main() -> None:
     # measured, not assumed: a process that only imports what `ptq compare` imports, plus the evaluation's
     # full-vocabulary buffers (a variant's logits, the baseline's probabilities, one window's temporaries).
     bytes_16bit = 2 * sum(p.numel() for p in model.parameters())
-    subprocess.run([sys.executable, "-c", "import ptq.cli, ptq.workflows, ptq.plots"], check=True)
-    imports = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
+    imports = peak_rss(["-c", "import ptq.cli, ptq.workflows, ptq.plots"], tmp)
     buffers = 3 * 4 * args.seq_len * model.config.vocab_size * 4  # batch of 4 windows, float32
-    subprocess.run([sys.executable, "-m", "ptq", "compare", args.model, "--calib", str(tmp / "calib.safetensors"),
-                    "--max-windows", str(args.windows), "--seq-len", str(args.seq_len), "--out", str(tmp / "mem"),
-                    "--force", "--quiet"], check=True, stdout=subprocess.DEVNULL)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    peak = peak_rss(["-m", "ptq", "compare", args.model, "--calib", str(tmp / "calib.safetensors"), "--max-windows",
+                     str(args.windows), "--seq-len", str(args.seq_len), "--out", str(tmp / "mem"), "--force", "--quiet"], tmp)
     constant = imports + buffers
 
     print(line("simulated E4M3 evaluation / unquantized evaluation", t_eval["fp8-e4m3"] / t_eval_plain, 1.10))

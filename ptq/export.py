@@ -25,7 +25,6 @@ from typing import Callable
 import safetensors
 import safetensors.torch
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ptq.calibrate import Calibration
@@ -295,9 +294,8 @@ class _LoaderInt8Inputs(QuantLinear):
     clamp x / scale to [-128, 127], then round. ptq's convention rounds, then clamps to [-127, 127]; the two
     differ only where x / scale < -127.5, i.e. beyond the calibrated amax on the negative side."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_q = torch.round((x.float() / self.input_scale).clamp(-128, 127)) * self.input_scale
-        return F.linear(x_q.to(x.dtype), self.weight.to(x.dtype), self.bias)
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.round((x.float() / self.input_scale).clamp(-128, 127)) * self.input_scale
 
 
 def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, loader_int8_inputs: bool = True) -> nn.Module:

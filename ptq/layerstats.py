@@ -3,19 +3,19 @@
 SNR (signal-to-quantization-noise ratio) of a tensor x and its quantized-and-dequantized x_q, in dB:
     10 * log10(sum(x^2) / sum((x - x_q)^2))
 - weights: every weight of every quantized Linear, against the weight the variant actually uses;
-- inputs: the unquantized model's inputs to each Linear on a few evaluation windows, quantized with the
-  variant's calibrated static scale, so each layer's own rounding and saturation is measured without the
-  error of the layers before it.
+- inputs: each variant's own input to each Linear over the first few evaluation windows, against its
+  rounding in that layer (static scale, or per token). The noise is that layer's own rounding and
+  saturation only; measured while the evaluation runs, so it costs no extra forward pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import nn
 
-from ptq.formats import fake_quantize
 from ptq.quantize import QuantLinear
 
 INPUT_SNR_WINDOWS = 4  # windows of the evaluation text that input SNR is measured on
@@ -44,42 +44,46 @@ def weight_snr_db(original: nn.Module, quantized: nn.Module) -> dict[str, float 
     return out
 
 
-def input_snr_db(original: nn.Module, quantized: dict[str, nn.Module], input_ids: torch.Tensor,
-                 batch_size: int = 4) -> dict[str, dict[str, float | None]]:
-    """SNR of each scaled-input layer's input, per variant: {variant: {layer: dB}}."""
-    targets = {v: {n: q for n, q in quantized_layers(m).items() if q.inputs.format.scaled} for v, m in quantized.items()}
-    sums = {v: {n: [0.0, 0.0] for n in layers} for v, layers in targets.items()}
-    modules = dict(original.named_modules())
+@contextlib.contextmanager
+def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDOWS):
+    """While the variants run (the evaluation), measure the SNR of each scaled-input layer's input over the
+    first `windows` windows it sees. Yields {variant: {layer: dB}}, filled in when the block ends."""
+    sums: dict[str, dict[str, list]] = {}
+    hooks = []
 
-    def hook_for(name: str):
-        def hook(module: nn.Module, args: tuple) -> None:
-            x = args[0].detach().float()
-            signal = x.double().square().sum().item()
-            for v, layers in targets.items():
-                if name in layers:
-                    q = layers[name]
-                    x_q = fake_quantize(x, q.input_scale, q.inputs.format, q.inputs.saturate)
-                    sums[v][name][0] += signal
-                    sums[v][name][1] += (x - x_q).double().square().sum().item()
+    def hook_for(sums_of_layer: list):
+        def hook(module: QuantLinear, args: tuple) -> None:
+            x = args[0]
+            room = windows - sums_of_layer[2]
+            if room <= 0:
+                return
+            if len(x) > room:
+                x = x[:room]
+            x_in, x_q = module.quantize_input(x)  # the same call the forward makes next (an input is rounded once)
+            x_in = x_in.detach().double()
+            sums_of_layer[0] += x_in.square().sum().item()
+            sums_of_layer[1] += (x_in - x_q.double()).square().sum().item()
+            sums_of_layer[2] += len(x)
         return hook
 
-    names = sorted({n for layers in targets.values() for n in layers})
-    hooks = [modules[n].register_forward_pre_hook(hook_for(n)) for n in names]
-    device = next(original.parameters()).device
+    for variant, model in quantized.items():
+        sums[variant] = {}
+        for name, q in quantized_layers(model).items():
+            if q.inputs.format.scaled:
+                sums[variant][name] = [0.0, 0.0, 0]  # signal, noise, windows seen
+                hooks.append(q.register_forward_pre_hook(hook_for(sums[variant][name])))
+    result: dict[str, dict[str, float | None]] = {}
     try:
-        with torch.inference_mode():
-            for batch in input_ids.split(batch_size):
-                original(input_ids=batch.to(device))
+        yield result
     finally:
         for h in hooks:
             h.remove()
-    return {v: {n: snr_db(s, e) for n, (s, e) in layers.items()} for v, layers in sums.items()}
+    result.update({v: {n: snr_db(s, e) for n, (s, e, _) in layers.items()} for v, layers in sums.items()})
 
 
-def layer_snr(original: nn.Module, quantized: dict[str, nn.Module], input_ids: torch.Tensor) -> dict[str, dict]:
-    """{variant: {"weights": {layer: dB}, "inputs": {layer: dB}, "input_windows": n}} in model order;
+def layer_snr(weights: dict[str, dict], inputs: dict[str, dict], quantized: dict[str, nn.Module],
+              windows: int = INPUT_SNR_WINDOWS) -> dict[str, dict | None]:
+    """{variant: {"weights": {layer: dB}, "inputs": {layer: dB}, "input_windows": n}} for the report;
     None for a variant that quantizes nothing to 8 bits."""
-    windows = input_ids[:INPUT_SNR_WINDOWS]
-    inputs = input_snr_db(original, quantized, windows)
-    return {v: {"weights": weight_snr_db(original, m), "inputs": inputs[v], "input_windows": len(windows)}
+    return {v: {"weights": weights[v], "inputs": inputs.get(v, {}), "input_windows": windows}
             if quantized_layers(m) else None for v, m in quantized.items()}

@@ -41,7 +41,7 @@ def default_device() -> torch.device:
 
 
 def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.device | None = None,
-               allow_pickle: bool = False, copies: int = 1, memory_check: bool = True) -> LoadedModel:
+               allow_pickle: bool = False, copies: float = 1, memory_check: bool = True) -> LoadedModel:
     """Load a causal LM in float32 (exact for bf16/fp16 checkpoints), in eval mode, on `device`.
 
     Pickle checkpoints (pytorch_model.bin) can run code when loaded: refused unless `allow_pickle`, and

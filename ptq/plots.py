@@ -166,6 +166,6 @@ def snr_figure(results: dict):
     ax.set_ylabel("SNR (dB, higher is better)")
     _block_ticks(ax, order)
     ax.legend(fontsize=8, loc="best")
-    ax.set_title("Quantization SNR per layer: weights; inputs on the unquantized model's activations over "
-                 f"{windows} evaluation windows with the calibrated static scales", fontsize=9)
+    ax.set_title("Quantization SNR per layer: weights; inputs on each variant's own activations over the first "
+                 f"{windows} evaluation windows", fontsize=9)
     return fig

@@ -136,13 +136,16 @@ class QuantLinear(nn.Module):
         scale = scale_for(input_amax.to(w.device) if inputs.static else torch.ones((), device=w.device), inputs)
         self.register_buffer("input_scale", scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the input the rounding sees, after SmoothQuant's division; its rounded values in float32)."""
         if self.smooth is not None:
             x = x / self.smooth
         if self.inputs.dynamic:
-            x_q = fake_quantize(x, token_scale(x, self.inputs), self.inputs.format, self.inputs.saturate)
-        else:
-            x_q = self.input_quantizer(x, self.input_scale, self.inputs.format, self.inputs.saturate)
+            return x, fake_quantize(x, token_scale(x, self.inputs), self.inputs.format, self.inputs.saturate)
+        return x, self.input_quantizer(x, self.input_scale, self.inputs.format, self.inputs.saturate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, x_q = self.quantize_input(x)
         return F.linear(x_q.to(x.dtype), self.weight.to(x.dtype), self.bias)
 
     @property

@@ -53,16 +53,18 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
-def check_fits(directory: Path, copies: int, device: torch.device, what: str) -> None:
-    """Refuse to load a model whose float32 weights, times the copies the command keeps, exceed the
-    memory available on `device`. Activations come on top: the estimate is a lower bound."""
+def check_fits(directory: Path, copies: float, device: torch.device, what: str) -> None:
+    """Refuse to load a model whose float32 weights, times the copies the command keeps (in float32 copies:
+    a compared variant holds 16- or 8-bit weight codes, half a copy at most), exceed the memory available
+    on `device`. Activations come on top: the estimate is a lower bound."""
     params = checkpoint_parameters(directory)
     free = available_memory(device)
     if params is None or free is None:
         return
-    needed = params * FLOAT32_BYTES * copies
+    needed = int(params * FLOAT32_BYTES * copies)
     if needed > free:
-        copies_text = f" x {copies} copies (the original and one per variant)" if copies > 1 else ""
+        copies_text = (f" x {copies:g} copies (the original, and half a copy per variant: weights held as 16- or "
+                       "8-bit codes)") if copies > 1 else ""
         raise PtqError(
             f"{what} needs at least {_size(needed)} ({params:,} parameters x {FLOAT32_BYTES} bytes in "
             f"float32{copies_text}) but only {_size(free)} is available on {device.type}: use a machine with "

@@ -31,7 +31,7 @@ from ptq.evaluate import Scores, TaskRun, evaluate, evaluate_tasks
 from ptq.files import check_output_dir, check_writable
 from ptq.formats import get_format
 from ptq.gates import Limits, gate_results
-from ptq.layerstats import layer_snr
+from ptq.layerstats import input_snr_db, layer_snr, weight_snr_db
 from ptq.models import LoadedModel, linear_layers, load_model
 from ptq.quantize import calibrated_layers, plan, quantize_, quantize_variants, smoothed_layers
 from ptq.recipes import Recipe, load_recipe
@@ -172,8 +172,8 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     calib_corpus = load_corpus(calib_data, role="calibration") if needs_calibration and calibration is None else None
     eval_corpus = load_corpus(eval_data, role="evaluation")
     task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
-    # Peak memory: the float32 original plus one quantized copy per variant and the baseline.
-    loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, copies=len(variants) + 2,
+    # Peak memory: the float32 original plus, per variant and for the baseline, weight codes of 2 bytes at most.
+    loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, copies=1 + 0.5 * (len(variants) + 1),
                         memory_check=memory_check)
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
 
@@ -190,10 +190,13 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     # Linear weights are then released.
     device = str(next(loaded.model.parameters()).device)
     models = quantize_variants(loaded.model, [baseline, *variants], calibration)
-    snr = layer_snr(loaded.model, {r.name: models[r.name] for r in variants}, windows.input_ids)
+    quantized = {r.name: models[r.name] for r in variants}
+    weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
     layer_order = list(linear_layers(loaded.model))
     del loaded.model
-    scores = evaluate(models, windows.input_ids, batch_size)
+    with input_snr_db(quantized) as input_snr:
+        scores = evaluate(models, windows.input_ids, batch_size)
+    snr = layer_snr(weight_snr, input_snr, quantized)
     task_run = evaluate_tasks(models, task_list, loaded.tokenizer, batch_size, _max_len(models)) if task_list else None
 
     base = scores[baseline.name]

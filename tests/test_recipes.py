@@ -100,3 +100,28 @@ def test_new_keys_parse_and_describe():
     unscaled = parse_recipe(VALID | {"inputs": {"format": "e4m3", "scale": "unscaled"}})
     assert not unscaled.inputs.static and unscaled.inputs.describe() == "e4m3 unscaled"
     assert parse_recipe(VALID | {"smoothquant": {"alpha": 0.5}}).smoothquant == 0.5
+
+
+def test_sensitivity_examples_each_quantize_one_kind_of_tensor(tiny_model):
+    """examples/sensitivity (docs/paper.md): each recipe puts exactly one kind of tensor in E4M3."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from ptq.quantize import describe_plan
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    expected = {"only-weights": ("weights", linears), "only-qkv-input": ("inputs", {"q_proj", "k_proj", "v_proj"}),
+                "only-o-input": ("inputs", {"o_proj"}), "only-gate-up-input": ("inputs", {"gate_proj", "up_proj"}),
+                "only-down-input": ("inputs", {"down_proj"}),
+                **{f"only-{t}": ("inputs", {t}) for t in ("query", "key", "value", "probs")}}
+    paths = sorted((Path(__file__).parent.parent / "examples" / "sensitivity").glob("*.yaml"))
+    assert sorted(p.stem for p in paths) == sorted(expected)
+    is_e4m3 = lambda text: "e4m3" in (text or "").lower()  # noqa: E731
+    for path in paths:
+        rows = describe_plan(model, load_recipe(str(path)))
+        weights = {r["name"].rsplit(".", 1)[-1] for r in rows if is_e4m3(r["weights"])}
+        inputs = {r["name"].rsplit(".", 1)[-1] for r in rows if is_e4m3(r["inputs"])}
+        part, names = expected[path.stem]
+        assert (weights, inputs) == ((names, set()) if part == "weights" else (set(), names)), path.name

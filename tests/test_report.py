@@ -166,20 +166,28 @@ def reference_snr(x: np.ndarray, x_q: np.ndarray) -> float:
 def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     """E4M3 per-tensor through ml_dtypes' cast, int8 per-channel through numpy, against ptq.layerstats."""
     from ptq.calibrate import calibrate
-    from ptq.layerstats import layer_snr
+    from ptq.evaluate import evaluate
+    from ptq.layerstats import input_snr_db, layer_snr, weight_snr_db
     from ptq.models import load_model
-    from ptq.quantize import calibrated_layers, quantize_
+    from ptq.quantize import calibrated_layers, quantize_variants
     from ptq.recipes import load_recipe
 
     loaded = load_model(str(tiny_model), device=torch.device("cpu"))
     model = loaded.model
-    ids = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 300, (6, 32), generator=torch.Generator().manual_seed(0))
     recipes = [load_recipe("fp8-e4m3"), load_recipe("int8")]
     cal = calibrate(model, ids, sorted(calibrated_layers(model, recipes[0])))
-    quantized = {r.name: quantize_(copy.deepcopy(model), r, cal) for r in recipes}
-    snr = layer_snr(model, quantized, ids)
-
+    models = quantize_variants(model, [load_recipe("bf16"), *recipes], cal)
+    quantized = {r.name: models[r.name] for r in recipes}
     name = "model.layers.1.mlp.down_proj"
+    captured = []  # the E4M3 variant's own input to that layer, over the first 4 windows
+    hook = quantized["fp8-e4m3"].get_submodule(name).register_forward_pre_hook(
+        lambda m, a: captured.append(a[0].detach().numpy().copy()))
+    with input_snr_db(quantized) as inputs:
+        evaluate(models, ids, batch_size=3)  # windows 0-2, then 3-5: the second batch counts for one window
+    hook.remove()
+    snr = layer_snr({v: weight_snr_db(model, m) for v, m in quantized.items()}, inputs, quantized)
+
     w = model.get_submodule(name).weight.detach().numpy()
     scale = np.float32(np.abs(w).max() / np.float32(448))
     w_e4m3 = (w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
@@ -188,16 +196,11 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     w_int8 = np.clip(np.round(w / ch_scale), -127, 127) * ch_scale
     assert snr["int8"]["weights"][name] == pytest.approx(reference_snr(w, w_int8), abs=1e-4)
 
-    captured = []
-    hook = model.get_submodule(name).register_forward_pre_hook(lambda m, a: captured.append(a[0].detach().numpy().copy()))
-    with torch.inference_mode():
-        model(input_ids=ids)
-    hook.remove()
-    x = np.concatenate([c.reshape(-1) for c in captured])
+    x = np.concatenate([captured[0].reshape(-1), captured[1][:1].reshape(-1)])
     x_scale = np.float32(cal.input_amax[name].item() / np.float32(448))
     x_e4m3 = np.clip(x / x_scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * x_scale
     assert snr["fp8-e4m3"]["inputs"][name] == pytest.approx(reference_snr(x, x_e4m3), abs=1e-5)
-    assert snr["fp8-e4m3"]["input_windows"] == 4
+    assert snr["fp8-e4m3"]["input_windows"] == 4 and set(snr) == {"fp8-e4m3", "int8"}
     assert 25 < snr["fp8-e4m3"]["weights"][name] < 35  # 3 mantissa bits: about 31 dB on Gaussian-like weights
 
 
