@@ -23,7 +23,7 @@ from ptq.data import load_corpus, make_windows
 from ptq.evaluate import evaluate
 from ptq.formats import FORMATS, compute_scale, fake_quantize
 from ptq.models import load_model
-from ptq.quantize import InputQuantizer, calibrated_layers, quantize_variants
+from ptq.quantize import calibrated_layers, fused, quantize_variants
 from ptq.recipes import load_recipe
 from ptq.workflows import run_compare
 
@@ -98,8 +98,8 @@ def main() -> None:
     x = torch.randn(64 * 1024 * 1024 // 4, device=next(model.parameters()).device)  # 64 MiB of float32
     scale = compute_scale(torch.tensor(4.0), FORMATS["e4m3"]).to(x.device)
     t_qdq = median_time(lambda: fake_quantize(x, scale, FORMATS["e4m3"]), args.repeats)
-    fused = InputQuantizer()._kernel  # what QuantLinear runs: torch.compile's fused loop (eager with PTQ_COMPILE=0)
-    t_fused = median_time(lambda: fused(x, scale, FORMATS["e4m3"], True), args.repeats)
+    kernel = fused(fake_quantize)  # what QuantLinear runs: torch.compile's fused loop (eager with PTQ_COMPILE=0)
+    t_fused = median_time(lambda: kernel(x, scale, FORMATS["e4m3"], True), args.repeats)
     t_cast = median_time(lambda: (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale, args.repeats)
     t_copy = median_time(lambda: x.clone(), args.repeats)
 

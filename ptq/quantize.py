@@ -30,18 +30,36 @@ from ptq.observers import choose_clip
 from ptq.recipes import BASELINE_LINEAR, Recipe, TensorQuant
 
 
-class InputQuantizer:
-    """Quantizes Linear inputs for every QuantLinear of one model.
+def fused(fn, compile: bool | None = None):
+    """`fn` (a chain of exact elementwise ops) fused by torch.compile into one loop, bit-identical to the
+    eager ops (tests check it), unless PTQ_COMPILE=0; if compilation fails (no C++ compiler, unsupported
+    device, ...), the eager ops, with a warning."""
+    if not (os.environ.get("PTQ_COMPILE", "1") != "0" if compile is None else compile):
+        return fn
+    kernel = torch.compile(fn, dynamic=True)
 
-    The arithmetic rounding is a chain of elementwise ops; torch.compile fuses it into one loop
-    (bit-identical: every op is exact; tests check it), unless PTQ_COMPILE=0 or compilation fails.
+    def run(*args):
+        nonlocal kernel
+        try:
+            return kernel(*args)
+        except Exception as e:
+            if kernel is fn:
+                raise
+            warnings.warn(f"torch.compile failed ({type(e).__name__}); quantizing with eager ops", stacklevel=2)
+            kernel = fn
+            return fn(*args)
+    return run
+
+
+class InputQuantizer:
+    """Quantizes Linear inputs for every QuantLinear of one model, with the fused rounding.
+
     An input shared by several Linears (q/k/v, gate/up) with the same scale is quantized once:
     the last input is held (so its memory cannot be reused) and matched by identity and version.
     """
 
     def __init__(self, compile: bool | None = None):
-        self.compile = os.environ.get("PTQ_COMPILE", "1") != "0" if compile is None else compile
-        self._kernel = torch.compile(fake_quantize, dynamic=True) if self.compile else fake_quantize
+        self._kernel = fused(fake_quantize, compile)
         self._last: tuple | None = None
 
     def __call__(self, x: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool) -> torch.Tensor:
@@ -51,14 +69,7 @@ class InputQuantizer:
         last = self._last
         if last is not None and last[0] is x and last[1] == version and last[2] is scale and last[3] == (fmt, saturate):
             return last[4]
-        try:
-            x_q = self._kernel(x, scale, fmt, saturate)
-        except Exception as e:  # no C++ compiler, unsupported device, ...: the eager ops give the same bits
-            if self._kernel is fake_quantize:
-                raise
-            warnings.warn(f"torch.compile failed ({type(e).__name__}); quantizing with eager ops", stacklevel=2)
-            self._kernel = fake_quantize
-            x_q = fake_quantize(x, scale, fmt, saturate)
+        x_q = self._kernel(x, scale, fmt, saturate)
         self._last = (x, version, scale, (fmt, saturate), x_q)
         return x_q
 
@@ -160,10 +171,16 @@ class QuantLinear(nn.Module):
 def quantize_weight(w: torch.Tensor, weights: TensorQuant) -> tuple[torch.Tensor, torch.Tensor]:
     """A Linear weight's codes (float32 values on the format's grid) and its scale ([] or [out, 1]).
     The one code path for weights: the simulation dequantizes these codes, `ptq quantize` stores them."""
+    global _weight_rounding
+    if _weight_rounding is None:
+        _weight_rounding = fused(quantize)
     w = w.detach().float()
     weight_amax = amax(w, dim=1) if weights.granularity == "channel" else amax(w)
     scale = scale_for(weight_amax, weights)
-    return quantize(w, scale, weights.format, weights.saturate), scale
+    return _weight_rounding(w, scale, weights.format, weights.saturate), scale
+
+
+_weight_rounding = None  # quantize, fused on first use (PTQ_COMPILE is read then)
 
 
 def plan(model: nn.Module, recipe: Recipe) -> dict[str, tuple[TensorQuant, TensorQuant]]:

@@ -109,6 +109,19 @@ def test_compiled_input_kernel_is_bit_identical_to_the_eager_ops():
             assert torch.equal(y.view(torch.int32)[~y.isnan()], ref.view(torch.int32)[~ref.isnan()])  # signed zeros too
 
 
+def test_compiled_weight_rounding_is_bit_identical_to_the_eager_ops():
+    from ptq.formats import FORMATS, quantize
+    from ptq.quantize import fused
+
+    torch.manual_seed(1)
+    w = torch.randn(64, 96) * torch.logspace(-6, 2, 96)  # columns from tiny (subnormal after scaling) to large
+    compiled = fused(quantize, compile=True)
+    for fmt in ("e4m3", "e5m2", "int8", "bf16"):
+        for scale in (w.abs().amax(1, keepdim=True) / FORMATS[fmt].max, w.abs().amax() / FORMATS[fmt].max, torch.tensor(1.0)):
+            got, want = compiled(w, scale, FORMATS[fmt], True), quantize(w, scale, FORMATS[fmt], True)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), fmt
+
+
 def test_an_input_shared_by_q_k_v_and_gate_up_is_quantized_once(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
