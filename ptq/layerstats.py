@@ -51,7 +51,7 @@ def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDO
     sums: dict[str, dict[str, list]] = {}
     hooks = []
 
-    def hook_for(sums_of_layer: list):
+    def hook_for(sums_of_layer: list, last: dict):
         def hook(module: QuantLinear, args: tuple) -> None:
             x = args[0]
             room = windows - sums_of_layer[2]
@@ -60,18 +60,22 @@ def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDO
             if len(x) > room:
                 x = x[:room]
             x_in, x_q = module.quantize_input(x)  # the same call the forward makes next (an input is rounded once)
-            x_in = x_in.detach().double()
-            sums_of_layer[0] += x_in.square().sum().item()
-            sums_of_layer[1] += (x_in - x_q.double()).square().sum().item()
+            if last.get("x_q") is not x_q:  # q/k/v (gate/up) share one input and its rounding: sum it once
+                x_in = x_in.detach().float()
+                last["x_q"] = x_q  # held, so that its identity cannot be reused meanwhile
+                last["sums"] = (x_in.square().sum(dtype=torch.float64).item(),
+                                (x_in - x_q).square().sum(dtype=torch.float64).item())
+            sums_of_layer[0] += last["sums"][0]
+            sums_of_layer[1] += last["sums"][1]
             sums_of_layer[2] += len(x)
         return hook
 
     for variant, model in quantized.items():
-        sums[variant] = {}
+        sums[variant], last = {}, {}
         for name, q in quantized_layers(model).items():
             if q.inputs.format.scaled:
                 sums[variant][name] = [0.0, 0.0, 0]  # signal, noise, windows seen
-                hooks.append(q.register_forward_pre_hook(hook_for(sums[variant][name])))
+                hooks.append(q.register_forward_pre_hook(hook_for(sums[variant][name], last)))
     result: dict[str, dict[str, float | None]] = {}
     try:
         yield result

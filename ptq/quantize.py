@@ -141,6 +141,7 @@ class QuantLinear(nn.Module):
                 weight_cache[key] = (linear.weight, codes, weight_scale)  # the weight is held so its id stays unique
         self.register_buffer("weight_codes", codes)
         self.register_buffer("weight_scale", weight_scale)
+        self.unit_scale = bool((weight_scale == 1).all())  # bf16 and unscaled weights: the codes are the weight
         self.bias = linear.bias
         if inputs.static and input_amax is None:
             raise ValueError("a scaled input format needs a calibrated input amax")
@@ -161,8 +162,10 @@ class QuantLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight (float32), made from the codes on each call."""
-        return dequantize(self.weight_codes, self.weight_scale)
+        """The dequantized weight (float32), made from the codes on each call: codes * scale, as
+        formats.dequantize computes it, in one new tensor (the codes are 8- or 16-bit, so this is a copy)."""
+        w = self.weight_codes.to(torch.float32, copy=True)
+        return w if self.unit_scale else w.mul_(self.weight_scale)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, weights={self.weights.describe()}, inputs={self.inputs.describe()}"
