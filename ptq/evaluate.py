@@ -56,7 +56,7 @@ def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: 
         for batch in input_ids.split(batch_size):
             batch = batch.to(device)
             targets = batch[:, 1:]
-            base = None  # the baseline's (probabilities, sum of p * log p, top-1) per window of the batch
+            base = None  # the baseline's ([per window: (probabilities, sum of p log p)], top-1)
             for name in names:
                 logits = models[name](input_ids=batch).logits
                 # Full-vocabulary work one window at a time: besides this variant's logits and the baseline's
