@@ -341,7 +341,21 @@ def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Cali
     parameters no recipe replaces (embeddings, norms) with `model`, and weights quantized the same way
     (the layers left in 16-bit) are stored once. `model` itself is left as it was; once the caller drops
     it, its Linear weights are freed."""
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    # Linear weights are replaced in every variant: shared until then. Everything else is copied once and
+    # shared by all variants, so that nothing of `model` stays referenced (its weights may be a memory map
+    # of the checkpoint, which one remaining tensor would keep whole).
+    kept = {id(t) for m in model.modules() if not isinstance(m, nn.Linear)
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}  # a tied lm_head's embedding too
+    kept |= {id(m.bias) for m in model.modules() if isinstance(m, nn.Linear) and m.bias is not None}
+
+    def copy_of(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in kept:
+            return t
+        if isinstance(t, nn.Parameter):
+            return nn.Parameter(t.detach().clone(), requires_grad=t.requires_grad)
+        return t.clone()
+
+    tensors = {id(t): copy_of(t) for t in (*model.parameters(), *model.buffers())}
     weight_cache: dict = {}
     variants = {r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache) for r in recipes}
     return variants
