@@ -337,13 +337,13 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
 
 
 def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Calibration | None) -> dict[str, nn.Module]:
-    """One quantized variant of `model` per recipe, built to share memory: every variant shares the
-    parameters no recipe replaces (embeddings, norms) with `model`, and weights quantized the same way
-    (the layers left in 16-bit) are stored once. `model` itself is left as it was; once the caller drops
-    it, its Linear weights are freed."""
-    # Linear weights are replaced in every variant: shared until then. Everything else is copied once and
-    # shared by all variants, so that nothing of `model` stays referenced (its weights may be a memory map
-    # of the checkpoint, which one remaining tensor would keep whole).
+    """One quantized variant of `model` per recipe, built to share memory: the variants share one copy of
+    the tensors no recipe replaces (embeddings, norms, biases), and weights quantized the same way (the
+    layers left in 16-bit) are stored once. `model` itself is left as it was, and no variant refers to
+    its tensors: once the caller drops it, it is freed whole."""
+    # Linear weights are replaced in every variant: referenced until then. Everything else is copied, so
+    # that nothing of `model` stays referenced (its weights may be a memory map of the checkpoint, which
+    # one remaining tensor would keep whole).
     kept = {id(t) for m in model.modules() if not isinstance(m, nn.Linear)
             for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}  # a tied lm_head's embedding too
     kept |= {id(m.bias) for m in model.modules() if isinstance(m, nn.Linear) and m.bias is not None}
@@ -357,5 +357,4 @@ def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Cali
 
     tensors = {id(t): copy_of(t) for t in (*model.parameters(), *model.buffers())}
     weight_cache: dict = {}
-    variants = {r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache) for r in recipes}
-    return variants
+    return {r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache) for r in recipes}

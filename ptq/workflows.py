@@ -186,8 +186,8 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
         if calibration is not None:
             check_ranges(calibration, needs_calibration, loaded.model)
 
-    # Each variant is a quantized copy of the model, sharing what it does not quantize; the original's
-    # Linear weights are then released.
+    # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
+    # the original is then released.
     device = str(next(loaded.model.parameters()).device)
     models = quantize_variants(loaded.model, [baseline, *variants], calibration)
     quantized = {r.name: models[r.name] for r in variants}
