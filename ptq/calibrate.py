@@ -316,8 +316,12 @@ def load_calibration(path: Path) -> Calibration:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         raise PtqError(f"{path} is not a readable calibration file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    if header.get("kind") != FILE_KIND:
-        raise PtqError(f"{path} is not a ptq calibration file (kind {reprlib.repr(header.get('kind'))}, expected {FILE_KIND!r})")
+    kind = header.get("kind")
+    if isinstance(kind, str) and kind.startswith(FILE_KIND.split("/")[0] + "/") and kind != FILE_KIND:
+        raise PtqError(f"{path} was written by another version of ptq (kind {reprlib.repr(kind)}; this version reads "
+                       f"{FILE_KIND!r}, whose histograms are binned differently): calibrate again")
+    if kind != FILE_KIND:
+        raise PtqError(f"{path} is not a ptq calibration file (kind {reprlib.repr(kind)}, expected {FILE_KIND!r})")
     try:
         metadata = json.loads(header.get("metadata", "{}"))
     except (json.JSONDecodeError, RecursionError):

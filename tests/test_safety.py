@@ -226,6 +226,18 @@ def test_extremely_long_line_is_fine(tiny_model, tmp_path):
     assert windows.input_ids.shape == (8, 64)
 
 
+def test_calibration_file_of_another_version_asks_to_calibrate_again(tmp_path):
+    from ptq.calibrate import FILE_KIND, load_calibration
+
+    path = tmp_path / "old.st"
+    good = {"data": "t", "data_sha256": "x", "windows": 1, "seq_len": 2, "tokens": 2}
+    safetensors.torch.save_file({"input_amax/l": torch.tensor(1.0)}, str(path),
+                                metadata={"kind": "ptq-calibration/1", "metadata": json.dumps(good)})
+    with pytest.raises(PtqError, match=r"written by another version of ptq \(kind 'ptq-calibration/1'.*calibrate again"):
+        load_calibration(path)
+    assert FILE_KIND != "ptq-calibration/1"
+
+
 def test_calibration_metadata_is_validated(tmp_path):
     from ptq.calibrate import FILE_KIND, load_calibration
 
