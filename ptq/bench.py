@@ -2,7 +2,10 @@
 repetitions), each with its target and PASS/MISS. Ratios, not seconds, so that they mean the same on
 any machine; nothing here is a timed test.
 
-    python -m ptq.bench [--model smollm2] [--windows 4] [--seq-len 512] [--repeats 3]
+    python -m ptq.bench [--model smollm2] [--windows 4] [--compare-windows 40] [--seq-len 512] [--repeats 3]
+
+A whole `ptq compare` is timed once at its default size (40 windows): its fixed costs (loading, tokenizing,
+building the variants, the report) are printed next to the ratio, so that they are not hidden by the size.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ptq.calibrate import calibrate, save_calibration
 from ptq.data import load_corpus, make_windows
 from ptq.evaluate import evaluate
 from ptq.formats import FORMATS, compute_scale, fake_quantize
-from ptq.models import load_model
+from ptq.models import compute_dtype, default_device, load_model
 from ptq.quantize import calibrated_layers, fused, quantize_variants
 from ptq.recipes import load_recipe
 from ptq.workflows import run_compare
@@ -36,6 +39,13 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def once(fn) -> float:
+    """One timed run, for the long measurements (the kernels are warm from the short ones)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def peak_rss(python_args: list[str], tmp: Path) -> int:
@@ -63,21 +73,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--compare-windows", type=int, default=40, help="windows of the timed compare (its default)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     progress.QUIET = True
 
-    loaded = load_model(args.model)
+    dtype = compute_dtype(None, default_device())  # what ptq compare computes in here
+    loaded = load_model(args.model, dtype=dtype)
     model = loaded.model
-    ids = make_windows(load_corpus(None, "evaluation"), loaded.tokenizer, args.seq_len, args.windows).input_ids
+    eval_corpus = load_corpus(None, "evaluation")
+    ids = make_windows(eval_corpus, loaded.tokenizer, args.seq_len, args.windows).input_ids
     calib_ids = make_windows(load_corpus(None, "calibration"), loaded.tokenizer, args.seq_len, args.windows).input_ids
     e4m3, int8 = load_recipe("fp8-e4m3"), load_recipe("int8")
     layers = calibrated_layers(model, e4m3)
     print(f"ptq bench: {args.model}, {args.windows} windows x {args.seq_len} tokens, median of {args.repeats}, "
-          f"{torch.get_num_threads()} threads, {next(model.parameters()).device}")
+          f"{torch.get_num_threads()} threads, {next(model.parameters()).device}, {str(dtype).removeprefix('torch.')}")
 
-    def plain_forward(m=model, x=ids):
+    def plain_forward(m=model, x=ids):  # a forward over the windows, batch by batch, as compare runs them
         with torch.inference_mode():
             for batch in x.split(4):
                 m(input_ids=batch)
@@ -103,22 +116,34 @@ def main() -> None:
     t_cast = median_time(lambda: (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale, args.repeats)
     t_copy = median_time(lambda: x.clone(), args.repeats)
 
-    # 3. A whole compare (baseline + two recipes, calibration file given) against its three models' forwards.
+    # 7. Real FP8 matmuls (torch._scaled_mm) against the simulation: same logits up to summation order.
+    real = quantize_variants(model, [e4m3], calibration, matmul="fp8")["fp8-e4m3"]
+    t_real = median_time(lambda: evaluate({"fp8": real}, ids), args.repeats)
+    with torch.inference_mode():
+        want, got = variants["fp8-e4m3"](input_ids=ids[:1]).logits.float(), real(input_ids=ids[:1]).logits.float()
+    fp8_difference = float((got - want).abs().max() / want.abs().max())
+    del real
+
+    # 3. A whole compare (baseline + two recipes, calibration file given) against its three models' forwards,
+    # once each at compare's default size.
+    compare_ids = make_windows(eval_corpus, loaded.tokenizer, args.seq_len, args.compare_windows).input_ids
     baseline = quantize_variants(model, [load_recipe("bf16")], None)["bf16"]
-    t_forwards = sum(median_time(lambda m=m: plain_forward(m), args.repeats) for m in (baseline, *variants.values()))
+    t_forwards = sum(once(lambda m=m: plain_forward(m, compare_ids)) for m in (baseline, *variants.values()))
+    del baseline
     tmp = Path(tempfile.mkdtemp(prefix="ptq-bench-"))
     save_calibration(calibration, tmp / "calib.safetensors")
     compare_args = dict(model=args.model, recipes=["fp8-e4m3", "int8"], calib=tmp / "calib.safetensors", calib_data=None,
-                        calib_samples=args.windows, eval_data=None, seq_len=args.seq_len, max_windows=args.windows,
-                        out=tmp / "report", force=True)
-    t_compare = median_time(lambda: run_compare(**compare_args), args.repeats)
+                        calib_samples=args.windows, eval_data=None, seq_len=args.seq_len, max_windows=args.compare_windows,
+                        out=tmp / "report", force=True, matmul="simulated")
+    t_compare = once(lambda: run_compare(**compare_args))
 
     # 4. Peak memory of `ptq compare` in a fresh process, against the model's 16-bit size. The constant is
     # measured, not assumed: a process that only imports what `ptq compare` imports, plus the evaluation's
-    # full-vocabulary buffers (a variant's logits, the baseline's probabilities, one window's temporaries).
+    # full-vocabulary buffers (a variant's logits and the baseline's probabilities for one batch; the metrics
+    # themselves are fused loops without temporaries of that size).
     bytes_16bit = 2 * sum(p.numel() for p in model.parameters())
     imports = peak_rss(["-c", "import ptq.cli, ptq.workflows, ptq.plots"], tmp)
-    buffers = 3 * 4 * args.seq_len * model.config.vocab_size * 4  # batch of 4 windows, float32
+    buffers = 2 * 4 * args.seq_len * model.config.vocab_size * 4  # a variant's logits, the baseline's probabilities
     peak = peak_rss(["-m", "ptq", "compare", args.model, "--calib", str(tmp / "calib.safetensors"), "--max-windows",
                      str(args.windows), "--seq-len", str(args.seq_len), "--out", str(tmp / "mem"), "--force", "--quiet"], tmp)
     constant = imports + buffers
@@ -126,11 +151,17 @@ def main() -> None:
     print(line("simulated E4M3 evaluation / unquantized evaluation", t_eval["fp8-e4m3"] / t_eval_plain, 1.10))
     print(line("simulated int8 evaluation / unquantized evaluation", t_eval["int8"] / t_eval_plain, 1.10))
     print(line("calibration / plain no-grad forward over the same tokens", t_calib / t_plain_calib, 1.10))
-    print(line("compare (bf16 + fp8-e4m3 + int8) / its three models' forward passes", t_compare / t_forwards, 1.10))
+    print(line(f"compare (bf16 + fp8-e4m3 + int8), {args.compare_windows} windows / its models' forwards",
+               t_compare / t_forwards, 1.10))
+    print(f"INFO  compare {t_compare:.1f} s = forwards {t_forwards:.1f} s + {t_compare - t_forwards:.1f} s "
+          "(metrics, input SNR, loading, tokenizing, building the variants, the report)")
     print(line(f"compare peak RSS / 16-bit model size, after a {constant / 1e9:.2f} GB constant",
                (peak - constant) / bytes_16bit, 1.5))
     print(f"INFO  compare peak RSS {peak / 1e9:.2f} GB; 16-bit model {bytes_16bit / 1e9:.2f} GB; constant = imports "
           f"{imports / 1e9:.2f} GB + evaluation buffers {buffers / 1e9:.2f} GB")
+    print(f"INFO  real FP8 matmuls (torch._scaled_mm) on {next(model.parameters()).device}: E4M3 evaluation "
+          f"{t_real / t_eval['fp8-e4m3']:.2f}x the simulation's time; logits within {fp8_difference:.1e} of the "
+          "simulation's (relative to their max)")
     gbps = lambda t: 2 * x.numel() * 4 / t / 1e9  # read + write of float32
     print(f"INFO  E4M3 quantize-dequantize, 64 MiB: fused {gbps(t_fused):.1f} GB/s (ratio to copy {t_fused / t_copy:.1f}x); "
           f"eager ops {gbps(t_qdq):.1f} GB/s; torch cast round trip {gbps(t_cast):.1f} GB/s; copy {gbps(t_copy):.1f} GB/s")

@@ -35,6 +35,9 @@ LowMemory = Annotated[Optional[bool], typer.Option(
          "a time, for models larger than memory. Default: only when the model's float32 weights do not fit.")]
 NoMemoryCheck = Annotated[bool, typer.Option("--no-memory-check", help="Load the model even if it looks too big for the memory available.")]
 Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype: float32 or bfloat16 [default: bfloat16 on CUDA, float32 on CPU].")]
+Matmul = Annotated[str, typer.Option("--matmul", help="Layers with FP8 weights and inputs: 'simulated', 'fp8' (real FP8 matmuls, "
+                                      "torch._scaled_mm), or 'auto' (fp8 on GPUs that have it: compute capability 8.9+).")]
 NoPlots = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots next to report.md.")]
 MaxPplIncrease = Annotated[Optional[str], typer.Option(
     "--max-ppl-increase", metavar="PCT", help="Gate: exit 1 if a variant's perplexity is more than PCT above the baseline's (e.g. 2%).")]
@@ -123,7 +126,7 @@ def compare(
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, as_json: Json = False,
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
-    tasks: Tasks = None, max_items: MaxItems = 300,
+    tasks: Tasks = None, max_items: MaxItems = 300, dtype: Dtype = None, matmul: Matmul = "auto",
 ) -> None:
     """Evaluate the bf16 baseline and each recipe on the same held-out windows; write a report.
 
@@ -142,7 +145,7 @@ def compare(
     results = run_compare(model, _split(recipes), calib, calib_data, calib_samples, eval_data, seq_len, max_windows,
                           out, force, batch_size, trust_remote_code, limits, not no_plots, on_nonfinite=on_nonfinite,
                           on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check, tasks=tasks,
-                          max_items=max_items)
+                          max_items=max_items, dtype=dtype, matmul=matmul)
     if results.get("calibration"):
         _print_faults(results["calibration"]["faults"])
     if as_json:
@@ -346,6 +349,7 @@ def eval_(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows or task items per forward pass.")] = 4,
     out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path("reports/eval"),
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
+    dtype: Dtype = None, matmul: Matmul = "auto",
 ) -> None:
     """Evaluate one configuration: perplexity and task accuracy, each with a 95% interval.
 
@@ -357,7 +361,7 @@ def eval_(
     if calib and calib_data:
         raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
     results = run_eval(model, recipe, calib, calib_data, calib_samples, eval_data, seq_len, max_windows, tasks or None,
-                       max_items, out, force, batch_size, trust_remote_code)
+                       max_items, out, force, batch_size, trust_remote_code, dtype, matmul)
     _print_eval(results, out)
 
 

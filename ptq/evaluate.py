@@ -13,6 +13,7 @@ from torch import nn
 
 from ptq.errors import PtqError
 from ptq.progress import progress
+from ptq.quantize import fused
 
 
 @dataclass
@@ -46,9 +47,30 @@ class Scores:
         return self.agree / self.tokens
 
 
+def _scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position of one window: NLL of the next token, and the top-1 token."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), logits.argmax(-1)
+
+
+def _probs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(logits.float(), dim=-1)
+
+
+def _cross(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """sum_v p log q per position, q = softmax(logits)."""
+    return (p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+# Each fused into a few loops over the vocabulary (no [seq_len, vocab] temporaries). The baseline's
+# sum p log p goes through the same kernel as the variants' sum p log q, so an identical model's KL is 0.
+_kernels = (fused(_scores), fused(_probs), fused(_cross))
+
+
 def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: int = 4) -> dict[str, Scores]:
     """Score each model on the windows `input_ids` [n, seq_len]. The first model is the baseline that
     KL divergence and top-1 agreement are measured against. Each window predicts its tokens 1..L-1."""
+    scores_of, probs_of, cross = _kernels
     names = list(models)
     scores = {name: Scores() for name in names}
     device = next(models[names[0]].parameters(), torch.empty(0)).device
@@ -59,21 +81,21 @@ def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: 
             base = None  # the baseline's ([per window: (probabilities, sum of p log p)], top-1)
             for name in names:
                 logits = models[name](input_ids=batch).logits
-                # Full-vocabulary work one window at a time: besides this variant's logits and the baseline's
-                # probabilities, at most two [seq_len, vocab] temporaries are alive.
+                # Full-vocabulary work one window at a time: besides this variant's logits and the
+                # baseline's probabilities, only per-position results are kept.
                 nll, top1, kl, probs = [], [], [], []
                 for i, row in enumerate(logits):
-                    logp = torch.log_softmax(row[:-1].float(), dim=-1)
-                    nll.append(-logp.gather(-1, targets[i].unsqueeze(-1)).squeeze(-1))
-                    top1.append(logp.argmax(-1))
+                    row = row[:-1]
+                    row_nll, row_top1 = scores_of(row, targets[i])
+                    nll.append(row_nll)
+                    top1.append(row_top1)
                     if base is None:
-                        p = logp.exp()
-                        probs.append((p, (p * logp).sum(-1)))
+                        p = probs_of(row)
+                        probs.append((p, cross(p, row)))
                     else:  # KL(baseline || variant) = sum p log p - sum p log q, per position
                         p, p_logp = base[0][i]
-                        kl.append(p_logp - (p * logp).sum(-1))
-                    del logp
-                del logits
+                        kl.append(p_logp - cross(p, row))
+                del logits, row  # a view of the logits keeps them whole
                 nll, top1 = torch.stack(nll), torch.stack(top1)  # [b, L-1]
                 s = scores[name]
                 s.tokens += targets.numel()

@@ -29,7 +29,7 @@ from torch import nn
 
 from ptq.calibrate import Calibration
 from ptq.errors import PtqError
-from ptq.formats import NumberFormat, compute_scale, to_storage
+from ptq.formats import NumberFormat, compute_scale
 from ptq.quantize import QuantLinear, quantize_, quantize_weight
 from ptq.recipes import Recipe, TensorQuant
 
@@ -187,7 +187,7 @@ def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], t
 def _weight_codes(weight: torch.Tensor, weights: TensorQuant, scales: dict) -> torch.Tensor:
     codes, scales["scale"] = quantize_weight(weight, weights)
     scales["scale"] = scales["scale"].cpu()
-    return to_storage(codes, weights.format).cpu()
+    return codes.cpu()
 
 
 def _input_scale(input_amax: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:

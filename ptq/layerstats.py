@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from ptq.quantize import QuantLinear
+from ptq.quantize import QuantLinear, fused
 
 INPUT_SNR_WINDOWS = 4  # windows of the evaluation text that input SNR is measured on
 
@@ -37,11 +37,17 @@ def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
 def weight_snr_db(original: nn.Module, quantized: nn.Module) -> dict[str, float | None]:
     """SNR of each quantized layer's weight: `original` is the float model `quantized` was made from."""
     modules = dict(original.named_modules())
-    out = {}
-    for name, q in quantized_layers(quantized).items():
-        w = modules[name].weight.detach().double()
-        out[name] = snr_db(w.square().sum().item(), (w - q.weight.double()).square().sum().item())
-    return out
+    return {name: snr_db(*_fused_powers(modules[name].weight.detach(), q.weight).tolist())
+            for name, q in quantized_layers(quantized).items()}
+
+
+def _powers(x: torch.Tensor, x_q: torch.Tensor) -> torch.Tensor:
+    """[sum x^2, sum (x - x_q)^2] in float64: signal and noise power of one rounding."""
+    x, x_q = x.double(), x_q.double()
+    return torch.stack((x.square().sum(), (x - x_q).square().sum()))
+
+
+_fused_powers = fused(_powers)  # one pass, no temporaries
 
 
 @contextlib.contextmanager
@@ -61,10 +67,8 @@ def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDO
                 x = x[:room]
             x_in, x_q = module.quantize_input(x)  # the same call the forward makes next (an input is rounded once)
             if last.get("x_q") is not x_q:  # q/k/v (gate/up) share one input and its rounding: sum it once
-                x_in = x_in.detach().float()
                 last["x_q"] = x_q  # held, so that its identity cannot be reused meanwhile
-                last["sums"] = (x_in.square().sum(dtype=torch.float64).item(),
-                                (x_in - x_q).square().sum(dtype=torch.float64).item())
+                last["sums"] = _fused_powers(x_in.detach(), x_q).tolist()
             sums_of_layer[0] += last["sums"][0]
             sums_of_layer[1] += last["sums"][1]
             sums_of_layer[2] += len(x)

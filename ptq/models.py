@@ -40,9 +40,23 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The dtype a model computes in: `name` ("float32" or "bfloat16"), by default bfloat16 on CUDA (its fast
+    path) and float32 on CPU, where a simulated product of 8- or 16-bit values is exact."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in COMPUTE_DTYPES:
+        raise PtqError(f"unknown compute dtype '{name}' (known: {', '.join(COMPUTE_DTYPES)})")
+    return COMPUTE_DTYPES[name]
+
+
 def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.device | None = None,
-               allow_pickle: bool = False, copies: float = 1, memory_check: bool = True) -> LoadedModel:
-    """Load a causal LM in float32 (exact for bf16/fp16 checkpoints), in eval mode, on `device`.
+               allow_pickle: bool = False, copies: float = 1, memory_check: bool = True,
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a causal LM in float32 (exact for bf16/fp16 checkpoints; or `dtype`), in eval mode, on `device`.
 
     Pickle checkpoints (pytorch_model.bin) can run code when loaded: refused unless `allow_pickle`, and
     then loaded with torch.load(weights_only=True). Before loading a local model, its float32 size times
@@ -85,7 +99,7 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
                 warnings.simplefilter("ignore", UserWarning)
                 model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code,
                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
-            return LoadedModel(model.to(device), tokenizer, name=spec, source=source, caveats=caveats)
+            return LoadedModel(model.to(device=device, dtype=dtype), tokenizer, name=spec, source=source, caveats=caveats)
     else:
         directory, source = spec, f"Hugging Face Hub: {spec}"
     if memory_check and Path(directory).is_dir():
@@ -93,7 +107,7 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
 
         check_fits(Path(directory), copies, device, f"model '{spec}'")
     model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code, allow_pickle=allow_pickle)
-    return LoadedModel(model.to(device), tokenizer, name=spec, source=source, caveats=caveats)
+    return LoadedModel(model.to(device=device, dtype=dtype), tokenizer, name=spec, source=source, caveats=caveats)
 
 
 def _from_pretrained(location: str, spec: str, trust_remote_code: bool, allow_pickle: bool = False,

@@ -54,7 +54,9 @@ def write_plots(results: dict, report: Path) -> dict[str, Path]:
 def _figure(width: float, height: float, rows: int = 1, cols: int = 1):
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), layout="constrained")
+    # Fixed margins, sized for these figures' labels: a layout engine would cost more than the drawing.
+    fig = Figure(figsize=(width, height))
+    fig.subplots_adjust(left=0.07, right=0.985, bottom=0.12 if rows == 1 else 0.06, top=0.9, hspace=0.35, wspace=0.15)
     return fig, fig.subplots(rows, cols, squeeze=False).ravel()
 
 

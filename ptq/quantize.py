@@ -1,8 +1,8 @@
 """Simulated quantization: `quantize_(model, recipe, calibration)` swaps every Linear for a QuantLinear.
 
-A QuantLinear holds its weight already quantized (done once, not per forward), as compact codes (int8,
-or bfloat16 for the 8-bit float formats and bf16, which holds their values exactly) and a scale; it
-dequantizes them on each forward (a cast and a multiply, about 1% of the matmul on CPU), rounds its input
+A QuantLinear holds its weight already quantized (done once, not per forward), as codes in the format's
+storage dtype (float8_e4m3fn, float8_e5m2, int8, bfloat16: one byte per weight for the 8-bit formats) and a
+scale; it dequantizes them on each forward (one fused cast-and-multiply, under 1% of the matmul on CPU), rounds its input
 to the recipe's format (static per-tensor scale from calibration, or one scale per token computed on the
 fly), and multiplies in float32. A product of two 8- or 16-bit values
 is exact in float32, so this simulates fp32-accumulating FP8/int8/bf16 hardware faithfully up to
@@ -25,27 +25,28 @@ from ptq import attention, residual
 from ptq.attention import AttentionQuant
 from ptq.calibrate import Calibration
 from ptq.errors import PtqError
-from ptq.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize, to_storage
+from ptq.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
 from ptq.observers import choose_clip
 from ptq.recipes import BASELINE_LINEAR, Recipe, TensorQuant
 
 
 def fused(fn, compile: bool | None = None):
-    """`fn` (a chain of exact elementwise ops) fused by torch.compile into one loop, bit-identical to the
-    eager ops (tests check it), unless PTQ_COMPILE=0; if compilation fails (no C++ compiler, unsupported
-    device, ...), the eager ops, with a warning."""
-    if not (os.environ.get("PTQ_COMPILE", "1") != "0" if compile is None else compile):
-        return fn
-    kernel = torch.compile(fn, dynamic=True)
+    """`fn` (a chain of exact elementwise ops or reductions) fused by torch.compile into a few loops, made on
+    the first call, unless PTQ_COMPILE=0 (read then); tests check each against the eager ops. If compilation
+    fails (no C++ compiler, unsupported device, ...), the eager ops, with a warning."""
+    kernel = None
 
     def run(*args):
         nonlocal kernel
+        if kernel is None:
+            enabled = os.environ.get("PTQ_COMPILE", "1") != "0" if compile is None else compile
+            kernel = torch.compile(fn, dynamic=True) if enabled else fn
         try:
             return kernel(*args)
         except Exception as e:
             if kernel is fn:
                 raise
-            warnings.warn(f"torch.compile failed ({type(e).__name__}); quantizing with eager ops", stacklevel=2)
+            warnings.warn(f"torch.compile failed ({type(e).__name__}); running eager ops", stacklevel=2)
             kernel = fn
             return fn(*args)
     return run
@@ -58,8 +59,9 @@ class InputQuantizer:
     the last input is held (so its memory cannot be reused) and matched by identity and version.
     """
 
-    def __init__(self, compile: bool | None = None):
-        self._kernel = fused(fake_quantize, compile)
+    def __init__(self, compile: bool | None = None, codes: bool = False):
+        # codes: the storage codes (float8) a real FP8 matmul takes, instead of their float32 values
+        self._kernel = fused(_rounded_codes if codes else fake_quantize, compile)
         self._last: tuple | None = None
 
     def __call__(self, x: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool) -> torch.Tensor:
@@ -109,20 +111,14 @@ class ActQuant(nn.Module):
         return self.spec.describe()
 
 
-def codes_dtype(fmt: NumberFormat) -> torch.dtype:
-    """The smallest torch dtype that holds every value of the format's grid exactly (and NaN/inf, for
-    non-saturating float formats): int8; bfloat16 for E4M3, E5M2 and bf16; float16 for fp16."""
-    if fmt.kind == "int":
-        return torch.int8
-    return torch.bfloat16 if fmt.mantissa_bits <= 7 else torch.float16
-
-
 class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, input_amax: torch.Tensor | None,
                  input_quantizer: InputQuantizer | None = None, smooth: torch.Tensor | None = None,
-                 weight_cache: dict | None = None):
+                 weight_cache: dict | None = None, fp8_codes_quantizer: InputQuantizer | None = None):
         super().__init__()
         self.input_quantizer = input_quantizer or InputQuantizer(compile=False)
+        # Set: this layer multiplies real FP8 codes with torch._scaled_mm (see fp8_matmul_applies)
+        self.fp8_codes_quantizer = fp8_codes_quantizer if fp8_matmul_applies(linear, weights, inputs, smooth) else None
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weights, self.inputs = weights, inputs
         w = linear.weight.detach()
@@ -136,12 +132,10 @@ class QuantLinear(nn.Module):
             codes, weight_scale = weight_cache[key][1:]
         else:
             codes, weight_scale = quantize_weight(w.float() * smooth if smooth is not None else w, weights)
-            codes = to_storage(codes, weights.format) if weights.format.kind == "int" else codes.to(codes_dtype(weights.format))
             if weight_cache is not None and key is not None:
                 weight_cache[key] = (linear.weight, codes, weight_scale)  # the weight is held so its id stays unique
         self.register_buffer("weight_codes", codes)
         self.register_buffer("weight_scale", weight_scale)
-        self.unit_scale = bool((weight_scale == 1).all())  # bf16 and unscaled weights: the codes are the weight
         self.bias = linear.bias
         if inputs.static and input_amax is None:
             raise ValueError("a scaled input format needs a calibrated input amax")
@@ -157,33 +151,87 @@ class QuantLinear(nn.Module):
         return x, self.input_quantizer(x, self.input_scale, self.inputs.format, self.inputs.saturate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_codes_quantizer is not None:
+            return self.fp8_forward(x)
         x, x_q = self.quantize_input(x)
         return F.linear(x_q.to(x.dtype), self.weight.to(x.dtype), self.bias)
 
+    def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The same product as the simulation, by a real FP8 matmul: torch._scaled_mm multiplies the input's
+        and the weight's float8 codes, accumulates in float32 and applies both scales (per tensor, or per
+        row: per token and per output channel), with the output in the compute dtype."""
+        rows = x.reshape(-1, self.in_features)
+        scale_x = token_scale(rows, self.inputs) if self.inputs.dynamic else self.input_scale
+        codes = self.fp8_codes_quantizer(rows, scale_x, self.inputs.format, self.inputs.saturate)
+        scale_w = self.weight_scale
+        if scale_x.dim() or scale_w.dim():  # row-wise scaling needs both scales row-wise
+            scale_x = scale_x.reshape(-1, 1).expand(len(rows), 1).contiguous()
+            scale_w = scale_w.reshape(1, -1).expand(1, self.out_features).contiguous()
+        pad = -len(rows) % 16 if rows.is_cuda else 0  # cuBLAS wants each dimension a multiple of 16
+        if pad:
+            codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad)).view(codes.dtype)
+            scale_x = F.pad(scale_x, (0, 0, 0, pad), value=1.0) if scale_x.dim() else scale_x
+        y = torch._scaled_mm(codes, self.weight_codes.t(), scale_a=scale_x, scale_b=scale_w,
+                             bias=self.bias, out_dtype=x.dtype)
+        return y[:len(rows)].reshape(*x.shape[:-1], self.out_features)
+
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight (float32), made from the codes on each call: codes * scale, as
-        formats.dequantize computes it, in one new tensor (the codes are 8- or 16-bit, so this is a copy)."""
-        w = self.weight_codes.to(torch.float32, copy=True)
-        return w if self.unit_scale else w.mul_(self.weight_scale)
+        """The dequantized weight (float32), made from the codes on each call by one fused loop
+        (formats.dequantize: codes * scale, in float32)."""
+        return _weight_dequantize(self.weight_codes, self.weight_scale)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, weights={self.weights.describe()}, inputs={self.inputs.describe()}"
 
 
 def quantize_weight(w: torch.Tensor, weights: TensorQuant) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Linear weight's codes (float32 values on the format's grid) and its scale ([] or [out, 1]).
-    The one code path for weights: the simulation dequantizes these codes, `ptq quantize` stores them."""
-    global _weight_rounding
-    if _weight_rounding is None:
-        _weight_rounding = fused(quantize)
+    """A Linear weight's codes in the format's storage dtype (float8_e4m3fn, float8_e5m2, int8, bfloat16)
+    and its scale ([] or [out, 1]), rounded and stored by one fused loop.
+    The one code path for weights: the simulation dequantizes these codes, `ptq quantize` writes them."""
     w = w.detach().float()
     weight_amax = amax(w, dim=1) if weights.granularity == "channel" else amax(w)
+    if not bool(torch.isfinite(weight_amax).all()):  # a cast to int8 would turn NaN into a number
+        raise PtqError("a weight holds NaN or inf: the checkpoint is damaged")
     scale = scale_for(weight_amax, weights)
     return _weight_rounding(w, scale, weights.format, weights.saturate), scale
 
 
-_weight_rounding = None  # quantize, fused on first use (PTQ_COMPILE is read then)
+def _rounded_codes(w: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool) -> torch.Tensor:
+    # quantize gives values on the format's grid, which the storage cast keeps exactly (tests check it
+    # against formats.to_storage)
+    return quantize(w, scale, fmt, saturate).to(fmt.torch_dtype)
+
+
+_weight_rounding = fused(_rounded_codes)
+_weight_dequantize = fused(dequantize)
+
+
+MATMULS = ("simulated", "fp8", "auto")
+
+
+def fp8_matmul_available(device: torch.device) -> bool:
+    """Whether `device` multiplies float8 natively: CUDA compute capability 8.9 or higher (Ada, Hopper,
+    Blackwell). torch._scaled_mm also runs on CPU, slower than the simulation, so "auto" leaves CPUs simulated."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def resolve_matmul(matmul: str, device: torch.device) -> str:
+    """"simulated" or "fp8" for `matmul` ("simulated", "fp8", or "auto": fp8 where the device has it)."""
+    if matmul not in MATMULS:
+        raise PtqError(f"unknown matmul '{matmul}' (known: {', '.join(MATMULS)})")
+    if matmul == "auto":
+        return "fp8" if fp8_matmul_available(device) else "simulated"
+    return matmul
+
+
+def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, smooth) -> bool:
+    """A layer can run as a real FP8 matmul when its weight and its input are both in a scaled 8-bit float
+    format (E4M3 or E5M2), without SmoothQuant, and its dimensions are multiples of 16 (cuBLAS's rule)."""
+    return (weights.format.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            and inputs.format.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            and smooth is None
+            and linear.in_features % 16 == 0 and linear.out_features % 16 == 0)
 
 
 def plan(model: nn.Module, recipe: Recipe) -> dict[str, tuple[TensorQuant, TensorQuant]]:
@@ -288,10 +336,13 @@ def smoothing_factors(channel_amax: torch.Tensor, weight: torch.Tensor, alpha: f
 
 
 def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
-              weight_cache: dict | None = None) -> nn.Module:
+              weight_cache: dict | None = None, matmul: str = "simulated") -> nn.Module:
     """Replace, in place, each Linear of `model` by the QuantLinear the recipe asks for, and quantize
     attention's matmul inputs where the recipe covers them. `weight_cache` (see quantize_variants) lets
-    several variants of one model share the weight codes they have in common."""
+    several variants of one model share the weight codes they have in common. matmul="fp8" runs the layers
+    whose weights and inputs are both FP8 as real FP8 matmuls (torch._scaled_mm); "auto" where the device
+    has them (resolve_matmul)."""
+    matmul = resolve_matmul(matmul, next(model.parameters()).device)
     layers = plan(model, recipe)
     needed = calibrated_layers(model, recipe)
     smoothed = set(smoothed_layers(model, recipe))
@@ -304,6 +355,7 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
             raise PtqError(f"calibration file has no per-channel input amax for '{missing[0]}' "
                            f"(SmoothQuant needs one: calibrate with --recipe {recipe.name})")
     input_quantizer = InputQuantizer()
+    fp8_codes_quantizer = InputQuantizer(codes=True) if matmul == "fp8" else None
     scales: dict[tuple, torch.Tensor] = {}  # Linears that share an input (same amax) share one scale tensor
     for name, (weights, inputs) in layers.items():
         parent_name, _, child = name.rpartition(".")
@@ -316,7 +368,7 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
             input_amax = (channel_amax / smooth).max()  # the smoothed input's amax, exactly
         elif inputs.static:
             input_amax = input_clip(calibration, name, inputs)
-        q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth, weight_cache)
+        q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth, weight_cache, fp8_codes_quantizer)
         if smooth is None:
             key = (inputs, float(q.input_scale), q.input_scale.device)
             q.input_scale = scales.setdefault(key, q.input_scale)
@@ -336,7 +388,8 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
     return model
 
 
-def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Calibration | None) -> dict[str, nn.Module]:
+def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Calibration | None,
+                      matmul: str = "simulated") -> dict[str, nn.Module]:
     """One quantized variant of `model` per recipe, built to share memory: the variants share one copy of
     the tensors no recipe replaces (embeddings, norms, biases), and weights quantized the same way (the
     layers left in 16-bit) are stored once. `model` itself is left as it was, and no variant refers to
@@ -357,4 +410,5 @@ def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Cali
 
     tensors = {id(t): copy_of(t) for t in (*model.parameters(), *model.buffers())}
     weight_cache: dict = {}
-    return {r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache) for r in recipes}
+    return {r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache, matmul)
+            for r in recipes}

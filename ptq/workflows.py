@@ -32,8 +32,8 @@ from ptq.files import check_output_dir, check_writable
 from ptq.formats import get_format
 from ptq.gates import Limits, gate_results
 from ptq.layerstats import input_snr_db, layer_snr, weight_snr_db
-from ptq.models import LoadedModel, linear_layers, load_model
-from ptq.quantize import calibrated_layers, plan, quantize_, quantize_variants, smoothed_layers
+from ptq.models import LoadedModel, compute_dtype, default_device, linear_layers, load_model
+from ptq.quantize import calibrated_layers, plan, quantize_, quantize_variants, resolve_matmul, smoothed_layers
 from ptq.recipes import Recipe, load_recipe
 from ptq.report import load_results, render_markdown, report_outputs, write_markdown, write_report
 from ptq.report import render_eval_markdown
@@ -149,12 +149,28 @@ def calibration_faults(metadata: dict) -> dict:
             "nonfinite_batches": metadata.get("nonfinite_batches", {}), "warnings": metadata.get("warnings", [])}
 
 
+def compute_path(dtype: str | None, matmul: str) -> dict:
+    """Where and how the models run: {"device", "dtype", "matmul"} (see models.compute_dtype and
+    quantize.resolve_matmul), checked before anything is loaded."""
+    device = default_device()
+    return {"device": str(device), "dtype": str(compute_dtype(dtype, device)).removeprefix("torch."),
+            "matmul": resolve_matmul(matmul, device)}
+
+
+def describe_compute(compute: dict) -> str:
+    """One line for reports."""
+    matmul = ("FP8 layers as real FP8 matmuls (torch._scaled_mm), the others simulated" if compute["matmul"] == "fp8"
+              else "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)")
+    return f"{compute['device']}, {compute['dtype']} compute; {matmul}"
+
+
 def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib_data: str | None,
                 calib_samples: int, eval_data: str | None, seq_len: int, max_windows: int | None,
                 out: Path, force: bool = False, batch_size: int = 4, trust_remote_code: bool = False,
                 limits: Limits | None = None, plots: bool = True, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                 allow_pickle: bool = False, memory_check: bool = True, tasks: str | None = None,
-                max_items: int | None = DEFAULT_MAX_ITEMS) -> dict:
+                max_items: int | None = DEFAULT_MAX_ITEMS, dtype: str | None = None, matmul: str = "auto") -> dict:
+    compute = compute_path(dtype, matmul)
     for name in ("report.md", "results.json"):
         check_writable(Path(out) / name, force)
     if plots:
@@ -174,7 +190,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
     # Peak memory: the float32 original plus, per variant and for the baseline, weight codes of 2 bytes at most.
     loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, copies=1 + 0.5 * (len(variants) + 1),
-                        memory_check=memory_check)
+                        memory_check=memory_check, dtype=getattr(torch, compute["dtype"]))
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
 
     if calib_corpus is not None:
@@ -188,8 +204,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
 
     # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
     # the original is then released.
-    device = str(next(loaded.model.parameters()).device)
-    models = quantize_variants(loaded.model, [baseline, *variants], calibration)
+    models = quantize_variants(loaded.model, [baseline, *variants], calibration, compute["matmul"])
     quantized = {r.name: models[r.name] for r in variants}
     weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
     layer_order = list(linear_layers(loaded.model))
@@ -202,11 +217,12 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     base = scores[baseline.name]
     results = {
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
-        "device": device,
+        "device": describe_compute(compute),
+        "compute": compute,
         "eval": {"data": eval_corpus.source, "data_sha256": eval_corpus.sha256, "seq_len": windows.seq_len,
                  "stride": windows.seq_len, "windows": len(windows.input_ids), "tokens": base.tokens,
                  "bos": windows.bos, "description": windows.description},
-        "protocol": protocol(windows, baseline),
+        "protocol": protocol(windows, baseline, compute),
         "baseline": {"name": baseline.name, "recipe": recipe_summary(baseline),
                      "perplexity": base.perplexity, "accuracy": base.accuracy, "window_nll": base.window_nll},
         "variants": [],
@@ -250,9 +266,10 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
 def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str | None, calib_samples: int,
              eval_data: str | None, seq_len: int, max_windows: int | None, tasks: str | None,
              max_items: int | None, out: Path, force: bool = False, batch_size: int = 4,
-             trust_remote_code: bool = False) -> dict:
+             trust_remote_code: bool = False, dtype: str | None = None, matmul: str = "auto") -> dict:
     """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy
     on the tasks, each with its interval. No baseline, so no deltas: that is what compare is for."""
+    compute = compute_path(dtype, matmul)
     for name in ("report.md", "results.json"):
         check_writable(Path(out) / name, force)
     config = load_recipe(recipe)
@@ -261,24 +278,24 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
     calib_corpus = load_corpus(calib_data, role="calibration") if config.needs_calibration and calibration is None else None
     eval_corpus = load_corpus(eval_data, role="evaluation")
     task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
-    loaded = load_model(model, trust_remote_code)
+    loaded = load_model(model, trust_remote_code, dtype=getattr(torch, compute["dtype"]))
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
     calibration_source = f"Calibration file {calib}." if calib else ""
     if calib_corpus is not None:
         calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, [config], None, force)
         calibration_source = "Calibrated in this run (no --calib file)."
-    device = str(next(loaded.model.parameters()).device)
-    models = {config.name: quantize_(loaded.model, config, calibration)}
+    models = {config.name: quantize_(loaded.model, config, calibration, matmul=compute["matmul"])}
     s = evaluate(models, windows.input_ids, batch_size)[config.name]
     task_run = evaluate_tasks(models, task_list, loaded.tokenizer, batch_size, _max_len(models)) if task_list else None
     results = {
         "command": "eval",
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
-        "device": device,
+        "device": describe_compute(compute),
+        "compute": compute,
         "eval": {"data": eval_corpus.source, "data_sha256": eval_corpus.sha256, "seq_len": windows.seq_len,
                  "stride": windows.seq_len, "windows": len(windows.input_ids), "tokens": s.tokens,
                  "bos": windows.bos, "description": windows.description},
-        "protocol": protocol(windows, config)[:1] + protocol(windows, config)[3:] + task_protocol(task_list),
+        "protocol": protocol(windows, config, compute)[:1] + protocol(windows, config, compute)[3:] + task_protocol(task_list),
         "config": {"name": config.name, "recipe": recipe_summary(config), "perplexity": s.perplexity,
                    "accuracy": s.accuracy, "window_nll": s.window_nll, **window_statistics(s)},
         "statistics": stats.describe(),
@@ -373,8 +390,14 @@ def recipe_summary(r: Recipe) -> dict:
             "residual": r.residual.describe() if r.residual else None}
 
 
-def protocol(windows, baseline: Recipe) -> list[str]:
+def protocol(windows, baseline: Recipe, compute: dict) -> list[str]:
     int8 = get_format("int8")
+    dtype = "fp32" if compute["dtype"] == "float32" else compute["dtype"]
+    product = ("product in fp32" if dtype == "fp32" else
+               f"operands dequantized to {dtype} (one {dtype} rounding of each), product accumulated in fp32")
+    if compute["matmul"] == "fp8":
+        product += ("; layers with FP8 weights and inputs multiply their float8 codes for real (torch._scaled_mm: "
+                    "fp32 accumulation, both scales applied in fp32)")
     return [
         f"Perplexity: {windows.description}. Each window is scored on its own tokens 2..{windows.seq_len} "
         f"({windows.seq_len - 1} predictions per window, stride {windows.seq_len}, no overlap); "
@@ -382,12 +405,12 @@ def protocol(windows, baseline: Recipe) -> list[str]:
         "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted positions of "
         f"KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the variant's top-1 token equals the baseline's.",
         f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. Embeddings, norms, attention "
-        "and activations run in fp32 in every variant, so variants differ only in the Linear layers' weights and inputs, "
+        f"and activations run in {dtype} in every variant, so variants differ only in the Linear layers' weights and inputs, "
         "except where a recipe also quantizes attention's batched-matmul inputs (Q, K, V, softmax output) or the KV cache "
         "(its `attention` / `kv_cache` entries): such variants compute attention the eager way with those inputs rounded.",
         "Quantized Linear: weights quantized once; inputs quantized on every forward with the static per-tensor "
         "scale from calibration; scale = amax / format max; round to nearest even, then saturate to the format's max; "
-        "product in fp32. Linear layers a recipe leaves out (lm_head by default) run as in the baseline.",
+        f"{product}. Linear layers a recipe leaves out (lm_head by default) run as in the baseline.",
         f"int8 is symmetric: scale = amax / {int8.max:g}, codes in [-{int8.max:g}, {int8.max:g}] (ModelOpt's convention).",
     ]
 

@@ -29,6 +29,33 @@ def test_compare_writes_report_and_results(ptq_cli, tiny_model, text_file, tmp_p
     assert "fp8-e4m3" in stdout and "wrote" in stdout
 
 
+def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, text_file, tmp_path):
+    """--matmul fp8 (torch._scaled_mm, which CPUs run too) gives the simulation's numbers up to summation order;
+    --dtype bfloat16 (the CUDA default) runs the whole model in bf16 and says so in the report."""
+    runs = {}
+    for name, extra in (("sim", []), ("fp8", ["--matmul", "fp8"]), ("bf16", ["--dtype", "bfloat16"])):
+        out = tmp_path / name
+        code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
+                                  *FAST, *extra)
+        assert code == 0, stderr
+        runs[name] = json.loads((out / "results.json").read_text())
+    assert runs["sim"]["compute"] == {"device": "cpu", "dtype": "float32", "matmul": "simulated"}
+    assert runs["fp8"]["compute"]["matmul"] == "fp8" and runs["bf16"]["compute"]["dtype"] == "bfloat16"
+    sim, fp8, bf16 = (runs[k]["variants"][0] for k in ("sim", "fp8", "bf16"))
+    assert fp8["perplexity"] == pytest.approx(sim["perplexity"], rel=1e-5)
+    assert bf16["perplexity"] == pytest.approx(sim["perplexity"], rel=0.05) and bf16["perplexity"] != sim["perplexity"]
+    assert "torch._scaled_mm" in (tmp_path / "fp8" / "report.md").read_text()
+    assert "run in bfloat16 in every variant" in (tmp_path / "bf16" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [(["--dtype", "float64"], "unknown compute dtype 'float64'"),
+                                           (["--matmul", "int4"], "unknown matmul 'int4'")])
+def test_bad_compute_options_exit_2_with_one_line(ptq_cli, tiny_model, text_file, tmp_path, args, message):
+    code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST, *args)
+    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
+
+
 def test_calibration_file_is_reused_and_gives_the_same_results(ptq_cli, tiny_model, text_file, tmp_path):
     calib = tmp_path / "c.safetensors"
     code, stdout, stderr = ptq_cli("calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "-o", calib, "--quiet")

@@ -26,7 +26,19 @@ def np_log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_perplexity_accuracy_kl_and_agreement_match_numpy():
+@pytest.fixture(params=["eager", "compiled"])
+def metric_kernels(request, monkeypatch):
+    """The loop's metrics as eager ops (the tests' default, PTQ_COMPILE=0) and fused by torch.compile (the default)."""
+    import ptq.evaluate
+    from ptq.quantize import fused
+
+    compiled = request.param == "compiled"
+    kernels = tuple(fused(f, compile=compiled) for f in (ptq.evaluate._scores, ptq.evaluate._probs, ptq.evaluate._cross))
+    monkeypatch.setattr(ptq.evaluate, "_kernels", kernels)
+    return request.param
+
+
+def test_perplexity_accuracy_kl_and_agreement_match_numpy(metric_kernels):
     rng = np.random.default_rng(0)
     vocab, n, length = 11, 5, 9
     base_table = rng.normal(size=(vocab, vocab)).astype(np.float32) * 3

@@ -170,7 +170,8 @@ def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp
     assert type(loaded.model.get_submodule(layer)) is torch.nn.Linear
     assert torch.equal(w, tensors[f"{layer}.weight"].float() * tensors[f"{layer}.weight_scale"])
     codes, scale = quantize_weight(w, recipe.weights)
-    assert torch.equal(codes, tensors[f"{layer}.weight"].float())
+    assert codes.dtype == tensors[f"{layer}.weight"].dtype
+    assert torch.equal(codes.view(torch.uint8), tensors[f"{layer}.weight"].view(torch.uint8))
 
     code, stdout, stderr = ptq_cli("compare", out, "--recipes", recipe_name, "--calib-data", text_file, "--eval-data",
                                    text_file, "--calib-samples", "2", "--seq-len", "32", "--max-windows", "2",

@@ -2,6 +2,7 @@
 clipping, multiplied in float64 numpy, and the calibration amax against activations captured by hand."""
 
 import copy
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ptq.calibrate import calibrate
+from ptq.errors import PtqError
 from ptq.quantize import QuantLinear, calibrated_layers, plan, quantize_, quantize_variants
 from ptq.recipes import load_recipe
 
@@ -110,16 +112,43 @@ def test_compiled_input_kernel_is_bit_identical_to_the_eager_ops():
 
 
 def test_compiled_weight_rounding_is_bit_identical_to_the_eager_ops():
-    from ptq.formats import FORMATS, quantize
-    from ptq.quantize import fused
+    from ptq.formats import FORMATS, quantize, to_storage
+    from ptq.quantize import _rounded_codes, fused
 
     torch.manual_seed(1)
     w = torch.randn(64, 96) * torch.logspace(-6, 2, 96)  # columns from tiny (subnormal after scaling) to large
-    compiled = fused(quantize, compile=True)
+    compiled = fused(_rounded_codes, compile=True)
     for fmt in ("e4m3", "e5m2", "int8", "bf16"):
         for scale in (w.abs().amax(1, keepdim=True) / FORMATS[fmt].max, w.abs().amax() / FORMATS[fmt].max, torch.tensor(1.0)):
-            got, want = compiled(w, scale, FORMATS[fmt], True), quantize(w, scale, FORMATS[fmt], True)
-            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), fmt
+            for saturate in (True, False):
+                got = compiled(w, scale, FORMATS[fmt], saturate)
+                want = to_storage(quantize(w, scale, FORMATS[fmt], saturate), FORMATS[fmt])
+                assert got.dtype == want.dtype == FORMATS[fmt].torch_dtype
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), fmt
+
+
+def test_compiled_weight_dequantize_decodes_every_code_as_ml_dtypes_does():
+    # QuantLinear keeps its weight as storage codes and dequantizes them on each forward with this kernel
+    import ml_dtypes
+    import numpy as np
+
+    from ptq.formats import FORMATS, dequantize
+    from ptq.quantize import fused
+
+    compiled = fused(dequantize, compile=True)
+    every_byte = np.arange(256, dtype=np.uint8)
+    cases = {"e4m3": (every_byte.view(ml_dtypes.float8_e4m3fn), torch.float8_e4m3fn),
+             "e5m2": (every_byte.view(ml_dtypes.float8_e5m2), torch.float8_e5m2),
+             "int8": (every_byte.view(np.int8), torch.int8)}
+    per_channel = torch.tensor([[0.01], [3.0], [2.0**-20], [1.0]])
+    for fmt, (codes_np, dtype) in cases.items():
+        codes = torch.from_numpy(every_byte.copy()).view(dtype).reshape(4, 64)
+        assert codes.dtype == FORMATS[fmt].torch_dtype
+        for scale in (torch.tensor(1.0), torch.tensor(0.0371), per_channel):
+            got = compiled(codes, scale).numpy()
+            want = codes_np.astype(np.float32).reshape(4, 64) * scale.numpy()
+            assert np.array_equal(np.isnan(got), np.isnan(want)), fmt
+            assert np.array_equal(got[~np.isnan(got)].view(np.int32), want[~np.isnan(want)].view(np.int32)), fmt
 
 
 def test_an_input_shared_by_q_k_v_and_gate_up_is_quantized_once(tiny_model):
@@ -157,10 +186,64 @@ def test_variants_share_what_they_do_not_quantize_and_match_separate_copies(tiny
     heads = {storage(v.lm_head.weight_codes) for v in variants.values()}  # left in bf16 by every recipe
     assert len(heads) == 1
     assert variants["bf16"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.bfloat16
-    assert variants["fp8-e4m3"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.bfloat16
+    assert variants["fp8-e4m3"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.float8_e4m3fn  # one byte
     assert variants["int8"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.int8
     assert model.model.layers[0].mlp.down_proj.__class__ is torch.nn.Linear  # the original is left as it was
     with torch.no_grad():
         for r in recipes:
             alone = quantize_(copy.deepcopy(model), r, cal)
             assert torch.equal(variants[r.name](input_ids=ids).logits, alone(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("recipe_text", [
+    "name: t\ntargets: [Linear]\nignore: [lm_head]\nweights: {format: e4m3}\ninputs: {format: e4m3}\n",  # static per-tensor: tensor-wise scaling
+    "name: t\ntargets: [Linear]\nignore: [lm_head]\nweights: {format: e4m3, granularity: channel}\ninputs: {format: e4m3, dynamic: true}\n",  # row-wise
+    "name: t\ntargets: [Linear]\nignore: [lm_head]\nweights: {format: e5m2}\ninputs: {format: e4m3, scale: pow2}\n",
+])
+def test_real_fp8_matmul_matches_the_simulation(tiny_model, tmp_path, recipe_text):
+    """torch._scaled_mm on the float8 codes (CPU here; the same call and rules as on Hopper) gives the
+    simulation's product up to float32 summation order, in every layer the recipe puts in FP8."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    (tmp_path / "r.yaml").write_text(recipe_text)
+    recipe = load_recipe(str(tmp_path / "r.yaml"))
+    ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4))  # 63 rows
+    cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
+    simulated = quantize_(copy.deepcopy(model), recipe, cal)
+    real = quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
+    fp8_layers = [n for n, m in real.named_modules() if isinstance(m, QuantLinear) and m.fp8_codes_quantizer is not None]
+    assert len(fp8_layers) == 7 * model.config.num_hidden_layers  # q k v o gate up down; the lm_head is left in bf16
+    calls = []
+    original = torch._scaled_mm
+    with torch.no_grad(), mock.patch.object(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or original(*a, **k)):
+        want, got = simulated(input_ids=ids).logits, real(input_ids=ids).logits
+    assert len(calls) == len(fp8_layers)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, quantize_(copy.deepcopy(model), load_recipe("bf16"), None)(input_ids=ids).logits)
+
+
+def test_matmul_choice_is_checked_and_auto_is_simulated_on_cpu(tiny_model):
+    from ptq.quantize import resolve_matmul
+
+    assert resolve_matmul("auto", torch.device("cpu")) == "simulated"
+    assert resolve_matmul("fp8", torch.device("cpu")) == "fp8"
+    with pytest.raises(PtqError, match="unknown matmul 'int4'"):
+        resolve_matmul("int4", torch.device("cpu"))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="no CUDA device with FP8 (compute capability 8.9+)")
+@pytest.mark.parametrize("recipe_name", ["fp8-e4m3", "fp8-e4m3-dynamic"])
+def test_cuda_fp8_matmul_in_bf16_matches_the_simulation(tiny_model, recipe_name):
+    """On an FP8 GPU, in its default bf16 compute: `auto` picks real FP8 matmuls (cuBLAS through
+    torch._scaled_mm), whose logits match the simulation's to bf16 precision."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).to("cuda", torch.bfloat16)
+    recipe = load_recipe(recipe_name)
+    ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4)).cuda()
+    cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
+    simulated = quantize_(copy.deepcopy(model), recipe, cal)
+    real = quantize_(copy.deepcopy(model), recipe, cal, matmul="auto")
+    assert any(isinstance(m, QuantLinear) and m.fp8_codes_quantizer is not None for m in real.modules())
+    with torch.no_grad():
+        want, got = simulated(input_ids=ids).logits.float(), real(input_ids=ids).logits.float()
+    assert got.dtype == want.dtype and torch.isfinite(got).all()
+    assert float((got - want).abs().max() / want.abs().max()) < 2e-2  # a few bf16 roundings apart

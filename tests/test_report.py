@@ -163,6 +163,18 @@ def reference_snr(x: np.ndarray, x_q: np.ndarray) -> float:
     return 10 * math.log10((x ** 2).sum() / ((x - x_q) ** 2).sum())
 
 
+def test_compiled_signal_and_noise_powers_match_numpy():
+    from ptq.layerstats import _powers
+    from ptq.quantize import fused
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3, 700, 96)).astype(np.float32) * 5
+    x_q = x + rng.normal(size=x.shape).astype(np.float32) * 0.01
+    signal, noise = fused(_powers, compile=True)(torch.from_numpy(x), torch.from_numpy(x_q)).tolist()
+    assert signal == pytest.approx((x.astype(np.float64) ** 2).sum(), rel=1e-12)
+    assert noise == pytest.approx(((x.astype(np.float64) - x_q) ** 2).sum(), rel=1e-12)
+
+
 def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     """E4M3 per-tensor through ml_dtypes' cast, int8 per-channel through numpy, against ptq.layerstats."""
     from ptq.calibrate import calibrate
