@@ -5,8 +5,6 @@ lose the most; E4M3's relative precision keeps its SQNR near-constant where int8
 
 from __future__ import annotations
 
-import math
-
 from ptq.calibrate import Calibration
 from ptq.formats import get_format
 from ptq.observers import sqnr_db
@@ -23,7 +21,7 @@ def sqnr_table(calibration: Calibration, top: int = 10) -> dict | None:
         row = {"tensor": name, "amax": amax}
         for fmt in FORMATS:
             db = sqnr_db(hist, amax, get_format(fmt))
-            row[f"sqnr_{fmt}_db"] = None if math.isinf(db) else round(db, 3)
+            row[f"sqnr_{fmt}_db"] = None if db is None else round(db, 3)
         rows.append(row)
     if not rows:
         return None

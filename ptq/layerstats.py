@@ -11,21 +11,14 @@ SNR (signal-to-quantization-noise ratio) of a tensor x and its quantized-and-deq
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import nn
 
+from ptq.observers import snr_db
 from ptq.quantize import QuantLinear, fused
 
 INPUT_SNR_WINDOWS = 4  # windows of the evaluation text that input SNR is measured on
-
-
-def snr_db(signal_power: float, noise_power: float) -> float | None:
-    """None where there is no noise (infinite SNR, which JSON cannot hold) or no signal."""
-    if noise_power <= 0 or signal_power <= 0:  # exact, or an all-zero tensor: no ratio to report
-        return None
-    return 10.0 * math.log10(signal_power / noise_power)
 
 
 def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:

@@ -145,15 +145,22 @@ def clip_errors(hist: torch.Tensor, amax: float, clips: torch.Tensor, fmt: Numbe
     return ((q - values[None, :]) ** 2 * weights[None, :]).sum(1) / weights.sum()
 
 
-def sqnr_db(hist: torch.Tensor, amax: float, fmt: NumberFormat, clip: float | None = None) -> float:
-    """Signal-to-quantization-noise ratio (dB) of the histogram's values quantized with clip / fmt.max
-    (clip defaults to amax: plain max calibration)."""
+def snr_db(signal_power: float, noise_power: float) -> float | None:
+    """10 log10(signal / noise); None where there is no noise (an infinite ratio, which JSON cannot hold)
+    or no signal (an all-zero tensor: no ratio to report)."""
+    if noise_power <= 0 or signal_power <= 0:
+        return None
+    return 10.0 * math.log10(signal_power / noise_power)
+
+
+def sqnr_db(hist: torch.Tensor, amax: float, fmt: NumberFormat, clip: float | None = None) -> float | None:
+    """Signal-to-quantization-noise ratio (dB, see snr_db) of the histogram's values quantized with
+    clip / fmt.max (clip defaults to amax: plain max calibration)."""
     values, weights = _bin_values(hist, amax)
     if values.numel() == 0 or amax <= 0:
-        return math.inf
+        return None
     signal = float((values**2 * weights).sum() / weights.sum())
-    noise = float(clip_errors(hist, amax, torch.tensor([clip if clip is not None else amax]), fmt)[0])
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    return snr_db(signal, float(clip_errors(hist, amax, torch.tensor([clip if clip is not None else amax]), fmt)[0]))
 
 
 def percentile_clip(hist: torch.Tensor, amax: float, percentile: float) -> float:
