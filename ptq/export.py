@@ -176,7 +176,7 @@ def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], t
     scales: dict[str, torch.Tensor] = {}  # the weight's scale, from the call that made its codes
     return [
         _Entry(f"{layer}.weight", shape, weights.format.torch_dtype,
-               lambda w=weight, f=weights, s=scales: _weight_codes(w(), f, s)),
+               lambda w=weight, f=weights, s=scales: _weight_codes(w(), f, s, layer)),
         _Entry(f"{layer}.weight_scale", scale_shape, torch.float32,
                lambda s=scales, shape=scale_shape: s.pop("scale").reshape(shape)),
         _Entry(f"{layer}.input_scale", (1,), torch.float32,
@@ -184,8 +184,8 @@ def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], t
     ]
 
 
-def _weight_codes(weight: torch.Tensor, weights: TensorQuant, scales: dict) -> torch.Tensor:
-    codes, scales["scale"] = quantize_weight(weight, weights)
+def _weight_codes(weight: torch.Tensor, weights: TensorQuant, scales: dict, layer: str) -> torch.Tensor:
+    codes, scales["scale"] = quantize_weight(weight, weights, layer)
     scales["scale"] = scales["scale"].cpu()
     return codes.cpu()
 

@@ -114,7 +114,7 @@ class ActQuant(nn.Module):
 class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, input_amax: torch.Tensor | None,
                  input_quantizer: InputQuantizer | None = None, smooth: torch.Tensor | None = None,
-                 weight_cache: dict | None = None, fp8_codes_quantizer: InputQuantizer | None = None):
+                 weight_cache: dict | None = None, fp8_codes_quantizer: InputQuantizer | None = None, name: str = "?"):
         super().__init__()
         self.input_quantizer = input_quantizer or InputQuantizer(compile=False)
         # Set: this layer multiplies real FP8 codes with torch._scaled_mm (see fp8_matmul_applies)
@@ -131,7 +131,7 @@ class QuantLinear(nn.Module):
         if weight_cache is not None and key in weight_cache:
             codes, weight_scale = weight_cache[key][1:]
         else:
-            codes, weight_scale = quantize_weight(w.float() * smooth if smooth is not None else w, weights)
+            codes, weight_scale = quantize_weight(w.float() * smooth if smooth is not None else w, weights, name)
             if weight_cache is not None and key is not None:
                 weight_cache[key] = (linear.weight, codes, weight_scale)  # the weight is held so its id stays unique
         self.register_buffer("weight_codes", codes)
@@ -185,14 +185,14 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, weights={self.weights.describe()}, inputs={self.inputs.describe()}"
 
 
-def quantize_weight(w: torch.Tensor, weights: TensorQuant) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Linear weight's codes in the format's storage dtype (float8_e4m3fn, float8_e5m2, int8, bfloat16)
+def quantize_weight(w: torch.Tensor, weights: TensorQuant, layer: str = "?") -> tuple[torch.Tensor, torch.Tensor]:
+    """A Linear weight's codes in the format's storage dtype (formats.FORMATS: float8_e4m3fn, int8, ...)
     and its scale ([] or [out, 1]), rounded and stored by one fused loop.
     The one code path for weights: the simulation dequantizes these codes, `ptq quantize` writes them."""
     w = w.detach().float()
     weight_amax = amax(w, dim=1) if weights.granularity == "channel" else amax(w)
     if not bool(torch.isfinite(weight_amax).all()):  # a cast to int8 would turn NaN into a number
-        raise PtqError("a weight holds NaN or inf: the checkpoint is damaged")
+        raise PtqError(f"the weight of layer '{layer}' contains NaN or inf: the checkpoint is damaged")
     scale = scale_for(weight_amax, weights)
     return _weight_rounding(w, scale, weights.format, weights.saturate), scale
 
@@ -368,7 +368,7 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
             input_amax = (channel_amax / smooth).max()  # the smoothed input's amax, exactly
         elif inputs.static:
             input_amax = input_clip(calibration, name, inputs)
-        q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth, weight_cache, fp8_codes_quantizer)
+        q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth, weight_cache, fp8_codes_quantizer, name)
         if smooth is None:
             key = (inputs, float(q.input_scale), q.input_scale.device)
             q.input_scale = scales.setdefault(key, q.input_scale)

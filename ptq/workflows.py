@@ -188,9 +188,11 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     calib_corpus = load_corpus(calib_data, role="calibration") if needs_calibration and calibration is None else None
     eval_corpus = load_corpus(eval_data, role="evaluation")
     task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
-    # Peak memory: the float32 original plus, per variant and for the baseline, weight codes of 2 bytes at most.
-    loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, copies=1 + 0.5 * (len(variants) + 1),
-                        memory_check=memory_check, dtype=getattr(torch, compute["dtype"]))
+    # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
+    # the baseline, weight codes of 2 bytes at most.
+    dtype = getattr(torch, compute["dtype"])
+    loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check, dtype=dtype,
+                        copies=torch.finfo(dtype).bits / 32 + 0.5 * (len(variants) + 1))
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
 
     if calib_corpus is not None:
