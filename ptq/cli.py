@@ -127,6 +127,7 @@ def compare(
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
     tasks: Tasks = None, max_items: MaxItems = 300, dtype: Dtype = None, matmul: Matmul = "auto",
+    low_memory: LowMemory = None,
 ) -> None:
     """Evaluate the bf16 baseline and each recipe on the same held-out windows; write a report.
 
@@ -145,7 +146,7 @@ def compare(
     results = run_compare(model, _split(recipes), calib, calib_data, calib_samples, eval_data, seq_len, max_windows,
                           out, force, batch_size, trust_remote_code, limits, not no_plots, on_nonfinite=on_nonfinite,
                           on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check, tasks=tasks,
-                          max_items=max_items, dtype=dtype, matmul=matmul)
+                          max_items=max_items, dtype=dtype, matmul=matmul, low_memory=low_memory)
     if results.get("calibration"):
         _print_faults(results["calibration"]["faults"])
     if as_json:

@@ -70,49 +70,51 @@ _kernels = (fused(_scores), fused(_probs), fused(_cross))
 def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: int = 4) -> dict[str, Scores]:
     """Score each model on the windows `input_ids` [n, seq_len]. The first model is the baseline that
     KL divergence and top-1 agreement are measured against. Each window predicts its tokens 1..L-1."""
-    scores_of, probs_of, cross = _kernels
     names = list(models)
     scores = {name: Scores() for name in names}
     device = next(models[names[0]].parameters(), torch.empty(0)).device
     with torch.inference_mode(), progress("evaluating", len(input_ids) * len(names), input_ids.shape[1]) as advance:
         for batch in input_ids.split(batch_size):
             batch = batch.to(device)
-            targets = batch[:, 1:]
-            base = None  # the baseline's ([per window: (probabilities, sum of p log p)], top-1)
+            base = None
             for name in names:
-                logits = models[name](input_ids=batch).logits
-                # Full-vocabulary work one window at a time: besides this variant's logits and the
-                # baseline's probabilities, only per-position results are kept.
-                nll, top1, kl, probs = [], [], [], []
-                for i, row in enumerate(logits):
-                    row = row[:-1]
-                    row_nll, row_top1 = scores_of(row, targets[i])
-                    nll.append(row_nll)
-                    top1.append(row_top1)
-                    if base is None:
-                        p = probs_of(row)
-                        probs.append((p, cross(p, row)))
-                    else:  # KL(baseline || variant) = sum p log p - sum p log q, per position
-                        p, p_logp = base[0][i]
-                        kl.append(p_logp - cross(p, row))
-                del logits, row  # a view of the logits keeps them whole
-                nll, top1 = torch.stack(nll), torch.stack(top1)  # [b, L-1]
-                s = scores[name]
-                s.tokens += targets.numel()
-                s.nll_sum += nll.double().sum().item()
-                s.correct += (top1 == targets).sum().item()
-                s.window_nll += nll.double().mean(-1).tolist()
-                s.window_correct += (top1 == targets).double().mean(-1).tolist()
-                if base is None:
-                    base = (probs, top1)
-                else:
-                    kl = torch.stack(kl).double()
-                    s.kl_sum += kl.sum().item()
-                    s.agree += (top1 == base[1]).sum().item()
-                    s.window_kl += kl.mean(-1).tolist()
-                    s.window_agree += (top1 == base[1]).double().mean(-1).tolist()
+                base = score_logits(scores[name], models[name](input_ids=batch).logits, batch[:, 1:], base)
                 advance(len(batch))
     return scores
+
+
+def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: tuple | None) -> tuple:
+    """Add one batch to `s`: `logits` [b, L, vocab] of the windows whose next tokens are `targets` [b, L-1].
+    `base` is what this returned for the baseline on the same batch (None: this is the baseline)."""
+    scores_of, probs_of, cross = _kernels
+    # Full-vocabulary work one window at a time: besides these logits and the baseline's probabilities,
+    # only per-position results are kept.
+    nll, top1, kl, probs = [], [], [], []
+    for i, row in enumerate(logits):
+        row = row[:-1]
+        row_nll, row_top1 = scores_of(row, targets[i])
+        nll.append(row_nll)
+        top1.append(row_top1)
+        if base is None:
+            p = probs_of(row)
+            probs.append((p, cross(p, row)))
+        else:  # KL(baseline || variant) = sum p log p - sum p log q, per position
+            p, p_logp = base[0][i]
+            kl.append(p_logp - cross(p, row))
+    nll, top1 = torch.stack(nll), torch.stack(top1)  # [b, L-1]
+    s.tokens += targets.numel()
+    s.nll_sum += nll.double().sum().item()
+    s.correct += (top1 == targets).sum().item()
+    s.window_nll += nll.double().mean(-1).tolist()
+    s.window_correct += (top1 == targets).double().mean(-1).tolist()
+    if base is None:
+        return probs, top1  # the baseline's [per window: (probabilities, sum of p log p)], top-1
+    kl = torch.stack(kl).double()
+    s.kl_sum += kl.sum().item()
+    s.agree += (top1 == base[1]).sum().item()
+    s.window_kl += kl.mean(-1).tolist()
+    s.window_agree += (top1 == base[1]).double().mean(-1).tolist()
+    return base
 
 
 # ----------------------------------------------------------------------------------------------

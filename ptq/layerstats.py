@@ -82,9 +82,9 @@ def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDO
     result.update({v: {n: snr_db(s, e) for n, (s, e, _) in layers.items()} for v, layers in sums.items()})
 
 
-def layer_snr(weights: dict[str, dict], inputs: dict[str, dict], quantized: dict[str, nn.Module],
-              windows: int = INPUT_SNR_WINDOWS) -> dict[str, dict | None]:
-    """{variant: {"weights": {layer: dB}, "inputs": {layer: dB}, "input_windows": n}} for the report;
-    None for a variant that quantizes nothing to 8 bits."""
-    return {v: {"weights": weights[v], "inputs": inputs.get(v, {}), "input_windows": windows}
-            if quantized_layers(m) else None for v, m in quantized.items()}
+def layer_snr(weights: dict[str, dict], inputs: dict[str, dict], windows: int = INPUT_SNR_WINDOWS) -> dict[str, dict | None]:
+    """{variant: {"weights": {layer: dB}, "inputs": {layer: dB}, "input_windows": n}} for the report, from
+    weight_snr_db and input_snr_db per variant; None for a variant that quantizes nothing to 8 bits (no
+    layer in its weight SNR)."""
+    return {v: {"weights": w, "inputs": inputs.get(v, {}), "input_windows": windows} if w else None
+            for v, w in weights.items()}

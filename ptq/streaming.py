@@ -126,8 +126,9 @@ def supports(spec: str | None) -> bool:
             and "quantization_config" not in config and any(directory.glob("*.safetensors")))
 
 
-def too_big(spec: str | None) -> bool:
-    """The estimate of ptq.resources (float32 weights vs the memory available) says the model does not fit."""
+def too_big(spec: str | None, copies: float = 1) -> bool:
+    """The estimate of ptq.resources (float32 weights times `copies` vs the memory available) says the model
+    does not fit."""
     from ptq.models import default_device
     from ptq.resources import FLOAT32_BYTES, available_memory, checkpoint_parameters
 
@@ -135,7 +136,7 @@ def too_big(spec: str | None) -> bool:
         return False
     params = checkpoint_parameters(Path(spec).expanduser())
     free = available_memory(default_device())
-    return params is not None and free is not None and params * FLOAT32_BYTES > free
+    return params is not None and free is not None and params * FLOAT32_BYTES * copies > free
 
 
 def load_streamed(spec: str | None, trust_remote_code: bool = False) -> LoadedModel:
@@ -197,12 +198,31 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() else t
 
 
+def _embedded(model: nn.Module, batches: tuple[torch.Tensor, ...], device: torch.device) -> tuple[list, list]:
+    """Each batch embedded, and what LlamaModel.forward computes once per batch before its decoder layers
+    (position ids, rotary embeddings, the causal mask) as keyword arguments for a decoder block."""
+    from transformers.masking_utils import create_causal_mask
+
+    prefix = model.base_model_prefix
+    base = model.get_submodule(prefix)
+    embed = _materialise(base.embed_tokens, f"{prefix}.embed_tokens", model.ptq_checkpoint, device)
+    hidden = [embed(b.to(device)) for b in batches]
+    del embed
+    rotary = type(base.rotary_emb)(config=model.config).to(device)
+    extras = []
+    for h in hidden:
+        position_ids = torch.arange(h.shape[1], device=device).unsqueeze(0)
+        mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                  position_ids=position_ids)
+        extras.append({"attention_mask": mask, "position_embeddings": rotary(h, position_ids=position_ids),
+                       "position_ids": position_ids})
+    return hidden, extras
+
+
 def calibrate_blocks(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4,
                      on_nonfinite: str = "fail", on_unseen: str = "fallback", device: torch.device | None = None,
                      channels: list[str] = ()) -> Calibration:
     """ptq.calibrate.calibrate for a streamed model: the same amax, one decoder block in memory at a time."""
-    from transformers.masking_utils import create_causal_mask
-
     from ptq.models import default_device
 
     device = device or default_device()
@@ -229,19 +249,8 @@ def calibrate_blocks(model: nn.Module, input_ids: torch.Tensor, layers: list[str
     batches = input_ids.split(batch_size)
 
     with torch.inference_mode(), progress("calibrating block by block", len(blocks) + 2) as advance:
-        embed = _materialise(base.embed_tokens, f"{prefix}.embed_tokens", checkpoint, device)
-        hidden = [embed(b.to(device)) for b in batches]  # the cached activations: the next block's inputs
-        del embed
+        hidden, extras = _embedded(model, batches, device)  # the cached activations: the next block's inputs
         advance(1)
-        # What LlamaModel.forward computes once per batch before its decoder layers.
-        rotary = type(base.rotary_emb)(config=model.config).to(device)
-        extras = []
-        for h in hidden:
-            position_ids = torch.arange(h.shape[1], device=device).unsqueeze(0)
-            mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                      position_ids=position_ids)
-            extras.append({"attention_mask": mask, "position_embeddings": rotary(h, position_ids=position_ids),
-                           "position_ids": position_ids})
         for i, skeleton in enumerate(blocks):
             block = _materialise(skeleton, f"{prefix}.layers.{i}", checkpoint, device)
             hooks = []
@@ -275,6 +284,91 @@ def calibrate_blocks(model: nn.Module, input_ids: torch.Tensor, layers: list[str
     calibration = finish(observers, layers, {name: weight_amax[name] for name in layers}, on_nonfinite, on_unseen)
     calibration.metadata["low_memory"] = f"calibrated block by block from disk ({len(blocks)} decoder blocks)"
     return calibration
+
+
+def _mounted(module: nn.Module, path: str) -> nn.Module:
+    """A container holding `module` at `path` (e.g. "model.layers.3"), so that its layers have their names in the
+    whole model, which recipes select on and calibration files are keyed by."""
+    root = parent = nn.Module()
+    *parents, leaf = path.split(".")
+    for part in parents:
+        setattr(parent, part, nn.Module())
+        parent = getattr(parent, part)
+    setattr(parent, leaf, module)
+    return root
+
+
+def check_compare_recipes(recipes: list) -> None:
+    """Block-by-block compare runs transformers' decoder layers as they are: recipes that quantize attention's
+    matmul inputs or the residual adds (which patch the whole model) need the model whole."""
+    for r in recipes:
+        if r.attention is not None or r.kv_cache is not None or r.residual is not None:
+            raise PtqError(f"recipe '{r.name}' quantizes attention or residual inputs: {LOW_MEMORY_FLAG} compares "
+                           "Linear-layer recipes only; load the model whole")
+
+
+def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | None, input_ids: torch.Tensor,
+                   batch_size: int = 4, matmul: str = "simulated", device: torch.device | None = None) -> tuple:
+    """ptq.evaluate.evaluate of each recipe's variant of a streamed model (the first recipe is the baseline),
+    one decoder block in memory at a time: every variant's hidden states are kept for all windows, each block
+    is read from disk, quantized per recipe (ptq.quantize.quantize_), run on each variant's own hidden states,
+    and freed; the final norm and lm_head then give each batch's logits, scored as evaluate scores them. The
+    same float32 ops on the same batches in the same order as the in-memory evaluation. Returns (scores,
+    weight SNR, input SNR) as ptq.layerstats computes them in memory."""
+    from ptq.evaluate import Scores, score_logits
+    from ptq.layerstats import input_snr_db, weight_snr_db
+    from ptq.models import default_device
+    from ptq.quantize import quantize_
+
+    device = device or default_device()
+    check_compare_recipes(recipes)
+    checkpoint: SafetensorsCheckpoint = model.ptq_checkpoint
+    prefix = model.base_model_prefix
+    base = model.get_submodule(prefix)
+    names = [r.name for r in recipes]
+    weight_snr = {name: {} for name in names[1:]}
+    input_snr = {name: {} for name in names[1:]}
+    batches = input_ids.split(batch_size)
+    with torch.inference_mode(), progress("comparing block by block", len(base.layers) + 2) as advance:
+        first, extras = _embedded(model, batches, device)
+        hidden = {name: list(first) for name in names}  # each variant's own activations, all windows
+        del first
+        advance(1)
+        for i, skeleton in enumerate(base.layers):
+            path = f"{prefix}.layers.{i}"
+            original = _mounted(_materialise(skeleton, path, checkpoint, device), path)
+            for r in recipes:
+                variant = quantize_(copy.deepcopy(original), r, calibration, matmul=matmul)
+                block = variant.get_submodule(path)
+                if r.name in weight_snr:
+                    weight_snr[r.name] |= weight_snr_db(original, variant)
+                with input_snr_db({r.name: variant}) as measured:
+                    hidden[r.name] = [block(h, cache=None, use_cache=False, **extras[b]) for b, h in enumerate(hidden[r.name])]
+                if r.name in input_snr:
+                    input_snr[r.name] |= measured.get(r.name, {})
+                del variant, block
+            del original  # its weights' memory is freed before the next block is read
+            advance(1)
+        norm = _materialise(base.norm, f"{prefix}.norm", checkpoint, device)
+        stored = "lm_head.weight" if "lm_head.weight" in checkpoint.file else f"{prefix}.embed_tokens.weight"  # tied
+        linear = model.lm_head
+        head = nn.Linear(linear.in_features, linear.out_features, bias=False, device=device)
+        head.weight = nn.Parameter(_float32(checkpoint.read_one(stored)).to(device), requires_grad=False)
+        shared: dict = {}  # the lm_head's codes, once for the recipes that round it alike (all but a few leave it in bf16)
+        heads = {r.name: quantize_(_mounted(head, "lm_head"), r, calibration, shared, matmul) for r in recipes}
+        for name in weight_snr:
+            weight_snr[name] |= weight_snr_db(_mounted(head, "lm_head"), heads[name])
+        del head, shared
+        scores = {name: Scores() for name in names}
+        with input_snr_db({name: heads[name] for name in input_snr}) as measured:
+            for b, batch in enumerate(batches):
+                targets, baseline = batch[:, 1:].to(device), None
+                for name in names:
+                    baseline = score_logits(scores[name], heads[name].lm_head(norm(hidden[name][b])), targets, baseline)
+        for name in input_snr:
+            input_snr[name] |= measured.get(name, {})
+        advance(1)
+    return scores, weight_snr, input_snr
 
 
 def plan_checkpoint(model: nn.Module, recipe, calibration: Calibration) -> tuple[list, list[str], list[str]]:

@@ -33,6 +33,7 @@ from ptq.formats import get_format
 from ptq.gates import Limits, gate_results
 from ptq.layerstats import input_snr_db, layer_snr, weight_snr_db
 from ptq.models import LoadedModel, compute_dtype, default_device, linear_layers, load_model
+from ptq.progress import stderr
 from ptq.quantize import calibrated_layers, plan, quantize_, quantize_variants, resolve_matmul, smoothed_layers
 from ptq.recipes import Recipe, load_recipe
 from ptq.report import load_results, render_markdown, report_outputs, write_markdown, write_report
@@ -121,8 +122,6 @@ def _load(model: str | None, trust_remote_code: bool, allow_pickle: bool, memory
     if low_memory is None:
         low_memory = memory_check and streaming.too_big(model)
         if low_memory:
-            from ptq.progress import stderr
-
             stderr.print(f"note: model '{model}' does not fit in memory in float32: working block by block from disk "
                          "(--low-memory)", highlight=False, soft_wrap=True)
     if low_memory:
@@ -149,19 +148,22 @@ def calibration_faults(metadata: dict) -> dict:
             "nonfinite_batches": metadata.get("nonfinite_batches", {}), "warnings": metadata.get("warnings", [])}
 
 
-def compute_path(dtype: str | None, matmul: str) -> dict:
-    """Where and how the models run: {"device", "dtype", "matmul"} (see models.compute_dtype and
-    quantize.resolve_matmul), checked before anything is loaded."""
+def compute_path(dtype: str | None, matmul: str, low_memory: bool = False) -> dict:
+    """Where and how the models run: {"device", "dtype", "matmul", "low_memory"} (see models.compute_dtype,
+    quantize.resolve_matmul and streaming), checked before anything is loaded."""
     device = default_device()
-    return {"device": str(device), "dtype": str(compute_dtype(dtype, device)).removeprefix("torch."),
-            "matmul": resolve_matmul(matmul, device)}
+    if low_memory and dtype not in (None, "float32"):
+        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} computes in float32 (each block is read in float32), not {dtype}")
+    return {"device": str(device), "dtype": str(compute_dtype("float32" if low_memory else dtype, device)).removeprefix("torch."),
+            "matmul": resolve_matmul(matmul, device), "low_memory": low_memory}
 
 
 def describe_compute(compute: dict) -> str:
     """One line for reports."""
     matmul = ("FP8 layers as real FP8 matmuls (torch._scaled_mm), the others simulated" if compute["matmul"] == "fp8"
               else "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)")
-    return f"{compute['device']}, {compute['dtype']} compute; {matmul}"
+    blocks = "; block by block from disk (--low-memory)" if compute.get("low_memory") else ""
+    return f"{compute['device']}, {compute['dtype']} compute; {matmul}{blocks}"
 
 
 def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib_data: str | None,
@@ -169,8 +171,17 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
                 out: Path, force: bool = False, batch_size: int = 4, trust_remote_code: bool = False,
                 limits: Limits | None = None, plots: bool = True, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                 allow_pickle: bool = False, memory_check: bool = True, tasks: str | None = None,
-                max_items: int | None = DEFAULT_MAX_ITEMS, dtype: str | None = None, matmul: str = "auto") -> dict:
-    compute = compute_path(dtype, matmul)
+                max_items: int | None = DEFAULT_MAX_ITEMS, dtype: str | None = None, matmul: str = "auto",
+                low_memory: bool | None = None) -> dict:
+    """The bf16 baseline and each recipe on the same windows, report written. low_memory: block by block from
+    disk (ptq.streaming); None: when the model's float32 weights do not fit in memory."""
+    # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
+    # the baseline, weight codes of 2 bytes at most.
+    copies = torch.finfo(compute_dtype(dtype, default_device())).bits / 32 + 0.5 * (len(recipes) + 1)
+    streamed = low_memory if low_memory is not None else memory_check and streaming.too_big(model, copies)
+    compute = compute_path(dtype, matmul, streamed)
+    if streamed and tasks:
+        raise PtqError(f"--tasks needs the whole model in memory: it is not available with {streaming.LOW_MEMORY_FLAG}")
     for name in ("report.md", "results.json"):
         check_writable(Path(out) / name, force)
     if plots:
@@ -183,16 +194,21 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     variants = [load_recipe(r) for r in recipes]
     if len({r.name for r in variants} | {baseline.name}) != len(variants) + 1:
         raise PtqError("each recipe may appear once, and not as the baseline 'bf16'")
+    if streamed:
+        streaming.check_compare_recipes(variants)
     calibration = load_calibration(calib) if calib else None
     needs_calibration = [r for r in variants if r.needs_calibration]
     calib_corpus = load_corpus(calib_data, role="calibration") if needs_calibration and calibration is None else None
     eval_corpus = load_corpus(eval_data, role="evaluation")
     task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
-    # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
-    # the baseline, weight codes of 2 bytes at most.
-    dtype = getattr(torch, compute["dtype"])
-    loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check, dtype=dtype,
-                        copies=torch.finfo(dtype).bits / 32 + 0.5 * (len(variants) + 1))
+    if streamed:
+        if low_memory is None:
+            stderr.print(f"note: model '{model}' and {len(recipes) + 1} variants of it do not fit in memory: comparing "
+                         f"block by block from disk ({streaming.LOW_MEMORY_FLAG})", highlight=False, soft_wrap=True)
+        loaded = streaming.load_streamed(model, trust_remote_code)
+    else:
+        loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check,
+                            dtype=getattr(torch, compute["dtype"]), copies=copies)
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
 
     if calib_corpus is not None:
@@ -204,17 +220,23 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
         if calibration is not None:
             check_ranges(calibration, needs_calibration, loaded.model)
 
-    # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
-    # the original is then released.
-    models = quantize_variants(loaded.model, [baseline, *variants], calibration, compute["matmul"])
-    quantized = {r.name: models[r.name] for r in variants}
-    weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
     layer_order = list(linear_layers(loaded.model))
-    del loaded.model
-    with input_snr_db(quantized) as input_snr:
-        scores = evaluate(models, windows.input_ids, batch_size)
-    snr = layer_snr(weight_snr, input_snr, quantized)
-    task_run = evaluate_tasks(models, task_list, loaded.tokenizer, batch_size, _max_len(models)) if task_list else None
+    task_run = None
+    if streamed:
+        scores, weight_snr, input_snr = streaming.compare_blocks(loaded.model, [baseline, *variants], calibration,
+                                                                 windows.input_ids, batch_size, compute["matmul"])
+    else:
+        # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
+        # the original is then released.
+        models = quantize_variants(loaded.model, [baseline, *variants], calibration, compute["matmul"])
+        quantized = {r.name: models[r.name] for r in variants}
+        weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
+        del loaded.model
+        with input_snr_db(quantized) as input_snr:
+            scores = evaluate(models, windows.input_ids, batch_size)
+        if task_list:
+            task_run = evaluate_tasks(models, task_list, loaded.tokenizer, batch_size, _max_len(models))
+    snr = layer_snr(weight_snr, input_snr)
 
     base = scores[baseline.name]
     results = {

@@ -198,7 +198,7 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     with input_snr_db(quantized) as inputs:
         evaluate(models, ids, batch_size=3)  # windows 0-2, then 3-5: the second batch counts for one window
     hook.remove()
-    snr = layer_snr({v: weight_snr_db(model, m) for v, m in quantized.items()}, inputs, quantized)
+    snr = layer_snr({v: weight_snr_db(model, m) for v, m in quantized.items()}, inputs)
 
     w = model.get_submodule(name).weight.detach().numpy()
     scale = np.float32(np.abs(w).max() / np.float32(448))

@@ -148,6 +148,44 @@ def test_calibrate_cli_low_memory_file_matches_in_memory(sharded_model, text_fil
            {k: v for k, v in b.metadata.items() if k not in ("created", "low_memory")}
 
 
+@pytest.mark.parametrize("model_fixture", ["sharded_model", "tiny_model"])
+def test_block_by_block_compare_gives_the_in_memory_results(model_fixture, request, text_file, tmp_path, ptq_cli):
+    """compare --low-memory: every variant's metrics, per-window values and per-layer SNR equal the in-memory
+    compare's exactly (same float32 ops, same batches, same order), lm_head in E4M3 and dynamic inputs included."""
+    directory = request.getfixturevalue(model_fixture)
+    recipes = f"fp8-e4m3,int8,fp8-e4m3-dynamic,{tmp_path / 'e4m3-all.yaml'}"
+    (tmp_path / "e4m3-all.yaml").write_text(ALL_LINEAR)
+    common = ["--recipes", recipes, "--calib-data", text_file, "--eval-data", text_file, "--calib-samples", "5",
+              "--seq-len", "24", "--max-windows", "7", "--batch-size", "3", "--no-plots", "-q"]
+    results = {}
+    for mode in ("--in-memory", "--low-memory"):
+        code, _, err = ptq_cli("compare", directory, *common, mode, "--out", tmp_path / mode)
+        assert code == 0, err
+        results[mode] = json.loads((tmp_path / mode / "results.json").read_text())
+    whole, streamed = results["--in-memory"], results["--low-memory"]
+    assert not whole["compute"]["low_memory"] and streamed["compute"]["low_memory"]
+    assert "block by block" in streamed["device"]
+    for key in ("perplexity", "accuracy", "window_nll"):
+        assert streamed["baseline"][key] == whole["baseline"][key], key
+    assert len(whole["variants"]) == 4
+    for a, b in zip(whole["variants"], streamed["variants"]):
+        for key in ("perplexity", "accuracy", "kl_div", "top1_agreement", "window_nll", "snr_db"):
+            assert b[key] == a[key], (a["name"], key)
+    assert whole["variants"][3]["snr_db"]["inputs"]["lm_head"] is not None  # the lm_head's input in E4M3 is measured
+    assert streamed["calibration"]["layers"] == whole["calibration"]["layers"]
+
+
+def test_block_by_block_compare_refuses_what_needs_the_whole_model(sharded_model, text_file, tmp_path, ptq_cli):
+    common = ["--eval-data", text_file, "--calib-data", text_file, "--seq-len", "16", "--max-windows", "2",
+              "--low-memory", "-q"]
+    for extra, message in ((["--recipes", "paper-e4m3"], "compares Linear-layer recipes only"),
+                           (["--tasks", "cloze"], "--tasks needs the whole model in memory"),
+                           (["--dtype", "bfloat16"], "--low-memory computes in float32")):
+        code, _, err = ptq_cli("compare", sharded_model, *common, *extra, "--out", tmp_path / "x")
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x" / "results.json").exists()
+
+
 def test_streams_automatically_when_the_model_does_not_fit(sharded_model, text_file, tmp_path, ptq_cli, monkeypatch):
     params = resources.checkpoint_parameters(sharded_model)
     monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 - 1)  # float32 weights do not fit
@@ -160,6 +198,21 @@ def test_streams_automatically_when_the_model_does_not_fit(sharded_model, text_f
     code, _, err = ptq_cli("calibrate", sharded_model, "--data", text_file, "--samples", "2", "--seq-len", "16",
                            "--in-memory", "-o", tmp_path / "d.st")
     assert code == 2 and "needs at least" in err and not (tmp_path / "d.st").exists()
+
+
+def test_compare_goes_block_by_block_when_its_variants_do_not_fit(sharded_model, text_file, tmp_path, ptq_cli,
+                                                                  monkeypatch):
+    params = resources.checkpoint_parameters(sharded_model)
+    # One float32 copy fits, the original and three models' weight codes (1 + 3 x 0.5 copies) do not.
+    monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 * 2)
+    common = ["--eval-data", text_file, "--calib-data", text_file, "--calib-samples", "2", "--seq-len", "16",
+              "--max-windows", "2", "--no-plots"]
+    code, _, err = ptq_cli("compare", sharded_model, *common, "--out", tmp_path / "a")
+    assert code == 0, err
+    assert "and 3 variants of it do not fit in memory: comparing block by block from disk (--low-memory)" in " ".join(err.split())
+    assert json.loads((tmp_path / "a" / "results.json").read_text())["compute"]["low_memory"] is True
+    code, _, err = ptq_cli("compare", sharded_model, *common, "--in-memory", "--out", tmp_path / "b")
+    assert code == 2 and "needs at least" in err and not (tmp_path / "b").exists()
 
 
 def test_low_memory_refusals_are_one_line(sharded_model, other_tiny_model, text_file, tmp_path, ptq_cli):
