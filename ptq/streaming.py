@@ -1,6 +1,7 @@
-"""Models larger than memory: `ptq calibrate --low-memory` and `ptq quantize --low-memory` work on a
-safetensors checkpoint block by block from disk, so that a model whose weights do not fit in memory can
-still be calibrated and quantized.
+"""Models larger than memory: `ptq calibrate --low-memory`, `ptq quantize --low-memory` and `ptq compare
+--low-memory` work on a safetensors checkpoint block by block from disk, so that a model whose weights do not
+fit in memory can still be calibrated, quantized and compared (compare_blocks: each variant keeps its own
+hidden states, each block is quantized per recipe when it is read).
 
 The model itself is built on the meta device (shapes, no data). Calibration is one pass over the checkpoint:
 the embedding table is read, the calibration windows are embedded batch by batch and the hidden states kept;
@@ -352,7 +353,7 @@ def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | N
         norm = _materialise(base.norm, f"{prefix}.norm", checkpoint, device)
         stored = "lm_head.weight" if "lm_head.weight" in checkpoint.file else f"{prefix}.embed_tokens.weight"  # tied
         linear = model.lm_head
-        head = nn.Linear(linear.in_features, linear.out_features, bias=False, device=device)
+        head = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
         head.weight = nn.Parameter(_float32(checkpoint.read_one(stored)).to(device), requires_grad=False)
         shared: dict = {}  # the lm_head's codes, once for the recipes that round it alike (all but a few leave it in bf16)
         heads = {r.name: quantize_(_mounted(head, "lm_head"), r, calibration, shared, matmul) for r in recipes}

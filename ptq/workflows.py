@@ -174,7 +174,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
                 max_items: int | None = DEFAULT_MAX_ITEMS, dtype: str | None = None, matmul: str = "auto",
                 low_memory: bool | None = None) -> dict:
     """The bf16 baseline and each recipe on the same windows, report written. low_memory: block by block from
-    disk (ptq.streaming); None: when the model's float32 weights do not fit in memory."""
+    disk (ptq.streaming); None: when the model and its variants' weight codes do not fit in memory."""
     # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
     # the baseline, weight codes of 2 bytes at most.
     copies = torch.finfo(compute_dtype(dtype, default_device())).bits / 32 + 0.5 * (len(recipes) + 1)
