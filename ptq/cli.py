@@ -32,10 +32,11 @@ AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Load pickle (
 LowMemory = Annotated[Optional[bool], typer.Option(
     "--low-memory/--in-memory", show_default="automatic",
     help="Work block by block from a local safetensors checkpoint (Llama architecture): one decoder block in memory at "
-         "a time, for models larger than memory. Default: only when the model's float32 weights do not fit.")]
+         "a time, for models larger than memory. Default: only when the model does not fit in memory.")]
 NoMemoryCheck = Annotated[bool, typer.Option("--no-memory-check", help="Load the model even if it looks too big for the memory available.")]
 Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype: float32 or bfloat16 [default: bfloat16 on CUDA, float32 on CPU].")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype: float32 or bfloat16.",
+                                              show_default="bfloat16 on CUDA, float32 on CPU")]
 Matmul = Annotated[str, typer.Option("--matmul", help="Layers with FP8 weights and inputs: 'simulated', 'fp8' (real FP8 matmuls, "
                                       "torch._scaled_mm), or 'auto' (fp8 on GPUs that have it: compute capability 8.9+).")]
 NoPlots = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots next to report.md.")]
