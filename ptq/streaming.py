@@ -312,14 +312,15 @@ def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | N
                    batch_size: int = 4, matmul: str = "simulated", device: torch.device | None = None) -> tuple:
     """ptq.evaluate.evaluate of each recipe's variant of a streamed model (the first recipe is the baseline),
     one decoder block in memory at a time: every variant's hidden states are kept for all windows, each block
-    is read from disk, quantized per recipe (ptq.quantize.quantize_), run on each variant's own hidden states,
-    and freed; the final norm and lm_head then give each batch's logits, scored as evaluate scores them. The
-    same float32 ops on the same batches in the same order as the in-memory evaluation. Returns (scores,
-    weight SNR, input SNR) as ptq.layerstats computes them in memory."""
+    is read from disk, quantized per recipe (ptq.quantize.quantize_variants: weight codes, shared where the
+    recipes agree), run on each variant's own hidden states, and freed; the final norm and lm_head then give
+    each batch's logits, scored as evaluate scores them. The same float32 ops on the same batches in the same
+    order as the in-memory evaluation. Returns (scores, weight SNR, input SNR) as ptq.layerstats computes
+    them in memory."""
     from ptq.evaluate import Scores, score_logits
     from ptq.layerstats import input_snr_db, weight_snr_db
     from ptq.models import default_device
-    from ptq.quantize import quantize_
+    from ptq.quantize import quantize_variants
 
     device = device or default_device()
     check_compare_recipes(recipes)
@@ -338,28 +339,27 @@ def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | N
         for i, skeleton in enumerate(base.layers):
             path = f"{prefix}.layers.{i}"
             original = _mounted(_materialise(skeleton, path, checkpoint, device), path)
-            for r in recipes:
-                variant = quantize_(copy.deepcopy(original), r, calibration, matmul=matmul)
+            variants = quantize_variants(original, recipes, calibration, matmul)  # codes; no float32 copies
+            for name, variant in variants.items():
                 block = variant.get_submodule(path)
-                if r.name in weight_snr:
-                    weight_snr[r.name] |= weight_snr_db(original, variant)
-                with input_snr_db({r.name: variant}) as measured:
-                    hidden[r.name] = [block(h, cache=None, use_cache=False, **extras[b]) for b, h in enumerate(hidden[r.name])]
-                if r.name in input_snr:
-                    input_snr[r.name] |= measured.get(r.name, {})
-                del variant, block
-            del original  # its weights' memory is freed before the next block is read
+                if name in weight_snr:
+                    weight_snr[name] |= weight_snr_db(original, variant)
+                with input_snr_db({name: variant}) as measured:
+                    hidden[name] = [block(h, cache=None, use_cache=False, **extras[b]) for b, h in enumerate(hidden[name])]
+                if name in input_snr:
+                    input_snr[name] |= measured.get(name, {})
+            del original, variants, variant, block  # freed before the next block is read
             advance(1)
         norm = _materialise(base.norm, f"{prefix}.norm", checkpoint, device)
         stored = "lm_head.weight" if "lm_head.weight" in checkpoint.file else f"{prefix}.embed_tokens.weight"  # tied
         linear = model.lm_head
         head = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
         head.weight = nn.Parameter(_float32(checkpoint.read_one(stored)).to(device), requires_grad=False)
-        shared: dict = {}  # the lm_head's codes, once for the recipes that round it alike (all but a few leave it in bf16)
-        heads = {r.name: quantize_(_mounted(head, "lm_head"), r, calibration, shared, matmul) for r in recipes}
+        head = _mounted(head, "lm_head")
+        heads = quantize_variants(head, recipes, calibration, matmul)  # one copy of codes the recipes share
         for name in weight_snr:
-            weight_snr[name] |= weight_snr_db(_mounted(head, "lm_head"), heads[name])
-        del head, shared
+            weight_snr[name] |= weight_snr_db(head, heads[name])
+        del head
         scores = {name: Scores() for name in names}
         with input_snr_db({name: heads[name] for name in input_snr}) as measured:
             for b, batch in enumerate(batches):
