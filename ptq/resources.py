@@ -53,16 +53,24 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
-def check_fits(directory: Path, copies: float, device: torch.device, what: str) -> None:
-    """Refuse to load a model whose float32 weights, times the copies the command keeps (in float32 copies:
-    a compared variant holds 16- or 8-bit weight codes, half a copy at most), exceed the memory available
-    on `device`. Activations come on top: the estimate is a lower bound."""
+def shortfall(directory: Path, copies: float, device: torch.device) -> tuple[int, int, int] | None:
+    """(parameters, bytes needed, bytes available) when the model's float32 weights, times the copies the
+    command keeps (in float32 copies: a compared variant holds 16- or 8-bit weight codes, half a copy at most),
+    exceed the memory available on `device`; None when they fit or either side is unknown. Activations come
+    on top: the estimate is a lower bound."""
     params = checkpoint_parameters(directory)
     free = available_memory(device)
     if params is None or free is None:
-        return
+        return None
     needed = int(params * FLOAT32_BYTES * copies)
-    if needed > free:
+    return (params, needed, free) if needed > free else None
+
+
+def check_fits(directory: Path, copies: float, device: torch.device, what: str) -> None:
+    """Refuse to load a model that does not fit (shortfall), with the estimate and the ways out."""
+    short = shortfall(directory, copies, device)
+    if short is not None:
+        params, needed, free = short
         copies_text = (f" x {copies:g} copies (the original, and half a copy per variant: weights held as 16- or "
                        "8-bit codes)") if copies > 1 else ""
         raise PtqError(

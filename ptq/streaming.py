@@ -131,13 +131,9 @@ def too_big(spec: str | None, copies: float = 1) -> bool:
     """The estimate of ptq.resources (float32 weights times `copies` vs the memory available) says the model
     does not fit."""
     from ptq.models import default_device
-    from ptq.resources import FLOAT32_BYTES, available_memory, checkpoint_parameters
+    from ptq.resources import shortfall
 
-    if not supports(spec):
-        return False
-    params = checkpoint_parameters(Path(spec).expanduser())
-    free = available_memory(default_device())
-    return params is not None and free is not None and params * FLOAT32_BYTES * copies > free
+    return supports(spec) and shortfall(Path(spec).expanduser(), copies, default_device()) is not None
 
 
 def load_streamed(spec: str | None, trust_remote_code: bool = False) -> LoadedModel:
