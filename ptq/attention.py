@@ -5,7 +5,10 @@ transformers dispatches every attention layer through ALL_ATTENTION_FUNCTIONS by
 with a hook point on each matmul input. A layer whose module carries a `ptq_attention` (an
 AttentionQuant) has those inputs passed through its quantizers; any other runs unchanged. Fused SDPA
 kernels never expose P, so a model switched to "ptq" computes attention the eager way (same math), and
-the masks are built the eager way too. Works for every architecture whose attention layer calls the
+the masks are built the eager way too. Calibration of an SDPA model instead switches to "ptq-observe-sdpa":
+the observers see Q, K, V and P (computed for them alone) and the output is SDPA's, with SDPA's masks, so
+the calibration forward is the baseline's to the bit whatever the recipes cover (for an eager model,
+"ptq" is already its math, bit for bit). Works for every architecture whose attention layer calls the
 attention interface with (module, query, key, value, mask, scaling=...): Llama, Gemma, Qwen2, GPT-2, ...
 
 K and V arrive after RoPE and after the KV-cache update: what is quantized here is exactly what a cache
@@ -21,6 +24,7 @@ import torch
 from torch import nn
 
 IMPLEMENTATION = "ptq"
+OBSERVING = "ptq-observe-sdpa"  # calibration of an SDPA model: observers, and SDPA's own output
 TENSORS = ("query", "key", "value", "probs")
 
 
@@ -75,13 +79,46 @@ def quantized_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     return output, probs
 
 
-def register() -> None:
-    """Make "ptq" a known attention implementation (idempotent), with eager-style masks."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+def _observed_probs(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                    scaling: float) -> torch.Tensor:
+    """The softmax output P, as the eager computation makes it, from SDPA's mask: boolean (True attends),
+    None (SDPA's causal shortcut, query and key aligned at the start) or additive."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is None:
+        q_len, k_len = scores.shape[-2:]
+        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + attention_mask
+    return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
 
-    AttentionInterface.register(IMPLEMENTATION, quantized_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, eager_mask)
+
+def observed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs):
+    """Calibration: show Q, K, V and P to the layer's observers, return SDPA's output (the baseline's)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    aq: AttentionQuant | None = getattr(module, "ptq_attention", None)
+    if aq is not None:
+        for tensor, x in (("query", query), ("key", key), ("value", value)):
+            aq.apply(tensor, x)
+        if "probs" in aq.callables or "probs" in aq.quantizers:
+            n_rep = getattr(module, "num_key_value_groups", 1)
+            aq.apply("probs", _observed_probs(query, _repeat_kv(key, n_rep), attention_mask,
+                                              query.size(-1) ** -0.5 if scaling is None else scaling))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def register(implementation: str = IMPLEMENTATION) -> None:
+    """Make "ptq" (eager-style masks) or "ptq-observe-sdpa" (SDPA's masks) a known attention
+    implementation (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+    function, mask = (observed_attention, sdpa_mask) if implementation == OBSERVING else (quantized_attention, eager_mask)
+    AttentionInterface.register(implementation, function)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(implementation, mask)
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -97,20 +134,22 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def set_implementation(model: nn.Module, implementation: str) -> str:
     """Switch the model's attention implementation; returns the previous one."""
-    if implementation == IMPLEMENTATION:
-        register()
+    if implementation.startswith(IMPLEMENTATION):
+        register(implementation)
     previous = model.config._attn_implementation
     model.config._attn_implementation = implementation
     return previous
 
 
-def install(model: nn.Module, layers: dict[str, AttentionQuant]) -> None:
-    """Attach each layer's AttentionQuant and switch the model to the "ptq" implementation."""
+def install(model: nn.Module, layers: dict[str, AttentionQuant], observe: bool = False) -> None:
+    """Attach each layer's AttentionQuant and switch the model to the "ptq" implementation; with
+    observe=True (calibration), an SDPA model to the one that returns SDPA's output."""
     modules = attention_modules(model)
     for name, aq in layers.items():
         modules[name].ptq_attention = aq
     if layers:
-        set_implementation(model, IMPLEMENTATION)
+        sdpa = model.config._attn_implementation == "sdpa"
+        set_implementation(model, OBSERVING if observe and sdpa else IMPLEMENTATION)
 
 
 def uninstall(model: nn.Module, previous: str) -> None:

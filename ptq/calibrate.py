@@ -112,7 +112,7 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
             else:
                 attention_layers.setdefault(layer, {})[tensor] = observers[name].observe
     previous = model.config._attn_implementation
-    attention.install(model, {k: attention.AttentionQuant(v) for k, v in attention_layers.items()})
+    attention.install(model, {k: attention.AttentionQuant(v) for k, v in attention_layers.items()}, observe=True)
     hooks += residual.install(model, residual_blocks)
     runner = _runner(model, layers)
     saved_at = time.monotonic()

@@ -67,6 +67,47 @@ def test_pass_through_is_identical_and_counting_sees_every_matmul_input(arch):
     assert sdpa.config._attn_implementation == "sdpa"  # the original model is untouched
 
 
+class Recorder:
+    def __init__(self, seen, name):
+        self.seen, self.name = seen, name
+
+    def __call__(self, x):
+        self.seen[self.name] = x.clone()
+        return x
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("own", ["sdpa", "eager"])
+def test_observing_keeps_the_models_own_output_and_sees_the_eager_inputs(arch, own):
+    """Calibration's observing path: the logits are the model's own implementation's, bit for bit (so a
+    Linear input's amax does not depend on whether attention is calibrated too), and the observers see
+    the Q, K, V and P that the quantizing (eager) path rounds, padding masks included."""
+    model = make(arch, own)
+    mask = torch.ones_like(IDS)
+    mask[0, :3] = 0  # left padding: SDPA gets a boolean mask instead of its causal shortcut
+    layers = attention.attention_modules(model)
+    for kwargs in ({}, {"attention_mask": mask}):
+        with torch.inference_mode():
+            want = model(input_ids=IDS, **kwargs).logits
+        observed, rounded = {}, {}
+        observing, quantizing = copy.deepcopy(model), copy.deepcopy(model)
+        attention.install(observing, {n: AttentionQuant({t: Recorder(observed, f"{n}.{t}") for t in TENSORS}) for n in layers},
+                          observe=True)
+        attention.install(quantizing, {n: AttentionQuant({t: Recorder(rounded, f"{n}.{t}") for t in TENSORS}) for n in layers})
+        assert observing.config._attn_implementation == {"sdpa": "ptq-observe-sdpa", "eager": "ptq"}[own]
+        with torch.inference_mode():
+            got = observing(input_ids=IDS, **kwargs).logits
+            quantizing(input_ids=IDS, **kwargs)
+        assert torch.equal(got, want)
+        assert observed.keys() == rounded.keys() == {f"{n}.{t}" for n in layers for t in TENSORS}
+        first = next(iter(layers))  # later layers' inputs differ by SDPA's rounding of the layers before
+        for name in observed:
+            tol = 1e-6 if name.startswith(first + ".") or own == "eager" else 1e-4
+            # [batch, heads, position, ...]: padded positions' outputs are arbitrary, in any implementation
+            a, b = observed[name][:, :, 3:], rounded[name][:, :, 3:]
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol / 10, msg=name)
+
+
 def test_quantizers_change_the_output_and_uninstall_restores():
     model = make("llama", "sdpa")
     with torch.inference_mode():

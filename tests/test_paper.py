@@ -132,6 +132,21 @@ def test_calibration_covers_attention_and_quantize_uses_the_observer(tiny_model,
     assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.5)
 
 
+def test_linear_amax_does_not_depend_on_attention_being_calibrated_too(tiny_model):
+    """Observing attention leaves the forward as the baseline runs it: a Linear input's statistics are
+    the same to the bit whether or not the calibrated recipes also cover attention."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 200, (3, 16), generator=torch.Generator().manual_seed(0))
+    linears = calibrated_layers(model, recipe())
+    with_attention = calibrated_layers(model, recipe(**ATTENTION))
+    assert set(linears) < set(with_attention)
+    alone, together = calibrate(model, ids, linears, batch_size=2), calibrate(model, ids, with_attention, batch_size=2)
+    for name in linears:
+        assert torch.equal(alone.input_amax[name], together.input_amax[name]), name
+        assert torch.equal(alone.input_hist[name], together.input_hist[name]), name
+
+
 def test_smoothquant_through_calibration_and_selection(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     r = recipe(weights={"format": "int8", "granularity": "channel"}, inputs={"format": "int8"},
