@@ -170,9 +170,7 @@ def cache_root() -> Path:
 
 def converted_gguf_dir(gguf_path: Path) -> tuple[Path, tuple[str, ...]]:
     """Dequantize a GGUF once into a cached safetensors directory; return it and the report caveat."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    target = cache_root() / "gguf" / f"{gguf_path.stem}-{gguf_key(gguf_path)}"
     caveat_file = target / "ptq-gguf-caveat.txt"
     if not caveat_file.is_file():
         caveat = gguf_caveat(gguf_path)
@@ -185,6 +183,19 @@ def converted_gguf_dir(gguf_path: Path) -> tuple[Path, tuple[str, ...]]:
             tokenizer.save_pretrained(tmp)
             (tmp / "ptq-gguf-caveat.txt").write_text(caveat)
     return target, (caveat_file.read_text(),)
+
+
+def gguf_key(gguf_path: Path, samples: int = 64, chunk: int = 1 << 16) -> str:
+    """The cache key of a GGUF file: its size and 64 chunks of 64 KiB spread over it (the whole file when
+    smaller), not its path or mtime, so that a reinstalled package or a copy reuses the converted model
+    instead of caching another one, and reading a 40 GB file for its key stays cheap."""
+    size = gguf_path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        for i in range(samples):
+            f.seek(max(size - chunk, 0) * i // max(samples - 1, 1))
+            h.update(f.read(chunk))
+    return h.hexdigest()[:16]
 
 
 def gguf_caveat(gguf_path: Path) -> str:

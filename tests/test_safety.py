@@ -259,3 +259,22 @@ def test_calibration_metadata_is_validated(tmp_path):
                                     metadata={"kind": FILE_KIND, "metadata": json.dumps(good)})
         with pytest.raises(PtqError, match="invalid entry 'input_amax/l'"):
             load_calibration(path)
+
+
+@pytest.mark.parametrize("size", [100_000, 5 << 20])
+def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path, size):
+    """A reinstalled package (new path, new mtime) reuses the converted model; changed content does not."""
+    from ptq.models import gguf_key
+
+    data = bytearray(os.urandom(size))
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(second, ns=(1, 1))
+    assert gguf_key(first) == gguf_key(second)
+    data[-1] ^= 1  # the first and the last chunk are always read
+    second.write_bytes(data)
+    assert gguf_key(first) != gguf_key(second)
+    second.write_bytes(data + b"\0")
+    assert gguf_key(first) != gguf_key(second)
