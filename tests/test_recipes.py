@@ -17,6 +17,8 @@ def test_builtin_recipes_load_with_the_documented_formats():
     assert e5m2.weights.format is FORMATS["e5m2"]
     assert int8.weights.granularity == "channel" and int8.inputs.granularity == "tensor"
     assert bf16.weights.saturate is False and e4m3.weights.saturate is True  # 16-bit overflows like an IEEE cast
+    assert all(load_recipe(n).name == n for n in builtin_recipe_names())  # every shipped recipe validates
+    assert load_recipe("int8-smoothquant").smoothquant == load_recipe("paper-int8-smoothquant").smoothquant == 0.85
 
 
 def test_recipe_from_a_path(tmp_path):
