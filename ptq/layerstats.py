@@ -2,7 +2,8 @@
 
 SNR (signal-to-quantization-noise ratio) of a tensor x and its quantized-and-dequantized x_q, in dB:
     10 * log10(sum(x^2) / sum((x - x_q)^2))
-- weights: every weight of every quantized Linear, against the weight the variant actually uses;
+- weights: every weight of every quantized Linear (times SmoothQuant's s where smoothed), against the
+  weight the variant actually uses;
 - inputs: each variant's own input to each Linear over the first few evaluation windows, against its
   rounding in that layer (static scale, or per token). The noise is that layer's own rounding and
   saturation only; measured while the evaluation runs, so it costs no extra forward pass.
@@ -28,10 +29,15 @@ def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
 
 
 def weight_snr_db(original: nn.Module, quantized: nn.Module) -> dict[str, float | None]:
-    """SNR of each quantized layer's weight: `original` is the float model `quantized` was made from."""
+    """SNR of each quantized layer's weight: `original` is the float model `quantized` was made from. A
+    SmoothQuant layer rounds W * s (columns scaled): its noise is measured against that."""
     modules = dict(original.named_modules())
-    return {name: snr_db(*_fused_powers(modules[name].weight.detach(), q.weight).tolist())
+    return {name: snr_db(*_fused_powers(_rounded_weight_source(modules[name].weight.detach(), q), q.weight).tolist())
             for name, q in quantized_layers(quantized).items()}
+
+
+def _rounded_weight_source(weight: torch.Tensor, q: QuantLinear) -> torch.Tensor:
+    return weight if q.smooth is None else weight.float() * q.smooth
 
 
 def _powers(x: torch.Tensor, x_q: torch.Tensor) -> torch.Tensor:

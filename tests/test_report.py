@@ -176,19 +176,20 @@ def test_compiled_signal_and_noise_powers_match_numpy():
 
 
 def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
-    """E4M3 per-tensor through ml_dtypes' cast, int8 per-channel through numpy, against ptq.layerstats."""
+    """E4M3 per-tensor through ml_dtypes' cast, int8 per-channel through numpy (plain, and SmoothQuant's W * s
+    against W * s), against ptq.layerstats."""
     from ptq.calibrate import calibrate
     from ptq.evaluate import evaluate
     from ptq.layerstats import input_snr_db, layer_snr, weight_snr_db
     from ptq.models import load_model
-    from ptq.quantize import calibrated_layers, quantize_variants
+    from ptq.quantize import calibrated_layers, quantize_variants, smoothed_layers
     from ptq.recipes import load_recipe
 
     loaded = load_model(str(tiny_model), device=torch.device("cpu"))
     model = loaded.model
     ids = torch.randint(0, 300, (6, 32), generator=torch.Generator().manual_seed(0))
-    recipes = [load_recipe("fp8-e4m3"), load_recipe("int8")]
-    cal = calibrate(model, ids, sorted(calibrated_layers(model, recipes[0])))
+    recipes = [load_recipe("fp8-e4m3"), load_recipe("int8"), load_recipe("int8-smoothquant")]
+    cal = calibrate(model, ids, sorted(calibrated_layers(model, recipes[0])), channels=smoothed_layers(model, recipes[2]))
     models = quantize_variants(model, [load_recipe("bf16"), *recipes], cal)
     quantized = {r.name: models[r.name] for r in recipes}
     name = "model.layers.1.mlp.down_proj"
@@ -207,12 +208,17 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     ch_scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
     w_int8 = np.clip(np.round(w / ch_scale), -127, 127) * ch_scale
     assert snr["int8"]["weights"][name] == pytest.approx(reference_snr(w, w_int8), abs=1e-4)
+    s = cal.input_channel_amax[name].numpy().astype(np.float64) ** 0.85 / np.abs(w).max(axis=0).astype(np.float64) ** 0.15
+    ws = (w * s.astype(np.float32)).astype(np.float32)
+    ch_scale = np.abs(ws).max(axis=1, keepdims=True) / np.float32(127)
+    ws_int8 = np.clip(np.round(ws / ch_scale), -127, 127) * ch_scale
+    assert snr["int8-smoothquant"]["weights"][name] == pytest.approx(reference_snr(ws, ws_int8), abs=1e-3)
 
     x = np.concatenate([captured[0].reshape(-1), captured[1][:1].reshape(-1)])
     x_scale = np.float32(cal.input_amax[name].item() / np.float32(448))
     x_e4m3 = np.clip(x / x_scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * x_scale
     assert snr["fp8-e4m3"]["inputs"][name] == pytest.approx(reference_snr(x, x_e4m3), abs=1e-5)
-    assert snr["fp8-e4m3"]["input_windows"] == 4 and set(snr) == {"fp8-e4m3", "int8"}
+    assert snr["fp8-e4m3"]["input_windows"] == 4 and set(snr) == {"fp8-e4m3", "int8", "int8-smoothquant"}
     assert 25 < snr["fp8-e4m3"]["weights"][name] < 35  # 3 mantissa bits: about 31 dB on Gaussian-like weights
 
 
