@@ -184,7 +184,7 @@ def test_compare_sweep_with_paper_recipes_reports_sqnr(ptq_cli, tiny_model, text
     results = json.loads((out / "results.json").read_text())
     assert [v["name"] for v in results["variants"]] == ["paper-e4m3", "paper-int8-smoothquant", "fp8-e4m3-dynamic"]
     assert results["variants"][0]["recipe"]["attention"].startswith("e4m3 per-tensor best")
-    assert results["variants"][1]["recipe"]["smoothquant_alpha"] == 0.5
+    assert results["variants"][1]["recipe"]["smoothquant_alpha"] == 0.85
     tensors = {row["tensor"]: row for row in results["diagnostics"]["tensors"]}
     assert "model.layers.0.self_attn.probs" in tensors and "model.layers.1.mlp.down_proj" in tensors
     assert all(row["sqnr_e4m3_db"] > 20 for row in tensors.values())
