@@ -222,3 +222,36 @@ def test_residual_recipe_calibrates_and_quantizes(tiny_model):
     assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.5)
     rows = {row["name"]: row for row in describe_plan(model, r)}
     assert rows["model.layers.0.residual.mid"]["quantized"] and not rows["model.layers.0.residual.input"]["quantized"]
+
+
+def test_rounding_noise_example_reproduces_compare_and_nudges_only_calibrated_scales(ptq_cli, tiny_model, text_file, tmp_path):
+    """examples/rounding_noise.py (docs/paper.md): its as-calibrated row is what `ptq compare` reports, and a
+    nudge of the calibrated amax leaves a recipe without calibrated scales exactly where it was."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("rounding_noise", Path(__file__).parent.parent / "examples" / "rounding_noise.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    common = dict(windows=3, calib_samples=2, seq_len=32, calib_data=str(text_file), eval_data=str(text_file))
+    rows = example.measure(str(tiny_model), ["fp8-e4m3", "fp8-e4m3-dynamic"], repeats=2, **common)
+    assert [len(runs) for runs in rows.values()] == [3, 3]
+    dynamic = rows["fp8-e4m3-dynamic"]
+    assert all(run == dynamic[0] for run in dynamic)  # per-token scales: nothing calibrated to nudge
+    from ptq.calibrate import Calibration
+
+    calibration = Calibration({"a": torch.tensor(3.0)}, {}, input_channel_amax={"a": torch.tensor([1.0, 2.0])})
+    moved = example.nudged(calibration, seed=1)
+    for before, after in ((calibration.input_amax["a"], moved.input_amax["a"]),
+                          (calibration.input_channel_amax["a"], moved.input_channel_amax["a"])):
+        assert not torch.equal(before, after) and torch.allclose(before, after, rtol=1e-5, atol=0)
+
+    out = tmp_path / "out"
+    code, _, stderr = ptq_cli("compare", tiny_model, "--recipes", "fp8-e4m3,fp8-e4m3-dynamic", "--calib-data", text_file,
+                              "--eval-data", text_file, "--seq-len", "32", "--calib-samples", "2", "--max-windows", "3",
+                              "--out", out, "--quiet", "--no-plots")
+    assert code == 0, stderr
+    for v in json.loads((out / "results.json").read_text())["variants"]:
+        assert rows[v["name"]][0]["ppl_delta_pct"] == pytest.approx(v["ppl_delta_pct"], abs=1e-9)
+        assert rows[v["name"]][0]["kl_div"] == pytest.approx(v["kl_div"], rel=1e-9)
