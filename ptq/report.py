@@ -402,7 +402,10 @@ def intervals_section(r: dict) -> list[str]:
         return []
     lines = ["", "## Intervals (95%)", "",
              f"Bootstrap over the {r['eval']['windows']} evaluation windows; a delta is paired (same windows for "
-             f"{base['name']} and the variant) and is distinguishable from zero when its interval excludes 0.", "",
+             f"{base['name']} and the variant) and is distinguishable from zero when its interval excludes 0. The "
+             "intervals cover the choice of windows, not the rounding: scales that differ in their last digits can "
+             "move a perplexity delta by tenths of a point while the KL barely moves (ptq's docs/paper.md, \"Noise beyond "
+             "the intervals\"); compare close recipes by their KL.", "",
              f"| variant | perplexity | 95% CI | Δ ppl vs {base['name']} | 95% CI | distinguishable from 0 "
              "| next-token acc | 95% CI | Δ acc (points) | 95% CI | distinguishable from 0 |",
              "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
