@@ -21,7 +21,7 @@ from ptq.calibrate import Calibration, calibrate
 from ptq.data import load_corpus, make_windows
 from ptq.evaluate import evaluate
 from ptq.models import load_model
-from ptq.quantize import calibrated_layers, quantize_variants, smoothed_layers
+from ptq.quantize import calibration_targets, quantize_variants
 from ptq.recipes import load_recipe
 
 
@@ -40,8 +40,7 @@ def measure(model: str, recipes: list[str], repeats: int, windows: int, calib_sa
     """{recipe: [{"ppl_delta_pct", "kl_div"} as calibrated, then one per nudged calibration]}."""
     loaded = load_model(model)
     variants = [load_recipe(r) for r in recipes]
-    channels = sorted({n for r in variants for n in smoothed_layers(loaded.model, r)})
-    layers = sorted({n for r in variants for n in calibrated_layers(loaded.model, r)} | set(channels))
+    layers, channels = calibration_targets(loaded.model, variants)
     calib_ids = make_windows(load_corpus(calib_data, "calibration"), loaded.tokenizer, seq_len, calib_samples).input_ids
     calibration = calibrate(loaded.model, calib_ids, layers, channels=channels)
     eval_ids = make_windows(load_corpus(eval_data, "evaluation"), loaded.tokenizer, seq_len, windows).input_ids

@@ -56,10 +56,9 @@ def check_exportable(recipe: Recipe) -> None:
     if x.dynamic:
         raise PtqError(f"recipe '{recipe.name}' has dynamic per-token inputs: ptq quantize exports static input "
                        "scales only (use a recipe with static inputs, such as fp8-e4m3)")
-    beyond = [key for key in ("attention", "kv_cache", "residual") if getattr(recipe, key) is not None]
-    if beyond:
-        raise PtqError(f"recipe '{recipe.name}' quantizes {' and '.join(beyond)} inputs: the checkpoint format "
-                       "quantizes Linear layers only, so it would not run as simulated")
+    if recipe.beyond_linear:
+        raise PtqError(f"recipe '{recipe.name}' quantizes {' and '.join(recipe.beyond_linear)} inputs: the checkpoint "
+                       "format quantizes Linear layers only, so it would not run as simulated")
     if recipe.smoothquant is not None:
         raise PtqError(f"recipe '{recipe.name}' uses SmoothQuant: the checkpoint format has no per-channel "
                        "division of a layer's input, so it would not run as simulated")

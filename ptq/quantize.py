@@ -329,6 +329,14 @@ def input_clip(calibration: Calibration, name: str, spec: TensorQuant) -> torch.
     return torch.tensor(clip, dtype=torch.float32)
 
 
+def calibration_targets(model: nn.Module, recipes: list[Recipe]) -> tuple[list[str], list[str]]:
+    """What calibrating for `recipes` observes: (every tensor that needs a static scale or per-channel maxima,
+    the Linear layers that need per-channel maxima for SmoothQuant)."""
+    channels = sorted({name for r in recipes for name in smoothed_layers(model, r)})
+    layers = sorted({name for r in recipes for name in calibrated_layers(model, r)} | set(channels))
+    return layers, channels
+
+
 def smoothing_factors(channel_amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
     """SmoothQuant's s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) per input channel j (Xiao et al. 2022)."""
     w_amax = weight.detach().float().abs().amax(0).clamp(min=1e-5)

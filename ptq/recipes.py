@@ -78,6 +78,12 @@ class Recipe:
         return (any(q is not None and q.static for q in (self.inputs, self.attention, self.kv_cache, self.residual))
                 or self.smoothquant is not None)
 
+    @property
+    def beyond_linear(self) -> list[str]:
+        """The recipe keys that quantize tensors other than Linear layers' weights and inputs (they patch the
+        whole model's attention or decoder blocks)."""
+        return [key for key in ("attention", "kv_cache", "residual") if getattr(self, key) is not None]
+
     def selects(self, name: str) -> bool:
         """Layer selection by name: matches an `include` pattern and no `ignore` pattern."""
         return (any(fnmatch.fnmatchcase(name, p) for p in self.include)

@@ -299,7 +299,7 @@ def check_compare_recipes(recipes: list) -> None:
     """Block-by-block compare runs transformers' decoder layers as they are: recipes that quantize attention's
     matmul inputs or the residual adds (which patch the whole model) need the model whole."""
     for r in recipes:
-        if r.attention is not None or r.kv_cache is not None or r.residual is not None:
+        if r.beyond_linear:
             raise PtqError(f"recipe '{r.name}' quantizes attention or residual inputs: {LOW_MEMORY_FLAG} compares "
                            "Linear-layer recipes only; load the model whole")
 

@@ -34,7 +34,7 @@ from ptq.gates import Limits, gate_results
 from ptq.layerstats import input_snr_db, layer_snr, weight_snr_db
 from ptq.models import LoadedModel, compute_dtype, default_device, linear_layers, load_model
 from ptq.progress import stderr
-from ptq.quantize import calibrated_layers, plan, quantize_, quantize_variants, resolve_matmul, smoothed_layers
+from ptq.quantize import calibration_targets, plan, quantize_, quantize_variants, resolve_matmul
 from ptq.recipes import Recipe, load_recipe
 from ptq.report import load_results, render_markdown, report_outputs, write_markdown, write_report
 from ptq.report import render_eval_markdown
@@ -90,8 +90,7 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
                output: Path | None, force: bool, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                checkpoint: Path | None = None, checkpoint_every: float = 60.0, resume: bool = False) -> Calibration:
     windows = make_windows(corpus, loaded.tokenizer, seq_len, samples)
-    channels = sorted({name for r in recipes for name in smoothed_layers(loaded.model, r)})
-    layers = sorted({name for r in recipes for name in calibrated_layers(loaded.model, r)} | set(channels))
+    layers, channels = calibration_targets(loaded.model, recipes)
     if not layers:
         raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
     if streaming.is_streamed(loaded.model):
