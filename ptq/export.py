@@ -30,6 +30,7 @@ from torch import nn
 from ptq.calibrate import Calibration
 from ptq.errors import PtqError
 from ptq.formats import NumberFormat, compute_scale
+from ptq.matmuls import LinearExperts, kind, quantizable
 from ptq.quantize import QuantLinear, quantize_, quantize_weight
 from ptq.recipes import Recipe, TensorQuant
 
@@ -122,23 +123,66 @@ def source_dtypes(location: str) -> dict[str, torch.dtype]:
 
 
 def _saved_names(model: nn.Module) -> list[str]:
-    """State-dict names that go into the checkpoint: tied copies dropped as save_pretrained does; refuse
-    architectures whose on-disk names differ from the module names (transformers weight conversions)."""
-    from transformers.core_model_loading import revert_weight_conversion
+    """State-dict names that go into the checkpoint: tied copies dropped as save_pretrained does."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
-    reverted = revert_weight_conversion(model, dict(state))
-    if set(reverted) != set(state):
-        raise PtqError(f"{type(model).__name__} stores its weights under other names on disk (transformers weight "
-                       "conversions): ptq quantize does not export this architecture yet")
-    return list(state)
+    return list(remove_tied_weights_from_state_dict(model.state_dict(), model))
+
+
+def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """State-dict name of the linearized model (ptq.matmuls) -> the name `save_pretrained` gives that tensor on
+    disk. transformers merges per-expert 2-D checkpoint tensors into 3-D ones on load and splits them back on
+    save (its weight conversions, e.g. Mixtral's experts.{e}.w1/w3 -> gate_up_proj), renaming some modules too.
+    The same reversal is run on stand-ins: a one-element tensor holding each plain tensor's index, and for each
+    experts module its fused 3-D tensors holding (projection, expert, row) codes, read back after the split.
+    Experts a checkpoint keeps fused (3-D tensors on disk) cannot be written per expert: refused."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    experts = {path: m for path, m in model.named_modules() if isinstance(m, LinearExperts)}
+    in_experts = lambda n: any(n.startswith(p + ".") for p in experts)  # noqa: E731
+    plain = [n for n in names if not in_experts(n)]
+    stand_ins = {n: torch.tensor([float(i)], dtype=torch.float64) for i, n in enumerate(plain)}
+    projections: dict[str, list[str]] = {}
+    for path, m in experts.items():
+        if m[0].down_proj.bias is not None:
+            raise PtqError(f"the experts of {m.fused_type} ('{path}') have biases and are stored fused (3-D) in their "
+                           "checkpoints: ptq quantize writes per-expert 2-D weights only; `ptq compare` covers this model")
+        groups = {("gate_up_proj" if m.has_gate else "up_proj"): (["gate_proj", "up_proj"] if m.has_gate else ["up_proj"]),
+                  "down_proj": ["down_proj"]}
+        for fused_name, parts in groups.items():
+            rows = sum(getattr(m[0], p).out_features for p in parts)
+            code = len(projections)
+            projections[str(code)] = [path, *parts]
+            e = torch.arange(len(m), dtype=torch.float64)[:, None, None]
+            r = torch.arange(rows, dtype=torch.float64)[None, :, None]
+            stand_ins[f"{path}.{fused_name}"] = (code * 4096 + e) * 2.0**24 + r
+    try:
+        reverted = revert_weight_conversion(model, stand_ins)
+    except Exception as e:
+        raise PtqError(f"cannot work out the checkpoint names of {type(model).__name__} ({type(e).__name__}: {e})") from None
+    mapping = {}
+    for disk, t in reverted.items():
+        if t.numel() == 1:
+            mapping[plain[int(t.item())]] = disk
+            continue
+        if t.dim() != 2:
+            raise PtqError(f"{type(model).__name__} stores its experts fused ('{disk}', {t.dim()}-D) in its checkpoint: "
+                           "ptq quantize writes per-expert 2-D weights only; `ptq compare` covers this model")
+        value = int(t[0, 0].item())
+        code, e, row = value // 2**24 // 4096, value // 2**24 % 4096, value % 2**24
+        path, *parts = projections[str(code)]
+        rows = getattr(experts[path][e], parts[0]).out_features
+        mapping[f"{path}.{e}.{parts[row // rows]}.weight"] = disk
+    missing = [n for n in names if n not in mapping]
+    if missing:
+        raise PtqError(f"cannot work out the checkpoint name of '{missing[0]}' in {type(model).__name__}")
+    return mapping
 
 
 def export_layers(model: nn.Module, recipe: Recipe) -> tuple[list[str], list[str], list[str]]:
     """The Linear layers the recipe quantizes and those it leaves out, and the state-dict names to save;
     refuses a model where that is nothing, or where a quantized weight is tied to another tensor."""
-    layers = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    layers = [name for name, m in model.named_modules() if quantizable(m)]
     quantized = [name for name in layers if recipe.targets_module(name, model.get_submodule(name))]
     ignored = sorted(set(layers) - set(quantized))
     if not quantized:
@@ -163,29 +207,37 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
     by_weight = {f"{name}.weight": name for name in quantized}
     fallback = _dominant_dtype(dtypes)
     modules = dict(model.named_modules())
+    disk = checkpoint_names(model, names)
+    conv1d = {f"{name}.weight" for name, m in modules.items() if quantizable(m) and kind(m) == "Conv1D"}
     entries: list[_Entry] = []
     for name in names:
         tensor = params[name]
         layer = by_weight.get(name)
         if layer is None:
-            dtype = dtypes.get(name, fallback) if tensor.is_floating_point() else tensor.dtype
-            entries.append(_Entry(name, tuple(tensor.shape), dtype, lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous()))
+            if name in conv1d:  # Conv1D keeps its weight [in, out] on disk
+                tensor = tensor.t()
+            dtype = dtypes.get(disk[name], fallback) if tensor.is_floating_point() else tensor.dtype
+            entries.append(_Entry(disk[name], tuple(tensor.shape), dtype,
+                                  lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous()))
             continue
-        entries += quantized_entries(layer, tuple(tensor.shape), lambda m=modules[layer]: m.weight, recipe,
-                                     calibration.input_amax[layer])
+        entries += quantized_entries(disk[name].removesuffix(".weight"), tuple(tensor.shape), lambda m=modules[layer]: m.weight,
+                                     recipe, calibration.input_amax[layer], transposed=name in conv1d)
+    ignored = sorted(disk[f"{name}.weight"].removesuffix(".weight") if f"{name}.weight" in disk else name for name in ignored)
     return entries, quantized, ignored
 
 
 def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], torch.Tensor], recipe: Recipe,
-                      input_amax: torch.Tensor) -> list[_Entry]:
+                      input_amax: torch.Tensor, transposed: bool = False) -> list[_Entry]:
     """The three tensors of a quantized Linear: its codes, weight scale and input scale. `weight()` gives the
-    weight when its shard is written (from the model in memory, or from disk: ptq.streaming)."""
+    weight [out, in] when its shard is written (from the model in memory, or from disk: ptq.streaming);
+    `transposed`: the codes are written [in, out], as Conv1D stores its weight."""
     weights, inputs = recipe.weights, recipe.inputs
     scale_shape = (shape[0], 1) if weights.granularity == "channel" else (1,)
     scales: dict[str, torch.Tensor] = {}  # the weight's scale, from the call that made its codes
+    codes = lambda w=weight, f=weights, s=scales: _weight_codes(w(), f, s, layer)  # noqa: E731
     return [
-        _Entry(f"{layer}.weight", shape, weights.format.torch_dtype,
-               lambda w=weight, f=weights, s=scales: _weight_codes(w(), f, s, layer)),
+        _Entry(f"{layer}.weight", shape[::-1] if transposed else shape, weights.format.torch_dtype,
+               (lambda: codes().t().contiguous()) if transposed else codes),
         _Entry(f"{layer}.weight_scale", scale_shape, torch.float32,
                lambda s=scales, shape=scale_shape: s.pop("scale").reshape(shape)),
         _Entry(f"{layer}.input_scale", (1,), torch.float32,
@@ -313,7 +365,7 @@ def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, 
     transformers runs them as is, where `ptq compare` rounds them to bf16 as in its 16-bit baseline), and, with
     loader_int8_inputs, int8 inputs round with the loaders' [-128, 127] range instead of ptq's [-127, 127]."""
     kept = {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and not recipe.targets_module(name, m)}
+            if quantizable(m) and not recipe.targets_module(name, m)}
     quantize_(model, recipe, calibration)
     for name, m in kept.items():
         parent, _, child = name.rpartition(".")
@@ -322,7 +374,24 @@ def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, 
         for m in model.modules():
             if isinstance(m, QuantLinear) and m.inputs.format.kind == "int":
                 m.__class__ = _LoaderInt8Inputs
+    for m in expert_layers(model):  # transformers dequantizes fused experts' weights but leaves their inputs alone
+        m.round_inputs = False
     return model
+
+
+def expert_input_scales(model: nn.Module, quantized: list[str], calibration: Calibration, recipe: Recipe) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> input scale of every quantized expert layer: what the checkpoint must hold for vLLM."""
+    in_experts = {f"{path}.{name}" for path, e in model.named_modules() if isinstance(e, LinearExperts)
+                  for name, m in e.named_modules() if quantizable(m)}
+    layers = [name for name in quantized if name in in_experts]
+    disk = checkpoint_names(model, [f"{name}.weight" for name in layers]) if layers else {}
+    return {disk[f"{name}.weight"].removesuffix(".weight") + ".input_scale": _input_scale(calibration.input_amax[name], recipe.inputs.format)
+            for name in layers}
+
+
+def expert_layers(model: nn.Module) -> list[nn.Module]:
+    """The Linear layers of the model's experts (their inputs are quantized by vLLM, not by transformers)."""
+    return [m for e in model.modules() if isinstance(e, LinearExperts) for m in e.modules() if quantizable(m) or isinstance(m, QuantLinear)]
 
 
 def reload(directory: Path) -> tuple[nn.Module, dict]:
@@ -354,7 +423,8 @@ def reload(directory: Path) -> tuple[nn.Module, dict]:
 
 
 def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_layers: int,
-           input_ids: torch.Tensor, batch_size: int = 4, ptq_simulated: nn.Module | None = None) -> dict:
+           input_ids: torch.Tensor, batch_size: int = 4, ptq_simulated: nn.Module | None = None,
+           expert_input_scales: dict[str, torch.Tensor] | None = None, directory: Path | None = None) -> dict:
     """Score the reloaded checkpoint against the simulation that computes what the loader computes (the gate on
     logits: KL and top-1), and its perplexity against ptq's own simulation (`ptq_simulated`, when the loader's
     rounding differs from ptq's: int8 inputs), on the same windows, through the one evaluation loop."""
@@ -366,9 +436,21 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
     own = scores.get("ptq", sim)
     ppl_delta = rel.perplexity / own.perplexity - 1
     problems = []
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        if load_info[kind]:
-            problems.append(f"{kind.replace('_', ' ')} on reload: {', '.join(load_info[kind][:3])}")
+    # transformers merges the per-expert weights and scales into its fused experts, but has no place for their input
+    # scales (vLLM reads them): those keys are expected to be left over, and are checked against ptq's own here.
+    expert_input_scales = expert_input_scales or {}
+    # (transformers reports them under its own module names, e.g. Mixtral's block_sparse_moe as mlp)
+    left = [k for k in load_info["unexpected_keys"] if not (k.endswith(".input_scale") and ".experts." in k)]
+    if len(load_info["unexpected_keys"]) - len(left) == len(expert_input_scales):
+        load_info = load_info | {"unexpected_keys": left}
+    for kind_ in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        if load_info[kind_]:
+            problems.append(f"{kind_.replace('_', ' ')} on reload: {', '.join(load_info[kind_][:3])}")
+    if expert_input_scales:
+        written = _read_tensors(directory, list(expert_input_scales))
+        wrong = [k for k, v in expert_input_scales.items() if k not in written or not torch.equal(written[k], v)]
+        if wrong:
+            problems.append(f"expert input scales in the checkpoint differ from ptq's: {', '.join(wrong[:3])}")
     if load_info["input_quantized_layers"] != expected_layers:
         problems.append(f"transformers applies static input quantization in {load_info['input_quantized_layers']} "
                         f"of {expected_layers} quantized layers")
@@ -384,10 +466,19 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
         "simulated_perplexity": sim.perplexity, "reloaded_perplexity": rel.perplexity, "ptq_perplexity": own.perplexity,
         "ppl_delta_pct": 100 * ppl_delta, "kl_div": rel.kl_div, "top1_agreement": rel.top1_agreement,
         "loader_int8_rounding": ptq_simulated is not None,
+        "expert_input_scales_checked": len(expert_input_scales),
         "tolerance": {"max_kl_div": VERIFY_MAX_KL, "max_ppl_delta_pct": 100 * VERIFY_MAX_PPL_DELTA,
                       "min_top1_agreement": VERIFY_MIN_TOP1},
         "load": load_info,
     }
+
+
+def _read_tensors(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    wanted, found = set(names), {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            found |= {k: f.get_tensor(k) for k in f.keys() if k in wanted}
+    return found
 
 
 def is_exported(directory: Path) -> dict | None:

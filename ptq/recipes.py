@@ -18,9 +18,10 @@ from torch import nn
 
 from ptq.errors import PtqError
 from ptq.formats import NumberFormat, get_format
+from ptq.matmuls import KINDS, kind
 
 GRANULARITIES = ("tensor", "channel")
-TARGET_TYPES = {"Linear": nn.Linear}
+TARGET_TYPES = KINDS  # the kinds of matmul (ptq.matmuls): Linear, Conv1D (GPT-2), Experts (fused MoE experts)
 OBSERVERS = ("max", "percentile", "mse", "entropy", "best")  # see ptq/observers.py
 SCALE_MODES = ("amax", "pow2", "unscaled")  # amax / format max; rounded up to a power of two; 1 (plain cast)
 ATTENTION_TENSORS = ("query", "key", "value", "probs")  # inputs of attention's batched matmuls Q.K^T and P.V
@@ -62,7 +63,7 @@ class Recipe:
     description: str
     weights: TensorQuant
     inputs: TensorQuant
-    targets: tuple[str, ...] = ("Linear",)
+    targets: tuple[str, ...] = KINDS
     ignore: tuple[str, ...] = ("lm_head",)
     source: str = ""
     include: tuple[str, ...] = ("*",)  # name patterns a quantized tensor must match (then `ignore` removes)
@@ -90,9 +91,9 @@ class Recipe:
                 and not any(fnmatch.fnmatchcase(name, p) for p in self.ignore))
 
     def targets_module(self, name: str, module: nn.Module) -> bool:
-        if not any(isinstance(module, TARGET_TYPES[t]) for t in self.targets):
-            return False
-        return self.selects(name)
+        """Whether the recipe quantizes this Linear layer of a linearized model (ptq.matmuls): its kind is
+        among the recipe's targets and its name is selected."""
+        return kind(module) in self.targets and self.selects(name)
 
 
 BASELINE_LINEAR = TensorQuant(get_format("bf16"), saturate=False)  # bf16 rounds like an IEEE cast
@@ -133,7 +134,7 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
     fields = _mapping(data, where, required={"name", "weights", "inputs"},
                       optional={"description", "targets", "ignore", "include", "attention", "kv_cache", "smoothquant", "residual"})
     name = _string(fields["name"], f"{where}: 'name'")
-    targets = tuple(_string_list(fields.get("targets", ["Linear"]), f"{where}: 'targets'"))
+    targets = tuple(_string_list(fields.get("targets", list(KINDS)), f"{where}: 'targets'"))
     for t in targets:
         if t not in TARGET_TYPES:
             raise PtqError(f"{where}: unknown target type '{t}' (known: {', '.join(TARGET_TYPES)})")
@@ -160,6 +161,9 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         if not inputs.static or inputs.observer != "max":
             raise PtqError(f"{where}: smoothquant needs static inputs calibrated with observer 'max' "
                            "(the smoothed amax is derived from per-channel maxima)")
+        if "Experts" in targets:
+            raise PtqError(f"{where}: smoothquant applies to Linear and Conv1D targets (experts' inputs are routed per "
+                           "expert, so one smoothing factor per channel does not fold into the layer before them)")
         smoothquant = float(smoothquant)
     return Recipe(
         name=name,

@@ -83,6 +83,7 @@ def render_markdown(r: dict, previous: dict | None = None, plots: dict[str, str]
     if failed:
         lines += [f"- {FAIL} {c.describe()}" for c in failed] + [""]
     lines += results_table(r, checks) + [""]
+    lines += coverage_lines([r["baseline"], *r["variants"]])
     lines += intervals_section(r) + tasks_section(r) + [""]
     if r.get("gates"):
         lines += [gates_note(r), ""]
@@ -371,6 +372,18 @@ def render_diagnostics(r: dict, top: int = 10) -> list[str]:
     return lines
 
 
+def coverage_lines(entries: list[dict]) -> list[str]:
+    """What share of the model's matmul weights each variant quantizes, and what stayed in the compute dtype and
+    why: shown under the results table, since a variant that left most weights alone is not an answer about 8 bits."""
+    from ptq.matmuls import describe_coverage
+
+    rows = [e for e in entries if e.get("coverage")]
+    if not rows:
+        return []
+    return ["**Coverage** (matmul weights: Linear, Conv1D, experts, lm_head, routers):", "",
+            *[f"- {e['name']}: {describe_coverage(e['coverage'])}." for e in rows], ""]
+
+
 def render_coverage(r: dict) -> list[str]:
     """What each variant quantizes beyond Linear weights and inputs (attention, KV cache, SmoothQuant)."""
     rows = [v for v in r["variants"] if v["recipe"].get("attention") or v["recipe"].get("kv_cache")
@@ -469,7 +482,8 @@ def render_eval_markdown(r: dict) -> str:
              f"| {c['name']} | {c['recipe']['weights']} | {c['recipe']['inputs']} | {c['perplexity']:.4f} "
              f"| {_ci(c['perplexity_ci'], fmt='.4f')} | {100 * c['accuracy']:.2f}% | {_ci(c['accuracy_ci'], 100)} |"]
     lines += tasks_section(r)
-    lines += ["", "## Protocol", ""] + [f"- {line}" for line in r["protocol"]]
+    lines += [""] + coverage_lines([c])
+    lines += ["## Protocol", ""] + [f"- {line}" for line in r["protocol"]]
     lines += ["", "## Model and data", "", f"- Model: `{r['model']['name']}`, {r['model']['source']}."]
     lines += [f"- Note: {note}" for note in r["model"]["caveats"]]
     lines += [f"- Evaluation text: {ev['data']} (sha256 `{ev['data_sha256'][:16]}`), {ev['description']}.",

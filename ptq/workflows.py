@@ -32,6 +32,7 @@ from ptq.files import check_output_dir, check_writable
 from ptq.formats import get_format
 from ptq.gates import Limits, gate_results
 from ptq.layerstats import input_snr_db, layer_snr, weight_snr_db
+from ptq.matmuls import coverage, describe_coverage, kind, unsupported_weights
 from ptq.models import LoadedModel, compute_dtype, default_device, linear_layers, load_model
 from ptq.progress import stderr
 from ptq.quantize import calibration_targets, plan, quantize_, quantize_variants, resolve_matmul
@@ -67,7 +68,8 @@ def now() -> str:
 def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: int, recipes: list[str],
                   output: Path, force: bool = False, trust_remote_code: bool = False, *, resume: bool = False,
                   checkpoint_every: float = 60.0, on_nonfinite: str = "fail", on_unseen: str = "fallback",
-                  allow_pickle: bool = False, memory_check: bool = True, low_memory: bool | None = None) -> Calibration:
+                  allow_pickle: bool = False, memory_check: bool = True, low_memory: bool | None = None,
+                  all_experts: bool = True, strict_coverage: bool = False) -> Calibration:
     """Calibrate and save; a checkpoint (OUTPUT.checkpoint) is kept while running and removed at the end.
     low_memory: block by block from disk (ptq.streaming); None: when the model does not fit in memory."""
     if low_memory and resume:
@@ -80,15 +82,18 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
     loaded_recipes = [load_recipe(r) for r in recipes]
     corpus = load_corpus(data, role="calibration")  # bad data fails before the (slow) model load
     loaded = _load(model, trust_remote_code, allow_pickle, memory_check, False if resume else low_memory)
+    check_coverage(loaded.model, loaded_recipes, strict_coverage)
     calibration = _calibrate(loaded, corpus, samples, seq_len, loaded_recipes, output, force, on_nonfinite=on_nonfinite,
-                             on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume)
+                             on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume,
+                             all_experts=all_experts)
     checkpoint.unlink(missing_ok=True)
     return calibration
 
 
 def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, recipes: list[Recipe],
                output: Path | None, force: bool, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
-               checkpoint: Path | None = None, checkpoint_every: float = 60.0, resume: bool = False) -> Calibration:
+               checkpoint: Path | None = None, checkpoint_every: float = 60.0, resume: bool = False,
+               all_experts: bool = True) -> Calibration:
     windows = make_windows(corpus, loaded.tokenizer, seq_len, samples)
     layers, channels = calibration_targets(loaded.model, recipes)
     if not layers:
@@ -98,7 +103,8 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
                                                  on_unseen=on_unseen, channels=channels)
     else:
         calibration = calibrate(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
-                                checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume, channels=channels)
+                                checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume, channels=channels,
+                                all_experts=all_experts)
     faults = calibration.metadata
     warnings = check_ranges(calibration, recipes, loaded.model)
     calibration.metadata = {**faults, **({"warnings": warnings} if warnings else {}),
@@ -106,7 +112,7 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
         "data": corpus.source, "data_sha256": corpus.sha256,
         "windows": len(windows.input_ids), "seq_len": windows.seq_len, "tokens": windows.input_ids.numel(),
         "windows_description": windows.description,
-        "recipes": [r.name for r in recipes], "layers": len(layers),
+        "recipes": [r.name for r in recipes], "layers": len(layers), "all_experts": all_experts,
         "versions": versions(), "created": now(),
     }
     if output is not None:
@@ -140,6 +146,23 @@ def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list
     return range_findings(checks)
 
 
+def check_coverage(model, recipes: list[Recipe], strict: bool = False) -> dict[str, dict]:
+    """Each recipe's coverage of the model's matmul weights (ptq.matmuls.coverage); weights that no recipe could
+    quantize for lack of support get a one-line warning naming them, or with `strict` (--strict-coverage) stop
+    the run before any work."""
+    coverages = {r.name: coverage(model, r) for r in recipes}
+    missing = {x["name"]: x for cov in coverages.values() for x in unsupported_weights(cov)}
+    if missing:
+        items = list(missing.values())
+        names = ", ".join(f"'{x['name']}'" for x in items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+        message = (f"{len(items)} matmul weight(s) ptq cannot quantize stay in the compute dtype: {names} "
+                   f"({items[0]['reason']})")
+        if strict:
+            raise PtqError(f"{message}; --strict-coverage refuses a partial answer")
+        stderr.print(f"warning: {message}; every report lists them", highlight=False, soft_wrap=True)
+    return coverages
+
+
 def calibration_faults(metadata: dict) -> dict:
     """What calibration had to work around, for reports: unseen layers and their fallback, skipped
     non-finite batches, and range warnings."""
@@ -171,7 +194,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
                 limits: Limits | None = None, plots: bool = True, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                 allow_pickle: bool = False, memory_check: bool = True, tasks: str | None = None,
                 max_items: int | None = DEFAULT_MAX_ITEMS, dtype: str | None = None, matmul: str = "auto",
-                low_memory: bool | None = None) -> dict:
+                low_memory: bool | None = None, all_experts: bool = True, strict_coverage: bool = False) -> dict:
     """The bf16 baseline and each recipe on the same windows, report written. low_memory: block by block from
     disk (ptq.streaming); None: when the model and its variants' weight codes do not fit in memory."""
     # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
@@ -209,10 +232,11 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
         loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check,
                             dtype=getattr(torch, compute["dtype"]), copies=copies)
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
+    coverages = check_coverage(loaded.model, [baseline, *variants], strict_coverage)
 
     if calib_corpus is not None:
         calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, needs_calibration, None, force,
-                                 on_nonfinite=on_nonfinite, on_unseen=on_unseen)
+                                 on_nonfinite=on_nonfinite, on_unseen=on_unseen, all_experts=all_experts)
         calibration_source = "Calibrated in this run (no --calib file)."
     else:
         calibration_source = f"Calibration file {calib}." if calib else ""
@@ -247,7 +271,8 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
                  "bos": windows.bos, "description": windows.description},
         "protocol": protocol(windows, baseline, compute),
         "baseline": {"name": baseline.name, "recipe": recipe_summary(baseline),
-                     "perplexity": base.perplexity, "accuracy": base.accuracy, "window_nll": base.window_nll},
+                     "perplexity": base.perplexity, "accuracy": base.accuracy, "window_nll": base.window_nll,
+                     "coverage": coverages[baseline.name]},
         "variants": [],
         "calibration": None,
         "versions": versions(),
@@ -262,7 +287,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
             "ppl_delta_pct": 100 * (s.perplexity / base.perplexity - 1),
             "accuracy_delta": s.accuracy - base.accuracy,
             "kl_div": s.kl_div, "top1_agreement": s.top1_agreement, "window_nll": s.window_nll,
-            "snr_db": snr[r.name],
+            "snr_db": snr[r.name], "coverage": coverages[r.name],
             **window_statistics(s, base),
         })
     results["statistics"] = stats.describe()
@@ -289,7 +314,8 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
 def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str | None, calib_samples: int,
              eval_data: str | None, seq_len: int, max_windows: int | None, tasks: str | None,
              max_items: int | None, out: Path, force: bool = False, batch_size: int = 4,
-             trust_remote_code: bool = False, dtype: str | None = None, matmul: str = "auto") -> dict:
+             trust_remote_code: bool = False, dtype: str | None = None, matmul: str = "auto",
+             all_experts: bool = True, strict_coverage: bool = False) -> dict:
     """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy
     on the tasks, each with its interval. No baseline, so no deltas: that is what compare is for."""
     compute = compute_path(dtype, matmul)
@@ -303,9 +329,10 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
     task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
     loaded = load_model(model, trust_remote_code, dtype=getattr(torch, compute["dtype"]))
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
+    config_coverage = check_coverage(loaded.model, [config], strict_coverage)[config.name]
     calibration_source = f"Calibration file {calib}." if calib else ""
     if calib_corpus is not None:
-        calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, [config], None, force)
+        calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, [config], None, force, all_experts=all_experts)
         calibration_source = "Calibrated in this run (no --calib file)."
     models = {config.name: quantize_(loaded.model, config, calibration, matmul=compute["matmul"])}
     s = evaluate(models, windows.input_ids, batch_size)[config.name]
@@ -320,7 +347,7 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
                  "bos": windows.bos, "description": windows.description},
         "protocol": protocol(windows, config, compute)[:1] + protocol(windows, config, compute)[3:] + task_protocol(task_list),
         "config": {"name": config.name, "recipe": recipe_summary(config), "perplexity": s.perplexity,
-                   "accuracy": s.accuracy, "window_nll": s.window_nll, **window_statistics(s)},
+                   "accuracy": s.accuracy, "window_nll": s.window_nll, "coverage": config_coverage, **window_statistics(s)},
         "statistics": stats.describe(),
         "calibration": None,
         "versions": versions(),
@@ -462,16 +489,19 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
     plans = {r.name: plan(loaded.model, r) for r in loaded_recipes}
     rows = []
     for name, m in layers.items():
-        row = {"layer": name, "shape": [m.out_features, m.in_features], "parameters": m.weight.numel(), "recipes": {}}
+        row = {"layer": name, "kind": kind(m), "shape": [m.out_features, m.in_features], "parameters": m.weight.numel(),
+               "recipes": {}}
         for r in loaded_recipes:
             weights, inputs = plans[r.name][name]
-            row["recipes"][r.name] = {"quantized": r.targets_module(name, m), "weights": weights.describe(),
+            row["recipes"][r.name] = {"quantized": r.targets_module(name, m), "kind": kind(m), "weights": weights.describe(),
                                       "inputs": inputs.describe(), "calibrated": inputs.format.scaled}
         rows.append(row)
     total = sum(row["parameters"] for row in rows)
+    coverages = check_coverage(loaded.model, loaded_recipes)
     summary = {r.name: {"layers": sum(row["recipes"][r.name]["quantized"] for row in rows),
                         "parameters": sum(row["parameters"] for row in rows if row["recipes"][r.name]["quantized"]),
-                        "description": r.description}
+                        "description": r.description, "coverage": coverages[r.name],
+                        "coverage_line": describe_coverage(coverages[r.name])}
                for r in loaded_recipes}
     return {"model": {"name": loaded.name, "source": loaded.source}, "linear_layers": len(rows),
             "linear_parameters": total, "recipes": summary, "layers": rows}
@@ -537,9 +567,14 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
         info["size"] |= written
         export.write_config(loaded.model, r, ignored, dtypes, tmp)
         loaded.tokenizer.save_pretrained(tmp)
+        conv1d = [name for name in quantized if kind(loaded.model.get_submodule(name)) == "Conv1D"]
         if verify and streamed:
             info["verification_skipped"] = ("exported block by block with `--low-memory`: the model was never whole in "
                                             "memory to be reloaded and compared")
+        elif verify and conv1d:
+            info["verification_skipped"] = (f"transformers does not apply compressed-tensors quantization to Conv1D layers "
+                                            f"(such as '{conv1d[0]}'), so it cannot reload this checkpoint as quantized; "
+                                            "vLLM loads it (Conv1D weights are kept [in, out], as vLLM transposes them)")
         elif verify:
             corpus = load_corpus(data, role="evaluation")
             windows = make_windows(corpus, loaded.tokenizer, seq_len, verify_windows)
@@ -547,10 +582,12 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
             # the simulation of what the loader computes, and the perplexity against ptq's own too.
             own = (export.simulate_export(copy.deepcopy(loaded.model), r, calibration, loader_int8_inputs=False)
                    if r.inputs.format.kind == "int" else None)
+            expert_scales = export.expert_input_scales(loaded.model, quantized, calibration, r)
             simulated = export.simulate_export(loaded.model, r, calibration)
             reloaded, load_info = export.reload(tmp)
-            info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized), windows.input_ids,
-                                                 batch_size, ptq_simulated=own)
+            info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized) - len(expert_scales),
+                                                 windows.input_ids, batch_size, ptq_simulated=own,
+                                                 expert_input_scales=expert_scales, directory=tmp)
             info["verification"] |= {"data": corpus.source, "data_sha256": corpus.sha256, "description": windows.description}
             del reloaded
             if not info["verification"]["passed"]:
