@@ -11,7 +11,7 @@ import pytest
 from ptq import files
 from ptq.models import gguf_key
 
-from test_faults import one_error_line
+from test_faults import calib_args, one_error_line
 
 
 @pytest.fixture
@@ -79,3 +79,81 @@ def test_a_cache_that_cannot_be_written_is_one_line_before_the_conversion(fake_g
     assert f"{tmp_path / 'read-only' / 'gguf'}: Permission denied" in err and "PTQ_CACHE" in err
     assert conversions == []
 
+
+# Every command that writes, into folders that do not exist yet, or under a regular file.
+
+FAST = ("--calib-samples", "2", "--seq-len", "32", "--max-windows", "2", "-q")
+
+
+@pytest.fixture(scope="module")
+def results_file(tiny_model, tmp_path_factory) -> Path:
+    from conftest import TEXT
+    from ptq import progress
+    from ptq.workflows import run_compare
+
+    directory = tmp_path_factory.mktemp("compared")
+    (directory / "text.txt").write_text(TEXT * 3)
+    progress.QUIET = True
+    try:
+        run_compare(str(tiny_model), ["fp8-e4m3"], None, str(directory / "text.txt"), 2, str(directory / "text.txt"),
+                    32, 2, directory / "out")
+    finally:
+        progress.QUIET = False
+    return directory / "out" / "results.json"
+
+
+def command(name: str, tiny_model: Path, text_file: Path, results: Path, out: Path) -> tuple[tuple, list[Path]]:
+    """The arguments of a cheap run of command `name` writing to `out`, and the files it writes there."""
+    report = [out / "report.md", out / "report-metrics.png"]
+    return {
+        "calibrate": (calib_args(tiny_model, text_file, out / "x.calib.safetensors", "--checkpoint-every", "0"),
+                      [out / "x.calib.safetensors"]),
+        "compare": (("compare", tiny_model, "--recipes", "fp8-e4m3", "--calib-data", text_file, "--eval-data", text_file,
+                     *FAST, "--out", out), [out / "results.json", *report]),
+        "eval": (("eval", tiny_model, "--recipe", "fp8-e4m3", "--tasks", "", "--calib-data", text_file, "--eval-data", text_file,
+                  *FAST, "--out", out), [out / "results.json", out / "report.md"]),
+        "quantize": (("quantize", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "--no-verify",
+                      "-q", "-o", out / "ckpt"), [out / "ckpt" / "config.json", out / "ckpt" / "ptq-export.json"]),
+        "report": (("report", results, "-o", out / "report.md"), report),
+    }[name]
+
+
+COMMANDS = ["calibrate", "compare", "eval", "quantize", "report"]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_outputs_in_folders_that_do_not_exist_yet_are_created(name, tiny_model, text_file, results_file, tmp_path,
+                                                               ptq_cli, monkeypatch):
+    from ptq import calibrate
+
+    real_save = calibrate.save_checkpoint
+    checkpoints = []
+
+    def save_checkpoint(path, *args, **kwargs):  # the first checkpoint is written before the output
+        real_save(path, *args, **kwargs)
+        checkpoints.append(path.is_file())
+
+    monkeypatch.setattr(calibrate, "save_checkpoint", save_checkpoint)
+    out = tmp_path / "new" / "dir"
+    args, written = command(name, tiny_model, text_file, results_file, out)
+    code, _, err = ptq_cli(*args)
+    assert code == 0, err
+    assert all(path.is_file() for path in written), sorted(out.rglob("*"))
+    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.checkpoint"))
+    assert checkpoints == ([True] * 5 if name == "calibrate" else [])  # 24 windows, batches of 4: 5 before the last
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_outputs_under_a_file_are_refused_in_one_line_before_any_work(name, tiny_model, text_file, results_file,
+                                                                       tmp_path, ptq_cli, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr("ptq.workflows.load_model", never)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args, _ = command(name, tiny_model, text_file, results_file, blocker / "dir")
+    code, _, err = ptq_cli(*args)
+    assert code == 2 and one_error_line(err), err
+    assert f"{blocker / 'dir'}: not a directory" in err.lower()
+    assert blocker.read_text() == "" and not list(tmp_path.rglob("*.tmp"))
