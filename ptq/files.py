@@ -2,8 +2,10 @@
 so an interrupted run never leaves a file that looks complete. A failed write (a full disk, no
 permission) is one line for the user, and the temporary file is removed.
 
-Also the helpers that keep outputs safe and reproducible: `check_output_dir` (fail before hours of work,
-not after), `safe_join` (a name taken from a user's file cannot escape the output directory), and
+Folders above an output that do not exist yet are created when it is written (a first run on a new machine
+has no ~/.cache; `-o new/dir/file`). Also the helpers that keep outputs safe and reproducible:
+`check_output_dir` (fail before hours of work, not after), `make_dir` (a folder created and checked up
+front, such as the model cache), `safe_join` (a name taken from a user's file cannot escape the output directory), and
 `save_safetensors` (byte-identical files for identical content).
 """
 
@@ -32,10 +34,7 @@ def check_writable(path: Path, force: bool) -> None:
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success rename it onto `path`, on failure delete it."""
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PtqError(f"cannot create output directory {path.parent}: {e.strerror}") from None
+    _create_parent(path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
@@ -54,6 +53,14 @@ def atomic_path(path: Path) -> Iterator[Path]:
         raise
 
 
+def _create_parent(path: Path) -> None:
+    """Create the folders above `path` that do not exist yet."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PtqError(f"cannot create output directory {path.parent}: {_reason(e)}") from None
+
+
 def _reason(e: OSError) -> str:
     if e.errno == errno.ENOSPC:
         return "no space left on device"
@@ -63,19 +70,37 @@ def _reason(e: OSError) -> str:
 def check_output_dir(directory: Path) -> None:
     """Make sure files can be created in `directory`, before any long work, without leaving anything:
     the probe file goes into the directory, or into its nearest existing ancestor when the directory
-    does not exist yet (it is created only when the outputs are written). A probe works where
-    permission bits say nothing (root)."""
+    does not exist yet (it is created only when the outputs are written)."""
     existing = Path(directory)
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     try:
-        if not existing.is_dir():
-            raise NotADirectoryError(20, "not a directory")
-        fd, probe = tempfile.mkstemp(prefix=".ptq-probe.", dir=existing)
-        os.close(fd)
-        os.unlink(probe)
+        _probe(existing)
     except OSError as e:
         raise PtqError(f"cannot write in output directory {directory}: {_reason(e)}") from None
+
+
+def make_dir(directory: Path, what: str = "output directory", hint: str = "") -> Path:
+    """Create `directory` and its missing parents now and make sure files can be created in it: for a
+    folder that is written long after the command starts (the model cache, filled after a conversion).
+    A folder that cannot be created or written is one line naming it, followed by `hint`."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _probe(directory)
+    except OSError as e:
+        raise PtqError(f"cannot write in {what} {directory}: {_reason(e)}{hint}") from None
+    return directory
+
+
+def _probe(directory: Path) -> None:
+    """Create and remove a file in `directory`: this works where permission bits say nothing (root, a
+    read-only mount), and raises OSError where a file could not be created."""
+    if not directory.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+    fd, probe = tempfile.mkstemp(prefix=".ptq-probe.", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
 
 
 def safe_join(directory: Path, name: str) -> Path:
@@ -136,7 +161,11 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     """Like atomic_path, for a directory: built under a temporary name, renamed when complete."""
     path = Path(path)
     check_output_dir(path.parent)
-    tmp_path = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    _create_parent(path)
+    try:
+        tmp_path = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    except OSError as e:
+        raise PtqError(f"cannot write in {path.parent}: {_reason(e)}") from None
     try:
         yield tmp_path
         if path.exists():

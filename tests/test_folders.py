@@ -1,0 +1,159 @@
+"""Writing into folders that do not exist yet, as on a first run on a new machine (no ~/.cache, PTQ_CACHE
+pointing at a new folder, `-o new/dir/file`), and refusing in one line where a folder cannot be made."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from ptq import files
+from ptq.models import gguf_key
+
+from test_faults import calib_args, one_error_line
+
+
+@pytest.fixture
+def fake_gguf(tiny_model, tmp_path, monkeypatch) -> tuple[Path, list[str]]:
+    """A .gguf file whose conversion gives the tiny model, and the list of conversions made. Only the
+    GGUF reading is replaced (a real conversion, of the default model, is test_smollm2.py's): the cache,
+    its folders and the rename into it are ptq's own."""
+    from ptq import models
+
+    real = models._from_pretrained
+    conversions = []
+
+    def from_pretrained(location, spec, trust_remote_code, **kwargs):
+        if "gguf_file" in kwargs:
+            conversions.append(spec)
+            return real(str(tiny_model), spec, trust_remote_code)
+        return real(location, spec, trust_remote_code, **kwargs)
+
+    monkeypatch.setattr(models, "_from_pretrained", from_pretrained)
+    monkeypatch.setattr(models, "gguf_caveat", lambda path: f"Weights were dequantized from a GGUF ({path.name}).")
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    return gguf, conversions
+
+
+@pytest.mark.parametrize("setting", ["unset", "new folder", "~/new folder"])
+def test_gguf_is_converted_into_a_cache_that_does_not_exist_yet(fake_gguf, tmp_path, monkeypatch, ptq_cli, setting):
+    gguf, conversions = fake_gguf
+    home = tmp_path / "home"  # a new machine: a home without .cache
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    cache = {"unset": home / ".cache" / "ptq", "new folder": tmp_path / "new" / "cache", "~/new folder": home / "cache"}[setting]
+    if setting == "unset":
+        monkeypatch.delenv("PTQ_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("PTQ_CACHE", "~/cache" if setting.startswith("~") else str(cache))
+    for _ in range(2):
+        code, _, err = ptq_cli("inspect", gguf, "--json")
+        assert code == 0, err
+    assert conversions == [str(gguf)]  # converted once, then reused
+    converted = cache / "gguf" / f"tiny-{gguf_key(gguf)}"
+    assert (converted / "config.json").is_file() and (converted / "ptq-gguf-caveat.txt").is_file()
+    assert [p.name for p in (cache / "gguf").iterdir()] == [converted.name]  # no temporaries left
+    assert not (tmp_path / "~").exists()
+
+
+def test_a_cache_that_cannot_be_written_is_one_line_before_the_conversion(fake_gguf, tmp_path, monkeypatch, ptq_cli):
+    gguf, conversions = fake_gguf
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PTQ_CACHE", str(blocker / "cache"))  # a file in the way: it stops root too
+    code, _, err = ptq_cli("inspect", gguf)
+    assert code == 2 and one_error_line(err), err
+    assert f"cannot write in the model cache {blocker / 'cache' / 'gguf'}" in err and "PTQ_CACHE" in err
+    assert conversions == [] and blocker.read_text() == ""
+
+    def denied(*args, **kwargs):  # what a read-only folder gives a non-root user (root writes anyway)
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "read-only"))
+    monkeypatch.setattr(files.tempfile, "mkstemp", denied)
+    code, _, err = ptq_cli("inspect", gguf)
+    assert code == 2 and one_error_line(err), err
+    assert f"{tmp_path / 'read-only' / 'gguf'}: Permission denied" in err and "PTQ_CACHE" in err
+    assert conversions == []
+
+
+# Every command that writes, into folders that do not exist yet, or under a regular file.
+
+FAST = ("--calib-samples", "2", "--seq-len", "32", "--max-windows", "2", "-q")
+
+
+@pytest.fixture(scope="module")
+def results_file(tiny_model, tmp_path_factory) -> Path:
+    from conftest import TEXT
+    from ptq import progress
+    from ptq.workflows import run_compare
+
+    directory = tmp_path_factory.mktemp("compared")
+    (directory / "text.txt").write_text(TEXT * 3)
+    progress.QUIET = True
+    try:
+        run_compare(str(tiny_model), ["fp8-e4m3"], None, str(directory / "text.txt"), 2, str(directory / "text.txt"),
+                    32, 2, directory / "out")
+    finally:
+        progress.QUIET = False
+    return directory / "out" / "results.json"
+
+
+def command(name: str, tiny_model: Path, text_file: Path, results: Path, out: Path) -> tuple[tuple, list[Path]]:
+    """The arguments of a cheap run of command `name` writing to `out`, and the files it writes there."""
+    report = [out / "report.md", out / "report-metrics.png"]
+    return {
+        "calibrate": (calib_args(tiny_model, text_file, out / "x.calib.safetensors", "--checkpoint-every", "0"),
+                      [out / "x.calib.safetensors"]),
+        "compare": (("compare", tiny_model, "--recipes", "fp8-e4m3", "--calib-data", text_file, "--eval-data", text_file,
+                     *FAST, "--out", out), [out / "results.json", *report]),
+        "eval": (("eval", tiny_model, "--recipe", "fp8-e4m3", "--tasks", "", "--calib-data", text_file, "--eval-data", text_file,
+                  *FAST, "--out", out), [out / "results.json", out / "report.md"]),
+        "quantize": (("quantize", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "--no-verify",
+                      "-q", "-o", out / "ckpt"), [out / "ckpt" / "config.json", out / "ckpt" / "ptq-export.json"]),
+        "report": (("report", results, "-o", out / "report.md"), report),
+    }[name]
+
+
+COMMANDS = ["calibrate", "compare", "eval", "quantize", "report"]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_outputs_in_folders_that_do_not_exist_yet_are_created(name, tiny_model, text_file, results_file, tmp_path,
+                                                               ptq_cli, monkeypatch):
+    from ptq import calibrate
+
+    real_save = calibrate.save_checkpoint
+    checkpoints = []
+
+    def save_checkpoint(path, *args, **kwargs):  # the first checkpoint is written before the output
+        real_save(path, *args, **kwargs)
+        checkpoints.append(path.is_file())
+
+    monkeypatch.setattr(calibrate, "save_checkpoint", save_checkpoint)
+    out = tmp_path / "new" / "dir"
+    args, written = command(name, tiny_model, text_file, results_file, out)
+    code, _, err = ptq_cli(*args)
+    assert code == 0, err
+    assert all(path.is_file() for path in written), sorted(out.rglob("*"))
+    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.checkpoint"))
+    assert checkpoints == ([True] * 5 if name == "calibrate" else [])  # 24 windows, batches of 4: 5 before the last
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_outputs_under_a_file_are_refused_in_one_line_before_any_work(name, tiny_model, text_file, results_file,
+                                                                       tmp_path, ptq_cli, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr("ptq.workflows.load_model", never)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args, _ = command(name, tiny_model, text_file, results_file, blocker / "dir")
+    code, _, err = ptq_cli(*args)
+    assert code == 2 and one_error_line(err), err
+    assert f"{blocker / 'dir'}: not a directory" in err.lower()
+    assert blocker.read_text() == "" and not list(tmp_path.rglob("*.tmp"))
