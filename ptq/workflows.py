@@ -549,6 +549,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
                    if r.inputs.format.kind == "int" else None)
             simulated = export.simulate_export(loaded.model, r, calibration)
             reloaded, load_info = export.reload(tmp)
+            reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU
             info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized), windows.input_ids,
                                                  batch_size, ptq_simulated=own)
             info["verification"] |= {"data": corpus.source, "data_sha256": corpus.sha256, "description": windows.description}
