@@ -100,6 +100,7 @@ def main() -> None:
     dtype = compute_dtype(None, default_device())  # what ptq compare computes in here
     loaded = load_model(args.model, dtype=dtype)
     model = loaded.model
+    device = next(model.parameters()).device
     eval_corpus = load_corpus(None, "evaluation")
     ids = make_windows(eval_corpus, loaded.tokenizer, args.seq_len, args.windows).input_ids
     calib_ids = make_windows(load_corpus(None, "calibration"), loaded.tokenizer, args.seq_len, args.windows).input_ids
@@ -111,7 +112,7 @@ def main() -> None:
     def plain_forward(m=model, x=ids):  # a forward over the windows, batch by batch, as compare runs them
         with torch.inference_mode():
             for batch in x.split(4):
-                m(input_ids=batch)
+                m(input_ids=batch.to(device))
 
     # 2. Calibration against a plain no-grad forward over the same tokens.
     t_plain_calib = median_time(lambda: plain_forward(x=calib_ids), args.repeats)
@@ -138,7 +139,8 @@ def main() -> None:
     real = quantize_variants(model, [e4m3], calibration, matmul="fp8")["fp8-e4m3"]
     t_real = median_time(lambda: evaluate({"fp8": real}, ids), args.repeats)
     with torch.inference_mode():
-        want, got = variants["fp8-e4m3"](input_ids=ids[:1]).logits.float(), real(input_ids=ids[:1]).logits.float()
+        first = ids[:1].to(device)
+        want, got = variants["fp8-e4m3"](input_ids=first).logits.float(), real(input_ids=first).logits.float()
     fp8_difference = float((got - want).abs().max() / want.abs().max())
     del real
 

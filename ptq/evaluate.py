@@ -72,15 +72,23 @@ def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: 
     KL divergence and top-1 agreement are measured against. Each window predicts its tokens 1..L-1."""
     names = list(models)
     scores = {name: Scores() for name in names}
-    device = next(models[names[0]].parameters(), torch.empty(0)).device
+    devices = {name: model_device(models[name]) for name in names}
+    device = devices[names[0]]  # where the scores are computed (the baseline's device)
     with torch.inference_mode(), progress("evaluating", len(input_ids) * len(names), input_ids.shape[1]) as advance:
         for batch in input_ids.split(batch_size):
             batch = batch.to(device)
             base = None
             for name in names:
-                base = score_logits(scores[name], models[name](input_ids=batch).logits, batch[:, 1:], base)
+                logits = models[name](input_ids=batch.to(devices[name])).logits.to(device)
+                base = score_logits(scores[name], logits, batch[:, 1:], base)
+                del logits
                 advance(len(batch))
     return scores
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where a model's inputs go: its first parameter's device (with accelerate's device_map, the embedding's)."""
+    return next(model.parameters(), torch.empty(0)).device
 
 
 def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: tuple | None) -> tuple:

@@ -38,7 +38,23 @@ class LoadedModel:
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """Where ptq computes: the GPU when there is one (under torchrun / accelerate launch, the process's own:
+    cuda:LOCAL_RANK), else the CPU. PTQ_DEVICE (cpu, cuda, cuda:1) chooses instead; the tests set it to cpu, so
+    that they build and compare on the CPU on any machine (the CUDA tests ask for cuda themselves)."""
+    name = os.environ.get("PTQ_DEVICE", "").strip()
+    if name:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise PtqError(f"PTQ_DEVICE={name!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise PtqError(f"PTQ_DEVICE={name!r} but torch sees no CUDA device")
+        return device
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cuda")
 
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

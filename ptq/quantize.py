@@ -14,8 +14,6 @@ column by s (ModelOpt's per-layer pre-quant scale, foldable into the preceding n
 from __future__ import annotations
 
 import copy
-import os
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -26,31 +24,10 @@ from ptq.attention import AttentionQuant
 from ptq.calibrate import Calibration
 from ptq.errors import PtqError
 from ptq.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
+from ptq.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
 from ptq.matmuls import kind, quantizable
 from ptq.observers import choose_clip
 from ptq.recipes import BASELINE_LINEAR, Recipe, TensorQuant
-
-
-def fused(fn, compile: bool | None = None):
-    """`fn` (a chain of exact elementwise ops or reductions) fused by torch.compile into a few loops, made on
-    the first call, unless PTQ_COMPILE=0 (read then); tests check each against the eager ops. If compilation
-    fails (no C++ compiler, unsupported device, ...), the eager ops, with a warning."""
-    kernel = None
-
-    def run(*args):
-        nonlocal kernel
-        if kernel is None:
-            enabled = os.environ.get("PTQ_COMPILE", "1") != "0" if compile is None else compile
-            kernel = torch.compile(fn, dynamic=True) if enabled else fn
-        try:
-            return kernel(*args)
-        except Exception as e:
-            if kernel is fn:
-                raise
-            warnings.warn(f"torch.compile failed ({type(e).__name__}); running eager ops", stacklevel=2)
-            kernel = fn
-            return fn(*args)
-    return run
 
 
 class InputQuantizer:

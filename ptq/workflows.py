@@ -585,6 +585,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
             expert_scales = export.expert_input_scales(loaded.model, quantized, calibration, r)
             simulated = export.simulate_export(loaded.model, r, calibration)
             reloaded, load_info = export.reload(tmp)
+            reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU
             info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized) - len(expert_scales),
                                                  windows.input_ids, batch_size, ptq_simulated=own,
                                                  expert_input_scales=expert_scales, directory=tmp)

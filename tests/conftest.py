@@ -13,6 +13,9 @@ import torch
 # Tests run the eager quantization kernel (bit-identical to the compiled one, which
 # test_quantize.py checks once) so that each test process does not pay for compilation.
 os.environ.setdefault("PTQ_COMPILE", "0")
+# ptq computes on the GPU by default; the tests build their references on the CPU, so ptq runs there too (on a GPU
+# machine as well). Tests of the CUDA paths ask for cuda themselves and are skipped where there is none.
+os.environ.setdefault("PTQ_DEVICE", "cpu")
 
 TEXT = (
     "Who's there? Nay, answer me: stand, and unfold yourself. Long live the king! "

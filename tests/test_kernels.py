@@ -1,0 +1,130 @@
+"""The fused kernels (ptq/kernels.py): each compiles on the device it runs on, with the format's constants as
+literals of the generated code, and a kernel that cannot compile warns once and runs its eager ops."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ptq.evaluate
+import ptq.kernels
+import ptq.layerstats
+from ptq.formats import FORMATS, dequantize, fake_quantize, quantize, to_storage
+from ptq.kernels import fused
+from ptq.quantize import _rounded_codes
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="needs CUDA: compiles the Triton kernels"))]
+
+
+def every_kernel(device: str):
+    """(name, function, arguments, exact) for each function ptq fuses, on `device`: the rounding is bit-exact,
+    the metrics' reductions agree up to summation order."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 40, 64, generator=g) * 30).to(device)
+    w = (torch.randn(48, 64, generator=g) * torch.logspace(-6, 2, 64)).to(device)
+    logits = torch.randn(20, 300, generator=g).to(device)
+    targets = torch.randint(0, 300, (20,), generator=g).to(device)
+    scale = torch.tensor(0.05, device=device)
+    per_channel = (w.abs().amax(1, keepdim=True) / 448).to(device)
+    codes = to_storage(quantize(w, per_channel, FORMATS["e4m3"]), FORMATS["e4m3"])
+    return [
+        ("input rounding e4m3", fake_quantize, (x, scale, FORMATS["e4m3"], True), True),
+        ("input rounding int8", fake_quantize, (x, scale, FORMATS["int8"], True), True),
+        ("input codes e4m3", _rounded_codes, (x.bfloat16(), scale, FORMATS["e4m3"], True), True),
+        ("weight codes e5m2", _rounded_codes, (w, per_channel, FORMATS["e5m2"], True), True),
+        ("weight codes bf16", _rounded_codes, (w, torch.tensor(1.0, device=device), FORMATS["bf16"], False), True),
+        ("weight dequantize", dequantize, (codes, per_channel), True),
+        ("scores", ptq.evaluate._scores, (logits, targets), False),
+        ("probabilities", ptq.evaluate._probs, (logits,), False),
+        ("cross entropy", ptq.evaluate._cross, (torch.softmax(logits, -1), logits), False),
+        ("powers", ptq.layerstats._powers, (w, w.round()), False),
+    ]
+
+
+def same(got, want, exact: bool = True) -> bool:
+    if isinstance(got, tuple):
+        return all(same(g, w, exact) for g, w in zip(got, want, strict=True))
+    if not exact and got.is_floating_point():
+        return got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+    if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    if got.is_floating_point():
+        return got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    return torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_fused_kernel_compiles_and_matches_its_eager_ops(device):
+    # Fails when fused() falls back to the eager ops: the fallback's warning is an error here, and FALLBACKS
+    # must stay empty. On CUDA this compiles the Triton kernels that failed with "Cannot bitcast data-type of
+    # size 64 to data-type of size 32" when the format's ints were symbolic.
+    ptq.kernels.FALLBACKS.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for what, fn, args, exact in every_kernel(device):
+            got = fused(fn, compile=True)(*args)
+            assert same(got, fn(*args), exact), what
+    assert ptq.kernels.FALLBACKS == {}
+
+
+def test_the_formats_constants_are_literals_of_the_generated_code():
+    # With the format's ints as symbolic sizes, Inductor wrote the exponent clamp as `1 + ((-1)*ks0)` (a 64-bit
+    # kernel argument in Triton); compiled per format, 1 - bias is the int32 literal -6 (E4M3) / -14 (E5M2).
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    x, scale = torch.randn(5, 64) * 100, torch.tensor(0.5)
+    with config.patch(fx_graph_cache=False):
+        for fmt, literal in (("e4m3", "-6"), ("e5m2", "-14")):
+            kernel = fused(fake_quantize, compile=True)
+            got, code = run_and_get_code(kernel, x, scale, FORMATS[fmt], True)
+            assert torch.equal(got, fake_quantize(x, scale, FORMATS[fmt], True))
+            code = "\n".join(code)
+            assert literal in code and "(-1)*ks" not in code, fmt
+
+
+def test_a_kernel_that_cannot_compile_warns_once_naming_itself_then_runs_eager(monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("Cannot bitcast data-type of size 64 to data-type of size 32\nsecond line")
+        return run
+
+    monkeypatch.setattr(ptq.kernels.torch, "compile", broken_compile)
+    monkeypatch.setattr(ptq.kernels, "FALLBACKS", {})
+    x, scale = torch.randn(4, 16) * 10, torch.tensor(0.1)
+    kernel = fused(fake_quantize, compile=True)
+    with pytest.warns(UserWarning) as caught:
+        for _ in range(3):
+            assert torch.equal(kernel(x, scale, FORMATS["e4m3"], True), fake_quantize(x, scale, FORMATS["e4m3"], True))
+        other = fused(fake_quantize, compile=True)  # another instance of the same kernel: no second warning
+        other(x, scale, FORMATS["e4m3"], True)
+    messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
+    assert len(messages) == 1
+    assert "fake_quantize_e4m3_True" in messages[0] and "size 64" in messages[0] and "second line" not in messages[0]
+    assert list(ptq.kernels.FALLBACKS) == ["fake_quantize_e4m3_True"]
+
+
+def test_out_of_memory_in_a_kernel_is_raised_not_hidden_by_the_fallback(monkeypatch):
+    def oom_compile(fn, **kwargs):
+        def run(*args):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return run
+
+    monkeypatch.setattr(ptq.kernels.torch, "compile", oom_compile)
+    monkeypatch.setattr(ptq.kernels, "FALLBACKS", {})
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fused(fake_quantize, compile=True)(torch.randn(4, 16), torch.tensor(0.1), FORMATS["e4m3"], True)
+    assert ptq.kernels.FALLBACKS == {}
+
+
+def test_an_error_of_the_ops_themselves_is_raised_as_without_compilation():
+    def checked(x):
+        if x.dim() != 2:
+            raise ValueError("two dimensions expected")
+        return x * 2
+
+    with pytest.raises(ValueError, match="two dimensions"):
+        fused(checked, compile=True)(torch.ones(3))
