@@ -263,14 +263,17 @@ def test_other_architectures_round_trip(arch, ptq_cli, text_file, tmp_path):
     assert info["size"]["bytes_saved"] > 0 and "saved" in stdout
 
 
-def test_gpt2_has_no_linear_layers_to_export(ptq_cli, text_file, tmp_path):
-    """GPT-2 builds its projections from Conv1D, not Linear: the recipes quantize nothing there, and say so."""
+def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_cli, text_file, tmp_path):
+    """GPT-2 builds its projections from Conv1D: a recipe that targets Linear layers only (lm_head left out)
+    quantizes nothing there, and says so (the built-in recipes target Conv1D too: tests/test_families.py)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tokenizer = make_tokenizer()
     source = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64)).save_pretrained(source)
     tokenizer.save_pretrained(source)
-    code, _, err = ptq_cli("quantize", source, "-o", tmp_path / "out", "--data", text_file, "--samples", "2",
-                           "--seq-len", "32", "-q")
+    recipe = tmp_path / "linear-only.yaml"
+    recipe.write_text("name: linear-only\ntargets: [Linear]\nweights: {format: e4m3}\ninputs: {format: e4m3}\n")
+    code, _, err = ptq_cli("quantize", source, "--recipe", recipe, "-o", tmp_path / "out", "--data", text_file,
+                           "--samples", "2", "--seq-len", "32", "-q")
     assert code == 2 and "quantizes no layer" in err and not (tmp_path / "out").exists()

@@ -1,0 +1,212 @@
+"""Every architecture family on a tiny random model: linearized (Conv1D and fused experts as Linear layers) and
+quantized with a pass-through format the logits are the unquantized model's; a counting quantizer sees every
+matmul weight, every expert's gate, up and down included; calibration reaches every expert."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import families
+from ptq import quantize as quantize_module
+from ptq.calibrate import calibrate
+from ptq.formats import NumberFormat
+from ptq.matmuls import LinearExperts, coverage, kind, linearize
+from ptq.quantize import QuantLinear, calibration_targets, quantize_, quantize_variants
+from ptq.recipes import Recipe, TensorQuant, load_recipe
+
+# float32 "rounding": 23 mantissa bits and float32's own exponent range, so rounding is the identity; unscaled
+FP32 = NumberFormat("fp32", "float", 8, 23, 127, torch.finfo(torch.float32).max, 2.0**-126, True, torch.float32, False, 32)
+PASS_THROUGH = Recipe("pass-through", "identity", TensorQuant(FP32, saturate=False), TensorQuant(FP32, saturate=False),
+                      ignore=())
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_pass_through_quantizer_gives_the_unquantized_logits(family):
+    model = families.build(family)
+    ids = _ids()
+    with torch.inference_mode():
+        expected = model(ids).logits
+        linearize(model)
+        quantize_(model, PASS_THROUGH, None)
+        got = model(ids).logits
+    assert all(isinstance(m, QuantLinear) for n, m in model.named_modules() if kind(m) in ("Conv1D", "Experts"))
+    experts = [m for m in model.modules() if isinstance(m, LinearExperts)]
+    assert (len(experts) > 0) == (family in families.MOE_FAMILIES)
+    assert all(m._grouped[1] is not None for m in experts)  # quantized experts run grouped, not one by one
+    # Same arithmetic, up to the order of summation where a loop over experts replaces grouped_mm (none on CPU)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_counting_quantizer_sees_every_matmul_weight(family, monkeypatch):
+    model = linearize(families.build(family))
+    seen = []
+    original = quantize_module.quantize_weight
+
+    def counting(w, weights, layer="?"):
+        seen.append(layer)
+        return original(w, weights, layer)
+
+    monkeypatch.setattr(quantize_module, "quantize_weight", counting)
+    recipe = load_recipe("fp8-e4m3")
+    layers, _ = calibration_targets(model, [recipe])
+    calibration = calibrate(model, _ids(2), layers, batch_size=1)
+    quantize_(model, recipe, calibration)
+    cov = coverage(linearize(families.build(family)), recipe)
+    expected = [n for n, m in linearize(families.build(family)).named_modules()
+                if kind(m) in ("Linear", "Conv1D", "Experts") and isinstance(m, torch.nn.Linear)]
+    assert sorted(seen) == sorted(expected)  # lm_head too: left out by the recipe, it is rounded as the bf16 baseline
+    assert not calibration.metadata.get("unseen_layers")  # every expert got tokens (all experts calibrated)
+    if family in families.MOE_FAMILIES:
+        config = model.config
+        n = next(getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+                 if isinstance(getattr(config, k, None), int))
+        for e in range(n):
+            assert any(f".experts.{e}.down_proj" in name for name in seen)
+            assert any(f".experts.{e}.up_proj" in name for name in seen)
+    # Coverage: everything but lm_head (and the routers, left in the compute dtype by design) is quantized
+    left = {x["name"] for x in cov["left_out"]}
+    assert "lm_head" in left
+    assert all(x["name"] == "lm_head" or x["reason"].startswith("router") for x in cov["left_out"]), cov["left_out"]
+    assert cov["quantized_weight_params"] == sum(m.weight.numel() for n, m in linearize(families.build(family)).named_modules()
+                                                 if n in set(expected) - {"lm_head"})
+
+
+def test_routed_only_calibration_leaves_unreached_experts_to_the_fallback():
+    model = linearize(families.build("mixtral"))
+    for m in model.modules():  # route every token to experts 0 and 1
+        if isinstance(m, LinearExperts):
+            m.register_forward_pre_hook(lambda mod, args: (args[0], torch.zeros_like(args[1]) + torch.arange(2), args[2]))
+    recipe = load_recipe("fp8-e4m3")
+    layers, _ = calibration_targets(model, [recipe])
+    routed = calibrate(model, _ids(), layers, batch_size=1, all_experts=False)
+    unseen = {u["layer"] for u in routed.metadata["unseen_layers"]}
+    assert {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (0, 1) for e in (2, 3)
+            for p in ("gate_proj", "up_proj", "down_proj")} == unseen
+    every = calibrate(model, _ids(), layers, batch_size=1, all_experts=True)
+    assert not every.metadata.get("unseen_layers")
+    assert all(not m.all_experts for m in model.modules() if isinstance(m, LinearExperts))
+
+
+def test_grouped_experts_match_the_expert_by_expert_loop():
+    model = linearize(families.build("qwen3_moe"))
+    recipes = [load_recipe("fp8-e4m3"), load_recipe("int8")]
+    layers, _ = calibration_targets(model, recipes)
+    calibration = calibrate(model, _ids(), layers, batch_size=1)
+    ids = _ids(3)
+    for name, variant in quantize_variants(model, recipes, calibration).items():
+        with torch.inference_mode():
+            grouped = variant(ids).logits
+            for m in variant.modules():
+                if isinstance(m, LinearExperts):
+                    m._grouped_weights = lambda: None  # the loop over experts, module by module
+            looped = variant(ids).logits
+        torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
+
+
+def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, text_file):
+    from conftest import make_tokenizer
+
+    model_dir = tmp_path / "mixtral"
+    families.build("mixtral").save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    common = ["--seq-len", "16", "--calib-data", str(text_file), "--eval-data", str(text_file)]
+    code, out, err = ptq_cli("compare", model_dir, "--recipes", "fp8-e4m3,int8", "--max-windows", "2", "--calib-samples", "2",
+                             "--out", tmp_path / "r", "--no-plots", *common)
+    assert code == 0, err
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    for v in results["variants"]:
+        cov = v["coverage"]
+        expert = [x for x in cov["left_out"] if ".experts." in x["name"]]
+        assert not expert
+        assert {x["name"] for x in cov["left_out"]} == {"lm_head", "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"}
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "of matmul weight parameters quantized" in report and "router (MixtralTopKRouter)" in report
+    code, out, err = ptq_cli("quantize", model_dir, "--data", str(text_file), "--seq-len", "16", "--samples", "2",
+                             "--verify-windows", "2", "-o", tmp_path / "ckpt")
+    assert code == 0, err
+    info = json.loads((tmp_path / "ckpt" / "ptq-export.json").read_text())
+    assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6
+    assert info["verification"]["expert_input_scales_checked"] == 2 * 4 * 3
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.layers.1.block_sparse_moe.experts.3.w2.weight").dtype == torch.float8_e4m3fn
+    for e in range(4):
+        for w in ("w1", "w2", "w3"):
+            for t in ("weight", "weight_scale", "input_scale"):
+                assert f"model.layers.0.block_sparse_moe.experts.{e}.{w}.{t}" in keys
+
+
+def test_gpt2_conv1d_layers_are_quantized_and_exported_in_conv1d_orientation(tmp_path, ptq_cli, text_file):
+    import ml_dtypes
+    import numpy as np
+    from conftest import make_tokenizer
+    from safetensors import safe_open
+
+    model_dir = tmp_path / "gpt2"
+    original = families.build("gpt2")
+    original.save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    common = ["--seq-len", "16", "--calib-data", str(text_file), "--eval-data", str(text_file)]
+    code, _, err = ptq_cli("compare", model_dir, "--recipes", "fp8-e4m3", "--max-windows", "2", "--calib-samples", "2",
+                           "--out", tmp_path / "r", "--no-plots", *common)
+    assert code == 0, err
+    cov = json.loads((tmp_path / "r" / "results.json").read_text())["variants"][0]["coverage"]
+    assert [x["name"] for x in cov["left_out"]] == ["lm_head"]
+    code, _, err = ptq_cli("quantize", model_dir, "--data", str(text_file), "--seq-len", "16", "--samples", "2",
+                           "-o", tmp_path / "ckpt")
+    assert code == 0, err
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        codes = f.get_tensor("transformer.h.0.attn.c_attn.weight")
+        scale = f.get_tensor("transformer.h.0.attn.c_attn.weight_scale")
+    w = original.transformer.h[0].attn.c_attn.weight.detach()  # Conv1D: [in, out]
+    assert codes.shape == w.shape and codes.dtype == torch.float8_e4m3fn
+    # independent reference: ml_dtypes' E4M3 rounding of w / (amax / 448), bit for bit
+    expected_scale = np.float32(w.abs().max().item()) / np.float32(448.0)
+    assert scale.item() == expected_scale
+    reference = (w.numpy() / expected_scale).astype(ml_dtypes.float8_e4m3fn)
+    assert np.array_equal(codes.view(torch.uint8).numpy(), reference.view(np.uint8))
+
+
+def test_strict_coverage_refuses_weights_ptq_cannot_quantize(tmp_path, ptq_cli, text_file, tiny_model):
+    from conftest import make_tokenizer
+
+    class Unknown(torch.nn.Module):  # a matmul weight that is neither Linear, Conv1D nor known experts
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.weight = torch.nn.Parameter(torch.eye(inner.in_features))
+
+        def forward(self, x):
+            return self.inner(x @ self.weight)
+
+    from ptq import models as models_module
+
+    load = models_module.load_model
+
+    def load_with_unknown(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        mlp = loaded.model.model.layers[0].mlp
+        mlp.down_proj = Unknown(mlp.down_proj)
+        return loaded
+
+    import ptq.workflows as workflows
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workflows, "load_model", load_with_unknown)
+        args = ["compare", tiny_model, "--recipes", "fp8-e4m3", "--max-windows", "2", "--calib-samples", "2", "--seq-len", "16",
+                "--calib-data", str(text_file), "--eval-data", str(text_file), "--no-plots"]
+        code, _, err = ptq_cli(*args, "--out", tmp_path / "a")
+        assert code == 0 and "warning: 1 matmul weight(s) ptq cannot quantize" in err
+        assert "model.layers.0.mlp.down_proj.weight" in err
+        code, _, err = ptq_cli(*args, "--out", tmp_path / "b", "--strict-coverage")
+        assert code == 2 and "--strict-coverage" in err and not (tmp_path / "b" / "results.json").exists()
