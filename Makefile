@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.ptq-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench bench-peers clean
+.PHONY: setup demo test bench bench-peers models-check clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ test: $(STAMP)
 # Speed and memory targets, printed as ratios measured in one run (see ptq/bench.py).
 bench: $(STAMP)
 	$(BIN)/python -m ptq.bench
+
+# ptq compare on a tiny random model of every supported family (dense and MoE), with its coverage line.
+models-check: $(STAMP)
+	$(BIN)/python benchmarks/models_check.py
 
 # ptq against llm-compressor (see ptq/bench_peers.py). llm-compressor pins its own transformers and
 # compressed-tensors, so it gets a virtual environment of its own, with the same CPU torch first (an unpinned

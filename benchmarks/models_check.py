@@ -1,0 +1,44 @@
+"""`make models-check`: `ptq compare` (fp8-e4m3 and int8 against bf16) on a tiny random model of every family
+tests/families.py builds, dense and mixture-of-experts, each printed with its coverage line. A few minutes."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import families  # noqa: E402
+from conftest import TEXT, make_tokenizer  # noqa: E402
+
+from ptq import progress  # noqa: E402
+from ptq.matmuls import describe_coverage  # noqa: E402
+from ptq.workflows import run_compare  # noqa: E402
+
+
+def main() -> int:
+    progress.QUIET = True
+    failed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "text.txt"
+        text.write_text(TEXT * 3)
+        for family in families.FAMILIES:
+            directory = Path(tmp) / family
+            families.build(family).save_pretrained(directory)
+            make_tokenizer().save_pretrained(directory)
+            try:
+                r = run_compare(str(directory), ["fp8-e4m3", "int8"], None, str(text), 4, str(text), 32, 4,
+                                Path(tmp) / f"report-{family}", plots=False)
+            except Exception as e:  # noqa: BLE001 - report every family, then fail
+                failed.append(family)
+                print(f"FAIL  {family:14s} {type(e).__name__}: {e}")
+                continue
+            v = r["variants"][0]
+            print(f"OK    {family:14s} fp8-e4m3 {v['ppl_delta_pct']:+.2f}% ppl; {describe_coverage(v['coverage'])}")
+    print(f"{len(families.FAMILIES) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
