@@ -134,7 +134,9 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
     fields = _mapping(data, where, required={"name", "weights", "inputs"},
                       optional={"description", "targets", "ignore", "include", "attention", "kv_cache", "smoothquant", "residual"})
     name = _string(fields["name"], f"{where}: 'name'")
-    targets = tuple(_string_list(fields.get("targets", list(KINDS)), f"{where}: 'targets'"))
+    # SmoothQuant folds one factor per input channel into a layer: experts (routed inputs) are not targeted by default
+    default_targets = [k for k in KINDS if k != "Experts"] if "smoothquant" in fields else list(KINDS)
+    targets = tuple(_string_list(fields.get("targets", default_targets), f"{where}: 'targets'"))
     for t in targets:
         if t not in TARGET_TYPES:
             raise PtqError(f"{where}: unknown target type '{t}' (known: {', '.join(TARGET_TYPES)})")

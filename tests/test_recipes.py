@@ -127,3 +127,14 @@ def test_sensitivity_examples_each_quantize_one_kind_of_tensor(tiny_model):
         inputs = {r["name"].rsplit(".", 1)[-1] for r in rows if is_e4m3(r["inputs"])}
         part, names = expected[path.stem]
         assert (weights, inputs) == ((names, set()) if part == "weights" else (set(), names)), path.name
+
+
+def test_targets_default_to_every_matmul_kind_and_smoothquant_leaves_experts_out():
+    base = {"name": "r", "weights": {"format": "int8"}, "inputs": {"format": "int8"}}
+    assert parse_recipe(base).targets == ("Linear", "Conv1D", "Experts")
+    smooth = base | {"smoothquant": {"alpha": 0.5}}
+    assert parse_recipe(smooth).targets == ("Linear", "Conv1D")
+    with pytest.raises(PtqError, match="smoothquant applies to Linear and Conv1D"):
+        parse_recipe(smooth | {"targets": ["Linear", "Experts"]})
+    with pytest.raises(PtqError, match="unknown target type 'Conv2D'"):
+        parse_recipe(base | {"targets": ["Conv2D"]})
