@@ -94,7 +94,7 @@ def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: 
                 base = None
                 for name in names:
                     logits = models[name](input_ids=batch.to(devices[name])).logits.to(device)
-                    base = score_logits(scores[name], logits, batch[:, 1:], base)
+                    base = score_logits(scores[name], logits, batch[:, 1:], base, versus=len(names) > 1)
                     del logits
             except torch.cuda.OutOfMemoryError as e:
                 error = str(e)
@@ -133,9 +133,10 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters(), torch.empty(0)).device
 
 
-def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: tuple | None) -> tuple:
+def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: tuple | None, versus: bool = True) -> tuple:
     """Add one batch to `s`: `logits` [b, L, vocab] of the windows whose next tokens are `targets` [b, L-1].
-    `base` is what this returned for the baseline on the same batch (None: this is the baseline)."""
+    `base` is what this returned for the baseline on the same batch (None: this is the baseline). versus=False:
+    no variant will be scored against this baseline (its probabilities are not computed)."""
     scores_of, probs_of, cross = _kernels
     # Full-vocabulary work one window at a time: besides these logits and the baseline's probabilities,
     # only per-position results are kept.
@@ -145,6 +146,8 @@ def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: t
         row_nll, row_top1 = scores_of(row, targets[i])
         nll.append(row_nll)
         top1.append(row_top1)
+        if base is None and not versus:
+            continue
         if base is None:
             p = probs_of(row)
             probs.append((p, cross(p, row)))
