@@ -6,6 +6,8 @@ any machine; nothing here is a timed test.
 
 A whole `ptq compare` is timed once at its default size (40 windows): its fixed costs (loading, tokenizing,
 building the variants, the report) are printed next to the ratio, so that they are not hidden by the size.
+
+On a GPU (ptq's default device is CUDA) it runs ptq/bench_cuda.py instead: an 8B-shaped Llama made in GPU memory.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ def line(what: str, ratio: float, target: float, unit: str = "x") -> str:
 
 
 def main() -> None:
+    if default_device().type == "cuda":  # the GPU bench: an 8B-shaped Llama made in GPU memory (ptq/bench_cuda.py)
+        from ptq.bench_cuda import main as bench_gpu
+
+        return bench_gpu()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--windows", type=int, default=4)

@@ -37,6 +37,8 @@ NoMemoryCheck = Annotated[bool, typer.Option("--no-memory-check", help="Load the
 Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype: float32 or bfloat16.",
                                               show_default="bfloat16 on CUDA, float32 on CPU")]
+BatchSize = Annotated[str, typer.Option("--batch-size", help="Windows (or task items) per forward pass: a number, or 'auto' "
+                                        "(from the free GPU memory on CUDA, halved when a batch does not fit; 4 on CPUs).")]
 Matmul = Annotated[str, typer.Option("--matmul", help="Layers with FP8 weights and inputs: 'simulated', 'fp8' (real FP8 matmuls, "
                                       "torch._scaled_mm), or 'auto' (fp8 on GPUs that have it: compute capability 8.9+).")]
 NoPlots = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots next to report.md.")]
@@ -123,7 +125,7 @@ def compare(
     eval_data: EvalData = None,
     seq_len: SeqLen = 512,
     max_windows: MaxWindows = 40,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 4,
+    batch_size: BatchSize = "auto",
     out: Annotated[Path, typer.Option("--out", help="Directory for report.md, results.json and the plots.")] = Path("reports/compare"),
     max_ppl_increase: MaxPplIncrease = None, min_accuracy_recovery: MinAccuracyRecovery = None, max_kl: MaxKl = None,
     no_plots: NoPlots = False,
@@ -289,7 +291,7 @@ def quantize(
     verify_windows: Annotated[int, typer.Option("--verify-windows", min=1, help="Evaluation windows for the verification.")] = 8,
     shard_size: Annotated[float, typer.Option("--shard-size", min=0.001, help="Largest safetensors shard, in MB.")] = 1000.0,
     compare_results: Annotated[Optional[Path], typer.Option("--compare-results", help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass when verifying.")] = 4,
+    batch_size: BatchSize = "auto",
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, low_memory: LowMemory = None,
 ) -> None:
     """Write a quantized checkpoint (compressed-tensors format) that transformers and vLLM load, and verify it.
@@ -354,7 +356,7 @@ def eval_(
     eval_data: EvalData = None,
     seq_len: SeqLen = 512,
     max_windows: MaxWindows = 40,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows or task items per forward pass.")] = 4,
+    batch_size: BatchSize = "auto",
     out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path("reports/eval"),
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
     dtype: Dtype = None, matmul: Matmul = "auto", all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
@@ -469,6 +471,13 @@ def main() -> None:
         app()
     except PtqError as e:
         progress.stderr.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
+    except Exception as e:
+        if type(e).__name__ != "OutOfMemoryError":  # torch.cuda.OutOfMemoryError where no step named what did not fit
+            raise
+        from ptq.batching import out_of_memory
+
+        progress.stderr.print(f"[bold red]error:[/] {out_of_memory('', str(e))}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None
     except (KeyboardInterrupt, SystemExit) as e:  # typer turns KeyboardInterrupt into exit code 130
         if not (_TERMINATED or isinstance(e, KeyboardInterrupt) or e.code == 130):

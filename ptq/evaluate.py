@@ -5,12 +5,14 @@ batch only, so memory does not grow with the data.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from ptq import batching
 from ptq.errors import PtqError
 from ptq.progress import progress
 from ptq.quantize import fused
@@ -29,6 +31,10 @@ class Scores:
     window_correct: list[float] = field(default_factory=list)  # per window: next-token accuracy
     window_kl: list[float] = field(default_factory=list)  # per window: mean KL vs the baseline (variants only)
     window_agree: list[float] = field(default_factory=list)  # per window: top-1 agreement (variants only)
+    # Per window: the summed NLL and KL that nll_sum and kl_sum add one window at a time, in window order, so
+    # that the sums do not depend on how windows were batched or shared between processes (merge_scores).
+    window_nll_sum: list[float] = field(default_factory=list, repr=False)
+    window_kl_sum: list[float] = field(default_factory=list, repr=False)
 
     @property
     def perplexity(self) -> float:
@@ -67,23 +73,59 @@ def _cross(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 _kernels = (fused(_scores), fused(_probs), fused(_cross))
 
 
-def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: int = 4) -> dict[str, Scores]:
+def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: int | None = 4) -> dict[str, Scores]:
     """Score each model on the windows `input_ids` [n, seq_len]. The first model is the baseline that
-    KL divergence and top-1 agreement are measured against. Each window predicts its tokens 1..L-1."""
+    KL divergence and top-1 agreement are measured against. Each window predicts its tokens 1..L-1.
+    batch_size None: automatic (ptq.batching), halved and the batch retried when it runs out of GPU memory;
+    an explicit one that does not fit stops with one line. The scores do not depend on the batch size."""
     names = list(models)
     scores = {name: Scores() for name in names}
     devices = {name: model_device(models[name]) for name in names}
     device = devices[names[0]]  # where the scores are computed (the baseline's device)
+    auto = batch_size is None
+    size = batching.auto_batch_size(models[names[0]], input_ids.shape[1], len(input_ids), len(names)) if auto else batch_size
+    start = 0
     with torch.inference_mode(), progress("evaluating", len(input_ids) * len(names), input_ids.shape[1]) as advance:
-        for batch in input_ids.split(batch_size):
-            batch = batch.to(device)
-            base = None
-            for name in names:
-                logits = models[name](input_ids=batch.to(devices[name])).logits.to(device)
-                base = score_logits(scores[name], logits, batch[:, 1:], base)
-                del logits
-                advance(len(batch))
+        while start < len(input_ids):
+            batch = input_ids[start:start + size].to(device)
+            kept = copy.deepcopy(scores)  # a batch counts whole or not at all
+            error = None
+            try:
+                base = None
+                for name in names:
+                    logits = models[name](input_ids=batch.to(devices[name])).logits.to(device)
+                    base = score_logits(scores[name], logits, batch[:, 1:], base, versus=len(names) > 1)
+                    del logits
+            except torch.cuda.OutOfMemoryError as e:
+                error = str(e)
+            if error is not None:
+                scores, base = kept, None
+                estimate = len(batch) * batching.window_bytes(models[names[0]].config, batch.shape[1],
+                                                              next(models[names[0]].parameters()).dtype, len(names))
+                size = batching.back_off(size, auto, f"evaluating {len(names)} model(s) on {len(batch)} window(s) of "
+                                         f"{batch.shape[1]} tokens", error, estimate)
+                continue
+            del base
+            advance(len(batch) * len(names))
+            start += len(batch)
     return scores
+
+
+def merge_scores(parts: list[Scores]) -> Scores:
+    """The Scores of consecutive shares of the windows, as one run over all of them: the same additions in the
+    same order (score_logits adds one window at a time)."""
+    out = Scores()
+    for p in parts:
+        out.tokens += p.tokens
+        out.correct += p.correct
+        out.agree += p.agree
+        for v in p.window_nll_sum:
+            out.nll_sum += v
+        for v in p.window_kl_sum:
+            out.kl_sum += v
+        for name in ("window_nll", "window_correct", "window_kl", "window_agree", "window_nll_sum", "window_kl_sum"):
+            getattr(out, name).extend(getattr(p, name))
+    return out
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -91,9 +133,10 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters(), torch.empty(0)).device
 
 
-def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: tuple | None) -> tuple:
+def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: tuple | None, versus: bool = True) -> tuple:
     """Add one batch to `s`: `logits` [b, L, vocab] of the windows whose next tokens are `targets` [b, L-1].
-    `base` is what this returned for the baseline on the same batch (None: this is the baseline)."""
+    `base` is what this returned for the baseline on the same batch (None: this is the baseline). versus=False:
+    no variant will be scored against this baseline (its probabilities are not computed)."""
     scores_of, probs_of, cross = _kernels
     # Full-vocabulary work one window at a time: besides these logits and the baseline's probabilities,
     # only per-position results are kept.
@@ -103,6 +146,8 @@ def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: t
         row_nll, row_top1 = scores_of(row, targets[i])
         nll.append(row_nll)
         top1.append(row_top1)
+        if base is None and not versus:
+            continue
         if base is None:
             p = probs_of(row)
             probs.append((p, cross(p, row)))
@@ -111,14 +156,20 @@ def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: t
             kl.append(p_logp - cross(p, row))
     nll, top1 = torch.stack(nll), torch.stack(top1)  # [b, L-1]
     s.tokens += targets.numel()
-    s.nll_sum += nll.double().sum().item()
+    sums = nll.double().sum(-1).tolist()
+    s.window_nll_sum += sums
+    for v in sums:
+        s.nll_sum += v
     s.correct += (top1 == targets).sum().item()
     s.window_nll += nll.double().mean(-1).tolist()
     s.window_correct += (top1 == targets).double().mean(-1).tolist()
     if base is None:
         return probs, top1  # the baseline's [per window: (probabilities, sum of p log p)], top-1
     kl = torch.stack(kl).double()
-    s.kl_sum += kl.sum().item()
+    sums = kl.sum(-1).tolist()
+    s.window_kl_sum += sums
+    for v in sums:
+        s.kl_sum += v
     s.agree += (top1 == base[1]).sum().item()
     s.window_kl += kl.mean(-1).tolist()
     s.window_agree += (top1 == base[1]).double().mean(-1).tolist()
@@ -245,12 +296,15 @@ class TaskRun:
     scores: dict  # variant -> task name -> ItemScores
     forward_passes: dict  # variant -> forward passes used for task scoring
     check_passes: int  # extra plain forward passes of the one-time packing check (baseline only)
+    batch_size: int | None = None  # items per forward pass at the end (an automatic one may have been halved)
 
 
-def evaluate_tasks(models: dict[str, nn.Module], tasks: list, tokenizer, batch_size: int = 8,
-                   max_len: int | None = None) -> TaskRun:
+def evaluate_tasks(models: dict[str, nn.Module], tasks: list, tokenizer, batch_size: int | None = 8,
+                   max_len: int | None = None, share=None) -> TaskRun:
     """Score every item of every task with each model. Items of all tasks are packed, sorted by length
-    (less padding) and batched; each batch goes through every model before the next batch is made."""
+    (less padding) and batched; each batch goes through every model before the next batch is made.
+    share(n): the positions, in that order, this process scores (ptq.distributed.share); the other items' scores
+    are None."""
     from ptq.data import tokenizer_adds_bos
     from ptq.tasks import ItemScores
 
@@ -261,6 +315,8 @@ def evaluate_tasks(models: dict[str, nn.Module], tasks: list, tokenizer, batch_s
     packed = [(t, i, pack_item(tokenizer, item.contexts, item.continuations, bos, max_len))
               for t, task in enumerate(tasks) for i, item in enumerate(task.items)]
     order = sorted(range(len(packed)), key=lambda j: -len(packed[j][2].tokens))
+    if share is not None:
+        order = [order[k] for k in share(len(order))]
     results = {name: [[None] * len(task.items) for task in tasks] for name in names}
     passes = dict.fromkeys(names, 0)
     check_passes = 0
@@ -269,14 +325,28 @@ def evaluate_tasks(models: dict[str, nn.Module], tasks: list, tokenizer, batch_s
         if multi is not None:
             check_packing(models[names[0]], multi, pad_id, device)
             check_passes = 1 + len(multi.sequences)
+        auto = batch_size is None
+        width = max((len(packed[j][2].tokens) for j in order), default=1)
+        size = batching.auto_batch_size(models[names[0]], width, len(packed), len(names)) if auto else batch_size
+        start = 0
         with progress("scoring tasks", len(packed) * len(names)) as advance:
-            for start in range(0, len(order), batch_size):
-                batch = [packed[j] for j in order[start:start + batch_size]]
+            while start < len(order):
+                batch = [packed[j] for j in order[start:start + size]]
+                error = None
+                try:  # a retried batch rewrites the same items' results
+                    for name in names:
+                        for (t, i, _), scored in zip(batch, _choice_scores(models[name], [p for _, _, p in batch], pad_id, device)):
+                            results[name][t][i] = scored
+                except torch.cuda.OutOfMemoryError as e:
+                    error = str(e)
+                if error is not None:
+                    size = batching.back_off(size, auto, f"scoring {len(batch)} task item(s) of up to {width} tokens "
+                                             f"with {len(names)} model(s)", error)
+                    continue
                 for name in names:
-                    for (t, i, _), scored in zip(batch, _choice_scores(models[name], [p for _, _, p in batch], pad_id, device)):
-                        results[name][t][i] = scored
                     passes[name] += 1
-                    advance(len(batch))
-    scores = {name: {task.name: ItemScores([r[0] for r in per_task], [r[1] for r in per_task])
+                advance(len(batch) * len(names))
+                start += len(batch)
+    scores = {name: {task.name: ItemScores([r[0] if r else None for r in per_task], [r[1] if r else None for r in per_task])
                      for task, per_task in zip(tasks, results[name])} for name in names}
-    return TaskRun(scores, passes, check_passes)
+    return TaskRun(scores, passes, check_passes, size if packed else batch_size)

@@ -49,7 +49,7 @@ def histogram(x: torch.Tensor) -> torch.Tensor:
     the last bin): calibration leaves batches with NaN/inf out of every statistic."""
     bits = x.detach().float().reshape(-1).view(torch.int32) & 0x7FFFFFFF  # |x|, as its bit pattern
     index = bits.bitwise_right_shift_(23 - MANTISSA_BITS).sub_(_FIRST_BIN).clamp_(0, NUM_BINS - 1)
-    return torch.bincount(index, minlength=NUM_BINS).cpu()
+    return torch.bincount(index, minlength=NUM_BINS)
 
 
 _CALLS = itertools.count()  # orders observer calls, so a fault is reported where it first appears
@@ -60,15 +60,20 @@ class TensorObserver:
     running max |x| of each channel (the last dimension).
 
     A batch with NaN or inf is left out of every statistic and counted instead (calibration applies the
-    --on-nonfinite policy); `last` keeps its amax so that the fault can be named."""
+    --on-nonfinite policy); `last` keeps its amax so that the fault can be named.
+
+    Nothing here waits for the device: whether a batch is finite is a tensor that selects what the running
+    statistics keep (torch.where), the histogram is accumulated where the activations are and copied to the CPU
+    only when read (`hist`), and `nonfinite` is a count on the device. A forward with observers on its layers
+    runs without a host sync per layer (on CUDA, each sync stalls the GPU's queue)."""
 
     def __init__(self, hist: bool = True, channels: bool = False) -> None:
-        self.amax: torch.Tensor | None = None  # max over finite batches; None until the first one
-        self.hist: torch.Tensor | None = torch.zeros(NUM_BINS, dtype=torch.int64) if hist else None
+        self.amax: torch.Tensor | None = None  # max over finite batches; None until the first batch
+        self._hist: torch.Tensor | None = torch.zeros(NUM_BINS, dtype=torch.int64) if hist else None
         self.channel_amax: torch.Tensor | None = None
         self.channels = channels
         self.calls = 0  # batches seen
-        self.nonfinite = 0  # batches with NaN/inf
+        self.nonfinite: int | torch.Tensor = 0  # batches with NaN/inf (a tensor on the device once observed)
         self.last: torch.Tensor | None = None  # the latest batch's amax (NaN or inf names the fault)
         self.step = -1  # when it was last called, in the order of all observers' calls
 
@@ -76,18 +81,30 @@ class TensorObserver:
     # then measured once. Held by reference (its memory cannot be reused meanwhile); calibration clears it.
     shared: tuple | None = None
 
+    @property
+    def hist(self) -> torch.Tensor | None:
+        """The histogram's counts, on the CPU (int64, NUM_BINS)."""
+        return None if self._hist is None else self._hist.cpu()
+
+    @hist.setter
+    def hist(self, value: torch.Tensor | None) -> None:
+        self._hist = value
+
     def observe(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach()
         a, hist, channel_amax = self._statistics(x)
         self.last, self.calls, self.step = a, self.calls + 1, next(_CALLS)
-        if not bool(torch.isfinite(a)):
-            self.nonfinite += 1
-            return x
-        self.amax = a if self.amax is None else torch.maximum(self.amax, a)
-        if self.hist is not None:
-            self.hist += hist
+        finite = torch.isfinite(a)
+        self.nonfinite = (~finite).long() + (self.nonfinite.to(a.device) if torch.is_tensor(self.nonfinite) else self.nonfinite)
+        # A batch with NaN/inf leaves every statistic as it was (amax: 0 until a finite batch; finite_batches() says)
+        previous = self.amax if self.amax is not None else torch.zeros_like(a)
+        self.amax = torch.where(finite, torch.maximum(previous.to(a.device), a), previous.to(a.device))
+        if self._hist is not None:
+            self._hist = self._hist.to(hist.device) + torch.where(finite, hist, 0)
         if self.channels:
-            self.channel_amax = channel_amax if self.channel_amax is None else torch.maximum(self.channel_amax, channel_amax)
+            previous = self.channel_amax if self.channel_amax is not None else torch.zeros_like(channel_amax)
+            previous = previous.to(channel_amax.device)
+            self.channel_amax = torch.where(finite, torch.maximum(previous, channel_amax), previous)
         return x
 
     def _statistics(self, x: torch.Tensor) -> tuple:
@@ -97,9 +114,8 @@ class TensorObserver:
         if shared is not None and shared[0] is x and shared[1] == version and shared[2] == wants:
             return shared[3]
         a = amax(x)
-        finite = bool(torch.isfinite(a))
-        hist = histogram(x) if finite and self.hist is not None else None
-        channel_amax = x.abs().reshape(-1, x.shape[-1]).amax(0).float() if finite and self.channels else None
+        hist = histogram(x) if self._hist is not None else None  # kept only if finite (observe)
+        channel_amax = x.abs().reshape(-1, x.shape[-1]).amax(0).float() if self.channels else None
         TensorObserver.shared = (x, version, wants, (a, hist, channel_amax))
         return a, hist, channel_amax
 
@@ -116,8 +132,8 @@ class TensorObserver:
         if other.amax is None:
             return
         self.amax = other.amax if self.amax is None else torch.maximum(self.amax, other.amax)
-        if self.hist is not None:
-            self.hist += other.hist
+        if self._hist is not None:
+            self._hist = self._hist + other._hist.to(self._hist.device)
         if self.channels:
             self.channel_amax = other.channel_amax if self.channel_amax is None else torch.maximum(self.channel_amax, other.channel_amax)
 

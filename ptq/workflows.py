@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ptq import __version__, stats, streaming
+from ptq import __version__, batching, distributed, stats, streaming
 from ptq.calibrate import (Calibration, calibrate, checkpoint_path, load_calibration, range_findings, save_calibration,
                            summary_rows)
 from ptq.data import Corpus, load_corpus, make_windows
@@ -31,7 +31,7 @@ from ptq.evaluate import Scores, TaskRun, evaluate, evaluate_tasks
 from ptq.files import check_output_dir, check_writable
 from ptq.formats import get_format
 from ptq.gates import Limits, gate_results
-from ptq.layerstats import input_snr_db, layer_snr, weight_snr_db
+from ptq.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
 from ptq.matmuls import coverage, describe_coverage, kind, unsupported_weights
 from ptq.models import LoadedModel, compute_dtype, default_device, linear_layers, load_model
 from ptq.progress import stderr
@@ -98,13 +98,14 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
     layers, channels = calibration_targets(loaded.model, recipes)
     if not layers:
         raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
-    if streaming.is_streamed(loaded.model):
-        calibration = streaming.calibrate_blocks(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite,
-                                                 on_unseen=on_unseen, channels=channels)
-    else:
-        calibration = calibrate(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
-                                checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume, channels=channels,
-                                all_experts=all_experts)
+    with batching.gpu_memory(f"calibrating on batches of {batching.CPU_BATCH_SIZE} windows of {windows.seq_len} tokens"):
+        if streaming.is_streamed(loaded.model):
+            calibration = streaming.calibrate_blocks(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite,
+                                                     on_unseen=on_unseen, channels=channels)
+        else:
+            calibration = calibrate(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite,
+                                    on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                                    resume=resume, channels=channels, all_experts=all_experts)
     faults = calibration.metadata
     warnings = check_ranges(calibration, recipes, loaded.model)
     calibration.metadata = {**faults, **({"warnings": warnings} if warnings else {}),
@@ -131,7 +132,8 @@ def _load(model: str | None, trust_remote_code: bool, allow_pickle: bool, memory
                          "(--low-memory)", highlight=False, soft_wrap=True)
     if low_memory:
         return streaming.load_streamed(model, trust_remote_code)
-    return load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check)
+    with batching.gpu_memory(f"loading model '{model}'"):
+        return load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check)
 
 
 def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list[str]:
@@ -190,13 +192,16 @@ def describe_compute(compute: dict) -> str:
 
 def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib_data: str | None,
                 calib_samples: int, eval_data: str | None, seq_len: int, max_windows: int | None,
-                out: Path, force: bool = False, batch_size: int = 4, trust_remote_code: bool = False,
+                out: Path, force: bool = False, batch_size: int | str | None = None, trust_remote_code: bool = False,
                 limits: Limits | None = None, plots: bool = True, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                 allow_pickle: bool = False, memory_check: bool = True, tasks: str | None = None,
                 max_items: int | None = DEFAULT_MAX_ITEMS, dtype: str | None = None, matmul: str = "auto",
                 low_memory: bool | None = None, all_experts: bool = True, strict_coverage: bool = False) -> dict:
     """The bf16 baseline and each recipe on the same windows, report written. low_memory: block by block from
-    disk (ptq.streaming); None: when the model and its variants' weight codes do not fit in memory."""
+    disk (ptq.streaming); None: when the model and its variants' weight codes do not fit in memory.
+    batch_size: windows per forward pass, None or "auto" for ptq.batching's choice."""
+    batch_size = batching.parse_batch_size(batch_size)
+    distributed.setup()
     # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
     # the baseline, weight codes of 2 bytes at most.
     copies = torch.finfo(compute_dtype(dtype, default_device())).bits / 32 + 0.5 * (len(recipes) + 1)
@@ -204,6 +209,8 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     compute = compute_path(dtype, matmul, streamed)
     if streamed and tasks:
         raise PtqError(f"--tasks needs the whole model in memory: it is not available with {streaming.LOW_MEMORY_FLAG}")
+    if streamed and distributed.active():
+        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} runs in one process: start ptq without torchrun / accelerate launch")
     for name in ("report.md", "results.json"):
         check_writable(Path(out) / name, force)
     if plots:
@@ -229,8 +236,9 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
                          f"block by block from disk ({streaming.LOW_MEMORY_FLAG})", highlight=False, soft_wrap=True)
         loaded = streaming.load_streamed(model, trust_remote_code)
     else:
-        loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check,
-                            dtype=getattr(torch, compute["dtype"]), copies=copies)
+        with batching.gpu_memory(f"loading model '{model}'"):
+            loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check,
+                                dtype=getattr(torch, compute["dtype"]), copies=copies)
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
     coverages = check_coverage(loaded.model, [baseline, *variants], strict_coverage)
 
@@ -247,18 +255,23 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     task_run = None
     if streamed:
         scores, weight_snr, input_snr = streaming.compare_blocks(loaded.model, [baseline, *variants], calibration,
-                                                                 windows.input_ids, batch_size, compute["matmul"])
+                                                                 windows.input_ids, batch_size or batching.CPU_BATCH_SIZE,
+                                                                 compute["matmul"])
     else:
         # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
         # the original is then released.
-        models = quantize_variants(loaded.model, [baseline, *variants], calibration, compute["matmul"])
-        quantized = {r.name: models[r.name] for r in variants}
-        weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
+        with batching.gpu_memory(f"building {len(variants) + 1} variants of the model (the baseline and each recipe)"):
+            models = quantize_variants(loaded.model, [baseline, *variants], calibration, compute["matmul"])
+            quantized = {r.name: models[r.name] for r in variants}
+            weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
         del loaded.model
+        batching.release()  # the original's memory, before the evaluation's batches
+        mine = distributed.share(len(windows.input_ids), INPUT_SNR_WINDOWS)  # all of them in one process
         with input_snr_db(quantized) as input_snr:
-            scores = evaluate(models, windows.input_ids, batch_size)
+            scores = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))
+        input_snr = distributed.gather(input_snr)[0]  # the first process's share starts with the measured windows
         if task_list:
-            task_run = evaluate_tasks(models, task_list, loaded.tokenizer, batch_size, _max_len(models))
+            task_run = _tasks(models, task_list, loaded.tokenizer, batch_size)
     snr = layer_snr(weight_snr, input_snr)
 
     base = scores[baseline.name]
@@ -307,17 +320,28 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
                                              for name in layer_order if name in calibration.input_amax]}
         results["diagnostics"] = sqnr_table(calibration)
     results["gates"] = gate_results(results, limits or Limits())
-    write_report(Path(out), results, force, plots)
+    if distributed.is_main():
+        write_report(Path(out), results, force, plots)
     return results
+
+
+def _tasks(models: dict, task_list: list[Task], tokenizer, batch_size: int | None) -> TaskRun:
+    """evaluate_tasks, each process on its share of the items under torchrun (ptq.distributed)."""
+    if not distributed.active():
+        return evaluate_tasks(models, task_list, tokenizer, batch_size, _max_len(models))
+    run = evaluate_tasks(models, task_list, tokenizer, batch_size, _max_len(models), share=distributed.share)
+    return distributed.gather_tasks(run)
 
 
 def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str | None, calib_samples: int,
              eval_data: str | None, seq_len: int, max_windows: int | None, tasks: str | None,
-             max_items: int | None, out: Path, force: bool = False, batch_size: int = 4,
+             max_items: int | None, out: Path, force: bool = False, batch_size: int | str | None = None,
              trust_remote_code: bool = False, dtype: str | None = None, matmul: str = "auto",
              all_experts: bool = True, strict_coverage: bool = False) -> dict:
     """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy
     on the tasks, each with its interval. No baseline, so no deltas: that is what compare is for."""
+    batch_size = batching.parse_batch_size(batch_size)
+    distributed.setup()
     compute = compute_path(dtype, matmul)
     for name in ("report.md", "results.json"):
         check_writable(Path(out) / name, force)
@@ -327,7 +351,8 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
     calib_corpus = load_corpus(calib_data, role="calibration") if config.needs_calibration and calibration is None else None
     eval_corpus = load_corpus(eval_data, role="evaluation")
     task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
-    loaded = load_model(model, trust_remote_code, dtype=getattr(torch, compute["dtype"]))
+    with batching.gpu_memory(f"loading model '{model}'"):
+        loaded = load_model(model, trust_remote_code, dtype=getattr(torch, compute["dtype"]))
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
     config_coverage = check_coverage(loaded.model, [config], strict_coverage)[config.name]
     calibration_source = f"Calibration file {calib}." if calib else ""
@@ -335,8 +360,9 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
         calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, [config], None, force, all_experts=all_experts)
         calibration_source = "Calibrated in this run (no --calib file)."
     models = {config.name: quantize_(loaded.model, config, calibration, matmul=compute["matmul"])}
-    s = evaluate(models, windows.input_ids, batch_size)[config.name]
-    task_run = evaluate_tasks(models, task_list, loaded.tokenizer, batch_size, _max_len(models)) if task_list else None
+    mine = distributed.share(len(windows.input_ids))  # all of them in one process
+    s = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))[config.name]
+    task_run = _tasks(models, task_list, loaded.tokenizer, batch_size) if task_list else None
     results = {
         "command": "eval",
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
@@ -361,7 +387,8 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
         results["calibration"] = {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
                                   "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
                                   "summary": summary_rows(calibration)}
-    write_report(Path(out), results, force, plots=False, render=render_eval_markdown)
+    if distributed.is_main():
+        write_report(Path(out), results, force, plots=False, render=render_eval_markdown)
     return results
 
 
@@ -407,8 +434,9 @@ def add_task_metrics(entry: dict, tasks: list[Task], run: TaskRun, baseline: str
         entry["task_deltas"] = deltas
 
 
-def task_results(tasks: list[Task], run: TaskRun, batch_size: int) -> dict:
+def task_results(tasks: list[Task], run: TaskRun, batch_size: int | None) -> dict:
     items = sum(len(t.items) for t in tasks)
+    batch_size = run.batch_size or batch_size or batching.CPU_BATCH_SIZE
     return {"tasks": [t.describe() for t in tasks],
             "task_scoring": {"items": items, "batch_size": batch_size, "forward_passes": run.forward_passes,
                              "expected_forward_passes": -(-items // batch_size),
@@ -509,7 +537,7 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
 
 def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str | None, samples: int, seq_len: int,
                  output: Path, force: bool = False, verify: bool = True, verify_windows: int = 8,
-                 shard_size_mb: float = 1000.0, compare_results: Path | None = None, batch_size: int = 4,
+                 shard_size_mb: float = 1000.0, compare_results: Path | None = None, batch_size: int | str | None = None,
                  trust_remote_code: bool = False, low_memory: bool | None = None) -> dict:
     """quantize: model + recipe (+ calibration) -> compressed-tensors checkpoint in `output`, reloaded with
     transformers and checked against ptq's simulation before it is renamed into place.
@@ -521,6 +549,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
     from ptq.report import render_model_card
 
     output = Path(output)
+    batch_size = batching.parse_batch_size(batch_size)
     check_export_target(output, force)
     r = load_recipe(recipe)
     export.check_exportable(r)
@@ -560,7 +589,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
         "versions": versions() | {"compressed-tensors": importlib.metadata.version("compressed-tensors")},
         "created": now(),
     }
-    with atomic_dir(output) as tmp:
+    with atomic_dir(output) as tmp, batching.gpu_memory("exporting and verifying the checkpoint"):
         with progress("writing", len(entries)) as advance:
             written = export.write_weights(entries, tmp, int(shard_size_mb * 1e6), advance)
         del entries

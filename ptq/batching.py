@@ -1,0 +1,107 @@
+"""How many windows go through a model at once (`--batch-size`, `auto` by default), and GPU memory faults.
+
+`auto`: on CUDA, as many windows as the free GPU memory holds (torch.cuda.mem_get_info) by the estimate of
+`window_bytes` (the full-vocabulary logits dominate: vocab x seq_len per window, in the compute dtype and again
+in float32 for the metrics, and the baseline's probabilities; plus the hidden states of one decoder block); on
+the CPU, 4 (the old default). An automatic batch size halves and retries a batch that runs out of GPU memory; an
+explicit one does not: the run stops with one line that names what did not fit and the way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+from torch import nn
+
+from ptq.errors import PtqError
+
+AUTO = "auto"
+CPU_BATCH_SIZE = 4
+MAX_AUTO_BATCH_SIZE = 64
+GPU_MEMORY_FRACTION = 0.7  # of the free memory, for the activations (allocator fragmentation, cuBLAS workspaces)
+WAYS_OUT = "use a smaller --batch-size, --low-memory (one decoder block on the GPU at a time), or fewer recipes per run"
+
+
+def parse_batch_size(value: str | int | None) -> int | None:
+    """`--batch-size`: a positive integer, or "auto" (None)."""
+    if value is None or str(value).strip().lower() == AUTO:
+        return None
+    try:
+        size = int(str(value).strip())
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise PtqError(f"--batch-size must be a positive integer or 'auto', not {value!r}")
+    return size
+
+
+def window_bytes(config, seq_len: int, dtype: torch.dtype, models: int = 1) -> int:
+    """Estimated GPU memory one window of `seq_len` tokens needs while `models` variants score it: each
+    variant's logits in the compute dtype and, one window at a time, in float32 (the metrics); the baseline's
+    probabilities in float32, kept for the batch; the hidden states of one decoder block (residual, norm, q/k/v,
+    attention output, the MLP's intermediate activations) in the compute dtype."""
+    vocab = getattr(config, "vocab_size", 0) or 0
+    hidden = getattr(config, "hidden_size", 0) or 0
+    intermediate = getattr(config, "intermediate_size", 0) or 4 * hidden
+    size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    logits = seq_len * vocab * (size + (4 if models > 1 else 0))  # + the baseline's float32 probabilities
+    block = seq_len * (8 * hidden + 3 * intermediate) * size
+    return logits + block
+
+
+def auto_batch_size(model: nn.Module, seq_len: int, windows: int, models: int = 1) -> int:
+    """The batch size `auto` stands for: on CUDA from the free memory and `window_bytes`, at most the number of
+    windows and MAX_AUTO_BATCH_SIZE; on the CPU, CPU_BATCH_SIZE."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return max(1, min(CPU_BATCH_SIZE, windows))
+    free, _ = torch.cuda.mem_get_info(param.device)
+    per_window = max(1, window_bytes(model.config, seq_len, param.dtype, models))
+    return max(1, min(MAX_AUTO_BATCH_SIZE, windows, int(free * GPU_MEMORY_FRACTION // per_window)))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def out_of_memory(what: str, error: str | None = None, estimate: int | None = None) -> PtqError:
+    """The one-line error for a CUDA out-of-memory: what did not fit, the estimate if known, the way out.
+    `error` is torch's message (its first sentence is kept: "CUDA out of memory. Tried to allocate 2.00 GiB")."""
+    detail = ""
+    if error:
+        first = (error.strip().splitlines() or [""])[0]
+        detail = f" ({'. '.join(first.split('. ')[:2]).rstrip('.')})" if first else ""
+    needs = f", estimated {_gib(estimate)}" if estimate else ""
+    return PtqError(f"out of GPU memory{' ' + what if what else ''}{needs}{detail}: {WAYS_OUT}")
+
+
+def back_off(size: int, auto: bool, what: str, error: str, estimate: int | None = None) -> int:
+    """After a CUDA out-of-memory at batch size `size`: the halved size to retry with (automatic batch sizes
+    only), or the one-line error (an explicit batch size, or a single window that does not fit). Call it outside
+    the `except` block, with the error's message: the exception's frames would keep the batch's tensors alive."""
+    release()
+    if not auto or size <= 1:
+        raise out_of_memory(what, error, estimate) from None
+    return size // 2
+
+
+def release() -> None:
+    """Give freed GPU memory back to the device between variants and after an out-of-memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def gpu_memory(what: str, estimate: int | None = None):
+    """Within the block, a CUDA out-of-memory becomes the one-line PtqError naming `what`."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        error = str(e)  # not the exception: its frames hold the tensors that did not fit
+    else:
+        return
+    release()
+    raise out_of_memory(what, error, estimate) from None

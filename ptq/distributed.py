@@ -1,0 +1,111 @@
+"""Data-parallel evaluation under `torchrun --nproc-per-node N` or `accelerate launch` (WORLD_SIZE > 1).
+
+Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.models.default_device), builds the same
+variants and calibrates on the same windows (calibration is not split: its result must be the same everywhere).
+The evaluation windows are split into contiguous shares, one per process (the first process's share holds the
+windows the input SNR is measured on), and so are the task items; the scores are gathered with
+all_gather_object, so that every process has the whole result, and merged window by window in their order:
+the numbers are those of one process (ptq.evaluate.Scores sums one window at a time, so the merge replays the
+same additions). Only the first process (rank 0) writes the report and prints; the others print nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ptq.errors import PtqError
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) from torch.distributed's environment (RANK, WORLD_SIZE); (0, 1) without it."""
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise PtqError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not "
+                       "integers: start several processes with torchrun or accelerate launch") from None
+
+
+def active() -> bool:
+    return world()[1] > 1
+
+
+def is_main() -> bool:
+    """Whether this process writes reports and prints (rank 0, or the only process)."""
+    return world()[0] == 0
+
+
+def setup() -> None:
+    """Join the process group (NCCL between GPUs, gloo on CPUs) once; the other ranks print nothing."""
+    if not active():
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        from ptq.models import default_device
+
+        device = default_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if not is_main():
+        from ptq import progress
+
+        progress.QUIET = True
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (for the life of the process)
+
+
+def share(n: int, first_at_least: int = 0) -> range:
+    """This process's contiguous share of n items (windows, task items), in order: near-equal shares, the first
+    of at least `first_at_least` items (where the input SNR is measured) when there are that many."""
+    rank, size = world()
+    if size == 1:
+        return range(n)
+    first = min(n, max(first_at_least, -(-n // size)))
+    if rank == 0:
+        return range(first)
+    rest, others = n - first, size - 1
+    start = first + (rank - 1) * rest // others
+    return range(start, first + rank * rest // others)
+
+
+def gather(value):
+    """Every process's `value`, in rank order (all_gather_object); [value] alone."""
+    if not active():
+        return [value]
+    import torch.distributed as dist
+
+    values = [None] * world()[1]
+    dist.all_gather_object(values, value)
+    return values
+
+
+def gather_scores(scores: dict) -> dict:
+    """Each variant's Scores merged over the processes' shares, window by window in their order."""
+    from ptq.evaluate import merge_scores
+
+    parts = gather(scores)
+    return {name: merge_scores([p[name] for p in parts]) for name in scores}
+
+
+def gather_tasks(run):
+    """A TaskRun whose scores cover every item: each process scored its share (the other items are None in its
+    ItemScores); the forward passes are added over the processes."""
+    from ptq.evaluate import TaskRun
+
+    parts = gather(run)
+    scores = {}
+    for name, per_task in run.scores.items():
+        scores[name] = {}
+        for task, s in per_task.items():
+            loglik, greedy = list(s.loglik), list(s.greedy)
+            for part in parts:
+                other = part.scores[name][task]
+                for i, value in enumerate(other.loglik):
+                    if value is not None:
+                        loglik[i], greedy[i] = value, other.greedy[i]
+            scores[name][task] = type(s)(loglik, greedy)
+    passes = {name: sum(p.forward_passes[name] for p in parts) for name in run.forward_passes}
+    return TaskRun(scores, passes, run.check_passes, run.batch_size)

@@ -1,0 +1,189 @@
+"""--batch-size auto, its back-off on CUDA out-of-memory, and GPU memory faults as one line (exit 2). CUDA's
+out-of-memory is injected: a model whose forward raises torch.cuda.OutOfMemoryError above N windows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ptq import batching
+from ptq.errors import PtqError
+from ptq.evaluate import evaluate, evaluate_tasks
+
+FAST = ["--seq-len", "32", "--max-windows", "6", "--calib-samples", "4", "--quiet"]
+
+
+def oom_above(monkeypatch, limit: int, calls: list | None = None):
+    """Every LlamaForCausalLM forward of more than `limit` rows raises CUDA's out-of-memory error."""
+    from transformers import LlamaForCausalLM
+
+    forward = LlamaForCausalLM.forward
+
+    def limited(self, input_ids=None, **kwargs):
+        if calls is not None:
+            calls.append(len(input_ids))
+        if len(input_ids) > limit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total "
+                                              f"capacity of 139.8 GiB of which 1.2 GiB is free. ({len(input_ids)} rows)")
+        return forward(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", limited)
+
+
+def test_batch_size_is_a_positive_integer_or_auto():
+    assert batching.parse_batch_size("auto") is None and batching.parse_batch_size(None) is None
+    assert batching.parse_batch_size("8") == 8 and batching.parse_batch_size(3) == 3
+    for bad in ("0", "-2", "many", "2.5"):
+        with pytest.raises(PtqError, match="--batch-size must be a positive integer or 'auto'"):
+            batching.parse_batch_size(bad)
+
+
+def test_auto_is_the_old_default_on_the_cpu_and_follows_free_memory_on_cuda(tiny_model, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert batching.auto_batch_size(model, 32, windows=40) == batching.CPU_BATCH_SIZE
+    assert batching.auto_batch_size(model, 32, windows=3) == 3
+    # The logits dominate: vocab x seq_len x (compute dtype + float32), plus the baseline's float32 probabilities
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336)
+    one = batching.window_bytes(config, 2048, torch.bfloat16, models=1)
+    assert one == 2048 * 128256 * 2 + 2048 * (8 * 4096 + 3 * 14336) * 2
+    assert batching.window_bytes(config, 2048, torch.bfloat16, models=3) == one + 2048 * 128256 * 4
+    # On CUDA, the free memory decides (mem_get_info stubbed: this machine may have no GPU)
+    param = torch.nn.Parameter(torch.empty(0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * one, 200 * one))
+
+    class OnCuda(torch.nn.Module):
+        def parameters(self, recurse=True):
+            yield type("P", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16})()
+    fake = OnCuda()
+    fake.config = config
+    assert batching.auto_batch_size(fake, 2048, windows=1000) == min(batching.MAX_AUTO_BATCH_SIZE, int(100 * 0.7))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (one // 2, 200 * one))
+    assert batching.auto_batch_size(fake, 2048, windows=1000) == 1  # even when one window does not seem to fit
+    del param
+
+
+def test_an_automatic_batch_size_halves_on_out_of_memory_with_the_same_scores(tiny_model, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    other = AutoModelForCausalLM.from_pretrained(tiny_model)
+    torch.nn.init.normal_(other.model.layers[0].mlp.down_proj.weight, std=0.05)
+    ids = torch.randint(0, model.config.vocab_size, (7, 24), generator=torch.Generator().manual_seed(0))
+    want = evaluate({"a": model, "b": other}, ids, batch_size=1)
+    calls = []
+    oom_above(monkeypatch, 1, calls)
+    got = evaluate({"a": model, "b": other}, ids, batch_size=None)  # auto: 4 on the CPU, then 2, then 1
+    assert calls[:3] == [4, 2, 1] and max(calls[3:]) == 1
+    for name in ("a", "b"):
+        assert got[name] == want[name]  # every sum and per-window list: a failed batch left nothing behind
+    assert got["b"].kl_div > 0
+
+
+def test_an_explicit_batch_size_that_does_not_fit_is_one_line(tiny_model, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ids = torch.randint(0, model.config.vocab_size, (6, 24), generator=torch.Generator().manual_seed(0))
+    oom_above(monkeypatch, 1)
+    with pytest.raises(PtqError) as e:
+        evaluate({"a": model}, ids, batch_size=2)
+    message = str(e.value)
+    assert "\n" not in message and "out of GPU memory evaluating 1 model(s) on 2 window(s) of 24 tokens" in message
+    assert "estimated" in message and "Tried to allocate 3.91 GiB" in message and "--batch-size" in message
+    assert "--low-memory" in message and "fewer recipes" in message
+
+
+def test_task_scoring_backs_off_too_with_the_same_results(tiny_model, monkeypatch):
+    from ptq.tasks import Item, _task
+
+    from tests.conftest import make_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    tokenizer = make_tokenizer()
+    items = [Item(contexts=("Who's there? Nay, answer me",) * 2, continuations=(" stand", " run"), label=i % 2)
+             for i in range(6)]
+    task = _task("t", "choice", items, "test")
+    want = evaluate_tasks({"a": model}, [task], tokenizer, batch_size=1)
+    oom_above(monkeypatch, 1)
+    got = evaluate_tasks({"a": model}, [task], tokenizer, batch_size=None)
+    assert got.scores["a"]["t"] == want.scores["a"]["t"]
+    assert got.batch_size == 1 and got.forward_passes == want.forward_passes
+
+
+def test_compare_with_an_automatic_batch_size_survives_out_of_memory(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+    runs = {}
+    for name, limit in (("plain", 100), ("oom", 1)):
+        with monkeypatch.context() as m:
+            oom_above(m, limit)
+            code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file,
+                                      "--out", tmp_path / name, *FAST)
+        assert code == 0, stderr
+        runs[name] = json.loads((tmp_path / name / "results.json").read_text())
+    for key in ("perplexity", "accuracy", "window_nll"):
+        assert runs["oom"]["baseline"][key] == runs["plain"]["baseline"][key]
+    for a, b in zip(runs["oom"]["variants"], runs["plain"]["variants"]):
+        assert (a["perplexity"], a["kl_div"], a["top1_agreement"]) == (b["perplexity"], b["kl_div"], b["top1_agreement"])
+
+
+def test_compare_with_an_explicit_batch_size_that_does_not_fit_is_one_line_exit_2(ptq_cli, tiny_model, text_file,
+                                                                                  tmp_path, monkeypatch):
+    oom_above(monkeypatch, 1)
+    out = tmp_path / "x"
+    code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
+                              "--batch-size", "2", *FAST)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "out of GPU memory evaluating 3 model(s) on 2 window(s)" in stderr and "--batch-size" in stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["0", "lots"])
+def test_a_bad_batch_size_is_one_line_exit_2(ptq_cli, tiny_model, text_file, tmp_path, value):
+    code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x",
+                              "--batch-size", value, *FAST)
+    assert code == 2 and "--batch-size must be a positive integer or 'auto'" in stderr
+    assert len(stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_out_of_memory_while_loading_is_one_line_naming_the_model(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+    import ptq.workflows
+
+    def no_room(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 28.00 GiB. GPU 0 has 1.0 GiB free.")
+
+    monkeypatch.setattr(ptq.workflows, "load_model", no_room)
+    for command in (["compare", "--out", tmp_path / "c"], ["eval", "--tasks", "", "--out", tmp_path / "e"],
+                    ["calibrate", "-o", tmp_path / "c.safetensors", "--data", text_file]):
+        extra = ["--eval-data", text_file, "--seq-len", "32", "--max-windows", "4"] if command[0] != "calibrate" else []
+        code, _, stderr = ptq_cli(command[0], tiny_model, *command[1:], *extra, "--quiet")
+        assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+        assert f"out of GPU memory loading model '{tiny_model}'" in stderr and "Tried to allocate 28.00 GiB" in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]  # no output, no checkpoint
+
+
+def test_out_of_memory_while_exporting_leaves_nothing(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+    pytest.importorskip("compressed_tensors")
+    import ptq.export
+
+    def no_room(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+
+    monkeypatch.setattr(ptq.export, "reload", no_room)
+    out = tmp_path / "exported"
+    code, _, stderr = ptq_cli("quantize", tiny_model, "--recipe", "fp8-e4m3", "--data", text_file, "--samples", "4",
+                              "--seq-len", "32", "-o", out, "--quiet")
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "out of GPU memory exporting and verifying the checkpoint" in stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
+
+
+def test_an_out_of_memory_no_step_names_is_still_one_line(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+    import ptq.workflows
+
+    def no_room(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.00 GiB.")
+
+    monkeypatch.setattr(ptq.workflows, "make_windows", no_room)
+    code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "out of GPU memory (CUDA out of memory. Tried to allocate 5.00 GiB)" in stderr and "--low-memory" in stderr
