@@ -359,11 +359,14 @@ class _LoaderInt8Inputs(QuantLinear):
         return x, torch.round((x.float() / self.input_scale).clamp(-128, 127)) * self.input_scale
 
 
-def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, loader_int8_inputs: bool = True) -> nn.Module:
+def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, loader_int8_inputs: bool = True,
+                    unrounded_inputs: list[str] = ()) -> nn.Module:
     """ptq's simulation of the exported checkpoint, in place: quantize_ with the recipe and calibration, except
     that the layers the recipe leaves out keep their plain Linear (the checkpoint stores them unquantized and
     transformers runs them as is, where `ptq compare` rounds them to bf16 as in its 16-bit baseline), and, with
-    loader_int8_inputs, int8 inputs round with the loaders' [-128, 127] range instead of ptq's [-127, 127]."""
+    loader_int8_inputs, int8 inputs round with the loaders' [-128, 127] range instead of ptq's [-127, 127]. The
+    `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
+    the reload check computes for them: see unapplied_input_layers)."""
     kept = {name: m for name, m in model.named_modules()
             if quantizable(m) and not recipe.targets_module(name, m)}
     quantize_(model, recipe, calibration)
@@ -374,24 +377,26 @@ def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, 
         for m in model.modules():
             if isinstance(m, QuantLinear) and m.inputs.format.kind == "int":
                 m.__class__ = _LoaderInt8Inputs
-    for m in expert_layers(model):  # transformers dequantizes fused experts' weights but leaves their inputs alone
-        m.round_inputs = False
+    for name in unrounded_inputs:
+        model.get_submodule(name).round_inputs = False
     return model
 
 
-def expert_input_scales(model: nn.Module, quantized: list[str], calibration: Calibration, recipe: Recipe) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> input scale of every quantized expert layer: what the checkpoint must hold for vLLM."""
+def unapplied_input_layers(model: nn.Module, quantized: list[str], conv1d: bool) -> list[str]:
+    """The quantized layers whose input scales the reload check's loader does not apply: the experts' (transformers
+    has no place for them; vLLM reads them), or every layer when ptq's own reader stands in (Conv1D models)."""
+    if conv1d:
+        return list(quantized)
     in_experts = {f"{path}.{name}" for path, e in model.named_modules() if isinstance(e, LinearExperts)
                   for name, m in e.named_modules() if quantizable(m)}
-    layers = [name for name in quantized if name in in_experts]
+    return [name for name in quantized if name in in_experts]
+
+
+def input_scales(model: nn.Module, layers: list[str], calibration: Calibration, recipe: Recipe) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> input scale of each of `layers`: what the checkpoint must hold for vLLM."""
     disk = checkpoint_names(model, [f"{name}.weight" for name in layers]) if layers else {}
     return {disk[f"{name}.weight"].removesuffix(".weight") + ".input_scale": _input_scale(calibration.input_amax[name], recipe.inputs.format)
             for name in layers}
-
-
-def expert_layers(model: nn.Module) -> list[nn.Module]:
-    """The Linear layers of the model's experts (their inputs are quantized by vLLM, not by transformers)."""
-    return [m for e in model.modules() if isinstance(e, LinearExperts) for m in e.modules() if quantizable(m) or isinstance(m, QuantLinear)]
 
 
 def reload(directory: Path) -> tuple[nn.Module, dict]:
@@ -424,7 +429,7 @@ def reload(directory: Path) -> tuple[nn.Module, dict]:
 
 def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_layers: int,
            input_ids: torch.Tensor, batch_size: int = 4, ptq_simulated: nn.Module | None = None,
-           expert_input_scales: dict[str, torch.Tensor] | None = None, directory: Path | None = None) -> dict:
+           unapplied_input_scales: dict[str, torch.Tensor] | None = None, directory: Path | None = None) -> dict:
     """Score the reloaded checkpoint against the simulation that computes what the loader computes (the gate on
     logits: KL and top-1), and its perplexity against ptq's own simulation (`ptq_simulated`, when the loader's
     rounding differs from ptq's: int8 inputs), on the same windows, through the one evaluation loop."""
@@ -438,7 +443,7 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
     problems = []
     # transformers merges the per-expert weights and scales into its fused experts, but has no place for their input
     # scales (vLLM reads them): those keys are expected to be left over, and are checked against ptq's own here.
-    expert_input_scales = expert_input_scales or {}
+    expert_input_scales = unapplied_input_scales or {}
     # (transformers reports them under its own module names, e.g. Mixtral's block_sparse_moe as mlp)
     left = [k for k in load_info["unexpected_keys"] if not (k.endswith(".input_scale") and ".experts." in k)]
     if len(load_info["unexpected_keys"]) - len(left) == len(expert_input_scales):
@@ -466,18 +471,53 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
         "simulated_perplexity": sim.perplexity, "reloaded_perplexity": rel.perplexity, "ptq_perplexity": own.perplexity,
         "ppl_delta_pct": 100 * ppl_delta, "kl_div": rel.kl_div, "top1_agreement": rel.top1_agreement,
         "loader_int8_rounding": ptq_simulated is not None,
-        "expert_input_scales_checked": len(expert_input_scales),
+        "input_scales_checked_in_file": len(expert_input_scales),
         "tolerance": {"max_kl_div": VERIFY_MAX_KL, "max_ppl_delta_pct": 100 * VERIFY_MAX_PPL_DELTA,
                       "min_top1_agreement": VERIFY_MIN_TOP1},
         "load": load_info,
     }
 
 
-def _read_tensors(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    wanted, found = set(names), {}
+def reload_dequantized(directory: Path) -> tuple[nn.Module, dict]:
+    """ptq's own reader, for checkpoints transformers cannot load as quantized (Conv1D layers): the architecture
+    built from config.json, every quantized weight dequantized from the files (codes x weight_scale, in the file's
+    orientation: [in, out] for Conv1D), every other tensor as stored. Input scales are not applied (verify checks
+    them in the files). Deliberately simple arithmetic, so that it checks the files rather than ptq's simulation."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    config = AutoConfig.from_pretrained(str(directory))
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    modules = dict(model.named_modules())
+    stored = _read_tensors(directory, None)
+    state = {}
+    for key, t in stored.items():
+        if key.endswith((".weight_scale", ".input_scale")):
+            continue
+        scale = stored.get(f"{key}_scale")
+        if scale is not None:
+            layer = modules.get(key.removesuffix(".weight"))
+            t = t.float() * (scale.reshape(1, -1) if isinstance(layer, Conv1D) and scale.numel() > 1 else scale)
+        state[key] = t.float() if t.is_floating_point() else t
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of the wrong shape (e.g. a Conv1D weight not in [in, out])
+        raise PtqError(f"the exported checkpoint does not fit its architecture: {str(e).strip().splitlines()[-1]}") from None
+    model.tie_weights()
+    tied = {k for k in missing if k.endswith("lm_head.weight") and getattr(config, "tie_word_embeddings", False)}
+    model.eval().requires_grad_(False)
+    return model, {"missing_keys": sorted(set(missing) - tied), "unexpected_keys": sorted(unexpected), "mismatched_keys": [],
+                   "quantized_layers": sum(1 for k in stored if k.endswith(".weight_scale")), "input_quantized_layers": 0,
+                   "loader": "ptq's dequantizing reader (transformers does not load compressed-tensors Conv1D layers)"}
+
+
+def _read_tensors(directory: Path, names: list[str] | None) -> dict[str, torch.Tensor]:
+    """The named tensors of a checkpoint directory's safetensors files (all of them for None)."""
+    found = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
         with safetensors.safe_open(str(path), framework="pt") as f:
-            found |= {k: f.get_tensor(k) for k in f.keys() if k in wanted}
+            found |= {k: f.get_tensor(k) for k in f.keys() if names is None or k in names}
     return found
 
 

@@ -600,24 +600,26 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
         if verify and streamed:
             info["verification_skipped"] = ("exported block by block with `--low-memory`: the model was never whole in "
                                             "memory to be reloaded and compared")
-        elif verify and conv1d:
-            info["verification_skipped"] = (f"transformers does not apply compressed-tensors quantization to Conv1D layers "
-                                            f"(such as '{conv1d[0]}'), so it cannot reload this checkpoint as quantized; "
-                                            "vLLM loads it (Conv1D weights are kept [in, out], as vLLM transposes them)")
         elif verify:
             corpus = load_corpus(data, role="evaluation")
             windows = make_windows(corpus, loaded.tokenizer, seq_len, verify_windows)
             # int8 inputs: the loaders round them over [-128, 127], ptq over [-127, 127]; check the logits against
             # the simulation of what the loader computes, and the perplexity against ptq's own too.
-            own = (export.simulate_export(copy.deepcopy(loaded.model), r, calibration, loader_int8_inputs=False)
+            # Layers whose input scales the reloading loader does not apply (experts in transformers; every layer where
+            # transformers cannot load Conv1D quantized and ptq's own dequantizing reader stands in) are simulated with
+            # their inputs as they are, and their input scales are checked in the files instead.
+            unrounded = export.unapplied_input_layers(loaded.model, quantized, conv1d=bool(conv1d))
+            own = (export.simulate_export(copy.deepcopy(loaded.model), r, calibration, loader_int8_inputs=False,
+                                          unrounded_inputs=unrounded)
                    if r.inputs.format.kind == "int" else None)
-            expert_scales = export.expert_input_scales(loaded.model, quantized, calibration, r)
-            simulated = export.simulate_export(loaded.model, r, calibration)
-            reloaded, load_info = export.reload(tmp)
+            scales = export.input_scales(loaded.model, unrounded, calibration, r)
+            simulated = export.simulate_export(loaded.model, r, calibration, unrounded_inputs=unrounded)
+            reloaded, load_info = export.reload_dequantized(tmp) if conv1d else export.reload(tmp)
             reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU
-            info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized) - len(expert_scales),
+            info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized) - len(unrounded),
                                                  windows.input_ids, batch_size, ptq_simulated=own,
-                                                 expert_input_scales=expert_scales, directory=tmp)
+                                                 unapplied_input_scales=scales, directory=tmp)
+            info["verification"]["loader"] = load_info.get("loader", "transformers AutoModelForCausalLM.from_pretrained")
             info["verification"] |= {"data": corpus.source, "data_sha256": corpus.sha256, "description": windows.description}
             del reloaded
             if not info["verification"]["passed"]:

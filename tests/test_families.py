@@ -134,7 +134,7 @@ def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, 
     assert code == 0, err
     info = json.loads((tmp_path / "ckpt" / "ptq-export.json").read_text())
     assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6
-    assert info["verification"]["expert_input_scales_checked"] == 2 * 4 * 3
+    assert info["verification"]["input_scales_checked_in_file"] == 2 * 4 * 3
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
@@ -168,6 +168,9 @@ def test_gpt2_conv1d_layers_are_quantized_and_exported_in_conv1d_orientation(tmp
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
         codes = f.get_tensor("transformer.h.0.attn.c_attn.weight")
         scale = f.get_tensor("transformer.h.0.attn.c_attn.weight_scale")
+    info = json.loads((tmp_path / "ckpt" / "ptq-export.json").read_text())["verification"]
+    assert info["passed"] and info["kl_div"] <= 1e-6 and info["loader"].startswith("ptq's dequantizing reader")
+    assert info["input_scales_checked_in_file"] == 2 * 4  # c_attn, c_proj, c_fc, mlp.c_proj in each of 2 blocks
     w = original.transformer.h[0].attn.c_attn.weight.detach()  # Conv1D: [in, out]
     assert codes.shape == w.shape and codes.dtype == torch.float8_e4m3fn
     # independent reference: ml_dtypes' E4M3 rounding of w / (amax / 448), bit for bit
