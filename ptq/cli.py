@@ -293,6 +293,7 @@ def quantize(
     compare_results: Annotated[Optional[Path], typer.Option("--compare-results", help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.")] = None,
     batch_size: BatchSize = "auto",
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, low_memory: LowMemory = None,
+    all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
 ) -> None:
     """Write a quantized checkpoint (compressed-tensors format) that transformers and vLLM load, and verify it.
 
@@ -306,7 +307,8 @@ def quantize(
         raise PtqError("give either --calib (a calibration file) or --data (text to calibrate on), not both")
     try:
         info = run_quantize(model, recipe, calib, data, samples, seq_len, output, force, verify, verify_windows,
-                            shard_size, compare_results, batch_size, trust_remote_code, low_memory=low_memory)
+                            shard_size, compare_results, batch_size, trust_remote_code, low_memory=low_memory,
+                            all_experts=all_experts, strict_coverage=strict_coverage)
     except VerificationFailed as e:
         _print_quantize(e.info, output, written=False)
         progress.stderr.print(f"[bold red]verification failed:[/] {e}; nothing was written to {output} "

@@ -272,6 +272,8 @@ def human_bytes(n: int) -> str:
 
 def render_model_card(e: dict) -> str:
     """README.md of a `ptq quantize` checkpoint, rendered from its ptq-export.json alone."""
+    from ptq.matmuls import describe_coverage
+
     rec, fmt, cal, size, ver = e["recipe"], e["format"], e["calibration"], e["size"], e["verification"]
     lines = [
         "---", "library_name: transformers", "tags: [ptq, compressed-tensors, "
@@ -283,6 +285,7 @@ def render_model_card(e: dict) -> str:
         f"| weights | {rec['weights']}, stored 1 byte per parameter |",
         f"| inputs (activations) | {rec['inputs']}, static scale from calibration (`input_scale`) |",
         f"| layers | {fmt['quantized_layers']} Linear layers quantized; left as in the source: {', '.join(f'`{n}`' for n in fmt['ignored_layers']) or 'none'} |",
+        *([f"| coverage | {describe_coverage(e['coverage'])} |"] if e.get("coverage") else []),
         f"| format | compressed-tensors `{fmt['format']}` (compressed-tensors {fmt['compressed_tensors']}) |",
         f"| size | {human_bytes(size['bytes'])} of tensors in {size['shards']} safetensors shard(s); the 16-bit checkpoint is "
         f"{human_bytes(size['bytes_16bit'])}: {human_bytes(size['bytes_saved'])} saved ({100 * size['bytes_saved'] / size['bytes_16bit']:.1f}%) |",
@@ -298,9 +301,9 @@ def render_model_card(e: dict) -> str:
     else:
         tol = ver["tolerance"]
         lines += [
-            f"**{'Passed' if ver['passed'] else 'FAILED'}.** After writing, this directory was loaded with transformers' "
-            "`AutoModelForCausalLM.from_pretrained` (float32, CPU, default options) and scored against ptq's simulation "
-            f"of the same recipe and calibration on {ver['description']} of {ver['data']}:", "",
+            f"**{'Passed' if ver['passed'] else 'FAILED'}.** After writing, this directory was loaded with "
+            f"{ver.get('loader') or 'transformers AutoModelForCausalLM.from_pretrained'} (float32, CPU, default options) and "
+            f"scored against ptq's simulation of the same recipe and calibration on {ver['description']} of {ver['data']}:", "",
             "| | simulated (ptq) | reloaded (transformers) | limit |", "|---|---:|---:|---:|",
             f"| perplexity | {ver['simulated_perplexity']:.4f} | {ver['reloaded_perplexity']:.4f} | |",
         ]
@@ -312,14 +315,22 @@ def render_model_card(e: dict) -> str:
         lines += [
             f"| KL(simulated ‖ reloaded), nats/token | | {ver['kl_div']:.3g} | ≤ {tol['max_kl_div']:g} |",
             f"| same top-1 token | | {100 * ver['top1_agreement']:.2f}% | ≥ {100 * tol['min_top1_agreement']:g}% |",
-            f"| layers transformers runs with static input quantization | {fmt['quantized_layers']} | "
+            f"| layers the loader runs with static input quantization | {fmt['quantized_layers'] - ver.get('input_scales_checked_in_file', 0)} | "
             f"{ver['load']['input_quantized_layers']} | all |",
+            *([f"| input scales the loader does not apply (fused experts in transformers, or ptq's reader), compared with "
+               f"ptq's in the files | {ver['input_scales_checked_in_file']} | equal | bit for bit |"]
+              if ver.get("input_scales_checked_in_file") else []),
             "",
             "transformers (with compressed-tensors installed) decompresses the 8-bit weights to the load dtype on the first "
             "forward pass and rounds every quantized layer's input with its stored `input_scale` (clamp, then round to the "
             "8-bit grid) before the matmul, so on a CPU it computes what the ptq simulation computes. Loading with "
             "`CompressedTensorsConfig(dequantize=True)` instead drops the input scales: only the weight rounding remains.",
         ]
+        if ver.get("input_scales_checked_in_file"):
+            lines += ["", "Except where the loader has no place for an input scale: transformers merges fused experts' "
+                      "per-expert weights and weight scales but not their input scales, and does not quantize Conv1D layers "
+                      "at all (ptq's own reader then dequantizes the files' weights). For those layers the simulation takes "
+                      "inputs as they are, and their `input_scale` tensors, which vLLM applies, are compared with ptq's."]
         lines += [f"- Problem: {p}" for p in ver["problems"]]
     lines += ["", "The simulation keeps the left-out layers in the source dtype, as this checkpoint does; `ptq compare` "
               "rounds them to bf16 like its 16-bit baseline, so its perplexity for this recipe can differ slightly."]

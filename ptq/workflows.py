@@ -538,7 +538,8 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
 def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str | None, samples: int, seq_len: int,
                  output: Path, force: bool = False, verify: bool = True, verify_windows: int = 8,
                  shard_size_mb: float = 1000.0, compare_results: Path | None = None, batch_size: int | str | None = None,
-                 trust_remote_code: bool = False, low_memory: bool | None = None) -> dict:
+                 trust_remote_code: bool = False, low_memory: bool | None = None, all_experts: bool = True,
+                 strict_coverage: bool = False) -> dict:
     """quantize: model + recipe (+ calibration) -> compressed-tensors checkpoint in `output`, reloaded with
     transformers and checked against ptq's simulation before it is renamed into place.
     low_memory: block by block from disk (ptq.streaming), unverified (the model is never whole in memory);
@@ -560,8 +561,9 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
     loaded = _load(model, trust_remote_code, False, True, low_memory)
     streamed = streaming.is_streamed(loaded.model)
     export.export_layers(loaded.model, r)  # refuse an unexportable model before calibrating it
+    checkpoint_coverage = check_coverage(loaded.model, [r], strict_coverage)[r.name]
     if calibration is None:
-        calibration = _calibrate(loaded, calib_corpus, samples, seq_len, [r], None, force)
+        calibration = _calibrate(loaded, calib_corpus, samples, seq_len, [r], None, force, all_experts=all_experts)
         calibration_source = "calibrated in this run"
     else:
         calibration_source = f"calibration file {Path(calib).name}"
@@ -583,6 +585,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
         "calibration": {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
                         "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens")},
         "size": export.checkpoint_bytes(entries, quantized),
+        "coverage": checkpoint_coverage,
         "verification": None,
         "low_memory": streamed,
         "compare": compare,
