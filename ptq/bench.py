@@ -13,6 +13,7 @@ On a GPU (ptq's default device is CUDA) it runs ptq/bench_cuda.py instead: an 8B
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import subprocess
 import sys
@@ -195,6 +196,38 @@ def main() -> None:
     gbps = lambda t: 2 * x.numel() * 4 / t / 1e9  # read + write of float32
     print(f"INFO  E4M3 quantize-dequantize, 64 MiB: fused {gbps(t_fused):.1f} GB/s (ratio to copy {t_fused / t_copy:.1f}x); "
           f"eager ops {gbps(t_qdq):.1f} GB/s; torch cast round trip {gbps(t_cast):.1f} GB/s; copy {gbps(t_copy):.1f} GB/s")
+    moe_ratios(args.repeats)
+
+
+def moe_ratios(repeats: int) -> None:
+    """A mixture-of-experts model (Qwen3-MoE-shaped, random, 32 experts, top 4) against transformers' own fused forward:
+    ptq's grouped, simulated E4M3 experts, and calibration that sends every token through every expert."""
+    import transformers
+
+    from ptq.matmuls import linearize
+    from ptq.quantize import calibration_targets, quantize_variants
+
+    config = transformers.Qwen3MoeConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                                         num_experts=32, num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=8,
+                                         num_key_value_heads=4, head_dim=64)
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    ids = torch.randint(0, config.vocab_size, (4, 512))
+
+    def forward(m):
+        with torch.inference_mode():
+            m(input_ids=ids)
+
+    t_plain = median_time(lambda: forward(plain), repeats)
+    model = linearize(copy.deepcopy(plain))
+    recipe = load_recipe("fp8-e4m3")
+    layers, _ = calibration_targets(model, [recipe])
+    t_calib = median_time(lambda: calibrate(model, ids, layers), repeats)
+    variant = quantize_variants(model, [recipe], calibrate(model, ids, layers))[recipe.name]
+    t_sim = median_time(lambda: forward(variant), repeats)
+    print(f"INFO  MoE (32 experts, top 4, 4 x 512 tokens): simulated E4M3 forward {t_sim / t_plain:.2f}x transformers' "
+          f"grouped_mm forward (every expert's weights dequantized per forward); calibration through every expert "
+          f"{t_calib / t_plain:.2f}x (each expert sees all tokens: 8x the routed expert work)")
 
 
 if __name__ == "__main__":
