@@ -18,7 +18,11 @@ from ptq.workflows import run_compare  # noqa: E402
 
 
 def main() -> int:
+    from transformers.utils import logging as hf_logging
+
     progress.QUIET = True
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "text.txt"

@@ -19,6 +19,7 @@ know) is listed by `coverage`, with the reason, so that reports never leave weig
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -154,10 +155,12 @@ class LinearExperts(nn.ModuleList):
 
         layers = {p: [getattr(expert, p) for expert in self] for p in ("gate_proj", "up_proj", "down_proj")
                   if hasattr(self[0], p)}
-        key = tuple(id(m) for group in layers.values() for m in group)
-        if self._grouped is None or self._grouped[0] != key:
+        first = next(itertools.chain(self[0].down_proj.buffers(), self[0].down_proj.parameters()))
+        key = (*(id(m) for group in layers.values() for m in group), first.device)
+        if self._grouped is None or self._grouped[0] != key:  # made again when the modules or their device change
             self._grouped = (key, grouped_experts(self, layers))
         return self._grouped[1]
+
 
 def _gate_rows(rows: int, concatenated: bool) -> tuple[slice, slice]:
     half = rows // 2
