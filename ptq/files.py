@@ -167,6 +167,7 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     except OSError as e:
         raise PtqError(f"cannot write in {path.parent}: {_reason(e)}") from None
     try:
+        os.chmod(tmp_path, 0o777 & ~_umask())  # mkdtemp makes 0700 folders; a checkpoint or cache gets the usual mode
         yield tmp_path
         if path.exists():
             shutil.rmtree(path)

@@ -157,3 +157,18 @@ def test_outputs_under_a_file_are_refused_in_one_line_before_any_work(name, tiny
     assert code == 2 and one_error_line(err), err
     assert f"{blocker / 'dir'}: not a directory" in err.lower()
     assert blocker.read_text() == "" and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_directory_output_gets_the_usual_mode_not_mkdtemps_0700(tmp_path):
+    import os
+    import stat
+
+    from ptq.files import atomic_dir
+
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "new" / "ckpt") as tmp:
+            (tmp / "f").write_text("x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new" / "ckpt").stat().st_mode) == 0o755
