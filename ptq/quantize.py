@@ -360,6 +360,7 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
         elif inputs.static:
             input_amax = input_clip(calibration, name, inputs)
         q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth, weight_cache, fp8_codes_quantizer, name)
+        q.ptq_kind = kind(linear)  # Linear, Conv1D or Experts, as the layer it replaces (ptq.matmuls)
         if smooth is None:
             key = (inputs, float(q.input_scale), q.input_scale.device)
             q.input_scale = scales.setdefault(key, q.input_scale)
