@@ -521,7 +521,7 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
                "recipes": {}}
         for r in loaded_recipes:
             weights, inputs = plans[r.name][name]
-            row["recipes"][r.name] = {"quantized": r.targets_module(name, m), "kind": kind(m), "weights": weights.describe(),
+            row["recipes"][r.name] = {"quantized": r.targets_module(name, m), "weights": weights.describe(),
                                       "inputs": inputs.describe(), "calibrated": inputs.format.scaled}
         rows.append(row)
     total = sum(row["parameters"] for row in rows)
