@@ -54,10 +54,12 @@ def window_bytes(config, seq_len: int, dtype: torch.dtype, models: int = 1) -> i
 def auto_batch_size(model: nn.Module, seq_len: int, windows: int, models: int = 1) -> int:
     """The batch size `auto` stands for: on CUDA from the free memory and `window_bytes`, at most the number of
     windows and MAX_AUTO_BATCH_SIZE; on the CPU, CPU_BATCH_SIZE."""
-    param = next(model.parameters(), None)
-    if param is None or param.device.type != "cuda":
+    from ptq.placement import input_device
+
+    device, param = input_device(model), next(model.parameters(), None)
+    if param is None or device.type != "cuda":
         return max(1, min(CPU_BATCH_SIZE, windows))
-    free, _ = torch.cuda.mem_get_info(param.device)
+    free, _ = torch.cuda.mem_get_info(device)  # with --device-map, on the GPU the logits come back to
     per_window = max(1, window_bytes(model.config, seq_len, param.dtype, models))
     return max(1, min(MAX_AUTO_BATCH_SIZE, windows, int(free * GPU_MEMORY_FRACTION // per_window)))
 

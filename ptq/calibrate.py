@@ -41,6 +41,7 @@ from ptq.files import check_writable, save_safetensors
 from ptq.formats import NumberFormat, amax, compute_scale, fake_quantize
 from ptq.matmuls import LinearExperts, quantizable
 from ptq.observers import NUM_BINS, TensorObserver
+from ptq.placement import input_device
 from ptq.progress import progress
 
 FILE_KIND = "ptq-calibration/2"  # /2: histogram bins read off the float32 bit pattern (ptq/observers.py)
@@ -84,7 +85,7 @@ def checkpoint_path(output: Path) -> Path:
 def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4,
               on_nonfinite: str = "fail", on_unseen: str = "fallback", checkpoint: Path | None = None,
               checkpoint_every: float = 60.0, resume: bool = False, channels: list[str] = (),
-              all_experts: bool = True) -> Calibration:
+              all_experts: bool = True, weights_of: nn.Module | None = None) -> Calibration:
     """Record input and weight amax of the named Linear layers (and attention matmul / residual-add
     inputs) over the calibration windows, with histograms of every input, and per-channel input amax of
     the Linear layers in `channels`. With `all_experts`, every token also runs through every expert of a
@@ -92,6 +93,8 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
 
     With `checkpoint`, the observers are saved there (atomically) at most every `checkpoint_every`
     seconds; `resume=True` continues from it. The caller deletes the checkpoint once the result is saved.
+    `weights_of`: the model the weight amax are read from, when `model` is a copy placed over the devices
+    (ptq.placement) whose offloaded weights are not in memory.
     """
     if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
         raise PtqError(f"unknown policy: on_nonfinite={on_nonfinite!r}, on_unseen={on_unseen!r}")
@@ -99,11 +102,12 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
 
     modules = dict(model.named_modules())
     linears = [name for name in layers if quantizable(modules.get(name))]
-    weight_amax = {name: check_weight(name, modules[name].weight) for name in linears}
+    weight_modules = dict((weights_of or model).named_modules())
+    weight_amax = {name: check_weight(name, weight_modules[name].weight) for name in linears}
     observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
     batches = input_ids.split(batch_size)
     fingerprint = run_fingerprint(input_ids, layers, batch_size, on_nonfinite, weight_amax, channels)
-    device = next(model.parameters()).device
+    device = input_device(model)
     start = load_checkpoint(checkpoint, observers, fingerprint, len(batches), device) if resume else 0
     hooks = [modules[name].register_forward_pre_hook(observers[name]) for name in linears]
     attention_layers, residual_blocks = {}, {}
@@ -198,8 +202,8 @@ def check_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _fail_on_nonfinite(observers: dict[str, TensorObserver], batch: int, batch_size: int) -> None:
-    counts = torch.stack([torch.as_tensor(o.nonfinite).cpu() for o in observers.values()])
-    if bool(counts.any()):  # one device sync per batch, only in "fail" mode
+    counts = [torch.as_tensor(o.nonfinite) for o in observers.values()]
+    if counts and bool(torch.stack([c.to(counts[0].device) for c in counts]).any()):  # one device sync per batch, only in "fail" mode
         name, obs = min(((n, o) for n, o in observers.items() if int(o.nonfinite)), key=lambda no: no[1].step)
         what = "NaN" if torch.isnan(obs.last) else "inf"
         raise PtqError(f"input of layer '{name}' contains {what} in calibration batch {batch} (windows "

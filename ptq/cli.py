@@ -61,6 +61,16 @@ DATA_HELP = ("Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub datase
 
 AllExperts = Annotated[bool, typer.Option("--calibrate-all-experts/--routed-experts-only", help="Calibration sends every token through every expert of a mixture-of-experts layer (observed only; the output is the routed one), so that every expert gets a scale.")]
 StrictCoverage = Annotated[bool, typer.Option("--strict-coverage", help="Exit 2 when the model has matmul weights ptq cannot quantize (instead of a warning; reports list them either way).")]
+DeviceMap = Annotated[Optional[str], typer.Option(
+    "--device-map", metavar="STRATEGY",
+    help="For models larger than one GPU: place each model over all the GPUs with accelerate (auto, balanced, "
+         "balanced_low_0 or sequential: accelerate's strategies), decoder blocks in order; what the GPUs cannot hold is "
+         "offloaded to CPU memory, and past --max-memory's cpu limit to disk. The model is loaded and quantized in CPU "
+         "memory first.")]
+MaxMemory = Annotated[Optional[str], typer.Option(
+    "--max-memory", metavar="DEVICE=SIZE,...",
+    help="With --device-map: the memory ptq may use on each device, for all the models it holds at once, e.g. "
+         "'0=70GiB,1=70GiB,cpu=400GiB'. Default: 70% of each GPU's free memory and 90% of the available host memory.")]
 CalibFile = Annotated[Optional[Path], typer.Option("--calib", help="Reuse a calibration file from `ptq calibrate`.")]
 CalibData = Annotated[Optional[str], typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")]
 CalibSamples = Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")]
@@ -86,6 +96,7 @@ def calibrate(
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False, low_memory: LowMemory = None,
     all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
+    device_map: DeviceMap = None, max_memory: MaxMemory = None,
 ) -> None:
     """Record the amax of every tensor a recipe quantizes (weights and Linear inputs).
 
@@ -93,14 +104,17 @@ def calibrate(
     """
     progress.QUIET = quiet or as_json
     from ptq.calibrate import summary_rows
+    from ptq.placement import parse as parse_placement
     from ptq.workflows import run_calibrate
 
     _check_policies(on_nonfinite, on_unseen)
+    placement = parse_placement(device_map, max_memory)
     try:
         calibration = run_calibrate(model, data, samples, seq_len, _split(recipe), output, force, trust_remote_code,
                                     resume=resume, checkpoint_every=checkpoint_every, on_nonfinite=on_nonfinite,
                                     on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check,
-                                    low_memory=low_memory, all_experts=all_experts, strict_coverage=strict_coverage)
+                                    low_memory=low_memory, all_experts=all_experts, strict_coverage=strict_coverage,
+                                    placement=placement)
     except KeyboardInterrupt:
         from ptq.calibrate import checkpoint_path
 
@@ -134,6 +148,7 @@ def compare(
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
     tasks: Tasks = None, max_items: MaxItems = 300, dtype: Dtype = None, matmul: Matmul = "auto",
     low_memory: LowMemory = None, all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
+    device_map: DeviceMap = None, max_memory: MaxMemory = None,
 ) -> None:
     """Evaluate the bf16 baseline and each recipe on the same held-out windows; write a report.
 
@@ -143,17 +158,19 @@ def compare(
     """
     progress.QUIET = quiet or as_json
     from ptq.gates import parse_limits
+    from ptq.placement import parse as parse_placement
     from ptq.workflows import run_compare
 
     if calib and calib_data:
         raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
     _check_policies(on_nonfinite, on_unseen)
     limits = parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)
+    placement = parse_placement(device_map, max_memory)
     results = run_compare(model, _split(recipes), calib, calib_data, calib_samples, eval_data, seq_len, max_windows,
                           out, force, batch_size, trust_remote_code, limits, not no_plots, on_nonfinite=on_nonfinite,
                           on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check, tasks=tasks,
                           max_items=max_items, dtype=dtype, matmul=matmul, low_memory=low_memory, all_experts=all_experts,
-                          strict_coverage=strict_coverage)
+                          strict_coverage=strict_coverage, placement=placement)
     if results.get("calibration"):
         _print_faults(results["calibration"]["faults"])
     if as_json:
@@ -362,19 +379,21 @@ def eval_(
     out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path("reports/eval"),
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
     dtype: Dtype = None, matmul: Matmul = "auto", all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
+    device_map: DeviceMap = None, max_memory: MaxMemory = None,
 ) -> None:
     """Evaluate one configuration: perplexity and task accuracy, each with a 95% interval.
 
     Example: ptq eval smollm2 --recipe fp8-e4m3 --calib smollm2.calib.safetensors --tasks cloze
     """
     progress.QUIET = quiet
+    from ptq.placement import parse as parse_placement
     from ptq.workflows import run_eval
 
     if calib and calib_data:
         raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
     results = run_eval(model, recipe, calib, calib_data, calib_samples, eval_data, seq_len, max_windows, tasks or None,
                        max_items, out, force, batch_size, trust_remote_code, dtype, matmul, all_experts=all_experts,
-                       strict_coverage=strict_coverage)
+                       strict_coverage=strict_coverage, placement=parse_placement(device_map, max_memory))
     _print_eval(results, out)
 
 

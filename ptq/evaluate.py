@@ -14,6 +14,7 @@ from torch import nn
 
 from ptq import batching
 from ptq.errors import PtqError
+from ptq.placement import input_device
 from ptq.progress import progress
 from ptq.quantize import fused
 
@@ -80,7 +81,7 @@ def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: 
     an explicit one that does not fit stops with one line. The scores do not depend on the batch size."""
     names = list(models)
     scores = {name: Scores() for name in names}
-    devices = {name: model_device(models[name]) for name in names}
+    devices = {name: input_device(models[name]) for name in names}
     device = devices[names[0]]  # where the scores are computed (the baseline's device)
     auto = batch_size is None
     size = batching.auto_batch_size(models[names[0]], input_ids.shape[1], len(input_ids), len(names)) if auto else batch_size
@@ -126,11 +127,6 @@ def merge_scores(parts: list[Scores]) -> Scores:
         for name in ("window_nll", "window_correct", "window_kl", "window_agree", "window_nll_sum", "window_kl_sum"):
             getattr(out, name).extend(getattr(p, name))
     return out
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """Where a model's inputs go: its first parameter's device (with accelerate's device_map, the embedding's)."""
-    return next(model.parameters(), torch.empty(0)).device
 
 
 def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: tuple | None, versus: bool = True) -> tuple:
@@ -309,7 +305,7 @@ def evaluate_tasks(models: dict[str, nn.Module], tasks: list, tokenizer, batch_s
     from ptq.tasks import ItemScores
 
     names = list(models)
-    device = next(models[names[0]].parameters()).device
+    device = input_device(models[names[0]])
     bos = tokenizer_adds_bos(tokenizer)
     pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     packed = [(t, i, pack_item(tokenizer, item.contexts, item.continuations, bos, max_len))

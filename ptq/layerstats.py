@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ptq.observers import snr_db
+from ptq.placement import onloaded
 from ptq.quantize import QuantLinear, fused
 
 INPUT_SNR_WINDOWS = 4  # windows of the evaluation text that input SNR is measured on
@@ -59,25 +60,25 @@ def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDO
     def hook_for(sums_of_layer: list, last: dict):
         def hook(module: QuantLinear, args: tuple) -> None:
             x = args[0]
-            room = windows - sums_of_layer[2]
+            room = windows - sums_of_layer[1]
             if room <= 0:
                 return
             if len(x) > room:
                 x = x[:room]
-            x_in, x_q = module.quantize_input(x)  # the same call the forward makes next (an input is rounded once)
-            if last.get("x_q") is not x_q:  # q/k/v (gate/up) share one input and its rounding: sum it once
-                last["x_q"] = x_q  # held, so that its identity cannot be reused meanwhile
-                last["sums"] = _fused_powers(x_in.detach(), x_q).tolist()
-            sums_of_layer[0] += last["sums"][0]
-            sums_of_layer[1] += last["sums"][1]
-            sums_of_layer[2] += len(x)
+            with onloaded(module):  # offloaded by --device-map: its scale is on the device during its forward only
+                x_in, x_q = module.quantize_input(x)  # the same call the forward makes next (an input is rounded once)
+                if last.get("x_q") is not x_q:  # q/k/v (gate/up) share one input and its rounding: sum it once
+                    last["x_q"] = x_q  # held, so that its identity cannot be reused meanwhile
+                    last["sums"] = _fused_powers(x_in.detach(), x_q)  # left on the device: no sync per layer
+            sums_of_layer[0] = last["sums"] if sums_of_layer[0] is None else sums_of_layer[0] + last["sums"]
+            sums_of_layer[1] += len(x)
         return hook
 
     for variant, model in quantized.items():
         sums[variant], last = {}, {}
         for name, q in quantized_layers(model).items():
             if q.inputs.format.scaled:
-                sums[variant][name] = [0.0, 0.0, 0]  # signal, noise, windows seen
+                sums[variant][name] = [None, 0]  # [signal, noise] powers (a tensor), windows seen
                 hooks.append(q.register_forward_pre_hook(hook_for(sums[variant][name], last)))
     result: dict[str, dict[str, float | None]] = {}
     try:
@@ -85,7 +86,8 @@ def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDO
     finally:
         for h in hooks:
             h.remove()
-    result.update({v: {n: snr_db(s, e) for n, (s, e, _) in layers.items()} for v, layers in sums.items()})
+    result.update({v: {n: snr_db(*(powers.tolist() if powers is not None else (0.0, 0.0))) for n, (powers, _) in layers.items()}
+                   for v, layers in sums.items()})
 
 
 def layer_snr(weights: dict[str, dict], inputs: dict[str, dict], windows: int = INPUT_SNR_WINDOWS) -> dict[str, dict | None]:

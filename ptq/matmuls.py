@@ -155,6 +155,8 @@ class LinearExperts(nn.ModuleList):
 
         layers = {p: [getattr(expert, p) for expert in self] for p in ("gate_proj", "up_proj", "down_proj")
                   if hasattr(self[0], p)}
+        if getattr(getattr(self, "_hf_hook", None), "offload", False):
+            return grouped_experts(self, layers)  # offloaded (ptq.placement): its tensors are on the device for this call only
         first = next(itertools.chain(self[0].down_proj.buffers(), self[0].down_proj.parameters()))
         key = (*(id(m) for group in layers.values() for m in group), first.device)
         if self._grouped is None or self._grouped[0] != key:  # made again when the modules or their device change

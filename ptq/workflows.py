@@ -34,6 +34,9 @@ from ptq.gates import Limits, gate_results
 from ptq.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
 from ptq.matmuls import coverage, describe_coverage, kind, unsupported_weights
 from ptq.models import LoadedModel, compute_dtype, default_device, linear_layers, load_model
+from ptq.placement import Placement, placed, placed_copy
+from ptq.placement import describe as describe_placement
+from ptq.placement import summary as placement_summary
 from ptq.progress import stderr
 from ptq.quantize import calibration_targets, plan, quantize_, quantize_variants, resolve_matmul
 from ptq.recipes import Recipe, load_recipe
@@ -69,9 +72,11 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
                   output: Path, force: bool = False, trust_remote_code: bool = False, *, resume: bool = False,
                   checkpoint_every: float = 60.0, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                   allow_pickle: bool = False, memory_check: bool = True, low_memory: bool | None = None,
-                  all_experts: bool = True, strict_coverage: bool = False) -> Calibration:
+                  all_experts: bool = True, strict_coverage: bool = False, placement: Placement | None = None) -> Calibration:
     """Calibrate and save; a checkpoint (OUTPUT.checkpoint) is kept while running and removed at the end.
-    low_memory: block by block from disk (ptq.streaming); None: when the model does not fit in memory."""
+    low_memory: block by block from disk (ptq.streaming); None: when the model does not fit in memory.
+    placement: the model placed over the GPUs and offloaded (ptq.placement, --device-map)."""
+    compute_path(None, "simulated", bool(low_memory), placement)  # refuses --device-map with --low-memory or torchrun
     if low_memory and resume:
         raise PtqError("--resume is not available with --low-memory (block-by-block calibration keeps no checkpoint)")
     check_writable(output, force)
@@ -81,11 +86,12 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
     check_output_dir(Path(output).parent)
     loaded_recipes = [load_recipe(r) for r in recipes]
     corpus = load_corpus(data, role="calibration")  # bad data fails before the (slow) model load
-    loaded = _load(model, trust_remote_code, allow_pickle, memory_check, False if resume else low_memory)
+    loaded = _load(model, trust_remote_code, allow_pickle, memory_check, False if resume or placement else low_memory,
+                   torch.device("cpu") if placement else None)
     check_coverage(loaded.model, loaded_recipes, strict_coverage)
     calibration = _calibrate(loaded, corpus, samples, seq_len, loaded_recipes, output, force, on_nonfinite=on_nonfinite,
                              on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume,
-                             all_experts=all_experts)
+                             all_experts=all_experts, placement=placement)
     checkpoint.unlink(missing_ok=True)
     return calibration
 
@@ -93,7 +99,7 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
 def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, recipes: list[Recipe],
                output: Path | None, force: bool, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                checkpoint: Path | None = None, checkpoint_every: float = 60.0, resume: bool = False,
-               all_experts: bool = True) -> Calibration:
+               all_experts: bool = True, placement: Placement | None = None) -> Calibration:
     windows = make_windows(corpus, loaded.tokenizer, seq_len, samples)
     layers, channels = calibration_targets(loaded.model, recipes)
     if not layers:
@@ -102,10 +108,13 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
         if streaming.is_streamed(loaded.model):
             calibration = streaming.calibrate_blocks(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite,
                                                      on_unseen=on_unseen, channels=channels)
-        else:
-            calibration = calibrate(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite,
-                                    on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                                    resume=resume, channels=channels, all_experts=all_experts)
+        else:  # with a placement, a placed copy runs; the weight amax come from the model itself, on the CPU
+            with placed({"original": placed_copy(loaded.model) if placement else loaded.model}, placement) as runner:
+                calibration = calibrate(runner["original"], windows.input_ids, layers, on_nonfinite=on_nonfinite,
+                                        on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                                        resume=resume, channels=channels, all_experts=all_experts, weights_of=loaded.model)
+            del runner
+            batching.release()
     faults = calibration.metadata
     warnings = check_ranges(calibration, recipes, loaded.model)
     calibration.metadata = {**faults, **({"warnings": warnings} if warnings else {}),
@@ -122,7 +131,7 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
 
 
 def _load(model: str | None, trust_remote_code: bool, allow_pickle: bool, memory_check: bool,
-          low_memory: bool | None) -> LoadedModel:
+          low_memory: bool | None, device: torch.device | None = None) -> LoadedModel:
     """The whole model (ptq.models), or with low_memory its meta-device skeleton to stream from disk
     (ptq.streaming); low_memory None streams a local Llama checkpoint whose float32 weights do not fit."""
     if low_memory is None:
@@ -133,7 +142,7 @@ def _load(model: str | None, trust_remote_code: bool, allow_pickle: bool, memory
     if low_memory:
         return streaming.load_streamed(model, trust_remote_code)
     with batching.gpu_memory(f"loading model '{model}'"):
-        return load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check)
+        return load_model(model, trust_remote_code, device, allow_pickle=allow_pickle, memory_check=memory_check)
 
 
 def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list[str]:
@@ -172,10 +181,17 @@ def calibration_faults(metadata: dict) -> dict:
             "nonfinite_batches": metadata.get("nonfinite_batches", {}), "warnings": metadata.get("warnings", [])}
 
 
-def compute_path(dtype: str | None, matmul: str, low_memory: bool = False) -> dict:
+def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, placement: Placement | None = None) -> dict:
     """Where and how the models run: {"device", "dtype", "matmul", "low_memory"} (see models.compute_dtype,
-    quantize.resolve_matmul and streaming), checked before anything is loaded."""
+    quantize.resolve_matmul and streaming), checked before anything is loaded; with a placement (--device-map),
+    "placement" is filled in once the models are placed (ptq.placement.summary of each)."""
     device = default_device()
+    if placement is not None and low_memory:
+        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} and --device-map are two ways to run a model larger than one GPU: "
+                       "choose one")
+    if placement is not None and distributed.active():
+        raise PtqError("--device-map places one copy of the model over all the GPUs: start ptq in one process, without "
+                       "torchrun / accelerate launch")
     if low_memory and dtype not in (None, "float32"):
         raise PtqError(f"{streaming.LOW_MEMORY_FLAG} computes in float32 (each block is read in float32), not {dtype}")
     return {"device": str(device), "dtype": str(compute_dtype("float32" if low_memory else dtype, device)).removeprefix("torch."),
@@ -187,7 +203,8 @@ def describe_compute(compute: dict) -> str:
     matmul = ("FP8 layers as real FP8 matmuls (torch._scaled_mm), the others simulated" if compute["matmul"] == "fp8"
               else "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)")
     blocks = "; block by block from disk (--low-memory)" if compute.get("low_memory") else ""
-    return f"{compute['device']}, {compute['dtype']} compute; {matmul}{blocks}"
+    placed_text = f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
+    return f"{compute['device']}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
 
 
 def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib_data: str | None,
@@ -196,17 +213,19 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
                 limits: Limits | None = None, plots: bool = True, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                 allow_pickle: bool = False, memory_check: bool = True, tasks: str | None = None,
                 max_items: int | None = DEFAULT_MAX_ITEMS, dtype: str | None = None, matmul: str = "auto",
-                low_memory: bool | None = None, all_experts: bool = True, strict_coverage: bool = False) -> dict:
+                low_memory: bool | None = None, all_experts: bool = True, strict_coverage: bool = False,
+                placement: Placement | None = None) -> dict:
     """The bf16 baseline and each recipe on the same windows, report written. low_memory: block by block from
     disk (ptq.streaming); None: when the model and its variants' weight codes do not fit in memory.
-    batch_size: windows per forward pass, None or "auto" for ptq.batching's choice."""
+    batch_size: windows per forward pass, None or "auto" for ptq.batching's choice. placement (--device-map): the
+    model loaded and quantized on the CPU, each variant then placed over the GPUs and offloaded (ptq.placement)."""
     batch_size = batching.parse_batch_size(batch_size)
     distributed.setup()
     # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
     # the baseline, weight codes of 2 bytes at most.
     copies = torch.finfo(compute_dtype(dtype, default_device())).bits / 32 + 0.5 * (len(recipes) + 1)
-    streamed = low_memory if low_memory is not None else memory_check and streaming.too_big(model, copies)
-    compute = compute_path(dtype, matmul, streamed)
+    streamed = low_memory if low_memory is not None else placement is None and memory_check and streaming.too_big(model, copies)
+    compute = compute_path(dtype, matmul, streamed, placement)
     if streamed and tasks:
         raise PtqError(f"--tasks needs the whole model in memory: it is not available with {streaming.LOW_MEMORY_FLAG}")
     if streamed and distributed.active():
@@ -237,14 +256,14 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
         loaded = streaming.load_streamed(model, trust_remote_code)
     else:
         with batching.gpu_memory(f"loading model '{model}'"):
-            loaded = load_model(model, trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check,
-                                dtype=getattr(torch, compute["dtype"]), copies=copies)
+            loaded = load_model(model, trust_remote_code, torch.device("cpu") if placement else None, allow_pickle=allow_pickle,
+                                memory_check=memory_check, dtype=getattr(torch, compute["dtype"]), copies=copies)
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
     coverages = check_coverage(loaded.model, [baseline, *variants], strict_coverage)
 
     if calib_corpus is not None:
         calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, needs_calibration, None, force,
-                                 on_nonfinite=on_nonfinite, on_unseen=on_unseen, all_experts=all_experts)
+                                 on_nonfinite=on_nonfinite, on_unseen=on_unseen, all_experts=all_experts, placement=placement)
         calibration_source = "Calibrated in this run (no --calib file)."
     else:
         calibration_source = f"Calibration file {calib}." if calib else ""
@@ -266,12 +285,15 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
             weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
         del loaded.model
         batching.release()  # the original's memory, before the evaluation's batches
-        mine = distributed.share(len(windows.input_ids), INPUT_SNR_WINDOWS)  # all of them in one process
-        with input_snr_db(quantized) as input_snr:
-            scores = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))
-        input_snr = distributed.gather(input_snr)[0]  # the first process's share starts with the measured windows
-        if task_list:
-            task_run = _tasks(models, task_list, loaded.tokenizer, batch_size)
+        with placed(models, placement) as models:
+            if placement:
+                compute["placement"] = {name: placement_summary(m) for name, m in models.items()}
+            mine = distributed.share(len(windows.input_ids), INPUT_SNR_WINDOWS)  # all of them in one process
+            with input_snr_db(quantized) as input_snr:
+                scores = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))
+            input_snr = distributed.gather(input_snr)[0]  # the first process's share starts with the measured windows
+            if task_list:
+                task_run = _tasks(models, task_list, loaded.tokenizer, batch_size)
     snr = layer_snr(weight_snr, input_snr)
 
     base = scores[baseline.name]
@@ -337,12 +359,13 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
              eval_data: str | None, seq_len: int, max_windows: int | None, tasks: str | None,
              max_items: int | None, out: Path, force: bool = False, batch_size: int | str | None = None,
              trust_remote_code: bool = False, dtype: str | None = None, matmul: str = "auto",
-             all_experts: bool = True, strict_coverage: bool = False) -> dict:
+             all_experts: bool = True, strict_coverage: bool = False, placement: Placement | None = None) -> dict:
     """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy
-    on the tasks, each with its interval. No baseline, so no deltas: that is what compare is for."""
+    on the tasks, each with its interval. No baseline, so no deltas: that is what compare is for.
+    placement (--device-map): loaded and quantized on the CPU, then placed over the GPUs (ptq.placement)."""
     batch_size = batching.parse_batch_size(batch_size)
     distributed.setup()
-    compute = compute_path(dtype, matmul)
+    compute = compute_path(dtype, matmul, placement=placement)
     for name in ("report.md", "results.json"):
         check_writable(Path(out) / name, force)
     config = load_recipe(recipe)
@@ -352,17 +375,22 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
     eval_corpus = load_corpus(eval_data, role="evaluation")
     task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
     with batching.gpu_memory(f"loading model '{model}'"):
-        loaded = load_model(model, trust_remote_code, dtype=getattr(torch, compute["dtype"]))
+        loaded = load_model(model, trust_remote_code, torch.device("cpu") if placement else None,
+                            dtype=getattr(torch, compute["dtype"]))
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
     config_coverage = check_coverage(loaded.model, [config], strict_coverage)[config.name]
     calibration_source = f"Calibration file {calib}." if calib else ""
     if calib_corpus is not None:
-        calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, [config], None, force, all_experts=all_experts)
+        calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, [config], None, force, all_experts=all_experts,
+                                 placement=placement)
         calibration_source = "Calibrated in this run (no --calib file)."
     models = {config.name: quantize_(loaded.model, config, calibration, matmul=compute["matmul"])}
-    mine = distributed.share(len(windows.input_ids))  # all of them in one process
-    s = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))[config.name]
-    task_run = _tasks(models, task_list, loaded.tokenizer, batch_size) if task_list else None
+    with placed(models, placement) as models:
+        if placement:
+            compute["placement"] = {name: placement_summary(m) for name, m in models.items()}
+        mine = distributed.share(len(windows.input_ids))  # all of them in one process
+        s = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))[config.name]
+        task_run = _tasks(models, task_list, loaded.tokenizer, batch_size) if task_list else None
     results = {
         "command": "eval",
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
