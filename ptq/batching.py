@@ -2,9 +2,11 @@
 
 `auto`: on CUDA, as many windows as the free GPU memory holds (torch.cuda.mem_get_info) by the estimate of
 `window_bytes` (the full-vocabulary logits dominate: vocab x seq_len per window, in the compute dtype and again
-in float32 for the metrics, and the baseline's probabilities; plus the hidden states of one decoder block); on
-the CPU, 4 (the old default). An automatic batch size halves and retries a batch that runs out of GPU memory; an
-explicit one does not: the run stops with one line that names what did not fit and the way out.
+in float32 for the metrics, and the baseline's probabilities; plus the hidden states of one decoder block; for
+calibration, no metrics but the observers' transient copies of an input); on the CPU, 4 (the old default). An
+automatic batch size halves and retries a batch that runs out of GPU memory (calibration restarts from its first
+batch, ptq.calibrate); an explicit one does not: the run stops with one line that names what did not fit and the
+way out.
 """
 
 from __future__ import annotations
@@ -37,30 +39,41 @@ def parse_batch_size(value: str | int | None) -> int | None:
     return size
 
 
-def window_bytes(config, seq_len: int, dtype: torch.dtype, models: int = 1) -> int:
+def window_bytes(config, seq_len: int, dtype: torch.dtype, models: int = 1, *, calibrating: bool = False,
+                 logits: bool = True) -> int:
     """Estimated GPU memory one window of `seq_len` tokens needs while `models` variants score it: each
     variant's logits in the compute dtype and, one window at a time, in float32 (the metrics); the baseline's
     probabilities in float32, kept for the batch; the hidden states of one decoder block (residual, norm, q/k/v,
-    attention output, the MLP's intermediate activations) in the compute dtype."""
+    attention output, the MLP's intermediate activations) in the compute dtype.
+
+    calibrating: one model observed instead of scored: its logits in the compute dtype only when it computes
+    them (`logits`: calibration skips the lm_head unless it is calibrated), no metrics, no probabilities; plus
+    what an observer holds for a moment while it measures the widest input (the MLP's intermediate
+    activations): a float32 copy, its int32 bit pattern and the int64 bin index of its histogram, 16 bytes an
+    element (ptq.observers.histogram)."""
     vocab = getattr(config, "vocab_size", 0) or 0
     hidden = getattr(config, "hidden_size", 0) or 0
     intermediate = getattr(config, "intermediate_size", 0) or 4 * hidden
     size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
-    logits = seq_len * vocab * (size + (4 if models > 1 else 0))  # + the baseline's float32 probabilities
     block = seq_len * (8 * hidden + 3 * intermediate) * size
-    return logits + block
+    if calibrating:
+        return (seq_len * vocab * size if logits else 0) + block + seq_len * max(hidden, intermediate) * 16
+    logits_bytes = seq_len * vocab * (size + (4 if models > 1 else 0))  # + the baseline's float32 probabilities
+    return logits_bytes + block
 
 
-def auto_batch_size(model: nn.Module, seq_len: int, windows: int, models: int = 1) -> int:
-    """The batch size `auto` stands for: on CUDA from the free memory and `window_bytes`, at most the number of
-    windows and MAX_AUTO_BATCH_SIZE; on the CPU, CPU_BATCH_SIZE."""
+def auto_batch_size(model: nn.Module, seq_len: int, windows: int, models: int = 1, *, calibrating: bool = False,
+                    logits: bool = True) -> int:
+    """The batch size `auto` stands for: on CUDA from the free memory and `window_bytes` (`calibrating` and
+    `logits` passed on), at most the number of windows and MAX_AUTO_BATCH_SIZE; on the CPU (and for a model
+    on the meta device, streamed block by block), CPU_BATCH_SIZE."""
     from ptq.placement import input_device
 
     device, param = input_device(model), next(model.parameters(), None)
     if param is None or device.type != "cuda":
         return max(1, min(CPU_BATCH_SIZE, windows))
-    free, _ = torch.cuda.mem_get_info(device)  # with --device-map, on the GPU the logits come back to
-    per_window = max(1, window_bytes(model.config, seq_len, param.dtype, models))
+    free, _ = torch.cuda.mem_get_info(device)  # with --device-map, of the GPU the inputs and logits are on
+    per_window = max(1, window_bytes(model.config, seq_len, param.dtype, models, calibrating=calibrating, logits=logits))
     return max(1, min(MAX_AUTO_BATCH_SIZE, windows, int(free * GPU_MEMORY_FRACTION // per_window)))
 
 

@@ -18,7 +18,11 @@ Faults, each with one documented rule (docs/reliability.md):
 
 Long runs save the observers to a checkpoint every `checkpoint_every` seconds (atomically); a resumed
 run skips the batches already seen and, since a running max does not depend on how the batches are
-split between runs (nor do histogram counts), ends with exactly the same statistics.
+split between runs (nor do histogram counts), ends with exactly the same statistics. A checkpoint records
+its batch size (an automatic one resumes with it) and is refused for other settings (run_fingerprint).
+
+Batch size: explicit, or automatic (`--batch-size auto`: ptq.batching); a CUDA out-of-memory with an
+automatic size starts the calibration over on half the batch size (see calibrate for why).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from ptq import batching
 from ptq.errors import PtqError
 from ptq.files import check_writable, save_safetensors
 from ptq.formats import NumberFormat, amax, compute_scale, fake_quantize
@@ -82,7 +87,7 @@ def checkpoint_path(output: Path) -> Path:
     return Path(output).with_name(Path(output).name + ".checkpoint")
 
 
-def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4,
+def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int | None = 4,
               on_nonfinite: str = "fail", on_unseen: str = "fallback", checkpoint: Path | None = None,
               checkpoint_every: float = 60.0, resume: bool = False, channels: list[str] = (),
               all_experts: bool = True, weights_of: nn.Module | None = None) -> Calibration:
@@ -91,11 +96,57 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     the Linear layers in `channels`. With `all_experts`, every token also runs through every expert of a
     mixture-of-experts layer (observed, the output unchanged), so that no expert is left without a scale.
 
+    batch_size: windows per forward pass; None for automatic (ptq.batching.auto_batch_size with calibration's
+    per-window estimate: on CUDA from the free memory, CPU_BATCH_SIZE on the CPU). Resuming with None takes the
+    batch size the checkpoint was made with. The size used is `metadata["batch_size"]`.
+
+    CUDA out of memory: with an explicit batch size, the one-line error naming the batch size (ptq.batching).
+    With an automatic one, the batch size is halved (ptq.batching.back_off) and the calibration RESTARTS FROM
+    THE FIRST BATCH with new observers, any checkpoint's statistics included: a batch that ran out of memory
+    half-way has already been counted by the observers of the layers it went through (their running max,
+    histogram counts, per-channel max and batch counts), and undoing that exactly is not possible, so every
+    statistic is dropped. The result is then exactly that of a run on the smaller batch size from the start
+    (tests/test_batching.py). The batches already done are computed again; an out of memory happens on the
+    first batch in practice (every batch but the last has the same shape).
+
     With `checkpoint`, the observers are saved there (atomically) at most every `checkpoint_every`
     seconds; `resume=True` continues from it. The caller deletes the checkpoint once the result is saved.
     `weights_of`: the model the weight amax are read from, when `model` is a copy placed over the devices
     (ptq.placement) whose offloaded weights are not in memory.
     """
+    auto = batch_size is None
+    runner = _runner(model, layers)
+    if auto:
+        size = (checkpoint_batch_size(checkpoint) if resume else None) or batching.auto_batch_size(
+            model, input_ids.shape[1], len(input_ids), calibrating=True, logits=runner is model)
+    else:
+        size = batch_size
+    restarted = None
+    while True:
+        error = None
+        try:
+            calibration = _calibrate_batches(model, input_ids, layers, size, on_nonfinite, on_unseen, checkpoint,
+                                             checkpoint_every, resume, channels, all_experts, restarted, weights_of)
+        except torch.cuda.OutOfMemoryError as e:
+            error = str(e)  # not the exception: its frames hold the batch's tensors
+        else:
+            calibration.metadata["batch_size"] = size
+            return calibration
+        param = next(model.parameters())
+        estimate = size * batching.window_bytes(model.config, input_ids.shape[1], param.dtype, calibrating=True,
+                                                logits=runner is model)
+        restarted = size
+        size = batching.back_off(size, auto, f"calibrating on batches of {size} window(s) of {input_ids.shape[1]} tokens",
+                                 error, estimate)
+        resume = False  # the checkpoint's statistics go too: a new run on the smaller batch size
+
+
+def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int,
+                       on_nonfinite: str, on_unseen: str, checkpoint: Path | None, checkpoint_every: float, resume: bool,
+                       channels: list[str], all_experts: bool, restarted: int | None = None,
+                       weights_of: nn.Module | None = None) -> Calibration:
+    """One calibration run on batches of `batch_size` windows, with new observers (see calibrate).
+    restarted: the batch size that ran out of memory before this run, for the progress bar."""
     if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
         raise PtqError(f"unknown policy: on_nonfinite={on_nonfinite!r}, on_unseen={on_unseen!r}")
     from ptq import attention, residual
@@ -106,9 +157,9 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     weight_amax = {name: check_weight(name, weight_modules[name].weight) for name in linears}
     observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
     batches = input_ids.split(batch_size)
-    fingerprint = run_fingerprint(input_ids, layers, batch_size, on_nonfinite, weight_amax, channels)
+    fingerprint = run_fingerprint(input_ids, layers, batch_size, on_nonfinite, weight_amax, channels, all_experts)
     device = input_device(model)
-    start = load_checkpoint(checkpoint, observers, fingerprint, len(batches), device) if resume else 0
+    start = load_checkpoint(checkpoint, observers, fingerprint, len(batches), device, batch_size) if resume else 0
     hooks = [modules[name].register_forward_pre_hook(observers[name]) for name in linears]
     attention_layers, residual_blocks = {}, {}
     for name in layers:
@@ -127,7 +178,9 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     for m in experts:
         m.all_experts = all_experts
     try:
-        with torch.inference_mode(), progress("calibrating", len(input_ids), input_ids.shape[1]) as advance:
+        description = (f"calibrating again on batches of {batch_size} (out of GPU memory on {restarted})" if restarted
+                       else "calibrating")
+        with torch.inference_mode(), progress(description, len(input_ids), input_ids.shape[1]) as advance:
             advance(sum(len(b) for b in batches[:start]))
             for i in range(start, len(batches)):
                 runner(input_ids=batches[i].to(device))
@@ -135,7 +188,7 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
                     _fail_on_nonfinite(observers, i, batch_size)
                 advance(len(batches[i]))
                 if checkpoint is not None and i + 1 < len(batches) and time.monotonic() - saved_at >= checkpoint_every:
-                    save_checkpoint(checkpoint, observers, fingerprint, i + 1, len(batches))
+                    save_checkpoint(checkpoint, observers, fingerprint, i + 1, len(batches), batch_size)
                     saved_at = time.monotonic()
     finally:
         for m in experts:
@@ -254,16 +307,19 @@ def range_findings(checks: list[tuple[str, str, torch.Tensor, NumberFormat]]) ->
 
 
 def run_fingerprint(input_ids: torch.Tensor, layers: list[str], batch_size: int, on_nonfinite: str,
-                    weight_amax: dict[str, torch.Tensor], channels: list[str] = ()) -> str:
-    """What a checkpoint must match to be resumed: the same windows, layers, batches, policy and weights."""
+                    weight_amax: dict[str, torch.Tensor], channels: list[str] = (), all_experts: bool = True) -> str:
+    """What a checkpoint must match to be resumed: the same windows, layers, batches, policy, weights, and
+    whether every expert saw every token (`all_experts`: the statistics of the two settings differ)."""
     h = hashlib.sha256()
-    h.update(json.dumps([list(input_ids.shape), layers, batch_size, on_nonfinite, sorted(channels)]).encode())
+    h.update(json.dumps([list(input_ids.shape), layers, batch_size, on_nonfinite, sorted(channels),
+                         bool(all_experts)]).encode())
     h.update(input_ids.cpu().contiguous().numpy().tobytes())
     h.update(torch.stack([weight_amax[n] for n in layers if n in weight_amax] or [torch.zeros(())]).numpy().tobytes())
     return h.hexdigest()
 
 
-def save_checkpoint(path: Path, observers: dict[str, TensorObserver], fingerprint: str, done: int, total: int) -> None:
+def save_checkpoint(path: Path, observers: dict[str, TensorObserver], fingerprint: str, done: int, total: int,
+                    batch_size: int) -> None:
     tensors = {}
     for name, obs in observers.items():
         if obs.amax is not None:
@@ -273,13 +329,26 @@ def save_checkpoint(path: Path, observers: dict[str, TensorObserver], fingerprin
         if obs.channel_amax is not None:
             tensors[f"channel_amax/{name}"] = obs.channel_amax.float().cpu().contiguous()
         tensors[f"counts/{name}"] = torch.tensor([obs.calls, int(obs.nonfinite)], dtype=torch.int64)
-    header = {"kind": CHECKPOINT_KIND, "fingerprint": fingerprint, "batches_done": str(done), "batches": str(total)}
+    header = {"kind": CHECKPOINT_KIND, "fingerprint": fingerprint, "batches_done": str(done), "batches": str(total),
+              "batch_size": str(batch_size)}
     save_safetensors(tensors, path, header)
 
 
+def checkpoint_batch_size(path: Path | None) -> int | None:
+    """The batch size a checkpoint was made with (what `--batch-size auto` resumes with), or None when there is
+    no readable one (load_checkpoint then says what is wrong)."""
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            size = int((f.metadata() or {}).get("batch_size", ""))
+    except Exception:
+        return None
+    return size if size > 0 else None
+
+
 def load_checkpoint(path: Path | None, observers: dict[str, TensorObserver], fingerprint: str, total: int,
-                    device: torch.device | str = "cpu") -> int:
-    """Restore the observers from `path`; return the number of batches it covers."""
+                    device: torch.device | str = "cpu", batch_size: int | None = None) -> int:
+    """Restore the observers from `path`; return the number of batches it covers. batch_size: this run's, to
+    name a mismatch (the fingerprint covers it as well)."""
     if path is None or not Path(path).is_file():
         raise PtqError(f"no checkpoint to resume from ({path} does not exist); run without --resume")
     try:
@@ -289,11 +358,16 @@ def load_checkpoint(path: Path | None, observers: dict[str, TensorObserver], fin
         done = int(header.get("batches_done", ""))
     except Exception:
         raise PtqError(f"{path} is not a readable calibration checkpoint; delete it or use --force to start over") from None
+    made_on = header.get("batch_size")
+    if header.get("kind") == CHECKPOINT_KIND and batch_size is not None and made_on not in (None, str(batch_size)):
+        raise PtqError(f"{path} was made on batches of {made_on} windows, not {batch_size}: resume with --batch-size "
+                       f"{made_on} (or auto), or use --force to start over")
     if header.get("kind") != CHECKPOINT_KIND or header.get("batches") != str(total) or not 0 < done < total:
         raise PtqError(f"{path} is not a checkpoint of this calibration (kind or batch count differ); use --force to start over")
     if header.get("fingerprint") != fingerprint:
-        raise PtqError(f"{path} was made by a different run (model, data, layers, --samples, --seq-len or "
-                       "--on-nonfinite differ); rerun with the same options, or use --force to start over")
+        raise PtqError(f"{path} was made by a different run (model, data, layers, --samples, --seq-len, --batch-size, "
+                       "--on-nonfinite or --calibrate-all-experts/--routed-experts-only differ); rerun with the same "
+                       "options, or use --force to start over")
     for name, obs in observers.items():
         counts = tensors.get(f"counts/{name}")
         if counts is None or counts.shape != (2,):

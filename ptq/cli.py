@@ -37,8 +37,9 @@ NoMemoryCheck = Annotated[bool, typer.Option("--no-memory-check", help="Load the
 Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype: float32 or bfloat16.",
                                               show_default="bfloat16 on CUDA, float32 on CPU")]
-BatchSize = Annotated[str, typer.Option("--batch-size", help="Windows (or task items) per forward pass: a number, or 'auto' "
-                                        "(from the free GPU memory on CUDA, halved when a batch does not fit; 4 on CPUs).")]
+BatchSize = Annotated[str, typer.Option("--batch-size", help="Windows (or task items) per forward pass, in calibration too: a "
+                                        "number, or 'auto' (from the free GPU memory on CUDA, halved when a batch does not fit; "
+                                        "4 on CPUs).")]
 Matmul = Annotated[str, typer.Option("--matmul", help="Layers with FP8 weights and inputs: 'simulated', 'fp8' (real FP8 matmuls, "
                                       "torch._scaled_mm), or 'auto' (fp8 on GPUs that have it: compute capability 8.9+).")]
 NoPlots = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots next to report.md.")]
@@ -95,7 +96,7 @@ def calibrate(
     checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", min=0, help="Seconds between checkpoints (0: after every batch).")] = 60.0,
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False, low_memory: LowMemory = None,
-    all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
+    all_experts: AllExperts = True, strict_coverage: StrictCoverage = False, batch_size: BatchSize = "auto",
     device_map: DeviceMap = None, max_memory: MaxMemory = None,
 ) -> None:
     """Record the amax of every tensor a recipe quantizes (weights and Linear inputs).
@@ -114,7 +115,7 @@ def calibrate(
                                     resume=resume, checkpoint_every=checkpoint_every, on_nonfinite=on_nonfinite,
                                     on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check,
                                     low_memory=low_memory, all_experts=all_experts, strict_coverage=strict_coverage,
-                                    placement=placement)
+                                    batch_size=batch_size, placement=placement)
     except KeyboardInterrupt:
         from ptq.calibrate import checkpoint_path
 

@@ -72,10 +72,13 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
                   output: Path, force: bool = False, trust_remote_code: bool = False, *, resume: bool = False,
                   checkpoint_every: float = 60.0, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                   allow_pickle: bool = False, memory_check: bool = True, low_memory: bool | None = None,
-                  all_experts: bool = True, strict_coverage: bool = False, placement: Placement | None = None) -> Calibration:
+                  all_experts: bool = True, strict_coverage: bool = False,
+                  batch_size: int | str | None = None, placement: Placement | None = None) -> Calibration:
     """Calibrate and save; a checkpoint (OUTPUT.checkpoint) is kept while running and removed at the end.
     low_memory: block by block from disk (ptq.streaming); None: when the model does not fit in memory.
+    batch_size: windows per forward pass, None or "auto" for the automatic choice (see _calibrate).
     placement: the model placed over the GPUs and offloaded (ptq.placement, --device-map)."""
+    batch_size = batching.parse_batch_size(batch_size)
     compute_path(None, "simulated", bool(low_memory), placement)  # refuses --device-map with --low-memory or torchrun
     if low_memory and resume:
         raise PtqError("--resume is not available with --low-memory (block-by-block calibration keeps no checkpoint)")
@@ -91,7 +94,7 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
     check_coverage(loaded.model, loaded_recipes, strict_coverage)
     calibration = _calibrate(loaded, corpus, samples, seq_len, loaded_recipes, output, force, on_nonfinite=on_nonfinite,
                              on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume,
-                             all_experts=all_experts, placement=placement)
+                             all_experts=all_experts, batch_size=batch_size, placement=placement)
     checkpoint.unlink(missing_ok=True)
     return calibration
 
@@ -99,22 +102,29 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
 def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, recipes: list[Recipe],
                output: Path | None, force: bool, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                checkpoint: Path | None = None, checkpoint_every: float = 60.0, resume: bool = False,
-               all_experts: bool = True, placement: Placement | None = None) -> Calibration:
+               all_experts: bool = True, batch_size: int | None = None, placement: Placement | None = None) -> Calibration:
+    """batch_size: windows per forward pass, None for automatic (ptq.calibrate.calibrate: on CUDA from the free
+    memory, halved with a restart from the first batch when a batch does not fit; 4 on the CPU and block by block).
+    placement (--device-map): a copy of the model placed over the devices runs; the weight amax come from the model
+    itself, in CPU memory."""
     windows = make_windows(corpus, loaded.tokenizer, seq_len, samples)
     layers, channels = calibration_targets(loaded.model, recipes)
     if not layers:
         raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
-    with batching.gpu_memory(f"calibrating on batches of {batching.CPU_BATCH_SIZE} windows of {windows.seq_len} tokens"):
-        if streaming.is_streamed(loaded.model):
-            calibration = streaming.calibrate_blocks(loaded.model, windows.input_ids, layers, on_nonfinite=on_nonfinite,
-                                                     on_unseen=on_unseen, channels=channels)
-        else:  # with a placement, a placed copy runs; the weight amax come from the model itself, on the CPU
-            with placed({"original": placed_copy(loaded.model) if placement else loaded.model}, placement) as runner:
-                calibration = calibrate(runner["original"], windows.input_ids, layers, on_nonfinite=on_nonfinite,
-                                        on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                                        resume=resume, channels=channels, all_experts=all_experts, weights_of=loaded.model)
-            del runner
-            batching.release()
+    if streaming.is_streamed(loaded.model):
+        size = batch_size or batching.CPU_BATCH_SIZE
+        with batching.gpu_memory(f"calibrating block by block on batches of {size} window(s) of {windows.seq_len} tokens"):
+            calibration = streaming.calibrate_blocks(loaded.model, windows.input_ids, layers, batch_size=size,
+                                                     on_nonfinite=on_nonfinite, on_unseen=on_unseen, channels=channels)
+        calibration.metadata["batch_size"] = size
+    else:
+        # A batch that does not fit: calibrate backs off (automatic size) or stops with one line naming the size
+        with placed({"original": placed_copy(loaded.model) if placement else loaded.model}, placement) as runner:
+            calibration = calibrate(runner["original"], windows.input_ids, layers, batch_size, on_nonfinite=on_nonfinite,
+                                    on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                                    resume=resume, channels=channels, all_experts=all_experts, weights_of=loaded.model)
+        del runner
+        batching.release()  # a placed copy's GPU memory
     faults = calibration.metadata
     warnings = check_ranges(calibration, recipes, loaded.model)
     calibration.metadata = {**faults, **({"warnings": warnings} if warnings else {}),
@@ -263,7 +273,8 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
 
     if calib_corpus is not None:
         calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, needs_calibration, None, force,
-                                 on_nonfinite=on_nonfinite, on_unseen=on_unseen, all_experts=all_experts, placement=placement)
+                                 on_nonfinite=on_nonfinite, on_unseen=on_unseen, all_experts=all_experts,
+                                 batch_size=batch_size, placement=placement)
         calibration_source = "Calibrated in this run (no --calib file)."
     else:
         calibration_source = f"Calibration file {calib}." if calib else ""
@@ -336,7 +347,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
         m = calibration.metadata
         results["calibration"] = {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
                                   "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
-                                  "summary": summary_rows(calibration), "faults": calibration_faults(m),
+                                  "batch_size": m.get("batch_size"), "summary": summary_rows(calibration), "faults": calibration_faults(m),
                                   "layers": [{"layer": name, "input_amax": float(calibration.input_amax[name]),
                                               "weight_amax": float(calibration.weight_amax[name])}
                                              for name in layer_order if name in calibration.input_amax]}
@@ -382,7 +393,7 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
     calibration_source = f"Calibration file {calib}." if calib else ""
     if calib_corpus is not None:
         calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, [config], None, force, all_experts=all_experts,
-                                 placement=placement)
+                                 batch_size=batch_size, placement=placement)
         calibration_source = "Calibrated in this run (no --calib file)."
     models = {config.name: quantize_(loaded.model, config, calibration, matmul=compute["matmul"])}
     with placed(models, placement) as models:
@@ -414,7 +425,7 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
         m = calibration.metadata
         results["calibration"] = {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
                                   "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
-                                  "summary": summary_rows(calibration)}
+                                  "batch_size": m.get("batch_size"), "summary": summary_rows(calibration)}
     if distributed.is_main():
         write_report(Path(out), results, force, plots=False, render=render_eval_markdown)
     return results
@@ -591,7 +602,8 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
     export.export_layers(loaded.model, r)  # refuse an unexportable model before calibrating it
     checkpoint_coverage = check_coverage(loaded.model, [r], strict_coverage)[r.name]
     if calibration is None:
-        calibration = _calibrate(loaded, calib_corpus, samples, seq_len, [r], None, force, all_experts=all_experts)
+        calibration = _calibrate(loaded, calib_corpus, samples, seq_len, [r], None, force, all_experts=all_experts,
+                                 batch_size=batch_size)
         calibration_source = "calibrated in this run"
     else:
         calibration_source = f"calibration file {Path(calib).name}"
@@ -611,7 +623,8 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
                    "compressed_tensors": importlib.metadata.version("compressed-tensors"),
                    "quantized_layers": len(quantized), "ignored_layers": ignored},
         "calibration": {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
-                        "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens")},
+                        "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
+                        "batch_size": m.get("batch_size")},
         "size": export.checkpoint_bytes(entries, quantized),
         "coverage": checkpoint_coverage,
         "verification": None,

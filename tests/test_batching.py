@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ptq import batching
+from ptq.calibrate import load_calibration
 from ptq.errors import PtqError
 from ptq.evaluate import evaluate, evaluate_tasks
 
@@ -187,3 +188,121 @@ def test_an_out_of_memory_no_step_names_is_still_one_line(ptq_cli, tiny_model, t
     code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST)
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert "out of GPU memory (CUDA out of memory. Tried to allocate 5.00 GiB)" in stderr and "--low-memory" in stderr
+
+
+# Calibration: --batch-size for `ptq calibrate` and the calibration inside compare / eval / quantize --------------
+
+
+def oom_in_mlp_above(monkeypatch, limit: int, calls: list | None = None):
+    """Every LlamaMLP forward of more than `limit` rows raises CUDA's out-of-memory error: half-way through the
+    model, after the observers of the first block's attention have counted the batch."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    forward = LlamaMLP.forward
+
+    def limited(self, x):
+        if calls is not None:
+            calls.append(len(x))
+        if len(x) > limit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.50 GiB. ({len(x)} rows)")
+        return forward(self, x)
+
+    monkeypatch.setattr(LlamaMLP, "forward", limited)
+
+
+def test_calibration_estimate_has_no_metrics_and_logits_only_when_computed():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336)
+    block = 2048 * (8 * 4096 + 3 * 14336) * 2
+    observer = 2048 * 14336 * 16  # float32 copy, int32 bits, int64 bin index of the MLP's intermediate input
+    assert batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True, logits=False) == block + observer
+    assert (batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True, logits=True)
+            == block + observer + 2048 * 128256 * 2)  # the lm_head calibrated: logits in bf16, no float32 copy
+    assert batching.window_bytes(config, 2048, torch.bfloat16) == 2048 * 128256 * 2 + block  # evaluation unchanged
+
+
+def _calibration_setup(tiny_model):
+    from ptq.quantize import calibrated_layers
+    from ptq.recipes import load_recipe
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ids = torch.randint(0, model.config.vocab_size, (7, 24), generator=torch.Generator().manual_seed(0))
+    return model, ids, calibrated_layers(model, load_recipe("fp8-e4m3"))
+
+
+def test_calibration_with_an_automatic_batch_size_restarts_on_out_of_memory(tiny_model, monkeypatch):
+    from ptq.calibrate import TensorObserver, calibrate
+
+    model, ids, layers = _calibration_setup(tiny_model)
+    want = calibrate(model, ids, layers, batch_size=2)
+    observed, calls = [], []
+    forward = TensorObserver.__call__
+
+    def counting(self, module, args):
+        observed.append(len(args[0]))
+        forward(self, module, args)
+
+    monkeypatch.setattr(TensorObserver, "__call__", counting)
+    oom_in_mlp_above(monkeypatch, 2, calls)
+    got = calibrate(model, ids, layers, batch_size=None)  # auto: 4 on the CPU, then 2 from the first batch again
+    assert calls[0] == 4 and set(calls[1:]) == {2, 1}
+    assert 4 in observed  # the failed batch of 4 was counted by the first block's attention observers ...
+    assert got.metadata["batch_size"] == 2 == want.metadata["batch_size"]
+    assert got.input_amax.keys() == want.input_amax.keys() and got.input_hist.keys() == want.input_hist.keys()
+    for name in want.input_amax:  # ... and yet nothing of it is left: amax and histograms as on batches of 2
+        assert torch.equal(got.input_amax[name], want.input_amax[name]), name
+        assert torch.equal(got.input_hist[name], want.input_hist[name]), name
+    assert sum(int(h.sum()) for h in got.input_hist.values()) > 0
+
+
+def test_calibration_with_an_explicit_batch_size_that_does_not_fit_is_one_line(tiny_model, monkeypatch):
+    from ptq.calibrate import calibrate
+
+    model, ids, layers = _calibration_setup(tiny_model)
+    oom_in_mlp_above(monkeypatch, 1)
+    with pytest.raises(PtqError) as e:
+        calibrate(model, ids, layers, batch_size=2)
+    message = str(e.value)
+    assert "\n" not in message and "out of GPU memory calibrating on batches of 2 window(s) of 24 tokens" in message
+    assert "estimated" in message and "Tried to allocate 2.50 GiB" in message and "--batch-size" in message
+    with pytest.raises(PtqError, match="out of GPU memory calibrating on batches of 1 window"):
+        oom_in_mlp_above(monkeypatch, 0)
+        calibrate(model, ids, layers, batch_size=None)  # automatic, down to one window that does not fit either
+
+
+CALIBRATE = ["--samples", "6", "--seq-len", "16", "--quiet"]
+
+
+def test_calibrate_command_batch_size(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")
+    calibrate = lambda out, *extra: ptq_cli("calibrate", tiny_model, "--data", text_file, "-o", out, *CALIBRATE, *extra)  # noqa: E731
+    code, _, stderr = calibrate(tmp_path / "two.st", "--batch-size", "2")
+    assert code == 0, stderr
+    assert load_calibration(tmp_path / "two.st").metadata["batch_size"] == 2
+    code, _, stderr = calibrate(tmp_path / "cpu.st")  # auto on the CPU: 4, the old fixed size
+    assert code == 0, stderr
+    assert load_calibration(tmp_path / "cpu.st").metadata["batch_size"] == batching.CPU_BATCH_SIZE
+    with monkeypatch.context() as m:
+        oom_in_mlp_above(m, 2)
+        code, _, stderr = calibrate(tmp_path / "auto.st")  # auto: 4 runs out of memory, restarts on 2
+        assert code == 0, stderr
+        assert (tmp_path / "auto.st").read_bytes() == (tmp_path / "two.st").read_bytes()  # the same file, byte for byte
+        code, _, stderr = calibrate(tmp_path / "three.st", "--batch-size", "3")
+        assert code == 2 and len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+        assert "out of GPU memory calibrating on batches of 3 window(s) of 16 tokens" in stderr
+        assert not (tmp_path / "three.st").exists() and not (tmp_path / "three.st.checkpoint").exists()
+    code, _, stderr = calibrate(tmp_path / "bad.st", "--batch-size", "0")
+    assert code == 2 and "--batch-size must be a positive integer or 'auto'" in stderr
+
+
+def test_compare_and_quantize_calibrate_on_their_batch_size(ptq_cli, tiny_model, text_file, tmp_path):
+    code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file,
+                              "--out", tmp_path / "c", "--batch-size", "3", *FAST)
+    assert code == 0, stderr
+    assert json.loads((tmp_path / "c" / "results.json").read_text())["calibration"]["batch_size"] == 3
+    pytest.importorskip("compressed_tensors")
+    code, _, stderr = ptq_cli("quantize", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32",
+                              "--batch-size", "1", "--no-verify", "-o", tmp_path / "q", "--quiet")
+    assert code == 0, stderr
+    assert json.loads((tmp_path / "q" / "ptq-export.json").read_text())["calibration"]["batch_size"] == 1

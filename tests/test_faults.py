@@ -315,6 +315,51 @@ def test_resume_refuses_a_checkpoint_of_another_run(tiny_model, text_file, tmp_p
     assert code == 0 and not checkpoint_path(out).exists() and out.is_file()
 
 
+def interrupted_calibration(ptq_cli, monkeypatch, args, after_batches: int) -> None:
+    """Run `args` in-process with a checkpoint after every batch, interrupted (Ctrl-C) in batch after_batches + 1."""
+    forward, seen = TensorObserver.__call__, []
+
+    def interrupting(self, module, inputs):
+        seen.append(1)
+        if len(seen) > 14 * after_batches:  # the tiny model's 14 observed Linear layers per batch
+            raise KeyboardInterrupt
+        forward(self, module, inputs)
+
+    with monkeypatch.context() as m:
+        m.setattr(TensorObserver, "__call__", interrupting)
+        code, _, err = ptq_cli(*args, "--checkpoint-every", "0")
+    assert code == 130 and "--resume" in err, err
+
+
+def test_resume_refuses_the_other_expert_setting_and_keeps_the_batch_size(tiny_model, text_file, tmp_path, ptq_cli,
+                                                                          monkeypatch):
+    """--calibrate-all-experts and --routed-experts-only give different statistics: a checkpoint of one is not
+    resumed with the other. An automatic --batch-size resumes with the checkpoint's; another explicit one is refused."""
+    out = tmp_path / "c.st"
+    args = calib_args(tiny_model, text_file, out, "--batch-size", "3")  # 24 windows: 8 batches of 3
+    interrupted_calibration(ptq_cli, monkeypatch, args, 2)
+    with safetensors.safe_open(str(checkpoint_path(out)), framework="pt") as f:
+        assert f.metadata()["batches_done"] == "2" and f.metadata()["batch_size"] == "3"
+    code, _, err = ptq_cli(*args, "--resume", "--routed-experts-only")
+    assert code == 2 and one_error_line(err) and "was made by a different run" in err, err
+    assert "--routed-experts-only" in err and not out.exists()
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--batch-size", "2", "--resume"))
+    assert code == 2 and one_error_line(err) and "was made on batches of 3 windows, not 2" in err, err
+    assert "--batch-size 3 (or auto)" in err
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))  # auto: the checkpoint's 3, not 4
+    assert code == 0, err
+    assert load_calibration(out).metadata["batch_size"] == 3 and not checkpoint_path(out).exists()
+
+    routed = tmp_path / "routed.st"  # and the other way round
+    args = calib_args(tiny_model, text_file, routed, "--routed-experts-only")
+    interrupted_calibration(ptq_cli, monkeypatch, args, 1)
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, routed, "--resume"))
+    assert code == 2 and one_error_line(err) and "was made by a different run" in err, err
+    code, _, err = ptq_cli(*args, "--resume")
+    assert code == 0, err
+    assert load_calibration(routed).metadata["all_experts"] is False
+
+
 # 3. Determinism ----------------------------------------------------------------------------------
 
 
