@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.ptq-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench bench-peers models-check clean
+.PHONY: setup demo test bench bench-peers models-check gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,11 @@ $(PEERS_STAMP):
 
 bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python -m ptq.bench_peers --peer-python $(PEERS_VENV)/bin/python $(BENCH_PEERS_ARGS)
+
+# Wheels for benchmarks/gpu_check.sh on a GPU machine without network (Python 3.12, x86-64, its own torch),
+# into .gpu/ (git-ignored); the recipe for the device calls is at the top of benchmarks/gpu_check.sh.
+gpu-wheels:
+	PYTHON=$(PYTHON) bash benchmarks/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) reports .pytest_cache

