@@ -21,6 +21,7 @@ the tests exercise the offloading hooks on a CPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import uuid
 from collections import Counter
@@ -129,8 +130,16 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
         offload_state_dict(folder, {k: t for k, t in model.state_dict().items()
                                     if any(not m or k == m or k.startswith(m + ".") for m in disk)})
     gpus = [d for d in mapping.values() if d not in ("cpu", "disk")]
-    dispatch_model(model, mapping, main_device=gpus[0] if gpus else "cpu", offload_dir=folder, offload_buffers=True,
-                   preload_module_classes=PRELOADED)
+    logger = logging.getLogger("accelerate.big_modeling")  # its "parameters are on the meta device": the report says where
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        # force_hooks: even a model that fits one device is placed by the hooks, which give each placed module new
+        # tensors, not by model.to(), which would move in place the tensors the variants share with one another
+        dispatch_model(model, mapping, main_device=gpus[0] if gpus else "cpu", offload_dir=folder, offload_buffers=True,
+                       preload_module_classes=PRELOADED, force_hooks=True)
+    finally:
+        logger.setLevel(level)
     model.hf_device_map = mapping
     return model
 

@@ -1,0 +1,99 @@
+"""--device-map: models placed by accelerate, offloaded where the devices cannot hold them (ptq/placement.py).
+
+Without a GPU, a --max-memory cpu limit smaller than the models sends their modules to disk: accelerate's offloading
+hooks then load each module's tensors (weights, and the quantized layers' codes and scales) for its forward, the
+same hooks that load CPU-offloaded modules onto a GPU. The numbers must be exactly those of the models in memory.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import families
+from ptq.calibrate import load_calibration
+
+COMMON = ["--seq-len", "16", "--max-windows", "2", "--calib-samples", "2", "--no-plots"]
+OFFLOADED = ["--device-map", "auto", "--max-memory", "cpu=450KB"]  # less than the tiny models: some of each on disk
+
+
+def _model_dir(family: str, tmp_path, tiny_model):
+    if family == "llama":
+        return tiny_model  # tied embeddings
+    from conftest import make_tokenizer
+
+    path = tmp_path / family
+    families.build(family).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
+def test_compare_with_offloaded_models_equals_the_models_in_memory(family, tmp_path, ptq_cli, text_file, tiny_model,
+                                                                  monkeypatch):
+    model = _model_dir(family, tmp_path, tiny_model)
+    monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))  # the offload folders go under it
+    data = ["--calib-data", text_file, "--eval-data", text_file, "--recipes", "fp8-e4m3,int8", *COMMON]
+    code, _, err = ptq_cli("compare", model, *data, "--out", tmp_path / "memory")
+    assert code == 0, err
+    code, _, err = ptq_cli("compare", model, *data, *OFFLOADED, "--out", tmp_path / "placed")
+    assert code == 0, err
+    memory = json.loads((tmp_path / "memory" / "results.json").read_text())
+    placed = json.loads((tmp_path / "placed" / "results.json").read_text())
+    where = placed["compute"]["placement"]
+    assert set(where) == {"bf16", "fp8-e4m3", "int8"}
+    assert all("disk" in devices for devices in where.values()), where
+    assert any("cpu" in devices for devices in where.values()), where  # a model split between memory and disk
+    assert "on disk by accelerate (--device-map)" in placed["device"]
+    assert "placement" not in memory["compute"]
+    assert placed["baseline"]["perplexity"] == memory["baseline"]["perplexity"]
+    assert placed["calibration"]["layers"] == memory["calibration"]["layers"]  # calibrated on the placed original
+    for a, b in zip(memory["variants"], placed["variants"], strict=True):
+        assert (a["name"], a["perplexity"], a["kl_div"], a["top1_agreement"]) == (b["name"], b["perplexity"], b["kl_div"], b["top1_agreement"])
+        assert a["snr_db"] == b["snr_db"]  # input SNR measured on the offloaded layers too
+    assert "on disk by accelerate" in (tmp_path / "placed" / "report.md").read_text()
+    offload = tmp_path / "cache" / "offload"
+    assert offload.is_dir() and not any(offload.iterdir())  # used for the disk, and emptied after the run
+
+
+def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tiny_model):
+    model = _model_dir("qwen3_moe", tmp_path, tiny_model)
+    args = ["--data", text_file, "--seq-len", "16", "--samples", "2"]
+    assert ptq_cli("calibrate", model, *args, "-o", tmp_path / "memory.safetensors")[0] == 0
+    code, _, err = ptq_cli("calibrate", model, *args, *OFFLOADED, "-o", tmp_path / "placed.safetensors")
+    assert code == 0, err
+    memory, placed = load_calibration(tmp_path / "memory.safetensors"), load_calibration(tmp_path / "placed.safetensors")
+    assert memory.input_amax.keys() == placed.input_amax.keys()
+    assert any(".experts.3.down_proj" in name for name in placed.input_amax)  # every expert, through the preloaded module
+    for name in memory.input_amax:
+        assert torch.equal(memory.input_amax[name], placed.input_amax[name]), name
+        assert torch.equal(memory.weight_amax[name], placed.weight_amax[name]), name
+        assert torch.equal(memory.input_hist[name], placed.input_hist[name]), name
+    evaluated = {}
+    for name, extra in (("memory", []), ("placed", OFFLOADED)):
+        code, _, err = ptq_cli("eval", model, "--recipe", "fp8-e4m3", "--calib", tmp_path / "memory.safetensors",
+                               "--eval-data", text_file, "--tasks", "", "--seq-len", "16", "--max-windows", "2",
+                               *(extra[:-1] + ["cpu=150KB"] if extra else []),  # one model: a smaller limit
+                               "--out", tmp_path / f"eval-{name}")
+        assert code == 0, err
+        evaluated[name] = json.loads((tmp_path / f"eval-{name}" / "results.json").read_text())
+    assert "disk" in evaluated["placed"]["compute"]["placement"]["fp8-e4m3"]
+    assert evaluated["placed"]["config"]["perplexity"] == evaluated["memory"]["config"]["perplexity"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-memory", "cpu=1GB"], "--max-memory limits what --device-map places"),
+    (["--device-map", "everywhere"], "unknown --device-map 'everywhere'"),
+    (["--device-map", "auto", "--max-memory", "cpu=lots"], "--max-memory size 'lots' is not a size"),
+    (["--device-map", "auto", "--max-memory", "cpu"], "--max-memory 'cpu' is not DEVICE=SIZE"),
+    (["--device-map", "auto", "--max-memory", f"{torch.cuda.device_count()}=1GB"], "GPU(s)"),
+    (["--device-map", "auto", "--max-memory", "tpu=1GB"], "device 'tpu' is not a GPU index"),
+    (["--device-map", "auto", "--low-memory"], "--low-memory and --device-map"),
+])
+def test_bad_placement_options_are_one_line(args, message, tmp_path, ptq_cli, text_file, tiny_model):
+    code, out, err = ptq_cli("compare", tiny_model, "--eval-data", text_file, *COMMON, *args, "--out", tmp_path / "r")
+    assert code == 2
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r" / "results.json").exists()
