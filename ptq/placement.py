@@ -120,7 +120,8 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
 
     from ptq.files import make_dir
 
-    mapping = device_map(model, placement, share)
+    with _quiet():
+        mapping = device_map(model, placement, share)
     folder = None
     disk = [name for name, device in mapping.items() if device == "disk"]
     if disk:
@@ -130,16 +131,11 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
         offload_state_dict(folder, {k: t for k, t in model.state_dict().items()
                                     if any(not m or k == m or k.startswith(m + ".") for m in disk)})
     gpus = [d for d in mapping.values() if d not in ("cpu", "disk")]
-    logger = logging.getLogger("accelerate.big_modeling")  # its "parameters are on the meta device": the report says where
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
+    with _quiet():
         # force_hooks: even a model that fits one device is placed by the hooks, which give each placed module new
         # tensors, not by model.to(), which would move in place the tensors the variants share with one another
         dispatch_model(model, mapping, main_device=gpus[0] if gpus else "cpu", offload_dir=folder, offload_buffers=True,
                        preload_module_classes=PRELOADED, force_hooks=True)
-    finally:
-        logger.setLevel(level)
     model.hf_device_map = mapping
     return model
 
@@ -162,6 +158,22 @@ def placed(models: dict[str, nn.Module], placement: Placement | None):
         yield result
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """accelerate's warnings while it places a model, which the report replaces: "some parameters are on the meta
+    device" (where each model went is in results.json and the report) and "the model weights are not tied" (a
+    variant's lm_head is a quantized layer, no longer tied to the embedding; the original's stay tied)."""
+    loggers = [logging.getLogger(name) for name in ("accelerate.big_modeling", "accelerate.utils.modeling")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def placed_copy(model: nn.Module) -> nn.Module:

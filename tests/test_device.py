@@ -87,3 +87,46 @@ def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, te
         assert code == 0, stderr
     for name, value in amax["cpu"].items():
         assert float(amax["cuda"][name]) == pytest.approx(float(value), rel=1e-4), name
+
+
+@needs_cuda
+def test_low_memory_on_cuda_gives_the_cpu_numbers(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+    """--low-memory on the GPU: one decoder block on it at a time, read from disk, the same float32 numbers."""
+    runs = {}
+    for device in ("cpu", "cuda"):
+        monkeypatch.setenv("PTQ_DEVICE", device)
+        out = tmp_path / device
+        code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
+                                  "--low-memory", "--matmul", "simulated", "--no-plots", *FAST)
+        assert code == 0, stderr
+        runs[device] = json.loads((out / "results.json").read_text())
+    assert runs["cuda"]["compute"]["low_memory"] and runs["cuda"]["compute"]["device"] == "cuda"
+    for cpu, cuda in zip([runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]):
+        assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3)
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_device_map_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+    """--device-map with a GPU limit smaller than the models: their first modules on the GPU, the others offloaded to
+    CPU memory and copied to the GPU for each forward (the experts' grouped matmul too); the CPU's float32 numbers."""
+    model = tiny_model
+    if family != "llama":
+        import families
+        from conftest import make_tokenizer
+
+        model = tmp_path / family
+        families.build(family).save_pretrained(model)
+        make_tokenizer().save_pretrained(model)
+    runs = {}
+    for device, extra in (("cpu", []), ("cuda", ["--device-map", "auto", "--max-memory", "0=400KB,cpu=1GB"])):
+        monkeypatch.setenv("PTQ_DEVICE", device)
+        out = tmp_path / device
+        code, _, stderr = ptq_cli("compare", model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
+                                  "--dtype", "float32", "--matmul", "simulated", "--no-plots", *extra, *FAST)
+        assert code == 0, stderr
+        runs[device] = json.loads((out / "results.json").read_text())
+    where = runs["cuda"]["compute"]["placement"]
+    assert any({"cuda:0", "cpu"} <= set(devices) for devices in where.values()), where  # a model split GPU / CPU memory
+    for cpu, cuda in zip([runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]):
+        assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3)
