@@ -312,6 +312,7 @@ def quantize(
     batch_size: BatchSize = "auto",
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, low_memory: LowMemory = None,
     all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
+    device_map: DeviceMap = None, max_memory: MaxMemory = None,
 ) -> None:
     """Write a quantized checkpoint (compressed-tensors format) that transformers and vLLM load, and verify it.
 
@@ -319,6 +320,7 @@ def quantize(
     """
     progress.QUIET = quiet
     from ptq.export import VerificationFailed
+    from ptq.placement import parse as parse_placement
     from ptq.workflows import run_quantize
 
     if calib and data:
@@ -326,7 +328,8 @@ def quantize(
     try:
         info = run_quantize(model, recipe, calib, data, samples, seq_len, output, force, verify, verify_windows,
                             shard_size, compare_results, batch_size, trust_remote_code, low_memory=low_memory,
-                            all_experts=all_experts, strict_coverage=strict_coverage)
+                            all_experts=all_experts, strict_coverage=strict_coverage,
+                            placement=parse_placement(device_map, max_memory))
     except VerificationFailed as e:
         _print_quantize(e.info, output, written=False)
         progress.stderr.print(f"[bold red]verification failed:[/] {e}; nothing was written to {output} "

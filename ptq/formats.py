@@ -158,10 +158,11 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: NumberFormat, sa
     return round_to_format(x.float() / scale, fmt, saturate)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """q * scale in float32; q may be grid values or a storage tensor (cast exactly)."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale in float32; q may be grid values or a storage tensor (cast exactly). `dtype`: the product then
+    rounded to it (the compute dtype), in the same loop when fused."""
     scale = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
-    return q.float() * scale
+    return (q.float() * scale).to(dtype)
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: NumberFormat, saturate: bool = True) -> torch.Tensor:

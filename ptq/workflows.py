@@ -578,11 +578,12 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
                  output: Path, force: bool = False, verify: bool = True, verify_windows: int = 8,
                  shard_size_mb: float = 1000.0, compare_results: Path | None = None, batch_size: int | str | None = None,
                  trust_remote_code: bool = False, low_memory: bool | None = None, all_experts: bool = True,
-                 strict_coverage: bool = False) -> dict:
+                 strict_coverage: bool = False, placement: Placement | None = None) -> dict:
     """quantize: model + recipe (+ calibration) -> compressed-tensors checkpoint in `output`, reloaded with
     transformers and checked against ptq's simulation before it is renamed into place.
     low_memory: block by block from disk (ptq.streaming), unverified (the model is never whole in memory);
-    None: when the model does not fit in memory."""
+    None: when the model does not fit in memory. placement (--device-map): the model loaded and exported from
+    CPU memory; calibration and the verification's models placed over the devices (ptq.placement)."""
     from ptq import export
     from ptq.files import atomic_dir
     from ptq.progress import progress
@@ -591,19 +592,21 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
     output = Path(output)
     batch_size = batching.parse_batch_size(batch_size)
     check_export_target(output, force)
+    compute_path(None, "simulated", bool(low_memory), placement)  # refuses --device-map with --low-memory or torchrun
     r = load_recipe(recipe)
     export.check_exportable(r)
     compare = load_compare_results(compare_results, r.name) if compare_results else None
     calibration = load_calibration(calib) if calib else None
     check_output_dir(output.parent)
     calib_corpus = load_corpus(data, role="calibration") if calibration is None else None
-    loaded = _load(model, trust_remote_code, False, True, low_memory)
+    loaded = _load(model, trust_remote_code, False, True, False if placement else low_memory,
+                   torch.device("cpu") if placement else None)
     streamed = streaming.is_streamed(loaded.model)
     export.export_layers(loaded.model, r)  # refuse an unexportable model before calibrating it
     checkpoint_coverage = check_coverage(loaded.model, [r], strict_coverage)[r.name]
     if calibration is None:
         calibration = _calibrate(loaded, calib_corpus, samples, seq_len, [r], None, force, all_experts=all_experts,
-                                 batch_size=batch_size)
+                                 batch_size=batch_size, placement=placement)
         calibration_source = "calibrated in this run"
     else:
         calibration_source = f"calibration file {Path(calib).name}"
@@ -644,6 +647,10 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
         if verify and streamed:
             info["verification_skipped"] = ("exported block by block with `--low-memory`: the model was never whole in "
                                             "memory to be reloaded and compared")
+        elif verify and placement:  # transformers 5 with compressed-tensors 0.20 fails to run such a checkpoint offloaded
+            info["verification_skipped"] = ("exported with `--device-map`: the checkpoint is not reloaded and compared, "
+                                            "since transformers cannot run a compressed-tensors checkpoint offloaded by "
+                                            "accelerate; reload it where it fits, or serve it with vLLM")
         elif verify:
             corpus = load_corpus(data, role="evaluation")
             windows = make_windows(corpus, loaded.tokenizer, seq_len, verify_windows)

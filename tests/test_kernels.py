@@ -37,6 +37,7 @@ def every_kernel(device: str):
         ("weight codes e5m2", _rounded_codes, (w, per_channel, FORMATS["e5m2"], True), True),
         ("weight codes bf16", _rounded_codes, (w, torch.tensor(1.0, device=device), FORMATS["bf16"], False), True),
         ("weight dequantize", dequantize, (codes, per_channel), True),
+        ("weight dequantize to bf16", dequantize, (codes, per_channel, torch.bfloat16), True),  # the bf16 forward's
         ("scores", ptq.evaluate._scores, (logits, targets), False),
         ("probabilities", ptq.evaluate._probs, (logits,), False),
         ("cross entropy", ptq.evaluate._cross, (torch.softmax(logits, -1), logits), False),

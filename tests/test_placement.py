@@ -97,3 +97,16 @@ def test_bad_placement_options_are_one_line(args, message, tmp_path, ptq_cli, te
     assert code == 2
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r" / "results.json").exists()
+
+
+def test_quantize_with_offloaded_calibration_writes_the_same_files(tmp_path, ptq_cli, text_file, tiny_model):
+    args = ["--data", text_file, "--seq-len", "16", "--samples", "2", "--verify-windows", "2"]
+    assert ptq_cli("quantize", tiny_model, *args, "-o", tmp_path / "memory")[0] == 0
+    code, out, err = ptq_cli("quantize", tiny_model, *args, "--device-map", "auto", "--max-memory", "cpu=150KB",  # one model
+                             "-o", tmp_path / "placed")
+    assert code == 0, err
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "placed" / name).read_bytes() == (tmp_path / "memory" / name).read_bytes(), name
+    info = json.loads((tmp_path / "placed" / "ptq-export.json").read_text())
+    assert info["verification"] is None and "--device-map" in info["verification_skipped"]
+    assert "not verified" in out
