@@ -2,7 +2,8 @@
 
 Each model ptq runs (the original while calibrating; the baseline and each recipe's variant while evaluating) is
 placed whole, module by module, by accelerate's `infer_auto_device_map` (decoder blocks are never split:
-`_no_split_modules`) and `dispatch_model`: the first blocks on the first GPU, the next on the next GPU, and what the
+`_no_split_modules`; "auto" spreads each model evenly over the GPUs, as transformers' `device_map="auto"` does,
+"sequential" fills them in order) and `dispatch_model`: the first blocks on the first GPU, the next on the next, and what the
 GPUs cannot hold in CPU memory, copied to the GPU for each forward (accelerate's CPU offload), and past the CPU's
 limit on disk (a temporary folder under PTQ_CACHE, removed after the run). accelerate's hooks move the hidden
 states from one device to the next.
@@ -14,8 +15,8 @@ models held at once. Offloaded modules are loaded whole: a mixture-of-experts la
 directly (ptq.matmuls.LinearExperts), so it is loaded with them (`preload_module_classes`), and the quantized
 layers' codes and scales are buffers, offloaded with the weights (`offload_buffers`).
 
-Without CUDA, everything the CPU limit holds stays in CPU memory (no hooks) and the rest goes to disk: that is how
-the tests exercise the offloading hooks on a CPU.
+Without CUDA, what the CPU limit holds stays in CPU memory and the rest goes to disk, through the same offloading
+hooks that copy CPU-offloaded modules to a GPU: that is how the tests exercise them on a CPU.
 """
 
 from __future__ import annotations
@@ -102,11 +103,11 @@ def device_map(model: nn.Module, placement: Placement, share: dict) -> dict:
     from accelerate.utils import get_balanced_memory
 
     no_split = list(getattr(model, "_no_split_modules", None) or [])
-    memory = dict(share)
-    memory.setdefault("disk", 1 << 62)  # what no GPU or the CPU limit holds: offloaded to disk
-    if placement.strategy.startswith("balanced"):
-        memory = get_balanced_memory(model, max_memory=memory, no_split_module_classes=no_split,
+    memory = {device: size for device, size in share.items() if device != "disk"}
+    if placement.strategy != "sequential" and any(isinstance(d, int) for d in memory):  # "auto" is "balanced", as in
+        memory = get_balanced_memory(model, max_memory=memory, no_split_module_classes=no_split,  # from_pretrained
                                      low_zero=placement.strategy == "balanced_low_0")
+    memory["disk"] = share.get("disk", 1 << 62)  # what no GPU or the CPU limit holds: offloaded to disk
     return dict(infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split))
 
 
