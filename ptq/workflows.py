@@ -180,7 +180,8 @@ def check_coverage(model, recipes: list[Recipe], strict: bool = False) -> dict[s
                    f"({items[0]['reason']})")
         if strict:
             raise PtqError(f"{message}; --strict-coverage refuses a partial answer")
-        stderr.print(f"warning: {message}; every report lists them", highlight=False, soft_wrap=True)
+        if distributed.is_main():  # once, not once per torchrun process
+            stderr.print(f"warning: {message}; every report lists them", highlight=False, soft_wrap=True)
     return coverages
 
 
