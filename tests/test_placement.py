@@ -110,3 +110,14 @@ def test_quantize_with_offloaded_calibration_writes_the_same_files(tmp_path, ptq
     info = json.loads((tmp_path / "placed" / "ptq-export.json").read_text())
     assert info["verification"] is None and "--device-map" in info["verification_skipped"]
     assert "not verified" in out
+
+
+def test_limits_are_shared_between_the_models_held_at_once_and_the_report_says_where_they_went():
+    from ptq.placement import Placement, budgets, describe, parse
+
+    placement = parse("sequential", "cpu=1.5GB, disk=10GB")
+    assert placement == Placement("sequential", {"cpu": 1_500_000_000, "disk": 10_000_000_000})
+    assert budgets(placement, 3) == {"cpu": 500_000_000, "disk": 3_333_333_333}
+    assert (describe({"bf16": {"cuda:0": 3, "cuda:1": 2, "cpu": 1}, "fp8-e4m3": {"cuda:0": 5}})
+            == "placed over cuda:0, cuda:1 by accelerate (--device-map), offloaded to CPU memory")
+    assert describe({"bf16": {"cpu": 2, "disk": 4}}) == "placed in CPU memory and on disk by accelerate (--device-map)"
