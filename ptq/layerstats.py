@@ -86,7 +86,7 @@ def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDO
     finally:
         for h in hooks:
             h.remove()
-    result.update({v: {n: snr_db(*(powers.tolist() if powers is not None else (0.0, 0.0))) for n, (powers, _) in layers.items()}
+    result.update({v: {n: snr_db(*powers.tolist()) if powers is not None else None for n, (powers, _) in layers.items()}
                    for v, layers in sums.items()})
 
 

@@ -123,16 +123,15 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
 
     with _quiet():
         mapping = device_map(model, placement, share)
-    folder = None
-    disk = [name for name, device in mapping.items() if device == "disk"]
-    if disk:
-        make_dir(Path(offload_dir), "the offload folder", " (set PTQ_CACHE to a folder that can be written)")
-        folder = tempfile.mkdtemp(prefix="model-", dir=offload_dir)
-        # Written here rather than by dispatch_model, which misses a whole model sent to disk (module name "").
-        offload_state_dict(folder, {k: t for k, t in model.state_dict().items()
-                                    if any(not m or k == m or k.startswith(m + ".") for m in disk)})
-    gpus = [d for d in mapping.values() if d not in ("cpu", "disk")]
-    with _quiet():
+        folder = None
+        disk = [name for name, device in mapping.items() if device == "disk"]
+        if disk:
+            make_dir(Path(offload_dir), "the offload folder", " (set PTQ_CACHE to a folder that can be written)")
+            folder = tempfile.mkdtemp(prefix="model-", dir=offload_dir)
+            # Written here rather than by dispatch_model, which misses a whole model sent to disk (module name "").
+            offload_state_dict(folder, {k: t for k, t in model.state_dict().items()
+                                        if any(not m or k == m or k.startswith(m + ".") for m in disk)})
+        gpus = [d for d in mapping.values() if d not in ("cpu", "disk")]
         # force_hooks: even a model that fits one device is placed by the hooks, which give each placed module new
         # tensors, not by model.to(), which would move in place the tensors the variants share with one another
         dispatch_model(model, mapping, main_device=gpus[0] if gpus else "cpu", offload_dir=folder, offload_buffers=True,

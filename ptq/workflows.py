@@ -79,7 +79,7 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
     batch_size: windows per forward pass, None or "auto" for the automatic choice (see _calibrate).
     placement: the model placed over the GPUs and offloaded (ptq.placement, --device-map)."""
     batch_size = batching.parse_batch_size(batch_size)
-    compute_path(None, "simulated", bool(low_memory), placement)  # refuses --device-map with --low-memory or torchrun
+    check_placement(placement, low_memory)
     if low_memory and resume:
         raise PtqError("--resume is not available with --low-memory (block-by-block calibration keeps no checkpoint)")
     check_writable(output, force)
@@ -197,16 +197,21 @@ def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, place
     quantize.resolve_matmul and streaming), checked before anything is loaded; with a placement (--device-map),
     "placement" is filled in once the models are placed (ptq.placement.summary of each)."""
     device = default_device()
+    check_placement(placement, low_memory)
+    if low_memory and dtype not in (None, "float32"):
+        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} computes in float32 (each block is read in float32), not {dtype}")
+    return {"device": str(device), "dtype": str(compute_dtype("float32" if low_memory else dtype, device)).removeprefix("torch."),
+            "matmul": resolve_matmul(matmul, device), "low_memory": low_memory}
+
+
+def check_placement(placement: Placement | None, low_memory: bool | None) -> None:
+    """--device-map is refused with --low-memory and under torchrun (one process places over all the GPUs)."""
     if placement is not None and low_memory:
         raise PtqError(f"{streaming.LOW_MEMORY_FLAG} and --device-map are two ways to run a model larger than one GPU: "
                        "choose one")
     if placement is not None and distributed.active():
         raise PtqError("--device-map places one copy of the model over all the GPUs: start ptq in one process, without "
                        "torchrun / accelerate launch")
-    if low_memory and dtype not in (None, "float32"):
-        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} computes in float32 (each block is read in float32), not {dtype}")
-    return {"device": str(device), "dtype": str(compute_dtype("float32" if low_memory else dtype, device)).removeprefix("torch."),
-            "matmul": resolve_matmul(matmul, device), "low_memory": low_memory}
 
 
 def describe_compute(compute: dict) -> str:
@@ -593,7 +598,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
     output = Path(output)
     batch_size = batching.parse_batch_size(batch_size)
     check_export_target(output, force)
-    compute_path(None, "simulated", bool(low_memory), placement)  # refuses --device-map with --low-memory or torchrun
+    check_placement(placement, low_memory)
     r = load_recipe(recipe)
     export.check_exportable(r)
     compare = load_compare_results(compare_results, r.name) if compare_results else None
