@@ -25,15 +25,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# Speed and memory targets, printed as ratios measured in one run (see ptq/bench.py).
+# Speed and memory targets, printed as ratios measured in one run (see benchmarks/bench.py).
 bench: $(STAMP)
-	$(BIN)/python -m ptq.bench
+	$(BIN)/python -m benchmarks.bench
 
 # ptq compare on a tiny random model of every supported family (dense and MoE), with its coverage line.
 models-check: $(STAMP)
 	$(BIN)/python benchmarks/models_check.py
 
-# ptq against llm-compressor (see ptq/bench_peers.py). llm-compressor pins its own transformers and
+# ptq against llm-compressor (see benchmarks/bench_peers.py). llm-compressor pins its own transformers and
 # compressed-tensors, so it gets a virtual environment of its own, with the same CPU torch first (an unpinned
 # torch would pull a CUDA build); ptq runs from $(VENV). One run of each, a few minutes.
 PEERS_VENV    ?= .venv-peers
@@ -47,7 +47,7 @@ $(PEERS_STAMP):
 	touch $(PEERS_STAMP)
 
 bench-peers: $(STAMP) $(PEERS_STAMP)
-	$(BIN)/python -m ptq.bench_peers --peer-python $(PEERS_VENV)/bin/python $(BENCH_PEERS_ARGS)
+	$(BIN)/python -m benchmarks.bench_peers --peer-python $(PEERS_VENV)/bin/python $(BENCH_PEERS_ARGS)
 
 # Wheels for benchmarks/gpu_check.sh on a GPU machine without network (Python 3.12, x86-64, its own torch),
 # into .gpu/ (git-ignored); the recipe for the device calls is at the top of benchmarks/gpu_check.sh.

@@ -25,7 +25,7 @@
 #    and meanwhile the whole suite on the CPU cores (pytest -n $JOBS, one thread each, PTQ_DEVICE=cpu as the tests
 #    expect; the CUDA tests ask for cuda themselves);
 # 2. ptq compare on the offline model (smollm2), simulated and with real FP8 matmuls, side by side (PTQ_DEVICE=cuda);
-# 3. python -m ptq.bench on the GPU (ptq/bench_cuda.py: an 8B-shaped Llama made in GPU memory), alone on the machine;
+# 3. python -m benchmarks.bench on the GPU (benchmarks/bench_cuda.py: an 8B-shaped Llama made in GPU memory), alone on the machine;
 # and one PASS/MISS line per target at the end (also in $OUT/summary.txt; with BACK=DIR, it and 6 logs copied there).
 # Every step has a timeout, capped so that the whole run stays within BUDGET seconds (the bench keeps its 110).
 # Every cache (PTQ_CACHE, Hugging Face, Inductor, Triton, matplotlib) is a new folder, as on a new machine.
@@ -185,9 +185,9 @@ line=$(grep -E "passed|failed" "$OUT/suite.log" | tail -1)
 # 3. The GPU bench, alone.
 echo "bench: timeout $(cap 120 "$GLUE")s"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-PTQ_DEVICE=cuda timeout "$(cap 120 "$GLUE")" "$PYTHON" -m ptq.bench $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
+PTQ_DEVICE=cuda timeout "$(cap 120 "$GLUE")" "$PYTHON" -m benchmarks.bench $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
 grep -qE "^(PASS|MISS)  " "$OUT/bench.log" && grep -E "^(PASS|MISS)  " "$OUT/bench.log" >> "$SUMMARY" \
-    || verdict MISS "python -m ptq.bench on CUDA did not finish: see $OUT/bench.log"
+    || verdict MISS "python -m benchmarks.bench on CUDA did not finish: see $OUT/bench.log"
 
 for log in "$OUT"/cuda-tests.log "$OUT"/compare-*.log "$OUT"/bench.log; do
   grep -h "torch.compile failed for kernel" "$log" 2>/dev/null | head -3

@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="Keep the calibration file and the quantized checkpoint.")
     args = ap.parse_args()
 
-    from ptq.resources import available_memory, checkpoint_parameters
+    from ptq.execution.resources import available_memory, checkpoint_parameters
 
     import torch
 

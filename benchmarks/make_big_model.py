@@ -44,7 +44,7 @@ def make_tokenizer(out: Path, vocab: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ptq.data import load_corpus
+    from ptq.evaluation.data import load_corpus
 
     text = "\n".join(load_corpus(None, role="calibration").documents)[:2_000_000]
     tok = Tokenizer(models.BPE())

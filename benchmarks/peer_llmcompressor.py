@@ -1,5 +1,5 @@
 """The llm-compressor side of `make bench-peers`. Runs in its own virtual environment (.venv-peers) and never
-imports ptq: it reads the model directory and the calibration token windows that ptq.bench_peers prepared,
+imports ptq: it reads the model directory and the calibration token windows that benchmarks.bench_peers prepared,
 runs llm-compressor's FP8 static per-tensor scheme, writes its compressed-tensors checkpoint, and leaves
 its timings in timing.json next to it.
 

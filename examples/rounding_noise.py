@@ -17,12 +17,12 @@ import json
 
 import torch
 
-from ptq.calibrate import Calibration, calibrate
-from ptq.data import load_corpus, make_windows
-from ptq.evaluate import evaluate
-from ptq.models import load_model
-from ptq.quantize import calibration_targets, quantize_variants
-from ptq.recipes import load_recipe
+from ptq.calibration.calibrate import Calibration, calibrate
+from ptq.evaluation.data import load_corpus, make_windows
+from ptq.evaluation.evaluate import evaluate
+from ptq.models.loading import load_model
+from ptq.quantization.quantize import calibration_targets, quantize_variants
+from ptq.quantization.recipes import load_recipe
 
 
 def nudged(calibration: Calibration, seed: int, relative: float = 1e-6) -> Calibration:

@@ -1,4 +1,4 @@
-"""The `ptq` command line. Thin on purpose: parse, call one function from ptq.workflows, print."""
+"""The `ptq` command line. Thin on purpose: parse, call one function from ptq.commands.workflows, print."""
 
 from __future__ import annotations
 
@@ -104,9 +104,9 @@ def calibrate(
     Example: ptq calibrate smollm2 --samples 32 -o smollm2.calib.safetensors
     """
     progress.QUIET = quiet or as_json
-    from ptq.calibrate import summary_rows
-    from ptq.placement import parse as parse_placement
-    from ptq.workflows import run_calibrate
+    from ptq.calibration.calibrate import summary_rows
+    from ptq.execution.placement import parse as parse_placement
+    from ptq.commands.workflows import run_calibrate
 
     _check_policies(on_nonfinite, on_unseen)
     placement = parse_placement(device_map, max_memory)
@@ -117,7 +117,7 @@ def calibrate(
                                     low_memory=low_memory, all_experts=all_experts, strict_coverage=strict_coverage,
                                     batch_size=batch_size, placement=placement)
     except KeyboardInterrupt:
-        from ptq.calibrate import checkpoint_path
+        from ptq.calibration.calibrate import checkpoint_path
 
         if checkpoint_path(output).is_file():
             progress.stderr.print(f"the last checkpoint is {checkpoint_path(output)}: rerun with --resume to continue",
@@ -158,9 +158,9 @@ def compare(
     Example: ptq compare smollm2 --recipes fp8-e4m3,int8 --max-ppl-increase 2% --max-kl 0.01 --out reports/smollm2
     """
     progress.QUIET = quiet or as_json
-    from ptq.gates import parse_limits
-    from ptq.placement import parse as parse_placement
-    from ptq.workflows import run_compare
+    from ptq.reporting.gates import parse_limits
+    from ptq.execution.placement import parse as parse_placement
+    from ptq.commands.workflows import run_compare
 
     if calib and calib_data:
         raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
@@ -195,14 +195,14 @@ def report(
 
     Example: ptq report reports/pr/results.json --previous reports/main/results.json --max-ppl-increase 2% >> "$GITHUB_STEP_SUMMARY"
     """
-    from ptq.gates import parse_limits, stored_checks
-    from ptq.trend import trend
-    from ptq.workflows import run_report
+    from ptq.reporting.gates import parse_limits, stored_checks
+    from ptq.reporting.trend import trend
+    from ptq.commands.workflows import run_report
 
     limits = parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)
     judged, markdown = run_report(results, previous, output, limits, not no_plots, force)
     if as_json:
-        from ptq.report import load_results, verdict
+        from ptq.reporting.report import load_results, verdict
 
         old = load_results(previous, "previous results file") if previous else None
         moves = trend(judged, old) if old else None
@@ -226,7 +226,7 @@ def inspect(
 
     Example: ptq inspect smollm2 --recipe fp8-e4m3
     """
-    from ptq.workflows import run_inspect
+    from ptq.commands.workflows import run_inspect
 
     info = run_inspect(model, _split(recipe), trust_remote_code)
     if as_json:
@@ -236,7 +236,7 @@ def inspect(
 
 
 def _check_policies(on_nonfinite: str, on_unseen: str) -> None:
-    from ptq.calibrate import NONFINITE_POLICIES, UNSEEN_POLICIES
+    from ptq.calibration.calibrate import NONFINITE_POLICIES, UNSEEN_POLICIES
 
     if on_nonfinite not in NONFINITE_POLICIES:
         raise PtqError(f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, not '{on_nonfinite}'")
@@ -319,9 +319,9 @@ def quantize(
     Example: ptq quantize smollm2 --recipe fp8-e4m3 -o smollm2-fp8
     """
     progress.QUIET = quiet
-    from ptq.export import VerificationFailed
-    from ptq.placement import parse as parse_placement
-    from ptq.workflows import run_quantize
+    from ptq.export.checkpoint import VerificationFailed
+    from ptq.execution.placement import parse as parse_placement
+    from ptq.commands.workflows import run_quantize
 
     if calib and data:
         raise PtqError("give either --calib (a calibration file) or --data (text to calibrate on), not both")
@@ -341,7 +341,7 @@ def quantize(
 def _print_quantize(info: dict, output: Path, written: bool) -> None:
     from rich.console import Console
 
-    from ptq.report import human_bytes
+    from ptq.reporting.report import human_bytes
 
     console = Console()
     size, ver = info["size"], info["verification"]
@@ -390,8 +390,8 @@ def eval_(
     Example: ptq eval smollm2 --recipe fp8-e4m3 --calib smollm2.calib.safetensors --tasks cloze
     """
     progress.QUIET = quiet
-    from ptq.placement import parse as parse_placement
-    from ptq.workflows import run_eval
+    from ptq.execution.placement import parse as parse_placement
+    from ptq.commands.workflows import run_eval
 
     if calib and calib_data:
         raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
@@ -431,14 +431,14 @@ def _print_compare(results: dict, out: Path) -> None:
                       f"{v['kl_div']:.5f}", f"{100 * v['top1_agreement']:.2f}%")
     console = Console()
     console.print(table)
-    from ptq.matmuls import describe_coverage
+    from ptq.models.matmuls import describe_coverage
 
     for v in results["variants"]:
         if v.get("coverage"):
             console.print(f"{v['name']}: {describe_coverage(v['coverage'])}", highlight=False, soft_wrap=True)
     _print_tasks(console, results, [results["baseline"], *results["variants"]], results["baseline"]["name"])
     if results.get("gates"):
-        from ptq.report import verdict
+        from ptq.reporting.report import verdict
 
         console.print(verdict(results).replace("**", ""), highlight=False)
     console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
@@ -500,7 +500,7 @@ def main() -> None:
     except Exception as e:
         if type(e).__name__ != "OutOfMemoryError":  # torch.cuda.OutOfMemoryError where no step named what did not fit
             raise
-        from ptq.batching import out_of_memory
+        from ptq.execution.batching import out_of_memory
 
         progress.stderr.print(f"[bold red]error:[/] {out_of_memory('', str(e))}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None

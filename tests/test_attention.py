@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from ptq import attention
-from ptq.attention import AttentionQuant, TENSORS
+from ptq.quantization import attention
+from ptq.quantization.attention import AttentionQuant, TENSORS
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              max_position_embeddings=64)
@@ -125,7 +125,7 @@ def test_quantizers_change_the_output_and_uninstall_restores():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_residual_add_inputs_pass_through_and_counting(arch):
-    from ptq import residual
+    from ptq.quantization import residual
 
     model = make(arch, "sdpa")
     with torch.inference_mode():

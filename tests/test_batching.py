@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ptq import batching
-from ptq.calibrate import load_calibration
+from ptq.execution import batching
+from ptq.calibration.calibrate import load_calibration
 from ptq.errors import PtqError
-from ptq.evaluate import evaluate, evaluate_tasks
+from ptq.evaluation.evaluate import evaluate, evaluate_tasks
 
 FAST = ["--seq-len", "32", "--max-windows", "6", "--calib-samples", "4", "--quiet"]
 
@@ -96,7 +96,7 @@ def test_an_explicit_batch_size_that_does_not_fit_is_one_line(tiny_model, monkey
 
 
 def test_task_scoring_backs_off_too_with_the_same_results(tiny_model, monkeypatch):
-    from ptq.tasks import Item, _task
+    from ptq.evaluation.tasks import Item, _task
 
     from tests.conftest import make_tokenizer
 
@@ -147,12 +147,12 @@ def test_a_bad_batch_size_is_one_line_exit_2(ptq_cli, tiny_model, text_file, tmp
 
 
 def test_out_of_memory_while_loading_is_one_line_naming_the_model(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
-    import ptq.workflows
+    import ptq.commands.workflows
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 28.00 GiB. GPU 0 has 1.0 GiB free.")
 
-    monkeypatch.setattr(ptq.workflows, "load_model", no_room)
+    monkeypatch.setattr(ptq.commands.workflows, "load_model", no_room)
     for command in (["compare", "--out", tmp_path / "c"], ["eval", "--tasks", "", "--out", tmp_path / "e"],
                     ["calibrate", "-o", tmp_path / "c.safetensors", "--data", text_file]):
         extra = ["--eval-data", text_file, "--seq-len", "32", "--max-windows", "4"] if command[0] != "calibrate" else []
@@ -164,12 +164,12 @@ def test_out_of_memory_while_loading_is_one_line_naming_the_model(ptq_cli, tiny_
 
 def test_out_of_memory_while_exporting_leaves_nothing(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
     pytest.importorskip("compressed_tensors")
-    import ptq.export
+    import ptq.export.checkpoint
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
 
-    monkeypatch.setattr(ptq.export, "reload", no_room)
+    monkeypatch.setattr(ptq.export.checkpoint, "reload", no_room)
     out = tmp_path / "exported"
     code, _, stderr = ptq_cli("quantize", tiny_model, "--recipe", "fp8-e4m3", "--data", text_file, "--samples", "4",
                               "--seq-len", "32", "-o", out, "--quiet")
@@ -179,12 +179,12 @@ def test_out_of_memory_while_exporting_leaves_nothing(ptq_cli, tiny_model, text_
 
 
 def test_an_out_of_memory_no_step_names_is_still_one_line(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
-    import ptq.workflows
+    import ptq.commands.workflows
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.00 GiB.")
 
-    monkeypatch.setattr(ptq.workflows, "make_windows", no_room)
+    monkeypatch.setattr(ptq.commands.workflows, "make_windows", no_room)
     code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST)
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert "out of GPU memory (CUDA out of memory. Tried to allocate 5.00 GiB)" in stderr and "--low-memory" in stderr
@@ -223,8 +223,8 @@ def test_calibration_estimate_has_no_metrics_and_logits_only_when_computed():
 
 
 def _calibration_setup(tiny_model):
-    from ptq.quantize import calibrated_layers
-    from ptq.recipes import load_recipe
+    from ptq.quantization.quantize import calibrated_layers
+    from ptq.quantization.recipes import load_recipe
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     ids = torch.randint(0, model.config.vocab_size, (7, 24), generator=torch.Generator().manual_seed(0))
@@ -232,7 +232,7 @@ def _calibration_setup(tiny_model):
 
 
 def test_calibration_with_an_automatic_batch_size_restarts_on_out_of_memory(tiny_model, monkeypatch):
-    from ptq.calibrate import TensorObserver, calibrate
+    from ptq.calibration.calibrate import TensorObserver, calibrate
 
     model, ids, layers = _calibration_setup(tiny_model)
     want = calibrate(model, ids, layers, batch_size=2)
@@ -257,7 +257,7 @@ def test_calibration_with_an_automatic_batch_size_restarts_on_out_of_memory(tiny
 
 
 def test_calibration_with_an_explicit_batch_size_that_does_not_fit_is_one_line(tiny_model, monkeypatch):
-    from ptq.calibrate import calibrate
+    from ptq.calibration.calibrate import calibrate
 
     model, ids, layers = _calibration_setup(tiny_model)
     oom_in_mlp_above(monkeypatch, 1)

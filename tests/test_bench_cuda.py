@@ -1,4 +1,4 @@
-"""The GPU bench's code path (ptq/bench_cuda.py) on a CPU with a tiny Llama: it runs to the end and prints one
+"""The GPU bench's code path (benchmarks/bench_cuda.py) on a CPU with a tiny Llama: it runs to the end and prints one
 PASS/MISS line per target and the tokens/s and memory of each measurement. No time is asserted (speed targets
 live in `make bench` only)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from ptq import bench_cuda
+from benchmarks import bench_cuda
 
 TINY = ["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--vocab", "300", "--heads", "4",
         "--kv-heads", "2", "--seq-len", "32", "--windows", "3", "--batch-size", "2", "--repeats", "1"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ptq.bench_peers import INPUT_SCALE_RTOL, compare_scales, read_scales, run_ptq_side
+from benchmarks.bench_peers import INPUT_SCALE_RTOL, compare_scales, read_scales, run_ptq_side
 from ptq.errors import PtqError
 
 

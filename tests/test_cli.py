@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from ptq.calibrate import load_calibration
+from ptq.calibration.calibrate import load_calibration
 
 FAST = ["--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--quiet"]
 

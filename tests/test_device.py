@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ptq.errors import PtqError
-from ptq.models import default_device
+from ptq.models.loading import default_device
 
 FAST = ["--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--quiet"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares a CUDA run with the CPU's")
@@ -39,7 +39,7 @@ def test_evaluate_feeds_each_model_on_its_own_device_and_scores_on_the_first(tin
     # batch each model sees is checked.
     from transformers import AutoModelForCausalLM
 
-    from ptq.evaluate import evaluate
+    from ptq.evaluation.evaluate import evaluate
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     seen = []
@@ -71,7 +71,7 @@ def test_compare_on_cuda_gives_the_cpu_numbers(ptq_cli, tiny_model, text_file, t
 
 @needs_cuda
 def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
-    from ptq.calibrate import load_calibration
+    from ptq.calibration.calibrate import load_calibration
 
     amax = {}
     for device in ("cpu", "cuda"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ptq import distributed
+from ptq.execution import distributed
 
 TASKS = str(Path(__file__).resolve().parents[1] / "examples" / "tasks.jsonl")
 ARGS = ["--seq-len", "32", "--max-windows", "7", "--quiet", "--tasks", f"shakespeare={TASKS}"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ptq.evaluate import evaluate
+from ptq.evaluation.evaluate import evaluate
 
 
 class Bigram(nn.Module):
@@ -29,12 +29,12 @@ def np_log_softmax(x):
 @pytest.fixture(params=["eager", "compiled"])
 def metric_kernels(request, monkeypatch):
     """The loop's metrics as eager ops (the tests' default, PTQ_COMPILE=0) and fused by torch.compile (the default)."""
-    import ptq.evaluate
-    from ptq.quantize import fused
+    import ptq.evaluation.evaluate
+    from ptq.quantization.quantize import fused
 
     compiled = request.param == "compiled"
-    kernels = tuple(fused(f, compile=compiled) for f in (ptq.evaluate._scores, ptq.evaluate._probs, ptq.evaluate._cross))
-    monkeypatch.setattr(ptq.evaluate, "_kernels", kernels)
+    kernels = tuple(fused(f, compile=compiled) for f in (ptq.evaluation.evaluate._scores, ptq.evaluation.evaluate._probs, ptq.evaluation.evaluate._cross))
+    monkeypatch.setattr(ptq.evaluation.evaluate, "_kernels", kernels)
     return request.param
 
 

@@ -121,12 +121,12 @@ def test_verification_fails_on_a_wrong_input_scale(exported, tiny_model, tmp_pat
 
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from ptq import export
-    from ptq.calibrate import calibrate
-    from ptq.data import load_corpus, make_windows
-    from ptq.models import load_model
-    from ptq.quantize import calibrated_layers
-    from ptq.recipes import load_recipe
+    from ptq.export import checkpoint as export
+    from ptq.calibration.calibrate import calibrate
+    from ptq.evaluation.data import load_corpus, make_windows
+    from ptq.models.loading import load_model
+    from ptq.quantization.quantize import calibrated_layers
+    from ptq.quantization.recipes import load_recipe
 
     recipe_name, out = exported
     recipe = load_recipe(recipe_name)
@@ -156,9 +156,9 @@ def test_verification_fails_on_a_wrong_input_scale(exported, tiny_model, tmp_pat
 def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp_path):
     """ptq compare DIR evaluates the dequantized weights; re-quantizing them with the export's recipe
     reproduces the stored codes exactly."""
-    from ptq.models import load_model
-    from ptq.quantize import quantize_weight
-    from ptq.recipes import load_recipe
+    from ptq.models.loading import load_model
+    from ptq.quantization.quantize import quantize_weight
+    from ptq.quantization.recipes import load_recipe
 
     recipe_name, out = exported
     loaded = load_model(str(out))
@@ -209,7 +209,7 @@ def test_refusals_leave_nothing_behind(tiny_model, ptq_cli, text_file, tmp_path)
 
 def test_force_replaces_an_earlier_export_and_an_interrupted_one_leaves_nothing(tiny_model, ptq_cli, text_file,
                                                                                 tmp_path, monkeypatch):
-    from ptq import export
+    from ptq.export import checkpoint as export
 
     out = tmp_path / "out"
     common = [tiny_model, "-o", out, "--data", text_file, "--samples", "2", "--seq-len", "32", "--no-verify", "-q"]

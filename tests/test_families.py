@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import families
-from ptq import quantize as quantize_module
-from ptq.calibrate import calibrate
-from ptq.formats import NumberFormat
-from ptq.matmuls import LinearExperts, coverage, kind, linearize
-from ptq.quantize import QuantLinear, calibration_targets, quantize_, quantize_variants
-from ptq.recipes import Recipe, TensorQuant, load_recipe
+from ptq.quantization import quantize as quantize_module
+from ptq.calibration.calibrate import calibrate
+from ptq.numerics.formats import NumberFormat
+from ptq.models.matmuls import LinearExperts, coverage, kind, linearize
+from ptq.quantization.quantize import QuantLinear, calibration_targets, quantize_, quantize_variants
+from ptq.quantization.recipes import Recipe, TensorQuant, load_recipe
 
 # float32 "rounding": 23 mantissa bits and float32's own exponent range, so rounding is the identity; unscaled
 FP32 = NumberFormat("fp32", "float", 8, 23, 127, torch.finfo(torch.float32).max, 2.0**-126, True, torch.float32, False, 32)
@@ -194,7 +194,7 @@ def test_strict_coverage_refuses_weights_ptq_cannot_quantize(tmp_path, ptq_cli, 
         def forward(self, x):
             return self.inner(x @ self.weight)
 
-    from ptq import models as models_module
+    from ptq.models import loading as models_module
 
     load = models_module.load_model
 
@@ -204,7 +204,7 @@ def test_strict_coverage_refuses_weights_ptq_cannot_quantize(tmp_path, ptq_cli, 
         mlp.down_proj = Unknown(mlp.down_proj)
         return loaded
 
-    import ptq.workflows as workflows
+    import ptq.commands.workflows as workflows
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(workflows, "load_model", load_with_unknown)

@@ -16,14 +16,14 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ptq.calibrate import (TensorObserver, calibrate, checkpoint_path, fallback_amax, load_calibration, range_findings)
-from ptq.data import load_corpus
+from ptq.calibration.calibrate import (TensorObserver, calibrate, checkpoint_path, fallback_amax, load_calibration, range_findings)
+from ptq.evaluation.data import load_corpus
 from ptq.errors import PtqError
-from ptq.formats import amax, compute_scale, fake_quantize, get_format
-from ptq.models import load_model
-from ptq.recipes import load_recipe
-from ptq.report import faults_lines
-from ptq.workflows import _calibrate, calibration_faults
+from ptq.numerics.formats import amax, compute_scale, fake_quantize, get_format
+from ptq.models.loading import load_model
+from ptq.quantization.recipes import load_recipe
+from ptq.reporting.report import faults_lines
+from ptq.commands.workflows import _calibrate, calibration_faults
 
 REPO = Path(__file__).resolve().parent.parent
 FLT_MAX = torch.finfo(torch.float32).max
@@ -214,7 +214,7 @@ def test_all_zero_weight_warns_in_cli_and_file(tiny_model, text_file, tmp_path, 
 # Runs the CLI in a child process, slowed to 0.4 s per batch so that a test can kill it midway.
 SLOW_CLI = """
 import sys, time
-import ptq.calibrate as c
+import ptq.calibration.calibrate as c
 forward = c.TensorObserver.__call__
 first = []
 def hook(self, module, args):

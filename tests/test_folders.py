@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ptq import files
-from ptq.models import gguf_key
+from ptq.models.loading import gguf_key
 
 from test_faults import calib_args, one_error_line
 
@@ -19,7 +19,7 @@ def fake_gguf(tiny_model, tmp_path, monkeypatch) -> tuple[Path, list[str]]:
     """A .gguf file whose conversion gives the tiny model, and the list of conversions made. Only the
     GGUF reading is replaced (a real conversion, of the default model, is test_smollm2.py's): the cache,
     its folders and the rename into it are ptq's own."""
-    from ptq import models
+    from ptq.models import loading as models
 
     real = models._from_pretrained
     conversions = []
@@ -89,7 +89,7 @@ FAST = ("--calib-samples", "2", "--seq-len", "32", "--max-windows", "2", "-q")
 def results_file(tiny_model, tmp_path_factory) -> Path:
     from conftest import TEXT
     from ptq import progress
-    from ptq.workflows import run_compare
+    from ptq.commands.workflows import run_compare
 
     directory = tmp_path_factory.mktemp("compared")
     (directory / "text.txt").write_text(TEXT * 3)
@@ -124,7 +124,7 @@ COMMANDS = ["calibrate", "compare", "eval", "quantize", "report"]
 @pytest.mark.parametrize("name", COMMANDS)
 def test_outputs_in_folders_that_do_not_exist_yet_are_created(name, tiny_model, text_file, results_file, tmp_path,
                                                                ptq_cli, monkeypatch):
-    from ptq import calibrate
+    from ptq.calibration import calibrate
 
     real_save = calibrate.save_checkpoint
     checkpoints = []
@@ -149,7 +149,7 @@ def test_outputs_under_a_file_are_refused_in_one_line_before_any_work(name, tiny
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the output was checked")
 
-    monkeypatch.setattr("ptq.workflows.load_model", never)
+    monkeypatch.setattr("ptq.commands.workflows.load_model", never)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     args, _ = command(name, tiny_model, text_file, results_file, blocker / "dir")

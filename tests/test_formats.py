@@ -1,4 +1,4 @@
-"""ptq.formats against independent references: ml_dtypes / numpy casts and hand-computed bits.
+"""ptq.numerics.formats against independent references: ml_dtypes / numpy casts and hand-computed bits.
 
 Reference semantics: ml_dtypes' float8_e4m3fn / float8_e5m2 / bfloat16 casts and numpy's
 float16 cast are round-to-nearest-even and non-saturating (overflow -> NaN for e4m3fn, inf for
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ptq.errors import PtqError
-from ptq.formats import (
+from ptq.numerics.formats import (
     FORMATS,
     amax,
     compute_scale,

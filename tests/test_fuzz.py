@@ -15,9 +15,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ptq.calibrate import Calibration, load_calibration, save_calibration
+from ptq.calibration.calibrate import Calibration, load_calibration, save_calibration
 from ptq.errors import PtqError
-from ptq.recipes import load_recipe, parse_recipe
+from ptq.quantization.recipes import load_recipe, parse_recipe
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -1,4 +1,4 @@
-"""The fused kernels (ptq/kernels.py): each compiles on the device it runs on, with the format's constants as
+"""The fused kernels (ptq/numerics/kernels.py): each compiles on the device it runs on, with the format's constants as
 literals of the generated code, and a kernel that cannot compile warns once and runs its eager ops."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import warnings
 import pytest
 import torch
 
-import ptq.evaluate
-import ptq.kernels
-import ptq.layerstats
-from ptq.formats import FORMATS, dequantize, fake_quantize, quantize, to_storage
-from ptq.kernels import fused
-from ptq.quantize import _rounded_codes
+import ptq.evaluation.evaluate
+import ptq.numerics.kernels
+import ptq.evaluation.layerstats
+from ptq.numerics.formats import FORMATS, dequantize, fake_quantize, quantize, to_storage
+from ptq.numerics.kernels import fused
+from ptq.quantization.quantize import _rounded_codes
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                    reason="needs CUDA: compiles the Triton kernels"))]
@@ -38,10 +38,10 @@ def every_kernel(device: str):
         ("weight codes bf16", _rounded_codes, (w, torch.tensor(1.0, device=device), FORMATS["bf16"], False), True),
         ("weight dequantize", dequantize, (codes, per_channel), True),
         ("weight dequantize to bf16", dequantize, (codes, per_channel, torch.bfloat16), True),  # the bf16 forward's
-        ("scores", ptq.evaluate._scores, (logits, targets), False),
-        ("probabilities", ptq.evaluate._probs, (logits,), False),
-        ("cross entropy", ptq.evaluate._cross, (torch.softmax(logits, -1), logits), False),
-        ("powers", ptq.layerstats._powers, (w, w.round()), False),
+        ("scores", ptq.evaluation.evaluate._scores, (logits, targets), False),
+        ("probabilities", ptq.evaluation.evaluate._probs, (logits,), False),
+        ("cross entropy", ptq.evaluation.evaluate._cross, (torch.softmax(logits, -1), logits), False),
+        ("powers", ptq.evaluation.layerstats._powers, (w, w.round()), False),
     ]
 
 
@@ -62,13 +62,13 @@ def test_every_fused_kernel_compiles_and_matches_its_eager_ops(device):
     # Fails when fused() falls back to the eager ops: the fallback's warning is an error here, and FALLBACKS
     # must stay empty. On CUDA this compiles the Triton kernels that failed with "Cannot bitcast data-type of
     # size 64 to data-type of size 32" when the format's ints were symbolic.
-    ptq.kernels.FALLBACKS.clear()
+    ptq.numerics.kernels.FALLBACKS.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         for what, fn, args, exact in every_kernel(device):
             got = fused(fn, compile=True)(*args)
             assert same(got, fn(*args), exact), what
-    assert ptq.kernels.FALLBACKS == {}
+    assert ptq.numerics.kernels.FALLBACKS == {}
 
 
 def test_the_formats_constants_are_literals_of_the_generated_code():
@@ -93,8 +93,8 @@ def test_a_kernel_that_cannot_compile_warns_once_naming_itself_then_runs_eager(m
             raise RuntimeError("Cannot bitcast data-type of size 64 to data-type of size 32\nsecond line")
         return run
 
-    monkeypatch.setattr(ptq.kernels.torch, "compile", broken_compile)
-    monkeypatch.setattr(ptq.kernels, "FALLBACKS", {})
+    monkeypatch.setattr(ptq.numerics.kernels.torch, "compile", broken_compile)
+    monkeypatch.setattr(ptq.numerics.kernels, "FALLBACKS", {})
     x, scale = torch.randn(4, 16) * 10, torch.tensor(0.1)
     kernel = fused(fake_quantize, compile=True)
     with pytest.warns(UserWarning) as caught:
@@ -105,7 +105,7 @@ def test_a_kernel_that_cannot_compile_warns_once_naming_itself_then_runs_eager(m
     messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
     assert len(messages) == 1
     assert "fake_quantize_e4m3_True" in messages[0] and "size 64" in messages[0] and "second line" not in messages[0]
-    assert list(ptq.kernels.FALLBACKS) == ["fake_quantize_e4m3_True"]
+    assert list(ptq.numerics.kernels.FALLBACKS) == ["fake_quantize_e4m3_True"]
 
 
 def test_out_of_memory_in_a_kernel_is_raised_not_hidden_by_the_fallback(monkeypatch):
@@ -114,11 +114,11 @@ def test_out_of_memory_in_a_kernel_is_raised_not_hidden_by_the_fallback(monkeypa
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return run
 
-    monkeypatch.setattr(ptq.kernels.torch, "compile", oom_compile)
-    monkeypatch.setattr(ptq.kernels, "FALLBACKS", {})
+    monkeypatch.setattr(ptq.numerics.kernels.torch, "compile", oom_compile)
+    monkeypatch.setattr(ptq.numerics.kernels, "FALLBACKS", {})
     with pytest.raises(torch.cuda.OutOfMemoryError):
         fused(fake_quantize, compile=True)(torch.randn(4, 16), torch.tensor(0.1), FORMATS["e4m3"], True)
-    assert ptq.kernels.FALLBACKS == {}
+    assert ptq.numerics.kernels.FALLBACKS == {}
 
 
 def test_an_error_of_the_ops_themselves_is_raised_as_without_compilation():

@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ptq.attention import attention_modules
-from ptq.calibrate import calibrate, load_calibration, save_calibration
-from ptq.observers import percentile_clip
-from ptq.quantize import (QuantLinear, calibrated_layers, describe_plan, input_clip, quantize_, smoothed_layers,
+from ptq.quantization.attention import attention_modules
+from ptq.calibration.calibrate import calibrate, load_calibration, save_calibration
+from ptq.calibration.observers import percentile_clip
+from ptq.quantization.quantize import (QuantLinear, calibrated_layers, describe_plan, input_clip, quantize_, smoothed_layers,
                           smoothing_factors)
-from ptq.recipes import parse_recipe
+from ptq.quantization.recipes import parse_recipe
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -193,7 +193,7 @@ def test_compare_sweep_with_paper_recipes_reports_sqnr(ptq_cli, tiny_model, text
 
 
 def test_summary_lists_linear_layers_and_check_model_needs_their_weights(tiny_model):
-    from ptq.calibrate import Calibration, summary_rows
+    from ptq.calibration.calibrate import Calibration, summary_rows
     from ptq.errors import PtqError
 
     calibration = Calibration({"a.self_attn.query": torch.tensor(99.0), "a.q_proj": torch.tensor(1.0)},
@@ -239,7 +239,7 @@ def test_rounding_noise_example_reproduces_compare_and_nudges_only_calibrated_sc
     assert [len(runs) for runs in rows.values()] == [3, 3]
     dynamic = rows["fp8-e4m3-dynamic"]
     assert all(run == dynamic[0] for run in dynamic)  # per-token scales: nothing calibrated to nudge
-    from ptq.calibrate import Calibration
+    from ptq.calibration.calibrate import Calibration
 
     calibration = Calibration({"a": torch.tensor(3.0)}, {}, input_channel_amax={"a": torch.tensor([1.0, 2.0])})
     moved = example.nudged(calibration, seed=1)

@@ -1,4 +1,4 @@
-"""--device-map: models placed by accelerate, offloaded where the devices cannot hold them (ptq/placement.py).
+"""--device-map: models placed by accelerate, offloaded where the devices cannot hold them (ptq/execution/placement.py).
 
 Without a GPU, a --max-memory cpu limit smaller than the models sends their modules to disk: accelerate's offloading
 hooks then load each module's tensors (weights, and the quantized layers' codes and scales) for its forward, the
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import families
-from ptq.calibrate import load_calibration
+from ptq.calibration.calibrate import load_calibration
 
 COMMON = ["--seq-len", "16", "--max-windows", "2", "--calib-samples", "2", "--no-plots"]
 OFFLOADED = ["--device-map", "auto", "--max-memory", "cpu=450KB"]  # less than the tiny models: some of each on disk
@@ -113,7 +113,7 @@ def test_quantize_with_offloaded_calibration_writes_the_same_files(tmp_path, ptq
 
 
 def test_limits_are_shared_between_the_models_held_at_once_and_the_report_says_where_they_went():
-    from ptq.placement import Placement, budgets, describe, parse
+    from ptq.execution.placement import Placement, budgets, describe, parse
 
     placement = parse("sequential", "cpu=1.5GB, disk=10GB")
     assert placement == Placement("sequential", {"cpu": 1_500_000_000, "disk": 10_000_000_000})

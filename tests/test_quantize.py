@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ptq.calibrate import calibrate
+from ptq.calibration.calibrate import calibrate
 from ptq.errors import PtqError
-from ptq.quantize import QuantLinear, calibrated_layers, plan, quantize_, quantize_variants
-from ptq.recipes import load_recipe
+from ptq.quantization.quantize import QuantLinear, calibrated_layers, plan, quantize_, quantize_variants
+from ptq.quantization.recipes import load_recipe
 
 
 def ref_fake_quant(x: np.ndarray, amax, fmt: str, axis=None) -> np.ndarray:
@@ -95,8 +95,8 @@ def test_quantize_swaps_every_linear_and_bf16_baseline_is_close_to_fp32(tiny_mod
 
 
 def test_compiled_input_kernel_is_bit_identical_to_the_eager_ops():
-    from ptq.formats import FORMATS, fake_quantize
-    from ptq.quantize import InputQuantizer
+    from ptq.numerics.formats import FORMATS, fake_quantize
+    from ptq.quantization.quantize import InputQuantizer
 
     torch.manual_seed(0)
     x = torch.randn(3, 50, 96) * 30
@@ -112,8 +112,8 @@ def test_compiled_input_kernel_is_bit_identical_to_the_eager_ops():
 
 
 def test_compiled_weight_rounding_is_bit_identical_to_the_eager_ops():
-    from ptq.formats import FORMATS, quantize, to_storage
-    from ptq.quantize import _rounded_codes, fused
+    from ptq.numerics.formats import FORMATS, quantize, to_storage
+    from ptq.quantization.quantize import _rounded_codes, fused
 
     torch.manual_seed(1)
     w = torch.randn(64, 96) * torch.logspace(-6, 2, 96)  # columns from tiny (subnormal after scaling) to large
@@ -132,8 +132,8 @@ def test_compiled_weight_dequantize_decodes_every_code_as_ml_dtypes_does():
     import ml_dtypes
     import numpy as np
 
-    from ptq.formats import FORMATS, dequantize
-    from ptq.quantize import fused
+    from ptq.numerics.formats import FORMATS, dequantize
+    from ptq.quantization.quantize import fused
 
     compiled = fused(dequantize, compile=True)
     every_byte = np.arange(256, dtype=np.uint8)
@@ -222,7 +222,7 @@ def test_real_fp8_matmul_matches_the_simulation(tiny_model, tmp_path, recipe_tex
 
 
 def test_matmul_choice_is_checked_and_auto_is_simulated_on_cpu(tiny_model):
-    from ptq.quantize import resolve_matmul
+    from ptq.quantization.quantize import resolve_matmul
 
     assert resolve_matmul("auto", torch.device("cpu")) == "simulated"
     assert resolve_matmul("fp8", torch.device("cpu")) == "fp8"

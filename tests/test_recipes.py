@@ -3,8 +3,8 @@ import torch
 import yaml
 
 from ptq.errors import PtqError
-from ptq.formats import FORMATS
-from ptq.recipes import builtin_recipe_names, load_recipe, parse_recipe
+from ptq.numerics.formats import FORMATS
+from ptq.quantization.recipes import builtin_recipe_names, load_recipe, parse_recipe
 
 VALID = {"name": "x", "weights": {"format": "e4m3"}, "inputs": {"format": "e4m3"}}
 
@@ -110,7 +110,7 @@ def test_sensitivity_examples_each_quantize_one_kind_of_tensor(tiny_model):
 
     from transformers import AutoModelForCausalLM
 
-    from ptq.quantize import describe_plan
+    from ptq.quantization.quantize import describe_plan
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ptq.gates import Limits, check, parse_limits
+from ptq.reporting.gates import Limits, check, parse_limits
 
 COMPARE_ARGS = ("--seq-len", "64", "--max-windows", "8", "--calib-samples", "4", "--batch-size", "4")
 
@@ -33,7 +33,7 @@ def compared(tiny_model, small_text, tmp_path_factory) -> Path:
     """One compare of the tiny model with a KL gate that must fail (any quantization moves KL above 0)
     and a perplexity gate that must pass."""
     from ptq import progress
-    from ptq.workflows import run_compare
+    from ptq.commands.workflows import run_compare
 
     out = tmp_path_factory.mktemp("compare") / "out"
     progress.QUIET = True
@@ -164,8 +164,8 @@ def reference_snr(x: np.ndarray, x_q: np.ndarray) -> float:
 
 
 def test_compiled_signal_and_noise_powers_match_numpy():
-    from ptq.layerstats import _powers
-    from ptq.quantize import fused
+    from ptq.evaluation.layerstats import _powers
+    from ptq.quantization.quantize import fused
 
     rng = np.random.default_rng(3)
     x = rng.normal(size=(3, 700, 96)).astype(np.float32) * 5
@@ -177,13 +177,13 @@ def test_compiled_signal_and_noise_powers_match_numpy():
 
 def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     """E4M3 per-tensor through ml_dtypes' cast, int8 per-channel through numpy (plain, and SmoothQuant's W * s
-    against W * s), against ptq.layerstats."""
-    from ptq.calibrate import calibrate
-    from ptq.evaluate import evaluate
-    from ptq.layerstats import input_snr_db, layer_snr, weight_snr_db
-    from ptq.models import load_model
-    from ptq.quantize import calibrated_layers, quantize_variants, smoothed_layers
-    from ptq.recipes import load_recipe
+    against W * s), against ptq.evaluation.layerstats."""
+    from ptq.calibration.calibrate import calibrate
+    from ptq.evaluation.evaluate import evaluate
+    from ptq.evaluation.layerstats import input_snr_db, layer_snr, weight_snr_db
+    from ptq.models.loading import load_model
+    from ptq.quantization.quantize import calibrated_layers, quantize_variants, smoothed_layers
+    from ptq.quantization.recipes import load_recipe
 
     loaded = load_model(str(tiny_model), device=torch.device("cpu"))
     model = loaded.model

@@ -11,11 +11,12 @@ import pytest
 import safetensors.torch
 import torch
 
-from ptq import files, resources
-from ptq.data import Corpus, load_corpus, make_windows
+from ptq import files
+from ptq.execution import resources
+from ptq.evaluation.data import Corpus, load_corpus, make_windows
 from ptq.errors import PtqError
 from ptq.files import safe_join
-from ptq.models import load_model
+from ptq.models.loading import load_model
 
 from test_faults import calib_args, one_error_line
 
@@ -72,7 +73,7 @@ def test_unwritable_output_fails_before_any_work(tiny_model, text_file, tmp_path
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the output was checked")
 
-    monkeypatch.setattr("ptq.workflows.load_model", never)
+    monkeypatch.setattr("ptq.commands.workflows.load_model", never)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, blocker / "c.st"))
@@ -230,7 +231,7 @@ def test_extremely_long_line_is_fine(tiny_model, tmp_path):
 
 
 def test_calibration_file_of_another_version_asks_to_calibrate_again(tmp_path):
-    from ptq.calibrate import FILE_KIND, load_calibration
+    from ptq.calibration.calibrate import FILE_KIND, load_calibration
 
     path = tmp_path / "old.st"
     good = {"data": "t", "data_sha256": "x", "windows": 1, "seq_len": 2, "tokens": 2}
@@ -242,7 +243,7 @@ def test_calibration_file_of_another_version_asks_to_calibrate_again(tmp_path):
 
 
 def test_calibration_metadata_is_validated(tmp_path):
-    from ptq.calibrate import FILE_KIND, load_calibration
+    from ptq.calibration.calibrate import FILE_KIND, load_calibration
 
     tensors = {"input_amax/l": torch.tensor(1.0), "weight_amax/l": torch.tensor(2.0)}
     good = {"data": "t", "data_sha256": "x", "windows": 1, "seq_len": 2, "tokens": 2}
@@ -264,7 +265,7 @@ def test_calibration_metadata_is_validated(tmp_path):
 @pytest.mark.parametrize("size", [100_000, 5 << 20])
 def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path, size):
     """A reinstalled package (new path, new mtime) reuses the converted model; changed content does not."""
-    from ptq.models import gguf_key
+    from ptq.models.loading import gguf_key
 
     data = bytearray(os.urandom(size))
     first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"

@@ -1,4 +1,4 @@
-"""Block-by-block calibration and export from disk (ptq/streaming.py, `--low-memory`) against the in-memory
+"""Block-by-block calibration and export from disk (ptq/execution/streaming.py, `--low-memory`) against the in-memory
 paths they replace: the same amax, bit for bit, and the same checkpoint files, byte for byte.
 
 Why exactly equal, not within a tolerance: both run the same float32 ops on the same batches in the same order
@@ -17,11 +17,12 @@ import torch
 
 from conftest import TEXT, make_tokenizer
 
-from ptq import resources, streaming
-from ptq.calibrate import calibrate, load_calibration
-from ptq.models import load_model
-from ptq.quantize import calibrated_layers
-from ptq.recipes import load_recipe
+from ptq.execution import resources
+from ptq.execution import streaming
+from ptq.calibration.calibrate import calibrate, load_calibration
+from ptq.models.loading import load_model
+from ptq.quantization.quantize import calibrated_layers
+from ptq.quantization.recipes import load_recipe
 
 ALL_LINEAR = "name: e4m3-all\nweights: {format: e4m3}\ninputs: {format: e4m3}\nignore: []\n"  # lm_head included
 

@@ -12,7 +12,7 @@ The model is loaded and quantized on the CPU first (host memory holds the origin
 codes); then each model gets its share of every device: `--max-memory` (or, by default, 70% of each GPU's free
 memory, the rest being left for the activations, and 90% of the available host memory) divided by the number of
 models held at once. Offloaded modules are loaded whole: a mixture-of-experts layer reads its experts' weights
-directly (ptq.matmuls.LinearExperts), so it is loaded with them (`preload_module_classes`), and the quantized
+directly (ptq.models.matmuls.LinearExperts), so it is loaded with them (`preload_module_classes`), and the quantized
 layers' codes and scales are buffers, offloaded with the weights (`offload_buffers`).
 
 Without CUDA, what the CPU limit holds stays in CPU memory and the rest goes to disk, through the same offloading
@@ -35,7 +35,7 @@ from torch import nn
 from ptq.errors import PtqError
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's names
-GPU_WEIGHTS_FRACTION = 0.7  # of each GPU's free memory for weights; the rest for activations (ptq.batching)
+GPU_WEIGHTS_FRACTION = 0.7  # of each GPU's free memory for weights; the rest for activations (ptq.execution.batching)
 CPU_WEIGHTS_FRACTION = 0.9  # of the available host memory
 PRELOADED = ["LinearExperts"]  # modules whose forward reads their submodules' tensors directly
 FLAG = "--device-map"
@@ -87,7 +87,7 @@ def parse_max_memory(text: str) -> dict:
 def budgets(placement: Placement, models: int) -> dict:
     """Each of `models` models' share of every device: the --max-memory limits (devices not named there get
     nothing), or the default fractions of the free GPU memory and the available host memory."""
-    from ptq.resources import available_memory
+    from ptq.execution.resources import available_memory
 
     limits = placement.max_memory
     if limits is None:
@@ -147,8 +147,8 @@ def placed(models: dict[str, nn.Module], placement: Placement | None):
     if placement is None:
         yield models
         return
-    from ptq.batching import gpu_memory
-    from ptq.models import cache_root
+    from ptq.execution.batching import gpu_memory
+    from ptq.models.loading import cache_root
 
     folder = cache_root() / "offload" / uuid.uuid4().hex  # made only if something goes to disk
     share = budgets(placement, len(models))

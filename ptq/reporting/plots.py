@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 
 from ptq.files import atomic_path
-from ptq.formats import get_format
-from ptq.gates import Limits
+from ptq.numerics.formats import get_format
+from ptq.reporting.gates import Limits
 
 PLOT_NAMES = ("metrics", "layer-amax", "layer-snr")
 TITLES = {"metrics": "Metrics per recipe", "layer-amax": "Per-layer amax against each format's max",

@@ -1,7 +1,7 @@
 """`make bench-peers`: ptq against llm-compressor, the tool users would pick instead, on the same model and the
 same calibration tokens: FP8 E4M3 weights and inputs, static per-tensor scales, lm_head left out.
 
-    python -m ptq.bench_peers [--model smollm2] [--windows 16] [--seq-len 512] [--peer-python .venv-peers/bin/python]
+    python -m benchmarks.bench_peers [--model smollm2] [--windows 16] [--seq-len 512] [--peer-python .venv-peers/bin/python]
 
 Each tool runs in a fresh process of its own environment: llm-compressor from .venv-peers (it pins its own
 transformers and compressed-tensors; benchmarks/peer_llmcompressor.py), ptq from this one (`--worker`).
@@ -108,11 +108,11 @@ def run_ptq_side(model_dir: Path, windows: Path, out: Path, batch_size: int = 4)
     checkpoint to out/checkpoint and the timings to out/timing.json."""
     import importlib.metadata
 
-    from ptq import export
-    from ptq.calibrate import calibrate
-    from ptq.models import load_model
-    from ptq.quantize import calibrated_layers, quantize_
-    from ptq.recipes import load_recipe
+    from ptq.export import checkpoint as export
+    from ptq.calibration.calibrate import calibrate
+    from ptq.models.loading import load_model
+    from ptq.quantization.quantize import calibrated_layers, quantize_
+    from ptq.quantization.recipes import load_recipe
 
     import compressed_tensors.compressors  # noqa: F401  imported before the clock, as llm-compressor's process has it
 
@@ -155,7 +155,7 @@ def run_ptq_side(model_dir: Path, windows: Path, out: Path, batch_size: int = 4)
 
 def model_directory(spec: str) -> Path:
     """The plain Hugging Face directory both tools load: for the offline default, ptq's converted cache."""
-    from ptq.models import DEFAULT_MODEL, converted_gguf_dir, default_gguf_path
+    from ptq.models.loading import DEFAULT_MODEL, converted_gguf_dir, default_gguf_path
 
     if spec == DEFAULT_MODEL:
         return converted_gguf_dir(default_gguf_path())[0]
@@ -196,13 +196,13 @@ def main() -> None:
     if args.worker:
         run_ptq_side(Path(args.worker[0]), Path(args.worker[1]), Path(args.worker[2]), args.batch_size)
         return
-    peer_script = Path(__file__).resolve().parent.parent / "benchmarks" / "peer_llmcompressor.py"
+    peer_script = Path(__file__).resolve().parent / "peer_llmcompressor.py"
     if not Path(args.peer_python).is_file():
         raise SystemExit(f"error: {args.peer_python} not found: `make bench-peers` creates it")
 
     from transformers import AutoTokenizer
 
-    from ptq.data import load_corpus, make_windows
+    from ptq.evaluation.data import load_corpus, make_windows
 
     model_dir = model_directory(args.model)
     corpus = load_corpus(None, "calibration")
@@ -217,7 +217,7 @@ def main() -> None:
     side_args = [str(model_dir), str(ids_file)]
     theirs = run_side("llm-compressor", [args.peer_python, str(peer_script), *side_args, str(tmp / "llm-compressor"),
                                          "--batch-size", str(args.batch_size)], tmp / "llm-compressor")
-    ours = run_side("ptq", [sys.executable, "-m", "ptq.bench_peers", "--batch-size", str(args.batch_size),
+    ours = run_side("ptq", [sys.executable, "-m", "benchmarks.bench_peers", "--batch-size", str(args.batch_size),
                             "--worker", *side_args, str(tmp / "ptq")], tmp / "ptq")
 
     def versions(t: dict) -> str:

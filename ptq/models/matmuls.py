@@ -151,12 +151,12 @@ class LinearExperts(nn.ModuleList):
         """When every expert matrix is a QuantLinear without SmoothQuant, and the experts of each projection share
         their formats: their codes stacked along a leading expert dimension, made once (the QuantLinears then keep
         views into them). None otherwise: the loop over experts (calibration, mixed recipes)."""
-        from ptq.quantize import grouped_experts
+        from ptq.quantization.quantize import grouped_experts
 
         layers = {p: [getattr(expert, p) for expert in self] for p in ("gate_proj", "up_proj", "down_proj")
                   if hasattr(self[0], p)}
         if getattr(getattr(self, "_hf_hook", None), "offload", False):
-            return grouped_experts(self, layers)  # offloaded (ptq.placement): its tensors are on the device for this call only
+            return grouped_experts(self, layers)  # offloaded (ptq.execution.placement): its tensors are on the device for this call only
         first = next(itertools.chain(self[0].down_proj.buffers(), self[0].down_proj.parameters()))
         key = (*(id(m) for group in layers.values() for m in group), first.device)
         if self._grouped is None or self._grouped[0] != key:  # made again when the modules or their device change
@@ -226,7 +226,7 @@ class LeftOut:
 def unsupported(model: nn.Module) -> list[LeftOut]:
     """Weights that multiply activations but that ptq cannot quantize (after linearize): routers that keep a
     bare weight, fused experts of an unknown layout, convolutions. Embedding look-ups and norms are not matmuls."""
-    from ptq.quantize import QuantLinear
+    from ptq.quantization.quantize import QuantLinear
 
     skip = (nn.Linear, QuantLinear, nn.Embedding, nn.EmbeddingBag)
     found = []

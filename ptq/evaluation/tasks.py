@@ -44,7 +44,7 @@ from typing import Callable
 
 import numpy as np
 
-from ptq.data import Corpus, load_corpus
+from ptq.evaluation.data import Corpus, load_corpus
 from ptq.errors import PtqError
 
 DELIMITER = " "  # the harness's default target_delimiter between context and choice

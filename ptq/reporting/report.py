@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ptq.errors import PtqError
 from ptq.files import check_writable, write_text_atomic, write_texts_atomic
-from ptq.gates import Check, stored_checks
-from ptq.trend import LABELS, Move, trend
+from ptq.reporting.gates import Check, stored_checks
+from ptq.reporting.trend import LABELS, Move, trend
 
 FAIL, PASS, MOVED = "❌", "✅", "⚠️"
 
@@ -34,7 +34,7 @@ def write_report(out_dir: Path, results: dict, force: bool, plots: bool = True, 
 
 def report_outputs(report: Path, results: dict, plots: bool) -> list[Path]:
     """Every file writing `report` creates: the markdown and, with plots, the PNGs next to it."""
-    from ptq.plots import available, plot_paths
+    from ptq.reporting.plots import available, plot_paths
 
     if not plots:
         return [Path(report)]
@@ -55,7 +55,7 @@ def write_markdown(report: Path, results: dict, previous: dict | None = None, pl
 
 def _write_plots(results: dict, report: Path) -> dict[str, str]:
     """Draw the plots next to `report`; returns their relative links."""
-    from ptq.plots import write_plots
+    from ptq.reporting.plots import write_plots
 
     return {name: path.name for name, path in write_plots(results, report).items()}
 
@@ -90,7 +90,7 @@ def render_markdown(r: dict, previous: dict | None = None, plots: dict[str, str]
     if moves is not None:
         lines += trend_section(moves, previous) + [""]
     if plots:
-        from ptq.plots import TITLES
+        from ptq.reporting.plots import TITLES
 
         lines += ["<details open><summary><b>Plots</b></summary>", ""]
         lines += [f"![{TITLES[name]}]({file})" + "\n" for name, file in plots.items()]
@@ -148,7 +148,7 @@ def results_table(r: dict, checks: list[Check]) -> list[str]:
 
 
 def gates_note(r: dict) -> str:
-    from ptq.gates import Limits
+    from ptq.reporting.gates import Limits
 
     limits = Limits.from_json(r["gates"]["limits"])
     return ("<sub>Gates: " + "; ".join(limits.describe()) + ". Δ ppl = ppl_variant / ppl_baseline - 1; "
@@ -250,7 +250,7 @@ def _snr_summary(values: dict[str, float | None]) -> str:
 
 
 def faults_lines(faults: dict) -> list[str]:
-    """What calibration worked around (ptq.calibrate's fault rules), so no fallback goes unnoticed."""
+    """What calibration worked around (ptq.calibration.calibrate's fault rules), so no fallback goes unnoticed."""
     unseen, skipped, warnings = faults.get("unseen_layers", []), faults.get("nonfinite_batches", {}), faults.get("warnings", [])
     if not (unseen or skipped or warnings):
         return []
@@ -272,7 +272,7 @@ def human_bytes(n: int) -> str:
 
 def render_model_card(e: dict) -> str:
     """README.md of a `ptq quantize` checkpoint, rendered from its ptq-export.json alone."""
-    from ptq.matmuls import describe_coverage
+    from ptq.models.matmuls import describe_coverage
 
     rec, fmt, cal, size, ver = e["recipe"], e["format"], e["calibration"], e["size"], e["verification"]
     lines = [
@@ -386,7 +386,7 @@ def render_diagnostics(r: dict, top: int = 10) -> list[str]:
 def coverage_lines(entries: list[dict]) -> list[str]:
     """What share of the model's matmul weights each variant quantizes, and what stayed in the compute dtype and
     why: shown under the results table, since a variant that left most weights alone is not an answer about 8 bits."""
-    from ptq.matmuls import describe_coverage
+    from ptq.models.matmuls import describe_coverage
 
     rows = [e for e in entries if e.get("coverage")]
     if not rows:

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ptq import batching
+from ptq.execution import batching
 from ptq.errors import PtqError
-from ptq.placement import input_device
+from ptq.execution.placement import input_device
 from ptq.progress import progress
-from ptq.quantize import fused
+from ptq.quantization.quantize import fused
 
 
 @dataclass
@@ -77,7 +77,7 @@ _kernels = (fused(_scores), fused(_probs), fused(_cross))
 def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: int | None = 4) -> dict[str, Scores]:
     """Score each model on the windows `input_ids` [n, seq_len]. The first model is the baseline that
     KL divergence and top-1 agreement are measured against. Each window predicts its tokens 1..L-1.
-    batch_size None: automatic (ptq.batching), halved and the batch retried when it runs out of GPU memory;
+    batch_size None: automatic (ptq.execution.batching), halved and the batch retried when it runs out of GPU memory;
     an explicit one that does not fit stops with one line. The scores do not depend on the batch size."""
     names = list(models)
     scores = {name: Scores() for name in names}
@@ -299,10 +299,10 @@ def evaluate_tasks(models: dict[str, nn.Module], tasks: list, tokenizer, batch_s
                    max_len: int | None = None, share=None) -> TaskRun:
     """Score every item of every task with each model. Items of all tasks are packed, sorted by length
     (less padding) and batched; each batch goes through every model before the next batch is made.
-    share(n): the positions, in that order, this process scores (ptq.distributed.share); the other items' scores
+    share(n): the positions, in that order, this process scores (ptq.execution.distributed.share); the other items' scores
     are None."""
-    from ptq.data import tokenizer_adds_bos
-    from ptq.tasks import ItemScores
+    from ptq.evaluation.data import tokenizer_adds_bos
+    from ptq.evaluation.tasks import ItemScores
 
     names = list(models)
     device = input_device(models[names[0]])

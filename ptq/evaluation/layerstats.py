@@ -16,9 +16,9 @@ import contextlib
 import torch
 from torch import nn
 
-from ptq.observers import snr_db
-from ptq.placement import onloaded
-from ptq.quantize import QuantLinear, fused
+from ptq.calibration.observers import snr_db
+from ptq.execution.placement import onloaded
+from ptq.quantization.quantize import QuantLinear, fused
 
 INPUT_SNR_WINDOWS = 4  # windows of the evaluation text that input SNR is measured on
 

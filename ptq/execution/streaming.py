@@ -12,8 +12,8 @@ and the block is freed. Position ids, rotary embeddings and the causal mask are 
 makes them. Same batches, same float32 ops in the same order as the in-memory calibration: the amax are
 bit-identical (tests/test_streaming.py).
 
-Export is a second pass, with no forward: ptq.export's checkpoint plan and shard writer, each tensor read
-from disk when its output shard is written, quantized by ptq.quantize.quantize_weight (the one code path) or
+Export is a second pass, with no forward: ptq.export.checkpoint's checkpoint plan and shard writer, each tensor read
+from disk when its output shard is written, quantized by ptq.quantization.quantize.quantize_weight (the one code path) or
 copied in its own dtype. The files are byte-identical to those of the in-memory `ptq quantize`.
 
 Memory: calibration holds one block in float32 plus the cached hidden states (windows x seq_len x hidden
@@ -32,10 +32,10 @@ import safetensors
 import torch
 from torch import nn
 
-from ptq.calibrate import Calibration, TensorObserver, _fail_on_nonfinite, check_weight, finish
+from ptq.calibration.calibrate import Calibration, TensorObserver, _fail_on_nonfinite, check_weight, finish
 from ptq.errors import PtqError
-from ptq.formats import amax
-from ptq.models import LoadedModel
+from ptq.numerics.formats import amax
+from ptq.models.loading import LoadedModel
 from ptq.progress import progress
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -96,8 +96,8 @@ class SafetensorsCheckpoint:
 
 def directory_of(spec: str | None) -> tuple[Path, tuple[str, ...], str] | None:
     """The local safetensors directory behind a model spec (the offline default and .gguf files are converted
-    once, as ptq.models does), its caveats and source text; None for a Hub id."""
-    from ptq import models
+    once, as ptq.models.loading does), its caveats and source text; None for a Hub id."""
+    from ptq.models import loading as models
 
     if spec is None or spec == models.DEFAULT_MODEL:
         import importlib.metadata
@@ -128,10 +128,10 @@ def supports(spec: str | None) -> bool:
 
 
 def too_big(spec: str | None, copies: float = 1) -> bool:
-    """The estimate of ptq.resources (float32 weights times `copies` vs the memory available) says the model
+    """The estimate of ptq.execution.resources (float32 weights times `copies` vs the memory available) says the model
     does not fit."""
-    from ptq.models import default_device
-    from ptq.resources import shortfall
+    from ptq.models.loading import default_device
+    from ptq.execution.resources import shortfall
 
     return supports(spec) and shortfall(Path(spec).expanduser(), copies, default_device()) is not None
 
@@ -179,7 +179,7 @@ def is_streamed(model: nn.Module) -> bool:
 
 
 def _materialise(skeleton: nn.Module, prefix: str, checkpoint: SafetensorsCheckpoint, device: torch.device) -> nn.Module:
-    """A copy of a meta-device module with its tensors from disk, in float32 (as ptq.models loads every model).
+    """A copy of a meta-device module with its tensors from disk, in float32 (as ptq.models.loading loads every model).
     The skeleton itself stays on the meta device (its tied weights stay tied)."""
     module = copy.deepcopy(skeleton)
     names = list(module.state_dict())
@@ -219,8 +219,8 @@ def _embedded(model: nn.Module, batches: tuple[torch.Tensor, ...], device: torch
 def calibrate_blocks(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4,
                      on_nonfinite: str = "fail", on_unseen: str = "fallback", device: torch.device | None = None,
                      channels: list[str] = ()) -> Calibration:
-    """ptq.calibrate.calibrate for a streamed model: the same amax, one decoder block in memory at a time."""
-    from ptq.models import default_device
+    """ptq.calibration.calibrate.calibrate for a streamed model: the same amax, one decoder block in memory at a time."""
+    from ptq.models.loading import default_device
 
     device = device or default_device()
     checkpoint: SafetensorsCheckpoint = model.ptq_checkpoint
@@ -306,17 +306,17 @@ def check_compare_recipes(recipes: list) -> None:
 
 def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | None, input_ids: torch.Tensor,
                    batch_size: int = 4, matmul: str = "simulated", device: torch.device | None = None) -> tuple:
-    """ptq.evaluate.evaluate of each recipe's variant of a streamed model (the first recipe is the baseline),
+    """ptq.evaluation.evaluate.evaluate of each recipe's variant of a streamed model (the first recipe is the baseline),
     one decoder block in memory at a time: every variant's hidden states are kept for all windows, each block
-    is read from disk, quantized per recipe (ptq.quantize.quantize_variants: weight codes, shared where the
+    is read from disk, quantized per recipe (ptq.quantization.quantize.quantize_variants: weight codes, shared where the
     recipes agree), run on each variant's own hidden states, and freed; the final norm and lm_head then give
     each batch's logits, scored as evaluate scores them. The same float32 ops on the same batches in the same
-    order as the in-memory evaluation. Returns (scores, weight SNR, input SNR) as ptq.layerstats computes
+    order as the in-memory evaluation. Returns (scores, weight SNR, input SNR) as ptq.evaluation.layerstats computes
     them in memory."""
-    from ptq.evaluate import Scores, score_logits
-    from ptq.layerstats import input_snr_db, weight_snr_db
-    from ptq.models import default_device
-    from ptq.quantize import quantize_variants
+    from ptq.evaluation.evaluate import Scores, score_logits
+    from ptq.evaluation.layerstats import input_snr_db, weight_snr_db
+    from ptq.models.loading import default_device
+    from ptq.quantization.quantize import quantize_variants
 
     device = device or default_device()
     check_compare_recipes(recipes)
@@ -369,9 +369,9 @@ def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | N
 
 
 def plan_checkpoint(model: nn.Module, recipe, calibration: Calibration) -> tuple[list, list[str], list[str]]:
-    """ptq.export.plan_checkpoint for a streamed model: the same tensors in the same order, each read from disk
+    """ptq.export.checkpoint.plan_checkpoint for a streamed model: the same tensors in the same order, each read from disk
     when its shard is written. The calibration is checked against the weights as they are read."""
-    from ptq import export
+    from ptq.export import checkpoint as export
 
     checkpoint: SafetensorsCheckpoint = model.ptq_checkpoint
     quantized, ignored, names = export.export_layers(model, recipe)

@@ -5,9 +5,9 @@ lose the most; E4M3's relative precision keeps its SQNR near-constant where int8
 
 from __future__ import annotations
 
-from ptq.calibrate import Calibration
-from ptq.formats import get_format
-from ptq.observers import sqnr_db
+from ptq.calibration.calibrate import Calibration
+from ptq.numerics.formats import get_format
+from ptq.calibration.observers import sqnr_db
 
 FORMATS = ("e4m3", "int8")
 

@@ -17,12 +17,12 @@ import yaml
 from torch import nn
 
 from ptq.errors import PtqError
-from ptq.formats import NumberFormat, get_format
-from ptq.matmuls import KINDS, kind
+from ptq.numerics.formats import NumberFormat, get_format
+from ptq.models.matmuls import KINDS, kind
 
 GRANULARITIES = ("tensor", "channel")
-TARGET_TYPES = KINDS  # the kinds of matmul (ptq.matmuls): Linear, Conv1D (GPT-2), Experts (fused MoE experts)
-OBSERVERS = ("max", "percentile", "mse", "entropy", "best")  # see ptq/observers.py
+TARGET_TYPES = KINDS  # the kinds of matmul (ptq.models.matmuls): Linear, Conv1D (GPT-2), Experts (fused MoE experts)
+OBSERVERS = ("max", "percentile", "mse", "entropy", "best")  # see ptq/calibration/observers.py
 SCALE_MODES = ("amax", "pow2", "unscaled")  # amax / format max; rounded up to a power of two; 1 (plain cast)
 ATTENTION_TENSORS = ("query", "key", "value", "probs")  # inputs of attention's batched matmuls Q.K^T and P.V
 
@@ -71,7 +71,7 @@ class Recipe:
     attention_tensors: tuple[str, ...] = ATTENTION_TENSORS
     kv_cache: TensorQuant | None = None  # K and V as stored in the KV cache (after RoPE)
     smoothquant: float | None = None  # SmoothQuant's alpha (None: no smoothing)
-    residual: TensorQuant | None = None  # residual-add inputs of each decoder block (ptq/residual.py)
+    residual: TensorQuant | None = None  # residual-add inputs of each decoder block (ptq/quantization/residual.py)
 
     @property
     def needs_calibration(self) -> bool:
@@ -91,7 +91,7 @@ class Recipe:
                 and not any(fnmatch.fnmatchcase(name, p) for p in self.ignore))
 
     def targets_module(self, name: str, module: nn.Module) -> bool:
-        """Whether the recipe quantizes this Linear layer of a linearized model (ptq.matmuls): its kind is
+        """Whether the recipe quantizes this Linear layer of a linearized model (ptq.models.matmuls): its kind is
         among the recipe's targets and its name is selected."""
         return kind(module) in self.targets and self.selects(name)
 
@@ -101,8 +101,9 @@ BASELINE_LINEAR = TensorQuant(get_format("bf16"), saturate=False)  # bf16 rounds
 
 def recipes_dir() -> Path:
     """Built-in recipes: ptq/recipes in an installed wheel, <repo>/recipes in a source checkout."""
-    packaged = Path(__file__).parent / "recipes"
-    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "recipes"
+    package = Path(__file__).parents[1]  # ptq/
+    packaged = package / "recipes"
+    return packaged if packaged.is_dir() else package.parent / "recipes"
 
 
 def builtin_recipe_names() -> list[str]:

@@ -1,5 +1,5 @@
-"""`python -m ptq.bench` on a GPU: ptq's evaluation, calibration and real FP8 matmuls on an 8B-shaped Llama,
-printed as ratios measured in one run, each with its target and PASS/MISS (ptq/bench.py is the CPU bench).
+"""`python -m benchmarks.bench` on a GPU: ptq's evaluation, calibration and real FP8 matmuls on an 8B-shaped Llama,
+printed as ratios measured in one run, each with its target and PASS/MISS (benchmarks/bench.py is the CPU bench).
 
 The model is built directly in GPU memory with random weights, in bf16, with Llama-3-8B's shapes (hidden 4096,
 MLP 14336, 32 heads, 8 KV heads, vocab 128256; `--layers` trims the depth to fit the time), nothing read from
@@ -13,7 +13,7 @@ disk; the windows are random token ids. Targets:
 - real FP8 evaluation (`--matmul fp8`, static per-tensor scales: torch._scaled_mm) >= 1.3x faster than bf16;
 - calibration (fp8-e4m3's observers) <= 1.10x a bf16 forward over the same tokens.
 
-    python -m ptq.bench [--layers 32] [--windows 16] [--seq-len 2048] [--batch-size 4] [--repeats 3]
+    python -m benchmarks.bench [--layers 32] [--windows 16] [--seq-len 2048] [--batch-size 4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 import torch
 
 from ptq import progress
-from ptq.calibrate import calibrate
-from ptq.evaluate import evaluate
-from ptq.quantize import calibrated_layers, quantize_variants
-from ptq.recipes import load_recipe
+from ptq.calibration.calibrate import calibrate
+from ptq.evaluation.evaluate import evaluate
+from ptq.quantization.quantize import calibrated_layers, quantize_variants
+from ptq.quantization.recipes import load_recipe
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                 vocab_size=128256, num_hidden_layers=32)

@@ -21,28 +21,32 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ptq import __version__, batching, distributed, stats, streaming
-from ptq.calibrate import (Calibration, calibrate, checkpoint_path, load_calibration, range_findings, save_calibration,
+from ptq import __version__
+from ptq.execution import batching
+from ptq.execution import distributed
+from ptq.evaluation import stats
+from ptq.execution import streaming
+from ptq.calibration.calibrate import (Calibration, calibrate, checkpoint_path, load_calibration, range_findings, save_calibration,
                            summary_rows)
-from ptq.data import Corpus, load_corpus, make_windows
-from ptq.diagnostics import sqnr_table
+from ptq.evaluation.data import Corpus, load_corpus, make_windows
+from ptq.calibration.diagnostics import sqnr_table
 from ptq.errors import PtqError
-from ptq.evaluate import Scores, TaskRun, evaluate, evaluate_tasks
+from ptq.evaluation.evaluate import Scores, TaskRun, evaluate, evaluate_tasks
 from ptq.files import check_output_dir, check_writable
-from ptq.formats import get_format
-from ptq.gates import Limits, gate_results
-from ptq.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
-from ptq.matmuls import coverage, describe_coverage, kind, unsupported_weights
-from ptq.models import LoadedModel, compute_dtype, default_device, linear_layers, load_model
-from ptq.placement import Placement, placed, placed_copy
-from ptq.placement import describe as describe_placement
-from ptq.placement import summary as placement_summary
+from ptq.numerics.formats import get_format
+from ptq.reporting.gates import Limits, gate_results
+from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
+from ptq.models.matmuls import coverage, describe_coverage, kind, unsupported_weights
+from ptq.models.loading import LoadedModel, compute_dtype, default_device, linear_layers, load_model
+from ptq.execution.placement import Placement, placed, placed_copy
+from ptq.execution.placement import describe as describe_placement
+from ptq.execution.placement import summary as placement_summary
 from ptq.progress import stderr
-from ptq.quantize import calibration_targets, plan, quantize_, quantize_variants, resolve_matmul
-from ptq.recipes import Recipe, load_recipe
-from ptq.report import load_results, render_markdown, report_outputs, write_markdown, write_report
-from ptq.report import render_eval_markdown
-from ptq.tasks import Task, item_correct, load_tasks, parse_task_specs
+from ptq.quantization.quantize import calibration_targets, plan, quantize_, quantize_variants, resolve_matmul
+from ptq.quantization.recipes import Recipe, load_recipe
+from ptq.reporting.report import load_results, render_markdown, report_outputs, write_markdown, write_report
+from ptq.reporting.report import render_eval_markdown
+from ptq.evaluation.tasks import Task, item_correct, load_tasks, parse_task_specs
 
 BASELINE_RECIPE = "bf16"
 DEFAULT_RECIPES = ("fp8-e4m3", "int8")
@@ -75,9 +79,9 @@ def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: in
                   all_experts: bool = True, strict_coverage: bool = False,
                   batch_size: int | str | None = None, placement: Placement | None = None) -> Calibration:
     """Calibrate and save; a checkpoint (OUTPUT.checkpoint) is kept while running and removed at the end.
-    low_memory: block by block from disk (ptq.streaming); None: when the model does not fit in memory.
+    low_memory: block by block from disk (ptq.execution.streaming); None: when the model does not fit in memory.
     batch_size: windows per forward pass, None or "auto" for the automatic choice (see _calibrate).
-    placement: the model placed over the GPUs and offloaded (ptq.placement, --device-map)."""
+    placement: the model placed over the GPUs and offloaded (ptq.execution.placement, --device-map)."""
     batch_size = batching.parse_batch_size(batch_size)
     check_placement(placement, low_memory)
     if low_memory and resume:
@@ -103,7 +107,7 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
                output: Path | None, force: bool, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
                checkpoint: Path | None = None, checkpoint_every: float = 60.0, resume: bool = False,
                all_experts: bool = True, batch_size: int | None = None, placement: Placement | None = None) -> Calibration:
-    """batch_size: windows per forward pass, None for automatic (ptq.calibrate.calibrate: on CUDA from the free
+    """batch_size: windows per forward pass, None for automatic (ptq.calibration.calibrate.calibrate: on CUDA from the free
     memory, halved with a restart from the first batch when a batch does not fit; 4 on the CPU and block by block).
     placement (--device-map): a copy of the model placed over the devices runs; the weight amax come from the model
     itself, in CPU memory."""
@@ -142,8 +146,8 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
 
 def _load(model: str | None, trust_remote_code: bool, allow_pickle: bool, memory_check: bool,
           low_memory: bool | None, device: torch.device | None = None) -> LoadedModel:
-    """The whole model (ptq.models), or with low_memory its meta-device skeleton to stream from disk
-    (ptq.streaming); low_memory None streams a local Llama checkpoint whose float32 weights do not fit."""
+    """The whole model (ptq.models.loading), or with low_memory its meta-device skeleton to stream from disk
+    (ptq.execution.streaming); low_memory None streams a local Llama checkpoint whose float32 weights do not fit."""
     if low_memory is None:
         low_memory = memory_check and streaming.too_big(model)
         if low_memory:
@@ -156,7 +160,7 @@ def _load(model: str | None, trust_remote_code: bool, allow_pickle: bool, memory
 
 
 def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list[str]:
-    """The range rule (ptq.calibrate.range_findings) for every amax a recipe turns into a scale."""
+    """The range rule (ptq.calibration.calibrate.range_findings) for every amax a recipe turns into a scale."""
     checks = []
     for r in recipes:
         for name, (weights, inputs) in plan(model, r).items():
@@ -168,7 +172,7 @@ def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list
 
 
 def check_coverage(model, recipes: list[Recipe], strict: bool = False) -> dict[str, dict]:
-    """Each recipe's coverage of the model's matmul weights (ptq.matmuls.coverage); weights that no recipe could
+    """Each recipe's coverage of the model's matmul weights (ptq.models.matmuls.coverage); weights that no recipe could
     quantize for lack of support get a one-line warning naming them, or with `strict` (--strict-coverage) stop
     the run before any work."""
     coverages = {r.name: coverage(model, r) for r in recipes}
@@ -195,7 +199,7 @@ def calibration_faults(metadata: dict) -> dict:
 def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, placement: Placement | None = None) -> dict:
     """Where and how the models run: {"device", "dtype", "matmul", "low_memory"} (see models.compute_dtype,
     quantize.resolve_matmul and streaming), checked before anything is loaded; with a placement (--device-map),
-    "placement" is filled in once the models are placed (ptq.placement.summary of each)."""
+    "placement" is filled in once the models are placed (ptq.execution.placement.summary of each)."""
     device = default_device()
     check_placement(placement, low_memory)
     if low_memory and dtype not in (None, "float32"):
@@ -232,9 +236,9 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
                 low_memory: bool | None = None, all_experts: bool = True, strict_coverage: bool = False,
                 placement: Placement | None = None) -> dict:
     """The bf16 baseline and each recipe on the same windows, report written. low_memory: block by block from
-    disk (ptq.streaming); None: when the model and its variants' weight codes do not fit in memory.
-    batch_size: windows per forward pass, None or "auto" for ptq.batching's choice. placement (--device-map): the
-    model loaded and quantized on the CPU, each variant then placed over the GPUs and offloaded (ptq.placement)."""
+    disk (ptq.execution.streaming); None: when the model and its variants' weight codes do not fit in memory.
+    batch_size: windows per forward pass, None or "auto" for ptq.execution.batching's choice. placement (--device-map): the
+    model loaded and quantized on the CPU, each variant then placed over the GPUs and offloaded (ptq.execution.placement)."""
     batch_size = batching.parse_batch_size(batch_size)
     distributed.setup()
     # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
@@ -249,7 +253,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     for name in ("report.md", "results.json"):
         check_writable(Path(out) / name, force)
     if plots:
-        from ptq.plots import plot_paths
+        from ptq.reporting.plots import plot_paths
 
         for path in plot_paths(Path(out) / "report.md").values():
             check_writable(path, force)
@@ -365,7 +369,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
 
 
 def _tasks(models: dict, task_list: list[Task], tokenizer, batch_size: int | None) -> TaskRun:
-    """evaluate_tasks, each process on its share of the items under torchrun (ptq.distributed)."""
+    """evaluate_tasks, each process on its share of the items under torchrun (ptq.execution.distributed)."""
     if not distributed.active():
         return evaluate_tasks(models, task_list, tokenizer, batch_size, _max_len(models))
     run = evaluate_tasks(models, task_list, tokenizer, batch_size, _max_len(models), share=distributed.share)
@@ -379,7 +383,7 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
              all_experts: bool = True, strict_coverage: bool = False, placement: Placement | None = None) -> dict:
     """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy
     on the tasks, each with its interval. No baseline, so no deltas: that is what compare is for.
-    placement (--device-map): loaded and quantized on the CPU, then placed over the GPUs (ptq.placement)."""
+    placement (--device-map): loaded and quantized on the CPU, then placed over the GPUs (ptq.execution.placement)."""
     batch_size = batching.parse_batch_size(batch_size)
     distributed.setup()
     compute = compute_path(dtype, matmul, placement=placement)
@@ -587,13 +591,13 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
                  strict_coverage: bool = False, placement: Placement | None = None) -> dict:
     """quantize: model + recipe (+ calibration) -> compressed-tensors checkpoint in `output`, reloaded with
     transformers and checked against ptq's simulation before it is renamed into place.
-    low_memory: block by block from disk (ptq.streaming), unverified (the model is never whole in memory);
+    low_memory: block by block from disk (ptq.execution.streaming), unverified (the model is never whole in memory);
     None: when the model does not fit in memory. placement (--device-map): the model loaded and exported from
-    CPU memory; calibration and the verification's models placed over the devices (ptq.placement)."""
-    from ptq import export
+    CPU memory; calibration and the verification's models placed over the devices (ptq.execution.placement)."""
+    from ptq.export import checkpoint as export
     from ptq.files import atomic_dir
     from ptq.progress import progress
-    from ptq.report import render_model_card
+    from ptq.reporting.report import render_model_card
 
     output = Path(output)
     batch_size = batching.parse_batch_size(batch_size)
@@ -689,7 +693,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
 def check_export_target(output: Path, force: bool) -> None:
     """Refuse an existing output without --force; with it, replace only an earlier ptq export or an empty
     directory, never a directory that ptq did not write."""
-    from ptq.export import EXPORT_INFO
+    from ptq.export.checkpoint import EXPORT_INFO
 
     check_writable(output, force)
     if output.exists():

@@ -2,7 +2,7 @@
 quantizes: each targeted Linear's weight and its input, attention's batched-matmul inputs
 ("<attention layer>.query|key|value|probs") and residual-add inputs ("<block>.residual.<tensor>").
 Observers stream (a running max, a fixed-bin histogram of |x| for the percentile/MSE/entropy observers
-and the diagnostics, per-channel maxima for SmoothQuant; ptq/observers.py), they never keep
+and the diagnostics, per-channel maxima for SmoothQuant; ptq/calibration/observers.py), they never keep
 activations. The result is saved as safetensors (the amax tensors) plus JSON metadata.
 
 Faults, each with one documented rule (docs/reliability.md):
@@ -21,7 +21,7 @@ run skips the batches already seen and, since a running max does not depend on h
 split between runs (nor do histogram counts), ends with exactly the same statistics. A checkpoint records
 its batch size (an automatic one resumes with it) and is refused for other settings (run_fingerprint).
 
-Batch size: explicit, or automatic (`--batch-size auto`: ptq.batching); a CUDA out-of-memory with an
+Batch size: explicit, or automatic (`--batch-size auto`: ptq.execution.batching); a CUDA out-of-memory with an
 automatic size starts the calibration over on half the batch size (see calibrate for why).
 """
 
@@ -40,16 +40,16 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ptq import batching
+from ptq.execution import batching
 from ptq.errors import PtqError
 from ptq.files import check_writable, save_safetensors
-from ptq.formats import NumberFormat, amax, compute_scale, fake_quantize
-from ptq.matmuls import LinearExperts, quantizable
-from ptq.observers import NUM_BINS, TensorObserver
-from ptq.placement import input_device
+from ptq.numerics.formats import NumberFormat, amax, compute_scale, fake_quantize
+from ptq.models.matmuls import LinearExperts, quantizable
+from ptq.calibration.observers import NUM_BINS, TensorObserver
+from ptq.execution.placement import input_device
 from ptq.progress import progress
 
-FILE_KIND = "ptq-calibration/2"  # /2: histogram bins read off the float32 bit pattern (ptq/observers.py)
+FILE_KIND = "ptq-calibration/2"  # /2: histogram bins read off the float32 bit pattern (ptq/calibration/observers.py)
 CHECKPOINT_KIND = "ptq-calibration-checkpoint/2"
 NONFINITE_POLICIES = ("fail", "skip")
 UNSEEN_POLICIES = ("fallback", "fail")
@@ -96,12 +96,12 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     the Linear layers in `channels`. With `all_experts`, every token also runs through every expert of a
     mixture-of-experts layer (observed, the output unchanged), so that no expert is left without a scale.
 
-    batch_size: windows per forward pass; None for automatic (ptq.batching.auto_batch_size with calibration's
+    batch_size: windows per forward pass; None for automatic (ptq.execution.batching.auto_batch_size with calibration's
     per-window estimate: on CUDA from the free memory, CPU_BATCH_SIZE on the CPU). Resuming with None takes the
     batch size the checkpoint was made with. The size used is `metadata["batch_size"]`.
 
-    CUDA out of memory: with an explicit batch size, the one-line error naming the batch size (ptq.batching).
-    With an automatic one, the batch size is halved (ptq.batching.back_off) and the calibration RESTARTS FROM
+    CUDA out of memory: with an explicit batch size, the one-line error naming the batch size (ptq.execution.batching).
+    With an automatic one, the batch size is halved (ptq.execution.batching.back_off) and the calibration RESTARTS FROM
     THE FIRST BATCH with new observers, any checkpoint's statistics included: a batch that ran out of memory
     half-way has already been counted by the observers of the layers it went through (their running max,
     histogram counts, per-channel max and batch counts), and undoing that exactly is not possible, so every
@@ -112,7 +112,7 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     With `checkpoint`, the observers are saved there (atomically) at most every `checkpoint_every`
     seconds; `resume=True` continues from it. The caller deletes the checkpoint once the result is saved.
     `weights_of`: the model the weight amax are read from, when `model` is a copy placed over the devices
-    (ptq.placement) whose offloaded weights are not in memory.
+    (ptq.execution.placement) whose offloaded weights are not in memory.
     """
     auto = batch_size is None
     runner = _runner(model, layers)
@@ -149,7 +149,8 @@ def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[s
     restarted: the batch size that ran out of memory before this run, for the progress bar."""
     if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
         raise PtqError(f"unknown policy: on_nonfinite={on_nonfinite!r}, on_unseen={on_unseen!r}")
-    from ptq import attention, residual
+    from ptq.quantization import attention
+    from ptq.quantization import residual
 
     modules = dict(model.named_modules())
     linears = [name for name in layers if quantizable(modules.get(name))]
@@ -165,7 +166,7 @@ def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[s
     for name in layers:
         if name not in linears:
             layer, _, tensor = name.rpartition(".")
-            if layer.endswith(".residual"):  # "<block>.residual.<tensor>": ptq/residual.py
+            if layer.endswith(".residual"):  # "<block>.residual.<tensor>": ptq/quantization/residual.py
                 residual_blocks.setdefault(layer.removesuffix(".residual"), {})[tensor] = observers[name].observe
             else:
                 attention_layers.setdefault(layer, {})[tensor] = observers[name].observe
@@ -204,7 +205,7 @@ def finish(observers: dict[str, TensorObserver], layers: list[str], weight_amax:
            on_nonfinite: str, on_unseen: str) -> Calibration:
     """The Calibration from the observers once every batch has run: unseen layers get their fallback amax
     (or stop the run), skipped non-finite batches are counted in the metadata. Shared by `calibrate` and the
-    block-by-block calibration of ptq.streaming."""
+    block-by-block calibration of ptq.execution.streaming."""
     input_amax, unseen, skipped = {}, [], {}
     for name, obs in observers.items():
         if int(obs.nonfinite):

@@ -1,11 +1,11 @@
 """Data-parallel evaluation under `torchrun --nproc-per-node N` or `accelerate launch` (WORLD_SIZE > 1).
 
-Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.models.default_device), builds the same
+Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.models.loading.default_device), builds the same
 variants and calibrates on the same windows (calibration is not split: its result must be the same everywhere).
 The evaluation windows are split into contiguous shares, one per process (the first process's share holds the
 windows the input SNR is measured on), and so are the task items; the scores are gathered with
 all_gather_object, so that every process has the whole result, and merged window by window in their order:
-the numbers are those of one process (ptq.evaluate.Scores sums one window at a time, so the merge replays the
+the numbers are those of one process (ptq.evaluation.evaluate.Scores sums one window at a time, so the merge replays the
 same additions). Only the first process (rank 0) writes the report and prints; the others print nothing.
 """
 
@@ -44,7 +44,7 @@ def setup() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        from ptq.models import default_device
+        from ptq.models.loading import default_device
 
         device = default_device()
         if device.type == "cuda":
@@ -84,7 +84,7 @@ def gather(value):
 
 def gather_scores(scores: dict) -> dict:
     """Each variant's Scores merged over the processes' shares, window by window in their order."""
-    from ptq.evaluate import merge_scores
+    from ptq.evaluation.evaluate import merge_scores
 
     parts = gather(scores)
     return {name: merge_scores([p[name] for p in parts]) for name in scores}
@@ -93,7 +93,7 @@ def gather_scores(scores: dict) -> dict:
 def gather_tasks(run):
     """A TaskRun whose scores cover every item: each process scored its share (the other items are None in its
     ItemScores); the forward passes are added over the processes."""
-    from ptq.evaluate import TaskRun
+    from ptq.evaluation.evaluate import TaskRun
 
     parts = gather(run)
     scores = {}

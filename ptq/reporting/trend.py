@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ptq.gates import task_scores
+from ptq.reporting.gates import task_scores
 
 # (key in results, label, which direction is better)
 METRICS = (

@@ -1,0 +1,1 @@
+"""The commands' work, one function each, so that cli.py only parses and prints."""

@@ -1,0 +1,1 @@
+"""Export: the quantized model as a compressed-tensors checkpoint, reloaded and verified."""

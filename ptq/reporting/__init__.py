@@ -1,0 +1,1 @@
+"""Reports: results.json and report.md (the one writer), gates, trend and plots."""
