@@ -187,7 +187,7 @@ def test_refusals_leave_nothing_behind(tiny_model, ptq_cli, text_file, tmp_path)
     assert code == 2 and "E4M3 and int8 only" in err and not (tmp_path / "a").exists()
     code, _, err = ptq_cli("quantize", tiny_model, "--recipe", "bf16", "-o", tmp_path / "a", *common)
     assert code == 2 and not (tmp_path / "a").exists()
-    for recipe, message in (("fp8-e4m3-dynamic", "dynamic per-token inputs"), ("paper-e4m3", "quantizes attention inputs"),
+    for recipe, message in (("paper-e4m3-pow2", "uses 'pow2' scales"), ("paper-e4m3", "quantizes attention inputs"),
                             ("paper-e4m3-kv", "quantizes attention and kv_cache inputs"), ("int8-smoothquant", "SmoothQuant")):
         code, _, err = ptq_cli("quantize", tiny_model, "--recipe", recipe, "-o", tmp_path / "a", *common)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "a").exists()

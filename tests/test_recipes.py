@@ -2,6 +2,7 @@ import pytest
 import torch
 import yaml
 
+from ptq.numerics.granularity import PerChannel, PerTensor
 from ptq.errors import PtqError
 from ptq.numerics.formats import FORMATS
 from ptq.quantization.recipes import builtin_recipe_names, load_recipe, parse_recipe
@@ -15,7 +16,7 @@ def test_builtin_recipes_load_with_the_documented_formats():
     assert bf16.weights.format is FORMATS["bf16"] and not bf16.needs_calibration and bf16.ignore == ()
     assert e4m3.inputs.format is FORMATS["e4m3"] and e4m3.needs_calibration and e4m3.ignore == ("lm_head",)
     assert e5m2.weights.format is FORMATS["e5m2"]
-    assert int8.weights.granularity == "channel" and int8.inputs.granularity == "tensor"
+    assert int8.weights.granularity == PerChannel() and int8.inputs.granularity == PerTensor()
     assert bf16.weights.saturate is False and e4m3.weights.saturate is True  # 16-bit overflows like an IEEE cast
     assert all(load_recipe(n).name == n for n in builtin_recipe_names())  # every shipped recipe validates
     assert load_recipe("int8-smoothquant").smoothquant == load_recipe("paper-int8-smoothquant").smoothquant == 0.85

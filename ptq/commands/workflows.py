@@ -614,7 +614,9 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
     streamed = streaming.is_streamed(loaded.model)
     export.export_layers(loaded.model, r)  # refuse an unexportable model before calibrating it
     checkpoint_coverage = check_coverage(loaded.model, [r], strict_coverage)[r.name]
-    if calibration is None:
+    if calibration is None and not r.needs_calibration:
+        calibration_source = "none: the recipe's scales come from the weights and, on the fly, from the inputs"
+    elif calibration is None:
         calibration = _calibrate(loaded, calib_corpus, samples, seq_len, [r], None, force, all_experts=all_experts,
                                  batch_size=batch_size, placement=placement)
         calibration_source = "calibrated in this run"
@@ -626,7 +628,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
     else:
         dtypes = export.source_dtypes(loaded.model.config._name_or_path)
         entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calibration, dtypes)
-    m = calibration.metadata
+    m = calibration.metadata if calibration is not None else {}
     info = {
         "kind": "ptq-export/1",
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats),
@@ -675,7 +677,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
                    if r.inputs.format.kind == "int" else None)
             scales = export.input_scales(loaded.model, unrounded, calibration, r)
             simulated = export.simulate_export(loaded.model, r, calibration, unrounded_inputs=unrounded)
-            reloaded, load_info = export.reload_dequantized(tmp) if conv1d else export.reload(tmp)
+            reloaded, load_info = export.reload_or_read(tmp, conv1d=bool(conv1d))
             reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU
             info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized) - len(unrounded),
                                                  windows.input_ids, batch_size, ptq_simulated=own,

@@ -1,11 +1,14 @@
 """Export: a quantized model as a Hugging Face checkpoint in the compressed-tensors format, which
-transformers and vLLM load (FP8 E4M3 `float-quantized`, int8 `int-quantized`, W8A8 with static
-per-tensor input scales).
+transformers and vLLM load (FP8 E4M3 `float-quantized`, int8 `int-quantized`), for every scheme
+llm-compressor writes: FP8 (static per-tensor inputs), FP8_DYNAMIC (per-channel weights, per-token
+dynamic inputs), FP8_BLOCK (128 x 128 weight blocks, dynamic 1 x 128 input groups), MXFP8 (groups of 32,
+E8M0 scales), and int8 W8A8.
 
 For every Linear the recipe quantizes, the checkpoint holds
     <layer>.weight        float8_e4m3fn / int8 codes, 1 byte per parameter
-    <layer>.weight_scale  float32, [1] (per-tensor) or [out_features, 1] (per-channel)
-    <layer>.input_scale   float32, [1], the static input scale from calibration
+    <layer>.weight_scale  float32: [1] (per-tensor), [out, 1] (per-channel), [ceil(out/R), ceil(in/C)] (block);
+                          or uint8 E8M0 exponents [out, in/32] (MX)
+    <layer>.input_scale   float32, [1], the static input scale from calibration (none for dynamic inputs)
 and every other tensor unchanged, in its dtype in the source checkpoint. The codes come from
 ptq.quantization.quantize.quantize_weight, the same function the simulation dequantizes, so the file holds
 exactly what `ptq compare` simulated. Shards are written one at a time: peak memory stays near the
@@ -32,6 +35,7 @@ from ptq.errors import PtqError
 from ptq.numerics.formats import NumberFormat, compute_scale
 from ptq.models.matmuls import LinearExperts, kind, quantizable
 from ptq.quantization.quantize import QuantLinear, quantize_, quantize_weight
+from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken, e8m0_codes
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
@@ -43,7 +47,7 @@ _DTYPE_NAMES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
 
 
 def check_exportable(recipe: Recipe) -> None:
-    """The recipes the compressed-tensors W8A8 formats can express; anything else is refused up front."""
+    """The recipes the compressed-tensors formats can express; anything else is refused up front."""
     w, x = recipe.weights, recipe.inputs
     if w.format.name not in ("e4m3", "int8"):
         raise PtqError(f"recipe '{recipe.name}' stores weights as {w.format.name}: ptq quantize exports FP8 E4M3 and "
@@ -54,9 +58,16 @@ def check_exportable(recipe: Recipe) -> None:
     if not (w.saturate and x.saturate):
         raise PtqError(f"recipe '{recipe.name}' is non-saturating: transformers and vLLM always saturate (clamp) "
                        "when they quantize, so the checkpoint would not run as simulated")
-    if x.dynamic:
-        raise PtqError(f"recipe '{recipe.name}' has dynamic per-token inputs: ptq quantize exports static input "
-                       "scales only (use a recipe with static inputs, such as fp8-e4m3)")
+    if "unscaled" in (w.scale, x.scale) or "pow2" in (w.scale, x.scale):
+        raise PtqError(f"recipe '{recipe.name}' uses '{w.scale if w.scale != 'amax' else x.scale}' scales: the "
+                       "checkpoint format takes amax-derived scales (or MX's E8M0), so it would not run as simulated")
+    mx = [s.scale_format == "e8m0" for s in (w, x)]
+    if any(mx) and not (all(mx) and w.granularity == x.granularity == PerGroup(32)):
+        raise PtqError(f"recipe '{recipe.name}': E8M0 scales are exported as MXFP8 only (weights and inputs in groups "
+                       "of 32, both with E8M0 scales), the layout compressed-tensors and vLLM read")
+    if isinstance(w.granularity, PerGroup) and not any(mx):
+        raise PtqError(f"recipe '{recipe.name}' has per-group FP32 weight scales: ptq quantize exports groups as "
+                       "MXFP8 (E8M0, 32) only; use per-block weights (fp8-block) for FP32 scales over tiles")
     if recipe.beyond_linear:
         raise PtqError(f"recipe '{recipe.name}' quantizes {' and '.join(recipe.beyond_linear)} inputs: the checkpoint "
                        "format quantizes Linear layers only, so it would not run as simulated")
@@ -65,21 +76,46 @@ def check_exportable(recipe: Recipe) -> None:
                        "division of a layer's input, so it would not run as simulated")
 
 
+def quantization_args(spec: TensorQuant):
+    """compressed-tensors' QuantizationArgs for one of ptq's TensorQuant (the same vocabulary)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    g = spec.granularity
+    strategy = {PerTensor: "tensor", PerChannel: "channel", PerToken: "token", PerGroup: "group", PerBlock: "block"}[type(g)]
+    extra = {}
+    if isinstance(g, PerGroup):
+        extra["group_size"] = g.size
+    if isinstance(g, PerBlock):
+        extra["block_structure"] = [g.rows, g.cols]
+    if spec.scale_format == "e8m0":
+        extra["scale_dtype"] = torch.uint8
+        extra["zp_dtype"] = torch.uint8
+    return QuantizationArgs(num_bits=8, type=_CT_TYPE[spec.format.kind], strategy=strategy, symmetric=True,
+                            dynamic=spec.dynamic, **extra)
+
+
 def quantization_config(recipe: Recipe, ignore: list[str]):
     """The compressed-tensors QuantizationConfig for `recipe`: one config group for every Linear except the
-    `ignore`d layers (their exact names), static symmetric scales, weights already compressed on disk."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    `ignore`d layers (their exact names), symmetric scales, weights already compressed on disk."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-    def args(kind: str, strategy: str) -> QuantizationArgs:
-        return QuantizationArgs(num_bits=8, type=_CT_TYPE[kind], strategy=strategy, symmetric=True, dynamic=False)
+    scheme = QuantizationScheme(targets=["Linear"], weights=quantization_args(recipe.weights),
+                                input_activations=quantization_args(recipe.inputs))
+    fmt = "mxfp8-quantized" if recipe.weights.scale_format == "e8m0" else _CT_FORMAT[recipe.weights.format.kind]
+    return QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore, format=fmt,
+                              quantization_status="compressed")
 
-    scheme = QuantizationScheme(
-        targets=["Linear"],
-        weights=args(recipe.weights.format.kind, recipe.weights.granularity),
-        input_activations=args(recipe.inputs.format.kind, "tensor"),
-    )
-    return QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore,
-                              format=_CT_FORMAT[recipe.weights.format.kind], quantization_status="compressed")
+
+def weight_scale_shape(shape: tuple[int, ...], weights: TensorQuant) -> tuple[int, ...]:
+    """The shape of a weight [out, in]'s weight_scale on disk (partial groups and blocks counted: ceil)."""
+    g, (rows, cols) = weights.granularity, shape
+    if isinstance(g, PerChannel):
+        return (rows, 1)
+    if isinstance(g, PerGroup):
+        return (rows, -(-cols // g.size))
+    if isinstance(g, PerBlock):
+        return (-(-rows // g.rows), -(-cols // g.cols))
+    return (1,)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,15 +236,20 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
                     dtypes: dict[str, torch.dtype]) -> tuple[list[_Entry], list[str], list[str]]:
     """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers."""
     quantized, ignored, names = export_layers(model, recipe)
-    if calibration is None:
-        raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
-    calibration.check_model(model, quantized)
+    if recipe.inputs.static:
+        if calibration is None:
+            raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
+        calibration.check_model(model, quantized)
     params = dict(model.state_dict())
     by_weight = {f"{name}.weight": name for name in quantized}
     fallback = _dominant_dtype(dtypes)
     modules = dict(model.named_modules())
     disk = checkpoint_names(model, names)
     conv1d = {f"{name}.weight" for name, m in modules.items() if quantizable(m) and kind(m) == "Conv1D"}
+    if conv1d and isinstance(recipe.weights.granularity, (PerGroup, PerBlock)):
+        raise PtqError(f"recipe '{recipe.name}' has {recipe.weights.granularity.describe()} weight scales and this "
+                       f"{type(model).__name__} has Conv1D layers: ptq quantize writes group and block scales for "
+                       "Linear weights only; `ptq compare` covers this model")
     entries: list[_Entry] = []
     for name in names:
         tensor = params[name]
@@ -221,28 +262,33 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
                                   lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous()))
             continue
         entries += quantized_entries(disk[name].removesuffix(".weight"), tuple(tensor.shape), lambda m=modules[layer]: m.weight,
-                                     recipe, calibration.input_amax[layer], transposed=name in conv1d)
+                                     recipe, calibration.input_amax[layer] if recipe.inputs.static else None,
+                                     transposed=name in conv1d)
     ignored = sorted(disk[f"{name}.weight"].removesuffix(".weight") if f"{name}.weight" in disk else name for name in ignored)
     return entries, quantized, ignored
 
 
 def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], torch.Tensor], recipe: Recipe,
-                      input_amax: torch.Tensor, transposed: bool = False) -> list[_Entry]:
-    """The three tensors of a quantized Linear: its codes, weight scale and input scale. `weight()` gives the
+                      input_amax: torch.Tensor | None, transposed: bool = False) -> list[_Entry]:
+    """The tensors of a quantized Linear: its codes, weight scale and (static inputs) input scale. `weight()` gives the
     weight [out, in] when its shard is written (from the model in memory, or from disk: ptq.execution.streaming);
     `transposed`: the codes are written [in, out], as Conv1D stores its weight."""
     weights, inputs = recipe.weights, recipe.inputs
-    scale_shape = (shape[0], 1) if weights.granularity == "channel" else (1,)
+    scale_shape = weight_scale_shape(shape, weights)
+    mx = weights.scale_format == "e8m0"
     scales: dict[str, torch.Tensor] = {}  # the weight's scale, from the call that made its codes
     codes = lambda w=weight, f=weights, s=scales: _weight_codes(w(), f, s, layer)  # noqa: E731
-    return [
+    stored_scale = lambda s=scales, shape=scale_shape: s.pop("scale").reshape(shape)  # noqa: E731
+    entries = [
         _Entry(f"{layer}.weight", shape[::-1] if transposed else shape, weights.format.torch_dtype,
                (lambda: codes().t().contiguous()) if transposed else codes),
-        _Entry(f"{layer}.weight_scale", scale_shape, torch.float32,
-               lambda s=scales, shape=scale_shape: s.pop("scale").reshape(shape)),
-        _Entry(f"{layer}.input_scale", (1,), torch.float32,
-               lambda a=input_amax, f=inputs.format: _input_scale(a, f)),
+        _Entry(f"{layer}.weight_scale", scale_shape, torch.uint8 if mx else torch.float32,
+               (lambda: e8m0_codes(stored_scale())) if mx else stored_scale),
     ]
+    if inputs.static:
+        entries.append(_Entry(f"{layer}.input_scale", (1,), torch.float32,
+                              lambda a=input_amax, f=inputs.format: _input_scale(a, f)))
+    return entries
 
 
 def _weight_codes(weight: torch.Tensor, weights: TensorQuant, scales: dict, layer: str) -> torch.Tensor:
@@ -394,6 +440,8 @@ def unapplied_input_layers(model: nn.Module, quantized: list[str], conv1d: bool)
 
 def input_scales(model: nn.Module, layers: list[str], calibration: Calibration, recipe: Recipe) -> dict[str, torch.Tensor]:
     """Checkpoint name -> input scale of each of `layers`: what the checkpoint must hold for vLLM."""
+    if not recipe.inputs.static:
+        return {}
     disk = checkpoint_names(model, [f"{name}.weight" for name in layers]) if layers else {}
     return {disk[f"{name}.weight"].removesuffix(".weight") + ".input_scale": _input_scale(calibration.input_amax[name], recipe.inputs.format)
             for name in layers}
@@ -423,8 +471,19 @@ def reload(directory: Path) -> tuple[nn.Module, dict]:
         "mismatched_keys": sorted(str(k) for k in info.get("mismatched_keys", [])),
         "quantized_layers": len(quantized),
         "input_quantized_layers": sum(1 for m in quantized if m.quantization_scheme.input_activations is not None
-                                      and hasattr(m, "input_scale")),
+                                      and (m.quantization_scheme.input_activations.dynamic or hasattr(m, "input_scale"))),
     }
+
+
+def reload_or_read(directory: Path, conv1d: bool) -> tuple[nn.Module, dict]:
+    """The checkpoint reloaded by transformers; where transformers cannot run it (Conv1D layers, or its error on
+    load: block or MX scales on some shapes), by ptq's own reader, with transformers' reason recorded."""
+    if conv1d:
+        return reload_dequantized(directory)
+    try:
+        return reload(directory)
+    except PtqError as e:
+        return reload_dequantized(directory, f"transformers cannot run this checkpoint: {str(e).removeprefix('transformers cannot load the exported checkpoint: ')}")
 
 
 def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_layers: int,
@@ -457,7 +516,7 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
         if wrong:
             problems.append(f"expert input scales in the checkpoint differ from ptq's: {', '.join(wrong[:3])}")
     if load_info["input_quantized_layers"] != expected_layers:
-        problems.append(f"transformers applies static input quantization in {load_info['input_quantized_layers']} "
+        problems.append(f"the loader applies input quantization in {load_info['input_quantized_layers']} "
                         f"of {expected_layers} quantized layers")
     if not rel.kl_div <= VERIFY_MAX_KL:
         problems.append(f"KL(simulated || reloaded) {rel.kl_div:.3g} nats/token > {VERIFY_MAX_KL:g}")
@@ -478,38 +537,79 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
     }
 
 
-def reload_dequantized(directory: Path) -> tuple[nn.Module, dict]:
-    """ptq's own reader, for checkpoints transformers cannot load as quantized (Conv1D layers): the architecture
-    built from config.json, every quantized weight dequantized from the files (codes x weight_scale, in the file's
-    orientation: [in, out] for Conv1D), every other tensor as stored. Input scales are not applied (verify checks
-    them in the files). Deliberately simple arithmetic, so that it checks the files rather than ptq's simulation."""
+def reload_dequantized(directory: Path, why: str = "transformers does not load compressed-tensors Conv1D layers"
+                       ) -> tuple[nn.Module, dict]:
+    """ptq's own reader, for checkpoints transformers cannot run as quantized (Conv1D layers; block and MX scales
+    where transformers' compressed-tensors integration fails): the architecture built from config.json, every
+    quantized weight dequantized from the files (codes x weight_scale, each scale repeated over its group or tile;
+    E8M0 bytes read as 2^(u - 127); in the file's orientation: [in, out] for Conv1D), every other tensor as stored;
+    dynamic inputs (per token or per group, as config.json's input_activations say) quantized on the fly with
+    torch's own float8 cast. Static input scales are not applied (verify checks them in the files). Deliberately
+    simple arithmetic, read from the files and config.json alone, so that it checks the files rather than ptq's
+    simulation."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
     config = AutoConfig.from_pretrained(str(directory))
+    scheme = next(iter(config.quantization_config["config_groups"].values()))
+    weight_args, input_args = scheme["weights"], scheme.get("input_activations")
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     modules = dict(model.named_modules())
     stored = _read_tensors(directory, None)
-    state = {}
+    state, dynamic_layers = {}, []
     for key, t in stored.items():
         if key.endswith((".weight_scale", ".input_scale")):
             continue
         scale = stored.get(f"{key}_scale")
         if scale is not None:
             layer = modules.get(key.removesuffix(".weight"))
-            t = t.float() * (scale.reshape(1, -1) if isinstance(layer, Conv1D) and scale.numel() > 1 else scale)
+            if scale.dtype == torch.uint8:  # E8M0
+                scale = torch.exp2(scale.float() - 127)
+            if isinstance(layer, Conv1D) and scale.numel() > 1:
+                t = t.float() * scale.reshape(1, -1)
+            else:
+                rows, cols = t.shape
+                if scale.dim() == 2 and scale.shape[1] > 1:  # groups along the input, tiles: repeat each scale
+                    r = -(-rows // scale.shape[0])
+                    c = -(-cols // scale.shape[1])
+                    scale = scale.repeat_interleave(r, 0)[:rows].repeat_interleave(c, 1)[:, :cols]
+                t = t.float() * scale
+            if input_args is not None and input_args.get("dynamic"):
+                dynamic_layers.append(key.removesuffix(".weight"))
         state[key] = t.float() if t.is_floating_point() else t
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape (e.g. a Conv1D weight not in [in, out])
         raise PtqError(f"the exported checkpoint does not fit its architecture: {str(e).strip().splitlines()[-1]}") from None
+    for name in dynamic_layers:
+        modules[name].register_forward_pre_hook(lambda m, args, a=input_args: (_dynamic_fp8(args[0], a),))
     model.tie_weights()
     tied = {k for k in missing if k.endswith("lm_head.weight") and getattr(config, "tie_word_embeddings", False)}
     model.eval().requires_grad_(False)
     return model, {"missing_keys": sorted(set(missing) - tied), "unexpected_keys": sorted(unexpected), "mismatched_keys": [],
-                   "quantized_layers": sum(1 for k in stored if k.endswith(".weight_scale")), "input_quantized_layers": 0,
-                   "loader": "ptq's dequantizing reader (transformers does not load compressed-tensors Conv1D layers)"}
+                   "quantized_layers": sum(1 for k in stored if k.endswith(".weight_scale")),
+                   "input_quantized_layers": len(dynamic_layers),
+                   "loader": f"ptq's dequantizing reader ({why})"}
+
+
+def _dynamic_fp8(x: torch.Tensor, args: dict) -> torch.Tensor:
+    """Dynamic E4M3 input quantization as config.json describes it (per tensor, token or group; fp32 or E8M0
+    scales: the smallest power of two >= amax / 448), by torch's float8 cast: the reader's own arithmetic."""
+    shape, size = x.shape, (args.get("group_size") if args.get("strategy") == "group" else None)
+    v = x.float()
+    if size:
+        v = torch.nn.functional.pad(v, (0, -v.shape[-1] % size))
+        v = v.reshape(*v.shape[:-1], -1, size)
+    amax_ = v.abs().amax() if args.get("strategy") == "tensor" else v.abs().amax(-1, keepdim=True)
+    scale = amax_ / 448.0
+    if args.get("scale_dtype") is not None:  # E8M0: round the scale up to a power of two
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = torch.where(scale > 0, scale, 1.0)
+    q = (v / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    if size:
+        q = q.reshape(*q.shape[:-2], -1)[..., : shape[-1]]
+    return q.to(x.dtype)
 
 
 def _read_tensors(directory: Path, names: list[str] | None) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from ptq.quantization import residual
 from ptq.quantization.attention import AttentionQuant
 from ptq.calibration.calibrate import Calibration
 from ptq.errors import PtqError
+from ptq.numerics import granularity as gr
 from ptq.numerics.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
 from ptq.numerics.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
 from ptq.models.matmuls import kind, quantizable
@@ -56,20 +57,49 @@ class InputQuantizer:
 
 
 def scale_for(clip: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
-    """The scale that maps `clip` (a calibrated or observed amax) onto the format's max, per the spec's
-    scale mode: amax / max as float32; rounded up to a power of two ("pow2": a per-tensor exponent bias,
-    so the clip never overflows); or 1 ("unscaled": a plain cast). 16-bit formats: 1."""
+    """The scale that maps `clip` (a calibrated or observed amax, per tensor or per group) onto the format's max,
+    per the spec's scale mode: amax / max as float32; rounded up to a power of two ("pow2": a per-tensor exponent
+    bias, so the clip never overflows); E8M0 (the MX power of two, granularity.e8m0_scale); or 1 ("unscaled": a
+    plain cast). 16-bit formats: 1."""
     if spec.scale == "unscaled" or not spec.format.scaled:
         return torch.ones_like(torch.as_tensor(clip, dtype=torch.float32))
+    if spec.scale_format == "e8m0":
+        return gr.e8m0_scale(torch.as_tensor(clip, dtype=torch.float32), spec.format.max)
     scale = compute_scale(clip, spec.format)
     return torch.exp2(torch.ceil(torch.log2(scale))) if spec.scale == "pow2" else scale
 
 
-def token_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
-    """Dynamic per-token scales: one per row of the last dimension, from that token's own amax."""
-    scale = x.detach().abs().amax(-1, keepdim=True).float() / spec.format.max
+def dynamic_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
+    """Dynamic scales from the activation itself, shaped to broadcast over its grouped view (granularity.grouped):
+    one per tensor, per token (row of the last dimension) or per group of that row."""
+    x_amax = gr.amax_of(gr.grouped(x, spec.granularity), spec.granularity)
+    if spec.scale_format == "e8m0":
+        return gr.e8m0_scale(x_amax, spec.format.max)
+    scale = x_amax / spec.format.max
     scale = torch.where(scale > 0, scale, 1.0)  # an all-zero token: any scale represents it
     return torch.exp2(torch.ceil(torch.log2(scale))) if spec.scale == "pow2" else scale
+
+
+def token_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
+    """Dynamic per-token (or per-tensor) scales of x: [..., 1] (or []), for kernels that take one per row."""
+    return dynamic_scale(x, spec)
+
+
+def _grouped_fake_quantize(x: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool,
+                           g: gr.Granularity) -> torch.Tensor:
+    """fake_quantize with a scale per group or block (scale broadcasts over x's grouped view)."""
+    return gr.ungrouped(fake_quantize(gr.grouped(x, g), scale, fmt, saturate), g, x.shape)
+
+
+_grouped_rounding = fused(_grouped_fake_quantize)
+
+
+def fake_quantize_dynamic(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
+    """x rounded with dynamic scales of its own (per tensor, token or group), as float32 values."""
+    scale = dynamic_scale(x, spec)
+    if isinstance(spec.granularity, gr.PerGroup):
+        return _grouped_rounding(x, scale, spec.format, spec.saturate, spec.granularity)
+    return fake_quantize(x, scale, spec.format, spec.saturate)
 
 
 class ActQuant(nn.Module):
@@ -83,8 +113,9 @@ class ActQuant(nn.Module):
         self.register_buffer("scale", scale_for(clip, spec) if spec.static else scale_for(torch.ones(()), spec))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = token_scale(x, self.spec) if self.spec.dynamic else self.scale
-        return fake_quantize(x, scale, self.spec.format, self.spec.saturate).to(x.dtype)
+        if self.spec.dynamic:
+            return fake_quantize_dynamic(x, self.spec).to(x.dtype)
+        return fake_quantize(x, self.scale, self.spec.format, self.spec.saturate).to(x.dtype)
 
     def extra_repr(self) -> str:
         return self.spec.describe()
@@ -130,14 +161,15 @@ class QuantLinear(nn.Module):
         if not self.round_inputs:
             return x, x
         if self.inputs.dynamic:
-            return x, fake_quantize(x, token_scale(x, self.inputs), self.inputs.format, self.inputs.saturate)
+            return x, fake_quantize_dynamic(x, self.inputs)
         return x, self.input_quantizer(x, self.input_scale, self.inputs.format, self.inputs.saturate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_codes_quantizer is not None:
             return self.fp8_forward(x)
         x, x_q = self.quantize_input(x)
-        return F.linear(x_q.to(x.dtype), _weight_dequantize(self.weight_codes, self.weight_scale, x.dtype), self.bias)
+        return F.linear(x_q.to(x.dtype), dequantize_weight(self.weight_codes, self.weight_scale, self.weights, x.dtype),
+                        self.bias)
 
     def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same product as the simulation, by a real FP8 matmul: torch._scaled_mm multiplies the input's
@@ -163,7 +195,7 @@ class QuantLinear(nn.Module):
         """The dequantized weight (float32), made from the codes on each call by one fused loop
         (formats.dequantize: codes * scale, in float32). The forward makes it in the compute dtype directly: on a
         GPU in bf16, one loop writing 2 bytes a weight rather than 4 and another cast."""
-        return _weight_dequantize(self.weight_codes, self.weight_scale)
+        return dequantize_weight(self.weight_codes, self.weight_scale, self.weights)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, weights={self.weights.describe()}, inputs={self.inputs.describe()}"
@@ -171,14 +203,31 @@ class QuantLinear(nn.Module):
 
 def quantize_weight(w: torch.Tensor, weights: TensorQuant, layer: str = "?") -> tuple[torch.Tensor, torch.Tensor]:
     """A Linear weight's codes in the format's storage dtype (formats.FORMATS: float8_e4m3fn, int8, ...)
-    and its scale ([] or [out, 1]), rounded and stored by one fused loop.
+    and its scale as checkpoints store it ([], [out, 1], [out, in/G] or [ceil(out/R), ceil(in/C)];
+    granularity.stored), rounded and stored by one fused loop.
     The one code path for weights: the simulation dequantizes these codes, `ptq quantize` writes them."""
     w = w.detach().float()
-    weight_amax = amax(w, dim=1) if weights.granularity == "channel" else amax(w)
+    g = weights.granularity
+    if isinstance(g, (gr.PerTensor, gr.PerChannel)):  # aminmax: no full-size temporary of a large weight
+        weight_amax = amax(w, dim=1) if isinstance(g, gr.PerChannel) else amax(w)
+    else:
+        weight_amax = gr.amax_of(gr.grouped(w, g), g)
     if not bool(torch.isfinite(weight_amax).all()):  # a cast to int8 would turn NaN into a number
         raise PtqError(f"the weight of layer '{layer}' contains NaN or inf: the checkpoint is damaged")
     scale = scale_for(weight_amax, weights)
-    return _weight_rounding(w, scale, weights.format, weights.saturate), scale
+    if isinstance(g, (gr.PerTensor, gr.PerChannel)):
+        return _weight_rounding(w, scale, weights.format, weights.saturate), scale
+    codes = _grouped_codes(w, scale, weights.format, weights.saturate, g)
+    return codes, gr.stored(scale, g)
+
+
+def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, weights: TensorQuant,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes * scale (the stored scale of quantize_weight), in `dtype`, by one fused loop."""
+    g = weights.granularity
+    if isinstance(g, (gr.PerTensor, gr.PerChannel)):
+        return _weight_dequantize(codes, scale, dtype)
+    return _grouped_dequantize(codes, gr.broadcastable(scale, g), g, dtype)
 
 
 def _rounded_codes(w: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool) -> torch.Tensor:
@@ -187,8 +236,18 @@ def _rounded_codes(w: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, satu
     return quantize(w, scale, fmt, saturate).to(fmt.torch_dtype)
 
 
+def _grouped_rounded_codes(w, scale, fmt: NumberFormat, saturate: bool, g: gr.Granularity) -> torch.Tensor:
+    return gr.ungrouped(_rounded_codes(gr.grouped(w, g), scale, fmt, saturate), g, w.shape)
+
+
+def _grouped_dequantized(codes, scale, g: gr.Granularity, dtype: torch.dtype) -> torch.Tensor:
+    return gr.ungrouped(dequantize(gr.grouped(codes.float(), g), scale, dtype), g, codes.shape)
+
+
 _weight_rounding = fused(_rounded_codes)
 _weight_dequantize = fused(dequantize)
+_grouped_codes = fused(_grouped_rounded_codes)
+_grouped_dequantize = fused(_grouped_dequantized)
 _rows_rounding = fused(fake_quantize)  # experts' inputs: one scale per row, their expert's
 
 
@@ -212,9 +271,13 @@ def resolve_matmul(matmul: str, device: torch.device) -> str:
 
 def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, smooth) -> bool:
     """A layer can run as a real FP8 matmul when its weight and its input are both in a scaled 8-bit float
-    format (E4M3 or E5M2), without SmoothQuant, and its dimensions are multiples of 16 (cuBLAS's rule)."""
+    format (E4M3 or E5M2) with per-tensor or per-row scales (torch._scaled_mm's tensor-wise and row-wise
+    scaling; group and block scales stay simulated), without SmoothQuant, and its dimensions are multiples of 16
+    (cuBLAS's rule)."""
     return (weights.format.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
             and inputs.format.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            and isinstance(weights.granularity, (gr.PerTensor, gr.PerChannel))  # _scaled_mm: tensor or row scales
+            and isinstance(inputs.granularity, (gr.PerTensor, gr.PerToken)) and inputs.scale_format == "fp32"
             and smooth is None
             and linear.in_features % 16 == 0 and linear.out_features % 16 == 0)
 
@@ -458,6 +521,9 @@ def grouped_experts(experts, layers: dict[str, list]) -> dict[str, GroupedExpert
             return None
         if len({(m.weights, m.inputs, m.round_inputs, m.weight_codes.dtype, m.weight_codes.device) for m in ms}) != 1:
             return None
+        if not isinstance(ms[0].weights.granularity, (gr.PerTensor, gr.PerChannel)) or \
+                isinstance(ms[0].inputs.granularity, gr.PerGroup):
+            return None  # group and block scales: the experts run one by one
         if not all(torch.equal(g[e].input_scale, group[0][e].input_scale) for g in group for e in range(len(g))):
             return None  # gate and up read the same input: one scale (they always agree when calibrated together)
     return {name: GroupedExperts(group, experts.concatenated) for name, group in groups.items()}

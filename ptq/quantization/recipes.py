@@ -1,7 +1,10 @@
 """Recipes: one declarative description of what is quantized and how (YAML in recipes/), validated.
 
 A recipe names the modules it targets (by type), the ones it leaves out (by name pattern), and one
-`TensorQuant` for the weights and one for the inputs of every targeted layer. Linear layers a recipe
+`TensorQuant` for the weights and one for the inputs of every targeted layer: the vocabulary of
+compressed-tensors' QuantizationArgs (format, granularity, static or dynamic, the scale's own format,
+the observer of static scales), validated here so that a combination that makes no sense is refused
+when the recipe is read. Linear layers a recipe
 leaves out run as in the 16-bit baseline (bf16 weights and inputs), so that a variant differs from the
 baseline only where the recipe says.
 """
@@ -18,9 +21,11 @@ from torch import nn
 
 from ptq.errors import PtqError
 from ptq.numerics.formats import NumberFormat, get_format
+from ptq.numerics.granularity import Granularity, PerBlock, PerChannel, PerGroup, PerTensor, PerToken
 from ptq.models.matmuls import KINDS, kind
 
-GRANULARITIES = ("tensor", "channel")
+GRANULARITIES = ("tensor", "channel", "token", "group", "block")  # YAML names of ptq.numerics.granularity
+SCALE_FORMATS = ("fp32", "e8m0")  # a scale's own format: float32, or an MX power of two (one byte on disk)
 TARGET_TYPES = KINDS  # the kinds of matmul (ptq.models.matmuls): Linear, Conv1D (GPT-2), Experts (fused MoE experts)
 OBSERVERS = ("max", "percentile", "mse", "entropy", "best")  # see ptq/calibration/observers.py
 SCALE_MODES = ("amax", "pow2", "unscaled")  # amax / format max; rounded up to a power of two; 1 (plain cast)
@@ -32,12 +37,13 @@ class TensorQuant:
     """How one tensor is quantized (the idea of compressed-tensors' QuantizationArgs)."""
 
     format: NumberFormat
-    granularity: str = "tensor"  # "tensor": one scale; "channel": one scale per output row (weights only)
+    granularity: Granularity = PerTensor()  # which elements share a scale (ptq.numerics.granularity)
     saturate: bool = True  # out-of-range values clamp to the format's max (False: NaN / inf)
     observer: str = "max"  # how a static activation scale is calibrated (OBSERVERS)
     percentile: float = 99.99  # for observer: percentile
-    dynamic: bool = False  # activations: one scale per token, computed on the fly (no calibration)
+    dynamic: bool = False  # activations: scales computed on the fly from each token / group (no calibration)
     scale: str = "amax"  # SCALE_MODES: "pow2" is a per-tensor exponent bias, "unscaled" casts with scale 1
+    scale_format: str = "fp32"  # SCALE_FORMATS: "e8m0" is the MX power-of-two scale (granularity.e8m0_scale)
 
     @property
     def static(self) -> bool:
@@ -49,11 +55,13 @@ class TensorQuant:
             return self.format.name
         if self.scale == "unscaled":
             return f"{self.format.name} unscaled" + ("" if self.saturate else " non-saturating")
-        how = "per-token dynamic" if self.dynamic else f"per-{self.granularity}"
+        how = self.granularity.describe() + (" dynamic" if self.dynamic else "")
         if not self.dynamic and self.observer != "max":
             how += f" {self.observer}" + (f" {self.percentile:g}" if self.observer == "percentile" else "")
         if self.scale == "pow2":
             how += " pow2"
+        if self.scale_format != "fp32":
+            how += f" {self.scale_format} scales"
         return f"{self.format.name} {how}" + ("" if self.saturate else " non-saturating")
 
 
@@ -141,8 +149,8 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
     for t in targets:
         if t not in TARGET_TYPES:
             raise PtqError(f"{where}: unknown target type '{t}' (known: {', '.join(TARGET_TYPES)})")
-    weights = _tensor_quant(fields["weights"], f"{where}: 'weights'", allow_channel=True)
-    inputs = _tensor_quant(fields["inputs"], f"{where}: 'inputs'", allow_channel=False)
+    weights = _tensor_quant(fields["weights"], f"{where}: 'weights'", role="weights")
+    inputs = _tensor_quant(fields["inputs"], f"{where}: 'inputs'", role="inputs")
     attention, attention_tensors = None, ATTENTION_TENSORS
     if "attention" in fields:
         spec = fields["attention"]
@@ -152,9 +160,9 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
             for t in attention_tensors:
                 if t not in ATTENTION_TENSORS:
                     raise PtqError(f"{where}: unknown attention tensor '{t}' (known: {', '.join(ATTENTION_TENSORS)})")
-        attention = _tensor_quant(spec, f"{where}: 'attention'", allow_channel=False)
-    kv_cache = _tensor_quant(fields["kv_cache"], f"{where}: 'kv_cache'", allow_channel=False) if "kv_cache" in fields else None
-    residual = _tensor_quant(fields["residual"], f"{where}: 'residual'", allow_channel=False) if "residual" in fields else None
+        attention = _tensor_quant(spec, f"{where}: 'attention'", role="activations")
+    kv_cache = _tensor_quant(fields["kv_cache"], f"{where}: 'kv_cache'", role="activations") if "kv_cache" in fields else None
+    residual = _tensor_quant(fields["residual"], f"{where}: 'residual'", role="activations") if "residual" in fields else None
     smoothquant = None
     if "smoothquant" in fields:
         sq = _mapping(fields["smoothquant"], f"{where}: 'smoothquant'", required={"alpha"}, optional=set())
@@ -185,36 +193,73 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
     )
 
 
-def _tensor_quant(data: object, where: str, allow_channel: bool) -> TensorQuant:
+def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granularity:
+    """The YAML granularity (+ group_size / block_size) as a ptq.numerics.granularity dataclass, refusing what
+    cannot work: per-token weights, per-channel or block inputs, static per-group or per-token inputs."""
+    name = fields.get("granularity", "token" if dynamic and role != "weights" else "tensor")
+    if name not in GRANULARITIES:
+        raise PtqError(f"{where}: unknown granularity {reprlib.repr(name)} (known: {', '.join(GRANULARITIES)})")
+    if "group_size" in fields and name != "group":
+        raise PtqError(f"{where}: 'group_size' applies to granularity 'group', not '{name}'")
+    if "block_size" in fields and name != "block":
+        raise PtqError(f"{where}: 'block_size' applies to granularity 'block', not '{name}'")
+    if role == "weights":
+        if name == "token":
+            raise PtqError(f"{where}: per-token scales apply to activations; weights use tensor, channel, group or block")
+    elif name in ("channel", "block"):
+        raise PtqError(f"{where}: per-{name} scales apply to weights only (an input's scale must factor out of the "
+                       "matmul: per tensor, per token or per group along the reduction dimension)")
+    elif name in ("token", "group") and not dynamic:
+        raise PtqError(f"{where}: per-{name} input scales are computed on the fly: set 'dynamic: true' "
+                       "(calibration gives one static scale per tensor)")
+    if role == "activations" and name == "group":
+        raise PtqError(f"{where}: per-group scales apply to matmul weights and inputs")
+    if name == "group":
+        size = fields.get("group_size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise PtqError(f"{where}: granularity 'group' needs 'group_size', a positive integer, "
+                           f"not {reprlib.repr(size)}")
+        return PerGroup(size)
+    if name == "block":
+        size = fields.get("block_size")
+        if (not isinstance(size, list) or len(size) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in size)):
+            raise PtqError(f"{where}: granularity 'block' needs 'block_size', two positive integers "
+                           f"[rows, columns], not {reprlib.repr(size)}")
+        return PerBlock(*size)
+    return {"tensor": PerTensor(), "channel": PerChannel(), "token": PerToken()}[name]
+
+
+def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
+    """role: "weights", "inputs" (matmul inputs) or "activations" (attention, KV cache, residual inputs)."""
     fields = _mapping(data, where, required={"format"},
-                      optional={"granularity", "saturate", "observer", "percentile", "dynamic", "scale"})
+                      optional={"granularity", "group_size", "block_size", "saturate", "observer", "percentile",
+                                "dynamic", "scale", "scale_format"})
     try:
         fmt = get_format(_string(fields["format"], f"{where}.format"))
     except PtqError as e:
         raise PtqError(f"{where}: {e}") from None
-    granularity = fields.get("granularity", "tensor")
-    if granularity not in GRANULARITIES:
-        raise PtqError(f"{where}: unknown granularity {reprlib.repr(granularity)} (known: {', '.join(GRANULARITIES)})")
-    if granularity == "channel" and not allow_channel:
-        raise PtqError(f"{where}: per-channel scales apply to weights only; inputs use one static per-tensor scale")
+    dynamic = fields.get("dynamic", False)
+    if not isinstance(dynamic, bool):
+        raise PtqError(f"{where}.dynamic must be true or false, not {reprlib.repr(dynamic)}")
+    if dynamic and role == "weights":
+        raise PtqError(f"{where}: dynamic (per-token) scales apply to activations; weights are known ahead")
+    granularity = _granularity(fields, where, role, dynamic)
     saturate = fields.get("saturate", fmt.scaled)  # 16-bit formats overflow to inf like an IEEE cast
     if not isinstance(saturate, bool):
         raise PtqError(f"{where}.saturate must be true or false, not {reprlib.repr(saturate)}")
     observer = fields.get("observer", "max")
     if observer not in OBSERVERS:
         raise PtqError(f"{where}: unknown observer '{observer}' (known: {', '.join(OBSERVERS)})")
-    if observer != "max" and allow_channel:
+    if observer != "max" and role == "weights":
         raise PtqError(f"{where}: weights use max calibration (observer 'max'); observers apply to activations")
+    if observer != "max" and dynamic:
+        raise PtqError(f"{where}: an observer calibrates a static scale; dynamic scales take each token's amax")
     percentile = fields.get("percentile", 99.99)
     if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
         raise PtqError(f"{where}.percentile must be a number in (0, 100], not {reprlib.repr(percentile)}")
     if "percentile" in fields and observer not in ("percentile", "best"):
         raise PtqError(f"{where}: 'percentile' applies to observer 'percentile' or 'best', not '{observer}'")
-    dynamic = fields.get("dynamic", False)
-    if not isinstance(dynamic, bool):
-        raise PtqError(f"{where}.dynamic must be true or false, not {reprlib.repr(dynamic)}")
-    if dynamic and allow_channel:
-        raise PtqError(f"{where}: dynamic (per-token) scales apply to activations; weights are known ahead")
     scale = fields.get("scale", "amax")
     if scale not in SCALE_MODES:
         raise PtqError(f"{where}: unknown scale '{scale}' (known: {', '.join(SCALE_MODES)})")
@@ -222,8 +267,14 @@ def _tensor_quant(data: object, where: str, allow_channel: bool) -> TensorQuant:
         raise PtqError(f"{where}: scale 'unscaled' uses no scale, so neither 'dynamic' nor an observer applies")
     if scale != "amax" and not fmt.scaled:
         raise PtqError(f"{where}: {fmt.name} is not scaled; 'scale: {scale}' applies to 8-bit formats")
+    scale_format = fields.get("scale_format", "fp32")
+    if scale_format not in SCALE_FORMATS:
+        raise PtqError(f"{where}: unknown scale_format {reprlib.repr(scale_format)} (known: {', '.join(SCALE_FORMATS)})")
+    if scale_format == "e8m0" and (scale != "amax" or fmt.kind != "float" or not fmt.scaled):
+        raise PtqError(f"{where}: scale_format 'e8m0' is the MX power-of-two scale of an 8-bit float format "
+                       "(its rule is fixed: leave 'scale' at amax)")
     return TensorQuant(format=fmt, granularity=granularity, saturate=saturate, observer=observer,
-                       percentile=float(percentile), dynamic=dynamic, scale=scale)
+                       percentile=float(percentile), dynamic=dynamic, scale=scale, scale_format=scale_format)
 
 
 def _mapping(data: object, where: str, required: set[str], optional: set[str]) -> dict:

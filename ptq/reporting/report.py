@@ -283,15 +283,18 @@ def render_model_card(e: dict) -> str:
         "| | |", "|---|---|",
         f"| source model | {e['model']['source']} ({e['model']['architecture']}) |",
         f"| weights | {rec['weights']}, stored 1 byte per parameter |",
-        f"| inputs (activations) | {rec['inputs']}, static scale from calibration (`input_scale`) |",
+        f"| inputs (activations) | {rec['inputs']}, "
+        + ("scales computed on the fly by the engine (no `input_scale`) |" if "dynamic" in rec["inputs"]
+           else "static scale from calibration (`input_scale`) |"),
         f"| layers | {fmt['quantized_layers']} Linear layers quantized; left as in the source: {', '.join(f'`{n}`' for n in fmt['ignored_layers']) or 'none'} |",
         *([f"| coverage | {describe_coverage(e['coverage'])} |"] if e.get("coverage") else []),
         f"| format | compressed-tensors `{fmt['format']}` (compressed-tensors {fmt['compressed_tensors']}) |",
         f"| size | {human_bytes(size['bytes'])} of tensors in {size['shards']} safetensors shard(s); the 16-bit checkpoint is "
         f"{human_bytes(size['bytes_16bit'])}: {human_bytes(size['bytes_saved'])} saved ({100 * size['bytes_saved'] / size['bytes_16bit']:.1f}%) |",
         f"| other tensors | unchanged from the source ({', '.join(size['other_dtypes'])}, {human_bytes(size['other_bytes'])}) |",
-        f"| calibration | {cal['data']} (sha256 `{str(cal['data_sha256'])[:16]}`), {cal['windows']} windows x {cal['seq_len']} tokens "
-        f"= {cal['tokens']:,} tokens; {cal['source']} |",
+        (f"| calibration | {cal['data']} (sha256 `{str(cal['data_sha256'])[:16]}`), {cal['windows']} windows x "
+         f"{cal['seq_len']} tokens = {cal['tokens']:,} tokens; {cal['source']} |" if cal.get("tokens") is not None
+         else f"| calibration | {cal['source']} |"),
         "",
     ]
     lines += [f"Note: {c}" for c in e["model"]["caveats"]]
