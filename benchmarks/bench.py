@@ -29,7 +29,8 @@ from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
 from ptq.numerics.formats import FORMATS, compute_scale, fake_quantize
 from ptq.models.loading import compute_dtype, default_device, load_model
-from ptq.quantization.quantize import calibrated_layers, fused, quantize_variants
+from ptq.quantization.quantize import fused, quantize_variants
+from ptq.quantization.plan import calibrated_layers
 from ptq.quantization.recipes import load_recipe
 from ptq.commands.workflows import run_compare
 
@@ -208,7 +209,8 @@ def moe_ratios(repeats: int) -> None:
     import transformers
 
     from ptq.models.matmuls import linearize
-    from ptq.quantization.quantize import calibration_targets, quantize_variants
+    from ptq.quantization.quantize import quantize_variants
+    from ptq.quantization.plan import calibration_targets
 
     config = transformers.Qwen3MoeConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                                          num_experts=32, num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=8,

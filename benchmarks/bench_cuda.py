@@ -27,7 +27,8 @@ import torch
 from ptq import progress
 from ptq.calibration.calibrate import calibrate
 from ptq.evaluation.evaluate import evaluate
-from ptq.quantization.quantize import calibrated_layers, quantize_variants
+from ptq.quantization.quantize import quantize_variants
+from ptq.quantization.plan import calibrated_layers
 from ptq.quantization.recipes import load_recipe
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,

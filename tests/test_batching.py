@@ -223,7 +223,7 @@ def test_calibration_estimate_has_no_metrics_and_logits_only_when_computed():
 
 
 def _calibration_setup(tiny_model):
-    from ptq.quantization.quantize import calibrated_layers
+    from ptq.quantization.plan import calibrated_layers
     from ptq.quantization.recipes import load_recipe
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)

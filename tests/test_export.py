@@ -125,7 +125,7 @@ def test_verification_fails_on_a_wrong_input_scale(exported, tiny_model, tmp_pat
     from ptq.calibration.calibrate import calibrate
     from ptq.evaluation.data import load_corpus, make_windows
     from ptq.models.loading import load_model
-    from ptq.quantization.quantize import calibrated_layers
+    from ptq.quantization.plan import calibrated_layers
     from ptq.quantization.recipes import load_recipe
 
     recipe_name, out = exported

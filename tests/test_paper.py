@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 from ptq.quantization.attention import attention_modules
 from ptq.calibration.calibrate import calibrate, load_calibration, save_calibration
 from ptq.calibration.observers import percentile_clip
-from ptq.quantization.quantize import (QuantLinear, calibrated_layers, describe_plan, input_clip, quantize_, smoothed_layers,
-                          smoothing_factors)
+from ptq.quantization.quantize import QuantLinear, input_clip, quantize_, smoothing_factors
+from ptq.quantization.plan import calibrated_layers, resolve_plan
 from ptq.quantization.recipes import parse_recipe
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -151,7 +151,7 @@ def test_smoothquant_through_calibration_and_selection(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     r = recipe(weights={"format": "int8", "granularity": "channel"}, inputs={"format": "int8"},
                smoothquant={"alpha": 0.5}, ignore=["lm_head", "model.layers.0.*"])
-    smoothed = smoothed_layers(model, r)
+    smoothed = resolve_plan(model, r).smoothed
     assert smoothed and not any(n.startswith("model.layers.0.") for n in smoothed)
     ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
     calibration = calibrate(model, ids, calibrated_layers(model, r), channels=smoothed)
@@ -166,7 +166,7 @@ def test_describe_plan_lists_linear_and_attention_tensors(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     r = recipe(attention={"format": "e4m3", "tensors": ["probs"]}, kv_cache={"format": "e4m3"},
                ignore=["lm_head", "model.layers.1.*"])
-    rows = {row["name"]: row for row in describe_plan(model, r)}
+    rows = {row["name"]: row for row in resolve_plan(model, r).rows()}
     assert rows["model.layers.0.self_attn.probs"]["inputs"] == "e4m3 per-tensor" and rows["model.layers.0.self_attn.probs"]["quantized"]
     assert rows["model.layers.0.self_attn.kv_cache.key"]["quantized"] and not rows["model.layers.0.self_attn.query"]["quantized"]
     assert not rows["model.layers.1.self_attn.probs"]["quantized"] and not rows["model.layers.1.mlp.up_proj"]["quantized"]
@@ -220,7 +220,7 @@ def test_residual_recipe_calibrates_and_quantizes(tiny_model):
     with torch.inference_mode():
         a, b = model(input_ids=ids).logits, quantized(input_ids=ids).logits
     assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.5)
-    rows = {row["name"]: row for row in describe_plan(model, r)}
+    rows = {row["name"]: row for row in resolve_plan(model, r).rows()}
     assert rows["model.layers.0.residual.mid"]["quantized"] and not rows["model.layers.0.residual.input"]["quantized"]
 
 

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from ptq.calibration.calibrate import calibrate
 from ptq.errors import PtqError
-from ptq.quantization.quantize import QuantLinear, calibrated_layers, plan, quantize_, quantize_variants
+from ptq.quantization.quantize import QuantLinear, quantize_, quantize_variants
+from ptq.quantization.plan import calibrated_layers, resolve_plan
 from ptq.quantization.recipes import load_recipe
 
 
@@ -55,10 +56,10 @@ def test_quant_linear_matches_reference(recipe_name, wfmt, per_channel):
 
 def test_plan_keeps_lm_head_in_bf16_and_quantizes_the_rest(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    layers = plan(model, load_recipe("fp8-e4m3"))
-    assert layers["lm_head"][0].format.name == "bf16"
+    layers = resolve_plan(model, load_recipe("fp8-e4m3")).matmuls
+    assert layers["lm_head"].weights.format.name == "bf16" and "ignore: lm_head" in layers["lm_head"].reason
     body = [name for name in layers if name != "lm_head"]
-    assert len(body) == 14 and all(layers[n][0].format.name == "e4m3" for n in body)
+    assert len(body) == 14 and all(layers[n].weights.format.name == "e4m3" and layers[n].quantized for n in body)
     assert calibrated_layers(model, load_recipe("fp8-e4m3")) == body
     assert calibrated_layers(model, load_recipe("bf16")) == []
 

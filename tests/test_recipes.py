@@ -111,7 +111,7 @@ def test_sensitivity_examples_each_quantize_one_kind_of_tensor(tiny_model):
 
     from transformers import AutoModelForCausalLM
 
-    from ptq.quantization.quantize import describe_plan
+    from ptq.quantization.plan import resolve_plan
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -123,7 +123,7 @@ def test_sensitivity_examples_each_quantize_one_kind_of_tensor(tiny_model):
     assert sorted(p.stem for p in paths) == sorted(expected)
     is_e4m3 = lambda text: "e4m3" in (text or "").lower()  # noqa: E731
     for path in paths:
-        rows = describe_plan(model, load_recipe(str(path)))
+        rows = resolve_plan(model, load_recipe(str(path))).rows()
         weights = {r["name"].rsplit(".", 1)[-1] for r in rows if is_e4m3(r["weights"])}
         inputs = {r["name"].rsplit(".", 1)[-1] for r in rows if is_e4m3(r["inputs"])}
         part, names = expected[path.stem]

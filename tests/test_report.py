@@ -182,14 +182,15 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     from ptq.evaluation.evaluate import evaluate
     from ptq.evaluation.layerstats import input_snr_db, layer_snr, weight_snr_db
     from ptq.models.loading import load_model
-    from ptq.quantization.quantize import calibrated_layers, quantize_variants, smoothed_layers
+    from ptq.quantization.quantize import quantize_variants
+    from ptq.quantization.plan import calibrated_layers, resolve_plan
     from ptq.quantization.recipes import load_recipe
 
     loaded = load_model(str(tiny_model), device=torch.device("cpu"))
     model = loaded.model
     ids = torch.randint(0, 300, (6, 32), generator=torch.Generator().manual_seed(0))
     recipes = [load_recipe("fp8-e4m3"), load_recipe("int8"), load_recipe("int8-smoothquant")]
-    cal = calibrate(model, ids, sorted(calibrated_layers(model, recipes[0])), channels=smoothed_layers(model, recipes[2]))
+    cal = calibrate(model, ids, sorted(calibrated_layers(model, recipes[0])), channels=resolve_plan(model, recipes[2]).smoothed)
     models = quantize_variants(model, [load_recipe("bf16"), *recipes], cal)
     quantized = {r.name: models[r.name] for r in recipes}
     name = "model.layers.1.mlp.down_proj"

@@ -21,7 +21,7 @@ from ptq.execution import resources
 from ptq.execution import streaming
 from ptq.calibration.calibrate import calibrate, load_calibration
 from ptq.models.loading import load_model
-from ptq.quantization.quantize import calibrated_layers
+from ptq.quantization.plan import calibrated_layers
 from ptq.quantization.recipes import load_recipe
 
 ALL_LINEAR = "name: e4m3-all\nweights: {format: e4m3}\ninputs: {format: e4m3}\nignore: []\n"  # lm_head included

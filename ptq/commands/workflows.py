@@ -36,13 +36,14 @@ from ptq.files import check_output_dir, check_writable
 from ptq.numerics.formats import get_format
 from ptq.reporting.gates import Limits, gate_results
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
-from ptq.models.matmuls import coverage, describe_coverage, kind, unsupported_weights
+from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
 from ptq.models.loading import LoadedModel, compute_dtype, default_device, linear_layers, load_model
 from ptq.execution.placement import Placement, placed, placed_copy
 from ptq.execution.placement import describe as describe_placement
 from ptq.execution.placement import summary as placement_summary
 from ptq.progress import stderr
-from ptq.quantization.quantize import calibration_targets, plan, quantize_, quantize_variants, resolve_matmul
+from ptq.quantization.quantize import quantize_, quantize_variants, resolve_matmul
+from ptq.quantization.plan import calibration_targets, resolve_plan
 from ptq.quantization.recipes import Recipe, load_recipe
 from ptq.reporting.report import load_results, render_markdown, report_outputs, write_markdown, write_report
 from ptq.reporting.report import render_eval_markdown
@@ -163,7 +164,8 @@ def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list
     """The range rule (ptq.calibration.calibrate.range_findings) for every amax a recipe turns into a scale."""
     checks = []
     for r in recipes:
-        for name, (weights, inputs) in plan(model, r).items():
+        for name, m in resolve_plan(model, r).matmuls.items():
+            weights, inputs = m.weights, m.inputs
             if name in calibration.input_amax and inputs.format.scaled:
                 checks.append((name, "input", calibration.input_amax[name], inputs.format))
             if name in calibration.weight_amax and weights.format.scaled:
@@ -172,10 +174,10 @@ def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list
 
 
 def check_coverage(model, recipes: list[Recipe], strict: bool = False) -> dict[str, dict]:
-    """Each recipe's coverage of the model's matmul weights (ptq.models.matmuls.coverage); weights that no recipe could
+    """Each recipe's coverage of the model's matmul weights (its plan's coverage); weights that no recipe could
     quantize for lack of support get a one-line warning naming them, or with `strict` (--strict-coverage) stop
     the run before any work."""
-    coverages = {r.name: coverage(model, r) for r in recipes}
+    coverages = {r.name: resolve_plan(model, r).coverage() for r in recipes}
     missing = {x["name"]: x for cov in coverages.values() for x in unsupported_weights(cov)}
     if missing:
         items = list(missing.values())
@@ -563,15 +565,16 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
     loaded_recipes = [load_recipe(r) for r in recipes]
     loaded = load_model(model, trust_remote_code, device=torch.device("cpu"))
     layers = linear_layers(loaded.model)
-    plans = {r.name: plan(loaded.model, r) for r in loaded_recipes}
+    plans = {r.name: resolve_plan(loaded.model, r) for r in loaded_recipes}
     rows = []
     for name, m in layers.items():
         row = {"layer": name, "kind": kind(m), "shape": [m.out_features, m.in_features], "parameters": m.weight.numel(),
                "recipes": {}}
         for r in loaded_recipes:
-            weights, inputs = plans[r.name][name]
-            row["recipes"][r.name] = {"quantized": r.targets_module(name, m), "weights": weights.describe(),
-                                      "inputs": inputs.describe(), "calibrated": inputs.format.scaled}
+            entry = plans[r.name].matmuls[name]
+            row["recipes"][r.name] = {"quantized": entry.quantized, "weights": entry.weights.describe(),
+                                      "inputs": entry.inputs.describe(), "calibrated": entry.quantized and entry.inputs.static,
+                                      "reason": entry.reason}
         rows.append(row)
     total = sum(row["parameters"] for row in rows)
     coverages = check_coverage(loaded.model, loaded_recipes)

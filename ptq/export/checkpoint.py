@@ -34,6 +34,7 @@ from ptq.calibration.calibrate import Calibration
 from ptq.errors import PtqError
 from ptq.numerics.formats import NumberFormat, compute_scale
 from ptq.models.matmuls import LinearExperts, kind, quantizable
+from ptq.quantization.plan import resolve_plan
 from ptq.quantization.quantize import QuantLinear, quantize_, quantize_weight
 from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken, e8m0_codes
 from ptq.quantization.recipes import Recipe, TensorQuant
@@ -218,9 +219,8 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
 def export_layers(model: nn.Module, recipe: Recipe) -> tuple[list[str], list[str], list[str]]:
     """The Linear layers the recipe quantizes and those it leaves out, and the state-dict names to save;
     refuses a model where that is nothing, or where a quantized weight is tied to another tensor."""
-    layers = [name for name, m in model.named_modules() if quantizable(m)]
-    quantized = [name for name in layers if recipe.targets_module(name, model.get_submodule(name))]
-    ignored = sorted(set(layers) - set(quantized))
+    plan = resolve_plan(model, recipe)
+    quantized, ignored = plan.quantized, sorted(plan.left_out)
     if not quantized:
         raise PtqError(f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} (it targets "
                        f"{', '.join(recipe.targets)} modules, and this model has none outside {', '.join(recipe.ignore)})")
@@ -413,8 +413,7 @@ def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, 
     loader_int8_inputs, int8 inputs round with the loaders' [-128, 127] range instead of ptq's [-127, 127]. The
     `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
     the reload check computes for them: see unapplied_input_layers)."""
-    kept = {name: m for name, m in model.named_modules()
-            if quantizable(m) and not recipe.targets_module(name, m)}
+    kept = {name: model.get_submodule(name) for name in resolve_plan(model, recipe).left_out}
     quantize_(model, recipe, calibration)
     for name, m in kept.items():
         parent, _, child = name.rpartition(".")

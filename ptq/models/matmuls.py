@@ -258,36 +258,6 @@ def _parents(model: nn.Module, name: str) -> list[nn.Module]:
     return [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
 
 
-def coverage(model: nn.Module, recipe) -> dict:
-    """How much of the model's matmul weights `recipe` quantizes (on the linearized model, before quantization):
-    {"quantized_weight_params", "matmul_weight_params", "left_out": [{"name", "params", "reason"}]}, where matmul
-    weights are every weight that multiplies activations (Linear, Conv1D, experts, lm_head, routers; not embedding
-    look-ups), and `left_out` names what stays in the compute dtype and why, largest first."""
-    quantized, total, left_out = 0, 0, []
-    for name, module in model.named_modules():
-        if not quantizable(module):
-            continue
-        params = module.weight.numel()
-        total += params
-        if recipe.targets_module(name, module):
-            quantized += params
-        elif kind(module) not in recipe.targets:
-            left_out.append(LeftOut(name, params, f"left out by the recipe (a {kind(module)} layer; it targets "
-                                                  f"{', '.join(recipe.targets)})"))
-        else:
-            import fnmatch
-
-            ignored = [p for p in recipe.ignore if fnmatch.fnmatchcase(name, p)]
-            left_out.append(LeftOut(name, params, f"left out by the recipe (ignore: {', '.join(ignored)})" if ignored
-                                    else "left out by the recipe (not matched by its include patterns)"))
-    for item in unsupported(model):
-        total += item.params
-        left_out.append(item)
-    left_out.sort(key=lambda x: (-x.params, x.name))
-    return {"quantized_weight_params": quantized, "matmul_weight_params": total,
-            "left_out": [{"name": x.name, "params": x.params, "reason": x.reason} for x in left_out]}
-
-
 def unsupported_weights(cov: dict) -> list[dict]:
     """The left-out weights of a coverage that no recipe could quantize for lack of support (routers are left out
     by design and are not counted here)."""

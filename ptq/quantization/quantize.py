@@ -29,7 +29,8 @@ from ptq.numerics.formats import NumberFormat, amax, compute_scale, dequantize, 
 from ptq.numerics.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
 from ptq.models.matmuls import kind, quantizable
 from ptq.calibration.observers import choose_clip
-from ptq.quantization.recipes import BASELINE_LINEAR, Recipe, TensorQuant
+from ptq.quantization.plan import calibration_key, resolve_plan
+from ptq.quantization.recipes import Recipe, TensorQuant
 
 
 class InputQuantizer:
@@ -282,89 +283,6 @@ def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQu
             and linear.in_features % 16 == 0 and linear.out_features % 16 == 0)
 
 
-def plan(model: nn.Module, recipe: Recipe) -> dict[str, tuple[TensorQuant, TensorQuant]]:
-    """What the recipe does to each Linear: its (weights, inputs) quantization. Layers the recipe leaves
-    out run as in the 16-bit baseline."""
-    return {
-        name: (recipe.weights, recipe.inputs) if recipe.targets_module(name, m) else (BASELINE_LINEAR, BASELINE_LINEAR)
-        for name, m in model.named_modules() if quantizable(m)
-    }
-
-
-def plan_attention(model: nn.Module, recipe: Recipe) -> dict[str, dict[str, TensorQuant]]:
-    """What the recipe does to each attention layer's batched-matmul inputs: layer name -> {tensor:
-    quantization}, with KV-cache quantization under "kv_cache.key" / "kv_cache.value". Layers are
-    selected by the recipe's include/ignore patterns on "<layer>.<tensor>" (e.g. "*.self_attn.probs")."""
-    layers = {}
-    for name in attention.attention_modules(model):
-        tensors = {}
-        if recipe.kv_cache is not None:
-            tensors |= {f"kv_cache.{t}": recipe.kv_cache for t in ("key", "value") if recipe.selects(f"{name}.{t}")}
-        if recipe.attention is not None:
-            tensors |= {t: recipe.attention for t in recipe.attention_tensors if recipe.selects(f"{name}.{t}")}
-        if tensors:
-            layers[name] = tensors
-    return layers
-
-
-def plan_residual(model: nn.Module, recipe: Recipe) -> dict[str, dict[str, TensorQuant]]:
-    """What the recipe does to each decoder block's residual-add inputs: block -> {tensor: quantization},
-    selected by include/ignore on "<block>.residual.<tensor>"."""
-    if recipe.residual is None:
-        return {}
-    layers = {}
-    for name in residual.residual_blocks(model):
-        tensors = {t: recipe.residual for t in residual.TENSORS if recipe.selects(f"{name}.residual.{t}")}
-        if tensors:
-            layers[name] = tensors
-    return layers
-
-
-def describe_plan(model: nn.Module, recipe: Recipe) -> list[dict]:
-    """One row per quantizable tensor: what the recipe does to it (for `ptq inspect` and reports)."""
-    rows = []
-    for name, (weights, inputs) in plan(model, recipe).items():
-        quantized = weights is not BASELINE_LINEAR
-        rows.append({"name": name, "kind": "linear", "quantized": quantized,
-                     "weights": weights.describe(), "inputs": inputs.describe(),
-                     "smoothquant": recipe.smoothquant if quantized and recipe.smoothquant is not None else None})
-    planned = plan_attention(model, recipe)
-    for layer in attention.attention_modules(model):
-        for tensor in ("kv_cache.key", "kv_cache.value", *attention.TENSORS):
-            spec = planned.get(layer, {}).get(tensor)
-            rows.append({"name": f"{layer}.{tensor}", "kind": "attention", "quantized": spec is not None,
-                         "weights": None, "inputs": spec.describe() if spec else "fp32", "smoothquant": None})
-    planned = plan_residual(model, recipe)
-    for block in residual.residual_blocks(model):
-        for tensor in residual.TENSORS:
-            spec = planned.get(block, {}).get(tensor)
-            rows.append({"name": f"{block}.residual.{tensor}", "kind": "residual", "quantized": spec is not None,
-                         "weights": None, "inputs": spec.describe() if spec else "fp32", "smoothquant": None})
-    return rows
-
-
-def _calibration_key(layer: str, tensor: str) -> str:
-    """KV-cache quantizers share the statistics of the K and V they quantize."""
-    return f"{layer}.{tensor.removeprefix('kv_cache.')}"
-
-
-def calibrated_layers(model: nn.Module, recipe: Recipe) -> list[str]:
-    """Tensors whose static scale must come from calibration: Linear names, and "<attention layer>.<tensor>"."""
-    names = [name for name, (_, inputs) in plan(model, recipe).items() if inputs.static]
-    names += sorted({_calibration_key(layer, t) for layer, tensors in plan_attention(model, recipe).items()
-                     for t, spec in tensors.items() if spec.static})
-    names += [f"{block}.residual.{t}" for block, tensors in plan_residual(model, recipe).items()
-              for t, spec in tensors.items() if spec.static]
-    return names
-
-
-def smoothed_layers(model: nn.Module, recipe: Recipe) -> list[str]:
-    """Linear layers that SmoothQuant rescales (they need per-channel input amax from calibration)."""
-    if recipe.smoothquant is None:
-        return []
-    return [name for name, (weights, _) in plan(model, recipe).items() if weights is not BASELINE_LINEAR]
-
-
 def input_clip(calibration: Calibration, name: str, spec: TensorQuant) -> torch.Tensor:
     """The calibrated clip of one activation under the spec's observer."""
     amax_ = calibration.input_amax[name]
@@ -375,14 +293,6 @@ def input_clip(calibration: Calibration, name: str, spec: TensorQuant) -> torch.
         raise PtqError(f"calibration file has no histogram for '{name}' (observer '{spec.observer}' needs one; recalibrate)")
     _, clip = choose_clip(spec.observer, hist, float(amax_), spec.format, spec.percentile)
     return torch.tensor(clip, dtype=torch.float32)
-
-
-def calibration_targets(model: nn.Module, recipes: list[Recipe]) -> tuple[list[str], list[str]]:
-    """What calibrating for `recipes` observes: (every tensor that needs a static scale or per-channel maxima,
-    the Linear layers that need per-channel maxima for SmoothQuant)."""
-    channels = sorted({name for r in recipes for name in smoothed_layers(model, r)})
-    layers = sorted({name for r in recipes for name in calibrated_layers(model, r)} | set(channels))
-    return layers, channels
 
 
 def smoothing_factors(channel_amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -399,9 +309,9 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
     whose weights and inputs are both FP8 as real FP8 matmuls (torch._scaled_mm); "auto" where the device
     has them (resolve_matmul)."""
     matmul = resolve_matmul(matmul, next(model.parameters()).device)
-    layers = plan(model, recipe)
-    needed = calibrated_layers(model, recipe)
-    smoothed = set(smoothed_layers(model, recipe))
+    plan = resolve_plan(model, recipe)
+    needed = plan.calibrated
+    smoothed = set(plan.smoothed)
     if needed or smoothed:
         if calibration is None:
             raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
@@ -413,7 +323,8 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
     input_quantizer = InputQuantizer()
     fp8_codes_quantizer = InputQuantizer(codes=True) if matmul == "fp8" else None
     scales: dict[tuple, torch.Tensor] = {}  # Linears that share an input (same amax) share one scale tensor
-    for name, (weights, inputs) in layers.items():
+    for name, entry in plan.matmuls.items():
+        weights, inputs = entry.weights, entry.inputs
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
@@ -431,13 +342,13 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
             q.input_scale = scales.setdefault(key, q.input_scale)
         setattr(parent, child, q)
     quantizers = {}
-    for layer, tensors in plan_attention(model, recipe).items():
-        made = {t: ActQuant(spec, input_clip(calibration, _calibration_key(layer, t), spec) if spec.static else None)
+    for layer, tensors in plan.attention.items():
+        made = {t: ActQuant(spec, input_clip(calibration, calibration_key(layer, t), spec) if spec.static else None)
                 for t, spec in tensors.items()}
         quantizers[layer] = AttentionQuant({t: q for t, q in made.items() if not t.startswith("kv_cache.")},
                                            {t.removeprefix("kv_cache."): q for t, q in made.items() if t.startswith("kv_cache.")})
     attention.install(model, quantizers)
-    for block, tensors in plan_residual(model, recipe).items():
+    for block, tensors in plan.residual.items():
         made = nn.ModuleDict({t: ActQuant(spec, input_clip(calibration, f"{block}.residual.{t}", spec) if spec.static else None)
                               for t, spec in tensors.items()})
         model.get_submodule(block).ptq_residual = made  # registered, so it moves with the model

@@ -1,0 +1,177 @@
+"""The plan: what one recipe does to one model, resolved once.
+
+For every matmul (Linear, Conv1D, each expert's projections: ptq.models.matmuls), every attention input and
+KV-cache tensor, and every residual-add input, the plan says whether it is quantized, how (a TensorQuant for
+its weight and one for its input), and if not, why. Calibration (which tensors need a static scale), quantize_,
+coverage, `ptq inspect`, layer statistics and export read the plan; none of them decides again.
+
+Reasons a matmul is left in the compute dtype (16-bit in every variant, as in the baseline):
+    - its kind is not among the recipe's targets (e.g. Experts for SmoothQuant);
+    - its name matches the recipe's `ignore` patterns, or no `include` pattern;
+    - its shape: the reduction dimension is not a multiple of the recipe's group size (per-group scales along
+      the input: MX's 32, the block scheme's 1 x 128 input groups). vLLM's per-token-group quantization and
+      compressed-tensors' group quantization both require whole groups, so such a layer could not run as
+      simulated; partial 128 x 128 weight *tiles* (rows or columns) are fine: their scales are laid out by
+      ceil division, as compressed-tensors and vLLM do.
+Weights that multiply activations but are not matmuls ptq quantizes (routers, unknown layouts) are listed by
+ptq.models.matmuls.unsupported and appear in the coverage with their own reason.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ptq.models.matmuls import LeftOut, kind, quantizable, unsupported
+from ptq.numerics.granularity import PerGroup
+from ptq.quantization import attention, residual
+from ptq.quantization.recipes import BASELINE_LINEAR, Recipe, TensorQuant
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """One matmul: its (weights, inputs) quantization, or BASELINE_LINEAR for both and the reason it is left out."""
+
+    name: str
+    kind: str  # Linear, Conv1D, Experts (ptq.models.matmuls.kind)
+    params: int
+    weights: TensorQuant
+    inputs: TensorQuant
+    reason: str | None = None  # None: quantized as the recipe says
+    smooth: bool = False  # SmoothQuant rescales its input channels (needs per-channel input maxima)
+
+    @property
+    def quantized(self) -> bool:
+        return self.reason is None
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: Recipe
+    matmuls: dict[str, MatmulPlan]
+    attention: dict[str, dict[str, TensorQuant]]  # layer -> {tensor: how}; KV cache as "kv_cache.key" / ".value"
+    residual: dict[str, dict[str, TensorQuant]]  # decoder block -> {tensor: how}
+    unsupported: list[LeftOut] = field(default_factory=list)  # weights no recipe can quantize (routers, ...)
+    attention_layers: tuple[str, ...] = ()  # every attention layer and decoder block, quantized or not (rows)
+    residual_blocks: tuple[str, ...] = ()
+
+    @property
+    def quantized(self) -> list[str]:
+        return [name for name, m in self.matmuls.items() if m.quantized]
+
+    @property
+    def left_out(self) -> list[str]:
+        return [name for name, m in self.matmuls.items() if not m.quantized]
+
+    @property
+    def smoothed(self) -> list[str]:
+        """Matmuls whose input SmoothQuant rescales (they need per-channel input amax from calibration)."""
+        return [name for name, m in self.matmuls.items() if m.smooth]
+
+    @property
+    def calibrated(self) -> list[str]:
+        """Tensors whose static scale must come from calibration: matmul names, "<attention layer>.<tensor>"
+        (K and V shared by attention and the KV cache) and "<block>.residual.<tensor>"."""
+        names = [name for name, m in self.matmuls.items() if m.quantized and m.inputs.static]
+        names += sorted({calibration_key(layer, t) for layer, tensors in self.attention.items()
+                         for t, spec in tensors.items() if spec.static})
+        names += [f"{block}.residual.{t}" for block, tensors in self.residual.items()
+                  for t, spec in tensors.items() if spec.static]
+        return names
+
+    def coverage(self) -> dict:
+        """How much of the model's matmul weights the recipe quantizes: {"quantized_weight_params",
+        "matmul_weight_params", "left_out": [{"name", "params", "reason"}]}, where matmul weights are every
+        weight that multiplies activations (Linear, Conv1D, experts, lm_head, routers; not embedding look-ups),
+        and `left_out` names what stays in the compute dtype and why, largest first."""
+        left = [LeftOut(m.name, m.params, m.reason) for m in self.matmuls.values() if not m.quantized]
+        left = sorted([*left, *self.unsupported], key=lambda x: (-x.params, x.name))
+        return {"quantized_weight_params": sum(m.params for m in self.matmuls.values() if m.quantized),
+                "matmul_weight_params": sum(m.params for m in self.matmuls.values()) + sum(x.params for x in self.unsupported),
+                "left_out": [{"name": x.name, "params": x.params, "reason": x.reason} for x in left]}
+
+    def rows(self) -> list[dict]:
+        """One row per quantizable tensor: what the recipe does to it (for `ptq inspect` and reports)."""
+        rows = [{"name": m.name, "kind": "linear", "quantized": m.quantized, "weights": m.weights.describe(),
+                 "inputs": m.inputs.describe(), "reason": m.reason,
+                 "smoothquant": self.recipe.smoothquant if m.smooth else None} for m in self.matmuls.values()]
+        for layer in self.attention_layers:
+            for tensor in ("kv_cache.key", "kv_cache.value", *attention.TENSORS):
+                spec = self.attention.get(layer, {}).get(tensor)
+                rows.append({"name": f"{layer}.{tensor}", "kind": "attention", "quantized": spec is not None,
+                             "weights": None, "inputs": spec.describe() if spec else "fp32", "reason": None,
+                             "smoothquant": None})
+        for block in self.residual_blocks:
+            for tensor in residual.TENSORS:
+                spec = self.residual.get(block, {}).get(tensor)
+                rows.append({"name": f"{block}.residual.{tensor}", "kind": "residual", "quantized": spec is not None,
+                             "weights": None, "inputs": spec.describe() if spec else "fp32", "reason": None,
+                             "smoothquant": None})
+        return rows
+
+
+def calibration_key(layer: str, tensor: str) -> str:
+    """KV-cache quantizers share the statistics of the K and V they quantize."""
+    return f"{layer}.{tensor.removeprefix('kv_cache.')}"
+
+
+def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
+    k = kind(module)
+    if k not in recipe.targets:
+        return f"left out by the recipe (a {k} layer; it targets {', '.join(recipe.targets)})"
+    if not recipe.selects(name):
+        ignored = [p for p in recipe.ignore if fnmatch.fnmatchcase(name, p)]
+        return (f"left out by the recipe (ignore: {', '.join(ignored)})" if ignored
+                else "left out by the recipe (not matched by its include patterns)")
+    for role, spec in (("weight", recipe.weights), ("input", recipe.inputs)):
+        g = spec.granularity
+        if isinstance(g, PerGroup) and module.in_features % g.size:
+            return (f"shape: in_features {module.in_features} is not a multiple of the {role} group of {g.size} "
+                    "(vLLM and compressed-tensors quantize whole groups)")
+    return None
+
+
+def resolve_plan(model: nn.Module, recipe: Recipe) -> Plan:
+    """The plan of `recipe` for a linearized `model` (ptq.models.matmuls.linearize), before quantization."""
+    matmuls = {}
+    for name, module in model.named_modules():
+        if not quantizable(module):
+            continue
+        reason = _why_left_out(name, module, recipe)
+        weights, inputs = (recipe.weights, recipe.inputs) if reason is None else (BASELINE_LINEAR, BASELINE_LINEAR)
+        matmuls[name] = MatmulPlan(name, getattr(module, "ptq_kind", kind(module)), module.weight.numel(),
+                                   weights, inputs, reason, smooth=reason is None and recipe.smoothquant is not None)
+    layers = attention.attention_modules(model)
+    attention_plan = {}
+    for name in layers:
+        tensors = {}
+        if recipe.kv_cache is not None:
+            tensors |= {f"kv_cache.{t}": recipe.kv_cache for t in ("key", "value") if recipe.selects(f"{name}.{t}")}
+        if recipe.attention is not None:
+            tensors |= {t: recipe.attention for t in recipe.attention_tensors if recipe.selects(f"{name}.{t}")}
+        if tensors:
+            attention_plan[name] = tensors
+    blocks = residual.residual_blocks(model)
+    residual_plan = {}
+    if recipe.residual is not None:
+        for name in blocks:
+            tensors = {t: recipe.residual for t in residual.TENSORS if recipe.selects(f"{name}.residual.{t}")}
+            if tensors:
+                residual_plan[name] = tensors
+    return Plan(recipe, matmuls, attention_plan, residual_plan, unsupported(model), tuple(layers), tuple(blocks))
+
+
+def calibration_targets(model: nn.Module, recipes: list[Recipe]) -> tuple[list[str], list[str]]:
+    """What calibrating for `recipes` observes: (every tensor that needs a static scale or per-channel maxima,
+    the matmuls that need per-channel maxima for SmoothQuant)."""
+    plans = [resolve_plan(model, r) for r in recipes]
+    channels = sorted({name for p in plans for name in p.smoothed})
+    layers = sorted({name for p in plans for name in p.calibrated} | set(channels))
+    return layers, channels
+
+
+def calibrated_layers(model: nn.Module, recipe: Recipe) -> list[str]:
+    """The tensors calibration must observe for one recipe (its plan's `calibrated`)."""
+    return resolve_plan(model, recipe).calibrated
