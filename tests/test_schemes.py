@@ -1,0 +1,275 @@
+"""The FP8 schemes engines serve (fp8-dynamic, fp8-block, mxfp8): granularities and E8M0 scales against
+independent references (numpy, ml_dtypes, hand-computed cases), the plan as the one place that decides, and
+checkpoints that match compressed-tensors' own preset definitions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from ptq.errors import PtqError
+from ptq.numerics import granularity as gr
+from ptq.numerics.formats import FORMATS
+from ptq.quantization.quantize import fake_quantize_dynamic, quantize_weight
+from ptq.quantization.recipes import TensorQuant, load_recipe, parse_recipe
+
+E4M3 = FORMATS["e4m3"]
+
+
+def _e4m3_codes(v: np.ndarray) -> np.ndarray:
+    """ml_dtypes' E4M3 (round to nearest even), saturating as every FP8 loader does."""
+    return np.clip(v, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+
+# -- E8M0 scales ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_amax, exponent", [
+    (448.0, 0),  # exactly the format's max: 2^0, nothing clips
+    (449.0, 1),  # just above: the next power (the OCP v1.0 floor rule would give 2^0 and clip it to 448)
+    (1.0, -8),  # 1 / 2^-8 = 256 <= 448, while 2^-9 would put it at 512
+    (14.0, -5),  # 1.75 * 2^3: exactly 448 * 2^-5
+    (14.000001, -4),
+    (0.0, 0),  # an all-zero group: any scale; 2^0
+    (1e-45, -127),  # below E8M0's range: its smallest scale
+])
+def test_e8m0_scale_is_the_smallest_power_of_two_that_does_not_clip(group_amax, exponent):
+    scale = gr.e8m0_scale(torch.tensor([group_amax], dtype=torch.float32), 448.0)
+    assert scale.item() == 2.0**exponent
+    code = gr.e8m0_codes(scale)
+    assert code.dtype == torch.uint8 and code.item() == exponent + 127
+    # the byte is ml_dtypes' float8_e8m0fnu encoding of the same power of two
+    assert np.array([2.0**exponent], dtype=np.float32).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)[0] == code.item()
+
+
+def test_e8m0_scale_against_numpy_on_random_amax():
+    a = np.abs(np.random.default_rng(0).standard_normal(4096).astype(np.float32)) * np.float32(2.0) ** np.random.default_rng(1).integers(-20, 20, 4096).astype(np.float32)
+    expected = np.exp2(np.ceil(np.log2(a.astype(np.float64) / 448.0)))
+    got = gr.e8m0_scale(torch.from_numpy(a), 448.0).numpy()
+    assert np.array_equal(got, expected.astype(np.float32))
+
+
+# -- Granularities against numpy + ml_dtypes ----------------------------------------------------------------
+
+
+def test_block_weights_match_an_independent_reference_with_partial_tiles():
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(0)) * 0.05
+    spec = TensorQuant(E4M3, gr.PerBlock(128, 128))
+    codes, scale = quantize_weight(w, spec)
+    assert scale.shape == (2, 3) and codes.shape == (200, 300) and codes.dtype == torch.float8_e4m3fn
+    wn = w.numpy()
+    for i in range(2):
+        for j in range(3):
+            tile = wn[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)]
+            s = np.float32(np.abs(tile).max()) / np.float32(448.0)
+            assert scale[i, j].item() == s
+            ref = _e4m3_codes(tile / s)
+            got = codes[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)].view(torch.uint8).numpy()
+            assert np.array_equal(got, ref.view(np.uint8))
+
+
+def test_mx_weights_match_an_independent_reference():
+    w = torch.randn(8, 96, generator=torch.Generator().manual_seed(1)) * 3
+    spec = TensorQuant(E4M3, gr.PerGroup(32), scale_format="e8m0")
+    codes, scale = quantize_weight(w, spec)
+    assert scale.shape == (8, 3)
+    groups = w.numpy().reshape(8, 3, 32)
+    s = np.exp2(np.ceil(np.log2(np.abs(groups).max(-1).astype(np.float64) / 448.0))).astype(np.float32)
+    assert np.array_equal(scale.numpy(), s)
+    ref = _e4m3_codes(groups / s[..., None]).reshape(8, 96)
+    assert np.array_equal(codes.view(torch.uint8).numpy(), ref.view(np.uint8))
+
+
+@pytest.mark.parametrize("spec", [
+    TensorQuant(E4M3, gr.PerGroup(128), dynamic=True),
+    TensorQuant(E4M3, gr.PerGroup(32), dynamic=True, scale_format="e8m0"),
+    TensorQuant(E4M3, gr.PerToken(), dynamic=True),
+    TensorQuant(E4M3, gr.PerTensor(), dynamic=True),
+], ids=lambda s: s.describe())
+def test_dynamic_inputs_match_an_independent_reference(spec):
+    x = torch.randn(3, 5, 320, generator=torch.Generator().manual_seed(2)) * 4
+    x[0, 0, :7] = 0.0
+    got = fake_quantize_dynamic(x, spec).numpy()
+    xn = x.numpy().astype(np.float32)
+    g = spec.granularity
+    size = g.size if isinstance(g, gr.PerGroup) else (320 if isinstance(g, gr.PerToken) else None)
+    if size is None:
+        view = xn.reshape(1, -1)
+    else:
+        view = np.pad(xn, [(0, 0), (0, 0), (0, -320 % size)]).reshape(3, 5, -1, size)
+    amax_ = np.abs(view).max(-1, keepdims=True)
+    s = amax_ / np.float32(448.0)
+    if spec.scale_format == "e8m0":
+        s = np.exp2(np.ceil(np.log2(s.astype(np.float64)))).astype(np.float32)
+    s = np.where(s > 0, s, np.float32(1.0))
+    ref = _e4m3_codes(view / s).astype(np.float32) * s
+    ref = ref.reshape(3, 5, -1)[..., :320] if size else ref.reshape(3, 5, 320)
+    assert np.array_equal(got, ref)
+
+
+def test_a_group_that_does_not_divide_the_row_is_partial_and_padding_changes_no_amax():
+    x = torch.randn(2, 200, generator=torch.Generator().manual_seed(3))
+    spec = TensorQuant(E4M3, gr.PerGroup(128), dynamic=True)
+    full = fake_quantize_dynamic(x, spec)
+    # the last 72 elements form their own group: quantizing them alone gives the same values
+    tail = fake_quantize_dynamic(x[:, 128:].contiguous(), TensorQuant(E4M3, gr.PerToken(), dynamic=True))
+    assert torch.equal(full[:, 128:], tail)
+
+
+# -- Recipes: the vocabulary, and what is refused ------------------------------------------------------------
+
+
+def test_builtin_scheme_recipes():
+    dynamic, block, mx, static = (load_recipe(n) for n in ("fp8-dynamic", "fp8-block", "mxfp8", "fp8-e4m3"))
+    assert dynamic.weights.granularity == gr.PerChannel() and dynamic.inputs.granularity == gr.PerToken()
+    assert dynamic.inputs.dynamic and not dynamic.needs_calibration
+    assert block.weights.granularity == gr.PerBlock(128, 128) and block.inputs.granularity == gr.PerGroup(128)
+    assert mx.weights.scale_format == mx.inputs.scale_format == "e8m0" and mx.inputs.granularity == gr.PerGroup(32)
+    assert static.needs_calibration and static.inputs.granularity == gr.PerTensor()
+    # the earlier name keeps its meaning
+    assert load_recipe("fp8-e4m3-dynamic").weights == dynamic.weights
+    assert load_recipe("fp8-e4m3-dynamic").inputs == dynamic.inputs
+
+
+@pytest.mark.parametrize("weights, inputs, message", [
+    ({"format": "e4m3", "granularity": "token"}, {"format": "e4m3"}, "per-token scales apply to activations"),
+    ({"format": "e4m3"}, {"format": "e4m3", "granularity": "group", "group_size": 32}, "computed on the fly"),
+    ({"format": "e4m3"}, {"format": "e4m3", "granularity": "channel"}, "apply to weights only"),
+    ({"format": "e4m3", "granularity": "group"}, {"format": "e4m3"}, "needs 'group_size'"),
+    ({"format": "e4m3", "granularity": "group", "group_size": 0}, {"format": "e4m3"}, "needs 'group_size'"),
+    ({"format": "e4m3", "granularity": "block", "block_size": [128]}, {"format": "e4m3"}, "needs 'block_size'"),
+    ({"format": "e4m3", "group_size": 32}, {"format": "e4m3"}, "'group_size' applies to granularity 'group'"),
+    ({"format": "int8", "scale_format": "e8m0"}, {"format": "int8"}, "scale_format 'e8m0'"),
+    ({"format": "e4m3"}, {"format": "e4m3", "dynamic": True, "observer": "mse"}, "observer calibrates a static scale"),
+])
+def test_combinations_that_make_no_sense_are_refused_in_one_line(weights, inputs, message):
+    with pytest.raises(PtqError, match=message) as e:
+        parse_recipe({"name": "x", "weights": weights, "inputs": inputs})
+    assert "\n" not in str(e.value)
+
+
+# -- The plan is the one place that decides ------------------------------------------------------------------
+
+
+def _odd_llama(path):
+    """hidden 48 (not a multiple of MX's 32), attention 4 x 16 = 64 and MLP 64 wide: q/k/v/gate/up cannot take
+    groups of 32 along their input, o_proj and down_proj can."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         eos_token_id=tok.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(tmp_path, ptq_cli, text_file):
+    from ptq.commands.workflows import run_inspect
+
+    model = _odd_llama(tmp_path / "odd")
+    recipe = tmp_path / "mx-layer0.yaml"
+    recipe.write_text("name: mx-layer0\ninclude: ['model.layers.0.*', 'lm_head']\nignore: [lm_head]\n"
+                      "weights: {format: e4m3, granularity: group, group_size: 32, scale_format: e8m0}\n"
+                      "inputs: {format: e4m3, granularity: group, group_size: 32, dynamic: true, scale_format: e8m0}\n")
+    inspected = run_inspect(str(model), [str(recipe)])
+    rows = {row["layer"]: row["recipes"]["mx-layer0"] for row in inspected["layers"]}
+    quantized = {n for n, r in rows.items() if r["quantized"]}
+    assert quantized == {"model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"}
+    reasons = {n: r["reason"] for n, r in rows.items() if not r["quantized"]}
+    assert reasons["lm_head"].startswith("left out by the recipe (ignore: lm_head")
+    assert "include patterns" in reasons["model.layers.1.mlp.down_proj"]
+    assert reasons["model.layers.0.self_attn.q_proj"].startswith("shape: in_features 48")
+    assert len({r.split(" (")[0].split(":")[0] for r in reasons.values()}) >= 2 and len(set(reasons.values())) >= 3
+
+    coverage = inspected["recipes"]["mx-layer0"]["coverage"]
+    assert {x["name"]: x["reason"] for x in coverage["left_out"]} == reasons
+
+    code, _, err = ptq_cli("quantize", model, "--recipe", recipe, "--data", text_file, "--seq-len", "32",
+                           "--verify-windows", "2", "-o", tmp_path / "out", "-q")
+    assert code == 0, err
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert sorted(config["ignore"]) == sorted(reasons)
+    info = json.loads((tmp_path / "out" / "ptq-export.json").read_text())
+    assert info["format"]["quantized_layers"] == 2 and info["coverage"]["left_out"] == coverage["left_out"]
+    assert info["verification"]["passed"]
+
+
+# -- Checkpoints match compressed-tensors' presets -----------------------------------------------------------
+
+PRESETS = {"fp8-e4m3": "FP8", "fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK", "mxfp8": "MXFP8"}
+ARG_FIELDS = ("num_bits", "type", "strategy", "group_size", "block_structure", "dynamic", "symmetric", "scale_dtype")
+
+
+@pytest.mark.parametrize("recipe", list(PRESETS))
+def test_quantization_args_are_compressed_tensors_presets(recipe):
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    from ptq.export.checkpoint import quantization_config
+
+    preset = PRESET_SCHEMES[PRESETS[recipe]]
+    scheme = quantization_config(load_recipe(recipe), []).config_groups["group_0"]
+    for ours, theirs in ((scheme.weights, preset["weights"]), (scheme.input_activations, preset["input_activations"])):
+        assert {f: getattr(ours, f) for f in ARG_FIELDS} == {f: getattr(theirs, f) for f in ARG_FIELDS}
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """Dimensions multiples of 128 where a scheme needs them: 256 hidden, 384 MLP (the block scheme's tiles)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import make_tokenizer
+
+    path = tmp_path_factory.mktemp("wide-llama")
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=384, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=tok.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8-block", "mxfp8"])
+def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, text_file, tmp_path):
+    out = tmp_path / recipe
+    code, _, err = ptq_cli("quantize", wide_llama, "--recipe", recipe, "--data", text_file, "--seq-len", "32",
+                           "--verify-windows", "2", "-o", out, "-q")
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == ("mxfp8-quantized" if recipe == "mxfp8" else "float-quantized")
+    tensors = safetensors.torch.load_file(str(out / "model.safetensors"))
+    source = safetensors.torch.load_file(str(wide_llama / "model.safetensors"))
+    assert not any(k.endswith(".input_scale") for k in tensors)  # dynamic inputs: the engine computes them
+    layer = "model.layers.0.mlp.down_proj"  # [256, 384]
+    codes, scale = tensors[f"{layer}.weight"], tensors[f"{layer}.weight_scale"]
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (256, 384)
+    w = source[f"{layer}.weight"].float().numpy()
+    if recipe == "fp8-dynamic":
+        assert scale.dtype == torch.float32 and scale.shape == (256, 1)
+        s = np.abs(w).max(1, keepdims=True) / np.float32(448.0)
+    elif recipe == "fp8-block":
+        assert scale.dtype == torch.float32 and scale.shape == (2, 3)
+        s = np.abs(w.reshape(2, 128, 3, 128)).max((1, 3)) / np.float32(448.0)
+        s = np.repeat(np.repeat(s, 128, 0), 128, 1)
+    else:
+        assert scale.dtype == torch.uint8 and scale.shape == (256, 12)
+        s = np.exp2(np.ceil(np.log2(np.abs(w.reshape(256, 12, 32)).max(-1).astype(np.float64) / 448.0))).astype(np.float32)
+        assert np.array_equal(scale.numpy(), (np.log2(s) + 127).astype(np.uint8))
+        s = np.repeat(s, 32, 1)
+    assert np.array_equal(codes.view(torch.uint8).numpy(), _e4m3_codes(w / s).view(np.uint8))
+    info = json.loads((out / "ptq-export.json").read_text())
+    assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6
+    assert math.isclose(info["verification"]["reloaded_perplexity"], info["verification"]["simulated_perplexity"],
+                        rel_tol=1e-4)
