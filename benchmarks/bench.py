@@ -89,6 +89,9 @@ layerstats._fused_powers(x, x)
 """
 
 
+SCHEMES = ("fp8-dynamic", "fp8-block", "mxfp8")
+
+
 def line(what: str, ratio: float, target: float, unit: str = "x") -> str:
     verdict = "PASS" if ratio <= target else "MISS"
     return f"{verdict}  {what:<64} {ratio:6.2f}{unit}  (target <= {target:.2f}{unit})"
@@ -136,6 +139,10 @@ def main() -> None:
     variants = quantize_variants(model, [e4m3, int8], calibration)
     t_eval_plain = median_time(lambda: evaluate({"plain": model}, ids), args.repeats)
     t_eval = {name: median_time(lambda m=m: evaluate({name: m}, ids), args.repeats) for name, m in variants.items()}
+    # The other FP8 schemes (no calibration): per-token (target), 128 x 128 blocks and MX groups (measured, stated)
+    schemes = quantize_variants(model, [load_recipe(n) for n in SCHEMES], None)
+    t_eval |= {name: median_time(lambda m=m: evaluate({name: m}, ids), args.repeats) for name, m in schemes.items()}
+    del schemes
 
     # 5. The E4M3 quantize-dequantize kernel on a large tensor, next to torch's cast round trip and a copy.
     x = torch.randn(64 * 1024 * 1024 // 4, device=next(model.parameters()).device)  # 64 MiB of float32
@@ -183,6 +190,10 @@ def main() -> None:
 
     print(line("simulated E4M3 evaluation / unquantized evaluation", t_eval["fp8-e4m3"] / t_eval_plain, 1.10))
     print(line("simulated int8 evaluation / unquantized evaluation", t_eval["int8"] / t_eval_plain, 1.10))
+    print(line("simulated fp8-dynamic (channel x token) evaluation / unquantized", t_eval["fp8-dynamic"] / t_eval_plain, 1.15))
+    for name in ("fp8-block", "mxfp8"):
+        print(f"INFO  simulated {name} evaluation / unquantized evaluation {t_eval[name] / t_eval_plain:6.2f}x (measured; "
+              "group and block scales reshape each input and weight per forward)")
     print(line("calibration / plain no-grad forward over the same tokens", t_calib / t_plain_calib, 1.10))
     print(line(f"compare (bf16 + fp8-e4m3 + int8), {args.compare_windows} windows / its models' forwards",
                t_compare / t_forwards, 1.10))

@@ -273,3 +273,79 @@ def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, t
     assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6
     assert math.isclose(info["verification"]["reloaded_perplexity"], info["verification"]["simulated_perplexity"],
                         rel_tol=1e-4)
+
+
+# -- FP8 KV cache, per tensor and per head, with any FP8 recipe ----------------------------------------------
+
+
+def test_kv_cache_option_combines_with_fp8_recipes_only():
+    r = load_recipe("fp8-dynamic+kv-head")
+    assert r.name == "fp8-dynamic+kv-head" and r.kv_cache.granularity == gr.PerHead() and r.needs_calibration
+    assert r.weights == load_recipe("fp8-dynamic").weights
+    assert load_recipe("mxfp8+kv").kv_cache.granularity == gr.PerTensor()
+    with pytest.raises(PtqError, match="FP8 KV cache to an FP8 recipe"):
+        load_recipe("int8+kv")
+    with pytest.raises(PtqError, match="already quantizes the KV cache"):
+        load_recipe("paper-e4m3-kv+kv")
+    with pytest.raises(PtqError, match="per-head scales apply to the KV cache"):
+        parse_recipe({"name": "x", "weights": {"format": "e4m3"}, "inputs": {"format": "e4m3", "granularity": "head"}})
+
+
+def test_per_head_kv_amax_is_each_heads_max_of_k_and_v_after_rope(tiny_model):
+    """The reference: K and V as transformers' own eager attention receives them (after RoPE), captured."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ptq.calibration.calibrate import calibrate
+    from ptq.quantization.plan import calibration_targets
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ids = torch.randint(0, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    seen: dict[int, list] = {}
+
+    def capture(module, query, key, value, *args, **kwargs):
+        seen.setdefault(module.layer_idx, []).append((key.detach().clone(), value.detach().clone()))
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("capture-kv", capture)
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "capture-kv"
+    with torch.inference_mode():
+        model(input_ids=ids)
+    model.config._attn_implementation = previous
+
+    layers, channels = calibration_targets(model, [load_recipe("fp8-e4m3+kv-head")])
+    assert "model.layers.0.self_attn.key" in channels and "model.layers.1.self_attn.value" in channels
+    calibration = calibrate(model, ids, layers, channels=channels, batch_size=3)
+    for idx, ((k, v),) in seen.items():
+        for name, x in (("key", k), ("value", v)):
+            per_head = np.abs(x.numpy()).max(axis=(0, 2, 3))  # [batch, kv heads, tokens, dim] -> per head
+            got = calibration.input_channel_amax[f"model.layers.{idx}.self_attn.{name}"].numpy()
+            assert np.array_equal(got, per_head)
+            assert calibration.input_amax[f"model.layers.{idx}.self_attn.{name}"].item() == per_head.max()
+
+
+@pytest.mark.parametrize("option", ["kv", "kv-head"])
+def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(option, tiny_model, ptq_cli, text_file, tmp_path):
+    from ptq.calibration.calibrate import load_calibration
+
+    out, calib = tmp_path / option, tmp_path / "calib.safetensors"
+    code, _, err = ptq_cli("calibrate", tiny_model, "--recipe", f"fp8-e4m3+{option}", "--data", text_file,
+                           "--samples", "4", "--seq-len", "32", "-o", calib, "-q")
+    assert code == 0, err
+    code, _, err = ptq_cli("quantize", tiny_model, "--recipe", f"fp8-e4m3+{option}", "--calib", calib,
+                           "--seq-len", "32", "--verify-windows", "2", "-o", out, "-q")
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["kv_cache_scheme"]["strategy"] == ("attn_head" if option == "kv-head" else "tensor")
+    assert config["kv_cache_scheme"]["type"] == "float" and config["kv_cache_scheme"]["num_bits"] == 8
+    tensors = safetensors.torch.load_file(str(out / "model.safetensors"))
+    calibration = load_calibration(calib)
+    for short, name in (("k", "key"), ("v", "value")):
+        scale = tensors[f"model.layers.1.self_attn.{short}_scale"]
+        amax_ = (calibration.input_channel_amax if option == "kv-head" else calibration.input_amax)[f"model.layers.1.self_attn.{name}"]
+        assert scale.dtype == torch.float32
+        assert scale.shape == ((2, 1, 1) if option == "kv-head" else (1,))  # 2 KV heads
+        assert np.array_equal(scale.flatten().numpy(), (amax_.float().numpy() / np.float32(448.0)).flatten())
+    info = json.loads((out / "ptq-export.json").read_text())
+    assert info["verification"]["passed"] and info["verification"]["input_scales_checked_in_file"] == 4

@@ -32,6 +32,7 @@ import json
 import re
 import reprlib
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,6 +142,13 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
         resume = False  # the checkpoint's statistics go too: a new run on the smaller batch size
 
 
+def _observe_heads(observer: TensorObserver, x: torch.Tensor) -> torch.Tensor:
+    """K or V observed with the head dimension last: the same amax and histogram, and per-head maxima as its
+    per-channel amax (KV-cache scales per head)."""
+    observer.observe(x.transpose(1, -1))
+    return x
+
+
 def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int,
                        on_nonfinite: str, on_unseen: str, checkpoint: Path | None, checkpoint_every: float, resume: bool,
                        channels: list[str], all_experts: bool, restarted: int | None = None,
@@ -168,6 +176,8 @@ def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[s
             layer, _, tensor = name.rpartition(".")
             if layer.endswith(".residual"):  # "<block>.residual.<tensor>": ptq/quantization/residual.py
                 residual_blocks.setdefault(layer.removesuffix(".residual"), {})[tensor] = observers[name].observe
+            elif tensor in ("key", "value"):  # [batch, kv heads, tokens, dim]: heads last, so "channels" are heads
+                attention_layers.setdefault(layer, {})[tensor] = partial(_observe_heads, observers[name])
             else:
                 attention_layers.setdefault(layer, {})[tensor] = observers[name].observe
     previous = model.config._attn_implementation

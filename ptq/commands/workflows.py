@@ -678,7 +678,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
             own = (export.simulate_export(copy.deepcopy(loaded.model), r, calibration, loader_int8_inputs=False,
                                           unrounded_inputs=unrounded)
                    if r.inputs.format.kind == "int" else None)
-            scales = export.input_scales(loaded.model, unrounded, calibration, r)
+            scales = export.unapplied_scales(loaded.model, unrounded, calibration, r)
             simulated = export.simulate_export(loaded.model, r, calibration, unrounded_inputs=unrounded)
             reloaded, load_info = export.reload_or_read(tmp, conv1d=bool(conv1d))
             reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU

@@ -18,6 +18,7 @@ model plus one shard.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import io
 import json
@@ -34,9 +35,10 @@ from ptq.calibration.calibrate import Calibration
 from ptq.errors import PtqError
 from ptq.numerics.formats import NumberFormat, compute_scale
 from ptq.models.matmuls import LinearExperts, kind, quantizable
-from ptq.quantization.plan import resolve_plan
+from ptq.quantization.plan import calibration_key
+from ptq.quantization.plan import resolve_plan as plan_of
 from ptq.quantization.quantize import QuantLinear, quantize_, quantize_weight
-from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken, e8m0_codes
+from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken, e8m0_codes
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
@@ -69,9 +71,15 @@ def check_exportable(recipe: Recipe) -> None:
     if isinstance(w.granularity, PerGroup) and not any(mx):
         raise PtqError(f"recipe '{recipe.name}' has per-group FP32 weight scales: ptq quantize exports groups as "
                        "MXFP8 (E8M0, 32) only; use per-block weights (fp8-block) for FP32 scales over tiles")
-    if recipe.beyond_linear:
+    kv = recipe.kv_cache
+    if kv is not None and not (kv.format.name == "e4m3" and kv.static and kv.scale == "amax" and kv.observer == "max"
+                               and isinstance(kv.granularity, (PerTensor, PerHead)) and kv.saturate):
+        raise PtqError(f"recipe '{recipe.name}' quantizes the KV cache as {kv.describe()}: the checkpoint's "
+                       "kv_cache_scheme takes E4M3 with static per-tensor or per-head scales from max calibration")
+    beyond = [key for key in recipe.beyond_linear if key != "kv_cache"]
+    if beyond:
         raise PtqError(f"recipe '{recipe.name}' quantizes {' and '.join(recipe.beyond_linear)} inputs: the checkpoint "
-                       "format quantizes Linear layers only, so it would not run as simulated")
+                       "format quantizes Linear layers and the KV cache only, so it would not run as simulated")
     if recipe.smoothquant is not None:
         raise PtqError(f"recipe '{recipe.name}' uses SmoothQuant: the checkpoint format has no per-channel "
                        "division of a layer's input, so it would not run as simulated")
@@ -102,9 +110,15 @@ def quantization_config(recipe: Recipe, ignore: list[str]):
 
     scheme = QuantizationScheme(targets=["Linear"], weights=quantization_args(recipe.weights),
                                 input_activations=quantization_args(recipe.inputs))
+    kv_cache_scheme = None
+    if recipe.kv_cache is not None:  # K and V in E4M3, static scales: self_attn.k_scale / v_scale
+        from compressed_tensors.quantization import QuantizationArgs
+
+        strategy = "attn_head" if isinstance(recipe.kv_cache.granularity, PerHead) else "tensor"
+        kv_cache_scheme = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False)
     fmt = "mxfp8-quantized" if recipe.weights.scale_format == "e8m0" else _CT_FORMAT[recipe.weights.format.kind]
     return QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore, format=fmt,
-                              quantization_status="compressed")
+                              kv_cache_scheme=kv_cache_scheme, quantization_status="compressed")
 
 
 def weight_scale_shape(shape: tuple[int, ...], weights: TensorQuant) -> tuple[int, ...]:
@@ -219,7 +233,7 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
 def export_layers(model: nn.Module, recipe: Recipe) -> tuple[list[str], list[str], list[str]]:
     """The Linear layers the recipe quantizes and those it leaves out, and the state-dict names to save;
     refuses a model where that is nothing, or where a quantized weight is tied to another tensor."""
-    plan = resolve_plan(model, recipe)
+    plan = plan_of(model, recipe)
     quantized, ignored = plan.quantized, sorted(plan.left_out)
     if not quantized:
         raise PtqError(f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} (it targets "
@@ -236,10 +250,10 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
                     dtypes: dict[str, torch.dtype]) -> tuple[list[_Entry], list[str], list[str]]:
     """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers."""
     quantized, ignored, names = export_layers(model, recipe)
-    if recipe.inputs.static:
+    if recipe.needs_calibration:
         if calibration is None:
-            raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
-        calibration.check_model(model, quantized)
+            raise PtqError(f"recipe '{recipe.name}' needs calibration (static scales)")
+        calibration.check_model(model, plan_of(model, recipe).calibrated)
     params = dict(model.state_dict())
     by_weight = {f"{name}.weight": name for name in quantized}
     fallback = _dominant_dtype(dtypes)
@@ -264,8 +278,32 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
         entries += quantized_entries(disk[name].removesuffix(".weight"), tuple(tensor.shape), lambda m=modules[layer]: m.weight,
                                      recipe, calibration.input_amax[layer] if recipe.inputs.static else None,
                                      transposed=name in conv1d)
+    entries += kv_cache_entries(model, plan_of(model, recipe), calibration, disk)
     ignored = sorted(disk[f"{name}.weight"].removesuffix(".weight") if f"{name}.weight" in disk else name for name in ignored)
     return entries, quantized, ignored
+
+
+def kv_cache_entries(model: nn.Module, plan, calibration: Calibration | None, disk: dict[str, str]) -> list[_Entry]:
+    """`<attention>.k_scale` and `.v_scale` of every attention layer whose KV cache the plan quantizes: float32,
+    [1] per tensor or [kv heads, 1, 1] per head (compressed-tensors' attn_head layout), the simulation's scales."""
+    from ptq.quantization.quantize import input_clip, scale_for
+
+    entries = []
+    for layer, tensors in plan.attention.items():
+        projection = f"{layer}.k_proj.weight"
+        if projection not in disk:
+            raise PtqError(f"attention layer '{layer}' of {type(model).__name__} has no k_proj: ptq quantize writes "
+                           "KV-cache scales for q/k/v-projection attention only")
+        prefix = disk[projection].removesuffix(".k_proj.weight")
+        for tensor, short in (("kv_cache.key", "k"), ("kv_cache.value", "v")):
+            spec = tensors.get(tensor)
+            if spec is None:
+                continue
+            scale = scale_for(input_clip(calibration, calibration_key(layer, tensor), spec), spec).float().cpu()
+            shape = (scale.numel(), 1, 1) if isinstance(spec.granularity, PerHead) else (1,)
+            entries.append(_Entry(f"{prefix}.{short}_scale", shape, torch.float32,
+                                  lambda s=scale, shape=shape: s.reshape(shape).contiguous()))
+    return entries
 
 
 def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], torch.Tensor], recipe: Recipe,
@@ -413,8 +451,10 @@ def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, 
     loader_int8_inputs, int8 inputs round with the loaders' [-128, 127] range instead of ptq's [-127, 127]. The
     `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
     the reload check computes for them: see unapplied_input_layers)."""
-    kept = {name: model.get_submodule(name) for name in resolve_plan(model, recipe).left_out}
-    quantize_(model, recipe, calibration)
+    kept = {name: model.get_submodule(name) for name in plan_of(model, recipe).left_out}
+    # transformers does not quantize the KV cache (vLLM does, from k_scale / v_scale): simulated without it, and
+    # its scales are checked in the files (unapplied_scales)
+    quantize_(model, dataclasses.replace(recipe, kv_cache=None), calibration)
     for name, m in kept.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, m)
@@ -437,13 +477,18 @@ def unapplied_input_layers(model: nn.Module, quantized: list[str], conv1d: bool)
     return [name for name in quantized if name in in_experts]
 
 
-def input_scales(model: nn.Module, layers: list[str], calibration: Calibration, recipe: Recipe) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> input scale of each of `layers`: what the checkpoint must hold for vLLM."""
+def unapplied_scales(model: nn.Module, layers: list[str], calibration: Calibration, recipe: Recipe) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> each scale the reload check's loader does not apply, which the checkpoint must hold for
+    vLLM: the input scales of `layers` (unapplied_input_layers) and the KV cache's k_scale / v_scale."""
+    scales = {}
+    if recipe.kv_cache is not None:
+        disk = checkpoint_names(model, _saved_names(model))
+        scales = {e.name: e.make() for e in kv_cache_entries(model, plan_of(model, recipe), calibration, disk)}
     if not recipe.inputs.static:
-        return {}
+        return scales
     disk = checkpoint_names(model, [f"{name}.weight" for name in layers]) if layers else {}
-    return {disk[f"{name}.weight"].removesuffix(".weight") + ".input_scale": _input_scale(calibration.input_amax[name], recipe.inputs.format)
-            for name in layers}
+    return scales | {disk[f"{name}.weight"].removesuffix(".weight") + ".input_scale":
+                     _input_scale(calibration.input_amax[name], recipe.inputs.format) for name in layers}
 
 
 def reload(directory: Path) -> tuple[nn.Module, dict]:
@@ -503,7 +548,8 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
     # scales (vLLM reads them): those keys are expected to be left over, and are checked against ptq's own here.
     expert_input_scales = unapplied_input_scales or {}
     # (transformers reports them under its own module names, e.g. Mixtral's block_sparse_moe as mlp)
-    left = [k for k in load_info["unexpected_keys"] if not (k.endswith(".input_scale") and ".experts." in k)]
+    left = [k for k in load_info["unexpected_keys"]
+            if not (k.endswith(".input_scale") and ".experts." in k) and not k.endswith((".k_scale", ".v_scale"))]
     if len(load_info["unexpected_keys"]) - len(left) == len(expert_input_scales):
         load_info = load_info | {"unexpected_keys": left}
     for kind_ in ("missing_keys", "unexpected_keys", "mismatched_keys"):
@@ -513,7 +559,7 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
         written = _read_tensors(directory, list(expert_input_scales))
         wrong = [k for k, v in expert_input_scales.items() if k not in written or not torch.equal(written[k], v)]
         if wrong:
-            problems.append(f"expert input scales in the checkpoint differ from ptq's: {', '.join(wrong[:3])}")
+            problems.append(f"expert input or KV-cache scales in the checkpoint differ from ptq's: {', '.join(wrong[:3])}")
     if load_info["input_quantized_layers"] != expected_layers:
         problems.append(f"the loader applies input quantization in {load_info['input_quantized_layers']} "
                         f"of {expected_layers} quantized layers")

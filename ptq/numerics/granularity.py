@@ -11,6 +11,8 @@ expanded:
     PerGroup(32)         one per 32 consecutive elements     scale [..., in/32] (stored), view [..., in/32, 32]
                          along the reduction dim (MX, 1x128)
     PerBlock(128, 128)   one per 128 x 128 tile (weights)    scale [ceil(out/128), ceil(in/128)]
+    PerHead()            one per attention head (the KV      scale [1, heads, 1, 1] over [batch, heads, tokens, dim]
+                         cache's K and V; static)
 
 A dimension that is not a multiple of the group or block is padded with zeros, which change no amax: the
 last group or tile is partial, as compressed-tensors and vLLM lay out their scales (ceil division).
@@ -62,7 +64,13 @@ class PerBlock:
         return f"per-block-{self.rows}x{self.cols}"
 
 
-Granularity = PerTensor | PerChannel | PerToken | PerGroup | PerBlock
+@dataclass(frozen=True)
+class PerHead:
+    def describe(self) -> str:
+        return "per-head"
+
+
+Granularity = PerTensor | PerChannel | PerToken | PerGroup | PerBlock | PerHead
 
 
 def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:

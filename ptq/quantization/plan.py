@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ptq.models.matmuls import LeftOut, kind, quantizable, unsupported
-from ptq.numerics.granularity import PerGroup
+from ptq.numerics.granularity import PerBlock, PerGroup, PerHead
 from ptq.quantization import attention, residual
 from ptq.quantization.recipes import BASELINE_LINEAR, Recipe, TensorQuant
 
@@ -69,6 +69,12 @@ class Plan:
     def smoothed(self) -> list[str]:
         """Matmuls whose input SmoothQuant rescales (they need per-channel input amax from calibration)."""
         return [name for name, m in self.matmuls.items() if m.smooth]
+
+    @property
+    def per_head(self) -> list[str]:
+        """KV-cache tensors with per-head scales: their calibration records the amax of each head."""
+        return sorted({calibration_key(layer, t) for layer, tensors in self.attention.items()
+                       for t, spec in tensors.items() if isinstance(spec.granularity, PerHead)})
 
     @property
     def calibrated(self) -> list[str]:
@@ -130,6 +136,10 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
         if isinstance(g, PerGroup) and module.in_features % g.size:
             return (f"shape: in_features {module.in_features} is not a multiple of the {role} group of {g.size} "
                     "(vLLM and compressed-tensors quantize whole groups)")
+        if isinstance(g, PerBlock) and module.in_features % g.cols:
+            return (f"shape: in_features {module.in_features} is not a multiple of the weight block's {g.cols} "
+                    "columns (vLLM's block kernels and compressed-tensors need whole blocks along the input; "
+                    "partial rows are fine)")
     return None
 
 
@@ -165,9 +175,9 @@ def resolve_plan(model: nn.Module, recipe: Recipe) -> Plan:
 
 def calibration_targets(model: nn.Module, recipes: list[Recipe]) -> tuple[list[str], list[str]]:
     """What calibrating for `recipes` observes: (every tensor that needs a static scale or per-channel maxima,
-    the matmuls that need per-channel maxima for SmoothQuant)."""
+    the tensors that need per-channel maxima: SmoothQuant's matmul inputs, per-head KV-cache K and V)."""
     plans = [resolve_plan(model, r) for r in recipes]
-    channels = sorted({name for p in plans for name in p.smoothed})
+    channels = sorted({name for p in plans for name in (*p.smoothed, *p.per_head)})
     layers = sorted({name for p in plans for name in p.calibrated} | set(channels))
     return layers, channels
 

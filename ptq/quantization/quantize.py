@@ -111,7 +111,10 @@ class ActQuant(nn.Module):
         self.spec = spec
         if spec.static and clip is None:
             raise ValueError("a static activation scale needs a calibrated clip")
-        self.register_buffer("scale", scale_for(clip, spec) if spec.static else scale_for(torch.ones(()), spec))
+        scale = scale_for(clip, spec) if spec.static else scale_for(torch.ones(()), spec)
+        if isinstance(spec.granularity, gr.PerHead):  # one per head of [batch, heads, tokens, dim]
+            scale = scale.reshape(1, -1, 1, 1)
+        self.register_buffer("scale", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.dynamic:
@@ -284,7 +287,12 @@ def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQu
 
 
 def input_clip(calibration: Calibration, name: str, spec: TensorQuant) -> torch.Tensor:
-    """The calibrated clip of one activation under the spec's observer."""
+    """The calibrated clip of one activation under the spec's observer (per head: each head's amax)."""
+    if isinstance(spec.granularity, gr.PerHead):
+        if name not in calibration.input_channel_amax:
+            raise PtqError(f"calibration file has no per-head amax for '{name}' (per-head KV-cache scales need one: "
+                           "recalibrate with this recipe)")
+        return calibration.input_channel_amax[name]
     amax_ = calibration.input_amax[name]
     if spec.observer == "max":
         return amax_

@@ -11,6 +11,7 @@ baseline only where the recipe says.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import reprlib
 from dataclasses import dataclass
@@ -21,10 +22,13 @@ from torch import nn
 
 from ptq.errors import PtqError
 from ptq.numerics.formats import NumberFormat, get_format
-from ptq.numerics.granularity import Granularity, PerBlock, PerChannel, PerGroup, PerTensor, PerToken
+from ptq.numerics.granularity import Granularity, PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken
 from ptq.models.matmuls import KINDS, kind
 
-GRANULARITIES = ("tensor", "channel", "token", "group", "block")  # YAML names of ptq.numerics.granularity
+GRANULARITIES = ("tensor", "channel", "token", "group", "block", "head")  # YAML names of ptq.numerics.granularity
+# `--recipes NAME+kv` / `NAME+kv-head`: any FP8 recipe with an E4M3 KV cache, static per-tensor or per-head K/V scales
+# (vLLM's kv_cache_dtype=fp8 with compressed-tensors' kv_cache_scheme, strategy tensor or attn_head)
+KV_CACHE_OPTIONS = {"kv": "tensor", "kv-head": "head"}
 SCALE_FORMATS = ("fp32", "e8m0")  # a scale's own format: float32, or an MX power of two (one byte on disk)
 TARGET_TYPES = KINDS  # the kinds of matmul (ptq.models.matmuls): Linear, Conv1D (GPT-2), Experts (fused MoE experts)
 OBSERVERS = ("max", "percentile", "mse", "entropy", "best")  # see ptq/calibration/observers.py
@@ -119,7 +123,11 @@ def builtin_recipe_names() -> list[str]:
 
 
 def load_recipe(name_or_path: str) -> Recipe:
-    """A built-in recipe name (`fp8-e4m3`) or a path to a YAML file."""
+    """A built-in recipe name (`fp8-e4m3`) or a path to a YAML file; `+kv` or `+kv-head` after either adds an
+    E4M3 KV cache with static per-tensor or per-head scales (KV_CACHE_OPTIONS)."""
+    base, plus, option = str(name_or_path).rpartition("+")
+    if plus and option in KV_CACHE_OPTIONS:
+        return with_kv_cache(load_recipe(base), option)
     path = Path(name_or_path)
     if not (path.suffix in (".yaml", ".yml") or path.exists()):
         path = recipes_dir() / f"{name_or_path}.yaml"
@@ -136,6 +144,18 @@ def load_recipe(name_or_path: str) -> Recipe:
     except RecursionError:  # PyYAML builds nested collections recursively
         raise PtqError(f"recipe {path} is nested too deeply to be a recipe") from None
     return parse_recipe(data, source=str(path))
+
+
+def with_kv_cache(recipe: Recipe, option: str) -> Recipe:
+    """`recipe` with an E4M3 KV cache (K and V after RoPE, static scales per tensor or per KV head)."""
+    if recipe.weights.format.kind != "float" or not recipe.weights.format.scaled:
+        raise PtqError(f"+{option} adds an FP8 KV cache to an FP8 recipe; '{recipe.name}' stores weights as "
+                       f"{recipe.weights.format.name}")
+    if recipe.kv_cache is not None:
+        raise PtqError(f"recipe '{recipe.name}' already quantizes the KV cache ({recipe.kv_cache.describe()})")
+    kv = TensorQuant(get_format("e4m3"), PerHead() if KV_CACHE_OPTIONS[option] == "head" else PerTensor())
+    return dataclasses.replace(recipe, name=f"{recipe.name}+{option}", kv_cache=kv,
+                               description=f"{recipe.description}; E4M3 KV cache, {kv.granularity.describe()} scales")
 
 
 def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
@@ -161,7 +181,7 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
                 if t not in ATTENTION_TENSORS:
                     raise PtqError(f"{where}: unknown attention tensor '{t}' (known: {', '.join(ATTENTION_TENSORS)})")
         attention = _tensor_quant(spec, f"{where}: 'attention'", role="activations")
-    kv_cache = _tensor_quant(fields["kv_cache"], f"{where}: 'kv_cache'", role="activations") if "kv_cache" in fields else None
+    kv_cache = _tensor_quant(fields["kv_cache"], f"{where}: 'kv_cache'", role="kv") if "kv_cache" in fields else None
     residual = _tensor_quant(fields["residual"], f"{where}: 'residual'", role="activations") if "residual" in fields else None
     smoothquant = None
     if "smoothquant" in fields:
@@ -203,6 +223,8 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
         raise PtqError(f"{where}: 'group_size' applies to granularity 'group', not '{name}'")
     if "block_size" in fields and name != "block":
         raise PtqError(f"{where}: 'block_size' applies to granularity 'block', not '{name}'")
+    if name == "head" and (role != "kv" or dynamic):
+        raise PtqError(f"{where}: per-head scales apply to the KV cache's K and V, static (from calibration)")
     if role == "weights":
         if name == "token":
             raise PtqError(f"{where}: per-token scales apply to activations; weights use tensor, channel, group or block")
@@ -212,7 +234,7 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
     elif name in ("token", "group") and not dynamic:
         raise PtqError(f"{where}: per-{name} input scales are computed on the fly: set 'dynamic: true' "
                        "(calibration gives one static scale per tensor)")
-    if role == "activations" and name == "group":
+    if role in ("activations", "kv") and name == "group":
         raise PtqError(f"{where}: per-group scales apply to matmul weights and inputs")
     if name == "group":
         size = fields.get("group_size")
@@ -227,7 +249,7 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
             raise PtqError(f"{where}: granularity 'block' needs 'block_size', two positive integers "
                            f"[rows, columns], not {reprlib.repr(size)}")
         return PerBlock(*size)
-    return {"tensor": PerTensor(), "channel": PerChannel(), "token": PerToken()}[name]
+    return {"tensor": PerTensor(), "channel": PerChannel(), "token": PerToken(), "head": PerHead()}[name]
 
 
 def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
@@ -253,6 +275,8 @@ def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
         raise PtqError(f"{where}: unknown observer '{observer}' (known: {', '.join(OBSERVERS)})")
     if observer != "max" and role == "weights":
         raise PtqError(f"{where}: weights use max calibration (observer 'max'); observers apply to activations")
+    if observer != "max" and granularity == PerHead():
+        raise PtqError(f"{where}: per-head scales are calibrated with observer 'max' (per-head maxima)")
     if observer != "max" and dynamic:
         raise PtqError(f"{where}: an observer calibrates a static scale; dynamic scales take each token's amax")
     percentile = fields.get("percentile", 99.99)
