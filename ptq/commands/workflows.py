@@ -222,7 +222,8 @@ def check_placement(placement: Placement | None, low_memory: bool | None) -> Non
 
 def describe_compute(compute: dict) -> str:
     """One line for reports."""
-    matmul = ("FP8 layers as real FP8 matmuls (torch._scaled_mm), the others simulated" if compute["matmul"] == "fp8"
+    matmul = ("FP8 layers with per-tensor or per-row scales as real FP8 matmuls (torch._scaled_mm); group and block "
+              "scales, and the others, simulated" if compute["matmul"] == "fp8"
               else "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)")
     blocks = "; block by block from disk (--low-memory)" if compute.get("low_memory") else ""
     placed_text = f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
@@ -537,8 +538,11 @@ def protocol(windows, baseline: Recipe, compute: dict) -> list[str]:
         f"and activations run in {dtype} in every variant, so variants differ only in the Linear layers' weights and inputs, "
         "except where a recipe also quantizes attention's batched-matmul inputs (Q, K, V, softmax output) or the KV cache "
         "(its `attention` / `kv_cache` entries): such variants compute attention the eager way with those inputs rounded.",
-        "Quantized Linear: weights quantized once; inputs quantized on every forward with the static per-tensor "
-        "scale from calibration; scale = amax / format max; round to nearest even, then saturate to the format's max; "
+        "Quantized Linear: weights quantized once (one scale per tensor, output channel, 128 x 128 tile or group of the "
+        "input dimension, as the recipe says); inputs quantized on every forward with the static per-tensor scale from "
+        "calibration, or dynamic scales per token or per input group computed from the input itself; scale = amax / "
+        "format max (MX: the smallest power of two with which the amax does not clip, E8M0); round to nearest even, "
+        "then saturate to the format's max; "
         f"{product}. Linear layers a recipe leaves out (lm_head by default) run as in the baseline.",
         f"int8 is symmetric: scale = amax / {int8.max:g}, codes in [-{int8.max:g}, {int8.max:g}] (ModelOpt's convention).",
     ]
@@ -674,7 +678,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
             # Layers whose input scales the reloading loader does not apply (experts in transformers; every layer where
             # transformers cannot load Conv1D quantized and ptq's own dequantizing reader stands in) are simulated with
             # their inputs as they are, and their input scales are checked in the files instead.
-            unrounded = export.unapplied_input_layers(loaded.model, quantized, conv1d=bool(conv1d))
+            unrounded = export.unapplied_input_layers(loaded.model, quantized, conv1d=bool(conv1d), dynamic=r.inputs.dynamic)
             own = (export.simulate_export(copy.deepcopy(loaded.model), r, calibration, loader_int8_inputs=False,
                                           unrounded_inputs=unrounded)
                    if r.inputs.format.kind == "int" else None)

@@ -467,10 +467,12 @@ def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, 
     return model
 
 
-def unapplied_input_layers(model: nn.Module, quantized: list[str], conv1d: bool) -> list[str]:
-    """The quantized layers whose input scales the reload check's loader does not apply: the experts' (transformers
-    has no place for them; vLLM reads them), or every layer when ptq's own reader stands in (Conv1D models)."""
-    if conv1d:
+def unapplied_input_layers(model: nn.Module, quantized: list[str], conv1d: bool, dynamic: bool = False) -> list[str]:
+    """The quantized layers whose input quantization the reload check's loader does not apply: the experts'
+    (transformers has no place for their input scales and runs them weights-only; vLLM quantizes their inputs),
+    or, for static inputs, every layer when ptq's own reader stands in (Conv1D models: it applies dynamic input
+    quantization, not static scales)."""
+    if conv1d and not dynamic:
         return list(quantized)
     in_experts = {f"{path}.{name}" for path, e in model.named_modules() if isinstance(e, LinearExperts)
                   for name, m in e.named_modules() if quantizable(m)}
@@ -585,57 +587,59 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
 def reload_dequantized(directory: Path, why: str = "transformers does not load compressed-tensors Conv1D layers"
                        ) -> tuple[nn.Module, dict]:
     """ptq's own reader, for checkpoints transformers cannot run as quantized (Conv1D layers; block and MX scales
-    where transformers' compressed-tensors integration fails): the architecture built from config.json, every
-    quantized weight dequantized from the files (codes x weight_scale, each scale repeated over its group or tile;
-    E8M0 bytes read as 2^(u - 127); in the file's orientation: [in, out] for Conv1D), every other tensor as stored;
-    dynamic inputs (per token or per group, as config.json's input_activations say) quantized on the fly with
-    torch's own float8 cast. Static input scales are not applied (verify checks them in the files). Deliberately
-    simple arithmetic, read from the files and config.json alone, so that it checks the files rather than ptq's
-    simulation."""
+    where transformers' compressed-tensors integration fails): every quantized weight dequantized from the files
+    (codes x weight_scale, each scale repeated over its group or tile; E8M0 bytes read as 2^(u - 127); in the
+    file's orientation: [in, out] for Conv1D), every other tensor as stored, written as a plain float32
+    checkpoint that transformers then loads with its own weight conversions (experts merged as usual);
+    dynamic inputs (per tensor, token or group, as config.json's input_activations say) of the plain layers
+    quantized on the fly with torch's own float8 cast. Static input scales and experts' inputs are not applied
+    (verify checks static scales in the files). Deliberately simple arithmetic, read from the files and
+    config.json alone, so that it checks the files rather than ptq's simulation."""
+    import tempfile
+
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
-    config = AutoConfig.from_pretrained(str(directory))
-    scheme = next(iter(config.quantization_config["config_groups"].values()))
-    weight_args, input_args = scheme["weights"], scheme.get("input_activations")
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    modules = dict(model.named_modules())
+    config = json.loads((Path(directory) / "config.json").read_text())
+    scheme = next(iter(config.pop("quantization_config")["config_groups"].values()))
+    with torch.device("meta"):  # which layers are Conv1D ([in, out] on disk)
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    conv1d = {name for name, m in skeleton.named_modules() if isinstance(m, Conv1D)}
+    input_args = scheme.get("input_activations")
     stored = _read_tensors(directory, None)
-    state, dynamic_layers = {}, []
+    dense, dynamic_layers = {}, []
     for key, t in stored.items():
-        if key.endswith((".weight_scale", ".input_scale")):
+        if key.endswith((".weight_scale", ".input_scale", ".k_scale", ".v_scale")):
             continue
         scale = stored.get(f"{key}_scale")
         if scale is not None:
-            layer = modules.get(key.removesuffix(".weight"))
             if scale.dtype == torch.uint8:  # E8M0
                 scale = torch.exp2(scale.float() - 127)
-            if isinstance(layer, Conv1D) and scale.numel() > 1:
-                t = t.float() * scale.reshape(1, -1)
-            else:
-                rows, cols = t.shape
-                if scale.dim() == 2 and scale.shape[1] > 1:  # groups along the input, tiles: repeat each scale
-                    r = -(-rows // scale.shape[0])
-                    c = -(-cols // scale.shape[1])
-                    scale = scale.repeat_interleave(r, 0)[:rows].repeat_interleave(c, 1)[:, :cols]
-                t = t.float() * scale
+            rows, cols = t.shape
+            if scale.dim() == 2 and scale.shape[1] > 1:  # groups along the input, or tiles: repeat each scale
+                scale = (scale.repeat_interleave(-(-rows // scale.shape[0]), 0)[:rows]
+                         .repeat_interleave(-(-cols // scale.shape[1]), 1)[:, :cols])
+            elif scale.numel() > 1 and key.removesuffix(".weight") in conv1d:  # [in, out] on disk
+                scale = scale.reshape(1, -1)
+            t = t.float() * scale
             if input_args is not None and input_args.get("dynamic"):
                 dynamic_layers.append(key.removesuffix(".weight"))
-        state[key] = t.float() if t.is_floating_point() else t
+        dense[key] = t.float() if t.is_floating_point() else t
     try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a tensor of the wrong shape (e.g. a Conv1D weight not in [in, out])
+        with tempfile.TemporaryDirectory(prefix="ptq-reader-") as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(config))
+            safetensors.torch.save_file(dense, str(Path(tmp) / "model.safetensors"))
+            model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True)
+    except Exception as e:  # a tensor of the wrong shape (e.g. a Conv1D weight not in [in, out])
         raise PtqError(f"the exported checkpoint does not fit its architecture: {str(e).strip().splitlines()[-1]}") from None
-    for name in dynamic_layers:
+    modules = dict(model.named_modules())
+    hooked = [name for name in dynamic_layers if name in modules]  # experts are merged on load: weights only
+    for name in hooked:
         modules[name].register_forward_pre_hook(lambda m, args, a=input_args: (_dynamic_fp8(args[0], a),))
-    model.tie_weights()
-    tied = {k for k in missing if k.endswith("lm_head.weight") and getattr(config, "tie_word_embeddings", False)}
     model.eval().requires_grad_(False)
-    return model, {"missing_keys": sorted(set(missing) - tied), "unexpected_keys": sorted(unexpected), "mismatched_keys": [],
-                   "quantized_layers": sum(1 for k in stored if k.endswith(".weight_scale")),
-                   "input_quantized_layers": len(dynamic_layers),
-                   "loader": f"ptq's dequantizing reader ({why})"}
+    return model, {"missing_keys": sorted(info.get("missing_keys", [])), "unexpected_keys": sorted(info.get("unexpected_keys", [])),
+                   "mismatched_keys": [], "quantized_layers": sum(1 for k in stored if k.endswith(".weight_scale")),
+                   "input_quantized_layers": len(hooked), "loader": f"ptq's dequantizing reader ({why})"}
 
 
 def _dynamic_fp8(x: torch.Tensor, args: dict) -> torch.Tensor:
