@@ -28,7 +28,8 @@ from ptq.calibration.calibrate import calibrate, save_calibration
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
 from ptq.numerics.formats import FORMATS, compute_scale, fake_quantize
-from ptq.models.loading import compute_dtype, default_device, load_model
+from ptq.execution.devices import compute_dtype, default_device
+from ptq.models.loading import load_model
 from ptq.quantization.quantize import fused, quantize_variants
 from ptq.quantization.plan import calibrated_layers
 from ptq.quantization.recipes import load_recipe

@@ -500,7 +500,7 @@ def main() -> None:
     except Exception as e:
         if type(e).__name__ != "OutOfMemoryError":  # torch.cuda.OutOfMemoryError where no step named what did not fit
             raise
-        from ptq.execution.batching import out_of_memory
+        from ptq.execution.devices import out_of_memory
 
         progress.stderr.print(f"[bold red]error:[/] {out_of_memory('', str(e))}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None

@@ -5,8 +5,9 @@ permission) is one line for the user, and the temporary file is removed.
 Folders above an output that do not exist yet are created when it is written (a first run on a new machine
 has no ~/.cache; `-o new/dir/file`). Also the helpers that keep outputs safe and reproducible:
 `check_output_dir` (fail before hours of work, not after), `make_dir` (a folder created and checked up
-front, such as the model cache), `safe_join` (a name taken from a user's file cannot escape the output directory), and
-`save_safetensors` (byte-identical files for identical content).
+front, such as the model cache), `safe_join` (a name taken from a user's file cannot escape the output directory),
+`save_safetensors` (byte-identical files for identical content), and `cache_root` (where converted models and
+offloaded weights are kept).
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from pathlib import Path
 from typing import Iterator
 
 from ptq.errors import PtqError
+
+
+def cache_root() -> Path:
+    """Where ptq keeps what it makes for later runs (converted models, offloaded weights): $PTQ_CACHE (a leading ~
+    expanded, which a shell does not do in quotes), else ~/.cache/ptq. Either may not exist yet on a new machine:
+    it is created on first use."""
+    return Path(os.environ.get("PTQ_CACHE") or Path.home() / ".cache" / "ptq").expanduser()
 
 
 def check_writable(path: Path, force: bool) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ptq.errors import PtqError
-from ptq.models.loading import default_device
+from ptq.execution.devices import default_device
 
 FAST = ["--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--quiet"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares a CUDA run with the CPU's")

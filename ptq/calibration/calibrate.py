@@ -47,7 +47,7 @@ from ptq.files import check_writable, save_safetensors
 from ptq.numerics.formats import NumberFormat, amax, compute_scale, fake_quantize
 from ptq.models.matmuls import LinearExperts, quantizable
 from ptq.calibration.observers import NUM_BINS, TensorObserver
-from ptq.execution.placement import input_device
+from ptq.execution.devices import input_device
 from ptq.progress import progress
 
 FILE_KIND = "ptq-calibration/2"  # /2: histogram bins read off the float32 bit pattern (ptq/calibration/observers.py)

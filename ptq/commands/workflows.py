@@ -23,6 +23,7 @@ import torch
 
 from ptq import __version__
 from ptq.execution import batching
+from ptq.execution import devices
 from ptq.execution import distributed
 from ptq.evaluation import stats
 from ptq.execution import streaming
@@ -37,7 +38,8 @@ from ptq.numerics.formats import get_format
 from ptq.reporting.gates import Limits, gate_results
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
 from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
-from ptq.models.loading import LoadedModel, compute_dtype, default_device, linear_layers, load_model
+from ptq.execution.devices import compute_dtype, default_device
+from ptq.models.loading import LoadedModel, linear_layers, load_model
 from ptq.execution.placement import Placement, placed, placed_copy
 from ptq.execution.placement import describe as describe_placement
 from ptq.execution.placement import summary as placement_summary
@@ -118,7 +120,7 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
         raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
     if streaming.is_streamed(loaded.model):
         size = batch_size or batching.CPU_BATCH_SIZE
-        with batching.gpu_memory(f"calibrating block by block on batches of {size} window(s) of {windows.seq_len} tokens"):
+        with devices.gpu_memory(f"calibrating block by block on batches of {size} window(s) of {windows.seq_len} tokens"):
             calibration = streaming.calibrate_blocks(loaded.model, windows.input_ids, layers, batch_size=size,
                                                      on_nonfinite=on_nonfinite, on_unseen=on_unseen, channels=channels)
         calibration.metadata["batch_size"] = size
@@ -129,7 +131,7 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
                                     on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
                                     resume=resume, channels=channels, all_experts=all_experts, weights_of=loaded.model)
         del runner
-        batching.release()  # a placed copy's GPU memory
+        devices.release()  # a placed copy's GPU memory
     faults = calibration.metadata
     warnings = check_ranges(calibration, recipes, loaded.model)
     calibration.metadata = {**faults, **({"warnings": warnings} if warnings else {}),
@@ -156,7 +158,7 @@ def _load(model: str | None, trust_remote_code: bool, allow_pickle: bool, memory
                          "(--low-memory)", highlight=False, soft_wrap=True)
     if low_memory:
         return streaming.load_streamed(model, trust_remote_code)
-    with batching.gpu_memory(f"loading model '{model}'"):
+    with devices.gpu_memory(f"loading model '{model}'"):
         return load_model(model, trust_remote_code, device, allow_pickle=allow_pickle, memory_check=memory_check)
 
 
@@ -199,7 +201,7 @@ def calibration_faults(metadata: dict) -> dict:
 
 
 def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, placement: Placement | None = None) -> dict:
-    """Where and how the models run: {"device", "dtype", "matmul", "low_memory"} (see models.compute_dtype,
+    """Where and how the models run: {"device", "dtype", "matmul", "low_memory"} (see devices.compute_dtype,
     quantize.resolve_matmul and streaming), checked before anything is loaded; with a placement (--device-map),
     "placement" is filled in once the models are placed (ptq.execution.placement.summary of each)."""
     device = default_device()
@@ -278,7 +280,7 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
                          f"block by block from disk ({streaming.LOW_MEMORY_FLAG})", highlight=False, soft_wrap=True)
         loaded = streaming.load_streamed(model, trust_remote_code)
     else:
-        with batching.gpu_memory(f"loading model '{model}'"):
+        with devices.gpu_memory(f"loading model '{model}'"):
             loaded = load_model(model, trust_remote_code, torch.device("cpu") if placement else None, allow_pickle=allow_pickle,
                                 memory_check=memory_check, dtype=getattr(torch, compute["dtype"]), copies=copies)
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
@@ -303,12 +305,12 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     else:
         # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
         # the original is then released.
-        with batching.gpu_memory(f"building {len(variants) + 1} variants of the model (the baseline and each recipe)"):
+        with devices.gpu_memory(f"building {len(variants) + 1} variants of the model (the baseline and each recipe)"):
             models = quantize_variants(loaded.model, [baseline, *variants], calibration, compute["matmul"])
             quantized = {r.name: models[r.name] for r in variants}
             weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
         del loaded.model
-        batching.release()  # the original's memory, before the evaluation's batches
+        devices.release()  # the original's memory, before the evaluation's batches
         with placed(models, placement) as models:
             if placement:
                 compute["placement"] = {name: placement_summary(m) for name, m in models.items()}
@@ -398,7 +400,7 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
     calib_corpus = load_corpus(calib_data, role="calibration") if config.needs_calibration and calibration is None else None
     eval_corpus = load_corpus(eval_data, role="evaluation")
     task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
-    with batching.gpu_memory(f"loading model '{model}'"):
+    with devices.gpu_memory(f"loading model '{model}'"):
         loaded = load_model(model, trust_remote_code, torch.device("cpu") if placement else None,
                             dtype=getattr(torch, compute["dtype"]))
     windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
@@ -655,7 +657,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
         "versions": versions() | {"compressed-tensors": importlib.metadata.version("compressed-tensors")},
         "created": now(),
     }
-    with atomic_dir(output) as tmp, batching.gpu_memory("exporting and verifying the checkpoint"):
+    with atomic_dir(output) as tmp, devices.gpu_memory("exporting and verifying the checkpoint"):
         with progress("writing", len(entries)) as advance:
             written = export.write_weights(entries, tmp, int(shard_size_mb * 1e6), advance)
         del entries

