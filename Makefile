@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.ptq-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench bench-peers models-check gpu-wheels clean
+.PHONY: setup demo test lint bench bench-peers models-check gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# ruff (pinned in the test extra; configured in pyproject.toml): the package, the tests, the benchmarks, the examples.
+lint: $(STAMP)
+	$(BIN)/ruff check ptq tests benchmarks examples
 
 # Speed and memory targets, printed as ratios measured in one run (see benchmarks/bench.py).
 bench: $(STAMP)

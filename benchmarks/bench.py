@@ -25,15 +25,15 @@ import torch
 
 from ptq import progress
 from ptq.calibration.calibrate import calibrate, save_calibration
+from ptq.commands.workflows import run_compare
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
-from ptq.numerics.formats import FORMATS, compute_scale, fake_quantize
 from ptq.execution.devices import compute_dtype, default_device
 from ptq.models.loading import load_model
-from ptq.quantization.quantize import fused, quantize_variants
+from ptq.numerics.formats import FORMATS, compute_scale, fake_quantize
 from ptq.quantization.plan import calibrated_layers
+from ptq.quantization.quantize import fused, quantize_variants
 from ptq.quantization.recipes import load_recipe
-from ptq.commands.workflows import run_compare
 
 
 def median_time(fn, repeats: int) -> float:
@@ -139,10 +139,10 @@ def main() -> None:
     # 1. Simulated evaluation against the same evaluation of the unquantized model.
     variants = quantize_variants(model, [e4m3, int8], calibration)
     t_eval_plain = median_time(lambda: evaluate({"plain": model}, ids), args.repeats)
-    t_eval = {name: median_time(lambda m=m: evaluate({name: m}, ids), args.repeats) for name, m in variants.items()}
+    t_eval = {name: median_time(lambda name=name, m=m: evaluate({name: m}, ids), args.repeats) for name, m in variants.items()}
     # The other FP8 schemes (no calibration): per-token (target), 128 x 128 blocks and MX groups (measured, stated)
     schemes = quantize_variants(model, [load_recipe(n) for n in SCHEMES], None)
-    t_eval |= {name: median_time(lambda m=m: evaluate({name: m}, ids), args.repeats) for name, m in schemes.items()}
+    t_eval |= {name: median_time(lambda name=name, m=m: evaluate({name: m}, ids), args.repeats) for name, m in schemes.items()}
     del schemes
 
     # 5. The E4M3 quantize-dequantize kernel on a large tensor, next to torch's cast round trip and a copy.
@@ -156,7 +156,7 @@ def main() -> None:
 
     # 7. Real FP8 matmuls (torch._scaled_mm) against the simulation: same logits up to summation order.
     real = quantize_variants(model, [e4m3], calibration, matmul="fp8")["fp8-e4m3"]
-    t_real = median_time(lambda: evaluate({"fp8": real}, ids), args.repeats)
+    t_real = median_time(lambda real=real: evaluate({"fp8": real}, ids), args.repeats)
     with torch.inference_mode():
         first = ids[:1].to(device)
         want, got = variants["fp8-e4m3"](input_ids=first).logits.float(), real(input_ids=first).logits.float()
@@ -209,7 +209,9 @@ def main() -> None:
     print(f"INFO  real FP8 matmuls (torch._scaled_mm) on {next(model.parameters()).device}: E4M3 evaluation "
           f"{t_real / t_eval['fp8-e4m3']:.2f}x the simulation's time; logits within {fp8_difference:.1e} of the "
           "simulation's (relative to their max)")
-    gbps = lambda t: 2 * x.numel() * 4 / t / 1e9  # read + write of float32
+    def gbps(t: float) -> float:  # read + write of float32
+        return 2 * x.numel() * 4 / t / 1e9
+
     print(f"INFO  E4M3 quantize-dequantize, 64 MiB: fused {gbps(t_fused):.1f} GB/s (ratio to copy {t_fused / t_copy:.1f}x); "
           f"eager ops {gbps(t_qdq):.1f} GB/s; torch cast round trip {gbps(t_cast):.1f} GB/s; copy {gbps(t_copy):.1f} GB/s")
     moe_ratios(args.repeats)
@@ -221,8 +223,8 @@ def moe_ratios(repeats: int) -> None:
     import transformers
 
     from ptq.models.matmuls import linearize
-    from ptq.quantization.quantize import quantize_variants
     from ptq.quantization.plan import calibration_targets
+    from ptq.quantization.quantize import quantize_variants
 
     config = transformers.Qwen3MoeConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                                          num_experts=32, num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=8,

@@ -27,8 +27,8 @@ import torch
 from ptq import progress
 from ptq.calibration.calibrate import calibrate
 from ptq.evaluation.evaluate import evaluate
-from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.plan import calibrated_layers
+from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -83,7 +83,7 @@ def gemm_seconds(model: torch.nn.Module, tokens: int, repeats: int, device: torc
     for (n, k), count in shapes.items():
         x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-        seconds, _ = measure(lambda: torch.matmul(x, w.t()), max(repeats, 5), device)
+        seconds, _ = measure(lambda x=x, w=w: torch.matmul(x, w.t()), max(repeats, 5), device)
         total += count * seconds
         flops += count * 2 * tokens * n * k
         del x, w
@@ -136,11 +136,11 @@ def main(argv: list[str] | None = None) -> None:
 
     t_bf16, m_bf16 = measure(lambda: evaluate({"bf16": model}, ids, args.batch_size), args.repeats, device)
     simulated = quantize_variants(model, [e4m3], calibration, matmul="simulated")["fp8-e4m3"]
-    t_sim, m_sim = measure(lambda: evaluate({"sim": simulated}, ids, args.batch_size), args.repeats, device)
+    t_sim, m_sim = measure(lambda simulated=simulated: evaluate({"sim": simulated}, ids, args.batch_size), args.repeats, device)
     del simulated
     torch.cuda.empty_cache() if device.type == "cuda" else None
     real = quantize_variants(model, [e4m3], calibration, matmul="fp8")["fp8-e4m3"]
-    t_fp8, m_fp8 = measure(lambda: evaluate({"fp8": real}, ids, args.batch_size), args.repeats, device)
+    t_fp8, m_fp8 = measure(lambda real=real: evaluate({"fp8": real}, ids, args.batch_size), args.repeats, device)
     del real
 
     rows = args.batch_size * args.seq_len

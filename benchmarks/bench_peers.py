@@ -108,14 +108,14 @@ def run_ptq_side(model_dir: Path, windows: Path, out: Path, batch_size: int = 4)
     checkpoint to out/checkpoint and the timings to out/timing.json."""
     import importlib.metadata
 
-    from ptq.export import checkpoint as export
-    from ptq.calibration.calibrate import calibrate
-    from ptq.models.loading import load_model
-    from ptq.quantization.quantize import quantize_
-    from ptq.quantization.plan import calibrated_layers
-    from ptq.quantization.recipes import load_recipe
-
     import compressed_tensors.compressors  # noqa: F401  imported before the clock, as llm-compressor's process has it
+
+    from ptq.calibration.calibrate import calibrate
+    from ptq.export import checkpoint as export
+    from ptq.models.loading import load_model
+    from ptq.quantization.plan import calibrated_layers
+    from ptq.quantization.quantize import quantize_
+    from ptq.quantization.recipes import load_recipe
 
     progress.QUIET = True
     start = time.perf_counter()

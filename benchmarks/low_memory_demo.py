@@ -39,13 +39,13 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="Keep the calibration file and the quantized checkpoint.")
     args = ap.parse_args()
 
-    from ptq.execution.resources import available_memory, checkpoint_parameters
-
     import torch
+
+    from ptq.execution.resources import available_memory, checkpoint_parameters
 
     params = checkpoint_parameters(args.model)
     on_disk = sum(f.stat().st_size for f in args.model.glob("*.safetensors"))
-    mem_total = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1]) * 1024
+    mem_total = int(next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")).split()[1]) * 1024
     print(f"model {args.model}: {params:,} parameters; {on_disk / GIB:.1f} GiB on disk (bf16), "
           f"{params * 4 / GIB:.1f} GiB in float32 (what the in-memory path loads)")
     print(f"machine: {mem_total / GIB:.1f} GiB memory, {available_memory(torch.device('cpu')) / GIB:.1f} GiB available now, "
@@ -66,8 +66,8 @@ def main() -> None:
         rows.append((name, seconds, peak))
     written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print()
-    print(f"| command | wall time | peak RSS | peak RSS / bf16 weights | peak RSS / float32 weights |")
-    print(f"|---|---|---|---|---|")
+    print("| command | wall time | peak RSS | peak RSS / bf16 weights | peak RSS / float32 weights |")
+    print("|---|---|---|---|---|")
     for name, seconds, peak in rows:
         print(f"| ptq {name} --low-memory | {seconds:.0f} s | {peak / GIB:.2f} GiB | {peak / on_disk:.2f} | "
               f"{peak / (params * 4):.2f} |")

@@ -13,8 +13,8 @@ import families  # noqa: E402
 from conftest import TEXT, make_tokenizer  # noqa: E402
 
 from ptq import progress  # noqa: E402
-from ptq.models.matmuls import describe_coverage  # noqa: E402
 from ptq.commands.workflows import run_compare  # noqa: E402
+from ptq.models.matmuls import describe_coverage  # noqa: E402
 
 
 def main() -> int:

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def main() -> None:

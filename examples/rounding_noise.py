@@ -21,8 +21,8 @@ from ptq.calibration.calibrate import Calibration, calibrate
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
 from ptq.models.loading import load_model
-from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.plan import calibration_targets
+from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
 
 

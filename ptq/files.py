@@ -18,9 +18,9 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from ptq.errors import PtqError
 

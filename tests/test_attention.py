@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ptq.quantization import attention
-from ptq.quantization.attention import AttentionQuant, TENSORS
+from ptq.quantization.attention import TENSORS, AttentionQuant
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              max_position_embeddings=64)

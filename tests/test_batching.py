@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ptq.execution import batching
 from ptq.calibration.calibrate import load_calibration
 from ptq.errors import PtqError
 from ptq.evaluation.evaluate import evaluate, evaluate_tasks
+from ptq.execution import batching
 
 FAST = ["--seq-len", "32", "--max-windows", "6", "--calib-samples", "4", "--quiet"]
 
@@ -97,7 +97,6 @@ def test_an_explicit_batch_size_that_does_not_fit_is_one_line(tiny_model, monkey
 
 def test_task_scoring_backs_off_too_with_the_same_results(tiny_model, monkeypatch):
     from ptq.evaluation.tasks import Item, _task
-
     from tests.conftest import make_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)

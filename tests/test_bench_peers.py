@@ -86,7 +86,9 @@ def test_ptq_side_writes_amax_over_448_for_every_linear(tiny_model, tmp_path):
         for batch in ids.split(4):
             model(input_ids=batch)
     assert set(scales) == set(seen) and len(seen) == 2 * 7  # q, k, v, o, gate, up, down per layer; not lm_head
-    fp32 = lambda v: float(torch.tensor(v, dtype=torch.float32) / 448)
+    def fp32(v):
+        return float(torch.tensor(v, dtype=torch.float32) / 448)
+
     for name, s in scales.items():
         assert s["weight_scale"] == fp32(float(model.get_submodule(name).weight.detach().abs().max()))
         assert s["input_scale"] == pytest.approx(fp32(seen[name]), rel=1e-6)

@@ -15,9 +15,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from ptq.errors import PtqError
 from ptq.evaluation import data
 from ptq.evaluation.data import Corpus, clean_markdown, load_corpus, make_windows
-from ptq.errors import PtqError
 
 TRAGEDIES = {
     "Hamlet",

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-
 from conftest import TEXT, make_tokenizer
 
 from ptq import cli, progress
@@ -121,9 +120,9 @@ def test_verification_fails_on_a_wrong_input_scale(exported, tiny_model, tmp_pat
 
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from ptq.export import checkpoint as export
     from ptq.calibration.calibrate import calibrate
     from ptq.evaluation.data import load_corpus, make_windows
+    from ptq.export import checkpoint as export
     from ptq.models.loading import load_model
     from ptq.quantization.plan import calibrated_layers
     from ptq.quantization.recipes import load_recipe

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 
+import families
 import pytest
 import torch
 
-import families
-from ptq.quantization import quantize as quantize_module
 from ptq.calibration.calibrate import calibrate
-from ptq.numerics.formats import NumberFormat
 from ptq.models.matmuls import LinearExperts, kind, linearize
-from ptq.quantization.quantize import QuantLinear, quantize_, quantize_variants
+from ptq.numerics.formats import NumberFormat
+from ptq.quantization import quantize as quantize_module
 from ptq.quantization.plan import calibration_targets, resolve_plan
+from ptq.quantization.quantize import QuantLinear, quantize_, quantize_variants
 from ptq.quantization.recipes import Recipe, TensorQuant, load_recipe
 
 # float32 "rounding": 23 mantissa bits and float32's own exponent range, so rounding is the identity; unscaled
@@ -104,7 +104,7 @@ def test_grouped_experts_match_the_expert_by_expert_loop():
     layers, _ = calibration_targets(model, recipes)
     calibration = calibrate(model, _ids(), layers, batch_size=1)
     ids = _ids(3)
-    for name, variant in quantize_variants(model, recipes, calibration).items():
+    for variant in quantize_variants(model, recipes, calibration).values():
         with torch.inference_mode():
             grouped = variant(ids).logits
             for m in variant.modules():
@@ -184,7 +184,6 @@ def test_gpt2_conv1d_layers_are_quantized_and_exported_in_conv1d_orientation(tmp
 
 
 def test_strict_coverage_refuses_weights_ptq_cannot_quantize(tmp_path, ptq_cli, text_file, tiny_model):
-    from conftest import make_tokenizer
 
     class Unknown(torch.nn.Module):  # a matmul weight that is neither Linear, Conv1D nor known experts
         def __init__(self, inner):

@@ -16,14 +16,21 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ptq.calibration.calibrate import (TensorObserver, calibrate, checkpoint_path, fallback_amax, load_calibration, range_findings)
-from ptq.evaluation.data import load_corpus
+from ptq.calibration.calibrate import (
+    TensorObserver,
+    calibrate,
+    checkpoint_path,
+    fallback_amax,
+    load_calibration,
+    range_findings,
+)
+from ptq.commands.workflows import _calibrate, calibration_faults
 from ptq.errors import PtqError
-from ptq.numerics.formats import amax, compute_scale, fake_quantize, get_format
+from ptq.evaluation.data import load_corpus
 from ptq.models.loading import load_model
+from ptq.numerics.formats import compute_scale, fake_quantize, get_format
 from ptq.quantization.recipes import load_recipe
 from ptq.reporting.report import faults_lines
-from ptq.commands.workflows import _calibrate, calibration_faults
 
 REPO = Path(__file__).resolve().parent.parent
 FLT_MAX = torch.finfo(torch.float32).max

@@ -7,11 +7,10 @@ import errno
 from pathlib import Path
 
 import pytest
+from test_faults import calib_args, one_error_line
 
 from ptq import files
 from ptq.models.loading import gguf_key
-
-from test_faults import calib_args, one_error_line
 
 
 @pytest.fixture
@@ -88,6 +87,7 @@ FAST = ("--calib-samples", "2", "--seq-len", "32", "--max-windows", "2", "-q")
 @pytest.fixture(scope="module")
 def results_file(tiny_model, tmp_path_factory) -> Path:
     from conftest import TEXT
+
     from ptq import progress
     from ptq.commands.workflows import run_compare
 

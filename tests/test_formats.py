@@ -69,7 +69,6 @@ def check_against_reference(x: np.ndarray, fmt, saturate: bool):
     stored = to_storage(grid, fmt)
     assert stored.dtype == fmt.torch_dtype
     ours_bits = stored.view(TORCH_UINT[fmt.bits]).numpy()
-    ref_bits = ref.view(UINT[fmt.bits])
     assert_same_bits(ours_bits.view(ref.dtype), ref, UINT[fmt.bits], x, what + " (storage bits)")
 
 

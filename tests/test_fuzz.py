@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ptq.evaluation.evaluate
-import ptq.numerics.kernels
 import ptq.evaluation.layerstats
+import ptq.numerics.kernels
 from ptq.numerics.formats import FORMATS, dequantize, fake_quantize, quantize, to_storage
 from ptq.numerics.kernels import fused
 from ptq.quantization.quantize import _rounded_codes

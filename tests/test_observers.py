@@ -4,9 +4,20 @@ import numpy as np
 import pytest
 import torch
 
+from ptq.calibration.observers import (
+    BINS_PER_OCTAVE,
+    TensorObserver,
+    bin_edges,
+    choose_clip,
+    entropy_clip,
+    histogram,
+    kl_divergence,
+    mse_clip,
+    percentile_clip,
+    quantized_histogram,
+    sqnr_db,
+)
 from ptq.numerics.formats import get_format
-from ptq.calibration.observers import (BINS_PER_OCTAVE, TensorObserver, bin_edges, choose_clip, entropy_clip, histogram, kl_divergence,
-                           mse_clip, percentile_clip, quantized_histogram, sqnr_db)
 
 E4M3, INT8 = get_format("e4m3"), get_format("int8")
 BIN = 1 + 1 / BINS_PER_OCTAVE  # the largest relative width of a bin (at the start of a power of two)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ptq.quantization.attention import attention_modules
 from ptq.calibration.calibrate import calibrate, load_calibration, save_calibration
 from ptq.calibration.observers import percentile_clip
-from ptq.quantization.quantize import QuantLinear, input_clip, quantize_, smoothing_factors
+from ptq.quantization.attention import attention_modules
 from ptq.quantization.plan import calibrated_layers, resolve_plan
+from ptq.quantization.quantize import QuantLinear, input_clip, quantize_, smoothing_factors
 from ptq.quantization.recipes import parse_recipe
 
 E4M3 = ml_dtypes.float8_e4m3fn

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 
+import families
 import pytest
 import torch
 
-import families
 from ptq.calibration.calibrate import load_calibration
 
 COMMON = ["--seq-len", "16", "--max-windows", "2", "--calib-samples", "2", "--no-plots"]

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from ptq.calibration.calibrate import calibrate
 from ptq.errors import PtqError
-from ptq.quantization.quantize import QuantLinear, quantize_, quantize_variants
 from ptq.quantization.plan import calibrated_layers, resolve_plan
+from ptq.quantization.quantize import QuantLinear, quantize_, quantize_variants
 from ptq.quantization.recipes import load_recipe
 
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 import yaml
 
-from ptq.numerics.granularity import PerChannel, PerTensor
 from ptq.errors import PtqError
 from ptq.numerics.formats import FORMATS
+from ptq.numerics.granularity import PerChannel, PerTensor
 from ptq.quantization.recipes import builtin_recipe_names, load_recipe, parse_recipe
 
 VALID = {"name": "x", "weights": {"format": "e4m3"}, "inputs": {"format": "e4m3"}}

@@ -182,8 +182,8 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     from ptq.evaluation.evaluate import evaluate
     from ptq.evaluation.layerstats import input_snr_db, layer_snr, weight_snr_db
     from ptq.models.loading import load_model
-    from ptq.quantization.quantize import quantize_variants
     from ptq.quantization.plan import calibrated_layers, resolve_plan
+    from ptq.quantization.quantize import quantize_variants
     from ptq.quantization.recipes import load_recipe
 
     loaded = load_model(str(tiny_model), device=torch.device("cpu"))

@@ -10,15 +10,14 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from test_faults import calib_args, one_error_line
 
 from ptq import files
-from ptq.execution import resources
-from ptq.evaluation.data import Corpus, load_corpus, make_windows
 from ptq.errors import PtqError
+from ptq.evaluation.data import Corpus, load_corpus, make_windows
+from ptq.execution import resources
 from ptq.files import safe_join
 from ptq.models.loading import load_model
-
-from test_faults import calib_args, one_error_line
 
 
 def copy_model(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:

@@ -160,9 +160,8 @@ def test_combinations_that_make_no_sense_are_refused_in_one_line(weights, inputs
 def _odd_llama(path):
     """hidden 48 (not a multiple of MX's 32), attention 4 x 16 = 64 and MLP 64 wide: q/k/v/gate/up cannot take
     groups of 32 along their input, o_proj and down_proj can."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from conftest import make_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = make_tokenizer()
     torch.manual_seed(0)
@@ -226,9 +225,8 @@ def test_quantization_args_are_compressed_tensors_presets(recipe):
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory):
     """Dimensions multiples of 128 where a scheme needs them: 256 hidden, 384 MLP (the block scheme's tiles)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from conftest import make_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("wide-llama")
     tok = make_tokenizer()
@@ -356,9 +354,8 @@ def test_every_scheme_exports_a_moe_model_per_expert_and_verifies(family, tmp_pa
     """Dimensions of 128 (the block scheme's tiles); each expert's projections written 2-D under the checkpoint's
     own names, with the scheme's scales; reloaded (by transformers, or ptq's reader where transformers cannot
     run the scheme) and equal to the simulation."""
-    import transformers
-
     import families
+    import transformers
     from conftest import make_tokenizer
 
     cls, kwargs = families.FAMILIES[family]

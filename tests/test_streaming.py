@@ -14,12 +14,10 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-
 from conftest import TEXT, make_tokenizer
 
-from ptq.execution import resources
-from ptq.execution import streaming
 from ptq.calibration.calibrate import calibrate, load_calibration
+from ptq.execution import resources, streaming
 from ptq.models.loading import load_model
 from ptq.quantization.plan import calibrated_layers
 from ptq.quantization.recipes import load_recipe

@@ -9,15 +9,24 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from conftest import TEXT
+
+from ptq.errors import PtqError
 from ptq.evaluation import stats
 from ptq.evaluation.data import Corpus, load_corpus
-from ptq.errors import PtqError
 from ptq.evaluation.evaluate import encode_pair, evaluate_tasks, pack_item
+from ptq.evaluation.tasks import (
+    ADAPTERS,
+    Item,
+    Task,
+    build_cloze,
+    item_correct,
+    load_jsonl_task,
+    parse_task_specs,
+    rows_to_task,
+    subsample,
+)
 from ptq.models.loading import load_model
-from ptq.evaluation.tasks import (ADAPTERS, Item, Task, build_cloze, item_correct, load_jsonl_task, parse_task_specs, rows_to_task,
-                       subsample)
 
 LINES = re.sub(r"([.!?]) ", r"\1\n", TEXT * 3)  # one sentence a line: what cloze items are cut from
 

@@ -32,8 +32,8 @@ import json
 import re
 import reprlib
 import time
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import safetensors
@@ -41,13 +41,13 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ptq.execution import batching
-from ptq.errors import PtqError
-from ptq.files import check_writable, save_safetensors
-from ptq.numerics.formats import NumberFormat, amax, compute_scale, fake_quantize
-from ptq.models.matmuls import LinearExperts, quantizable
 from ptq.calibration.observers import NUM_BINS, TensorObserver
+from ptq.errors import PtqError
+from ptq.execution import batching
 from ptq.execution.devices import input_device
+from ptq.files import check_writable, save_safetensors
+from ptq.models.matmuls import LinearExperts, quantizable
+from ptq.numerics.formats import NumberFormat, amax, compute_scale, fake_quantize
 from ptq.progress import progress
 
 FILE_KIND = "ptq-calibration/2"  # /2: histogram bins read off the float32 bit pattern (ptq/calibration/observers.py)
@@ -157,8 +157,7 @@ def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[s
     restarted: the batch size that ran out of memory before this run, for the progress bar."""
     if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
         raise PtqError(f"unknown policy: on_nonfinite={on_nonfinite!r}, on_unseen={on_unseen!r}")
-    from ptq.quantization import attention
-    from ptq.quantization import residual
+    from ptq.quantization import attention, residual
 
     modules = dict(model.named_modules())
     linears = [name for name in layers if quantizable(modules.get(name))]

@@ -6,8 +6,8 @@ lose the most; E4M3's relative precision keeps its SQNR near-constant where int8
 from __future__ import annotations
 
 from ptq.calibration.calibrate import Calibration
-from ptq.numerics.formats import get_format
 from ptq.calibration.observers import sqnr_db
+from ptq.numerics.formats import get_format
 
 FORMATS = ("e4m3", "int8")
 

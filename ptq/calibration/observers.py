@@ -125,7 +125,7 @@ class TensorObserver:
     def finite_batches(self) -> int:
         return self.calls - self.nonfinite
 
-    def merge(self, other: "TensorObserver") -> None:
+    def merge(self, other: TensorObserver) -> None:
         """Fold in another observer's statistics (e.g. from another process or shard)."""
         self.calls += other.calls
         self.nonfinite += other.nonfinite

@@ -13,8 +13,8 @@ from __future__ import annotations
 import copy
 import datetime
 import importlib.metadata
-import os
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -22,34 +22,44 @@ import numpy as np
 import torch
 
 from ptq import __version__
-from ptq.execution import batching
-from ptq.execution import devices
-from ptq.execution import distributed
-from ptq.evaluation import stats
-from ptq.execution import streaming
-from ptq.calibration.calibrate import (Calibration, calibrate, checkpoint_path, load_calibration, range_findings, save_calibration,
-                           summary_rows)
-from ptq.evaluation.data import Corpus, load_corpus, make_windows
+from ptq.calibration.calibrate import (
+    Calibration,
+    calibrate,
+    checkpoint_path,
+    load_calibration,
+    range_findings,
+    save_calibration,
+    summary_rows,
+)
 from ptq.calibration.diagnostics import sqnr_table
 from ptq.errors import PtqError
+from ptq.evaluation import stats
+from ptq.evaluation.data import Corpus, load_corpus, make_windows
 from ptq.evaluation.evaluate import Scores, TaskRun, evaluate, evaluate_tasks
-from ptq.files import check_output_dir, check_writable
-from ptq.numerics.formats import get_format
-from ptq.reporting.gates import Limits, gate_results
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
-from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
+from ptq.evaluation.tasks import Task, item_correct, load_tasks, parse_task_specs
+from ptq.execution import batching, devices, distributed, streaming
 from ptq.execution.devices import compute_dtype, default_device
-from ptq.models.loading import LoadedModel, linear_layers, load_model
 from ptq.execution.placement import Placement, placed, placed_copy
 from ptq.execution.placement import describe as describe_placement
 from ptq.execution.placement import summary as placement_summary
+from ptq.files import check_output_dir, check_writable
+from ptq.models.loading import LoadedModel, linear_layers, load_model
+from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
+from ptq.numerics.formats import get_format
 from ptq.progress import stderr
-from ptq.quantization.quantize import quantize_, quantize_variants, resolve_matmul
 from ptq.quantization.plan import calibration_targets, resolve_plan
+from ptq.quantization.quantize import quantize_, quantize_variants, resolve_matmul
 from ptq.quantization.recipes import Recipe, load_recipe
-from ptq.reporting.report import load_results, render_markdown, report_outputs, write_markdown, write_report
-from ptq.reporting.report import render_eval_markdown
-from ptq.evaluation.tasks import Task, item_correct, load_tasks, parse_task_specs
+from ptq.reporting.gates import Limits, gate_results
+from ptq.reporting.report import (
+    load_results,
+    render_eval_markdown,
+    render_markdown,
+    report_outputs,
+    write_markdown,
+    write_report,
+)
 
 BASELINE_RECIPE = "bf16"
 DEFAULT_RECIPES = ("fp8-e4m3", "int8")
@@ -67,11 +77,11 @@ def now() -> str:
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch is not None:
         try:
-            moment = datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+            moment = datetime.datetime.fromtimestamp(int(epoch), datetime.UTC)
         except (ValueError, OverflowError, OSError):
             raise PtqError(f"SOURCE_DATE_EPOCH must be an integer number of seconds, not {epoch!r}") from None
     else:
-        moment = datetime.datetime.now(datetime.timezone.utc)
+        moment = datetime.datetime.now(datetime.UTC)
     return moment.isoformat(timespec="seconds")
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ptq.execution import batching
 from ptq.errors import PtqError
+from ptq.execution import batching
 from ptq.execution.devices import input_device
 from ptq.progress import progress
 from ptq.quantization.quantize import fused
@@ -233,7 +233,7 @@ def pack_item(tokenizer, contexts: tuple[str, ...], continuations: tuple[str, ..
         tokens += seq[shared:]
         segments += [c + 1] * (len(seq) - shared)
         positions += list(range(shared - cut, len(seq) - cut))
-        row = lambda k: k - cut if k < shared else offset + k - shared  # noqa: E731  seq index -> row index
+        row = lambda k, offset=offset: k - cut if k < shared else offset + k - shared  # noqa: E731  seq index -> row index
         targets.append([(row(k - 1), seq[k]) for k in range(len(ctx), len(seq))])
     return PackedItem(tokens, segments, positions, targets, seqs)
 

@@ -9,7 +9,7 @@ suggest. A difference is "distinguishable from zero" when its 95% interval exclu
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

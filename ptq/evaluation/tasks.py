@@ -38,14 +38,14 @@ import hashlib
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from ptq.evaluation.data import Corpus, load_corpus
 from ptq.errors import PtqError
+from ptq.evaluation.data import Corpus, load_corpus
 
 DELIMITER = " "  # the harness's default target_delimiter between context and choice
 

@@ -34,8 +34,8 @@ from torch import nn
 
 from ptq.calibration.calibrate import Calibration, TensorObserver, _fail_on_nonfinite, check_weight, finish
 from ptq.errors import PtqError
-from ptq.numerics.formats import amax
 from ptq.models.loading import LoadedModel
+from ptq.numerics.formats import amax
 from ptq.progress import progress
 
 SUPPORTED_MODEL_TYPES = ("llama",)

@@ -18,13 +18,13 @@ model plus one shard.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import safetensors
 import safetensors.torch
@@ -33,12 +33,12 @@ from torch import nn
 
 from ptq.calibration.calibrate import Calibration
 from ptq.errors import PtqError
-from ptq.numerics.formats import NumberFormat, compute_scale
 from ptq.models.matmuls import LinearExperts, kind, quantizable
+from ptq.numerics.formats import NumberFormat, compute_scale
+from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken, e8m0_codes
 from ptq.quantization.plan import calibration_key
 from ptq.quantization.plan import resolve_plan as plan_of
 from ptq.quantization.quantize import QuantLinear, quantize_, quantize_weight
-from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken, e8m0_codes
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it

@@ -10,7 +10,6 @@ import warnings
 
 import torch
 
-
 # Kernels that fell back to their eager ops in this process: kernel name -> the first line of the error.
 FALLBACKS: dict[str, str] = {}
 

@@ -18,7 +18,7 @@ stores, so `kv_cache` quantization is applied at the same point, before the matm
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -19,16 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptq.quantization import attention
-from ptq.quantization import residual
-from ptq.quantization.attention import AttentionQuant
 from ptq.calibration.calibrate import Calibration
+from ptq.calibration.observers import choose_clip
 from ptq.errors import PtqError
+from ptq.models.matmuls import kind, quantizable
 from ptq.numerics import granularity as gr
 from ptq.numerics.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
 from ptq.numerics.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
-from ptq.models.matmuls import kind, quantizable
-from ptq.calibration.observers import choose_clip
+from ptq.quantization import attention, residual
+from ptq.quantization.attention import AttentionQuant
 from ptq.quantization.plan import calibration_key, resolve_plan
 from ptq.quantization.recipes import Recipe, TensorQuant
 

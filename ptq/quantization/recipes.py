@@ -21,9 +21,9 @@ import yaml
 from torch import nn
 
 from ptq.errors import PtqError
+from ptq.models.matmuls import KINDS, kind
 from ptq.numerics.formats import NumberFormat, get_format
 from ptq.numerics.granularity import Granularity, PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken
-from ptq.models.matmuls import KINDS, kind
 
 GRANULARITIES = ("tensor", "channel", "token", "group", "block", "head")  # YAML names of ptq.numerics.granularity
 # `--recipes NAME+kv` / `NAME+kv-head`: any FP8 recipe with an E4M3 KV cache, static per-tensor or per-head K/V scales

@@ -9,7 +9,7 @@ so norm2's pre-hook rounds it in place: the residual stream is then stored round
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
