@@ -25,6 +25,7 @@ import torch
 
 from ptq import progress
 from ptq.calibration.calibrate import calibrate, save_calibration
+from ptq.commands.options import CalibrationOptions, ComputeOptions, DataOptions, ModelOptions, OutputOptions
 from ptq.commands.workflows import run_compare
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
@@ -171,10 +172,12 @@ def main() -> None:
     del baseline
     tmp = Path(tempfile.mkdtemp(prefix="ptq-bench-"))
     save_calibration(calibration, tmp / "calib.safetensors")
-    compare_args = dict(model=args.model, recipes=["fp8-e4m3", "int8"], calib=tmp / "calib.safetensors", calib_data=None,
-                        calib_samples=args.windows, eval_data=None, seq_len=args.seq_len, max_windows=args.compare_windows,
-                        out=tmp / "report", force=True, matmul="simulated")
-    t_compare = once(lambda: run_compare(**compare_args))
+    compare_args = dict(model=ModelOptions(model=args.model),
+                        data=DataOptions(seq_len=args.seq_len, windows=args.compare_windows),
+                        calibration=CalibrationOptions(file=tmp / "calib.safetensors", samples=args.windows,
+                                                       seq_len=args.seq_len),
+                        compute=ComputeOptions(matmul="simulated"), output=OutputOptions(path=tmp / "report", force=True))
+    t_compare = once(lambda: run_compare(["fp8-e4m3", "int8"], **compare_args))
 
     # 4. Peak memory of `ptq compare` in a fresh process, whole and block by block, against the model's 16-bit
     # size. The constant is measured, not assumed: what compare holds whatever the model's weights (a process

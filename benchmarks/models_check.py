@@ -13,6 +13,7 @@ import families  # noqa: E402
 from conftest import TEXT, make_tokenizer  # noqa: E402
 
 from ptq import progress  # noqa: E402
+from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions  # noqa: E402
 from ptq.commands.workflows import run_compare  # noqa: E402
 from ptq.models.matmuls import describe_coverage  # noqa: E402
 
@@ -32,8 +33,10 @@ def main() -> int:
             families.build(family).save_pretrained(directory)
             make_tokenizer().save_pretrained(directory)
             try:
-                r = run_compare(str(directory), ["fp8-e4m3", "int8"], None, str(text), 4, str(text), 32, 4,
-                                Path(tmp) / f"report-{family}", plots=False)
+                r = run_compare(["fp8-e4m3", "int8"], model=ModelOptions(model=str(directory)),
+                                data=DataOptions(data=str(text), seq_len=32, windows=4),
+                                calibration=CalibrationOptions(data=str(text), samples=4, seq_len=32),
+                                output=OutputOptions(path=Path(tmp) / f"report-{family}", plots=False))
             except Exception as e:  # noqa: BLE001 - report every family, then fail
                 failed.append(family)
                 print(f"FAIL  {family:14s} {type(e).__name__}: {e}")

@@ -105,17 +105,20 @@ def calibrate(
     """
     progress.QUIET = quiet or as_json
     from ptq.calibration.calibrate import summary_rows
+    from ptq.commands.options import CalibrationOptions, ComputeOptions, OutputOptions
     from ptq.commands.workflows import run_calibrate
-    from ptq.execution.placement import parse as parse_placement
 
-    _check_policies(on_nonfinite, on_unseen)
-    placement = parse_placement(device_map, max_memory)
+    options = dict(
+        model=_model_options(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                             no_memory_check=no_memory_check, strict_coverage=strict_coverage, device_map=device_map,
+                             max_memory=max_memory),
+        calibration=CalibrationOptions(data=data, samples=samples, seq_len=seq_len, on_nonfinite=on_nonfinite,
+                                       on_unseen=on_unseen, all_experts=all_experts, resume=resume,
+                                       checkpoint_every=checkpoint_every),
+        compute=ComputeOptions(batch_size=batch_size, low_memory=low_memory),
+        output=OutputOptions(path=output, force=force))
     try:
-        calibration = run_calibrate(model, data, samples, seq_len, _split(recipe), output, force, trust_remote_code,
-                                    resume=resume, checkpoint_every=checkpoint_every, on_nonfinite=on_nonfinite,
-                                    on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check,
-                                    low_memory=low_memory, all_experts=all_experts, strict_coverage=strict_coverage,
-                                    batch_size=batch_size, placement=placement)
+        calibration = run_calibrate(_split(recipe), **options)
     except KeyboardInterrupt:
         from ptq.calibration.calibrate import checkpoint_path
 
@@ -158,20 +161,22 @@ def compare(
     Example: ptq compare smollm2 --recipes fp8-e4m3,int8 --max-ppl-increase 2% --max-kl 0.01 --out reports/smollm2
     """
     progress.QUIET = quiet or as_json
+    from ptq.commands.options import ComputeOptions, DataOptions, OutputOptions
     from ptq.commands.workflows import run_compare
-    from ptq.execution.placement import parse as parse_placement
     from ptq.reporting.gates import parse_limits
 
-    if calib and calib_data:
-        raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
-    _check_policies(on_nonfinite, on_unseen)
-    limits = parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)
-    placement = parse_placement(device_map, max_memory)
-    results = run_compare(model, _split(recipes), calib, calib_data, calib_samples, eval_data, seq_len, max_windows,
-                          out, force, batch_size, trust_remote_code, limits, not no_plots, on_nonfinite=on_nonfinite,
-                          on_unseen=on_unseen, allow_pickle=allow_pickle, memory_check=not no_memory_check, tasks=tasks,
-                          max_items=max_items, dtype=dtype, matmul=matmul, low_memory=low_memory, all_experts=all_experts,
-                          strict_coverage=strict_coverage, placement=placement)
+    results = run_compare(
+        _split(recipes),
+        model=_model_options(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                             no_memory_check=no_memory_check, strict_coverage=strict_coverage, device_map=device_map,
+                             max_memory=max_memory, dtype=dtype),
+        data=DataOptions(data=eval_data, seq_len=seq_len, windows=max_windows, tasks=tasks, max_items=max_items),
+        calibration=_calibration_options(calib=calib, data=calib_data, data_flag="--calib-data", samples=calib_samples,
+                                         seq_len=seq_len, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
+                                         all_experts=all_experts),
+        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory),
+        output=OutputOptions(path=out, force=force, plots=not no_plots,
+                             limits=parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)))
     if results.get("calibration"):
         _print_faults(results["calibration"]["faults"])
     if as_json:
@@ -235,13 +240,25 @@ def inspect(
         _print_inspect(info)
 
 
-def _check_policies(on_nonfinite: str, on_unseen: str) -> None:
-    from ptq.calibration.calibrate import NONFINITE_POLICIES, UNSEEN_POLICIES
+def _model_options(*, model, trust_remote_code, allow_pickle, no_memory_check, strict_coverage, device_map, max_memory,
+                   dtype=None):
+    """The model options of every command that loads a model (the flags are named alike in each)."""
+    from ptq.commands.options import ModelOptions
+    from ptq.execution.placement import parse as parse_placement
 
-    if on_nonfinite not in NONFINITE_POLICIES:
-        raise PtqError(f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, not '{on_nonfinite}'")
-    if on_unseen not in UNSEEN_POLICIES:
-        raise PtqError(f"--on-unseen must be one of {', '.join(UNSEEN_POLICIES)}, not '{on_unseen}'")
+    return ModelOptions(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                        memory_check=not no_memory_check, dtype=dtype, placement=parse_placement(device_map, max_memory),
+                        strict_coverage=strict_coverage)
+
+
+def _calibration_options(*, calib, data, data_flag, samples, seq_len, on_nonfinite, on_unseen, all_experts):
+    """A calibration file (--calib) or the text to calibrate on (`data_flag`), not both."""
+    from ptq.commands.options import CalibrationOptions
+
+    if calib and data:
+        raise PtqError(f"give either --calib (a calibration file) or {data_flag} (text to calibrate on), not both")
+    return CalibrationOptions(file=calib, data=data, samples=samples, seq_len=seq_len, on_nonfinite=on_nonfinite,
+                              on_unseen=on_unseen, all_experts=all_experts)
 
 
 def _print_faults(metadata: dict) -> None:
@@ -311,6 +328,8 @@ def quantize(
     compare_results: Annotated[Path | None, typer.Option("--compare-results", help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.")] = None,
     batch_size: BatchSize = "auto",
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, low_memory: LowMemory = None,
+    on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
+    allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
     all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
     device_map: DeviceMap = None, max_memory: MaxMemory = None,
 ) -> None:
@@ -319,22 +338,28 @@ def quantize(
     Example: ptq quantize smollm2 --recipe fp8-e4m3 -o smollm2-fp8
     """
     progress.QUIET = quiet
+    from ptq.commands.options import CheckpointOptions, ComputeOptions, DataOptions, OutputOptions
     from ptq.commands.workflows import run_quantize
-    from ptq.execution.placement import parse as parse_placement
     from ptq.export.checkpoint import VerificationFailed
 
-    if calib and data:
-        raise PtqError("give either --calib (a calibration file) or --data (text to calibrate on), not both")
+    options = dict(
+        model=_model_options(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                             no_memory_check=no_memory_check, strict_coverage=strict_coverage, device_map=device_map,
+                             max_memory=max_memory),
+        data=DataOptions(data=data, seq_len=seq_len, windows=verify_windows),  # verification: --data's evaluation split
+        calibration=_calibration_options(calib=calib, data=data, data_flag="--data", samples=samples, seq_len=seq_len,
+                                         on_nonfinite=on_nonfinite, on_unseen=on_unseen, all_experts=all_experts),
+        compute=ComputeOptions(batch_size=batch_size, low_memory=low_memory),
+        output=OutputOptions(path=output, force=force),
+        checkpoint=CheckpointOptions(verify=verify, shard_size_mb=shard_size, compare_results=compare_results))
     try:
-        info = run_quantize(model, recipe, calib, data, samples, seq_len, output, force, verify, verify_windows,
-                            shard_size, compare_results, batch_size, trust_remote_code, low_memory=low_memory,
-                            all_experts=all_experts, strict_coverage=strict_coverage,
-                            placement=parse_placement(device_map, max_memory))
+        info = run_quantize(recipe, **options)
     except VerificationFailed as e:
         _print_quantize(e.info, output, written=False)
         progress.stderr.print(f"[bold red]verification failed:[/] {e}; nothing was written to {output} "
                               "(--no-verify writes it unverified)", highlight=False, soft_wrap=True)
         raise SystemExit(1) from None
+    _print_faults(info["calibration"]["faults"])
     _print_quantize(info, output, written=True)
 
 
@@ -382,6 +407,8 @@ def eval_(
     batch_size: BatchSize = "auto",
     out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path("reports/eval"),
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
+    on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
+    allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False, low_memory: LowMemory = None,
     dtype: Dtype = None, matmul: Matmul = "auto", all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
     device_map: DeviceMap = None, max_memory: MaxMemory = None,
 ) -> None:
@@ -390,14 +417,22 @@ def eval_(
     Example: ptq eval smollm2 --recipe fp8-e4m3 --calib smollm2.calib.safetensors --tasks cloze
     """
     progress.QUIET = quiet
+    from ptq.commands.options import ComputeOptions, DataOptions, OutputOptions
     from ptq.commands.workflows import run_eval
-    from ptq.execution.placement import parse as parse_placement
 
-    if calib and calib_data:
-        raise PtqError("give either --calib (a calibration file) or --calib-data (text to calibrate on), not both")
-    results = run_eval(model, recipe, calib, calib_data, calib_samples, eval_data, seq_len, max_windows, tasks or None,
-                       max_items, out, force, batch_size, trust_remote_code, dtype, matmul, all_experts=all_experts,
-                       strict_coverage=strict_coverage, placement=parse_placement(device_map, max_memory))
+    results = run_eval(
+        recipe,
+        model=_model_options(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                             no_memory_check=no_memory_check, strict_coverage=strict_coverage, device_map=device_map,
+                             max_memory=max_memory, dtype=dtype),
+        data=DataOptions(data=eval_data, seq_len=seq_len, windows=max_windows, tasks=tasks or None, max_items=max_items),
+        calibration=_calibration_options(calib=calib, data=calib_data, data_flag="--calib-data", samples=calib_samples,
+                                         seq_len=seq_len, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
+                                         all_experts=all_experts),
+        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory),
+        output=OutputOptions(path=out, force=force))
+    if results.get("calibration"):
+        _print_faults(results["calibration"]["faults"])
     _print_eval(results, out)
 
 

@@ -24,6 +24,7 @@ from ptq.calibration.calibrate import (
     load_calibration,
     range_findings,
 )
+from ptq.commands.options import CalibrationOptions
 from ptq.commands.workflows import _calibrate, calibration_faults
 from ptq.errors import PtqError
 from ptq.evaluation.data import load_corpus
@@ -153,7 +154,8 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
     loaded = load_model(str(tiny_model))
     loaded.model.model.layers[0].mlp = TinyMoE(loaded.model.config.hidden_size)
     recipe = load_recipe("fp8-e4m3")
-    calibration = _calibrate(loaded, load_corpus(str(text_file), "calibration"), 8, 16, [recipe], None, False)
+    corpus = load_corpus(str(text_file), "calibration")
+    calibration = _calibrate(loaded, corpus, [recipe], CalibrationOptions(samples=8, seq_len=16))
     e0, e1, e2 = (f"model.layers.0.mlp.experts.{i}" for i in range(3))
     assert calibration.input_amax[e1] == 2 * calibration.input_amax[e0]
     assert calibration.input_amax[e2] == calibration.input_amax[e1]  # the largest sibling, not just any
@@ -163,7 +165,7 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
     lines = faults_lines(calibration_faults(calibration.metadata))
     assert any(e2 in line and "no calibration data" in line for line in lines)
     with pytest.raises(PtqError, match=r"1 layer\(s\) received no calibration data, e.g. 'model.layers.0.mlp.experts.2'"):
-        _calibrate(loaded, load_corpus(str(text_file), "calibration"), 8, 16, [recipe], None, False, on_unseen="fail")
+        _calibrate(loaded, corpus, [recipe], CalibrationOptions(samples=8, seq_len=16, on_unseen="fail"))
 
 
 def test_fallback_amax_prefers_close_relatives():

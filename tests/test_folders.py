@@ -89,14 +89,18 @@ def results_file(tiny_model, tmp_path_factory) -> Path:
     from conftest import TEXT
 
     from ptq import progress
+    from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions
     from ptq.commands.workflows import run_compare
 
     directory = tmp_path_factory.mktemp("compared")
     (directory / "text.txt").write_text(TEXT * 3)
     progress.QUIET = True
     try:
-        run_compare(str(tiny_model), ["fp8-e4m3"], None, str(directory / "text.txt"), 2, str(directory / "text.txt"),
-                    32, 2, directory / "out")
+        text = str(directory / "text.txt")
+        run_compare(["fp8-e4m3"], model=ModelOptions(model=str(tiny_model)),
+                    data=DataOptions(data=text, seq_len=32, windows=2),
+                    calibration=CalibrationOptions(data=text, samples=2, seq_len=32),
+                    output=OutputOptions(path=directory / "out"))
     finally:
         progress.QUIET = False
     return directory / "out" / "results.json"

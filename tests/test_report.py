@@ -33,13 +33,16 @@ def compared(tiny_model, small_text, tmp_path_factory) -> Path:
     """One compare of the tiny model with a KL gate that must fail (any quantization moves KL above 0)
     and a perplexity gate that must pass."""
     from ptq import progress
+    from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions
     from ptq.commands.workflows import run_compare
 
     out = tmp_path_factory.mktemp("compare") / "out"
     progress.QUIET = True
     try:
-        run_compare(str(tiny_model), ["fp8-e4m3", "int8"], None, str(small_text), 4, str(small_text), 64, 8, out,
-                    limits=parse_limits("50%", None, "0"))
+        run_compare(["fp8-e4m3", "int8"], model=ModelOptions(model=str(tiny_model)),
+                    data=DataOptions(data=str(small_text), seq_len=64, windows=8),
+                    calibration=CalibrationOptions(data=str(small_text), samples=4, seq_len=64),
+                    output=OutputOptions(path=out, limits=parse_limits("50%", None, "0")))
     finally:
         progress.QUIET = False
     return out

@@ -1,4 +1,5 @@
-"""The commands' work, one function each, so that cli.py only parses and prints.
+"""The commands' work, one function each, so that cli.py only parses and prints. Each is given what it is told as
+options objects (ptq.commands.options), built once by the CLI.
 
 calibrate: model + calibration text -> amax of every quantized tensor -> calibration file.
 compare:   model + recipes (+ calibration) -> bf16 baseline and variants on held-out text -> report (+ gates).
@@ -32,6 +33,15 @@ from ptq.calibration.calibrate import (
     summary_rows,
 )
 from ptq.calibration.diagnostics import sqnr_table
+from ptq.commands.options import (
+    CalibrationOptions,
+    CheckpointOptions,
+    ComputeOptions,
+    DataOptions,
+    ModelOptions,
+    OutputOptions,
+    refuse_unused,
+)
 from ptq.errors import PtqError
 from ptq.evaluation import stats
 from ptq.evaluation.data import Corpus, load_corpus, make_windows
@@ -63,7 +73,6 @@ from ptq.reporting.report import (
 
 BASELINE_RECIPE = "bf16"
 DEFAULT_RECIPES = ("fp8-e4m3", "int8")
-DEFAULT_MAX_ITEMS = 300  # per task; an evenly spaced subset keeps a CPU run to minutes
 
 
 def versions() -> dict[str, str]:
@@ -85,46 +94,46 @@ def now() -> str:
     return moment.isoformat(timespec="seconds")
 
 
-def run_calibrate(model: str | None, data: str | None, samples: int, seq_len: int, recipes: list[str],
-                  output: Path, force: bool = False, trust_remote_code: bool = False, *, resume: bool = False,
-                  checkpoint_every: float = 60.0, on_nonfinite: str = "fail", on_unseen: str = "fallback",
-                  allow_pickle: bool = False, memory_check: bool = True, low_memory: bool | None = None,
-                  all_experts: bool = True, strict_coverage: bool = False,
-                  batch_size: int | str | None = None, placement: Placement | None = None) -> Calibration:
-    """Calibrate and save; a checkpoint (OUTPUT.checkpoint) is kept while running and removed at the end.
-    low_memory: block by block from disk (ptq.execution.streaming); None: when the model does not fit in memory.
-    batch_size: windows per forward pass, None or "auto" for the automatic choice (see _calibrate).
-    placement: the model placed over the GPUs and offloaded (ptq.execution.placement, --device-map)."""
-    batch_size = batching.parse_batch_size(batch_size)
-    check_placement(placement, low_memory)
-    if low_memory and resume:
+def run_calibrate(recipes: list[str], *, model: ModelOptions = ModelOptions(),
+                  calibration: CalibrationOptions = CalibrationOptions(), compute: ComputeOptions = ComputeOptions(),
+                  output: OutputOptions) -> Calibration:
+    """Calibrate for `recipes` and save to output.path; a checkpoint (OUTPUT.checkpoint) is kept while running and
+    removed at the end. compute.low_memory: block by block from disk (ptq.execution.streaming); None: when the model
+    does not fit in memory. model.placement: the model placed over the GPUs and offloaded (ptq.execution.placement)."""
+    refuse_unused("calibrate", model, dtype="--dtype")
+    refuse_unused("calibrate", calibration, file="--calib")
+    refuse_unused("calibrate", compute, matmul="--matmul")
+    refuse_unused("calibrate", output, limits="a gate")
+    check_placement(model.placement, compute.low_memory)
+    if compute.low_memory and calibration.resume:
         raise PtqError("--resume is not available with --low-memory (block-by-block calibration keeps no checkpoint)")
-    check_writable(output, force)
-    checkpoint = checkpoint_path(output)
-    if checkpoint.exists() and not (resume or force):
+    check_writable(output.path, output.force)
+    checkpoint = checkpoint_path(output.path)
+    if checkpoint.exists() and not (calibration.resume or output.force):
         raise PtqError(f"{checkpoint} is left from an interrupted run: pass --resume to continue it, or --force to start over")
-    check_output_dir(Path(output).parent)
+    check_output_dir(Path(output.path).parent)
     loaded_recipes = [load_recipe(r) for r in recipes]
-    corpus = load_corpus(data, role="calibration")  # bad data fails before the (slow) model load
-    loaded = _load(model, trust_remote_code, allow_pickle, memory_check, False if resume or placement else low_memory,
-                   torch.device("cpu") if placement else None)
-    check_coverage(loaded.model, loaded_recipes, strict_coverage)
-    calibration = _calibrate(loaded, corpus, samples, seq_len, loaded_recipes, output, force, on_nonfinite=on_nonfinite,
-                             on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume,
-                             all_experts=all_experts, batch_size=batch_size, placement=placement)
+    corpus = load_corpus(calibration.data, role="calibration")  # bad data fails before the (slow) model load
+    streamed = not calibration.resume and _streams(model, compute.low_memory, note=(
+        f"note: model '{model.model}' does not fit in memory in float32: working block by block from disk (--low-memory)"))
+    loaded = _load(model, streamed)
+    check_coverage(loaded.model, loaded_recipes, model.strict_coverage)
+    result = _calibrate(loaded, corpus, loaded_recipes, calibration, batch_size=compute.batch_size,
+                        placement=model.placement, output=output.path, force=output.force, checkpoint=checkpoint)
     checkpoint.unlink(missing_ok=True)
-    return calibration
+    return result
 
 
-def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, recipes: list[Recipe],
-               output: Path | None, force: bool, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
-               checkpoint: Path | None = None, checkpoint_every: float = 60.0, resume: bool = False,
-               all_experts: bool = True, batch_size: int | None = None, placement: Placement | None = None) -> Calibration:
-    """batch_size: windows per forward pass, None for automatic (ptq.calibration.calibrate.calibrate: on CUDA from the free
-    memory, halved with a restart from the first batch when a batch does not fit; 4 on the CPU and block by block).
-    placement (--device-map): a copy of the model placed over the devices runs; the weight amax come from the model
-    itself, in CPU memory."""
-    windows = make_windows(corpus, loaded.tokenizer, seq_len, samples)
+def _calibrate(loaded: LoadedModel, corpus: Corpus, recipes: list[Recipe], options: CalibrationOptions, *,
+               batch_size: int | None = None, placement: Placement | None = None, output: Path | None = None,
+               force: bool = False, checkpoint: Path | None = None) -> Calibration:
+    """Calibrate `loaded` on options.samples windows of options.seq_len tokens of `corpus`, with its policies; saved
+    to `output` if given (a checkpoint kept at `checkpoint` meanwhile, with options.resume continuing from it).
+    batch_size: windows per forward pass, None for automatic (ptq.calibration.calibrate.calibrate: on CUDA from the
+    free memory, halved with a restart from the first batch when a batch does not fit; 4 on the CPU and block by
+    block). placement (--device-map): a copy of the model placed over the devices runs; the weight amax come from
+    the model itself, in CPU memory."""
+    windows = make_windows(corpus, loaded.tokenizer, options.seq_len, options.samples)
     layers, channels = calibration_targets(loaded.model, recipes)
     if not layers:
         raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
@@ -132,14 +141,17 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
         size = batch_size or batching.CPU_BATCH_SIZE
         with devices.gpu_memory(f"calibrating block by block on batches of {size} window(s) of {windows.seq_len} tokens"):
             calibration = streaming.calibrate_blocks(loaded.model, windows.input_ids, layers, batch_size=size,
-                                                     on_nonfinite=on_nonfinite, on_unseen=on_unseen, channels=channels)
+                                                     on_nonfinite=options.on_nonfinite, on_unseen=options.on_unseen,
+                                                     channels=channels)
         calibration.metadata["batch_size"] = size
     else:
         # A batch that does not fit: calibrate backs off (automatic size) or stops with one line naming the size
         with placed({"original": placed_copy(loaded.model) if placement else loaded.model}, placement) as runner:
-            calibration = calibrate(runner["original"], windows.input_ids, layers, batch_size, on_nonfinite=on_nonfinite,
-                                    on_unseen=on_unseen, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                                    resume=resume, channels=channels, all_experts=all_experts, weights_of=loaded.model)
+            calibration = calibrate(runner["original"], windows.input_ids, layers, batch_size,
+                                    on_nonfinite=options.on_nonfinite, on_unseen=options.on_unseen,
+                                    checkpoint=checkpoint, checkpoint_every=options.checkpoint_every,
+                                    resume=options.resume, channels=channels, all_experts=options.all_experts,
+                                    weights_of=loaded.model)
         del runner
         devices.release()  # a placed copy's GPU memory
     faults = calibration.metadata
@@ -149,7 +161,7 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
         "data": corpus.source, "data_sha256": corpus.sha256,
         "windows": len(windows.input_ids), "seq_len": windows.seq_len, "tokens": windows.input_ids.numel(),
         "windows_description": windows.description,
-        "recipes": [r.name for r in recipes], "layers": len(layers), "all_experts": all_experts,
+        "recipes": [r.name for r in recipes], "layers": len(layers), "all_experts": options.all_experts,
         "versions": versions(), "created": now(),
     }
     if output is not None:
@@ -157,19 +169,44 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, samples: int, seq_len: int, 
     return calibration
 
 
-def _load(model: str | None, trust_remote_code: bool, allow_pickle: bool, memory_check: bool,
-          low_memory: bool | None, device: torch.device | None = None) -> LoadedModel:
-    """The whole model (ptq.models.loading), or with low_memory its meta-device skeleton to stream from disk
-    (ptq.execution.streaming); low_memory None streams a local Llama checkpoint whose float32 weights do not fit."""
-    if low_memory is None:
-        low_memory = memory_check and streaming.too_big(model)
-        if low_memory:
-            stderr.print(f"note: model '{model}' does not fit in memory in float32: working block by block from disk "
-                         "(--low-memory)", highlight=False, soft_wrap=True)
-    if low_memory:
-        return streaming.load_streamed(model, trust_remote_code)
-    with devices.gpu_memory(f"loading model '{model}'"):
-        return load_model(model, trust_remote_code, device, allow_pickle=allow_pickle, memory_check=memory_check)
+def _calibration(loaded: LoadedModel, options: CalibrationOptions, recipes: list[Recipe], calibration: Calibration | None,
+                 corpus: Corpus | None, *, batch_size: int | None, placement: Placement | None) -> tuple[Calibration | None, str]:
+    """The calibration a command uses for `recipes`, and its source for reports: `calibration`, read from
+    options.file, with the range rule applied to these recipes (its warnings join the file's, so that they are
+    reported as for a calibration made here); else calibrated here on `corpus`; else (no recipe needs one) None."""
+    if calibration is not None:
+        warnings = [w for w in check_ranges(calibration, recipes, loaded.model)
+                    if w not in calibration.metadata.get("warnings", [])]
+        if warnings:
+            calibration.metadata = {**calibration.metadata, "warnings": [*calibration.metadata.get("warnings", []), *warnings]}
+        return calibration, f"Calibration file {options.file}."
+    if corpus is None:
+        return None, ""
+    return (_calibrate(loaded, corpus, recipes, options, batch_size=batch_size, placement=placement),
+            "Calibrated in this run (no --calib file).")
+
+
+def _streams(model: ModelOptions, low_memory: bool | None, copies: float = 1, note: str = "") -> bool:
+    """Whether the model runs block by block from disk (ptq.execution.streaming): `low_memory` as given; None (automatic)
+    when `copies` float32 copies of a local checkpoint do not fit in memory, never with --device-map or
+    --no-memory-check; `note` is printed then."""
+    if low_memory is not None:
+        return low_memory
+    streamed = model.placement is None and model.memory_check and streaming.too_big(model.model, copies)
+    if streamed and note:
+        stderr.print(note, highlight=False, soft_wrap=True)
+    return streamed
+
+
+def _load(model: ModelOptions, streamed: bool = False, *, dtype: torch.dtype = torch.float32, copies: float = 1) -> LoadedModel:
+    """The whole model (ptq.models.loading), in `dtype`, on the CPU with a placement (placed later), its size checked
+    against the memory as `copies` float32 copies; or when `streamed` its meta-device skeleton to stream from disk
+    (ptq.execution.streaming)."""
+    if streamed:
+        return streaming.load_streamed(model.model, model.trust_remote_code)
+    with devices.gpu_memory(f"loading model '{model.model}'"):
+        return load_model(model.model, model.trust_remote_code, torch.device("cpu") if model.placement else None,
+                          allow_pickle=model.allow_pickle, memory_check=model.memory_check, dtype=dtype, copies=copies)
 
 
 def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list[str]:
@@ -242,88 +279,59 @@ def describe_compute(compute: dict) -> str:
     return f"{compute['device']}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
 
 
-def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib_data: str | None,
-                calib_samples: int, eval_data: str | None, seq_len: int, max_windows: int | None,
-                out: Path, force: bool = False, batch_size: int | str | None = None, trust_remote_code: bool = False,
-                limits: Limits | None = None, plots: bool = True, *, on_nonfinite: str = "fail", on_unseen: str = "fallback",
-                allow_pickle: bool = False, memory_check: bool = True, tasks: str | None = None,
-                max_items: int | None = DEFAULT_MAX_ITEMS, dtype: str | None = None, matmul: str = "auto",
-                low_memory: bool | None = None, all_experts: bool = True, strict_coverage: bool = False,
-                placement: Placement | None = None) -> dict:
-    """The bf16 baseline and each recipe on the same windows, report written. low_memory: block by block from
-    disk (ptq.execution.streaming); None: when the model and its variants' weight codes do not fit in memory.
-    batch_size: windows per forward pass, None or "auto" for ptq.execution.batching's choice. placement (--device-map): the
-    model loaded and quantized on the CPU, each variant then placed over the GPUs and offloaded (ptq.execution.placement)."""
-    batch_size = batching.parse_batch_size(batch_size)
+def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), data: DataOptions = DataOptions(),
+                calibration: CalibrationOptions = CalibrationOptions(), compute: ComputeOptions = ComputeOptions(),
+                output: OutputOptions) -> dict:
+    """The bf16 baseline and each recipe on the same windows, report written to output.path. compute.low_memory: block
+    by block from disk (ptq.execution.streaming); None: when the model and its variants' weight codes do not fit in
+    memory. model.placement (--device-map): the model loaded and quantized on the CPU, each variant then placed over
+    the GPUs and offloaded (ptq.execution.placement)."""
+    _refuse_resume("compare", calibration)
     distributed.setup()
     # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
     # the baseline, weight codes of 2 bytes at most.
-    copies = torch.finfo(compute_dtype(dtype, default_device())).bits / 32 + 0.5 * (len(recipes) + 1)
-    streamed = low_memory if low_memory is not None else placement is None and memory_check and streaming.too_big(model, copies)
-    compute = compute_path(dtype, matmul, streamed, placement)
-    if streamed and tasks:
-        raise PtqError(f"--tasks needs the whole model in memory: it is not available with {streaming.LOW_MEMORY_FLAG}")
-    if streamed and distributed.active():
-        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} runs in one process: start ptq without torchrun / accelerate launch")
-    for name in ("report.md", "results.json"):
-        check_writable(Path(out) / name, force)
-    if plots:
-        from ptq.reporting.plots import plot_paths
-
-        for path in plot_paths(Path(out) / "report.md").values():
-            check_writable(path, force)
-    check_output_dir(Path(out))
+    copies = torch.finfo(compute_dtype(model.dtype, default_device())).bits / 32 + 0.5 * (len(recipes) + 1)
+    streamed = _streams(model, compute.low_memory, copies, note=(
+        f"note: model '{model.model}' and {len(recipes) + 1} variants of it do not fit in memory: comparing "
+        f"block by block from disk ({streaming.LOW_MEMORY_FLAG})"))
+    compute_info = _compute_info(model, compute, data, streamed)
+    _check_report_outputs(output, output.plots)
     baseline = load_recipe(BASELINE_RECIPE)
     variants = [load_recipe(r) for r in recipes]
     if len({r.name for r in variants} | {baseline.name}) != len(variants) + 1:
         raise PtqError("each recipe may appear once, and not as the baseline 'bf16'")
     if streamed:
         streaming.check_compare_recipes(variants)
-    calibration = load_calibration(calib) if calib else None
+    reused = load_calibration(calibration.file) if calibration.file else None
     needs_calibration = [r for r in variants if r.needs_calibration]
-    calib_corpus = load_corpus(calib_data, role="calibration") if needs_calibration and calibration is None else None
-    eval_corpus = load_corpus(eval_data, role="evaluation")
-    task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
-    if streamed:
-        if low_memory is None:
-            stderr.print(f"note: model '{model}' and {len(recipes) + 1} variants of it do not fit in memory: comparing "
-                         f"block by block from disk ({streaming.LOW_MEMORY_FLAG})", highlight=False, soft_wrap=True)
-        loaded = streaming.load_streamed(model, trust_remote_code)
-    else:
-        with devices.gpu_memory(f"loading model '{model}'"):
-            loaded = load_model(model, trust_remote_code, torch.device("cpu") if placement else None, allow_pickle=allow_pickle,
-                                memory_check=memory_check, dtype=getattr(torch, compute["dtype"]), copies=copies)
-    windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
-    coverages = check_coverage(loaded.model, [baseline, *variants], strict_coverage)
-
-    if calib_corpus is not None:
-        calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, needs_calibration, None, force,
-                                 on_nonfinite=on_nonfinite, on_unseen=on_unseen, all_experts=all_experts,
-                                 batch_size=batch_size, placement=placement)
-        calibration_source = "Calibrated in this run (no --calib file)."
-    else:
-        calibration_source = f"Calibration file {calib}." if calib else ""
-        if calibration is not None:
-            check_ranges(calibration, needs_calibration, loaded.model)
+    calib_corpus = load_corpus(calibration.data, role="calibration") if needs_calibration and reused is None else None
+    eval_corpus = load_corpus(data.data, role="evaluation")
+    task_list = _task_list(data, eval_corpus)  # fail before the model
+    loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]), copies=copies)
+    windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
+    coverages = check_coverage(loaded.model, [baseline, *variants], model.strict_coverage)
+    calib, calibration_source = _calibration(loaded, calibration, needs_calibration, reused, calib_corpus,
+                                             batch_size=compute.batch_size, placement=model.placement)
 
     layer_order = list(linear_layers(loaded.model))
     task_run = None
+    batch_size, placement = compute.batch_size, model.placement
     if streamed:
-        scores, weight_snr, input_snr = streaming.compare_blocks(loaded.model, [baseline, *variants], calibration,
+        scores, weight_snr, input_snr = streaming.compare_blocks(loaded.model, [baseline, *variants], calib,
                                                                  windows.input_ids, batch_size or batching.CPU_BATCH_SIZE,
-                                                                 compute["matmul"])
+                                                                 compute_info["matmul"])
     else:
         # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
         # the original is then released.
         with devices.gpu_memory(f"building {len(variants) + 1} variants of the model (the baseline and each recipe)"):
-            models = quantize_variants(loaded.model, [baseline, *variants], calibration, compute["matmul"])
+            models = quantize_variants(loaded.model, [baseline, *variants], calib, compute_info["matmul"])
             quantized = {r.name: models[r.name] for r in variants}
             weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
         del loaded.model
         devices.release()  # the original's memory, before the evaluation's batches
         with placed(models, placement) as models:
             if placement:
-                compute["placement"] = {name: placement_summary(m) for name, m in models.items()}
+                compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
             mine = distributed.share(len(windows.input_ids), INPUT_SNR_WINDOWS)  # all of them in one process
             with input_snr_db(quantized) as input_snr:
                 scores = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))
@@ -335,12 +343,10 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
     base = scores[baseline.name]
     results = {
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
-        "device": describe_compute(compute),
-        "compute": compute,
-        "eval": {"data": eval_corpus.source, "data_sha256": eval_corpus.sha256, "seq_len": windows.seq_len,
-                 "stride": windows.seq_len, "windows": len(windows.input_ids), "tokens": base.tokens,
-                 "bos": windows.bos, "description": windows.description},
-        "protocol": protocol(windows, baseline, compute),
+        "device": describe_compute(compute_info),
+        "compute": compute_info,
+        "eval": _eval_entry(eval_corpus, windows, base),
+        "protocol": protocol(windows, compute_info, baseline),
         "baseline": {"name": baseline.name, "recipe": recipe_summary(baseline),
                      "perplexity": base.perplexity, "accuracy": base.accuracy, "window_nll": base.window_nll,
                      "coverage": coverages[baseline.name]},
@@ -368,19 +374,64 @@ def run_compare(model: str | None, recipes: list[str], calib: Path | None, calib
         for v in results["variants"]:
             add_task_metrics(v, task_list, task_run, baseline.name)
         results["protocol"] += task_protocol(task_list)
-    if calibration is not None and needs_calibration:
-        m = calibration.metadata
-        results["calibration"] = {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
-                                  "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
-                                  "batch_size": m.get("batch_size"), "summary": summary_rows(calibration), "faults": calibration_faults(m),
-                                  "layers": [{"layer": name, "input_amax": float(calibration.input_amax[name]),
-                                              "weight_amax": float(calibration.weight_amax[name])}
-                                             for name in layer_order if name in calibration.input_amax]}
-        results["diagnostics"] = sqnr_table(calibration)
-    results["gates"] = gate_results(results, limits or Limits())
+    if calib is not None and needs_calibration:
+        results["calibration"] = calibration_entry(calib, calibration_source, layer_order)
+        results["diagnostics"] = sqnr_table(calib)
+    results["gates"] = gate_results(results, output.limits or Limits())
     if distributed.is_main():
-        write_report(Path(out), results, force, plots)
+        write_report(Path(output.path), results, output.force, output.plots)
     return results
+
+
+def calibration_entry(calibration: Calibration, source: str, layer_order: list[str]) -> dict:
+    """The "calibration" of a results file: where it came from, its text, summary, faults (what calibration worked
+    around, and the range warnings) and every layer's amax, in the model's order."""
+    m = calibration.metadata
+    return {"source": source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
+            "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
+            "batch_size": m.get("batch_size"), "summary": summary_rows(calibration), "faults": calibration_faults(m),
+            "layers": [{"layer": name, "input_amax": float(calibration.input_amax[name]),
+                        "weight_amax": float(calibration.weight_amax[name])}
+                       for name in layer_order if name in calibration.input_amax]}
+
+
+def _eval_entry(corpus: Corpus, windows, scores: Scores) -> dict:
+    """The "eval" of a results file: the evaluation text and its windows."""
+    return {"data": corpus.source, "data_sha256": corpus.sha256, "seq_len": windows.seq_len,
+            "stride": windows.seq_len, "windows": len(windows.input_ids), "tokens": scores.tokens,
+            "bos": windows.bos, "description": windows.description}
+
+
+def _refuse_resume(command: str, calibration: CalibrationOptions) -> None:
+    refuse_unused(command, calibration, resume="--resume", checkpoint_every="--checkpoint-every")
+
+
+def _compute_info(model: ModelOptions, compute: ComputeOptions, data: DataOptions, streamed: bool) -> dict:
+    """compute_path, with what a block-by-block run cannot do refused before anything is loaded."""
+    info = compute_path(model.dtype, compute.matmul, streamed, model.placement)
+    if streamed and data.tasks:
+        raise PtqError(f"--tasks needs the whole model in memory: it is not available with {streaming.LOW_MEMORY_FLAG}")
+    if streamed and distributed.active():
+        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} runs in one process: start ptq without torchrun / accelerate launch")
+    return info
+
+
+def _check_report_outputs(output: OutputOptions, plots: bool) -> None:
+    """report.md, results.json (and the plots) in output.path: refused if they exist without --force, the folder
+    checked, before any work."""
+    out = Path(output.path)
+    for name in ("report.md", "results.json"):
+        check_writable(out / name, output.force)
+    if plots:
+        from ptq.reporting.plots import plot_paths
+
+        for path in plot_paths(out / "report.md").values():
+            check_writable(path, output.force)
+    check_output_dir(out)
+
+
+def _task_list(data: DataOptions, eval_corpus: Corpus) -> list[Task]:
+    return load_tasks(parse_task_specs(data.tasks), lambda: eval_corpus, data.max_items) if data.tasks else []
 
 
 def _tasks(models: dict, task_list: list[Task], tokenizer, batch_size: int | None) -> TaskRun:
@@ -391,51 +442,55 @@ def _tasks(models: dict, task_list: list[Task], tokenizer, batch_size: int | Non
     return distributed.gather_tasks(run)
 
 
-def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str | None, calib_samples: int,
-             eval_data: str | None, seq_len: int, max_windows: int | None, tasks: str | None,
-             max_items: int | None, out: Path, force: bool = False, batch_size: int | str | None = None,
-             trust_remote_code: bool = False, dtype: str | None = None, matmul: str = "auto",
-             all_experts: bool = True, strict_coverage: bool = False, placement: Placement | None = None) -> dict:
-    """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy
-    on the tasks, each with its interval. No baseline, so no deltas: that is what compare is for.
-    placement (--device-map): loaded and quantized on the CPU, then placed over the GPUs (ptq.execution.placement)."""
-    batch_size = batching.parse_batch_size(batch_size)
+def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOptions(), data: DataOptions = DataOptions(),
+             calibration: CalibrationOptions = CalibrationOptions(), compute: ComputeOptions = ComputeOptions(),
+             output: OutputOptions) -> dict:
+    """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy on the tasks,
+    each with its interval; report written to output.path. No baseline, so no deltas: that is what compare is for.
+    compute.low_memory: block by block from disk (ptq.execution.streaming); None: when the model does not fit in
+    memory. model.placement (--device-map): loaded and quantized on the CPU, then placed over the GPUs
+    (ptq.execution.placement)."""
+    _refuse_resume("eval", calibration)
+    refuse_unused("eval", output, limits="a gate (they compare with a baseline: use ptq compare)")
     distributed.setup()
-    compute = compute_path(dtype, matmul, placement=placement)
-    for name in ("report.md", "results.json"):
-        check_writable(Path(out) / name, force)
+    streamed = _streams(model, compute.low_memory, note=(
+        f"note: model '{model.model}' does not fit in memory: evaluating block by block from disk "
+        f"({streaming.LOW_MEMORY_FLAG})"))
+    compute_info = _compute_info(model, compute, data, streamed)
+    _check_report_outputs(output, plots=False)
     config = load_recipe(recipe)
-    check_output_dir(Path(out))
-    calibration = load_calibration(calib) if calib else None
-    calib_corpus = load_corpus(calib_data, role="calibration") if config.needs_calibration and calibration is None else None
-    eval_corpus = load_corpus(eval_data, role="evaluation")
-    task_list = load_tasks(parse_task_specs(tasks), lambda: eval_corpus, max_items) if tasks else []  # fail before the model
-    with devices.gpu_memory(f"loading model '{model}'"):
-        loaded = load_model(model, trust_remote_code, torch.device("cpu") if placement else None,
-                            dtype=getattr(torch, compute["dtype"]))
-    windows = make_windows(eval_corpus, loaded.tokenizer, seq_len, max_windows)
-    config_coverage = check_coverage(loaded.model, [config], strict_coverage)[config.name]
-    calibration_source = f"Calibration file {calib}." if calib else ""
-    if calib_corpus is not None:
-        calibration = _calibrate(loaded, calib_corpus, calib_samples, seq_len, [config], None, force, all_experts=all_experts,
-                                 batch_size=batch_size, placement=placement)
-        calibration_source = "Calibrated in this run (no --calib file)."
-    models = {config.name: quantize_(loaded.model, config, calibration, matmul=compute["matmul"])}
-    with placed(models, placement) as models:
-        if placement:
-            compute["placement"] = {name: placement_summary(m) for name, m in models.items()}
-        mine = distributed.share(len(windows.input_ids))  # all of them in one process
-        s = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))[config.name]
-        task_run = _tasks(models, task_list, loaded.tokenizer, batch_size) if task_list else None
+    if streamed:
+        streaming.check_compare_recipes([config])
+    reused = load_calibration(calibration.file) if calibration.file else None
+    needed = [config] if config.needs_calibration else []
+    calib_corpus = load_corpus(calibration.data, role="calibration") if needed and reused is None else None
+    eval_corpus = load_corpus(data.data, role="evaluation")
+    task_list = _task_list(data, eval_corpus)  # fail before the model
+    loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]))
+    windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
+    config_coverage = check_coverage(loaded.model, [config], model.strict_coverage)[config.name]
+    calib, calibration_source = _calibration(loaded, calibration, needed, reused, calib_corpus,
+                                             batch_size=compute.batch_size, placement=model.placement)
+    layer_order = list(linear_layers(loaded.model))
+    batch_size, task_run = compute.batch_size, None
+    if streamed:
+        s = streaming.compare_blocks(loaded.model, [config], calib, windows.input_ids,
+                                     batch_size or batching.CPU_BATCH_SIZE, compute_info["matmul"])[0][config.name]
+    else:
+        models = {config.name: quantize_(loaded.model, config, calib, matmul=compute_info["matmul"])}
+        with placed(models, model.placement) as models:
+            if model.placement:
+                compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
+            mine = distributed.share(len(windows.input_ids))  # all of them in one process
+            s = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))[config.name]
+            task_run = _tasks(models, task_list, loaded.tokenizer, batch_size) if task_list else None
     results = {
         "command": "eval",
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
-        "device": describe_compute(compute),
-        "compute": compute,
-        "eval": {"data": eval_corpus.source, "data_sha256": eval_corpus.sha256, "seq_len": windows.seq_len,
-                 "stride": windows.seq_len, "windows": len(windows.input_ids), "tokens": s.tokens,
-                 "bos": windows.bos, "description": windows.description},
-        "protocol": protocol(windows, config, compute)[:1] + protocol(windows, config, compute)[3:] + task_protocol(task_list),
+        "device": describe_compute(compute_info),
+        "compute": compute_info,
+        "eval": _eval_entry(eval_corpus, windows, s),
+        "protocol": protocol(windows, compute_info) + task_protocol(task_list),
         "config": {"name": config.name, "recipe": recipe_summary(config), "perplexity": s.perplexity,
                    "accuracy": s.accuracy, "window_nll": s.window_nll, "coverage": config_coverage, **window_statistics(s)},
         "statistics": stats.describe(),
@@ -446,13 +501,10 @@ def run_eval(model: str | None, recipe: str, calib: Path | None, calib_data: str
     if task_run is not None:
         results.update(task_results(task_list, task_run, batch_size))
         add_task_metrics(results["config"], task_list, task_run)
-    if calibration is not None and config.needs_calibration:
-        m = calibration.metadata
-        results["calibration"] = {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
-                                  "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
-                                  "batch_size": m.get("batch_size"), "summary": summary_rows(calibration)}
+    if calib is not None and config.needs_calibration:
+        results["calibration"] = calibration_entry(calib, calibration_source, layer_order)
     if distributed.is_main():
-        write_report(Path(out), results, force, plots=False, render=render_eval_markdown)
+        write_report(Path(output.path), results, output.force, plots=False, render=render_eval_markdown)
     return results
 
 
@@ -532,7 +584,9 @@ def recipe_summary(r: Recipe) -> dict:
             "residual": r.residual.describe() if r.residual else None}
 
 
-def protocol(windows, baseline: Recipe, compute: dict) -> list[str]:
+def protocol(windows, compute: dict, baseline: Recipe | None = None) -> list[str]:
+    """How the numbers of a results file were measured, one sentence each; with a `baseline` (compare), also how the
+    variants are measured against it."""
     int8 = get_format("int8")
     dtype = "fp32" if compute["dtype"] == "float32" else compute["dtype"]
     product = ("product in fp32" if dtype == "fp32" else
@@ -540,16 +594,19 @@ def protocol(windows, baseline: Recipe, compute: dict) -> list[str]:
     if compute["matmul"] == "fp8":
         product += ("; layers with FP8 weights and inputs multiply their float8 codes for real (torch._scaled_mm: "
                     "fp32 accumulation, both scales applied in fp32)")
-    return [
-        f"Perplexity: {windows.description}. Each window is scored on its own tokens 2..{windows.seq_len} "
-        f"({windows.seq_len - 1} predictions per window, stride {windows.seq_len}, no overlap); "
-        f"{'a BOS token starts every window' if windows.bos else 'no BOS token (the tokenizer adds none)'}.",
+    against_baseline = [] if baseline is None else [
         "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted positions of "
         f"KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the variant's top-1 token equals the baseline's.",
         f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. Embeddings, norms, attention "
         f"and activations run in {dtype} in every variant, so variants differ only in the Linear layers' weights and inputs, "
         "except where a recipe also quantizes attention's batched-matmul inputs (Q, K, V, softmax output) or the KV cache "
         "(its `attention` / `kv_cache` entries): such variants compute attention the eager way with those inputs rounded.",
+    ]
+    return [
+        f"Perplexity: {windows.description}. Each window is scored on its own tokens 2..{windows.seq_len} "
+        f"({windows.seq_len - 1} predictions per window, stride {windows.seq_len}, no overlap); "
+        f"{'a BOS token starts every window' if windows.bos else 'no BOS token (the tokenizer adds none)'}.",
+        *against_baseline,
         "Quantized Linear: weights quantized once (one scale per tensor, output channel, 128 x 128 tile or group of the "
         "input dimension, as the recipe says); inputs quantized on every forward with the static per-tensor scale from "
         "calibration, or dynamic scales per token or per input group computed from the input itself; scale = amax / "
@@ -603,51 +660,55 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
             "linear_parameters": total, "recipes": summary, "layers": rows}
 
 
-def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str | None, samples: int, seq_len: int,
-                 output: Path, force: bool = False, verify: bool = True, verify_windows: int = 8,
-                 shard_size_mb: float = 1000.0, compare_results: Path | None = None, batch_size: int | str | None = None,
-                 trust_remote_code: bool = False, low_memory: bool | None = None, all_experts: bool = True,
-                 strict_coverage: bool = False, placement: Placement | None = None) -> dict:
-    """quantize: model + recipe (+ calibration) -> compressed-tensors checkpoint in `output`, reloaded with
-    transformers and checked against ptq's simulation before it is renamed into place.
-    low_memory: block by block from disk (ptq.execution.streaming), unverified (the model is never whole in memory);
-    None: when the model does not fit in memory. placement (--device-map): the model loaded and exported from
-    CPU memory; calibration and the verification's models placed over the devices (ptq.execution.placement)."""
+def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: DataOptions = DataOptions(windows=8),
+                 calibration: CalibrationOptions = CalibrationOptions(), compute: ComputeOptions = ComputeOptions(),
+                 output: OutputOptions, checkpoint: CheckpointOptions = CheckpointOptions()) -> dict:
+    """quantize: model + recipe (+ calibration) -> compressed-tensors checkpoint in output.path, reloaded with
+    transformers and checked against ptq's simulation on `data`'s windows before it is renamed into place.
+    compute.low_memory: block by block from disk (ptq.execution.streaming), unverified (the model is never whole in
+    memory); None: when the model does not fit in memory. model.placement (--device-map): the model loaded and
+    exported from CPU memory; calibration and the verification's models placed over the devices
+    (ptq.execution.placement)."""
     from ptq.export import checkpoint as export
     from ptq.files import atomic_dir
     from ptq.progress import progress
     from ptq.reporting.report import render_model_card
 
-    output = Path(output)
-    batch_size = batching.parse_batch_size(batch_size)
-    check_export_target(output, force)
-    check_placement(placement, low_memory)
+    refuse_unused("quantize", model, dtype="--dtype")
+    refuse_unused("quantize", data, tasks="--tasks")
+    refuse_unused("quantize", compute, matmul="--matmul")
+    refuse_unused("quantize", output, limits="a gate")
+    _refuse_resume("quantize", calibration)
+    out, force, batch_size, placement = Path(output.path), output.force, compute.batch_size, model.placement
+    check_export_target(out, force)
+    check_placement(placement, compute.low_memory)
     r = load_recipe(recipe)
     export.check_exportable(r)
-    compare = load_compare_results(compare_results, r.name) if compare_results else None
-    calibration = load_calibration(calib) if calib else None
-    check_output_dir(output.parent)
-    calib_corpus = load_corpus(data, role="calibration") if calibration is None else None
-    loaded = _load(model, trust_remote_code, False, True, False if placement else low_memory,
-                   torch.device("cpu") if placement else None)
-    streamed = streaming.is_streamed(loaded.model)
+    compare = load_compare_results(checkpoint.compare_results, r.name) if checkpoint.compare_results else None
+    reused = load_calibration(calibration.file) if calibration.file else None
+    check_output_dir(out.parent)
+    needed = [r] if r.needs_calibration else []
+    calib_corpus = load_corpus(calibration.data, role="calibration") if reused is None else None  # checked early
+    streamed = _streams(model, compute.low_memory, note=(
+        f"note: model '{model.model}' does not fit in memory in float32: working block by block from disk (--low-memory)"))
+    loaded = _load(model, streamed)
     export.export_layers(loaded.model, r)  # refuse an unexportable model before calibrating it
-    checkpoint_coverage = check_coverage(loaded.model, [r], strict_coverage)[r.name]
-    if calibration is None and not r.needs_calibration:
-        calibration_source = "none: the recipe's scales come from the weights and, on the fly, from the inputs"
-    elif calibration is None:
-        calibration = _calibrate(loaded, calib_corpus, samples, seq_len, [r], None, force, all_experts=all_experts,
-                                 batch_size=batch_size, placement=placement)
+    checkpoint_coverage = check_coverage(loaded.model, [r], model.strict_coverage)[r.name]
+    calib, _ = _calibration(loaded, calibration, needed, reused, calib_corpus if needed else None,
+                            batch_size=batch_size, placement=placement)
+    if reused is not None:
+        calibration_source = f"calibration file {Path(calibration.file).name}"
+    elif needed:
         calibration_source = "calibrated in this run"
     else:
-        calibration_source = f"calibration file {Path(calib).name}"
+        calibration_source = "none: the recipe's scales come from the weights and, on the fly, from the inputs"
     if streamed:
         dtypes = export.source_dtypes(str(loaded.model.ptq_checkpoint.directory))
-        entries, quantized, ignored = streaming.plan_checkpoint(loaded.model, r, calibration)
+        entries, quantized, ignored = streaming.plan_checkpoint(loaded.model, r, calib)
     else:
         dtypes = export.source_dtypes(loaded.model.config._name_or_path)
-        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calibration, dtypes)
-    m = calibration.metadata if calibration is not None else {}
+        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes)
+    m = calib.metadata if calib is not None else {}
     info = {
         "kind": "ptq-export/1",
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats),
@@ -658,7 +719,7 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
                    "quantized_layers": len(quantized), "ignored_layers": ignored},
         "calibration": {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
                         "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
-                        "batch_size": m.get("batch_size")},
+                        "batch_size": m.get("batch_size"), "faults": calibration_faults(m)},
         "size": export.checkpoint_bytes(entries, quantized),
         "coverage": checkpoint_coverage,
         "verification": None,
@@ -667,35 +728,35 @@ def run_quantize(model: str | None, recipe: str, calib: Path | None, data: str |
         "versions": versions() | {"compressed-tensors": importlib.metadata.version("compressed-tensors")},
         "created": now(),
     }
-    with atomic_dir(output) as tmp, devices.gpu_memory("exporting and verifying the checkpoint"):
+    with atomic_dir(out) as tmp, devices.gpu_memory("exporting and verifying the checkpoint"):
         with progress("writing", len(entries)) as advance:
-            written = export.write_weights(entries, tmp, int(shard_size_mb * 1e6), advance)
+            written = export.write_weights(entries, tmp, int(checkpoint.shard_size_mb * 1e6), advance)
         del entries
         info["size"] |= written
         export.write_config(loaded.model, r, ignored, dtypes, tmp)
         loaded.tokenizer.save_pretrained(tmp)
         conv1d = [name for name in quantized if kind(loaded.model.get_submodule(name)) == "Conv1D"]
-        if verify and streamed:
+        if checkpoint.verify and streamed:
             info["verification_skipped"] = ("exported block by block with `--low-memory`: the model was never whole in "
                                             "memory to be reloaded and compared")
-        elif verify and placement:  # transformers 5 with compressed-tensors 0.20 fails to run such a checkpoint offloaded
+        elif checkpoint.verify and placement:  # transformers 5 with compressed-tensors 0.20 fails to run such a checkpoint offloaded
             info["verification_skipped"] = ("exported with `--device-map`: the checkpoint is not reloaded and compared, "
                                             "since transformers cannot run a compressed-tensors checkpoint offloaded by "
                                             "accelerate; reload it where it fits, or serve it with vLLM")
-        elif verify:
-            corpus = load_corpus(data, role="evaluation")
-            windows = make_windows(corpus, loaded.tokenizer, seq_len, verify_windows)
+        elif checkpoint.verify:
+            corpus = load_corpus(data.data, role="evaluation")
+            windows = make_windows(corpus, loaded.tokenizer, data.seq_len, data.windows)
             # int8 inputs: the loaders round them over [-128, 127], ptq over [-127, 127]; check the logits against
             # the simulation of what the loader computes, and the perplexity against ptq's own too.
             # Layers whose input scales the reloading loader does not apply (experts in transformers; every layer where
             # transformers cannot load Conv1D quantized and ptq's own dequantizing reader stands in) are simulated with
             # their inputs as they are, and their input scales are checked in the files instead.
             unrounded = export.unapplied_input_layers(loaded.model, quantized, conv1d=bool(conv1d), dynamic=r.inputs.dynamic)
-            own = (export.simulate_export(copy.deepcopy(loaded.model), r, calibration, loader_int8_inputs=False,
+            own = (export.simulate_export(copy.deepcopy(loaded.model), r, calib, loader_int8_inputs=False,
                                           unrounded_inputs=unrounded)
                    if r.inputs.format.kind == "int" else None)
-            scales = export.unapplied_scales(loaded.model, unrounded, calibration, r)
-            simulated = export.simulate_export(loaded.model, r, calibration, unrounded_inputs=unrounded)
+            scales = export.unapplied_scales(loaded.model, unrounded, calib, r)
+            simulated = export.simulate_export(loaded.model, r, calib, unrounded_inputs=unrounded)
             reloaded, load_info = export.reload_or_read(tmp, conv1d=bool(conv1d))
             reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU
             info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized) - len(unrounded),

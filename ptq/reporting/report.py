@@ -504,5 +504,6 @@ def render_eval_markdown(r: dict) -> str:
               f"- Device: {r['device']}."]
     if cal:
         lines += [f"- Calibration: {cal['source']} {cal['data']}, {cal['windows']} windows x {cal['seq_len']} tokens."]
+        lines += faults_lines(cal.get("faults") or {})
     lines += ["", "## Versions", "", ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}.", ""]
     return "\n".join(lines)

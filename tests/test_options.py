@@ -1,0 +1,216 @@
+"""Every option a command accepts takes effect there (ptq.commands.options): the options `ptq eval` used to accept and
+drop (--on-nonfinite, --on-unseen, --allow-pickle, --no-memory-check, --low-memory), for each command that
+calibrates or loads a model; a reused --calib file is checked as a calibration made in the run is; options a
+command cannot use are refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from test_faults import edited_model, one_error_line
+from test_safety import copy_model
+
+from ptq.calibration.calibrate import TensorObserver, load_calibration
+from ptq.commands.options import (
+    CalibrationOptions,
+    ComputeOptions,
+    DataOptions,
+    ModelOptions,
+    OutputOptions,
+    refuse_unused,
+)
+from ptq.commands.workflows import run_calibrate, run_eval, run_quantize
+from ptq.errors import PtqError
+from ptq.execution import resources
+
+COMMANDS = ("calibrate", "compare", "eval", "quantize")
+
+
+def command_args(command: str, model: Path, text: Path, out: Path, *extra) -> tuple:
+    """The smallest run of `command` on `model` that calibrates fp8-e4m3 on `text` (8 windows of 16 tokens)."""
+    calib_data = ("--calib-data", text, "--calib-samples", "8")
+    evaluation = ("--eval-data", text, "--max-windows", "2")
+    return {
+        "calibrate": ("calibrate", model, "--data", text, "--samples", "8", "-o", out / "c.safetensors"),
+        "compare": ("compare", model, "--recipes", "fp8-e4m3", *calib_data, *evaluation, "--out", out, "--no-plots"),
+        "eval": ("eval", model, "--recipe", "fp8-e4m3", *calib_data, *evaluation, "--tasks", "", "--out", out),
+        "quantize": ("quantize", model, "--recipe", "fp8-e4m3", "--data", text, "--samples", "8", "--no-verify",
+                     "-o", out / "checkpoint"),
+    }[command] + ("--seq-len", "16", "-q", *extra)
+
+
+def calibration_record(command: str, out: Path) -> dict:
+    """What the command wrote about its calibration: metadata (calibrate) or its faults."""
+    if command == "calibrate":
+        return load_calibration(out / "c.safetensors").metadata
+    if command == "quantize":
+        return json.loads((out / "checkpoint" / "ptq-export.json").read_text())["calibration"]["faults"]
+    return json.loads((out / "results.json").read_text())["calibration"]["faults"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_on_nonfinite_skip_leaves_the_bad_batch_out(command, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    observe, seen = TensorObserver.__call__, []
+
+    def nan_in_the_first_batch_of_the_first_layer(self, module, args):
+        seen.append(module)
+        if module is seen[0] and seen.count(module) == 1:
+            args = (args[0] * float("nan"), *args[1:])
+        observe(self, module, args)
+
+    monkeypatch.setattr(TensorObserver, "__call__", nan_in_the_first_batch_of_the_first_layer)
+    code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "fail"))
+    assert code == 2 and one_error_line(err) and "--on-nonfinite skip" in err
+    seen.clear()
+    code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "skip", "--on-nonfinite", "skip"))
+    assert code == 0, err
+    assert "1 batch(es) with NaN/inf inputs left out of its amax" in err
+    assert calibration_record(command, tmp_path / "skip")["nonfinite_batches"] == {"model.layers.0.self_attn.q_proj": 1}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_on_unseen_fail_stops_on_a_layer_without_data(command, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    observe, seen = TensorObserver.__call__, []
+
+    def never_the_first_layer(self, module, args):  # as an expert the router never picks
+        seen.append(module)
+        if module is not seen[0]:
+            observe(self, module, args)
+
+    monkeypatch.setattr(TensorObserver, "__call__", never_the_first_layer)
+    code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "fallback"))
+    assert code == 0, err
+    assert "warning: layer 'model.layers.0.self_attn.q_proj' received no calibration data" in err
+    assert [u["layer"] for u in calibration_record(command, tmp_path / "fallback")["unseen_layers"]] == [
+        "model.layers.0.self_attn.q_proj"]
+    seen.clear()
+    code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "fail", "--on-unseen", "fail"))
+    assert code == 2 and one_error_line(err)
+    assert "received no calibration data, e.g. 'model.layers.0.self_attn.q_proj'" in err
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_allow_pickle_loads_a_pickle_checkpoint(command, tiny_model, text_file, tmp_path, ptq_cli):
+    pickled = copy_model(tiny_model, tmp_path / "pickled", skip=("model.safetensors",))
+    torch.save(safetensors.torch.load_file(str(tiny_model / "model.safetensors")), pickled / "pytorch_model.bin")
+    code, _, err = ptq_cli(*command_args(command, pickled, text_file, tmp_path / "refused"))
+    assert code == 2 and one_error_line(err) and "--allow-pickle" in err
+    code, _, err = ptq_cli(*command_args(command, pickled, text_file, tmp_path / "allowed", "--allow-pickle"))
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_memory_check_loads_a_model_that_looks_too_big(command, tiny_model, text_file, tmp_path, ptq_cli,
+                                                          monkeypatch):
+    monkeypatch.setattr(resources, "available_memory", lambda device: 1 << 10)  # 1 KiB: nothing fits
+    code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "checked", "--in-memory"))
+    assert code == 2 and one_error_line(err) and "--no-memory-check" in err
+    code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "unchecked", "--no-memory-check"))
+    assert code == 0, err
+    assert "block by block" not in err  # loaded whole, as asked, not streamed instead
+
+
+def streamed_and_whole(command: str, out: Path) -> tuple[object, object]:
+    """The numbers a run wrote that must not depend on --low-memory, and whether it ran block by block."""
+    if command == "calibrate":
+        c = load_calibration(out / "c.safetensors")
+        return {k: v.tolist() for k, v in sorted(c.input_amax.items())}, None
+    if command == "quantize":
+        info = json.loads((out / "checkpoint" / "ptq-export.json").read_text())
+        weights = safetensors.torch.load_file(str(out / "checkpoint" / "model.safetensors"))
+        return {k: v.float().tolist() for k, v in sorted(weights.items())}, info["low_memory"]
+    results = json.loads((out / "results.json").read_text())
+    entries = [results["config"]] if command == "eval" else [results["baseline"], *results["variants"]]
+    return [(e["perplexity"], e["window_nll"]) for e in entries], results["compute"]["low_memory"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_low_memory_gives_the_in_memory_numbers(command, tiny_model, text_file, tmp_path, ptq_cli):
+    runs = {}
+    for mode in ("--in-memory", "--low-memory"):
+        code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / mode, mode))
+        assert code == 0, err
+        runs[mode] = streamed_and_whole(command, tmp_path / mode)
+    assert runs["--low-memory"][0] == runs["--in-memory"][0]
+    if command != "calibrate":  # the results say how they were computed
+        assert runs["--in-memory"][1] is False and runs["--low-memory"][1] is True
+
+
+def test_eval_low_memory_refuses_what_needs_the_whole_model(tiny_model, text_file, tmp_path, ptq_cli):
+    code, _, err = ptq_cli("eval", tiny_model, "--tasks", "cloze", "--eval-data", text_file, "--seq-len", "16",
+                           "--out", tmp_path, "--low-memory", "-q")
+    assert code == 2 and one_error_line(err) and "--tasks needs the whole model in memory" in err
+
+
+@pytest.mark.parametrize("command", ("compare", "eval", "quantize"))
+def test_a_reused_calibration_file_gets_the_range_warnings(command, tiny_model, text_file, tmp_path, ptq_cli):
+    """A weight amax of 3e-36 has a normal float32 int8 scale (3e-36 / 127) but not an E4M3 one (3e-36 / 448): a
+    file calibrated for int8 has no warning, and reusing it for fp8-e4m3 warns as calibrating in the run would."""
+    def nearly_zero(t):
+        t["model.layers.0.self_attn.o_proj.weight"].zero_()
+        t["model.layers.0.self_attn.o_proj.weight"][0, 0] = 3e-36
+
+    model = edited_model(tiny_model, tmp_path / "m", nearly_zero)
+    calib = tmp_path / "c.safetensors"
+    code, _, err = ptq_cli("calibrate", model, "--recipe", "int8", "--data", text_file, "--samples", "8",
+                           "--seq-len", "16", "-o", calib, "-q")
+    assert code == 0, err
+    assert "warnings" not in load_calibration(calib).metadata and "warning" not in err
+    out = tmp_path / "out"
+    args = {
+        "compare": ("compare", model, "--recipes", "fp8-e4m3", "--calib", calib, "--eval-data", text_file,
+                    "--max-windows", "2", "--out", out, "--no-plots"),
+        "eval": ("eval", model, "--recipe", "fp8-e4m3", "--calib", calib, "--eval-data", text_file, "--max-windows", "2",
+                 "--tasks", "", "--out", out),
+        "quantize": ("quantize", model, "--recipe", "fp8-e4m3", "--calib", calib, "--no-verify", "-o", out / "checkpoint"),
+    }[command] + ("--seq-len", "16", "-q")
+    code, _, err = ptq_cli(*args)
+    assert code == 0, err
+    warnings = calibration_record(command, out)["warnings"]
+    assert len(warnings) == 1 and warnings[0].startswith("weight amax 3e-36 of layer 'model.layers.0.self_attn.o_proj' "
+                                                         "is below 5.27e-36: its e4m3 scale is not a normal float32")
+    assert f"warning: {warnings[0]}" in " ".join(err.split())
+
+
+def test_eval_results_and_report_carry_the_calibration_faults(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    observe, seen = TensorObserver.__call__, []
+
+    def never_the_first_layer(self, module, args):
+        seen.append(module)
+        if module is not seen[0]:
+            observe(self, module, args)
+
+    monkeypatch.setattr(TensorObserver, "__call__", never_the_first_layer)
+    code, _, err = ptq_cli(*command_args("eval", tiny_model, text_file, tmp_path))
+    assert code == 0, err
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["calibration"]["faults"]["unseen_layers"][0]["layer"] == "model.layers.0.self_attn.q_proj"
+    assert "Layer `model.layers.0.self_attn.q_proj` received no calibration data" in (tmp_path / "report.md").read_text()
+    # the protocol is compare's, less what compares against a baseline
+    assert not any("KL" in line or "Baseline" in line for line in results["protocol"])
+    assert results["protocol"][0].startswith("Perplexity:") and results["protocol"][1].startswith("Quantized Linear:")
+
+
+def test_options_a_command_does_not_use_are_refused_in_one_line(tiny_model, tmp_path):
+    out = OutputOptions(path=tmp_path / "x")
+    cases = [
+        (lambda: run_calibrate(["fp8-e4m3"], model=ModelOptions(dtype="bfloat16"), output=out), "--dtype"),
+        (lambda: run_calibrate(["fp8-e4m3"], compute=ComputeOptions(matmul="fp8"), output=out), "--matmul"),
+        (lambda: run_calibrate(["fp8-e4m3"], calibration=CalibrationOptions(file=tmp_path / "c"), output=out), "--calib"),
+        (lambda: run_eval(calibration=CalibrationOptions(resume=True), output=out), "--resume"),
+        (lambda: run_quantize("fp8-e4m3", data=DataOptions(tasks="cloze"), output=out), "--tasks"),
+        (lambda: run_quantize("fp8-e4m3", compute=ComputeOptions(matmul="fp8"), output=out), "--matmul"),
+    ]
+    for run, flag in cases:
+        with pytest.raises(PtqError, match=f"^{flag} does not apply to ptq "):
+            run()
+    assert not (tmp_path / "x").exists()
+    refuse_unused("eval", ComputeOptions(batch_size="auto"), batch_size="--batch-size")  # "auto" is the default
+    with pytest.raises(TypeError):
+        DataOptions("text.txt", 16)  # by name only: neighbouring numbers cannot be swapped
+    with pytest.raises(PtqError, match="--on-nonfinite must be one of"):
+        CalibrationOptions(on_nonfinite="ignore")
