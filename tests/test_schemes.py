@@ -382,3 +382,27 @@ def test_every_scheme_exports_a_moe_model_per_expert_and_verifies(family, tmp_pa
         assert tensors[f"{down}.weight_scale"].dtype == scale_dtype and f"{down}.input_scale" not in tensors
         info = json.loads((out / "ptq-export.json").read_text())
         assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6, (recipe, info["verification"])
+
+
+@pytest.mark.parametrize("recipe", ["fp8-block", "mxfp8"])
+def test_group_and_block_scales_stay_simulated_under_matmul_fp8(recipe, wide_llama):
+    """torch._scaled_mm takes per-tensor and per-row scales: group and block schemes run simulated with
+    --matmul fp8, with exactly the simulation's logits."""
+    import copy
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM
+
+    from ptq.quantization.quantize import QuantLinear, quantize_
+
+    model = AutoModelForCausalLM.from_pretrained(wide_llama)
+    r = load_recipe(recipe)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    simulated = quantize_(copy.deepcopy(model), r, None)
+    real = quantize_(copy.deepcopy(model), r, None, matmul="fp8")
+    quantized = [m for m in real.modules() if isinstance(m, QuantLinear) and m.weights.format.name == "e4m3"]
+    assert quantized and all(m.fp8_codes_quantizer is None for m in quantized)
+    calls = []
+    with torch.no_grad(), mock.patch.object(torch, "_scaled_mm", lambda *a, **k: calls.append(1)):
+        assert torch.equal(simulated(input_ids=ids).logits, real(input_ids=ids).logits)
+    assert not calls
