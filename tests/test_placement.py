@@ -74,13 +74,17 @@ def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tin
     evaluated = {}
     for name, extra in (("memory", []), ("placed", OFFLOADED)):
         code, _, err = ptq_cli("eval", model, "--recipe", "fp8-e4m3", "--calib", tmp_path / "memory.safetensors",
-                               "--eval-data", text_file, "--tasks", "", "--seq-len", "16", "--max-windows", "2",
+                               "--eval-data", text_file, "--tasks", "ptq_shakespeare", "--limit", "3", "--seq-len", "16",
+                               "--max-windows", "2",
                                *(extra[:-1] + ["cpu=150KB"] if extra else []),  # one model: a smaller limit
                                "--out", tmp_path / f"eval-{name}")
         assert code == 0, err
         evaluated[name] = json.loads((tmp_path / f"eval-{name}" / "results.json").read_text())
     assert "disk" in evaluated["placed"]["compute"]["placement"]["fp8-e4m3"]
     assert evaluated["placed"]["config"]["perplexity"] == evaluated["memory"]["config"]["perplexity"]
+    # lm-eval runs the placed model as it is (accelerate's hooks move each block's weights in): the same task numbers
+    assert evaluated["placed"]["config"]["task_samples"] == evaluated["memory"]["config"]["task_samples"]
+    assert evaluated["placed"]["config"]["tasks"]["ptq_shakespeare"]["n"] == 3
 
 
 @pytest.mark.parametrize("args, message", [

@@ -19,7 +19,7 @@ from ptq.execution.batching import parse_batch_size
 from ptq.execution.placement import Placement
 from ptq.reporting.gates import Limits
 
-DEFAULT_MAX_ITEMS = 300  # per task; an evenly spaced subset keeps a CPU run to minutes
+DEFAULT_MAX_ITEMS = 300  # cloze items built from the text; an evenly spaced subset keeps a CPU run to minutes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,8 +42,10 @@ class DataOptions:
     data: str | None = None  # --eval-data (quantize: the evaluation split of --data); None: the offline default text
     seq_len: int = 512  # --seq-len
     windows: int | None = 40  # --max-windows (quantize: --verify-windows); None: every window of the text
-    tasks: str | None = None  # --tasks
-    max_items: int | None = DEFAULT_MAX_ITEMS  # --max-items, per task
+    tasks: str | None = None  # --tasks: lm-evaluation-harness tasks (ptq.evaluation.harness)
+    max_items: int | None = DEFAULT_MAX_ITEMS  # --max-items: cloze items built from the text
+    num_fewshot: int | None = None  # --num-fewshot (lm-eval's); None: each task's own
+    limit: float | None = None  # --limit (lm-eval's): the first N documents of each task, or a fraction below 1
 
 
 @dataclass(frozen=True, kw_only=True)

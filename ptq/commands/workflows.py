@@ -43,11 +43,10 @@ from ptq.commands.options import (
     refuse_unused,
 )
 from ptq.errors import PtqError
-from ptq.evaluation import stats
+from ptq.evaluation import harness, stats
 from ptq.evaluation.data import Corpus, load_corpus, make_windows
-from ptq.evaluation.evaluate import Scores, TaskRun, evaluate, evaluate_tasks
+from ptq.evaluation.evaluate import Scores, evaluate
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
-from ptq.evaluation.tasks import Task, item_correct, load_tasks, parse_task_specs
 from ptq.execution import batching, devices, distributed, streaming
 from ptq.execution.devices import compute_dtype, default_device
 from ptq.execution.placement import Placement, placed, placed_copy
@@ -287,6 +286,7 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
     memory. model.placement (--device-map): the model loaded and quantized on the CPU, each variant then placed over
     the GPUs and offloaded (ptq.execution.placement)."""
     _refuse_resume("compare", calibration)
+    check_task_options(data)
     distributed.setup()
     # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
     # the baseline, weight codes of 2 bytes at most.
@@ -306,7 +306,7 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
     needs_calibration = [r for r in variants if r.needs_calibration]
     calib_corpus = load_corpus(calibration.data, role="calibration") if needs_calibration and reused is None else None
     eval_corpus = load_corpus(data.data, role="evaluation")
-    task_list = _task_list(data, eval_corpus)  # fail before the model
+    task_work, suite = _task_suite(data, eval_corpus)  # fail before the model
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]), copies=copies)
     windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
     coverages = check_coverage(loaded.model, [baseline, *variants], model.strict_coverage)
@@ -336,8 +336,8 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
             with input_snr_db(quantized) as input_snr:
                 scores = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))
             input_snr = distributed.gather(input_snr)[0]  # the first process's share starts with the measured windows
-            if task_list:
-                task_run = _tasks(models, task_list, loaded.tokenizer, batch_size)
+            if suite is not None:
+                task_run = harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size))
     snr = layer_snr(weight_snr, input_snr)
 
     base = scores[baseline.name]
@@ -369,11 +369,7 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
         })
     results["statistics"] = stats.describe()
     if task_run is not None:
-        results.update(task_results(task_list, task_run, batch_size))
-        add_task_metrics(results["baseline"], task_list, task_run)
-        for v in results["variants"]:
-            add_task_metrics(v, task_list, task_run, baseline.name)
-        results["protocol"] += task_protocol(task_list)
+        _add_tasks(results, task_run, suite, [results["baseline"]], results["variants"], baseline.name)
     if calib is not None and needs_calibration:
         results["calibration"] = calibration_entry(calib, calibration_source, layer_order)
         results["diagnostics"] = sqnr_table(calib)
@@ -430,16 +426,53 @@ def _check_report_outputs(output: OutputOptions, plots: bool) -> None:
     check_output_dir(out)
 
 
-def _task_list(data: DataOptions, eval_corpus: Corpus) -> list[Task]:
-    return load_tasks(parse_task_specs(data.tasks), lambda: eval_corpus, data.max_items) if data.tasks else []
+def check_task_options(data: DataOptions) -> None:
+    """--tasks runs lm-evaluation-harness in one process; --num-fewshot and --limit are its options."""
+    if not data.tasks and (data.num_fewshot is not None or data.limit is not None):
+        raise PtqError("--num-fewshot and --limit apply to --tasks: give tasks too")
+    if data.tasks and distributed.active():
+        raise PtqError("--tasks runs lm-evaluation-harness on each model in one process: start ptq without torchrun / "
+                       "accelerate launch (perplexity is data-parallel), or run the tasks in a run of their own")
+    limit = data.limit
+    if limit is not None and not (limit > 0 and (limit < 1 or float(limit).is_integer())):
+        raise PtqError(f"--limit takes a number of documents per task (e.g. 100) or a fraction below 1 (e.g. 0.1), not {limit:g}")
+    if data.num_fewshot is not None and data.num_fewshot < 0:
+        raise PtqError(f"--num-fewshot must be 0 or more, not {data.num_fewshot}")
 
 
-def _tasks(models: dict, task_list: list[Task], tokenizer, batch_size: int | None) -> TaskRun:
-    """evaluate_tasks, each process on its share of the items under torchrun (ptq.execution.distributed)."""
-    if not distributed.active():
-        return evaluate_tasks(models, task_list, tokenizer, batch_size, _max_len(models))
-    run = evaluate_tasks(models, task_list, tokenizer, batch_size, _max_len(models), share=distributed.share)
-    return distributed.gather_tasks(run)
+def _task_suite(data: DataOptions, eval_corpus: Corpus):
+    """The lm-eval tasks of --tasks (ptq.evaluation.harness.prepare), loaded once so that a bad task stops before the
+    model, and the temporary folder of the task files ptq generates (cloze items, local copies), removed at exit."""
+    import tempfile
+
+    if not data.tasks:
+        return None, None
+    work = tempfile.TemporaryDirectory(prefix="ptq-tasks-")
+    suite = harness.prepare(data.tasks, lambda: eval_corpus, Path(work.name), max_items=data.max_items,
+                            num_fewshot=data.num_fewshot, limit=data.limit)
+    return work, suite
+
+
+def _task_batch_size(models: dict, batch_size: int | None) -> int:
+    """Documents per forward pass for lm-eval: --batch-size, or ptq's automatic choice for one model at a time
+    over the model's context (ptq.execution.batching)."""
+    if batch_size is not None:
+        return batch_size
+    model = next(iter(models.values()))
+    return batching.auto_batch_size(model, min(_max_len(models) or 2048, 2048), batching.MAX_AUTO_BATCH_SIZE, 1)
+
+
+def _add_tasks(results: dict, run: harness.HarnessRun, suite: harness.Suite, entries: list[dict],
+               variants: list[dict] = (), baseline: str | None = None) -> None:
+    """lm-eval's numbers per task in each entry; for each variant also its paired deltas against the baseline."""
+    results["tasks"] = harness.describe_tasks(run, suite)
+    results["task_scoring"] = harness.scoring(run, suite)
+    for entry in entries:
+        harness.add_task_metrics(entry, run, results["tasks"])
+    for v in variants:
+        harness.add_task_metrics(v, run, results["tasks"], baseline)
+    results["protocol"] += harness.protocol(results["tasks"])
+    results["versions"]["lm_eval"] = harness.lm_eval_version()
 
 
 def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOptions(), data: DataOptions = DataOptions(),
@@ -452,6 +485,7 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
     (ptq.execution.placement)."""
     _refuse_resume("eval", calibration)
     refuse_unused("eval", output, limits="a gate (they compare with a baseline: use ptq compare)")
+    check_task_options(data)
     distributed.setup()
     streamed = _streams(model, compute.low_memory, note=(
         f"note: model '{model.model}' does not fit in memory: evaluating block by block from disk "
@@ -465,7 +499,7 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
     needed = [config] if config.needs_calibration else []
     calib_corpus = load_corpus(calibration.data, role="calibration") if needed and reused is None else None
     eval_corpus = load_corpus(data.data, role="evaluation")
-    task_list = _task_list(data, eval_corpus)  # fail before the model
+    task_work, suite = _task_suite(data, eval_corpus)  # fail before the model
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]))
     windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
     config_coverage = check_coverage(loaded.model, [config], model.strict_coverage)[config.name]
@@ -483,14 +517,14 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
                 compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
             mine = distributed.share(len(windows.input_ids))  # all of them in one process
             s = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))[config.name]
-            task_run = _tasks(models, task_list, loaded.tokenizer, batch_size) if task_list else None
+            task_run = harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size)) if suite else None
     results = {
         "command": "eval",
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
         "device": describe_compute(compute_info),
         "compute": compute_info,
         "eval": _eval_entry(eval_corpus, windows, s),
-        "protocol": protocol(windows, compute_info) + task_protocol(task_list),
+        "protocol": protocol(windows, compute_info),
         "config": {"name": config.name, "recipe": recipe_summary(config), "perplexity": s.perplexity,
                    "accuracy": s.accuracy, "window_nll": s.window_nll, "coverage": config_coverage, **window_statistics(s)},
         "statistics": stats.describe(),
@@ -499,8 +533,7 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
         "created": now(),
     }
     if task_run is not None:
-        results.update(task_results(task_list, task_run, batch_size))
-        add_task_metrics(results["config"], task_list, task_run)
+        _add_tasks(results, task_run, suite, [results["config"]])
     if calib is not None and config.needs_calibration:
         results["calibration"] = calibration_entry(calib, calibration_source, layer_order)
     if distributed.is_main():
@@ -530,50 +563,6 @@ def window_statistics(s: Scores, base: Scores | None = None) -> dict:
                     "accuracy_delta_stderr": acc_delta["stderr"], "accuracy_delta_ci": acc_delta["ci"],
                     "accuracy_delta_significant": acc_delta["significant"]})
     return out
-
-
-def add_task_metrics(entry: dict, tasks: list[Task], run: TaskRun, baseline: str | None = None) -> None:
-    """entry["tasks"] = {task: {acc, acc_stderr, acc_ci, acc_norm?, ..., n}}; with a baseline also
-    entry["task_deltas"] = {task: {metric: {delta, stderr, ci, significant, n}}}, paired on the same items."""
-    entry["tasks"], deltas = {}, {}
-    for task in tasks:
-        correct = item_correct(task, run.scores[entry["name"]][task.name])
-        row: dict = {}
-        for metric, units in correct.items():
-            e = stats.estimate(units)
-            row.update({metric: e["value"], f"{metric}_stderr": e["stderr"], f"{metric}_ci": e["ci"]})
-        entry["tasks"][task.name] = {**row, "n": len(task.items)}
-        if baseline is not None:
-            base = item_correct(task, run.scores[baseline][task.name])
-            deltas[task.name] = {m: stats.paired_delta(base[m], correct[m], stats.difference) for m in correct}
-    if baseline is not None:
-        entry["task_deltas"] = deltas
-
-
-def task_results(tasks: list[Task], run: TaskRun, batch_size: int | None) -> dict:
-    items = sum(len(t.items) for t in tasks)
-    batch_size = run.batch_size or batch_size or batching.CPU_BATCH_SIZE
-    return {"tasks": [t.describe() for t in tasks],
-            "task_scoring": {"items": items, "batch_size": batch_size, "forward_passes": run.forward_passes,
-                             "expected_forward_passes": -(-items // batch_size),
-                             "packing_check_passes": run.check_passes}}
-
-
-def task_protocol(tasks: list[Task]) -> list[str]:
-    if not tasks:
-        return []
-    s = stats.describe()
-    return [
-        "Tasks, scored as lm-evaluation-harness scores them: a choice's log-likelihood is the sum over its "
-        "continuation's tokens given the context (tokenized as the harness does: context alone, then the pair whole); "
-        "acc = the highest sum is the labelled choice; acc_norm = the highest sum per character of the choice; "
-        "greedy tasks (cloze, lambada_openai): acc = greedy decoding reproduces every token of the continuation.",
-        "Batched scoring: one row per item (shared prefix once, each choice attending to it and to itself through a 4D "
-        "attention mask), rows padded per batch; every variant scores the same batch before the next is made.",
-        f"Intervals: {s['method']} ({s['resamples']} resamples, seed {s['seed']}) over windows (perplexity, next-token "
-        f"accuracy, KL, agreement) or items (tasks), {100 * s['confidence']:.0f}%; deltas vs the baseline are paired "
-        "(both computed on the same resampled windows/items) and marked significant when their interval excludes 0.",
-    ]
 
 
 def recipe_summary(r: Recipe) -> dict:

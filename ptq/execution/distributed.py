@@ -3,7 +3,7 @@
 Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.execution.devices.default_device), builds the same
 variants and calibrates on the same windows (calibration is not split: its result must be the same everywhere).
 The evaluation windows are split into contiguous shares, one per process (the first process's share holds the
-windows the input SNR is measured on), and so are the task items; the scores are gathered with
+windows the input SNR is measured on); the scores are gathered with
 all_gather_object, so that every process has the whole result, and merged window by window in their order:
 the numbers are those of one process (ptq.evaluation.evaluate.Scores sums one window at a time, so the merge replays the
 same additions). Only the first process (rank 0) writes the report and prints; the others print nothing.
@@ -58,7 +58,7 @@ def setup() -> None:
 
 
 def share(n: int, first_at_least: int = 0) -> range:
-    """This process's contiguous share of n items (windows, task items), in order: near-equal shares, the first
+    """This process's contiguous share of n items (windows), in order: near-equal shares, the first
     of at least `first_at_least` items (where the input SNR is measured) when there are that many."""
     rank, size = world()
     if size == 1:
@@ -88,24 +88,3 @@ def gather_scores(scores: dict) -> dict:
 
     parts = gather(scores)
     return {name: merge_scores([p[name] for p in parts]) for name in scores}
-
-
-def gather_tasks(run):
-    """A TaskRun whose scores cover every item: each process scored its share (the other items are None in its
-    ItemScores); the forward passes are added over the processes."""
-    from ptq.evaluation.evaluate import TaskRun
-
-    parts = gather(run)
-    scores = {}
-    for name, per_task in run.scores.items():
-        scores[name] = {}
-        for task, s in per_task.items():
-            loglik, greedy = list(s.loglik), list(s.greedy)
-            for part in parts:
-                other = part.scores[name][task]
-                for i, value in enumerate(other.loglik):
-                    if value is not None:
-                        loglik[i], greedy[i] = value, other.greedy[i]
-            scores[name][task] = type(s)(loglik, greedy)
-    passes = {name: sum(p.forward_passes[name] for p in parts) for name in run.forward_passes}
-    return TaskRun(scores, passes, run.check_passes, run.batch_size)

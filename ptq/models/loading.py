@@ -84,7 +84,7 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
                 warnings.simplefilter("ignore", UserWarning)
                 model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code,
                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
-            return LoadedModel(linearize(model.to(device=device, dtype=dtype)), tokenizer, name=spec, source=source, caveats=caveats)
+            return LoadedModel(linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats)
     else:
         directory, source = spec, f"Hugging Face Hub: {spec}"
     if memory_check and Path(directory).is_dir():
@@ -92,7 +92,20 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
 
         check_fits(Path(directory), copies, device, f"model '{spec}'")
     model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code, allow_pickle=allow_pickle)
-    return LoadedModel(linearize(model.to(device=device, dtype=dtype)), tokenizer, name=spec, source=source, caveats=caveats)
+    return LoadedModel(linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats)
+
+
+def to_compute(model: nn.Module, device, dtype: torch.dtype | None) -> nn.Module:
+    """The model on `device` in `dtype`, except its non-persistent buffers (computed at init, not loaded: RoPE's
+    inv_freq), which keep their dtype as in `from_pretrained(dtype=...)`: the model then computes what transformers
+    (and lm-eval's `--model hf`) computes for the same weights."""
+    persistent = set(model.state_dict())
+    kept = {name: b for name, b in model.named_buffers(remove_duplicate=False) if name not in persistent and b.is_floating_point()}
+    model = model.to(device=device, dtype=dtype)  # new buffer tensors: `kept` still holds the original ones
+    for name, buffer in kept.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, buffer.to(device))
+    return model
 
 
 def _from_pretrained(location: str, spec: str, trust_remote_code: bool, allow_pickle: bool = False,

@@ -3,7 +3,8 @@
     --max-ppl-increase 2%         perplexity may rise at most 2% over the baseline's:
                                   100 * (ppl_variant / ppl_baseline - 1) <= 2
     --min-accuracy-recovery 99%   accuracy recovery = accuracy_variant / accuracy_baseline >= 99%,
-                                  for next-token accuracy and for every task in the results;
+                                  for next-token accuracy and for every task in the results, each of its
+                                  higher-is-better metrics (acc and acc_norm; exact_match per filter);
                                   `TASK=98%` sets one task's limit (`next-token` names next-token accuracy);
                                   a task with a limit but no score in the results fails its gate
     --max-kl 0.01                 mean KL(p_baseline || p_variant) <= 0.01 nats per predicted token
@@ -61,6 +62,7 @@ class Check:
     value: float | None  # None: the task is not in the results, which fails its gate
     limit: float
     passed: bool
+    task_metric: str | None = None  # the task's metric (acc, acc_norm, exact_match,strict-match); None: accuracy
 
     def describe(self) -> str:
         if self.value is None:
@@ -69,8 +71,8 @@ class Check:
             return f"{self.variant}: perplexity {self.value:+.2f}% {'<=' if self.passed else '>'} +{self.limit:g}%"
         if self.metric == "kl_div":
             return f"{self.variant}: KL {self.value:.4g} {'<=' if self.passed else '>'} {self.limit:g}"
-        return (f"{self.variant}: {self.task} accuracy recovery {self.value:.2f}% "
-                f"{'>=' if self.passed else '<'} {self.limit:g}%")
+        what = f"{self.task} {self.task_metric}" if self.task_metric else f"{self.task} accuracy"
+        return f"{self.variant}: {what} recovery {self.value:.2f}% {'>=' if self.passed else '<'} {self.limit:g}%"
 
 
 def parse_percent(value: str, option: str) -> float:
@@ -113,19 +115,35 @@ def parse_limits(max_ppl_increase: str | None = None, min_accuracy_recovery: lis
     return Limits(ppl, default, per_task, kl)
 
 
-def task_scores(entry: dict) -> dict[str, dict]:
-    """Per-task scores of a baseline or variant entry: {'tasks': {name: {...}}} or a list of {'name': ...}."""
+LOWER_IS_BETTER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter")  # lm-eval's
+
+
+def task_scores(entry: dict) -> dict[str, dict[str, dict]]:
+    """Per task, per metric, {"value", "ci"} of a baseline or variant entry, from {'tasks': {name: {metric: value,
+    metric_ci: [lo, hi], metric_stderr: s, n: items}}} (or a list of {'name': ...}; 'accuracy' reads as acc)."""
     tasks = entry.get("tasks") or {}
     if isinstance(tasks, list):
         tasks = {t.get("name") or t.get("task"): t for t in tasks if isinstance(t, dict)}
-    # compare writes the harness's names (acc, acc_ci); gates and trends read accuracy, accuracy_ci
-    return {name: ({"accuracy": t["acc"], "accuracy_ci": t.get("acc_ci")} | t if "acc" in t else t)
-            for name, t in tasks.items() if isinstance(t, dict)}
+    out = {}
+    for name, t in tasks.items():
+        if not isinstance(t, dict):
+            continue
+        metrics = {}
+        for key, value in t.items():
+            if key in ("n", "name", "task") or key.endswith(("_ci", "_stderr")) or not isinstance(value, (int, float)):
+                continue
+            metrics["acc" if key == "accuracy" else key] = {"value": float(value), "ci": t.get(f"{key}_ci")}
+        out[name] = metrics
+    return out
+
+
+def higher_is_better(metric: str) -> bool:
+    return metric.partition(",")[0] not in LOWER_IS_BETTER
 
 
 def accuracy_recovery_pct(variant_acc: float, baseline_acc: float) -> float:
     """100 * variant / baseline; a zero baseline cannot be fallen short of (100%)."""
-    return 100.0 * variant_acc / baseline_acc if baseline_acc > 0 else 100.0
+    return 100.0 * (variant_acc / baseline_acc) if baseline_acc > 0 else 100.0  # equal accuracies: exactly 100
 
 
 def check(results: dict, limits: Limits) -> list[Check]:
@@ -138,17 +156,18 @@ def check(results: dict, limits: Limits) -> list[Check]:
         if limits.max_ppl_increase_pct is not None:
             checks.append(Check(name, "ppl_delta_pct", None, v["ppl_delta_pct"], limits.max_ppl_increase_pct,
                                 v["ppl_delta_pct"] <= limits.max_ppl_increase_pct))
-        accuracies = {NEXT_TOKEN: (v["accuracy"], base["accuracy"])}
+        accuracies = {(NEXT_TOKEN, None): (v["accuracy"], base["accuracy"])}
         variant_tasks = task_scores(v)
-        accuracies |= {t: (variant_tasks[t]["accuracy"], s["accuracy"]) for t, s in base_tasks.items()
-                       if t in variant_tasks and "accuracy" in s and "accuracy" in variant_tasks[t]}
-        for task, (acc, base_acc) in accuracies.items():
+        accuracies |= {(t, m): (variant_tasks[t][m]["value"], s["value"]) for t, metrics in base_tasks.items()
+                       for m, s in metrics.items() if m in variant_tasks.get(t, {}) and higher_is_better(m)}
+        for (task, metric), (acc, base_acc) in accuracies.items():
             limit = limits.task_accuracy_recovery_pct.get(task, limits.min_accuracy_recovery_pct)
             if limit is not None:
                 recovery = accuracy_recovery_pct(acc, base_acc)
-                checks.append(Check(name, "accuracy_recovery_pct", task, recovery, limit, recovery >= limit))
+                checks.append(Check(name, "accuracy_recovery_pct", task, recovery, limit, recovery >= limit, metric))
+        measured = {task for task, _ in accuracies}
         for task, limit in limits.task_accuracy_recovery_pct.items():
-            if task not in accuracies:  # a gate on a task that was not measured must not pass silently
+            if task not in measured:  # a gate on a task that was not measured must not pass silently
                 checks.append(Check(name, "accuracy_recovery_pct", task, None, limit, False))
         if limits.max_kl is not None:
             checks.append(Check(name, "kl_div", None, v["kl_div"], limits.max_kl, v["kl_div"] <= limits.max_kl))

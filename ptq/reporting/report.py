@@ -197,7 +197,7 @@ def trend_section(t: dict, previous: dict) -> list[str]:
         lines.append(f"New: {', '.join(t['only_now']) or 'none'}; gone: {', '.join(t['only_before']) or 'none'}.")
     lines += ["", "| recipe | metric | previous | now | change | beyond intervals |", "|---|---|---:|---:|---:|:---:|"]
     for m in moves:
-        label = f"{m.task} accuracy" if m.task else LABELS[m.metric]
+        label = (m.task if " " in m.task else f"{m.task} accuracy") if m.task else LABELS[m.metric]
         flag = "—" if m.beyond_intervals is None else (f"{MOVED} {'worse' if m.worse else 'better'}" if m.beyond_intervals else "no")
         lines.append(f"| {m.entry} | {label} | {_fmt(m.metric, m.previous)}{_ci_text(m.previous_ci, m.metric)} "
                      f"| {_fmt(m.metric, m.current)}{_ci_text(m.current_ci, m.metric)} | {_fmt_change(m)} | {flag} |")
@@ -448,42 +448,45 @@ def intervals_section(r: dict) -> list[str]:
 
 
 def tasks_section(r: dict) -> list[str]:
-    """Per task and metric: each variant's accuracy with its interval and its paired delta vs the baseline."""
+    """Per task and metric (lm-evaluation-harness's): each variant's value with its interval, its paired delta vs the
+    baseline and its recovery (variant / baseline)."""
     if not r.get("tasks"):
         return []
     entries = [r["baseline"], *r["variants"]] if "baseline" in r else [r["config"]]
     base_name = r["baseline"]["name"] if "baseline" in r else None
-    lines = ["", "## Task accuracy", ""]
-    head = "| task | metric | n | chance | variant | accuracy | 95% CI |"
+    lines = ["", "## Task accuracy (lm-evaluation-harness)", ""]
+    head = "| task | metric | n | shots | variant | value | 95% CI |"
     rule = "|---|---|---:|---:|---|---:|---:|"
     if base_name:
-        head += f" Δ vs {base_name} (points) | 95% CI | distinguishable from 0 |"
-        rule += "---:|---:|---|"
+        head += f" Δ vs {base_name} (points) | 95% CI | distinguishable from 0 | recovery |"
+        rule += "---:|---:|---|---:|"
     lines += [head, rule]
     for task in r["tasks"]:
         for metric in task["metrics"]:
             for e in entries:
                 t = e["tasks"][task["name"]]
-                row = (f"| {task['name']} | {metric} | {t['n']} | {100 * task['chance']:.1f}% | "
+                shots = "" if task.get("num_fewshot") is None else task["num_fewshot"]
+                row = (f"| {task['name']} | {metric} | {t['n']} | {shots} | "
                        f"{'**' + e['name'] + '**' if e['name'] == base_name else e['name']} | "
                        f"{100 * t[metric]:.2f}% | {_ci(t[metric + '_ci'], 100)} |")
                 if base_name:
                     d = e.get("task_deltas", {}).get(task["name"], {}).get(metric)
-                    row += (f" {100 * d['delta']:+.2f} | {_ci(d['ci'], 100, '+.2f')} | {_distinguishable(d['significant'])} |"
-                            if d else " | | |")
+                    recovery = f"{d['recovery_pct']:.2f}%" if d and "recovery_pct" in d else ""
+                    row += (f" {100 * d['delta']:+.2f} | {_ci(d['ci'], 100, '+.2f')} | {_distinguishable(d['significant'])} "
+                            f"| {recovery} |" if d else " | | | |")
                 lines.append(row)
     lines += ["", "Tasks:", ""]
     for task in r["tasks"]:
-        subset = f"{task['n']} of {task['available']} items (evenly spaced)" if task["n"] < task["available"] else f"all {task['n']} items"
-        lines.append(f"- **{task['name']}** ({task['kind']}): {task['source']}; {subset}; sha256 `{task['sha256'][:16]}`. "
-                     f"Chance {100 * task['chance']:.1f}%: {task['chance_note']}.")
-        lines += [f"  - {note}" for note in task["notes"]]
+        chance = f" Chance {100 * task['chance']:.1f}% (uniform guess among the choices)." if task.get("chance") is not None else ""
+        digest = task.get("documents_sha256") or task.get("sha256") or ""  # sha256: results of ptq before lm-eval
+        lines.append(f"- **{task['name']}** ({task['kind']}): {task['source']}; {task['n']} documents; "
+                     f"documents sha256 `{digest[:16]}`.{chance}")
+        lines += [f"  - {note}" for note in task.get("notes", [])]
     scoring = r.get("task_scoring")
     if scoring:
-        passes = ", ".join(f"{name} {n}" for name, n in scoring["forward_passes"].items())
-        lines += ["", f"Scoring: {scoring['items']} items in batches of {scoring['batch_size']}: forward passes per "
-                      f"variant: {passes} (ceil(items / batch) = {scoring['expected_forward_passes']}), plus "
-                      f"{scoring['packing_check_passes']} once for the packing check."]
+        limit = f", --limit {scoring['limit']:g} (the first documents of each task)" if scoring.get("limit") is not None else ""
+        shots = f", --num-fewshot {scoring['num_fewshot']}" if scoring.get("num_fewshot") is not None else ""
+        lines += ["", f"Scoring: {scoring['harness']}, batch size {scoring['batch_size']}{shots}{limit}."]
     return lines
 
 

@@ -56,7 +56,10 @@ class Move:
 
 
 def _ci(entry: dict, key: str) -> tuple[float, float] | None:
-    ci = entry.get(f"{key}_ci")
+    return _pair(entry.get(f"{key}_ci"))
+
+
+def _pair(ci) -> tuple[float, float] | None:
     return (float(ci[0]), float(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None
 
 
@@ -64,10 +67,12 @@ def _moves(name: str, previous: dict, current: dict) -> list[Move]:
     moves = [Move(name, key, None, previous[key], current[key], _ci(previous, key), _ci(current, key))
              for key, _, _ in METRICS if isinstance(previous.get(key), (int, float)) and isinstance(current.get(key), (int, float))]
     old_tasks, new_tasks = task_scores(previous), task_scores(current)
-    for task, new in new_tasks.items():
-        old = old_tasks.get(task)
-        if old and isinstance(old.get("accuracy"), (int, float)) and isinstance(new.get("accuracy"), (int, float)):
-            moves.append(Move(name, "accuracy", task, old["accuracy"], new["accuracy"], _ci(old, "accuracy"), _ci(new, "accuracy")))
+    for task, metrics in new_tasks.items():
+        for metric, new in metrics.items():
+            old = old_tasks.get(task, {}).get(metric)
+            if old:
+                label = task if metric == "acc" else f"{task} {metric}"
+                moves.append(Move(name, "accuracy", label, old["value"], new["value"], _pair(old["ci"]), _pair(new["ci"])))
     return moves
 
 

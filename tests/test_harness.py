@@ -1,0 +1,254 @@
+"""--tasks by lm-evaluation-harness: ptq's baseline gives exactly what lm-eval's own CLI gives for the same weights;
+every variant is paired with it on the same documents; generated tasks (cloze, JSONL) and shipped ones run offline;
+what cannot run stops in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_tasks import LINES, varied_rows, write_jsonl
+
+from ptq.evaluation import harness, stats
+
+SHIPPED = harness.TASKS_DIR
+LIMIT = "6"
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory) -> Path:
+    """The tiny Llama with bfloat16 weights on disk: what `lm_eval --model hf --model_args dtype=bfloat16` and
+    `ptq compare --dtype bfloat16` both compute with."""
+    from conftest import save_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-bf16"))
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mc_folder(tmp_path_factory) -> Path:
+    """A folder with one task YAML of the user's own over ptq's multiple-choice JSONL format."""
+    folder = tmp_path_factory.mktemp("tasks")
+    data = write_jsonl(folder / "rows.jsonl", varied_rows(12))
+    (folder / "mc.yaml").write_text(f"include: {SHIPPED / '_ptq_choice.yaml'}\ntask: mc\ndataset_path: json\n"
+                                    f"dataset_kwargs:\n  data_files:\n    test: {data}\n")
+    return folder
+
+
+def lm_eval_cli(model: Path, tasks: str, include: Path, out: Path) -> tuple[dict, dict[str, list[dict]]]:
+    """lm-evaluation-harness's own CLI on the model directory: its results and its per-sample files."""
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                          f"pretrained={model},dtype=bfloat16", "--tasks", tasks, "--include_path", str(include),
+                          "--limit", LIMIT, "--batch_size", "4", "--device", "cpu", "--output_path", str(out),
+                          "--log_samples"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    samples = {}
+    for path in out.rglob("samples_*.jsonl"):
+        task = path.name.removeprefix("samples_").rsplit("_", 1)[0]
+        samples[task] = [json.loads(line) for line in path.read_text().splitlines()]
+    return results, samples
+
+
+def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(ptq_cli, bf16_model, mc_folder, tmp_path,
+                                                                         monkeypatch):
+    """A generation task (ptq_arith, shipped), a multiple-choice one (the user's YAML) and a loglikelihood one
+    (ptq_cloze, shipped) in one compare, offline."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    text = tmp_path / "lines.txt"
+    text.write_text(LINES)
+    out = tmp_path / "out"
+    tasks = f"{SHIPPED / 'ptq_arith.yaml'},{mc_folder},{SHIPPED / 'ptq_cloze.yaml'}"
+    code, stdout, err = ptq_cli("compare", bf16_model, "--recipes", "fp8-e4m3", "--calib-data", text, "--calib-samples",
+                                "2", "--eval-data", text, "--seq-len", "32", "--max-windows", "2", "--dtype", "bfloat16",
+                                "--batch-size", "4", "--tasks", tasks, "--limit", LIMIT, "--no-plots", "--out", out, "-q")
+    assert code == 0, err
+    r = json.loads((out / "results.json").read_text())
+    assert [t["name"] for t in r["tasks"]] == ["ptq_arith", "mc", "ptq_cloze"]
+    assert {t["name"]: t["kind"] for t in r["tasks"]} == {"ptq_arith": "generate_until", "mc": "multiple_choice",
+                                                          "ptq_cloze": "loglikelihood"}
+
+    # lm-eval's CLI gets the same tasks: the shipped folder (ptq_arith, ptq_cloze) and the user's folder (mc)
+    include = tmp_path / "include"
+    include.mkdir()
+    for source in (SHIPPED, mc_folder):
+        for f in source.iterdir():
+            if f.is_file():
+                (include / f.name).write_bytes(f.read_bytes())
+    cli, cli_samples = lm_eval_cli(bf16_model, "ptq_arith,mc,ptq_cloze", include, tmp_path / "cli")
+    base = r["baseline"]
+    for task in r["tasks"]:
+        name = task["name"]
+        assert task["n"] == int(LIMIT)
+        for key, value in cli[name].items():
+            metric, _, filt = key.partition(",")
+            if metric in ("alias", "name", "sample_len") or metric.endswith("_stderr"):
+                continue
+            shown = harness.metric_key(key)
+            assert base["tasks"][name][shown] == value, (name, key)  # exactly lm-eval's number
+            assert base["tasks"][name][f"{shown}_stderr"] == cli[name][f"{metric}_stderr,{filt}"]
+            per_doc = {int(s["doc_id"]): float(s[metric]) for s in cli_samples[name] if s["filter"] == filt}
+            assert base["task_samples"][name][shown] == [per_doc[i] for i in sorted(per_doc)]
+    assert base["tasks"]["mc"]["acc"] not in (0.0, 1.0) or base["tasks"]["mc"]["acc_norm"] not in (0.0, 1.0)
+
+    # every variant: a paired delta with its interval, recovery, on the same documents
+    for v in r["variants"]:
+        for task in r["tasks"]:
+            name = task["name"]
+            assert set(v["task_deltas"][name]) == set(task["metrics"])
+            for metric, d in v["task_deltas"][name].items():
+                mine, theirs = np.array(v["task_samples"][name][metric]), np.array(base["task_samples"][name][metric])
+                expected = stats.paired_delta(theirs, mine, stats.difference)
+                assert d["delta"] == pytest.approx(mine.mean() - theirs.mean()) and d["ci"] == expected["ci"]
+                assert d["significant"] == (d["ci"][0] > 0 or d["ci"][1] < 0)
+                b, q = base["tasks"][name][metric], v["tasks"][name][metric]
+                assert d["recovery_pct"] == pytest.approx(100 * q / b if b > 0 else 100.0)
+    report = (out / "report.md").read_text()
+    assert "## Task accuracy (lm-evaluation-harness)" in report and "| ptq_arith | exact_match,strict-match | 6 | 4 |" in report
+    assert "recovery" in stdout
+
+
+def test_cloze_and_jsonl_against_itself_give_zero_deltas_and_gates_per_metric(ptq_cli, tiny_model, tmp_path):
+    recipe = tmp_path / "bf16-again.yaml"
+    recipe.write_text("name: bf16-again\ndescription: the baseline again\ntargets: [Linear]\nignore: []\n"
+                      "weights: {format: bf16}\ninputs: {format: bf16}\n")
+    text = tmp_path / "lines.txt"
+    text.write_text(LINES)
+    mc = write_jsonl(tmp_path / "mc.jsonl", varied_rows(12))
+    code, out, err = ptq_cli("compare", tiny_model, "--recipes", recipe, "--eval-data", text, "--seq-len", "32",
+                             "--max-windows", "2", "--tasks", f"cloze,mine={mc}", "--max-items", "8", "--no-plots",
+                             "--min-accuracy-recovery", "100%", "--out", tmp_path / "out", "-q")
+    assert code == 0, out + err
+    r = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {t["name"]: t["n"] for t in r["tasks"]} == {"cloze": 8, "mine": 12}
+    v = r["variants"][0]
+    for metrics in v["task_deltas"].values():
+        for d in metrics.values():
+            assert d["delta"] == 0 and d["ci"] == [0, 0] and d["significant"] is False and d["recovery_pct"] == 100
+    assert set(v["tasks"]["mine"]) == {"acc", "acc_stderr", "acc_ci", "acc_norm", "acc_norm_stderr", "acc_norm_ci", "n"}
+    checks = {(c["task"], c["task_metric"]) for c in r["gates"]["checks"] if c["metric"] == "accuracy_recovery_pct"}
+    assert checks == {("next-token", None), ("cloze", "acc"), ("mine", "acc"), ("mine", "acc_norm")}
+    assert "chance" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_eval_one_configuration_with_tasks(ptq_cli, tiny_model, tmp_path):
+    text = tmp_path / "lines.txt"
+    text.write_text(LINES)
+    small, large = (write_jsonl(tmp_path / f"mc{n}.jsonl", varied_rows(n)) for n in (8, 40))
+    code, out, err = ptq_cli("eval", tiny_model, "--recipe", "fp8-e4m3", "--calib-data", text, "--calib-samples", "2",
+                             "--eval-data", text, "--seq-len", "32", "--max-windows", "2", "--batch-size", "16",
+                             "--tasks", f"small={small},large={large}", "--out", tmp_path / "out", "-q")
+    assert code == 0, err
+    r = json.loads((tmp_path / "out" / "results.json").read_text())
+    c = r["config"]
+    assert r["command"] == "eval" and c["name"] == "fp8-e4m3" and "task_deltas" not in c
+    width = {name: c["tasks"][name]["acc_ci"][1] - c["tasks"][name]["acc_ci"][0] for name in ("small", "large")}
+    assert width["large"] < width["small"]  # intervals narrow as documents grow
+    assert r["task_scoring"]["batch_size"] == 16 and r["versions"]["lm_eval"] == harness.lm_eval_version()
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "# ptq eval" in report and "| large | acc_norm | 40 |" in report
+
+
+def test_a_group_is_paired_on_its_members_documents(tiny_model, tmp_path):
+    """A folder defining a group (size-weighted, as mmlu): the group's row is lm-eval's number, paired over the
+    documents of all its members."""
+    from ptq.models.loading import load_model
+
+    folder = tmp_path / "group"
+    folder.mkdir()
+    for name, n in (("mc_a", 5), ("mc_b", 9)):
+        data = write_jsonl(folder / f"{name}.jsonl", varied_rows(n))
+        (folder / f"{name}.yaml").write_text(f"include: {SHIPPED / '_ptq_choice.yaml'}\ntask: {name}\n"
+                                             f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n")
+    (folder / "_mcs.yaml").write_text("group: mcs\ntask: [mc_a, mc_b]\naggregate_metric_list:\n  - metric: acc\n"
+                                      "    aggregation: mean\n    weight_by_size: true\nmetadata:\n  version: 1.0\n")
+    suite = harness.prepare(str(folder), None, tmp_path / "work", max_items=None)
+    assert suite.names == ["mcs"]
+    loaded = load_model(str(tiny_model))
+    model = loaded.model
+    run = harness.run({"a": model, "b": model}, loaded.tokenizer, suite, 4)
+    tasks = harness.describe_tasks(run, suite)
+    assert [(t["name"], t["n"], t["metrics"]) for t in tasks] == [
+        ("mcs", 14, ["acc"]), ("mc_a", 5, ["acc", "acc_norm"]), ("mc_b", 9, ["acc", "acc_norm"])]
+    entry = {"name": "b"}
+    harness.add_task_metrics(entry, run, tasks, baseline="a")
+    a = run.models["a"]
+    assert entry["tasks"]["mcs"]["acc"] == a.results["mcs"]["acc,none"]
+    assert entry["task_samples"]["mcs"]["acc"] == [*a.samples["mc_a"]["acc,none"], *a.samples["mc_b"]["acc,none"]]
+    assert entry["task_deltas"]["mcs"]["acc"]["n"] == 14
+
+
+@pytest.mark.parametrize("task, message", [
+    ("{bad}", "line 2: not valid JSON"),
+    ("{wrong}", "line 1: expected the fields 'context, choices, label'"),
+    ("mc={label}", "line 1: 'label' must be an integer index"),
+    ("mc=missing.jsonl", "does not exist"),
+    ("{empty_folder}", "defines no lm-eval task"),
+])
+def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "a", "choices": ["b", "c"], "label": 0}\n{oops\n')
+    wrong = write_jsonl(tmp_path / "wrong.jsonl", [{"question": "a"}])
+    label = write_jsonl(tmp_path / "label.jsonl", [{"context": "a", "choices": ["b", "c"], "label": 2}])
+    (tmp_path / "empty").mkdir()
+    out_dir = tmp_path / "out"
+    code, _, err = ptq_cli("eval", tiny_model, "--tasks", task.format(bad=bad, wrong=wrong, label=label,
+                                                                      empty_folder=tmp_path / "empty"),
+                           "--out", out_dir, "-q")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not out_dir.exists()
+
+
+def test_hub_task_offline_and_unknown_task_are_one_line(tmp_path, monkeypatch):
+    """With no network (HF_DATASETS_OFFLINE set), a Hub task stops in one line naming it and the way to local files."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(Exception) as e:
+        harness.prepare("piqa,nosuchtask", None, tmp_path, max_items=None)
+    assert "unknown task 'nosuchtask'" in str(e.value) and len(str(e.value).splitlines()) == 1
+    with pytest.raises(Exception) as e:
+        harness.prepare("piqa", None, tmp_path, max_items=None)
+    message = str(e.value)
+    assert "cannot load task 'piqa' (HF_DATASETS_OFFLINE is set)" in message and "piqa=FILE.jsonl" in message
+    assert len(message.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--limit", "6"], "--num-fewshot and --limit apply to --tasks"),
+    (["--tasks", "cloze", "--limit", "1.5"], "--limit takes a number of documents"),
+])
+def test_task_options_without_tasks_are_one_line(ptq_cli, tiny_model, tmp_path, args, message):
+    code, _, err = ptq_cli("compare", tiny_model, *args, "--out", tmp_path / "out", "-q")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_tasks_under_torchrun_are_refused_in_one_line(ptq_cli, tiny_model, tmp_path, monkeypatch):
+    """lm-eval runs the models ptq built in one process: under torchrun, --tasks stops before any work."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for command in ("compare", "eval"):
+        code, _, err = ptq_cli(command, tiny_model, "--tasks", "cloze", "--out", tmp_path / command, "-q")
+        assert code == 2 and "--tasks runs lm-evaluation-harness on each model in one process" in err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / command).exists()
+
+
+def test_shipped_tasks_are_indexed_by_lm_eval():
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(SHIPPED), include_defaults=False)
+    assert {"ptq_arith", "ptq_cloze", "ptq_shakespeare"} <= set(manager.all_tasks)
+    loaded = manager.load(["ptq_shakespeare", "ptq_arith"])["tasks"]
+    docs = {name.split(":")[-1]: list(task.test_docs()) for name, task in loaded.items()}
+    assert len(docs["ptq_shakespeare"]) == 6 and len(docs["ptq_arith"]) == 24
+    for doc in docs["ptq_arith"]:  # every answer's arithmetic is right
+        work, answer = doc["answer"].split(" #### ")
+        assert eval(work.split(". ")[-1].split(" = ")[0]) == int(answer)  # noqa: S307  (our own data file)
