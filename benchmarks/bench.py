@@ -179,7 +179,7 @@ def main() -> None:
                         compute=ComputeOptions(matmul="simulated"), output=OutputOptions(path=tmp / "report", force=True))
     t_compare = once(lambda: run_compare(["fp8-e4m3", "int8"], **compare_args))
 
-    # 4. Peak memory of `ptq compare` in a fresh process, whole and block by block, against the model's 16-bit
+    # 4. Peak memory of `ptq compare` in a fresh process, whole and layer by layer, against the model's 16-bit
     # size. The constant is measured, not assumed: what compare holds whatever the model's weights (a process
     # that imports ptq, reads the model's config and tokenizer, tokenizes the evaluation text and runs each
     # fused kernel once), plus the evaluation's full-vocabulary buffers (a variant's logits and the baseline's
@@ -206,8 +206,8 @@ def main() -> None:
     for mode, what in (("--in-memory", "compare"), ("--low-memory", "compare --low-memory")):
         print(line(f"{what} peak RSS / 16-bit model size, after a {constant / 1e9:.2f} GB constant",
                    (peaks[mode] - constant) / bytes_16bit, 1.5))
-    print(f"INFO  compare peak RSS {peaks['--in-memory'] / 1e9:.2f} GB whole, {peaks['--low-memory'] / 1e9:.2f} GB block "
-          f"by block; 16-bit model {bytes_16bit / 1e9:.2f} GB; constant = ptq without weights "
+    print(f"INFO  compare peak RSS {peaks['--in-memory'] / 1e9:.2f} GB whole, {peaks['--low-memory'] / 1e9:.2f} GB layer "
+          f"by layer; 16-bit model {bytes_16bit / 1e9:.2f} GB; constant = ptq without weights "
           f"{footprint / 1e9:.2f} GB + evaluation buffers {buffers / 1e9:.2f} GB")
     print(f"INFO  real FP8 matmuls (torch._scaled_mm) on {next(model.parameters()).device}: E4M3 evaluation "
           f"{t_real / t_eval['fp8-e4m3']:.2f}x the simulation's time; logits within {fp8_difference:.1e} of the "

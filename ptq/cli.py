@@ -31,8 +31,8 @@ OnUnseen = Annotated[str, typer.Option("--on-unseen", help="A layer no calibrati
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Load pickle (.bin) checkpoints, with torch.load(weights_only=True).")]
 LowMemory = Annotated[bool | None, typer.Option(
     "--low-memory/--in-memory", show_default="automatic",
-    help="Work block by block from a local safetensors checkpoint (Llama architecture): one decoder block in memory at "
-         "a time, for models larger than memory. Default: only when the model does not fit in memory.")]
+    help="Work layer by layer from a local safetensors checkpoint (any architecture ptq loads): one decoder layer in "
+         "memory (on the GPU) at a time, for models larger than memory. Default: only when the model does not fit.")]
 NoMemoryCheck = Annotated[bool, typer.Option("--no-memory-check", help="Load the model even if it looks too big for the memory available.")]
 Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
 Dtype = Annotated[str | None, typer.Option("--dtype", help="Compute dtype: float32 or bfloat16.",

@@ -90,13 +90,22 @@ def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, te
 
 
 @needs_cuda
-def test_low_memory_on_cuda_gives_the_cpu_numbers(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
-    """--low-memory on the GPU: one decoder block on it at a time, read from disk, the same float32 numbers."""
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_low_memory_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+    """--low-memory on the GPU: one decoder layer on it at a time, read from disk, the same float32 numbers."""
+    model = tiny_model
+    if family != "llama":
+        import families
+        from conftest import make_tokenizer
+
+        model = tmp_path / family
+        families.build(family).save_pretrained(model)
+        make_tokenizer().save_pretrained(model)
     runs = {}
     for device in ("cpu", "cuda"):
         monkeypatch.setenv("PTQ_DEVICE", device)
         out = tmp_path / device
-        code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
+        code, _, stderr = ptq_cli("compare", model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
                                   "--low-memory", "--matmul", "simulated", "--no-plots", *FAST)
         assert code == 0, stderr
         runs[device] = json.loads((out / "results.json").read_text())

@@ -94,7 +94,7 @@ def test_model_too_big_fails_early_with_estimate_and_flag(tiny_model, text_file,
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, tmp_path / "c.st"))
     assert code == 0, err  # calibrate holds one copy
     # compare holds 2.5: the original, and half a copy for bf16 and each variant (without --in-memory, a local
-    # Llama checkpoint is compared block by block instead: tests/test_streaming.py)
+    # checkpoint is compared layer by layer instead: tests/test_streaming.py)
     code, _, err = ptq_cli("compare", str(tiny_model), "--recipes", "fp8-e4m3,int8", "--out", str(tmp_path / "o"), "-q",
                            "--in-memory")
     assert code == 2 and one_error_line(err)

@@ -1,9 +1,11 @@
-"""Block-by-block calibration and export from disk (ptq/execution/streaming.py, `--low-memory`) against the in-memory
-paths they replace: the same amax, bit for bit, and the same checkpoint files, byte for byte.
+"""Layer-by-layer calibration, compare and export from disk (ptq/execution/streaming.py, `--low-memory`) against the
+in-memory paths, on tiny Llama, Gemma 3, GPT-2, Mixtral and Qwen3-MoE: the same amax, bit for bit, the same
+perplexity, KL and per-window values, and the same checkpoint files, byte for byte.
 
 Why exactly equal, not within a tolerance: both run the same float32 ops on the same batches in the same order
-(the block-by-block pass only changes *when* each decoder block's weights are in memory, not what it computes),
-and a running max does not depend on anything else. The weights are the same bf16 values widened to float32.
+(the layer-by-layer executor only changes *when* each decoder layer's weights are in memory, and runs the
+model's own forward for everything outside its decoder layers), and a running max does not depend on anything
+else. The weights are the same bf16 values widened to float32, laid out as in memory.
 """
 
 from __future__ import annotations
@@ -14,32 +16,39 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+
+import families
 from conftest import TEXT, make_tokenizer
 
 from ptq.calibration.calibrate import calibrate, load_calibration
+from ptq.evaluation.evaluate import evaluate
 from ptq.execution import resources, streaming
 from ptq.models.loading import load_model
-from ptq.quantization.plan import calibrated_layers
+from ptq.quantization.plan import calibration_targets
+from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
 
 ALL_LINEAR = "name: e4m3-all\nweights: {format: e4m3}\ninputs: {format: e4m3}\nignore: []\n"  # lm_head included
+STREAMED = ["llama", "gemma3", "gpt2", "mixtral", "qwen3_moe"]  # dense, GPT-2 (Conv1D), MoE (fused experts)
+
+
+def save_family(path: Path, family: str) -> Path:
+    """A tiny random model of `family` stored in bf16 in several shards, with its own (untied) lm_head."""
+    model = families.build(family, seed=3)
+    model.to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
+    make_tokenizer().save_pretrained(path)
+    assert len(list(path.glob("model-*.safetensors"))) > 2
+    return path
 
 
 @pytest.fixture(scope="module")
-def sharded_model(tmp_path_factory) -> Path:
-    """A tiny 3-block Llama stored in bf16 in six shards, with its own (untied) lm_head."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    return {family: save_family(tmp_path_factory.mktemp(family), family) for family in STREAMED}
 
-    path = tmp_path_factory.mktemp("sharded-llama")
-    tokenizer = make_tokenizer()
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
-    tokenizer.save_pretrained(path)
-    assert len(list(path.glob("model-*.safetensors"))) > 3
-    return path
+
+@pytest.fixture(scope="module")
+def sharded_model(checkpoints) -> Path:
+    return checkpoints["llama"]
 
 
 @pytest.fixture
@@ -49,49 +58,126 @@ def all_linear(tmp_path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("model_fixture", ["sharded_model", "tiny_model"])
+def windows(n: int = 7, seq_len: int = 24) -> torch.Tensor:
+    return torch.randint(0, 300, (n, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("family", [*STREAMED, "tied-llama"])
 @pytest.mark.parametrize("recipe", ["fp8-e4m3", "all-linear"])
-def test_block_by_block_amax_equal_in_memory_calibration(model_fixture, recipe, request, all_linear):
-    directory = request.getfixturevalue(model_fixture)
+def test_layer_by_layer_amax_equal_in_memory_calibration(family, recipe, checkpoints, tiny_model, all_linear):
+    directory = tiny_model if family == "tied-llama" else checkpoints[family]
     r = load_recipe(str(all_linear) if recipe == "all-linear" else recipe)
     whole = load_model(str(directory))
-    layers = calibrated_layers(whole.model, r)
-    input_ids = torch.randint(0, len(whole.tokenizer), (7, 24), generator=torch.Generator().manual_seed(0))
-    expected = calibrate(whole.model, input_ids, layers, batch_size=3)  # the last batch is shorter
+    layers, channels = calibration_targets(whole.model, [r])
+    expected = calibrate(whole.model, windows(), layers, batch_size=3)  # the last batch is shorter
 
     streamed = streaming.load_streamed(str(directory))
     assert all(p.is_meta for p in streamed.model.parameters())  # no weight is in memory up front
-    assert calibrated_layers(streamed.model, r) == layers
-    got = streaming.calibrate_blocks(streamed.model, input_ids, layers, batch_size=3)
+    assert calibration_targets(streamed.model, [r]) == (layers, channels)
+    got = calibrate(streamed.model, windows(), layers, batch_size=3, layer_by_layer=streaming.LayerByLayer(streamed.model))
     assert list(got.input_amax) == list(expected.input_amax) == layers
+    assert list(got.weight_amax) == list(expected.weight_amax)
     assert ("lm_head" in layers) == (recipe == "all-linear")
+    assert any(".experts." in name for name in layers) == (family in ("mixtral", "qwen3_moe"))
     for name in layers:
         assert torch.equal(got.input_amax[name], expected.input_amax[name]), name
         assert torch.equal(got.weight_amax[name], expected.weight_amax[name]), name
+        assert torch.equal(got.input_hist[name], expected.input_hist[name]), name
+    assert "layer by layer" in got.metadata["low_memory"]
     assert all(p.is_meta for p in streamed.model.parameters())  # the skeleton was never filled
 
 
-def test_only_one_block_is_in_memory_at_a_time(sharded_model, monkeypatch):
-    """Each read from disk is one module's tensors (the embeddings, then one block at a time), and the module
-    built from the previous read is already freed when the next one is built."""
+@pytest.mark.parametrize("family", STREAMED)
+def test_layer_by_layer_logits_are_the_models_own(family, checkpoints):
+    """Scores of the model itself, layer by layer, against the model in memory: every window's NLL equal."""
+    whole = load_model(str(checkpoints[family]))
+    streamed = streaming.load_streamed(str(checkpoints[family]))
+    expected = evaluate({"m": whole.model}, windows(5), batch_size=2)["m"]
+    got = evaluate(streaming.LayerByLayer(streamed.model), windows(5), batch_size=2)["model"]
+    assert got.window_nll == expected.window_nll and got.tokens == expected.tokens == 5 * 23
+    assert got.correct == expected.correct
+
+
+def test_only_one_layer_is_in_memory_at_a_time(sharded_model, monkeypatch):
+    """Each read from disk is one part's tensors (the trunk, then one decoder layer at a time), and the layer built
+    from the previous read is already freed when the next one is built."""
     import weakref
 
     streamed = streaming.load_streamed(str(sharded_model))
-    layers = calibrated_layers(streamed.model, load_recipe("fp8-e4m3"))
-    built, alive_before = [], []
-    materialise = streaming._materialise
+    layers, _ = calibration_targets(streamed.model, [load_recipe("fp8-e4m3")])
+    built, alive_before, reads = [], [], []
+    materialise, each = streaming._materialise, streaming.SafetensorsCheckpoint.each
 
-    def tracked(skeleton, prefix, checkpoint, device):
-        alive_before.append([p for p, ref in built if ref() is not None])
-        module = materialise(skeleton, prefix, checkpoint, device)
-        built.append((prefix, weakref.ref(module)))
-        return module
+    def tracked(module, source, device, path="", **kwargs):
+        alive_before.append([p for p, ref in built if ref() is not None and p])
+        part = materialise(module, source, device, path, **kwargs)
+        built.append((path, weakref.ref(part)))
+        return part
+
+    def reading(self, names):
+        reads.append(names)
+        return each(self, names)
 
     monkeypatch.setattr(streaming, "_materialise", tracked)
-    streaming.calibrate_blocks(streamed.model, torch.randint(0, 200, (2, 16)), layers)
-    assert [p for p, _ in built] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"]
-    assert alive_before == [[], [], [], []]
+    monkeypatch.setattr(streaming.SafetensorsCheckpoint, "each", reading)
+    calibrate(streamed.model, windows(2, 16), layers, layer_by_layer=streaming.LayerByLayer(streamed.model))
+    assert [p for p, _ in built] == ["", "model.layers.0", "model.layers.1"]  # the trunk, then each layer
+    assert alive_before == [[], [], []]
     assert all(ref() is None for _, ref in built)
+    assert not any(n.startswith("model.layers.") or n == "lm_head.weight" for n in reads[0])  # the trunk (no logits needed)
+    assert all(n.startswith(f"model.layers.{i}.") for i, names in enumerate(reads[1:]) for n in names)
+
+
+def test_out_of_memory_backs_off_layer_by_layer(sharded_model, monkeypatch):
+    """An automatic batch size is halved when a decoder layer runs out of GPU memory: evaluation runs the windows
+    not yet scored again, calibration starts over; the results are those of the model in memory."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    whole = load_model(str(sharded_model))
+    layers, _ = calibration_targets(whole.model, [load_recipe("fp8-e4m3")])
+    expected = evaluate({"m": whole.model}, windows(), batch_size=2)["m"]
+    expected_amax = calibrate(whole.model, windows(), layers, batch_size=2).input_amax
+    forward, sizes = LlamaDecoderLayer.forward, []
+
+    def limited(self, hidden_states, *args, **kwargs):
+        sizes.append(len(hidden_states))
+        if len(hidden_states) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB.")
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", limited)
+    streamed = streaming.load_streamed(str(sharded_model))
+    got = evaluate(streaming.LayerByLayer(streamed.model), windows(), batch_size=None)["model"]
+    assert sizes[0] == 4 and set(sizes[1:]) <= {2, 1}
+    assert got.window_nll == expected.window_nll and got.kl_sum == expected.kl_sum
+    calibration = calibrate(streamed.model, windows(), layers, batch_size=None,
+                            layer_by_layer=streaming.LayerByLayer(streamed.model))
+    assert calibration.metadata["batch_size"] == 2
+    assert all(torch.equal(calibration.input_amax[n], expected_amax[n]) for n in layers)
+
+
+def test_layer_by_layer_variants_equal_in_memory_variants(checkpoints):
+    """compare's executor on its own: each recipe's variant scored layer by layer equals the variant of the whole
+    model (quantize_variants), KL against the baseline included."""
+    recipes = [load_recipe("bf16"), load_recipe("fp8-e4m3"), load_recipe("int8")]
+    whole = load_model(str(checkpoints["mixtral"]))
+    layers, _ = calibration_targets(whole.model, recipes)
+    calibration = calibrate(whole.model, windows(), layers, batch_size=3)
+    expected = evaluate(quantize_variants(whole.model, recipes, calibration), windows(5), batch_size=2)
+
+    streamed = streaming.load_streamed(str(checkpoints["mixtral"]))
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def variants(part):
+        yield quantize_variants(part, recipes, calibration)
+
+    got = evaluate(streaming.LayerByLayer(streamed.model, variants, [r.name for r in recipes]), windows(5), batch_size=2)
+    for r in recipes:
+        assert got[r.name].window_nll == expected[r.name].window_nll, r.name
+        assert got[r.name].window_kl == expected[r.name].window_kl, r.name
+    assert got["int8"].kl_sum > 0
 
 
 def checkpoint_files(directory: Path) -> dict[str, bytes]:
@@ -99,24 +185,26 @@ def checkpoint_files(directory: Path) -> dict[str, bytes]:
     return {name: (directory / name).read_bytes() for name in sorted(names)}
 
 
-@pytest.mark.parametrize("recipe", ["fp8-e4m3", "int8"])
-def test_block_by_block_quantize_writes_the_same_checkpoint(recipe, sharded_model, tmp_path, ptq_cli):
+@pytest.mark.parametrize("family,recipe", [("llama", "fp8-e4m3"), ("llama", "int8"), ("gemma3", "fp8-e4m3"),
+                                           ("gpt2", "fp8-e4m3"), ("mixtral", "fp8-e4m3"), ("qwen3_moe", "int8")])
+def test_layer_by_layer_quantize_writes_the_same_checkpoint(family, recipe, checkpoints, tmp_path, ptq_cli):
     """`ptq quantize --low-memory` (calibrating in the run) and with a --calib file from `ptq calibrate --low-memory`
     write the same bytes (codes, scales, untouched tensors, index, config) as the in-memory `ptq quantize`."""
+    model = checkpoints[family]
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 3)
     common = ["--recipe", recipe, "--seq-len", "32", "--shard-size", "0.05", "-q"]
-    code, _, err = ptq_cli("quantize", sharded_model, "--data", text, "--samples", "5", *common, "--in-memory",
+    code, _, err = ptq_cli("quantize", model, "--data", text, "--samples", "5", *common, "--in-memory",
                            "--no-verify", "-o", tmp_path / "whole")
     assert code == 0, err
-    code, out, err = ptq_cli("quantize", sharded_model, "--data", text, "--samples", "5", *common, "--low-memory",
+    code, out, err = ptq_cli("quantize", model, "--data", text, "--samples", "5", *common, "--low-memory",
                              "-o", tmp_path / "streamed")
     assert code == 0, err
-    assert "not verified (exported block by block with `--low-memory`" in " ".join(out.split())
-    code, _, err = ptq_cli("calibrate", sharded_model, "--data", text, "--samples", "5", "--seq-len", "32", "--recipe",
+    assert "not verified (exported layer by layer with `--low-memory`" in " ".join(out.split())
+    code, _, err = ptq_cli("calibrate", model, "--data", text, "--samples", "5", "--seq-len", "32", "--recipe",
                            recipe, "--low-memory", "-q", "-o", tmp_path / "c.safetensors")
     assert code == 0, err
-    code, _, err = ptq_cli("quantize", sharded_model, "--calib", tmp_path / "c.safetensors", *common, "--low-memory",
+    code, _, err = ptq_cli("quantize", model, "--calib", tmp_path / "c.safetensors", *common, "--low-memory",
                            "-o", tmp_path / "from-calib")
     assert code == 0, err
 
@@ -127,8 +215,11 @@ def test_block_by_block_quantize_writes_the_same_checkpoint(recipe, sharded_mode
     tensors = {}
     for f in sorted((tmp_path / "streamed").glob("model-*.safetensors")):
         tensors |= safetensors.torch.load_file(str(f))
-    assert tensors["model.layers.2.mlp.down_proj.weight"].dtype == (torch.float8_e4m3fn if recipe == "fp8-e4m3" else torch.int8)
-    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16  # untouched, in the source's dtype
+    codes = torch.float8_e4m3fn if recipe == "fp8-e4m3" else torch.int8
+    quantized = [name for name, t in tensors.items() if t.dtype == codes]
+    assert quantized and all(f"{name.removesuffix('.weight')}.input_scale" in tensors for name in quantized)
+    if family in ("mixtral", "qwen3_moe"):
+        assert any(".experts.3." in name for name in quantized)  # per-expert 2-D weights, under the checkpoint's names
     info = json.loads((tmp_path / "streamed" / "ptq-export.json").read_text())
     assert info["low_memory"] is True and info["verification"] is None and "--low-memory" in info["verification_skipped"]
     assert "--low-memory" in (tmp_path / "streamed" / "README.md").read_text()
@@ -139,20 +230,20 @@ def test_calibrate_cli_low_memory_file_matches_in_memory(sharded_model, text_fil
     assert ptq_cli("calibrate", sharded_model, *args, "--in-memory", "-o", tmp_path / "a.st")[0] == 0
     assert ptq_cli("calibrate", sharded_model, *args, "--low-memory", "-o", tmp_path / "b.st")[0] == 0
     a, b = load_calibration(tmp_path / "a.st"), load_calibration(tmp_path / "b.st")
-    assert a.input_amax.keys() == b.input_amax.keys() and len(a.input_amax) == 21
+    assert a.input_amax.keys() == b.input_amax.keys() and len(a.input_amax) == 14
     assert all(torch.equal(a.input_amax[k], b.input_amax[k]) and torch.equal(a.weight_amax[k], b.weight_amax[k])
                for k in a.input_amax)
-    assert "block by block" in b.metadata["low_memory"] and "low_memory" not in a.metadata
+    assert "layer by layer" in b.metadata["low_memory"] and "low_memory" not in a.metadata
     assert {k: v for k, v in a.metadata.items() if k != "created"} == \
            {k: v for k, v in b.metadata.items() if k not in ("created", "low_memory")}
 
 
-@pytest.mark.parametrize("model_fixture", ["sharded_model", "tiny_model"])
-def test_block_by_block_compare_gives_the_in_memory_results(model_fixture, request, text_file, tmp_path, ptq_cli):
+@pytest.mark.parametrize("family", [*STREAMED, "tied-llama"])
+def test_layer_by_layer_compare_gives_the_in_memory_results(family, checkpoints, tiny_model, text_file, tmp_path, ptq_cli):
     """compare --low-memory: every variant's metrics, per-window values and per-layer SNR equal the in-memory
     compare's exactly (same float32 ops, same batches, same order), lm_head in E4M3 and dynamic inputs included."""
-    directory = request.getfixturevalue(model_fixture)
-    recipes = f"fp8-e4m3,int8,fp8-e4m3-dynamic,{tmp_path / 'e4m3-all.yaml'}"
+    directory = tiny_model if family == "tied-llama" else checkpoints[family]
+    recipes = "fp8-e4m3,int8,fp8-e4m3-dynamic" + ("" if family == "tied-llama" else f",{tmp_path / 'e4m3-all.yaml'}")
     (tmp_path / "e4m3-all.yaml").write_text(ALL_LINEAR)
     common = ["--recipes", recipes, "--calib-data", text_file, "--eval-data", text_file, "--calib-samples", "5",
               "--seq-len", "24", "--max-windows", "7", "--batch-size", "3", "--no-plots", "-q"]
@@ -163,18 +254,19 @@ def test_block_by_block_compare_gives_the_in_memory_results(model_fixture, reque
         results[mode] = json.loads((tmp_path / mode / "results.json").read_text())
     whole, streamed = results["--in-memory"], results["--low-memory"]
     assert not whole["compute"]["low_memory"] and streamed["compute"]["low_memory"]
-    assert "block by block" in streamed["device"]
+    assert "layer by layer" in streamed["device"]
     for key in ("perplexity", "accuracy", "window_nll"):
         assert streamed["baseline"][key] == whole["baseline"][key], key
-    assert len(whole["variants"]) == 4
+    assert len(whole["variants"]) == len(recipes.split(","))
     for a, b in zip(whole["variants"], streamed["variants"]):
         for key in ("perplexity", "accuracy", "kl_div", "top1_agreement", "window_nll", "snr_db"):
             assert b[key] == a[key], (a["name"], key)
-    assert whole["variants"][3]["snr_db"]["inputs"]["lm_head"] is not None  # the lm_head's input in E4M3 is measured
+    if family != "tied-llama":  # the lm_head's input in E4M3 is measured
+        assert whole["variants"][3]["snr_db"]["inputs"]["lm_head"] is not None
     assert streamed["calibration"]["layers"] == whole["calibration"]["layers"]
 
 
-def test_block_by_block_compare_refuses_what_needs_the_whole_model(sharded_model, text_file, tmp_path, ptq_cli):
+def test_layer_by_layer_compare_refuses_what_needs_the_whole_model(sharded_model, text_file, tmp_path, ptq_cli):
     common = ["--eval-data", text_file, "--calib-data", text_file, "--seq-len", "16", "--max-windows", "2",
               "--low-memory", "-q"]
     for extra, message in ((["--recipes", "paper-e4m3"], "compares Linear-layer recipes only"),
@@ -185,21 +277,22 @@ def test_block_by_block_compare_refuses_what_needs_the_whole_model(sharded_model
     assert not (tmp_path / "x" / "results.json").exists()
 
 
-def test_streams_automatically_when_the_model_does_not_fit(sharded_model, text_file, tmp_path, ptq_cli, monkeypatch):
-    params = resources.checkpoint_parameters(sharded_model)
+def test_streams_automatically_when_the_model_does_not_fit(checkpoints, text_file, tmp_path, ptq_cli, monkeypatch):
+    model = checkpoints["qwen3_moe"]  # any architecture
+    params = resources.checkpoint_parameters(model)
     monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 - 1)  # float32 weights do not fit
-    code, _, err = ptq_cli("calibrate", sharded_model, "--data", text_file, "--samples", "2", "--seq-len", "16",
+    code, _, err = ptq_cli("calibrate", model, "--data", text_file, "--samples", "2", "--seq-len", "16",
                            "-o", tmp_path / "c.st")
     assert code == 0, err
-    assert "does not fit in memory in float32: working block by block from disk (--low-memory)" in " ".join(err.split())
-    assert "block by block" in load_calibration(tmp_path / "c.st").metadata["low_memory"]
+    assert "does not fit in memory in float32: working layer by layer from disk (--low-memory)" in " ".join(err.split())
+    assert "layer by layer" in load_calibration(tmp_path / "c.st").metadata["low_memory"]
     # --in-memory keeps the old behaviour: refuse with the estimate
-    code, _, err = ptq_cli("calibrate", sharded_model, "--data", text_file, "--samples", "2", "--seq-len", "16",
+    code, _, err = ptq_cli("calibrate", model, "--data", text_file, "--samples", "2", "--seq-len", "16",
                            "--in-memory", "-o", tmp_path / "d.st")
     assert code == 2 and "needs at least" in err and not (tmp_path / "d.st").exists()
 
 
-def test_compare_goes_block_by_block_when_its_variants_do_not_fit(sharded_model, text_file, tmp_path, ptq_cli,
+def test_compare_goes_layer_by_layer_when_its_variants_do_not_fit(sharded_model, text_file, tmp_path, ptq_cli,
                                                                   monkeypatch):
     params = resources.checkpoint_parameters(sharded_model)
     # One float32 copy fits, the original and three models' weight codes (1 + 3 x 0.5 copies) do not.
@@ -208,23 +301,23 @@ def test_compare_goes_block_by_block_when_its_variants_do_not_fit(sharded_model,
               "--max-windows", "2", "--no-plots"]
     code, _, err = ptq_cli("compare", sharded_model, *common, "--out", tmp_path / "a")
     assert code == 0, err
-    assert "and 3 variants of it do not fit in memory: comparing block by block from disk (--low-memory)" in " ".join(err.split())
+    assert "and 3 variants of it do not fit in memory: comparing layer by layer from disk (--low-memory)" in " ".join(err.split())
     assert json.loads((tmp_path / "a" / "results.json").read_text())["compute"]["low_memory"] is True
     code, _, err = ptq_cli("compare", sharded_model, *common, "--in-memory", "--out", tmp_path / "b")
     assert code == 2 and "needs at least" in err and not (tmp_path / "b").exists()
 
 
 def test_low_memory_refusals_are_one_line(sharded_model, other_tiny_model, text_file, tmp_path, ptq_cli):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    gpt2 = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=300)).save_pretrained(gpt2)
-    make_tokenizer().save_pretrained(gpt2)
+    gpt_oss = tmp_path / "gpt-oss"  # its experts are stored fused (3-D) on disk
+    families.build("gpt_oss").save_pretrained(gpt_oss)
+    make_tokenizer().save_pretrained(gpt_oss)
     calib = ["--data", text_file, "--samples", "2", "--seq-len", "16", "-q"]
     cases = [
-        (("calibrate", gpt2, *calib, "--low-memory", "-o", tmp_path / "g.st"), "supports the llama architecture, not 'gpt2'"),
+        (("calibrate", gpt_oss, *calib, "--low-memory", "-o", tmp_path / "g.st"), "cannot read"),
         (("calibrate", "some-org/some-model", *calib, "--low-memory", "-o", tmp_path / "h.st"), "local model directory"),
         (("calibrate", sharded_model, *calib, "--low-memory", "--resume", "-o", tmp_path / "r.st"), "--resume is not available"),
+        (("calibrate", sharded_model, *calib, "--recipe", "paper-e4m3", "--low-memory", "-o", tmp_path / "a.st"),
+         "observes Linear inputs only"),
     ]
     for args, message in cases:
         code, _, err = ptq_cli(*args)

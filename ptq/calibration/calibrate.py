@@ -27,6 +27,7 @@ automatic size starts the calibration over on half the batch size (see calibrate
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -45,6 +46,7 @@ from ptq.calibration.observers import NUM_BINS, TensorObserver
 from ptq.errors import PtqError
 from ptq.execution import batching
 from ptq.execution.devices import input_device
+from ptq.execution.executors import WholeModels
 from ptq.files import check_writable, save_safetensors
 from ptq.models.matmuls import LinearExperts, quantizable
 from ptq.numerics.formats import NumberFormat, amax, compute_scale, fake_quantize
@@ -91,7 +93,7 @@ def checkpoint_path(output: Path) -> Path:
 def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int | None = 4,
               on_nonfinite: str = "fail", on_unseen: str = "fallback", checkpoint: Path | None = None,
               checkpoint_every: float = 60.0, resume: bool = False, channels: list[str] = (),
-              all_experts: bool = True, weights_of: nn.Module | None = None) -> Calibration:
+              all_experts: bool = True, weights_of: nn.Module | None = None, layer_by_layer=None) -> Calibration:
     """Record input and weight amax of the named Linear layers (and attention matmul / residual-add
     inputs) over the calibration windows, with histograms of every input, and per-channel input amax of
     the Linear layers in `channels`. With `all_experts`, every token also runs through every expert of a
@@ -114,6 +116,9 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     seconds; `resume=True` continues from it. The caller deletes the checkpoint once the result is saved.
     `weights_of`: the model the weight amax are read from, when `model` is a copy placed over the devices
     (ptq.execution.placement) whose offloaded weights are not in memory.
+    `layer_by_layer`: the executor that runs `model` one decoder layer at a time from disk
+    (ptq.execution.streaming.LayerByLayer); the observers are hooked on each layer as it is read. Linear inputs
+    only, without checkpoints.
     """
     auto = batch_size is None
     runner = _runner(model, layers)
@@ -127,7 +132,8 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
         error = None
         try:
             calibration = _calibrate_batches(model, input_ids, layers, size, on_nonfinite, on_unseen, checkpoint,
-                                             checkpoint_every, resume, channels, all_experts, restarted, weights_of)
+                                             checkpoint_every, resume, channels, all_experts, restarted, weights_of,
+                                             layer_by_layer)
         except torch.cuda.OutOfMemoryError as e:
             error = str(e)  # not the exception: its frames hold the batch's tensors
         else:
@@ -152,7 +158,7 @@ def _observe_heads(observer: TensorObserver, x: torch.Tensor) -> torch.Tensor:
 def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int,
                        on_nonfinite: str, on_unseen: str, checkpoint: Path | None, checkpoint_every: float, resume: bool,
                        channels: list[str], all_experts: bool, restarted: int | None = None,
-                       weights_of: nn.Module | None = None) -> Calibration:
+                       weights_of: nn.Module | None = None, layer_by_layer=None) -> Calibration:
     """One calibration run on batches of `batch_size` windows, with new observers (see calibrate).
     restarted: the batch size that ran out of memory before this run, for the progress bar."""
     if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
@@ -161,14 +167,31 @@ def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[s
 
     modules = dict(model.named_modules())
     linears = [name for name in layers if quantizable(modules.get(name))]
-    weight_modules = dict((weights_of or model).named_modules())
-    weight_amax = {name: check_weight(name, weight_modules[name].weight) for name in linears}
     observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
-    batches = input_ids.split(batch_size)
-    fingerprint = run_fingerprint(input_ids, layers, batch_size, on_nonfinite, weight_amax, channels, all_experts)
-    device = input_device(model)
-    start = load_checkpoint(checkpoint, observers, fingerprint, len(batches), device, batch_size) if resume else 0
-    hooks = [modules[name].register_forward_pre_hook(observers[name]) for name in linears]
+    weight_amax: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def observed(part: nn.Module):
+        """The observers hooked on the calibrated Linear layers of `part` (the whole model, or the part of it that
+        is in memory, its modules under their names in the model), their weights' amax recorded."""
+        here = dict(part.named_modules())
+        weights = dict(weights_of.named_modules()) if weights_of is not None else here
+        hooks = []
+        for name in linears:
+            if name in here:
+                weight_amax[name] = check_weight(name, weights[name].weight)
+                hooks.append(here[name].register_forward_pre_hook(observers[name]))
+        experts = [m for m in part.modules() if isinstance(m, LinearExperts)]
+        for m in experts:
+            m.all_experts = all_experts
+        try:
+            yield {"original": part}
+        finally:
+            for m in experts:
+                m.all_experts = False
+            for h in hooks:
+                h.remove()
+
     attention_layers, residual_blocks = {}, {}
     for name in layers:
         if name not in linears:
@@ -179,42 +202,53 @@ def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[s
                 attention_layers.setdefault(layer, {})[tensor] = partial(_observe_heads, observers[name])
             else:
                 attention_layers.setdefault(layer, {})[tensor] = observers[name].observe
-    previous = model.config._attn_implementation
-    attention.install(model, {k: attention.AttentionQuant(v) for k, v in attention_layers.items()}, observe=True)
-    hooks += residual.install(model, residual_blocks)
-    runner = _runner(model, layers)
-    saved_at = time.monotonic()
-    experts = [m for m in model.modules() if isinstance(m, LinearExperts)]
-    for m in experts:
-        m.all_experts = all_experts
-    try:
+    logits = _runner(model, layers) is model  # the lm_head is observed: the logits are computed
+    batches = input_ids.split(batch_size)
+    start = 0
+    with contextlib.ExitStack() as stack:
+        if layer_by_layer is not None:
+            beyond = [name for name in layers if name not in linears]
+            if beyond:
+                raise PtqError(f"calibrating layer by layer (--low-memory) observes Linear inputs only; '{beyond[0]}' "
+                               "(attention or residual coverage) needs the model in memory")
+            run = layer_by_layer.with_parts(observed, ["original"])
+            checkpoint = None  # layer by layer, no batch is done before the last layer: nothing to resume from
+        else:
+            stack.enter_context(observed(model))
+            fingerprint = run_fingerprint(input_ids, layers, batch_size, on_nonfinite, weight_amax, channels, all_experts)
+            if resume:
+                start = load_checkpoint(checkpoint, observers, fingerprint, len(batches), input_device(model), batch_size)
+            previous = model.config._attn_implementation
+            attention.install(model, {k: attention.AttentionQuant(v) for k, v in attention_layers.items()}, observe=True)
+            stack.callback(attention.uninstall, model, previous)
+            for hook in residual.install(model, residual_blocks):
+                stack.callback(hook.remove)
+            run = WholeModels({"original": _runner(model, layers)}, input_device(model))
+        stack.callback(setattr, TensorObserver, "shared", None)  # release the last activation it holds
+        saved_at = time.monotonic()
         description = (f"calibrating again on batches of {batch_size} (out of GPU memory on {restarted})" if restarted
                        else "calibrating")
-        with torch.inference_mode(), progress(description, len(input_ids), input_ids.shape[1]) as advance:
-            advance(sum(len(b) for b in batches[:start]))
-            for i in range(start, len(batches)):
-                runner(input_ids=batches[i].to(device))
-                if on_nonfinite == "fail":
-                    _fail_on_nonfinite(observers, i, batch_size)
-                advance(len(batches[i]))
+        done = sum(len(b) for b in batches[:start])
+        check = (lambda i: _fail_on_nonfinite(observers, start + i, batch_size)) if on_nonfinite == "fail" else None
+        with torch.inference_mode(), progress(description, run.steps(len(input_ids), logits), input_ids.shape[1]) as advance:
+            advance(done)
+            for i, (_, outputs) in enumerate(run.forward(input_ids[done:], batch_size, logits=logits, after_batch=check,
+                                                         advance=advance), start):
+                for _ in outputs:
+                    pass  # the observers have seen the batch; the logits are not needed
                 if checkpoint is not None and i + 1 < len(batches) and time.monotonic() - saved_at >= checkpoint_every:
                     save_checkpoint(checkpoint, observers, fingerprint, i + 1, len(batches), batch_size)
                     saved_at = time.monotonic()
-    finally:
-        for m in experts:
-            m.all_experts = False
-        for h in hooks:
-            h.remove()
-        attention.uninstall(model, previous)
-        TensorObserver.shared = None
-    return finish(observers, layers, weight_amax, on_nonfinite, on_unseen)
+    calibration = finish(observers, layers, {name: weight_amax[name] for name in linears}, on_nonfinite, on_unseen)
+    if layer_by_layer is not None:
+        calibration.metadata["low_memory"] = f"calibrated {layer_by_layer.description}"
+    return calibration
 
 
 def finish(observers: dict[str, TensorObserver], layers: list[str], weight_amax: dict[str, torch.Tensor],
            on_nonfinite: str, on_unseen: str) -> Calibration:
     """The Calibration from the observers once every batch has run: unseen layers get their fallback amax
-    (or stop the run), skipped non-finite batches are counted in the metadata. Shared by `calibrate` and the
-    block-by-block calibration of ptq.execution.streaming."""
+    (or stop the run), skipped non-finite batches are counted in the metadata."""
     input_amax, unseen, skipped = {}, [], {}
     for name, obs in observers.items():
         if int(obs.nonfinite):

@@ -75,7 +75,7 @@ class ComputeOptions:
 
     batch_size: int | str | None = None  # --batch-size: windows per forward pass; None or "auto": automatic
     matmul: str = "auto"  # --matmul: simulated, fp8 or auto
-    low_memory: bool | None = None  # --low-memory / --in-memory; None: block by block when the model does not fit
+    low_memory: bool | None = None  # --low-memory / --in-memory; None: layer by layer when the model does not fit
 
     def __post_init__(self):
         object.__setattr__(self, "batch_size", parse_batch_size(self.batch_size))  # an int, or None for automatic

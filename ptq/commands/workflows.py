@@ -11,6 +11,7 @@ eval:      model + one recipe (+ calibration) -> perplexity and task accuracy of
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import importlib.metadata
@@ -97,7 +98,7 @@ def run_calibrate(recipes: list[str], *, model: ModelOptions = ModelOptions(),
                   calibration: CalibrationOptions = CalibrationOptions(), compute: ComputeOptions = ComputeOptions(),
                   output: OutputOptions) -> Calibration:
     """Calibrate for `recipes` and save to output.path; a checkpoint (OUTPUT.checkpoint) is kept while running and
-    removed at the end. compute.low_memory: block by block from disk (ptq.execution.streaming); None: when the model
+    removed at the end. compute.low_memory: layer by layer from disk (ptq.execution.streaming); None: when the model
     does not fit in memory. model.placement: the model placed over the GPUs and offloaded (ptq.execution.placement)."""
     refuse_unused("calibrate", model, dtype="--dtype")
     refuse_unused("calibrate", calibration, file="--calib")
@@ -105,7 +106,7 @@ def run_calibrate(recipes: list[str], *, model: ModelOptions = ModelOptions(),
     refuse_unused("calibrate", output, limits="a gate")
     check_placement(model.placement, compute.low_memory)
     if compute.low_memory and calibration.resume:
-        raise PtqError("--resume is not available with --low-memory (block-by-block calibration keeps no checkpoint)")
+        raise PtqError("--resume is not available with --low-memory (layer-by-layer calibration keeps no checkpoint)")
     check_writable(output.path, output.force)
     checkpoint = checkpoint_path(output.path)
     if checkpoint.exists() and not (calibration.resume or output.force):
@@ -114,7 +115,7 @@ def run_calibrate(recipes: list[str], *, model: ModelOptions = ModelOptions(),
     loaded_recipes = [load_recipe(r) for r in recipes]
     corpus = load_corpus(calibration.data, role="calibration")  # bad data fails before the (slow) model load
     streamed = not calibration.resume and _streams(model, compute.low_memory, note=(
-        f"note: model '{model.model}' does not fit in memory in float32: working block by block from disk (--low-memory)"))
+        f"note: model '{model.model}' does not fit in memory in float32: working layer by layer from disk (--low-memory)"))
     loaded = _load(model, streamed)
     check_coverage(loaded.model, loaded_recipes, model.strict_coverage)
     result = _calibrate(loaded, corpus, loaded_recipes, calibration, batch_size=compute.batch_size,
@@ -129,20 +130,17 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, recipes: list[Recipe], optio
     """Calibrate `loaded` on options.samples windows of options.seq_len tokens of `corpus`, with its policies; saved
     to `output` if given (a checkpoint kept at `checkpoint` meanwhile, with options.resume continuing from it).
     batch_size: windows per forward pass, None for automatic (ptq.calibration.calibrate.calibrate: on CUDA from the
-    free memory, halved with a restart from the first batch when a batch does not fit; 4 on the CPU and block by
-    block). placement (--device-map): a copy of the model placed over the devices runs; the weight amax come from
+    free memory, halved with a restart from the first batch when a batch does not fit; 4 on the CPU and layer by
+    layer). placement (--device-map): a copy of the model placed over the devices runs; the weight amax come from
     the model itself, in CPU memory."""
     windows = make_windows(corpus, loaded.tokenizer, options.seq_len, options.samples)
     layers, channels = calibration_targets(loaded.model, recipes)
     if not layers:
         raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
-    if streaming.is_streamed(loaded.model):
-        size = batch_size or batching.CPU_BATCH_SIZE
-        with devices.gpu_memory(f"calibrating block by block on batches of {size} window(s) of {windows.seq_len} tokens"):
-            calibration = streaming.calibrate_blocks(loaded.model, windows.input_ids, layers, batch_size=size,
-                                                     on_nonfinite=options.on_nonfinite, on_unseen=options.on_unseen,
-                                                     channels=channels)
-        calibration.metadata["batch_size"] = size
+    if streaming.is_streamed(loaded.model):  # one decoder layer at a time from disk; a batch that does not fit: as below
+        calibration = calibrate(loaded.model, windows.input_ids, layers, batch_size, on_nonfinite=options.on_nonfinite,
+                                on_unseen=options.on_unseen, channels=channels, all_experts=options.all_experts,
+                                layer_by_layer=streaming.LayerByLayer(loaded.model))
     else:
         # A batch that does not fit: calibrate backs off (automatic size) or stops with one line naming the size
         with placed({"original": placed_copy(loaded.model) if placement else loaded.model}, placement) as runner:
@@ -186,7 +184,7 @@ def _calibration(loaded: LoadedModel, options: CalibrationOptions, recipes: list
 
 
 def _streams(model: ModelOptions, low_memory: bool | None, copies: float = 1, note: str = "") -> bool:
-    """Whether the model runs block by block from disk (ptq.execution.streaming): `low_memory` as given; None (automatic)
+    """Whether the model runs layer by layer from disk (ptq.execution.streaming): `low_memory` as given; None (automatic)
     when `copies` float32 copies of a local checkpoint do not fit in memory, never with --device-map or
     --no-memory-check; `note` is printed then."""
     if low_memory is not None:
@@ -253,7 +251,7 @@ def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, place
     device = default_device()
     check_placement(placement, low_memory)
     if low_memory and dtype not in (None, "float32"):
-        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} computes in float32 (each block is read in float32), not {dtype}")
+        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} computes in float32 (each layer is read in float32), not {dtype}")
     return {"device": str(device), "dtype": str(compute_dtype("float32" if low_memory else dtype, device)).removeprefix("torch."),
             "matmul": resolve_matmul(matmul, device), "low_memory": low_memory}
 
@@ -273,16 +271,53 @@ def describe_compute(compute: dict) -> str:
     matmul = ("FP8 layers with per-tensor or per-row scales as real FP8 matmuls (torch._scaled_mm); group and block "
               "scales, and the others, simulated" if compute["matmul"] == "fp8"
               else "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)")
-    blocks = "; block by block from disk (--low-memory)" if compute.get("low_memory") else ""
+    blocks = "; layer by layer from disk (--low-memory)" if compute.get("low_memory") else ""
     placed_text = f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
     return f"{compute['device']}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
+
+
+class MeasuredVariants:
+    """compare's variants of each part of a model run layer by layer (ptq.execution.streaming.LayerByLayer's
+    `parts`, called with each part as it is read): the baseline and each recipe's variant of the part
+    (quantize_variants), their weight SNR added to `weight_snr` and, once the part has run, their input SNR to
+    `input_snr`, as compare measures the whole model. The part itself is not kept once its variants are made."""
+
+    def __init__(self, baseline: Recipe, variants: list[Recipe], calibration: Calibration | None, matmul: str,
+                 weight_snr: dict[str, dict], input_snr: dict[str, dict]):
+        self.recipes, self.variants, self.calibration, self.matmul = [baseline, *variants], variants, calibration, matmul
+        self.weight_snr, self.input_snr = weight_snr, input_snr
+
+    def __call__(self, part: torch.nn.Module) -> _Measured:
+        models = quantize_variants(part, self.recipes, self.calibration, self.matmul)
+        quantized = {r.name: models[r.name] for r in self.variants}
+        for name, m in quantized.items():
+            self.weight_snr[name] |= weight_snr_db(part, m)
+        return _Measured(models, input_snr_db(quantized), self.input_snr)
+
+
+class _Measured:
+    """Gives the variants of one part with input SNR measured on them while the part runs."""
+
+    def __init__(self, models: dict, snr: contextlib.AbstractContextManager, input_snr: dict[str, dict]):
+        self.models, self.snr, self.input_snr = models, snr, input_snr
+
+    def __enter__(self) -> dict:
+        self.measured = self.snr.__enter__()
+        models, self.models = self.models, None  # held by the executor while the part runs, not here
+        return models
+
+    def __exit__(self, *exc) -> bool:
+        self.snr.__exit__(*exc)
+        for name, values in self.measured.items():
+            self.input_snr[name] |= values
+        return False
 
 
 def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), data: DataOptions = DataOptions(),
                 calibration: CalibrationOptions = CalibrationOptions(), compute: ComputeOptions = ComputeOptions(),
                 output: OutputOptions) -> dict:
-    """The bf16 baseline and each recipe on the same windows, report written to output.path. compute.low_memory: block
-    by block from disk (ptq.execution.streaming); None: when the model and its variants' weight codes do not fit in
+    """The bf16 baseline and each recipe on the same windows, report written to output.path. compute.low_memory: layer
+    by layer from disk (ptq.execution.streaming); None: when the model and its variants' weight codes do not fit in
     memory. model.placement (--device-map): the model loaded and quantized on the CPU, each variant then placed over
     the GPUs and offloaded (ptq.execution.placement)."""
     _refuse_resume("compare", calibration)
@@ -293,7 +328,7 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
     copies = torch.finfo(compute_dtype(model.dtype, default_device())).bits / 32 + 0.5 * (len(recipes) + 1)
     streamed = _streams(model, compute.low_memory, copies, note=(
         f"note: model '{model.model}' and {len(recipes) + 1} variants of it do not fit in memory: comparing "
-        f"block by block from disk ({streaming.LOW_MEMORY_FLAG})"))
+        f"layer by layer from disk ({streaming.LOW_MEMORY_FLAG})"))
     compute_info = _compute_info(model, compute, data, streamed)
     _check_report_outputs(output, output.plots)
     baseline = load_recipe(BASELINE_RECIPE)
@@ -317,9 +352,11 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
     task_run = None
     batch_size, placement = compute.batch_size, model.placement
     if streamed:
-        scores, weight_snr, input_snr = streaming.compare_blocks(loaded.model, [baseline, *variants], calib,
-                                                                 windows.input_ids, batch_size or batching.CPU_BATCH_SIZE,
-                                                                 compute_info["matmul"])
+        # The same variants and measurements, made of each part of the model as it is read from disk
+        weight_snr, input_snr = {r.name: {} for r in variants}, {r.name: {} for r in variants}
+        parts = MeasuredVariants(baseline, variants, calib, compute_info["matmul"], weight_snr, input_snr)
+        run = streaming.LayerByLayer(loaded.model, parts, [baseline.name, *(r.name for r in variants)])
+        scores = evaluate(run, windows.input_ids, batch_size)
     else:
         # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
         # the original is then released.
@@ -403,7 +440,7 @@ def _refuse_resume(command: str, calibration: CalibrationOptions) -> None:
 
 
 def _compute_info(model: ModelOptions, compute: ComputeOptions, data: DataOptions, streamed: bool) -> dict:
-    """compute_path, with what a block-by-block run cannot do refused before anything is loaded."""
+    """compute_path, with what a layer-by-layer run cannot do refused before anything is loaded."""
     info = compute_path(model.dtype, compute.matmul, streamed, model.placement)
     if streamed and data.tasks:
         raise PtqError(f"--tasks needs the whole model in memory: it is not available with {streaming.LOW_MEMORY_FLAG}")
@@ -480,7 +517,7 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
              output: OutputOptions) -> dict:
     """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy on the tasks,
     each with its interval; report written to output.path. No baseline, so no deltas: that is what compare is for.
-    compute.low_memory: block by block from disk (ptq.execution.streaming); None: when the model does not fit in
+    compute.low_memory: layer by layer from disk (ptq.execution.streaming); None: when the model does not fit in
     memory. model.placement (--device-map): loaded and quantized on the CPU, then placed over the GPUs
     (ptq.execution.placement)."""
     _refuse_resume("eval", calibration)
@@ -488,7 +525,7 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
     check_task_options(data)
     distributed.setup()
     streamed = _streams(model, compute.low_memory, note=(
-        f"note: model '{model.model}' does not fit in memory: evaluating block by block from disk "
+        f"note: model '{model.model}' does not fit in memory: evaluating layer by layer from disk "
         f"({streaming.LOW_MEMORY_FLAG})"))
     compute_info = _compute_info(model, compute, data, streamed)
     _check_report_outputs(output, plots=False)
@@ -508,8 +545,8 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
     layer_order = list(linear_layers(loaded.model))
     batch_size, task_run = compute.batch_size, None
     if streamed:
-        s = streaming.compare_blocks(loaded.model, [config], calib, windows.input_ids,
-                                     batch_size or batching.CPU_BATCH_SIZE, compute_info["matmul"])[0][config.name]
+        parts = MeasuredVariants(config, [], calib, compute_info["matmul"], {}, {})
+        s = evaluate(streaming.LayerByLayer(loaded.model, parts, [config.name]), windows.input_ids, batch_size)[config.name]
     else:
         models = {config.name: quantize_(loaded.model, config, calib, matmul=compute_info["matmul"])}
         with placed(models, model.placement) as models:
@@ -654,7 +691,7 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
                  output: OutputOptions, checkpoint: CheckpointOptions = CheckpointOptions()) -> dict:
     """quantize: model + recipe (+ calibration) -> compressed-tensors checkpoint in output.path, reloaded with
     transformers and checked against ptq's simulation on `data`'s windows before it is renamed into place.
-    compute.low_memory: block by block from disk (ptq.execution.streaming), unverified (the model is never whole in
+    compute.low_memory: layer by layer from disk (ptq.execution.streaming), unverified (the model is never whole in
     memory); None: when the model does not fit in memory. model.placement (--device-map): the model loaded and
     exported from CPU memory; calibration and the verification's models placed over the devices
     (ptq.execution.placement)."""
@@ -679,7 +716,7 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
     needed = [r] if r.needs_calibration else []
     calib_corpus = load_corpus(calibration.data, role="calibration") if reused is None else None  # checked early
     streamed = _streams(model, compute.low_memory, note=(
-        f"note: model '{model.model}' does not fit in memory in float32: working block by block from disk (--low-memory)"))
+        f"note: model '{model.model}' does not fit in memory in float32: working layer by layer from disk (--low-memory)"))
     loaded = _load(model, streamed)
     export.export_layers(loaded.model, r)  # refuse an unexportable model before calibrating it
     checkpoint_coverage = check_coverage(loaded.model, [r], model.strict_coverage)[r.name]
@@ -693,7 +730,8 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
         calibration_source = "none: the recipe's scales come from the weights and, on the fly, from the inputs"
     if streamed:
         dtypes = export.source_dtypes(str(loaded.model.ptq_checkpoint.directory))
-        entries, quantized, ignored = streaming.plan_checkpoint(loaded.model, r, calib)
+        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes,
+                                                             read=loaded.model.ptq_checkpoint.read_one)
     else:
         dtypes = export.source_dtypes(loaded.model.config._name_or_path)
         entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes)
@@ -726,7 +764,7 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
         loaded.tokenizer.save_pretrained(tmp)
         conv1d = [name for name in quantized if kind(loaded.model.get_submodule(name)) == "Conv1D"]
         if checkpoint.verify and streamed:
-            info["verification_skipped"] = ("exported block by block with `--low-memory`: the model was never whole in "
+            info["verification_skipped"] = ("exported layer by layer with `--low-memory`: the model was never whole in "
                                             "memory to be reloaded and compared")
         elif checkpoint.verify and placement:  # transformers 5 with compressed-tensors 0.20 fails to run such a checkpoint offloaded
             info["verification_skipped"] = ("exported with `--device-map`: the checkpoint is not reloaded and compared, "

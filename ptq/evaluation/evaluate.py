@@ -14,6 +14,7 @@ from torch import nn
 
 from ptq.execution import batching
 from ptq.execution.devices import input_device
+from ptq.execution.executors import WholeModels
 from ptq.progress import progress
 from ptq.quantization.quantize import fused
 
@@ -73,41 +74,42 @@ def _cross(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 _kernels = (fused(_scores), fused(_probs), fused(_cross))
 
 
-def evaluate(models: dict[str, nn.Module], input_ids: torch.Tensor, batch_size: int | None = 4) -> dict[str, Scores]:
+def evaluate(models: dict[str, nn.Module] | object, input_ids: torch.Tensor, batch_size: int | None = 4) -> dict[str, Scores]:
     """Score each model on the windows `input_ids` [n, seq_len]. The first model is the baseline that
     KL divergence and top-1 agreement are measured against. Each window predicts its tokens 1..L-1.
-    batch_size None: automatic (ptq.execution.batching), halved and the batch retried when it runs out of GPU memory;
-    an explicit one that does not fit stops with one line. The scores do not depend on the batch size."""
-    names = list(models)
+    models: the models, each run whole (ptq.execution.executors.WholeModels), or an executor (LayerByLayer: one
+    decoder layer at a time, ptq.execution.streaming).
+    batch_size None: automatic (ptq.execution.batching); on a GPU out-of-memory it is halved and the windows not yet
+    scored run again (the batch, or with LayerByLayer every layer from the first); an explicit one that does not fit
+    stops with one line. The scores do not depend on the batch size."""
+    run = WholeModels(models) if isinstance(models, dict) else models
+    names = run.names
     scores = {name: Scores() for name in names}
-    devices = {name: input_device(models[name]) for name in names}
-    device = devices[names[0]]  # where the scores are computed (the baseline's device)
+    seq_len = input_ids.shape[1]
     auto = batch_size is None
-    size = batching.auto_batch_size(models[names[0]], input_ids.shape[1], len(input_ids), len(names)) if auto else batch_size
-    start = 0
-    with torch.inference_mode(), progress("evaluating", len(input_ids) * len(names), input_ids.shape[1]) as advance:
-        while start < len(input_ids):
-            batch = input_ids[start:start + size].to(device)
+    size = batching.auto_batch_size(run.model, seq_len, len(input_ids), len(names)) if auto else batch_size
+    done = 0  # windows scored
+    with torch.inference_mode(), progress("evaluating", run.steps(len(input_ids)), seq_len) as advance:
+        while done < len(input_ids):
             kept = copy.deepcopy(scores)  # a batch counts whole or not at all
             error = None
             try:
-                base = None
-                for name in names:
-                    logits = models[name](input_ids=batch.to(devices[name])).logits.to(device)
-                    base = score_logits(scores[name], logits, batch[:, 1:], base, versus=len(names) > 1)
-                    del logits
+                for batch, outputs in run.forward(input_ids[done:], size, advance=advance):
+                    base = None
+                    for name, logits in outputs:
+                        base = score_logits(scores[name], logits, batch[:, 1:], base, versus=len(names) > 1)
+                        del logits
+                    del base
+                    done += len(batch)
+                    kept = copy.deepcopy(scores)
             except torch.cuda.OutOfMemoryError as e:
                 error = str(e)
             if error is not None:
-                scores, base = kept, None
-                estimate = len(batch) * batching.window_bytes(models[names[0]].config, batch.shape[1],
-                                                              next(models[names[0]].parameters()).dtype, len(names))
-                size = batching.back_off(size, auto, f"evaluating {len(names)} model(s) on {len(batch)} window(s) of "
-                                         f"{batch.shape[1]} tokens", error, estimate)
-                continue
-            del base
-            advance(len(batch) * len(names))
-            start += len(batch)
+                scores = kept
+                estimate = min(size, len(input_ids) - done) * batching.window_bytes(run.model.config, seq_len, run.dtype,
+                                                                                     len(names))
+                size = batching.back_off(size, auto, f"evaluating {len(names)} model(s) on "
+                                         f"{min(size, len(input_ids) - done)} window(s) of {seq_len} tokens", error, estimate)
     return scores
 
 

@@ -64,7 +64,7 @@ def auto_batch_size(model: nn.Module, seq_len: int, windows: int, models: int = 
                     logits: bool = True) -> int:
     """The batch size `auto` stands for: on CUDA from the free memory and `window_bytes` (`calibrating` and
     `logits` passed on), at most the number of windows and MAX_AUTO_BATCH_SIZE; on the CPU (and for a model
-    on the meta device, streamed block by block), CPU_BATCH_SIZE."""
+    on the meta device, run layer by layer), CPU_BATCH_SIZE."""
     device, param = input_device(model), next(model.parameters(), None)
     if param is None or device.type != "cuda":
         return max(1, min(CPU_BATCH_SIZE, windows))

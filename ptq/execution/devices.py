@@ -17,7 +17,7 @@ from torch import nn
 
 from ptq.errors import PtqError
 
-WAYS_OUT = "use a smaller --batch-size, --low-memory (one decoder block on the GPU at a time), or fewer recipes per run"
+WAYS_OUT = "use a smaller --batch-size, --low-memory (one decoder layer on the GPU at a time), or fewer recipes per run"
 
 
 def default_device() -> torch.device:

@@ -1,48 +1,54 @@
-"""Models larger than memory: `ptq calibrate --low-memory`, `ptq quantize --low-memory` and `ptq compare
---low-memory` work on a safetensors checkpoint block by block from disk, so that a model whose weights do not
-fit in memory can still be calibrated, quantized and compared (compare_blocks: each variant keeps its own
-hidden states, each block is quantized per recipe when it is read).
+"""Models larger than memory: `ptq calibrate`, `ptq compare` and `ptq quantize` with `--low-memory` read a local
+safetensors checkpoint one decoder layer at a time, for every architecture ptq loads (dense families, GPT-2,
+mixture-of-experts), as llm-compressor's sequential pipeline, GPTQ and AutoAWQ do.
 
-The model itself is built on the meta device (shapes, no data). Calibration is one pass over the checkpoint:
-the embedding table is read, the calibration windows are embedded batch by batch and the hidden states kept;
-then, for each decoder block, only that block's tensors are read (safetensors `safe_open`, one tensor at a
-time), given to transformers' own decoder layer (`load_state_dict(assign=True)`), every cached batch runs
-through it with ptq's TensorObservers hooked on its Linear layers (its outputs replace the cached inputs),
-and the block is freed. Position ids, rotary embeddings and the causal mask are made as LlamaModel.forward
-makes them. Same batches, same float32 ops in the same order as the in-memory calibration: the amax are
-bit-identical (tests/test_streaming.py).
+The model is built on the meta device (shapes, no data), twice: as transformers builds it (each decoder layer is
+copied from it when it is read) and linearized (ptq.models.matmuls: the names that recipes select, calibration
+files are keyed by and the export writes). `LayerByLayer` runs it (ptq.execution.executors):
+1. The trunk: everything but the decoder layers (embeddings, rotary embeddings, final norm, lm_head), read from
+   disk; in its list of decoder layers, `LayerSlot`s without weights stand in.
+2. Capture: the model's own forward runs on each batch; each slot records what it is called with (position
+   embeddings, attention masks, cache positions, whatever the family passes to that layer; the first one also the
+   hidden states) and the last one stops the forward.
+3. Each decoder layer is read (safetensors, memory-mapped, only that layer's tensors, under the names
+   `save_pretrained` gives them: ptq.export.checkpoint.checkpoint_names), in float32 and laid out as
+   ptq.models.loading lays it out (a copy of transformers' layer, then linearized), run on every batch, its
+   outputs replacing its inputs, and freed before the next one is read.
+4. The logits: the model's forward runs on the trunk again, each slot passing its input on and the last one
+   returning the last layer's output, so the final norm, the lm_head and whatever the family does after it
+   (Gemma's soft-capping) are the model's own code.
+What is computed on each part (the trunk, then each layer as it is read) is the caller's `parts`: calibration's
+observers, compare's quantized variants and their SNR hooks, as on the whole model in memory. The same float32
+ops run on the same batches in the same order as in memory: the amax, the scores and the checkpoint files are
+identical (tests/test_streaming.py).
 
-Export is a second pass, with no forward: ptq.export.checkpoint's checkpoint plan and shard writer, each tensor read
-from disk when its output shard is written, quantized by ptq.quantization.quantize.quantize_weight (the one code path) or
-copied in its own dtype. The files are byte-identical to those of the in-memory `ptq quantize`.
-
-Memory: calibration holds one block in float32 plus the cached hidden states (windows x seq_len x hidden
-x 4 bytes); export holds one output shard (--shard-size) plus one tensor being quantized (about five
-float32 copies of the largest Linear weight while it is rounded). Only the Llama architecture (SmolLM2,
-Llama 2/3) is supported: other architectures build their masks and position embeddings differently.
+Memory: the trunk, one decoder layer (in float32, and the variants' weight codes in compare), and every batch's
+hidden states (windows x seq_len x hidden x 4 bytes, per variant in compare), all on the compute device: on CUDA
+one decoder layer is on the GPU at a time. Export has no forward: each tensor is read when its shard is written
+(ptq.export.checkpoint.plan_checkpoint with `read`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import safetensors
 import torch
 from torch import nn
 
-from ptq.calibration.calibrate import Calibration, TensorObserver, _fail_on_nonfinite, check_weight, finish
 from ptq.errors import PtqError
-from ptq.models.loading import LoadedModel
-from ptq.numerics.formats import amax
-from ptq.progress import progress
+from ptq.execution.devices import default_device
+from ptq.export.checkpoint import _saved_names, checkpoint_names
+from ptq.models.loading import LoadedModel, local_directory
+from ptq.models.matmuls import kind, linearize, quantizable
 
-SUPPORTED_MODEL_TYPES = ("llama",)
 LOW_MEMORY_FLAG = "--low-memory"
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool}
 
 
 class SafetensorsCheckpoint:
@@ -93,29 +99,23 @@ class SafetensorsCheckpoint:
     def read_one(self, name: str) -> torch.Tensor:
         return self.read([name])[name]
 
+    def each(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The named tensors one at a time (each file opened once), so that one is in memory at a time."""
+        missing = [n for n in names if n not in self.file]
+        if missing:
+            raise PtqError(f"the checkpoint in {self.directory} has no tensor '{missing[0]}'")
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.file[n], []).append(n)
+        for path, keys in by_file.items():
+            with safetensors.safe_open(str(path), framework="pt") as f:
+                for k in keys:
+                    yield k, f.get_tensor(k)
 
-def directory_of(spec: str | None) -> tuple[Path, tuple[str, ...], str] | None:
-    """The local safetensors directory behind a model spec (the offline default and .gguf files are converted
-    once, as ptq.models.loading does), its caveats and source text; None for a Hub id."""
-    from ptq.models import loading as models
-
-    if spec is None or spec == models.DEFAULT_MODEL:
-        import importlib.metadata
-
-        directory, caveats = models.converted_gguf_dir(models.default_gguf_path())
-        return directory, caveats, (f"SmolLM2-135M-Instruct from the PyPI package {models.DEFAULT_DISTRIBUTION} "
-                                    f"{importlib.metadata.version(models.DEFAULT_DISTRIBUTION)}")
-    if spec.endswith(".gguf") and Path(spec).is_file():
-        directory, caveats = models.converted_gguf_dir(Path(spec))
-        return directory, caveats, f"{Path(spec).resolve()} (GGUF)"
-    directory = Path(spec).expanduser()
-    if directory.is_dir():
-        return directory, (), str(directory.resolve())
-    return None
 
 
 def supports(spec: str | None) -> bool:
-    """Whether `spec` is a local safetensors checkpoint of an architecture ptq can stream (no load needed)."""
+    """Whether `spec` is a local, unquantized safetensors checkpoint (read from its files, no load)."""
     if spec is None or not Path(spec).expanduser().is_dir():
         return False  # automatic streaming only for local directories: the default model fits anyway
     directory = Path(spec).expanduser()
@@ -123,26 +123,36 @@ def supports(spec: str | None) -> bool:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (isinstance(config, dict) and config.get("model_type") in SUPPORTED_MODEL_TYPES
-            and "quantization_config" not in config and any(directory.glob("*.safetensors")))
+    return isinstance(config, dict) and "quantization_config" not in config and any(directory.glob("*.safetensors"))
 
 
 def too_big(spec: str | None, copies: float = 1) -> bool:
     """The estimate of ptq.execution.resources (float32 weights times `copies` vs the memory available) says the model
     does not fit."""
-    from ptq.execution.devices import default_device
     from ptq.execution.resources import shortfall
 
     return supports(spec) and shortfall(Path(spec).expanduser(), copies, default_device()) is not None
 
 
+@dataclass
+class Streamed:
+    """What a streamed model is read from: the model as transformers builds it (on the meta device), the checkpoint,
+    the checkpoint's name of each tensor of the linearized model, and where its decoder layers are."""
+
+    built: nn.Module
+    checkpoint: SafetensorsCheckpoint
+    disk: dict[str, str]  # state-dict name in the linearized model -> tensor name in the checkpoint
+    layers: str  # the decoder layers' ModuleList, e.g. "model.layers" ("transformer.h" for GPT-2)
+
+
 def load_streamed(spec: str | None, trust_remote_code: bool = False) -> LoadedModel:
-    """The model on the meta device (no weights in memory), its tokenizer, and its checkpoint to stream from.
+    """The model on the meta device, linearized (no weights in memory), its tokenizer, and what to read it from.
     No remote code runs: only the architectures transformers itself implements are streamed."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    found = directory_of(spec)
+    found = local_directory(spec)
     if found is None:
         raise PtqError(f"{LOW_MEMORY_FLAG} works on a local model directory with safetensors weights; '{spec}' is not one "
                        "(download it first, e.g. with `hf download`)")
@@ -158,129 +168,84 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False) -> LoadedMo
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PtqError(f"cannot load model '{spec}': {reason}") from None
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise PtqError(f"{LOW_MEMORY_FLAG} supports the {', '.join(SUPPORTED_MODEL_TYPES)} architecture, not "
-                       f"'{config.model_type}' ({spec}): load it whole, without {LOW_MEMORY_FLAG}")
     if getattr(config, "quantization_config", None) is not None:
         raise PtqError(f"{spec} is already a quantized checkpoint: {LOW_MEMORY_FLAG} reads 16/32-bit checkpoints only")
     checkpoint = SafetensorsCheckpoint(directory)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.eval()
-    model.requires_grad_(False)
+    try:
+        with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) computed, as in memory
+            built = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PtqError(f"cannot build model '{spec}' ({config.model_type}): {reason}") from None
+    built.tie_weights()  # as from_pretrained ties them (init_empty_weights leaves them apart)
+    built.eval()
+    built.requires_grad_(False)
+    model = linearize(copy.deepcopy(built))
+    layers = decoder_layers(model)
+    try:
+        disk = checkpoint_names(model, _saved_names(model))
+    except PtqError as e:
+        raise PtqError(f"{LOW_MEMORY_FLAG} cannot read {spec} layer by layer: {e}") from None
+    absent = [name for name in disk.values() if name not in checkpoint.file]
+    if absent:
+        raise PtqError(f"the checkpoint in {directory} has no tensor '{absent[0]}', which {type(model).__name__} has: "
+                       f"{LOW_MEMORY_FLAG} reads checkpoints written in the layout of this transformers version")
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(directory))
     model.ptq_checkpoint = checkpoint
+    model.ptq_streamed = Streamed(built, checkpoint, disk, layers)
     return LoadedModel(model, tokenizer, name=spec or "smollm2", source=source, caveats=tuple(caveats))
 
 
 def is_streamed(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "ptq_checkpoint", None), SafetensorsCheckpoint)
+    return isinstance(getattr(model, "ptq_streamed", None), Streamed)
 
 
-def _materialise(skeleton: nn.Module, prefix: str, checkpoint: SafetensorsCheckpoint, device: torch.device) -> nn.Module:
-    """A copy of a meta-device module with its tensors from disk, in float32 (as ptq.models.loading loads every model).
-    The skeleton itself stays on the meta device (its tied weights stay tied)."""
-    module = copy.deepcopy(skeleton)
-    names = list(module.state_dict())
-    tensors = checkpoint.read([f"{prefix}.{n}" for n in names])
-    state = {n: _float32(tensors[f"{prefix}.{n}"]).to(device) for n in names}
-    module.load_state_dict(state, strict=True, assign=True)
-    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-        raise PtqError(f"module '{prefix}' keeps tensors that are not in the checkpoint: {LOW_MEMORY_FLAG} cannot build it")
-    return module
+def decoder_layers(model: nn.Module) -> str:
+    """The name of the model's list of decoder layers: the first ModuleList of num_hidden_layers modules of one of
+    the classes transformers keeps whole when it splits a model (`_no_split_modules`)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    count = getattr(config, "num_hidden_layers", None)
+    whole = set(getattr(model, "_no_split_modules", None) or ())
+    for name, module in model.named_modules():
+        if (isinstance(module, nn.ModuleList) and count and len(module) == count
+                and all(type(m).__name__ in whole for m in module)):
+            return name
+    raise PtqError(f"cannot find the decoder layers of {type(model).__name__}: {LOW_MEMORY_FLAG} runs a model one decoder "
+                   "layer at a time; load it whole")
 
 
-def _float32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.is_floating_point() else t
+def check_compare_recipes(recipes: list) -> None:
+    """Layer by layer, the layers run as transformers' code with ptq's Linear layers: recipes that quantize
+    attention's matmul inputs or the residual adds (which switch the whole model's attention) need the model whole."""
+    for r in recipes:
+        if r.beyond_linear:
+            raise PtqError(f"recipe '{r.name}' quantizes attention or residual inputs: {LOW_MEMORY_FLAG} compares "
+                           "Linear-layer recipes only; load the model whole")
 
 
-def _embedded(model: nn.Module, batches: tuple[torch.Tensor, ...], device: torch.device) -> tuple[list, list]:
-    """Each batch embedded, and what LlamaModel.forward computes once per batch before its decoder layers
-    (position ids, rotary embeddings, the causal mask) as keyword arguments for a decoder block."""
-    from transformers.masking_utils import create_causal_mask
+class LayerSlot(nn.Module):
+    """Stands in for a decoder layer in the trunk: no weights, the layer's plain attributes (a family's forward may
+    read `attention_type` or `layer_idx` off its layers); what a call does is `action`, set by LayerByLayer."""
 
-    prefix = model.base_model_prefix
-    base = model.get_submodule(prefix)
-    embed = _materialise(base.embed_tokens, f"{prefix}.embed_tokens", model.ptq_checkpoint, device)
-    hidden = [embed(b.to(device)) for b in batches]
-    del embed
-    rotary = type(base.rotary_emb)(config=model.config).to(device)
-    extras = []
-    for h in hidden:
-        position_ids = torch.arange(h.shape[1], device=device).unsqueeze(0)
-        mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
-        extras.append({"attention_mask": mask, "position_embeddings": rotary(h, position_ids=position_ids),
-                       "position_ids": position_ids})
-    return hidden, extras
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        for key, value in vars(layer).items():
+            if not key.startswith("_") and key != "training" and not isinstance(value, (nn.Module, torch.Tensor)):
+                self.__dict__[key] = value
+        self.action: Callable | None = None
+
+    def forward(self, *args, **kwargs):
+        return self.action(*args, **kwargs)
 
 
-def calibrate_blocks(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int = 4,
-                     on_nonfinite: str = "fail", on_unseen: str = "fallback", device: torch.device | None = None,
-                     channels: list[str] = ()) -> Calibration:
-    """ptq.calibration.calibrate.calibrate for a streamed model: the same amax, one decoder block in memory at a time."""
-    from ptq.execution.devices import default_device
+class _Captured(Exception):
+    """Raised by the last slot: the forward has given every decoder layer its inputs."""
 
-    device = device or default_device()
-    checkpoint: SafetensorsCheckpoint = model.ptq_checkpoint
-    prefix = model.base_model_prefix
-    base = model.get_submodule(prefix)
-    blocks = base.layers
-    block_layers: list[list[str]] = [[] for _ in blocks]
-    head = []
-    modules = dict(model.named_modules())
-    for name in layers:
-        if not isinstance(modules.get(name), nn.Linear):
-            raise PtqError(f"{LOW_MEMORY_FLAG} calibrates Linear inputs only; '{name}' (attention or residual coverage) "
-                           "needs the in-memory path")
-        parts = name.split(".")
-        if name.startswith(f"{prefix}.layers.") and parts[2].isdigit() and int(parts[2]) < len(blocks):
-            block_layers[int(parts[2])].append(name)
-        elif name == "lm_head":
-            head.append(name)
-        else:
-            raise PtqError(f"layer '{name}' is neither in a decoder block nor the lm_head: {LOW_MEMORY_FLAG} cannot calibrate it")
-    observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
-    weight_amax: dict[str, torch.Tensor] = {}
-    batches = input_ids.split(batch_size)
 
-    with torch.inference_mode(), progress("calibrating block by block", len(blocks) + 2) as advance:
-        hidden, extras = _embedded(model, batches, device)  # the cached activations: the next block's inputs
-        advance(1)
-        for i, skeleton in enumerate(blocks):
-            block = _materialise(skeleton, f"{prefix}.layers.{i}", checkpoint, device)
-            hooks = []
-            for name in block_layers[i]:
-                module = block.get_submodule(name.removeprefix(f"{prefix}.layers.{i}."))
-                weight_amax[name] = check_weight(name, module.weight)
-                hooks.append(module.register_forward_pre_hook(observers[name]))
-            try:
-                for b, h in enumerate(hidden):
-                    hidden[b] = block(h, cache=None, use_cache=False, **extras[b])
-                    if on_nonfinite == "fail":
-                        _fail_on_nonfinite({n: observers[n] for n in block_layers[i]}, b, batch_size)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-                del block  # its weights' memory is freed before the next block is read
-            advance(1)
-        if head:  # the lm_head's input is the final norm's output; its logits are not needed
-            norm = _materialise(base.norm, f"{prefix}.norm", checkpoint, device)
-            name = "lm_head"
-            stored = name + ".weight" if name + ".weight" in checkpoint.file else f"{prefix}.embed_tokens.weight"  # tied
-            weight_amax[name] = check_weight(name, _float32(checkpoint.read_one(stored)))
-            for b, h in enumerate(hidden):
-                observers[name](None, (norm(h),))
-                if on_nonfinite == "fail":
-                    _fail_on_nonfinite({name: observers[name]}, b, batch_size)
-            del norm
-        advance(1)
-    del hidden
-    TensorObserver.shared = None  # release the last activation it holds
-    calibration = finish(observers, layers, {name: weight_amax[name] for name in layers}, on_nonfinite, on_unseen)
-    calibration.metadata["low_memory"] = f"calibrated block by block from disk ({len(blocks)} decoder blocks)"
-    return calibration
+@contextlib.contextmanager
+def _as_is(part: nn.Module) -> Iterator[dict[str, nn.Module]]:
+    yield {"model": part}
 
 
 def _mounted(module: nn.Module, path: str) -> nn.Module:
@@ -295,118 +260,172 @@ def _mounted(module: nn.Module, path: str) -> nn.Module:
     return root
 
 
-def check_compare_recipes(recipes: list) -> None:
-    """Block-by-block compare runs transformers' decoder layers as they are: recipes that quantize attention's
-    matmul inputs or the residual adds (which patch the whole model) need the model whole."""
-    for r in recipes:
-        if r.beyond_linear:
-            raise PtqError(f"recipe '{r.name}' quantizes attention or residual inputs: {LOW_MEMORY_FLAG} compares "
-                           "Linear-layer recipes only; load the model whole")
+class LayerByLayer:
+    """The executor (ptq.execution.executors) of a streamed model: one decoder layer in memory at a time.
 
+    parts(part) -> context manager yielding {name: module}: what runs of each part of the model, given the part
+    with its tensors read from disk and its modules under their names in the whole model (the trunk is a model whose
+    decoder layers are slots; a layer is mounted at its path). Calibration yields the part itself with observers
+    hooked on it; compare yields the part's quantized variants. Default: the part itself, as "model"."""
 
-def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | None, input_ids: torch.Tensor,
-                   batch_size: int = 4, matmul: str = "simulated", device: torch.device | None = None) -> tuple:
-    """ptq.evaluation.evaluate.evaluate of each recipe's variant of a streamed model (the first recipe is the baseline),
-    one decoder block in memory at a time: every variant's hidden states are kept for all windows, each block
-    is read from disk, quantized per recipe (ptq.quantization.quantize.quantize_variants: weight codes, shared where the
-    recipes agree), run on each variant's own hidden states, and freed; the final norm and lm_head then give
-    each batch's logits, scored as evaluate scores them. The same float32 ops on the same batches in the same
-    order as the in-memory evaluation. Returns (scores, weight SNR, input SNR) as ptq.evaluation.layerstats computes
-    them in memory."""
-    from ptq.evaluation.evaluate import Scores, score_logits
-    from ptq.evaluation.layerstats import input_snr_db, weight_snr_db
-    from ptq.execution.devices import default_device
-    from ptq.quantization.quantize import quantize_variants
+    def __init__(self, model: nn.Module, parts: Callable | None = None, names: list[str] | None = None,
+                 device: torch.device | None = None):
+        if not is_streamed(model):
+            raise ValueError("LayerByLayer runs a model made by load_streamed")
+        self.model = model  # the linearized skeleton: what batch-size estimates read
+        self.streamed: Streamed = model.ptq_streamed
+        self.parts = parts or _as_is
+        self.names = names or ["model"]
+        self.device = device or default_device()
+        self.dtype = torch.float32  # every tensor is read in float32
+        self.layer_count = len(model.get_submodule(self.streamed.layers))
+        self.description = f"layer by layer from disk ({self.layer_count} decoder layers)"
 
-    device = device or default_device()
-    check_compare_recipes(recipes)
-    checkpoint: SafetensorsCheckpoint = model.ptq_checkpoint
-    prefix = model.base_model_prefix
-    base = model.get_submodule(prefix)
-    names = [r.name for r in recipes]
-    weight_snr = {name: {} for name in names[1:]}
-    input_snr = {name: {} for name in names[1:]}
-    batches = input_ids.split(batch_size)
-    with torch.inference_mode(), progress("comparing block by block", len(base.layers) + 2) as advance:
-        first, extras = _embedded(model, batches, device)
-        hidden = {name: list(first) for name in names}  # each variant's own activations, all windows
-        del first
-        advance(1)
-        for i, skeleton in enumerate(base.layers):
-            path = f"{prefix}.layers.{i}"
-            original = _mounted(_materialise(skeleton, path, checkpoint, device), path)
-            variants = quantize_variants(original, recipes, calibration, matmul)  # codes; no float32 copies
-            for name, variant in variants.items():
-                block = variant.get_submodule(path)
-                if name in weight_snr:
-                    weight_snr[name] |= weight_snr_db(original, variant)
-                with input_snr_db({name: variant}) as measured:
-                    hidden[name] = [block(h, cache=None, use_cache=False, **extras[b]) for b, h in enumerate(hidden[name])]
-                if name in input_snr:
-                    input_snr[name] |= measured.get(name, {})
-            del original, variants, variant, block  # freed before the next block is read
-            advance(1)
-        norm = _materialise(base.norm, f"{prefix}.norm", checkpoint, device)
-        stored = "lm_head.weight" if "lm_head.weight" in checkpoint.file else f"{prefix}.embed_tokens.weight"  # tied
-        linear = model.lm_head
-        head = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
-        head.weight = nn.Parameter(_float32(checkpoint.read_one(stored)).to(device), requires_grad=False)
-        head = _mounted(head, "lm_head")
-        heads = quantize_variants(head, recipes, calibration, matmul)  # one copy of codes the recipes share
-        for name in weight_snr:
-            weight_snr[name] |= weight_snr_db(head, heads[name])
-        del head
-        scores = {name: Scores() for name in names}
-        with input_snr_db({name: heads[name] for name in input_snr}) as measured:
+    def with_parts(self, parts: Callable, names: list[str]) -> LayerByLayer:
+        return LayerByLayer(self.model, parts, names, self.device)
+
+    def steps(self, windows: int, logits: bool = True) -> int:
+        return windows * len(self.names) * (self.layer_count + (1 if logits else 0))
+
+    def forward(self, input_ids: torch.Tensor, size: int, *, logits: bool = True,
+                after_batch: Callable[[int], None] | None = None,
+                advance: Callable[[int], None] = lambda n: None) -> Iterator[tuple[torch.Tensor, Iterator]]:
+        batches = [b.to(self.device) for b in input_ids.split(size)]
+        trunk = self._trunk(logits)
+        captured = [self._capture(trunk, batch) for batch in batches]
+        calls = [c for _, c in captured]  # per batch, per layer: (positional arguments after the hidden states, keywords)
+        # Each model's own hidden states, every batch, in buffers that each layer's outputs are copied into (new
+        # long-lived tensors at every layer would fragment the host's memory: its peak would grow layer by layer)
+        hidden = {name: [h.clone() for h, _ in captured] for name in self.names}
+        del captured
+        returns_tuple = False
+        with self.parts(trunk) as trunks:
+            del trunk
+            for i in range(self.layer_count):
+                path = f"{self.streamed.layers}.{i}"
+                with self.parts(self._layer(i)) as layers:
+                    for name in self.names:
+                        layer = layers[name].get_submodule(path)
+                        for b, batch in enumerate(batches):
+                            args, kwargs = calls[b][i]
+                            out = layer(hidden[name][b], *args, **kwargs)
+                            returns_tuple = isinstance(out, tuple)
+                            hidden[name][b].copy_(out[0] if returns_tuple else out)
+                            del out
+                            if after_batch is not None:
+                                after_batch(b)
+                            advance(len(batch))
+                    del layer
+                del layers
+                gc.collect()  # this layer's weights are freed before the next one is read (its copies hold cycles)
             for b, batch in enumerate(batches):
-                targets, baseline = batch[:, 1:].to(device), None
-                for name in names:
-                    baseline = score_logits(scores[name], heads[name].lm_head(norm(hidden[name][b])), targets, baseline)
-        for name in input_snr:
-            input_snr[name] |= measured.get(name, {})
-        advance(1)
-    return scores, weight_snr, input_snr
+                if logits:
+                    yield batch, self._logits(trunks, [hidden[name][b] for name in self.names], batch, returns_tuple)
+                    advance(len(batch) * len(self.names))
+                else:
+                    yield batch, iter(())
+                for name in self.names:
+                    hidden[name][b] = None
+
+    def _trunk(self, logits: bool) -> nn.Module:
+        """The model with its tensors outside the decoder layers read, and LayerSlots for the decoder layers. Without
+        `logits`, the lm_head is not read (unless it is the input embeddings, tied)."""
+        built = self.streamed.built
+        parent_name, _, attr = self.streamed.layers.rpartition(".")
+        parent = built.get_submodule(parent_name)
+        layers = getattr(parent, attr)
+        head = built.get_output_embeddings()
+        tied = head is not None and head.weight is getattr(built.get_input_embeddings(), "weight", None)
+        unread = () if logits or head is None or tied else tuple(n for n, m in built.named_modules() if m is head)
+        setattr(parent, attr, nn.ModuleList([LayerSlot(layer) for layer in layers]))
+        try:
+            trunk = _materialise(built, self.streamed, self.device, unread=unread)
+        finally:
+            setattr(parent, attr, layers)
+        return trunk
+
+    def _layer(self, i: int) -> nn.Module:
+        path = f"{self.streamed.layers}.{i}"
+        return _materialise(self.streamed.built.get_submodule(path), self.streamed, self.device, path)
+
+    def _capture(self, trunk: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+        """The first decoder layer's hidden states and every decoder layer's other arguments on one batch."""
+        slots = trunk.get_submodule(self.streamed.layers)
+        calls = []
+
+        def record(*args, **kwargs):
+            hidden, args = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
+            calls.append((hidden, (args, kwargs)))
+            if len(calls) == len(slots):
+                raise _Captured
+            return hidden  # what the next layer gets is not used: only the first layer's input is
+
+        for slot in slots:
+            slot.action = record
+        try:
+            trunk(input_ids=batch, use_cache=False)
+        except _Captured:
+            pass
+        if len(calls) != len(slots):
+            raise PtqError(f"the forward of {type(trunk).__name__} called {len(calls)} of its {len(slots)} decoder layers: "
+                           f"{LOW_MEMORY_FLAG} cannot run it layer by layer; load it whole")
+        return calls[0][0], [c for _, c in calls]
+
+    def _logits(self, trunks: dict[str, nn.Module], finals: list[torch.Tensor], batch: torch.Tensor,
+                returns_tuple: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each model's logits on `batch` from its last decoder layer's output `finals[i]`, by the model's forward."""
+        wrap = (lambda x: (x,)) if returns_tuple else (lambda x: x)  # noqa: E731  as the layers return it
+        for name, final in zip(self.names, finals):
+            trunk = trunks[name]
+            slots = trunk.get_submodule(self.streamed.layers)
+            for slot in slots:
+                slot.action = lambda *args, **kwargs: wrap(args[0] if args else kwargs["hidden_states"])
+            slots[len(slots) - 1].action = lambda *args, final=final, **kwargs: wrap(final)
+            yield name, trunk(input_ids=batch, use_cache=False).logits
 
 
-def plan_checkpoint(model: nn.Module, recipe, calibration: Calibration) -> tuple[list, list[str], list[str]]:
-    """ptq.export.checkpoint.plan_checkpoint for a streamed model: the same tensors in the same order, each read from disk
-    when its shard is written. The calibration is checked against the weights as they are read."""
-    from ptq.export import checkpoint as export
-
-    checkpoint: SafetensorsCheckpoint = model.ptq_checkpoint
-    quantized, ignored, names = export.export_layers(model, recipe)
-    if calibration is None:
-        raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
-    for layer in quantized:
-        if layer not in calibration.input_amax or layer not in calibration.weight_amax:
-            raise PtqError(f"calibration file has no amax for layer '{layer}' (made for model "
-                           f"'{calibration.metadata.get('model', '?')}'; recalibrate for this model and recipe)")
-    absent = [n for n in names if n not in checkpoint.file]
-    if absent:
-        raise PtqError(f"the checkpoint in {checkpoint.directory} has no tensor '{absent[0]}' that {type(model).__name__} saves")
-    # Refuse a calibration of another model before writing anything (each weight is checked again when read).
-    _checked_weight(quantized[0], checkpoint.read_one(f"{quantized[0]}.weight"), calibration)
-    by_weight = {f"{layer}.weight": layer for layer in quantized}
-    entries = []
-    for name in names:
-        shape = checkpoint.shape[name]
-        layer = by_weight.get(name)
-        if layer is None:
-            dtype = SAFETENSORS_DTYPES.get(checkpoint.dtype[name])
-            if dtype is None:
-                raise PtqError(f"tensor '{name}' has dtype {checkpoint.dtype[name]}, which ptq does not know how to copy")
-            # Unchanged, in its stored dtype: what the in-memory export writes after its float32 round trip.
-            entries.append(export._Entry(name, shape, dtype, lambda n=name: checkpoint.read_one(n).contiguous()))
+def _materialise(built: nn.Module, streamed: Streamed, device: torch.device, path: str = "",
+                 unread: tuple[str, ...] = ()) -> nn.Module:
+    """A copy of `built` (a meta-device module as transformers builds it, at `path` in the model) with its tensors
+    read from the checkpoint in float32, linearized as ptq.models.loading loads every model (the experts' and
+    Conv1D's Linear layers are views into the tensors transformers lays out); mounted at `path`. The tensors of
+    the linearized module are written through those views, each from its own tensor in the checkpoint. The modules
+    named in `unread` keep their tensors on the meta device."""
+    module = copy.deepcopy(built)
+    made: dict[int, nn.Parameter] = {}
+    left = {id(m) for name in unread for m in module.get_submodule(name).modules()}
+    for m in module.modules():
+        if id(m) in left:
             continue
-        entries += export.quantized_entries(
-            layer, shape, lambda n=name, layer=layer: _checked_weight(layer, checkpoint.read_one(n), calibration),
-            recipe, calibration.input_amax[layer])
-    return entries, quantized, ignored
-
-
-def _checked_weight(layer: str, weight: torch.Tensor, calibration: Calibration) -> torch.Tensor:
-    w = weight.float()
-    if not torch.equal(amax(w), calibration.weight_amax[layer]):
-        raise PtqError(f"calibration file was made for another model ('{calibration.metadata.get('model', '?')}'): "
-                       f"the weights of layer '{layer}' differ")
-    return w
+        for key, p in m._parameters.items():
+            if p is not None:
+                if id(p) not in made:  # tied parameters stay tied
+                    made[id(p)] = nn.Parameter(torch.empty(p.shape, device=device,
+                                                           dtype=torch.float32 if p.is_floating_point() else p.dtype),
+                                               requires_grad=False)
+                m._parameters[key] = made[id(p)]
+        for key, b in m._buffers.items():
+            if b is not None:
+                m._buffers[key] = b.to(device=device, dtype=torch.float32 if b.is_floating_point() else b.dtype)
+    linearize(module)
+    root = _mounted(module, path) if path else module
+    conv1d = {f"{name}.weight" for name, m in root.named_modules() if quantizable(m) and kind(m) == "Conv1D"}
+    params = {id(p) for p in root.parameters()}
+    left_tensors = {id(t) for m in module.modules() if id(m) in left for t in (*m.parameters(), *m.buffers())}
+    done: set[int] = set()
+    targets: dict[str, tuple[str, torch.Tensor]] = {}  # checkpoint name -> (model name, the tensor to fill)
+    for name, tensor in root.state_dict(keep_vars=True).items():
+        if id(tensor) in done or id(tensor) in left_tensors:
+            continue  # tied to a tensor already listed, or left unread
+        done.add(id(tensor))
+        if name in streamed.disk:
+            targets[streamed.disk[name]] = (name, tensor)
+        elif id(tensor) in params:
+            raise PtqError(f"tensor '{name}' of the model is not in the checkpoint: {LOW_MEMORY_FLAG} cannot read it")
+        # else a buffer the checkpoint does not keep: as the model computes it
+    with torch.no_grad():
+        for stored_name, value in streamed.checkpoint.each(list(targets)):
+            name, tensor = targets[stored_name]
+            tensor.copy_(value.t() if name in conv1d else value)  # Conv1D keeps its weight [in, out] on disk
+            del value
+    return root

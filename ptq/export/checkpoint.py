@@ -34,7 +34,7 @@ from torch import nn
 from ptq.calibration.calibrate import Calibration
 from ptq.errors import PtqError
 from ptq.models.matmuls import LinearExperts, kind, quantizable
-from ptq.numerics.formats import NumberFormat, compute_scale
+from ptq.numerics.formats import NumberFormat, amax, compute_scale
 from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken, e8m0_codes
 from ptq.quantization.plan import calibration_key
 from ptq.quantization.plan import resolve_plan as plan_of
@@ -247,13 +247,24 @@ def export_layers(model: nn.Module, recipe: Recipe) -> tuple[list[str], list[str
 
 
 def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
-                    dtypes: dict[str, torch.dtype]) -> tuple[list[_Entry], list[str], list[str]]:
-    """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers."""
+                    dtypes: dict[str, torch.dtype], read: Callable[[str], torch.Tensor] | None = None
+                    ) -> tuple[list[_Entry], list[str], list[str]]:
+    """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers.
+    read: the tensor of that name in the source checkpoint, for a model whose weights are not in memory (on the
+    meta device: ptq.execution.streaming); each tensor is then read when its shard is written, and each quantized
+    weight checked against the calibration as it is read (the first one before anything is written)."""
     quantized, ignored, names = export_layers(model, recipe)
     if recipe.needs_calibration:
         if calibration is None:
             raise PtqError(f"recipe '{recipe.name}' needs calibration (static scales)")
-        calibration.check_model(model, plan_of(model, recipe).calibrated)
+        calibrated = plan_of(model, recipe).calibrated
+        if read is None:
+            calibration.check_model(model, calibrated)
+        else:  # the weights are checked as they are read
+            missing = [name for name in calibrated if name not in calibration.input_amax]
+            if missing:
+                raise PtqError(f"calibration file has no amax for layer '{missing[0]}' (made for model "
+                               f"'{calibration.metadata.get('model', '?')}'; recalibrate for this model and recipe)")
     params = dict(model.state_dict())
     by_weight = {f"{name}.weight": name for name in quantized}
     fallback = _dominant_dtype(dtypes)
@@ -272,13 +283,21 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
             if name in conv1d:  # Conv1D keeps its weight [in, out] on disk
                 tensor = tensor.t()
             dtype = dtypes.get(disk[name], fallback) if tensor.is_floating_point() else tensor.dtype
-            entries.append(_Entry(disk[name], tuple(tensor.shape), dtype,
-                                  lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous()))
+            make = ((lambda n=disk[name], d=dtype: read(n).to(d).contiguous()) if read is not None
+                    else (lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous()))
+            entries.append(_Entry(disk[name], tuple(tensor.shape), dtype, make))
             continue
-        entries += quantized_entries(disk[name].removesuffix(".weight"), tuple(tensor.shape), lambda m=modules[layer]: m.weight,
+        if read is None:
+            weight = lambda m=modules[layer]: m.weight  # noqa: E731
+        else:
+            weight = lambda n=disk[name], layer=layer, t=name in conv1d: _checked_weight(  # noqa: E731
+                layer, read(n).t() if t else read(n), calibration)
+        entries += quantized_entries(disk[name].removesuffix(".weight"), tuple(tensor.shape), weight,
                                      recipe, calibration.input_amax[layer] if recipe.inputs.static else None,
                                      transposed=name in conv1d)
     entries += kv_cache_entries(model, plan_of(model, recipe), calibration, disk)
+    if read is not None:  # a calibration of another model is refused before anything is written
+        _checked_weight(quantized[0], read(disk[f"{quantized[0]}.weight"]), calibration)
     ignored = sorted(disk[f"{name}.weight"].removesuffix(".weight") if f"{name}.weight" in disk else name for name in ignored)
     return entries, quantized, ignored
 
@@ -327,6 +346,15 @@ def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], t
         entries.append(_Entry(f"{layer}.input_scale", (1,), torch.float32,
                               lambda a=input_amax, f=inputs.format: _input_scale(a, f)))
     return entries
+
+
+def _checked_weight(layer: str, weight: torch.Tensor, calibration: Calibration | None) -> torch.Tensor:
+    """A weight read from disk, in float32, refused when its amax is not the calibration's (another model)."""
+    w = weight.float()
+    if calibration is not None and layer in calibration.weight_amax and not torch.equal(amax(w), calibration.weight_amax[layer]):
+        raise PtqError(f"calibration file was made for another model ('{calibration.metadata.get('model', '?')}'): "
+                       f"the weights of layer '{layer}' differ")
+    return w
 
 
 def _weight_codes(weight: torch.Tensor, weights: TensorQuant, scales: dict, layer: str) -> torch.Tensor:

@@ -51,16 +51,10 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
     device = device or default_device()
     caveats: tuple[str, ...] = ()
     pickle_only = False
-    if spec == DEFAULT_MODEL:
-        gguf_path = default_gguf_path()
-        directory, caveats = converted_gguf_dir(gguf_path)
-        source = f"SmolLM2-135M-Instruct from the PyPI package {DEFAULT_DISTRIBUTION} {importlib.metadata.version(DEFAULT_DISTRIBUTION)}"
-    elif spec.endswith(".gguf"):
-        gguf_path = Path(spec)
-        if not gguf_path.is_file():
+    if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
+        if spec != DEFAULT_MODEL and not Path(spec).is_file():
             raise PtqError(f"model file {spec} does not exist")
-        directory, caveats = converted_gguf_dir(gguf_path)
-        source = f"{gguf_path.resolve()} (GGUF)"
+        directory, caveats, source = local_directory(spec)
     elif Path(spec).exists() or spec.startswith((".", "/", "~")):
         directory = Path(spec).expanduser()
         if not directory.is_dir():
@@ -106,6 +100,22 @@ def to_compute(model: nn.Module, device, dtype: torch.dtype | None) -> nn.Module
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, buffer.to(device))
     return model
+
+
+def local_directory(spec: str | None) -> tuple[Path, tuple[str, ...], str] | None:
+    """The local Hugging Face directory behind a model spec (the offline default and .gguf files converted once into
+    the cache), its caveats and where its weights came from, for reports; None for a Hub id."""
+    if spec is None or spec == DEFAULT_MODEL:
+        directory, caveats = converted_gguf_dir(default_gguf_path())
+        version = importlib.metadata.version(DEFAULT_DISTRIBUTION)
+        return directory, caveats, f"SmolLM2-135M-Instruct from the PyPI package {DEFAULT_DISTRIBUTION} {version}"
+    if spec.endswith(".gguf") and Path(spec).is_file():
+        directory, caveats = converted_gguf_dir(Path(spec))
+        return directory, caveats, f"{Path(spec).resolve()} (GGUF)"
+    directory = Path(spec).expanduser()
+    if directory.is_dir():
+        return directory, (), str(directory.resolve())
+    return None
 
 
 def _from_pretrained(location: str, spec: str, trust_remote_code: bool, allow_pickle: bool = False,
