@@ -115,7 +115,7 @@ def test_no_memory_check_loads_a_model_that_looks_too_big(command, tiny_model, t
 
 
 def streamed_and_whole(command: str, out: Path) -> tuple[object, object]:
-    """The numbers a run wrote that must not depend on --low-memory, and whether it ran block by block."""
+    """The numbers a run wrote that must not depend on --low-memory, and whether it ran layer by layer."""
     if command == "calibrate":
         c = load_calibration(out / "c.safetensors")
         return {k: v.tolist() for k, v in sorted(c.input_amax.items())}, None

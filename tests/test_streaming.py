@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import families
 import pytest
 import safetensors.torch
 import torch
-
-import families
 from conftest import TEXT, make_tokenizer
 
 from ptq.calibration.calibrate import calibrate, load_calibration

@@ -19,7 +19,7 @@ non-finite inputs), and `advance(n)` as work is done.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn

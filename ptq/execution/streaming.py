@@ -34,9 +34,9 @@ import contextlib
 import copy
 import gc
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import safetensors
 import torch
