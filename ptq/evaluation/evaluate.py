@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from ptq.execution import batching
-from ptq.execution.devices import input_device
 from ptq.execution.executors import WholeModels
 from ptq.progress import progress
 from ptq.quantization.quantize import fused
