@@ -111,11 +111,15 @@ def test_transformers_reload_matches_the_simulation(exported):
     assert ver["passed"] and not ver["problems"]
     assert ver["load"]["input_quantized_layers"] == 14 and not ver["load"]["unexpected_keys"]
     assert ver["kl_div"] <= ver["tolerance"]["max_kl_div"] and abs(ver["ppl_delta_pct"]) < 0.01
+    assert ver["tensors_checked_in_file"] == 3 * 14 and not ver["tensors_differing"] and "bit for bit" in ver["criterion"]
+    card = (out / "README.md").read_text()
+    assert "float-order noise floor" in card and "bit for bit" in card
 
 
-def test_verification_fails_on_a_wrong_input_scale(exported, tiny_model, tmp_path):
-    """The check can fail: a checkpoint whose input scales are off is caught, and so is a load that drops
-    the static input quantization (dequantize=True)."""
+def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
+    """The check can fail: a checkpoint whose input scales are off, or with one layer's weight_scale x2, is caught
+    (by the files and by the logits), and so is a load that drops the static input quantization (dequantize=True);
+    the correct checkpoint passes, with the noise floor measured."""
     import shutil
 
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
@@ -134,16 +138,31 @@ def test_verification_fails_on_a_wrong_input_scale(exported, tiny_model, tmp_pat
     text.write_text(TEXT * 3)
     windows = make_windows(load_corpus(str(text), "calibration"), loaded.tokenizer, 64, 4).input_ids
     calibration = calibrate(loaded.model, windows, calibrated_layers(loaded.model, recipe))
-    bad = tmp_path / "bad"
-    shutil.copytree(out, bad)
-    for f in bad.glob("model-*.safetensors"):
-        tensors = safetensors.torch.load_file(str(f))
-        tensors = {k: v * 3 if k.endswith(".input_scale") else v for k, v in tensors.items()}
-        safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
+    quantized = export.export_layers(loaded.model, recipe)[0]
+    disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
     simulated = export.simulate_export(loaded.model, recipe, calibration)
-    reloaded, info = export.reload(bad)
-    result = export.verify(simulated, reloaded, info, 14, windows)
-    assert not result["passed"] and any("KL" in p for p in result["problems"])
+    expected = export.simulated_tensors(simulated, disk, [])
+    assert len(expected) == 3 * 14
+
+    def verify(directory: Path) -> dict:
+        reloaded, info = export.reload(directory)
+        return export.verify(simulated, reloaded, info, 14, windows, expected_tensors=expected, directory=directory)
+
+    good = verify(out)
+    assert good["passed"] and good["tensors_checked_in_file"] == 42 and not good["tensors_differing"]
+    assert good["noise_floor"]["kl_div"] >= 0 and "eager instead of sdpa" in good["noise_floor"]["what"]
+    for name, change in (("input_scale", lambda k: k.endswith(".input_scale")),
+                         ("weight_scale", lambda k: k == "model.layers.1.mlp.down_proj.weight_scale")):
+        bad = tmp_path / f"bad-{name}"
+        shutil.copytree(out, bad)
+        for f in bad.glob("model-*.safetensors"):
+            tensors = safetensors.torch.load_file(str(f))
+            tensors = {k: v * (3 if name == "input_scale" else 2) if change(k) else v for k, v in tensors.items()}
+            safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
+        result = verify(bad)
+        assert not result["passed"] and any("KL" in p for p in result["problems"])
+        assert any("differ from ptq's" in p for p in result["problems"])
+        assert len(result["tensors_differing"]) == (14 if name == "input_scale" else 1)
 
     dense = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
@@ -276,3 +295,4 @@ def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_cli, text_file, 
     code, _, err = ptq_cli("quantize", source, "--recipe", recipe, "-o", tmp_path / "out", "--data", text_file,
                            "--samples", "2", "--seq-len", "32", "-q")
     assert code == 2 and "quantizes no layer" in err and not (tmp_path / "out").exists()
+

@@ -744,13 +744,15 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
             own = (export.simulate_export(copy.deepcopy(loaded.model), r, calib, loader_int8_inputs=False,
                                           unrounded_inputs=unrounded)
                    if r.inputs.format.kind == "int" else None)
+            disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
             scales = export.unapplied_scales(loaded.model, unrounded, calib, r)
             simulated = export.simulate_export(loaded.model, r, calib, unrounded_inputs=unrounded)
             reloaded, load_info = export.reload_or_read(tmp, conv1d=bool(conv1d))
             reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU
             info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized) - len(unrounded),
                                                  windows.input_ids, batch_size, ptq_simulated=own,
-                                                 unapplied_input_scales=scales, directory=tmp)
+                                                 unapplied_input_scales=scales, directory=tmp,
+                                                 expected_tensors=export.simulated_tensors(simulated, disk, conv1d))
             info["verification"]["loader"] = load_info.get("loader", "transformers AutoModelForCausalLM.from_pretrained")
             info["verification"] |= {"data": corpus.source, "data_sha256": corpus.sha256, "description": windows.description}
             del reloaded
