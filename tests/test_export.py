@@ -296,3 +296,31 @@ def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_cli, text_file, 
                            "--samples", "2", "--seq-len", "32", "-q")
     assert code == 2 and "quantizes no layer" in err and not (tmp_path / "out").exists()
 
+
+@pytest.mark.parametrize("family, recipe, message", [("mixtral", "int8", "Unsupported FusedMoe scheme"),
+                                                     ("gpt_oss", "fp8-e4m3", "stored fused (3-D)")])
+def test_pairs_no_loader_takes_are_refused_before_calibration(family, recipe, message, ptq_cli, text_file, tmp_path,
+                                                               monkeypatch, capsys):
+    """int8 experts with static inputs (neither transformers nor vLLM loads them) and experts a checkpoint keeps fused:
+    one line, exit 2, before any calibration."""
+    import families
+
+    from ptq.commands import workflows
+
+    model_dir = tmp_path / family
+    families.build(family).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    capsys.readouterr()  # save_pretrained's progress bars
+    calibrated = []
+    monkeypatch.setattr(workflows, "_calibrate", lambda *a, **k: calibrated.append(1))
+    code, _, err = ptq_cli("quantize", model_dir, "--recipe", recipe, "--data", text_file, "--samples", "2",
+                           "--seq-len", "16", "-o", tmp_path / "out", "-q")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not calibrated and not (tmp_path / "out").exists()
+    if family == "mixtral":  # with the experts left out, transformers still cannot load the int8 checkpoint
+        dense = tmp_path / "int8-dense.yaml"
+        dense.write_text("name: int8-dense\nweights: {format: int8, granularity: channel}\ninputs: {format: int8}\n"
+                         "ignore: [lm_head, '*.experts.*']\n")
+        code, _, err = ptq_cli("quantize", model_dir, "--recipe", dense, "--data", text_file, "--seq-len", "16",
+                               "-o", tmp_path / "out", "-q")
+        assert code == 2 and "transformers cannot load" in err and not calibrated

@@ -194,10 +194,8 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
     plain = [n for n in names if not in_experts(n)]
     stand_ins = {n: torch.tensor([float(i)], dtype=torch.float64) for i, n in enumerate(plain)}
     projections: dict[str, list[str]] = {}
+    check_experts_per_expert(model)
     for path, m in experts.items():
-        if m[0].down_proj.bias is not None:
-            raise PtqError(f"the experts of {m.fused_type} ('{path}') have biases and are stored fused (3-D) in their "
-                           "checkpoints: ptq quantize writes per-expert 2-D weights only; `ptq compare` covers this model")
         groups = {("gate_up_proj" if m.has_gate else "up_proj"): (["gate_proj", "up_proj"] if m.has_gate else ["up_proj"]),
                   "down_proj": ["down_proj"]}
         for fused_name, parts in groups.items():
@@ -230,6 +228,14 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
     return mapping
 
 
+def check_experts_per_expert(model: nn.Module) -> None:
+    """Experts whose checkpoints keep them fused (3-D, with biases: GPT-OSS) cannot be written per expert: refused."""
+    for path, m in model.named_modules():
+        if isinstance(m, LinearExperts) and m[0].down_proj.bias is not None:
+            raise PtqError(f"the experts of {m.fused_type} ('{path}') have biases and are stored fused (3-D) in their "
+                           "checkpoints: ptq quantize writes per-expert 2-D weights only; `ptq compare` covers this model")
+
+
 def export_layers(model: nn.Module, recipe: Recipe) -> tuple[list[str], list[str], list[str]]:
     """The Linear layers the recipe quantizes and those it leaves out, and the state-dict names to save;
     refuses a model where that is nothing, or where a quantized weight is tied to another tensor."""
@@ -238,12 +244,31 @@ def export_layers(model: nn.Module, recipe: Recipe) -> tuple[list[str], list[str
     if not quantized:
         raise PtqError(f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} (it targets "
                        f"{', '.join(recipe.targets)} modules, and this model has none outside {', '.join(recipe.ignore)})")
+    check_loadable(model, recipe, quantized)
     names = _saved_names(model)
     tied = [name for name in quantized if f"{name}.weight" not in names]
     if tied:
         raise PtqError(f"layer '{tied[0]}' shares its weight with another tensor (tied embeddings): leave it out "
                        f"of recipe '{recipe.name}' (ignore: [{tied[0]}])")
     return quantized, ignored, names
+
+
+def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> None:
+    """Refuse, before any calibration, a recipe x architecture pair whose checkpoint no loader takes, or that the
+    reload check cannot load. int8 experts with static input scales: vLLM has no fused-MoE method for them (its
+    compressed_tensors_moe `get_moe_method` takes int8 W8A8 experts with dynamic per-token inputs only: "Unsupported
+    FusedMoe scheme"). And transformers loads no int-quantized checkpoint of a model with fused experts, quantized or
+    left out ("Concatenate on tensors destined for ...experts.gate_up_proj. Ckpt contains: 0"). And experts that
+    checkpoints keep fused (check_experts_per_expert)."""
+    experts = [path for path, m in model.named_modules() if isinstance(m, LinearExperts)]
+    if experts and recipe.weights.format.kind == "int":
+        quantized_experts = any(kind(model.get_submodule(name)) == "Experts" for name in quantized)
+        why = ("vLLM answers \"Unsupported FusedMoe scheme\" for int8 experts with static input scales, and transformers "
+               if quantized_experts and recipe.inputs.static else "transformers ")
+        raise PtqError(f"recipe '{recipe.name}' writes an int8 checkpoint of {type(model).__name__}, a mixture-of-experts "
+                       f"model: no loader takes it ({why}cannot load int-quantized checkpoints with fused experts); "
+                       "use fp8-e4m3")
+    check_experts_per_expert(model)
 
 
 def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
