@@ -305,7 +305,8 @@ def check_compare_recipes(recipes: list) -> None:
 
 
 def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | None, input_ids: torch.Tensor,
-                   batch_size: int = 4, matmul: str = "simulated", device: torch.device | None = None) -> tuple:
+                   batch_size: int = 4, matmul: str = "simulated", device: torch.device | None = None,
+                   target: str = "transformers") -> tuple:
     """ptq.evaluation.evaluate.evaluate of each recipe's variant of a streamed model (the first recipe is the baseline),
     one decoder block in memory at a time: every variant's hidden states are kept for all windows, each block
     is read from disk, quantized per recipe (ptq.quantization.quantize.quantize_variants: weight codes, shared where the
@@ -335,7 +336,7 @@ def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | N
         for i, skeleton in enumerate(base.layers):
             path = f"{prefix}.layers.{i}"
             original = _mounted(_materialise(skeleton, path, checkpoint, device), path)
-            variants = quantize_variants(original, recipes, calibration, matmul)  # codes; no float32 copies
+            variants = quantize_variants(original, recipes, calibration, matmul, target)  # codes; no float32 copies
             for name, variant in variants.items():
                 block = variant.get_submodule(path)
                 if name in weight_snr:
@@ -352,7 +353,7 @@ def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | N
         head = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
         head.weight = nn.Parameter(_float32(checkpoint.read_one(stored)).to(device), requires_grad=False)
         head = _mounted(head, "lm_head")
-        heads = quantize_variants(head, recipes, calibration, matmul)  # one copy of codes the recipes share
+        heads = quantize_variants(head, recipes, calibration, matmul, target)  # one copy of codes the recipes share
         for name in weight_snr:
             weight_snr[name] |= weight_snr_db(head, heads[name])
         del head
@@ -368,10 +369,12 @@ def compare_blocks(model: nn.Module, recipes: list, calibration: Calibration | N
     return scores, weight_snr, input_snr
 
 
-def plan_checkpoint(model: nn.Module, recipe, calibration: Calibration) -> tuple[list, list[str], list[str]]:
+def plan_checkpoint(model: nn.Module, recipe, calibration: Calibration, target: str = "transformers") -> tuple[list, list[str], list[str]]:
     """ptq.export.checkpoint.plan_checkpoint for a streamed model: the same tensors in the same order, each read from disk
-    when its shard is written. The calibration is checked against the weights as they are read."""
+    when its shard is written. The calibration is checked against the weights as they are read; the engine's shared
+    scales (ptq.quantization.engines) come from its weight amaxes."""
     from ptq.export import checkpoint as export
+    from ptq.quantization import engines
 
     checkpoint: SafetensorsCheckpoint = model.ptq_checkpoint
     quantized, ignored, names = export.export_layers(model, recipe)
@@ -387,6 +390,8 @@ def plan_checkpoint(model: nn.Module, recipe, calibration: Calibration) -> tuple
     # Refuse a calibration of another model before writing anything (each weight is checked again when read).
     _checked_weight(quantized[0], checkpoint.read_one(f"{quantized[0]}.weight"), calibration)
     by_weight = {f"{layer}.weight": layer for layer in quantized}
+    engine = engines.engine_scales(model, recipe, target, lambda n: calibration.weight_amax[n],
+                                   {n: calibration.input_amax[n] for n in quantized if recipe.inputs.static}, set(quantized))
     entries = []
     for name in names:
         shape = checkpoint.shape[name]
@@ -400,7 +405,7 @@ def plan_checkpoint(model: nn.Module, recipe, calibration: Calibration) -> tuple
             continue
         entries += export.quantized_entries(
             layer, shape, lambda n=name, layer=layer: _checked_weight(layer, checkpoint.read_one(n), calibration),
-            recipe, calibration.input_amax[layer])
+            recipe, engine.input_amax.get(layer, calibration.input_amax[layer]), weight_amax=engine.weight_amax.get(layer))
     return entries, quantized, ignored
 
 

@@ -34,11 +34,12 @@ from torch import nn
 from ptq.calibration.calibrate import Calibration
 from ptq.errors import PtqError
 from ptq.models.matmuls import LinearExperts, kind, quantizable
-from ptq.numerics.formats import NumberFormat, compute_scale
+from ptq.numerics.formats import NumberFormat, amax, compute_scale
 from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken, e8m0_codes
+from ptq.quantization import engines
 from ptq.quantization.plan import calibration_key
 from ptq.quantization.plan import resolve_plan as plan_of
-from ptq.quantization.quantize import QuantLinear, quantize_, quantize_weight
+from ptq.quantization.quantize import EngineInt8Inputs, QuantLinear, quantize_, quantize_weight
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
@@ -272,8 +273,9 @@ def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> No
 
 
 def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
-                    dtypes: dict[str, torch.dtype]) -> tuple[list[_Entry], list[str], list[str]]:
-    """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers."""
+                    dtypes: dict[str, torch.dtype], target: str = "transformers") -> tuple[list[_Entry], list[str], list[str]]:
+    """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers. `target`:
+    whose scales to write (ptq.quantization.engines: vllm, the shared scales vLLM serves)."""
     quantized, ignored, names = export_layers(model, recipe)
     if recipe.needs_calibration:
         if calibration is None:
@@ -289,6 +291,8 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
         raise PtqError(f"recipe '{recipe.name}' has {recipe.weights.granularity.describe()} weight scales and this "
                        f"{type(model).__name__} has Conv1D layers: ptq quantize writes group and block scales for "
                        "Linear weights only; `ptq compare` covers this model")
+    engine = engines.engine_scales(model, recipe, target, lambda n: amax(modules[n].weight),
+                                   {n: calibration.input_amax[n] for n in quantized if recipe.inputs.static}, set(quantized))
     entries: list[_Entry] = []
     for name in names:
         tensor = params[name]
@@ -301,8 +305,8 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
                                   lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous()))
             continue
         entries += quantized_entries(disk[name].removesuffix(".weight"), tuple(tensor.shape), lambda m=modules[layer]: m.weight,
-                                     recipe, calibration.input_amax[layer] if recipe.inputs.static else None,
-                                     transposed=name in conv1d)
+                                     recipe, engine.input_amax.get(layer, calibration.input_amax[layer]) if recipe.inputs.static else None,
+                                     transposed=name in conv1d, weight_amax=engine.weight_amax.get(layer))
     entries += kv_cache_entries(model, plan_of(model, recipe), calibration, disk)
     ignored = sorted(disk[f"{name}.weight"].removesuffix(".weight") if f"{name}.weight" in disk else name for name in ignored)
     return entries, quantized, ignored
@@ -332,15 +336,17 @@ def kv_cache_entries(model: nn.Module, plan, calibration: Calibration | None, di
 
 
 def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], torch.Tensor], recipe: Recipe,
-                      input_amax: torch.Tensor | None, transposed: bool = False) -> list[_Entry]:
+                      input_amax: torch.Tensor | None, transposed: bool = False,
+                      weight_amax: torch.Tensor | None = None) -> list[_Entry]:
     """The tensors of a quantized Linear: its codes, weight scale and (static inputs) input scale. `weight()` gives the
     weight [out, in] when its shard is written (from the model in memory, or from disk: ptq.execution.streaming);
-    `transposed`: the codes are written [in, out], as Conv1D stores its weight."""
+    `transposed`: the codes are written [in, out], as Conv1D stores its weight. `weight_amax`: a fused group's shared
+    amax for the weight scale (ptq.quantization.engines), instead of the weight's own."""
     weights, inputs = recipe.weights, recipe.inputs
     scale_shape = weight_scale_shape(shape, weights)
     mx = weights.scale_format == "e8m0"
     scales: dict[str, torch.Tensor] = {}  # the weight's scale, from the call that made its codes
-    codes = lambda w=weight, f=weights, s=scales: _weight_codes(w(), f, s, layer)  # noqa: E731
+    codes = lambda w=weight, f=weights, s=scales: _weight_codes(w(), f, s, layer, weight_amax)  # noqa: E731
     stored_scale = lambda s=scales, shape=scale_shape: s.pop("scale").reshape(shape)  # noqa: E731
     entries = [
         _Entry(f"{layer}.weight", shape[::-1] if transposed else shape, weights.format.torch_dtype,
@@ -354,8 +360,9 @@ def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], t
     return entries
 
 
-def _weight_codes(weight: torch.Tensor, weights: TensorQuant, scales: dict, layer: str) -> torch.Tensor:
-    codes, scales["scale"] = quantize_weight(weight, weights, layer)
+def _weight_codes(weight: torch.Tensor, weights: TensorQuant, scales: dict, layer: str,
+                  weight_amax: torch.Tensor | None = None) -> torch.Tensor:
+    codes, scales["scale"] = quantize_weight(weight, weights, layer, weight_amax)
     scales["scale"] = scales["scale"].cpu()
     return codes.cpu()
 
@@ -469,34 +476,26 @@ class VerificationFailed(Exception):
         self.info = info
 
 
-class _LoaderInt8Inputs(QuantLinear):
-    """A QuantLinear whose int8 inputs round as compressed-tensors (transformers) and vLLM round them:
-    clamp x / scale to [-128, 127], then round. ptq's convention rounds, then clamps to [-127, 127]; the two
-    differ only where x / scale < -127.5, i.e. beyond the calibrated amax on the negative side."""
-
-    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, torch.round((x.float() / self.input_scale).clamp(-128, 127)) * self.input_scale
-
-
 def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, loader_int8_inputs: bool = True,
-                    unrounded_inputs: list[str] = ()) -> nn.Module:
+                    unrounded_inputs: list[str] = (), target: str = "transformers") -> nn.Module:
     """ptq's simulation of the exported checkpoint, in place: quantize_ with the recipe and calibration, except
     that the layers the recipe leaves out keep their plain Linear (the checkpoint stores them unquantized and
     transformers runs them as is, where `ptq compare` rounds them to bf16 as in its 16-bit baseline), and, with
     loader_int8_inputs, int8 inputs round with the loaders' [-128, 127] range instead of ptq's [-127, 127]. The
     `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
-    the reload check computes for them: see unapplied_input_layers)."""
+    the reload check computes for them: see unapplied_input_layers). `target`: whose scales the checkpoint holds
+    (ptq.quantization.engines; vllm: the fused groups' shared scales)."""
     kept = {name: model.get_submodule(name) for name in plan_of(model, recipe).left_out}
     # transformers does not quantize the KV cache (vLLM does, from k_scale / v_scale): simulated without it, and
     # its scales are checked in the files (unapplied_scales)
-    quantize_(model, dataclasses.replace(recipe, kv_cache=None), calibration)
+    quantize_(model, dataclasses.replace(recipe, kv_cache=None), calibration, target=target)
     for name, m in kept.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, m)
     if loader_int8_inputs:
         for m in model.modules():
             if isinstance(m, QuantLinear) and m.inputs.format.kind == "int":
-                m.__class__ = _LoaderInt8Inputs
+                m.__class__ = EngineInt8Inputs
     for name in unrounded_inputs:
         model.get_submodule(name).round_inputs = False
     return model
