@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 
+import families
 import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.torch
 import torch
-
-import families
 from conftest import make_tokenizer
 
 from ptq.calibration.calibrate import calibrate
@@ -47,6 +46,7 @@ def exports(tiny_model, tmp_path_factory):
     import sys
 
     from conftest import TEXT
+
     from ptq import cli, progress
 
     root = tmp_path_factory.mktemp("targets")
@@ -86,6 +86,7 @@ def test_vllm_repacking_changes_nothing_in_a_vllm_target_export(exports):
                     assert all(float(s) == top for s in scales)
         info = json.loads((out / "ptq-export.json").read_text())
         assert info["target"] == target and info["verification"]["passed"]
+        assert f"target: {target}" in (out / "README.md").read_text()
     assert changed["vllm"] == 0 and changed["transformers"] > 0
 
 
@@ -154,7 +155,7 @@ def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_
 
     for target in ("vllm", "transformers"):
         quantized = quantize_(copy.deepcopy(model), recipe, calibration, target=target)
-        for path, experts in quantized.named_modules():
+        for experts in quantized.modules():
             if not isinstance(experts, LinearExperts):
                 continue
             w13 = [experts[e].gate_proj for e in range(len(experts))] + [experts[e].up_proj for e in range(len(experts))]

@@ -31,8 +31,8 @@ per-shard codes would. The rules are functions of the model's layer names and am
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -101,7 +101,7 @@ def fused_groups(model: nn.Module) -> list[list[str]]:
     modules = dict(model.named_modules())
     experts = {path for path, m in modules.items() if isinstance(m, LinearExperts)}
     groups = []
-    for path, module in modules.items():
+    for path in modules:
         in_experts = path.rpartition(".")[0] in experts  # an expert of a LinearExperts: its gate and up (w13)
         for members in ((GATE_UP,) if in_experts else patterns):
             names = [f"{path}.{m}" if path else m for m in members]
