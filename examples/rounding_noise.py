@@ -21,6 +21,7 @@ from ptq.calibration.calibrate import Calibration, calibrate
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
 from ptq.models.loading import load_model
+from ptq.quantization.engines import DEFAULT_TARGET
 from ptq.quantization.plan import calibration_targets
 from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
@@ -48,7 +49,8 @@ def measure(model: str, recipes: list[str], repeats: int, windows: int, calib_sa
     rows: dict[str, list[dict]] = {r.name: [] for r in variants}
     for repeat in range(repeats + 1):
         used = calibration if repeat == 0 else nudged(calibration, repeat)
-        scores = evaluate(quantize_variants(loaded.model, [load_recipe("bf16"), *variants], used), eval_ids)
+        scores = evaluate(quantize_variants(loaded.model, [load_recipe("bf16"), *variants], used, target=DEFAULT_TARGET),
+                          eval_ids)  # as `ptq compare` quantizes by default
         base = scores["bf16"].perplexity
         for r in variants:
             rows[r.name].append({"ppl_delta_pct": 100 * (scores[r.name].perplexity / base - 1),

@@ -42,6 +42,9 @@ BatchSize = Annotated[str, typer.Option("--batch-size", help="Windows (or task i
                                         "4 on CPUs).")]
 Matmul = Annotated[str, typer.Option("--matmul", help="Layers with FP8 weights and inputs: 'simulated', 'fp8' (real FP8 matmuls, "
                                       "torch._scaled_mm), or 'auto' (fp8 on GPUs that have it: compute capability 8.9+).")]
+Target = Annotated[str, typer.Option("--target", help="The engine whose load-time rules the simulation applies: 'vllm' (fused "
+                                     "q/k/v and gate/up share one FP8 weight scale, expert input scales collapse to their "
+                                     "maximum, int8 inputs in [-128, 127]) or 'transformers' (each tensor as stored).")]
 NoPlots = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots next to report.md.")]
 MaxPplIncrease = Annotated[str | None, typer.Option(
     "--max-ppl-increase", metavar="PCT", help="Gate: exit 1 if a variant's perplexity is more than PCT above the baseline's (e.g. 2%).")]
@@ -159,7 +162,7 @@ def compare(
     tasks: Tasks = None, max_items: MaxItems = 300, num_fewshot: NumFewshot = None, limit: Limit = None,
     dtype: Dtype = None, matmul: Matmul = "auto",
     low_memory: LowMemory = None, all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
-    device_map: DeviceMap = None, max_memory: MaxMemory = None,
+    device_map: DeviceMap = None, max_memory: MaxMemory = None, target: Target = "vllm",
 ) -> None:
     """Evaluate the bf16 baseline and each recipe on the same held-out windows; write a report.
 
@@ -182,7 +185,7 @@ def compare(
         calibration=_calibration_options(calib=calib, data=calib_data, data_flag="--calib-data", samples=calib_samples,
                                          seq_len=seq_len, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
                                          all_experts=all_experts),
-        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory),
+        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
         output=OutputOptions(path=out, force=force, plots=not no_plots,
                              limits=parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)))
     if results.get("calibration"):
@@ -339,7 +342,7 @@ def quantize(
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
     all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
-    device_map: DeviceMap = None, max_memory: MaxMemory = None,
+    device_map: DeviceMap = None, max_memory: MaxMemory = None, target: Target = "vllm",
 ) -> None:
     """Write a quantized checkpoint (compressed-tensors format) that transformers and vLLM load, and verify it.
 
@@ -357,7 +360,7 @@ def quantize(
         data=DataOptions(data=data, seq_len=seq_len, windows=verify_windows),  # verification: --data's evaluation split
         calibration=_calibration_options(calib=calib, data=data, data_flag="--data", samples=samples, seq_len=seq_len,
                                          on_nonfinite=on_nonfinite, on_unseen=on_unseen, all_experts=all_experts),
-        compute=ComputeOptions(batch_size=batch_size, low_memory=low_memory),
+        compute=ComputeOptions(batch_size=batch_size, low_memory=low_memory, target=target),
         output=OutputOptions(path=output, force=force),
         checkpoint=CheckpointOptions(verify=verify, shard_size_mb=shard_size, compare_results=compare_results))
     try:
@@ -385,7 +388,9 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
             f"{ver['windows']} windows x {ver['seq_len']} tokens): perplexity {ver['reloaded_perplexity']:.4f} vs "
             f"{ver['simulated_perplexity']:.4f} simulated"
             + (f", {ver['ptq_perplexity']:.4f} with ptq's own [-127, 127] int8 input rounding" if ver["loader_int8_rounding"] else "")
-            + f" ({ver['ppl_delta_pct']:+.4f}%, limit ±{tol['max_ppl_delta_pct']:g}%), "
+            + f" ({ver['ppl_delta_pct']:+.4f}%; float-order noise floor {ver['noise_floor']['ppl_delta_pct']:+.4f}%, "
+            f"KL {ver['noise_floor']['kl_div']:.3g}), files {len(ver['tensors_differing']) or 'bit-identical'}"
+            + (" differing" if ver["tensors_differing"] else "") + f" ({ver['tensors_checked_in_file']} tensors), "
             f"KL {ver['kl_div']:.3g} nats/token (limit {tol['max_kl_div']:g}), same top-1 {100 * ver['top1_agreement']:.2f}% "
             f"(limit {100 * tol['min_top1_agreement']:g}%), static input quantization in {ver['load']['input_quantized_layers']}/"
             f"{info['format']['quantized_layers']} layers", highlight=False)
@@ -418,7 +423,7 @@ def eval_(
     on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
     allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False, low_memory: LowMemory = None,
     dtype: Dtype = None, matmul: Matmul = "auto", all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
-    device_map: DeviceMap = None, max_memory: MaxMemory = None,
+    device_map: DeviceMap = None, max_memory: MaxMemory = None, target: Target = "vllm",
 ) -> None:
     """Evaluate one configuration: perplexity and task accuracy, each with a 95% interval.
 
@@ -438,7 +443,7 @@ def eval_(
         calibration=_calibration_options(calib=calib, data=calib_data, data_flag="--calib-data", samples=calib_samples,
                                          seq_len=seq_len, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
                                          all_experts=all_experts),
-        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory),
+        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
         output=OutputOptions(path=out, force=force))
     if results.get("calibration"):
         _print_faults(results["calibration"]["faults"])

@@ -82,9 +82,22 @@ def test_checkpoint_layout_sizes_and_config(exported, tiny_model):
     assert recipe in card and info["calibration"]["data_sha256"][:16] in card and "ptq 0.1.0" in card
 
 
+# The layers vLLM loads into one fused layer (QKVParallelLinear, MergedColumnParallelLinear), written out here
+# from vllm/model_executor/models/llama.py's packed_modules_mapping rather than taken from ptq
+VLLM_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def group_amax(source: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
+    """The per-tensor amax vLLM's requantize_with_max_scale leaves a fused layer's shards with: the group's largest."""
+    parent, _, name = layer.rpartition(".")
+    group = next((g for g in VLLM_FUSED if name in g), (name,))
+    return torch.stack([source[f"{parent}.{m}.weight"].float().abs().max() for m in group]).max().reshape(1)
+
+
 def test_codes_are_bit_identical_to_an_independent_quantization(exported, tiny_model):
     """Each stored weight equals compressed-tensors' own compressor applied to the source weight with
-    scale = amax / max computed here from scratch."""
+    scale = amax / max computed here from scratch: per output channel for int8, and per tensor for E4M3 with the
+    amax of the layer's vLLM fused group (the export's default --target vllm)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -97,7 +110,7 @@ def test_codes_are_bit_identical_to_an_independent_quantization(exported, tiny_m
     for key in [k for k in tensors if k.endswith(".weight_scale")]:
         layer = key.removesuffix(".weight_scale")
         w = source[f"{layer}.weight"].float()
-        amax = w.abs().amax(dim=1, keepdim=True) if recipe == "int8" else w.abs().max().reshape(1)
+        amax = w.abs().amax(dim=1, keepdim=True) if recipe == "int8" else group_amax(source, layer)
         scale = amax / fmt_max
         assert torch.equal(tensors[key], scale)
         reference = compressor.compress({"weight": w, "weight_scale": scale}, scheme)["weight"]
@@ -111,11 +124,15 @@ def test_transformers_reload_matches_the_simulation(exported):
     assert ver["passed"] and not ver["problems"]
     assert ver["load"]["input_quantized_layers"] == 14 and not ver["load"]["unexpected_keys"]
     assert ver["kl_div"] <= ver["tolerance"]["max_kl_div"] and abs(ver["ppl_delta_pct"]) < 0.01
+    assert ver["tensors_checked_in_file"] == 3 * 14 and not ver["tensors_differing"] and "bit for bit" in ver["criterion"]
+    card = (out / "README.md").read_text()
+    assert "float-order noise floor" in card and "bit for bit" in card
 
 
-def test_verification_fails_on_a_wrong_input_scale(exported, tiny_model, tmp_path):
-    """The check can fail: a checkpoint whose input scales are off is caught, and so is a load that drops
-    the static input quantization (dequantize=True)."""
+def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
+    """The check can fail: a checkpoint whose input scales are off, or with one layer's weight_scale x2, is caught
+    (by the files and by the logits), and so is a load that drops the static input quantization (dequantize=True);
+    the correct checkpoint passes, with the noise floor measured."""
     import shutil
 
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
@@ -134,16 +151,31 @@ def test_verification_fails_on_a_wrong_input_scale(exported, tiny_model, tmp_pat
     text.write_text(TEXT * 3)
     windows = make_windows(load_corpus(str(text), "calibration"), loaded.tokenizer, 64, 4).input_ids
     calibration = calibrate(loaded.model, windows, calibrated_layers(loaded.model, recipe))
-    bad = tmp_path / "bad"
-    shutil.copytree(out, bad)
-    for f in bad.glob("model-*.safetensors"):
-        tensors = safetensors.torch.load_file(str(f))
-        tensors = {k: v * 3 if k.endswith(".input_scale") else v for k, v in tensors.items()}
-        safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
-    simulated = export.simulate_export(loaded.model, recipe, calibration)
-    reloaded, info = export.reload(bad)
-    result = export.verify(simulated, reloaded, info, 14, windows)
-    assert not result["passed"] and any("KL" in p for p in result["problems"])
+    quantized = export.export_layers(loaded.model, recipe)[0]
+    disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
+    simulated = export.simulate_export(loaded.model, recipe, calibration, target="vllm")  # as exported
+    expected = export.simulated_tensors(simulated, disk, [])
+    assert len(expected) == 3 * 14
+
+    def verify(directory: Path) -> dict:
+        reloaded, info = export.reload(directory)
+        return export.verify(simulated, reloaded, info, 14, windows, expected_tensors=expected, directory=directory)
+
+    good = verify(out)
+    assert good["passed"] and good["tensors_checked_in_file"] == 42 and not good["tensors_differing"]
+    assert good["noise_floor"]["kl_div"] >= 0 and "eager instead of sdpa" in good["noise_floor"]["what"]
+    for name, change in (("input_scale", lambda k: k.endswith(".input_scale")),
+                         ("weight_scale", lambda k: k == "model.layers.1.mlp.down_proj.weight_scale")):
+        bad = tmp_path / f"bad-{name}"
+        shutil.copytree(out, bad)
+        for f in bad.glob("model-*.safetensors"):
+            tensors = safetensors.torch.load_file(str(f))
+            tensors = {k: v * (3 if name == "input_scale" else 2) if change(k) else v for k, v in tensors.items()}
+            safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
+        result = verify(bad)
+        assert not result["passed"] and any("KL" in p for p in result["problems"])
+        assert any("differ from ptq's" in p for p in result["problems"])
+        assert len(result["tensors_differing"]) == (14 if name == "input_scale" else 1)
 
     dense = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
@@ -276,3 +308,32 @@ def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_cli, text_file, 
     code, _, err = ptq_cli("quantize", source, "--recipe", recipe, "-o", tmp_path / "out", "--data", text_file,
                            "--samples", "2", "--seq-len", "32", "-q")
     assert code == 2 and "quantizes no layer" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family, recipe, message", [("mixtral", "int8", "Unsupported FusedMoe scheme"),
+                                                     ("gpt_oss", "fp8-e4m3", "stored fused (3-D)")])
+def test_pairs_no_loader_takes_are_refused_before_calibration(family, recipe, message, ptq_cli, text_file, tmp_path,
+                                                               monkeypatch, capsys):
+    """int8 experts with static inputs (neither transformers nor vLLM loads them) and experts a checkpoint keeps fused:
+    one line, exit 2, before any calibration."""
+    import families
+
+    from ptq.commands import workflows
+
+    model_dir = tmp_path / family
+    families.build(family).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    capsys.readouterr()  # save_pretrained's progress bars
+    calibrated = []
+    monkeypatch.setattr(workflows, "_calibrate", lambda *a, **k: calibrated.append(1))
+    code, _, err = ptq_cli("quantize", model_dir, "--recipe", recipe, "--data", text_file, "--samples", "2",
+                           "--seq-len", "16", "-o", tmp_path / "out", "-q")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not calibrated and not (tmp_path / "out").exists()
+    if family == "mixtral":  # with the experts left out, transformers still cannot load the int8 checkpoint
+        dense = tmp_path / "int8-dense.yaml"
+        dense.write_text("name: int8-dense\nweights: {format: int8, granularity: channel}\ninputs: {format: int8}\n"
+                         "ignore: [lm_head, '*.experts.*']\n")
+        code, _, err = ptq_cli("quantize", model_dir, "--recipe", dense, "--data", text_file, "--seq-len", "16",
+                               "-o", tmp_path / "out", "-q")
+        assert code == 2 and "transformers cannot load" in err and not calibrated

@@ -53,9 +53,9 @@ def test_counting_quantizer_sees_every_matmul_weight(family, monkeypatch):
     seen = []
     original = quantize_module.quantize_weight
 
-    def counting(w, weights, layer="?"):
+    def counting(w, weights, layer="?", *shared_amax):
         seen.append(layer)
-        return original(w, weights, layer)
+        return original(w, weights, layer, *shared_amax)
 
     monkeypatch.setattr(quantize_module, "quantize_weight", counting)
     recipe = load_recipe("fp8-e4m3")

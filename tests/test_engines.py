@@ -1,0 +1,188 @@
+"""--target vllm|transformers: ptq simulates and exports what vLLM serves (ptq.quantization.engines), checked against
+vLLM's load-time rules written out here from vLLM's source, and against independent per-layer quantization for the
+transformers target (ptq's numbers before targets existed)."""
+
+from __future__ import annotations
+
+import json
+
+import families
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from conftest import make_tokenizer
+
+from ptq.calibration.calibrate import calibrate
+from ptq.models.matmuls import LinearExperts, linearize
+from ptq.quantization.plan import calibrated_layers
+from ptq.quantization.quantize import EngineInt8Inputs, QuantLinear, quantize_
+from ptq.quantization.recipes import load_recipe
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vllm/model_executor/models/llama.py
+
+
+def e4m3(x: torch.Tensor) -> np.ndarray:
+    """Round to E4M3 (ml_dtypes, round to nearest even), saturated to +-448 as vLLM's scaled_fp8_quant does."""
+    return np.clip(x.double().numpy(), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+
+def requantize_with_max_scale(codes: list[torch.Tensor], scales: list[torch.Tensor]) -> tuple[list[np.ndarray], float]:
+    """vLLM's requantize_with_max_scale (model_executor/layers/quantization/utils/w8a8_utils.py): each shard
+    dequantized with its own scale (per_tensor_dequantize: codes * scale in float32), then quantized with the group's
+    largest scale (scaled_fp8_quant: x / scale, clamped to +-448, rounded to E4M3)."""
+    top = torch.stack([s.reshape(()) for s in scales]).max()
+    return [e4m3(c.float() * s.reshape(()) / top) for c, s in zip(codes, scales)], float(top)
+
+
+def _tensors(directory) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(str(directory / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_model, tmp_path_factory):
+    """The tiny Llama exported as fp8-e4m3 under each target (verified), and the compare results under each."""
+    import sys
+
+    from conftest import TEXT
+
+    from ptq import cli, progress
+
+    root = tmp_path_factory.mktemp("targets")
+    text = root / "text.txt"
+    text.write_text(TEXT * 3)
+    made = {}
+    for target in ("vllm", "transformers"):
+        for argv in (["quantize", str(tiny_model), "--data", str(text), "--samples", "4", "--seq-len", "64",
+                      "--verify-windows", "2", "--target", target, "-o", str(root / target), "-q"],
+                     ["compare", str(tiny_model), "--calib-data", str(text), "--eval-data", str(text), "--calib-samples", "4",
+                      "--seq-len", "64", "--max-windows", "4", "--no-plots", "--target", target,
+                      "--recipes", "fp8-e4m3,int8,fp8-e4m3-dynamic", "--out", str(root / f"r-{target}"), "-q"]):
+            with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as e:
+                mp.setattr(sys, "argv", ["ptq", *argv])
+                cli.main()
+            progress.QUIET = False
+            assert e.value.code == 0
+        made[target] = (root / target, json.loads((root / f"r-{target}" / "results.json").read_text()))
+    return made
+
+
+def test_vllm_repacking_changes_nothing_in_a_vllm_target_export(exports):
+    """Under --target vllm the fused groups' shards hold one shared scale, so vLLM's requantize_with_max_scale leaves
+    every code as written; under --target transformers (per-shard scales) it changes codes: the rule matters."""
+    changed = {}
+    for target, (out, _) in exports.items():
+        tensors = _tensors(out)
+        changed[target] = 0
+        for layer in range(2):
+            for parent, group in ((f"model.layers.{layer}.self_attn", FUSED[0]), (f"model.layers.{layer}.mlp", FUSED[1])):
+                codes = [tensors[f"{parent}.{m}.weight"] for m in group]
+                scales = [tensors[f"{parent}.{m}.weight_scale"] for m in group]
+                requantized, top = requantize_with_max_scale(codes, scales)
+                for c, r in zip(codes, requantized):
+                    changed[target] += int((c.view(torch.uint8).numpy() != r.view(np.uint8)).sum())
+                if target == "vllm":
+                    assert all(float(s) == top for s in scales)
+        info = json.loads((out / "ptq-export.json").read_text())
+        assert info["target"] == target and info["verification"]["passed"]
+        assert f"target: {target}" in (out / "README.md").read_text()
+    assert changed["vllm"] == 0 and changed["transformers"] > 0
+
+
+def test_targets_in_results_and_where_vllm_has_no_rule_the_numbers_agree(exports):
+    """results.json and the protocol name the target; per-channel weights with dynamic inputs (fp8-e4m3-dynamic) have
+    no load-time rule in vLLM, so both targets give the same numbers there, and different ones for per-tensor E4M3
+    and int8."""
+    rows = {}
+    for target, (_, results) in exports.items():
+        assert results["target"] == target and any(line.startswith(f"target: {target}") for line in results["protocol"])
+        rows[target] = {v["name"]: v for v in results["variants"]}
+    assert rows["vllm"]["fp8-e4m3-dynamic"]["window_nll"] == rows["transformers"]["fp8-e4m3-dynamic"]["window_nll"]
+    assert rows["vllm"]["fp8-e4m3"]["window_nll"] != rows["transformers"]["fp8-e4m3"]["window_nll"]
+
+
+def test_transformers_target_is_independent_per_layer_quantization(tiny_model, text_file):
+    """--target transformers keeps ptq's numbers as they were: every layer's own scale (amax / 448), codes equal to
+    ml_dtypes' rounding, ptq's own int8 input rounding; --target vllm shares the group's largest scale instead."""
+    from ptq.evaluation.data import load_corpus, make_windows
+    from ptq.models.loading import load_model
+
+    loaded = load_model(str(tiny_model))
+    ids = make_windows(load_corpus(str(text_file), "calibration"), loaded.tokenizer, 32, 2).input_ids
+    fp8, int8 = load_recipe("fp8-e4m3"), load_recipe("int8")
+    calibration = calibrate(loaded.model, ids, sorted(set(calibrated_layers(loaded.model, fp8))))
+    weights = {n: m.weight.detach().clone() for n, m in loaded.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    import copy
+
+    for target in ("transformers", "vllm"):
+        model = quantize_(copy.deepcopy(loaded.model), fp8, calibration, target=target)
+        for name, m in model.named_modules():
+            if not isinstance(m, QuantLinear) or m.weights.format.name != "e4m3":  # lm_head: as the baseline
+                continue
+            parent, _, leaf = name.rpartition(".")
+            group = next((g for g in FUSED if leaf in g), (leaf,)) if target == "vllm" else (leaf,)
+            amax = max(float(weights[f"{parent}.{g}"].abs().max()) for g in group)
+            assert float(m.weight_scale) == np.float32(amax) / np.float32(448)
+            reference = e4m3(weights[name].float() / m.weight_scale)
+            assert np.array_equal(m.weight_codes.view(torch.uint8).numpy(), reference.view(np.uint8))
+        classes = {type(m) for m in quantize_(copy.deepcopy(loaded.model), int8, calibration, target=target).modules()
+                   if isinstance(m, QuantLinear) and m.inputs.format.name == "int8"}
+        assert classes == ({QuantLinear} if target == "transformers" else {EngineInt8Inputs})
+
+
+def test_int8_inputs_round_as_vllm_under_the_vllm_target():
+    """vLLM's static_scaled_int8_quant: float_to_int8_rn(x / scale), round to nearest even saturated to [-128, 127];
+    ptq's convention clamps to [-127, 127]."""
+    linear = torch.nn.Linear(4, 2)
+    spec = load_recipe("int8")
+    q = QuantLinear(linear, spec.weights, spec.inputs, torch.tensor(127.0))  # input scale 1
+    x = torch.tensor([[-130.0, -127.5, -127.4, 126.5]])
+    assert q.quantize_input(x)[1].tolist() == [[-127.0, -127.0, -127.0, 126.0]]
+    q.__class__ = EngineInt8Inputs
+    assert q.quantize_input(x)[1].tolist() == [[-128.0, -128.0, -127.0, 126.0]]
+
+
+def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_path, ptq_cli, text_file, capsys):
+    """Under vllm, a mixture-of-experts layer's static input scales are one for all gate/up (w13) and one for all down
+    (w2), the largest across experts (vLLM's process_fp8_input_tensor_strategy_moe), each expert's gate and up share
+    their larger weight scale (process_fp8_weight_tensor_strategy_moe); the checkpoint holds exactly those."""
+    model = linearize(families.build("mixtral"))
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    recipe = load_recipe("fp8-e4m3")
+    calibration = calibrate(model, ids, sorted(set(calibrated_layers(model, recipe))))
+    import copy
+
+    for target in ("vllm", "transformers"):
+        quantized = quantize_(copy.deepcopy(model), recipe, calibration, target=target)
+        for experts in quantized.modules():
+            if not isinstance(experts, LinearExperts):
+                continue
+            w13 = [experts[e].gate_proj for e in range(len(experts))] + [experts[e].up_proj for e in range(len(experts))]
+            w2 = [experts[e].down_proj for e in range(len(experts))]
+            for group in (w13, w2):
+                names = [n for n, m in quantized.named_modules() if any(m is g for g in group)]
+                clips = [float(calibration.input_amax[n]) for n in names]
+                scales = {float(m.input_scale) for m in group}
+                if target == "vllm":
+                    assert scales == {np.float32(max(clips)) / np.float32(448)}
+                elif group is w2:  # (every expert's gate/up sees every token in calibration: the same amax)
+                    assert len(scales) > 1
+            if target == "vllm":
+                assert all(torch.equal(experts[e].gate_proj.weight_scale, experts[e].up_proj.weight_scale)
+                           for e in range(len(experts)))
+    model_dir = tmp_path / "mixtral"
+    families.build("mixtral").save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    code, _, err = ptq_cli("quantize", model_dir, "--data", text_file, "--seq-len", "16", "--samples", "2",
+                           "--verify-windows", "2", "-o", tmp_path / "ckpt", "-q")
+    assert code == 0, err
+    tensors = _tensors(tmp_path / "ckpt")
+    for layer in range(2):
+        experts = f"model.layers.{layer}.block_sparse_moe.experts"
+        w13 = {float(tensors[f"{experts}.{e}.{w}.input_scale"]) for e in range(4) for w in ("w1", "w3")}
+        w2 = {float(tensors[f"{experts}.{e}.w2.input_scale"]) for e in range(4)}
+        assert len(w13) == 1 and len(w2) == 1
+        assert all(torch.equal(tensors[f"{experts}.{e}.w1.weight_scale"], tensors[f"{experts}.{e}.w3.weight_scale"]) for e in range(4))
+    info = json.loads((tmp_path / "ckpt" / "ptq-export.json").read_text())
+    assert info["target"] == "vllm" and info["verification"]["passed"]
