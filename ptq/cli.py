@@ -392,7 +392,7 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
             f"KL {ver['noise_floor']['kl_div']:.3g}), files {len(ver['tensors_differing']) or 'bit-identical'}"
             + (" differing" if ver["tensors_differing"] else "") + f" ({ver['tensors_checked_in_file']} tensors), "
             f"KL {ver['kl_div']:.3g} nats/token (limit {tol['max_kl_div']:g}), same top-1 {100 * ver['top1_agreement']:.2f}% "
-            f"(limit {100 * tol['min_top1_agreement']:g}%), static input quantization in {ver['load']['input_quantized_layers']}/"
+            f"(limit {100 * tol['min_top1_agreement']:g}%), input quantization in {ver['load']['input_quantized_layers']}/"
             f"{info['format']['quantized_layers']} layers", highlight=False)
         for p in ver["problems"]:
             console.print(f"  problem: {p}", highlight=False)

@@ -323,7 +323,7 @@ def render_model_card(e: dict) -> str:
             f"{ver.get('tensors_checked_in_file', 0) - len(ver.get('tensors_differing', []))} equal | bit for bit |",
             f"| KL(simulated ‖ reloaded), nats/token | | {ver['kl_div']:.3g} | ≤ {tol['max_kl_div']:g} |",
             f"| same top-1 token | | {100 * ver['top1_agreement']:.2f}% | ≥ {100 * tol['min_top1_agreement']:g}% |",
-            f"| layers the loader runs with static input quantization | {fmt['quantized_layers'] - ver.get('input_scales_checked_in_file', 0)} | "
+            f"| layers the loader runs with input quantization (static or dynamic) | {fmt['quantized_layers'] - ver.get('input_scales_checked_in_file', 0)} | "
             f"{ver['load']['input_quantized_layers']} | all |",
             *([f"| input scales the loader does not apply (fused experts in transformers, or ptq's reader), compared with "
                f"ptq's in the files | {ver['input_scales_checked_in_file']} | equal | bit for bit |"]
