@@ -28,6 +28,7 @@ test: $(STAMP)
 # ruff (pinned in the test extra; configured in pyproject.toml): the package, the tests, the benchmarks, the examples.
 lint: $(STAMP)
 	$(BIN)/ruff check ptq tests benchmarks examples
+	$(BIN)/ruff format --check ptq tests benchmarks examples
 
 # Speed and memory targets, printed as ratios measured in one run (see benchmarks/bench.py).
 bench: $(STAMP)

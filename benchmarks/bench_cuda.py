@@ -31,16 +31,27 @@ from ptq.quantization.plan import calibrated_layers
 from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                vocab_size=128256, num_hidden_layers=32)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    num_hidden_layers=32,
+)
 
 
 def build_model(device: torch.device, seq_len: int, **shape) -> torch.nn.Module:
     """A Llama with random weights made in place on `device`, in bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**(LLAMA_8B | shape), max_position_embeddings=max(8192, seq_len), rope_theta=500000.0,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
+    config = LlamaConfig(
+        **(LLAMA_8B | shape),
+        max_position_embeddings=max(8192, seq_len),
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -107,9 +118,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     progress.QUIET = True
     device = torch.device(args.device)
-    shape = {k: v for k, v in (("hidden_size", args.hidden), ("intermediate_size", args.intermediate),
-                               ("vocab_size", args.vocab), ("num_attention_heads", args.heads),
-                               ("num_key_value_heads", args.kv_heads)) if v is not None}
+    shape = {
+        k: v
+        for k, v in (
+            ("hidden_size", args.hidden),
+            ("intermediate_size", args.intermediate),
+            ("vocab_size", args.vocab),
+            ("num_attention_heads", args.heads),
+            ("num_key_value_heads", args.kv_heads),
+        )
+        if v is not None
+    }
     model = build_model(device, args.seq_len, num_hidden_layers=args.layers, **shape)
     config = model.config
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -118,10 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     calib_ids = torch.randint(0, config.vocab_size, (args.windows, args.seq_len), generator=g)
     tokens = ids.numel()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"ptq bench (GPU): {name}; Llama, {args.layers} layers, hidden {config.hidden_size}, MLP "
-          f"{config.intermediate_size}, vocab {config.vocab_size}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
-          f"parameters ({matmul_params / 1e9:.2f}B in matmuls), bf16, random weights; {args.windows} windows x "
-          f"{args.seq_len} tokens, batch {args.batch_size}, median of {args.repeats}; torch {torch.__version__}")
+    print(
+        f"ptq bench (GPU): {name}; Llama, {args.layers} layers, hidden {config.hidden_size}, MLP "
+        f"{config.intermediate_size}, vocab {config.vocab_size}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
+        f"parameters ({matmul_params / 1e9:.2f}B in matmuls), bf16, random weights; {args.windows} windows x "
+        f"{args.seq_len} tokens, batch {args.batch_size}, median of {args.repeats}; torch {torch.__version__}"
+    )
 
     def forward(m, x):  # a plain forward over the windows, batch by batch, as the evaluation runs them
         with torch.inference_mode():
@@ -131,12 +152,16 @@ def main(argv: list[str] | None = None) -> None:
     e4m3 = load_recipe("fp8-e4m3")
     layers = calibrated_layers(model, e4m3)
     t_forward, m_forward = measure(lambda: forward(model, calib_ids), args.repeats, device)
-    t_calib, m_calib = measure(lambda: calibrate(model, calib_ids, layers, batch_size=args.batch_size), args.repeats, device)
+    t_calib, m_calib = measure(
+        lambda: calibrate(model, calib_ids, layers, batch_size=args.batch_size), args.repeats, device
+    )
     calibration = calibrate(model, calib_ids, layers, batch_size=args.batch_size)
 
     t_bf16, m_bf16 = measure(lambda: evaluate({"bf16": model}, ids, args.batch_size), args.repeats, device)
     simulated = quantize_variants(model, [e4m3], calibration, matmul="simulated")["fp8-e4m3"]
-    t_sim, m_sim = measure(lambda simulated=simulated: evaluate({"sim": simulated}, ids, args.batch_size), args.repeats, device)
+    t_sim, m_sim = measure(
+        lambda simulated=simulated: evaluate({"sim": simulated}, ids, args.batch_size), args.repeats, device
+    )
     del simulated
     torch.cuda.empty_cache() if device.type == "cuda" else None
     real = quantize_variants(model, [e4m3], calibration, matmul="fp8")["fp8-e4m3"]
@@ -152,13 +177,33 @@ def main(argv: list[str] | None = None) -> None:
 
     print(line(roofline >= 0.5, "bf16 evaluation / matmul roofline (2 x params x tokens/s)", roofline, ">= 0.50x"))
     print(line(t_sim / t_bf16 <= 1.15, "simulated E4M3 evaluation / bf16 evaluation", t_sim / t_bf16, "<= 1.15x"))
-    print(line(t_bf16 / t_fp8 >= 1.3, "real FP8 evaluation speed-up over bf16 (time bf16 / FP8)", t_bf16 / t_fp8, ">= 1.30x"))
-    print(line(t_calib / t_forward <= 1.10, "calibration / bf16 forward over the same tokens", t_calib / t_forward, "<= 1.10x"))
+    print(
+        line(
+            t_bf16 / t_fp8 >= 1.3,
+            "real FP8 evaluation speed-up over bf16 (time bf16 / FP8)",
+            t_bf16 / t_fp8,
+            ">= 1.30x",
+        )
+    )
+    print(
+        line(
+            t_calib / t_forward <= 1.10,
+            "calibration / bf16 forward over the same tokens",
+            t_calib / t_forward,
+            "<= 1.10x",
+        )
+    )
     gib = 2**30
-    print(f"INFO  bf16 GEMMs of the model's shapes at {rows} rows: {gemm_flops_per_s / 1e12:.0f} TFLOP/s "
-          f"({t_gemm * 1e3:.1f} ms per forward, {batches} forwards per evaluation); the bf16 evaluation reached "
-          f"{model_flops_per_s / 1e12:.0f} TFLOP/s")
-    for what, t, peak, n in (("bf16 evaluation", t_bf16, m_bf16, tokens), ("simulated E4M3 evaluation", t_sim, m_sim, tokens),
-                             ("real FP8 evaluation", t_fp8, m_fp8, tokens), ("bf16 forward (calibration tokens)", t_forward, m_forward, tokens),
-                             ("calibration", t_calib, m_calib, tokens)):
+    print(
+        f"INFO  bf16 GEMMs of the model's shapes at {rows} rows: {gemm_flops_per_s / 1e12:.0f} TFLOP/s "
+        f"({t_gemm * 1e3:.1f} ms per forward, {batches} forwards per evaluation); the bf16 evaluation reached "
+        f"{model_flops_per_s / 1e12:.0f} TFLOP/s"
+    )
+    for what, t, peak, n in (
+        ("bf16 evaluation", t_bf16, m_bf16, tokens),
+        ("simulated E4M3 evaluation", t_sim, m_sim, tokens),
+        ("real FP8 evaluation", t_fp8, m_fp8, tokens),
+        ("bf16 forward (calibration tokens)", t_forward, m_forward, tokens),
+        ("calibration", t_calib, m_calib, tokens),
+    ):
         print(f"INFO  {what:<36} {n / t:12,.0f} tokens/s  {t:8.2f} s  peak GPU memory {peak / gib:6.1f} GiB")

@@ -77,8 +77,12 @@ class ScaleAgreement:
 
     def agrees(self) -> bool:
         tolerance = {"weight_scale": WEIGHT_SCALE_RTOL, "input_scale": INPUT_SCALE_RTOL}
-        return (self.layers > 0 and not self.only_in_ours and not self.only_in_theirs
-                and all(self.max_rel_diff[k] <= tolerance[k] for k in SCALE_KINDS))
+        return (
+            self.layers > 0
+            and not self.only_in_ours
+            and not self.only_in_theirs
+            and all(self.max_rel_diff[k] <= tolerance[k] for k in SCALE_KINDS)
+        )
 
 
 def compare_scales(ours: dict[str, dict[str, float]], theirs: dict[str, dict[str, float]]) -> ScaleAgreement:
@@ -95,8 +99,9 @@ def compare_scales(ours: dict[str, dict[str, float]], theirs: dict[str, dict[str
         worst[kind] = max(diffs, key=diffs.get) if diffs else ""
         max_rel[kind] = diffs[worst[kind]] if diffs else float("inf")
         identical[kind] = sum(1 for d in diffs.values() if d == 0)
-    return ScaleAgreement(len(common), sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours)),
-                          max_rel, worst, identical)
+    return ScaleAgreement(
+        len(common), sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours)), max_rel, worst, identical
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,9 +148,18 @@ def run_ptq_side(model_dir: Path, windows: Path, out: Path, batch_size: int = 4)
     quantize_(model, recipe, calibration)
     quantize_s = time.perf_counter() - start
 
-    versions = {name: importlib.metadata.version(name) for name in ("ptq", "compressed-tensors", "transformers", "torch")}
-    timing = {"load_s": load_s, "calibrate_s": calibrate_s, "quantize_s": calibrate_s + quantize_s, "save_s": save_s,
-              "threads": torch.get_num_threads(), "batch_size": batch_size, "versions": versions}
+    versions = {
+        name: importlib.metadata.version(name) for name in ("ptq", "compressed-tensors", "transformers", "torch")
+    }
+    timing = {
+        "load_s": load_s,
+        "calibrate_s": calibrate_s,
+        "quantize_s": calibrate_s + quantize_s,
+        "save_s": save_s,
+        "threads": torch.get_num_threads(),
+        "batch_size": batch_size,
+        "versions": versions,
+    }
     (out / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
     return timing
 
@@ -191,7 +205,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4, help="windows per forward, the same for both tools")
     parser.add_argument("--peer-python", default=".venv-peers/bin/python", help="the python of llm-compressor's venv")
-    parser.add_argument("--out", type=Path, default=None, help="keep the checkpoints and logs here (default: a temp dir)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="keep the checkpoints and logs here (default: a temp dir)"
+    )
     parser.add_argument("--worker", nargs=3, metavar=("MODEL_DIR", "WINDOWS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -212,14 +228,38 @@ def main() -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     ids_file = tmp / "windows.safetensors"
     safetensors.torch.save_file({"input_ids": windows.input_ids.contiguous()}, str(ids_file))
-    print(f"ptq bench-peers: {args.model} ({model_dir}), float32 on CPU, {torch.get_num_threads()} threads, batch {args.batch_size}")
+    print(
+        f"ptq bench-peers: {args.model} ({model_dir}), float32 on CPU, {torch.get_num_threads()} threads, batch {args.batch_size}"
+    )
     print(f"calibration: {corpus.source}; {windows.description}")
 
     side_args = [str(model_dir), str(ids_file)]
-    theirs = run_side("llm-compressor", [args.peer_python, str(peer_script), *side_args, str(tmp / "llm-compressor"),
-                                         "--batch-size", str(args.batch_size)], tmp / "llm-compressor")
-    ours = run_side("ptq", [sys.executable, "-m", "benchmarks.bench_peers", "--batch-size", str(args.batch_size),
-                            "--worker", *side_args, str(tmp / "ptq")], tmp / "ptq")
+    theirs = run_side(
+        "llm-compressor",
+        [
+            args.peer_python,
+            str(peer_script),
+            *side_args,
+            str(tmp / "llm-compressor"),
+            "--batch-size",
+            str(args.batch_size),
+        ],
+        tmp / "llm-compressor",
+    )
+    ours = run_side(
+        "ptq",
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_peers",
+            "--batch-size",
+            str(args.batch_size),
+            "--worker",
+            *side_args,
+            str(tmp / "ptq"),
+        ],
+        tmp / "ptq",
+    )
 
     def versions(t: dict) -> str:
         return ", ".join(f"{k} {v}" for k, v in t["versions"].items())
@@ -228,23 +268,31 @@ def main() -> None:
     print(f"ptq:            {versions(ours)}")
     print("seconds (model load excluded from both)   llm-compressor      ptq")
     print(f"  model load (not timed in the ratios)     {theirs['load_s']:14.1f} {ours['load_s']:8.1f}")
-    print(f"  calibration + quantization in memory     {theirs['quantize_s']:14.1f} {ours['quantize_s']:8.1f}"
-          f"   (ptq: calibrate {ours['calibrate_s']:.1f} + quantize_ {ours['quantize_s'] - ours['calibrate_s']:.1f})")
+    print(
+        f"  calibration + quantization in memory     {theirs['quantize_s']:14.1f} {ours['quantize_s']:8.1f}"
+        f"   (ptq: calibrate {ours['calibrate_s']:.1f} + quantize_ {ours['quantize_s'] - ours['calibrate_s']:.1f})"
+    )
     print(f"  writing the compressed-tensors checkpoint {theirs['save_s']:13.1f} {ours['save_s']:8.1f}")
     in_memory = theirs["quantize_s"] / ours["quantize_s"]
     with_save = (theirs["quantize_s"] + theirs["save_s"]) / (ours["quantize_s"] + ours["save_s"])
     print(f"{verdict(in_memory)}  llm-compressor / ptq: calibration + quantization")
     print(f"{verdict(with_save)}  llm-compressor / ptq: calibration + quantization + writing the checkpoint")
 
-    agreement = compare_scales(read_scales(tmp / "ptq" / "checkpoint"), read_scales(tmp / "llm-compressor" / "checkpoint"))
+    agreement = compare_scales(
+        read_scales(tmp / "ptq" / "checkpoint"), read_scales(tmp / "llm-compressor" / "checkpoint")
+    )
     for kind, rtol in (("weight_scale", WEIGHT_SCALE_RTOL), ("input_scale", INPUT_SCALE_RTOL)):
-        print(f"  {kind:<12} {agreement.identical[kind]:3d}/{agreement.layers} layers bit-identical; max relative "
-              f"difference {agreement.max_rel_diff[kind]:.2e} ({agreement.worst_layer[kind]}); tolerance {rtol:.0e}")
+        print(
+            f"  {kind:<12} {agreement.identical[kind]:3d}/{agreement.layers} layers bit-identical; max relative "
+            f"difference {agreement.max_rel_diff[kind]:.2e} ({agreement.worst_layer[kind]}); tolerance {rtol:.0e}"
+        )
     missing = agreement.only_in_ours + agreement.only_in_theirs
     if missing:
         print(f"  layers with scales on one side only: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    print(f"{'PASS' if agreement.agrees() else 'MISS'}  same scales within rounding: {agreement.layers} Linear layers, "
-          "ptq amax/448 vs llm-compressor weight_scale and input_scale")
+    print(
+        f"{'PASS' if agreement.agrees() else 'MISS'}  same scales within rounding: {agreement.layers} Linear layers, "
+        "ptq amax/448 vs llm-compressor weight_scale and input_scale"
+    )
     print(f"checkpoints and logs: {tmp}")
 
 

@@ -45,19 +45,54 @@ def main() -> None:
 
     params = checkpoint_parameters(args.model)
     on_disk = sum(f.stat().st_size for f in args.model.glob("*.safetensors"))
-    mem_total = int(next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")).split()[1]) * 1024
-    print(f"model {args.model}: {params:,} parameters; {on_disk / GIB:.1f} GiB on disk (bf16), "
-          f"{params * 4 / GIB:.1f} GiB in float32 (what the in-memory path loads)")
-    print(f"machine: {mem_total / GIB:.1f} GiB memory, {available_memory(torch.device('cpu')) / GIB:.1f} GiB available now, "
-          f"{os.cpu_count()} CPUs")
+    mem_total = (
+        int(
+            next(
+                line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+            ).split()[1]
+        )
+        * 1024
+    )
+    print(
+        f"model {args.model}: {params:,} parameters; {on_disk / GIB:.1f} GiB on disk (bf16), "
+        f"{params * 4 / GIB:.1f} GiB in float32 (what the in-memory path loads)"
+    )
+    print(
+        f"machine: {mem_total / GIB:.1f} GiB memory, {available_memory(torch.device('cpu')) / GIB:.1f} GiB available now, "
+        f"{os.cpu_count()} CPUs"
+    )
     calib = args.model.with_name(args.model.name + ".calib.safetensors")
     out = args.model.with_name(args.model.name + "-" + args.recipe)
     ptq = [sys.executable, "-m", "ptq"]
     steps = {
-        "calibrate": ptq + ["calibrate", str(args.model), "--low-memory", "--recipe", args.recipe, "--samples",
-                            str(args.samples), "--seq-len", str(args.seq_len), "-o", str(calib), "--force"],
-        "quantize": ptq + ["quantize", str(args.model), "--low-memory", "--recipe", args.recipe, "--calib", str(calib),
-                           "-o", str(out), "--force"],
+        "calibrate": ptq
+        + [
+            "calibrate",
+            str(args.model),
+            "--low-memory",
+            "--recipe",
+            args.recipe,
+            "--samples",
+            str(args.samples),
+            "--seq-len",
+            str(args.seq_len),
+            "-o",
+            str(calib),
+            "--force",
+        ],
+        "quantize": ptq
+        + [
+            "quantize",
+            str(args.model),
+            "--low-memory",
+            "--recipe",
+            args.recipe,
+            "--calib",
+            str(calib),
+            "-o",
+            str(out),
+            "--force",
+        ],
     }
     rows = []
     for name, cmd in steps.items():
@@ -69,8 +104,10 @@ def main() -> None:
     print("| command | wall time | peak RSS | peak RSS / bf16 weights | peak RSS / float32 weights |")
     print("|---|---|---|---|---|")
     for name, seconds, peak in rows:
-        print(f"| ptq {name} --low-memory | {seconds:.0f} s | {peak / GIB:.2f} GiB | {peak / on_disk:.2f} | "
-              f"{peak / (params * 4):.2f} |")
+        print(
+            f"| ptq {name} --low-memory | {seconds:.0f} s | {peak / GIB:.2f} GiB | {peak / on_disk:.2f} | "
+            f"{peak / (params * 4):.2f} |"
+        )
     print(f"\nwrote {out}: {written / GIB:.1f} GiB of safetensors ({args.recipe})")
     if not args.keep:
         shutil.rmtree(out)

@@ -20,7 +20,9 @@ import safetensors.torch
 import torch
 
 
-def tensor_shapes(hidden: int, intermediate: int, layers: int, vocab: int, heads: int, kv_heads: int) -> list[tuple[str, tuple]]:
+def tensor_shapes(
+    hidden: int, intermediate: int, layers: int, vocab: int, heads: int, kv_heads: int
+) -> list[tuple[str, tuple]]:
     """Every tensor of LlamaForCausalLM (untied embeddings), in the order save_pretrained writes them."""
     head_dim = hidden // heads
     shapes = [("model.embed_tokens.weight", (vocab, hidden))]
@@ -50,8 +52,12 @@ def make_tokenizer(out: Path, vocab: int) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=min(vocab, 4096), special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(vocab, 4096),
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([text], trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
 
@@ -72,10 +78,20 @@ def main() -> None:
 
     out = args.out
     out.mkdir(parents=True, exist_ok=False)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-                         dtype="bfloat16", architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+    )
     config.save_pretrained(out)
     GenerationConfig(bos_token_id=0, eos_token_id=1).save_pretrained(out)
     make_tokenizer(out, args.vocab)
@@ -109,8 +125,10 @@ def main() -> None:
         print(f"wrote {filename} ({i}/{len(groups)}, {time.perf_counter() - start:.0f} s)", flush=True)
     index = {"metadata": {"total_size": total * 2}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    print(f"{out}: {total:,} parameters, {total * 2 / 1e9:.1f} GB in bf16 ({total * 4 / 2**30:.1f} GiB in float32), "
-          f"{len(groups)} shards, {time.perf_counter() - start:.0f} s")
+    print(
+        f"{out}: {total:,} parameters, {total * 2 / 1e9:.1f} GB in bf16 ({total * 4 / 2**30:.1f} GiB in float32), "
+        f"{len(groups)} shards, {time.perf_counter() - start:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -33,10 +33,13 @@ def main() -> int:
             families.build(family).save_pretrained(directory)
             make_tokenizer().save_pretrained(directory)
             try:
-                r = run_compare(["fp8-e4m3", "int8"], model=ModelOptions(model=str(directory)),
-                                data=DataOptions(data=str(text), seq_len=32, windows=4),
-                                calibration=CalibrationOptions(data=str(text), samples=4, seq_len=32),
-                                output=OutputOptions(path=Path(tmp) / f"report-{family}", plots=False))
+                r = run_compare(
+                    ["fp8-e4m3", "int8"],
+                    model=ModelOptions(model=str(directory)),
+                    data=DataOptions(data=str(text), seq_len=32, windows=4),
+                    calibration=CalibrationOptions(data=str(text), samples=4, seq_len=32),
+                    output=OutputOptions(path=Path(tmp) / f"report-{family}", plots=False),
+                )
             except Exception as e:  # noqa: BLE001 - report every family, then fail
                 failed.append(family)
                 print(f"FAIL  {family:14s} {type(e).__name__}: {e}")

@@ -48,18 +48,33 @@ def main() -> None:
     # scale from a running min/max over the calibration data ("static_minmax"); lm_head left out, as in ptq.
     recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"])
     start = time.perf_counter()
-    oneshot(model=model, processor=tokenizer, dataset=dataset, recipe=recipe, num_calibration_samples=len(ids),
-            max_seq_length=ids.shape[1], batch_size=args.batch_size)
+    oneshot(
+        model=model,
+        processor=tokenizer,
+        dataset=dataset,
+        recipe=recipe,
+        num_calibration_samples=len(ids),
+        max_seq_length=ids.shape[1],
+        batch_size=args.batch_size,
+    )
     quantize_s = time.perf_counter() - start
 
     start = time.perf_counter()
     model.save_pretrained(out / "checkpoint", save_compressed=True)
     save_s = time.perf_counter() - start
 
-    versions = {name: importlib.metadata.version(name)
-                for name in ("llmcompressor", "compressed-tensors", "transformers", "torch")}
-    timing = {"load_s": load_s, "quantize_s": quantize_s, "save_s": save_s, "threads": torch.get_num_threads(),
-              "batch_size": args.batch_size, "versions": versions}
+    versions = {
+        name: importlib.metadata.version(name)
+        for name in ("llmcompressor", "compressed-tensors", "transformers", "torch")
+    }
+    timing = {
+        "load_s": load_s,
+        "quantize_s": quantize_s,
+        "save_s": save_s,
+        "threads": torch.get_num_threads(),
+        "batch_size": args.batch_size,
+        "versions": versions,
+    }
     (out / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
 
 

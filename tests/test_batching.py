@@ -27,8 +27,10 @@ def oom_above(monkeypatch, limit: int, calls: list | None = None):
         if calls is not None:
             calls.append(len(input_ids))
         if len(input_ids) > limit:
-            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total "
-                                              f"capacity of 139.8 GiB of which 1.2 GiB is free. ({len(input_ids)} rows)")
+            raise torch.cuda.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total "
+                f"capacity of 139.8 GiB of which 1.2 GiB is free. ({len(input_ids)} rows)"
+            )
         return forward(self, input_ids=input_ids, **kwargs)
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", limited)
@@ -60,6 +62,7 @@ def test_auto_is_the_old_default_on_the_cpu_and_follows_free_memory_on_cuda(tiny
     class OnCuda(torch.nn.Module):
         def parameters(self, recurse=True):
             yield type("P", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16})()
+
     fake = OnCuda()
     fake.config = config
     assert batching.auto_batch_size(fake, 2048, windows=1000) == min(batching.MAX_AUTO_BATCH_SIZE, int(100 * 0.7))
@@ -95,27 +98,54 @@ def test_an_explicit_batch_size_that_does_not_fit_is_one_line(tiny_model, monkey
     assert "--low-memory" in message and "fewer recipes" in message
 
 
-def test_compare_with_an_automatic_batch_size_survives_out_of_memory(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+def test_compare_with_an_automatic_batch_size_survives_out_of_memory(
+    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+):
     runs = {}
     for name, limit in (("plain", 100), ("oom", 1)):
         with monkeypatch.context() as m:
             oom_above(m, limit)
-            code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file,
-                                      "--out", tmp_path / name, *FAST)
+            code, _, stderr = ptq_cli(
+                "compare",
+                tiny_model,
+                "--calib-data",
+                text_file,
+                "--eval-data",
+                text_file,
+                "--out",
+                tmp_path / name,
+                *FAST,
+            )
         assert code == 0, stderr
         runs[name] = json.loads((tmp_path / name / "results.json").read_text())
     for key in ("perplexity", "accuracy", "window_nll"):
         assert runs["oom"]["baseline"][key] == runs["plain"]["baseline"][key]
     for a, b in zip(runs["oom"]["variants"], runs["plain"]["variants"]):
-        assert (a["perplexity"], a["kl_div"], a["top1_agreement"]) == (b["perplexity"], b["kl_div"], b["top1_agreement"])
+        assert (a["perplexity"], a["kl_div"], a["top1_agreement"]) == (
+            b["perplexity"],
+            b["kl_div"],
+            b["top1_agreement"],
+        )
 
 
-def test_compare_with_an_explicit_batch_size_that_does_not_fit_is_one_line_exit_2(ptq_cli, tiny_model, text_file,
-                                                                                  tmp_path, monkeypatch):
+def test_compare_with_an_explicit_batch_size_that_does_not_fit_is_one_line_exit_2(
+    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+):
     oom_above(monkeypatch, 1)
     out = tmp_path / "x"
-    code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
-                              "--batch-size", "2", *FAST)
+    code, _, stderr = ptq_cli(
+        "compare",
+        tiny_model,
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+        "--out",
+        out,
+        "--batch-size",
+        "2",
+        *FAST,
+    )
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert "out of GPU memory evaluating 3 model(s) on 2 window(s)" in stderr and "--batch-size" in stderr
     assert not out.exists()
@@ -123,21 +153,27 @@ def test_compare_with_an_explicit_batch_size_that_does_not_fit_is_one_line_exit_
 
 @pytest.mark.parametrize("value", ["0", "lots"])
 def test_a_bad_batch_size_is_one_line_exit_2(ptq_cli, tiny_model, text_file, tmp_path, value):
-    code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x",
-                              "--batch-size", value, *FAST)
+    code, _, stderr = ptq_cli(
+        "compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", "--batch-size", value, *FAST
+    )
     assert code == 2 and "--batch-size must be a positive integer or 'auto'" in stderr
     assert len(stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
 
 
-def test_out_of_memory_while_loading_is_one_line_naming_the_model(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+def test_out_of_memory_while_loading_is_one_line_naming_the_model(
+    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+):
     import ptq.commands.workflows
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 28.00 GiB. GPU 0 has 1.0 GiB free.")
 
     monkeypatch.setattr(ptq.commands.workflows, "load_model", no_room)
-    for command in (["compare", "--out", tmp_path / "c"], ["eval", "--tasks", "", "--out", tmp_path / "e"],
-                    ["calibrate", "-o", tmp_path / "c.safetensors", "--data", text_file]):
+    for command in (
+        ["compare", "--out", tmp_path / "c"],
+        ["eval", "--tasks", "", "--out", tmp_path / "e"],
+        ["calibrate", "-o", tmp_path / "c.safetensors", "--data", text_file],
+    ):
         extra = ["--eval-data", text_file, "--seq-len", "32", "--max-windows", "4"] if command[0] != "calibrate" else []
         code, _, stderr = ptq_cli(command[0], tiny_model, *command[1:], *extra, "--quiet")
         assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
@@ -154,8 +190,21 @@ def test_out_of_memory_while_exporting_leaves_nothing(ptq_cli, tiny_model, text_
 
     monkeypatch.setattr(ptq.export.checkpoint, "reload", no_room)
     out = tmp_path / "exported"
-    code, _, stderr = ptq_cli("quantize", tiny_model, "--recipe", "fp8-e4m3", "--data", text_file, "--samples", "4",
-                              "--seq-len", "32", "-o", out, "--quiet")
+    code, _, stderr = ptq_cli(
+        "quantize",
+        tiny_model,
+        "--recipe",
+        "fp8-e4m3",
+        "--data",
+        text_file,
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "-o",
+        out,
+        "--quiet",
+    )
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert "out of GPU memory exporting and verifying the checkpoint" in stderr
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
@@ -200,8 +249,10 @@ def test_calibration_estimate_has_no_metrics_and_logits_only_when_computed():
     block = 2048 * (8 * 4096 + 3 * 14336) * 2
     observer = 2048 * 14336 * 16  # float32 copy, int32 bits, int64 bin index of the MLP's intermediate input
     assert batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True, logits=False) == block + observer
-    assert (batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True, logits=True)
-            == block + observer + 2048 * 128256 * 2)  # the lm_head calibrated: logits in bf16, no float32 copy
+    assert (
+        batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True, logits=True)
+        == block + observer + 2048 * 128256 * 2
+    )  # the lm_head calibrated: logits in bf16, no float32 copy
     assert batching.window_bytes(config, 2048, torch.bfloat16) == 2048 * 128256 * 2 + block  # evaluation unchanged
 
 
@@ -280,12 +331,37 @@ def test_calibrate_command_batch_size(ptq_cli, tiny_model, text_file, tmp_path, 
 
 
 def test_compare_and_quantize_calibrate_on_their_batch_size(ptq_cli, tiny_model, text_file, tmp_path):
-    code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file,
-                              "--out", tmp_path / "c", "--batch-size", "3", *FAST)
+    code, _, stderr = ptq_cli(
+        "compare",
+        tiny_model,
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+        "--out",
+        tmp_path / "c",
+        "--batch-size",
+        "3",
+        *FAST,
+    )
     assert code == 0, stderr
     assert json.loads((tmp_path / "c" / "results.json").read_text())["calibration"]["batch_size"] == 3
     pytest.importorskip("compressed_tensors")
-    code, _, stderr = ptq_cli("quantize", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32",
-                              "--batch-size", "1", "--no-verify", "-o", tmp_path / "q", "--quiet")
+    code, _, stderr = ptq_cli(
+        "quantize",
+        tiny_model,
+        "--data",
+        text_file,
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "1",
+        "--no-verify",
+        "-o",
+        tmp_path / "q",
+        "--quiet",
+    )
     assert code == 0, stderr
     assert json.loads((tmp_path / "q" / "ptq-export.json").read_text())["calibration"]["batch_size"] == 1

@@ -12,20 +12,33 @@ from ptq.errors import PtqError
 
 
 def test_read_scales_from_a_sharded_checkpoint_in_any_dtype(tmp_path):
-    save_file({"model.layers.0.q_proj.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
-               "model.layers.0.q_proj.weight_scale": torch.tensor([0.5], dtype=torch.bfloat16),
-               "model.layers.0.q_proj.input_scale": torch.tensor([0.375]),
-               "model.embed_tokens.weight": torch.ones(3, 4)}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file({"model.layers.1.o_proj.weight_scale": torch.tensor(3.0),  # a 0-d scale is one per tensor too
-               "model.layers.1.o_proj.input_scale": torch.tensor([1 / 448], dtype=torch.float32)},
-              str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file(
+        {
+            "model.layers.0.q_proj.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
+            "model.layers.0.q_proj.weight_scale": torch.tensor([0.5], dtype=torch.bfloat16),
+            "model.layers.0.q_proj.input_scale": torch.tensor([0.375]),
+            "model.embed_tokens.weight": torch.ones(3, 4),
+        },
+        str(tmp_path / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {
+            "model.layers.1.o_proj.weight_scale": torch.tensor(3.0),  # a 0-d scale is one per tensor too
+            "model.layers.1.o_proj.input_scale": torch.tensor([1 / 448], dtype=torch.float32),
+        },
+        str(tmp_path / "model-00002-of-00002.safetensors"),
+    )
     (tmp_path / "config.json").write_text("{}")
 
     scales = read_scales(tmp_path)
 
-    assert scales == {"model.layers.0.q_proj": {"weight_scale": 0.5, "input_scale": 0.375},
-                      "model.layers.1.o_proj": {"weight_scale": 3.0,
-                                                "input_scale": float(torch.tensor(1 / 448, dtype=torch.float32))}}
+    assert scales == {
+        "model.layers.0.q_proj": {"weight_scale": 0.5, "input_scale": 0.375},
+        "model.layers.1.o_proj": {
+            "weight_scale": 3.0,
+            "input_scale": float(torch.tensor(1 / 448, dtype=torch.float32)),
+        },
+    }
 
 
 def test_read_scales_refuses_per_channel_scales_and_an_empty_directory(tmp_path):
@@ -55,8 +68,10 @@ def test_compare_scales_tolerances_and_missing_layers():
     assert not far.agrees() and far.worst_layer["input_scale"] == "a"
     assert far.max_rel_diff["input_scale"] == pytest.approx(10 * INPUT_SCALE_RTOL)
 
-    weight_off = compare_scales({"a": _scales(float(torch.nextafter(torch.tensor(0.25), torch.tensor(1.0))), 0.5),
-                                 "b": _scales(1.0, 2.0)}, theirs)
+    weight_off = compare_scales(
+        {"a": _scales(float(torch.nextafter(torch.tensor(0.25), torch.tensor(1.0))), 0.5), "b": _scales(1.0, 2.0)},
+        theirs,
+    )
     assert not weight_off.agrees()  # weight scales come from the same weights: no tolerance
 
     missing = compare_scales({"a": _scales(0.25, 0.5)}, theirs)
@@ -80,12 +95,14 @@ def test_ptq_side_writes_amax_over_448_for_every_linear(tiny_model, tmp_path):
     seen: dict[str, float] = {}
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name != "lm_head":
-            m.register_forward_pre_hook(lambda mod, args, n=name: seen.__setitem__(
-                n, max(seen.get(n, 0.0), float(args[0].abs().max()))))
+            m.register_forward_pre_hook(
+                lambda mod, args, n=name: seen.__setitem__(n, max(seen.get(n, 0.0), float(args[0].abs().max())))
+            )
     with torch.no_grad():
         for batch in ids.split(4):
             model(input_ids=batch)
     assert set(scales) == set(seen) and len(seen) == 2 * 7  # q, k, v, o, gate, up, down per layer; not lm_head
+
     def fp32(v):
         return float(torch.tensor(v, dtype=torch.float32) / 448)
 

@@ -13,7 +13,9 @@ FAST = ["--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--quie
 
 def test_compare_writes_report_and_results(ptq_cli, tiny_model, text_file, tmp_path):
     out = tmp_path / "rep"
-    code, stdout, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out, *FAST)
+    code, stdout, stderr = ptq_cli(
+        "compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out, *FAST
+    )
     assert code == 0, stderr
     results = json.loads((out / "results.json").read_text())
     assert results["model"]["name"] == str(tiny_model)
@@ -36,8 +38,9 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
     tasks = ["--tasks", "ptq_shakespeare", "--limit", "3"]  # lm-eval runs the real FP8 matmuls too
     for name, extra in (("sim", tasks), ("fp8", ["--matmul", "fp8", *tasks]), ("bf16", ["--dtype", "bfloat16"])):
         out = tmp_path / name
-        code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
-                                  *FAST, *extra)
+        code, _, stderr = ptq_cli(
+            "compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out, *FAST, *extra
+        )
         assert code == 0, stderr
         runs[name] = json.loads((out / "results.json").read_text())
     assert runs["sim"]["compute"] == {"device": "cpu", "dtype": "float32", "matmul": "simulated", "low_memory": False}
@@ -50,8 +53,10 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
     assert "run in bfloat16 in every variant" in (tmp_path / "bf16" / "report.md").read_text()
 
 
-@pytest.mark.parametrize("args, message", [(["--dtype", "float64"], "unknown compute dtype 'float64'"),
-                                           (["--matmul", "int4"], "unknown matmul 'int4'")])
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--dtype", "float64"], "unknown compute dtype 'float64'"), (["--matmul", "int4"], "unknown matmul 'int4'")],
+)
 def test_bad_compute_options_exit_2_with_one_line(ptq_cli, tiny_model, text_file, tmp_path, args, message):
     code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST, *args)
     assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
@@ -60,7 +65,9 @@ def test_bad_compute_options_exit_2_with_one_line(ptq_cli, tiny_model, text_file
 
 def test_calibration_file_is_reused_and_gives_the_same_results(ptq_cli, tiny_model, text_file, tmp_path):
     calib = tmp_path / "c.safetensors"
-    code, stdout, stderr = ptq_cli("calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "-o", calib, "--quiet")
+    code, stdout, stderr = ptq_cli(
+        "calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "-o", calib, "--quiet"
+    )
     assert code == 0, stderr
     assert "largest input amax" in stdout
     cal = load_calibration(calib)
@@ -69,7 +76,9 @@ def test_calibration_file_is_reused_and_gives_the_same_results(ptq_cli, tiny_mod
 
     a, b = tmp_path / "a", tmp_path / "b"
     assert ptq_cli("compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", a, *FAST)[0] == 0
-    assert ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", b, *FAST)[0] == 0
+    assert (
+        ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", b, *FAST)[0] == 0
+    )
     ra, rb = (json.loads((d / "results.json").read_text()) for d in (a, b))
     assert [v["perplexity"] for v in ra["variants"]] == [v["perplexity"] for v in rb["variants"]]
 
@@ -77,8 +86,19 @@ def test_calibration_file_is_reused_and_gives_the_same_results(ptq_cli, tiny_mod
 def test_e5m2_and_a_custom_recipe_file(ptq_cli, tiny_model, text_file, tmp_path):
     recipe = tmp_path / "no-mlp.yaml"
     recipe.write_text("name: no-mlp\nignore: [lm_head, '*.mlp.*']\nweights: {format: e4m3}\ninputs: {format: e4m3}\n")
-    code, _, stderr = ptq_cli("compare", tiny_model, "--recipes", f"fp8-e5m2,{recipe}", "--calib-data", text_file,
-                              "--eval-data", text_file, "--out", tmp_path / "r", *FAST)
+    code, _, stderr = ptq_cli(
+        "compare",
+        tiny_model,
+        "--recipes",
+        f"fp8-e5m2,{recipe}",
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+        "--out",
+        tmp_path / "r",
+        *FAST,
+    )
     assert code == 0, stderr
     names = [v["name"] for v in json.loads((tmp_path / "r" / "results.json").read_text())["variants"]]
     assert names == ["fp8-e5m2", "no-mlp"]
@@ -92,9 +112,23 @@ def corrupted_model(src, tmp_path):
     return bad
 
 
-@pytest.mark.parametrize("case", ["missing model", "corrupted model", "missing data", "empty data", "too little data",
-                                  "unknown recipe", "invalid recipe", "other model's calibration", "unreadable calibration"])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, ptq_cli, tiny_model, other_tiny_model, text_file, tmp_path):
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing model",
+        "corrupted model",
+        "missing data",
+        "empty data",
+        "too little data",
+        "unknown recipe",
+        "invalid recipe",
+        "other model's calibration",
+        "unreadable calibration",
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(
+    case, ptq_cli, tiny_model, other_tiny_model, text_file, tmp_path
+):
     out = tmp_path / "out"
     model, data, extra = str(tiny_model), str(text_file), []
     if case == "missing model":
@@ -116,7 +150,22 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, ptq_cli, tiny_
         extra, expected = ["--recipes", str(tmp_path / "r.yaml")], "unknown key 'dynamik'"
     elif case == "other model's calibration":
         calib = tmp_path / "other.safetensors"
-        assert ptq_cli("calibrate", other_tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "-o", calib, "--quiet")[0] == 0
+        assert (
+            ptq_cli(
+                "calibrate",
+                other_tiny_model,
+                "--data",
+                text_file,
+                "--samples",
+                "2",
+                "--seq-len",
+                "32",
+                "-o",
+                calib,
+                "--quiet",
+            )[0]
+            == 0
+        )
         extra, expected = ["--calib", str(calib)], "made for another model"
     else:
         (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)

@@ -297,8 +297,7 @@ def test_windows_shape_non_overlap_eos_between_documents(tok):
     assert w.input_ids.flatten().tolist() == stream[:25]  # consecutive, so no overlap and no gap
     assert tok.convert_ids_to_tokens(w.input_ids[1].tolist()) == ["f", "g", "</s>", "h", "i"]
     assert w.description == (
-        "5 windows x 5 tokens, non-overlapping, all of 28 tokens (trailing 3 dropped); "
-        "documents joined by EOS; no BOS"
+        "5 windows x 5 tokens, non-overlapping, all of 28 tokens (trailing 3 dropped); documents joined by EOS; no BOS"
     )
 
 

@@ -59,14 +59,31 @@ def test_compare_on_cuda_gives_the_cpu_numbers(ptq_cli, tiny_model, text_file, t
     for device in ("cpu", "cuda"):
         monkeypatch.setenv("PTQ_DEVICE", device)
         out = tmp_path / device
-        code, _, stderr = ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
-                                  "--dtype", "float32", "--matmul", matmul, *FAST)
+        code, _, stderr = ptq_cli(
+            "compare",
+            tiny_model,
+            "--calib-data",
+            text_file,
+            "--eval-data",
+            text_file,
+            "--out",
+            out,
+            "--dtype",
+            "float32",
+            "--matmul",
+            matmul,
+            *FAST,
+        )
         assert code == 0, stderr
         runs[device] = json.loads((out / "results.json").read_text())
     assert runs["cuda"]["compute"]["device"] == "cuda"
-    for cpu, cuda in zip([runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]):
+    for cpu, cuda in zip(
+        [runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]
+    ):
         # float32 on both, up to summation order (and TF32-free cuBLAS); the FP8 matmul's bf16-free float32 output too
-        assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3), cpu["name"] if "name" in cpu else "bf16"
+        assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3), (
+            cpu["name"] if "name" in cpu else "bf16"
+        )
 
 
 @needs_cuda
@@ -77,13 +94,34 @@ def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, te
     for device in ("cpu", "cuda"):
         monkeypatch.setenv("PTQ_DEVICE", device)
         calib = tmp_path / f"{device}.safetensors"
-        code, _, stderr = ptq_cli("calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32",
-                                  "-o", calib, "--quiet")
+        code, _, stderr = ptq_cli(
+            "calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "-o", calib, "--quiet"
+        )
         assert code == 0, stderr
         amax[device] = load_calibration(calib).input_amax
-        code, _, stderr = ptq_cli("eval", tiny_model, "--recipe", "fp8-e4m3", "--calib", calib, "--eval-data", text_file,
-                                  "--tasks", "cloze", "--max-items", "8", "--seq-len", "32", "--max-windows", "4",
-                                  "--dtype", "float32", "--out", tmp_path / f"eval-{device}", "--quiet")
+        code, _, stderr = ptq_cli(
+            "eval",
+            tiny_model,
+            "--recipe",
+            "fp8-e4m3",
+            "--calib",
+            calib,
+            "--eval-data",
+            text_file,
+            "--tasks",
+            "cloze",
+            "--max-items",
+            "8",
+            "--seq-len",
+            "32",
+            "--max-windows",
+            "4",
+            "--dtype",
+            "float32",
+            "--out",
+            tmp_path / f"eval-{device}",
+            "--quiet",
+        )
         assert code == 0, stderr
     for name, value in amax["cpu"].items():
         assert float(amax["cuda"][name]) == pytest.approx(float(value), rel=1e-4), name
@@ -105,12 +143,27 @@ def test_low_memory_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, t
     for device in ("cpu", "cuda"):
         monkeypatch.setenv("PTQ_DEVICE", device)
         out = tmp_path / device
-        code, _, stderr = ptq_cli("compare", model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
-                                  "--low-memory", "--matmul", "simulated", "--no-plots", *FAST)
+        code, _, stderr = ptq_cli(
+            "compare",
+            model,
+            "--calib-data",
+            text_file,
+            "--eval-data",
+            text_file,
+            "--out",
+            out,
+            "--low-memory",
+            "--matmul",
+            "simulated",
+            "--no-plots",
+            *FAST,
+        )
         assert code == 0, stderr
         runs[device] = json.loads((out / "results.json").read_text())
     assert runs["cuda"]["compute"]["low_memory"] and runs["cuda"]["compute"]["device"] == "cuda"
-    for cpu, cuda in zip([runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]):
+    for cpu, cuda in zip(
+        [runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]
+    ):
         assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3)
 
 
@@ -131,11 +184,28 @@ def test_device_map_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, t
     for device, extra in (("cpu", []), ("cuda", ["--device-map", "auto", "--max-memory", "0=400KB,cpu=1GB"])):
         monkeypatch.setenv("PTQ_DEVICE", device)
         out = tmp_path / device
-        code, _, stderr = ptq_cli("compare", model, "--calib-data", text_file, "--eval-data", text_file, "--out", out,
-                                  "--dtype", "float32", "--matmul", "simulated", "--no-plots", *extra, *FAST)
+        code, _, stderr = ptq_cli(
+            "compare",
+            model,
+            "--calib-data",
+            text_file,
+            "--eval-data",
+            text_file,
+            "--out",
+            out,
+            "--dtype",
+            "float32",
+            "--matmul",
+            "simulated",
+            "--no-plots",
+            *extra,
+            *FAST,
+        )
         assert code == 0, stderr
         runs[device] = json.loads((out / "results.json").read_text())
     where = runs["cuda"]["compute"]["placement"]
     assert any({"cuda:0", "cpu"} <= set(devices) for devices in where.values()), where  # a model split GPU / CPU memory
-    for cpu, cuda in zip([runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]):
+    for cpu, cuda in zip(
+        [runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]
+    ):
         assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3)

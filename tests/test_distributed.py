@@ -26,9 +26,23 @@ def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
     env = dict(os.environ, PTQ_DEVICE="cpu", OMP_NUM_THREADS="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
-                           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "ptq", *map(str, args)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={processes}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            "-m",
+            "ptq",
+            *map(str, args),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def numbers(entry: dict) -> dict:
@@ -51,10 +65,13 @@ def test_shares_are_contiguous_cover_everything_and_the_first_holds_the_snr_wind
 
 def test_compare_with_two_processes_gives_the_numbers_of_one(ptq_cli, tiny_model, text_file, tmp_path):
     calib = tmp_path / "c.safetensors"
-    code, _, stderr = ptq_cli("calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32",
-                              "-o", calib, "--quiet")
+    code, _, stderr = ptq_cli(
+        "calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "-o", calib, "--quiet"
+    )
     assert code == 0, stderr
-    code, _, stderr = ptq_cli("compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", tmp_path / "one", *ARGS)
+    code, _, stderr = ptq_cli(
+        "compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", tmp_path / "one", *ARGS
+    )
     assert code == 0, stderr
     run = torchrun("compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", tmp_path / "two", *ARGS)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -67,7 +84,9 @@ def test_compare_with_two_processes_gives_the_numbers_of_one(ptq_cli, tiny_model
 
 
 def test_eval_with_two_processes_gives_the_numbers_of_one(ptq_cli, tiny_model, text_file, tmp_path):
-    code, _, stderr = ptq_cli("eval", tiny_model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "one", *ARGS)
+    code, _, stderr = ptq_cli(
+        "eval", tiny_model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "one", *ARGS
+    )
     assert code == 0, stderr
     run = torchrun("eval", tiny_model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "two", *ARGS)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -78,6 +97,17 @@ def test_eval_with_two_processes_gives_the_numbers_of_one(ptq_cli, tiny_model, t
 @pytest.mark.parametrize("value", ["two"])
 def test_a_broken_world_size_is_one_line(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch, value):
     monkeypatch.setenv("WORLD_SIZE", value)
-    code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", "--seq-len", "32",
-                              "--max-windows", "4", "--quiet")
+    code, _, stderr = ptq_cli(
+        "compare",
+        tiny_model,
+        "--eval-data",
+        text_file,
+        "--out",
+        tmp_path / "x",
+        "--seq-len",
+        "32",
+        "--max-windows",
+        "4",
+        "--quiet",
+    )
     assert code == 2 and "WORLD_SIZE='two'" in stderr and len(stderr.strip().splitlines()) == 1

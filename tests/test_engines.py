@@ -54,11 +54,47 @@ def exports(tiny_model, tmp_path_factory):
     text.write_text(TEXT * 3)
     made = {}
     for target in ("vllm", "transformers"):
-        for argv in (["quantize", str(tiny_model), "--data", str(text), "--samples", "4", "--seq-len", "64",
-                      "--verify-windows", "2", "--target", target, "-o", str(root / target), "-q"],
-                     ["compare", str(tiny_model), "--calib-data", str(text), "--eval-data", str(text), "--calib-samples", "4",
-                      "--seq-len", "64", "--max-windows", "4", "--no-plots", "--target", target,
-                      "--recipes", "fp8-e4m3,int8,fp8-e4m3-dynamic", "--out", str(root / f"r-{target}"), "-q"]):
+        for argv in (
+            [
+                "quantize",
+                str(tiny_model),
+                "--data",
+                str(text),
+                "--samples",
+                "4",
+                "--seq-len",
+                "64",
+                "--verify-windows",
+                "2",
+                "--target",
+                target,
+                "-o",
+                str(root / target),
+                "-q",
+            ],
+            [
+                "compare",
+                str(tiny_model),
+                "--calib-data",
+                str(text),
+                "--eval-data",
+                str(text),
+                "--calib-samples",
+                "4",
+                "--seq-len",
+                "64",
+                "--max-windows",
+                "4",
+                "--no-plots",
+                "--target",
+                target,
+                "--recipes",
+                "fp8-e4m3,int8,fp8-e4m3-dynamic",
+                "--out",
+                str(root / f"r-{target}"),
+                "-q",
+            ],
+        ):
             with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as e:
                 mp.setattr(sys, "argv", ["ptq", *argv])
                 cli.main()
@@ -76,7 +112,10 @@ def test_vllm_repacking_changes_nothing_in_a_vllm_target_export(exports):
         tensors = _tensors(out)
         changed[target] = 0
         for layer in range(2):
-            for parent, group in ((f"model.layers.{layer}.self_attn", FUSED[0]), (f"model.layers.{layer}.mlp", FUSED[1])):
+            for parent, group in (
+                (f"model.layers.{layer}.self_attn", FUSED[0]),
+                (f"model.layers.{layer}.mlp", FUSED[1]),
+            ):
                 codes = [tensors[f"{parent}.{m}.weight"] for m in group]
                 scales = [tensors[f"{parent}.{m}.weight_scale"] for m in group]
                 requantized, top = requantize_with_max_scale(codes, scales)
@@ -126,8 +165,11 @@ def test_transformers_target_is_independent_per_layer_quantization(tiny_model, t
             assert float(m.weight_scale) == np.float32(amax) / np.float32(448)
             reference = e4m3(weights[name].float() / m.weight_scale)
             assert np.array_equal(m.weight_codes.view(torch.uint8).numpy(), reference.view(np.uint8))
-        classes = {type(m) for m in quantize_(copy.deepcopy(loaded.model), int8, calibration, target=target).modules()
-                   if isinstance(m, QuantLinear) and m.inputs.format.name == "int8"}
+        classes = {
+            type(m)
+            for m in quantize_(copy.deepcopy(loaded.model), int8, calibration, target=target).modules()
+            if isinstance(m, QuantLinear) and m.inputs.format.name == "int8"
+        }
         assert classes == ({QuantLinear} if target == "transformers" else {EngineInt8Inputs})
 
 
@@ -158,7 +200,9 @@ def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_
         for experts in quantized.modules():
             if not isinstance(experts, LinearExperts):
                 continue
-            w13 = [experts[e].gate_proj for e in range(len(experts))] + [experts[e].up_proj for e in range(len(experts))]
+            w13 = [experts[e].gate_proj for e in range(len(experts))] + [
+                experts[e].up_proj for e in range(len(experts))
+            ]
             w2 = [experts[e].down_proj for e in range(len(experts))]
             for group in (w13, w2):
                 names = [n for n, m in quantized.named_modules() if any(m is g for g in group)]
@@ -169,13 +213,28 @@ def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_
                 elif group is w2:  # (every expert's gate/up sees every token in calibration: the same amax)
                     assert len(scales) > 1
             if target == "vllm":
-                assert all(torch.equal(experts[e].gate_proj.weight_scale, experts[e].up_proj.weight_scale)
-                           for e in range(len(experts)))
+                assert all(
+                    torch.equal(experts[e].gate_proj.weight_scale, experts[e].up_proj.weight_scale)
+                    for e in range(len(experts))
+                )
     model_dir = tmp_path / "mixtral"
     families.build("mixtral").save_pretrained(model_dir)
     make_tokenizer().save_pretrained(model_dir)
-    code, _, err = ptq_cli("quantize", model_dir, "--data", text_file, "--seq-len", "16", "--samples", "2",
-                           "--verify-windows", "2", "-o", tmp_path / "ckpt", "-q")
+    code, _, err = ptq_cli(
+        "quantize",
+        model_dir,
+        "--data",
+        text_file,
+        "--seq-len",
+        "16",
+        "--samples",
+        "2",
+        "--verify-windows",
+        "2",
+        "-o",
+        tmp_path / "ckpt",
+        "-q",
+    )
     assert code == 0, err
     tensors = _tensors(tmp_path / "ckpt")
     for layer in range(2):
@@ -183,6 +242,9 @@ def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_
         w13 = {float(tensors[f"{experts}.{e}.{w}.input_scale"]) for e in range(4) for w in ("w1", "w3")}
         w2 = {float(tensors[f"{experts}.{e}.w2.input_scale"]) for e in range(4)}
         assert len(w13) == 1 and len(w2) == 1
-        assert all(torch.equal(tensors[f"{experts}.{e}.w1.weight_scale"], tensors[f"{experts}.{e}.w3.weight_scale"]) for e in range(4))
+        assert all(
+            torch.equal(tensors[f"{experts}.{e}.w1.weight_scale"], tensors[f"{experts}.{e}.w3.weight_scale"])
+            for e in range(4)
+        )
     info = json.loads((tmp_path / "ckpt" / "ptq-export.json").read_text())
     assert info["target"] == "vllm" and info["verification"]["passed"]

@@ -33,7 +33,10 @@ def metric_kernels(request, monkeypatch):
     from ptq.quantization.quantize import fused
 
     compiled = request.param == "compiled"
-    kernels = tuple(fused(f, compile=compiled) for f in (ptq.evaluation.evaluate._scores, ptq.evaluation.evaluate._probs, ptq.evaluation.evaluate._cross))
+    kernels = tuple(
+        fused(f, compile=compiled)
+        for f in (ptq.evaluation.evaluate._scores, ptq.evaluation.evaluate._probs, ptq.evaluation.evaluate._cross)
+    )
     monkeypatch.setattr(ptq.evaluation.evaluate, "_kernels", kernels)
     return request.param
 
@@ -44,8 +47,11 @@ def test_perplexity_accuracy_kl_and_agreement_match_numpy(metric_kernels):
     base_table = rng.normal(size=(vocab, vocab)).astype(np.float32) * 3
     other_table = base_table + rng.normal(size=(vocab, vocab)).astype(np.float32)
     ids = rng.integers(0, vocab, size=(n, length))
-    models = {"base": Bigram(torch.from_numpy(base_table)), "other": Bigram(torch.from_numpy(other_table)),
-              "same": Bigram(torch.from_numpy(base_table.copy()))}
+    models = {
+        "base": Bigram(torch.from_numpy(base_table)),
+        "other": Bigram(torch.from_numpy(other_table)),
+        "same": Bigram(torch.from_numpy(base_table.copy())),
+    }
     scores = evaluate(models, torch.from_numpy(ids), batch_size=2)  # 5 windows: batches of 2, 2, 1
 
     context, targets = ids[:, :-1], ids[:, 1:]

@@ -30,8 +30,26 @@ def exported(request, tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / f"tiny-{request.param}"
     text = tmp_path_factory.mktemp("text") / "text.txt"
     text.write_text(TEXT * 3)
-    argv = ["ptq", "quantize", str(tiny_model), "--recipe", request.param, "--data", str(text), "--samples", "4",
-            "--seq-len", "64", "--verify-windows", "4", "--shard-size", "0.05", "-o", str(out), "-q"]
+    argv = [
+        "ptq",
+        "quantize",
+        str(tiny_model),
+        "--recipe",
+        request.param,
+        "--data",
+        str(text),
+        "--samples",
+        "4",
+        "--seq-len",
+        "64",
+        "--verify-windows",
+        "4",
+        "--shard-size",
+        "0.05",
+        "-o",
+        str(out),
+        "-q",
+    ]
     with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as e:
         mp.setattr(sys, "argv", argv)
         cli.main()
@@ -124,7 +142,9 @@ def test_transformers_reload_matches_the_simulation(exported):
     assert ver["passed"] and not ver["problems"]
     assert ver["load"]["input_quantized_layers"] == 14 and not ver["load"]["unexpected_keys"]
     assert ver["kl_div"] <= ver["tolerance"]["max_kl_div"] and abs(ver["ppl_delta_pct"]) < 0.01
-    assert ver["tensors_checked_in_file"] == 3 * 14 and not ver["tensors_differing"] and "bit for bit" in ver["criterion"]
+    assert (
+        ver["tensors_checked_in_file"] == 3 * 14 and not ver["tensors_differing"] and "bit for bit" in ver["criterion"]
+    )
     card = (out / "README.md").read_text()
     assert "float-order noise floor" in card and "bit for bit" in card
 
@@ -164,8 +184,10 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
     good = verify(out)
     assert good["passed"] and good["tensors_checked_in_file"] == 42 and not good["tensors_differing"]
     assert good["noise_floor"]["kl_div"] >= 0 and "eager instead of sdpa" in good["noise_floor"]["what"]
-    for name, change in (("input_scale", lambda k: k.endswith(".input_scale")),
-                         ("weight_scale", lambda k: k == "model.layers.1.mlp.down_proj.weight_scale")):
+    for name, change in (
+        ("input_scale", lambda k: k.endswith(".input_scale")),
+        ("weight_scale", lambda k: k == "model.layers.1.mlp.down_proj.weight_scale"),
+    ):
         bad = tmp_path / f"bad-{name}"
         shutil.copytree(out, bad)
         for f in bad.glob("model-*.safetensors"):
@@ -177,9 +199,16 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
         assert any("differ from ptq's" in p for p in result["problems"])
         assert len(result["tensors_differing"]) == (14 if name == "input_scale" else 1)
 
-    dense = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
-                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
-    info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "quantized_layers": 0, "input_quantized_layers": 0}
+    dense = AutoModelForCausalLM.from_pretrained(
+        str(out), dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    info = {
+        "missing_keys": [],
+        "unexpected_keys": [],
+        "mismatched_keys": [],
+        "quantized_layers": 0,
+        "input_quantized_layers": 0,
+    }
     result = export.verify(simulated, dense.eval(), info, 14, windows)
     assert not result["passed"] and any("input quantization in 0 of 14" in p for p in result["problems"])
 
@@ -204,9 +233,25 @@ def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp
     assert codes.dtype == tensors[f"{layer}.weight"].dtype
     assert torch.equal(codes.view(torch.uint8), tensors[f"{layer}.weight"].view(torch.uint8))
 
-    code, stdout, stderr = ptq_cli("compare", out, "--recipes", recipe_name, "--calib-data", text_file, "--eval-data",
-                                   text_file, "--calib-samples", "2", "--seq-len", "32", "--max-windows", "2",
-                                   "--out", tmp_path / "cmp", "-q")
+    code, stdout, stderr = ptq_cli(
+        "compare",
+        out,
+        "--recipes",
+        recipe_name,
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+        "--calib-samples",
+        "2",
+        "--seq-len",
+        "32",
+        "--max-windows",
+        "2",
+        "--out",
+        tmp_path / "cmp",
+        "-q",
+    )
     assert code == 0, stderr
     results = json.loads((tmp_path / "cmp" / "results.json").read_text())
     assert "compressed-tensors checkpoint" in results["model"]["caveats"][0]
@@ -218,8 +263,12 @@ def test_refusals_leave_nothing_behind(tiny_model, ptq_cli, text_file, tmp_path)
     assert code == 2 and "E4M3 and int8 only" in err and not (tmp_path / "a").exists()
     code, _, err = ptq_cli("quantize", tiny_model, "--recipe", "bf16", "-o", tmp_path / "a", *common)
     assert code == 2 and not (tmp_path / "a").exists()
-    for recipe, message in (("paper-e4m3-pow2", "uses 'pow2' scales"), ("paper-e4m3", "quantizes attention inputs"),
-                            ("paper-e4m3-kv", "quantizes attention and kv_cache inputs"), ("int8-smoothquant", "SmoothQuant")):
+    for recipe, message in (
+        ("paper-e4m3-pow2", "uses 'pow2' scales"),
+        ("paper-e4m3", "quantizes attention inputs"),
+        ("paper-e4m3-kv", "quantizes attention and kv_cache inputs"),
+        ("int8-smoothquant", "SmoothQuant"),
+    ):
         code, _, err = ptq_cli("quantize", tiny_model, "--recipe", recipe, "-o", tmp_path / "a", *common)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
 
@@ -238,8 +287,9 @@ def test_refusals_leave_nothing_behind(tiny_model, ptq_cli, text_file, tmp_path)
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def test_force_replaces_an_earlier_export_and_an_interrupted_one_leaves_nothing(tiny_model, ptq_cli, text_file,
-                                                                                tmp_path, monkeypatch):
+def test_force_replaces_an_earlier_export_and_an_interrupted_one_leaves_nothing(
+    tiny_model, ptq_cli, text_file, tmp_path, monkeypatch
+):
     from ptq.export import checkpoint as export
 
     out = tmp_path / "out"
@@ -275,21 +325,47 @@ def test_other_architectures_round_trip(arch, ptq_cli, text_file, tmp_path):
     config_name, model_name, extra = ARCHITECTURES[arch]
     tokenizer = make_tokenizer()
     config = getattr(transformers, config_name)(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id, **extra)
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=tokenizer.eos_token_id,
+        **extra,
+    )
     torch.manual_seed(0)
     source = tmp_path / arch
     getattr(transformers, model_name)(config).to(torch.bfloat16).save_pretrained(source)  # a 16-bit checkpoint
     tokenizer.save_pretrained(source)
     out = tmp_path / "out"
-    code, stdout, err = ptq_cli("quantize", source, "--recipe", "fp8-e4m3", "-o", out, "--data", text_file,
-                                "--samples", "2", "--seq-len", "32", "--verify-windows", "2", "-q")
+    code, stdout, err = ptq_cli(
+        "quantize",
+        source,
+        "--recipe",
+        "fp8-e4m3",
+        "-o",
+        out,
+        "--data",
+        text_file,
+        "--samples",
+        "2",
+        "--seq-len",
+        "32",
+        "--verify-windows",
+        "2",
+        "-q",
+    )
     assert code == 0, err
     info = json.loads((out / "ptq-export.json").read_text())
     assert info["verification"]["passed"] and info["format"]["quantized_layers"] == 14
     tensors, original = read_checkpoint(out), read_checkpoint(source)
-    assert all(tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], v) for k, v in original.items()
-               if not k.endswith(".weight") or f"{k.removesuffix('.weight')}.weight_scale" not in tensors)
+    assert all(
+        tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], v)
+        for k, v in original.items()
+        if not k.endswith(".weight") or f"{k.removesuffix('.weight')}.weight_scale" not in tensors
+    )
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert info["size"]["bytes_saved"] > 0 and "saved" in stdout
 
@@ -301,19 +377,37 @@ def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_cli, text_file, 
 
     tokenizer = make_tokenizer()
     source = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64)).save_pretrained(source)
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    ).save_pretrained(source)
     tokenizer.save_pretrained(source)
     recipe = tmp_path / "linear-only.yaml"
     recipe.write_text("name: linear-only\ntargets: [Linear]\nweights: {format: e4m3}\ninputs: {format: e4m3}\n")
-    code, _, err = ptq_cli("quantize", source, "--recipe", recipe, "-o", tmp_path / "out", "--data", text_file,
-                           "--samples", "2", "--seq-len", "32", "-q")
+    code, _, err = ptq_cli(
+        "quantize",
+        source,
+        "--recipe",
+        recipe,
+        "-o",
+        tmp_path / "out",
+        "--data",
+        text_file,
+        "--samples",
+        "2",
+        "--seq-len",
+        "32",
+        "-q",
+    )
     assert code == 2 and "quantizes no layer" in err and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family, recipe, message", [("mixtral", "int8", "Unsupported FusedMoe scheme"),
-                                                     ("gpt_oss", "fp8-e4m3", "stored fused (3-D)")])
-def test_pairs_no_loader_takes_are_refused_before_calibration(family, recipe, message, ptq_cli, text_file, tmp_path,
-                                                               monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "family, recipe, message",
+    [("mixtral", "int8", "Unsupported FusedMoe scheme"), ("gpt_oss", "fp8-e4m3", "stored fused (3-D)")],
+)
+def test_pairs_no_loader_takes_are_refused_before_calibration(
+    family, recipe, message, ptq_cli, text_file, tmp_path, monkeypatch, capsys
+):
     """int8 experts with static inputs (neither transformers nor vLLM loads them) and experts a checkpoint keeps fused:
     one line, exit 2, before any calibration."""
     import families
@@ -326,14 +420,40 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(family, recipe, me
     capsys.readouterr()  # save_pretrained's progress bars
     calibrated = []
     monkeypatch.setattr(workflows, "_calibrate", lambda *a, **k: calibrated.append(1))
-    code, _, err = ptq_cli("quantize", model_dir, "--recipe", recipe, "--data", text_file, "--samples", "2",
-                           "--seq-len", "16", "-o", tmp_path / "out", "-q")
+    code, _, err = ptq_cli(
+        "quantize",
+        model_dir,
+        "--recipe",
+        recipe,
+        "--data",
+        text_file,
+        "--samples",
+        "2",
+        "--seq-len",
+        "16",
+        "-o",
+        tmp_path / "out",
+        "-q",
+    )
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not calibrated and not (tmp_path / "out").exists()
     if family == "mixtral":  # with the experts left out, transformers still cannot load the int8 checkpoint
         dense = tmp_path / "int8-dense.yaml"
-        dense.write_text("name: int8-dense\nweights: {format: int8, granularity: channel}\ninputs: {format: int8}\n"
-                         "ignore: [lm_head, '*.experts.*']\n")
-        code, _, err = ptq_cli("quantize", model_dir, "--recipe", dense, "--data", text_file, "--seq-len", "16",
-                               "-o", tmp_path / "out", "-q")
+        dense.write_text(
+            "name: int8-dense\nweights: {format: int8, granularity: channel}\ninputs: {format: int8}\n"
+            "ignore: [lm_head, '*.experts.*']\n"
+        )
+        code, _, err = ptq_cli(
+            "quantize",
+            model_dir,
+            "--recipe",
+            dense,
+            "--data",
+            text_file,
+            "--seq-len",
+            "16",
+            "-o",
+            tmp_path / "out",
+            "-q",
+        )
         assert code == 2 and "transformers cannot load" in err and not calibrated

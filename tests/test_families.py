@@ -19,9 +19,12 @@ from ptq.quantization.quantize import QuantLinear, quantize_, quantize_variants
 from ptq.quantization.recipes import Recipe, TensorQuant, load_recipe
 
 # float32 "rounding": 23 mantissa bits and float32's own exponent range, so rounding is the identity; unscaled
-FP32 = NumberFormat("fp32", "float", 8, 23, 127, torch.finfo(torch.float32).max, 2.0**-126, True, torch.float32, False, 32)
-PASS_THROUGH = Recipe("pass-through", "identity", TensorQuant(FP32, saturate=False), TensorQuant(FP32, saturate=False),
-                      ignore=())
+FP32 = NumberFormat(
+    "fp32", "float", 8, 23, 127, torch.finfo(torch.float32).max, 2.0**-126, True, torch.float32, False, 32
+)
+PASS_THROUGH = Recipe(
+    "pass-through", "identity", TensorQuant(FP32, saturate=False), TensorQuant(FP32, saturate=False), ignore=()
+)
 
 
 def _ids(seed: int = 1) -> torch.Tensor:
@@ -63,14 +66,20 @@ def test_counting_quantizer_sees_every_matmul_weight(family, monkeypatch):
     calibration = calibrate(model, _ids(2), layers, batch_size=1)
     quantize_(model, recipe, calibration)
     cov = resolve_plan(linearize(families.build(family)), recipe).coverage()
-    expected = [n for n, m in linearize(families.build(family)).named_modules()
-                if kind(m) in ("Linear", "Conv1D", "Experts") and isinstance(m, torch.nn.Linear)]
+    expected = [
+        n
+        for n, m in linearize(families.build(family)).named_modules()
+        if kind(m) in ("Linear", "Conv1D", "Experts") and isinstance(m, torch.nn.Linear)
+    ]
     assert sorted(seen) == sorted(expected)  # lm_head too: left out by the recipe, it is rounded as the bf16 baseline
     assert not calibration.metadata.get("unseen_layers")  # every expert got tokens (all experts calibrated)
     if family in families.MOE_FAMILIES:
         config = model.config
-        n = next(getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-                 if isinstance(getattr(config, k, None), int))
+        n = next(
+            getattr(config, k)
+            for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+            if isinstance(getattr(config, k, None), int)
+        )
         for e in range(n):
             assert any(f".experts.{e}.down_proj" in name for name in seen)
             assert any(f".experts.{e}.up_proj" in name for name in seen)
@@ -78,21 +87,30 @@ def test_counting_quantizer_sees_every_matmul_weight(family, monkeypatch):
     left = {x["name"] for x in cov["left_out"]}
     assert "lm_head" in left
     assert all(x["name"] == "lm_head" or x["reason"].startswith("router") for x in cov["left_out"]), cov["left_out"]
-    assert cov["quantized_weight_params"] == sum(m.weight.numel() for n, m in linearize(families.build(family)).named_modules()
-                                                 if n in set(expected) - {"lm_head"})
+    assert cov["quantized_weight_params"] == sum(
+        m.weight.numel()
+        for n, m in linearize(families.build(family)).named_modules()
+        if n in set(expected) - {"lm_head"}
+    )
 
 
 def test_routed_only_calibration_leaves_unreached_experts_to_the_fallback():
     model = linearize(families.build("mixtral"))
     for m in model.modules():  # route every token to experts 0 and 1
         if isinstance(m, LinearExperts):
-            m.register_forward_pre_hook(lambda mod, args: (args[0], torch.zeros_like(args[1]) + torch.arange(2), args[2]))
+            m.register_forward_pre_hook(
+                lambda mod, args: (args[0], torch.zeros_like(args[1]) + torch.arange(2), args[2])
+            )
     recipe = load_recipe("fp8-e4m3")
     layers, _ = calibration_targets(model, [recipe])
     routed = calibrate(model, _ids(), layers, batch_size=1, all_experts=False)
     unseen = {u["layer"] for u in routed.metadata["unseen_layers"]}
-    assert {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (0, 1) for e in (2, 3)
-            for p in ("gate_proj", "up_proj", "down_proj")} == unseen
+    assert {
+        f"model.layers.{i}.mlp.experts.{e}.{p}"
+        for i in (0, 1)
+        for e in (2, 3)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    } == unseen
     every = calibrate(model, _ids(), layers, batch_size=1, all_experts=True)
     assert not every.metadata.get("unseen_layers")
     assert all(not m.all_experts for m in model.modules() if isinstance(m, LinearExperts))
@@ -121,19 +139,47 @@ def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, 
     families.build("mixtral").save_pretrained(model_dir)
     make_tokenizer().save_pretrained(model_dir)
     common = ["--seq-len", "16", "--calib-data", str(text_file), "--eval-data", str(text_file)]
-    code, out, err = ptq_cli("compare", model_dir, "--recipes", "fp8-e4m3,int8", "--max-windows", "2", "--calib-samples", "2",
-                             "--out", tmp_path / "r", "--no-plots", *common)
+    code, out, err = ptq_cli(
+        "compare",
+        model_dir,
+        "--recipes",
+        "fp8-e4m3,int8",
+        "--max-windows",
+        "2",
+        "--calib-samples",
+        "2",
+        "--out",
+        tmp_path / "r",
+        "--no-plots",
+        *common,
+    )
     assert code == 0, err
     results = json.loads((tmp_path / "r" / "results.json").read_text())
     for v in results["variants"]:
         cov = v["coverage"]
         expert = [x for x in cov["left_out"] if ".experts." in x["name"]]
         assert not expert
-        assert {x["name"] for x in cov["left_out"]} == {"lm_head", "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"}
+        assert {x["name"] for x in cov["left_out"]} == {
+            "lm_head",
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.1.mlp.gate.weight",
+        }
     report = (tmp_path / "r" / "report.md").read_text()
     assert "of matmul weight parameters quantized" in report and "router (MixtralTopKRouter)" in report
-    code, out, err = ptq_cli("quantize", model_dir, "--data", str(text_file), "--seq-len", "16", "--samples", "2",
-                             "--verify-windows", "2", "-o", tmp_path / "ckpt")
+    code, out, err = ptq_cli(
+        "quantize",
+        model_dir,
+        "--data",
+        str(text_file),
+        "--seq-len",
+        "16",
+        "--samples",
+        "2",
+        "--verify-windows",
+        "2",
+        "-o",
+        tmp_path / "ckpt",
+    )
     assert code == 0, err
     info = json.loads((tmp_path / "ckpt" / "ptq-export.json").read_text())
     assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6
@@ -160,13 +206,26 @@ def test_gpt2_conv1d_layers_are_quantized_and_exported_in_conv1d_orientation(tmp
     original.save_pretrained(model_dir)
     make_tokenizer().save_pretrained(model_dir)
     common = ["--seq-len", "16", "--calib-data", str(text_file), "--eval-data", str(text_file)]
-    code, _, err = ptq_cli("compare", model_dir, "--recipes", "fp8-e4m3", "--max-windows", "2", "--calib-samples", "2",
-                           "--out", tmp_path / "r", "--no-plots", *common)
+    code, _, err = ptq_cli(
+        "compare",
+        model_dir,
+        "--recipes",
+        "fp8-e4m3",
+        "--max-windows",
+        "2",
+        "--calib-samples",
+        "2",
+        "--out",
+        tmp_path / "r",
+        "--no-plots",
+        *common,
+    )
     assert code == 0, err
     cov = json.loads((tmp_path / "r" / "results.json").read_text())["variants"][0]["coverage"]
     assert [x["name"] for x in cov["left_out"]] == ["lm_head"]
-    code, _, err = ptq_cli("quantize", model_dir, "--data", str(text_file), "--seq-len", "16", "--samples", "2",
-                           "-o", tmp_path / "ckpt")
+    code, _, err = ptq_cli(
+        "quantize", model_dir, "--data", str(text_file), "--seq-len", "16", "--samples", "2", "-o", tmp_path / "ckpt"
+    )
     assert code == 0, err
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
         codes = f.get_tensor("transformer.h.0.attn.c_attn.weight")
@@ -208,8 +267,23 @@ def test_strict_coverage_refuses_weights_ptq_cannot_quantize(tmp_path, ptq_cli, 
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(workflows, "load_model", load_with_unknown)
-        args = ["compare", tiny_model, "--recipes", "fp8-e4m3", "--max-windows", "2", "--calib-samples", "2", "--seq-len", "16",
-                "--calib-data", str(text_file), "--eval-data", str(text_file), "--no-plots"]
+        args = [
+            "compare",
+            tiny_model,
+            "--recipes",
+            "fp8-e4m3",
+            "--max-windows",
+            "2",
+            "--calib-samples",
+            "2",
+            "--seq-len",
+            "16",
+            "--calib-data",
+            str(text_file),
+            "--eval-data",
+            str(text_file),
+            "--no-plots",
+        ]
         code, _, err = ptq_cli(*args, "--out", tmp_path / "a")
         assert code == 0 and "warning: 1 matmul weight(s) ptq cannot quantize" in err
         assert "model.layers.0.mlp.down_proj.weight" in err

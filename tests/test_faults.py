@@ -56,7 +56,20 @@ def one_error_line(err: str) -> bool:
 
 
 def calib_args(model, text_file, out, *extra):
-    return ("calibrate", str(model), "--data", str(text_file), "--samples", "24", "--seq-len", "16", "-o", str(out), "-q", *extra)
+    return (
+        "calibrate",
+        str(model),
+        "--data",
+        str(text_file),
+        "--samples",
+        "24",
+        "--seq-len",
+        "16",
+        "-o",
+        str(out),
+        "-q",
+        *extra,
+    )
 
 
 # 1. Numerical faults -----------------------------------------------------------------------------
@@ -80,8 +93,21 @@ def test_nan_weight_without_calibration_is_named_when_quantized(tiny_model, text
         t["model.layers.1.self_attn.o_proj.weight"][0, 0] = float("nan")
 
     model = edited_model(tiny_model, tmp_path / "m", poison)
-    code, _, err = ptq_cli("compare", str(model), "--recipes", "fp8-e4m3-dynamic", "--eval-data", str(text_file),
-                           "--seq-len", "16", "--max-windows", "2", "--out", str(tmp_path / "r"), "-q")
+    code, _, err = ptq_cli(
+        "compare",
+        str(model),
+        "--recipes",
+        "fp8-e4m3-dynamic",
+        "--eval-data",
+        str(text_file),
+        "--seq-len",
+        "16",
+        "--max-windows",
+        "2",
+        "--out",
+        str(tmp_path / "r"),
+        "-q",
+    )
     assert code == 2 and one_error_line(err)
     assert "the weight of layer 'model.layers.1.self_attn.o_proj' contains NaN or inf" in err
     assert not (tmp_path / "r" / "results.json").exists()
@@ -109,7 +135,10 @@ def test_inf_activation_fails_naming_layer_then_skip_falls_back(tiny_model, text
     assert "model.layers.1.self_attn.q_proj" in unseen
     assert "model.layers.*.self_attn.q_proj" in unseen["model.layers.1.self_attn.q_proj"]["rule"]
     # Its fallback is layer 0's q_proj amax, the only relative that saw finite data.
-    assert calibration.input_amax["model.layers.1.self_attn.q_proj"] == calibration.input_amax["model.layers.0.self_attn.q_proj"]
+    assert (
+        calibration.input_amax["model.layers.1.self_attn.q_proj"]
+        == calibration.input_amax["model.layers.0.self_attn.q_proj"]
+    )
     assert "received no calibration data" in err
 
 
@@ -160,17 +189,26 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
     assert calibration.input_amax[e1] == 2 * calibration.input_amax[e0]
     assert calibration.input_amax[e2] == calibration.input_amax[e1]  # the largest sibling, not just any
     assert calibration.metadata["unseen_layers"] == [
-        {"layer": e2, "input_amax": float(calibration.input_amax[e1]),
-         "rule": "max input amax of 2 calibrated layer(s) matching model.layers.0.mlp.experts.*"}]
+        {
+            "layer": e2,
+            "input_amax": float(calibration.input_amax[e1]),
+            "rule": "max input amax of 2 calibrated layer(s) matching model.layers.0.mlp.experts.*",
+        }
+    ]
     lines = faults_lines(calibration_faults(calibration.metadata))
     assert any(e2 in line and "no calibration data" in line for line in lines)
-    with pytest.raises(PtqError, match=r"1 layer\(s\) received no calibration data, e.g. 'model.layers.0.mlp.experts.2'"):
+    with pytest.raises(
+        PtqError, match=r"1 layer\(s\) received no calibration data, e.g. 'model.layers.0.mlp.experts.2'"
+    ):
         _calibrate(loaded, corpus, [recipe], CalibrationOptions(samples=8, seq_len=16, on_unseen="fail"))
 
 
 def test_fallback_amax_prefers_close_relatives():
-    seen = {"m.layers.0.experts.0.w": torch.tensor(1.0), "m.layers.1.experts.0.w": torch.tensor(5.0),
-            "m.layers.0.attn.q": torch.tensor(9.0)}
+    seen = {
+        "m.layers.0.experts.0.w": torch.tensor(1.0),
+        "m.layers.1.experts.0.w": torch.tensor(5.0),
+        "m.layers.0.attn.q": torch.tensor(9.0),
+    }
     assert fallback_amax("m.layers.0.experts.3.w", seen)[0] == 1.0  # same block first
     value, rule = fallback_amax("m.layers.2.experts.3.w", seen)
     assert value == 5.0 and "m.layers.*.experts.*.w" in rule  # then that projection anywhere
@@ -186,8 +224,13 @@ def test_observer_ignores_nonfinite_batches():
 
 def test_zero_and_tiny_amax_warn_and_stay_finite():
     e4m3, int8 = get_format("e4m3"), get_format("int8")
-    warnings = range_findings([("l", "input", torch.tensor(0.0), e4m3), ("l", "weight", torch.tensor(1e-40), e4m3),
-                               ("l", "input", torch.tensor(2.0), e4m3)])
+    warnings = range_findings(
+        [
+            ("l", "input", torch.tensor(0.0), e4m3),
+            ("l", "weight", torch.tensor(1e-40), e4m3),
+            ("l", "input", torch.tensor(2.0), e4m3),
+        ]
+    )
     assert len(warnings) == 2 and "all zeros" in warnings[0] and "not a normal float32" in warnings[1]
     # The rule's premise, checked directly: tiny and huge amax quantize to finite values within one amax.
     for fmt in (e4m3, get_format("e5m2"), int8):
@@ -200,7 +243,9 @@ def test_zero_and_tiny_amax_warn_and_stay_finite():
 def test_amax_beyond_reach_is_an_error():
     int8 = get_format("int8")
     # FLT_MAX / 127 rounds up, so 127 * scale overflows float32: the largest code dequantizes to inf.
-    assert not torch.isfinite(fake_quantize(torch.tensor([FLT_MAX]), compute_scale(torch.tensor(FLT_MAX), int8), int8)).all()
+    assert not torch.isfinite(
+        fake_quantize(torch.tensor([FLT_MAX]), compute_scale(torch.tensor(FLT_MAX), int8), int8)
+    ).all()
     with pytest.raises(PtqError, match="weight amax 3.403e\\+38 of layer 'x' is beyond int8's reach"):
         range_findings([("x", "weight", torch.tensor(FLT_MAX), int8)])
     assert range_findings([("x", "weight", torch.tensor(FLT_MAX), get_format("e4m3"))]) == []
@@ -215,7 +260,8 @@ def test_all_zero_weight_warns_in_cli_and_file(tiny_model, text_file, tmp_path, 
     assert code == 0, err
     assert "warning: weight of layer 'model.layers.0.self_attn.o_proj' is all zeros (amax 0): scale 1 is used" in err
     assert load_calibration(tmp_path / "c.st").metadata["warnings"] == [
-        "weight of layer 'model.layers.0.self_attn.o_proj' is all zeros (amax 0): scale 1 is used"]
+        "weight of layer 'model.layers.0.self_attn.o_proj' is all zeros (amax 0): scale 1 is used"
+    ]
 
 
 # 2. Interruption and resume ----------------------------------------------------------------------
@@ -241,8 +287,14 @@ main()
 
 def start_slow(args, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "SOURCE_DATE_EPOCH": "0"}
-    return subprocess.Popen([sys.executable, "-c", SLOW_CLI, *args], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", SLOW_CLI, *args],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_checkpoint(proc, checkpoint: Path, timeout: float = 90) -> int:
@@ -314,8 +366,20 @@ def test_resume_refuses_a_checkpoint_of_another_run(tiny_model, text_file, tmp_p
     wait_for_checkpoint(proc, checkpoint_path(out))
     proc.kill()
     proc.communicate(timeout=60)
-    code, _, err = ptq_cli("calibrate", str(tiny_model), "--data", str(text_file), "--samples", "24", "--seq-len", "32",
-                           "-o", str(out), "-q", "--resume")
+    code, _, err = ptq_cli(
+        "calibrate",
+        str(tiny_model),
+        "--data",
+        str(text_file),
+        "--samples",
+        "24",
+        "--seq-len",
+        "32",
+        "-o",
+        str(out),
+        "-q",
+        "--resume",
+    )
     assert code == 2 and "was made by a different run" in err
     checkpoint_path(out).write_bytes(b"garbage")
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))
@@ -340,8 +404,9 @@ def interrupted_calibration(ptq_cli, monkeypatch, args, after_batches: int) -> N
     assert code == 130 and "--resume" in err, err
 
 
-def test_resume_refuses_the_other_expert_setting_and_keeps_the_batch_size(tiny_model, text_file, tmp_path, ptq_cli,
-                                                                          monkeypatch):
+def test_resume_refuses_the_other_expert_setting_and_keeps_the_batch_size(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     """--calibrate-all-experts and --routed-experts-only give different statistics: a checkpoint of one is not
     resumed with the other. An automatic --batch-size resumes with the checkpoint's; another explicit one is refused."""
     out = tmp_path / "c.st"
@@ -374,8 +439,23 @@ def test_resume_refuses_the_other_expert_setting_and_keeps_the_batch_size(tiny_m
 
 def test_same_command_gives_identical_bytes(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
     def compare(out):
-        code, _, err = ptq_cli("compare", str(tiny_model), "--calib-data", str(text_file), "--eval-data", str(text_file),
-                               "--calib-samples", "8", "--seq-len", "32", "--max-windows", "4", "--out", str(out), "-q")
+        code, _, err = ptq_cli(
+            "compare",
+            str(tiny_model),
+            "--calib-data",
+            str(text_file),
+            "--eval-data",
+            str(text_file),
+            "--calib-samples",
+            "8",
+            "--seq-len",
+            "32",
+            "--max-windows",
+            "4",
+            "--out",
+            str(out),
+            "-q",
+        )
         assert code == 0, err
 
     compare(tmp_path / "a")
@@ -396,9 +476,11 @@ def test_same_command_gives_identical_bytes(tiny_model, text_file, tmp_path, ptq
 
 def test_safetensors_header_is_canonical(tmp_path):
     """The safetensors library writes metadata in a random order per process; ours is sorted."""
-    code = ("import torch, sys; from ptq.files import save_safetensors; from pathlib import Path; "
-            "save_safetensors({'b': torch.ones(2), 'a': torch.zeros(())}, Path(sys.argv[1]), "
-            "{'kind': 'k', 'zz': '1', 'metadata': '{}', 'aa': '2', 'm': '3'})")
+    code = (
+        "import torch, sys; from ptq.files import save_safetensors; from pathlib import Path; "
+        "save_safetensors({'b': torch.ones(2), 'a': torch.zeros(())}, Path(sys.argv[1]), "
+        "{'kind': 'k', 'zz': '1', 'metadata': '{}', 'aa': '2', 'm': '3'})"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for i in range(3):
         subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{i}.st")], env=env, check=True)

@@ -43,7 +43,11 @@ def test_gguf_is_converted_into_a_cache_that_does_not_exist_yet(fake_gguf, tmp_p
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(tmp_path)
-    cache = {"unset": home / ".cache" / "ptq", "new folder": tmp_path / "new" / "cache", "~/new folder": home / "cache"}[setting]
+    cache = {
+        "unset": home / ".cache" / "ptq",
+        "new folder": tmp_path / "new" / "cache",
+        "~/new folder": home / "cache",
+    }[setting]
     if setting == "unset":
         monkeypatch.delenv("PTQ_CACHE", raising=False)
     else:
@@ -97,10 +101,13 @@ def results_file(tiny_model, tmp_path_factory) -> Path:
     progress.QUIET = True
     try:
         text = str(directory / "text.txt")
-        run_compare(["fp8-e4m3"], model=ModelOptions(model=str(tiny_model)),
-                    data=DataOptions(data=text, seq_len=32, windows=2),
-                    calibration=CalibrationOptions(data=text, samples=2, seq_len=32),
-                    output=OutputOptions(path=directory / "out"))
+        run_compare(
+            ["fp8-e4m3"],
+            model=ModelOptions(model=str(tiny_model)),
+            data=DataOptions(data=text, seq_len=32, windows=2),
+            calibration=CalibrationOptions(data=text, samples=2, seq_len=32),
+            output=OutputOptions(path=directory / "out"),
+        )
     finally:
         progress.QUIET = False
     return directory / "out" / "results.json"
@@ -110,14 +117,61 @@ def command(name: str, tiny_model: Path, text_file: Path, results: Path, out: Pa
     """The arguments of a cheap run of command `name` writing to `out`, and the files it writes there."""
     report = [out / "report.md", out / "report-metrics.png"]
     return {
-        "calibrate": (calib_args(tiny_model, text_file, out / "x.calib.safetensors", "--checkpoint-every", "0"),
-                      [out / "x.calib.safetensors"]),
-        "compare": (("compare", tiny_model, "--recipes", "fp8-e4m3", "--calib-data", text_file, "--eval-data", text_file,
-                     *FAST, "--out", out), [out / "results.json", *report]),
-        "eval": (("eval", tiny_model, "--recipe", "fp8-e4m3", "--tasks", "", "--calib-data", text_file, "--eval-data", text_file,
-                  *FAST, "--out", out), [out / "results.json", out / "report.md"]),
-        "quantize": (("quantize", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "--no-verify",
-                      "-q", "-o", out / "ckpt"), [out / "ckpt" / "config.json", out / "ckpt" / "ptq-export.json"]),
+        "calibrate": (
+            calib_args(tiny_model, text_file, out / "x.calib.safetensors", "--checkpoint-every", "0"),
+            [out / "x.calib.safetensors"],
+        ),
+        "compare": (
+            (
+                "compare",
+                tiny_model,
+                "--recipes",
+                "fp8-e4m3",
+                "--calib-data",
+                text_file,
+                "--eval-data",
+                text_file,
+                *FAST,
+                "--out",
+                out,
+            ),
+            [out / "results.json", *report],
+        ),
+        "eval": (
+            (
+                "eval",
+                tiny_model,
+                "--recipe",
+                "fp8-e4m3",
+                "--tasks",
+                "",
+                "--calib-data",
+                text_file,
+                "--eval-data",
+                text_file,
+                *FAST,
+                "--out",
+                out,
+            ),
+            [out / "results.json", out / "report.md"],
+        ),
+        "quantize": (
+            (
+                "quantize",
+                tiny_model,
+                "--data",
+                text_file,
+                "--samples",
+                "2",
+                "--seq-len",
+                "32",
+                "--no-verify",
+                "-q",
+                "-o",
+                out / "ckpt",
+            ),
+            [out / "ckpt" / "config.json", out / "ckpt" / "ptq-export.json"],
+        ),
         "report": (("report", results, "-o", out / "report.md"), report),
     }[name]
 
@@ -126,8 +180,9 @@ COMMANDS = ["calibrate", "compare", "eval", "quantize", "report"]
 
 
 @pytest.mark.parametrize("name", COMMANDS)
-def test_outputs_in_folders_that_do_not_exist_yet_are_created(name, tiny_model, text_file, results_file, tmp_path,
-                                                               ptq_cli, monkeypatch):
+def test_outputs_in_folders_that_do_not_exist_yet_are_created(
+    name, tiny_model, text_file, results_file, tmp_path, ptq_cli, monkeypatch
+):
     from ptq.calibration import calibrate
 
     real_save = calibrate.save_checkpoint
@@ -148,8 +203,9 @@ def test_outputs_in_folders_that_do_not_exist_yet_are_created(name, tiny_model, 
 
 
 @pytest.mark.parametrize("name", COMMANDS)
-def test_outputs_under_a_file_are_refused_in_one_line_before_any_work(name, tiny_model, text_file, results_file,
-                                                                       tmp_path, ptq_cli, monkeypatch):
+def test_outputs_under_a_file_are_refused_in_one_line_before_any_work(
+    name, tiny_model, text_file, results_file, tmp_path, ptq_cli, monkeypatch
+):
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the output was checked")
 

@@ -28,7 +28,12 @@ from ptq.numerics.formats import (
 
 E4M3, E5M2, INT8, BF16, FP16 = (FORMATS[n] for n in ("e4m3", "e5m2", "int8", "bf16", "fp16"))
 
-REF_DTYPE = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+REF_DTYPE = {
+    "e4m3": ml_dtypes.float8_e4m3fn,
+    "e5m2": ml_dtypes.float8_e5m2,
+    "bf16": ml_dtypes.bfloat16,
+    "fp16": np.float16,
+}
 UINT = {8: np.uint8, 16: np.uint16}
 TORCH_UINT = {8: torch.uint8, 16: torch.uint16}
 FLOAT_FORMATS = [E4M3, E5M2, BF16, FP16]
@@ -96,8 +101,19 @@ def midpoints(fmt) -> np.ndarray:
 def specials(fmt) -> np.ndarray:
     tiny_sub = fmt.min_normal * 2.0**-fmt.mantissa_bits
     mx = np.float32(fmt.max)
-    vals = [0.0, tiny_sub, tiny_sub / 2, tiny_sub * 1.5, fmt.min_normal, mx, np.nextafter(mx, np.float32(np.inf)),
-            np.nextafter(mx, np.float32(0)), np.inf, np.float32(np.finfo(np.float32).max), np.float32(2.0**-149)]
+    vals = [
+        0.0,
+        tiny_sub,
+        tiny_sub / 2,
+        tiny_sub * 1.5,
+        fmt.min_normal,
+        mx,
+        np.nextafter(mx, np.float32(np.inf)),
+        np.nextafter(mx, np.float32(0)),
+        np.inf,
+        np.float32(np.finfo(np.float32).max),
+        np.float32(2.0**-149),
+    ]
     x = np.array(vals, dtype=np.float32)
     return np.concatenate([x, -x, np.array([np.nan, -np.nan], dtype=np.float32)])
 
@@ -187,7 +203,17 @@ def test_other_input_dtypes_and_strides():
 
 def test_bf16_flush_subnormals():
     x = torch.tensor(
-        [2.0**-127, -(2.0**-127), 2.0**-133, 3 * 2.0**-130, 2.0**-126 - 2.0**-134, 2.0**-126, -(2.0**-126), 1.0, 2.0**-149],
+        [
+            2.0**-127,
+            -(2.0**-127),
+            2.0**-133,
+            3 * 2.0**-130,
+            2.0**-126 - 2.0**-134,
+            2.0**-126,
+            -(2.0**-126),
+            1.0,
+            2.0**-149,
+        ],
         dtype=torch.float32,
     )
     flushed = round_to_format(x, BF16, saturate=False, flush_subnormals=True)
@@ -195,7 +221,17 @@ def test_bf16_flush_subnormals():
     assert torch.signbit(flushed).tolist() == [False, True, False, False, False, False, True, False, False]
     # Without flushing the subnormals survive; 127.5 quanta of 2**-133 rounds (half-even) up to 2**-126.
     kept = round_to_format(x, BF16, saturate=False)
-    assert kept.tolist() == [2.0**-127, -(2.0**-127), 2.0**-133, 3 * 2.0**-130, 2.0**-126, 2.0**-126, -(2.0**-126), 1.0, 0.0]
+    assert kept.tolist() == [
+        2.0**-127,
+        -(2.0**-127),
+        2.0**-133,
+        3 * 2.0**-130,
+        2.0**-126,
+        2.0**-126,
+        -(2.0**-126),
+        1.0,
+        0.0,
+    ]
     # Normals are unchanged by flushing.
     normals = torch.randn(10_000) * 1e3
     assert torch.equal(round_to_format(normals, BF16, False, True), round_to_format(normals, BF16, False))
@@ -215,7 +251,15 @@ INF, NAN = float("inf"), float("nan")
 
 
 def test_e4m3_hand_computed_bits():
-    assert bits_of([448.0, -448.0, 2.0**-9, 2.0**-6, 1.0, -0.0, 0.0], E4M3, True) == [0x7E, 0xFE, 0x01, 0x08, 0x38, 0x80, 0x00]
+    assert bits_of([448.0, -448.0, 2.0**-9, 2.0**-6, 1.0, -0.0, 0.0], E4M3, True) == [
+        0x7E,
+        0xFE,
+        0x01,
+        0x08,
+        0x38,
+        0x80,
+        0x00,
+    ]
     # Ties: 2**-10 is halfway 0..2**-9 -> 0 (even); 3*2**-10 -> 2**-8; 464 between 448 and 480 -> 448 (even).
     assert bits_of([2.0**-10, 3 * 2.0**-10, 464.0, 1.0625, 1.1875], E4M3, True) == [0x00, 0x02, 0x7E, 0x38, 0x3A]
     assert bits_of([464.0, 465.0, 1e6, INF, -INF], E4M3, True) == [0x7E, 0x7E, 0x7E, 0x7E, 0xFE]
@@ -354,9 +398,18 @@ def test_fake_quantize_matches_reference():
 
 
 def test_get_format_aliases():
-    for name, key in [("e4m3", "e4m3"), ("fp8-e4m3", "e4m3"), ("float8_e4m3fn", "e4m3"), ("E4M3", "e4m3"),
-                      ("e5m2", "e5m2"), ("int8", "int8"), ("bf16", "bf16"), ("bfloat16", "bf16"),
-                      ("fp16", "fp16"), ("float16", "fp16")]:
+    for name, key in [
+        ("e4m3", "e4m3"),
+        ("fp8-e4m3", "e4m3"),
+        ("float8_e4m3fn", "e4m3"),
+        ("E4M3", "e4m3"),
+        ("e5m2", "e5m2"),
+        ("int8", "int8"),
+        ("bf16", "bf16"),
+        ("bfloat16", "bf16"),
+        ("fp16", "fp16"),
+        ("float16", "fp16"),
+    ]:
         assert get_format(name) is FORMATS[key]
     with pytest.raises(PtqError, match=r"unknown number format 'e3m4' \(known: e4m3, e5m2, int8, bf16, fp16"):
         get_format("e3m4")

@@ -21,15 +21,30 @@ from ptq.quantization.recipes import load_recipe, parse_recipe
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
-yaml_like = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                         | st.dictionaries(st.text(max_size=10) | st.integers(), inner, max_size=5), max_leaves=20)
+yaml_like = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10) | st.integers(), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
 # Near-valid recipes reach deeper into the validation than random values do.
 field_values = st.sampled_from(["e4m3", "int8", "bf16", "fp8-e5m2", "nope", "", "tensor", "channel"]) | yaml_like
-tensor_quant = st.dictionaries(st.sampled_from(["format", "granularity", "saturate", "extra"]), field_values, max_size=4)
-recipes = st.fixed_dictionaries({}, optional={
-    "name": field_values, "description": field_values, "weights": tensor_quant | yaml_like,
-    "inputs": tensor_quant | yaml_like, "targets": st.lists(field_values, max_size=3) | yaml_like,
-    "ignore": st.lists(field_values, max_size=3) | yaml_like, "other": yaml_like})
+tensor_quant = st.dictionaries(
+    st.sampled_from(["format", "granularity", "saturate", "extra"]), field_values, max_size=4
+)
+recipes = st.fixed_dictionaries(
+    {},
+    optional={
+        "name": field_values,
+        "description": field_values,
+        "weights": tensor_quant | yaml_like,
+        "inputs": tensor_quant | yaml_like,
+        "targets": st.lists(field_values, max_size=3) | yaml_like,
+        "ignore": st.lists(field_values, max_size=3) | yaml_like,
+        "other": yaml_like,
+    },
+)
 
 
 def only_ptq_errors(call):
@@ -54,13 +69,16 @@ def test_load_recipe_text_only_raises_ptq_error(tmp_path, text):
     only_ptq_errors(lambda: load_recipe(str(path)))
 
 
-@pytest.mark.parametrize("text", [
-    "[" * 50_000,  # nesting deep enough to exhaust PyYAML's recursion
-    # "billion laughs": 9^8 references; echoing it in an error message took minutes
-    "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
-        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
-    + "name: *i\nweights: {format: e4m3}\ninputs: {format: e4m3}\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 50_000,  # nesting deep enough to exhaust PyYAML's recursion
+        # "billion laughs": 9^8 references; echoing it in an error message took minutes
+        "a: &a [x,x,x,x,x,x,x,x,x]\n"
+        + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+        + "name: *i\nweights: {format: e4m3}\ninputs: {format: e4m3}\n",
+    ],
+)
 def test_hostile_yaml_is_refused_quickly(tmp_path, text):
     path = tmp_path / "r.yaml"
     path.write_text(text)
@@ -72,8 +90,11 @@ def test_hostile_yaml_is_refused_quickly(tmp_path, text):
 
 def valid_calibration_bytes(tmp_path: Path) -> bytes:
     metadata = {"data": "text", "data_sha256": "0" * 64, "windows": 2, "seq_len": 8, "tokens": 16}
-    calibration = Calibration({"a.b": torch.tensor(1.5), "c": torch.tensor(0.0)},
-                              {"a.b": torch.tensor(0.25), "c": torch.tensor(2.0)}, metadata)
+    calibration = Calibration(
+        {"a.b": torch.tensor(1.5), "c": torch.tensor(0.0)},
+        {"a.b": torch.tensor(0.25), "c": torch.tensor(2.0)},
+        metadata,
+    )
     path = tmp_path / "valid.st"
     save_calibration(calibration, path, force=True)
     return path.read_bytes()
@@ -105,15 +126,24 @@ dtypes = st.sampled_from([torch.float32, torch.float16, torch.int64, torch.bool,
 values = st.floats(allow_nan=True, allow_infinity=True, width=32)
 metadata_json = st.one_of(
     st.builds(json.dumps, yaml_like),
-    st.builds(lambda extra: json.dumps({"data": "t", "data_sha256": "x", "windows": 1, "seq_len": 2, "tokens": 2} | extra),
-              st.dictionaries(st.sampled_from(["windows", "tokens", "unseen_layers", "warnings", "nonfinite_batches", "data"]),
-                              yaml_like, max_size=3)),
-    st.text(max_size=20))
+    st.builds(
+        lambda extra: json.dumps({"data": "t", "data_sha256": "x", "windows": 1, "seq_len": 2, "tokens": 2} | extra),
+        st.dictionaries(
+            st.sampled_from(["windows", "tokens", "unseen_layers", "warnings", "nonfinite_batches", "data"]),
+            yaml_like,
+            max_size=3,
+        ),
+    ),
+    st.text(max_size=20),
+)
 
 
 @FUZZ
-@given(st.dictionaries(entry_names, st.tuples(dtypes, st.lists(values, max_size=3)), max_size=4),
-       st.sampled_from(["ptq-calibration/2", "other", ""]), metadata_json)
+@given(
+    st.dictionaries(entry_names, st.tuples(dtypes, st.lists(values, max_size=3)), max_size=4),
+    st.sampled_from(["ptq-calibration/2", "other", ""]),
+    metadata_json,
+)
 def test_structured_calibration_files(tmp_path, entries, kind, metadata):
     tensors = {k: torch.tensor(v, dtype=torch.float32).to(dtype) for k, (dtype, v) in entries.items()}
     path = tmp_path / "fuzz.st"

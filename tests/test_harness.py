@@ -38,18 +38,44 @@ def mc_folder(tmp_path_factory) -> Path:
     """A folder with one task YAML of the user's own over ptq's multiple-choice JSONL format."""
     folder = tmp_path_factory.mktemp("tasks")
     data = write_jsonl(folder / "rows.jsonl", varied_rows(12))
-    (folder / "mc.yaml").write_text(f"include: {SHIPPED / '_ptq_choice.yaml'}\ntask: mc\ndataset_path: json\n"
-                                    f"dataset_kwargs:\n  data_files:\n    test: {data}\n")
+    (folder / "mc.yaml").write_text(
+        f"include: {SHIPPED / '_ptq_choice.yaml'}\ntask: mc\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+    )
     return folder
 
 
 def lm_eval_cli(model: Path, tasks: str, include: Path, out: Path) -> tuple[dict, dict[str, list[dict]]]:
     """lm-evaluation-harness's own CLI on the model directory: its results and its per-sample files."""
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                          f"pretrained={model},dtype=bfloat16", "--tasks", tasks, "--include_path", str(include),
-                          "--limit", LIMIT, "--batch_size", "4", "--device", "cpu", "--output_path", str(out),
-                          "--log_samples"], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={model},dtype=bfloat16",
+            "--tasks",
+            tasks,
+            "--include_path",
+            str(include),
+            "--limit",
+            LIMIT,
+            "--batch_size",
+            "4",
+            "--device",
+            "cpu",
+            "--output_path",
+            str(out),
+            "--log_samples",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
     samples = {}
@@ -59,8 +85,9 @@ def lm_eval_cli(model: Path, tasks: str, include: Path, out: Path) -> tuple[dict
     return results, samples
 
 
-def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(ptq_cli, bf16_model, mc_folder, tmp_path,
-                                                                         monkeypatch):
+def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(
+    ptq_cli, bf16_model, mc_folder, tmp_path, monkeypatch
+):
     """A generation task (ptq_arith, shipped), a multiple-choice one (the user's YAML) and a loglikelihood one
     (ptq_cloze, shipped) in one compare, offline."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -68,14 +95,42 @@ def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(ptq_cli
     text.write_text(LINES)
     out = tmp_path / "out"
     tasks = f"{SHIPPED / 'ptq_arith.yaml'},{mc_folder},{SHIPPED / 'ptq_cloze.yaml'}"
-    code, stdout, err = ptq_cli("compare", bf16_model, "--recipes", "fp8-e4m3", "--calib-data", text, "--calib-samples",
-                                "2", "--eval-data", text, "--seq-len", "32", "--max-windows", "2", "--dtype", "bfloat16",
-                                "--batch-size", "4", "--tasks", tasks, "--limit", LIMIT, "--no-plots", "--out", out, "-q")
+    code, stdout, err = ptq_cli(
+        "compare",
+        bf16_model,
+        "--recipes",
+        "fp8-e4m3",
+        "--calib-data",
+        text,
+        "--calib-samples",
+        "2",
+        "--eval-data",
+        text,
+        "--seq-len",
+        "32",
+        "--max-windows",
+        "2",
+        "--dtype",
+        "bfloat16",
+        "--batch-size",
+        "4",
+        "--tasks",
+        tasks,
+        "--limit",
+        LIMIT,
+        "--no-plots",
+        "--out",
+        out,
+        "-q",
+    )
     assert code == 0, err
     r = json.loads((out / "results.json").read_text())
     assert [t["name"] for t in r["tasks"]] == ["ptq_arith", "mc", "ptq_cloze"]
-    assert {t["name"]: t["kind"] for t in r["tasks"]} == {"ptq_arith": "generate_until", "mc": "multiple_choice",
-                                                          "ptq_cloze": "loglikelihood"}
+    assert {t["name"]: t["kind"] for t in r["tasks"]} == {
+        "ptq_arith": "generate_until",
+        "mc": "multiple_choice",
+        "ptq_cloze": "loglikelihood",
+    }
 
     # lm-eval's CLI gets the same tasks: the shipped folder (ptq_arith, ptq_cloze) and the user's folder (mc)
     include = tmp_path / "include"
@@ -113,20 +168,44 @@ def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(ptq_cli
                 b, q = base["tasks"][name][metric], v["tasks"][name][metric]
                 assert d["recovery_pct"] == pytest.approx(100 * q / b if b > 0 else 100.0)
     report = (out / "report.md").read_text()
-    assert "## Task accuracy (lm-evaluation-harness)" in report and "| ptq_arith | exact_match,strict-match | 6 | 4 |" in report
+    assert (
+        "## Task accuracy (lm-evaluation-harness)" in report
+        and "| ptq_arith | exact_match,strict-match | 6 | 4 |" in report
+    )
     assert "recovery" in stdout
 
 
 def test_cloze_and_jsonl_against_itself_give_zero_deltas_and_gates_per_metric(ptq_cli, tiny_model, tmp_path):
     recipe = tmp_path / "bf16-again.yaml"
-    recipe.write_text("name: bf16-again\ndescription: the baseline again\ntargets: [Linear]\nignore: []\n"
-                      "weights: {format: bf16}\ninputs: {format: bf16}\n")
+    recipe.write_text(
+        "name: bf16-again\ndescription: the baseline again\ntargets: [Linear]\nignore: []\n"
+        "weights: {format: bf16}\ninputs: {format: bf16}\n"
+    )
     text = tmp_path / "lines.txt"
     text.write_text(LINES)
     mc = write_jsonl(tmp_path / "mc.jsonl", varied_rows(12))
-    code, out, err = ptq_cli("compare", tiny_model, "--recipes", recipe, "--eval-data", text, "--seq-len", "32",
-                             "--max-windows", "2", "--tasks", f"cloze,mine={mc}", "--max-items", "8", "--no-plots",
-                             "--min-accuracy-recovery", "100%", "--out", tmp_path / "out", "-q")
+    code, out, err = ptq_cli(
+        "compare",
+        tiny_model,
+        "--recipes",
+        recipe,
+        "--eval-data",
+        text,
+        "--seq-len",
+        "32",
+        "--max-windows",
+        "2",
+        "--tasks",
+        f"cloze,mine={mc}",
+        "--max-items",
+        "8",
+        "--no-plots",
+        "--min-accuracy-recovery",
+        "100%",
+        "--out",
+        tmp_path / "out",
+        "-q",
+    )
     assert code == 0, out + err
     r = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {t["name"]: t["n"] for t in r["tasks"]} == {"cloze": 8, "mine": 12}
@@ -144,9 +223,29 @@ def test_eval_one_configuration_with_tasks(ptq_cli, tiny_model, tmp_path):
     text = tmp_path / "lines.txt"
     text.write_text(LINES)
     small, large = (write_jsonl(tmp_path / f"mc{n}.jsonl", varied_rows(n)) for n in (8, 40))
-    code, out, err = ptq_cli("eval", tiny_model, "--recipe", "fp8-e4m3", "--calib-data", text, "--calib-samples", "2",
-                             "--eval-data", text, "--seq-len", "32", "--max-windows", "2", "--batch-size", "16",
-                             "--tasks", f"small={small},large={large}", "--out", tmp_path / "out", "-q")
+    code, out, err = ptq_cli(
+        "eval",
+        tiny_model,
+        "--recipe",
+        "fp8-e4m3",
+        "--calib-data",
+        text,
+        "--calib-samples",
+        "2",
+        "--eval-data",
+        text,
+        "--seq-len",
+        "32",
+        "--max-windows",
+        "2",
+        "--batch-size",
+        "16",
+        "--tasks",
+        f"small={small},large={large}",
+        "--out",
+        tmp_path / "out",
+        "-q",
+    )
     assert code == 0, err
     r = json.loads((tmp_path / "out" / "results.json").read_text())
     c = r["config"]
@@ -167,10 +266,14 @@ def test_a_group_is_paired_on_its_members_documents(tiny_model, tmp_path):
     folder.mkdir()
     for name, n in (("mc_a", 5), ("mc_b", 9)):
         data = write_jsonl(folder / f"{name}.jsonl", varied_rows(n))
-        (folder / f"{name}.yaml").write_text(f"include: {SHIPPED / '_ptq_choice.yaml'}\ntask: {name}\n"
-                                             f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n")
-    (folder / "_mcs.yaml").write_text("group: mcs\ntask: [mc_a, mc_b]\naggregate_metric_list:\n  - metric: acc\n"
-                                      "    aggregation: mean\n    weight_by_size: true\nmetadata:\n  version: 1.0\n")
+        (folder / f"{name}.yaml").write_text(
+            f"include: {SHIPPED / '_ptq_choice.yaml'}\ntask: {name}\n"
+            f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        )
+    (folder / "_mcs.yaml").write_text(
+        "group: mcs\ntask: [mc_a, mc_b]\naggregate_metric_list:\n  - metric: acc\n"
+        "    aggregation: mean\n    weight_by_size: true\nmetadata:\n  version: 1.0\n"
+    )
     suite = harness.prepare(str(folder), None, tmp_path / "work", max_items=None)
     assert suite.names == ["mcs"]
     loaded = load_model(str(tiny_model))
@@ -178,7 +281,10 @@ def test_a_group_is_paired_on_its_members_documents(tiny_model, tmp_path):
     run = harness.run({"a": model, "b": model}, loaded.tokenizer, suite, 4)
     tasks = harness.describe_tasks(run, suite)
     assert [(t["name"], t["n"], t["metrics"]) for t in tasks] == [
-        ("mcs", 14, ["acc"]), ("mc_a", 5, ["acc", "acc_norm"]), ("mc_b", 9, ["acc", "acc_norm"])]
+        ("mcs", 14, ["acc"]),
+        ("mc_a", 5, ["acc", "acc_norm"]),
+        ("mc_b", 9, ["acc", "acc_norm"]),
+    ]
     entry = {"name": "b"}
     harness.add_task_metrics(entry, run, tasks, baseline="a")
     a = run.models["a"]
@@ -187,13 +293,16 @@ def test_a_group_is_paired_on_its_members_documents(tiny_model, tmp_path):
     assert entry["task_deltas"]["mcs"]["acc"]["n"] == 14
 
 
-@pytest.mark.parametrize("task, message", [
-    ("{bad}", "line 2: not valid JSON"),
-    ("{wrong}", "line 1: expected the fields 'context, choices, label'"),
-    ("mc={label}", "line 1: 'label' must be an integer index"),
-    ("mc=missing.jsonl", "does not exist"),
-    ("{empty_folder}", "defines no lm-eval task"),
-])
+@pytest.mark.parametrize(
+    "task, message",
+    [
+        ("{bad}", "line 2: not valid JSON"),
+        ("{wrong}", "line 1: expected the fields 'context, choices, label'"),
+        ("mc={label}", "line 1: 'label' must be an integer index"),
+        ("mc=missing.jsonl", "does not exist"),
+        ("{empty_folder}", "defines no lm-eval task"),
+    ],
+)
 def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "a", "choices": ["b", "c"], "label": 0}\n{oops\n')
@@ -201,9 +310,15 @@ def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message
     label = write_jsonl(tmp_path / "label.jsonl", [{"context": "a", "choices": ["b", "c"], "label": 2}])
     (tmp_path / "empty").mkdir()
     out_dir = tmp_path / "out"
-    code, _, err = ptq_cli("eval", tiny_model, "--tasks", task.format(bad=bad, wrong=wrong, label=label,
-                                                                      empty_folder=tmp_path / "empty"),
-                           "--out", out_dir, "-q")
+    code, _, err = ptq_cli(
+        "eval",
+        tiny_model,
+        "--tasks",
+        task.format(bad=bad, wrong=wrong, label=label, empty_folder=tmp_path / "empty"),
+        "--out",
+        out_dir,
+        "-q",
+    )
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not out_dir.exists()
 
@@ -222,10 +337,13 @@ def test_hub_task_offline_and_unknown_task_are_one_line(tmp_path, monkeypatch):
     assert len(message.splitlines()) == 1
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--limit", "6"], "--num-fewshot and --limit apply to --tasks"),
-    (["--tasks", "cloze", "--limit", "1.5"], "--limit takes a number of documents"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--limit", "6"], "--num-fewshot and --limit apply to --tasks"),
+        (["--tasks", "cloze", "--limit", "1.5"], "--limit takes a number of documents"),
+    ],
+)
 def test_task_options_without_tasks_are_one_line(ptq_cli, tiny_model, tmp_path, args, message):
     code, _, err = ptq_cli("compare", tiny_model, *args, "--out", tmp_path / "out", "-q")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1

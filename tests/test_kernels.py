@@ -15,8 +15,13 @@ from ptq.numerics.formats import FORMATS, dequantize, fake_quantize, quantize, t
 from ptq.numerics.kernels import fused
 from ptq.quantization.quantize import _rounded_codes
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                   reason="needs CUDA: compiles the Triton kernels"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiles the Triton kernels"),
+    ),
+]
 
 
 def every_kernel(device: str):
@@ -53,7 +58,11 @@ def same(got, want, exact: bool = True) -> bool:
     if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     if got.is_floating_point():
-        return got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        return (
+            got.dtype == want.dtype
+            and torch.equal(got.isnan(), want.isnan())
+            and torch.equal(got.nan_to_num(), want.nan_to_num())
+        )
     return torch.equal(got, want)
 
 
@@ -91,6 +100,7 @@ def test_a_kernel_that_cannot_compile_warns_once_naming_itself_then_runs_eager(m
     def broken_compile(fn, **kwargs):
         def run(*args):
             raise RuntimeError("Cannot bitcast data-type of size 64 to data-type of size 32\nsecond line")
+
         return run
 
     monkeypatch.setattr(ptq.numerics.kernels.torch, "compile", broken_compile)
@@ -112,6 +122,7 @@ def test_out_of_memory_in_a_kernel_is_raised_not_hidden_by_the_fallback(monkeypa
     def oom_compile(fn, **kwargs):
         def run(*args):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
         return run
 
     monkeypatch.setattr(ptq.numerics.kernels.torch, "compile", oom_compile)

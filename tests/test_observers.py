@@ -42,7 +42,7 @@ def np_quant(x, clip, fmt):
     if fmt.kind == "int":
         q = np.minimum(np.round(y), fmt.max)
     else:
-        e = np.floor(np.log2(np.maximum(y, 2.0 ** -30)))
+        e = np.floor(np.log2(np.maximum(y, 2.0**-30)))
         e = np.maximum(e, 1 - fmt.bias)
         quantum = 2.0 ** (e - fmt.mantissa_bits)
         q = np.minimum(np.round(y / quantum) * quantum, fmt.max)
@@ -69,8 +69,15 @@ def test_histogram_matches_numpy_on_the_bin_edges():
     # open-ended).
     edges = bin_edges().numpy()
     on = edges[::7].astype(np.float32)
-    x = np.concatenate([on, np.nextafter(on, np.float32(0)), np.nextafter(on, np.float32(np.inf)),
-                        [0.0, 1e-30, 2.0**-25, 2.0**16, 3e38], samples(6, 10_000) * 50]).astype(np.float32)
+    x = np.concatenate(
+        [
+            on,
+            np.nextafter(on, np.float32(0)),
+            np.nextafter(on, np.float32(np.inf)),
+            [0.0, 1e-30, 2.0**-25, 2.0**16, 3e38],
+            samples(6, 10_000) * 50,
+        ]
+    ).astype(np.float32)
     x = np.concatenate([x, -x])
     a = np.abs(x.astype(np.float64))
     want, _ = np.histogram(np.clip(a, edges[0], np.nextafter(edges[-1], 0)), bins=edges)

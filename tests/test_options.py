@@ -38,8 +38,19 @@ def command_args(command: str, model: Path, text: Path, out: Path, *extra) -> tu
         "calibrate": ("calibrate", model, "--data", text, "--samples", "8", "-o", out / "c.safetensors"),
         "compare": ("compare", model, "--recipes", "fp8-e4m3", *calib_data, *evaluation, "--out", out, "--no-plots"),
         "eval": ("eval", model, "--recipe", "fp8-e4m3", *calib_data, *evaluation, "--tasks", "", "--out", out),
-        "quantize": ("quantize", model, "--recipe", "fp8-e4m3", "--data", text, "--samples", "8", "--no-verify",
-                     "-o", out / "checkpoint"),
+        "quantize": (
+            "quantize",
+            model,
+            "--recipe",
+            "fp8-e4m3",
+            "--data",
+            text,
+            "--samples",
+            "8",
+            "--no-verify",
+            "-o",
+            out / "checkpoint",
+        ),
     }[command] + ("--seq-len", "16", "-q", *extra)
 
 
@@ -86,7 +97,8 @@ def test_on_unseen_fail_stops_on_a_layer_without_data(command, tiny_model, text_
     assert code == 0, err
     assert "warning: layer 'model.layers.0.self_attn.q_proj' received no calibration data" in err
     assert [u["layer"] for u in calibration_record(command, tmp_path / "fallback")["unseen_layers"]] == [
-        "model.layers.0.self_attn.q_proj"]
+        "model.layers.0.self_attn.q_proj"
+    ]
     seen.clear()
     code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "fail", "--on-unseen", "fail"))
     assert code == 2 and one_error_line(err)
@@ -104,8 +116,9 @@ def test_allow_pickle_loads_a_pickle_checkpoint(command, tiny_model, text_file, 
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_no_memory_check_loads_a_model_that_looks_too_big(command, tiny_model, text_file, tmp_path, ptq_cli,
-                                                          monkeypatch):
+def test_no_memory_check_loads_a_model_that_looks_too_big(
+    command, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     monkeypatch.setattr(resources, "available_memory", lambda device: 1 << 10)  # 1 KiB: nothing fits
     code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "checked", "--in-memory"))
     assert code == 2 and one_error_line(err) and "--no-memory-check" in err
@@ -141,8 +154,20 @@ def test_low_memory_gives_the_in_memory_numbers(command, tiny_model, text_file, 
 
 
 def test_eval_low_memory_refuses_what_needs_the_whole_model(tiny_model, text_file, tmp_path, ptq_cli):
-    code, _, err = ptq_cli("eval", tiny_model, "--tasks", "cloze", "--eval-data", text_file, "--seq-len", "16",
-                           "--out", tmp_path, "--low-memory", "-q")
+    code, _, err = ptq_cli(
+        "eval",
+        tiny_model,
+        "--tasks",
+        "cloze",
+        "--eval-data",
+        text_file,
+        "--seq-len",
+        "16",
+        "--out",
+        tmp_path,
+        "--low-memory",
+        "-q",
+    )
     assert code == 2 and one_error_line(err) and "--tasks needs the whole model in memory" in err
 
 
@@ -150,29 +175,82 @@ def test_eval_low_memory_refuses_what_needs_the_whole_model(tiny_model, text_fil
 def test_a_reused_calibration_file_gets_the_range_warnings(command, tiny_model, text_file, tmp_path, ptq_cli):
     """A weight amax of 3e-36 has a normal float32 int8 scale (3e-36 / 127) but not an E4M3 one (3e-36 / 448): a
     file calibrated for int8 has no warning, and reusing it for fp8-e4m3 warns as calibrating in the run would."""
+
     def nearly_zero(t):
         t["model.layers.0.self_attn.o_proj.weight"].zero_()
         t["model.layers.0.self_attn.o_proj.weight"][0, 0] = 3e-36
 
     model = edited_model(tiny_model, tmp_path / "m", nearly_zero)
     calib = tmp_path / "c.safetensors"
-    code, _, err = ptq_cli("calibrate", model, "--recipe", "int8", "--data", text_file, "--samples", "8",
-                           "--seq-len", "16", "-o", calib, "-q")
+    code, _, err = ptq_cli(
+        "calibrate",
+        model,
+        "--recipe",
+        "int8",
+        "--data",
+        text_file,
+        "--samples",
+        "8",
+        "--seq-len",
+        "16",
+        "-o",
+        calib,
+        "-q",
+    )
     assert code == 0, err
     assert "warnings" not in load_calibration(calib).metadata and "warning" not in err
     out = tmp_path / "out"
     args = {
-        "compare": ("compare", model, "--recipes", "fp8-e4m3", "--calib", calib, "--eval-data", text_file,
-                    "--max-windows", "2", "--out", out, "--no-plots"),
-        "eval": ("eval", model, "--recipe", "fp8-e4m3", "--calib", calib, "--eval-data", text_file, "--max-windows", "2",
-                 "--tasks", "", "--out", out),
-        "quantize": ("quantize", model, "--recipe", "fp8-e4m3", "--calib", calib, "--no-verify", "-o", out / "checkpoint"),
+        "compare": (
+            "compare",
+            model,
+            "--recipes",
+            "fp8-e4m3",
+            "--calib",
+            calib,
+            "--eval-data",
+            text_file,
+            "--max-windows",
+            "2",
+            "--out",
+            out,
+            "--no-plots",
+        ),
+        "eval": (
+            "eval",
+            model,
+            "--recipe",
+            "fp8-e4m3",
+            "--calib",
+            calib,
+            "--eval-data",
+            text_file,
+            "--max-windows",
+            "2",
+            "--tasks",
+            "",
+            "--out",
+            out,
+        ),
+        "quantize": (
+            "quantize",
+            model,
+            "--recipe",
+            "fp8-e4m3",
+            "--calib",
+            calib,
+            "--no-verify",
+            "-o",
+            out / "checkpoint",
+        ),
     }[command] + ("--seq-len", "16", "-q")
     code, _, err = ptq_cli(*args)
     assert code == 0, err
     warnings = calibration_record(command, out)["warnings"]
-    assert len(warnings) == 1 and warnings[0].startswith("weight amax 3e-36 of layer 'model.layers.0.self_attn.o_proj' "
-                                                         "is below 5.27e-36: its e4m3 scale is not a normal float32")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "weight amax 3e-36 of layer 'model.layers.0.self_attn.o_proj' "
+        "is below 5.27e-36: its e4m3 scale is not a normal float32"
+    )
     assert f"warning: {warnings[0]}" in " ".join(err.split())
 
 
@@ -189,7 +267,9 @@ def test_eval_results_and_report_carry_the_calibration_faults(tiny_model, text_f
     assert code == 0, err
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["calibration"]["faults"]["unseen_layers"][0]["layer"] == "model.layers.0.self_attn.q_proj"
-    assert "Layer `model.layers.0.self_attn.q_proj` received no calibration data" in (tmp_path / "report.md").read_text()
+    assert (
+        "Layer `model.layers.0.self_attn.q_proj` received no calibration data" in (tmp_path / "report.md").read_text()
+    )
     # the protocol is compare's, less what compares against a baseline
     assert not any("KL" in line or "Baseline" in line for line in results["protocol"])
     assert results["protocol"][0].startswith("Perplexity:") and results["protocol"][1].startswith("Quantized Linear:")
@@ -200,7 +280,10 @@ def test_options_a_command_does_not_use_are_refused_in_one_line(tiny_model, tmp_
     cases = [
         (lambda: run_calibrate(["fp8-e4m3"], model=ModelOptions(dtype="bfloat16"), output=out), "--dtype"),
         (lambda: run_calibrate(["fp8-e4m3"], compute=ComputeOptions(matmul="fp8"), output=out), "--matmul"),
-        (lambda: run_calibrate(["fp8-e4m3"], calibration=CalibrationOptions(file=tmp_path / "c"), output=out), "--calib"),
+        (
+            lambda: run_calibrate(["fp8-e4m3"], calibration=CalibrationOptions(file=tmp_path / "c"), output=out),
+            "--calib",
+        ),
         (lambda: run_eval(calibration=CalibrationOptions(resume=True), output=out), "--resume"),
         (lambda: run_quantize("fp8-e4m3", data=DataOptions(tasks="cloze"), output=out), "--tasks"),
         (lambda: run_quantize("fp8-e4m3", compute=ComputeOptions(matmul="fp8"), output=out), "--matmul"),

@@ -57,7 +57,7 @@ def test_pow2_and_unscaled_scales_match_reference(mode):
     w = linear.weight.detach().numpy()
     if mode == "pow2":  # rounded up to a power of two: amax never overflows
         x_scale, w_scale = 2.0 ** np.ceil(np.log2(7.0 / 448)), 2.0 ** np.ceil(np.log2(np.abs(w).max() / 448))
-        assert float(q.input_scale) == x_scale == 2.0 ** -6
+        assert float(q.input_scale) == x_scale == 2.0**-6
     else:
         x_scale = w_scale = 1.0
         assert float(q.input_scale) == 1.0 and float(q.weight_scale) == 1.0
@@ -100,7 +100,9 @@ def test_calibration_covers_attention_and_quantize_uses_the_observer(tiny_model,
     r = recipe(**ATTENTION, inputs={"format": "e4m3", "observer": "mse"})
     layers = calibrated_layers(model, r)
     attn = list(attention_modules(model))
-    assert [f"{a}.{t}" for a in attn for t in ("key", "probs", "query", "value")] == [n for n in layers if "self_attn." in n and n.split(".")[-1] in ("key", "probs", "query", "value")]
+    assert [f"{a}.{t}" for a in attn for t in ("key", "probs", "query", "value")] == [
+        n for n in layers if "self_attn." in n and n.split(".")[-1] in ("key", "probs", "query", "value")
+    ]
     ids = torch.randint(0, 200, (3, 16), generator=torch.Generator().manual_seed(0))
     captured = {}
     q_proj = model.model.layers[1].self_attn.q_proj
@@ -115,14 +117,16 @@ def test_calibration_covers_attention_and_quantize_uses_the_observer(tiny_model,
     assert int(calibration.input_hist[probs].sum()) == 3 * heads * 16 * 16
     # Query amax: q_proj's output after RoPE, never larger than sqrt(2) x the pre-RoPE amax per pair.
     pre = torch.cat(captured["q"]).abs().max()
-    assert 0 < float(calibration.input_amax["model.layers.1.self_attn.query"]) <= float(pre) * 2 ** 0.5
+    assert 0 < float(calibration.input_amax["model.layers.1.self_attn.query"]) <= float(pre) * 2**0.5
     path = tmp_path / "c.safetensors"
     calibration.metadata |= {"data": "test", "data_sha256": "0" * 64, "windows": 3, "seq_len": 16, "tokens": 48}
     save_calibration(calibration, path)
     loaded = load_calibration(path)
     assert torch.equal(loaded.input_hist[probs], calibration.input_hist[probs])
     clip = input_clip(loaded, probs, r.attention)
-    assert float(clip) == pytest.approx(percentile_clip(loaded.input_hist[probs], float(loaded.input_amax[probs]), 99.9))
+    assert float(clip) == pytest.approx(
+        percentile_clip(loaded.input_hist[probs], float(loaded.input_amax[probs]), 99.9)
+    )
     quantized = quantize_(copy.deepcopy(model), r, loaded)
     aq = quantized.model.layers[1].self_attn.ptq_attention
     assert set(aq.quantizers) == {"query", "key", "value", "probs"}
@@ -149,8 +153,12 @@ def test_linear_amax_does_not_depend_on_attention_being_calibrated_too(tiny_mode
 
 def test_smoothquant_through_calibration_and_selection(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
-    r = recipe(weights={"format": "int8", "granularity": "channel"}, inputs={"format": "int8"},
-               smoothquant={"alpha": 0.5}, ignore=["lm_head", "model.layers.0.*"])
+    r = recipe(
+        weights={"format": "int8", "granularity": "channel"},
+        inputs={"format": "int8"},
+        smoothquant={"alpha": 0.5},
+        ignore=["lm_head", "model.layers.0.*"],
+    )
     smoothed = resolve_plan(model, r).smoothed
     assert smoothed and not any(n.startswith("model.layers.0.") for n in smoothed)
     ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -158,18 +166,31 @@ def test_smoothquant_through_calibration_and_selection(tiny_model):
     quantized = quantize_(copy.deepcopy(model), r, calibration)
     layer = quantized.model.layers[1].self_attn.q_proj
     amax_c = calibration.input_channel_amax["model.layers.1.self_attn.q_proj"]
-    assert layer.smooth is not None and float(layer.input_scale) == pytest.approx(float((amax_c / layer.smooth).max()) / 127)
+    assert layer.smooth is not None and float(layer.input_scale) == pytest.approx(
+        float((amax_c / layer.smooth).max()) / 127
+    )
     assert quantized.model.layers[0].self_attn.q_proj.weights.format.name == "bf16"  # ignored: baseline
 
 
 def test_describe_plan_lists_linear_and_attention_tensors(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    r = recipe(attention={"format": "e4m3", "tensors": ["probs"]}, kv_cache={"format": "e4m3"},
-               ignore=["lm_head", "model.layers.1.*"])
+    r = recipe(
+        attention={"format": "e4m3", "tensors": ["probs"]},
+        kv_cache={"format": "e4m3"},
+        ignore=["lm_head", "model.layers.1.*"],
+    )
     rows = {row["name"]: row for row in resolve_plan(model, r).rows()}
-    assert rows["model.layers.0.self_attn.probs"]["inputs"] == "e4m3 per-tensor" and rows["model.layers.0.self_attn.probs"]["quantized"]
-    assert rows["model.layers.0.self_attn.kv_cache.key"]["quantized"] and not rows["model.layers.0.self_attn.query"]["quantized"]
-    assert not rows["model.layers.1.self_attn.probs"]["quantized"] and not rows["model.layers.1.mlp.up_proj"]["quantized"]
+    assert (
+        rows["model.layers.0.self_attn.probs"]["inputs"] == "e4m3 per-tensor"
+        and rows["model.layers.0.self_attn.probs"]["quantized"]
+    )
+    assert (
+        rows["model.layers.0.self_attn.kv_cache.key"]["quantized"]
+        and not rows["model.layers.0.self_attn.query"]["quantized"]
+    )
+    assert (
+        not rows["model.layers.1.self_attn.probs"]["quantized"] and not rows["model.layers.1.mlp.up_proj"]["quantized"]
+    )
     assert rows["model.layers.0.mlp.up_proj"]["weights"] == "e4m3 per-tensor" and rows["lm_head"]["weights"] == "bf16"
 
 
@@ -177,9 +198,25 @@ def test_compare_sweep_with_paper_recipes_reports_sqnr(ptq_cli, tiny_model, text
     import json
 
     out = tmp_path / "out"
-    code, stdout, stderr = ptq_cli("compare", tiny_model, "--recipes", "paper-e4m3,paper-int8-smoothquant,fp8-e4m3-dynamic",
-                                   "--calib-data", text_file, "--eval-data", text_file, "--seq-len", "32",
-                                   "--calib-samples", "2", "--max-windows", "2", "--out", out, "--quiet")
+    code, stdout, stderr = ptq_cli(
+        "compare",
+        tiny_model,
+        "--recipes",
+        "paper-e4m3,paper-int8-smoothquant,fp8-e4m3-dynamic",
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+        "--seq-len",
+        "32",
+        "--calib-samples",
+        "2",
+        "--max-windows",
+        "2",
+        "--out",
+        out,
+        "--quiet",
+    )
     assert code == 0, stderr
     results = json.loads((out / "results.json").read_text())
     assert [v["name"] for v in results["variants"]] == ["paper-e4m3", "paper-int8-smoothquant", "fp8-e4m3-dynamic"]
@@ -196,8 +233,9 @@ def test_summary_lists_linear_layers_and_check_model_needs_their_weights(tiny_mo
     from ptq.calibration.calibrate import Calibration, summary_rows
     from ptq.errors import PtqError
 
-    calibration = Calibration({"a.self_attn.query": torch.tensor(99.0), "a.q_proj": torch.tensor(1.0)},
-                              {"a.q_proj": torch.tensor(2.0)})
+    calibration = Calibration(
+        {"a.self_attn.query": torch.tensor(99.0), "a.q_proj": torch.tensor(1.0)}, {"a.q_proj": torch.tensor(2.0)}
+    )
     assert [row["layer"] for row in summary_rows(calibration)["largest"]] == ["a.q_proj"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     name = "model.layers.0.mlp.up_proj"  # an input amax without the weight amax that identifies the model
@@ -224,14 +262,18 @@ def test_residual_recipe_calibrates_and_quantizes(tiny_model):
     assert rows["model.layers.0.residual.mid"]["quantized"] and not rows["model.layers.0.residual.input"]["quantized"]
 
 
-def test_rounding_noise_example_reproduces_compare_and_nudges_only_calibrated_scales(ptq_cli, tiny_model, text_file, tmp_path):
+def test_rounding_noise_example_reproduces_compare_and_nudges_only_calibrated_scales(
+    ptq_cli, tiny_model, text_file, tmp_path
+):
     """examples/rounding_noise.py (docs/paper.md): its as-calibrated row is what `ptq compare` reports, and a
     nudge of the calibrated amax leaves a recipe without calibrated scales exactly where it was."""
     import importlib.util
     import json
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("rounding_noise", Path(__file__).parent.parent / "examples" / "rounding_noise.py")
+    spec = importlib.util.spec_from_file_location(
+        "rounding_noise", Path(__file__).parent.parent / "examples" / "rounding_noise.py"
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     common = dict(windows=3, calib_samples=2, seq_len=32, calib_data=str(text_file), eval_data=str(text_file))
@@ -243,14 +285,33 @@ def test_rounding_noise_example_reproduces_compare_and_nudges_only_calibrated_sc
 
     calibration = Calibration({"a": torch.tensor(3.0)}, {}, input_channel_amax={"a": torch.tensor([1.0, 2.0])})
     moved = example.nudged(calibration, seed=1)
-    for before, after in ((calibration.input_amax["a"], moved.input_amax["a"]),
-                          (calibration.input_channel_amax["a"], moved.input_channel_amax["a"])):
+    for before, after in (
+        (calibration.input_amax["a"], moved.input_amax["a"]),
+        (calibration.input_channel_amax["a"], moved.input_channel_amax["a"]),
+    ):
         assert not torch.equal(before, after) and torch.allclose(before, after, rtol=1e-5, atol=0)
 
     out = tmp_path / "out"
-    code, _, stderr = ptq_cli("compare", tiny_model, "--recipes", "fp8-e4m3,fp8-e4m3-dynamic", "--calib-data", text_file,
-                              "--eval-data", text_file, "--seq-len", "32", "--calib-samples", "2", "--max-windows", "3",
-                              "--out", out, "--quiet", "--no-plots")
+    code, _, stderr = ptq_cli(
+        "compare",
+        tiny_model,
+        "--recipes",
+        "fp8-e4m3,fp8-e4m3-dynamic",
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+        "--seq-len",
+        "32",
+        "--calib-samples",
+        "2",
+        "--max-windows",
+        "3",
+        "--out",
+        out,
+        "--quiet",
+        "--no-plots",
+    )
     assert code == 0, stderr
     for v in json.loads((out / "results.json").read_text())["variants"]:
         assert rows[v["name"]][0]["ppl_delta_pct"] == pytest.approx(v["ppl_delta_pct"], abs=1e-9)

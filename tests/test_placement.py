@@ -31,8 +31,9 @@ def _model_dir(family: str, tmp_path, tiny_model):
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
-def test_compare_with_offloaded_models_equals_the_models_in_memory(family, tmp_path, ptq_cli, text_file, tiny_model,
-                                                                  monkeypatch):
+def test_compare_with_offloaded_models_equals_the_models_in_memory(
+    family, tmp_path, ptq_cli, text_file, tiny_model, monkeypatch
+):
     model = _model_dir(family, tmp_path, tiny_model)
     monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))  # the offload folders go under it
     data = ["--calib-data", text_file, "--eval-data", text_file, "--recipes", "fp8-e4m3,int8", *COMMON]
@@ -51,7 +52,12 @@ def test_compare_with_offloaded_models_equals_the_models_in_memory(family, tmp_p
     assert placed["baseline"]["perplexity"] == memory["baseline"]["perplexity"]
     assert placed["calibration"]["layers"] == memory["calibration"]["layers"]  # calibrated on the placed original
     for a, b in zip(memory["variants"], placed["variants"], strict=True):
-        assert (a["name"], a["perplexity"], a["kl_div"], a["top1_agreement"]) == (b["name"], b["perplexity"], b["kl_div"], b["top1_agreement"])
+        assert (a["name"], a["perplexity"], a["kl_div"], a["top1_agreement"]) == (
+            b["name"],
+            b["perplexity"],
+            b["kl_div"],
+            b["top1_agreement"],
+        )
         assert a["snr_db"] == b["snr_db"]  # input SNR measured on the offloaded layers too
     assert "on disk by accelerate" in (tmp_path / "placed" / "report.md").read_text()
     offload = tmp_path / "cache" / "offload"
@@ -64,20 +70,41 @@ def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tin
     assert ptq_cli("calibrate", model, *args, "-o", tmp_path / "memory.safetensors")[0] == 0
     code, _, err = ptq_cli("calibrate", model, *args, *OFFLOADED, "-o", tmp_path / "placed.safetensors")
     assert code == 0, err
-    memory, placed = load_calibration(tmp_path / "memory.safetensors"), load_calibration(tmp_path / "placed.safetensors")
+    memory, placed = (
+        load_calibration(tmp_path / "memory.safetensors"),
+        load_calibration(tmp_path / "placed.safetensors"),
+    )
     assert memory.input_amax.keys() == placed.input_amax.keys()
-    assert any(".experts.3.down_proj" in name for name in placed.input_amax)  # every expert, through the preloaded module
+    assert any(
+        ".experts.3.down_proj" in name for name in placed.input_amax
+    )  # every expert, through the preloaded module
     for name in memory.input_amax:
         assert torch.equal(memory.input_amax[name], placed.input_amax[name]), name
         assert torch.equal(memory.weight_amax[name], placed.weight_amax[name]), name
         assert torch.equal(memory.input_hist[name], placed.input_hist[name]), name
     evaluated = {}
     for name, extra in (("memory", []), ("placed", OFFLOADED)):
-        code, _, err = ptq_cli("eval", model, "--recipe", "fp8-e4m3", "--calib", tmp_path / "memory.safetensors",
-                               "--eval-data", text_file, "--tasks", "ptq_shakespeare", "--limit", "3", "--seq-len", "16",
-                               "--max-windows", "2",
-                               *(extra[:-1] + ["cpu=150KB"] if extra else []),  # one model: a smaller limit
-                               "--out", tmp_path / f"eval-{name}")
+        code, _, err = ptq_cli(
+            "eval",
+            model,
+            "--recipe",
+            "fp8-e4m3",
+            "--calib",
+            tmp_path / "memory.safetensors",
+            "--eval-data",
+            text_file,
+            "--tasks",
+            "ptq_shakespeare",
+            "--limit",
+            "3",
+            "--seq-len",
+            "16",
+            "--max-windows",
+            "2",
+            *(extra[:-1] + ["cpu=150KB"] if extra else []),  # one model: a smaller limit
+            "--out",
+            tmp_path / f"eval-{name}",
+        )
         assert code == 0, err
         evaluated[name] = json.loads((tmp_path / f"eval-{name}" / "results.json").read_text())
     assert "disk" in evaluated["placed"]["compute"]["placement"]["fp8-e4m3"]
@@ -87,15 +114,18 @@ def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tin
     assert evaluated["placed"]["config"]["tasks"]["ptq_shakespeare"]["n"] == 3
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-memory", "cpu=1GB"], "--max-memory limits what --device-map places"),
-    (["--device-map", "everywhere"], "unknown --device-map 'everywhere'"),
-    (["--device-map", "auto", "--max-memory", "cpu=lots"], "--max-memory size 'lots' is not a size"),
-    (["--device-map", "auto", "--max-memory", "cpu"], "--max-memory 'cpu' is not DEVICE=SIZE"),
-    (["--device-map", "auto", "--max-memory", f"{torch.cuda.device_count()}=1GB"], "GPU(s)"),
-    (["--device-map", "auto", "--max-memory", "tpu=1GB"], "device 'tpu' is not a GPU index"),
-    (["--device-map", "auto", "--low-memory"], "--low-memory and --device-map"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-memory", "cpu=1GB"], "--max-memory limits what --device-map places"),
+        (["--device-map", "everywhere"], "unknown --device-map 'everywhere'"),
+        (["--device-map", "auto", "--max-memory", "cpu=lots"], "--max-memory size 'lots' is not a size"),
+        (["--device-map", "auto", "--max-memory", "cpu"], "--max-memory 'cpu' is not DEVICE=SIZE"),
+        (["--device-map", "auto", "--max-memory", f"{torch.cuda.device_count()}=1GB"], "GPU(s)"),
+        (["--device-map", "auto", "--max-memory", "tpu=1GB"], "device 'tpu' is not a GPU index"),
+        (["--device-map", "auto", "--low-memory"], "--low-memory and --device-map"),
+    ],
+)
 def test_bad_placement_options_are_one_line(args, message, tmp_path, ptq_cli, text_file, tiny_model):
     code, out, err = ptq_cli("compare", tiny_model, "--eval-data", text_file, *COMMON, *args, "--out", tmp_path / "r")
     assert code == 2
@@ -106,8 +136,17 @@ def test_bad_placement_options_are_one_line(args, message, tmp_path, ptq_cli, te
 def test_quantize_with_offloaded_calibration_writes_the_same_files(tmp_path, ptq_cli, text_file, tiny_model):
     args = ["--data", text_file, "--seq-len", "16", "--samples", "2", "--verify-windows", "2"]
     assert ptq_cli("quantize", tiny_model, *args, "-o", tmp_path / "memory")[0] == 0
-    code, out, err = ptq_cli("quantize", tiny_model, *args, "--device-map", "auto", "--max-memory", "cpu=150KB",  # one model
-                             "-o", tmp_path / "placed")
+    code, out, err = ptq_cli(
+        "quantize",
+        tiny_model,
+        *args,
+        "--device-map",
+        "auto",
+        "--max-memory",
+        "cpu=150KB",  # one model
+        "-o",
+        tmp_path / "placed",
+    )
     assert code == 0, err
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "placed" / name).read_bytes() == (tmp_path / "memory" / name).read_bytes(), name
@@ -122,6 +161,8 @@ def test_limits_are_shared_between_the_models_held_at_once_and_the_report_says_w
     placement = parse("sequential", "cpu=1.5GB, disk=10GB")
     assert placement == Placement("sequential", {"cpu": 1_500_000_000, "disk": 10_000_000_000})
     assert budgets(placement, 3) == {"cpu": 500_000_000, "disk": 3_333_333_333}
-    assert (describe({"bf16": {"cuda:0": 3, "cuda:1": 2, "cpu": 1}, "fp8-e4m3": {"cuda:0": 5}})
-            == "placed over cuda:0, cuda:1 by accelerate (--device-map), offloaded to CPU memory")
+    assert (
+        describe({"bf16": {"cuda:0": 3, "cuda:1": 2, "cpu": 1}, "fp8-e4m3": {"cuda:0": 5}})
+        == "placed over cuda:0, cuda:1 by accelerate (--device-map), offloaded to CPU memory"
+    )
     assert describe({"bf16": {"cpu": 2, "disk": 4}}) == "placed in CPU memory and on disk by accelerate (--device-map)"

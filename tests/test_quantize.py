@@ -32,8 +32,10 @@ def ref_fake_quant(x: np.ndarray, amax, fmt: str, axis=None) -> np.ndarray:
     return (q * scale).astype(np.float32)
 
 
-@pytest.mark.parametrize("recipe_name, wfmt, per_channel", [
-    ("fp8-e4m3", "e4m3", False), ("fp8-e5m2", "e5m2", False), ("int8", "int8", True), ("bf16", "bf16", False)])
+@pytest.mark.parametrize(
+    "recipe_name, wfmt, per_channel",
+    [("fp8-e4m3", "e4m3", False), ("fp8-e5m2", "e5m2", False), ("int8", "int8", True), ("bf16", "bf16", False)],
+)
 def test_quant_linear_matches_reference(recipe_name, wfmt, per_channel):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 32)
@@ -68,8 +70,11 @@ def test_calibration_amax_is_the_max_of_the_inputs_seen(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     ids = torch.randint(0, model.config.vocab_size, (5, 16), generator=torch.Generator().manual_seed(0))
     seen = {}
-    hooks = [m.register_forward_hook(lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].clone()))
-             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].clone()))
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     with torch.no_grad():
         model(input_ids=ids)
     for h in hooks:
@@ -120,7 +125,11 @@ def test_compiled_weight_rounding_is_bit_identical_to_the_eager_ops():
     w = torch.randn(64, 96) * torch.logspace(-6, 2, 96)  # columns from tiny (subnormal after scaling) to large
     compiled = fused(_rounded_codes, compile=True)
     for fmt in ("e4m3", "e5m2", "int8", "bf16"):
-        for scale in (w.abs().amax(1, keepdim=True) / FORMATS[fmt].max, w.abs().amax() / FORMATS[fmt].max, torch.tensor(1.0)):
+        for scale in (
+            w.abs().amax(1, keepdim=True) / FORMATS[fmt].max,
+            w.abs().amax() / FORMATS[fmt].max,
+            torch.tensor(1.0),
+        ):
             for saturate in (True, False):
                 got = compiled(w, scale, FORMATS[fmt], saturate)
                 want = to_storage(quantize(w, scale, FORMATS[fmt], saturate), FORMATS[fmt])
@@ -138,9 +147,11 @@ def test_compiled_weight_dequantize_decodes_every_code_as_ml_dtypes_does():
 
     compiled = fused(dequantize, compile=True)
     every_byte = np.arange(256, dtype=np.uint8)
-    cases = {"e4m3": (every_byte.view(ml_dtypes.float8_e4m3fn), torch.float8_e4m3fn),
-             "e5m2": (every_byte.view(ml_dtypes.float8_e5m2), torch.float8_e5m2),
-             "int8": (every_byte.view(np.int8), torch.int8)}
+    cases = {
+        "e4m3": (every_byte.view(ml_dtypes.float8_e4m3fn), torch.float8_e4m3fn),
+        "e5m2": (every_byte.view(ml_dtypes.float8_e5m2), torch.float8_e5m2),
+        "int8": (every_byte.view(np.int8), torch.int8),
+    }
     per_channel = torch.tensor([[0.01], [3.0], [2.0**-20], [1.0]])
     for fmt, (codes_np, dtype) in cases.items():
         codes = torch.from_numpy(every_byte.copy()).view(dtype).reshape(4, 64)
@@ -196,11 +207,14 @@ def test_variants_share_what_they_do_not_quantize_and_match_separate_copies(tiny
             assert torch.equal(variants[r.name](input_ids=ids).logits, alone(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("recipe_text", [
-    "name: t\ntargets: [Linear]\nignore: [lm_head]\nweights: {format: e4m3}\ninputs: {format: e4m3}\n",  # static per-tensor: tensor-wise scaling
-    "name: t\ntargets: [Linear]\nignore: [lm_head]\nweights: {format: e4m3, granularity: channel}\ninputs: {format: e4m3, dynamic: true}\n",  # row-wise
-    "name: t\ntargets: [Linear]\nignore: [lm_head]\nweights: {format: e5m2}\ninputs: {format: e4m3, scale: pow2}\n",
-])
+@pytest.mark.parametrize(
+    "recipe_text",
+    [
+        "name: t\ntargets: [Linear]\nignore: [lm_head]\nweights: {format: e4m3}\ninputs: {format: e4m3}\n",  # static per-tensor: tensor-wise scaling
+        "name: t\ntargets: [Linear]\nignore: [lm_head]\nweights: {format: e4m3, granularity: channel}\ninputs: {format: e4m3, dynamic: true}\n",  # row-wise
+        "name: t\ntargets: [Linear]\nignore: [lm_head]\nweights: {format: e5m2}\ninputs: {format: e4m3, scale: pow2}\n",
+    ],
+)
 def test_real_fp8_matmul_matches_the_simulation(tiny_model, tmp_path, recipe_text):
     """torch._scaled_mm on the float8 codes (CPU here; the same call and rules as on Hopper) gives the
     simulation's product up to float32 summation order, in every layer the recipe puts in FP8."""
@@ -211,7 +225,9 @@ def test_real_fp8_matmul_matches_the_simulation(tiny_model, tmp_path, recipe_tex
     cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
     simulated = quantize_(copy.deepcopy(model), recipe, cal)
     real = quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
-    fp8_layers = [n for n, m in real.named_modules() if isinstance(m, QuantLinear) and m.fp8_codes_quantizer is not None]
+    fp8_layers = [
+        n for n, m in real.named_modules() if isinstance(m, QuantLinear) and m.fp8_codes_quantizer is not None
+    ]
     assert len(fp8_layers) == 7 * model.config.num_hidden_layers  # q k v o gate up down; the lm_head is left in bf16
     calls = []
     original = torch._scaled_mm
@@ -231,8 +247,10 @@ def test_matmul_choice_is_checked_and_auto_is_simulated_on_cpu(tiny_model):
         resolve_matmul("int4", torch.device("cpu"))
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
-                    reason="no CUDA device with FP8 (compute capability 8.9+)")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+    reason="no CUDA device with FP8 (compute capability 8.9+)",
+)
 @pytest.mark.parametrize("recipe_name", ["fp8-e4m3", "fp8-e4m3-dynamic"])
 def test_cuda_fp8_matmul_in_bf16_matches_the_simulation(tiny_model, recipe_name):
     """On an FP8 GPU, in its default bf16 compute: `auto` picks real FP8 matmuls (cuBLAS through

@@ -31,32 +31,38 @@ def test_recipe_from_a_path(tmp_path):
     assert not recipe.targets_module("model.layers.0.mlp.down_proj", torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"colour": "red"}, "unknown key 'colour'"),
-    ({"weights": {"format": "e3m4"}}, "unknown number format 'e3m4'"),
-    ({"weights": {"format": "e4m3", "granularity": "row"}}, "unknown granularity 'row'"),
-    ({"inputs": {"format": "e4m3", "granularity": "channel"}}, "per-channel scales apply to weights only"),
-    ({"inputs": {"format": "e4m3", "saturate": "yes"}}, "saturate must be true or false"),
-    ({"targets": ["Conv2d"]}, "unknown target type 'Conv2d'"),
-    ({"ignore": "lm_head"}, "'ignore' must be a list of strings"),
-    ({"weights": {"format": "e4m3", "scales": 2}}, "unknown key 'scales'"),
-    ({"weights": {"format": "e4m3", "scale": 2}}, "unknown scale '2'"),
-    ({"inputs": {"format": "e4m3", "observer": "minmax"}}, "unknown observer 'minmax'"),
-    ({"weights": {"format": "e4m3", "observer": "mse"}}, "weights use max calibration"),
-    ({"inputs": {"format": "e4m3", "observer": "percentile", "percentile": 101}}, "percentile must be a number in"),
-    ({"inputs": {"format": "e4m3", "observer": "mse", "percentile": 99.9}}, "'percentile' applies to observer"),
-    ({"inputs": {"format": "e4m3", "dynamic": "yes"}}, "dynamic must be true or false"),
-    ({"weights": {"format": "e4m3", "dynamic": True}}, "dynamic .per-token. scales apply to activations"),
-    ({"inputs": {"format": "e4m3", "dynamic": True, "scale": "unscaled"}}, "neither 'dynamic' nor an observer"),
-    ({"inputs": {"format": "bf16", "scale": "pow2"}}, "bf16 is not scaled"),
-    ({"attention": {"format": "e4m3", "tensors": ["query", "scores"]}}, "unknown attention tensor 'scores'"),
-    ({"attention": {"format": "e4m3", "granularity": "channel"}}, "per-channel scales apply to weights only"),
-    ({"kv_cache": {"format": "e4m3", "colour": 1}}, "unknown key 'colour'"),
-    ({"smoothquant": {"alpha": 1.5}}, "alpha must be a number in"),
-    ({"smoothquant": {"beta": 0.5}}, "unknown key 'beta'"),
-    ({"smoothquant": {"alpha": 0.5}, "inputs": {"format": "int8", "observer": "mse"}}, "smoothquant needs static inputs"),
-    ({"include": "model.*"}, "'include' must be a list of strings"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"colour": "red"}, "unknown key 'colour'"),
+        ({"weights": {"format": "e3m4"}}, "unknown number format 'e3m4'"),
+        ({"weights": {"format": "e4m3", "granularity": "row"}}, "unknown granularity 'row'"),
+        ({"inputs": {"format": "e4m3", "granularity": "channel"}}, "per-channel scales apply to weights only"),
+        ({"inputs": {"format": "e4m3", "saturate": "yes"}}, "saturate must be true or false"),
+        ({"targets": ["Conv2d"]}, "unknown target type 'Conv2d'"),
+        ({"ignore": "lm_head"}, "'ignore' must be a list of strings"),
+        ({"weights": {"format": "e4m3", "scales": 2}}, "unknown key 'scales'"),
+        ({"weights": {"format": "e4m3", "scale": 2}}, "unknown scale '2'"),
+        ({"inputs": {"format": "e4m3", "observer": "minmax"}}, "unknown observer 'minmax'"),
+        ({"weights": {"format": "e4m3", "observer": "mse"}}, "weights use max calibration"),
+        ({"inputs": {"format": "e4m3", "observer": "percentile", "percentile": 101}}, "percentile must be a number in"),
+        ({"inputs": {"format": "e4m3", "observer": "mse", "percentile": 99.9}}, "'percentile' applies to observer"),
+        ({"inputs": {"format": "e4m3", "dynamic": "yes"}}, "dynamic must be true or false"),
+        ({"weights": {"format": "e4m3", "dynamic": True}}, "dynamic .per-token. scales apply to activations"),
+        ({"inputs": {"format": "e4m3", "dynamic": True, "scale": "unscaled"}}, "neither 'dynamic' nor an observer"),
+        ({"inputs": {"format": "bf16", "scale": "pow2"}}, "bf16 is not scaled"),
+        ({"attention": {"format": "e4m3", "tensors": ["query", "scores"]}}, "unknown attention tensor 'scores'"),
+        ({"attention": {"format": "e4m3", "granularity": "channel"}}, "per-channel scales apply to weights only"),
+        ({"kv_cache": {"format": "e4m3", "colour": 1}}, "unknown key 'colour'"),
+        ({"smoothquant": {"alpha": 1.5}}, "alpha must be a number in"),
+        ({"smoothquant": {"beta": 0.5}}, "unknown key 'beta'"),
+        (
+            {"smoothquant": {"alpha": 0.5}, "inputs": {"format": "int8", "observer": "mse"}},
+            "smoothquant needs static inputs",
+        ),
+        ({"include": "model.*"}, "'include' must be a list of strings"),
+    ],
+)
 def test_invalid_recipes_name_the_problem(change, message):
     with pytest.raises(PtqError, match=message):
         parse_recipe(VALID | change)
@@ -85,12 +91,16 @@ def test_unknown_name_bad_yaml_and_missing_file(tmp_path):
 
 
 def test_new_keys_parse_and_describe():
-    recipe = parse_recipe(VALID | {
-        "inputs": {"format": "e4m3", "observer": "best", "percentile": 99.9},
-        "attention": {"format": "e4m3", "observer": "percentile", "tensors": ["query", "key"]},
-        "kv_cache": {"format": "e4m3", "scale": "pow2"},
-        "include": ["model.layers.*"], "ignore": ["model.layers.0.*"],
-    })
+    recipe = parse_recipe(
+        VALID
+        | {
+            "inputs": {"format": "e4m3", "observer": "best", "percentile": 99.9},
+            "attention": {"format": "e4m3", "observer": "percentile", "tensors": ["query", "key"]},
+            "kv_cache": {"format": "e4m3", "scale": "pow2"},
+            "include": ["model.layers.*"],
+            "ignore": ["model.layers.0.*"],
+        }
+    )
     assert recipe.inputs.observer == "best" and recipe.inputs.percentile == 99.9 and recipe.inputs.static
     assert recipe.attention_tensors == ("query", "key") and recipe.kv_cache.scale == "pow2"
     assert recipe.inputs.describe() == "e4m3 per-tensor best"
@@ -115,10 +125,14 @@ def test_sensitivity_examples_each_quantize_one_kind_of_tensor(tiny_model):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    expected = {"only-weights": ("weights", linears), "only-qkv-input": ("inputs", {"q_proj", "k_proj", "v_proj"}),
-                "only-o-input": ("inputs", {"o_proj"}), "only-gate-up-input": ("inputs", {"gate_proj", "up_proj"}),
-                "only-down-input": ("inputs", {"down_proj"}),
-                **{f"only-{t}": ("inputs", {t}) for t in ("query", "key", "value", "probs")}}
+    expected = {
+        "only-weights": ("weights", linears),
+        "only-qkv-input": ("inputs", {"q_proj", "k_proj", "v_proj"}),
+        "only-o-input": ("inputs", {"o_proj"}),
+        "only-gate-up-input": ("inputs", {"gate_proj", "up_proj"}),
+        "only-down-input": ("inputs", {"down_proj"}),
+        **{f"only-{t}": ("inputs", {t}) for t in ("query", "key", "value", "probs")},
+    }
     paths = sorted((Path(__file__).parent.parent / "examples" / "sensitivity").glob("*.yaml"))
     assert sorted(p.stem for p in paths) == sorted(expected)
     is_e4m3 = lambda text: "e4m3" in (text or "").lower()  # noqa: E731

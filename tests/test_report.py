@@ -39,10 +39,13 @@ def compared(tiny_model, small_text, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compare") / "out"
     progress.QUIET = True
     try:
-        run_compare(["fp8-e4m3", "int8"], model=ModelOptions(model=str(tiny_model)),
-                    data=DataOptions(data=str(small_text), seq_len=64, windows=8),
-                    calibration=CalibrationOptions(data=str(small_text), samples=4, seq_len=64),
-                    output=OutputOptions(path=out, limits=parse_limits("50%", None, "0")))
+        run_compare(
+            ["fp8-e4m3", "int8"],
+            model=ModelOptions(model=str(tiny_model)),
+            data=DataOptions(data=str(small_text), seq_len=64, windows=8),
+            calibration=CalibrationOptions(data=str(small_text), samples=4, seq_len=64),
+            output=OutputOptions(path=out, limits=parse_limits("50%", None, "0")),
+        )
     finally:
         progress.QUIET = False
     return out
@@ -59,6 +62,7 @@ def table_row(markdown: str, name: str) -> list[str]:
 
 # --- gates: pure semantics on a hand-made results dict -----------------------------------------
 
+
 def results_dict(ppl_delta: float, acc: float, kl: float, tasks: dict | list | None = None, base_tasks=None) -> dict:
     variant = {"name": "v", "ppl_delta_pct": ppl_delta, "accuracy": acc, "kl_div": kl}
     base = {"name": "bf16", "accuracy": 0.5}
@@ -71,7 +75,11 @@ def test_gate_limits_are_inclusive_and_recovery_is_a_ratio():
     limits = parse_limits("2%", ["99%"], "0.01")
     assert limits == Limits(2.0, 99.0, {}, 0.01)
     at_limit = check(results_dict(2.0, 0.495, 0.01), limits)  # 0.495 / 0.5 = 99% recovery
-    assert [(c.metric, c.passed) for c in at_limit] == [("ppl_delta_pct", True), ("accuracy_recovery_pct", True), ("kl_div", True)]
+    assert [(c.metric, c.passed) for c in at_limit] == [
+        ("ppl_delta_pct", True),
+        ("accuracy_recovery_pct", True),
+        ("kl_div", True),
+    ]
     assert at_limit[1].value == pytest.approx(99.0)
     beyond = check(results_dict(2.01, 0.494, 0.0101), limits)
     assert [c.passed for c in beyond] == [False, False, False]
@@ -89,12 +97,15 @@ def test_per_task_gates_default_override_and_missing_task_fails():
     assert checks["hellaswag"].value is None and not checks["hellaswag"].passed
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--max-ppl-increase", "0.02"), "takes a percentage such as 2%"),
-    (("--min-accuracy-recovery", "ninety%"), "is not a percentage"),
-    (("--max-kl", "-1"), "non-negative"),
-    (("--min-accuracy-recovery", "99%", "--min-accuracy-recovery", "98%"), "give one limit"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--max-ppl-increase", "0.02"), "takes a percentage such as 2%"),
+        (("--min-accuracy-recovery", "ninety%"), "is not a percentage"),
+        (("--max-kl", "-1"), "non-negative"),
+        (("--min-accuracy-recovery", "99%", "--min-accuracy-recovery", "98%"), "give one limit"),
+    ],
+)
 def test_bad_gate_values_exit_2_with_one_line(ptq_cli, compared, args, message):
     code, out, err = ptq_cli("report", compared / "results.json", *args)
     assert code == 2 and out == ""
@@ -103,11 +114,27 @@ def test_bad_gate_values_exit_2_with_one_line(ptq_cli, compared, args, message):
 
 # --- compare with gates, through the CLI --------------------------------------------------------
 
+
 def test_compare_failing_gate_exits_1_marks_cells_and_still_writes(ptq_cli, tiny_model, small_text, tmp_path):
     out = tmp_path / "out"
-    code, stdout, _ = ptq_cli("compare", tiny_model, *COMPARE_ARGS, "--out", out, "--eval-data", small_text,
-                              "--calib-data", small_text, "--max-kl", "0",
-                              "--max-ppl-increase", "50%", "--no-plots", "--json", "--quiet")
+    code, stdout, _ = ptq_cli(
+        "compare",
+        tiny_model,
+        *COMPARE_ARGS,
+        "--out",
+        out,
+        "--eval-data",
+        small_text,
+        "--calib-data",
+        small_text,
+        "--max-kl",
+        "0",
+        "--max-ppl-increase",
+        "50%",
+        "--no-plots",
+        "--json",
+        "--quiet",
+    )
     assert code == 1
     results = json.loads(stdout)  # --json: the results file's content on stdout
     assert results == load(out / "results.json")
@@ -126,8 +153,16 @@ def test_compare_failing_gate_exits_1_marks_cells_and_still_writes(ptq_cli, tiny
 
 def test_compare_passing_gates_exit_0(compared, ptq_cli, tmp_path):
     # Same numbers re-judged by `ptq report` with limits they meet: exit 0 and every row marked as passing.
-    code, out, _ = ptq_cli("report", compared / "results.json", "--max-kl", "1", "--max-ppl-increase", "50%",
-                           "--min-accuracy-recovery", "50%")
+    code, out, _ = ptq_cli(
+        "report",
+        compared / "results.json",
+        "--max-kl",
+        "1",
+        "--max-ppl-increase",
+        "50%",
+        "--min-accuracy-recovery",
+        "50%",
+    )
     assert code == 0
     assert out.splitlines()[2].startswith("✅ **All 6 gate checks pass**")
     assert table_row(out, "int8")[0] == "int8 ✅"
@@ -138,12 +173,17 @@ def test_stored_gates_are_rerendered_and_exit_1(compared, ptq_cli):
     assert code == 1  # the KL gate stored by compare still fails
     assert "❌ fp8-e4m3: KL" in out and "❌ int8: KL" in out
     # Without plots, `ptq report` prints the same markdown as compare wrote, minus the plot section.
-    without_plots = re.sub(r"<details open><summary><b>Plots</b></summary>.*?</details>\n\n", "",
-                           (compared / "report.md").read_text(), flags=re.S)
+    without_plots = re.sub(
+        r"<details open><summary><b>Plots</b></summary>.*?</details>\n\n",
+        "",
+        (compared / "report.md").read_text(),
+        flags=re.S,
+    )
     assert out == without_plots
 
 
 # --- the results file carries what the plots need -----------------------------------------------
+
 
 def test_results_carry_per_layer_amax_in_model_order(compared, tiny_model):
     from transformers import AutoModelForCausalLM
@@ -163,7 +203,7 @@ def test_results_carry_per_layer_amax_in_model_order(compared, tiny_model):
 
 def reference_snr(x: np.ndarray, x_q: np.ndarray) -> float:
     x, x_q = x.astype(np.float64), x_q.astype(np.float64)
-    return 10 * math.log10((x ** 2).sum() / ((x - x_q) ** 2).sum())
+    return 10 * math.log10((x**2).sum() / ((x - x_q) ** 2).sum())
 
 
 def test_compiled_signal_and_noise_powers_match_numpy():
@@ -193,13 +233,18 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     model = loaded.model
     ids = torch.randint(0, 300, (6, 32), generator=torch.Generator().manual_seed(0))
     recipes = [load_recipe("fp8-e4m3"), load_recipe("int8"), load_recipe("int8-smoothquant")]
-    cal = calibrate(model, ids, sorted(calibrated_layers(model, recipes[0])), channels=resolve_plan(model, recipes[2]).smoothed)
+    cal = calibrate(
+        model, ids, sorted(calibrated_layers(model, recipes[0])), channels=resolve_plan(model, recipes[2]).smoothed
+    )
     models = quantize_variants(model, [load_recipe("bf16"), *recipes], cal)
     quantized = {r.name: models[r.name] for r in recipes}
     name = "model.layers.1.mlp.down_proj"
     captured = []  # the E4M3 variant's own input to that layer, over the first 4 windows
-    hook = quantized["fp8-e4m3"].get_submodule(name).register_forward_pre_hook(
-        lambda m, a: captured.append(a[0].detach().numpy().copy()))
+    hook = (
+        quantized["fp8-e4m3"]
+        .get_submodule(name)
+        .register_forward_pre_hook(lambda m, a: captured.append(a[0].detach().numpy().copy()))
+    )
     with input_snr_db(quantized) as inputs:
         evaluate(models, ids, batch_size=3)  # windows 0-2, then 3-5: the second batch counts for one window
     hook.remove()
@@ -212,7 +257,10 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     ch_scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
     w_int8 = np.clip(np.round(w / ch_scale), -127, 127) * ch_scale
     assert snr["int8"]["weights"][name] == pytest.approx(reference_snr(w, w_int8), abs=1e-4)
-    s = cal.input_channel_amax[name].numpy().astype(np.float64) ** 0.85 / np.abs(w).max(axis=0).astype(np.float64) ** 0.15
+    s = (
+        cal.input_channel_amax[name].numpy().astype(np.float64) ** 0.85
+        / np.abs(w).max(axis=0).astype(np.float64) ** 0.15
+    )
     ws = (w * s.astype(np.float32)).astype(np.float32)
     ch_scale = np.abs(ws).max(axis=1, keepdims=True) / np.float32(127)
     ws_int8 = np.clip(np.round(ws / ch_scale), -127, 127) * ch_scale
@@ -227,6 +275,7 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
 
 
 # --- plots ---------------------------------------------------------------------------------------
+
 
 def test_plots_are_linked_relative_deterministic_and_skippable(compared, ptq_cli, tmp_path):
     report = (compared / "report.md").read_text()
@@ -250,6 +299,7 @@ def test_plots_are_linked_relative_deterministic_and_skippable(compared, ptq_cli
 
 # --- trend ---------------------------------------------------------------------------------------
 
+
 def test_trend_flags_changes_beyond_intervals_and_shows_plain_deltas_otherwise(compared, ptq_cli, tmp_path):
     current = load(compared / "results.json")
     for entry in [current["baseline"], *current["variants"]]:  # results without intervals, as older runs wrote
@@ -272,7 +322,9 @@ def test_trend_flags_changes_beyond_intervals_and_shows_plain_deltas_otherwise(c
             entry["perplexity_ci"] = [entry["perplexity"] * 0.99, entry["perplexity"] * 1.01]
     (tmp_path / "new.json").write_text(json.dumps(current))
     (tmp_path / "old.json").write_text(json.dumps(previous))
-    code, out, _ = ptq_cli("report", tmp_path / "new.json", "--previous", tmp_path / "old.json", "--max-kl", "1", "--json")
+    code, out, _ = ptq_cli(
+        "report", tmp_path / "new.json", "--previous", tmp_path / "old.json", "--max-kl", "1", "--json"
+    )
     data = json.loads(out)
     flagged = [(m["entry"], m["metric"]) for m in data["trend"]["moves"] if m["beyond_intervals"]]
     assert flagged == [("fp8-e4m3", "perplexity")]
@@ -290,6 +342,7 @@ def test_report_refuses_a_file_that_is_not_results(ptq_cli, tmp_path):
 
 # --- inspect and help ---------------------------------------------------------------------------
 
+
 def test_inspect_lists_every_linear_with_its_shape_and_treatment(ptq_cli, tiny_model):
     from transformers import AutoModelForCausalLM
 
@@ -304,7 +357,11 @@ def test_inspect_lists_every_linear_with_its_shape_and_treatment(ptq_cli, tiny_m
         fp8, int8 = row["recipes"]["fp8-e4m3"], row["recipes"]["int8"]
         assert fp8["quantized"] == int8["quantized"] == (row["layer"] != "lm_head")
         if fp8["quantized"]:
-            assert (fp8["weights"], int8["weights"], int8["inputs"]) == ("e4m3 per-tensor", "int8 per-channel", "int8 per-tensor")
+            assert (fp8["weights"], int8["weights"], int8["inputs"]) == (
+                "e4m3 per-tensor",
+                "int8 per-channel",
+                "int8 per-tensor",
+            )
         else:
             assert fp8["weights"] == "bf16"
     assert info["recipes"]["int8"]["layers"] == len(linear) - 1

@@ -59,9 +59,26 @@ def test_disk_full_while_writing_report_keeps_the_old_pair(tiny_model, text_file
         return real_write(self, text, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", full_on_report)
-    code, _, err = ptq_cli("compare", str(tiny_model), "--recipes", "fp8-e4m3", "--calib-data", str(text_file),
-                           "--eval-data", str(text_file), "--calib-samples", "4", "--seq-len", "16",
-                           "--max-windows", "2", "--out", str(out), "--force", "-q")
+    code, _, err = ptq_cli(
+        "compare",
+        str(tiny_model),
+        "--recipes",
+        "fp8-e4m3",
+        "--calib-data",
+        str(text_file),
+        "--eval-data",
+        str(text_file),
+        "--calib-samples",
+        "4",
+        "--seq-len",
+        "16",
+        "--max-windows",
+        "2",
+        "--out",
+        str(out),
+        "--force",
+        "-q",
+    )
     assert code == 2 and one_error_line(err) and "no space left on device" in err
     # results.json was complete first, but nothing is renamed until both are: the old pair stays.
     assert (out / "results.json").read_text() == "old results" and (out / "report.md").read_text() == "old report"
@@ -83,7 +100,9 @@ def test_unwritable_output_fails_before_any_work(tiny_model, text_file, tmp_path
 
     monkeypatch.setattr(files.tempfile, "mkstemp", denied)
     code, _, err = ptq_cli("compare", str(tiny_model), "--out", str(tmp_path / "out"), "-q")
-    assert code == 2 and one_error_line(err) and "cannot write in output directory" in err and "Permission denied" in err
+    assert (
+        code == 2 and one_error_line(err) and "cannot write in output directory" in err and "Permission denied" in err
+    )
 
 
 def test_model_too_big_fails_early_with_estimate_and_flag(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
@@ -95,14 +114,36 @@ def test_model_too_big_fails_early_with_estimate_and_flag(tiny_model, text_file,
     assert code == 0, err  # calibrate holds one copy
     # compare holds 2.5: the original, and half a copy for bf16 and each variant (without --in-memory, a local
     # checkpoint is compared layer by layer instead: tests/test_streaming.py)
-    code, _, err = ptq_cli("compare", str(tiny_model), "--recipes", "fp8-e4m3,int8", "--out", str(tmp_path / "o"), "-q",
-                           "--in-memory")
+    code, _, err = ptq_cli(
+        "compare", str(tiny_model), "--recipes", "fp8-e4m3,int8", "--out", str(tmp_path / "o"), "-q", "--in-memory"
+    )
     assert code == 2 and one_error_line(err)
-    assert f"needs at least {params * 10 / 2**20:.1f} MiB ({params:,} parameters x 4 bytes in float32 x 2.5 copies" in err
-    assert "--no-memory-check" in err and "compare fewer recipes" in err and not (tmp_path / "o" / "results.json").exists()
-    code, _, err = ptq_cli("compare", str(tiny_model), "--recipes", "fp8-e4m3,int8", "--calib-data", str(text_file),
-                           "--eval-data", str(text_file), "--calib-samples", "4", "--seq-len", "16",
-                           "--max-windows", "2", "--out", str(tmp_path / "o"), "-q", "--no-memory-check")
+    assert (
+        f"needs at least {params * 10 / 2**20:.1f} MiB ({params:,} parameters x 4 bytes in float32 x 2.5 copies" in err
+    )
+    assert (
+        "--no-memory-check" in err and "compare fewer recipes" in err and not (tmp_path / "o" / "results.json").exists()
+    )
+    code, _, err = ptq_cli(
+        "compare",
+        str(tiny_model),
+        "--recipes",
+        "fp8-e4m3,int8",
+        "--calib-data",
+        str(text_file),
+        "--eval-data",
+        str(text_file),
+        "--calib-samples",
+        "4",
+        "--seq-len",
+        "16",
+        "--max-windows",
+        "2",
+        "--out",
+        str(tmp_path / "o"),
+        "-q",
+        "--no-memory-check",
+    )
     assert code == 0, err
 
 
@@ -112,9 +153,26 @@ def test_output_symlink_is_replaced_not_followed(tiny_model, text_file, tmp_path
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").symlink_to(outside)
-    code, _, err = ptq_cli("compare", str(tiny_model), "--recipes", "fp8-e4m3", "--calib-data", str(text_file),
-                           "--eval-data", str(text_file), "--calib-samples", "4", "--seq-len", "16",
-                           "--max-windows", "2", "--out", str(out), "--force", "-q")
+    code, _, err = ptq_cli(
+        "compare",
+        str(tiny_model),
+        "--recipes",
+        "fp8-e4m3",
+        "--calib-data",
+        str(text_file),
+        "--eval-data",
+        str(text_file),
+        "--calib-samples",
+        "4",
+        "--seq-len",
+        "16",
+        "--max-windows",
+        "2",
+        "--out",
+        str(out),
+        "--force",
+        "-q",
+    )
     assert code == 0, err
     assert outside.read_text() == "precious" and not (out / "results.json").is_symlink()
     assert json.loads((out / "results.json").read_text())["model"]["name"] == str(tiny_model)
@@ -234,9 +292,14 @@ def test_calibration_file_of_another_version_asks_to_calibrate_again(tmp_path):
 
     path = tmp_path / "old.st"
     good = {"data": "t", "data_sha256": "x", "windows": 1, "seq_len": 2, "tokens": 2}
-    safetensors.torch.save_file({"input_amax/l": torch.tensor(1.0)}, str(path),
-                                metadata={"kind": "ptq-calibration/1", "metadata": json.dumps(good)})
-    with pytest.raises(PtqError, match=r"written by another version of ptq \(kind 'ptq-calibration/1'.*calibrate again"):
+    safetensors.torch.save_file(
+        {"input_amax/l": torch.tensor(1.0)},
+        str(path),
+        metadata={"kind": "ptq-calibration/1", "metadata": json.dumps(good)},
+    )
+    with pytest.raises(
+        PtqError, match=r"written by another version of ptq \(kind 'ptq-calibration/1'.*calibrate again"
+    ):
         load_calibration(path)
     assert FILE_KIND != "ptq-calibration/1"
 
@@ -246,17 +309,25 @@ def test_calibration_metadata_is_validated(tmp_path):
 
     tensors = {"input_amax/l": torch.tensor(1.0), "weight_amax/l": torch.tensor(2.0)}
     good = {"data": "t", "data_sha256": "x", "windows": 1, "seq_len": 2, "tokens": 2}
-    for metadata, message in ((["not", "an", "object"], "must be a JSON object"),
-                              (good | {"tokens": "many"}, "'tokens' must be a non-negative integer"),
-                              (good | {"unseen_layers": [{"layer": 1}]}, "'unseen_layers' is malformed"),
-                              ({k: v for k, v in good.items() if k != "data"}, "'data' must be a string")):
+    for metadata, message in (
+        (["not", "an", "object"], "must be a JSON object"),
+        (good | {"tokens": "many"}, "'tokens' must be a non-negative integer"),
+        (good | {"unseen_layers": [{"layer": 1}]}, "'unseen_layers' is malformed"),
+        ({k: v for k, v in good.items() if k != "data"}, "'data' must be a string"),
+    ):
         path = tmp_path / "c.st"
         safetensors.torch.save_file(tensors, str(path), metadata={"kind": FILE_KIND, "metadata": json.dumps(metadata)})
         with pytest.raises(PtqError, match=message):
             load_calibration(path)
-    for bad in (torch.tensor([1.0, 2.0]), torch.tensor(float("nan")), torch.tensor(-1.0), torch.tensor(1.0, dtype=torch.float64)):
-        safetensors.torch.save_file({**tensors, "input_amax/l": bad}, str(path),
-                                    metadata={"kind": FILE_KIND, "metadata": json.dumps(good)})
+    for bad in (
+        torch.tensor([1.0, 2.0]),
+        torch.tensor(float("nan")),
+        torch.tensor(-1.0),
+        torch.tensor(1.0, dtype=torch.float64),
+    ):
+        safetensors.torch.save_file(
+            {**tensors, "input_amax/l": bad}, str(path), metadata={"kind": FILE_KIND, "metadata": json.dumps(good)}
+        )
         with pytest.raises(PtqError, match="invalid entry 'input_amax/l'"):
             load_calibration(path)
 

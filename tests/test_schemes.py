@@ -30,15 +30,18 @@ def _e4m3_codes(v: np.ndarray) -> np.ndarray:
 # -- E8M0 scales ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group_amax, exponent", [
-    (448.0, 0),  # exactly the format's max: 2^0, nothing clips
-    (449.0, 1),  # just above: the next power (the OCP v1.0 floor rule would give 2^0 and clip it to 448)
-    (1.0, -8),  # 1 / 2^-8 = 256 <= 448, while 2^-9 would put it at 512
-    (14.0, -5),  # 1.75 * 2^3: exactly 448 * 2^-5
-    (14.000001, -4),
-    (0.0, 0),  # an all-zero group: any scale; 2^0
-    (1e-45, -127),  # below E8M0's range: its smallest scale
-])
+@pytest.mark.parametrize(
+    "group_amax, exponent",
+    [
+        (448.0, 0),  # exactly the format's max: 2^0, nothing clips
+        (449.0, 1),  # just above: the next power (the OCP v1.0 floor rule would give 2^0 and clip it to 448)
+        (1.0, -8),  # 1 / 2^-8 = 256 <= 448, while 2^-9 would put it at 512
+        (14.0, -5),  # 1.75 * 2^3: exactly 448 * 2^-5
+        (14.000001, -4),
+        (0.0, 0),  # an all-zero group: any scale; 2^0
+        (1e-45, -127),  # below E8M0's range: its smallest scale
+    ],
+)
 def test_e8m0_scale_is_the_smallest_power_of_two_that_does_not_clip(group_amax, exponent):
     scale = gr.e8m0_scale(torch.tensor([group_amax], dtype=torch.float32), 448.0)
     assert scale.item() == 2.0**exponent
@@ -49,7 +52,9 @@ def test_e8m0_scale_is_the_smallest_power_of_two_that_does_not_clip(group_amax, 
 
 
 def test_e8m0_scale_against_numpy_on_random_amax():
-    a = np.abs(np.random.default_rng(0).standard_normal(4096).astype(np.float32)) * np.float32(2.0) ** np.random.default_rng(1).integers(-20, 20, 4096).astype(np.float32)
+    a = np.abs(np.random.default_rng(0).standard_normal(4096).astype(np.float32)) * np.float32(
+        2.0
+    ) ** np.random.default_rng(1).integers(-20, 20, 4096).astype(np.float32)
     expected = np.exp2(np.ceil(np.log2(a.astype(np.float64) / 448.0)))
     got = gr.e8m0_scale(torch.from_numpy(a), 448.0).numpy()
     assert np.array_equal(got, expected.astype(np.float32))
@@ -66,11 +71,11 @@ def test_block_weights_match_an_independent_reference_with_partial_tiles():
     wn = w.numpy()
     for i in range(2):
         for j in range(3):
-            tile = wn[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)]
+            tile = wn[128 * i : 128 * (i + 1), 128 * j : 128 * (j + 1)]
             s = np.float32(np.abs(tile).max()) / np.float32(448.0)
             assert scale[i, j].item() == s
             ref = _e4m3_codes(tile / s)
-            got = codes[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)].view(torch.uint8).numpy()
+            got = codes[128 * i : 128 * (i + 1), 128 * j : 128 * (j + 1)].view(torch.uint8).numpy()
             assert np.array_equal(got, ref.view(np.uint8))
 
 
@@ -86,12 +91,16 @@ def test_mx_weights_match_an_independent_reference():
     assert np.array_equal(codes.view(torch.uint8).numpy(), ref.view(np.uint8))
 
 
-@pytest.mark.parametrize("spec", [
-    TensorQuant(E4M3, gr.PerGroup(128), dynamic=True),
-    TensorQuant(E4M3, gr.PerGroup(32), dynamic=True, scale_format="e8m0"),
-    TensorQuant(E4M3, gr.PerToken(), dynamic=True),
-    TensorQuant(E4M3, gr.PerTensor(), dynamic=True),
-], ids=lambda s: s.describe())
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TensorQuant(E4M3, gr.PerGroup(128), dynamic=True),
+        TensorQuant(E4M3, gr.PerGroup(32), dynamic=True, scale_format="e8m0"),
+        TensorQuant(E4M3, gr.PerToken(), dynamic=True),
+        TensorQuant(E4M3, gr.PerTensor(), dynamic=True),
+    ],
+    ids=lambda s: s.describe(),
+)
 def test_dynamic_inputs_match_an_independent_reference(spec):
     x = torch.randn(3, 5, 320, generator=torch.Generator().manual_seed(2)) * 4
     x[0, 0, :7] = 0.0
@@ -137,17 +146,24 @@ def test_builtin_scheme_recipes():
     assert load_recipe("fp8-e4m3-dynamic").inputs == dynamic.inputs
 
 
-@pytest.mark.parametrize("weights, inputs, message", [
-    ({"format": "e4m3", "granularity": "token"}, {"format": "e4m3"}, "per-token scales apply to activations"),
-    ({"format": "e4m3"}, {"format": "e4m3", "granularity": "group", "group_size": 32}, "computed on the fly"),
-    ({"format": "e4m3"}, {"format": "e4m3", "granularity": "channel"}, "apply to weights only"),
-    ({"format": "e4m3", "granularity": "group"}, {"format": "e4m3"}, "needs 'group_size'"),
-    ({"format": "e4m3", "granularity": "group", "group_size": 0}, {"format": "e4m3"}, "needs 'group_size'"),
-    ({"format": "e4m3", "granularity": "block", "block_size": [128]}, {"format": "e4m3"}, "needs 'block_size'"),
-    ({"format": "e4m3", "group_size": 32}, {"format": "e4m3"}, "'group_size' applies to granularity 'group'"),
-    ({"format": "int8", "scale_format": "e8m0"}, {"format": "int8"}, "scale_format 'e8m0'"),
-    ({"format": "e4m3"}, {"format": "e4m3", "dynamic": True, "observer": "mse"}, "observer calibrates a static scale"),
-])
+@pytest.mark.parametrize(
+    "weights, inputs, message",
+    [
+        ({"format": "e4m3", "granularity": "token"}, {"format": "e4m3"}, "per-token scales apply to activations"),
+        ({"format": "e4m3"}, {"format": "e4m3", "granularity": "group", "group_size": 32}, "computed on the fly"),
+        ({"format": "e4m3"}, {"format": "e4m3", "granularity": "channel"}, "apply to weights only"),
+        ({"format": "e4m3", "granularity": "group"}, {"format": "e4m3"}, "needs 'group_size'"),
+        ({"format": "e4m3", "granularity": "group", "group_size": 0}, {"format": "e4m3"}, "needs 'group_size'"),
+        ({"format": "e4m3", "granularity": "block", "block_size": [128]}, {"format": "e4m3"}, "needs 'block_size'"),
+        ({"format": "e4m3", "group_size": 32}, {"format": "e4m3"}, "'group_size' applies to granularity 'group'"),
+        ({"format": "int8", "scale_format": "e8m0"}, {"format": "int8"}, "scale_format 'e8m0'"),
+        (
+            {"format": "e4m3"},
+            {"format": "e4m3", "dynamic": True, "observer": "mse"},
+            "observer calibrates a static scale",
+        ),
+    ],
+)
 def test_combinations_that_make_no_sense_are_refused_in_one_line(weights, inputs, message):
     with pytest.raises(PtqError, match=message) as e:
         parse_recipe({"name": "x", "weights": weights, "inputs": inputs})
@@ -165,9 +181,19 @@ def _odd_llama(path):
 
     tok = make_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                         eos_token_id=tok.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -178,9 +204,11 @@ def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(
 
     model = _odd_llama(tmp_path / "odd")
     recipe = tmp_path / "mx-layer0.yaml"
-    recipe.write_text("name: mx-layer0\ninclude: ['model.layers.0.*', 'lm_head']\nignore: [lm_head]\n"
-                      "weights: {format: e4m3, granularity: group, group_size: 32, scale_format: e8m0}\n"
-                      "inputs: {format: e4m3, granularity: group, group_size: 32, dynamic: true, scale_format: e8m0}\n")
+    recipe.write_text(
+        "name: mx-layer0\ninclude: ['model.layers.0.*', 'lm_head']\nignore: [lm_head]\n"
+        "weights: {format: e4m3, granularity: group, group_size: 32, scale_format: e8m0}\n"
+        "inputs: {format: e4m3, granularity: group, group_size: 32, dynamic: true, scale_format: e8m0}\n"
+    )
     inspected = run_inspect(str(model), [str(recipe)])
     rows = {row["layer"]: row["recipes"]["mx-layer0"] for row in inspected["layers"]}
     quantized = {n for n, r in rows.items() if r["quantized"]}
@@ -194,8 +222,21 @@ def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(
     coverage = inspected["recipes"]["mx-layer0"]["coverage"]
     assert {x["name"]: x["reason"] for x in coverage["left_out"]} == reasons
 
-    code, _, err = ptq_cli("quantize", model, "--recipe", recipe, "--data", text_file, "--seq-len", "32",
-                           "--verify-windows", "2", "-o", tmp_path / "out", "-q")
+    code, _, err = ptq_cli(
+        "quantize",
+        model,
+        "--recipe",
+        recipe,
+        "--data",
+        text_file,
+        "--seq-len",
+        "32",
+        "--verify-windows",
+        "2",
+        "-o",
+        tmp_path / "out",
+        "-q",
+    )
     assert code == 0, err
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert sorted(config["ignore"]) == sorted(reasons)
@@ -231,9 +272,18 @@ def wide_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("wide-llama")
     tok = make_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=384, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         eos_token_id=tok.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -242,8 +292,21 @@ def wide_llama(tmp_path_factory):
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8-block", "mxfp8"])
 def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, text_file, tmp_path):
     out = tmp_path / recipe
-    code, _, err = ptq_cli("quantize", wide_llama, "--recipe", recipe, "--data", text_file, "--seq-len", "32",
-                           "--verify-windows", "2", "-o", out, "-q")
+    code, _, err = ptq_cli(
+        "quantize",
+        wide_llama,
+        "--recipe",
+        recipe,
+        "--data",
+        text_file,
+        "--seq-len",
+        "32",
+        "--verify-windows",
+        "2",
+        "-o",
+        out,
+        "-q",
+    )
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["format"] == ("mxfp8-quantized" if recipe == "mxfp8" else "float-quantized")
@@ -263,14 +326,17 @@ def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, t
         s = np.repeat(np.repeat(s, 128, 0), 128, 1)
     else:
         assert scale.dtype == torch.uint8 and scale.shape == (256, 12)
-        s = np.exp2(np.ceil(np.log2(np.abs(w.reshape(256, 12, 32)).max(-1).astype(np.float64) / 448.0))).astype(np.float32)
+        s = np.exp2(np.ceil(np.log2(np.abs(w.reshape(256, 12, 32)).max(-1).astype(np.float64) / 448.0))).astype(
+            np.float32
+        )
         assert np.array_equal(scale.numpy(), (np.log2(s) + 127).astype(np.uint8))
         s = np.repeat(s, 32, 1)
     assert np.array_equal(codes.view(torch.uint8).numpy(), _e4m3_codes(w / s).view(np.uint8))
     info = json.loads((out / "ptq-export.json").read_text())
     assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6
-    assert math.isclose(info["verification"]["reloaded_perplexity"], info["verification"]["simulated_perplexity"],
-                        rel_tol=1e-4)
+    assert math.isclose(
+        info["verification"]["reloaded_perplexity"], info["verification"]["simulated_perplexity"], rel_tol=1e-4
+    )
 
 
 # -- FP8 KV cache, per tensor and per head, with any FP8 recipe ----------------------------------------------
@@ -328,11 +394,37 @@ def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(option, tiny_model
     from ptq.calibration.calibrate import load_calibration
 
     out, calib = tmp_path / option, tmp_path / "calib.safetensors"
-    code, _, err = ptq_cli("calibrate", tiny_model, "--recipe", f"fp8-e4m3+{option}", "--data", text_file,
-                           "--samples", "4", "--seq-len", "32", "-o", calib, "-q")
+    code, _, err = ptq_cli(
+        "calibrate",
+        tiny_model,
+        "--recipe",
+        f"fp8-e4m3+{option}",
+        "--data",
+        text_file,
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "-o",
+        calib,
+        "-q",
+    )
     assert code == 0, err
-    code, _, err = ptq_cli("quantize", tiny_model, "--recipe", f"fp8-e4m3+{option}", "--calib", calib,
-                           "--seq-len", "32", "--verify-windows", "2", "-o", out, "-q")
+    code, _, err = ptq_cli(
+        "quantize",
+        tiny_model,
+        "--recipe",
+        f"fp8-e4m3+{option}",
+        "--calib",
+        calib,
+        "--seq-len",
+        "32",
+        "--verify-windows",
+        "2",
+        "-o",
+        out,
+        "-q",
+    )
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["kv_cache_scheme"]["strategy"] == ("attn_head" if option == "kv-head" else "tensor")
@@ -341,7 +433,9 @@ def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(option, tiny_model
     calibration = load_calibration(calib)
     for short, name in (("k", "key"), ("v", "value")):
         scale = tensors[f"model.layers.1.self_attn.{short}_scale"]
-        amax_ = (calibration.input_channel_amax if option == "kv-head" else calibration.input_amax)[f"model.layers.1.self_attn.{name}"]
+        amax_ = (calibration.input_channel_amax if option == "kv-head" else calibration.input_amax)[
+            f"model.layers.1.self_attn.{name}"
+        ]
         assert scale.dtype == torch.float32
         assert scale.shape == ((2, 1, 1) if option == "kv-head" else (1,))  # 2 KV heads
         assert np.array_equal(scale.flatten().numpy(), (amax_.float().numpy() / np.float32(448.0)).flatten())
@@ -368,13 +462,31 @@ def test_every_scheme_exports_a_moe_model_per_expert_and_verifies(family, tmp_pa
     model_dir = tmp_path / family
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     make_tokenizer().save_pretrained(model_dir)
-    down = {"mixtral": "model.layers.1.block_sparse_moe.experts.3.w2", "qwen3_moe": "model.layers.1.mlp.experts.3.down_proj"}[family]
-    for recipe, scale_shape, scale_dtype in (("fp8-dynamic", (128, 1), torch.float32),
-                                             ("fp8-block", (1, 1), torch.float32),
-                                             ("mxfp8", (128, 4), torch.uint8)):
+    down = {
+        "mixtral": "model.layers.1.block_sparse_moe.experts.3.w2",
+        "qwen3_moe": "model.layers.1.mlp.experts.3.down_proj",
+    }[family]
+    for recipe, scale_shape, scale_dtype in (
+        ("fp8-dynamic", (128, 1), torch.float32),
+        ("fp8-block", (1, 1), torch.float32),
+        ("mxfp8", (128, 4), torch.uint8),
+    ):
         out = tmp_path / f"{family}-{recipe}"
-        code, _, err = ptq_cli("quantize", model_dir, "--recipe", recipe, "--data", text_file, "--seq-len", "16",
-                               "--verify-windows", "2", "-o", out, "-q")
+        code, _, err = ptq_cli(
+            "quantize",
+            model_dir,
+            "--recipe",
+            recipe,
+            "--data",
+            text_file,
+            "--seq-len",
+            "16",
+            "--verify-windows",
+            "2",
+            "-o",
+            out,
+            "-q",
+        )
         assert code == 0, err
         tensors = safetensors.torch.load_file(str(out / "model.safetensors"))
         assert tensors[f"{down}.weight"].dtype == torch.float8_e4m3fn

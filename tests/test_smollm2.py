@@ -9,8 +9,9 @@ import pytest
 @pytest.mark.model
 def test_default_model_e4m3_close_to_bf16_int8_worse(ptq_cli, tmp_path):
     out = tmp_path / "smollm2"
-    code, _, stderr = ptq_cli("compare", "--seq-len", "256", "--max-windows", "8", "--calib-samples", "8",
-                              "--out", out, "--quiet")
+    code, _, stderr = ptq_cli(
+        "compare", "--seq-len", "256", "--max-windows", "8", "--calib-samples", "8", "--out", out, "--quiet"
+    )
     assert code == 0, stderr
     results = json.loads((out / "results.json").read_text())
     e4m3, int8 = results["variants"]

@@ -73,7 +73,9 @@ def test_layer_by_layer_amax_equal_in_memory_calibration(family, recipe, checkpo
     streamed = streaming.load_streamed(str(directory))
     assert all(p.is_meta for p in streamed.model.parameters())  # no weight is in memory up front
     assert calibration_targets(streamed.model, [r]) == (layers, channels)
-    got = calibrate(streamed.model, windows(), layers, batch_size=3, layer_by_layer=streaming.LayerByLayer(streamed.model))
+    got = calibrate(
+        streamed.model, windows(), layers, batch_size=3, layer_by_layer=streaming.LayerByLayer(streamed.model)
+    )
     assert list(got.input_amax) == list(expected.input_amax) == layers
     assert list(got.weight_amax) == list(expected.weight_amax)
     assert ("lm_head" in layers) == (recipe == "all-linear")
@@ -123,7 +125,9 @@ def test_only_one_layer_is_in_memory_at_a_time(sharded_model, monkeypatch):
     assert [p for p, _ in built] == ["", "model.layers.0", "model.layers.1"]  # the trunk, then each layer
     assert alive_before == [[], [], []]
     assert all(ref() is None for _, ref in built)
-    assert not any(n.startswith("model.layers.") or n == "lm_head.weight" for n in reads[0])  # the trunk (no logits needed)
+    assert not any(
+        n.startswith("model.layers.") or n == "lm_head.weight" for n in reads[0]
+    )  # the trunk (no logits needed)
     assert all(n.startswith(f"model.layers.{i}.") for i, names in enumerate(reads[1:]) for n in names)
 
 
@@ -149,8 +153,9 @@ def test_out_of_memory_backs_off_layer_by_layer(sharded_model, monkeypatch):
     got = evaluate(streaming.LayerByLayer(streamed.model), windows(), batch_size=None)["model"]
     assert sizes[0] == 4 and set(sizes[1:]) <= {2, 1}
     assert got.window_nll == expected.window_nll and got.kl_sum == expected.kl_sum
-    calibration = calibrate(streamed.model, windows(), layers, batch_size=None,
-                            layer_by_layer=streaming.LayerByLayer(streamed.model))
+    calibration = calibrate(
+        streamed.model, windows(), layers, batch_size=None, layer_by_layer=streaming.LayerByLayer(streamed.model)
+    )
     assert calibration.metadata["batch_size"] == 2
     assert all(torch.equal(calibration.input_amax[n], expected_amax[n]) for n in layers)
 
@@ -172,7 +177,9 @@ def test_layer_by_layer_variants_equal_in_memory_variants(checkpoints):
     def variants(part):
         yield quantize_variants(part, recipes, calibration)
 
-    got = evaluate(streaming.LayerByLayer(streamed.model, variants, [r.name for r in recipes]), windows(5), batch_size=2)
+    got = evaluate(
+        streaming.LayerByLayer(streamed.model, variants, [r.name for r in recipes]), windows(5), batch_size=2
+    )
     for r in recipes:
         assert got[r.name].window_nll == expected[r.name].window_nll, r.name
         assert got[r.name].window_kl == expected[r.name].window_kl, r.name
@@ -180,12 +187,23 @@ def test_layer_by_layer_variants_equal_in_memory_variants(checkpoints):
 
 
 def checkpoint_files(directory: Path) -> dict[str, bytes]:
-    names = [p.name for p in directory.iterdir() if p.suffix in (".safetensors", ".json") and p.name != "ptq-export.json"]
+    names = [
+        p.name for p in directory.iterdir() if p.suffix in (".safetensors", ".json") and p.name != "ptq-export.json"
+    ]
     return {name: (directory / name).read_bytes() for name in sorted(names)}
 
 
-@pytest.mark.parametrize("family,recipe", [("llama", "fp8-e4m3"), ("llama", "int8"), ("gemma3", "fp8-e4m3"),
-                                           ("gpt2", "fp8-e4m3"), ("mixtral", "fp8-e4m3"), ("qwen3_moe", "fp8-e4m3")])
+@pytest.mark.parametrize(
+    "family,recipe",
+    [
+        ("llama", "fp8-e4m3"),
+        ("llama", "int8"),
+        ("gemma3", "fp8-e4m3"),
+        ("gpt2", "fp8-e4m3"),
+        ("mixtral", "fp8-e4m3"),
+        ("qwen3_moe", "fp8-e4m3"),
+    ],
+)
 def test_layer_by_layer_quantize_writes_the_same_checkpoint(family, recipe, checkpoints, tmp_path, ptq_cli):
     """`ptq quantize --low-memory` (calibrating in the run) and with a --calib file from `ptq calibrate --low-memory`
     write the same bytes (codes, scales, untouched tensors, index, config) as the in-memory `ptq quantize`."""
@@ -193,18 +211,45 @@ def test_layer_by_layer_quantize_writes_the_same_checkpoint(family, recipe, chec
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 3)
     common = ["--recipe", recipe, "--seq-len", "32", "--shard-size", "0.05", "-q"]
-    code, _, err = ptq_cli("quantize", model, "--data", text, "--samples", "5", *common, "--in-memory",
-                           "--no-verify", "-o", tmp_path / "whole")
+    code, _, err = ptq_cli(
+        "quantize",
+        model,
+        "--data",
+        text,
+        "--samples",
+        "5",
+        *common,
+        "--in-memory",
+        "--no-verify",
+        "-o",
+        tmp_path / "whole",
+    )
     assert code == 0, err
-    code, out, err = ptq_cli("quantize", model, "--data", text, "--samples", "5", *common, "--low-memory",
-                             "-o", tmp_path / "streamed")
+    code, out, err = ptq_cli(
+        "quantize", model, "--data", text, "--samples", "5", *common, "--low-memory", "-o", tmp_path / "streamed"
+    )
     assert code == 0, err
     assert "not verified (exported layer by layer with `--low-memory`" in " ".join(out.split())
-    code, _, err = ptq_cli("calibrate", model, "--data", text, "--samples", "5", "--seq-len", "32", "--recipe",
-                           recipe, "--low-memory", "-q", "-o", tmp_path / "c.safetensors")
+    code, _, err = ptq_cli(
+        "calibrate",
+        model,
+        "--data",
+        text,
+        "--samples",
+        "5",
+        "--seq-len",
+        "32",
+        "--recipe",
+        recipe,
+        "--low-memory",
+        "-q",
+        "-o",
+        tmp_path / "c.safetensors",
+    )
     assert code == 0, err
-    code, _, err = ptq_cli("quantize", model, "--calib", tmp_path / "c.safetensors", *common, "--low-memory",
-                           "-o", tmp_path / "from-calib")
+    code, _, err = ptq_cli(
+        "quantize", model, "--calib", tmp_path / "c.safetensors", *common, "--low-memory", "-o", tmp_path / "from-calib"
+    )
     assert code == 0, err
 
     whole = checkpoint_files(tmp_path / "whole")
@@ -220,7 +265,9 @@ def test_layer_by_layer_quantize_writes_the_same_checkpoint(family, recipe, chec
     if family in ("mixtral", "qwen3_moe"):
         assert any(".experts.3." in name for name in quantized)  # per-expert 2-D weights, under the checkpoint's names
     info = json.loads((tmp_path / "streamed" / "ptq-export.json").read_text())
-    assert info["low_memory"] is True and info["verification"] is None and "--low-memory" in info["verification_skipped"]
+    assert (
+        info["low_memory"] is True and info["verification"] is None and "--low-memory" in info["verification_skipped"]
+    )
     assert "--low-memory" in (tmp_path / "streamed" / "README.md").read_text()
 
 
@@ -230,22 +277,43 @@ def test_calibrate_cli_low_memory_file_matches_in_memory(sharded_model, text_fil
     assert ptq_cli("calibrate", sharded_model, *args, "--low-memory", "-o", tmp_path / "b.st")[0] == 0
     a, b = load_calibration(tmp_path / "a.st"), load_calibration(tmp_path / "b.st")
     assert a.input_amax.keys() == b.input_amax.keys() and len(a.input_amax) == 14
-    assert all(torch.equal(a.input_amax[k], b.input_amax[k]) and torch.equal(a.weight_amax[k], b.weight_amax[k])
-               for k in a.input_amax)
+    assert all(
+        torch.equal(a.input_amax[k], b.input_amax[k]) and torch.equal(a.weight_amax[k], b.weight_amax[k])
+        for k in a.input_amax
+    )
     assert "layer by layer" in b.metadata["low_memory"] and "low_memory" not in a.metadata
-    assert {k: v for k, v in a.metadata.items() if k != "created"} == \
-           {k: v for k, v in b.metadata.items() if k not in ("created", "low_memory")}
+    assert {k: v for k, v in a.metadata.items() if k != "created"} == {
+        k: v for k, v in b.metadata.items() if k not in ("created", "low_memory")
+    }
 
 
 @pytest.mark.parametrize("family", [*STREAMED, "tied-llama"])
-def test_layer_by_layer_compare_gives_the_in_memory_results(family, checkpoints, tiny_model, text_file, tmp_path, ptq_cli):
+def test_layer_by_layer_compare_gives_the_in_memory_results(
+    family, checkpoints, tiny_model, text_file, tmp_path, ptq_cli
+):
     """compare --low-memory: every variant's metrics, per-window values and per-layer SNR equal the in-memory
     compare's exactly (same float32 ops, same batches, same order), lm_head in E4M3 and dynamic inputs included."""
     directory = tiny_model if family == "tied-llama" else checkpoints[family]
     recipes = "fp8-e4m3,int8,fp8-e4m3-dynamic" + ("" if family == "tied-llama" else f",{tmp_path / 'e4m3-all.yaml'}")
     (tmp_path / "e4m3-all.yaml").write_text(ALL_LINEAR)
-    common = ["--recipes", recipes, "--calib-data", text_file, "--eval-data", text_file, "--calib-samples", "5",
-              "--seq-len", "24", "--max-windows", "7", "--batch-size", "3", "--no-plots", "-q"]
+    common = [
+        "--recipes",
+        recipes,
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+        "--calib-samples",
+        "5",
+        "--seq-len",
+        "24",
+        "--max-windows",
+        "7",
+        "--batch-size",
+        "3",
+        "--no-plots",
+        "-q",
+    ]
     results = {}
     for mode in ("--in-memory", "--low-memory"):
         code, _, err = ptq_cli("compare", directory, *common, mode, "--out", tmp_path / mode)
@@ -266,11 +334,23 @@ def test_layer_by_layer_compare_gives_the_in_memory_results(family, checkpoints,
 
 
 def test_layer_by_layer_compare_refuses_what_needs_the_whole_model(sharded_model, text_file, tmp_path, ptq_cli):
-    common = ["--eval-data", text_file, "--calib-data", text_file, "--seq-len", "16", "--max-windows", "2",
-              "--low-memory", "-q"]
-    for extra, message in ((["--recipes", "paper-e4m3"], "compares Linear-layer recipes only"),
-                           (["--tasks", "cloze"], "--tasks needs the whole model in memory"),
-                           (["--dtype", "bfloat16"], "--low-memory computes in float32")):
+    common = [
+        "--eval-data",
+        text_file,
+        "--calib-data",
+        text_file,
+        "--seq-len",
+        "16",
+        "--max-windows",
+        "2",
+        "--low-memory",
+        "-q",
+    ]
+    for extra, message in (
+        (["--recipes", "paper-e4m3"], "compares Linear-layer recipes only"),
+        (["--tasks", "cloze"], "--tasks needs the whole model in memory"),
+        (["--dtype", "bfloat16"], "--low-memory computes in float32"),
+    ):
         code, _, err = ptq_cli("compare", sharded_model, *common, *extra, "--out", tmp_path / "x")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x" / "results.json").exists()
@@ -280,27 +360,53 @@ def test_streams_automatically_when_the_model_does_not_fit(checkpoints, text_fil
     model = checkpoints["qwen3_moe"]  # any architecture
     params = resources.checkpoint_parameters(model)
     monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 - 1)  # float32 weights do not fit
-    code, _, err = ptq_cli("calibrate", model, "--data", text_file, "--samples", "2", "--seq-len", "16",
-                           "-o", tmp_path / "c.st")
+    code, _, err = ptq_cli(
+        "calibrate", model, "--data", text_file, "--samples", "2", "--seq-len", "16", "-o", tmp_path / "c.st"
+    )
     assert code == 0, err
     assert "does not fit in memory in float32: working layer by layer from disk (--low-memory)" in " ".join(err.split())
     assert "layer by layer" in load_calibration(tmp_path / "c.st").metadata["low_memory"]
     # --in-memory keeps the old behaviour: refuse with the estimate
-    code, _, err = ptq_cli("calibrate", model, "--data", text_file, "--samples", "2", "--seq-len", "16",
-                           "--in-memory", "-o", tmp_path / "d.st")
+    code, _, err = ptq_cli(
+        "calibrate",
+        model,
+        "--data",
+        text_file,
+        "--samples",
+        "2",
+        "--seq-len",
+        "16",
+        "--in-memory",
+        "-o",
+        tmp_path / "d.st",
+    )
     assert code == 2 and "needs at least" in err and not (tmp_path / "d.st").exists()
 
 
-def test_compare_goes_layer_by_layer_when_its_variants_do_not_fit(sharded_model, text_file, tmp_path, ptq_cli,
-                                                                  monkeypatch):
+def test_compare_goes_layer_by_layer_when_its_variants_do_not_fit(
+    sharded_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     params = resources.checkpoint_parameters(sharded_model)
     # One float32 copy fits, the original and three models' weight codes (1 + 3 x 0.5 copies) do not.
     monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 * 2)
-    common = ["--eval-data", text_file, "--calib-data", text_file, "--calib-samples", "2", "--seq-len", "16",
-              "--max-windows", "2", "--no-plots"]
+    common = [
+        "--eval-data",
+        text_file,
+        "--calib-data",
+        text_file,
+        "--calib-samples",
+        "2",
+        "--seq-len",
+        "16",
+        "--max-windows",
+        "2",
+        "--no-plots",
+    ]
     code, _, err = ptq_cli("compare", sharded_model, *common, "--out", tmp_path / "a")
     assert code == 0, err
-    assert "and 3 variants of it do not fit in memory: comparing layer by layer from disk (--low-memory)" in " ".join(err.split())
+    assert "and 3 variants of it do not fit in memory: comparing layer by layer from disk (--low-memory)" in " ".join(
+        err.split()
+    )
     assert json.loads((tmp_path / "a" / "results.json").read_text())["compute"]["low_memory"] is True
     code, _, err = ptq_cli("compare", sharded_model, *common, "--in-memory", "--out", tmp_path / "b")
     assert code == 2 and "needs at least" in err and not (tmp_path / "b").exists()
@@ -313,17 +419,26 @@ def test_low_memory_refusals_are_one_line(sharded_model, other_tiny_model, text_
     calib = ["--data", text_file, "--samples", "2", "--seq-len", "16", "-q"]
     cases = [
         (("calibrate", gpt_oss, *calib, "--low-memory", "-o", tmp_path / "g.st"), "cannot read"),
-        (("calibrate", "some-org/some-model", *calib, "--low-memory", "-o", tmp_path / "h.st"), "local model directory"),
-        (("calibrate", sharded_model, *calib, "--low-memory", "--resume", "-o", tmp_path / "r.st"), "--resume is not available"),
-        (("calibrate", sharded_model, *calib, "--recipe", "paper-e4m3", "--low-memory", "-o", tmp_path / "a.st"),
-         "observes Linear inputs only"),
+        (
+            ("calibrate", "some-org/some-model", *calib, "--low-memory", "-o", tmp_path / "h.st"),
+            "local model directory",
+        ),
+        (
+            ("calibrate", sharded_model, *calib, "--low-memory", "--resume", "-o", tmp_path / "r.st"),
+            "--resume is not available",
+        ),
+        (
+            ("calibrate", sharded_model, *calib, "--recipe", "paper-e4m3", "--low-memory", "-o", tmp_path / "a.st"),
+            "observes Linear inputs only",
+        ),
     ]
     for args, message in cases:
         code, _, err = ptq_cli(*args)
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in " ".join(err.split()), err
     # A calibration of another model is refused before anything is written.
     assert ptq_cli("calibrate", other_tiny_model, *calib, "-o", tmp_path / "other.st")[0] == 0
-    code, _, err = ptq_cli("quantize", sharded_model, "--calib", tmp_path / "other.st", "--low-memory", "-q",
-                           "-o", tmp_path / "out")
+    code, _, err = ptq_cli(
+        "quantize", sharded_model, "--calib", tmp_path / "other.st", "--low-memory", "-q", "-o", tmp_path / "out"
+    )
     assert code == 2 and "calibration file" in err and not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.*"))

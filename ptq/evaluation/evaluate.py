@@ -73,7 +73,9 @@ def _cross(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 _kernels = (fused(_scores), fused(_probs), fused(_cross))
 
 
-def evaluate(models: dict[str, nn.Module] | object, input_ids: torch.Tensor, batch_size: int | None = 4) -> dict[str, Scores]:
+def evaluate(
+    models: dict[str, nn.Module] | object, input_ids: torch.Tensor, batch_size: int | None = 4
+) -> dict[str, Scores]:
     """Score each model on the windows `input_ids` [n, seq_len]. The first model is the baseline that
     KL divergence and top-1 agreement are measured against. Each window predicts its tokens 1..L-1.
     models: the models, each run whole (ptq.execution.executors.WholeModels), or an executor (LayerByLayer: one
@@ -105,10 +107,17 @@ def evaluate(models: dict[str, nn.Module] | object, input_ids: torch.Tensor, bat
                 error = str(e)
             if error is not None:
                 scores = kept
-                estimate = min(size, len(input_ids) - done) * batching.window_bytes(run.model.config, seq_len, run.dtype,
-                                                                                     len(names))
-                size = batching.back_off(size, auto, f"evaluating {len(names)} model(s) on "
-                                         f"{min(size, len(input_ids) - done)} window(s) of {seq_len} tokens", error, estimate)
+                estimate = min(size, len(input_ids) - done) * batching.window_bytes(
+                    run.model.config, seq_len, run.dtype, len(names)
+                )
+                size = batching.back_off(
+                    size,
+                    auto,
+                    f"evaluating {len(names)} model(s) on "
+                    f"{min(size, len(input_ids) - done)} window(s) of {seq_len} tokens",
+                    error,
+                    estimate,
+                )
     return scores
 
 
@@ -129,7 +138,9 @@ def merge_scores(parts: list[Scores]) -> Scores:
     return out
 
 
-def score_logits(s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: tuple | None, versus: bool = True) -> tuple:
+def score_logits(
+    s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: tuple | None, versus: bool = True
+) -> tuple:
     """Add one batch to `s`: `logits` [b, L, vocab] of the windows whose next tokens are `targets` [b, L-1].
     `base` is what this returned for the baseline on the same batch (None: this is the baseline). versus=False:
     no variant will be scored against this baseline (its probabilities are not computed)."""

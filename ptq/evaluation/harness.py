@@ -188,8 +188,14 @@ def check_choice_row(path: Path, number: int, row: dict) -> None:
 
 
 def _task_yaml(name: str, include: Path, data: dict[str, str], extra: dict | None = None) -> str:
-    config = {"include": str(include), "task": name, "dataset_path": "json", "dataset_name": None,
-              "dataset_kwargs": {"data_files": data}, **(extra or {})}
+    config = {
+        "include": str(include),
+        "task": name,
+        "dataset_path": "json",
+        "dataset_name": None,
+        "dataset_kwargs": {"data_files": data},
+        **(extra or {}),
+    }
     return yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
 
 
@@ -208,8 +214,15 @@ def _yaml_names(target: Path) -> list[str]:
     return sorted(groups) if groups else sorted(e.name for e in entries)
 
 
-def prepare(spec: str, eval_corpus: Callable, work: Path, *, max_items: int | None, num_fewshot: int | None = None,
-            limit: float | None = None) -> Suite:
+def prepare(
+    spec: str,
+    eval_corpus: Callable,
+    work: Path,
+    *,
+    max_items: int | None,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+) -> Suite:
     """The lm-eval tasks of `spec`, with the files they need generated in `work` (cloze items, local copies).
     Every task is then loaded once by lm-eval, so that a task it cannot find or whose data it cannot reach stops
     here, in one line, before any model is loaded."""
@@ -228,8 +241,11 @@ def prepare(spec: str, eval_corpus: Callable, work: Path, *, max_items: int | No
             _write(data, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in cloze_rows(task)))
             _write(work / "cloze.yaml", _task_yaml("cloze", CLOZE_TEMPLATE, {"test": str(data)}))
             names.append("cloze")
-            sources["cloze"] = (f"{task.source}; {len(task.items)} of {task.available} items (evenly spaced)"
-                                if len(task.items) < task.available else f"{task.source}; all {len(task.items)} items")
+            sources["cloze"] = (
+                f"{task.source}; {len(task.items)} of {task.available} items (evenly spaced)"
+                if len(task.items) < task.available
+                else f"{task.source}; all {len(task.items)} items"
+            )
             notes["cloze"] = list(task.notes) + [f"chance {100 * task.chance:.1f}%: {task.chance_note}"]
             continue
         target = Path(path or name)
@@ -260,16 +276,20 @@ def prepare(spec: str, eval_corpus: Callable, work: Path, *, max_items: int | No
             by_name.append(("local", task_name, target))
             sources[task_name] = f"lm-eval task {task_name} on the local file {target} ({len(rows)} rows)"
         else:
-            raise PtqError(f"{target}, line {rows[0][0]}: expected the fields '{', '.join(CHOICE_FIELDS)}' "
-                           f"(or name the lm-eval task these rows are for: TASK={target})")
+            raise PtqError(
+                f"{target}, line {rows[0][0]}: expected the fields '{', '.join(CHOICE_FIELDS)}' "
+                f"(or name the lm-eval task these rows are for: TASK={target})"
+            )
         names.append(task_name)
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise PtqError(f"task '{twice[0]}' given twice")
     suite = Suite(names, list(dict.fromkeys([work, *include])), False, sources, notes, num_fewshot, limit)
     manager = suite.task_manager()
-    if any(isinstance(n, tuple) and n[1] not in manager.all_tasks or isinstance(n, str) and n not in manager.all_tasks
-           for n in by_name):
+    if any(
+        isinstance(n, tuple) and n[1] not in manager.all_tasks or isinstance(n, str) and n not in manager.all_tasks
+        for n in by_name
+    ):
         suite.include_defaults = True  # lm-eval's own tasks are indexed only when a task needs them (seconds)
         manager = suite.task_manager()
     for item in by_name:
@@ -277,19 +297,29 @@ def prepare(spec: str, eval_corpus: Callable, work: Path, *, max_items: int | No
             _, task_name, target = item
             entry = manager.task_index.get(task_name)
             if entry is None or entry.yaml_path is None:
-                raise PtqError(f"{target}: these rows are not in the fields {', '.join(CHOICE_FIELDS)}, and "
-                               f"'{task_name}' is not an lm-eval task whose data they could be")
+                raise PtqError(
+                    f"{target}: these rows are not in the fields {', '.join(CHOICE_FIELDS)}, and "
+                    f"'{task_name}' is not an lm-eval task whose data they could be"
+                )
             from lm_eval.tasks._yaml_loader import load_yaml
 
             config = load_yaml(entry.yaml_path, resolve_func=False)
             split = config.get("test_split") or config.get("validation_split") or "test"
-            extra = {"test_split": split, "validation_split": None, "training_split": None,
-                     "fewshot_split": split if config.get("fewshot_split") or config.get("training_split") else None}
-            _write(work / f"{task_name}.yaml", _task_yaml(task_name, Path(entry.yaml_path), {split: str(target.resolve())},
-                                                          extra))
+            extra = {
+                "test_split": split,
+                "validation_split": None,
+                "training_split": None,
+                "fewshot_split": split if config.get("fewshot_split") or config.get("training_split") else None,
+            }
+            _write(
+                work / f"{task_name}.yaml",
+                _task_yaml(task_name, Path(entry.yaml_path), {split: str(target.resolve())}, extra),
+            )
         elif item not in manager.all_tasks:
-            raise PtqError(f"unknown task '{item}': not an lm-eval task, group or tag (list them with "
-                           "`lm_eval ls tasks`), nor a .jsonl/.yaml file or a folder")
+            raise PtqError(
+                f"unknown task '{item}': not an lm-eval task, group or tag (list them with "
+                "`lm_eval ls tasks`), nor a .jsonl/.yaml file or a folder"
+            )
     if any(isinstance(item, tuple) for item in by_name):
         manager = suite.task_manager()  # the generated local copies, indexed
     load_check(suite, manager)
@@ -304,10 +334,16 @@ def load_check(suite: Suite, manager) -> None:
                 manager.load([name])
         except Exception as e:  # noqa: BLE001  (a missing dataset, no network, a bad YAML: one line for the user)
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            offline = " (HF_DATASETS_OFFLINE is set)" if os.environ.get("HF_DATASETS_OFFLINE") in ("1", "true", "TRUE") else ""
-            raise PtqError(f"cannot load task '{name}'{offline}: {type(e).__name__}: {reason}. Offline, point it at "
-                           f"local files: {name}=FILE.jsonl (rows in its dataset's own fields), or a task YAML with "
-                           "dataset_path: json and dataset_kwargs: {data_files: ...}") from None
+            offline = (
+                " (HF_DATASETS_OFFLINE is set)"
+                if os.environ.get("HF_DATASETS_OFFLINE") in ("1", "true", "TRUE")
+                else ""
+            )
+            raise PtqError(
+                f"cannot load task '{name}'{offline}: {type(e).__name__}: {reason}. Offline, point it at "
+                f"local files: {name}=FILE.jsonl (rows in its dataset's own fields), or a task YAML with "
+                "dataset_path: json and dataset_kwargs: {data_files: ...}"
+            ) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,9 +387,12 @@ def _per_document(samples: list[dict]) -> tuple[dict[str, np.ndarray], list[str]
             if isinstance(value, (bool, int, float, np.floating, np.integer)):
                 values.setdefault(f"{metric},{s.get('filter', 'none')}", {})[doc] = float(value)
     order = sorted(docs)
-    return ({k: np.array([v[d] for d in order]) for k, v in values.items() if len(v) == len(order)},
-            [docs[d] for d in order], [choices[d] for d in order],
-            {f: [r.get(d) for d in order] for f, r in responses.items()})
+    return (
+        {k: np.array([v[d] for d in order]) for k, v in values.items() if len(v) == len(order)},
+        [docs[d] for d in order],
+        [choices[d] for d in order],
+        {f: [r.get(d) for d in order] for f, r in responses.items()},
+    )
 
 
 def run(models: dict, tokenizer, suite: Suite, batch_size: int) -> HarnessRun:
@@ -363,7 +402,6 @@ def run(models: dict, tokenizer, suite: Suite, batch_size: int) -> HarnessRun:
 
     from ptq.execution import devices
 
-
     out: dict[str, ModelTasks] = {}
     manager = suite.task_manager()
     last = None
@@ -371,8 +409,14 @@ def run(models: dict, tokenizer, suite: Suite, batch_size: int) -> HarnessRun:
         what = f"running lm-evaluation-harness on {name} with batches of {batch_size} document(s)"
         with quiet_lm_eval(), _untied(model), devices.gpu_memory(what):
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-            result = lm_eval.simple_evaluate(model=lm, tasks=list(suite.names), num_fewshot=suite.num_fewshot,
-                                             limit=suite.limit, task_manager=manager, log_samples=True)
+            result = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=list(suite.names),
+                num_fewshot=suite.num_fewshot,
+                limit=suite.limit,
+                task_manager=manager,
+                log_samples=True,
+            )
         samples, hashes, choices, responses = {}, {}, {}, {}
         for task, rows in result["samples"].items():
             samples[task], hashes[task], choices[task], responses[task] = _per_document(rows)
@@ -388,9 +432,17 @@ def run(models: dict, tokenizer, suite: Suite, batch_size: int) -> HarnessRun:
     first = next(iter(out.values()))
     for name, m in out.items():
         if m.doc_hashes != first.doc_hashes:
-            raise PtqError(f"lm-eval scored different documents for {name} than for {next(iter(out))}: cannot pair them")
-    return HarnessRun(out, last["configs"], last.get("n-shot", {}), last.get("higher_is_better", {}),
-                      last.get("group_subtasks", {}), batch_size)
+            raise PtqError(
+                f"lm-eval scored different documents for {name} than for {next(iter(out))}: cannot pair them"
+            )
+    return HarnessRun(
+        out,
+        last["configs"],
+        last.get("n-shot", {}),
+        last.get("higher_is_better", {}),
+        last.get("group_subtasks", {}),
+        batch_size,
+    )
 
 
 def _leaves(group: str, members: dict, scored: dict) -> list[str]:
@@ -430,7 +482,11 @@ def metric_key(key: str) -> str:
 def _is_mean(values: np.ndarray, reported) -> bool:
     """Whether lm-eval's number is the mean of the per-document values (acc, exact_match: yes; perplexity, bleu,
     corpus-level f1: no), the condition for bootstrapping documents."""
-    return isinstance(reported, (int, float, np.floating)) and len(values) > 0 and abs(float(np.mean(values)) - float(reported)) <= 1e-9
+    return (
+        isinstance(reported, (int, float, np.floating))
+        and len(values) > 0
+        and abs(float(np.mean(values)) - float(reported)) <= 1e-9
+    )
 
 
 def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
@@ -442,7 +498,7 @@ def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
     for name in first.results:  # lm-eval's order, each group just before its members
         if name in grouped:
             continue
-        for t in ([name, *_leaves(name, run.group_subtasks, first.samples)] if name in run.group_subtasks else [name]):
+        for t in [name, *_leaves(name, run.group_subtasks, first.samples)] if name in run.group_subtasks else [name]:
             if t in first.samples and t not in order:
                 order.append(t)
     for task in order:
@@ -452,18 +508,32 @@ def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
             continue  # a group whose number is not its documents' mean (not weighted by size): its members only
         config = run.configs.get(task, {})
         choices = first.choices.get(task) or []
-        mc = config.get("output_type") == "multiple_choice" or task in run.group_subtasks and all(
-            run.configs.get(t, {}).get("output_type") == "multiple_choice" for t in _leaves(task, run.group_subtasks, first.samples))
+        mc = (
+            config.get("output_type") == "multiple_choice"
+            or task in run.group_subtasks
+            and all(
+                run.configs.get(t, {}).get("output_type") == "multiple_choice"
+                for t in _leaves(task, run.group_subtasks, first.samples)
+            )
+        )
         group = next((g for g, members in run.group_subtasks.items() if task in members), None)
         hib = run.higher_is_better.get(task, {})
         kind = f"group of {len(run.group_subtasks[task])}" if task in run.group_subtasks else config.get("output_type")
-        entry = {"name": task, "kind": kind, "n": len(first.doc_hashes[task]),
-                 "metrics": metrics, "higher_is_better": {metric_key(k + ",none"): bool(v) for k, v in hib.items()},
-                 "num_fewshot": run.n_shot.get(task), "group": group,
-                 "source": suite.sources.get(task) or (suite.sources.get(group) if group else None) or f"lm-eval task {task}",
-                 "notes": suite.notes.get(task, []),
-                 "chance": float(np.mean([1 / c for c in choices])) if mc and choices and min(choices) > 0 else None,
-                 "documents_sha256": _sha256(first.doc_hashes[task])}
+        entry = {
+            "name": task,
+            "kind": kind,
+            "n": len(first.doc_hashes[task]),
+            "metrics": metrics,
+            "higher_is_better": {metric_key(k + ",none"): bool(v) for k, v in hib.items()},
+            "num_fewshot": run.n_shot.get(task),
+            "group": group,
+            "source": suite.sources.get(task)
+            or (suite.sources.get(group) if group else None)
+            or f"lm-eval task {task}",
+            "notes": suite.notes.get(task, []),
+            "chance": float(np.mean([1 / c for c in choices])) if mc and choices and min(choices) > 0 else None,
+            "documents_sha256": _sha256(first.doc_hashes[task]),
+        }
         out.append(entry)
     return out
 
@@ -493,8 +563,13 @@ def add_task_metrics(entry: dict, run: HarnessRun, tasks: list[dict], baseline: 
                 continue
             metric_name, _, filt = key.partition(",")
             e = stats.estimate(values)
-            row.update({metric: float(reported[key]), f"{metric}_stderr": _number(reported.get(f"{metric_name}_stderr,{filt}")),
-                        f"{metric}_ci": e["ci"]})
+            row.update(
+                {
+                    metric: float(reported[key]),
+                    f"{metric}_stderr": _number(reported.get(f"{metric_name}_stderr,{filt}")),
+                    f"{metric}_ci": e["ci"],
+                }
+            )
             samples[metric] = values.tolist()
             if baseline is not None:
                 base = run.models[baseline]
@@ -513,8 +588,13 @@ def _number(value):
 
 def scoring(run: HarnessRun, suite: Suite) -> dict:
     """results.json's "task_scoring": how lm-eval ran."""
-    return {"harness": f"lm-eval {lm_eval_version()}", "batch_size": run.batch_size, "limit": suite.limit,
-            "num_fewshot": suite.num_fewshot, "requested": list(suite.names)}
+    return {
+        "harness": f"lm-eval {lm_eval_version()}",
+        "batch_size": run.batch_size,
+        "limit": suite.limit,
+        "num_fewshot": suite.num_fewshot,
+        "requested": list(suite.names),
+    }
 
 
 def protocol(tasks: list[dict]) -> list[str]:

@@ -25,16 +25,21 @@ INPUT_SNR_WINDOWS = 4  # windows of the evaluation text that input SNR is measur
 
 def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
     """QuantLinear layers whose weights or inputs an 8-bit (scaled) format quantizes."""
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, QuantLinear) and (m.weights.format.scaled or m.inputs.format.scaled)}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, QuantLinear) and (m.weights.format.scaled or m.inputs.format.scaled)
+    }
 
 
 def weight_snr_db(original: nn.Module, quantized: nn.Module) -> dict[str, float | None]:
     """SNR of each quantized layer's weight: `original` is the float model `quantized` was made from. A
     SmoothQuant layer rounds W * s (columns scaled): its noise is measured against that."""
     modules = dict(original.named_modules())
-    return {name: snr_db(*_fused_powers(_rounded_weight_source(modules[name].weight.detach(), q), q.weight).tolist())
-            for name, q in quantized_layers(quantized).items()}
+    return {
+        name: snr_db(*_fused_powers(_rounded_weight_source(modules[name].weight.detach(), q), q.weight).tolist())
+        for name, q in quantized_layers(quantized).items()
+    }
 
 
 def _rounded_weight_source(weight: torch.Tensor, q: QuantLinear) -> torch.Tensor:
@@ -72,6 +77,7 @@ def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDO
                     last["sums"] = _fused_powers(x_in.detach(), x_q)  # left on the device: no sync per layer
             sums_of_layer[0] = last["sums"] if sums_of_layer[0] is None else sums_of_layer[0] + last["sums"]
             sums_of_layer[1] += len(x)
+
         return hook
 
     for variant, model in quantized.items():
@@ -86,13 +92,21 @@ def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDO
     finally:
         for h in hooks:
             h.remove()
-    result.update({v: {n: snr_db(*powers.tolist()) if powers is not None else None for n, (powers, _) in layers.items()}
-                   for v, layers in sums.items()})
+    result.update(
+        {
+            v: {n: snr_db(*powers.tolist()) if powers is not None else None for n, (powers, _) in layers.items()}
+            for v, layers in sums.items()
+        }
+    )
 
 
-def layer_snr(weights: dict[str, dict], inputs: dict[str, dict], windows: int = INPUT_SNR_WINDOWS) -> dict[str, dict | None]:
+def layer_snr(
+    weights: dict[str, dict], inputs: dict[str, dict], windows: int = INPUT_SNR_WINDOWS
+) -> dict[str, dict | None]:
     """{variant: {"weights": {layer: dB}, "inputs": {layer: dB}, "input_windows": n}} for the report, from
     weight_snr_db and input_snr_db per variant; None for a variant that quantizes nothing to 8 bits (no
     layer in its weight SNR)."""
-    return {v: {"weights": w, "inputs": inputs.get(v, {}), "input_windows": windows} if w else None
-            for v, w in weights.items()}
+    return {
+        v: {"weights": w, "inputs": inputs.get(v, {}), "input_windows": windows} if w else None
+        for v, w in weights.items()
+    }

@@ -56,8 +56,12 @@ def estimate(units, statistic: Statistic = identity) -> dict:
     """`statistic(mean of units)` with its bootstrap standard error and 95% interval."""
     units = np.asarray(units, dtype=np.float64)
     samples = statistic(_resampled_means(units)[0])
-    return {"value": float(statistic(units.mean())), "stderr": float(samples.std(ddof=1)) if len(units) > 1 else 0.0,
-            "ci": _interval(samples), "n": int(len(units))}
+    return {
+        "value": float(statistic(units.mean())),
+        "stderr": float(samples.std(ddof=1)) if len(units) > 1 else 0.0,
+        "ci": _interval(samples),
+        "n": int(len(units)),
+    }
 
 
 def paired_delta(base_units, variant_units, delta: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> dict:
@@ -70,9 +74,13 @@ def paired_delta(base_units, variant_units, delta: Callable[[np.ndarray, np.ndar
     base_samples, variant_samples = _resampled_means(np.stack([base_units, variant_units]))
     samples = delta(variant_samples, base_samples)
     ci = _interval(samples)
-    return {"delta": float(delta(variant_units.mean(), base_units.mean())),
-            "stderr": float(samples.std(ddof=1)) if len(base_units) > 1 else 0.0,
-            "ci": ci, "significant": bool(ci[0] > 0 or ci[1] < 0), "n": int(len(base_units))}
+    return {
+        "delta": float(delta(variant_units.mean(), base_units.mean())),
+        "stderr": float(samples.std(ddof=1)) if len(base_units) > 1 else 0.0,
+        "ci": ci,
+        "significant": bool(ci[0] > 0 or ci[1] < 0),
+        "n": int(len(base_units)),
+    }
 
 
 def difference(variant: np.ndarray, base: np.ndarray) -> np.ndarray:

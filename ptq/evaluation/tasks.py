@@ -50,9 +50,18 @@ class Task:
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
     def describe(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "source": self.source, "n": len(self.items),
-                "available": self.available, "metrics": list(self.metrics), "chance": self.chance,
-                "chance_note": self.chance_note, "notes": list(self.notes), "sha256": self.sha256}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "source": self.source,
+            "n": len(self.items),
+            "available": self.available,
+            "metrics": list(self.metrics),
+            "chance": self.chance,
+            "chance_note": self.chance_note,
+            "notes": list(self.notes),
+            "sha256": self.sha256,
+        }
 
 
 def subsample(task: Task, max_items: int | None) -> Task:
@@ -62,8 +71,16 @@ def subsample(task: Task, max_items: int | None) -> Task:
     if max_items is None or n <= max_items:
         return task
     items = [task.items[round(i * n / max_items)] for i in range(max_items)]
-    return Task(task.name, task.kind, items, task.source, task.available, _chance(task.kind, items)[0],
-                task.chance_note, task.notes)
+    return Task(
+        task.name,
+        task.kind,
+        items,
+        task.source,
+        task.available,
+        _chance(task.kind, items)[0],
+        task.chance_note,
+        task.notes,
+    )
 
 
 def _chance(kind: str, items: list[Item]) -> tuple[float, str]:
@@ -71,8 +88,10 @@ def _chance(kind: str, items: list[Item]) -> tuple[float, str]:
         return float(np.mean([1 / len(i.continuations) for i in items])), "uniform guess among the choices"
     counts = Counter(i.continuations[i.label].strip().lower() for i in items)
     word, top = counts.most_common(1)[0]
-    return top / len(items), (f"always answering the most frequent target word ('{word}'), the best guess "
-                              "that ignores the passage; a uniform guess over the vocabulary is ~0")
+    return top / len(items), (
+        f"always answering the most frequent target word ('{word}'), the best guess "
+        "that ignores the passage; a uniform guess over the vocabulary is ~0"
+    )
 
 
 def _task(name: str, kind: str, items: list[Item], source: str, notes: tuple[str, ...] = ()) -> Task:
@@ -116,7 +135,7 @@ def build_cloze(corpus: Corpus, name: str = "cloze") -> Task:
             first = n  # extend the context back line by line while it stays within `hi` characters
             while first > 0 and word_at - starts[first - 1] - 1 <= hi:
                 first -= 1
-            context = doc[starts[first]:word_at - 1]
+            context = doc[starts[first] : word_at - 1]
             if len(context) < lo or starts[first] < used_until:
                 continue
             word = m.group(1)
@@ -124,9 +143,11 @@ def build_cloze(corpus: Corpus, name: str = "cloze") -> Task:
                 continue
             items.append(Item((context,), (" " + word,), 0))
             used_until = word_at + len(word)
-    notes = (f"passages: whole lines, {lo}-{hi} characters of context; target: a lowercase word of 3+ letters "
-             "ending a line and a sentence, also found earlier in the passage; non-overlapping passages; "
-             "correct when greedy decoding yields all of the word's tokens",)
+    notes = (
+        f"passages: whole lines, {lo}-{hi} characters of context; target: a lowercase word of 3+ letters "
+        "ending a line and a sentence, also found earlier in the passage; non-overlapping passages; "
+        "correct when greedy decoding yields all of the word's tokens",
+    )
     return _task(name, "greedy", items, f"cloze from {corpus.source} (sha256 {corpus.sha256[:16]})", notes)
 
 

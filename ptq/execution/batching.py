@@ -37,8 +37,9 @@ def parse_batch_size(value: str | int | None) -> int | None:
     return size
 
 
-def window_bytes(config, seq_len: int, dtype: torch.dtype, models: int = 1, *, calibrating: bool = False,
-                 logits: bool = True) -> int:
+def window_bytes(
+    config, seq_len: int, dtype: torch.dtype, models: int = 1, *, calibrating: bool = False, logits: bool = True
+) -> int:
     """Estimated GPU memory one window of `seq_len` tokens needs while `models` variants score it: each
     variant's logits in the compute dtype and, one window at a time, in float32 (the metrics); the baseline's
     probabilities in float32, kept for the batch; the hidden states of one decoder block (residual, norm, q/k/v,
@@ -60,8 +61,9 @@ def window_bytes(config, seq_len: int, dtype: torch.dtype, models: int = 1, *, c
     return logits_bytes + block
 
 
-def auto_batch_size(model: nn.Module, seq_len: int, windows: int, models: int = 1, *, calibrating: bool = False,
-                    logits: bool = True) -> int:
+def auto_batch_size(
+    model: nn.Module, seq_len: int, windows: int, models: int = 1, *, calibrating: bool = False, logits: bool = True
+) -> int:
     """The batch size `auto` stands for: on CUDA from the free memory and `window_bytes` (`calibrating` and
     `logits` passed on), at most the number of windows and MAX_AUTO_BATCH_SIZE; on the CPU (and for a model
     on the meta device, run layer by layer), CPU_BATCH_SIZE."""
@@ -69,7 +71,9 @@ def auto_batch_size(model: nn.Module, seq_len: int, windows: int, models: int = 
     if param is None or device.type != "cuda":
         return max(1, min(CPU_BATCH_SIZE, windows))
     free, _ = torch.cuda.mem_get_info(device)  # with --device-map, of the GPU the inputs and logits are on
-    per_window = max(1, window_bytes(model.config, seq_len, param.dtype, models, calibrating=calibrating, logits=logits))
+    per_window = max(
+        1, window_bytes(model.config, seq_len, param.dtype, models, calibrating=calibrating, logits=logits)
+    )
     return max(1, min(MAX_AUTO_BATCH_SIZE, windows, int(free * GPU_MEMORY_FRACTION // per_window)))
 
 
@@ -81,5 +85,3 @@ def back_off(size: int, auto: bool, what: str, error: str, estimate: int | None 
     if not auto or size <= 1:
         raise out_of_memory(what, error, estimate) from None
     return size // 2
-
-

@@ -59,7 +59,11 @@ def input_device(model: nn.Module) -> torch.device:
     mapping = getattr(model, "hf_device_map", None)
     if mapping:
         gpus = [d for d in mapping.values() if d not in ("cpu", "disk")]
-        return torch.device("cuda", gpus[0]) if gpus and isinstance(gpus[0], int) else torch.device(gpus[0] if gpus else "cpu")
+        return (
+            torch.device("cuda", gpus[0])
+            if gpus and isinstance(gpus[0], int)
+            else torch.device(gpus[0] if gpus else "cpu")
+        )
     return next(model.parameters(), torch.empty(0)).device
 
 

@@ -24,8 +24,10 @@ def world() -> tuple[int, int]:
     try:
         return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
-        raise PtqError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not "
-                       "integers: start several processes with torchrun or accelerate launch") from None
+        raise PtqError(
+            f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not "
+            "integers: start several processes with torchrun or accelerate launch"
+        ) from None
 
 
 def active() -> bool:

@@ -42,15 +42,23 @@ class WholeModels:
     def steps(self, windows: int, logits: bool = True) -> int:
         return windows * len(self.names)
 
-    def forward(self, input_ids: torch.Tensor, size: int, *, logits: bool = True,
-                after_batch: Callable[[int], None] | None = None,
-                advance: Callable[[int], None] = lambda n: None) -> Iterator[tuple[torch.Tensor, Iterator]]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        size: int,
+        *,
+        logits: bool = True,
+        after_batch: Callable[[int], None] | None = None,
+        advance: Callable[[int], None] = lambda n: None,
+    ) -> Iterator[tuple[torch.Tensor, Iterator]]:
         for i, start in enumerate(range(0, len(input_ids), size)):
-            batch = input_ids[start:start + size].to(self.device)
+            batch = input_ids[start : start + size].to(self.device)
             yield batch, self._outputs(batch, logits, i, after_batch)
             advance(len(batch) * len(self.names))
 
-    def _outputs(self, batch: torch.Tensor, logits: bool, i: int, after_batch) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def _outputs(
+        self, batch: torch.Tensor, logits: bool, i: int, after_batch
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
         for name in self.names:
             out = self.models[name](input_ids=batch.to(self.devices[name]))
             yield name, out.logits.to(self.device) if logits else None

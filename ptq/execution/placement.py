@@ -61,7 +61,7 @@ def parse(device_map: str | None, max_memory: str | None) -> Placement | None:
 
 
 def parse_max_memory(text: str) -> dict:
-    """"0=70GiB,cpu=400GiB" -> {0: bytes, "cpu": bytes} (sizes as accelerate reads them: 70GiB, 70GB, 512MB)."""
+    """ "0=70GiB,cpu=400GiB" -> {0: bytes, "cpu": bytes} (sizes as accelerate reads them: 70GiB, 70GB, 512MB)."""
     from accelerate.utils import convert_file_size_to_int
 
     limits: dict = {}
@@ -93,8 +93,10 @@ def budgets(placement: Placement, models: int) -> dict:
 
     limits = placement.max_memory
     if limits is None:
-        limits = {i: int(available_memory(torch.device("cuda", i)) * GPU_WEIGHTS_FRACTION)
-                  for i in range(torch.cuda.device_count())}
+        limits = {
+            i: int(available_memory(torch.device("cuda", i)) * GPU_WEIGHTS_FRACTION)
+            for i in range(torch.cuda.device_count())
+        }
         limits["cpu"] = int((available_memory(torch.device("cpu")) or 0) * CPU_WEIGHTS_FRACTION)
     return {device: size // max(models, 1) for device, size in limits.items()}
 
@@ -107,8 +109,12 @@ def device_map(model: nn.Module, placement: Placement, share: dict) -> dict:
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     memory = {device: size for device, size in share.items() if device != "disk"}
     if placement.strategy != "sequential" and any(isinstance(d, int) for d in memory):  # "auto" is "balanced", as in
-        memory = get_balanced_memory(model, max_memory=memory, no_split_module_classes=no_split,  # from_pretrained
-                                     low_zero=placement.strategy == "balanced_low_0")
+        memory = get_balanced_memory(
+            model,
+            max_memory=memory,
+            no_split_module_classes=no_split,  # from_pretrained
+            low_zero=placement.strategy == "balanced_low_0",
+        )
     memory["disk"] = share.get("disk", 1 << 62)  # what no GPU or the CPU limit holds: offloaded to disk
     return dict(infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split))
 
@@ -129,13 +135,26 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
             make_dir(Path(offload_dir), "the offload folder", " (set PTQ_CACHE to a folder that can be written)")
             folder = tempfile.mkdtemp(prefix="model-", dir=offload_dir)
             # Written here rather than by dispatch_model, which misses a whole model sent to disk (module name "").
-            offload_state_dict(folder, {k: t for k, t in model.state_dict().items()
-                                        if any(not m or k == m or k.startswith(m + ".") for m in disk)})
+            offload_state_dict(
+                folder,
+                {
+                    k: t
+                    for k, t in model.state_dict().items()
+                    if any(not m or k == m or k.startswith(m + ".") for m in disk)
+                },
+            )
         gpus = [d for d in mapping.values() if d not in ("cpu", "disk")]
         # force_hooks: even a model that fits one device is placed by the hooks, which give each placed module new
         # tensors, not by model.to(), which would move in place the tensors the variants share with one another
-        dispatch_model(model, mapping, main_device=gpus[0] if gpus else "cpu", offload_dir=folder, offload_buffers=True,
-                       preload_module_classes=PRELOADED, force_hooks=True)
+        dispatch_model(
+            model,
+            mapping,
+            main_device=gpus[0] if gpus else "cpu",
+            offload_dir=folder,
+            offload_buffers=True,
+            preload_module_classes=PRELOADED,
+            force_hooks=True,
+        )
     model.hf_device_map = mapping
     return model
 
@@ -209,5 +228,6 @@ def describe(summaries: dict[str, dict[str, int]]) -> str:
     if not gpus:
         return f"placed {' and '.join({'cpu': 'in CPU memory', 'disk': 'on disk'}[d] for d in devices)} by accelerate ({FLAG})"
     offloaded = [{"cpu": "CPU memory"}.get(d, d) for d in devices if d in ("cpu", "disk")]
-    return (f"placed over {', '.join(gpus)} by accelerate ({FLAG})"
-            + (f", offloaded to {' and '.join(offloaded)}" if offloaded else ""))
+    return f"placed over {', '.join(gpus)} by accelerate ({FLAG})" + (
+        f", offloaded to {' and '.join(offloaded)}" if offloaded else ""
+    )

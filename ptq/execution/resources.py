@@ -71,12 +71,16 @@ def check_fits(directory: Path, copies: float, device: torch.device, what: str) 
     short = shortfall(directory, copies, device)
     if short is not None:
         params, needed, free = short
-        copies_text = (f" x {copies:g} copies (the original, and half a copy per variant: weights held as 16- or "
-                       "8-bit codes)") if copies > 1 else ""
+        copies_text = (
+            (f" x {copies:g} copies (the original, and half a copy per variant: weights held as 16- or 8-bit codes)")
+            if copies > 1
+            else ""
+        )
         raise PtqError(
             f"{what} needs at least {_size(needed)} ({params:,} parameters x {FLOAT32_BYTES} bytes in "
             f"float32{copies_text}) but only {_size(free)} is available on {device.type}: use a machine with "
-            f"more memory{', compare fewer recipes per run' if copies > 2 else ''}, or pass {NO_CHECK_FLAG} to try anyway")
+            f"more memory{', compare fewer recipes per run' if copies > 2 else ''}, or pass {NO_CHECK_FLAG} to try anyway"
+        )
 
 
 def _size(n: int) -> str:

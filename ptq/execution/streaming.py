@@ -75,7 +75,11 @@ class SafetensorsCheckpoint:
                         if key in self.file:
                             raise PtqError(f"tensor '{key}' is stored twice, in {self.file[key].name} and {name}")
                         piece = f.get_slice(key)
-                        self.file[key], self.shape[key], self.dtype[key] = path, tuple(piece.get_shape()), piece.get_dtype()
+                        self.file[key], self.shape[key], self.dtype[key] = (
+                            path,
+                            tuple(piece.get_shape()),
+                            piece.get_dtype(),
+                        )
             except PtqError:
                 raise
             except Exception:
@@ -111,7 +115,6 @@ class SafetensorsCheckpoint:
             with safetensors.safe_open(str(path), framework="pt") as f:
                 for k in keys:
                     yield k, f.get_tensor(k)
-
 
 
 def supports(spec: str | None) -> bool:
@@ -154,8 +157,10 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False) -> LoadedMo
 
     found = local_directory(spec)
     if found is None:
-        raise PtqError(f"{LOW_MEMORY_FLAG} works on a local model directory with safetensors weights; '{spec}' is not one "
-                       "(download it first, e.g. with `hf download`)")
+        raise PtqError(
+            f"{LOW_MEMORY_FLAG} works on a local model directory with safetensors weights; '{spec}' is not one "
+            "(download it first, e.g. with `hf download`)"
+        )
     directory, caveats, source = found
     if not (directory / "config.json").is_file():
         raise PtqError(f"{spec} is not a Hugging Face model directory (no config.json)")
@@ -188,8 +193,10 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False) -> LoadedMo
         raise PtqError(f"{LOW_MEMORY_FLAG} cannot read {spec} layer by layer: {e}") from None
     absent = [name for name in disk.values() if name not in checkpoint.file]
     if absent:
-        raise PtqError(f"the checkpoint in {directory} has no tensor '{absent[0]}', which {type(model).__name__} has: "
-                       f"{LOW_MEMORY_FLAG} reads checkpoints written in the layout of this transformers version")
+        raise PtqError(
+            f"the checkpoint in {directory} has no tensor '{absent[0]}', which {type(model).__name__} has: "
+            f"{LOW_MEMORY_FLAG} reads checkpoints written in the layout of this transformers version"
+        )
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(directory))
     model.ptq_checkpoint = checkpoint
@@ -208,11 +215,17 @@ def decoder_layers(model: nn.Module) -> str:
     count = getattr(config, "num_hidden_layers", None)
     whole = set(getattr(model, "_no_split_modules", None) or ())
     for name, module in model.named_modules():
-        if (isinstance(module, nn.ModuleList) and count and len(module) == count
-                and all(type(m).__name__ in whole for m in module)):
+        if (
+            isinstance(module, nn.ModuleList)
+            and count
+            and len(module) == count
+            and all(type(m).__name__ in whole for m in module)
+        ):
             return name
-    raise PtqError(f"cannot find the decoder layers of {type(model).__name__}: {LOW_MEMORY_FLAG} runs a model one decoder "
-                   "layer at a time; load it whole")
+    raise PtqError(
+        f"cannot find the decoder layers of {type(model).__name__}: {LOW_MEMORY_FLAG} runs a model one decoder "
+        "layer at a time; load it whole"
+    )
 
 
 def check_compare_recipes(recipes: list) -> None:
@@ -220,8 +233,10 @@ def check_compare_recipes(recipes: list) -> None:
     attention's matmul inputs or the residual adds (which switch the whole model's attention) need the model whole."""
     for r in recipes:
         if r.beyond_linear:
-            raise PtqError(f"recipe '{r.name}' quantizes attention or residual inputs: {LOW_MEMORY_FLAG} compares "
-                           "Linear-layer recipes only; load the model whole")
+            raise PtqError(
+                f"recipe '{r.name}' quantizes attention or residual inputs: {LOW_MEMORY_FLAG} compares "
+                "Linear-layer recipes only; load the model whole"
+            )
 
 
 class LayerSlot(nn.Module):
@@ -268,8 +283,13 @@ class LayerByLayer:
     decoder layers are slots; a layer is mounted at its path). Calibration yields the part itself with observers
     hooked on it; compare yields the part's quantized variants. Default: the part itself, as "model"."""
 
-    def __init__(self, model: nn.Module, parts: Callable | None = None, names: list[str] | None = None,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        parts: Callable | None = None,
+        names: list[str] | None = None,
+        device: torch.device | None = None,
+    ):
         if not is_streamed(model):
             raise ValueError("LayerByLayer runs a model made by load_streamed")
         self.model = model  # the linearized skeleton: what batch-size estimates read
@@ -287,13 +307,21 @@ class LayerByLayer:
     def steps(self, windows: int, logits: bool = True) -> int:
         return windows * len(self.names) * (self.layer_count + (1 if logits else 0))
 
-    def forward(self, input_ids: torch.Tensor, size: int, *, logits: bool = True,
-                after_batch: Callable[[int], None] | None = None,
-                advance: Callable[[int], None] = lambda n: None) -> Iterator[tuple[torch.Tensor, Iterator]]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        size: int,
+        *,
+        logits: bool = True,
+        after_batch: Callable[[int], None] | None = None,
+        advance: Callable[[int], None] = lambda n: None,
+    ) -> Iterator[tuple[torch.Tensor, Iterator]]:
         batches = [b.to(self.device) for b in input_ids.split(size)]
         trunk = self._trunk(logits)
         captured = [self._capture(trunk, batch) for batch in batches]
-        calls = [c for _, c in captured]  # per batch, per layer: (positional arguments after the hidden states, keywords)
+        calls = [
+            c for _, c in captured
+        ]  # per batch, per layer: (positional arguments after the hidden states, keywords)
         # Each model's own hidden states, every batch, in buffers that each layer's outputs are copied into (new
         # long-lived tensors at every layer would fragment the host's memory: its peak would grow layer by layer)
         hidden = {name: [h.clone() for h, _ in captured] for name in self.names}
@@ -367,12 +395,15 @@ class LayerByLayer:
         except _Captured:
             pass
         if len(calls) != len(slots):
-            raise PtqError(f"the forward of {type(trunk).__name__} called {len(calls)} of its {len(slots)} decoder layers: "
-                           f"{LOW_MEMORY_FLAG} cannot run it layer by layer; load it whole")
+            raise PtqError(
+                f"the forward of {type(trunk).__name__} called {len(calls)} of its {len(slots)} decoder layers: "
+                f"{LOW_MEMORY_FLAG} cannot run it layer by layer; load it whole"
+            )
         return calls[0][0], [c for _, c in calls]
 
-    def _logits(self, trunks: dict[str, nn.Module], finals: list[torch.Tensor], batch: torch.Tensor,
-                returns_tuple: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def _logits(
+        self, trunks: dict[str, nn.Module], finals: list[torch.Tensor], batch: torch.Tensor, returns_tuple: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Each model's logits on `batch` from its last decoder layer's output `finals[i]`, by the model's forward."""
         wrap = (lambda x: (x,)) if returns_tuple else (lambda x: x)  # noqa: E731  as the layers return it
         for name, final in zip(self.names, finals):
@@ -384,8 +415,9 @@ class LayerByLayer:
             yield name, trunk(input_ids=batch, use_cache=False).logits
 
 
-def _materialise(built: nn.Module, streamed: Streamed, device: torch.device, path: str = "",
-                 unread: tuple[str, ...] = ()) -> nn.Module:
+def _materialise(
+    built: nn.Module, streamed: Streamed, device: torch.device, path: str = "", unread: tuple[str, ...] = ()
+) -> nn.Module:
     """A copy of `built` (a meta-device module as transformers builds it, at `path` in the model) with its tensors
     read from the checkpoint in float32, linearized as ptq.models.loading loads every model (the experts' and
     Conv1D's Linear layers are views into the tensors transformers lays out); mounted at `path`. The tensors of
@@ -400,9 +432,10 @@ def _materialise(built: nn.Module, streamed: Streamed, device: torch.device, pat
         for key, p in m._parameters.items():
             if p is not None:
                 if id(p) not in made:  # tied parameters stay tied
-                    made[id(p)] = nn.Parameter(torch.empty(p.shape, device=device,
-                                                           dtype=torch.float32 if p.is_floating_point() else p.dtype),
-                                               requires_grad=False)
+                    made[id(p)] = nn.Parameter(
+                        torch.empty(p.shape, device=device, dtype=torch.float32 if p.is_floating_point() else p.dtype),
+                        requires_grad=False,
+                    )
                 m._parameters[key] = made[id(p)]
         for key, b in m._buffers.items():
             if b is not None:

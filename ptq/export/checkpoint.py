@@ -54,36 +54,60 @@ def check_exportable(recipe: Recipe) -> None:
     """The recipes the compressed-tensors formats can express; anything else is refused up front."""
     w, x = recipe.weights, recipe.inputs
     if w.format.name not in ("e4m3", "int8"):
-        raise PtqError(f"recipe '{recipe.name}' stores weights as {w.format.name}: ptq quantize exports FP8 E4M3 and "
-                       "int8 only (the formats transformers and vLLM load as compressed-tensors)")
+        raise PtqError(
+            f"recipe '{recipe.name}' stores weights as {w.format.name}: ptq quantize exports FP8 E4M3 and "
+            "int8 only (the formats transformers and vLLM load as compressed-tensors)"
+        )
     if x.format != w.format:
-        raise PtqError(f"recipe '{recipe.name}' quantizes weights to {w.format.name} but inputs to {x.format.name}: "
-                       "compressed-tensors W8A8 checkpoints use one format for both")
+        raise PtqError(
+            f"recipe '{recipe.name}' quantizes weights to {w.format.name} but inputs to {x.format.name}: "
+            "compressed-tensors W8A8 checkpoints use one format for both"
+        )
     if not (w.saturate and x.saturate):
-        raise PtqError(f"recipe '{recipe.name}' is non-saturating: transformers and vLLM always saturate (clamp) "
-                       "when they quantize, so the checkpoint would not run as simulated")
+        raise PtqError(
+            f"recipe '{recipe.name}' is non-saturating: transformers and vLLM always saturate (clamp) "
+            "when they quantize, so the checkpoint would not run as simulated"
+        )
     if "unscaled" in (w.scale, x.scale) or "pow2" in (w.scale, x.scale):
-        raise PtqError(f"recipe '{recipe.name}' uses '{w.scale if w.scale != 'amax' else x.scale}' scales: the "
-                       "checkpoint format takes amax-derived scales (or MX's E8M0), so it would not run as simulated")
+        raise PtqError(
+            f"recipe '{recipe.name}' uses '{w.scale if w.scale != 'amax' else x.scale}' scales: the "
+            "checkpoint format takes amax-derived scales (or MX's E8M0), so it would not run as simulated"
+        )
     mx = [s.scale_format == "e8m0" for s in (w, x)]
     if any(mx) and not (all(mx) and w.granularity == x.granularity == PerGroup(32)):
-        raise PtqError(f"recipe '{recipe.name}': E8M0 scales are exported as MXFP8 only (weights and inputs in groups "
-                       "of 32, both with E8M0 scales), the layout compressed-tensors and vLLM read")
+        raise PtqError(
+            f"recipe '{recipe.name}': E8M0 scales are exported as MXFP8 only (weights and inputs in groups "
+            "of 32, both with E8M0 scales), the layout compressed-tensors and vLLM read"
+        )
     if isinstance(w.granularity, PerGroup) and not any(mx):
-        raise PtqError(f"recipe '{recipe.name}' has per-group FP32 weight scales: ptq quantize exports groups as "
-                       "MXFP8 (E8M0, 32) only; use per-block weights (fp8-block) for FP32 scales over tiles")
+        raise PtqError(
+            f"recipe '{recipe.name}' has per-group FP32 weight scales: ptq quantize exports groups as "
+            "MXFP8 (E8M0, 32) only; use per-block weights (fp8-block) for FP32 scales over tiles"
+        )
     kv = recipe.kv_cache
-    if kv is not None and not (kv.format.name == "e4m3" and kv.static and kv.scale == "amax" and kv.observer == "max"
-                               and isinstance(kv.granularity, (PerTensor, PerHead)) and kv.saturate):
-        raise PtqError(f"recipe '{recipe.name}' quantizes the KV cache as {kv.describe()}: the checkpoint's "
-                       "kv_cache_scheme takes E4M3 with static per-tensor or per-head scales from max calibration")
+    if kv is not None and not (
+        kv.format.name == "e4m3"
+        and kv.static
+        and kv.scale == "amax"
+        and kv.observer == "max"
+        and isinstance(kv.granularity, (PerTensor, PerHead))
+        and kv.saturate
+    ):
+        raise PtqError(
+            f"recipe '{recipe.name}' quantizes the KV cache as {kv.describe()}: the checkpoint's "
+            "kv_cache_scheme takes E4M3 with static per-tensor or per-head scales from max calibration"
+        )
     beyond = [key for key in recipe.beyond_linear if key != "kv_cache"]
     if beyond:
-        raise PtqError(f"recipe '{recipe.name}' quantizes {' and '.join(recipe.beyond_linear)} inputs: the checkpoint "
-                       "format quantizes Linear layers and the KV cache only, so it would not run as simulated")
+        raise PtqError(
+            f"recipe '{recipe.name}' quantizes {' and '.join(recipe.beyond_linear)} inputs: the checkpoint "
+            "format quantizes Linear layers and the KV cache only, so it would not run as simulated"
+        )
     if recipe.smoothquant is not None:
-        raise PtqError(f"recipe '{recipe.name}' uses SmoothQuant: the checkpoint format has no per-channel "
-                       "division of a layer's input, so it would not run as simulated")
+        raise PtqError(
+            f"recipe '{recipe.name}' uses SmoothQuant: the checkpoint format has no per-channel "
+            "division of a layer's input, so it would not run as simulated"
+        )
 
 
 def quantization_args(spec: TensorQuant):
@@ -91,7 +115,9 @@ def quantization_args(spec: TensorQuant):
     from compressed_tensors.quantization import QuantizationArgs
 
     g = spec.granularity
-    strategy = {PerTensor: "tensor", PerChannel: "channel", PerToken: "token", PerGroup: "group", PerBlock: "block"}[type(g)]
+    strategy = {PerTensor: "tensor", PerChannel: "channel", PerToken: "token", PerGroup: "group", PerBlock: "block"}[
+        type(g)
+    ]
     extra = {}
     if isinstance(g, PerGroup):
         extra["group_size"] = g.size
@@ -100,8 +126,9 @@ def quantization_args(spec: TensorQuant):
     if spec.scale_format == "e8m0":
         extra["scale_dtype"] = torch.uint8
         extra["zp_dtype"] = torch.uint8
-    return QuantizationArgs(num_bits=8, type=_CT_TYPE[spec.format.kind], strategy=strategy, symmetric=True,
-                            dynamic=spec.dynamic, **extra)
+    return QuantizationArgs(
+        num_bits=8, type=_CT_TYPE[spec.format.kind], strategy=strategy, symmetric=True, dynamic=spec.dynamic, **extra
+    )
 
 
 def quantization_config(recipe: Recipe, ignore: list[str]):
@@ -109,8 +136,11 @@ def quantization_config(recipe: Recipe, ignore: list[str]):
     `ignore`d layers (their exact names), symmetric scales, weights already compressed on disk."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-    scheme = QuantizationScheme(targets=["Linear"], weights=quantization_args(recipe.weights),
-                                input_activations=quantization_args(recipe.inputs))
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=quantization_args(recipe.weights),
+        input_activations=quantization_args(recipe.inputs),
+    )
     kv_cache_scheme = None
     if recipe.kv_cache is not None:  # K and V in E4M3, static scales: self_attn.k_scale / v_scale
         from compressed_tensors.quantization import QuantizationArgs
@@ -118,8 +148,13 @@ def quantization_config(recipe: Recipe, ignore: list[str]):
         strategy = "attn_head" if isinstance(recipe.kv_cache.granularity, PerHead) else "tensor"
         kv_cache_scheme = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False)
     fmt = "mxfp8-quantized" if recipe.weights.scale_format == "e8m0" else _CT_FORMAT[recipe.weights.format.kind]
-    return QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore, format=fmt,
-                              kv_cache_scheme=kv_cache_scheme, quantization_status="compressed")
+    return QuantizationConfig(
+        config_groups={"group_0": scheme},
+        ignore=ignore,
+        format=fmt,
+        kv_cache_scheme=kv_cache_scheme,
+        quantization_status="compressed",
+    )
 
 
 def weight_scale_shape(shape: tuple[int, ...], weights: TensorQuant) -> tuple[int, ...]:
@@ -197,8 +232,10 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
     projections: dict[str, list[str]] = {}
     check_experts_per_expert(model)
     for path, m in experts.items():
-        groups = {("gate_up_proj" if m.has_gate else "up_proj"): (["gate_proj", "up_proj"] if m.has_gate else ["up_proj"]),
-                  "down_proj": ["down_proj"]}
+        groups = {
+            ("gate_up_proj" if m.has_gate else "up_proj"): (["gate_proj", "up_proj"] if m.has_gate else ["up_proj"]),
+            "down_proj": ["down_proj"],
+        }
         for fused_name, parts in groups.items():
             rows = sum(getattr(m[0], p).out_features for p in parts)
             code = len(projections)
@@ -209,15 +246,19 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
     try:
         reverted = revert_weight_conversion(model, stand_ins)
     except Exception as e:
-        raise PtqError(f"cannot work out the checkpoint names of {type(model).__name__} ({type(e).__name__}: {e})") from None
+        raise PtqError(
+            f"cannot work out the checkpoint names of {type(model).__name__} ({type(e).__name__}: {e})"
+        ) from None
     mapping = {}
     for disk, t in reverted.items():
         if t.numel() == 1:
             mapping[plain[int(t.item())]] = disk
             continue
         if t.dim() != 2:
-            raise PtqError(f"{type(model).__name__} stores its experts fused ('{disk}', {t.dim()}-D) in its checkpoint: "
-                           "ptq quantize writes per-expert 2-D weights only; `ptq compare` covers this model")
+            raise PtqError(
+                f"{type(model).__name__} stores its experts fused ('{disk}', {t.dim()}-D) in its checkpoint: "
+                "ptq quantize writes per-expert 2-D weights only; `ptq compare` covers this model"
+            )
         value = int(t[0, 0].item())
         code, e, row = value // 2**24 // 4096, value // 2**24 % 4096, value % 2**24
         path, *parts = projections[str(code)]
@@ -233,8 +274,10 @@ def check_experts_per_expert(model: nn.Module) -> None:
     """Experts whose checkpoints keep them fused (3-D, with biases: GPT-OSS) cannot be written per expert: refused."""
     for path, m in model.named_modules():
         if isinstance(m, LinearExperts) and m[0].down_proj.bias is not None:
-            raise PtqError(f"the experts of {m.fused_type} ('{path}') have biases and are stored fused (3-D) in their "
-                           "checkpoints: ptq quantize writes per-expert 2-D weights only; `ptq compare` covers this model")
+            raise PtqError(
+                f"the experts of {m.fused_type} ('{path}') have biases and are stored fused (3-D) in their "
+                "checkpoints: ptq quantize writes per-expert 2-D weights only; `ptq compare` covers this model"
+            )
 
 
 def export_layers(model: nn.Module, recipe: Recipe) -> tuple[list[str], list[str], list[str]]:
@@ -243,14 +286,18 @@ def export_layers(model: nn.Module, recipe: Recipe) -> tuple[list[str], list[str
     plan = plan_of(model, recipe)
     quantized, ignored = plan.quantized, sorted(plan.left_out)
     if not quantized:
-        raise PtqError(f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} (it targets "
-                       f"{', '.join(recipe.targets)} modules, and this model has none outside {', '.join(recipe.ignore)})")
+        raise PtqError(
+            f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} (it targets "
+            f"{', '.join(recipe.targets)} modules, and this model has none outside {', '.join(recipe.ignore)})"
+        )
     check_loadable(model, recipe, quantized)
     names = _saved_names(model)
     tied = [name for name in quantized if f"{name}.weight" not in names]
     if tied:
-        raise PtqError(f"layer '{tied[0]}' shares its weight with another tensor (tied embeddings): leave it out "
-                       f"of recipe '{recipe.name}' (ignore: [{tied[0]}])")
+        raise PtqError(
+            f"layer '{tied[0]}' shares its weight with another tensor (tied embeddings): leave it out "
+            f"of recipe '{recipe.name}' (ignore: [{tied[0]}])"
+        )
     return quantized, ignored, names
 
 
@@ -264,17 +311,27 @@ def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> No
     experts = [path for path, m in model.named_modules() if isinstance(m, LinearExperts)]
     if experts and recipe.weights.format.kind == "int":
         quantized_experts = any(kind(model.get_submodule(name)) == "Experts" for name in quantized)
-        why = ("vLLM answers \"Unsupported FusedMoe scheme\" for int8 experts with static input scales, and transformers "
-               if quantized_experts and recipe.inputs.static else "transformers ")
-        raise PtqError(f"recipe '{recipe.name}' writes an int8 checkpoint of {type(model).__name__}, a mixture-of-experts "
-                       f"model: no loader takes it ({why}cannot load int-quantized checkpoints with fused experts); "
-                       "use fp8-e4m3")
+        why = (
+            'vLLM answers "Unsupported FusedMoe scheme" for int8 experts with static input scales, and transformers '
+            if quantized_experts and recipe.inputs.static
+            else "transformers "
+        )
+        raise PtqError(
+            f"recipe '{recipe.name}' writes an int8 checkpoint of {type(model).__name__}, a mixture-of-experts "
+            f"model: no loader takes it ({why}cannot load int-quantized checkpoints with fused experts); "
+            "use fp8-e4m3"
+        )
     check_experts_per_expert(model)
 
 
-def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
-                    dtypes: dict[str, torch.dtype], target: str = "transformers",
-                    read: Callable[[str], torch.Tensor] | None = None) -> tuple[list[_Entry], list[str], list[str]]:
+def plan_checkpoint(
+    model: nn.Module,
+    recipe: Recipe,
+    calibration: Calibration | None,
+    dtypes: dict[str, torch.dtype],
+    target: str = "transformers",
+    read: Callable[[str], torch.Tensor] | None = None,
+) -> tuple[list[_Entry], list[str], list[str]]:
     """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers. `target`:
     whose scales to write (ptq.quantization.engines: vllm, the shared scales vLLM serves).
     read: the tensor of that name in the source checkpoint, for a model whose weights are not in memory (on the
@@ -290,8 +347,10 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
         else:  # the weights are checked as they are read
             missing = [name for name in calibrated if name not in calibration.input_amax]
             if missing:
-                raise PtqError(f"calibration file has no amax for layer '{missing[0]}' (made for model "
-                               f"'{calibration.metadata.get('model', '?')}'; recalibrate for this model and recipe)")
+                raise PtqError(
+                    f"calibration file has no amax for layer '{missing[0]}' (made for model "
+                    f"'{calibration.metadata.get('model', '?')}'; recalibrate for this model and recipe)"
+                )
     params = dict(model.state_dict())
     by_weight = {f"{name}.weight": name for name in quantized}
     fallback = _dominant_dtype(dtypes)
@@ -299,12 +358,20 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
     disk = checkpoint_names(model, names)
     conv1d = {f"{name}.weight" for name, m in modules.items() if quantizable(m) and kind(m) == "Conv1D"}
     if conv1d and isinstance(recipe.weights.granularity, (PerGroup, PerBlock)):
-        raise PtqError(f"recipe '{recipe.name}' has {recipe.weights.granularity.describe()} weight scales and this "
-                       f"{type(model).__name__} has Conv1D layers: ptq quantize writes group and block scales for "
-                       "Linear weights only; `ptq compare` covers this model")
+        raise PtqError(
+            f"recipe '{recipe.name}' has {recipe.weights.granularity.describe()} weight scales and this "
+            f"{type(model).__name__} has Conv1D layers: ptq quantize writes group and block scales for "
+            "Linear weights only; `ptq compare` covers this model"
+        )
     weight_amax = (lambda n: amax(modules[n].weight)) if read is None else (lambda n: calibration.weight_amax[n])  # noqa: E731
-    engine = engines.engine_scales(model, recipe, target, weight_amax,
-                                   {n: calibration.input_amax[n] for n in quantized if recipe.inputs.static}, set(quantized))
+    engine = engines.engine_scales(
+        model,
+        recipe,
+        target,
+        weight_amax,
+        {n: calibration.input_amax[n] for n in quantized if recipe.inputs.static},
+        set(quantized),
+    )
     entries: list[_Entry] = []
     for name in names:
         tensor = params[name]
@@ -313,22 +380,34 @@ def plan_checkpoint(model: nn.Module, recipe: Recipe, calibration: Calibration |
             if name in conv1d:  # Conv1D keeps its weight [in, out] on disk
                 tensor = tensor.t()
             dtype = dtypes.get(disk[name], fallback) if tensor.is_floating_point() else tensor.dtype
-            make = ((lambda n=disk[name], d=dtype: read(n).to(d).contiguous()) if read is not None
-                    else (lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous()))
+            make = (
+                (lambda n=disk[name], d=dtype: read(n).to(d).contiguous())
+                if read is not None
+                else (lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous())
+            )
             entries.append(_Entry(disk[name], tuple(tensor.shape), dtype, make))
             continue
         if read is None:
             weight = lambda m=modules[layer]: m.weight  # noqa: E731
         else:
             weight = lambda n=disk[name], layer=layer, t=name in conv1d: _checked_weight(  # noqa: E731
-                layer, read(n).t() if t else read(n), calibration)
-        entries += quantized_entries(disk[name].removesuffix(".weight"), tuple(tensor.shape), weight, recipe,
-                                     engine.input_amax.get(layer, calibration.input_amax[layer]) if recipe.inputs.static else None,
-                                     transposed=name in conv1d, weight_amax=engine.weight_amax.get(layer))
+                layer, read(n).t() if t else read(n), calibration
+            )
+        entries += quantized_entries(
+            disk[name].removesuffix(".weight"),
+            tuple(tensor.shape),
+            weight,
+            recipe,
+            engine.input_amax.get(layer, calibration.input_amax[layer]) if recipe.inputs.static else None,
+            transposed=name in conv1d,
+            weight_amax=engine.weight_amax.get(layer),
+        )
     entries += kv_cache_entries(model, plan_of(model, recipe), calibration, disk)
     if read is not None:  # a calibration of another model is refused before anything is written
         _checked_weight(quantized[0], read(disk[f"{quantized[0]}.weight"]), calibration)
-    ignored = sorted(disk[f"{name}.weight"].removesuffix(".weight") if f"{name}.weight" in disk else name for name in ignored)
+    ignored = sorted(
+        disk[f"{name}.weight"].removesuffix(".weight") if f"{name}.weight" in disk else name for name in ignored
+    )
     return entries, quantized, ignored
 
 
@@ -341,8 +420,10 @@ def kv_cache_entries(model: nn.Module, plan, calibration: Calibration | None, di
     for layer, tensors in plan.attention.items():
         projection = f"{layer}.k_proj.weight"
         if projection not in disk:
-            raise PtqError(f"attention layer '{layer}' of {type(model).__name__} has no k_proj: ptq quantize writes "
-                           "KV-cache scales for q/k/v-projection attention only")
+            raise PtqError(
+                f"attention layer '{layer}' of {type(model).__name__} has no k_proj: ptq quantize writes "
+                "KV-cache scales for q/k/v-projection attention only"
+            )
         prefix = disk[projection].removesuffix(".k_proj.weight")
         for tensor, short in (("kv_cache.key", "k"), ("kv_cache.value", "v")):
             spec = tensors.get(tensor)
@@ -350,14 +431,26 @@ def kv_cache_entries(model: nn.Module, plan, calibration: Calibration | None, di
                 continue
             scale = scale_for(input_clip(calibration, calibration_key(layer, tensor), spec), spec).float().cpu()
             shape = (scale.numel(), 1, 1) if isinstance(spec.granularity, PerHead) else (1,)
-            entries.append(_Entry(f"{prefix}.{short}_scale", shape, torch.float32,
-                                  lambda s=scale, shape=shape: s.reshape(shape).contiguous()))
+            entries.append(
+                _Entry(
+                    f"{prefix}.{short}_scale",
+                    shape,
+                    torch.float32,
+                    lambda s=scale, shape=shape: s.reshape(shape).contiguous(),
+                )
+            )
     return entries
 
 
-def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], torch.Tensor], recipe: Recipe,
-                      input_amax: torch.Tensor | None, transposed: bool = False,
-                      weight_amax: torch.Tensor | None = None) -> list[_Entry]:
+def quantized_entries(
+    layer: str,
+    shape: tuple[int, ...],
+    weight: Callable[[], torch.Tensor],
+    recipe: Recipe,
+    input_amax: torch.Tensor | None,
+    transposed: bool = False,
+    weight_amax: torch.Tensor | None = None,
+) -> list[_Entry]:
     """The tensors of a quantized Linear: its codes, weight scale and (static inputs) input scale. `weight()` gives the
     weight [out, in] when its shard is written (from the model in memory, or from disk: ptq.execution.streaming);
     `transposed`: the codes are written [in, out], as Conv1D stores its weight. `weight_amax`: a fused group's shared
@@ -369,28 +462,46 @@ def quantized_entries(layer: str, shape: tuple[int, ...], weight: Callable[[], t
     codes = lambda w=weight, f=weights, s=scales: _weight_codes(w(), f, s, layer, weight_amax)  # noqa: E731
     stored_scale = lambda s=scales, shape=scale_shape: s.pop("scale").reshape(shape)  # noqa: E731
     entries = [
-        _Entry(f"{layer}.weight", shape[::-1] if transposed else shape, weights.format.torch_dtype,
-               (lambda: codes().t().contiguous()) if transposed else codes),
-        _Entry(f"{layer}.weight_scale", scale_shape, torch.uint8 if mx else torch.float32,
-               (lambda: e8m0_codes(stored_scale())) if mx else stored_scale),
+        _Entry(
+            f"{layer}.weight",
+            shape[::-1] if transposed else shape,
+            weights.format.torch_dtype,
+            (lambda: codes().t().contiguous()) if transposed else codes,
+        ),
+        _Entry(
+            f"{layer}.weight_scale",
+            scale_shape,
+            torch.uint8 if mx else torch.float32,
+            (lambda: e8m0_codes(stored_scale())) if mx else stored_scale,
+        ),
     ]
     if inputs.static:
-        entries.append(_Entry(f"{layer}.input_scale", (1,), torch.float32,
-                              lambda a=input_amax, f=inputs.format: _input_scale(a, f)))
+        entries.append(
+            _Entry(
+                f"{layer}.input_scale", (1,), torch.float32, lambda a=input_amax, f=inputs.format: _input_scale(a, f)
+            )
+        )
     return entries
 
 
 def _checked_weight(layer: str, weight: torch.Tensor, calibration: Calibration | None) -> torch.Tensor:
     """A weight read from disk, in float32, refused when its amax is not the calibration's (another model)."""
     w = weight.float()
-    if calibration is not None and layer in calibration.weight_amax and not torch.equal(amax(w), calibration.weight_amax[layer]):
-        raise PtqError(f"calibration file was made for another model ('{calibration.metadata.get('model', '?')}'): "
-                       f"the weights of layer '{layer}' differ")
+    if (
+        calibration is not None
+        and layer in calibration.weight_amax
+        and not torch.equal(amax(w), calibration.weight_amax[layer])
+    ):
+        raise PtqError(
+            f"calibration file was made for another model ('{calibration.metadata.get('model', '?')}'): "
+            f"the weights of layer '{layer}' differ"
+        )
     return w
 
 
-def _weight_codes(weight: torch.Tensor, weights: TensorQuant, scales: dict, layer: str,
-                  weight_amax: torch.Tensor | None = None) -> torch.Tensor:
+def _weight_codes(
+    weight: torch.Tensor, weights: TensorQuant, scales: dict, layer: str, weight_amax: torch.Tensor | None = None
+) -> torch.Tensor:
     codes, scales["scale"] = quantize_weight(weight, weights, layer, weight_amax)
     scales["scale"] = scales["scale"].cpu()
     return codes.cpu()
@@ -418,8 +529,9 @@ def shard(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
     return shards
 
 
-def write_weights(entries: list[_Entry], directory: Path, max_shard_bytes: int,
-                  advance: Callable[[int], None] = lambda n: None) -> dict:
+def write_weights(
+    entries: list[_Entry], directory: Path, max_shard_bytes: int, advance: Callable[[int], None] = lambda n: None
+) -> dict:
     """Write the safetensors shards (and the index when there is more than one), one shard in memory at a time."""
     groups = shard(entries, max_shard_bytes)
     n = len(groups)
@@ -442,7 +554,9 @@ def write_weights(entries: list[_Entry], directory: Path, max_shard_bytes: int,
     return {"shards": n, "tensor_bytes": total}
 
 
-def write_config(model: nn.Module, recipe: Recipe, ignored: list[str], dtypes: dict[str, torch.dtype], directory: Path) -> dict:
+def write_config(
+    model: nn.Module, recipe: Recipe, ignored: list[str], dtypes: dict[str, torch.dtype], directory: Path
+) -> dict:
     """config.json with the compressed-tensors quantization_config (written by compressed-tensors itself),
     and generation_config.json; returns the quantization_config as written."""
     from compressed_tensors.compressors import ModelCompressor
@@ -464,14 +578,20 @@ def checkpoint_bytes(entries: list[_Entry], quantized_layers: list[str]) -> dict
     codes = {f"{layer}.weight" for layer in quantized_layers}
     scales = {f"{layer}.{kind}" for layer in quantized_layers for kind in ("weight_scale", "input_scale")}
     model = [e for e in entries if e.name not in scales]
-    bytes_16bit = sum(e.nbytes // e.dtype.itemsize * (2 if e.dtype.is_floating_point or e.name in codes else e.dtype.itemsize)
-                      for e in model)
+    bytes_16bit = sum(
+        e.nbytes // e.dtype.itemsize * (2 if e.dtype.is_floating_point or e.name in codes else e.dtype.itemsize)
+        for e in model
+    )
     written = sum(e.nbytes for e in entries)
-    return {"bytes": written, "bytes_16bit": bytes_16bit, "bytes_saved": bytes_16bit - written,
-            "quantized_params": sum(e.nbytes for e in entries if e.name in codes),  # 1 byte each
-            "scale_bytes": sum(e.nbytes for e in entries if e.name in scales),
-            "other_bytes": sum(e.nbytes for e in model if e.name not in codes),
-            "other_dtypes": sorted({str(e.dtype).removeprefix("torch.") for e in model if e.name not in codes})}
+    return {
+        "bytes": written,
+        "bytes_16bit": bytes_16bit,
+        "bytes_saved": bytes_16bit - written,
+        "quantized_params": sum(e.nbytes for e in entries if e.name in codes),  # 1 byte each
+        "scale_bytes": sum(e.nbytes for e in entries if e.name in scales),
+        "other_bytes": sum(e.nbytes for e in model if e.name not in codes),
+        "other_dtypes": sorted({str(e.dtype).removeprefix("torch.") for e in model if e.name not in codes}),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,10 +611,12 @@ def checkpoint_bytes(entries: list[_Entry], quantized_layers: list[str]) -> dict
 # input range only.
 VERIFY_MAX_KL = 1e-6  # mean KL(simulated || reloaded), nats per predicted token
 VERIFY_MIN_TOP1 = 0.99  # share of positions where both predict the same next token
-VERIFY_CRITERION = ("the files hold ptq's quantized tensors bit for bit, and the reloaded model reproduces ptq's simulation "
-                    f"of the loader's arithmetic (KL <= {VERIFY_MAX_KL:g} nats/token, same top-1 >= {100 * VERIFY_MIN_TOP1:g}%); "
-                    "the perplexity difference from ptq's own simulation is reported next to the float-order noise floor "
-                    "(the simulation with another attention implementation), which can exceed a wrong scale's effect")
+VERIFY_CRITERION = (
+    "the files hold ptq's quantized tensors bit for bit, and the reloaded model reproduces ptq's simulation "
+    f"of the loader's arithmetic (KL <= {VERIFY_MAX_KL:g} nats/token, same top-1 >= {100 * VERIFY_MIN_TOP1:g}%); "
+    "the perplexity difference from ptq's own simulation is reported next to the float-order noise floor "
+    "(the simulation with another attention implementation), which can exceed a wrong scale's effect"
+)
 
 
 class VerificationFailed(Exception):
@@ -505,8 +627,14 @@ class VerificationFailed(Exception):
         self.info = info
 
 
-def simulate_export(model: nn.Module, recipe: Recipe, calibration: Calibration, loader_int8_inputs: bool = True,
-                    unrounded_inputs: list[str] = (), target: str = "transformers") -> nn.Module:
+def simulate_export(
+    model: nn.Module,
+    recipe: Recipe,
+    calibration: Calibration,
+    loader_int8_inputs: bool = True,
+    unrounded_inputs: list[str] = (),
+    target: str = "transformers",
+) -> nn.Module:
     """ptq's simulation of the exported checkpoint, in place: quantize_ with the recipe and calibration, except
     that the layers the recipe leaves out keep their plain Linear (the checkpoint stores them unquantized and
     transformers runs them as is, where `ptq compare` rounds them to bf16 as in its 16-bit baseline), and, with
@@ -537,12 +665,19 @@ def unapplied_input_layers(model: nn.Module, quantized: list[str], conv1d: bool,
     quantization, not static scales)."""
     if conv1d and not dynamic:
         return list(quantized)
-    in_experts = {f"{path}.{name}" for path, e in model.named_modules() if isinstance(e, LinearExperts)
-                  for name, m in e.named_modules() if quantizable(m)}
+    in_experts = {
+        f"{path}.{name}"
+        for path, e in model.named_modules()
+        if isinstance(e, LinearExperts)
+        for name, m in e.named_modules()
+        if quantizable(m)
+    }
     return [name for name in quantized if name in in_experts]
 
 
-def unapplied_scales(model: nn.Module, layers: list[str], calibration: Calibration, recipe: Recipe) -> dict[str, torch.Tensor]:
+def unapplied_scales(
+    model: nn.Module, layers: list[str], calibration: Calibration, recipe: Recipe
+) -> dict[str, torch.Tensor]:
     """Checkpoint name -> each scale the reload check's loader does not apply, which the checkpoint must hold for
     vLLM: the input scales of `layers` (unapplied_input_layers) and the KV cache's k_scale / v_scale."""
     scales = {}
@@ -552,8 +687,12 @@ def unapplied_scales(model: nn.Module, layers: list[str], calibration: Calibrati
     if not recipe.inputs.static:
         return scales
     disk = checkpoint_names(model, [f"{name}.weight" for name in layers]) if layers else {}
-    return scales | {disk[f"{name}.weight"].removesuffix(".weight") + ".input_scale":
-                     _input_scale(calibration.input_amax[name], recipe.inputs.format) for name in layers}
+    return scales | {
+        disk[f"{name}.weight"].removesuffix(".weight") + ".input_scale": _input_scale(
+            calibration.input_amax[name], recipe.inputs.format
+        )
+        for name in layers
+    }
 
 
 def simulated_tensors(simulated: nn.Module, disk: dict[str, str], conv1d: list[str]) -> dict[str, torch.Tensor]:
@@ -568,7 +707,9 @@ def simulated_tensors(simulated: nn.Module, disk: dict[str, str], conv1d: list[s
         expected[f"{layer}.weight"] = codes
         if isinstance(m.weights.granularity, (PerTensor, PerChannel)) and m.weights.scale_format == "fp32":
             # (block and MX scales are laid out on disk as their presets say: checked by the tests of those schemes)
-            expected[f"{layer}.weight_scale"] = m.weight_scale.reshape(-1, 1) if m.weight_scale.dim() else m.weight_scale.reshape(1)
+            expected[f"{layer}.weight_scale"] = (
+                m.weight_scale.reshape(-1, 1) if m.weight_scale.dim() else m.weight_scale.reshape(1)
+            )
         if m.inputs.static:
             expected[f"{layer}.input_scale"] = m.input_scale.reshape(1)
     return expected
@@ -579,8 +720,13 @@ def differing_tensors(expected: dict[str, torch.Tensor], directory: Path) -> lis
     written = _read_tensors(directory, list(expected))
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return (a.shape == b.shape and a.dtype == b.dtype
-                and torch.equal(a.detach().cpu().contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8)))
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(
+                a.detach().cpu().contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8)
+            )
+        )
 
     return [k for k, v in expected.items() if k not in written or not same(v, written[k])]
 
@@ -613,7 +759,9 @@ def reload(directory: Path) -> tuple[nn.Module, dict]:
     hf_logging.set_verbosity_error()
     try:  # compressed-tensors draws its own tqdm bars on stderr; ptq shows its own progress
         with contextlib.redirect_stderr(io.StringIO()):
-            model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, output_loading_info=True)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(directory), dtype=torch.float32, output_loading_info=True
+            )
             with torch.inference_mode():  # compressed-tensors decompresses the weights on the first forward
                 model(input_ids=torch.zeros((1, 1), dtype=torch.long))
     except Exception as e:
@@ -627,8 +775,12 @@ def reload(directory: Path) -> tuple[nn.Module, dict]:
         "unexpected_keys": sorted(info.get("unexpected_keys", [])),
         "mismatched_keys": sorted(str(k) for k in info.get("mismatched_keys", [])),
         "quantized_layers": len(quantized),
-        "input_quantized_layers": sum(1 for m in quantized if m.quantization_scheme.input_activations is not None
-                                      and (m.quantization_scheme.input_activations.dynamic or hasattr(m, "input_scale"))),
+        "input_quantized_layers": sum(
+            1
+            for m in quantized
+            if m.quantization_scheme.input_activations is not None
+            and (m.quantization_scheme.input_activations.dynamic or hasattr(m, "input_scale"))
+        ),
     }
 
 
@@ -640,13 +792,24 @@ def reload_or_read(directory: Path, conv1d: bool) -> tuple[nn.Module, dict]:
     try:
         return reload(directory)
     except PtqError as e:
-        return reload_dequantized(directory, f"transformers cannot run this checkpoint: {str(e).removeprefix('transformers cannot load the exported checkpoint: ')}")
+        return reload_dequantized(
+            directory,
+            f"transformers cannot run this checkpoint: {str(e).removeprefix('transformers cannot load the exported checkpoint: ')}",
+        )
 
 
-def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_layers: int,
-           input_ids: torch.Tensor, batch_size: int = 4, ptq_simulated: nn.Module | None = None,
-           unapplied_input_scales: dict[str, torch.Tensor] | None = None, directory: Path | None = None,
-           expected_tensors: dict[str, torch.Tensor] | None = None) -> dict:
+def verify(
+    simulated: nn.Module,
+    reloaded: nn.Module,
+    load_info: dict,
+    expected_layers: int,
+    input_ids: torch.Tensor,
+    batch_size: int = 4,
+    ptq_simulated: nn.Module | None = None,
+    unapplied_input_scales: dict[str, torch.Tensor] | None = None,
+    directory: Path | None = None,
+    expected_tensors: dict[str, torch.Tensor] | None = None,
+) -> dict:
     """Score the reloaded checkpoint against the simulation that computes what the loader computes (the gate on
     logits: KL and top-1), check the files against `expected_tensors` (simulated_tensors) bit for bit, and report
     the perplexity against ptq's own simulation (`ptq_simulated`, when the loader's rounding differs from ptq's: int8
@@ -656,8 +819,11 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
     from ptq.evaluation.evaluate import evaluate
 
     noise = OtherAttention(simulated)
-    models = ({"simulated": simulated, "reloaded": reloaded} | ({"ptq": ptq_simulated} if ptq_simulated is not None else {})
-              | {"noise": noise})
+    models = (
+        {"simulated": simulated, "reloaded": reloaded}
+        | ({"ptq": ptq_simulated} if ptq_simulated is not None else {})
+        | {"noise": noise}
+    )
     scores = evaluate(models, input_ids, batch_size)
     sim, rel, floor = scores["simulated"], scores["reloaded"], scores["noise"]
     own = scores.get("ptq", sim)
@@ -668,8 +834,11 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
     # scales (vLLM reads them): those keys are expected to be left over (the file check covers them).
     expert_input_scales = unapplied_input_scales or {}
     # (transformers reports them under its own module names, e.g. Mixtral's block_sparse_moe as mlp)
-    left = [k for k in load_info["unexpected_keys"]
-            if not (k.endswith(".input_scale") and ".experts." in k) and not k.endswith((".k_scale", ".v_scale"))]
+    left = [
+        k
+        for k in load_info["unexpected_keys"]
+        if not (k.endswith(".input_scale") and ".experts." in k) and not k.endswith((".k_scale", ".v_scale"))
+    ]
     if len(load_info["unexpected_keys"]) - len(left) == len(expert_input_scales):
         load_info = load_info | {"unexpected_keys": left}
     for kind_ in ("missing_keys", "unexpected_keys", "mismatched_keys"):
@@ -679,36 +848,58 @@ def verify(simulated: nn.Module, reloaded: nn.Module, load_info: dict, expected_
         written = _read_tensors(directory, list(expert_input_scales))
         wrong = [k for k, v in expert_input_scales.items() if k not in written or not torch.equal(written[k], v)]
         if wrong:
-            problems.append(f"expert input or KV-cache scales in the checkpoint differ from ptq's: {', '.join(wrong[:3])}")
+            problems.append(
+                f"expert input or KV-cache scales in the checkpoint differ from ptq's: {', '.join(wrong[:3])}"
+            )
     expected_tensors = expected_tensors or {}
     differing = differing_tensors(expected_tensors, directory) if expected_tensors else []
     if differing:
-        problems.append(f"{len(differing)} quantized tensor(s) in the checkpoint differ from ptq's: {', '.join(differing[:3])}")
+        problems.append(
+            f"{len(differing)} quantized tensor(s) in the checkpoint differ from ptq's: {', '.join(differing[:3])}"
+        )
     if load_info["input_quantized_layers"] != expected_layers:
-        problems.append(f"the loader applies input quantization in {load_info['input_quantized_layers']} "
-                        f"of {expected_layers} quantized layers")
+        problems.append(
+            f"the loader applies input quantization in {load_info['input_quantized_layers']} "
+            f"of {expected_layers} quantized layers"
+        )
     if not rel.kl_div <= VERIFY_MAX_KL:
         problems.append(f"KL(simulated || reloaded) {rel.kl_div:.3g} nats/token > {VERIFY_MAX_KL:g}")
     if not rel.top1_agreement >= VERIFY_MIN_TOP1:
-        problems.append(f"same top-1 token at {100 * rel.top1_agreement:.2f}% of positions (limit {100 * VERIFY_MIN_TOP1:g}%)")
+        problems.append(
+            f"same top-1 token at {100 * rel.top1_agreement:.2f}% of positions (limit {100 * VERIFY_MIN_TOP1:g}%)"
+        )
     return {
-        "passed": not problems, "problems": problems, "criterion": VERIFY_CRITERION,
-        "windows": len(input_ids), "seq_len": int(input_ids.shape[1]), "tokens": sim.tokens,
-        "simulated_perplexity": sim.perplexity, "reloaded_perplexity": rel.perplexity, "ptq_perplexity": own.perplexity,
-        "ppl_delta_pct": 100 * ppl_delta, "kl_div": rel.kl_div, "top1_agreement": rel.top1_agreement,
-        "noise_floor": {"what": f"ptq's simulation with {noise.implementation} instead of "
-                                f"{simulated.config._attn_implementation} attention",
-                        "ppl_delta_pct": 100 * floor_delta, "kl_div": floor.kl_div, "top1_agreement": floor.top1_agreement},
+        "passed": not problems,
+        "problems": problems,
+        "criterion": VERIFY_CRITERION,
+        "windows": len(input_ids),
+        "seq_len": int(input_ids.shape[1]),
+        "tokens": sim.tokens,
+        "simulated_perplexity": sim.perplexity,
+        "reloaded_perplexity": rel.perplexity,
+        "ptq_perplexity": own.perplexity,
+        "ppl_delta_pct": 100 * ppl_delta,
+        "kl_div": rel.kl_div,
+        "top1_agreement": rel.top1_agreement,
+        "noise_floor": {
+            "what": f"ptq's simulation with {noise.implementation} instead of "
+            f"{simulated.config._attn_implementation} attention",
+            "ppl_delta_pct": 100 * floor_delta,
+            "kl_div": floor.kl_div,
+            "top1_agreement": floor.top1_agreement,
+        },
         "loader_int8_rounding": ptq_simulated is not None,
-        "tensors_checked_in_file": len(expected_tensors), "tensors_differing": differing,
+        "tensors_checked_in_file": len(expected_tensors),
+        "tensors_differing": differing,
         "input_scales_checked_in_file": len(expert_input_scales),
         "tolerance": {"max_kl_div": VERIFY_MAX_KL, "min_top1_agreement": VERIFY_MIN_TOP1, "files": "bit for bit"},
         "load": load_info,
     }
 
 
-def reload_dequantized(directory: Path, why: str = "transformers does not load compressed-tensors Conv1D layers"
-                       ) -> tuple[nn.Module, dict]:
+def reload_dequantized(
+    directory: Path, why: str = "transformers does not load compressed-tensors Conv1D layers"
+) -> tuple[nn.Module, dict]:
     """ptq's own reader, for checkpoints transformers cannot run as quantized (Conv1D layers; block and MX scales
     where transformers' compressed-tensors integration fails): every quantized weight dequantized from the files
     (codes x weight_scale, each scale repeated over its group or tile; E8M0 bytes read as 2^(u - 127); in the
@@ -740,8 +931,9 @@ def reload_dequantized(directory: Path, why: str = "transformers does not load c
                 scale = torch.exp2(scale.float() - 127)
             rows, cols = t.shape
             if scale.dim() == 2 and scale.shape[1] > 1:  # groups along the input, or tiles: repeat each scale
-                scale = (scale.repeat_interleave(-(-rows // scale.shape[0]), 0)[:rows]
-                         .repeat_interleave(-(-cols // scale.shape[1]), 1)[:, :cols])
+                scale = scale.repeat_interleave(-(-rows // scale.shape[0]), 0)[:rows].repeat_interleave(
+                    -(-cols // scale.shape[1]), 1
+                )[:, :cols]
             elif scale.numel() > 1 and key.removesuffix(".weight") in conv1d:  # [in, out] on disk
                 scale = scale.reshape(1, -1)
             t = t.float() * scale
@@ -754,15 +946,22 @@ def reload_dequantized(directory: Path, why: str = "transformers does not load c
             safetensors.torch.save_file(dense, str(Path(tmp) / "model.safetensors"))
             model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True)
     except Exception as e:  # a tensor of the wrong shape (e.g. a Conv1D weight not in [in, out])
-        raise PtqError(f"the exported checkpoint does not fit its architecture: {str(e).strip().splitlines()[-1]}") from None
+        raise PtqError(
+            f"the exported checkpoint does not fit its architecture: {str(e).strip().splitlines()[-1]}"
+        ) from None
     modules = dict(model.named_modules())
     hooked = [name for name in dynamic_layers if name in modules]  # experts are merged on load: weights only
     for name in hooked:
         modules[name].register_forward_pre_hook(lambda m, args, a=input_args: (_dynamic_fp8(args[0], a),))
     model.eval().requires_grad_(False)
-    return model, {"missing_keys": sorted(info.get("missing_keys", [])), "unexpected_keys": sorted(info.get("unexpected_keys", [])),
-                   "mismatched_keys": [], "quantized_layers": sum(1 for k in stored if k.endswith(".weight_scale")),
-                   "input_quantized_layers": len(hooked), "loader": f"ptq's dequantizing reader ({why})"}
+    return model, {
+        "missing_keys": sorted(info.get("missing_keys", [])),
+        "unexpected_keys": sorted(info.get("unexpected_keys", [])),
+        "mismatched_keys": [],
+        "quantized_layers": sum(1 for k in stored if k.endswith(".weight_scale")),
+        "input_quantized_layers": len(hooked),
+        "loader": f"ptq's dequantizing reader ({why})",
+    }
 
 
 def _dynamic_fp8(x: torch.Tensor, args: dict) -> torch.Tensor:

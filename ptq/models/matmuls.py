@@ -54,10 +54,16 @@ def _conv1d_type():
 
 def is_fused_experts(module: nn.Module) -> bool:
     """A transformers experts module (`@use_experts_implementation`) whose layout ptq knows."""
-    return (hasattr(module, "is_transposed") and hasattr(module, "has_gate") and hasattr(module, "_apply_gate")
-            and isinstance(getattr(module, "down_proj", None), nn.Parameter) and module.down_proj.dim() == 3
-            and isinstance(getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None), nn.Parameter)
-            and not getattr(module, "has_post_expert_norm", False) and getattr(module, "is_concatenated", True) in (True, False))
+    return (
+        hasattr(module, "is_transposed")
+        and hasattr(module, "has_gate")
+        and hasattr(module, "_apply_gate")
+        and isinstance(getattr(module, "down_proj", None), nn.Parameter)
+        and module.down_proj.dim() == 3
+        and isinstance(getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None), nn.Parameter)
+        and not getattr(module, "has_post_expert_norm", False)
+        and getattr(module, "is_concatenated", True) in (True, False)
+    )
 
 
 def linear_view(weight: torch.Tensor, bias: torch.Tensor | None, kind_: str) -> nn.Linear:
@@ -92,7 +98,9 @@ class LinearExperts(nn.ModuleList):
     def __init__(self, fused: nn.Module):
         experts = []
         gate_up = fused.gate_up_proj if fused.has_gate else fused.up_proj
-        gate_up_bias = getattr(fused, "gate_up_proj_bias" if fused.has_gate else "up_proj_bias", None) if fused.has_bias else None
+        gate_up_bias = (
+            getattr(fused, "gate_up_proj_bias" if fused.has_gate else "up_proj_bias", None) if fused.has_bias else None
+        )
         down_bias = fused.down_proj_bias if fused.has_bias else None
         for e in range(gate_up.shape[0]):
             w = gate_up[e].t() if fused.is_transposed else gate_up[e]  # [2I or I, H]
@@ -105,7 +113,9 @@ class LinearExperts(nn.ModuleList):
             else:
                 up = linear_view(w, b, "Experts")
             d = fused.down_proj[e].t() if fused.is_transposed else fused.down_proj[e]
-            experts.append(ExpertLinears(gate, up, linear_view(d, down_bias[e] if down_bias is not None else None, "Experts")))
+            experts.append(
+                ExpertLinears(gate, up, linear_view(d, down_bias[e] if down_bias is not None else None, "Experts"))
+            )
         super().__init__(experts)
         self.has_gate, self.concatenated = fused.has_gate, fused.is_concatenated
         self.all_experts = False
@@ -136,7 +146,9 @@ class LinearExperts(nn.ModuleList):
             h = self.gate(run(expert.up_proj, x))
         return run(expert.down_proj, h)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         if self.all_experts:
             for e in range(len(self)):
                 self.expert_forward(e, hidden_states)  # observed by calibration's hooks; the output is not used
@@ -160,10 +172,15 @@ class LinearExperts(nn.ModuleList):
         grouped_experts = getattr(self[0].down_proj, GROUPING, None)
         if grouped_experts is None:  # not quantized: the loop over experts
             return None
-        layers = {p: [getattr(expert, p) for expert in self] for p in ("gate_proj", "up_proj", "down_proj")
-                  if hasattr(self[0], p)}
+        layers = {
+            p: [getattr(expert, p) for expert in self]
+            for p in ("gate_proj", "up_proj", "down_proj")
+            if hasattr(self[0], p)
+        }
         if getattr(getattr(self, "_hf_hook", None), "offload", False):
-            return grouped_experts(self, layers)  # offloaded (ptq.execution.placement): its tensors are on the device for this call only
+            return grouped_experts(
+                self, layers
+            )  # offloaded (ptq.execution.placement): its tensors are on the device for this call only
         first = next(itertools.chain(self[0].down_proj.buffers(), self[0].down_proj.parameters()))
         key = (*(id(m) for group in layers.values() for m in group), first.device)
         if self._grouped is None or self._grouped[0] != key:  # made again when the modules or their device change
@@ -176,8 +193,9 @@ def _gate_rows(rows: int, concatenated: bool) -> tuple[slice, slice]:
     return (slice(0, half), slice(half, rows)) if concatenated else (slice(0, rows, 2), slice(1, rows, 2))
 
 
-def grouped_forward(experts: LinearExperts, grouped, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
+def grouped_forward(
+    experts: LinearExperts, grouped, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """transformers' grouped_mm experts forward over ptq's quantized operands: (token, slot) pairs sorted by
     expert, each projection's inputs rounded with their expert's scale (one kernel for all rows), one grouped
     matmul per projection over the dequantized stacked weights."""
@@ -193,7 +211,9 @@ def grouped_forward(experts: LinearExperts, grouped, hidden_states: torch.Tensor
     return out.view(-1, k, y.shape[-1]).sum(1).to(hidden_states.dtype)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x [S, in] (rows sorted by expert) times weight[e].T ([E, out, in]) for each expert's rows, plus that
     expert's bias row ([S, out]): transformers' own grouped matmul (torch's grouped_mm where the device and dtype
     have it, a loop over experts elsewhere), so that unquantized operands give the fused module's exact output."""
@@ -233,20 +253,29 @@ class LeftOut:
 def unsupported(model: nn.Module) -> list[LeftOut]:
     """Weights that multiply activations but that ptq cannot quantize (after linearize): routers that keep a
     bare weight, fused experts of an unknown layout, convolutions. Embedding look-ups and norms are not matmuls."""
+
     def skip(module: nn.Module) -> bool:
         return isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag)) or getattr(module, QUANTIZED, False)
 
     found = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and kind(module) == ROUTER:
-            found.append(LeftOut(f"{name}.weight", module.weight.numel(),
-                                 f"router ({type(module).__name__}): routing stays in the compute dtype"))
+            found.append(
+                LeftOut(
+                    f"{name}.weight",
+                    module.weight.numel(),
+                    f"router ({type(module).__name__}): routing stays in the compute dtype",
+                )
+            )
             continue
         if skip(module) or any(skip(p) for p in _parents(model, name)):
             continue
         for pname, p in module.named_parameters(recurse=False):
-            if not (p.dim() == 3 or (p.dim() == 2 and pname.endswith("weight"))) or "embed" in pname \
-                    or "norm" in type(module).__name__.lower():
+            if (
+                not (p.dim() == 3 or (p.dim() == 2 and pname.endswith("weight")))
+                or "embed" in pname
+                or "norm" in type(module).__name__.lower()
+            ):
                 continue
             full = f"{name}.{pname}" if name else pname
             cls = type(module).__name__
@@ -277,9 +306,13 @@ def describe_coverage(cov: dict) -> str:
     groups: dict[str, list[dict]] = {}
     for x in cov["left_out"]:
         groups.setdefault(x["reason"], []).append(x)
-    parts = [f"{_names(items)} ({sum(i['params'] for i in items):,} params): {reason}" for reason, items in groups.items()]
-    return (f"{100 * share:.2f}% of matmul weight parameters quantized ({cov['quantized_weight_params']:,} of "
-            f"{cov['matmul_weight_params']:,})" + (f"; left in the compute dtype: {'; '.join(parts)}" if parts else ""))
+    parts = [
+        f"{_names(items)} ({sum(i['params'] for i in items):,} params): {reason}" for reason, items in groups.items()
+    ]
+    return (
+        f"{100 * share:.2f}% of matmul weight parameters quantized ({cov['quantized_weight_params']:,} of "
+        f"{cov['matmul_weight_params']:,})" + (f"; left in the compute dtype: {'; '.join(parts)}" if parts else "")
+    )
 
 
 def _names(items: list[dict], shown: int = 3) -> str:

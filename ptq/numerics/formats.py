@@ -165,7 +165,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype 
     return (q.float() * scale).to(dtype)
 
 
-def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: NumberFormat, saturate: bool = True) -> torch.Tensor:
+def fake_quantize(
+    x: torch.Tensor, scale: torch.Tensor | float, fmt: NumberFormat, saturate: bool = True
+) -> torch.Tensor:
     """Simulated quantization for forward passes: dequantize(quantize(x, scale, fmt), scale)."""
     return dequantize(quantize(x, scale, fmt, saturate), scale)
 

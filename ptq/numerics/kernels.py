@@ -61,9 +61,13 @@ def fused(fn, compile: bool | None = None):
             first = (str(e).strip().splitlines() or [""])[0]
             if name not in FALLBACKS:
                 FALLBACKS[name] = f"{type(e).__name__}: {first}"
-                warnings.warn(f"torch.compile failed for kernel {name} ({type(e).__name__}: {first}); running its "
-                              "eager ops, slower", stacklevel=2)
+                warnings.warn(
+                    f"torch.compile failed for kernel {name} ({type(e).__name__}: {first}); running its "
+                    "eager ops, slower",
+                    stacklevel=2,
+                )
             return result
+
     return run
 
 
@@ -80,6 +84,7 @@ def _specialised(fn, constants: tuple, n: int):
     def kernel(*tensors):
         it = iter(tensors)
         return fn(*[next(it) if s is _TENSOR else s for s in slots])
+
     name = _kernel_name(fn, constants)
     kernel.__code__ = kernel.__code__.replace(co_name="".join(c if c.isalnum() else "_" for c in name))
     kernel.__name__ = kernel.__qualname__ = kernel.__code__.co_name

@@ -56,9 +56,16 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None, :, :].expand(b, h, n_rep, length, d).reshape(b, h * n_rep, length, d)
 
 
-def quantized_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                        **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' eager attention, with the matmul inputs passed through the layer's AttentionQuant."""
     aq: AttentionQuant | None = getattr(module, "ptq_attention", None)
     if aq is not None:
@@ -79,8 +86,9 @@ def quantized_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     return output, probs
 
 
-def _observed_probs(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
-                    scaling: float) -> torch.Tensor:
+def _observed_probs(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
     """The softmax output P, as the eager computation makes it, from SDPA's mask: boolean (True attends),
     None (SDPA's causal shortcut, query and key aligned at the start) or additive."""
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
@@ -94,8 +102,15 @@ def _observed_probs(query: torch.Tensor, key: torch.Tensor, attention_mask: torc
     return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
 
 
-def observed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs):
+def observed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs,
+):
     """Calibration: show Q, K, V and P to the layer's observers, return SDPA's output (the baseline's)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -105,8 +120,15 @@ def observed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
             aq.apply(tensor, x)
         if "probs" in aq.callables or "probs" in aq.quantizers:
             n_rep = getattr(module, "num_key_value_groups", 1)
-            aq.apply("probs", _observed_probs(query, _repeat_kv(key, n_rep), attention_mask,
-                                              query.size(-1) ** -0.5 if scaling is None else scaling))
+            aq.apply(
+                "probs",
+                _observed_probs(
+                    query,
+                    _repeat_kv(key, n_rep),
+                    attention_mask,
+                    query.size(-1) ** -0.5 if scaling is None else scaling,
+                ),
+            )
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
@@ -116,7 +138,9 @@ def register(implementation: str = IMPLEMENTATION) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-    function, mask = (observed_attention, sdpa_mask) if implementation == OBSERVING else (quantized_attention, eager_mask)
+    function, mask = (
+        (observed_attention, sdpa_mask) if implementation == OBSERVING else (quantized_attention, eager_mask)
+    )
     AttentionInterface.register(implementation, function)
     ALL_MASK_ATTENTION_FUNCTIONS.register(implementation, mask)
 
@@ -126,8 +150,11 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     found = {}
     for name, module in model.named_modules():
         source = sys.modules.get(type(module).__module__)
-        if (type(module).__name__.endswith("Attention") and hasattr(source, "ALL_ATTENTION_FUNCTIONS")
-                and not getattr(module, "is_cross_attention", False)):
+        if (
+            type(module).__name__.endswith("Attention")
+            and hasattr(source, "ALL_ATTENTION_FUNCTIONS")
+            and not getattr(module, "is_cross_attention", False)
+        ):
             found[name] = module
     return found
 

@@ -68,7 +68,10 @@ FUSED_LINEARS: dict[str, tuple[tuple[str, ...], ...]] = {
     "Qwen2MoeForCausalLM": (QKV, GATE_UP),  # qwen2_moe.py: mlp.gate_up_proj, shared_expert.gate_up_proj
     "Qwen3MoeForCausalLM": (QKV, GATE_UP),  # qwen3_moe.py
     "OlmoeForCausalLM": (QKV,),  # olmoe.py
-    "DeepseekV3ForCausalLM": (MLA_QKV_A, GATE_UP),  # deepseek_v2.py load_weights: mla_params_mapping, stacked_params_mapping
+    "DeepseekV3ForCausalLM": (
+        MLA_QKV_A,
+        GATE_UP,
+    ),  # deepseek_v2.py load_weights: mla_params_mapping, stacked_params_mapping
     "GptOssForCausalLM": (QKV,),  # gpt_oss.py
     "PhimoeForCausalLM": (QKV,),  # phimoe.py (PhiMoEForCausalLM)
     "Glm4MoeForCausalLM": (QKV, GATE_UP),  # glm4_moe.py: mlp.gate_up_proj, shared_experts.gate_up_proj
@@ -103,7 +106,7 @@ def fused_groups(model: nn.Module) -> list[list[str]]:
     groups = []
     for path in modules:
         in_experts = path.rpartition(".")[0] in experts  # an expert of a LinearExperts: its gate and up (w13)
-        for members in ((GATE_UP,) if in_experts else patterns):
+        for members in (GATE_UP,) if in_experts else patterns:
             names = [f"{path}.{m}" if path else m for m in members]
             if all(quantizable(modules.get(n)) for n in names):
                 groups.append(names)
@@ -115,13 +118,24 @@ def expert_input_groups(model: nn.Module) -> list[list[str]]:
     groups = []
     for path, m in model.named_modules():
         if isinstance(m, LinearExperts):
-            w13 = [f"{path}.{e}.{p}" for e in range(len(m)) for p in ("gate_proj", "up_proj") if getattr(m[e], p, None) is not None]
+            w13 = [
+                f"{path}.{e}.{p}"
+                for e in range(len(m))
+                for p in ("gate_proj", "up_proj")
+                if getattr(m[e], p, None) is not None
+            ]
             groups += [w13, [f"{path}.{e}.down_proj" for e in range(len(m))]]
     return groups
 
 
-def engine_scales(model: nn.Module, recipe, target: str, weight_amax: Callable[[str], torch.Tensor],
-                  input_amax: dict[str, torch.Tensor], targeted: set[str]) -> EngineScales:
+def engine_scales(
+    model: nn.Module,
+    recipe,
+    target: str,
+    weight_amax: Callable[[str], torch.Tensor],
+    input_amax: dict[str, torch.Tensor],
+    targeted: set[str],
+) -> EngineScales:
     """The scales `target` serves for `recipe` on `model`: rules 1 and 2 of the module docstring, as amaxes.
     `weight_amax(layer)`: the layer's own per-tensor weight amax (from the weight, or a calibration file);
     `input_amax`: the static input amax (clip) of each layer the recipe quantizes with static inputs; `targeted`: the
@@ -135,7 +149,9 @@ def engine_scales(model: nn.Module, recipe, target: str, weight_amax: Callable[[
     if fp8_tensor_weights:
         for group in fused_groups(model):
             if set(group) <= targeted:
-                shared = torch.stack([torch.as_tensor(weight_amax(n), dtype=torch.float32).reshape(()) for n in group]).max()
+                shared = torch.stack(
+                    [torch.as_tensor(weight_amax(n), dtype=torch.float32).reshape(()) for n in group]
+                ).max()
                 out.weight_amax |= {n: shared for n in group}
                 out.groups += 1
     if fp8_static_inputs:
@@ -162,8 +178,12 @@ def int8_inputs_as_engine(target: str) -> bool:
 def describe(target: str) -> str:
     """One line for the report's protocol."""
     if check_target(target) == "transformers":
-        return ("target: transformers (each tensor as stored: per-layer weight and input scales, ptq's [-127, 127] "
-                "int8 inputs)")
-    return ("target: vllm (as vLLM 0.32 loads and runs the checkpoint: static per-tensor FP8 weights of q/k/v and gate/up "
-            "share their group's largest scale (requantize_with_max_scale), expert input scales their layer's largest, "
-            "int8 inputs round over [-128, 127]; ptq exports those shared scales, so vLLM's re-packing changes nothing)")
+        return (
+            "target: transformers (each tensor as stored: per-layer weight and input scales, ptq's [-127, 127] "
+            "int8 inputs)"
+        )
+    return (
+        "target: vllm (as vLLM 0.32 loads and runs the checkpoint: static per-tensor FP8 weights of q/k/v and gate/up "
+        "share their group's largest scale (requantize_with_max_scale), expert input scales their layer's largest, "
+        "int8 inputs round over [-128, 127]; ptq exports those shared scales, so vLLM's re-packing changes nothing)"
+    )

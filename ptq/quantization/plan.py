@@ -73,18 +73,34 @@ class Plan:
     @property
     def per_head(self) -> list[str]:
         """KV-cache tensors with per-head scales: their calibration records the amax of each head."""
-        return sorted({calibration_key(layer, t) for layer, tensors in self.attention.items()
-                       for t, spec in tensors.items() if isinstance(spec.granularity, PerHead)})
+        return sorted(
+            {
+                calibration_key(layer, t)
+                for layer, tensors in self.attention.items()
+                for t, spec in tensors.items()
+                if isinstance(spec.granularity, PerHead)
+            }
+        )
 
     @property
     def calibrated(self) -> list[str]:
         """Tensors whose static scale must come from calibration: matmul names, "<attention layer>.<tensor>"
         (K and V shared by attention and the KV cache) and "<block>.residual.<tensor>"."""
         names = [name for name, m in self.matmuls.items() if m.quantized and m.inputs.static]
-        names += sorted({calibration_key(layer, t) for layer, tensors in self.attention.items()
-                         for t, spec in tensors.items() if spec.static})
-        names += [f"{block}.residual.{t}" for block, tensors in self.residual.items()
-                  for t, spec in tensors.items() if spec.static]
+        names += sorted(
+            {
+                calibration_key(layer, t)
+                for layer, tensors in self.attention.items()
+                for t, spec in tensors.items()
+                if spec.static
+            }
+        )
+        names += [
+            f"{block}.residual.{t}"
+            for block, tensors in self.residual.items()
+            for t, spec in tensors.items()
+            if spec.static
+        ]
         return names
 
     def coverage(self) -> dict:
@@ -94,27 +110,55 @@ class Plan:
         and `left_out` names what stays in the compute dtype and why, largest first."""
         left = [LeftOut(m.name, m.params, m.reason) for m in self.matmuls.values() if not m.quantized]
         left = sorted([*left, *self.unsupported], key=lambda x: (-x.params, x.name))
-        return {"quantized_weight_params": sum(m.params for m in self.matmuls.values() if m.quantized),
-                "matmul_weight_params": sum(m.params for m in self.matmuls.values()) + sum(x.params for x in self.unsupported),
-                "left_out": [{"name": x.name, "params": x.params, "reason": x.reason} for x in left]}
+        return {
+            "quantized_weight_params": sum(m.params for m in self.matmuls.values() if m.quantized),
+            "matmul_weight_params": sum(m.params for m in self.matmuls.values())
+            + sum(x.params for x in self.unsupported),
+            "left_out": [{"name": x.name, "params": x.params, "reason": x.reason} for x in left],
+        }
 
     def rows(self) -> list[dict]:
         """One row per quantizable tensor: what the recipe does to it (for `ptq inspect` and reports)."""
-        rows = [{"name": m.name, "kind": "linear", "quantized": m.quantized, "weights": m.weights.describe(),
-                 "inputs": m.inputs.describe(), "reason": m.reason,
-                 "smoothquant": self.recipe.smoothquant if m.smooth else None} for m in self.matmuls.values()]
+        rows = [
+            {
+                "name": m.name,
+                "kind": "linear",
+                "quantized": m.quantized,
+                "weights": m.weights.describe(),
+                "inputs": m.inputs.describe(),
+                "reason": m.reason,
+                "smoothquant": self.recipe.smoothquant if m.smooth else None,
+            }
+            for m in self.matmuls.values()
+        ]
         for layer in self.attention_layers:
             for tensor in ("kv_cache.key", "kv_cache.value", *attention.TENSORS):
                 spec = self.attention.get(layer, {}).get(tensor)
-                rows.append({"name": f"{layer}.{tensor}", "kind": "attention", "quantized": spec is not None,
-                             "weights": None, "inputs": spec.describe() if spec else "fp32", "reason": None,
-                             "smoothquant": None})
+                rows.append(
+                    {
+                        "name": f"{layer}.{tensor}",
+                        "kind": "attention",
+                        "quantized": spec is not None,
+                        "weights": None,
+                        "inputs": spec.describe() if spec else "fp32",
+                        "reason": None,
+                        "smoothquant": None,
+                    }
+                )
         for block in self.residual_blocks:
             for tensor in residual.TENSORS:
                 spec = self.residual.get(block, {}).get(tensor)
-                rows.append({"name": f"{block}.residual.{tensor}", "kind": "residual", "quantized": spec is not None,
-                             "weights": None, "inputs": spec.describe() if spec else "fp32", "reason": None,
-                             "smoothquant": None})
+                rows.append(
+                    {
+                        "name": f"{block}.residual.{tensor}",
+                        "kind": "residual",
+                        "quantized": spec is not None,
+                        "weights": None,
+                        "inputs": spec.describe() if spec else "fp32",
+                        "reason": None,
+                        "smoothquant": None,
+                    }
+                )
         return rows
 
 
@@ -129,17 +173,24 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
         return f"left out by the recipe (a {k} layer; it targets {', '.join(recipe.targets)})"
     if not recipe.selects(name):
         ignored = [p for p in recipe.ignore if fnmatch.fnmatchcase(name, p)]
-        return (f"left out by the recipe (ignore: {', '.join(ignored)})" if ignored
-                else "left out by the recipe (not matched by its include patterns)")
+        return (
+            f"left out by the recipe (ignore: {', '.join(ignored)})"
+            if ignored
+            else "left out by the recipe (not matched by its include patterns)"
+        )
     for role, spec in (("weight", recipe.weights), ("input", recipe.inputs)):
         g = spec.granularity
         if isinstance(g, PerGroup) and module.in_features % g.size:
-            return (f"shape: in_features {module.in_features} is not a multiple of the {role} group of {g.size} "
-                    "(vLLM and compressed-tensors quantize whole groups)")
+            return (
+                f"shape: in_features {module.in_features} is not a multiple of the {role} group of {g.size} "
+                "(vLLM and compressed-tensors quantize whole groups)"
+            )
         if isinstance(g, PerBlock) and module.in_features % g.cols:
-            return (f"shape: in_features {module.in_features} is not a multiple of the weight block's {g.cols} "
-                    "columns (vLLM's block kernels and compressed-tensors need whole blocks along the input; "
-                    "partial rows are fine)")
+            return (
+                f"shape: in_features {module.in_features} is not a multiple of the weight block's {g.cols} "
+                "columns (vLLM's block kernels and compressed-tensors need whole blocks along the input; "
+                "partial rows are fine)"
+            )
     return None
 
 
@@ -151,8 +202,15 @@ def resolve_plan(model: nn.Module, recipe: Recipe) -> Plan:
             continue
         reason = _why_left_out(name, module, recipe)
         weights, inputs = (recipe.weights, recipe.inputs) if reason is None else (BASELINE_LINEAR, BASELINE_LINEAR)
-        matmuls[name] = MatmulPlan(name, getattr(module, "ptq_kind", kind(module)), module.weight.numel(),
-                                   weights, inputs, reason, smooth=reason is None and recipe.smoothquant is not None)
+        matmuls[name] = MatmulPlan(
+            name,
+            getattr(module, "ptq_kind", kind(module)),
+            module.weight.numel(),
+            weights,
+            inputs,
+            reason,
+            smooth=reason is None and recipe.smoothquant is not None,
+        )
     layers = attention.attention_modules(model)
     attention_plan = {}
     for name in layers:

@@ -85,8 +85,9 @@ def token_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
     return dynamic_scale(x, spec)
 
 
-def _grouped_fake_quantize(x: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool,
-                           g: gr.Granularity) -> torch.Tensor:
+def _grouped_fake_quantize(
+    x: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool, g: gr.Granularity
+) -> torch.Tensor:
     """fake_quantize with a scale per group or block (scale broadcasts over x's grouped view)."""
     return gr.ungrouped(fake_quantize(gr.grouped(x, g), scale, fmt, saturate), g, x.shape)
 
@@ -133,10 +134,19 @@ class QuantLinear(nn.Module):
         """ptq.models.matmuls.GROUPING: how a LinearExperts whose layers are QuantLinears runs grouped."""
         return grouped_experts(experts, layers)
 
-    def __init__(self, linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, input_amax: torch.Tensor | None,
-                 input_quantizer: InputQuantizer | None = None, smooth: torch.Tensor | None = None,
-                 weight_cache: dict | None = None, fp8_codes_quantizer: InputQuantizer | None = None, name: str = "?",
-                 weight_amax: torch.Tensor | None = None):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        weights: TensorQuant,
+        inputs: TensorQuant,
+        input_amax: torch.Tensor | None,
+        input_quantizer: InputQuantizer | None = None,
+        smooth: torch.Tensor | None = None,
+        weight_cache: dict | None = None,
+        fp8_codes_quantizer: InputQuantizer | None = None,
+        name: str = "?",
+        weight_amax: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.input_quantizer = input_quantizer or InputQuantizer(compile=False)
         # Set: this layer multiplies real FP8 codes with torch._scaled_mm (see fp8_matmul_applies)
@@ -150,11 +160,17 @@ class QuantLinear(nn.Module):
         # Variants of one model quantize many weights the same way (layers a recipe leaves out run as the
         # baseline): one copy of the codes serves them all.
         # weight_amax: the amax its scale comes from when not its own (a fused group's: ptq.quantization.engines)
-        key = (id(linear.weight), weights, None if weight_amax is None else float(weight_amax)) if smooth is None else None
+        key = (
+            (id(linear.weight), weights, None if weight_amax is None else float(weight_amax))
+            if smooth is None
+            else None
+        )
         if weight_cache is not None and key in weight_cache:
             codes, weight_scale = weight_cache[key][1:]
         else:
-            codes, weight_scale = quantize_weight(w.float() * smooth if smooth is not None else w, weights, name, weight_amax)
+            codes, weight_scale = quantize_weight(
+                w.float() * smooth if smooth is not None else w, weights, name, weight_amax
+            )
             if weight_cache is not None and key is not None:
                 weight_cache[key] = (linear.weight, codes, weight_scale)  # the weight is held so its id stays unique
         self.register_buffer("weight_codes", codes)
@@ -179,8 +195,9 @@ class QuantLinear(nn.Module):
         if self.fp8_codes_quantizer is not None:
             return self.fp8_forward(x)
         x, x_q = self.quantize_input(x)
-        return F.linear(x_q.to(x.dtype), dequantize_weight(self.weight_codes, self.weight_scale, self.weights, x.dtype),
-                        self.bias)
+        return F.linear(
+            x_q.to(x.dtype), dequantize_weight(self.weight_codes, self.weight_scale, self.weights, x.dtype), self.bias
+        )
 
     def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same product as the simulation, by a real FP8 matmul: torch._scaled_mm multiplies the input's
@@ -197,9 +214,10 @@ class QuantLinear(nn.Module):
         if pad:
             codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad)).view(codes.dtype)
             scale_x = F.pad(scale_x, (0, 0, 0, pad), value=1.0) if scale_x.dim() else scale_x
-        y = torch._scaled_mm(codes, self.weight_codes.t(), scale_a=scale_x, scale_b=scale_w,
-                             bias=self.bias, out_dtype=x.dtype)
-        return y[:len(rows)].reshape(*x.shape[:-1], self.out_features)
+        y = torch._scaled_mm(
+            codes, self.weight_codes.t(), scale_a=scale_x, scale_b=scale_w, bias=self.bias, out_dtype=x.dtype
+        )
+        return y[: len(rows)].reshape(*x.shape[:-1], self.out_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -212,8 +230,9 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, weights={self.weights.describe()}, inputs={self.inputs.describe()}"
 
 
-def quantize_weight(w: torch.Tensor, weights: TensorQuant, layer: str = "?",
-                    shared_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    w: torch.Tensor, weights: TensorQuant, layer: str = "?", shared_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A Linear weight's codes in the format's storage dtype (formats.FORMATS: float8_e4m3fn, int8, ...)
     and its scale as checkpoints store it ([], [out, 1], [out, in/G] or [ceil(out/R), ceil(in/C)];
     granularity.stored), rounded and stored by one fused loop.
@@ -235,8 +254,9 @@ def quantize_weight(w: torch.Tensor, weights: TensorQuant, layer: str = "?",
     return codes, gr.stored(scale, g)
 
 
-def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, weights: TensorQuant,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_weight(
+    codes: torch.Tensor, scale: torch.Tensor, weights: TensorQuant, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """codes * scale (the stored scale of quantize_weight), in `dtype`, by one fused loop."""
     g = weights.granularity
     if isinstance(g, (gr.PerTensor, gr.PerChannel)):
@@ -275,7 +295,7 @@ def fp8_matmul_available(device: torch.device) -> bool:
 
 
 def resolve_matmul(matmul: str, device: torch.device) -> str:
-    """"simulated" or "fp8" for `matmul` ("simulated", "fp8", or "auto": fp8 where the device has it)."""
+    """ "simulated" or "fp8" for `matmul` ("simulated", "fp8", or "auto": fp8 where the device has it)."""
     if matmul not in MATMULS:
         raise PtqError(f"unknown matmul '{matmul}' (known: {', '.join(MATMULS)})")
     if matmul == "auto":
@@ -288,27 +308,35 @@ def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQu
     format (E4M3 or E5M2) with per-tensor or per-row scales (torch._scaled_mm's tensor-wise and row-wise
     scaling; group and block scales stay simulated), without SmoothQuant, and its dimensions are multiples of 16
     (cuBLAS's rule)."""
-    return (weights.format.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-            and inputs.format.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-            and isinstance(weights.granularity, (gr.PerTensor, gr.PerChannel))  # _scaled_mm: tensor or row scales
-            and isinstance(inputs.granularity, (gr.PerTensor, gr.PerToken)) and inputs.scale_format == "fp32"
-            and smooth is None
-            and linear.in_features % 16 == 0 and linear.out_features % 16 == 0)
+    return (
+        weights.format.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        and inputs.format.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        and isinstance(weights.granularity, (gr.PerTensor, gr.PerChannel))  # _scaled_mm: tensor or row scales
+        and isinstance(inputs.granularity, (gr.PerTensor, gr.PerToken))
+        and inputs.scale_format == "fp32"
+        and smooth is None
+        and linear.in_features % 16 == 0
+        and linear.out_features % 16 == 0
+    )
 
 
 def input_clip(calibration: Calibration, name: str, spec: TensorQuant) -> torch.Tensor:
     """The calibrated clip of one activation under the spec's observer (per head: each head's amax)."""
     if isinstance(spec.granularity, gr.PerHead):
         if name not in calibration.input_channel_amax:
-            raise PtqError(f"calibration file has no per-head amax for '{name}' (per-head KV-cache scales need one: "
-                           "recalibrate with this recipe)")
+            raise PtqError(
+                f"calibration file has no per-head amax for '{name}' (per-head KV-cache scales need one: "
+                "recalibrate with this recipe)"
+            )
         return calibration.input_channel_amax[name]
     amax_ = calibration.input_amax[name]
     if spec.observer == "max":
         return amax_
     hist = calibration.input_hist.get(name)
     if hist is None:
-        raise PtqError(f"calibration file has no histogram for '{name}' (observer '{spec.observer}' needs one; recalibrate)")
+        raise PtqError(
+            f"calibration file has no histogram for '{name}' (observer '{spec.observer}' needs one; recalibrate)"
+        )
     _, clip = choose_clip(spec.observer, hist, float(amax_), spec.format, spec.percentile)
     return torch.tensor(clip, dtype=torch.float32)
 
@@ -330,8 +358,14 @@ class EngineInt8Inputs(QuantLinear):
         return x, torch.round((x.float() / self.input_scale).clamp(-128, 127)) * self.input_scale
 
 
-def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
-              weight_cache: dict | None = None, matmul: str = "simulated", target: str = "transformers") -> nn.Module:
+def quantize_(
+    model: nn.Module,
+    recipe: Recipe,
+    calibration: Calibration | None,
+    weight_cache: dict | None = None,
+    matmul: str = "simulated",
+    target: str = "transformers",
+) -> nn.Module:
     """Replace, in place, each Linear of `model` by the QuantLinear the recipe asks for, and quantize
     attention's matmul inputs where the recipe covers them. `weight_cache` (see quantize_variants) lets
     several variants of one model share the weight codes they have in common. matmul="fp8" runs the layers
@@ -348,16 +382,27 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
         calibration.check_model(model, needed)
         missing = sorted(smoothed - set(calibration.input_channel_amax))
         if missing:
-            raise PtqError(f"calibration file has no per-channel input amax for '{missing[0]}' "
-                           f"(SmoothQuant needs one: calibrate with --recipe {recipe.name})")
+            raise PtqError(
+                f"calibration file has no per-channel input amax for '{missing[0]}' "
+                f"(SmoothQuant needs one: calibrate with --recipe {recipe.name})"
+            )
     input_quantizer = InputQuantizer()
     fp8_codes_quantizer = InputQuantizer(codes=True) if matmul == "fp8" else None
     scales: dict[tuple, torch.Tensor] = {}  # Linears that share an input (same amax) share one scale tensor
     # --- engine hook (ptq.quantization.engines): the scales the target engine serves; for the plan to take over ---
-    clips = {name: input_clip(calibration, name, e.inputs) for name, e in plan.matmuls.items()
-             if e.inputs.static and name not in smoothed}
-    engine = engines.engine_scales(model, recipe, target, lambda n: amax(model.get_submodule(n).weight), clips,
-                                   {name for name, e in plan.matmuls.items() if e.reason is None})
+    clips = {
+        name: input_clip(calibration, name, e.inputs)
+        for name, e in plan.matmuls.items()
+        if e.inputs.static and name not in smoothed
+    }
+    engine = engines.engine_scales(
+        model,
+        recipe,
+        target,
+        lambda n: amax(model.get_submodule(n).weight),
+        clips,
+        {name for name, e in plan.matmuls.items() if e.reason is None},
+    )
     int8_as_engine = engines.int8_inputs_as_engine(target)
     # --- end of the engine hook ---
     for name, entry in plan.matmuls.items():
@@ -372,9 +417,25 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
             input_amax = (channel_amax / smooth).max()  # the smoothed input's amax, exactly
         elif inputs.static:
             input_amax = engine.input_amax.get(name, clips[name])
-        q = QuantLinear(linear, weights, inputs, input_amax, input_quantizer, smooth, weight_cache, fp8_codes_quantizer, name,
-                        engine.weight_amax.get(name))
-        if int8_as_engine and inputs.format.kind == "int" and inputs.static and smooth is None and q.fp8_codes_quantizer is None:
+        q = QuantLinear(
+            linear,
+            weights,
+            inputs,
+            input_amax,
+            input_quantizer,
+            smooth,
+            weight_cache,
+            fp8_codes_quantizer,
+            name,
+            engine.weight_amax.get(name),
+        )
+        if (
+            int8_as_engine
+            and inputs.format.kind == "int"
+            and inputs.static
+            and smooth is None
+            and q.fp8_codes_quantizer is None
+        ):
             q.__class__ = EngineInt8Inputs
         q.ptq_kind = kind(linear)  # Linear, Conv1D or Experts, as the layer it replaces (ptq.models.matmuls)
         if smooth is None:
@@ -383,21 +444,34 @@ def quantize_(model: nn.Module, recipe: Recipe, calibration: Calibration | None,
         setattr(parent, child, q)
     quantizers = {}
     for layer, tensors in plan.attention.items():
-        made = {t: ActQuant(spec, input_clip(calibration, calibration_key(layer, t), spec) if spec.static else None)
-                for t, spec in tensors.items()}
-        quantizers[layer] = AttentionQuant({t: q for t, q in made.items() if not t.startswith("kv_cache.")},
-                                           {t.removeprefix("kv_cache."): q for t, q in made.items() if t.startswith("kv_cache.")})
+        made = {
+            t: ActQuant(spec, input_clip(calibration, calibration_key(layer, t), spec) if spec.static else None)
+            for t, spec in tensors.items()
+        }
+        quantizers[layer] = AttentionQuant(
+            {t: q for t, q in made.items() if not t.startswith("kv_cache.")},
+            {t.removeprefix("kv_cache."): q for t, q in made.items() if t.startswith("kv_cache.")},
+        )
     attention.install(model, quantizers)
     for block, tensors in plan.residual.items():
-        made = nn.ModuleDict({t: ActQuant(spec, input_clip(calibration, f"{block}.residual.{t}", spec) if spec.static else None)
-                              for t, spec in tensors.items()})
+        made = nn.ModuleDict(
+            {
+                t: ActQuant(spec, input_clip(calibration, f"{block}.residual.{t}", spec) if spec.static else None)
+                for t, spec in tensors.items()
+            }
+        )
         model.get_submodule(block).ptq_residual = made  # registered, so it moves with the model
         residual.install(model, {block: dict(made.items())})
     return model
 
 
-def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Calibration | None,
-                      matmul: str = "simulated", target: str = "transformers") -> dict[str, nn.Module]:
+def quantize_variants(
+    model: nn.Module,
+    recipes: list[Recipe],
+    calibration: Calibration | None,
+    matmul: str = "simulated",
+    target: str = "transformers",
+) -> dict[str, nn.Module]:
     """One quantized variant of `model` per recipe, built to share memory: the variants share one copy of
     the tensors no recipe replaces (embeddings, norms, biases), and weights quantized the same way (the
     layers left in 16-bit) are stored once. `model` itself is left as it was, and no variant refers to
@@ -405,8 +479,12 @@ def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Cali
     # Linear weights are replaced in every variant: referenced until then. Everything else is copied, so
     # that nothing of `model` stays referenced (its weights may be a memory map of the checkpoint, which
     # one remaining tensor would keep whole).
-    kept = {id(t) for m in model.modules() if not quantizable(m)
-            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}  # a tied lm_head's embedding too
+    kept = {
+        id(t)
+        for m in model.modules()
+        if not quantizable(m)
+        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
+    }  # a tied lm_head's embedding too
     kept |= {id(m.bias) for m in model.modules() if quantizable(m) and m.bias is not None}
 
     def copy_of(t: torch.Tensor) -> torch.Tensor:
@@ -418,8 +496,10 @@ def quantize_variants(model: nn.Module, recipes: list[Recipe], calibration: Cali
 
     tensors = {id(t): copy_of(t) for t in (*model.parameters(), *model.buffers())}
     weight_cache: dict = {}
-    return {r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache, matmul, target)
-            for r in recipes}
+    return {
+        r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache, matmul, target)
+        for r in recipes
+    }
 
 
 class GroupedExperts:
@@ -437,16 +517,23 @@ class GroupedExperts:
         first = first_group[0]
         self.inputs, self.round_inputs = first.inputs, first.round_inputs
         self.codes = torch.stack([stack([group[e].weight_codes for group in layers]) for e in range(len(first_group))])
-        self.weight_scale = torch.stack([stack([group[e].weight_scale.reshape(-1, 1).expand(group[e].out_features, 1)
-                                                for group in layers]) for e in range(len(first_group))])
+        self.weight_scale = torch.stack(
+            [
+                stack([group[e].weight_scale.reshape(-1, 1).expand(group[e].out_features, 1) for group in layers])
+                for e in range(len(first_group))
+            ]
+        )
         self.input_scale = torch.stack([m.input_scale for m in first_group]).reshape(-1, 1)
         biases = [[group[e].bias for group in layers] for e in range(len(first_group))]
         self.bias = None if first.bias is None else torch.stack([stack(b) for b in biases])
         rows = sum(group[0].out_features for group in layers)
         for e in range(len(first_group)):  # the QuantLinears now read their codes from the stack
             for i, group in enumerate(layers):
-                part = (slice(i * group[e].out_features, (i + 1) * group[e].out_features) if concatenated
-                        else slice(i, rows, len(layers)))
+                part = (
+                    slice(i * group[e].out_features, (i + 1) * group[e].out_features)
+                    if concatenated
+                    else slice(i, rows, len(layers))
+                )
                 group[e].weight_codes = self.codes[e, part]
 
     def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -472,8 +559,9 @@ def grouped_experts(experts, layers: dict[str, list]) -> dict[str, GroupedExpert
             return None
         if len({(m.weights, m.inputs, m.round_inputs, m.weight_codes.dtype, m.weight_codes.device) for m in ms}) != 1:
             return None
-        if not isinstance(ms[0].weights.granularity, (gr.PerTensor, gr.PerChannel)) or \
-                isinstance(ms[0].inputs.granularity, gr.PerGroup):
+        if not isinstance(ms[0].weights.granularity, (gr.PerTensor, gr.PerChannel)) or isinstance(
+            ms[0].inputs.granularity, gr.PerGroup
+        ):
             return None  # group and block scales: the experts run one by one
         if not all(torch.equal(g[e].input_scale, group[0][e].input_scale) for g in group for e in range(len(g))):
             return None  # gate and up read the same input: one scale (they always agree when calibrated together)

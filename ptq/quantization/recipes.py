@@ -88,8 +88,10 @@ class Recipe:
     @property
     def needs_calibration(self) -> bool:
         """Static scales come from calibration; 16-bit formats, dynamic and unscaled ones need none."""
-        return (any(q is not None and q.static for q in (self.inputs, self.attention, self.kv_cache, self.residual))
-                or self.smoothquant is not None)
+        return (
+            any(q is not None and q.static for q in (self.inputs, self.attention, self.kv_cache, self.residual))
+            or self.smoothquant is not None
+        )
 
     @property
     def beyond_linear(self) -> list[str]:
@@ -99,8 +101,9 @@ class Recipe:
 
     def selects(self, name: str) -> bool:
         """Layer selection by name: matches an `include` pattern and no `ignore` pattern."""
-        return (any(fnmatch.fnmatchcase(name, p) for p in self.include)
-                and not any(fnmatch.fnmatchcase(name, p) for p in self.ignore))
+        return any(fnmatch.fnmatchcase(name, p) for p in self.include) and not any(
+            fnmatch.fnmatchcase(name, p) for p in self.ignore
+        )
 
     def targets_module(self, name: str, module: nn.Module) -> bool:
         """Whether the recipe quantizes this Linear layer of a linearized model (ptq.models.matmuls): its kind is
@@ -132,7 +135,9 @@ def load_recipe(name_or_path: str) -> Recipe:
     if not (path.suffix in (".yaml", ".yml") or path.exists()):
         path = recipes_dir() / f"{name_or_path}.yaml"
         if not path.is_file():
-            raise PtqError(f"unknown recipe '{name_or_path}' (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml file)")
+            raise PtqError(
+                f"unknown recipe '{name_or_path}' (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml file)"
+            )
     if not path.is_file():
         raise PtqError(f"recipe file {path} does not exist")
     try:
@@ -149,19 +154,29 @@ def load_recipe(name_or_path: str) -> Recipe:
 def with_kv_cache(recipe: Recipe, option: str) -> Recipe:
     """`recipe` with an E4M3 KV cache (K and V after RoPE, static scales per tensor or per KV head)."""
     if recipe.weights.format.kind != "float" or not recipe.weights.format.scaled:
-        raise PtqError(f"+{option} adds an FP8 KV cache to an FP8 recipe; '{recipe.name}' stores weights as "
-                       f"{recipe.weights.format.name}")
+        raise PtqError(
+            f"+{option} adds an FP8 KV cache to an FP8 recipe; '{recipe.name}' stores weights as "
+            f"{recipe.weights.format.name}"
+        )
     if recipe.kv_cache is not None:
         raise PtqError(f"recipe '{recipe.name}' already quantizes the KV cache ({recipe.kv_cache.describe()})")
     kv = TensorQuant(get_format("e4m3"), PerHead() if KV_CACHE_OPTIONS[option] == "head" else PerTensor())
-    return dataclasses.replace(recipe, name=f"{recipe.name}+{option}", kv_cache=kv,
-                               description=f"{recipe.description}; E4M3 KV cache, {kv.granularity.describe()} scales")
+    return dataclasses.replace(
+        recipe,
+        name=f"{recipe.name}+{option}",
+        kv_cache=kv,
+        description=f"{recipe.description}; E4M3 KV cache, {kv.granularity.describe()} scales",
+    )
 
 
 def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
     where = f"recipe {source}"
-    fields = _mapping(data, where, required={"name", "weights", "inputs"},
-                      optional={"description", "targets", "ignore", "include", "attention", "kv_cache", "smoothquant", "residual"})
+    fields = _mapping(
+        data,
+        where,
+        required={"name", "weights", "inputs"},
+        optional={"description", "targets", "ignore", "include", "attention", "kv_cache", "smoothquant", "residual"},
+    )
     name = _string(fields["name"], f"{where}: 'name'")
     # SmoothQuant folds one factor per input channel into a layer: experts (routed inputs) are not targeted by default
     default_targets = [k for k in KINDS if k != "Experts"] if "smoothquant" in fields else list(KINDS)
@@ -182,7 +197,9 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
                     raise PtqError(f"{where}: unknown attention tensor '{t}' (known: {', '.join(ATTENTION_TENSORS)})")
         attention = _tensor_quant(spec, f"{where}: 'attention'", role="activations")
     kv_cache = _tensor_quant(fields["kv_cache"], f"{where}: 'kv_cache'", role="kv") if "kv_cache" in fields else None
-    residual = _tensor_quant(fields["residual"], f"{where}: 'residual'", role="activations") if "residual" in fields else None
+    residual = (
+        _tensor_quant(fields["residual"], f"{where}: 'residual'", role="activations") if "residual" in fields else None
+    )
     smoothquant = None
     if "smoothquant" in fields:
         sq = _mapping(fields["smoothquant"], f"{where}: 'smoothquant'", required={"alpha"}, optional=set())
@@ -190,11 +207,15 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         if isinstance(smoothquant, bool) or not isinstance(smoothquant, (int, float)) or not 0 <= smoothquant <= 1:
             raise PtqError(f"{where}: smoothquant.alpha must be a number in [0, 1], not {reprlib.repr(smoothquant)}")
         if not inputs.static or inputs.observer != "max":
-            raise PtqError(f"{where}: smoothquant needs static inputs calibrated with observer 'max' "
-                           "(the smoothed amax is derived from per-channel maxima)")
+            raise PtqError(
+                f"{where}: smoothquant needs static inputs calibrated with observer 'max' "
+                "(the smoothed amax is derived from per-channel maxima)"
+            )
         if "Experts" in targets:
-            raise PtqError(f"{where}: smoothquant applies to Linear and Conv1D targets (experts' inputs are routed per "
-                           "expert, so one smoothing factor per channel does not fold into the layer before them)")
+            raise PtqError(
+                f"{where}: smoothquant applies to Linear and Conv1D targets (experts' inputs are routed per "
+                "expert, so one smoothing factor per channel does not fold into the layer before them)"
+            )
         smoothquant = float(smoothquant)
     return Recipe(
         name=name,
@@ -227,36 +248,61 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
         raise PtqError(f"{where}: per-head scales apply to the KV cache's K and V, static (from calibration)")
     if role == "weights":
         if name == "token":
-            raise PtqError(f"{where}: per-token scales apply to activations; weights use tensor, channel, group or block")
+            raise PtqError(
+                f"{where}: per-token scales apply to activations; weights use tensor, channel, group or block"
+            )
     elif name in ("channel", "block"):
-        raise PtqError(f"{where}: per-{name} scales apply to weights only (an input's scale must factor out of the "
-                       "matmul: per tensor, per token or per group along the reduction dimension)")
+        raise PtqError(
+            f"{where}: per-{name} scales apply to weights only (an input's scale must factor out of the "
+            "matmul: per tensor, per token or per group along the reduction dimension)"
+        )
     elif name in ("token", "group") and not dynamic:
-        raise PtqError(f"{where}: per-{name} input scales are computed on the fly: set 'dynamic: true' "
-                       "(calibration gives one static scale per tensor)")
+        raise PtqError(
+            f"{where}: per-{name} input scales are computed on the fly: set 'dynamic: true' "
+            "(calibration gives one static scale per tensor)"
+        )
     if role in ("activations", "kv") and name == "group":
         raise PtqError(f"{where}: per-group scales apply to matmul weights and inputs")
     if name == "group":
         size = fields.get("group_size")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise PtqError(f"{where}: granularity 'group' needs 'group_size', a positive integer, "
-                           f"not {reprlib.repr(size)}")
+            raise PtqError(
+                f"{where}: granularity 'group' needs 'group_size', a positive integer, not {reprlib.repr(size)}"
+            )
         return PerGroup(size)
     if name == "block":
         size = fields.get("block_size")
-        if (not isinstance(size, list) or len(size) != 2
-                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in size)):
-            raise PtqError(f"{where}: granularity 'block' needs 'block_size', two positive integers "
-                           f"[rows, columns], not {reprlib.repr(size)}")
+        if (
+            not isinstance(size, list)
+            or len(size) != 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in size)
+        ):
+            raise PtqError(
+                f"{where}: granularity 'block' needs 'block_size', two positive integers "
+                f"[rows, columns], not {reprlib.repr(size)}"
+            )
         return PerBlock(*size)
     return {"tensor": PerTensor(), "channel": PerChannel(), "token": PerToken(), "head": PerHead()}[name]
 
 
 def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
     """role: "weights", "inputs" (matmul inputs) or "activations" (attention, KV cache, residual inputs)."""
-    fields = _mapping(data, where, required={"format"},
-                      optional={"granularity", "group_size", "block_size", "saturate", "observer", "percentile",
-                                "dynamic", "scale", "scale_format"})
+    fields = _mapping(
+        data,
+        where,
+        required={"format"},
+        optional={
+            "granularity",
+            "group_size",
+            "block_size",
+            "saturate",
+            "observer",
+            "percentile",
+            "dynamic",
+            "scale",
+            "scale_format",
+        },
+    )
     try:
         fmt = get_format(_string(fields["format"], f"{where}.format"))
     except PtqError as e:
@@ -293,12 +339,24 @@ def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
         raise PtqError(f"{where}: {fmt.name} is not scaled; 'scale: {scale}' applies to 8-bit formats")
     scale_format = fields.get("scale_format", "fp32")
     if scale_format not in SCALE_FORMATS:
-        raise PtqError(f"{where}: unknown scale_format {reprlib.repr(scale_format)} (known: {', '.join(SCALE_FORMATS)})")
+        raise PtqError(
+            f"{where}: unknown scale_format {reprlib.repr(scale_format)} (known: {', '.join(SCALE_FORMATS)})"
+        )
     if scale_format == "e8m0" and (scale != "amax" or fmt.kind != "float" or not fmt.scaled):
-        raise PtqError(f"{where}: scale_format 'e8m0' is the MX power-of-two scale of an 8-bit float format "
-                       "(its rule is fixed: leave 'scale' at amax)")
-    return TensorQuant(format=fmt, granularity=granularity, saturate=saturate, observer=observer,
-                       percentile=float(percentile), dynamic=dynamic, scale=scale, scale_format=scale_format)
+        raise PtqError(
+            f"{where}: scale_format 'e8m0' is the MX power-of-two scale of an 8-bit float format "
+            "(its rule is fixed: leave 'scale' at amax)"
+        )
+    return TensorQuant(
+        format=fmt,
+        granularity=granularity,
+        saturate=saturate,
+        observer=observer,
+        percentile=float(percentile),
+        dynamic=dynamic,
+        scale=scale,
+        scale_format=scale_format,
+    )
 
 
 def _mapping(data: object, where: str, required: set[str], optional: set[str]) -> dict:

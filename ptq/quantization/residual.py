@@ -24,8 +24,11 @@ def _child(block: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
 
 def residual_blocks(model: nn.Module) -> dict[str, nn.Module]:
     """Decoder blocks with the pre-norm layout above, by module name."""
-    return {name: m for name, m in model.named_modules()
-            if all(_child(m, names) is not None for names in (_ATTN, _MLP, _NORM2))}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if all(_child(m, names) is not None for names in (_ATTN, _MLP, _NORM2))
+    }
 
 
 def install(model: nn.Module, quantizers: dict[str, dict[str, Callable]]) -> list:
@@ -40,15 +43,20 @@ def install(model: nn.Module, quantizers: dict[str, dict[str, Callable]]) -> lis
                 if args:
                     return (q(args[0]), *args[1:]), kwargs
                 return args, kwargs | {"hidden_states": q(kwargs["hidden_states"])}
+
             handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         for tensor, child in (("attn_out", _child(block, _ATTN)), ("mlp_out", _child(block, _MLP))):
             if tensor in qs:
+
                 def post(module, args, output, q=qs[tensor]):
                     return (q(output[0]), *output[1:]) if isinstance(output, tuple) else q(output)
+
                 handles.append(child.register_forward_hook(post))
         if "mid" in qs:
+
             def mid(module, args, q=qs["mid"]):
                 with torch.no_grad():
                     args[0].copy_(q(args[0]))  # in place: the residual operand is this same tensor
+
             handles.append(_child(block, _NORM2).register_forward_pre_hook(mid))
     return handles

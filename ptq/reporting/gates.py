@@ -31,16 +31,24 @@ class Limits:
     max_kl: float | None = None
 
     def any(self) -> bool:
-        return (self.max_ppl_increase_pct is not None or self.min_accuracy_recovery_pct is not None
-                or bool(self.task_accuracy_recovery_pct) or self.max_kl is not None)
+        return (
+            self.max_ppl_increase_pct is not None
+            or self.min_accuracy_recovery_pct is not None
+            or bool(self.task_accuracy_recovery_pct)
+            or self.max_kl is not None
+        )
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict) -> Limits:
-        return cls(data.get("max_ppl_increase_pct"), data.get("min_accuracy_recovery_pct"),
-                   dict(data.get("task_accuracy_recovery_pct") or {}), data.get("max_kl"))
+        return cls(
+            data.get("max_ppl_increase_pct"),
+            data.get("min_accuracy_recovery_pct"),
+            dict(data.get("task_accuracy_recovery_pct") or {}),
+            data.get("max_kl"),
+        )
 
     def describe(self) -> list[str]:
         parts = []
@@ -88,8 +96,9 @@ def parse_percent(value: str, option: str) -> float:
     return number
 
 
-def parse_limits(max_ppl_increase: str | None = None, min_accuracy_recovery: list[str] | None = None,
-                 max_kl: str | None = None) -> Limits:
+def parse_limits(
+    max_ppl_increase: str | None = None, min_accuracy_recovery: list[str] | None = None, max_kl: str | None = None
+) -> Limits:
     """The CLI's gate options -> Limits. min_accuracy_recovery entries are 'P%' or 'TASK=P%'."""
     default, per_task = None, {}
     for entry in min_accuracy_recovery or []:
@@ -100,7 +109,9 @@ def parse_limits(max_ppl_increase: str | None = None, min_accuracy_recovery: lis
         if sep:
             per_task[task.strip()] = pct
         elif default is not None:
-            raise PtqError("--min-accuracy-recovery: give one limit for all tasks (99%) and per-task limits as TASK=99%")
+            raise PtqError(
+                "--min-accuracy-recovery: give one limit for all tasks (99%) and per-task limits as TASK=99%"
+            )
         else:
             default = pct
     kl = None
@@ -154,12 +165,24 @@ def check(results: dict, limits: Limits) -> list[Check]:
     for v in results["variants"]:
         name = v["name"]
         if limits.max_ppl_increase_pct is not None:
-            checks.append(Check(name, "ppl_delta_pct", None, v["ppl_delta_pct"], limits.max_ppl_increase_pct,
-                                v["ppl_delta_pct"] <= limits.max_ppl_increase_pct))
+            checks.append(
+                Check(
+                    name,
+                    "ppl_delta_pct",
+                    None,
+                    v["ppl_delta_pct"],
+                    limits.max_ppl_increase_pct,
+                    v["ppl_delta_pct"] <= limits.max_ppl_increase_pct,
+                )
+            )
         accuracies = {(NEXT_TOKEN, None): (v["accuracy"], base["accuracy"])}
         variant_tasks = task_scores(v)
-        accuracies |= {(t, m): (variant_tasks[t][m]["value"], s["value"]) for t, metrics in base_tasks.items()
-                       for m, s in metrics.items() if m in variant_tasks.get(t, {}) and higher_is_better(m)}
+        accuracies |= {
+            (t, m): (variant_tasks[t][m]["value"], s["value"])
+            for t, metrics in base_tasks.items()
+            for m, s in metrics.items()
+            if m in variant_tasks.get(t, {}) and higher_is_better(m)
+        }
         for (task, metric), (acc, base_acc) in accuracies.items():
             limit = limits.task_accuracy_recovery_pct.get(task, limits.min_accuracy_recovery_pct)
             if limit is not None:

@@ -18,8 +18,11 @@ from ptq.numerics.formats import get_format
 from ptq.reporting.gates import Limits
 
 PLOT_NAMES = ("metrics", "layer-amax", "layer-snr")
-TITLES = {"metrics": "Metrics per recipe", "layer-amax": "Per-layer amax against each format's max",
-          "layer-snr": "Per-layer quantization SNR"}
+TITLES = {
+    "metrics": "Metrics per recipe",
+    "layer-amax": "Per-layer amax against each format's max",
+    "layer-snr": "Per-layer quantization SNR",
+}
 COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
 
 
@@ -79,10 +82,12 @@ def metrics_figure(results: dict):
     entries = [base, *variants]
     names = [e["name"] for e in entries]
     limits = Limits.from_json(results["gates"]["limits"]) if results.get("gates") else Limits()
-    panels = [("perplexity", "perplexity (lower is better)", 1.0),
-              ("accuracy", "next-token accuracy (%)", 100.0),
-              ("kl_div", f"KL vs {base['name']} (nats/token)", 1.0),
-              ("top1_agreement", f"top-1 agreement with {base['name']} (%)", 100.0)]
+    panels = [
+        ("perplexity", "perplexity (lower is better)", 1.0),
+        ("accuracy", "next-token accuracy (%)", 100.0),
+        ("kl_div", f"KL vs {base['name']} (nats/token)", 1.0),
+        ("top1_agreement", f"top-1 agreement with {base['name']} (%)", 100.0),
+    ]
     fig, axes = _figure(11, 6.5, 2, 2)
     for ax, (key, label, factor) in zip(axes, panels):
         rows = [(i, e) for i, e in enumerate(entries) if isinstance(e.get(key), (int, float))]
@@ -95,7 +100,9 @@ def metrics_figure(results: dict):
                 err[0][j], err[1][j] = factor * e[key] - factor * ci[0], factor * ci[1] - factor * e[key]
         ax.bar(xs, ys, color=[COLORS[i % len(COLORS)] for i in xs], yerr=err if any(map(any, err)) else None, capsize=4)
         for x, y in zip(xs, ys):
-            ax.annotate(f"{y:.4g}", (x, y), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                f"{y:.4g}", (x, y), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points"
+            )
         limit = _limit_line(key, base, limits)
         if limit is not None:
             ax.axhline(factor * limit, color="#c44e52", linestyle="--", linewidth=1, label="gate")
@@ -103,8 +110,11 @@ def metrics_figure(results: dict):
         ax.set_xticks(range(len(names)), names)
         ax.set_title(label, fontsize=10)
         ax.margins(y=0.15)
-    fig.suptitle(f"{results['model']['name']}: {results['eval']['windows']} windows x {results['eval']['seq_len']} tokens"
-                 + ("; bars show intervals where results carry them" if _has_ci(entries) else ""), fontsize=11)
+    fig.suptitle(
+        f"{results['model']['name']}: {results['eval']['windows']} windows x {results['eval']['seq_len']} tokens"
+        + ("; bars show intervals where results carry them" if _has_ci(entries) else ""),
+        fontsize=11,
+    )
     return fig
 
 
@@ -127,8 +137,18 @@ def amax_figure(results: dict):
     names = [row["layer"] for row in layers]
     fig, (ax,) = _figure(11, 4.5)
     xs = range(len(layers))
-    ax.plot(xs, [row["input_amax"] for row in layers], "o-", markersize=3, linewidth=1, color=COLORS[0], label="input amax")
-    ax.plot(xs, [row["weight_amax"] for row in layers], "s-", markersize=3, linewidth=1, color=COLORS[1], label="weight amax")
+    ax.plot(
+        xs, [row["input_amax"] for row in layers], "o-", markersize=3, linewidth=1, color=COLORS[0], label="input amax"
+    )
+    ax.plot(
+        xs,
+        [row["weight_amax"] for row in layers],
+        "s-",
+        markersize=3,
+        linewidth=1,
+        color=COLORS[1],
+        label="weight amax",
+    )
     formats = []
     for v in results["variants"]:
         for part in ("weights", "inputs"):
@@ -136,14 +156,22 @@ def amax_figure(results: dict):
             if fmt not in formats and get_format(fmt).scaled:
                 formats.append(fmt)
     for i, fmt in enumerate(formats):
-        ax.axhline(get_format(fmt).max, color=COLORS[(i + 3) % len(COLORS)], linestyle="--", linewidth=1,
-                   label=f"{fmt} max ({get_format(fmt).max:g})")
+        ax.axhline(
+            get_format(fmt).max,
+            color=COLORS[(i + 3) % len(COLORS)],
+            linestyle="--",
+            linewidth=1,
+            label=f"{fmt} max ({get_format(fmt).max:g})",
+        )
     ax.set_yscale("log")
     ax.set_ylabel("amax = max |x| (log scale)")
     _block_ticks(ax, names)
     ax.legend(fontsize=8, loc="best")
-    ax.set_title("Per-layer amax from calibration; a static per-tensor scale maps each amax onto the format's max "
-                 "(without a scale, values above the max would saturate)", fontsize=9)
+    ax.set_title(
+        "Per-layer amax from calibration; a static per-tensor scale maps each amax onto the format's max "
+        "(without a scale, values above the max would saturate)",
+        fontsize=9,
+    )
     return fig
 
 
@@ -163,11 +191,20 @@ def snr_figure(results: dict):
         for part, style in (("weights", "s-"), ("inputs", "o--")):
             points = [(index[n], db) for n, db in snr.get(part, {}).items() if db is not None]
             if points:
-                ax.plot(*zip(*points), style, markersize=3, linewidth=1, color=COLORS[(i + 1) % len(COLORS)],
-                        label=f"{v['name']} {part}")
+                ax.plot(
+                    *zip(*points),
+                    style,
+                    markersize=3,
+                    linewidth=1,
+                    color=COLORS[(i + 1) % len(COLORS)],
+                    label=f"{v['name']} {part}",
+                )
     ax.set_ylabel("SNR (dB, higher is better)")
     _block_ticks(ax, order)
     ax.legend(fontsize=8, loc="best")
-    ax.set_title("Quantization SNR per layer: weights; inputs on each variant's own activations over the first "
-                 f"{windows} evaluation windows", fontsize=9)
+    ax.set_title(
+        "Quantization SNR per layer: weights; inputs on each variant's own activations over the first "
+        f"{windows} evaluation windows",
+        fontsize=9,
+    )
     return fig

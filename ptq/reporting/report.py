@@ -27,8 +27,12 @@ def write_report(out_dir: Path, results: dict, force: bool, plots: bool = True, 
         check_writable(path, force)
     links = _write_plots(results, report) if plots else {}
     # results.json and report.md are renamed into place together, once both are complete.
-    write_texts_atomic({results_file: json.dumps(results, indent=2, sort_keys=False) + "\n",
-                        report: render(results) if render else render_markdown(results, None, links)})
+    write_texts_atomic(
+        {
+            results_file: json.dumps(results, indent=2, sort_keys=False) + "\n",
+            report: render(results) if render else render_markdown(results, None, links),
+        }
+    )
     return report, results_file
 
 
@@ -42,8 +46,9 @@ def report_outputs(report: Path, results: dict, plots: bool) -> list[Path]:
     return [Path(report)] + [paths[name] for name in available(results)]
 
 
-def write_markdown(report: Path, results: dict, previous: dict | None = None, plots: bool = True,
-                   force: bool = False) -> Path:
+def write_markdown(
+    report: Path, results: dict, previous: dict | None = None, plots: bool = True, force: bool = False
+) -> Path:
     """report.md (and its plots, unless plots=False) at `report`, linked by relative path."""
     report = Path(report)
     for path in report_outputs(report, results, plots):
@@ -71,7 +76,9 @@ def load_results(path: Path, what: str = "results file") -> dict:
         raise PtqError(f"{path} is not a readable JSON {what}: {str(e).splitlines()[0]}") from None
     keys = ("model", "eval", "baseline", "variants", "protocol", "versions", "created")
     if not isinstance(results, dict) or any(k not in results for k in keys):
-        raise PtqError(f"{path} is not a ptq results file (expected the keys {', '.join(keys)} of `ptq compare`'s results.json)")
+        raise PtqError(
+            f"{path} is not a ptq results file (expected the keys {', '.join(keys)} of `ptq compare`'s results.json)"
+        )
     return results
 
 
@@ -137,13 +144,17 @@ def results_table(r: dict, checks: list[Check]) -> list[str]:
         fails = [c for c in checks if c.variant == name and not c.passed]
         mark = f" {FAIL}" if fails else (f" {PASS}" if any(c.variant == name for c in checks) else "")
         recovery = 100 * v["accuracy"] / base["accuracy"] if base["accuracy"] > 0 else 100.0
-        cell = {m: [c for c in by_cell.get((name, m), []) if not c.passed] for m in ("ppl_delta_pct", "accuracy_recovery_pct", "kl_div")}
+        cell = {
+            m: [c for c in by_cell.get((name, m), []) if not c.passed]
+            for m in ("ppl_delta_pct", "accuracy_recovery_pct", "kl_div")
+        }
         ppl_delta = _cell(f"{v['ppl_delta_pct']:+.2f}%", cell["ppl_delta_pct"])
         recovery = _cell(f"{recovery:.2f}%", cell["accuracy_recovery_pct"])
         kl = _cell(f"{v['kl_div']:.5f}", cell["kl_div"])
         lines.append(
             f"| {name}{mark} | {v['recipe']['weights']} | {v['recipe']['inputs']} | {v['perplexity']:.4f} "
-            f"| {ppl_delta} | {100 * v['accuracy']:.2f}% | {recovery} | {kl} | {100 * v['top1_agreement']:.2f}% |")
+            f"| {ppl_delta} | {100 * v['accuracy']:.2f}% | {recovery} | {kl} | {100 * v['top1_agreement']:.2f}% |"
+        )
     return lines
 
 
@@ -151,9 +162,11 @@ def gates_note(r: dict) -> str:
     from ptq.reporting.gates import Limits
 
     limits = Limits.from_json(r["gates"]["limits"])
-    return ("<sub>Gates: " + "; ".join(limits.describe()) + ". Δ ppl = ppl_variant / ppl_baseline - 1; "
-            "accuracy recovery = accuracy_variant / accuracy_baseline (next-token accuracy and each task); "
-            "KL = mean KL(baseline || variant) per token. A gate judges the measured value, not its interval.</sub>")
+    return (
+        "<sub>Gates: " + "; ".join(limits.describe()) + ". Δ ppl = ppl_variant / ppl_baseline - 1; "
+        "accuracy recovery = accuracy_variant / accuracy_baseline (next-token accuracy and each task); "
+        "KL = mean KL(baseline || variant) per token. A gate judges the measured value, not its interval.</sub>"
+    )
 
 
 def _fmt(metric: str, value: float) -> str:
@@ -187,20 +200,30 @@ def trend_section(t: dict, previous: dict) -> list[str]:
     beyond = [m for m in judged if m.beyond_intervals]
     lines = [f"## Trend vs the previous run ({previous.get('created', '?')})", ""]
     if judged:
-        lines.append(f"{len(beyond)} of {len(judged)} changes with intervals on both runs are beyond them (the intervals "
-                     "do not overlap); changes without intervals are shown unjudged.")
+        lines.append(
+            f"{len(beyond)} of {len(judged)} changes with intervals on both runs are beyond them (the intervals "
+            "do not overlap); changes without intervals are shown unjudged."
+        )
     else:
         lines.append("These results carry no intervals: plain changes, not judged against noise.")
     if t["setup_changes"]:
-        lines.append(f"{MOVED} The runs differ in setup ({'; '.join(t['setup_changes'])}): changes mix the code change with that.")
+        lines.append(
+            f"{MOVED} The runs differ in setup ({'; '.join(t['setup_changes'])}): changes mix the code change with that."
+        )
     if t["only_now"] or t["only_before"]:
         lines.append(f"New: {', '.join(t['only_now']) or 'none'}; gone: {', '.join(t['only_before']) or 'none'}.")
     lines += ["", "| recipe | metric | previous | now | change | beyond intervals |", "|---|---|---:|---:|---:|:---:|"]
     for m in moves:
         label = (m.task if " " in m.task else f"{m.task} accuracy") if m.task else LABELS[m.metric]
-        flag = "—" if m.beyond_intervals is None else (f"{MOVED} {'worse' if m.worse else 'better'}" if m.beyond_intervals else "no")
-        lines.append(f"| {m.entry} | {label} | {_fmt(m.metric, m.previous)}{_ci_text(m.previous_ci, m.metric)} "
-                     f"| {_fmt(m.metric, m.current)}{_ci_text(m.current_ci, m.metric)} | {_fmt_change(m)} | {flag} |")
+        flag = (
+            "—"
+            if m.beyond_intervals is None
+            else (f"{MOVED} {'worse' if m.worse else 'better'}" if m.beyond_intervals else "no")
+        )
+        lines.append(
+            f"| {m.entry} | {label} | {_fmt(m.metric, m.previous)}{_ci_text(m.previous_ci, m.metric)} "
+            f"| {_fmt(m.metric, m.current)}{_ci_text(m.current_ci, m.metric)} | {_fmt_change(m)} | {flag} |"
+        )
     return lines
 
 
@@ -216,27 +239,46 @@ def details_sections(r: dict) -> list[str]:
     model += [f"- Evaluation text: {ev['data']} (sha256 `{ev['data_sha256'][:16]}`).", f"- Device: {r['device']}."]
     out += _details("Model and data", model)
     if cal:
-        body = [f"- {cal['source']}",
-                f"- Text: {cal['data']} (sha256 `{str(cal['data_sha256'])[:16]}`), {cal['windows']} windows x {cal['seq_len']} tokens = {cal['tokens']:,} tokens.",
-                f"- {cal['summary']['layers']} layers; input amax across layers: min {cal['summary']['input_amax_min']:.4g}, "
-                f"median {cal['summary']['input_amax_median']:.4g}, max {cal['summary']['input_amax_max']:.4g}.",
-                "", "Largest input amax:", "", "| layer | input amax | weight amax |", "|---|---:|---:|"]
-        body += [f"| `{row['layer']}` | {row['input_amax']:.4g} | {row['weight_amax']:.4g} |" for row in cal["summary"]["largest"]]
+        body = [
+            f"- {cal['source']}",
+            f"- Text: {cal['data']} (sha256 `{str(cal['data_sha256'])[:16]}`), {cal['windows']} windows x {cal['seq_len']} tokens = {cal['tokens']:,} tokens.",
+            f"- {cal['summary']['layers']} layers; input amax across layers: min {cal['summary']['input_amax_min']:.4g}, "
+            f"median {cal['summary']['input_amax_median']:.4g}, max {cal['summary']['input_amax_max']:.4g}.",
+            "",
+            "Largest input amax:",
+            "",
+            "| layer | input amax | weight amax |",
+            "|---|---:|---:|",
+        ]
+        body += [
+            f"| `{row['layer']}` | {row['input_amax']:.4g} | {row['weight_amax']:.4g} |"
+            for row in cal["summary"]["largest"]
+        ]
         body += faults_lines(cal.get("faults") or {})
         out += _details("Calibration", body)
     snr = [v for v in r["variants"] if v.get("snr_db")]
     if snr:
-        body = ["Median and worst quantization SNR over the quantized layers (dB; see the SNR plot for every layer):", "",
-                "| variant | weights median | weights worst (layer) | inputs median | inputs worst (layer) |", "|---|---:|---:|---:|---:|"]
+        body = [
+            "Median and worst quantization SNR over the quantized layers (dB; see the SNR plot for every layer):",
+            "",
+            "| variant | weights median | weights worst (layer) | inputs median | inputs worst (layer) |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for v in snr:
-            body.append(f"| {v['name']} | " + " | ".join(_snr_summary(v["snr_db"].get(part, {})) for part in ("weights", "inputs")) + " |")
+            body.append(
+                f"| {v['name']} | "
+                + " | ".join(_snr_summary(v["snr_db"].get(part, {})) for part in ("weights", "inputs"))
+                + " |"
+            )
         out += _details("Per-layer SNR", body)
     coverage, diagnostics = render_coverage(r), render_diagnostics(r)
     if coverage:
         out += _details("Coverage beyond Linear layers", coverage)
     if diagnostics:
         out += _details("Per-tensor diagnostics (calibration data)", diagnostics)
-    out += _details("Versions", [", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}."])
+    out += _details(
+        "Versions", [", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}."]
+    )
     return out
 
 
@@ -251,14 +293,22 @@ def _snr_summary(values: dict[str, float | None]) -> str:
 
 def faults_lines(faults: dict) -> list[str]:
     """What calibration worked around (ptq.calibration.calibrate's fault rules), so no fallback goes unnoticed."""
-    unseen, skipped, warnings = faults.get("unseen_layers", []), faults.get("nonfinite_batches", {}), faults.get("warnings", [])
+    unseen, skipped, warnings = (
+        faults.get("unseen_layers", []),
+        faults.get("nonfinite_batches", {}),
+        faults.get("warnings", []),
+    )
     if not (unseen or skipped or warnings):
         return []
     lines = ["", "### Calibration faults", ""]
-    lines += [f"- Layer `{u['layer']}` received no calibration data: input amax {u['input_amax']:.4g} "
-              f"({u['rule']})." for u in unseen]
-    lines += [f"- Layer `{layer}`: {n} calibration batch(es) with NaN/inf inputs left out (--on-nonfinite skip)."
-              for layer, n in skipped.items()]
+    lines += [
+        f"- Layer `{u['layer']}` received no calibration data: input amax {u['input_amax']:.4g} ({u['rule']})."
+        for u in unseen
+    ]
+    lines += [
+        f"- Layer `{layer}`: {n} calibration batch(es) with NaN/inf inputs left out (--on-nonfinite skip)."
+        for layer, n in skipped.items()
+    ]
     lines += [f"- Warning: {w}." for w in warnings]
     return lines
 
@@ -276,16 +326,25 @@ def render_model_card(e: dict) -> str:
 
     rec, fmt, cal, size, ver = e["recipe"], e["format"], e["calibration"], e["size"], e["verification"]
     lines = [
-        "---", "library_name: transformers", "tags: [ptq, compressed-tensors, "
-        + ("fp8" if fmt["format"] == "float-quantized" else "int8") + "]", "---", "",
-        f"# {e['model']['name']} — {rec['name']} (ptq {e['versions']['ptq']})", "",
-        f"Post-training quantized with ptq, recipe `{rec['name']}`: {rec['description']}.", "",
-        "| | |", "|---|---|",
+        "---",
+        "library_name: transformers",
+        "tags: [ptq, compressed-tensors, " + ("fp8" if fmt["format"] == "float-quantized" else "int8") + "]",
+        "---",
+        "",
+        f"# {e['model']['name']} — {rec['name']} (ptq {e['versions']['ptq']})",
+        "",
+        f"Post-training quantized with ptq, recipe `{rec['name']}`: {rec['description']}.",
+        "",
+        "| | |",
+        "|---|---|",
         f"| source model | {e['model']['source']} ({e['model']['architecture']}) |",
         f"| weights | {rec['weights']}, stored 1 byte per parameter |",
         f"| inputs (activations) | {rec['inputs']}, "
-        + ("scales computed on the fly by the engine (no `input_scale`) |" if "dynamic" in rec["inputs"]
-           else "static scale from calibration (`input_scale`) |"),
+        + (
+            "scales computed on the fly by the engine (no `input_scale`) |"
+            if "dynamic" in rec["inputs"]
+            else "static scale from calibration (`input_scale`) |"
+        ),
         f"| layers | {fmt['quantized_layers']} Linear layers quantized; left as in the source: {', '.join(f'`{n}`' for n in fmt['ignored_layers']) or 'none'} |",
         *([f"| coverage | {describe_coverage(e['coverage'])} |"] if e.get("coverage") else []),
         f"| format | compressed-tensors `{fmt['format']}` (compressed-tensors {fmt['compressed_tensors']}) |",
@@ -293,9 +352,12 @@ def render_model_card(e: dict) -> str:
         f"| size | {human_bytes(size['bytes'])} of tensors in {size['shards']} safetensors shard(s); the 16-bit checkpoint is "
         f"{human_bytes(size['bytes_16bit'])}: {human_bytes(size['bytes_saved'])} saved ({100 * size['bytes_saved'] / size['bytes_16bit']:.1f}%) |",
         f"| other tensors | unchanged from the source ({', '.join(size['other_dtypes'])}, {human_bytes(size['other_bytes'])}) |",
-        (f"| calibration | {cal['data']} (sha256 `{str(cal['data_sha256'])[:16]}`), {cal['windows']} windows x "
-         f"{cal['seq_len']} tokens = {cal['tokens']:,} tokens; {cal['source']} |" if cal.get("tokens") is not None
-         else f"| calibration | {cal['source']} |"),
+        (
+            f"| calibration | {cal['data']} (sha256 `{str(cal['data_sha256'])[:16]}`), {cal['windows']} windows x "
+            f"{cal['seq_len']} tokens = {cal['tokens']:,} tokens; {cal['source']} |"
+            if cal.get("tokens") is not None
+            else f"| calibration | {cal['source']} |"
+        ),
         "",
     ]
     lines += [f"Note: {c}" for c in e["model"]["caveats"]]
@@ -307,17 +369,23 @@ def render_model_card(e: dict) -> str:
         lines += [
             f"**{'Passed' if ver['passed'] else 'FAILED'}.** After writing, this directory was loaded with "
             f"{ver.get('loader') or 'transformers AutoModelForCausalLM.from_pretrained'} (float32, CPU, default options) and "
-            f"scored against ptq's simulation of the same recipe and calibration on {ver['description']} of {ver['data']}:", "",
-            "| | simulated (ptq) | reloaded (transformers) | limit |", "|---|---:|---:|---:|",
+            f"scored against ptq's simulation of the same recipe and calibration on {ver['description']} of {ver['data']}:",
+            "",
+            "| | simulated (ptq) | reloaded (transformers) | limit |",
+            "|---|---:|---:|---:|",
             f"| perplexity | {ver['simulated_perplexity']:.4f} | {ver['reloaded_perplexity']:.4f} | |",
         ]
         if ver.get("loader_int8_rounding"):
-            lines += [f"| perplexity, ptq's own int8 rounding ([-127, 127] inputs) | {ver['ptq_perplexity']:.4f} | "
-                      f"{ver['reloaded_perplexity']:.4f} | reported: {ver['ppl_delta_pct']:+.4f}% |"]
+            lines += [
+                f"| perplexity, ptq's own int8 rounding ([-127, 127] inputs) | {ver['ptq_perplexity']:.4f} | "
+                f"{ver['reloaded_perplexity']:.4f} | reported: {ver['ppl_delta_pct']:+.4f}% |"
+            ]
         noise = ver.get("noise_floor")
         if noise:
-            lines += [f"| float-order noise floor: {noise['what']} | {noise['ppl_delta_pct']:+.4f}% perplexity, "
-                      f"KL {noise['kl_div']:.3g}, same top-1 {100 * noise['top1_agreement']:.2f}% | | measured, not a limit |"]
+            lines += [
+                f"| float-order noise floor: {noise['what']} | {noise['ppl_delta_pct']:+.4f}% perplexity, "
+                f"KL {noise['kl_div']:.3g}, same top-1 {100 * noise['top1_agreement']:.2f}% | | measured, not a limit |"
+            ]
         lines += [
             f"| quantized tensors in the files (codes, weight_scale, input_scale) | {ver.get('tensors_checked_in_file', 0)} | "
             f"{ver.get('tensors_checked_in_file', 0) - len(ver.get('tensors_differing', []))} equal | bit for bit |",
@@ -325,9 +393,14 @@ def render_model_card(e: dict) -> str:
             f"| same top-1 token | | {100 * ver['top1_agreement']:.2f}% | ≥ {100 * tol['min_top1_agreement']:g}% |",
             f"| layers the loader runs with input quantization (static or dynamic) | {fmt['quantized_layers'] - ver.get('input_scales_checked_in_file', 0)} | "
             f"{ver['load']['input_quantized_layers']} | all |",
-            *([f"| input scales the loader does not apply (fused experts in transformers, or ptq's reader), compared with "
-               f"ptq's in the files | {ver['input_scales_checked_in_file']} | equal | bit for bit |"]
-              if ver.get("input_scales_checked_in_file") else []),
+            *(
+                [
+                    f"| input scales the loader does not apply (fused experts in transformers, or ptq's reader), compared with "
+                    f"ptq's in the files | {ver['input_scales_checked_in_file']} | equal | bit for bit |"
+                ]
+                if ver.get("input_scales_checked_in_file")
+                else []
+            ),
             "",
             "transformers (with compressed-tensors installed) decompresses the 8-bit weights to the load dtype on the first "
             "forward pass and rounds every quantized layer's input with its stored `input_scale` (clamp, then round to the "
@@ -335,42 +408,70 @@ def render_model_card(e: dict) -> str:
             "`CompressedTensorsConfig(dequantize=True)` instead drops the input scales: only the weight rounding remains.",
         ]
         if ver.get("criterion"):
-            lines += ["", f"Criterion: {ver['criterion']}. Why not a perplexity tolerance: a tolerance wide enough for "
-                      "float-order noise (the row above; 1.1% and KL 0.28 for int8 on SmolLM2) would let a wrong scale "
-                      "through (one layer's weight_scale x2 there gives KL 0.20), while the files and the same arithmetic "
-                      "in the same order catch it."]
+            lines += [
+                "",
+                f"Criterion: {ver['criterion']}. Why not a perplexity tolerance: a tolerance wide enough for "
+                "float-order noise (the row above; 1.1% and KL 0.28 for int8 on SmolLM2) would let a wrong scale "
+                "through (one layer's weight_scale x2 there gives KL 0.20), while the files and the same arithmetic "
+                "in the same order catch it.",
+            ]
         if ver.get("input_scales_checked_in_file"):
-            lines += ["", "Except where the loader has no place for an input scale: transformers merges fused experts' "
-                      "per-expert weights and weight scales but not their input scales, and does not quantize Conv1D layers "
-                      "at all (ptq's own reader then dequantizes the files' weights). For those layers the simulation takes "
-                      "inputs as they are, and their `input_scale` tensors, which vLLM applies, are compared with ptq's in the files."]
+            lines += [
+                "",
+                "Except where the loader has no place for an input scale: transformers merges fused experts' "
+                "per-expert weights and weight scales but not their input scales, and does not quantize Conv1D layers "
+                "at all (ptq's own reader then dequantizes the files' weights). For those layers the simulation takes "
+                "inputs as they are, and their `input_scale` tensors, which vLLM applies, are compared with ptq's in the files.",
+            ]
         lines += [f"- Problem: {p}" for p in ver["problems"]]
-    lines += ["", "The simulation keeps the left-out layers in the source dtype, as this checkpoint does; `ptq compare` "
-              "rounds them to bf16 like its 16-bit baseline, so its perplexity for this recipe can differ slightly."]
+    lines += [
+        "",
+        "The simulation keeps the left-out layers in the source dtype, as this checkpoint does; `ptq compare` "
+        "rounds them to bf16 like its 16-bit baseline, so its perplexity for this recipe can differ slightly.",
+    ]
     if fmt["format"] == "int-quantized":
-        lines += ["", "int8 convention: ptq uses symmetric codes in [-127, 127] (scale = amax / 127). transformers "
-                  "(compressed-tensors) and vLLM clamp inputs to [-128, 127], so an input below -127.5 x input_scale "
-                  "(beyond the calibrated range) becomes -128 there but -127 in ptq; the weights never use -128. The "
-                  "logits check above therefore simulates the loaders' input rounding, and the perplexity row with "
-                  "ptq's own rounding shows what that difference costs."]
+        lines += [
+            "",
+            "int8 convention: ptq uses symmetric codes in [-127, 127] (scale = amax / 127). transformers "
+            "(compressed-tensors) and vLLM clamp inputs to [-128, 127], so an input below -127.5 x input_scale "
+            "(beyond the calibrated range) becomes -128 there but -127 in ptq; the weights never use -128. The "
+            "logits check above therefore simulates the loaders' input rounding, and the perplexity row with "
+            "ptq's own rounding shows what that difference costs.",
+        ]
     c = e.get("compare")
     if c:
         b, v = c["baseline"], c["variant"]
-        lines += ["", "## Accuracy (ptq compare)", "",
-                  f"From `{c['file']}` (model `{c['model']}`; evaluation: {c['eval']}, sha256 `{str(c['eval_sha256'])[:16]}`); "
-                  "simulated, on the source model:", "",
-                  f"| variant | perplexity | Δ ppl vs {b['name']} | next-token acc | KL vs {b['name']} | top-1 agreement |",
-                  "|---|---:|---:|---:|---:|---:|",
-                  f"| {b['name']} (baseline) | {b['perplexity']:.4f} | | {100 * b['accuracy']:.2f}% | | |",
-                  f"| {v['name']} | {v['perplexity']:.4f} | {v['ppl_delta_pct']:+.2f}% | {100 * v['accuracy']:.2f}% "
-                  f"| {v['kl_div']:.5f} | {100 * v['top1_agreement']:.2f}% |"]
-    lines += ["", "## Use", "", "```python",
-              "from transformers import AutoModelForCausalLM, AutoTokenizer  # needs: pip install compressed-tensors",
-              "model = AutoModelForCausalLM.from_pretrained(\"PATH\")",
-              "tokenizer = AutoTokenizer.from_pretrained(\"PATH\")", "```", "",
-              "vLLM reads the same `quantization_config` (`vllm serve PATH`). With ptq, `ptq compare PATH` evaluates the "
-              "dequantized 8-bit weights as its model (its bf16 baseline is then this checkpoint's weights with 16-bit inputs).",
-              "", "## Versions", "", ", ".join(f"{k} {v}" for k, v in e["versions"].items()) + f"; created {e['created']}.", ""]
+        lines += [
+            "",
+            "## Accuracy (ptq compare)",
+            "",
+            f"From `{c['file']}` (model `{c['model']}`; evaluation: {c['eval']}, sha256 `{str(c['eval_sha256'])[:16]}`); "
+            "simulated, on the source model:",
+            "",
+            f"| variant | perplexity | Δ ppl vs {b['name']} | next-token acc | KL vs {b['name']} | top-1 agreement |",
+            "|---|---:|---:|---:|---:|---:|",
+            f"| {b['name']} (baseline) | {b['perplexity']:.4f} | | {100 * b['accuracy']:.2f}% | | |",
+            f"| {v['name']} | {v['perplexity']:.4f} | {v['ppl_delta_pct']:+.2f}% | {100 * v['accuracy']:.2f}% "
+            f"| {v['kl_div']:.5f} | {100 * v['top1_agreement']:.2f}% |",
+        ]
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer  # needs: pip install compressed-tensors",
+        'model = AutoModelForCausalLM.from_pretrained("PATH")',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH")',
+        "```",
+        "",
+        "vLLM reads the same `quantization_config` (`vllm serve PATH`). With ptq, `ptq compare PATH` evaluates the "
+        "dequantized 8-bit weights as its model (its bf16 baseline is then this checkpoint's weights with 16-bit inputs).",
+        "",
+        "## Versions",
+        "",
+        ", ".join(f"{k} {v}" for k, v in e["versions"].items()) + f"; created {e['created']}.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -386,12 +487,27 @@ def render_diagnostics(r: dict, top: int = 10) -> list[str]:
 
     lines = [f"- {d['method']}.", ""]
     for name in ("e4m3", "int8"):
-        lines += [f"Worst {top} under {name}:", "", "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
-        lines += [f"| `{t}` | {rows[t]['amax']:.4g} | {fmt_db(rows[t]['sqnr_e4m3_db'])} | {fmt_db(rows[t]['sqnr_int8_db'])} |"
-                  for t in d[f"worst_{name}"][:top]]
+        lines += [
+            f"Worst {top} under {name}:",
+            "",
+            "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| `{t}` | {rows[t]['amax']:.4g} | {fmt_db(rows[t]['sqnr_e4m3_db'])} | {fmt_db(rows[t]['sqnr_int8_db'])} |"
+            for t in d[f"worst_{name}"][:top]
+        ]
         lines.append("")
-    lines += ["<details><summary>All tensors</summary>", "", "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
-    lines += [f"| `{t}` | {row['amax']:.4g} | {fmt_db(row['sqnr_e4m3_db'])} | {fmt_db(row['sqnr_int8_db'])} |" for t, row in rows.items()]
+    lines += [
+        "<details><summary>All tensors</summary>",
+        "",
+        "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| `{t}` | {row['amax']:.4g} | {fmt_db(row['sqnr_e4m3_db'])} | {fmt_db(row['sqnr_int8_db'])} |"
+        for t, row in rows.items()
+    ]
     lines += ["", "</details>"]
     return lines
 
@@ -404,23 +520,37 @@ def coverage_lines(entries: list[dict]) -> list[str]:
     rows = [e for e in entries if e.get("coverage")]
     if not rows:
         return []
-    return ["**Coverage** (matmul weights: Linear, Conv1D, experts, lm_head, routers):", "",
-            *[f"- {e['name']}: {describe_coverage(e['coverage'])}." for e in rows], ""]
+    return [
+        "**Coverage** (matmul weights: Linear, Conv1D, experts, lm_head, routers):",
+        "",
+        *[f"- {e['name']}: {describe_coverage(e['coverage'])}." for e in rows],
+        "",
+    ]
 
 
 def render_coverage(r: dict) -> list[str]:
     """What each variant quantizes beyond Linear weights and inputs (attention, KV cache, SmoothQuant)."""
-    rows = [v for v in r["variants"] if v["recipe"].get("attention") or v["recipe"].get("kv_cache")
-            or v["recipe"].get("residual") or v["recipe"].get("smoothquant_alpha") is not None]
+    rows = [
+        v
+        for v in r["variants"]
+        if v["recipe"].get("attention")
+        or v["recipe"].get("kv_cache")
+        or v["recipe"].get("residual")
+        or v["recipe"].get("smoothquant_alpha") is not None
+    ]
     if not rows:
         return []
-    lines = ["| variant | attention matmul inputs | KV cache | residual-add inputs | SmoothQuant alpha |",
-             "|---|---|---|---|---:|"]
+    lines = [
+        "| variant | attention matmul inputs | KV cache | residual-add inputs | SmoothQuant alpha |",
+        "|---|---|---|---|---:|",
+    ]
     for v in rows:
         rec = v["recipe"]
         alpha = rec.get("smoothquant_alpha")
-        lines.append(f"| {v['name']} | {rec.get('attention') or 'fp32'} | {rec.get('kv_cache') or 'fp32'} | {rec.get('residual') or 'fp32'} | "
-                     f"{'' if alpha is None else f'{alpha:g}'} |")
+        lines.append(
+            f"| {v['name']} | {rec.get('attention') or 'fp32'} | {rec.get('kv_cache') or 'fp32'} | {rec.get('residual') or 'fp32'} | "
+            f"{'' if alpha is None else f'{alpha:g}'} |"
+        )
     return lines
 
 
@@ -437,23 +567,29 @@ def intervals_section(r: dict) -> list[str]:
     base = r["baseline"]
     if "perplexity_ci" not in base or "accuracy_ci" not in base:
         return []
-    lines = ["", "## Intervals (95%)", "",
-             f"Bootstrap over the {r['eval']['windows']} evaluation windows; a delta is paired (same windows for "
-             f"{base['name']} and the variant) and is distinguishable from zero when its interval excludes 0. The "
-             "intervals cover the choice of windows, not the rounding: scales that differ in their last digits can "
-             "move a perplexity delta by tenths of a point while the KL barely moves (ptq's docs/paper.md, \"Noise beyond "
-             "the intervals\"); compare close recipes by their KL.", "",
-             f"| variant | perplexity | 95% CI | Δ ppl vs {base['name']} | 95% CI | distinguishable from 0 "
-             "| next-token acc | 95% CI | Δ acc (points) | 95% CI | distinguishable from 0 |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
-             f"| **{base['name']}** (baseline) | {base['perplexity']:.4f} | {_ci(base['perplexity_ci'], fmt='.4f')} | | | "
-             f"| {100 * base['accuracy']:.2f}% | {_ci(base['accuracy_ci'], 100)} | | | |"]
+    lines = [
+        "",
+        "## Intervals (95%)",
+        "",
+        f"Bootstrap over the {r['eval']['windows']} evaluation windows; a delta is paired (same windows for "
+        f"{base['name']} and the variant) and is distinguishable from zero when its interval excludes 0. The "
+        "intervals cover the choice of windows, not the rounding: scales that differ in their last digits can "
+        "move a perplexity delta by tenths of a point while the KL barely moves (ptq's docs/paper.md, \"Noise beyond "
+        'the intervals"); compare close recipes by their KL.',
+        "",
+        f"| variant | perplexity | 95% CI | Δ ppl vs {base['name']} | 95% CI | distinguishable from 0 "
+        "| next-token acc | 95% CI | Δ acc (points) | 95% CI | distinguishable from 0 |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        f"| **{base['name']}** (baseline) | {base['perplexity']:.4f} | {_ci(base['perplexity_ci'], fmt='.4f')} | | | "
+        f"| {100 * base['accuracy']:.2f}% | {_ci(base['accuracy_ci'], 100)} | | | |",
+    ]
     for v in r["variants"]:
         lines.append(
             f"| {v['name']} | {v['perplexity']:.4f} | {_ci(v['perplexity_ci'], fmt='.4f')} | {v['ppl_delta_pct']:+.2f}% "
             f"| {_ci(v['ppl_delta_pct_ci'], fmt='+.2f')}% | {_distinguishable(v['ppl_delta_significant'])} "
             f"| {100 * v['accuracy']:.2f}% | {_ci(v['accuracy_ci'], 100)} | {100 * v['accuracy_delta']:+.2f} "
-            f"| {_ci(v['accuracy_delta_ci'], 100, '+.2f')} | {_distinguishable(v['accuracy_delta_significant'])} |")
+            f"| {_ci(v['accuracy_delta_ci'], 100, '+.2f')} | {_distinguishable(v['accuracy_delta_significant'])} |"
+        )
     return lines
 
 
@@ -476,25 +612,41 @@ def tasks_section(r: dict) -> list[str]:
             for e in entries:
                 t = e["tasks"][task["name"]]
                 shots = "" if task.get("num_fewshot") is None else task["num_fewshot"]
-                row = (f"| {task['name']} | {metric} | {t['n']} | {shots} | "
-                       f"{'**' + e['name'] + '**' if e['name'] == base_name else e['name']} | "
-                       f"{100 * t[metric]:.2f}% | {_ci(t[metric + '_ci'], 100)} |")
+                row = (
+                    f"| {task['name']} | {metric} | {t['n']} | {shots} | "
+                    f"{'**' + e['name'] + '**' if e['name'] == base_name else e['name']} | "
+                    f"{100 * t[metric]:.2f}% | {_ci(t[metric + '_ci'], 100)} |"
+                )
                 if base_name:
                     d = e.get("task_deltas", {}).get(task["name"], {}).get(metric)
                     recovery = f"{d['recovery_pct']:.2f}%" if d and "recovery_pct" in d else ""
-                    row += (f" {100 * d['delta']:+.2f} | {_ci(d['ci'], 100, '+.2f')} | {_distinguishable(d['significant'])} "
-                            f"| {recovery} |" if d else " | | | |")
+                    row += (
+                        f" {100 * d['delta']:+.2f} | {_ci(d['ci'], 100, '+.2f')} | {_distinguishable(d['significant'])} "
+                        f"| {recovery} |"
+                        if d
+                        else " | | | |"
+                    )
                 lines.append(row)
     lines += ["", "Tasks:", ""]
     for task in r["tasks"]:
-        chance = f" Chance {100 * task['chance']:.1f}% (uniform guess among the choices)." if task.get("chance") is not None else ""
+        chance = (
+            f" Chance {100 * task['chance']:.1f}% (uniform guess among the choices)."
+            if task.get("chance") is not None
+            else ""
+        )
         digest = task.get("documents_sha256") or task.get("sha256") or ""  # sha256: results of ptq before lm-eval
-        lines.append(f"- **{task['name']}** ({task['kind']}): {task['source']}; {task['n']} documents; "
-                     f"documents sha256 `{digest[:16]}`.{chance}")
+        lines.append(
+            f"- **{task['name']}** ({task['kind']}): {task['source']}; {task['n']} documents; "
+            f"documents sha256 `{digest[:16]}`.{chance}"
+        )
         lines += [f"  - {note}" for note in task.get("notes", [])]
     scoring = r.get("task_scoring")
     if scoring:
-        limit = f", --limit {scoring['limit']:g} (the first documents of each task)" if scoring.get("limit") is not None else ""
+        limit = (
+            f", --limit {scoring['limit']:g} (the first documents of each task)"
+            if scoring.get("limit") is not None
+            else ""
+        )
         shots = f", --num-fewshot {scoring['num_fewshot']}" if scoring.get("num_fewshot") is not None else ""
         lines += ["", f"Scoring: {scoring['harness']}, batch size {scoring['batch_size']}{shots}{limit}."]
     return lines
@@ -503,20 +655,31 @@ def tasks_section(r: dict) -> list[str]:
 def render_eval_markdown(r: dict) -> str:
     """The report of `ptq eval`: one configuration, no baseline."""
     c, ev, cal = r["config"], r["eval"], r.get("calibration")
-    lines = [f"# ptq eval: {r['model']['name']} with {c['name']}", "",
-             "| configuration | weights | inputs | perplexity | 95% CI | next-token acc | 95% CI |",
-             "|---|---|---|---:|---:|---:|---:|",
-             f"| {c['name']} | {c['recipe']['weights']} | {c['recipe']['inputs']} | {c['perplexity']:.4f} "
-             f"| {_ci(c['perplexity_ci'], fmt='.4f')} | {100 * c['accuracy']:.2f}% | {_ci(c['accuracy_ci'], 100)} |"]
+    lines = [
+        f"# ptq eval: {r['model']['name']} with {c['name']}",
+        "",
+        "| configuration | weights | inputs | perplexity | 95% CI | next-token acc | 95% CI |",
+        "|---|---|---|---:|---:|---:|---:|",
+        f"| {c['name']} | {c['recipe']['weights']} | {c['recipe']['inputs']} | {c['perplexity']:.4f} "
+        f"| {_ci(c['perplexity_ci'], fmt='.4f')} | {100 * c['accuracy']:.2f}% | {_ci(c['accuracy_ci'], 100)} |",
+    ]
     lines += tasks_section(r)
     lines += [""] + coverage_lines([c])
     lines += ["## Protocol", ""] + [f"- {line}" for line in r["protocol"]]
     lines += ["", "## Model and data", "", f"- Model: `{r['model']['name']}`, {r['model']['source']}."]
     lines += [f"- Note: {note}" for note in r["model"]["caveats"]]
-    lines += [f"- Evaluation text: {ev['data']} (sha256 `{ev['data_sha256'][:16]}`), {ev['description']}.",
-              f"- Device: {r['device']}."]
+    lines += [
+        f"- Evaluation text: {ev['data']} (sha256 `{ev['data_sha256'][:16]}`), {ev['description']}.",
+        f"- Device: {r['device']}.",
+    ]
     if cal:
         lines += [f"- Calibration: {cal['source']} {cal['data']}, {cal['windows']} windows x {cal['seq_len']} tokens."]
         lines += faults_lines(cal.get("faults") or {})
-    lines += ["", "## Versions", "", ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}.", ""]
+    lines += [
+        "",
+        "## Versions",
+        "",
+        ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}.",
+        "",
+    ]
     return "\n".join(lines)

@@ -21,8 +21,12 @@ METRICS = (
 )
 LABELS = {key: label for key, label, _ in METRICS}
 BETTER = {key: better for key, _, better in METRICS}
-SETUP = (("model", lambda r: r["model"]["name"]), ("evaluation text", lambda r: r["eval"].get("data_sha256")),
-         ("seq_len", lambda r: r["eval"].get("seq_len")), ("windows", lambda r: r["eval"].get("windows")))
+SETUP = (
+    ("model", lambda r: r["model"]["name"]),
+    ("evaluation text", lambda r: r["eval"].get("data_sha256")),
+    ("seq_len", lambda r: r["eval"].get("seq_len")),
+    ("windows", lambda r: r["eval"].get("windows")),
+)
 
 
 @dataclass(frozen=True)
@@ -64,15 +68,20 @@ def _pair(ci) -> tuple[float, float] | None:
 
 
 def _moves(name: str, previous: dict, current: dict) -> list[Move]:
-    moves = [Move(name, key, None, previous[key], current[key], _ci(previous, key), _ci(current, key))
-             for key, _, _ in METRICS if isinstance(previous.get(key), (int, float)) and isinstance(current.get(key), (int, float))]
+    moves = [
+        Move(name, key, None, previous[key], current[key], _ci(previous, key), _ci(current, key))
+        for key, _, _ in METRICS
+        if isinstance(previous.get(key), (int, float)) and isinstance(current.get(key), (int, float))
+    ]
     old_tasks, new_tasks = task_scores(previous), task_scores(current)
     for task, metrics in new_tasks.items():
         for metric, new in metrics.items():
             old = old_tasks.get(task, {}).get(metric)
             if old:
                 label = task if metric == "acc" else f"{task} {metric}"
-                moves.append(Move(name, "accuracy", label, old["value"], new["value"], _pair(old["ci"]), _pair(new["ci"])))
+                moves.append(
+                    Move(name, "accuracy", label, old["value"], new["value"], _pair(old["ci"]), _pair(new["ci"]))
+                )
     return moves
 
 
@@ -88,5 +97,9 @@ def trend(results: dict, previous: dict) -> dict:
     now_names = {results["baseline"]["name"], *(v["name"] for v in results["variants"])}
     old_names = {previous["baseline"]["name"], *old_variants}
     setup = [f"{what}: {get(previous)} -> {get(results)}" for what, get in SETUP if get(previous) != get(results)]
-    return {"setup_changes": setup, "moves": moves,
-            "only_now": sorted(now_names - old_names), "only_before": sorted(old_names - now_names)}
+    return {
+        "setup_changes": setup,
+        "moves": moves,
+        "only_now": sorted(now_names - old_names),
+        "only_before": sorted(old_names - now_names),
+    }

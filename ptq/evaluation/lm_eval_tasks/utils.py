@@ -14,8 +14,11 @@ def local_jsonl(**splits):
     lm-eval passes the task's metadata too (version...): keys whose values are not file names are ignored."""
     import datasets
 
-    files = {split: str(HERE / name) for split, name in splits.items()
-             if split in ("test", "train", "validation") and isinstance(name, str)}
+    files = {
+        split: str(HERE / name)
+        for split, name in splits.items()
+        if split in ("test", "train", "validation") and isinstance(name, str)
+    }
     return datasets.load_dataset("json", data_files=files)
 
 
