@@ -38,22 +38,23 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
-def save_tiny_llama(path: Path, seed: int = 0) -> Path:
+def save_tiny_llama(path: Path, seed: int = 0, **config) -> Path:
+    """A tiny random Llama and its tokenizer saved in `path`; `config` overrides LlamaConfig's sizes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_tokenizer()
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    sizes = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
         tie_word_embeddings=True,
+    )
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **(sizes | config)
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)

@@ -176,27 +176,11 @@ def test_combinations_that_make_no_sense_are_refused_in_one_line(weights, inputs
 def _odd_llama(path):
     """hidden 48 (not a multiple of MX's 32), attention 4 x 16 = 64 and MLP 64 wide: q/k/v/gate/up cannot take
     groups of 32 along their input, o_proj and down_proj can."""
-    from conftest import make_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import save_tiny_llama
 
-    tok = make_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=48,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
+    return save_tiny_llama(
+        path, hidden_size=48, intermediate_size=64, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False
     )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(tmp_path, ptq_cli, text_file):
@@ -266,27 +250,15 @@ def test_quantization_args_are_compressed_tensors_presets(recipe):
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory):
     """Dimensions multiples of 128 where a scheme needs them: 256 hidden, 384 MLP (the block scheme's tiles)."""
-    from conftest import make_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import save_tiny_llama
 
-    path = tmp_path_factory.mktemp("wide-llama")
-    tok = make_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("wide-llama"),
         hidden_size=256,
         intermediate_size=384,
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=128,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=True,
     )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8-block", "mxfp8"])
