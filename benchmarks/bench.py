@@ -86,11 +86,12 @@ from ptq.quantization import quantize
 from ptq.execution import streaming
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.numerics.formats import FORMATS
+from ptq.quantization.recipes import TensorQuant
 loaded = streaming.load_streamed({model!r})
 windows = make_windows(load_corpus(None, "evaluation"), loaded.tokenizer, {seq_len}, {windows})
 x, scale, e4m3 = torch.randn(16, 64), torch.tensor(0.1), FORMATS["e4m3"]
 evaluate._kernels[0](x, torch.zeros(16, dtype=torch.long)); evaluate._kernels[2](evaluate._kernels[1](x), x)
-quantize.InputQuantizer()(x, scale, e4m3, True)
+quantize.quantize_activation(x, TensorQuant(e4m3), scale)
 quantize._weight_dequantize(quantize._weight_rounding(x, scale, e4m3, True), scale)
 layerstats._fused_powers(x, x)
 """
@@ -275,7 +276,7 @@ def main() -> None:
         f"{footprint / 1e9:.2f} GB + evaluation buffers {buffers / 1e9:.2f} GB"
     )
     print(
-        f"INFO  real FP8 matmuls (torch._scaled_mm) on {next(model.parameters()).device}: E4M3 evaluation "
+        f"INFO  real FP8 matmuls (torch._scaled_mm) on {device}: E4M3 evaluation "
         f"{t_real / t_eval['fp8-e4m3']:.2f}x the simulation's time; logits within {fp8_difference:.1e} of the "
         "simulation's (relative to their max)"
     )
@@ -296,7 +297,7 @@ def moe_ratios(repeats: int) -> None:
     import transformers
 
     from ptq.models.matmuls import linearize
-    from ptq.quantization.plan import calibration_targets
+    from ptq.quantization.plan import calibration_targets, resolve_plans
     from ptq.quantization.quantize import quantize_variants
 
     config = transformers.Qwen3MoeConfig(
@@ -322,7 +323,7 @@ def moe_ratios(repeats: int) -> None:
     t_plain = median_time(lambda: forward(plain), repeats)
     model = linearize(copy.deepcopy(plain))
     recipe = load_recipe("fp8-e4m3")
-    layers, _ = calibration_targets(model, [recipe])
+    layers, _ = calibration_targets(resolve_plans(model, [recipe]).values())
     t_calib = median_time(lambda: calibrate(model, ids, layers), repeats)
     variant = quantize_variants(model, [recipe], calibrate(model, ids, layers))[recipe.name]
     t_sim = median_time(lambda: forward(variant), repeats)

@@ -22,7 +22,7 @@ from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
 from ptq.models.loading import load_model
 from ptq.quantization.engines import DEFAULT_TARGET
-from ptq.quantization.plan import calibration_targets
+from ptq.quantization.plan import calibration_targets, resolve_plans
 from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
 
@@ -50,7 +50,7 @@ def measure(
     """{recipe: [{"ppl_delta_pct", "kl_div"} as calibrated, then one per nudged calibration]}."""
     loaded = load_model(model)
     variants = [load_recipe(r) for r in recipes]
-    layers, channels = calibration_targets(loaded.model, variants)
+    layers, channels = calibration_targets(resolve_plans(loaded.model, variants).values())
     calib_ids = make_windows(load_corpus(calib_data, "calibration"), loaded.tokenizer, seq_len, calib_samples).input_ids
     calibration = calibrate(loaded.model, calib_ids, layers, channels=channels)
     eval_ids = make_windows(load_corpus(eval_data, "evaluation"), loaded.tokenizer, seq_len, windows).input_ids

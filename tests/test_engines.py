@@ -4,6 +4,7 @@ transformers target (ptq's numbers before targets existed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import families
@@ -17,7 +18,7 @@ from conftest import make_tokenizer
 from ptq.calibration.calibrate import calibrate
 from ptq.models.matmuls import LinearExperts, linearize
 from ptq.quantization.plan import calibrated_layers
-from ptq.quantization.quantize import EngineInt8Inputs, QuantLinear, quantize_
+from ptq.quantization.quantize import QuantLinear, quantize_
 from ptq.quantization.recipes import load_recipe
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vllm/model_executor/models/llama.py
@@ -165,12 +166,55 @@ def test_transformers_target_is_independent_per_layer_quantization(tiny_model, t
             assert float(m.weight_scale) == np.float32(amax) / np.float32(448)
             reference = e4m3(weights[name].float() / m.weight_scale)
             assert np.array_equal(m.weight_codes.view(torch.uint8).numpy(), reference.view(np.uint8))
-        classes = {
-            type(m)
+        ranges = {
+            m.inputs.int_range
             for m in quantize_(copy.deepcopy(loaded.model), int8, calibration, target=target).modules()
             if isinstance(m, QuantLinear) and m.inputs.format.name == "int8"
         }
-        assert classes == ({QuantLinear} if target == "transformers" else {EngineInt8Inputs})
+        assert ranges == ({"symmetric"} if target == "transformers" else {"full"})
+
+
+def test_the_plan_decides_which_layers_share_a_scale_and_quantize_follows_it(tiny_model, text_file):
+    """Under vllm the plan holds the fused groups (q/k/v and gate/up share one weight scale and one input scale;
+    o_proj and down_proj their own); quantize_ computes the group's scale from the amaxes and decides nothing else:
+    given the same plan without its groups, it gives every layer its own scale, as --target transformers does."""
+    import copy
+
+    from ptq.evaluation.data import load_corpus, make_windows
+    from ptq.models.loading import load_model
+    from ptq.quantization.plan import resolve_plan
+
+    loaded = load_model(str(tiny_model))
+    ids = make_windows(load_corpus(str(text_file), "calibration"), loaded.tokenizer, 32, 2).input_ids
+    fp8 = load_recipe("fp8-e4m3")
+    calibration = calibrate(loaded.model, ids, calibrated_layers(loaded.model, fp8))
+    plan = resolve_plan(loaded.model, fp8, "vllm")
+    layer = "model.layers.0"
+    qkv = tuple(f"{layer}.self_attn.{p}" for p in FUSED[0])
+    gate_up = tuple(f"{layer}.mlp.{p}" for p in FUSED[1])
+    assert all(plan.matmuls[n].weight_group == qkv and plan.matmuls[n].input_group == qkv for n in qkv)
+    assert all(plan.matmuls[n].weight_group == gate_up for n in gate_up)
+    assert (
+        plan.matmuls[f"{layer}.self_attn.o_proj"].weight_group
+        == plan.matmuls[f"{layer}.mlp.down_proj"].weight_group
+        == ()
+    )
+    assert all(not m.weight_group and not m.input_group for m in resolve_plan(loaded.model, fp8).matmuls.values())
+
+    shared = quantize_(copy.deepcopy(loaded.model), fp8, calibration, target="vllm", plan=plan)
+    ungrouped = dataclasses.replace(
+        plan, matmuls={n: dataclasses.replace(m, weight_group=(), input_group=()) for n, m in plan.matmuls.items()}
+    )
+    own = quantize_(copy.deepcopy(loaded.model), fp8, calibration, target="vllm", plan=ungrouped)
+    per_layer = quantize_(copy.deepcopy(loaded.model), fp8, calibration, target="transformers")
+    weights = {n: float(loaded.model.get_submodule(n).weight.abs().max()) for n in qkv}
+    inputs = {n: float(calibration.input_amax[n]) for n in qkv}
+    for n in qkv:
+        assert float(shared.get_submodule(n).weight_scale) == np.float32(max(weights.values())) / np.float32(448)
+        assert float(shared.get_submodule(n).input_scale) == np.float32(max(inputs.values())) / np.float32(448)
+        assert float(own.get_submodule(n).weight_scale) == float(per_layer.get_submodule(n).weight_scale)
+        assert float(own.get_submodule(n).weight_scale) == np.float32(weights[n]) / np.float32(448)
+    assert len(set(weights.values())) > 1  # the group's members differ, so sharing changes something
 
 
 def test_int8_inputs_round_as_vllm_under_the_vllm_target():
@@ -178,11 +222,15 @@ def test_int8_inputs_round_as_vllm_under_the_vllm_target():
     ptq's convention clamps to [-127, 127]."""
     linear = torch.nn.Linear(4, 2)
     spec = load_recipe("int8")
+    x = torch.tensor([[-130.0, -127.5, -127.4, 126.5, 127.6, 0.5]])
     q = QuantLinear(linear, spec.weights, spec.inputs, torch.tensor(127.0))  # input scale 1
-    x = torch.tensor([[-130.0, -127.5, -127.4, 126.5]])
-    assert q.quantize_input(x)[1].tolist() == [[-127.0, -127.0, -127.0, 126.0]]
-    q.__class__ = EngineInt8Inputs
-    assert q.quantize_input(x)[1].tolist() == [[-128.0, -128.0, -127.0, 126.0]]
+    assert q.quantize_input(x)[1].tolist() == [[-127.0, -127.0, -127.0, 126.0, 127.0, 0.0]]
+    full = dataclasses.replace(spec.inputs, int_range="full")
+    q = QuantLinear(linear, spec.weights, full, torch.tensor(127.0))
+    assert q.quantize_input(x)[1].tolist() == [[-128.0, -128.0, -127.0, 126.0, 127.0, 0.0]]
+    # the reference: vLLM's order, clamp x / scale to [-128, 127] first, then round half to even
+    assert q.quantize_input(x)[1].numpy().tolist() == np.round(np.clip(x.numpy(), -128, 127)).tolist()
+    assert full.describe().endswith("[-128, 127]")
 
 
 def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_path, ptq_cli, text_file, capsys):

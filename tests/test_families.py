@@ -14,7 +14,7 @@ from ptq.calibration.calibrate import calibrate
 from ptq.models.matmuls import LinearExperts, kind, linearize
 from ptq.numerics.formats import NumberFormat
 from ptq.quantization import quantize as quantize_module
-from ptq.quantization.plan import calibration_targets, resolve_plan
+from ptq.quantization.plan import calibration_targets, resolve_plan, resolve_plans
 from ptq.quantization.quantize import QuantLinear, quantize_, quantize_variants
 from ptq.quantization.recipes import Recipe, TensorQuant, load_recipe
 
@@ -62,7 +62,7 @@ def test_counting_quantizer_sees_every_matmul_weight(family, monkeypatch):
 
     monkeypatch.setattr(quantize_module, "quantize_weight", counting)
     recipe = load_recipe("fp8-e4m3")
-    layers, _ = calibration_targets(model, [recipe])
+    layers, _ = calibration_targets(resolve_plans(model, [recipe]).values())
     calibration = calibrate(model, _ids(2), layers, batch_size=1)
     quantize_(model, recipe, calibration)
     cov = resolve_plan(linearize(families.build(family)), recipe).coverage()
@@ -102,7 +102,7 @@ def test_routed_only_calibration_leaves_unreached_experts_to_the_fallback():
                 lambda mod, args: (args[0], torch.zeros_like(args[1]) + torch.arange(2), args[2])
             )
     recipe = load_recipe("fp8-e4m3")
-    layers, _ = calibration_targets(model, [recipe])
+    layers, _ = calibration_targets(resolve_plans(model, [recipe]).values())
     routed = calibrate(model, _ids(), layers, batch_size=1, all_experts=False)
     unseen = {u["layer"] for u in routed.metadata["unseen_layers"]}
     assert {
@@ -119,7 +119,7 @@ def test_routed_only_calibration_leaves_unreached_experts_to_the_fallback():
 def test_grouped_experts_match_the_expert_by_expert_loop():
     model = linearize(families.build("qwen3_moe"))
     recipes = [load_recipe("fp8-e4m3"), load_recipe("int8")]
-    layers, _ = calibration_targets(model, recipes)
+    layers, _ = calibration_targets(resolve_plans(model, recipes).values())
     calibration = calibrate(model, _ids(), layers, batch_size=1)
     ids = _ids(3)
     for variant in quantize_variants(model, recipes, calibration).values():

@@ -30,6 +30,7 @@ from ptq.errors import PtqError
 from ptq.evaluation.data import load_corpus
 from ptq.models.loading import load_model
 from ptq.numerics.formats import compute_scale, fake_quantize, get_format
+from ptq.quantization.plan import resolve_plans
 from ptq.quantization.recipes import load_recipe
 from ptq.reporting.report import faults_lines
 
@@ -184,7 +185,9 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
     loaded.model.model.layers[0].mlp = TinyMoE(loaded.model.config.hidden_size)
     recipe = load_recipe("fp8-e4m3")
     corpus = load_corpus(str(text_file), "calibration")
-    calibration = _calibrate(loaded, corpus, [recipe], CalibrationOptions(samples=8, seq_len=16))
+    calibration = _calibrate(
+        loaded, corpus, resolve_plans(loaded.model, [recipe]), CalibrationOptions(samples=8, seq_len=16)
+    )
     e0, e1, e2 = (f"model.layers.0.mlp.experts.{i}" for i in range(3))
     assert calibration.input_amax[e1] == 2 * calibration.input_amax[e0]
     assert calibration.input_amax[e2] == calibration.input_amax[e1]  # the largest sibling, not just any
@@ -200,7 +203,12 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
     with pytest.raises(
         PtqError, match=r"1 layer\(s\) received no calibration data, e.g. 'model.layers.0.mlp.experts.2'"
     ):
-        _calibrate(loaded, corpus, [recipe], CalibrationOptions(samples=8, seq_len=16, on_unseen="fail"))
+        _calibrate(
+            loaded,
+            corpus,
+            resolve_plans(loaded.model, [recipe]),
+            CalibrationOptions(samples=8, seq_len=16, on_unseen="fail"),
+        )
 
 
 def test_fallback_amax_prefers_close_relatives():

@@ -12,8 +12,9 @@ import ptq.evaluation.evaluate
 import ptq.evaluation.layerstats
 import ptq.numerics.kernels
 from ptq.numerics.formats import FORMATS, dequantize, fake_quantize, quantize, to_storage
+from ptq.numerics.granularity import PerGroup, PerTensor
 from ptq.numerics.kernels import fused
-from ptq.quantization.quantize import _rounded_codes
+from ptq.quantization.quantize import _round_activation, _rounded_codes
 
 DEVICES = [
     "cpu",
@@ -35,10 +36,28 @@ def every_kernel(device: str):
     scale = torch.tensor(0.05, device=device)
     per_channel = (w.abs().amax(1, keepdim=True) / 448).to(device)
     codes = to_storage(quantize(w, per_channel, FORMATS["e4m3"]), FORMATS["e4m3"])
+    group_scale = x.reshape(3, 40, 2, 32).abs().amax(-1, keepdim=True) / 448
     return [
-        ("input rounding e4m3", fake_quantize, (x, scale, FORMATS["e4m3"], True), True),
-        ("input rounding int8", fake_quantize, (x, scale, FORMATS["int8"], True), True),
-        ("input codes e4m3", _rounded_codes, (x.bfloat16(), scale, FORMATS["e4m3"], True), True),
+        ("input rounding e4m3", _round_activation, (x, scale, FORMATS["e4m3"], True, None, PerTensor(), False), True),
+        ("input rounding int8", _round_activation, (x, scale, FORMATS["int8"], True, None, PerTensor(), False), True),
+        (
+            "input rounding int8 [-128, 127]",
+            _round_activation,
+            (x, scale, FORMATS["int8"], True, -128.0, PerTensor(), False),
+            True,
+        ),
+        (
+            "input rounding per group",
+            _round_activation,
+            (x, group_scale, FORMATS["e4m3"], True, None, PerGroup(32), False),
+            True,
+        ),
+        (
+            "input codes e4m3",
+            _round_activation,
+            (x.bfloat16(), scale, FORMATS["e4m3"], True, None, PerTensor(), True),
+            True,
+        ),
         ("weight codes e5m2", _rounded_codes, (w, per_channel, FORMATS["e5m2"], True), True),
         ("weight codes bf16", _rounded_codes, (w, torch.tensor(1.0, device=device), FORMATS["bf16"], False), True),
         ("weight dequantize", dequantize, (codes, per_channel), True),

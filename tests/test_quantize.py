@@ -101,20 +101,41 @@ def test_quantize_swaps_every_linear_and_bf16_baseline_is_close_to_fp32(tiny_mod
 
 
 def test_compiled_input_kernel_is_bit_identical_to_the_eager_ops():
-    from ptq.numerics.formats import FORMATS, fake_quantize
-    from ptq.quantization.quantize import InputQuantizer
+    """The one activation quantizer, compiled, against the eager ops of formats.py: every format, saturation,
+    int8 range, granularity (static per tensor, dynamic per token and per group) and output (values, codes)."""
+    import dataclasses
+
+    from ptq.numerics.formats import FORMATS, fake_quantize, quantize
+    from ptq.numerics.granularity import PerGroup, PerTensor, PerToken
+    from ptq.quantization.quantize import ActivationQuantizer, dynamic_scale
+    from ptq.quantization.recipes import TensorQuant
 
     torch.manual_seed(0)
     x = torch.randn(3, 50, 96) * 30
     x[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -1e9, 0.0])
     scale = torch.tensor(0.05)
-    compiled = InputQuantizer(compile=True)
+    compiled = ActivationQuantizer(compile=True)
+
+    def same(y, ref):
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.nan_to_num(), ref.nan_to_num())
+        assert torch.equal(y.view(torch.int32)[~y.isnan()], ref.view(torch.int32)[~ref.isnan()])  # signed zeros too
+
     for fmt in ("e4m3", "int8"):
         for saturate in (True, False):
-            y = compiled(x.clone(), scale, FORMATS[fmt], saturate)
-            ref = fake_quantize(x, scale, FORMATS[fmt], saturate)
-            assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.nan_to_num(), ref.nan_to_num())
-            assert torch.equal(y.view(torch.int32)[~y.isnan()], ref.view(torch.int32)[~ref.isnan()])  # signed zeros too
+            spec = TensorQuant(FORMATS[fmt], PerTensor(), saturate)
+            same(compiled(x.clone(), spec, scale)[0], fake_quantize(x, scale, FORMATS[fmt], saturate))
+    full = TensorQuant(FORMATS["int8"], int_range="full")
+    same(compiled(x.clone(), full, scale)[0], fake_quantize(x, scale, FORMATS["int8"], True, lowest=-128.0))
+    finite = x.nan_to_num(posinf=1e9)
+    for g in (PerToken(), PerGroup(32)):
+        spec = TensorQuant(FORMATS["e4m3"], g, dynamic=True)
+        y, s = compiled(finite.clone(), spec)
+        grouped = finite.reshape(3, 50, 3, 32) if isinstance(g, PerGroup) else finite
+        assert torch.equal(s, dynamic_scale(finite, spec))
+        same(y, fake_quantize(grouped, s, FORMATS["e4m3"]).reshape(x.shape))
+    codes, _ = compiled(finite.clone(), dataclasses.replace(spec, granularity=PerTensor(), dynamic=False), scale, True)
+    want = quantize(finite, scale, FORMATS["e4m3"]).to(torch.float8_e4m3fn)
+    assert codes.dtype == torch.float8_e4m3fn and torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_compiled_weight_rounding_is_bit_identical_to_the_eager_ops():
@@ -225,9 +246,7 @@ def test_real_fp8_matmul_matches_the_simulation(tiny_model, tmp_path, recipe_tex
     cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
     simulated = quantize_(copy.deepcopy(model), recipe, cal)
     real = quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
-    fp8_layers = [
-        n for n, m in real.named_modules() if isinstance(m, QuantLinear) and m.fp8_codes_quantizer is not None
-    ]
+    fp8_layers = [n for n, m in real.named_modules() if isinstance(m, QuantLinear) and m.fp8_matmul]
     assert len(fp8_layers) == 7 * model.config.num_hidden_layers  # q k v o gate up down; the lm_head is left in bf16
     calls = []
     original = torch._scaled_mm
@@ -261,7 +280,7 @@ def test_cuda_fp8_matmul_in_bf16_matches_the_simulation(tiny_model, recipe_name)
     cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
     simulated = quantize_(copy.deepcopy(model), recipe, cal)
     real = quantize_(copy.deepcopy(model), recipe, cal, matmul="auto")
-    assert any(isinstance(m, QuantLinear) and m.fp8_codes_quantizer is not None for m in real.modules())
+    assert any(isinstance(m, QuantLinear) and m.fp8_matmul for m in real.modules())
     with torch.no_grad():
         want, got = simulated(input_ids=ids).logits.float(), real(input_ids=ids).logits.float()
     assert got.dtype == want.dtype and torch.isfinite(got).all()

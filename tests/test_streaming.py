@@ -23,7 +23,7 @@ from ptq.calibration.calibrate import calibrate, load_calibration
 from ptq.evaluation.evaluate import evaluate
 from ptq.execution import resources, streaming
 from ptq.models.loading import load_model
-from ptq.quantization.plan import calibration_targets
+from ptq.quantization.plan import calibration_targets, resolve_plans
 from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
 
@@ -67,12 +67,12 @@ def test_layer_by_layer_amax_equal_in_memory_calibration(family, recipe, checkpo
     directory = tiny_model if family == "tied-llama" else checkpoints[family]
     r = load_recipe(str(all_linear) if recipe == "all-linear" else recipe)
     whole = load_model(str(directory))
-    layers, channels = calibration_targets(whole.model, [r])
+    layers, channels = calibration_targets(resolve_plans(whole.model, [r]).values())
     expected = calibrate(whole.model, windows(), layers, batch_size=3)  # the last batch is shorter
 
     streamed = streaming.load_streamed(str(directory))
     assert all(p.is_meta for p in streamed.model.parameters())  # no weight is in memory up front
-    assert calibration_targets(streamed.model, [r]) == (layers, channels)
+    assert calibration_targets(resolve_plans(streamed.model, [r]).values()) == (layers, channels)
     got = calibrate(
         streamed.model, windows(), layers, batch_size=3, layer_by_layer=streaming.LayerByLayer(streamed.model)
     )
@@ -105,7 +105,7 @@ def test_only_one_layer_is_in_memory_at_a_time(sharded_model, monkeypatch):
     import weakref
 
     streamed = streaming.load_streamed(str(sharded_model))
-    layers, _ = calibration_targets(streamed.model, [load_recipe("fp8-e4m3")])
+    layers, _ = calibration_targets(resolve_plans(streamed.model, [load_recipe("fp8-e4m3")]).values())
     built, alive_before, reads = [], [], []
     materialise, each = streaming._materialise, streaming.SafetensorsCheckpoint.each
 
@@ -137,7 +137,7 @@ def test_out_of_memory_backs_off_layer_by_layer(sharded_model, monkeypatch):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     whole = load_model(str(sharded_model))
-    layers, _ = calibration_targets(whole.model, [load_recipe("fp8-e4m3")])
+    layers, _ = calibration_targets(resolve_plans(whole.model, [load_recipe("fp8-e4m3")]).values())
     expected = evaluate({"m": whole.model}, windows(), batch_size=2)["m"]
     expected_amax = calibrate(whole.model, windows(), layers, batch_size=2).input_amax
     forward, sizes = LlamaDecoderLayer.forward, []
@@ -165,7 +165,7 @@ def test_layer_by_layer_variants_equal_in_memory_variants(checkpoints):
     model (quantize_variants), KL against the baseline included."""
     recipes = [load_recipe("bf16"), load_recipe("fp8-e4m3"), load_recipe("int8")]
     whole = load_model(str(checkpoints["mixtral"]))
-    layers, _ = calibration_targets(whole.model, recipes)
+    layers, _ = calibration_targets(resolve_plans(whole.model, recipes).values())
     calibration = calibrate(whole.model, windows(), layers, batch_size=3)
     expected = evaluate(quantize_variants(whole.model, recipes, calibration), windows(5), batch_size=2)
 

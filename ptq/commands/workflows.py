@@ -59,8 +59,8 @@ from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
 from ptq.numerics.formats import get_format
 from ptq.progress import stderr
 from ptq.quantization import engines
-from ptq.quantization.plan import calibration_targets, resolve_plan
-from ptq.quantization.quantize import quantize_, quantize_variants, resolve_matmul
+from ptq.quantization.plan import Plan, calibration_targets, resolve_plans
+from ptq.quantization.quantize import blockwise_unavailable, quantize_, quantize_variants, resolve_matmul
 from ptq.quantization.recipes import Recipe, load_recipe
 from ptq.reporting.gates import Limits, gate_results
 from ptq.reporting.report import (
@@ -134,11 +134,12 @@ def run_calibrate(
         ),
     )
     loaded = _load(model, streamed)
-    check_coverage(loaded.model, loaded_recipes, model.strict_coverage)
+    plans = resolve_plans(loaded.model, loaded_recipes)
+    check_coverage(plans, model.strict_coverage)
     result = _calibrate(
         loaded,
         corpus,
-        loaded_recipes,
+        plans,
         calibration,
         batch_size=compute.batch_size,
         placement=model.placement,
@@ -153,7 +154,7 @@ def run_calibrate(
 def _calibrate(
     loaded: LoadedModel,
     corpus: Corpus,
-    recipes: list[Recipe],
+    plans: dict[str, Plan],
     options: CalibrationOptions,
     *,
     batch_size: int | None = None,
@@ -162,18 +163,17 @@ def _calibrate(
     force: bool = False,
     checkpoint: Path | None = None,
 ) -> Calibration:
-    """Calibrate `loaded` on options.samples windows of options.seq_len tokens of `corpus`, with its policies; saved
+    """Calibrate `loaded` for the recipes of `plans` (resolve_plans) on options.samples windows of options.seq_len
+    tokens of `corpus`, with its policies; saved
     to `output` if given (a checkpoint kept at `checkpoint` meanwhile, with options.resume continuing from it).
     batch_size: windows per forward pass, None for automatic (ptq.calibration.calibrate.calibrate: on CUDA from the
     free memory, halved with a restart from the first batch when a batch does not fit; 4 on the CPU and layer by
     layer). placement (--device-map): a copy of the model placed over the devices runs; the weight amax come from
     the model itself, in CPU memory."""
     windows = make_windows(corpus, loaded.tokenizer, options.seq_len, options.samples)
-    layers, channels = calibration_targets(loaded.model, recipes)
+    layers, channels = calibration_targets(plans.values())
     if not layers:
-        raise PtqError(
-            f"recipes {', '.join(r.name for r in recipes)} quantize no input with a scale: nothing to calibrate"
-        )
+        raise PtqError(f"recipes {', '.join(plans)} quantize no input with a scale: nothing to calibrate")
     if streaming.is_streamed(
         loaded.model
     ):  # one decoder layer at a time from disk; a batch that does not fit: as below
@@ -208,7 +208,7 @@ def _calibrate(
         del runner
         devices.release()  # a placed copy's GPU memory
     faults = calibration.metadata
-    warnings = check_ranges(calibration, recipes, loaded.model)
+    warnings = check_ranges(calibration, plans)
     calibration.metadata = {
         **faults,
         **({"warnings": warnings} if warnings else {}),
@@ -220,7 +220,7 @@ def _calibrate(
         "seq_len": windows.seq_len,
         "tokens": windows.input_ids.numel(),
         "windows_description": windows.description,
-        "recipes": [r.name for r in recipes],
+        "recipes": list(plans),
         "layers": len(layers),
         "all_experts": options.all_experts,
         "versions": versions(),
@@ -234,22 +234,18 @@ def _calibrate(
 def _calibration(
     loaded: LoadedModel,
     options: CalibrationOptions,
-    recipes: list[Recipe],
+    plans: dict[str, Plan],
     calibration: Calibration | None,
     corpus: Corpus | None,
     *,
     batch_size: int | None,
     placement: Placement | None,
 ) -> tuple[Calibration | None, str]:
-    """The calibration a command uses for `recipes`, and its source for reports: `calibration`, read from
+    """The calibration a command uses for the recipes of `plans`, and its source for reports: `calibration`, read from
     options.file, with the range rule applied to these recipes (its warnings join the file's, so that they are
     reported as for a calibration made here); else calibrated here on `corpus`; else (no recipe needs one) None."""
     if calibration is not None:
-        warnings = [
-            w
-            for w in check_ranges(calibration, recipes, loaded.model)
-            if w not in calibration.metadata.get("warnings", [])
-        ]
+        warnings = [w for w in check_ranges(calibration, plans) if w not in calibration.metadata.get("warnings", [])]
         if warnings:
             calibration.metadata = {
                 **calibration.metadata,
@@ -259,7 +255,7 @@ def _calibration(
     if corpus is None:
         return None, ""
     return (
-        _calibrate(loaded, corpus, recipes, options, batch_size=batch_size, placement=placement),
+        _calibrate(loaded, corpus, plans, options, batch_size=batch_size, placement=placement),
         "Calibrated in this run (no --calib file).",
     )
 
@@ -296,11 +292,11 @@ def _load(
         )
 
 
-def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list[str]:
-    """The range rule (ptq.calibration.calibrate.range_findings) for every amax a recipe turns into a scale."""
+def check_ranges(calibration: Calibration, plans: dict[str, Plan]) -> list[str]:
+    """The range rule (ptq.calibration.calibrate.range_findings) for every amax a recipe's plan turns into a scale."""
     checks = []
-    for r in recipes:
-        for name, m in resolve_plan(model, r).matmuls.items():
+    for plan in plans.values():
+        for name, m in plan.matmuls.items():
             weights, inputs = m.weights, m.inputs
             if name in calibration.input_amax and inputs.format.scaled:
                 checks.append((name, "input", calibration.input_amax[name], inputs.format))
@@ -309,11 +305,11 @@ def check_ranges(calibration: Calibration, recipes: list[Recipe], model) -> list
     return range_findings(checks)
 
 
-def check_coverage(model, recipes: list[Recipe], strict: bool = False) -> dict[str, dict]:
+def check_coverage(plans: dict[str, Plan], strict: bool = False) -> dict[str, dict]:
     """Each recipe's coverage of the model's matmul weights (its plan's coverage); weights that no recipe could
     quantize for lack of support get a one-line warning naming them, or with `strict` (--strict-coverage) stop
     the run before any work."""
-    coverages = {r.name: resolve_plan(model, r).coverage() for r in recipes}
+    coverages = {name: plan.coverage() for name, plan in plans.items()}
     missing = {x["name"]: x for cov in coverages.values() for x in unsupported_weights(cov)}
     if missing:
         items = list(missing.values())
@@ -350,12 +346,15 @@ def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, place
     check_placement(placement, low_memory)
     if low_memory and dtype not in (None, "float32"):
         raise PtqError(f"{streaming.LOW_MEMORY_FLAG} computes in float32 (each layer is read in float32), not {dtype}")
-    return {
+    info = {
         "device": str(device),
         "dtype": str(compute_dtype("float32" if low_memory else dtype, device)).removeprefix("torch."),
         "matmul": resolve_matmul(matmul, device),
         "low_memory": low_memory,
     }
+    if info["matmul"] == "fp8":  # 128 x 128 blocks: real where torch has the kernel, else why not
+        info["blockwise_simulated"] = blockwise_unavailable(device, getattr(torch, info["dtype"]))
+    return info
 
 
 def check_placement(placement: Placement | None, low_memory: bool | None) -> None:
@@ -373,12 +372,19 @@ def check_placement(placement: Placement | None, low_memory: bool | None) -> Non
 
 def describe_compute(compute: dict) -> str:
     """One line for reports."""
-    matmul = (
-        "FP8 layers with per-tensor or per-row scales as real FP8 matmuls (torch._scaled_mm); group and block "
-        "scales, and the others, simulated"
-        if compute["matmul"] == "fp8"
-        else "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)"
-    )
+    if compute["matmul"] == "fp8":
+        why = compute.get("blockwise_simulated")
+        blocks = (
+            "128 x 128 weight blocks with 1 x 128 input groups too (torch.nn.functional.scaled_mm block-wise)"
+            if why is None
+            else f"128 x 128 blocks simulated ({why})"
+        )
+        matmul = (
+            f"FP8 layers with per-tensor or per-row scales as real FP8 matmuls (torch._scaled_mm); {blocks}; MX "
+            "groups, and the others, simulated"
+        )
+    else:
+        matmul = "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)"
     blocks = "; layer by layer from disk (--low-memory)" if compute.get("low_memory") else ""
     placed_text = f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
     return f"{compute['device']}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
@@ -478,11 +484,12 @@ def run_compare(
     task_work, suite = _task_suite(data, eval_corpus)  # fail before the model
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]), copies=copies)
     windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
-    coverages = check_coverage(loaded.model, [baseline, *variants], model.strict_coverage)
+    plans = resolve_plans(loaded.model, [baseline, *variants], compute.target)  # the one plan per recipe
+    coverages = check_coverage(plans, model.strict_coverage)
     calib, calibration_source = _calibration(
         loaded,
         calibration,
-        needs_calibration,
+        {r.name: plans[r.name] for r in needs_calibration},
         reused,
         calib_corpus,
         batch_size=compute.batch_size,
@@ -505,7 +512,7 @@ def run_compare(
         # the original is then released.
         with devices.gpu_memory(f"building {len(variants) + 1} variants of the model (the baseline and each recipe)"):
             models = quantize_variants(
-                loaded.model, [baseline, *variants], calib, compute_info["matmul"], compute.target
+                loaded.model, [baseline, *variants], calib, compute_info["matmul"], compute.target, plans
             )
             quantized = {r.name: models[r.name] for r in variants}
             weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
@@ -750,9 +757,16 @@ def run_eval(
     task_work, suite = _task_suite(data, eval_corpus)  # fail before the model
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]))
     windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
-    config_coverage = check_coverage(loaded.model, [config], model.strict_coverage)[config.name]
+    plans = resolve_plans(loaded.model, [config], compute.target)  # the one plan
+    config_coverage = check_coverage(plans, model.strict_coverage)[config.name]
     calib, calibration_source = _calibration(
-        loaded, calibration, needed, reused, calib_corpus, batch_size=compute.batch_size, placement=model.placement
+        loaded,
+        calibration,
+        plans if needed else {},
+        reused,
+        calib_corpus,
+        batch_size=compute.batch_size,
+        placement=model.placement,
     )
     layer_order = list(linear_layers(loaded.model))
     batch_size, task_run = compute.batch_size, None
@@ -763,7 +777,14 @@ def run_eval(
         ]
     else:
         models = {
-            config.name: quantize_(loaded.model, config, calib, matmul=compute_info["matmul"], target=compute.target)
+            config.name: quantize_(
+                loaded.model,
+                config,
+                calib,
+                matmul=compute_info["matmul"],
+                target=compute.target,
+                plan=plans[config.name],
+            )
         }
         with placed(models, model.placement) as models:
             if model.placement:
@@ -926,7 +947,7 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
     loaded_recipes = [load_recipe(r) for r in recipes]
     loaded = load_model(model, trust_remote_code, device=torch.device("cpu"))
     layers = linear_layers(loaded.model)
-    plans = {r.name: resolve_plan(loaded.model, r) for r in loaded_recipes}
+    plans = resolve_plans(loaded.model, loaded_recipes)
     rows = []
     for name, m in layers.items():
         row = {
@@ -947,7 +968,7 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
             }
         rows.append(row)
     total = sum(row["parameters"] for row in rows)
-    coverages = check_coverage(loaded.model, loaded_recipes)
+    coverages = check_coverage(plans)
     summary = {
         r.name: {
             "layers": sum(row["recipes"][r.name]["quantized"] for row in rows),
@@ -1012,12 +1033,13 @@ def run_quantize(
         ),
     )
     loaded = _load(model, streamed)
-    export.export_layers(loaded.model, r)  # refuse an unexportable model before calibrating it
-    checkpoint_coverage = check_coverage(loaded.model, [r], model.strict_coverage)[r.name]
+    plans = resolve_plans(loaded.model, [r], target)  # the one plan
+    export.export_layers(loaded.model, r, plans[r.name])  # refuse an unexportable model before calibrating it
+    checkpoint_coverage = check_coverage(plans, model.strict_coverage)[r.name]
     calib, _ = _calibration(
         loaded,
         calibration,
-        needed,
+        plans if needed else {},
         reused,
         calib_corpus if needed else None,
         batch_size=batch_size,
@@ -1032,11 +1054,11 @@ def run_quantize(
     if streamed:
         dtypes = export.source_dtypes(str(loaded.model.ptq_checkpoint.directory))
         entries, quantized, ignored = export.plan_checkpoint(
-            loaded.model, r, calib, dtypes, target, read=loaded.model.ptq_checkpoint.read_one
+            loaded.model, r, calib, dtypes, target, read=loaded.model.ptq_checkpoint.read_one, plan=plans[r.name]
         )
     else:
         dtypes = export.source_dtypes(loaded.model.config._name_or_path)
-        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes, target)
+        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes, target, plan=plans[r.name])
     m = calib.metadata if calib is not None else {}
     info = {
         "kind": "ptq-export/1",

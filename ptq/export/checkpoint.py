@@ -37,9 +37,9 @@ from ptq.models.matmuls import LinearExperts, kind, quantizable
 from ptq.numerics.formats import NumberFormat, amax, compute_scale
 from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken, e8m0_codes
 from ptq.quantization import engines
-from ptq.quantization.plan import calibration_key
+from ptq.quantization.plan import Plan, calibration_key
 from ptq.quantization.plan import resolve_plan as plan_of
-from ptq.quantization.quantize import EngineInt8Inputs, QuantLinear, quantize_, quantize_weight
+from ptq.quantization.quantize import quantize_, quantize_weight
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
@@ -280,10 +280,10 @@ def check_experts_per_expert(model: nn.Module) -> None:
             )
 
 
-def export_layers(model: nn.Module, recipe: Recipe) -> tuple[list[str], list[str], list[str]]:
-    """The Linear layers the recipe quantizes and those it leaves out, and the state-dict names to save;
+def export_layers(model: nn.Module, recipe: Recipe, plan: Plan | None = None) -> tuple[list[str], list[str], list[str]]:
+    """The Linear layers the recipe's plan quantizes and those it leaves out, and the state-dict names to save;
     refuses a model where that is nothing, or where a quantized weight is tied to another tensor."""
-    plan = plan_of(model, recipe)
+    plan = plan or plan_of(model, recipe)
     quantized, ignored = plan.quantized, sorted(plan.left_out)
     if not quantized:
         raise PtqError(
@@ -331,17 +331,20 @@ def plan_checkpoint(
     dtypes: dict[str, torch.dtype],
     target: str = "transformers",
     read: Callable[[str], torch.Tensor] | None = None,
+    plan: Plan | None = None,
 ) -> tuple[list[_Entry], list[str], list[str]]:
     """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers. `target`:
     whose scales to write (ptq.quantization.engines: vllm, the shared scales vLLM serves).
     read: the tensor of that name in the source checkpoint, for a model whose weights are not in memory (on the
     meta device: ptq.execution.streaming); each tensor is then read when its shard is written, and each quantized
-    weight checked against the calibration as it is read (the first one before anything is written)."""
-    quantized, ignored, names = export_layers(model, recipe)
+    weight checked against the calibration as it is read (the first one before anything is written). `plan`: the
+    recipe's plan for `model` and `target`, when the command has resolved it."""
+    plan = plan or plan_of(model, recipe, target)
+    quantized, ignored, names = export_layers(model, recipe, plan)
     if recipe.needs_calibration:
         if calibration is None:
             raise PtqError(f"recipe '{recipe.name}' needs calibration (static scales)")
-        calibrated = plan_of(model, recipe).calibrated
+        calibrated = plan.calibrated
         if read is None:
             calibration.check_model(model, calibrated)
         else:  # the weights are checked as they are read
@@ -364,13 +367,13 @@ def plan_checkpoint(
             "Linear weights only; `ptq compare` covers this model"
         )
     weight_amax = (lambda n: amax(modules[n].weight)) if read is None else (lambda n: calibration.weight_amax[n])  # noqa: E731
-    engine = engines.engine_scales(
-        model,
-        recipe,
-        target,
-        weight_amax,
-        {n: calibration.input_amax[n] for n in quantized if recipe.inputs.static},
-        set(quantized),
+    # the scales the target engine serves, for the groups the plan says share one (ptq.quantization.engines)
+    shared_weight_amax = engines.shared_amax(
+        {n: plan.matmuls[n].weight_group for n in quantized if plan.matmuls[n].weight_group}, weight_amax
+    )
+    shared_input_amax = engines.shared_amax(
+        {n: plan.matmuls[n].input_group for n in quantized if plan.matmuls[n].input_group},
+        lambda n: calibration.input_amax[n],
     )
     entries: list[_Entry] = []
     for name in names:
@@ -398,11 +401,11 @@ def plan_checkpoint(
             tuple(tensor.shape),
             weight,
             recipe,
-            engine.input_amax.get(layer, calibration.input_amax[layer]) if recipe.inputs.static else None,
+            shared_input_amax.get(layer, calibration.input_amax[layer]) if recipe.inputs.static else None,
             transposed=name in conv1d,
-            weight_amax=engine.weight_amax.get(layer),
+            weight_amax=shared_weight_amax.get(layer),
         )
-    entries += kv_cache_entries(model, plan_of(model, recipe), calibration, disk)
+    entries += kv_cache_entries(model, plan, calibration, disk)
     if read is not None:  # a calibration of another model is refused before anything is written
         _checked_weight(quantized[0], read(disk[f"{quantized[0]}.weight"]), calibration)
     ignored = sorted(
@@ -642,17 +645,15 @@ def simulate_export(
     `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
     the reload check computes for them: see unapplied_input_layers). `target`: whose scales the checkpoint holds
     (ptq.quantization.engines; vllm: the fused groups' shared scales)."""
-    kept = {name: model.get_submodule(name) for name in plan_of(model, recipe).left_out}
     # transformers does not quantize the KV cache (vLLM does, from k_scale / v_scale): simulated without it, and
     # its scales are checked in the files (unapplied_scales)
-    quantize_(model, dataclasses.replace(recipe, kv_cache=None), calibration, target=target)
+    recipe = dataclasses.replace(recipe, kv_cache=None)
+    plan = plan_of(model, recipe, target, int8_range="full" if loader_int8_inputs else None)
+    kept = {name: model.get_submodule(name) for name in plan.left_out}
+    quantize_(model, recipe, calibration, target=target, plan=plan)
     for name, m in kept.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, m)
-    if loader_int8_inputs:
-        for m in model.modules():
-            if isinstance(m, QuantLinear) and m.inputs.format.kind == "int":
-                m.__class__ = EngineInt8Inputs
     for name in unrounded_inputs:
         model.get_submodule(name).round_inputs = False
     return model

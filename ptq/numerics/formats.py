@@ -11,7 +11,8 @@ casts, whose overflow behaviour differs between versions and devices (torch 2.13
 inf -> 448 when casting to float8_e4m3fn; older versions return NaN).
 
 int8 convention: symmetric, scale = amax / 127, codes in [-127, 127] (the NVIDIA ModelOpt
-convention); -128 is never produced.
+convention). `lowest=-128` widens the clamp to the full int8 range, as the activation kernels of vLLM and
+compressed-tensors saturate (ptq.quantization.engines, rule 3); weights never use it.
 """
 
 from __future__ import annotations
@@ -82,7 +83,11 @@ def _exp2(k: torch.Tensor) -> torch.Tensor:
 
 
 def round_to_format(
-    x: torch.Tensor, fmt: NumberFormat, saturate: bool = True, flush_subnormals: bool = False
+    x: torch.Tensor,
+    fmt: NumberFormat,
+    saturate: bool = True,
+    flush_subnormals: bool = False,
+    lowest: float | None = None,
 ) -> torch.Tensor:
     """Round x to the nearest value of `fmt` (ties to even); returns float32 values on fmt's grid.
 
@@ -96,14 +101,15 @@ def round_to_format(
     for bf16/fp16. flush_subnormals=True makes magnitudes below fmt.min_normal signed zero,
     as TPUs do for bf16.
 
-    int8 rounds to integers and always clamps to [-127, 127] (`saturate` and `flush_subnormals`
-    do not apply: there is no inf and there are no subnormals); NaN stays NaN.
+    int8 rounds to integers and always clamps to [-127, 127], or [lowest, 127] (`saturate` and
+    `flush_subnormals` do not apply: there is no inf and there are no subnormals); NaN stays NaN. Rounding
+    first and clamping to integer bounds equals clamping first and rounding (vLLM's order).
 
     Non-float32 inputs are cast to float32 first.
     """
     x = x.float()
     if fmt.kind == "int":
-        return torch.round(x).clamp(-fmt.max, fmt.max)
+        return torch.round(x).clamp(-fmt.max if lowest is None else lowest, fmt.max)
 
     a = x.abs()
     if flush_subnormals:
@@ -149,13 +155,15 @@ def compute_scale(amax: torch.Tensor | float, fmt: NumberFormat) -> torch.Tensor
     return torch.where(scale > 0, scale, 1.0)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: NumberFormat, saturate: bool = True) -> torch.Tensor:
-    """x / scale rounded to fmt's grid, as float32 values (the codes' values).
+def quantize(
+    x: torch.Tensor, scale: torch.Tensor | float, fmt: NumberFormat, saturate: bool = True, lowest: float | None = None
+) -> torch.Tensor:
+    """x / scale rounded to fmt's grid, as float32 values (the codes' values); `lowest`: see round_to_format.
 
     scale broadcasts: a scalar, or shape [out_features, 1] for per-channel weights.
     """
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    return round_to_format(x.float() / scale, fmt, saturate)
+    return round_to_format(x.float() / scale, fmt, saturate, lowest=lowest)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -166,10 +174,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype 
 
 
 def fake_quantize(
-    x: torch.Tensor, scale: torch.Tensor | float, fmt: NumberFormat, saturate: bool = True
+    x: torch.Tensor, scale: torch.Tensor | float, fmt: NumberFormat, saturate: bool = True, lowest: float | None = None
 ) -> torch.Tensor:
     """Simulated quantization for forward passes: dequantize(quantize(x, scale, fmt), scale)."""
-    return dequantize(quantize(x, scale, fmt, saturate), scale)
+    return dequantize(quantize(x, scale, fmt, saturate, lowest), scale)
 
 
 def to_storage(q: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:

@@ -86,15 +86,14 @@ def check_target(target: str) -> str:
     return target
 
 
-@dataclass
-class EngineScales:
-    """What the target engine's rules change in one model's quantization: layer -> the amax its weight scale is
-    computed from, and layer -> the amax of its static input scale (the group's largest); only layers that change."""
+@dataclass(frozen=True)
+class EngineGroups:
+    """Which layers the target engine makes share one scale, for one recipe on one model (rules 1 and 2): layer ->
+    the group it shares its per-tensor weight scale with, layer -> the group it shares its static input scale
+    with. The plan holds these (ptq.quantization.plan); the scales themselves come from the amaxes (shared_amax)."""
 
-    weight_amax: dict[str, torch.Tensor] = field(default_factory=dict)
-    input_amax: dict[str, torch.Tensor] = field(default_factory=dict)
-    groups: int = 0  # fused groups whose weight scales are shared
-    expert_layers: int = 0  # experts modules whose input scales collapse
+    weight: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    input: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def fused_groups(model: nn.Module) -> list[list[str]]:
@@ -128,46 +127,38 @@ def expert_input_groups(model: nn.Module) -> list[list[str]]:
     return groups
 
 
-def engine_scales(
-    model: nn.Module,
-    recipe,
-    target: str,
-    weight_amax: Callable[[str], torch.Tensor],
-    input_amax: dict[str, torch.Tensor],
-    targeted: set[str],
-) -> EngineScales:
-    """The scales `target` serves for `recipe` on `model`: rules 1 and 2 of the module docstring, as amaxes.
-    `weight_amax(layer)`: the layer's own per-tensor weight amax (from the weight, or a calibration file);
-    `input_amax`: the static input amax (clip) of each layer the recipe quantizes with static inputs; `targeted`: the
-    layers the plan quantizes as the recipe says (a group is shared only when all its members are)."""
-    out = EngineScales()
+def engine_groups(model: nn.Module, recipe, target: str, static_inputs: set[str], targeted: set[str]) -> EngineGroups:
+    """The scale groups `target` serves for `recipe` on `model` (rules 1 and 2 of the module docstring). `targeted`:
+    the layers the plan quantizes as the recipe says (a group is shared only when all its members are);
+    `static_inputs`: those of them whose input scale is a static per-tensor one from calibration."""
+    out = EngineGroups()
     if check_target(target) != "vllm":
         return out
     w, x = recipe.weights, recipe.inputs
     fp8_tensor_weights = w.format.kind == "float" and w.format.bits == 8 and isinstance(w.granularity, PerTensor)
     fp8_static_inputs = x.format.kind == "float" and x.format.bits == 8 and x.static
+    dense = fused_groups(model)
     if fp8_tensor_weights:
-        for group in fused_groups(model):
+        for group in dense:
             if set(group) <= targeted:
-                shared = torch.stack(
-                    [torch.as_tensor(weight_amax(n), dtype=torch.float32).reshape(()) for n in group]
-                ).max()
-                out.weight_amax |= {n: shared for n in group}
-                out.groups += 1
+                out.weight.update(dict.fromkeys(group, tuple(group)))
     if fp8_static_inputs:
-        dense = [g for g in fused_groups(model) if not _in_experts(model, g[0])]
-        moe = expert_input_groups(model)
-        for group in dense + moe:
-            if set(group) <= targeted and all(n in input_amax for n in group):
-                shared = torch.stack([input_amax[n].float().reshape(()) for n in group]).max()
-                out.input_amax |= {n: shared for n in group}
-                out.expert_layers += group in moe
+        experts = {path for path, m in model.named_modules() if isinstance(m, LinearExperts)}
+        dense = [g for g in dense if g[0].rpartition(".")[0].rpartition(".")[0] not in experts]
+        for group in dense + expert_input_groups(model):
+            if set(group) <= static_inputs:
+                out.input.update(dict.fromkeys(group, tuple(group)))
     return out
 
 
-def _in_experts(model: nn.Module, name: str) -> bool:
-    parent = name.rpartition(".")[0].rpartition(".")[0]
-    return isinstance(dict(model.named_modules()).get(parent), LinearExperts)
+def shared_amax(groups: dict[str, tuple[str, ...]], amax_of: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """layer -> its group's largest amax (the engine's one scale for the group: the largest of the members'
+    scales), for every layer of `groups`. `amax_of(layer)`: the layer's own per-tensor amax (of its weight, from
+    the weight or a calibration file; or its calibrated input clip)."""
+    shared: dict[tuple[str, ...], torch.Tensor] = {}
+    for group in dict.fromkeys(groups.values()):
+        shared[group] = torch.stack([torch.as_tensor(amax_of(n), dtype=torch.float32).reshape(()) for n in group]).max()
+    return {name: shared[group] for name, group in groups.items()}
 
 
 def int8_inputs_as_engine(target: str) -> bool:

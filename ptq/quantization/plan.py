@@ -15,18 +15,24 @@ Reasons a matmul is left in the compute dtype (16-bit in every variant, as in th
       ceil division, as compressed-tensors and vLLM do.
 Weights that multiply activations but are not matmuls ptq quantizes (routers, unknown layouts) are listed by
 ptq.models.matmuls.unsupported and appear in the coverage with their own reason.
+
+The plan is resolved for a target engine (ptq.quantization.engines): under vllm it says which layers share one
+weight scale or one input scale (vLLM's fused q/k/v and gate/up, its fused experts) and that int8 inputs round
+over [-128, 127]; quantize_ and export compute those shared scales from the amaxes, and decide nothing again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from ptq.models.matmuls import LeftOut, kind, quantizable, unsupported
 from ptq.numerics.granularity import PerBlock, PerGroup, PerHead
-from ptq.quantization import attention, residual
+from ptq.quantization import attention, engines, residual
 from ptq.quantization.recipes import BASELINE_LINEAR, Recipe, TensorQuant
 
 
@@ -41,6 +47,10 @@ class MatmulPlan:
     inputs: TensorQuant
     reason: str | None = None  # None: quantized as the recipe says
     smooth: bool = False  # SmoothQuant rescales its input channels (needs per-channel input maxima)
+    # the layers the target engine makes share one per-tensor weight scale / one static input scale with it
+    # (itself included; empty: its own scales)
+    weight_group: tuple[str, ...] = ()
+    input_group: tuple[str, ...] = ()
 
     @property
     def quantized(self) -> bool:
@@ -56,6 +66,7 @@ class Plan:
     unsupported: list[LeftOut] = field(default_factory=list)  # weights no recipe can quantize (routers, ...)
     attention_layers: tuple[str, ...] = ()  # every attention layer and decoder block, quantized or not (rows)
     residual_blocks: tuple[str, ...] = ()
+    target: str = "transformers"  # the engine whose load-time rules the plan applies (ptq.quantization.engines)
 
     @property
     def quantized(self) -> list[str]:
@@ -128,6 +139,8 @@ class Plan:
                 "inputs": m.inputs.describe(),
                 "reason": m.reason,
                 "smoothquant": self.recipe.smoothquant if m.smooth else None,
+                "shares_weight_scale": [n for n in m.weight_group if n != m.name],
+                "shares_input_scale": [n for n in m.input_group if n != m.name],
             }
             for m in self.matmuls.values()
         ]
@@ -194,22 +207,30 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
     return None
 
 
-def resolve_plan(model: nn.Module, recipe: Recipe) -> Plan:
-    """The plan of `recipe` for a linearized `model` (ptq.models.matmuls.linearize), before quantization."""
+def resolve_plan(model: nn.Module, recipe: Recipe, target: str = "transformers", int8_range: str | None = None) -> Plan:
+    """The plan of `recipe` for a linearized `model` (ptq.models.matmuls.linearize), before quantization, as
+    `target` serves it. `int8_range`: how int8 inputs round ("symmetric" [-127, 127] or "full" [-128, 127]);
+    by default as the target does (full under vllm)."""
+    if int8_range is None:
+        int8_range = "full" if engines.int8_inputs_as_engine(target) else "symmetric"
     matmuls = {}
     for name, module in model.named_modules():
         if not quantizable(module):
             continue
         reason = _why_left_out(name, module, recipe)
         weights, inputs = (recipe.weights, recipe.inputs) if reason is None else (BASELINE_LINEAR, BASELINE_LINEAR)
+        smooth = reason is None and recipe.smoothquant is not None
+        if inputs.format.kind == "int" and inputs.static and not smooth and int8_range != inputs.int_range:
+            inputs = dataclasses.replace(inputs, int_range=int8_range)
         matmuls[name] = MatmulPlan(
-            name,
-            getattr(module, "ptq_kind", kind(module)),
-            module.weight.numel(),
-            weights,
-            inputs,
-            reason,
-            smooth=reason is None and recipe.smoothquant is not None,
+            name, getattr(module, "ptq_kind", kind(module)), module.weight.numel(), weights, inputs, reason, smooth
+        )
+    targeted = {name for name, m in matmuls.items() if m.quantized}
+    static_inputs = {name for name in targeted if matmuls[name].inputs.static and not matmuls[name].smooth}
+    groups = engines.engine_groups(model, recipe, target, static_inputs, targeted)
+    for name in groups.weight.keys() | groups.input.keys():
+        matmuls[name] = dataclasses.replace(
+            matmuls[name], weight_group=groups.weight.get(name, ()), input_group=groups.input.get(name, ())
         )
     layers = attention.attention_modules(model)
     attention_plan = {}
@@ -228,13 +249,20 @@ def resolve_plan(model: nn.Module, recipe: Recipe) -> Plan:
             tensors = {t: recipe.residual for t in residual.TENSORS if recipe.selects(f"{name}.residual.{t}")}
             if tensors:
                 residual_plan[name] = tensors
-    return Plan(recipe, matmuls, attention_plan, residual_plan, unsupported(model), tuple(layers), tuple(blocks))
+    return Plan(
+        recipe, matmuls, attention_plan, residual_plan, unsupported(model), tuple(layers), tuple(blocks), target
+    )
 
 
-def calibration_targets(model: nn.Module, recipes: list[Recipe]) -> tuple[list[str], list[str]]:
-    """What calibrating for `recipes` observes: (every tensor that needs a static scale or per-channel maxima,
-    the tensors that need per-channel maxima: SmoothQuant's matmul inputs, per-head KV-cache K and V)."""
-    plans = [resolve_plan(model, r) for r in recipes]
+def resolve_plans(model: nn.Module, recipes: list[Recipe], target: str = "transformers") -> dict[str, Plan]:
+    """Each recipe's plan (resolve_plan), by recipe name: what a command resolves once and hands to every step."""
+    return {r.name: resolve_plan(model, r, target) for r in recipes}
+
+
+def calibration_targets(plans: Iterable[Plan]) -> tuple[list[str], list[str]]:
+    """What calibrating for the recipes of `plans` observes: (every tensor that needs a static scale or per-channel
+    maxima, the tensors that need per-channel maxima: SmoothQuant's matmul inputs, per-head KV-cache K and V)."""
+    plans = list(plans)
     channels = sorted({name for p in plans for name in (*p.smoothed, *p.per_head)})
     layers = sorted({name for p in plans for name in p.calibrated} | set(channels))
     return layers, channels

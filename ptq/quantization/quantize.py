@@ -24,36 +24,12 @@ from ptq.calibration.observers import choose_clip
 from ptq.errors import PtqError
 from ptq.models.matmuls import kind, quantizable
 from ptq.numerics import granularity as gr
-from ptq.numerics.formats import NumberFormat, amax, compute_scale, dequantize, fake_quantize, quantize
+from ptq.numerics.formats import FORMATS, NumberFormat, amax, compute_scale, dequantize, quantize
 from ptq.numerics.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
 from ptq.quantization import attention, engines, residual
 from ptq.quantization.attention import AttentionQuant
-from ptq.quantization.plan import calibration_key, resolve_plan
+from ptq.quantization.plan import Plan, calibration_key, resolve_plan
 from ptq.quantization.recipes import Recipe, TensorQuant
-
-
-class InputQuantizer:
-    """Quantizes Linear inputs for every QuantLinear of one model, with the fused rounding.
-
-    An input shared by several Linears (q/k/v, gate/up) with the same scale is quantized once:
-    the last input is held (so its memory cannot be reused) and matched by identity and version.
-    """
-
-    def __init__(self, compile: bool | None = None, codes: bool = False):
-        # codes: the storage codes (float8) a real FP8 matmul takes, instead of their float32 values
-        self._kernel = fused(_rounded_codes if codes else fake_quantize, compile)
-        self._last: tuple | None = None
-
-    def __call__(self, x: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool) -> torch.Tensor:
-        # Inference tensors keep no version counter; between the Linears that share an input no
-        # module writes to it in place (they would corrupt the unquantized model's math too).
-        version = None if x.is_inference() else x._version
-        last = self._last
-        if last is not None and last[0] is x and last[1] == version and last[2] is scale and last[3] == (fmt, saturate):
-            return last[4]
-        x_q = self._kernel(x, scale, fmt, saturate)
-        self._last = (x, version, scale, (fmt, saturate), x_q)
-        return x_q
 
 
 def scale_for(clip: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
@@ -71,7 +47,7 @@ def scale_for(clip: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
 
 def dynamic_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
     """Dynamic scales from the activation itself, shaped to broadcast over its grouped view (granularity.grouped):
-    one per tensor, per token (row of the last dimension) or per group of that row."""
+    one per tensor ([]), per token (row of the last dimension: [..., 1]) or per group of that row."""
     x_amax = gr.amax_of(gr.grouped(x, spec.granularity), spec.granularity)
     if spec.scale_format == "e8m0":
         return gr.e8m0_scale(x_amax, spec.format.max)
@@ -80,31 +56,65 @@ def dynamic_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(scale))) if spec.scale == "pow2" else scale
 
 
-def token_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
-    """Dynamic per-token (or per-tensor) scales of x: [..., 1] (or []), for kernels that take one per row."""
-    return dynamic_scale(x, spec)
-
-
-def _grouped_fake_quantize(
-    x: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool, g: gr.Granularity
+def _round_activation(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: NumberFormat,
+    saturate: bool,
+    lowest: float | None,
+    g: gr.Granularity,
+    codes: bool,
 ) -> torch.Tensor:
-    """fake_quantize with a scale per group or block (scale broadcasts over x's grouped view)."""
-    return gr.ungrouped(fake_quantize(gr.grouped(x, g), scale, fmt, saturate), g, x.shape)
+    """x / scale rounded to the format (scale broadcasts over x's grouped view), as float32 values on the grid
+    times the scale (the simulation), or as storage codes (what a real FP8 matmul takes; the storage cast keeps
+    grid values exactly: tests check it against formats.to_storage)."""
+    q = quantize(gr.grouped(x, g), scale, fmt, saturate, lowest)
+    return gr.ungrouped(q.to(fmt.torch_dtype) if codes else dequantize(q, scale), g, x.shape)
 
 
-_grouped_rounding = fused(_grouped_fake_quantize)
+_activation_rounding = fused(_round_activation)  # one kernel per (format, saturate, range, granularity, codes)
 
 
-def fake_quantize_dynamic(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
-    """x rounded with dynamic scales of its own (per tensor, token or group), as float32 values."""
-    scale = dynamic_scale(x, spec)
-    if isinstance(spec.granularity, gr.PerGroup):
-        return _grouped_rounding(x, scale, spec.format, spec.saturate, spec.granularity)
-    return fake_quantize(x, scale, spec.format, spec.saturate)
+def quantize_activation(
+    x: torch.Tensor, spec: TensorQuant, scale: torch.Tensor | None = None, codes: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one activation rounding, for every granularity: (x rounded as `spec` says, the scale it took). `scale`:
+    a static scale (per tensor, per head, or one per row: an expert's); None: dynamic, from x itself."""
+    return ActivationQuantizer.round(_activation_rounding, x, spec, scale, codes)
+
+
+class ActivationQuantizer:
+    """quantize_activation for every QuantLinear of one model, with one addition: an input shared by several
+    Linears (q/k/v, gate/up) and quantized alike is rounded once. The last input is held (so its memory cannot be
+    reused) and matched by identity and version."""
+
+    def __init__(self, compile: bool | None = None):
+        # compile=None: the process's shared kernel (PTQ_COMPILE decides); False / True: one of its own
+        self._kernel = _activation_rounding if compile is None else fused(_round_activation, compile)
+        self._last: tuple | None = None
+
+    @staticmethod
+    def round(kernel, x, spec: TensorQuant, scale, codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = dynamic_scale(x, spec) if scale is None else scale
+        return kernel(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes), scale
+
+    def __call__(
+        self, x: torch.Tensor, spec: TensorQuant, scale: torch.Tensor | None = None, codes: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Inference tensors keep no version counter; between the Linears that share an input no
+        # module writes to it in place (they would corrupt the unquantized model's math too).
+        version = None if x.is_inference() else x._version
+        last = self._last
+        if last is not None and last[0] is x and last[1] == version and last[2] is scale and last[3] == (spec, codes):
+            return last[4]
+        out = self.round(self._kernel, x, spec, scale, codes)
+        self._last = (x, version, scale, (spec, codes), out)
+        return out
 
 
 class ActQuant(nn.Module):
-    """Fake-quantizes an activation: with a static scale from calibration, or per token (dynamic)."""
+    """Fake-quantizes an activation other than a matmul input (attention's, the KV cache's, a residual's): with a
+    static scale from calibration (per tensor or per head), or dynamic scales."""
 
     def __init__(self, spec: TensorQuant, clip: torch.Tensor | None):
         super().__init__()
@@ -117,9 +127,7 @@ class ActQuant(nn.Module):
         self.register_buffer("scale", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.dynamic:
-            return fake_quantize_dynamic(x, self.spec).to(x.dtype)
-        return fake_quantize(x, self.scale, self.spec.format, self.spec.saturate).to(x.dtype)
+        return quantize_activation(x, self.spec, None if self.spec.dynamic else self.scale)[0].to(x.dtype)
 
     def extra_repr(self) -> str:
         return self.spec.describe()
@@ -140,17 +148,17 @@ class QuantLinear(nn.Module):
         weights: TensorQuant,
         inputs: TensorQuant,
         input_amax: torch.Tensor | None,
-        input_quantizer: InputQuantizer | None = None,
+        input_quantizer: ActivationQuantizer | None = None,
         smooth: torch.Tensor | None = None,
         weight_cache: dict | None = None,
-        fp8_codes_quantizer: InputQuantizer | None = None,
+        fp8: bool = False,
         name: str = "?",
         weight_amax: torch.Tensor | None = None,
     ):
         super().__init__()
-        self.input_quantizer = input_quantizer or InputQuantizer(compile=False)
-        # Set: this layer multiplies real FP8 codes with torch._scaled_mm (see fp8_matmul_applies)
-        self.fp8_codes_quantizer = fp8_codes_quantizer if fp8_matmul_applies(linear, weights, inputs, smooth) else None
+        self.input_quantizer = input_quantizer or ActivationQuantizer(compile=False)
+        # True: this layer multiplies real FP8 codes with torch._scaled_mm (asked for, and see fp8_matmul_applies)
+        self.fp8_matmul = fp8 and fp8_matmul_applies(linear, weights, inputs, smooth)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weights, self.inputs = weights, inputs
         w = linear.weight.detach()
@@ -187,12 +195,10 @@ class QuantLinear(nn.Module):
             x = x / self.smooth
         if not self.round_inputs:
             return x, x
-        if self.inputs.dynamic:
-            return x, fake_quantize_dynamic(x, self.inputs)
-        return x, self.input_quantizer(x, self.input_scale, self.inputs.format, self.inputs.saturate)
+        return x, self.input_quantizer(x, self.inputs, None if self.inputs.dynamic else self.input_scale)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_codes_quantizer is not None:
+        if self.fp8_matmul:
             return self.fp8_forward(x)
         x, x_q = self.quantize_input(x)
         return F.linear(
@@ -202,22 +208,31 @@ class QuantLinear(nn.Module):
     def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same product as the simulation, by a real FP8 matmul: torch._scaled_mm multiplies the input's
         and the weight's float8 codes, accumulates in float32 and applies both scales (per tensor, or per
-        row: per token and per output channel), with the output in the compute dtype."""
-        rows = x.reshape(-1, self.in_features)
-        scale_x = token_scale(rows, self.inputs) if self.inputs.dynamic else self.input_scale
-        codes = self.fp8_codes_quantizer(rows, scale_x, self.inputs.format, self.inputs.saturate)
-        scale_w = self.weight_scale
-        if scale_x.dim() or scale_w.dim():  # row-wise scaling needs both scales row-wise
-            scale_x = scale_x.reshape(-1, 1).expand(len(rows), 1).contiguous()
+        row: per token and per output channel; or 1 x 128 input groups and 128 x 128 weight blocks), with the
+        output in the compute dtype."""
+        codes, scale_x = self.input_quantizer(x, self.inputs, None if self.inputs.dynamic else self.input_scale, True)
+        codes = codes.reshape(-1, self.in_features)
+        rows, scale_w = len(codes), self.weight_scale
+        blockwise = isinstance(self.weights.granularity, gr.PerBlock)
+        if blockwise:
+            scale_x = scale_x.reshape(rows, -1)  # [rows, in / 128]
+        elif scale_x.dim() or scale_w.dim() or not codes.is_cuda:
+            # row-wise scaling needs both scales row-wise; on CPUs torch's tensor-wise path is a slow reference
+            # loop (70x the row-wise one here), so per-tensor scales go row-wise there too: the same product
+            scale_x = scale_x.reshape(-1, 1).expand(rows, 1).contiguous()
             scale_w = scale_w.reshape(1, -1).expand(1, self.out_features).contiguous()
-        pad = -len(rows) % 16 if rows.is_cuda else 0  # cuBLAS wants each dimension a multiple of 16
+        pad = -rows % 16 if codes.is_cuda else 0  # cuBLAS wants each dimension a multiple of 16
         if pad:
             codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad)).view(codes.dtype)
             scale_x = F.pad(scale_x, (0, 0, 0, pad), value=1.0) if scale_x.dim() else scale_x
-        y = torch._scaled_mm(
-            codes, self.weight_codes.t(), scale_a=scale_x, scale_b=scale_w, bias=self.bias, out_dtype=x.dtype
-        )
-        return y[: len(rows)].reshape(*x.shape[:-1], self.out_features)
+        if blockwise:
+            y = _blockwise_mm(codes, self.weight_codes, scale_x, scale_w, x.dtype)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = torch._scaled_mm(
+                codes, self.weight_codes.t(), scale_a=scale_x, scale_b=scale_w, bias=self.bias, out_dtype=x.dtype
+            )
+        return y[:rows].reshape(*x.shape[:-1], self.out_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -282,7 +297,6 @@ _weight_rounding = fused(_rounded_codes)
 _weight_dequantize = fused(dequantize)
 _grouped_codes = fused(_grouped_rounded_codes)
 _grouped_dequantize = fused(_grouped_dequantized)
-_rows_rounding = fused(fake_quantize)  # experts' inputs: one scale per row, their expert's
 
 
 MATMULS = ("simulated", "fp8", "auto")
@@ -306,18 +320,74 @@ def resolve_matmul(matmul: str, device: torch.device) -> str:
 def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, smooth) -> bool:
     """A layer can run as a real FP8 matmul when its weight and its input are both in a scaled 8-bit float
     format (E4M3 or E5M2) with per-tensor or per-row scales (torch._scaled_mm's tensor-wise and row-wise
-    scaling; group and block scales stay simulated), without SmoothQuant, and its dimensions are multiples of 16
-    (cuBLAS's rule)."""
-    return (
-        weights.format.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        and inputs.format.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        and isinstance(weights.granularity, (gr.PerTensor, gr.PerChannel))  # _scaled_mm: tensor or row scales
-        and isinstance(inputs.granularity, (gr.PerTensor, gr.PerToken))
-        and inputs.scale_format == "fp32"
-        and smooth is None
-        and linear.in_features % 16 == 0
-        and linear.out_features % 16 == 0
+    scaling), or with 128 x 128 weight blocks and dynamic 1 x 128 input groups where torch multiplies those on the
+    layer's device (blockwise_unavailable); MX groups (E8M0 scales) stay simulated. Without SmoothQuant, and its
+    dimensions multiples of 16 (cuBLAS's rule)."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if weights.format.torch_dtype not in fp8 or inputs.format.torch_dtype not in fp8 or smooth is not None:
+        return False
+    if inputs.scale_format != "fp32" or weights.scale_format != "fp32":
+        return False
+    if linear.in_features % 16 or linear.out_features % 16:
+        return False
+    if isinstance(weights.granularity, gr.PerBlock):
+        return (
+            weights.granularity == gr.PerBlock(128, 128)
+            and inputs.granularity == gr.PerGroup(128)
+            and inputs.dynamic
+            and blockwise_unavailable(linear.weight.device, linear.weight.dtype) is None
+        )
+    return isinstance(weights.granularity, (gr.PerTensor, gr.PerChannel)) and isinstance(
+        inputs.granularity, (gr.PerTensor, gr.PerToken)
     )
+
+
+def _blockwise_mm(
+    codes: torch.Tensor, weight_codes: torch.Tensor, scale_x: torch.Tensor, scale_w: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """FP8 codes [rows, in] with 1 x 128 group scales [rows, in / 128] times weight codes [out, in] with 128 x 128
+    block scales [out / 128, in / 128] (DeepSeek-V3's layout), by torch.nn.functional.scaled_mm. The scales'
+    memory layouts are the ones torch checks for (aten/src/ATen/native/cuda/ScaledBlas.cpp,
+    is_blockwise_1x128_scaling: the input's column-major; is_blockwise_128x128_scaling of the transposed second
+    operand: the weight's row-major)."""
+    return F.scaled_mm(
+        codes,
+        weight_codes.t(),
+        scale_x.t().contiguous().t(),
+        F.ScalingType.BlockWise1x128,
+        scale_w.t(),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=dtype,
+    )
+
+
+_BLOCKWISE: dict[tuple[str, torch.dtype], str | None] = {}
+
+
+def blockwise_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when torch multiplies 1 x 128-group inputs by 128 x 128-block weights on `device` with output in
+    `dtype` (cuBLAS on Hopper with CUDA 12.9 or later); else why not, in one line. Tried once per device and dtype
+    on a small product and compared with the simulation's, so that a kernel which accepts the scales but reads them
+    otherwise is not used either."""
+    key = (str(device), dtype)
+    if key not in _BLOCKWISE:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(32, 256, generator=g).to(device), torch.randn(256, 256, generator=g).to(device)
+        inputs = TensorQuant(FORMATS["e4m3"], gr.PerGroup(128), dynamic=True)
+        weights = TensorQuant(FORMATS["e4m3"], gr.PerBlock(128, 128))
+        codes, scale_x = quantize_activation(x, inputs, codes=True)
+        weight_codes, scale_w = quantize_weight(w, weights)
+        want = quantize_activation(x, inputs)[0] @ dequantize_weight(weight_codes, scale_w, weights).t()
+        try:
+            got = _blockwise_mm(codes, weight_codes, scale_x.reshape(32, -1), scale_w, dtype).float()
+            error = float((got - want).abs().max() / want.abs().max())
+            _BLOCKWISE[key] = (
+                None if error < 2e-2 else f"torch's block-wise scaled_mm differs from the simulation by {error:.1e}"
+            )
+        except Exception as e:  # the op's own refusal is the reason (no kernel for this device, version or dtype)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            _BLOCKWISE[key] = f"torch.nn.functional.scaled_mm on {device}: {type(e).__name__}: {first}"
+    return _BLOCKWISE[key]
 
 
 def input_clip(calibration: Calibration, name: str, spec: TensorQuant) -> torch.Tensor:
@@ -347,17 +417,6 @@ def smoothing_factors(channel_amax: torch.Tensor, weight: torch.Tensor, alpha: f
     return (channel_amax.float().clamp(min=1e-5).pow(alpha) / w_amax.pow(1 - alpha)).clamp(min=1e-5)
 
 
-class EngineInt8Inputs(QuantLinear):
-    """A QuantLinear whose int8 inputs round as vLLM and transformers (compressed-tensors) round them: clamp
-    x / scale to [-128, 127], then round (ptq.quantization.engines, rule 3). ptq's convention rounds, then clamps to
-    [-127, 127]; the two differ only where x / scale < -127.5, i.e. beyond the calibrated amax on the negative side."""
-
-    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.round_inputs:
-            return x, x
-        return x, torch.round((x.float() / self.input_scale).clamp(-128, 127)) * self.input_scale
-
-
 def quantize_(
     model: nn.Module,
     recipe: Recipe,
@@ -365,15 +424,17 @@ def quantize_(
     weight_cache: dict | None = None,
     matmul: str = "simulated",
     target: str = "transformers",
+    plan: Plan | None = None,
 ) -> nn.Module:
-    """Replace, in place, each Linear of `model` by the QuantLinear the recipe asks for, and quantize
+    """Replace, in place, each Linear of `model` by the QuantLinear the plan of `recipe` asks for, and quantize
     attention's matmul inputs where the recipe covers them. `weight_cache` (see quantize_variants) lets
     several variants of one model share the weight codes they have in common. matmul="fp8" runs the layers
     whose weights and inputs are both FP8 as real FP8 matmuls (torch._scaled_mm); "auto" where the device
     has them (resolve_matmul). `target` (ptq.quantization.engines): "vllm" applies the scales and int8 rounding vLLM
-    serves; "transformers" each layer's own scales and ptq's int8 convention."""
+    serves; "transformers" each layer's own scales and ptq's int8 convention. `plan`: the plan already resolved for
+    this model, recipe and target (resolve_plan), so that it is resolved once per command."""
     matmul = resolve_matmul(matmul, next(model.parameters()).device)
-    plan = resolve_plan(model, recipe)
+    plan = plan or resolve_plan(model, recipe, target)
     needed = plan.calibrated
     smoothed = set(plan.smoothed)
     if needed or smoothed:
@@ -386,25 +447,21 @@ def quantize_(
                 f"calibration file has no per-channel input amax for '{missing[0]}' "
                 f"(SmoothQuant needs one: calibrate with --recipe {recipe.name})"
             )
-    input_quantizer = InputQuantizer()
-    fp8_codes_quantizer = InputQuantizer(codes=True) if matmul == "fp8" else None
+    input_quantizer = ActivationQuantizer()
     scales: dict[tuple, torch.Tensor] = {}  # Linears that share an input (same amax) share one scale tensor
-    # --- engine hook (ptq.quantization.engines): the scales the target engine serves; for the plan to take over ---
     clips = {
         name: input_clip(calibration, name, e.inputs)
         for name, e in plan.matmuls.items()
-        if e.inputs.static and name not in smoothed
+        if e.quantized and e.inputs.static and name not in smoothed
     }
-    engine = engines.engine_scales(
-        model,
-        recipe,
-        target,
+    # the scales the target engine serves, for the groups the plan says share one (ptq.quantization.engines)
+    shared_weight_amax = engines.shared_amax(
+        {n: e.weight_group for n, e in plan.matmuls.items() if e.weight_group},
         lambda n: amax(model.get_submodule(n).weight),
-        clips,
-        {name for name, e in plan.matmuls.items() if e.reason is None},
     )
-    int8_as_engine = engines.int8_inputs_as_engine(target)
-    # --- end of the engine hook ---
+    shared_input_amax = engines.shared_amax(
+        {n: e.input_group for n, e in plan.matmuls.items() if e.input_group}, clips.__getitem__
+    )
     for name, entry in plan.matmuls.items():
         weights, inputs = entry.weights, entry.inputs
         parent_name, _, child = name.rpartition(".")
@@ -416,7 +473,7 @@ def quantize_(
             smooth = smoothing_factors(channel_amax, linear.weight, recipe.smoothquant)
             input_amax = (channel_amax / smooth).max()  # the smoothed input's amax, exactly
         elif inputs.static:
-            input_amax = engine.input_amax.get(name, clips[name])
+            input_amax = shared_input_amax.get(name, clips.get(name))
         q = QuantLinear(
             linear,
             weights,
@@ -425,18 +482,10 @@ def quantize_(
             input_quantizer,
             smooth,
             weight_cache,
-            fp8_codes_quantizer,
+            matmul == "fp8",
             name,
-            engine.weight_amax.get(name),
+            shared_weight_amax.get(name),
         )
-        if (
-            int8_as_engine
-            and inputs.format.kind == "int"
-            and inputs.static
-            and smooth is None
-            and q.fp8_codes_quantizer is None
-        ):
-            q.__class__ = EngineInt8Inputs
         q.ptq_kind = kind(linear)  # Linear, Conv1D or Experts, as the layer it replaces (ptq.models.matmuls)
         if smooth is None:
             key = (inputs, float(q.input_scale), q.input_scale.device)
@@ -471,11 +520,13 @@ def quantize_variants(
     calibration: Calibration | None,
     matmul: str = "simulated",
     target: str = "transformers",
+    plans: dict[str, Plan] | None = None,
 ) -> dict[str, nn.Module]:
     """One quantized variant of `model` per recipe, built to share memory: the variants share one copy of
     the tensors no recipe replaces (embeddings, norms, biases), and weights quantized the same way (the
     layers left in 16-bit) are stored once. `model` itself is left as it was, and no variant refers to
-    its tensors: once the caller drops it, it is freed whole."""
+    its tensors: once the caller drops it, it is freed whole. `plans`: the recipes' plans for `model` and
+    `target`, by recipe name (plan.resolve_plans), when the caller has resolved them already."""
     # Linear weights are replaced in every variant: referenced until then. Everything else is copied, so
     # that nothing of `model` stays referenced (its weights may be a memory map of the checkpoint, which
     # one remaining tensor would keep whole).
@@ -497,7 +548,15 @@ def quantize_variants(
     tensors = {id(t): copy_of(t) for t in (*model.parameters(), *model.buffers())}
     weight_cache: dict = {}
     return {
-        r.name: quantize_(copy.deepcopy(model, memo=dict(tensors)), r, calibration, weight_cache, matmul, target)
+        r.name: quantize_(
+            copy.deepcopy(model, memo=dict(tensors)),
+            r,
+            calibration,
+            weight_cache,
+            matmul,
+            target,
+            (plans or {}).get(r.name),
+        )
         for r in recipes
     }
 
@@ -542,8 +601,7 @@ class GroupedExperts:
         if not self.round_inputs:
             x_q = x
         else:
-            scale = token_scale(x, self.inputs) if self.inputs.dynamic else self.input_scale[expert_ids]
-            x_q = _rows_rounding(x, scale, self.inputs.format, self.inputs.saturate)
+            x_q = quantize_activation(x, self.inputs, None if self.inputs.dynamic else self.input_scale[expert_ids])[0]
         weight = _weight_dequantize(self.codes, self.weight_scale, x.dtype)  # written once, in the compute dtype
         bias = self.bias[expert_ids] if self.bias is not None else None
         return grouped_linear(x_q.to(x.dtype), weight, offsets, bias)

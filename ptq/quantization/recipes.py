@@ -48,6 +48,14 @@ class TensorQuant:
     dynamic: bool = False  # activations: scales computed on the fly from each token / group (no calibration)
     scale: str = "amax"  # SCALE_MODES: "pow2" is a per-tensor exponent bias, "unscaled" casts with scale 1
     scale_format: str = "fp32"  # SCALE_FORMATS: "e8m0" is the MX power-of-two scale (granularity.e8m0_scale)
+    # int8 activations: "symmetric" codes in [-127, 127] (ptq's, ModelOpt's), or "full" [-128, 127], as vLLM's and
+    # compressed-tensors' kernels saturate them; set by the plan for the target engine, never by a recipe
+    int_range: str = "symmetric"
+
+    @property
+    def lowest(self) -> float | None:
+        """The lowest code when it is not -max (formats.round_to_format's `lowest`): -128 for full-range int8."""
+        return -128.0 if self.int_range == "full" and self.format.kind == "int" else None
 
     @property
     def static(self) -> bool:
@@ -66,6 +74,8 @@ class TensorQuant:
             how += " pow2"
         if self.scale_format != "fp32":
             how += f" {self.scale_format} scales"
+        if self.lowest is not None:
+            how += f" [{self.lowest:g}, {self.format.max:g}]"
         return f"{self.format.name} {how}" + ("" if self.saturate else " non-saturating")
 
 
