@@ -404,7 +404,8 @@ class MeasuredVariants:
         matmul: str,
         weight_snr: dict[str, dict],
         input_snr: dict[str, dict],
-        target: str = "transformers",
+        target: str,
+        plans: dict[str, Plan],
     ):
         self.recipes, self.variants, self.calibration, self.matmul = (
             [baseline, *variants],
@@ -412,11 +413,13 @@ class MeasuredVariants:
             calibration,
             matmul,
         )
-        self.weight_snr, self.input_snr, self.target = weight_snr, input_snr, target
+        self.weight_snr, self.input_snr, self.target, self.plans = weight_snr, input_snr, target, plans
 
     def __call__(self, part: torch.nn.Module) -> _Measured:
-        # a part is the trunk or one decoder layer: each fused group (q/k/v, gate/up, a layer's experts) is whole in it
-        models = quantize_variants(part, self.recipes, self.calibration, self.matmul, self.target)
+        # a part is the trunk or one decoder layer, under its names in the whole model: the whole model's plans,
+        # restricted to it (each fused group, q/k/v, gate/up, a layer's experts, is whole in one part)
+        plans = {name: plan.within(part) for name, plan in self.plans.items()}
+        models = quantize_variants(part, self.recipes, self.calibration, self.matmul, self.target, plans)
         quantized = {r.name: models[r.name] for r in self.variants}
         for name, m in quantized.items():
             self.weight_snr[name] |= weight_snr_db(part, m)
@@ -503,7 +506,7 @@ def run_compare(
         # The same variants and measurements, made of each part of the model as it is read from disk
         weight_snr, input_snr = {r.name: {} for r in variants}, {r.name: {} for r in variants}
         parts = MeasuredVariants(
-            baseline, variants, calib, compute_info["matmul"], weight_snr, input_snr, compute.target
+            baseline, variants, calib, compute_info["matmul"], weight_snr, input_snr, compute.target, plans
         )
         run = streaming.LayerByLayer(loaded.model, parts, [baseline.name, *(r.name for r in variants)])
         scores = evaluate(run, windows.input_ids, batch_size)
@@ -771,7 +774,7 @@ def run_eval(
     layer_order = list(linear_layers(loaded.model))
     batch_size, task_run = compute.batch_size, None
     if streamed:
-        parts = MeasuredVariants(config, [], calib, compute_info["matmul"], {}, {}, compute.target)
+        parts = MeasuredVariants(config, [], calib, compute_info["matmul"], {}, {}, compute.target, plans)
         s = evaluate(streaming.LayerByLayer(loaded.model, parts, [config.name]), windows.input_ids, batch_size)[
             config.name
         ]

@@ -72,6 +72,18 @@ class Plan:
     def quantized(self) -> list[str]:
         return [name for name, m in self.matmuls.items() if m.quantized]
 
+    def within(self, part: nn.Module) -> Plan:
+        """The plan of the entries that are in `part`: one part of the model (its trunk, or one decoder layer) with
+        its modules under their names in the whole model, as the layer-by-layer executor runs it
+        (ptq.execution.streaming). A fused group is whole within one decoder layer."""
+        names = {name for name, _ in part.named_modules()}
+        return dataclasses.replace(
+            self,
+            matmuls={n: m for n, m in self.matmuls.items() if n in names},
+            attention={n: t for n, t in self.attention.items() if n in names},
+            residual={n: t for n, t in self.residual.items() if n in names},
+        )
+
     @property
     def left_out(self) -> list[str]:
         return [name for name, m in self.matmuls.items() if not m.quantized]
