@@ -435,6 +435,10 @@ def quantize_(
     this model, recipe and target (resolve_plan), so that it is resolved once per command."""
     matmul = resolve_matmul(matmul, next(model.parameters()).device)
     plan = plan or resolve_plan(model, recipe, target)
+    if plan.target != target or plan.recipe.name != recipe.name:
+        raise ValueError(
+            f"a plan of '{plan.recipe.name}' for {plan.target} given to quantize '{recipe.name}' for {target}"
+        )
     needed = plan.calibrated
     smoothed = set(plan.smoothed)
     if needed or smoothed:
