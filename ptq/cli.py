@@ -341,13 +341,13 @@ def compare(
     Example: ptq compare smollm2 --recipes fp8-e4m3,int8 --max-ppl-increase 2% --max-kl 0.01 --out reports/smollm2
     """
     progress.QUIET = quiet or as_json
-    from ptq.commands.options import ComputeOptions, DataOptions, OutputOptions
+    from ptq.commands.options import OutputOptions
     from ptq.commands.workflows import run_compare
     from ptq.reporting.gates import parse_limits
 
     results = run_compare(
         _split(recipes),
-        model=_model_options(
+        **_evaluation_options(
             model=model,
             trust_remote_code=trust_remote_code,
             allow_pickle=allow_pickle,
@@ -356,27 +356,24 @@ def compare(
             device_map=device_map,
             max_memory=max_memory,
             dtype=dtype,
-        ),
-        data=DataOptions(
-            data=eval_data,
+            eval_data=eval_data,
             seq_len=seq_len,
-            windows=max_windows,
+            max_windows=max_windows,
             tasks=tasks,
             max_items=max_items,
             num_fewshot=num_fewshot,
             limit=limit,
-        ),
-        calibration=_calibration_options(
             calib=calib,
-            data=calib_data,
-            data_flag="--calib-data",
-            samples=calib_samples,
-            seq_len=seq_len,
+            calib_data=calib_data,
+            calib_samples=calib_samples,
             on_nonfinite=on_nonfinite,
             on_unseen=on_unseen,
             all_experts=all_experts,
+            batch_size=batch_size,
+            matmul=matmul,
+            low_memory=low_memory,
+            target=target,
         ),
-        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
         output=OutputOptions(
             path=out,
             force=force,
@@ -468,6 +465,72 @@ def _model_options(
         dtype=dtype,
         placement=parse_placement(device_map, max_memory),
         strict_coverage=strict_coverage,
+    )
+
+
+def _evaluation_options(
+    *,
+    model,
+    trust_remote_code,
+    allow_pickle,
+    no_memory_check,
+    strict_coverage,
+    device_map,
+    max_memory,
+    dtype,
+    eval_data,
+    seq_len,
+    max_windows,
+    tasks,
+    max_items,
+    num_fewshot,
+    limit,
+    calib,
+    calib_data,
+    calib_samples,
+    on_nonfinite,
+    on_unseen,
+    all_experts,
+    batch_size,
+    matmul,
+    low_memory,
+    target,
+) -> dict:
+    """The model, data, calibration and compute options of the commands that evaluate (compare, eval: their flags
+    are the same), as the keyword arguments of run_compare and run_eval."""
+    from ptq.commands.options import ComputeOptions, DataOptions
+
+    return dict(
+        model=_model_options(
+            model=model,
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
+            no_memory_check=no_memory_check,
+            strict_coverage=strict_coverage,
+            device_map=device_map,
+            max_memory=max_memory,
+            dtype=dtype,
+        ),
+        data=DataOptions(
+            data=eval_data,
+            seq_len=seq_len,
+            windows=max_windows,
+            tasks=tasks or None,  # --tasks '': none
+            max_items=max_items,
+            num_fewshot=num_fewshot,
+            limit=limit,
+        ),
+        calibration=_calibration_options(
+            calib=calib,
+            data=calib_data,
+            data_flag="--calib-data",
+            samples=calib_samples,
+            seq_len=seq_len,
+            on_nonfinite=on_nonfinite,
+            on_unseen=on_unseen,
+            all_experts=all_experts,
+        ),
+        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
     )
 
 
@@ -739,12 +802,12 @@ def eval_(
     Example: ptq eval smollm2 --recipe fp8-e4m3 --calib smollm2.calib.safetensors --tasks cloze
     """
     progress.QUIET = quiet
-    from ptq.commands.options import ComputeOptions, DataOptions, OutputOptions
+    from ptq.commands.options import OutputOptions
     from ptq.commands.workflows import run_eval
 
     results = run_eval(
         recipe,
-        model=_model_options(
+        **_evaluation_options(
             model=model,
             trust_remote_code=trust_remote_code,
             allow_pickle=allow_pickle,
@@ -753,27 +816,24 @@ def eval_(
             device_map=device_map,
             max_memory=max_memory,
             dtype=dtype,
-        ),
-        data=DataOptions(
-            data=eval_data,
+            eval_data=eval_data,
             seq_len=seq_len,
-            windows=max_windows,
-            tasks=tasks or None,
+            max_windows=max_windows,
+            tasks=tasks,
             max_items=max_items,
             num_fewshot=num_fewshot,
             limit=limit,
-        ),
-        calibration=_calibration_options(
             calib=calib,
-            data=calib_data,
-            data_flag="--calib-data",
-            samples=calib_samples,
-            seq_len=seq_len,
+            calib_data=calib_data,
+            calib_samples=calib_samples,
             on_nonfinite=on_nonfinite,
             on_unseen=on_unseen,
             all_experts=all_experts,
+            batch_size=batch_size,
+            matmul=matmul,
+            low_memory=low_memory,
+            target=target,
         ),
-        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
         output=OutputOptions(path=out, force=force),
     )
     if results.calibration:
