@@ -16,6 +16,7 @@ from ptq import progress  # noqa: E402
 from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions  # noqa: E402
 from ptq.commands.workflows import run_compare  # noqa: E402
 from ptq.models.matmuls import describe_coverage  # noqa: E402
+from ptq.reporting.results import to_json  # noqa: E402
 
 
 def main() -> int:
@@ -44,8 +45,8 @@ def main() -> int:
                 failed.append(family)
                 print(f"FAIL  {family:14s} {type(e).__name__}: {e}")
                 continue
-            v = r["variants"][0]
-            print(f"OK    {family:14s} fp8-e4m3 {v['ppl_delta_pct']:+.2f}% ppl; {describe_coverage(v['coverage'])}")
+            v = r.variants[0]
+            print(f"OK    {family:14s} fp8-e4m3 {v.ppl_delta_pct:+.2f}% ppl; {describe_coverage(to_json(v.coverage))}")
     print(f"{len(families.FAMILIES) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 

@@ -10,6 +10,7 @@ import typer
 
 from ptq import progress
 from ptq.errors import PtqError
+from ptq.reporting.results import to_json
 
 app = typer.Typer(
     help="Post-training quantization of Hugging Face causal LMs to FP8 E4M3, compared with int8 and bf16.\n\n"
@@ -340,13 +341,13 @@ def compare(
     Example: ptq compare smollm2 --recipes fp8-e4m3,int8 --max-ppl-increase 2% --max-kl 0.01 --out reports/smollm2
     """
     progress.QUIET = quiet or as_json
-    from ptq.commands.options import ComputeOptions, DataOptions, OutputOptions
+    from ptq.commands.options import OutputOptions
     from ptq.commands.workflows import run_compare
     from ptq.reporting.gates import parse_limits
 
     results = run_compare(
         _split(recipes),
-        model=_model_options(
+        **_evaluation_options(
             model=model,
             trust_remote_code=trust_remote_code,
             allow_pickle=allow_pickle,
@@ -355,27 +356,24 @@ def compare(
             device_map=device_map,
             max_memory=max_memory,
             dtype=dtype,
-        ),
-        data=DataOptions(
-            data=eval_data,
+            eval_data=eval_data,
             seq_len=seq_len,
-            windows=max_windows,
+            max_windows=max_windows,
             tasks=tasks,
             max_items=max_items,
             num_fewshot=num_fewshot,
             limit=limit,
-        ),
-        calibration=_calibration_options(
             calib=calib,
-            data=calib_data,
-            data_flag="--calib-data",
-            samples=calib_samples,
-            seq_len=seq_len,
+            calib_data=calib_data,
+            calib_samples=calib_samples,
             on_nonfinite=on_nonfinite,
             on_unseen=on_unseen,
             all_experts=all_experts,
+            batch_size=batch_size,
+            matmul=matmul,
+            low_memory=low_memory,
+            target=target,
         ),
-        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
         output=OutputOptions(
             path=out,
             force=force,
@@ -383,10 +381,10 @@ def compare(
             limits=parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl),
         ),
     )
-    if results.get("calibration"):
-        _print_faults(results["calibration"]["faults"])
+    if results.calibration:
+        _print_faults(to_json(results.calibration.faults))
     if as_json:
-        _print_json(results)
+        _print_json(to_json(results))
     else:
         _print_compare(results, out)
     _exit_for_gates(results)
@@ -416,25 +414,13 @@ def report(
     Example: ptq report reports/pr/results.json --previous reports/main/results.json --max-ppl-increase 2% >> "$GITHUB_STEP_SUMMARY"
     """
     from ptq.commands.workflows import run_report
-    from ptq.reporting.gates import parse_limits, stored_checks
-    from ptq.reporting.trend import trend
+    from ptq.reporting.gates import parse_limits
+    from ptq.reporting.report import report_summary
 
     limits = parse_limits(max_ppl_increase, min_accuracy_recovery, max_kl)
-    judged, markdown = run_report(results, previous, output, limits, not no_plots, force)
+    judged, old, markdown = run_report(results, previous, output, limits, not no_plots, force)
     if as_json:
-        from ptq.reporting.report import load_results, verdict
-
-        old = load_results(previous, "previous results file") if previous else None
-        moves = trend(judged, old) if old else None
-        _print_json(
-            {
-                "verdict": verdict(judged, None, moves),
-                "passed": all(c.passed for c in stored_checks(judged)),
-                "gates": judged.get("gates"),
-                "output": str(output) if output else None,
-                "trend": None if moves is None else moves | {"moves": [m.to_json() for m in moves["moves"]]},
-            }
-        )
+        _print_json(report_summary(judged, old, output))
     elif output is None:
         print(markdown, end="")
     else:
@@ -482,6 +468,72 @@ def _model_options(
     )
 
 
+def _evaluation_options(
+    *,
+    model,
+    trust_remote_code,
+    allow_pickle,
+    no_memory_check,
+    strict_coverage,
+    device_map,
+    max_memory,
+    dtype,
+    eval_data,
+    seq_len,
+    max_windows,
+    tasks,
+    max_items,
+    num_fewshot,
+    limit,
+    calib,
+    calib_data,
+    calib_samples,
+    on_nonfinite,
+    on_unseen,
+    all_experts,
+    batch_size,
+    matmul,
+    low_memory,
+    target,
+) -> dict:
+    """The model, data, calibration and compute options of the commands that evaluate (compare, eval: their flags
+    are the same), as the keyword arguments of run_compare and run_eval."""
+    from ptq.commands.options import ComputeOptions, DataOptions
+
+    return dict(
+        model=_model_options(
+            model=model,
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
+            no_memory_check=no_memory_check,
+            strict_coverage=strict_coverage,
+            device_map=device_map,
+            max_memory=max_memory,
+            dtype=dtype,
+        ),
+        data=DataOptions(
+            data=eval_data,
+            seq_len=seq_len,
+            windows=max_windows,
+            tasks=tasks or None,  # --tasks '': none
+            max_items=max_items,
+            num_fewshot=num_fewshot,
+            limit=limit,
+        ),
+        calibration=_calibration_options(
+            calib=calib,
+            data=calib_data,
+            data_flag="--calib-data",
+            samples=calib_samples,
+            seq_len=seq_len,
+            on_nonfinite=on_nonfinite,
+            on_unseen=on_unseen,
+            all_experts=all_experts,
+        ),
+        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
+    )
+
+
 def _calibration_options(*, calib, data, data_flag, samples, seq_len, on_nonfinite, on_unseen, all_experts):
     """A calibration file (--calib) or the text to calibrate on (`data_flag`), not both."""
     from ptq.commands.options import CalibrationOptions
@@ -518,9 +570,8 @@ def _print_faults(metadata: dict) -> None:
         progress.stderr.print(f"warning: {w}", highlight=False, soft_wrap=True)
 
 
-def _exit_for_gates(results: dict) -> None:
-    gates = results.get("gates")
-    if gates and not gates["passed"]:
+def _exit_for_gates(results) -> None:
+    if results.gates and not results.gates.passed:
         raise typer.Exit(1)
 
 
@@ -751,12 +802,12 @@ def eval_(
     Example: ptq eval smollm2 --recipe fp8-e4m3 --calib smollm2.calib.safetensors --tasks cloze
     """
     progress.QUIET = quiet
-    from ptq.commands.options import ComputeOptions, DataOptions, OutputOptions
+    from ptq.commands.options import OutputOptions
     from ptq.commands.workflows import run_eval
 
     results = run_eval(
         recipe,
-        model=_model_options(
+        **_evaluation_options(
             model=model,
             trust_remote_code=trust_remote_code,
             allow_pickle=allow_pickle,
@@ -765,31 +816,28 @@ def eval_(
             device_map=device_map,
             max_memory=max_memory,
             dtype=dtype,
-        ),
-        data=DataOptions(
-            data=eval_data,
+            eval_data=eval_data,
             seq_len=seq_len,
-            windows=max_windows,
-            tasks=tasks or None,
+            max_windows=max_windows,
+            tasks=tasks,
             max_items=max_items,
             num_fewshot=num_fewshot,
             limit=limit,
-        ),
-        calibration=_calibration_options(
             calib=calib,
-            data=calib_data,
-            data_flag="--calib-data",
-            samples=calib_samples,
-            seq_len=seq_len,
+            calib_data=calib_data,
+            calib_samples=calib_samples,
             on_nonfinite=on_nonfinite,
             on_unseen=on_unseen,
             all_experts=all_experts,
+            batch_size=batch_size,
+            matmul=matmul,
+            low_memory=low_memory,
+            target=target,
         ),
-        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
         output=OutputOptions(path=out, force=force),
     )
-    if results.get("calibration"):
-        _print_faults(results["calibration"]["faults"])
+    if results.calibration:
+        _print_faults(to_json(results.calibration.faults))
     _print_eval(results, out)
 
 
@@ -810,78 +858,77 @@ def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
     console.print(f"calibrated on {metadata['tokens']:,} tokens of {metadata['data']}; wrote {output}")
 
 
-def _print_compare(results: dict, out: Path) -> None:
+def _print_compare(results, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    base = results["baseline"]
-    table = Table(
-        title=f"{results['model']['name']}: {results['eval']['windows']} windows x {results['eval']['seq_len']} tokens"
-    )
-    for col in ("variant", "perplexity", "Δ ppl", "next-token acc", f"KL vs {base['name']}", "top-1 agreement"):
+    from ptq.models.matmuls import describe_coverage
+
+    base = results.baseline
+    table = Table(title=f"{results.model.name}: {results.eval.windows} windows x {results.eval.seq_len} tokens")
+    for col in ("variant", "perplexity", "Δ ppl", "next-token acc", f"KL vs {base.name}", "top-1 agreement"):
         table.add_column(col, justify="left" if col == "variant" else "right")
-    table.add_row(base["name"], f"{base['perplexity']:.4f}", "", f"{100 * base['accuracy']:.2f}%", "", "")
-    failed = {c["variant"] for c in (results.get("gates") or {}).get("checks", []) if not c["passed"]}
-    for v in results["variants"]:
+    table.add_row(base.name, f"{base.perplexity:.4f}", "", f"{100 * base.accuracy:.2f}%", "", "")
+    failed = {c.variant for c in results.gates.checks if not c.passed} if results.gates else set()
+    for v in results.variants:
         table.add_row(
-            v["name"] + (" FAIL" if v["name"] in failed else ""),
-            f"{v['perplexity']:.4f}",
-            f"{v['ppl_delta_pct']:+.2f}%",
-            f"{100 * v['accuracy']:.2f}%",
-            f"{v['kl_div']:.5f}",
-            f"{100 * v['top1_agreement']:.2f}%",
+            v.name + (" FAIL" if v.name in failed else ""),
+            f"{v.perplexity:.4f}",
+            f"{v.ppl_delta_pct:+.2f}%",
+            f"{100 * v.accuracy:.2f}%",
+            f"{v.kl_div:.5f}",
+            f"{100 * v.top1_agreement:.2f}%",
         )
     console = Console()
     console.print(table)
-    from ptq.models.matmuls import describe_coverage
-
-    for v in results["variants"]:
-        if v.get("coverage"):
-            console.print(f"{v['name']}: {describe_coverage(v['coverage'])}", highlight=False, soft_wrap=True)
-    _print_tasks(console, results, [results["baseline"], *results["variants"]], results["baseline"]["name"])
-    if results.get("gates"):
+    for v in results.variants:
+        console.print(f"{v.name}: {describe_coverage(to_json(v.coverage))}", highlight=False, soft_wrap=True)
+    _print_tasks(console, results, [base, *results.variants])
+    if results.gates:
         from ptq.reporting.report import verdict
 
         console.print(verdict(results).replace("**", ""), highlight=False)
     console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
 
 
-def _print_tasks(console, results: dict, entries: list[dict], baseline: str | None) -> None:
+def _print_tasks(console, results, entries: list) -> None:
     from rich.table import Table
 
-    if not results.get("tasks"):
+    from ptq.reporting.report import task_delta
+
+    if not results.tasks:
         return
     table = Table(
         title="task accuracy, lm-evaluation-harness (95% CI; Δ vs baseline in points, * = distinguishable "
         "from 0; recovery = variant / baseline)"
     )
-    for col in ("task", "metric", "n", *(e["name"] for e in entries)):
+    for col in ("task", "metric", "n", *(e.name for e in entries)):
         table.add_column(col, justify="left" if col in ("task", "metric") else "right")
-    for task in results["tasks"]:
-        for metric in task["metrics"]:
+    for task in results.tasks:
+        for metric in task.metrics:
             cells = []
             for e in entries:
-                t = e["tasks"][task["name"]]
-                cell = f"{100 * t[metric]:.1f}% [{100 * t[metric + '_ci'][0]:.1f}, {100 * t[metric + '_ci'][1]:.1f}]"
-                d = e.get("task_deltas", {}).get(task["name"], {}).get(metric)
+                m = e.tasks[task.name].metrics[metric]
+                cell = f"{100 * m.value:.1f}% [{100 * m.ci[0]:.1f}, {100 * m.ci[1]:.1f}]"
+                d = task_delta(e, task.name, metric)
                 if d:
-                    cell += f" ({100 * d['delta']:+.1f}{'*' if d['significant'] else ''}; {d['recovery_pct']:.1f}%)"
+                    cell += f" ({100 * d.delta:+.1f}{'*' if d.significant else ''}; {d.recovery_pct:.1f}%)"
                 cells.append(cell)
-            table.add_row(task["name"], metric, str(task["n"]), *cells)
+            table.add_row(task.name, metric, str(task.n), *cells)
     console.print(table)
 
 
-def _print_eval(results: dict, out: Path) -> None:
+def _print_eval(results, out: Path) -> None:
     from rich.console import Console
 
-    c = results["config"]
+    c = results.config
     console = Console()
     console.print(
-        f"{results['model']['name']} with {c['name']}: perplexity {c['perplexity']:.4f} "
-        f"[{c['perplexity_ci'][0]:.4f}, {c['perplexity_ci'][1]:.4f}] on {results['eval']['windows']} windows "
-        f"x {results['eval']['seq_len']} tokens"
+        f"{results.model.name} with {c.name}: perplexity {c.perplexity:.4f} "
+        f"[{c.perplexity_ci[0]:.4f}, {c.perplexity_ci[1]:.4f}] on {results.eval.windows} windows "
+        f"x {results.eval.seq_len} tokens"
     )
-    _print_tasks(console, results, [c], None)
+    _print_tasks(console, results, [c])
     console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
 
 

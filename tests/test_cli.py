@@ -43,7 +43,14 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
         )
         assert code == 0, stderr
         runs[name] = json.loads((out / "results.json").read_text())
-    assert runs["sim"]["compute"] == {"device": "cpu", "dtype": "float32", "matmul": "simulated", "low_memory": False}
+    assert runs["sim"]["compute"] == {
+        "device": "cpu",
+        "dtype": "float32",
+        "matmul": "simulated",
+        "low_memory": False,
+        "blockwise_simulated": None,
+        "placement": None,
+    }
     assert runs["fp8"]["compute"]["matmul"] == "fp8" and runs["bf16"]["compute"]["dtype"] == "bfloat16"
     sim, fp8, bf16 = (runs[k]["variants"][0] for k in ("sim", "fp8", "bf16"))
     assert fp8["perplexity"] == pytest.approx(sim["perplexity"], rel=1e-5)

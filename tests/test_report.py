@@ -60,37 +60,37 @@ def table_row(markdown: str, name: str) -> list[str]:
     return [cell.strip() for cell in line.strip("|").split("|")]
 
 
-# --- gates: pure semantics on a hand-made results dict -----------------------------------------
+# --- gates: pure semantics on hand-made results ---------------------------------------------------
 
 
-def results_dict(ppl_delta: float, acc: float, kl: float, tasks: dict | list | None = None, base_tasks=None) -> dict:
-    variant = {"name": "v", "ppl_delta_pct": ppl_delta, "accuracy": acc, "kl_div": kl}
-    base = {"name": "bf16", "accuracy": 0.5}
-    if tasks is not None:
-        variant["tasks"], base["tasks"] = tasks, base_tasks
-    return {"baseline": base, "variants": [variant]}
+def results_with(ppl_delta: float, acc: float, kl: float, tasks=None, base_tasks=None):
+    """Typed results of one variant `v` against a baseline of accuracy 0.5 (tests/sample_results.py)."""
+    from sample_results import baseline, compare_results, variant
+
+    return compare_results(baseline(accuracy=0.5, tasks=base_tasks), [variant("v", ppl_delta, acc, kl, tasks)])
 
 
 def test_gate_limits_are_inclusive_and_recovery_is_a_ratio():
     limits = parse_limits("2%", ["99%"], "0.01")
     assert limits == Limits(2.0, 99.0, {}, 0.01)
-    at_limit = check(results_dict(2.0, 0.495, 0.01), limits)  # 0.495 / 0.5 = 99% recovery
+    at_limit = check(results_with(2.0, 0.495, 0.01), limits)  # 0.495 / 0.5 = 99% recovery
     assert [(c.metric, c.passed) for c in at_limit] == [
         ("ppl_delta_pct", True),
         ("accuracy_recovery_pct", True),
         ("kl_div", True),
     ]
     assert at_limit[1].value == pytest.approx(99.0)
-    beyond = check(results_dict(2.01, 0.494, 0.0101), limits)
+    beyond = check(results_with(2.01, 0.494, 0.0101), limits)
     assert [c.passed for c in beyond] == [False, False, False]
     assert "perplexity +2.01% > +2%" in beyond[0].describe()
 
 
 def test_per_task_gates_default_override_and_missing_task_fails():
-    tasks = {"piqa": {"accuracy": 0.6}, "arc_easy": {"accuracy": 0.45}}
-    base_tasks = [{"name": "piqa", "accuracy": 0.62}, {"name": "arc_easy", "accuracy": 0.5}]  # list form too
+    from sample_results import task_scores
+
+    tasks, base_tasks = task_scores(piqa=0.6, arc_easy=0.45), task_scores(piqa=0.62, arc_easy=0.5)
     limits = parse_limits(None, ["95%", "arc_easy=90%", "hellaswag=99%"], None)
-    checks = {c.task: c for c in check(results_dict(0, 0.5, 0, tasks, base_tasks), limits)}
+    checks = {c.task: c for c in check(results_with(0, 0.5, 0, tasks, base_tasks), limits)}
     assert checks["next-token"].passed and checks["next-token"].limit == 95
     assert checks["piqa"].value == pytest.approx(100 * 0.6 / 0.62) and checks["piqa"].passed
     assert checks["arc_easy"].limit == 90 and checks["arc_easy"].passed  # 90% recovery: passes its own limit only
@@ -300,28 +300,24 @@ def test_plots_are_linked_relative_deterministic_and_skippable(compared, ptq_cli
 # --- trend ---------------------------------------------------------------------------------------
 
 
-def test_trend_flags_changes_beyond_intervals_and_shows_plain_deltas_otherwise(compared, ptq_cli, tmp_path):
+def test_trend_flags_changes_beyond_intervals(compared, ptq_cli, tmp_path):
     current = load(compared / "results.json")
-    for entry in [current["baseline"], *current["variants"]]:  # results without intervals, as older runs wrote
-        for key in [k for k in entry if k.endswith("_ci")]:
-            del entry[key]
     previous = copy.deepcopy(current)
     fp8 = next(v for v in previous["variants"] if v["name"] == "fp8-e4m3")
     fp8["perplexity"] = current["variants"][0]["perplexity"] * 0.9
+    # Intervals of 1% around each perplexity: the moved one (10%) is beyond them, the others are not.
+    for results in (current, previous):
+        for entry in [results["baseline"], *results["variants"]]:
+            entry["perplexity_ci"] = [entry["perplexity"] * 0.99, entry["perplexity"] * 1.01]
     (tmp_path / "old.json").write_text(json.dumps(previous))
     (tmp_path / "new.json").write_text(json.dumps(current))
     code, out, _ = ptq_cli("report", tmp_path / "new.json", "--previous", tmp_path / "old.json", "--max-kl", "1")
     assert code == 0
-    assert "carry no intervals: plain changes" in out
     row = next(line for line in out.splitlines() if line.startswith("| fp8-e4m3 | perplexity |"))
-    assert "(+11.11%)" in row and row.endswith("| — |")
-
-    # With intervals on both runs: the moved perplexity is flagged, an overlapping one is not.
-    for results in (current, previous):
-        for entry in [results["baseline"], *results["variants"]]:
-            entry["perplexity_ci"] = [entry["perplexity"] * 0.99, entry["perplexity"] * 1.01]
-    (tmp_path / "new.json").write_text(json.dumps(current))
-    (tmp_path / "old.json").write_text(json.dumps(previous))
+    assert "(+11.11%)" in row and row.endswith("| ⚠️ worse |")
+    row = next(line for line in out.splitlines() if line.startswith("| int8 | perplexity |"))
+    assert row.endswith("| no |")
+    # The same through --json.
     code, out, _ = ptq_cli(
         "report", tmp_path / "new.json", "--previous", tmp_path / "old.json", "--max-kl", "1", "--json"
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -20,7 +21,6 @@ import os
 import platform
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ptq import __version__
@@ -31,9 +31,7 @@ from ptq.calibration.calibrate import (
     load_calibration,
     range_findings,
     save_calibration,
-    summary_rows,
 )
-from ptq.calibration.diagnostics import sqnr_table
 from ptq.commands.options import (
     CalibrationOptions,
     CheckpointOptions,
@@ -43,20 +41,19 @@ from ptq.commands.options import (
     OutputOptions,
     refuse_unused,
 )
+from ptq.commands.results import build_results, calibration_faults, recipe_summary
 from ptq.errors import PtqError
-from ptq.evaluation import harness, stats
+from ptq.evaluation import harness
 from ptq.evaluation.data import Corpus, load_corpus, make_windows
-from ptq.evaluation.evaluate import Scores, evaluate
+from ptq.evaluation.evaluate import evaluate
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
 from ptq.execution import batching, devices, distributed, streaming
 from ptq.execution.devices import compute_dtype, default_device
 from ptq.execution.placement import Placement, placed, placed_copy
-from ptq.execution.placement import describe as describe_placement
 from ptq.execution.placement import summary as placement_summary
 from ptq.files import check_output_dir, check_writable
 from ptq.models.loading import LoadedModel, linear_layers, load_model
 from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
-from ptq.numerics.formats import get_format
 from ptq.progress import stderr
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_targets, resolve_plans
@@ -64,13 +61,12 @@ from ptq.quantization.quantize import blockwise_unavailable, quantize_, quantize
 from ptq.quantization.recipes import Recipe, load_recipe
 from ptq.reporting.gates import Limits, gate_results
 from ptq.reporting.report import (
-    load_results,
-    render_eval_markdown,
     render_markdown,
     report_outputs,
     write_markdown,
     write_report,
 )
+from ptq.reporting.results import CompareResults, EvalResults, load_compare, to_json
 
 BASELINE_RECIPE = "bf16"
 DEFAULT_RECIPES = ("fp8-e4m3", "int8")
@@ -327,17 +323,6 @@ def check_coverage(plans: dict[str, Plan], strict: bool = False) -> dict[str, di
     return coverages
 
 
-def calibration_faults(metadata: dict) -> dict:
-    """What calibration had to work around, for reports: unseen layers and their fallback, skipped
-    non-finite batches, and range warnings."""
-    return {
-        "on_nonfinite": metadata.get("on_nonfinite", "fail"),
-        "unseen_layers": metadata.get("unseen_layers", []),
-        "nonfinite_batches": metadata.get("nonfinite_batches", {}),
-        "warnings": metadata.get("warnings", []),
-    }
-
-
 def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, placement: Placement | None = None) -> dict:
     """Where and how the models run: {"device", "dtype", "matmul", "low_memory"} (see devices.compute_dtype,
     quantize.resolve_matmul and streaming), checked before anything is loaded; with a placement (--device-map),
@@ -368,26 +353,6 @@ def check_placement(placement: Placement | None, low_memory: bool | None) -> Non
             "--device-map places one copy of the model over all the GPUs: start ptq in one process, without "
             "torchrun / accelerate launch"
         )
-
-
-def describe_compute(compute: dict) -> str:
-    """One line for reports."""
-    if compute["matmul"] == "fp8":
-        why = compute.get("blockwise_simulated")
-        blocks = (
-            "128 x 128 weight blocks with 1 x 128 input groups too (torch.nn.functional.scaled_mm block-wise)"
-            if why is None
-            else f"128 x 128 blocks simulated ({why})"
-        )
-        matmul = (
-            f"FP8 layers with per-tensor or per-row scales as real FP8 matmuls (torch._scaled_mm); {blocks}; MX "
-            "groups, and the others, simulated"
-        )
-    else:
-        matmul = "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)"
-    blocks = "; layer by layer from disk (--low-memory)" if compute.get("low_memory") else ""
-    placed_text = f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
-    return f"{compute['device']}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
 
 
 class MeasuredVariants:
@@ -452,7 +417,7 @@ def run_compare(
     calibration: CalibrationOptions = CalibrationOptions(),
     compute: ComputeOptions = ComputeOptions(),
     output: OutputOptions,
-) -> dict:
+) -> CompareResults:
     """The bf16 baseline and each recipe on the same windows, report written to output.path. compute.low_memory: layer
     by layer from disk (ptq.execution.streaming); None: when the model and its variants' weight codes do not fit in
     memory. model.placement (--device-map): the model loaded and quantized on the CPU, each variant then placed over
@@ -534,96 +499,28 @@ def run_compare(
                 task_run = harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size))
     snr = layer_snr(weight_snr, input_snr)
 
-    base = scores[baseline.name]
-    results = {
-        "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
-        "device": describe_compute(compute_info),
-        "compute": compute_info,
-        "eval": _eval_entry(eval_corpus, windows, base),
-        "protocol": protocol(windows, compute_info, baseline) + [engines.describe(compute.target)],
-        "target": compute.target,
-        "baseline": {
-            "name": baseline.name,
-            "recipe": recipe_summary(baseline),
-            "perplexity": base.perplexity,
-            "accuracy": base.accuracy,
-            "window_nll": base.window_nll,
-            "coverage": coverages[baseline.name],
-        },
-        "variants": [],
-        "calibration": None,
-        "versions": versions(),
-        "created": now(),
-    }
-    results["baseline"].update(window_statistics(base))
-    for r in variants:
-        s = scores[r.name]
-        results["variants"].append(
-            {
-                "name": r.name,
-                "recipe": recipe_summary(r),
-                "perplexity": s.perplexity,
-                "accuracy": s.accuracy,
-                "ppl_delta_pct": 100 * (s.perplexity / base.perplexity - 1),
-                "accuracy_delta": s.accuracy - base.accuracy,
-                "kl_div": s.kl_div,
-                "top1_agreement": s.top1_agreement,
-                "window_nll": s.window_nll,
-                "snr_db": snr[r.name],
-                "coverage": coverages[r.name],
-                **window_statistics(s, base),
-            }
-        )
-    results["statistics"] = stats.describe()
-    if task_run is not None:
-        _add_tasks(results, task_run, suite, [results["baseline"]], results["variants"], baseline.name)
-    if calib is not None and needs_calibration:
-        results["calibration"] = calibration_entry(calib, calibration_source, layer_order)
-        results["diagnostics"] = sqnr_table(calib)
-    results["gates"] = gate_results(results, output.limits or Limits())
+    results = build_results(
+        loaded=loaded,
+        compute=compute_info,
+        corpus=eval_corpus,
+        windows=windows,
+        scores=scores,
+        recipes=variants,
+        coverages=coverages,
+        target=compute.target,
+        versions=versions(),
+        created=now(),
+        baseline=baseline,
+        snr=snr,
+        tasks=(task_run, suite) if task_run is not None else None,
+        calibration=calib if needs_calibration else None,
+        calibration_source=calibration_source,
+        layer_order=layer_order,
+        limits=output.limits,
+    )
     if distributed.is_main():
         write_report(Path(output.path), results, output.force, output.plots)
     return results
-
-
-def calibration_entry(calibration: Calibration, source: str, layer_order: list[str]) -> dict:
-    """The "calibration" of a results file: where it came from, its text, summary, faults (what calibration worked
-    around, and the range warnings) and every layer's amax, in the model's order."""
-    m = calibration.metadata
-    return {
-        "source": source,
-        "data": m.get("data"),
-        "data_sha256": m.get("data_sha256"),
-        "windows": m.get("windows"),
-        "seq_len": m.get("seq_len"),
-        "tokens": m.get("tokens"),
-        "batch_size": m.get("batch_size"),
-        "summary": summary_rows(calibration),
-        "faults": calibration_faults(m),
-        "layers": [
-            {
-                "layer": name,
-                "input_amax": float(calibration.input_amax[name]),
-                "weight_amax": float(calibration.weight_amax[name]),
-            }
-            for name in layer_order
-            if name in calibration.input_amax
-        ],
-    }
-
-
-def _eval_entry(corpus: Corpus, windows, scores: Scores) -> dict:
-    """The "eval" of a results file: the evaluation text and its windows."""
-    return {
-        "data": corpus.source,
-        "data_sha256": corpus.sha256,
-        "seq_len": windows.seq_len,
-        "stride": windows.seq_len,
-        "windows": len(windows.input_ids),
-        "tokens": scores.tokens,
-        "bos": windows.bos,
-        "description": windows.description,
-    }
 
 
 def _refuse_resume(command: str, calibration: CalibrationOptions) -> None:
@@ -703,25 +600,6 @@ def _task_batch_size(models: dict, batch_size: int | None) -> int:
     return batching.auto_batch_size(model, min(_max_len(models) or 2048, 2048), batching.MAX_AUTO_BATCH_SIZE, 1)
 
 
-def _add_tasks(
-    results: dict,
-    run: harness.HarnessRun,
-    suite: harness.Suite,
-    entries: list[dict],
-    variants: list[dict] = (),
-    baseline: str | None = None,
-) -> None:
-    """lm-eval's numbers per task in each entry; for each variant also its paired deltas against the baseline."""
-    results["tasks"] = harness.describe_tasks(run, suite)
-    results["task_scoring"] = harness.scoring(run, suite)
-    for entry in entries:
-        harness.add_task_metrics(entry, run, results["tasks"])
-    for v in variants:
-        harness.add_task_metrics(v, run, results["tasks"], baseline)
-    results["protocol"] += harness.protocol(results["tasks"])
-    results["versions"]["lm_eval"] = harness.lm_eval_version()
-
-
 def run_eval(
     recipe: str = BASELINE_RECIPE,
     *,
@@ -730,7 +608,7 @@ def run_eval(
     calibration: CalibrationOptions = CalibrationOptions(),
     compute: ComputeOptions = ComputeOptions(),
     output: OutputOptions,
-) -> dict:
+) -> EvalResults:
     """One configuration (a recipe, bf16 by default): perplexity on the evaluation windows and accuracy on the tasks,
     each with its interval; report written to output.path. No baseline, so no deltas: that is what compare is for.
     compute.low_memory: layer by layer from disk (ptq.execution.streaming); None: when the model does not fit in
@@ -799,128 +677,30 @@ def run_eval(
             task_run = (
                 harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size)) if suite else None
             )
-    results = {
-        "command": "eval",
-        "model": {"name": loaded.name, "source": loaded.source, "caveats": list(loaded.caveats)},
-        "device": describe_compute(compute_info),
-        "compute": compute_info,
-        "eval": _eval_entry(eval_corpus, windows, s),
-        "protocol": protocol(windows, compute_info) + [engines.describe(compute.target)],
-        "target": compute.target,
-        "config": {
-            "name": config.name,
-            "recipe": recipe_summary(config),
-            "perplexity": s.perplexity,
-            "accuracy": s.accuracy,
-            "window_nll": s.window_nll,
-            "coverage": config_coverage,
-            **window_statistics(s),
-        },
-        "statistics": stats.describe(),
-        "calibration": None,
-        "versions": versions(),
-        "created": now(),
-    }
-    if task_run is not None:
-        _add_tasks(results, task_run, suite, [results["config"]])
-    if calib is not None and config.needs_calibration:
-        results["calibration"] = calibration_entry(calib, calibration_source, layer_order)
+    results = build_results(
+        loaded=loaded,
+        compute=compute_info,
+        corpus=eval_corpus,
+        windows=windows,
+        scores={config.name: s},
+        recipes=[config],
+        coverages={config.name: config_coverage},
+        target=compute.target,
+        versions=versions(),
+        created=now(),
+        tasks=(task_run, suite) if task_run is not None else None,
+        calibration=calib if config.needs_calibration else None,
+        calibration_source=calibration_source,
+        layer_order=layer_order,
+    )
     if distributed.is_main():
-        write_report(Path(output.path), results, output.force, plots=False, render=render_eval_markdown)
+        write_report(Path(output.path), results, output.force, plots=False)
     return results
 
 
 def _max_len(models: dict) -> int | None:
     config = getattr(next(iter(models.values())), "config", None)
     return getattr(config, "max_position_embeddings", None)
-
-
-def window_statistics(s: Scores, base: Scores | None = None) -> dict:
-    """Standard errors and 95% intervals over windows; against a baseline also the paired deltas."""
-    ppl = stats.estimate(s.window_nll, np.exp)
-    acc = stats.estimate(s.window_correct)
-    out = {
-        "perplexity_stderr": ppl["stderr"],
-        "perplexity_ci": ppl["ci"],
-        "accuracy_stderr": acc["stderr"],
-        "accuracy_ci": acc["ci"],
-    }
-    if base is not None:
-        kl, agree = stats.estimate(s.window_kl), stats.estimate(s.window_agree)
-        ppl_delta = stats.paired_delta(base.window_nll, s.window_nll, stats.ratio_pct_of_exp)
-        acc_delta = stats.paired_delta(base.window_correct, s.window_correct, stats.difference)
-        out.update(
-            {
-                "kl_div_stderr": kl["stderr"],
-                "kl_div_ci": kl["ci"],
-                "top1_agreement_stderr": agree["stderr"],
-                "top1_agreement_ci": agree["ci"],
-                "ppl_delta_pct_stderr": ppl_delta["stderr"],
-                "ppl_delta_pct_ci": ppl_delta["ci"],
-                "ppl_delta_significant": ppl_delta["significant"],
-                "accuracy_delta_stderr": acc_delta["stderr"],
-                "accuracy_delta_ci": acc_delta["ci"],
-                "accuracy_delta_significant": acc_delta["significant"],
-            }
-        )
-    return out
-
-
-def recipe_summary(r: Recipe) -> dict:
-    return {
-        "name": r.name,
-        "description": r.description,
-        "weights": r.weights.describe(),
-        "inputs": r.inputs.describe(),
-        "ignore": list(r.ignore),
-        "source": Path(r.source).name,
-        "attention": r.attention.describe() + f" ({', '.join(r.attention_tensors)})" if r.attention else None,
-        "kv_cache": r.kv_cache.describe() if r.kv_cache else None,
-        "smoothquant_alpha": r.smoothquant,
-        "residual": r.residual.describe() if r.residual else None,
-    }
-
-
-def protocol(windows, compute: dict, baseline: Recipe | None = None) -> list[str]:
-    """How the numbers of a results file were measured, one sentence each; with a `baseline` (compare), also how the
-    variants are measured against it."""
-    int8 = get_format("int8")
-    dtype = "fp32" if compute["dtype"] == "float32" else compute["dtype"]
-    product = (
-        "product in fp32"
-        if dtype == "fp32"
-        else f"operands dequantized to {dtype} (one {dtype} rounding of each), product accumulated in fp32"
-    )
-    if compute["matmul"] == "fp8":
-        product += (
-            "; layers with FP8 weights and inputs multiply their float8 codes for real (torch._scaled_mm: "
-            "fp32 accumulation, both scales applied in fp32)"
-        )
-    against_baseline = (
-        []
-        if baseline is None
-        else [
-            "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted positions of "
-            f"KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the variant's top-1 token equals the baseline's.",
-            f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. Embeddings, norms, attention "
-            f"and activations run in {dtype} in every variant, so variants differ only in the Linear layers' weights and inputs, "
-            "except where a recipe also quantizes attention's batched-matmul inputs (Q, K, V, softmax output) or the KV cache "
-            "(its `attention` / `kv_cache` entries): such variants compute attention the eager way with those inputs rounded.",
-        ]
-    )
-    return [
-        f"Perplexity: {windows.description}. Each window is scored on its own tokens 2..{windows.seq_len} "
-        f"({windows.seq_len - 1} predictions per window, stride {windows.seq_len}, no overlap); "
-        f"{'a BOS token starts every window' if windows.bos else 'no BOS token (the tokenizer adds none)'}.",
-        *against_baseline,
-        "Quantized Linear: weights quantized once (one scale per tensor, output channel, 128 x 128 tile or group of the "
-        "input dimension, as the recipe says); inputs quantized on every forward with the static per-tensor scale from "
-        "calibration, or dynamic scales per token or per input group computed from the input itself; scale = amax / "
-        "format max (MX: the smallest power of two with which the amax does not clip, E8M0); round to nearest even, "
-        "then saturate to the format's max; "
-        f"{product}. Linear layers a recipe leaves out (lm_head by default) run as in the baseline.",
-        f"int8 is symmetric: scale = amax / {int8.max:g}, codes in [-{int8.max:g}, {int8.max:g}] (ModelOpt's convention).",
-    ]
 
 
 def run_report(
@@ -930,19 +710,20 @@ def run_report(
     limits: Limits | None = None,
     plots: bool = True,
     force: bool = False,
-) -> tuple[dict, str]:
-    """Render a results file (gates from `limits` if any are given, else those stored by compare) as markdown;
-    write it (and its plots) to `output` if given. Returns the results as judged and the markdown."""
-    results = load_results(results_file)
-    previous = load_results(previous_file, "previous results file") if previous_file else None
+) -> tuple[CompareResults, CompareResults | None, str]:
+    """Render a compare results file (gates from `limits` if any are given, else those stored by compare) as
+    markdown, with a trend against `previous_file`; write it (and its plots) to `output` if given. Returns the
+    results as judged, the previous results and the markdown."""
+    results = load_compare(results_file)
+    previous = load_compare(previous_file, "previous results file") if previous_file else None
     if limits is not None and limits.any():
-        results = results | {"gates": gate_results(results, limits)}
+        results = dataclasses.replace(results, gates=gate_results(results, limits))
     if output is None:
-        return results, render_markdown(results, previous)
+        return results, previous, render_markdown(results, previous)
     for path in report_outputs(Path(output), results, plots):
         check_writable(path, force)
     write_markdown(Path(output), results, previous, plots, force=True)
-    return results, Path(output).read_text(encoding="utf-8")
+    return results, previous, Path(output).read_text(encoding="utf-8")
 
 
 def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool = False) -> dict:
@@ -1071,7 +852,7 @@ def run_quantize(
             "caveats": list(loaded.caveats),
             "architecture": type(loaded.model).__name__,
         },
-        "recipe": recipe_summary(r),
+        "recipe": to_json(recipe_summary(r)),
         "target": target,
         "target_rules": engines.describe(target),
         "format": {
@@ -1089,7 +870,7 @@ def run_quantize(
             "seq_len": m.get("seq_len"),
             "tokens": m.get("tokens"),
             "batch_size": m.get("batch_size"),
-            "faults": calibration_faults(m),
+            "faults": to_json(calibration_faults(m)),
         },
         "size": export.checkpoint_bytes(entries, quantized),
         "coverage": checkpoint_coverage,
@@ -1196,26 +977,24 @@ def load_compare_results(path: Path, recipe: str) -> dict:
     """The rows of a `ptq compare` results.json (a file or its directory) for the model card."""
     path = Path(path)
     path = path / "results.json" if path.is_dir() else path
-    try:
-        r = json.loads(path.read_text(encoding="utf-8"))
-        variant = next((v for v in r["variants"] if v["name"] == recipe), None)
-        base, ev = r["baseline"], r["eval"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PtqError(f"{path} is not a readable `ptq compare` results.json ({type(e).__name__}: {e})") from None
+    r = load_compare(path)
+    variant = next((v for v in r.variants if v.name == recipe), None)
     if variant is None:
         raise PtqError(
-            f"{path} has no results for recipe '{recipe}' (it compares {', '.join(v['name'] for v in r['variants']) or 'nothing'})"
+            f"{path} has no results for recipe '{recipe}' (it compares {', '.join(v.name for v in r.variants) or 'nothing'})"
         )
+    base, ev = r.baseline, r.eval
     return {
         "file": str(path),
-        "model": r["model"]["name"],
-        "eval": ev.get("description") or ev.get("data"),
-        "eval_data": ev.get("data"),
-        "eval_sha256": ev.get("data_sha256"),
-        "baseline": {k: base.get(k) for k in ("name", "perplexity", "accuracy")} | {"recipe": base.get("recipe")},
+        "model": r.model.name,
+        "eval": ev.description,
+        "eval_data": ev.data,
+        "eval_sha256": ev.data_sha256,
+        "baseline": {"name": base.name, "perplexity": base.perplexity, "accuracy": base.accuracy}
+        | {"recipe": to_json(base.recipe)},
         "variant": {
-            k: variant.get(k)
+            k: getattr(variant, k)
             for k in ("name", "perplexity", "accuracy", "ppl_delta_pct", "accuracy_delta", "kl_div", "top1_agreement")
         }
-        | {"recipe": variant.get("recipe")},
+        | {"recipe": to_json(variant.recipe)},
     }

@@ -16,71 +16,10 @@ where results carry them, are reported next to the values but do not decide a ga
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 from ptq.errors import PtqError
+from ptq.reporting.results import Check, CompareResults, Entry, Gates, Limits, TaskMetric
 
 NEXT_TOKEN = "next-token"  # the name of next-token accuracy among the tasks of --min-accuracy-recovery
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_ppl_increase_pct: float | None = None
-    min_accuracy_recovery_pct: float | None = None  # next-token accuracy and every task without its own limit
-    task_accuracy_recovery_pct: dict[str, float] = field(default_factory=dict)
-    max_kl: float | None = None
-
-    def any(self) -> bool:
-        return (
-            self.max_ppl_increase_pct is not None
-            or self.min_accuracy_recovery_pct is not None
-            or bool(self.task_accuracy_recovery_pct)
-            or self.max_kl is not None
-        )
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> Limits:
-        return cls(
-            data.get("max_ppl_increase_pct"),
-            data.get("min_accuracy_recovery_pct"),
-            dict(data.get("task_accuracy_recovery_pct") or {}),
-            data.get("max_kl"),
-        )
-
-    def describe(self) -> list[str]:
-        parts = []
-        if self.max_ppl_increase_pct is not None:
-            parts.append(f"perplexity increase <= {self.max_ppl_increase_pct:g}%")
-        if self.min_accuracy_recovery_pct is not None:
-            parts.append(f"accuracy recovery >= {self.min_accuracy_recovery_pct:g}%")
-        parts += [f"{task} accuracy recovery >= {v:g}%" for task, v in self.task_accuracy_recovery_pct.items()]
-        if self.max_kl is not None:
-            parts.append(f"KL <= {self.max_kl:g} nats/token")
-        return parts
-
-
-@dataclass(frozen=True)
-class Check:
-    variant: str
-    metric: str  # "ppl_delta_pct", "accuracy_recovery_pct" or "kl_div"
-    task: str | None  # for accuracy recovery: NEXT_TOKEN or a task name
-    value: float | None  # None: the task is not in the results, which fails its gate
-    limit: float
-    passed: bool
-    task_metric: str | None = None  # the task's metric (acc, acc_norm, exact_match,strict-match); None: accuracy
-
-    def describe(self) -> str:
-        if self.value is None:
-            return f"{self.variant}: {self.task} accuracy was not measured (its gate needs it)"
-        if self.metric == "ppl_delta_pct":
-            return f"{self.variant}: perplexity {self.value:+.2f}% {'<=' if self.passed else '>'} +{self.limit:g}%"
-        if self.metric == "kl_div":
-            return f"{self.variant}: KL {self.value:.4g} {'<=' if self.passed else '>'} {self.limit:g}"
-        what = f"{self.task} {self.task_metric}" if self.task_metric else f"{self.task} accuracy"
-        return f"{self.variant}: {what} recovery {self.value:.2f}% {'>=' if self.passed else '<'} {self.limit:g}%"
 
 
 def parse_percent(value: str, option: str) -> float:
@@ -129,23 +68,9 @@ def parse_limits(
 LOWER_IS_BETTER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter")  # lm-eval's
 
 
-def task_scores(entry: dict) -> dict[str, dict[str, dict]]:
-    """Per task, per metric, {"value", "ci"} of a baseline or variant entry, from {'tasks': {name: {metric: value,
-    metric_ci: [lo, hi], metric_stderr: s, n: items}}} (or a list of {'name': ...}; 'accuracy' reads as acc)."""
-    tasks = entry.get("tasks") or {}
-    if isinstance(tasks, list):
-        tasks = {t.get("name") or t.get("task"): t for t in tasks if isinstance(t, dict)}
-    out = {}
-    for name, t in tasks.items():
-        if not isinstance(t, dict):
-            continue
-        metrics = {}
-        for key, value in t.items():
-            if key in ("n", "name", "task") or key.endswith(("_ci", "_stderr")) or not isinstance(value, (int, float)):
-                continue
-            metrics["acc" if key == "accuracy" else key] = {"value": float(value), "ci": t.get(f"{key}_ci")}
-        out[name] = metrics
-    return out
+def task_scores(entry: Entry) -> dict[str, dict[str, TaskMetric]]:
+    """Per task, per metric, the scores of a baseline or variant entry (none without --tasks)."""
+    return {name: scores.metrics for name, scores in (entry.tasks or {}).items()}
 
 
 def higher_is_better(metric: str) -> bool:
@@ -157,28 +82,19 @@ def accuracy_recovery_pct(variant_acc: float, baseline_acc: float) -> float:
     return 100.0 * (variant_acc / baseline_acc) if baseline_acc > 0 else 100.0  # equal accuracies: exactly 100
 
 
-def check(results: dict, limits: Limits) -> list[Check]:
+def check(results: CompareResults, limits: Limits) -> list[Check]:
     """Every gate against every variant, in the order of the results' variants."""
-    base = results["baseline"]
+    base = results.baseline
     base_tasks = task_scores(base)
     checks: list[Check] = []
-    for v in results["variants"]:
-        name = v["name"]
+    for v in results.variants:
         if limits.max_ppl_increase_pct is not None:
-            checks.append(
-                Check(
-                    name,
-                    "ppl_delta_pct",
-                    None,
-                    v["ppl_delta_pct"],
-                    limits.max_ppl_increase_pct,
-                    v["ppl_delta_pct"] <= limits.max_ppl_increase_pct,
-                )
-            )
-        accuracies = {(NEXT_TOKEN, None): (v["accuracy"], base["accuracy"])}
+            passed = v.ppl_delta_pct <= limits.max_ppl_increase_pct
+            checks.append(Check(v.name, "ppl_delta_pct", None, v.ppl_delta_pct, limits.max_ppl_increase_pct, passed))
+        accuracies = {(NEXT_TOKEN, None): (v.accuracy, base.accuracy)}
         variant_tasks = task_scores(v)
         accuracies |= {
-            (t, m): (variant_tasks[t][m]["value"], s["value"])
+            (t, m): (variant_tasks[t][m].value, s.value)
             for t, metrics in base_tasks.items()
             for m, s in metrics.items()
             if m in variant_tasks.get(t, {}) and higher_is_better(m)
@@ -187,25 +103,24 @@ def check(results: dict, limits: Limits) -> list[Check]:
             limit = limits.task_accuracy_recovery_pct.get(task, limits.min_accuracy_recovery_pct)
             if limit is not None:
                 recovery = accuracy_recovery_pct(acc, base_acc)
-                checks.append(Check(name, "accuracy_recovery_pct", task, recovery, limit, recovery >= limit, metric))
+                checks.append(Check(v.name, "accuracy_recovery_pct", task, recovery, limit, recovery >= limit, metric))
         measured = {task for task, _ in accuracies}
         for task, limit in limits.task_accuracy_recovery_pct.items():
             if task not in measured:  # a gate on a task that was not measured must not pass silently
-                checks.append(Check(name, "accuracy_recovery_pct", task, None, limit, False))
+                checks.append(Check(v.name, "accuracy_recovery_pct", task, None, limit, False))
         if limits.max_kl is not None:
-            checks.append(Check(name, "kl_div", None, v["kl_div"], limits.max_kl, v["kl_div"] <= limits.max_kl))
+            checks.append(Check(v.name, "kl_div", None, v.kl_div, limits.max_kl, v.kl_div <= limits.max_kl))
     return checks
 
 
-def gate_results(results: dict, limits: Limits) -> dict | None:
+def gate_results(results: CompareResults, limits: Limits) -> Gates | None:
     """The `gates` entry of results.json: the limits, each check, and whether all passed."""
     if not limits.any():
         return None
     checks = check(results, limits)
-    return {"limits": limits.to_json(), "passed": all(c.passed for c in checks), "checks": [asdict(c) for c in checks]}
+    return Gates(limits=limits, passed=all(c.passed for c in checks), checks=checks)
 
 
-def stored_checks(results: dict) -> list[Check]:
+def stored_checks(results: CompareResults) -> list[Check]:
     """The checks of a results file, recomputed from its stored limits (so they always match the numbers)."""
-    gates = results.get("gates")
-    return check(results, Limits.from_json(gates["limits"])) if gates else []
+    return check(results, results.gates.limits) if results.gates else []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ptq.files import atomic_path
 from ptq.numerics.formats import get_format
-from ptq.reporting.gates import Limits
+from ptq.reporting.results import CompareResults, Entry, Limits
 
 PLOT_NAMES = ("metrics", "layer-amax", "layer-snr")
 TITLES = {
@@ -31,17 +31,17 @@ def plot_paths(report: Path) -> dict[str, Path]:
     return {name: report.with_name(f"{report.stem}-{name}.png") for name in PLOT_NAMES}
 
 
-def available(results: dict) -> list[str]:
+def available(results: CompareResults) -> list[str]:
     """The plots this results file has data for."""
     names = ["metrics"]
-    if (results.get("calibration") or {}).get("layers"):
+    if results.calibration and results.calibration.layers:
         names.append("layer-amax")
-    if any(v.get("snr_db") for v in results["variants"]):
+    if any(v.snr_db for v in results.variants):
         names.append("layer-snr")
     return names
 
 
-def write_plots(results: dict, report: Path) -> dict[str, Path]:
+def write_plots(results: CompareResults, report: Path) -> dict[str, Path]:
     """Draw every available plot next to `report`; return {name: path} of those written."""
     paths = plot_paths(Path(report))
     draw = {"metrics": metrics_figure, "layer-amax": amax_figure, "layer-snr": snr_figure}
@@ -77,27 +77,26 @@ def _block_ticks(ax, layers: list[str]) -> None:
     ax.set_xlabel("transformer block (Linear layers in model order)" if ticks else "Linear layer (model order)")
 
 
-def metrics_figure(results: dict):
-    base, variants = results["baseline"], results["variants"]
+def metrics_figure(results: CompareResults):
+    base, variants = results.baseline, results.variants
     entries = [base, *variants]
-    names = [e["name"] for e in entries]
-    limits = Limits.from_json(results["gates"]["limits"]) if results.get("gates") else Limits()
+    names = [e.name for e in entries]
+    limits = results.gates.limits if results.gates else Limits()
     panels = [
         ("perplexity", "perplexity (lower is better)", 1.0),
         ("accuracy", "next-token accuracy (%)", 100.0),
-        ("kl_div", f"KL vs {base['name']} (nats/token)", 1.0),
-        ("top1_agreement", f"top-1 agreement with {base['name']} (%)", 100.0),
+        ("kl_div", f"KL vs {base.name} (nats/token)", 1.0),
+        ("top1_agreement", f"top-1 agreement with {base.name} (%)", 100.0),
     ]
     fig, axes = _figure(11, 6.5, 2, 2)
     for ax, (key, label, factor) in zip(axes, panels):
-        rows = [(i, e) for i, e in enumerate(entries) if isinstance(e.get(key), (int, float))]
+        rows = [(i, e) for i, e in enumerate(entries) if hasattr(e, key)]  # the baseline has no KL or agreement
         xs = [i for i, _ in rows]
-        ys = [factor * e[key] for _, e in rows]
+        ys = [factor * getattr(e, key) for _, e in rows]
         err = [[0.0] * len(rows), [0.0] * len(rows)]
         for j, (_, e) in enumerate(rows):
-            ci = e.get(f"{key}_ci")
-            if ci:
-                err[0][j], err[1][j] = factor * e[key] - factor * ci[0], factor * ci[1] - factor * e[key]
+            value, (low, high) = getattr(e, key), getattr(e, f"{key}_ci")
+            err[0][j], err[1][j] = factor * value - factor * low, factor * high - factor * value
         ax.bar(xs, ys, color=[COLORS[i % len(COLORS)] for i in xs], yerr=err if any(map(any, err)) else None, capsize=4)
         for x, y in zip(xs, ys):
             ax.annotate(
@@ -111,38 +110,33 @@ def metrics_figure(results: dict):
         ax.set_title(label, fontsize=10)
         ax.margins(y=0.15)
     fig.suptitle(
-        f"{results['model']['name']}: {results['eval']['windows']} windows x {results['eval']['seq_len']} tokens"
-        + ("; bars show intervals where results carry them" if _has_ci(entries) else ""),
+        f"{results.model.name}: {results.eval.windows} windows x {results.eval.seq_len} tokens; bars show 95% intervals",
         fontsize=11,
     )
     return fig
 
 
-def _has_ci(entries: list[dict]) -> bool:
-    return any(k.endswith("_ci") for e in entries for k in e)
-
-
-def _limit_line(key: str, base: dict, limits: Limits) -> float | None:
+def _limit_line(key: str, base: Entry, limits: Limits) -> float | None:
     if key == "perplexity" and limits.max_ppl_increase_pct is not None:
-        return base["perplexity"] * (1 + limits.max_ppl_increase_pct / 100)
+        return base.perplexity * (1 + limits.max_ppl_increase_pct / 100)
     if key == "accuracy" and limits.min_accuracy_recovery_pct is not None:
-        return base["accuracy"] * limits.min_accuracy_recovery_pct / 100
+        return base.accuracy * limits.min_accuracy_recovery_pct / 100
     if key == "kl_div" and limits.max_kl is not None:
         return limits.max_kl
     return None
 
 
-def amax_figure(results: dict):
-    layers = results["calibration"]["layers"]
-    names = [row["layer"] for row in layers]
+def amax_figure(results: CompareResults):
+    layers = results.calibration.layers
+    names = [row.layer for row in layers]
     fig, (ax,) = _figure(11, 4.5)
     xs = range(len(layers))
     ax.plot(
-        xs, [row["input_amax"] for row in layers], "o-", markersize=3, linewidth=1, color=COLORS[0], label="input amax"
+        xs, [row.input_amax for row in layers], "o-", markersize=3, linewidth=1, color=COLORS[0], label="input amax"
     )
     ax.plot(
         xs,
-        [row["weight_amax"] for row in layers],
+        [row.weight_amax for row in layers],
         "s-",
         markersize=3,
         linewidth=1,
@@ -150,9 +144,9 @@ def amax_figure(results: dict):
         label="weight amax",
     )
     formats = []
-    for v in results["variants"]:
-        for part in ("weights", "inputs"):
-            fmt = v["recipe"][part].split()[0]
+    for v in results.variants:
+        for part in (v.recipe.weights, v.recipe.inputs):
+            fmt = part.split()[0]
             if fmt not in formats and get_format(fmt).scaled:
                 formats.append(fmt)
     for i, fmt in enumerate(formats):
@@ -175,21 +169,21 @@ def amax_figure(results: dict):
     return fig
 
 
-def snr_figure(results: dict):
+def snr_figure(results: CompareResults):
     fig, (ax,) = _figure(11, 4.5)
     order: list[str] = []
-    for v in results["variants"]:
-        for part in ("weights", "inputs"):
-            order += [n for n in (v.get("snr_db") or {}).get(part, {}) if n not in order]
+    for v in results.variants:
+        for layers in (v.snr_db.weights, v.snr_db.inputs) if v.snr_db else ():
+            order += [n for n in layers if n not in order]
     index = {n: i for i, n in enumerate(order)}
     windows = None
-    for i, v in enumerate(results["variants"]):
-        snr = v.get("snr_db")
+    for i, v in enumerate(results.variants):
+        snr = v.snr_db
         if not snr:
             continue
-        windows = snr.get("input_windows", windows)
-        for part, style in (("weights", "s-"), ("inputs", "o--")):
-            points = [(index[n], db) for n, db in snr.get(part, {}).items() if db is not None]
+        windows = snr.input_windows
+        for part, layers, style in (("weights", snr.weights, "s-"), ("inputs", snr.inputs, "o--")):
+            points = [(index[n], db) for n, db in layers.items() if db is not None]
             if points:
                 ax.plot(
                     *zip(*points),
@@ -197,7 +191,7 @@ def snr_figure(results: dict):
                     markersize=3,
                     linewidth=1,
                     color=COLORS[(i + 1) % len(COLORS)],
-                    label=f"{v['name']} {part}",
+                    label=f"{v.name} {part}",
                 )
     ax.set_ylabel("SNR (dB, higher is better)")
     _block_ticks(ax, order)

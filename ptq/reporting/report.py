@@ -1,6 +1,7 @@
 """The one writer of reports: results.json (machine-readable, the source of truth), report.md rendered
 from it alone (plus, for a trend, a previous results file), and the plots next to report.md, also drawn
-from it alone, so a results file can be re-rendered later by `ptq report`.
+from it alone, so a results file can be re-rendered later by `ptq report`. Every function here reads the typed
+document of ptq.reporting.results.
 
 report.md reads top-down for a pull request: a one-line verdict, the table (cells that fail a gate
 marked), the trend against a previous run, then the plots and details folded in <details>.
@@ -8,35 +9,42 @@ marked), the trend against a previous run, then the plots and details folded in 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ptq.errors import PtqError
 from ptq.files import check_writable, write_text_atomic, write_texts_atomic
-from ptq.reporting.gates import Check, stored_checks
+from ptq.reporting.gates import stored_checks
+from ptq.reporting.results import (
+    CalibrationFaults,
+    Check,
+    CompareResults,
+    Entry,
+    EvalResults,
+    Results,
+    Variant,
+    dumps,
+    to_json,
+)
 from ptq.reporting.trend import LABELS, Move, trend
 
 FAIL, PASS, MOVED = "❌", "✅", "⚠️"
 
 
-def write_report(out_dir: Path, results: dict, force: bool, plots: bool = True, render=None) -> tuple[Path, Path]:
-    """results.json and report.md (rendered by `render`, default render_markdown, with the plots)."""
+def write_report(out_dir: Path, results: Results, force: bool, plots: bool = True) -> tuple[Path, Path]:
+    """results.json and report.md (compare's with the plots, or eval's)."""
     out_dir = Path(out_dir)
     report, results_file = out_dir / "report.md", out_dir / "results.json"
+    compare = isinstance(results, CompareResults)
+    plots = plots and compare
     for path in report_outputs(report, results, plots) + [results_file]:
         check_writable(path, force)
     links = _write_plots(results, report) if plots else {}
+    markdown = render_markdown(results, None, links) if compare else render_eval_markdown(results)
     # results.json and report.md are renamed into place together, once both are complete.
-    write_texts_atomic(
-        {
-            results_file: json.dumps(results, indent=2, sort_keys=False) + "\n",
-            report: render(results) if render else render_markdown(results, None, links),
-        }
-    )
+    write_texts_atomic({results_file: dumps(results), report: markdown})
     return report, results_file
 
 
-def report_outputs(report: Path, results: dict, plots: bool) -> list[Path]:
+def report_outputs(report: Path, results: Results, plots: bool) -> list[Path]:
     """Every file writing `report` creates: the markdown and, with plots, the PNGs next to it."""
     from ptq.reporting.plots import available, plot_paths
 
@@ -47,7 +55,11 @@ def report_outputs(report: Path, results: dict, plots: bool) -> list[Path]:
 
 
 def write_markdown(
-    report: Path, results: dict, previous: dict | None = None, plots: bool = True, force: bool = False
+    report: Path,
+    results: CompareResults,
+    previous: CompareResults | None = None,
+    plots: bool = True,
+    force: bool = False,
 ) -> Path:
     """report.md (and its plots, unless plots=False) at `report`, linked by relative path."""
     report = Path(report)
@@ -58,41 +70,26 @@ def write_markdown(
     return report
 
 
-def _write_plots(results: dict, report: Path) -> dict[str, str]:
+def _write_plots(results: CompareResults, report: Path) -> dict[str, str]:
     """Draw the plots next to `report`; returns their relative links."""
     from ptq.reporting.plots import write_plots
 
     return {name: path.name for name, path in write_plots(results, report).items()}
 
 
-def load_results(path: Path, what: str = "results file") -> dict:
-    """A results.json written by `ptq compare`, checked enough that rendering cannot fail half-way."""
-    path = Path(path)
-    if not path.is_file():
-        raise PtqError(f"{what} {path} does not exist")
-    try:
-        results = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PtqError(f"{path} is not a readable JSON {what}: {str(e).splitlines()[0]}") from None
-    keys = ("model", "eval", "baseline", "variants", "protocol", "versions", "created")
-    if not isinstance(results, dict) or any(k not in results for k in keys):
-        raise PtqError(
-            f"{path} is not a ptq results file (expected the keys {', '.join(keys)} of `ptq compare`'s results.json)"
-        )
-    return results
-
-
-def render_markdown(r: dict, previous: dict | None = None, plots: dict[str, str] | None = None) -> str:
+def render_markdown(
+    r: CompareResults, previous: CompareResults | None = None, plots: dict[str, str] | None = None
+) -> str:
     checks = stored_checks(r)
     moves = trend(r, previous) if previous is not None else None
-    lines = [f"# ptq compare: {r['model']['name']}", "", verdict(r, checks, moves), ""]
+    lines = [f"# ptq compare: {r.model.name}", "", verdict(r, checks, moves), ""]
     failed = [c for c in checks if not c.passed]
     if failed:
         lines += [f"- {FAIL} {c.describe()}" for c in failed] + [""]
     lines += results_table(r, checks) + [""]
-    lines += coverage_lines([r["baseline"], *r["variants"]])
+    lines += coverage_lines([r.baseline, *r.variants])
     lines += intervals_section(r) + tasks_section(r) + [""]
-    if r.get("gates"):
+    if r.gates:
         lines += [gates_note(r), ""]
     if moves is not None:
         lines += trend_section(moves, previous) + [""]
@@ -106,9 +103,9 @@ def render_markdown(r: dict, previous: dict | None = None, plots: dict[str, str]
     return "\n".join(lines)
 
 
-def verdict(r: dict, checks: list[Check] | None = None, moves: dict | None = None) -> str:
-    base = r["baseline"]["name"]
-    parts = [f"{v['name']} {v['ppl_delta_pct']:+.2f}%" for v in r["variants"]]
+def verdict(r: CompareResults, checks: list[Check] | None = None, moves: dict | None = None) -> str:
+    base = r.baseline.name
+    parts = [f"{v.name} {v.ppl_delta_pct:+.2f}%" for v in r.variants]
     ppl = f"perplexity vs {base}: " + ", ".join(parts) + "." if parts else "baseline only."
     checks = stored_checks(r) if checks is None else checks
     failed = [c for c in checks if not c.passed]
@@ -129,41 +126,37 @@ def _cell(text: str, failed: list[Check]) -> str:
     return f"**{text}** {FAIL}" if failed else text
 
 
-def results_table(r: dict, checks: list[Check]) -> list[str]:
-    base = r["baseline"]
+def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
+    base = r.baseline
     by_cell: dict[tuple[str, str], list[Check]] = {}
     for c in checks:
         by_cell.setdefault((c.variant, c.metric if c.task in (None, "next-token") else "tasks"), []).append(c)
     lines = [
-        f"| variant | weights | inputs | perplexity | Δ ppl vs {base['name']} | next-token acc | acc recovery | KL vs {base['name']} (nats/token) | top-1 agreement |",
+        f"| variant | weights | inputs | perplexity | Δ ppl vs {base.name} | next-token acc | acc recovery | KL vs {base.name} (nats/token) | top-1 agreement |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
-        f"| **{base['name']}** (baseline) | {base['recipe']['weights']} | {base['recipe']['inputs']} | {base['perplexity']:.4f} | | {100 * base['accuracy']:.2f}% | | | |",
+        f"| **{base.name}** (baseline) | {base.recipe.weights} | {base.recipe.inputs} | {base.perplexity:.4f} | | {100 * base.accuracy:.2f}% | | | |",
     ]
-    for v in r["variants"]:
-        name = v["name"]
-        fails = [c for c in checks if c.variant == name and not c.passed]
-        mark = f" {FAIL}" if fails else (f" {PASS}" if any(c.variant == name for c in checks) else "")
-        recovery = 100 * v["accuracy"] / base["accuracy"] if base["accuracy"] > 0 else 100.0
+    for v in r.variants:
+        fails = [c for c in checks if c.variant == v.name and not c.passed]
+        mark = f" {FAIL}" if fails else (f" {PASS}" if any(c.variant == v.name for c in checks) else "")
+        recovery = 100 * v.accuracy / base.accuracy if base.accuracy > 0 else 100.0
         cell = {
-            m: [c for c in by_cell.get((name, m), []) if not c.passed]
+            m: [c for c in by_cell.get((v.name, m), []) if not c.passed]
             for m in ("ppl_delta_pct", "accuracy_recovery_pct", "kl_div")
         }
-        ppl_delta = _cell(f"{v['ppl_delta_pct']:+.2f}%", cell["ppl_delta_pct"])
+        ppl_delta = _cell(f"{v.ppl_delta_pct:+.2f}%", cell["ppl_delta_pct"])
         recovery = _cell(f"{recovery:.2f}%", cell["accuracy_recovery_pct"])
-        kl = _cell(f"{v['kl_div']:.5f}", cell["kl_div"])
+        kl = _cell(f"{v.kl_div:.5f}", cell["kl_div"])
         lines.append(
-            f"| {name}{mark} | {v['recipe']['weights']} | {v['recipe']['inputs']} | {v['perplexity']:.4f} "
-            f"| {ppl_delta} | {100 * v['accuracy']:.2f}% | {recovery} | {kl} | {100 * v['top1_agreement']:.2f}% |"
+            f"| {v.name}{mark} | {v.recipe.weights} | {v.recipe.inputs} | {v.perplexity:.4f} "
+            f"| {ppl_delta} | {100 * v.accuracy:.2f}% | {recovery} | {kl} | {100 * v.top1_agreement:.2f}% |"
         )
     return lines
 
 
-def gates_note(r: dict) -> str:
-    from ptq.reporting.gates import Limits
-
-    limits = Limits.from_json(r["gates"]["limits"])
+def gates_note(r: CompareResults) -> str:
     return (
-        "<sub>Gates: " + "; ".join(limits.describe()) + ". Δ ppl = ppl_variant / ppl_baseline - 1; "
+        "<sub>Gates: " + "; ".join(r.gates.limits.describe()) + ". Δ ppl = ppl_variant / ppl_baseline - 1; "
         "accuracy recovery = accuracy_variant / accuracy_baseline (next-token accuracy and each task); "
         "KL = mean KL(baseline || variant) per token. A gate judges the measured value, not its interval.</sub>"
     )
@@ -190,22 +183,17 @@ def _fmt_change(m: Move) -> str:
     return f"{100 * m.change:+.2f} points"
 
 
-def _ci_text(ci: tuple[float, float] | None, metric: str) -> str:
-    return f" [{_fmt(metric, ci[0]).lstrip('+')}, {_fmt(metric, ci[1]).lstrip('+')}]" if ci else ""
+def _ci_text(ci: tuple[float, float], metric: str) -> str:
+    return f" [{_fmt(metric, ci[0]).lstrip('+')}, {_fmt(metric, ci[1]).lstrip('+')}]"
 
 
-def trend_section(t: dict, previous: dict) -> list[str]:
+def trend_section(t: dict, previous: CompareResults) -> list[str]:
     moves: list[Move] = t["moves"]
-    judged = [m for m in moves if m.beyond_intervals is not None]
-    beyond = [m for m in judged if m.beyond_intervals]
-    lines = [f"## Trend vs the previous run ({previous.get('created', '?')})", ""]
-    if judged:
-        lines.append(
-            f"{len(beyond)} of {len(judged)} changes with intervals on both runs are beyond them (the intervals "
-            "do not overlap); changes without intervals are shown unjudged."
-        )
-    else:
-        lines.append("These results carry no intervals: plain changes, not judged against noise.")
+    beyond = [m for m in moves if m.beyond_intervals]
+    lines = [f"## Trend vs the previous run ({previous.created})", ""]
+    lines.append(
+        f"{len(beyond)} of {len(moves)} changes are beyond their 95% intervals (the two runs' intervals do not overlap)."
+    )
     if t["setup_changes"]:
         lines.append(
             f"{MOVED} The runs differ in setup ({'; '.join(t['setup_changes'])}): changes mix the code change with that."
@@ -215,11 +203,7 @@ def trend_section(t: dict, previous: dict) -> list[str]:
     lines += ["", "| recipe | metric | previous | now | change | beyond intervals |", "|---|---|---:|---:|---:|:---:|"]
     for m in moves:
         label = (m.task if " " in m.task else f"{m.task} accuracy") if m.task else LABELS[m.metric]
-        flag = (
-            "—"
-            if m.beyond_intervals is None
-            else (f"{MOVED} {'worse' if m.worse else 'better'}" if m.beyond_intervals else "no")
-        )
+        flag = f"{MOVED} {'worse' if m.worse else 'better'}" if m.beyond_intervals else "no"
         lines.append(
             f"| {m.entry} | {label} | {_fmt(m.metric, m.previous)}{_ci_text(m.previous_ci, m.metric)} "
             f"| {_fmt(m.metric, m.current)}{_ci_text(m.current_ci, m.metric)} | {_fmt_change(m)} | {flag} |"
@@ -231,32 +215,35 @@ def _details(title: str, body: list[str]) -> list[str]:
     return [f"<details><summary><b>{title}</b></summary>", "", *body, "", "</details>", ""]
 
 
-def details_sections(r: dict) -> list[str]:
-    ev, cal = r["eval"], r.get("calibration")
-    out = _details("Protocol", [f"- {line}" for line in r["protocol"]])
-    model = [f"- Model: `{r['model']['name']}`, {r['model']['source']}."]
-    model += [f"- Note: {c}" for c in r["model"]["caveats"]]
-    model += [f"- Evaluation text: {ev['data']} (sha256 `{ev['data_sha256'][:16]}`).", f"- Device: {r['device']}."]
+def _versions_line(r: Results) -> str:
+    return ", ".join(f"{k} {v}" for k, v in r.versions.items()) + f"; created {r.created}."
+
+
+def details_sections(r: CompareResults) -> list[str]:
+    ev, cal = r.eval, r.calibration
+    out = _details("Protocol", [f"- {line}" for line in r.protocol])
+    model = [f"- Model: `{r.model.name}`, {r.model.source}."]
+    model += [f"- Note: {c}" for c in r.model.caveats]
+    model += [f"- Evaluation text: {ev.data} (sha256 `{ev.data_sha256[:16]}`).", f"- Device: {r.device}."]
     out += _details("Model and data", model)
     if cal:
+        s = cal.summary
+        tokens = f"{cal.tokens:,}" if cal.tokens is not None else "?"
         body = [
-            f"- {cal['source']}",
-            f"- Text: {cal['data']} (sha256 `{str(cal['data_sha256'])[:16]}`), {cal['windows']} windows x {cal['seq_len']} tokens = {cal['tokens']:,} tokens.",
-            f"- {cal['summary']['layers']} layers; input amax across layers: min {cal['summary']['input_amax_min']:.4g}, "
-            f"median {cal['summary']['input_amax_median']:.4g}, max {cal['summary']['input_amax_max']:.4g}.",
+            f"- {cal.source}",
+            f"- Text: {cal.data} (sha256 `{str(cal.data_sha256)[:16]}`), {cal.windows} windows x {cal.seq_len} tokens = {tokens} tokens.",
+            f"- {s.layers} layers; input amax across layers: min {s.input_amax_min:.4g}, "
+            f"median {s.input_amax_median:.4g}, max {s.input_amax_max:.4g}.",
             "",
             "Largest input amax:",
             "",
             "| layer | input amax | weight amax |",
             "|---|---:|---:|",
         ]
-        body += [
-            f"| `{row['layer']}` | {row['input_amax']:.4g} | {row['weight_amax']:.4g} |"
-            for row in cal["summary"]["largest"]
-        ]
-        body += faults_lines(cal.get("faults") or {})
+        body += [f"| `{row.layer}` | {row.input_amax:.4g} | {row.weight_amax:.4g} |" for row in s.largest]
+        body += faults_lines(cal.faults)
         out += _details("Calibration", body)
-    snr = [v for v in r["variants"] if v.get("snr_db")]
+    snr = [v for v in r.variants if v.snr_db]
     if snr:
         body = [
             "Median and worst quantization SNR over the quantized layers (dB; see the SNR plot for every layer):",
@@ -265,20 +252,14 @@ def details_sections(r: dict) -> list[str]:
             "|---|---:|---:|---:|---:|",
         ]
         for v in snr:
-            body.append(
-                f"| {v['name']} | "
-                + " | ".join(_snr_summary(v["snr_db"].get(part, {})) for part in ("weights", "inputs"))
-                + " |"
-            )
+            body.append(f"| {v.name} | {_snr_summary(v.snr_db.weights)} | {_snr_summary(v.snr_db.inputs)} |")
         out += _details("Per-layer SNR", body)
     coverage, diagnostics = render_coverage(r), render_diagnostics(r)
     if coverage:
         out += _details("Coverage beyond Linear layers", coverage)
     if diagnostics:
         out += _details("Per-tensor diagnostics (calibration data)", diagnostics)
-    out += _details(
-        "Versions", [", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}."]
-    )
+    out += _details("Versions", [_versions_line(r)])
     return out
 
 
@@ -291,25 +272,20 @@ def _snr_summary(values: dict[str, float | None]) -> str:
     return f"{median:.1f} | {worst_db:.1f} (`{worst_layer}`)"
 
 
-def faults_lines(faults: dict) -> list[str]:
+def faults_lines(faults: CalibrationFaults) -> list[str]:
     """What calibration worked around (ptq.calibration.calibrate's fault rules), so no fallback goes unnoticed."""
-    unseen, skipped, warnings = (
-        faults.get("unseen_layers", []),
-        faults.get("nonfinite_batches", {}),
-        faults.get("warnings", []),
-    )
-    if not (unseen or skipped or warnings):
+    if not (faults.unseen_layers or faults.nonfinite_batches or faults.warnings):
         return []
     lines = ["", "### Calibration faults", ""]
     lines += [
-        f"- Layer `{u['layer']}` received no calibration data: input amax {u['input_amax']:.4g} ({u['rule']})."
-        for u in unseen
+        f"- Layer `{u.layer}` received no calibration data: input amax {u.input_amax:.4g} ({u.rule})."
+        for u in faults.unseen_layers
     ]
     lines += [
         f"- Layer `{layer}`: {n} calibration batch(es) with NaN/inf inputs left out (--on-nonfinite skip)."
-        for layer, n in skipped.items()
+        for layer, n in faults.nonfinite_batches.items()
     ]
-    lines += [f"- Warning: {w}." for w in warnings]
+    lines += [f"- Warning: {w}." for w in faults.warnings]
     return lines
 
 
@@ -475,68 +451,50 @@ def render_model_card(e: dict) -> str:
     return "\n".join(lines)
 
 
-def render_diagnostics(r: dict, top: int = 10) -> list[str]:
-    """Per-tensor SQNR under E4M3 and int8 (results["diagnostics"]): the worst tensors of each, then all."""
-    d = r.get("diagnostics")
+def render_diagnostics(r: CompareResults, top: int = 10) -> list[str]:
+    """Per-tensor SQNR under E4M3 and int8 (the results' diagnostics): the worst tensors of each, then all."""
+    d = r.diagnostics
     if not d:
         return []
-    rows = {row["tensor"]: row for row in d["tensors"]}
+    rows = {row.tensor: row for row in d.tensors}
 
     def fmt_db(v):
         return "exact" if v is None else f"{v:.1f}"
 
-    lines = [f"- {d['method']}.", ""]
-    for name in ("e4m3", "int8"):
-        lines += [
-            f"Worst {top} under {name}:",
-            "",
-            "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |",
-            "|---|---:|---:|---:|",
-        ]
-        lines += [
-            f"| `{t}` | {rows[t]['amax']:.4g} | {fmt_db(rows[t]['sqnr_e4m3_db'])} | {fmt_db(rows[t]['sqnr_int8_db'])} |"
-            for t in d[f"worst_{name}"][:top]
-        ]
+    def row_line(t: str) -> str:
+        return f"| `{t}` | {rows[t].amax:.4g} | {fmt_db(rows[t].sqnr_e4m3_db)} | {fmt_db(rows[t].sqnr_int8_db)} |"
+
+    head = ["| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
+    lines = [f"- {d.method}.", ""]
+    for name, worst in (("e4m3", d.worst_e4m3), ("int8", d.worst_int8)):
+        lines += [f"Worst {top} under {name}:", "", *head]
+        lines += [row_line(t) for t in worst[:top]]
         lines.append("")
-    lines += [
-        "<details><summary>All tensors</summary>",
-        "",
-        "| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |",
-        "|---|---:|---:|---:|",
-    ]
-    lines += [
-        f"| `{t}` | {row['amax']:.4g} | {fmt_db(row['sqnr_e4m3_db'])} | {fmt_db(row['sqnr_int8_db'])} |"
-        for t, row in rows.items()
-    ]
+    lines += ["<details><summary>All tensors</summary>", "", *head]
+    lines += [row_line(t) for t in rows]
     lines += ["", "</details>"]
     return lines
 
 
-def coverage_lines(entries: list[dict]) -> list[str]:
+def coverage_lines(entries: list[Entry]) -> list[str]:
     """What share of the model's matmul weights each variant quantizes, and what stayed in the compute dtype and
     why: shown under the results table, since a variant that left most weights alone is not an answer about 8 bits."""
     from ptq.models.matmuls import describe_coverage
 
-    rows = [e for e in entries if e.get("coverage")]
-    if not rows:
-        return []
     return [
         "**Coverage** (matmul weights: Linear, Conv1D, experts, lm_head, routers):",
         "",
-        *[f"- {e['name']}: {describe_coverage(e['coverage'])}." for e in rows],
+        *[f"- {e.name}: {describe_coverage(to_json(e.coverage))}." for e in entries],
         "",
     ]
 
 
-def render_coverage(r: dict) -> list[str]:
+def render_coverage(r: CompareResults) -> list[str]:
     """What each variant quantizes beyond Linear weights and inputs (attention, KV cache, SmoothQuant)."""
     rows = [
         v
-        for v in r["variants"]
-        if v["recipe"].get("attention")
-        or v["recipe"].get("kv_cache")
-        or v["recipe"].get("residual")
-        or v["recipe"].get("smoothquant_alpha") is not None
+        for v in r.variants
+        if v.recipe.attention or v.recipe.kv_cache or v.recipe.residual or v.recipe.smoothquant_alpha is not None
     ]
     if not rows:
         return []
@@ -545,16 +503,15 @@ def render_coverage(r: dict) -> list[str]:
         "|---|---|---|---|---:|",
     ]
     for v in rows:
-        rec = v["recipe"]
-        alpha = rec.get("smoothquant_alpha")
+        rec = v.recipe
+        alpha = "" if rec.smoothquant_alpha is None else f"{rec.smoothquant_alpha:g}"
         lines.append(
-            f"| {v['name']} | {rec.get('attention') or 'fp32'} | {rec.get('kv_cache') or 'fp32'} | {rec.get('residual') or 'fp32'} | "
-            f"{'' if alpha is None else f'{alpha:g}'} |"
+            f"| {v.name} | {rec.attention or 'fp32'} | {rec.kv_cache or 'fp32'} | {rec.residual or 'fp32'} | {alpha} |"
         )
     return lines
 
 
-def _ci(ci: list[float], scale: float = 1, fmt: str = ".2f") -> str:
+def _ci(ci: tuple[float, float], scale: float = 1, fmt: str = ".2f") -> str:
     return f"[{scale * ci[0]:{fmt}}, {scale * ci[1]:{fmt}}]"
 
 
@@ -562,44 +519,43 @@ def _distinguishable(significant: bool) -> str:
     return "**yes**" if significant else "no"
 
 
-def intervals_section(r: dict) -> list[str]:
+def intervals_section(r: CompareResults) -> list[str]:
     """Perplexity and next-token accuracy with 95% intervals, and the paired deltas vs the baseline."""
-    base = r["baseline"]
-    if "perplexity_ci" not in base or "accuracy_ci" not in base:
-        return []
+    base = r.baseline
     lines = [
         "",
         "## Intervals (95%)",
         "",
-        f"Bootstrap over the {r['eval']['windows']} evaluation windows; a delta is paired (same windows for "
-        f"{base['name']} and the variant) and is distinguishable from zero when its interval excludes 0. The "
+        f"Bootstrap over the {r.eval.windows} evaluation windows; a delta is paired (same windows for "
+        f"{base.name} and the variant) and is distinguishable from zero when its interval excludes 0. The "
         "intervals cover the choice of windows, not the rounding: scales that differ in their last digits can "
         "move a perplexity delta by tenths of a point while the KL barely moves (ptq's docs/paper.md, \"Noise beyond "
         'the intervals"); compare close recipes by their KL.',
         "",
-        f"| variant | perplexity | 95% CI | Δ ppl vs {base['name']} | 95% CI | distinguishable from 0 "
+        f"| variant | perplexity | 95% CI | Δ ppl vs {base.name} | 95% CI | distinguishable from 0 "
         "| next-token acc | 95% CI | Δ acc (points) | 95% CI | distinguishable from 0 |",
         "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
-        f"| **{base['name']}** (baseline) | {base['perplexity']:.4f} | {_ci(base['perplexity_ci'], fmt='.4f')} | | | "
-        f"| {100 * base['accuracy']:.2f}% | {_ci(base['accuracy_ci'], 100)} | | | |",
+        f"| **{base.name}** (baseline) | {base.perplexity:.4f} | {_ci(base.perplexity_ci, fmt='.4f')} | | | "
+        f"| {100 * base.accuracy:.2f}% | {_ci(base.accuracy_ci, 100)} | | | |",
     ]
-    for v in r["variants"]:
+    for v in r.variants:
         lines.append(
-            f"| {v['name']} | {v['perplexity']:.4f} | {_ci(v['perplexity_ci'], fmt='.4f')} | {v['ppl_delta_pct']:+.2f}% "
-            f"| {_ci(v['ppl_delta_pct_ci'], fmt='+.2f')}% | {_distinguishable(v['ppl_delta_significant'])} "
-            f"| {100 * v['accuracy']:.2f}% | {_ci(v['accuracy_ci'], 100)} | {100 * v['accuracy_delta']:+.2f} "
-            f"| {_ci(v['accuracy_delta_ci'], 100, '+.2f')} | {_distinguishable(v['accuracy_delta_significant'])} |"
+            f"| {v.name} | {v.perplexity:.4f} | {_ci(v.perplexity_ci, fmt='.4f')} | {v.ppl_delta_pct:+.2f}% "
+            f"| {_ci(v.ppl_delta_pct_ci, fmt='+.2f')}% | {_distinguishable(v.ppl_delta_significant)} "
+            f"| {100 * v.accuracy:.2f}% | {_ci(v.accuracy_ci, 100)} | {100 * v.accuracy_delta:+.2f} "
+            f"| {_ci(v.accuracy_delta_ci, 100, '+.2f')} | {_distinguishable(v.accuracy_delta_significant)} |"
         )
     return lines
 
 
-def tasks_section(r: dict) -> list[str]:
+def tasks_section(r: Results) -> list[str]:
     """Per task and metric (lm-evaluation-harness's): each variant's value with its interval, its paired delta vs the
     baseline and its recovery (variant / baseline)."""
-    if not r.get("tasks"):
+    if not r.tasks:
         return []
-    entries = [r["baseline"], *r["variants"]] if "baseline" in r else [r["config"]]
-    base_name = r["baseline"]["name"] if "baseline" in r else None
+    compare = isinstance(r, CompareResults)
+    entries: list[Entry] = [r.baseline, *r.variants] if compare else [r.config]
+    base_name = r.baseline.name if compare else None
     lines = ["", "## Task accuracy (lm-evaluation-harness)", ""]
     head = "| task | metric | n | shots | variant | value | 95% CI |"
     rule = "|---|---|---:|---:|---|---:|---:|"
@@ -607,79 +563,83 @@ def tasks_section(r: dict) -> list[str]:
         head += f" Δ vs {base_name} (points) | 95% CI | distinguishable from 0 | recovery |"
         rule += "---:|---:|---|---:|"
     lines += [head, rule]
-    for task in r["tasks"]:
-        for metric in task["metrics"]:
+    for task in r.tasks:
+        for metric in task.metrics:
             for e in entries:
-                t = e["tasks"][task["name"]]
-                shots = "" if task.get("num_fewshot") is None else task["num_fewshot"]
+                t = e.tasks[task.name]
+                m = t.metrics[metric]
+                shots = "" if task.num_fewshot is None else task.num_fewshot
                 row = (
-                    f"| {task['name']} | {metric} | {t['n']} | {shots} | "
-                    f"{'**' + e['name'] + '**' if e['name'] == base_name else e['name']} | "
-                    f"{100 * t[metric]:.2f}% | {_ci(t[metric + '_ci'], 100)} |"
+                    f"| {task.name} | {metric} | {t.n} | {shots} | "
+                    f"{'**' + e.name + '**' if e.name == base_name else e.name} | "
+                    f"{100 * m.value:.2f}% | {_ci(m.ci, 100)} |"
                 )
                 if base_name:
-                    d = e.get("task_deltas", {}).get(task["name"], {}).get(metric)
-                    recovery = f"{d['recovery_pct']:.2f}%" if d and "recovery_pct" in d else ""
+                    d = task_delta(e, task.name, metric)
                     row += (
-                        f" {100 * d['delta']:+.2f} | {_ci(d['ci'], 100, '+.2f')} | {_distinguishable(d['significant'])} "
-                        f"| {recovery} |"
+                        f" {100 * d.delta:+.2f} | {_ci(d.ci, 100, '+.2f')} | {_distinguishable(d.significant)} "
+                        f"| {d.recovery_pct:.2f}% |"
                         if d
                         else " | | | |"
                     )
                 lines.append(row)
     lines += ["", "Tasks:", ""]
-    for task in r["tasks"]:
+    for task in r.tasks:
         chance = (
-            f" Chance {100 * task['chance']:.1f}% (uniform guess among the choices)."
-            if task.get("chance") is not None
-            else ""
+            f" Chance {100 * task.chance:.1f}% (uniform guess among the choices)." if task.chance is not None else ""
         )
-        digest = task.get("documents_sha256") or task.get("sha256") or ""  # sha256: results of ptq before lm-eval
         lines.append(
-            f"- **{task['name']}** ({task['kind']}): {task['source']}; {task['n']} documents; "
-            f"documents sha256 `{digest[:16]}`.{chance}"
+            f"- **{task.name}** ({task.kind}): {task.source}; {task.n} documents; "
+            f"documents sha256 `{task.documents_sha256[:16]}`.{chance}"
         )
-        lines += [f"  - {note}" for note in task.get("notes", [])]
-    scoring = r.get("task_scoring")
+        lines += [f"  - {note}" for note in task.notes]
+    scoring = r.task_scoring
     if scoring:
-        limit = (
-            f", --limit {scoring['limit']:g} (the first documents of each task)"
-            if scoring.get("limit") is not None
-            else ""
-        )
-        shots = f", --num-fewshot {scoring['num_fewshot']}" if scoring.get("num_fewshot") is not None else ""
-        lines += ["", f"Scoring: {scoring['harness']}, batch size {scoring['batch_size']}{shots}{limit}."]
+        limit = f", --limit {scoring.limit:g} (the first documents of each task)" if scoring.limit is not None else ""
+        shots = f", --num-fewshot {scoring.num_fewshot}" if scoring.num_fewshot is not None else ""
+        lines += ["", f"Scoring: {scoring.harness}, batch size {scoring.batch_size}{shots}{limit}."]
     return lines
 
 
-def render_eval_markdown(r: dict) -> str:
+def task_delta(e: Entry, task: str, metric: str):
+    """A variant's paired delta on one task metric (None for the baseline and eval's configuration)."""
+    return ((e.task_deltas or {}).get(task) or {}).get(metric) if isinstance(e, Variant) else None
+
+
+def render_eval_markdown(r: EvalResults) -> str:
     """The report of `ptq eval`: one configuration, no baseline."""
-    c, ev, cal = r["config"], r["eval"], r.get("calibration")
+    c, ev, cal = r.config, r.eval, r.calibration
     lines = [
-        f"# ptq eval: {r['model']['name']} with {c['name']}",
+        f"# ptq eval: {r.model.name} with {c.name}",
         "",
         "| configuration | weights | inputs | perplexity | 95% CI | next-token acc | 95% CI |",
         "|---|---|---|---:|---:|---:|---:|",
-        f"| {c['name']} | {c['recipe']['weights']} | {c['recipe']['inputs']} | {c['perplexity']:.4f} "
-        f"| {_ci(c['perplexity_ci'], fmt='.4f')} | {100 * c['accuracy']:.2f}% | {_ci(c['accuracy_ci'], 100)} |",
+        f"| {c.name} | {c.recipe.weights} | {c.recipe.inputs} | {c.perplexity:.4f} "
+        f"| {_ci(c.perplexity_ci, fmt='.4f')} | {100 * c.accuracy:.2f}% | {_ci(c.accuracy_ci, 100)} |",
     ]
     lines += tasks_section(r)
     lines += [""] + coverage_lines([c])
-    lines += ["## Protocol", ""] + [f"- {line}" for line in r["protocol"]]
-    lines += ["", "## Model and data", "", f"- Model: `{r['model']['name']}`, {r['model']['source']}."]
-    lines += [f"- Note: {note}" for note in r["model"]["caveats"]]
+    lines += ["## Protocol", ""] + [f"- {line}" for line in r.protocol]
+    lines += ["", "## Model and data", "", f"- Model: `{r.model.name}`, {r.model.source}."]
+    lines += [f"- Note: {note}" for note in r.model.caveats]
     lines += [
-        f"- Evaluation text: {ev['data']} (sha256 `{ev['data_sha256'][:16]}`), {ev['description']}.",
-        f"- Device: {r['device']}.",
+        f"- Evaluation text: {ev.data} (sha256 `{ev.data_sha256[:16]}`), {ev.description}.",
+        f"- Device: {r.device}.",
     ]
     if cal:
-        lines += [f"- Calibration: {cal['source']} {cal['data']}, {cal['windows']} windows x {cal['seq_len']} tokens."]
-        lines += faults_lines(cal.get("faults") or {})
-    lines += [
-        "",
-        "## Versions",
-        "",
-        ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f"; created {r['created']}.",
-        "",
-    ]
+        lines += [f"- Calibration: {cal.source} {cal.data}, {cal.windows} windows x {cal.seq_len} tokens."]
+        lines += faults_lines(cal.faults)
+    lines += ["", "## Versions", "", _versions_line(r), ""]
     return "\n".join(lines)
+
+
+def report_summary(results: CompareResults, previous: CompareResults | None, output: Path | None) -> dict:
+    """What `ptq report --json` prints: the verdict, whether every gate passed, the gates, and the trend."""
+    moves = trend(results, previous) if previous is not None else None
+    return {
+        "verdict": verdict(results, None, moves),
+        "passed": all(c.passed for c in stored_checks(results)),
+        "gates": to_json(results.gates),
+        "output": str(output) if output else None,
+        "trend": None if moves is None else moves | {"moves": [m.to_json() for m in moves["moves"]]},
+    }
