@@ -3,10 +3,11 @@ imports ptq: it loads one checkpoint directory with vLLM, reports the scheme and
 and scores the token windows benchmarks.vllm_check prepared by prompt_logprobs, in float32.
 
     VLLM_CPU_KVCACHE_SPACE=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 \\
-        .venv-vllm/bin/python benchmarks/vllm_worker.py CHECKPOINT_DIR WINDOWS.safetensors OUT.json
+        .venv-vllm/bin/python benchmarks/vllm_worker.py CHECKPOINT_DIR WINDOWS.safetensors OUT.json [--sums float64]
 
-OUT.json: {"perplexity", "window_nll", "layers": {description: count}, "stand_ins", "stand_in_calls", "seconds"}, or {"error": vLLM's own error
-line} when vLLM cannot load or run the checkpoint.
+OUT.json: {"perplexity", "window_nll", "layers": {description: count}, "stand_ins", "stand_in_calls", "seconds"},
+or {"error": vLLM's own error line} when vLLM cannot load or run the checkpoint. --sums float64: the FP8 matmul
+stand-in (5) sums in float64 instead of float32, the same arithmetic in another float order (the check's noise floor).
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ import torch
 CALLS = {"static_scaled_fp8_quant": 0, "_scaled_mm": 0}
 
 
-def fast_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+def fast_scaled_mm(
+    a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, sums=torch.float32
+):
     """torch._scaled_mm's arithmetic for FP8 operands with tensor-wise (one element each) or row-wise (scale_a
     [M, 1], scale_b [1, N]) float32 scales: both operands widened to float32 (exact), one float32 matmul (the product
     of two E4M3 values is exact in float32; only the order of the accumulation differs from torch's reference
-    kernel), times scale_a and scale_b, plus bias, cast to out_dtype; what it does not cover returns None."""
+    kernel), times scale_a and scale_b, plus bias, cast to out_dtype; what it does not cover returns None.
+    sums=torch.float64: the same products summed in float64 (the noise-floor run of benchmarks.vllm_check)."""
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     if a.dtype not in fp8 or b.dtype not in fp8 or scale_result is not None or out_dtype in fp8:
         return None
@@ -42,20 +46,26 @@ def fast_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dty
     for scale, row_wise in ((scale_a, (m, 1)), (scale_b, (1, n))):
         if scale.dtype != torch.float32 or not (scale.numel() == 1 or tuple(scale.shape) == row_wise):
             return None
-    out = (a.float() @ b.float()) * scale_a * scale_b  # [1] / [M, 1] and [1] / [1, N] broadcast over [M, N]
+    out = (a.to(sums) @ b.to(sums)) * scale_a * scale_b  # [1] / [M, 1] and [1] / [1, N] broadcast over [M, N]
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype or torch.float32)
 
 
-def install_cpu_stand_ins() -> list[str]:
-    """Patch vLLM in this process; returns one line per stand-in installed, for the report."""
+def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
+    """Patch vLLM in this process; returns one line per stand-in installed, for the report. sums: the dtype in
+    which stand-in 5 sums its products (float64: the check's second float order for its noise floor)."""
     import vllm._custom_ops as ops
 
     installed = []
 
     # 1. `_C::static_scaled_fp8_quant` is an empty placeholder in the CPU build (its output stays uninitialised).
-    #    The same arithmetic in torch: x / scale, clamped to +-448, rounded to E4M3 (nearest even).
+    #    The same arithmetic in torch: x / scale, clamped to +-448, rounded to E4M3 (nearest even). vLLM reaches it at
+    #    load time, once per shard of a fused layer, in `requantize_with_max_scale` (utils/w8a8_utils.py; identity on
+    #    ptq's exports, whose shards already share the group's scale); at run time the Torch FP8 kernels quantize
+    #    their inputs with QuantFP8.forward_native (CustomOp.forward_cpu), torch code that needs no stand-in, and so
+    #    do the dynamic per-token inputs of fp8-dynamic (`_C::dynamic_per_token_scaled_fp8_quant` and
+    #    `_C::dynamic_scaled_fp8_quant` are zero-argument placeholders on CPU that would raise if called).
     original_scaled_fp8_quant = ops.scaled_fp8_quant
 
     def scaled_fp8_quant(input, scale=None, *args, **kwargs):
@@ -124,7 +134,7 @@ def install_cpu_stand_ins() -> list[str]:
 
     def scaled_mm(a, b, *args, **kwargs):
         if a.device.type == "cpu":
-            out = fast_scaled_mm(a, b, *args, **kwargs)
+            out = fast_scaled_mm(a, b, *args, **kwargs, sums=sums)
             if out is not None:
                 CALLS["_scaled_mm"] += 1
                 return out
@@ -136,6 +146,7 @@ def install_cpu_stand_ins() -> list[str]:
         "codes widened to float32 (exact), float32 matmul, x scale_a x scale_b (+ bias); checked against the real "
         f"op on 48x160x96, tensor-wise and row-wise scales: largest difference {worst[torch.float32]:.1e} of the "
         f"largest output in float32 (the check's dtype), {worst[torch.bfloat16]:.1e} in bf16"
+        + ("; in this run the products are summed in float64 (noise-floor run)" if sums == torch.float64 else "")
     )
     return installed
 
@@ -176,6 +187,9 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("windows", type=Path)
     parser.add_argument("out", type=Path)
+    parser.add_argument(
+        "--sums", choices=["float32", "float64"], default="float32", help="stand-in 5's accumulation (float64: noise)"
+    )
     args = parser.parse_args()
     from safetensors.torch import load_file
 
@@ -183,7 +197,7 @@ def main() -> None:
     result: dict = {}
     start = time.time()
     try:
-        result["stand_ins"] = install_cpu_stand_ins()
+        result["stand_ins"] = install_cpu_stand_ins(getattr(torch, args.sums))
         from vllm import LLM, SamplingParams
 
         llm = LLM(
