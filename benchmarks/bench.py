@@ -47,6 +47,22 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def paired_ratio(fn, reference, repeats: int) -> float:
+    """time(fn) / time(reference), the median over `repeats` pairs timed back to back, in alternating order: a
+    drift of the machine's speed during the run (other jobs, clocks, the allocator warming up) cancels in each pair
+    rather than landing on whichever was timed first."""
+    fn(), reference()  # warm-up: compilation, caches, allocator
+    ratios = []
+    for i in range(repeats):
+        times = {}
+        for f in (reference, fn) if i % 2 == 0 else (fn, reference):
+            start = time.perf_counter()
+            f()
+            times[f] = time.perf_counter() - start
+        ratios.append(times[fn] / times[reference])
+    return statistics.median(ratios)
+
+
 def once(fn) -> float:
     """One timed run, for the long measurements (the kernels are warm from the short ones)."""
     start = time.perf_counter()
@@ -141,8 +157,9 @@ def main() -> None:
                 m(input_ids=batch.to(device))
 
     # 2. Calibration against a plain no-grad forward over the same tokens.
-    t_plain_calib = median_time(lambda: plain_forward(x=calib_ids), args.repeats)
-    t_calib = median_time(lambda: calibrate(model, calib_ids, layers), args.repeats)
+    r_calib = paired_ratio(
+        lambda: calibrate(model, calib_ids, layers), lambda: plain_forward(x=calib_ids), args.repeats
+    )
     calibration = calibrate(model, calib_ids, layers)
     calibration.metadata |= {
         "model": args.model,
@@ -155,14 +172,19 @@ def main() -> None:
 
     # 1. Simulated evaluation against the same evaluation of the unquantized model.
     variants = quantize_variants(model, [e4m3, int8], calibration)
-    t_eval_plain = median_time(lambda: evaluate({"plain": model}, ids), args.repeats)
-    t_eval = {
-        name: median_time(lambda name=name, m=m: evaluate({name: m}, ids), args.repeats) for name, m in variants.items()
+
+    def plain_eval():
+        evaluate({"plain": model}, ids)
+
+    r_eval = {  # each variant's evaluation against the unquantized one, timed in pairs
+        name: paired_ratio(lambda name=name, m=m: evaluate({name: m}, ids), plain_eval, args.repeats)
+        for name, m in variants.items()
     }
     # The other FP8 schemes (no calibration): per-token (target), 128 x 128 blocks and MX groups (measured, stated)
     schemes = quantize_variants(model, [load_recipe(n) for n in SCHEMES], None)
-    t_eval |= {
-        name: median_time(lambda name=name, m=m: evaluate({name: m}, ids), args.repeats) for name, m in schemes.items()
+    r_eval |= {
+        name: paired_ratio(lambda name=name, m=m: evaluate({name: m}, ids), plain_eval, args.repeats)
+        for name, m in schemes.items()
     }
     del schemes
 
@@ -177,7 +199,11 @@ def main() -> None:
 
     # 7. Real FP8 matmuls (torch._scaled_mm) against the simulation: same logits up to summation order.
     real = quantize_variants(model, [e4m3], calibration, matmul="fp8")["fp8-e4m3"]
-    t_real = median_time(lambda real=real: evaluate({"fp8": real}, ids), args.repeats)
+    r_real = paired_ratio(
+        lambda real=real: evaluate({"fp8": real}, ids),
+        lambda: evaluate({"simulated": variants["fp8-e4m3"]}, ids),
+        args.repeats,
+    )
     with torch.inference_mode():
         first = ids[:1].to(device)
         want, got = variants["fp8-e4m3"](input_ids=first).logits.float(), real(input_ids=first).logits.float()
@@ -236,21 +262,21 @@ def main() -> None:
         for mode in ("--in-memory", "--low-memory")
     }
 
-    print(line("simulated E4M3 evaluation / unquantized evaluation", t_eval["fp8-e4m3"] / t_eval_plain, 1.10))
-    print(line("simulated int8 evaluation / unquantized evaluation", t_eval["int8"] / t_eval_plain, 1.10))
+    print(line("simulated E4M3 evaluation / unquantized evaluation", r_eval["fp8-e4m3"], 1.10))
+    print(line("simulated int8 evaluation / unquantized evaluation", r_eval["int8"], 1.10))
     print(
         line(
             "simulated fp8-dynamic (channel x token) evaluation / unquantized",
-            t_eval["fp8-dynamic"] / t_eval_plain,
+            r_eval["fp8-dynamic"],
             1.15,
         )
     )
     for name in ("fp8-block", "mxfp8"):
         print(
-            f"INFO  simulated {name} evaluation / unquantized evaluation {t_eval[name] / t_eval_plain:6.2f}x (measured; "
+            f"INFO  simulated {name} evaluation / unquantized evaluation {r_eval[name]:6.2f}x (measured; "
             "group and block scales reshape each input and weight per forward)"
         )
-    print(line("calibration / plain no-grad forward over the same tokens", t_calib / t_plain_calib, 1.10))
+    print(line("calibration / plain no-grad forward over the same tokens", r_calib, 1.10))
     print(
         line(
             f"compare (bf16 + fp8-e4m3 + int8), {args.compare_windows} windows / its models' forwards",
@@ -277,7 +303,7 @@ def main() -> None:
     )
     print(
         f"INFO  real FP8 matmuls (torch._scaled_mm) on {device}: E4M3 evaluation "
-        f"{t_real / t_eval['fp8-e4m3']:.2f}x the simulation's time; logits within {fp8_difference:.1e} of the "
+        f"{r_real:.2f}x the simulation's time; logits within {fp8_difference:.1e} of the "
         "simulation's (relative to their max)"
     )
 
@@ -320,17 +346,16 @@ def moe_ratios(repeats: int) -> None:
         with torch.inference_mode():
             m(input_ids=ids)
 
-    t_plain = median_time(lambda: forward(plain), repeats)
     model = linearize(copy.deepcopy(plain))
     recipe = load_recipe("fp8-e4m3")
     layers, _ = calibration_targets(resolve_plans(model, [recipe]).values())
-    t_calib = median_time(lambda: calibrate(model, ids, layers), repeats)
+    r_calib = paired_ratio(lambda: calibrate(model, ids, layers), lambda: forward(plain), repeats)
     variant = quantize_variants(model, [recipe], calibrate(model, ids, layers))[recipe.name]
-    t_sim = median_time(lambda: forward(variant), repeats)
+    r_sim = paired_ratio(lambda: forward(variant), lambda: forward(plain), repeats)
     print(
-        f"INFO  MoE (32 experts, top 4, 4 x 512 tokens): simulated E4M3 forward {t_sim / t_plain:.2f}x transformers' "
+        f"INFO  MoE (32 experts, top 4, 4 x 512 tokens): simulated E4M3 forward {r_sim:.2f}x transformers' "
         f"grouped_mm forward (every expert's weights dequantized per forward); calibration through every expert "
-        f"{t_calib / t_plain:.2f}x (each expert sees all tokens: 8x the routed expert work)"
+        f"{r_calib:.2f}x (each expert sees all tokens: 8x the routed expert work)"
     )
 
 

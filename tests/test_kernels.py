@@ -12,9 +12,10 @@ import ptq.evaluation.evaluate
 import ptq.evaluation.layerstats
 import ptq.numerics.kernels
 from ptq.numerics.formats import FORMATS, dequantize, fake_quantize, quantize, to_storage
-from ptq.numerics.granularity import PerGroup, PerTensor
+from ptq.numerics.granularity import PerGroup, PerTensor, PerToken
 from ptq.numerics.kernels import fused
-from ptq.quantization.quantize import _round_activation, _rounded_codes
+from ptq.quantization.quantize import _round_activation, _rounded_codes, dynamic_scale
+from ptq.quantization.recipes import TensorQuant
 
 DEVICES = [
     "cpu",
@@ -56,6 +57,19 @@ def every_kernel(device: str):
             "input codes e4m3",
             _round_activation,
             (x.bfloat16(), scale, FORMATS["e4m3"], True, None, PerTensor(), True),
+            True,
+        ),
+        ("dynamic scales per token", dynamic_scale, (x, TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True)), True),
+        (
+            "dynamic scales per group",
+            dynamic_scale,
+            (x, TensorQuant(FORMATS["e4m3"], PerGroup(32), dynamic=True)),
+            True,
+        ),
+        (
+            "dynamic scales, vLLM's floor",
+            dynamic_scale,
+            (x * 1e-5, TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True, min_scale=1 / (448 * 512))),
             True,
         ),
         ("weight codes e5m2", _rounded_codes, (w, per_channel, FORMATS["e5m2"], True), True),

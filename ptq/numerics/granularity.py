@@ -23,6 +23,7 @@ here, `e8m0_scale`: the smallest power of two that does not clip the group's ama
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -147,9 +148,10 @@ def e8m0_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
     bits = amax.view(torch.int32)
     exponent = (bits >> 23) - 127  # float32 subnormals (and zero) read as -127: clamped below anyway
     mantissa = bits & 0x7FFFFF
-    # fmt_max = 1.m_max * 2^e_max; the group fits 2^(e - e_max) exactly when its mantissa is <= m_max's
-    e_max = int(torch.tensor(fmt_max, dtype=torch.float32).view(torch.int32) >> 23) - 127
-    m_max = int(torch.tensor(fmt_max, dtype=torch.float32).view(torch.int32) & 0x7FFFFF)
+    # fmt_max = 1.m_max * 2^e_max; the group fits 2^(e - e_max) exactly when its mantissa is <= m_max's (read from
+    # fmt_max's float32 bits in Python: constants of a compiled graph, not tensors)
+    max_bits = struct.unpack("<I", struct.pack("<f", fmt_max))[0]
+    e_max, m_max = (max_bits >> 23) - 127, max_bits & 0x7FFFFF
     k = exponent - e_max + (mantissa > m_max).to(torch.int32)
     k = torch.where(amax > 0, k, 0).clamp(E8M0_MIN_EXPONENT, E8M0_MAX_EXPONENT)
     return torch.exp2(k.float())

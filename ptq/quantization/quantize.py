@@ -75,6 +75,7 @@ def _round_activation(
 
 
 _activation_rounding = fused(_round_activation)  # one kernel per (format, saturate, range, granularity, codes)
+_dynamic_scales = fused(dynamic_scale)  # |x|, its maxima and the scales in one loop, without a temporary |x|
 
 
 def quantize_activation(
@@ -97,7 +98,7 @@ class ActivationQuantizer:
 
     @staticmethod
     def round(kernel, x, spec: TensorQuant, scale, codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = dynamic_scale(x, spec) if scale is None else scale
+        scale = _dynamic_scales(x, spec) if scale is None else scale
         return kernel(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes), scale
 
     def __call__(
