@@ -170,6 +170,12 @@ def _calibrate(
     layers, channels = calibration_targets(plans.values())
     if not layers:
         raise PtqError(f"recipes {', '.join(plans)} quantize no input with a scale: nothing to calibrate")
+    policies = dict(
+        on_nonfinite=options.on_nonfinite,
+        on_unseen=options.on_unseen,
+        channels=channels,
+        all_experts=options.all_experts,
+    )
     if streaming.is_streamed(
         loaded.model
     ):  # one decoder layer at a time from disk; a batch that does not fit: as below
@@ -178,11 +184,8 @@ def _calibrate(
             windows.input_ids,
             layers,
             batch_size,
-            on_nonfinite=options.on_nonfinite,
-            on_unseen=options.on_unseen,
-            channels=channels,
-            all_experts=options.all_experts,
             layer_by_layer=streaming.LayerByLayer(loaded.model),
+            **policies,
         )
     else:
         # A batch that does not fit: calibrate backs off (automatic size) or stops with one line naming the size
@@ -192,14 +195,11 @@ def _calibrate(
                 windows.input_ids,
                 layers,
                 batch_size,
-                on_nonfinite=options.on_nonfinite,
-                on_unseen=options.on_unseen,
                 checkpoint=checkpoint,
                 checkpoint_every=options.checkpoint_every,
                 resume=options.resume,
-                channels=channels,
-                all_experts=options.all_experts,
                 weights_of=loaded.model,
+                **policies,
             )
         del runner
         devices.release()  # a placed copy's GPU memory
@@ -925,7 +925,7 @@ def run_quantize(
                 else None
             )
             disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
-            scales = export.unapplied_scales(loaded.model, unrounded, calib, r)
+            scales = export.unapplied_scales(loaded.model, unrounded, calib, plans[r.name])
             simulated = export.simulate_export(loaded.model, r, calib, unrounded_inputs=unrounded, target=target)
             expected = export.simulated_tensors(simulated, disk, conv1d)
             # the experts' input scales as the target engine has them (vllm: one per layer, the largest)

@@ -87,18 +87,7 @@ class SafetensorsCheckpoint:
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The named tensors, in their stored dtype; each file is opened once per call and closed after."""
-        missing = [n for n in names if n not in self.file]
-        if missing:
-            raise PtqError(f"the checkpoint in {self.directory} has no tensor '{missing[0]}'")
-        by_file: dict[Path, list[str]] = {}
-        for n in names:
-            by_file.setdefault(self.file[n], []).append(n)
-        tensors = {}
-        for path, keys in by_file.items():
-            with safetensors.safe_open(str(path), framework="pt") as f:
-                for k in keys:
-                    tensors[k] = f.get_tensor(k)
-        return tensors
+        return dict(self.each(names))
 
     def read_one(self, name: str) -> torch.Tensor:
         return self.read([name])[name]

@@ -677,14 +677,15 @@ def unapplied_input_layers(model: nn.Module, quantized: list[str], conv1d: bool,
 
 
 def unapplied_scales(
-    model: nn.Module, layers: list[str], calibration: Calibration, recipe: Recipe
+    model: nn.Module, layers: list[str], calibration: Calibration, plan: Plan
 ) -> dict[str, torch.Tensor]:
     """Checkpoint name -> each scale the reload check's loader does not apply, which the checkpoint must hold for
-    vLLM: the input scales of `layers` (unapplied_input_layers) and the KV cache's k_scale / v_scale."""
-    scales = {}
+    vLLM: the input scales of `layers` (unapplied_input_layers) and the KV cache's k_scale / v_scale, as the
+    command's plan has them."""
+    recipe, scales = plan.recipe, {}
     if recipe.kv_cache is not None:
         disk = checkpoint_names(model, _saved_names(model))
-        scales = {e.name: e.make() for e in kv_cache_entries(model, plan_of(model, recipe), calibration, disk)}
+        scales = {e.name: e.make() for e in kv_cache_entries(model, plan, calibration, disk)}
     if not recipe.inputs.static:
         return scales
     disk = checkpoint_names(model, [f"{name}.weight" for name in layers]) if layers else {}

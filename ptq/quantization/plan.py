@@ -151,8 +151,6 @@ class Plan:
                 "inputs": m.inputs.describe(),
                 "reason": m.reason,
                 "smoothquant": self.recipe.smoothquant if m.smooth else None,
-                "shares_weight_scale": [n for n in m.weight_group if n != m.name],
-                "shares_input_scale": [n for n in m.input_group if n != m.name],
             }
             for m in self.matmuls.values()
         ]
