@@ -8,6 +8,8 @@ clip-then-round equals round-then-saturate), keeps +-inf for formats that have i
 +-inf to +-max for E4M3.
 """
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from ptq.numerics.formats import (
     round_to_format,
     to_storage,
 )
+from ptq.numerics.kernels import fused
 
 E4M3, E5M2, INT8, BF16, FP16 = (FORMATS[n] for n in ("e4m3", "e5m2", "int8", "bf16", "fp16"))
 
@@ -170,6 +173,18 @@ def wide_values() -> np.ndarray:
 def test_random_and_edge_values_match_reference(wide_values, fmt, saturate):
     assert wide_values.size > 3_000_000
     check_against_reference(wide_values, fmt, saturate)
+
+
+@pytest.mark.parametrize("saturate", [False, True])
+def test_compiled_e4m3_rounding_matches_reference(wide_values, saturate):
+    # The fused kernel that every FP8 matmul input goes through (saturating: a clamp and torch's cast; not: the bit
+    # operations), compiled by Inductor, against ml_dtypes itself rather than only against the eager ops. A fallback
+    # to the eager ops (its warning) fails the test.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        grid = fused(round_to_format, compile=True)(torch.from_numpy(wide_values), E4M3, saturate)
+    ref = reference_cast(wide_values, E4M3, saturate).astype(np.float32)
+    assert_same_bits(grid.numpy(), ref, np.uint32, wide_values, f"compiled e4m3 saturate={saturate}")
 
 
 def test_midpoints_are_ties():

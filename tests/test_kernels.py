@@ -14,7 +14,7 @@ import ptq.numerics.kernels
 from ptq.numerics.formats import FORMATS, dequantize, fake_quantize, quantize, to_storage
 from ptq.numerics.granularity import PerGroup, PerTensor, PerToken
 from ptq.numerics.kernels import fused
-from ptq.quantization.quantize import _round_activation, _rounded_codes, dynamic_scale
+from ptq.quantization.quantize import _round_activation, _round_dynamic, _rounded_codes
 from ptq.quantization.recipes import TensorQuant
 
 DEVICES = [
@@ -59,17 +59,22 @@ def every_kernel(device: str):
             (x.bfloat16(), scale, FORMATS["e4m3"], True, None, PerTensor(), True),
             True,
         ),
-        ("dynamic scales per token", dynamic_scale, (x, TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True)), True),
         (
-            "dynamic scales per group",
-            dynamic_scale,
-            (x, TensorQuant(FORMATS["e4m3"], PerGroup(32), dynamic=True)),
+            "dynamic rounding per token",
+            _round_dynamic,
+            (x, TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True), False),
             True,
         ),
         (
-            "dynamic scales, vLLM's floor",
-            dynamic_scale,
-            (x * 1e-5, TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True, min_scale=1 / (448 * 512))),
+            "dynamic codes per group",
+            _round_dynamic,
+            (x.bfloat16(), TensorQuant(FORMATS["e4m3"], PerGroup(32), dynamic=True), True),
+            True,
+        ),
+        (
+            "dynamic rounding, vLLM's floor",
+            _round_dynamic,
+            (x * 1e-5, TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True, min_scale=1 / (448 * 512)), False),
             True,
         ),
         ("weight codes e5m2", _rounded_codes, (w, per_channel, FORMATS["e5m2"], True), True),
@@ -119,12 +124,13 @@ def test_the_formats_constants_are_literals_of_the_generated_code():
     from torch._inductor import config
     from torch._inductor.utils import run_and_get_code
 
-    x, scale = torch.randn(5, 64) * 100, torch.tensor(0.5)
+    # Not saturating: the arithmetic rounding (saturating E4M3 is a clamp and a cast, with no exponent clamp).
+    x, scale = torch.randn(5, 64) * 100, torch.tensor(2.0)  # within both formats' range: no NaN from an overflow
     with config.patch(fx_graph_cache=False):
         for fmt, literal in (("e4m3", "-6"), ("e5m2", "-14")):
             kernel = fused(fake_quantize, compile=True)
-            got, code = run_and_get_code(kernel, x, scale, FORMATS[fmt], True)
-            assert torch.equal(got, fake_quantize(x, scale, FORMATS[fmt], True))
+            got, code = run_and_get_code(kernel, x, scale, FORMATS[fmt], False)
+            assert torch.equal(got, fake_quantize(x, scale, FORMATS[fmt], False))
             code = "\n".join(code)
             assert literal in code and "(-1)*ks" not in code, fmt
 

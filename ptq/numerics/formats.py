@@ -6,9 +6,10 @@ One table of constants (FORMATS) and a handful of functions over torch tensors:
                              fake_quantize = dequantize(quantize(...))  (simulation in forward passes)
 
 Everything is computed in float32 and is vectorised, so it runs the same on CPU and CUDA.
-Rounding is done arithmetically (round to nearest, ties to even) instead of by torch's dtype
+Rounding is done arithmetically (round to nearest, ties to even) rather than by torch's dtype
 casts, whose overflow behaviour differs between versions and devices (torch 2.13 CPU saturates
-inf -> 448 when casting to float8_e4m3fn; older versions return NaN).
+inf -> 448 when casting to float8_e4m3fn; older versions return NaN). One exception, the hot one:
+saturating E4M3 clamps to +-448 first, so that the cast never sees an overflow, and then casts.
 
 int8 convention: symmetric, scale = amax / 127, codes in [-127, 127] (the NVIDIA ModelOpt
 convention). `lowest=-128` widens the clamp to the full int8 range, as the activation kernels of vLLM and
@@ -108,6 +109,13 @@ def round_to_format(
     Non-float32 inputs are cast to float32 first.
     """
     x = x.float()
+    if saturate and not flush_subnormals and fmt.torch_dtype == torch.float8_e4m3fn:
+        # Every matmul input of an FP8 recipe comes here. Clamped to +-max first, the cast never meets an overflow
+        # (where versions differ); within +-max it rounds to nearest even, bit for bit the arithmetic below (checked
+        # against ml_dtypes for every float32 in [-480, 480], eager and compiled), and as a fused loop it is 2-3x
+        # faster on CPU: Inductor vectorises the conversion, not all of the bit operations. NaN stays NaN, and
+        # +-inf saturates as below.
+        return x.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).float()
     if fmt.kind == "int":
         return torch.round(x).clamp(-fmt.max if lowest is None else lowest, fmt.max)
 

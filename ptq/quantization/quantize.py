@@ -74,8 +74,16 @@ def _round_activation(
     return gr.ungrouped(q.to(fmt.torch_dtype) if codes else dequantize(q, scale), g, x.shape)
 
 
-_activation_rounding = fused(_round_activation)  # one kernel per (format, saturate, range, granularity, codes)
-_dynamic_scales = fused(dynamic_scale)  # |x|, its maxima and the scales in one loop, without a temporary |x|
+def _round_dynamic(x: torch.Tensor, spec: TensorQuant, codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded with dynamic scales taken from x itself (dynamic_scale), and the scales: one function, so that its
+    fused kernel reads each row (token or group) once for its maximum and its rounding, without a temporary |x|."""
+    scale = dynamic_scale(x, spec)
+    return _round_activation(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes), scale
+
+
+# one kernel per (format, saturate, range, granularity, codes); the dynamic one per (spec, codes)
+_activation_rounding = fused(_round_activation)
+_dynamic_rounding = fused(_round_dynamic)
 
 
 def quantize_activation(
@@ -83,7 +91,7 @@ def quantize_activation(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one activation rounding, for every granularity: (x rounded as `spec` says, the scale it took). `scale`:
     a static scale (per tensor, per head, or one per row: an expert's); None: dynamic, from x itself."""
-    return ActivationQuantizer.round(_activation_rounding, x, spec, scale, codes)
+    return ActivationQuantizer.round((_activation_rounding, _dynamic_rounding), x, spec, scale, codes)
 
 
 class ActivationQuantizer:
@@ -92,14 +100,20 @@ class ActivationQuantizer:
     reused) and matched by identity and version."""
 
     def __init__(self, compile: bool | None = None):
-        # compile=None: the process's shared kernel (PTQ_COMPILE decides); False / True: one of its own
-        self._kernel = _activation_rounding if compile is None else fused(_round_activation, compile)
+        # compile=None: the process's shared kernels (PTQ_COMPILE decides); False / True: kernels of its own
+        self._kernels = (
+            (_activation_rounding, _dynamic_rounding)
+            if compile is None
+            else (fused(_round_activation, compile), fused(_round_dynamic, compile))
+        )
         self._last: tuple | None = None
 
     @staticmethod
-    def round(kernel, x, spec: TensorQuant, scale, codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = _dynamic_scales(x, spec) if scale is None else scale
-        return kernel(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes), scale
+    def round(kernels, x, spec: TensorQuant, scale, codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        static, dynamic = kernels
+        if scale is None:
+            return dynamic(x, spec, codes)
+        return static(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes), scale
 
     def __call__(
         self, x: torch.Tensor, spec: TensorQuant, scale: torch.Tensor | None = None, codes: bool = False
@@ -110,7 +124,7 @@ class ActivationQuantizer:
         last = self._last
         if last is not None and last[0] is x and last[1] == version and last[2] is scale and last[3] == (spec, codes):
             return last[4]
-        out = self.round(self._kernel, x, spec, scale, codes)
+        out = self.round(self._kernels, x, spec, scale, codes)
         self._last = (x, version, scale, (spec, codes), out)
         return out
 
