@@ -184,6 +184,31 @@ def test_compiled_weight_dequantize_decodes_every_code_as_ml_dtypes_does():
             assert np.array_equal(got[~np.isnan(got)].view(np.int32), want[~np.isnan(want)].view(np.int32)), fmt
 
 
+def test_a_16_bit_layer_computed_in_its_own_dtype_is_used_as_it_is(tiny_model):
+    # bf16 compute (a GPU's default): the baseline's weights and inputs are bf16 already, so neither is rounded nor
+    # copied per forward; the result is the product of the rounding it skips, by the kernels themselves
+    from ptq.numerics.formats import FORMATS
+    from ptq.numerics.granularity import PerTensor
+    from ptq.quantization.quantize import _round_activation, _weight_dequantize, dequantize_weight
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
+    layer = quantize_(copy.deepcopy(model), load_recipe("bf16"), None).model.layers[0].mlp.down_proj
+    codes, scale = layer.weight_codes, layer.weight_scale
+    assert dequantize_weight(codes, scale, layer.weights, torch.bfloat16) is codes
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    assert layer.quantize_input(x)[1] is x
+    rounded = _round_activation(x, layer.input_scale, FORMATS["bf16"], True, None, PerTensor(), False).bfloat16()
+    want = torch.nn.functional.linear(rounded, _weight_dequantize(codes, scale, torch.bfloat16))
+    with torch.no_grad():
+        got = layer(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    # in float32 compute the same layer still rounds its input to bf16 and widens its codes
+    wide = x[1:].float() + 2.0**-12  # finite values off the bf16 grid
+    assert not torch.equal(layer.quantize_input(wide)[1], wide)
+    assert dequantize_weight(codes, scale, layer.weights).dtype == torch.float32
+
+
 def test_an_input_shared_by_q_k_v_and_gate_up_is_quantized_once(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))

@@ -110,6 +110,10 @@ class ActivationQuantizer:
 
     @staticmethod
     def round(kernels, x, spec: TensorQuant, scale, codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if not spec.format.scaled and x.dtype == spec.format.torch_dtype and not codes:
+            # a 16-bit input already in its format (bf16 compute: the baseline, the layers a recipe leaves out)
+            # rounds to itself, inf and NaN included (tests/test_formats.py, every bf16 bit pattern): no pass over it
+            return x, scale
         static, dynamic = kernels
         if scale is None:
             return dynamic(x, spec, codes)
@@ -289,7 +293,11 @@ def quantize_weight(
 def dequantize_weight(
     codes: torch.Tensor, scale: torch.Tensor, weights: TensorQuant, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """codes * scale (the stored scale of quantize_weight), in `dtype`, by one fused loop."""
+    """codes * scale (the stored scale of quantize_weight), in `dtype`, by one fused loop. A 16-bit weight whose codes
+    are already in `dtype` (bf16 compute: the baseline, the layers a recipe leaves out) is its codes: its scale is 1,
+    and no copy of it is made per forward."""
+    if codes.dtype == dtype and not weights.format.scaled:
+        return codes
     g = weights.granularity
     if isinstance(g, (gr.PerTensor, gr.PerChannel)):
         return _weight_dequantize(codes, scale, dtype)
@@ -595,7 +603,7 @@ class GroupedExperts:
 
         first_group = layers[0]
         first = first_group[0]
-        self.inputs, self.round_inputs = first.inputs, first.round_inputs
+        self.weights, self.inputs, self.round_inputs = first.weights, first.inputs, first.round_inputs
         self.codes = torch.stack([stack([group[e].weight_codes for group in layers]) for e in range(len(first_group))])
         self.weight_scale = torch.stack(
             [
@@ -623,7 +631,7 @@ class GroupedExperts:
             x_q = x
         else:
             x_q = quantize_activation(x, self.inputs, None if self.inputs.dynamic else self.input_scale[expert_ids])[0]
-        weight = _weight_dequantize(self.codes, self.weight_scale, x.dtype)  # written once, in the compute dtype
+        weight = dequantize_weight(self.codes, self.weight_scale, self.weights, x.dtype)  # in the compute dtype
         bias = self.bias[expert_ids] if self.bias is not None else None
         return grouped_linear(x_q.to(x.dtype), weight, offsets, bias)
 
