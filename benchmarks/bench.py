@@ -2,7 +2,7 @@
 repetitions), each with its target and PASS/MISS. Ratios, not seconds, so that they mean the same on
 any machine; nothing here is a timed test.
 
-    python -m benchmarks.bench [--model smollm2] [--windows 4] [--compare-windows 40] [--seq-len 512] [--repeats 3]
+    python -m benchmarks.bench [--model smollm2] [--windows 4] [--compare-windows 40] [--seq-len 512] [--repeats 5]
 
 A whole `ptq compare` is timed once at its default size (40 windows): its fixed costs (loading, tokenizing,
 building the variants, the report) are printed next to the ratio, so that they are not hidden by the size.
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--compare-windows", type=int, default=40, help="windows of the timed compare (its default)")
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     progress.QUIET = True
 
