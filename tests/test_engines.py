@@ -249,6 +249,20 @@ def test_dynamic_fp8_input_scales_have_vllms_floor_under_the_vllm_target(tiny_mo
     assert float(scale_hf[0]) == np.float32(amax[0, 0]) / np.float32(448.0)
 
 
+def test_the_dynamic_scale_floor_keeps_a_recipes_power_of_two_scales():
+    # the floor comes first, then the recipe's rounding of the scale up to a power of two (it used to skip it)
+    from ptq.numerics.formats import FORMATS
+    from ptq.numerics.granularity import PerToken
+    from ptq.quantization.quantize import dynamic_scale
+    from ptq.quantization.recipes import TensorQuant
+
+    floor = 1 / (448 * 512)
+    spec = TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True, scale="pow2", min_scale=floor)
+    x = torch.tensor([[3.0, -1.0], [1e-6, 0.0], [0.0, 0.0]])
+    # 3 / 448 rounds up to 2^-7; 1e-6 / 448 and 0 are floored to 1 / (448 * 512), which rounds up to 2^-17
+    assert dynamic_scale(x, spec).flatten().tolist() == [2.0**-7, 2.0**-17, 2.0**-17]
+
+
 def test_int8_inputs_round_as_vllm_under_the_vllm_target():
     """vLLM's static_scaled_int8_quant: float_to_int8_rn(x / scale), round to nearest even saturated to [-128, 127];
     ptq's convention clamps to [-127, 127]."""

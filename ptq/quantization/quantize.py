@@ -53,8 +53,9 @@ def dynamic_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
         return gr.e8m0_scale(x_amax, spec.format.max)
     scale = x_amax / spec.format.max
     if spec.min_scale:  # the engine's floor (ptq.quantization.engines, rule 4); an all-zero token gets it too
-        return scale.clamp(min=spec.min_scale)
-    scale = torch.where(scale > 0, scale, 1.0)  # an all-zero token: any scale represents it
+        scale = scale.clamp(min=spec.min_scale)
+    else:
+        scale = torch.where(scale > 0, scale, 1.0)  # an all-zero token: any scale represents it
     return torch.exp2(torch.ceil(torch.log2(scale))) if spec.scale == "pow2" else scale
 
 
