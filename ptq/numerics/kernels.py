@@ -13,6 +13,11 @@ import torch
 # Kernels that fell back to their eager ops in this process: kernel name -> the first line of the error.
 FALLBACKS: dict[str, str] = {}
 
+# Whether Inductor compiles CPU loops in strict IEEE binary32 arithmetic, no fused multiply-adds and no unsafe math
+# (its defaults; environment variables change them), which formats.round_to_format's fused E4M3 rounding needs. Read
+# when the first kernel is made: a traced function cannot read Inductor's config.
+strict_cpu_arithmetic = False
+
 
 def fused(fn, compile: bool | None = None):
     """`fn` (a chain of exact elementwise ops or reductions) fused by torch.compile into a few loops, made on
@@ -85,6 +90,12 @@ def _specialised(fn, constants: tuple, n: int):
         it = iter(tensors)
         return fn(*[next(it) if s is _TENSOR else s for s in slots])
 
+    global strict_cpu_arithmetic
+    from torch._inductor import config
+
+    strict_cpu_arithmetic = (
+        config.cpp.enable_floating_point_contract_flag == "off" and not config.cpp.enable_unsafe_math_opt_flag
+    )
     name = _kernel_name(fn, constants)
     kernel.__code__ = kernel.__code__.replace(co_name="".join(c if c.isalnum() else "_" for c in name))
     kernel.__name__ = kernel.__qualname__ = kernel.__code__.co_name
