@@ -60,7 +60,8 @@ def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
     installed = []
 
     # 1. `_C::static_scaled_fp8_quant` is an empty placeholder in the CPU build (its output stays uninitialised).
-    #    The same arithmetic in torch: x / scale, clamped to +-448, rounded to E4M3 (nearest even). vLLM reaches it at
+    #    The same arithmetic in torch: x times 1 / scale (the CUDA kernel inverts the scale "to avoid expensive
+    #    division"), clamped to +-448, rounded to E4M3 (nearest even). vLLM reaches it at
     #    load time, once per shard of a fused layer, in `requantize_with_max_scale` (utils/w8a8_utils.py; identity on
     #    ptq's exports, whose shards already share the group's scale); at run time the Torch FP8 kernels quantize
     #    their inputs with QuantFP8.forward_native (CustomOp.forward_cpu), torch code that needs no stand-in, and so
@@ -72,13 +73,13 @@ def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
         if scale is None or scale.numel() != 1 or kwargs.get("use_per_token_if_dynamic") or input.device.type != "cpu":
             return original_scaled_fp8_quant(input, scale, *args, **kwargs)
         CALLS["static_scaled_fp8_quant"] += 1
-        x = (input.float() / scale.float().reshape(())).clamp(-448.0, 448.0)
+        x = (input.float() * scale.float().reshape(()).reciprocal()).clamp(-448.0, 448.0)
         return x.to(torch.float8_e4m3fn), scale
 
     ops.scaled_fp8_quant = scaled_fp8_quant
     installed.append(
         "static per-tensor FP8 quantization (_C::static_scaled_fp8_quant is an empty placeholder on CPU): "
-        "torch x / scale, clamp +-448, round to E4M3"
+        "torch x * (1 / scale), clamp +-448, round to E4M3"
     )
 
     # 2. `_C::silu_and_mul_quant` is missing: the fused SiLU-and-multiply + FP8 quantization path is turned off, so

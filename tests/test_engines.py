@@ -17,7 +17,7 @@ from conftest import make_tokenizer
 
 from ptq.calibration.calibrate import calibrate
 from ptq.models.matmuls import LinearExperts, linearize
-from ptq.quantization.plan import calibrated_layers
+from ptq.quantization.plan import calibrated_layers, resolve_plan
 from ptq.quantization.quantize import QuantLinear, quantize_
 from ptq.quantization.recipes import load_recipe
 
@@ -261,6 +261,31 @@ def test_the_dynamic_scale_floor_keeps_a_recipes_power_of_two_scales():
     x = torch.tensor([[3.0, -1.0], [1e-6, 0.0], [0.0, 0.0]])
     # 3 / 448 rounds up to 2^-7; 1e-6 / 448 and 0 are floored to 1 / (448 * 512), which rounds up to 2^-17
     assert dynamic_scale(x, spec).flatten().tolist() == [2.0**-7, 2.0**-17, 2.0**-17]
+
+
+def test_static_fp8_inputs_are_scaled_by_the_reciprocal_under_the_vllm_target():
+    """Rule 5, hand-computed: x = 0x4063ffff (3.5624998) with scale 3. x / 3 = 1.1874999 rounds down to 1.125, while
+    x * (1 / 3) = 1.1875 is a tie and rounds to the even 1.25 (ml_dtypes agrees); times the scale, 3.375 and 3.75."""
+    from ptq.quantization import engines
+    from ptq.quantization.quantize import ActivationQuantizer
+
+    x = torch.tensor([0x4063FFFF], dtype=torch.int32).view(torch.float32)
+    third = np.float32(1) / np.float32(3)
+    assert float((x.numpy() * third).astype(ml_dtypes.float8_e4m3fn)[0]) == 1.25
+    assert float((x.numpy() / np.float32(3)).astype(ml_dtypes.float8_e4m3fn)[0]) == 1.125
+    recipe = load_recipe("fp8-e4m3")
+    served = engines.served_inputs(recipe.inputs, "vllm")
+    assert served.reciprocal and not engines.served_inputs(recipe.inputs, "transformers").reciprocal
+    assert not engines.served_inputs(load_recipe("fp8-dynamic").inputs, "vllm").reciprocal  # dynamic: divided
+    for compile in (True, False):
+        quantizer = ActivationQuantizer(compile=compile)
+        assert quantizer(x, served, torch.tensor(3.0))[0].item() == 3.75
+        assert quantizer(x, recipe.inputs, torch.tensor(3.0))[0].item() == 3.375
+    # and the plan applies it to every quantized matmul of a model under the vllm target, and only there
+    model = linearize(families.build("llama"))
+    plan = resolve_plan(model, recipe, "vllm")
+    assert all(m.inputs.reciprocal for m in plan.matmuls.values() if m.quantized)
+    assert not any(m.inputs.reciprocal for m in resolve_plan(model, recipe, "transformers").matmuls.values())
 
 
 def test_int8_inputs_round_as_vllm_under_the_vllm_target():

