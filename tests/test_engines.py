@@ -284,7 +284,8 @@ def test_static_fp8_inputs_are_scaled_by_the_reciprocal_under_the_vllm_target():
     # and the plan applies it to every quantized matmul of a model under the vllm target, and only there
     model = linearize(families.build("llama"))
     plan = resolve_plan(model, recipe, "vllm")
-    assert all(m.inputs.reciprocal for m in plan.matmuls.values() if m.quantized)
+    quantized = [m for m in plan.matmuls.values() if m.quantized]
+    assert quantized and all(m.inputs.reciprocal for m in quantized)
     assert not any(m.inputs.reciprocal for m in resolve_plan(model, recipe, "transformers").matmuls.values())
 
 
