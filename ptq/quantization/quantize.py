@@ -597,7 +597,8 @@ def quantize_variants(
 class GroupedExperts:
     """One projection of a LinearExperts (gate and up together, as the fused module computes them; or down) for
     all experts at once: their QuantLinears' weight codes stacked [E, rows, in] (the QuantLinears keep views into
-    them, so nothing is stored twice), weight scales [E, rows, 1], input scales [E] and biases [E, rows]."""
+    them, so nothing is stored twice), weight scales [E, rows, 1] (per tensor or channel) or [E, rows, in / G] (per
+    group: a row's scales travel with it), input scales [E] and biases [E, rows]."""
 
     def __init__(self, layers: list[list[QuantLinear]], concatenated: bool):
         def stack(tensors: list[torch.Tensor]) -> torch.Tensor:  # gate and up rows as the fused module lays them out
@@ -609,11 +610,14 @@ class GroupedExperts:
         first = first_group[0]
         self.weights, self.inputs, self.round_inputs = first.weights, first.inputs, first.round_inputs
         self.codes = torch.stack([stack([group[e].weight_codes for group in layers]) for e in range(len(first_group))])
+
+        def row_scales(m: QuantLinear) -> torch.Tensor:  # [out, 1] or [out, in / G]
+            if isinstance(self.weights.granularity, gr.PerGroup):
+                return m.weight_scale
+            return m.weight_scale.reshape(-1, 1).expand(m.out_features, 1)
+
         self.weight_scale = torch.stack(
-            [
-                stack([group[e].weight_scale.reshape(-1, 1).expand(group[e].out_features, 1) for group in layers])
-                for e in range(len(first_group))
-            ]
+            [stack([row_scales(group[e]) for group in layers]) for e in range(len(first_group))]
         )
         self.input_scale = torch.stack([m.input_scale for m in first_group]).reshape(-1, 1)
         biases = [[group[e].bias for group in layers] for e in range(len(first_group))]
@@ -650,10 +654,8 @@ def grouped_experts(experts, layers: dict[str, list]) -> dict[str, GroupedExpert
             return None
         if len({(m.weights, m.inputs, m.round_inputs, m.weight_codes.dtype, m.weight_codes.device) for m in ms}) != 1:
             return None
-        if not isinstance(ms[0].weights.granularity, (gr.PerTensor, gr.PerChannel)) or isinstance(
-            ms[0].inputs.granularity, gr.PerGroup
-        ):
-            return None  # group and block scales: the experts run one by one
+        if isinstance(ms[0].weights.granularity, gr.PerBlock):
+            return None  # 128 x 128 blocks do not stack across gate and up rows: the experts run one by one
         if not all(torch.equal(g[e].input_scale, group[0][e].input_scale) for g in group for e in range(len(g))):
             return None  # gate and up read the same input: one scale (they always agree when calibrated together)
     return {name: GroupedExperts(group, experts.concatenated) for name, group in groups.items()}
