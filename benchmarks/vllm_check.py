@@ -41,7 +41,8 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
 
 def ptq_simulation(model_dir: Path, recipe: str | None, calibration, windows: torch.Tensor) -> dict:
     """ptq's simulation of the checkpoint under --target vllm (export's simulation: left-out layers as stored, every
-    quantized input rounded as vLLM rounds it), its perplexity, and the noise floor: the same with the other attention."""
+    quantized input rounded as vLLM rounds it, not as the reload check's transformers does: loader_inputs=False), its
+    perplexity, and the noise floor: the same with the other attention."""
     from ptq.evaluation.evaluate import evaluate
     from ptq.export.checkpoint import OtherAttention, simulate_export
     from ptq.models.loading import load_model
@@ -49,7 +50,7 @@ def ptq_simulation(model_dir: Path, recipe: str | None, calibration, windows: to
 
     model = load_model(str(model_dir)).model
     if recipe is not None:
-        model = simulate_export(model, load_recipe(recipe), calibration, target="vllm")
+        model = simulate_export(model, load_recipe(recipe), calibration, loader_inputs=False, target="vllm")
     scores = evaluate({"ptq": model, "noise": OtherAttention(model)}, windows, 4)
     ptq, noise = scores["ptq"], scores["noise"]
     return {

@@ -733,11 +733,7 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
             f"verification {'[green]passed[/]' if ver['passed'] else '[bold red]FAILED[/]'} (transformers reload vs ptq simulation, "
             f"{ver['windows']} windows x {ver['seq_len']} tokens): perplexity {ver['reloaded_perplexity']:.4f} vs "
             f"{ver['simulated_perplexity']:.4f} simulated"
-            + (
-                f", {ver['ptq_perplexity']:.4f} with ptq's own [-127, 127] int8 input rounding"
-                if ver["loader_int8_rounding"]
-                else ""
-            )
+            + (f", {ver['ptq_perplexity']:.4f} with {ver['ptq_rounding']}" if ver["ptq_rounding"] else "")
             + f" ({ver['ppl_delta_pct']:+.4f}%; float-order noise floor {ver['noise_floor']['ppl_delta_pct']:+.4f}%, "
             f"KL {ver['noise_floor']['kl_div']:.3g}), files {len(ver['tensors_differing']) or 'bit-identical'}"
             + (" differing" if ver["tensors_differing"] else "")

@@ -147,6 +147,31 @@ def test_transformers_reload_matches_the_simulation(exported):
     )
     card = (out / "README.md").read_text()
     assert "float-order noise floor" in card and "bit for bit" in card
+    # under the default --target vllm, ptq's own simulation of static FP8 inputs (x * (1 / scale), engines rule 5)
+    # is not transformers' (x / scale): reported next to the gate; int8 inputs round as the loaders do
+    own = {"fp8-e4m3": "vLLM's x * (1 / scale) for static FP8 inputs", "int8": None}[recipe]
+    assert ver["ptq_rounding"] == own and (own is None or own in card)
+
+
+def test_the_reload_check_simulates_the_loaders_division_and_compare_vllms_reciprocal(tiny_model, tmp_path):
+    from ptq.calibration.calibrate import calibrate
+    from ptq.evaluation.data import load_corpus, make_windows
+    from ptq.export import checkpoint as export
+    from ptq.models.loading import load_model
+    from ptq.quantization.plan import calibrated_layers
+    from ptq.quantization.quantize import QuantLinear
+    from ptq.quantization.recipes import load_recipe
+
+    recipe = load_recipe("fp8-e4m3")
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 3)
+    for loader_inputs, reciprocal in ((True, False), (False, True)):
+        loaded = load_model(str(tiny_model))
+        windows = make_windows(load_corpus(str(text), "calibration"), loaded.tokenizer, 64, 2).input_ids
+        calibration = calibrate(loaded.model, windows, calibrated_layers(loaded.model, recipe))
+        simulated = export.simulate_export(loaded.model, recipe, calibration, loader_inputs, target="vllm")
+        layers = [m for m in simulated.modules() if isinstance(m, QuantLinear) and m.inputs.format.bits == 8]
+        assert layers and all(m.inputs.reciprocal == reciprocal for m in layers)
 
 
 def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):

@@ -904,24 +904,33 @@ def run_quantize(
         elif checkpoint.verify:
             corpus = load_corpus(data.data, role="evaluation")
             windows = make_windows(corpus, loaded.tokenizer, data.seq_len, data.windows)
-            # int8 inputs: the loaders round them over [-128, 127], ptq over [-127, 127]; check the logits against
-            # the simulation of what the loader computes, and the perplexity against ptq's own too.
+            # Inputs the loader rounds otherwise than ptq's simulation of the target (int8: the loaders over
+            # [-128, 127], ptq over [-127, 127]; static FP8 under vllm: transformers divides by the scale, vLLM
+            # multiplies by its reciprocal): check the logits against the simulation of what the loader computes, and
+            # the perplexity against ptq's own too.
             # Layers whose input scales the reloading loader does not apply (experts in transformers; every layer where
             # transformers cannot load Conv1D quantized and ptq's own dequantizing reader stands in) are simulated with
             # their inputs as they are, and their input scales are checked in the files instead.
             unrounded = export.unapplied_input_layers(
                 loaded.model, quantized, conv1d=bool(conv1d), dynamic=r.inputs.dynamic
             )
+            own_rounding = (
+                "ptq's own [-127, 127] int8 input rounding"
+                if r.inputs.format.kind == "int" and not engines.int8_inputs_as_engine(target)
+                else "vLLM's x * (1 / scale) for static FP8 inputs"
+                if engines.served_inputs(r.inputs, target).reciprocal
+                else None
+            )
             own = (
                 export.simulate_export(
                     copy.deepcopy(loaded.model),
                     r,
                     calib,
-                    loader_int8_inputs=False,
+                    loader_inputs=False,
                     unrounded_inputs=unrounded,
                     target=target,
                 )
-                if r.inputs.format.kind == "int" and not engines.int8_inputs_as_engine(target)
+                if own_rounding
                 else None
             )
             disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
@@ -940,6 +949,7 @@ def run_quantize(
                 windows.input_ids,
                 batch_size,
                 ptq_simulated=own,
+                ptq_rounding=own_rounding,
                 unapplied_input_scales=scales,
                 directory=tmp,
                 expected_tensors=expected,

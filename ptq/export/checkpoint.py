@@ -634,21 +634,25 @@ def simulate_export(
     model: nn.Module,
     recipe: Recipe,
     calibration: Calibration,
-    loader_int8_inputs: bool = True,
+    loader_inputs: bool = True,
     unrounded_inputs: list[str] = (),
     target: str = "transformers",
 ) -> nn.Module:
     """ptq's simulation of the exported checkpoint, in place: quantize_ with the recipe and calibration, except
     that the layers the recipe leaves out keep their plain Linear (the checkpoint stores them unquantized and
     transformers runs them as is, where `ptq compare` rounds them to bf16 as in its 16-bit baseline), and, with
-    loader_int8_inputs, int8 inputs round with the loaders' [-128, 127] range instead of ptq's [-127, 127]. The
+    loader_inputs, inputs round as the reload check's loader rounds them: int8 over the loaders' [-128, 127] range
+    (ptq's own is [-127, 127]), static FP8 inputs divided by their scale as compressed-tensors does in transformers
+    (vLLM multiplies by the reciprocal: engines rule 5). loader_inputs=False: as `ptq compare` simulates the target.
+    The
     `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
     the reload check computes for them: see unapplied_input_layers). `target`: whose scales the checkpoint holds
     (ptq.quantization.engines; vllm: the fused groups' shared scales)."""
     # transformers does not quantize the KV cache (vLLM does, from k_scale / v_scale): simulated without it, and
     # its scales are checked in the files (unapplied_scales)
     recipe = dataclasses.replace(recipe, kv_cache=None)
-    plan = plan_of(model, recipe, target, int8_range="full" if loader_int8_inputs else None)
+    loader = {"int8_range": "full", "reciprocal": False} if loader_inputs else {}
+    plan = plan_of(model, recipe, target, **loader)
     kept = {name: model.get_submodule(name) for name in plan.left_out}
     quantize_(model, recipe, calibration, target=target, plan=plan)
     for name, m in kept.items():
@@ -808,14 +812,15 @@ def verify(
     input_ids: torch.Tensor,
     batch_size: int = 4,
     ptq_simulated: nn.Module | None = None,
+    ptq_rounding: str | None = None,
     unapplied_input_scales: dict[str, torch.Tensor] | None = None,
     directory: Path | None = None,
     expected_tensors: dict[str, torch.Tensor] | None = None,
 ) -> dict:
     """Score the reloaded checkpoint against the simulation that computes what the loader computes (the gate on
     logits: KL and top-1), check the files against `expected_tensors` (simulated_tensors) bit for bit, and report
-    the perplexity against ptq's own simulation (`ptq_simulated`, when the loader's rounding differs from ptq's: int8
-    inputs) next to the measured noise floor (the simulation with another attention implementation), all on the
+    the perplexity against ptq's own simulation (`ptq_simulated`, when the loader's input rounding differs from
+    ptq's, which `ptq_rounding` names: int8 inputs over [-127, 127], vLLM's scaling of static FP8 inputs) next to the measured noise floor (the simulation with another attention implementation), all on the
     same windows, through the one evaluation loop. `unapplied_input_scales`: the scales the loader does not apply
     (unapplied_scales: fused experts' input scales in transformers, KV-cache scales), checked in the files only."""
     from ptq.evaluation.evaluate import evaluate
@@ -890,7 +895,7 @@ def verify(
             "kl_div": floor.kl_div,
             "top1_agreement": floor.top1_agreement,
         },
-        "loader_int8_rounding": ptq_simulated is not None,
+        "ptq_rounding": ptq_rounding if ptq_simulated is not None else None,
         "tensors_checked_in_file": len(expected_tensors),
         "tensors_differing": differing,
         "input_scales_checked_in_file": len(expert_input_scales),

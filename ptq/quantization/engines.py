@@ -181,11 +181,14 @@ def int8_inputs_as_engine(target: str) -> bool:
 VLLM_MIN_DYNAMIC_SCALE = 1.0 / (448.0 * 512.0)  # rule 4: input_quant_fp8.py _FP8_MIN_SCALING_FACTOR
 
 
-def served_inputs(inputs: TensorQuant, target: str, int8_range: str | None = None) -> TensorQuant:
+def served_inputs(
+    inputs: TensorQuant, target: str, int8_range: str | None = None, reciprocal: bool | None = None
+) -> TensorQuant:
     """How `target` rounds a matmul input the recipe quantizes as `inputs`: rule 3 for static int8 inputs (or
     `int8_range`, "symmetric" or "full", when given: the range the checkpoint's loader uses), rule 4 for dynamic
-    FP8 inputs with float32 scales, rule 5 for static per-tensor FP8 inputs. The plan calls it for every quantized
-    matmul (not SmoothQuant's)."""
+    FP8 inputs with float32 scales, rule 5 for static per-tensor FP8 inputs (or `reciprocal`, when given: whether
+    the loader multiplies by the reciprocal; transformers' compressed-tensors divides). The plan calls it for every
+    quantized matmul (not SmoothQuant's)."""
     if int8_range is None:
         int8_range = "full" if int8_inputs_as_engine(target) else "symmetric"
     if inputs.format.kind == "int" and inputs.static and inputs.int_range != int8_range:
@@ -193,7 +196,9 @@ def served_inputs(inputs: TensorQuant, target: str, int8_range: str | None = Non
     fp8 = inputs.format.kind == "float" and inputs.format.bits == 8
     if check_target(target) == "vllm" and fp8 and inputs.dynamic and inputs.scale_format == "fp32":
         return dataclasses.replace(inputs, min_scale=VLLM_MIN_DYNAMIC_SCALE)
-    if check_target(target) == "vllm" and fp8 and inputs.static and isinstance(inputs.granularity, PerTensor):
+    if reciprocal is None:
+        reciprocal = check_target(target) == "vllm"
+    if reciprocal and fp8 and inputs.static and isinstance(inputs.granularity, PerTensor):
         return dataclasses.replace(inputs, reciprocal=True)
     return inputs
 

@@ -217,10 +217,17 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
     return None
 
 
-def resolve_plan(model: nn.Module, recipe: Recipe, target: str = "transformers", int8_range: str | None = None) -> Plan:
+def resolve_plan(
+    model: nn.Module,
+    recipe: Recipe,
+    target: str = "transformers",
+    int8_range: str | None = None,
+    reciprocal: bool | None = None,
+) -> Plan:
     """The plan of `recipe` for a linearized `model` (ptq.models.matmuls.linearize), before quantization, as
     `target` serves it: its inputs as the engine rounds them (engines.served_inputs; `int8_range`, "symmetric"
-    [-127, 127] or "full" [-128, 127]: how int8 inputs round when not as the target does)."""
+    [-127, 127] or "full" [-128, 127], and `reciprocal`: how int8 inputs round and static FP8 inputs are scaled
+    when not as the target does, for the loader of the export's reload check)."""
     matmuls = {}
     for name, module in model.named_modules():
         if not quantizable(module):
@@ -229,7 +236,7 @@ def resolve_plan(model: nn.Module, recipe: Recipe, target: str = "transformers",
         weights, inputs = (recipe.weights, recipe.inputs) if reason is None else (BASELINE_LINEAR, BASELINE_LINEAR)
         smooth = reason is None and recipe.smoothquant is not None
         if reason is None and not smooth:
-            inputs = engines.served_inputs(inputs, target, int8_range)
+            inputs = engines.served_inputs(inputs, target, int8_range, reciprocal)
         matmuls[name] = MatmulPlan(
             name, getattr(module, "ptq_kind", kind(module)), module.weight.numel(), weights, inputs, reason, smooth
         )

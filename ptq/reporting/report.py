@@ -351,9 +351,9 @@ def render_model_card(e: dict) -> str:
             "|---|---:|---:|---:|",
             f"| perplexity | {ver['simulated_perplexity']:.4f} | {ver['reloaded_perplexity']:.4f} | |",
         ]
-        if ver.get("loader_int8_rounding"):
+        if ver.get("ptq_rounding"):
             lines += [
-                f"| perplexity, ptq's own int8 rounding ([-127, 127] inputs) | {ver['ptq_perplexity']:.4f} | "
+                f"| perplexity, {ver['ptq_rounding']} | {ver['ptq_perplexity']:.4f} | "
                 f"{ver['reloaded_perplexity']:.4f} | reported: {ver['ppl_delta_pct']:+.4f}% |"
             ]
         noise = ver.get("noise_floor")
