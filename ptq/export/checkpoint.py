@@ -644,8 +644,7 @@ def simulate_export(
     loader_inputs, inputs round as the reload check's loader rounds them: int8 over the loaders' [-128, 127] range
     (ptq's own is [-127, 127]), static FP8 inputs divided by their scale as compressed-tensors does in transformers
     (vLLM multiplies by the reciprocal: engines rule 5). loader_inputs=False: as `ptq compare` simulates the target.
-    The
-    `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
+    The `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
     the reload check computes for them: see unapplied_input_layers). `target`: whose scales the checkpoint holds
     (ptq.quantization.engines; vllm: the fused groups' shared scales)."""
     # transformers does not quantize the KV cache (vLLM does, from k_scale / v_scale): simulated without it, and
@@ -820,8 +819,8 @@ def verify(
     """Score the reloaded checkpoint against the simulation that computes what the loader computes (the gate on
     logits: KL and top-1), check the files against `expected_tensors` (simulated_tensors) bit for bit, and report
     the perplexity against ptq's own simulation (`ptq_simulated`, when the loader's input rounding differs from
-    ptq's, which `ptq_rounding` names: int8 inputs over [-127, 127], vLLM's scaling of static FP8 inputs) next to the measured noise floor (the simulation with another attention implementation), all on the
-    same windows, through the one evaluation loop. `unapplied_input_scales`: the scales the loader does not apply
+    ptq's, which `ptq_rounding` names: int8 inputs over [-127, 127], vLLM's scaling of static FP8 inputs) next to
+    the measured noise floor (the simulation with another attention implementation), all on the same windows, through the one evaluation loop. `unapplied_input_scales`: the scales the loader does not apply
     (unapplied_scales: fused experts' input scales in transformers, KV-cache scales), checked in the files only."""
     from ptq.evaluation.evaluate import evaluate
 
