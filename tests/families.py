@@ -104,12 +104,15 @@ MOE_FAMILIES = {
 FAMILIES = DENSE | MOE_FAMILIES
 
 
-def build(family: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random model of `family` in eval mode (float32), its weights scaled so that activations stay O(1)."""
+def build(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random model of `family` in eval mode (float32), its weights scaled so that activations stay O(1).
+    overrides: config values instead of the family's (wider layers, for schemes that need whole 128-wide blocks)."""
     import transformers
 
     config_class, kwargs = FAMILIES[family]
-    config = getattr(transformers, config_class)(**kwargs, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    config = getattr(transformers, config_class)(
+        **(kwargs | overrides), pad_token_id=None, bos_token_id=None, eos_token_id=None
+    )
     config.tie_word_embeddings = False
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

@@ -117,7 +117,8 @@ def test_routed_only_calibration_leaves_unreached_experts_to_the_fallback():
 
 
 def test_grouped_experts_match_the_expert_by_expert_loop():
-    model = linearize(families.build("qwen3_moe"))
+    # experts of whole 128 x 128 blocks (two block rows for gate and up), so that fp8-block quantizes them too
+    model = linearize(families.build("qwen3_moe", hidden_size=128, moe_intermediate_size=256))
     names = ("fp8-e4m3", "int8", "fp8-dynamic", "mxfp8", "fp8-block")
     recipes = [load_recipe(n) for n in names]
     layers, _ = calibration_targets(resolve_plans(model, recipes).values())
@@ -125,14 +126,13 @@ def test_grouped_experts_match_the_expert_by_expert_loop():
     ids = _ids(3)
     for name, variant in quantize_variants(model, recipes, calibration).items():
         experts = [m for m in variant.modules() if isinstance(m, LinearExperts)]
-        # every granularity but 128 x 128 blocks (which do not stack across gate and up rows) runs grouped; these
-        # experts are too narrow for blocks, so fp8-block leaves them in 16-bit (grouped too)
+        # every granularity runs grouped (a block's scales repeated over its rows, GroupedExperts)
         expected = {
             "fp8-e4m3": "e4m3 per-tensor",
             "int8": "int8 per-channel",
             "fp8-dynamic": "e4m3 per-channel",
             "mxfp8": "e4m3 per-group-32 e8m0 scales",
-            "fp8-block": "bf16",
+            "fp8-block": "e4m3 per-block-128x128",
         }
         assert {m[0].down_proj.weights.describe() for m in experts} == {expected[name]}
         assert all(m._grouped_weights() is not None for m in experts), name

@@ -14,6 +14,7 @@ column by s (ModelOpt's per-layer pre-quant scale, foldable into the preceding n
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -598,7 +599,8 @@ class GroupedExperts:
     """One projection of a LinearExperts (gate and up together, as the fused module computes them; or down) for
     all experts at once: their QuantLinears' weight codes stacked [E, rows, in] (the QuantLinears keep views into
     them, so nothing is stored twice), weight scales [E, rows, 1] (per tensor or channel) or [E, rows, in / G] (per
-    group: a row's scales travel with it), input scales [E] and biases [E, rows]."""
+    group: a row's scales travel with it; 128 x 128 blocks: each row takes its block row's scales, so that gate and
+    up rows, interleaved or not, stack as for groups of 128 along the input), input scales [E] and biases [E, rows]."""
 
     def __init__(self, layers: list[list[QuantLinear]], concatenated: bool):
         def stack(tensors: list[torch.Tensor]) -> torch.Tensor:  # gate and up rows as the fused module lays them out
@@ -608,11 +610,21 @@ class GroupedExperts:
 
         first_group = layers[0]
         first = first_group[0]
-        self.weights, self.inputs, self.round_inputs = first.weights, first.inputs, first.round_inputs
+        g = first.weights.granularity
+        # the stack's weights: a block's scales repeated over its rows are groups of its columns along the input (the
+        # plan takes only inputs of whole blocks); the same products, scale by scale
+        self.weights = (
+            dataclasses.replace(first.weights, granularity=gr.PerGroup(g.cols))
+            if isinstance(g, gr.PerBlock)
+            else first.weights
+        )
+        self.inputs, self.round_inputs = first.inputs, first.round_inputs
         self.codes = torch.stack([stack([group[e].weight_codes for group in layers]) for e in range(len(first_group))])
 
         def row_scales(m: QuantLinear) -> torch.Tensor:  # [out, 1] or [out, in / G]
-            if isinstance(self.weights.granularity, gr.PerGroup):
+            if isinstance(g, gr.PerBlock):  # [ceil(out / R), in / C] -> [out, in / C]
+                return m.weight_scale.repeat_interleave(g.rows, dim=0)[: m.out_features]
+            if isinstance(g, gr.PerGroup):
                 return m.weight_scale
             return m.weight_scale.reshape(-1, 1).expand(m.out_features, 1)
 
@@ -654,8 +666,6 @@ def grouped_experts(experts, layers: dict[str, list]) -> dict[str, GroupedExpert
             return None
         if len({(m.weights, m.inputs, m.round_inputs, m.weight_codes.dtype, m.weight_codes.device) for m in ms}) != 1:
             return None
-        if isinstance(ms[0].weights.granularity, gr.PerBlock):
-            return None  # 128 x 128 blocks do not stack across gate and up rows: the experts run one by one
         if not all(torch.equal(g[e].input_scale, group[0][e].input_scale) for g in group for e in range(len(g))):
             return None  # gate and up read the same input: one scale (they always agree when calibrated together)
     return {name: GroupedExperts(group, experts.concatenated) for name, group in groups.items()}
