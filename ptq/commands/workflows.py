@@ -914,13 +914,7 @@ def run_quantize(
             unrounded = export.unapplied_input_layers(
                 loaded.model, quantized, conv1d=bool(conv1d), dynamic=r.inputs.dynamic
             )
-            own_rounding = (
-                "ptq's own [-127, 127] int8 input rounding"
-                if r.inputs.format.kind == "int" and not engines.int8_inputs_as_engine(target)
-                else "vLLM's x * (1 / scale) for static FP8 inputs"
-                if engines.served_inputs(r.inputs, target).reciprocal
-                else None
-            )
+            own_rounding = engines.unlike_reload_loader(r.inputs, target)
             own = (
                 export.simulate_export(
                     copy.deepcopy(loaded.model),

@@ -650,8 +650,7 @@ def simulate_export(
     # transformers does not quantize the KV cache (vLLM does, from k_scale / v_scale): simulated without it, and
     # its scales are checked in the files (unapplied_scales)
     recipe = dataclasses.replace(recipe, kv_cache=None)
-    loader = {"int8_range": "full", "reciprocal": False} if loader_inputs else {}
-    plan = plan_of(model, recipe, target, **loader)
+    plan = plan_of(model, recipe, target, **(engines.RELOAD_LOADER_INPUTS if loader_inputs else {}))
     kept = {name: model.get_submodule(name) for name in plan.left_out}
     quantize_(model, recipe, calibration, target=target, plan=plan)
     for name, m in kept.items():

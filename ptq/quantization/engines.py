@@ -203,6 +203,22 @@ def served_inputs(
     return inputs
 
 
+# How the export's reload check's loader (transformers with compressed-tensors) rounds static inputs: int8 over
+# [-128, 127], FP8 divided by the scale. served_inputs(inputs, target, **RELOAD_LOADER_INPUTS) is its arithmetic.
+RELOAD_LOADER_INPUTS = {"int8_range": "full", "reciprocal": False}
+
+
+def unlike_reload_loader(inputs: TensorQuant, target: str) -> str | None:
+    """What `target`'s rounding of `inputs` (served_inputs) does that the reload check's loader does not, in words
+    for the report; None when the two round alike."""
+    served, loaded = served_inputs(inputs, target), served_inputs(inputs, target, **RELOAD_LOADER_INPUTS)
+    if served.int_range != loaded.int_range:
+        return "ptq's own [-127, 127] int8 input rounding"
+    if served.reciprocal != loaded.reciprocal:
+        return "vLLM's x * (1 / scale) for static FP8 inputs"
+    return None
+
+
 def describe(target: str) -> str:
     """One line for the report's protocol."""
     if check_target(target) == "transformers":
