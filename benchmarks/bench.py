@@ -29,6 +29,7 @@ from ptq.commands.options import CalibrationOptions, ComputeOptions, DataOptions
 from ptq.commands.workflows import run_compare
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
+from ptq.execution.allocator import keep_freed_host_memory
 from ptq.execution.devices import compute_dtype, default_device
 from ptq.models.loading import load_model
 from ptq.numerics.formats import FORMATS, compute_scale, fake_quantize
@@ -136,6 +137,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     progress.QUIET = True
+    keep_freed_host_memory()  # as the CLI does, so that the in-process measurements run as `ptq compare` does
 
     dtype = compute_dtype(None, default_device())  # what ptq compare computes in here
     loaded = load_model(args.model, dtype=dtype)
