@@ -3,6 +3,7 @@ Measured in fresh processes, in page faults: the same allocation pattern with gl
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,11 +39,9 @@ glibc = pytest.mark.skipif(not os.confstr_names.get("CS_GNU_LIBC_VERSION"), reas
 
 
 def rounds(setting: str, **env) -> tuple:
-    environment = {k: v for k, v in os.environ.items() if k not in allocator.ENVIRONMENT} | env
+    environment = {k: v for k, v in os.environ.items() if k not in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES")} | env
     out = subprocess.run([sys.executable, "-c", ROUNDS, setting], capture_output=True, text=True, env=environment)
     assert out.returncode == 0, out.stderr
-    import json
-
     return tuple(json.loads(out.stdout))
 
 
@@ -59,10 +58,19 @@ def test_freed_memory_is_kept_for_the_next_round_instead_of_faulted_back():
 
 
 @glibc
-def test_the_users_own_malloc_settings_are_kept():
-    kept, faults = rounds("ptq", MALLOC_TRIM_THRESHOLD_="0")  # trim everything: what they asked for
+@pytest.mark.parametrize(
+    "setting", [{"MALLOC_TRIM_THRESHOLD_": "0"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}]
+)
+def test_the_users_own_malloc_settings_are_kept(setting):
+    kept, faults = rounds("ptq", **setting)  # trim everything: what they asked for
     assert kept is False
     assert all(f > PAGES / 2 for f in faults[1:]), faults
+
+
+@glibc
+def test_other_glibc_tunables_do_not_turn_it_off():
+    kept, faults = rounds("ptq", GLIBC_TUNABLES="glibc.cpu.x86_rep_movsb_threshold=2048")
+    assert kept is True and all(f < PAGES / 100 for f in faults[1:]), faults
 
 
 def test_the_cli_sets_it_before_any_command(monkeypatch):

@@ -10,8 +10,8 @@ import os
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 * 2**20  # glibc's ceiling for its own sliding threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
 TRIM_THRESHOLD = 256 * 2**20
-# set by the user: theirs are kept
-ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+# malloc's parameters set by the user (theirs are kept): the variables, and glibc.malloc.* in GLIBC_TUNABLES
+ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 def keep_freed_host_memory() -> bool:
@@ -29,9 +29,9 @@ def keep_freed_host_memory() -> bool:
     to them; 64 MiB still trimmed memory the next forward faulted back in).
 
     Only on glibc (elsewhere there is no mallopt, or it does nothing: False), and not where the environment
-    sets malloc's parameters itself (MALLOC_*_, GLIBC_TUNABLES: those are kept). Called by the CLI and the
+    sets malloc's parameters itself (MALLOC_*_, glibc.malloc.* in GLIBC_TUNABLES: those are kept). Called by the CLI and the
     benchmarks, not on import: a program that imports ptq keeps its allocator as it had it."""
-    if any(name in os.environ for name in ENVIRONMENT):
+    if any(name in os.environ for name in ENVIRONMENT) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
