@@ -107,7 +107,8 @@ from ptq.quantization.recipes import TensorQuant
 loaded = streaming.load_streamed({model!r})
 windows = make_windows(load_corpus(None, "evaluation"), loaded.tokenizer, {seq_len}, {windows})
 x, scale, e4m3 = torch.randn(16, 64), torch.tensor(0.1), FORMATS["e4m3"]
-evaluate._kernels[0](x, torch.zeros(16, dtype=torch.long)); evaluate._kernels[2](evaluate._kernels[1](x), x)
+_, _, m, log_s = evaluate._kernels[0](x, torch.zeros(16, dtype=torch.long))
+evaluate._kernels[2](evaluate._kernels[1](x, m, log_s), x, m, log_s)
 quantize.quantize_activation(x, TensorQuant(e4m3), scale)
 quantize._weight_dequantize(quantize._weight_rounding(x, scale, e4m3, True), scale)
 layerstats._fused_powers(x, x)

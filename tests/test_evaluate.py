@@ -70,3 +70,26 @@ def test_perplexity_accuracy_kl_and_agreement_match_numpy(metric_kernels):
     agree = base_table[context].argmax(-1) == other_table[context].argmax(-1)
     assert scores["other"].top1_agreement == pytest.approx(agree.mean())
     assert scores["same"].kl_div == 0.0 and scores["same"].top1_agreement == 1.0  # an identical model: exactly
+
+
+def test_tokens_a_model_rules_out_count_zero_in_the_kl(metric_kernels):
+    # Logits of -inf (a vocabulary entry masked out, in both models): p = 0 there, and 0 log 0 counts 0, as numpy's
+    # sum over the other tokens; a NaN from 0 * -inf would spoil the whole KL.
+    rng = np.random.default_rng(1)
+    vocab = 7
+    base_table = rng.normal(size=(vocab, vocab)).astype(np.float32)
+    other_table = base_table + 0.3 * rng.normal(size=(vocab, vocab)).astype(np.float32)
+    base_table[:, 5] = other_table[:, 5] = -np.inf
+    ids = rng.integers(0, 5, size=(3, 6))
+    models = {"base": Bigram(torch.from_numpy(base_table)), "other": Bigram(torch.from_numpy(other_table))}
+    scores = evaluate(models, torch.from_numpy(ids), batch_size=2)
+
+    context = ids[:, :-1]
+    kept = [v for v in range(vocab) if v != 5]
+    base_logp = np_log_softmax(base_table.astype(np.float64)[context][..., kept])
+    other_logp = np_log_softmax(other_table.astype(np.float64)[context][..., kept])
+    kl = (np.exp(base_logp) * (base_logp - other_logp)).sum(-1)
+    assert scores["other"].kl_div == pytest.approx(kl.mean(), rel=1e-4)
+    assert scores["base"].perplexity == pytest.approx(
+        np.exp(-np.take_along_axis(base_logp, ids[:, 1:, None], -1).mean()), rel=1e-5
+    )

@@ -34,6 +34,7 @@ def every_kernel(device: str):
     w = (torch.randn(48, 64, generator=g) * torch.logspace(-6, 2, 64)).to(device)
     logits = torch.randn(20, 300, generator=g).to(device)
     targets = torch.randint(0, 300, (20,), generator=g).to(device)
+    parts = ptq.evaluation.evaluate._scores(logits, targets)[2:]  # max logit, log sum exp: what _probs, _cross take
     scale = torch.tensor(0.05, device=device)
     per_channel = (w.abs().amax(1, keepdim=True) / 448).to(device)
     codes = to_storage(quantize(w, per_channel, FORMATS["e4m3"]), FORMATS["e4m3"])
@@ -82,8 +83,8 @@ def every_kernel(device: str):
         ("weight dequantize", dequantize, (codes, per_channel), True),
         ("weight dequantize to bf16", dequantize, (codes, per_channel, torch.bfloat16), True),  # the bf16 forward's
         ("scores", ptq.evaluation.evaluate._scores, (logits, targets), False),
-        ("probabilities", ptq.evaluation.evaluate._probs, (logits,), False),
-        ("cross entropy", ptq.evaluation.evaluate._cross, (torch.softmax(logits, -1), logits), False),
+        ("probabilities", ptq.evaluation.evaluate._probs, (logits, *parts), False),
+        ("cross entropy", ptq.evaluation.evaluate._cross, (torch.softmax(logits, -1), logits, *parts), False),
         ("powers", ptq.evaluation.layerstats._powers, (w, w.round()), False),
     ]
 

@@ -5,7 +5,6 @@ batch only, so memory does not grow with the data.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
@@ -52,24 +51,46 @@ class Scores:
     def top1_agreement(self) -> float:
         return self.agree / self.tokens
 
-
-def _scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per position of one window: NLL of the next token, and the top-1 token."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), logits.argmax(-1)
-
-
-def _probs(logits: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(logits.float(), dim=-1)
-
-
-def _cross(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """sum_v p log q per position, q = softmax(logits)."""
-    return (p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+    def add(self, later: Scores) -> None:
+        """Append the Scores of the windows that follow these: the same additions in the same order as scoring
+        them here (score_logits adds one window at a time), so the sums do not depend on the batching."""
+        self.tokens += later.tokens
+        self.correct += later.correct
+        self.agree += later.agree
+        for v in later.window_nll_sum:
+            self.nll_sum += v
+        for v in later.window_kl_sum:
+            self.kl_sum += v
+        for name in ("window_nll", "window_correct", "window_kl", "window_agree", "window_nll_sum", "window_kl_sum"):
+            getattr(self, name).extend(getattr(later, name))
 
 
-# Each fused into a few loops over the vocabulary (no [seq_len, vocab] temporaries). The baseline's
-# sum p log p goes through the same kernel as the variants' sum p log q, so an identical model's KL is 0.
+def _scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per position of one window: NLL of the next token, the top-1 token, and the log-softmax's parts
+    (max logit m and log sum exp(logits - m)) that _probs and _cross take instead of reducing again."""
+    x = logits.float()
+    m = x.amax(-1, keepdim=True)
+    log_s = torch.log(torch.exp(x - m).sum(-1, keepdim=True))
+    nll = log_s - (x.gather(-1, targets.unsqueeze(-1)) - m)
+    return nll.squeeze(-1), x.argmax(-1), m.squeeze(-1), log_s.squeeze(-1)
+
+
+def _probs(logits: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
+    """softmax(logits), from _scores' m and log_s."""
+    return torch.exp(logits.float() - m.unsqueeze(-1) - log_s.unsqueeze(-1))
+
+
+def _cross(p: torch.Tensor, logits: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
+    """sum_v p log q per position, q = softmax(logits) = exp(logits - m - log_s): one pass, no exp. Terms with p = 0
+    count 0 (0 log 0), also where a logit is -inf."""
+    terms = torch.where(p > 0, p * (logits.float() - m.unsqueeze(-1)), 0.0)
+    return terms.sum(-1) - log_s * p.sum(-1)
+
+
+# Each fused into a few loops over the vocabulary (no [seq_len, vocab] temporaries); only _scores reduces with exp,
+# once per window and model (the others reuse its m and log_s). Every model's NLL comes from the same kernel,
+# alone or next to others, and the baseline's sum p log p goes through the same kernel as the variants' sum p log q,
+# so an identical model's KL is 0.
 _kernels = (fused(_scores), fused(_probs), fused(_cross))
 
 
@@ -92,21 +113,22 @@ def evaluate(
     done = 0  # windows scored
     with torch.inference_mode(), progress("evaluating", run.steps(len(input_ids)), seq_len) as advance:
         while done < len(input_ids):
-            kept = copy.deepcopy(scores)  # a batch counts whole or not at all
             error = None
             try:
                 for batch, outputs in run.forward(input_ids[done:], size, advance=advance):
+                    # A batch counts whole or not at all: scored apart, added once all its models are scored
+                    batch_scores = {name: Scores() for name in names}
                     base = None
                     for name, logits in outputs:
-                        base = score_logits(scores[name], logits, batch[:, 1:], base, versus=len(names) > 1)
+                        base = score_logits(batch_scores[name], logits, batch[:, 1:], base, versus=len(names) > 1)
                         del logits
                     del base
+                    for name in names:
+                        scores[name].add(batch_scores[name])
                     done += len(batch)
-                    kept = copy.deepcopy(scores)
             except torch.cuda.OutOfMemoryError as e:
                 error = str(e)
             if error is not None:
-                scores = kept
                 estimate = min(size, len(input_ids) - done) * batching.window_bytes(
                     run.model.config, seq_len, run.dtype, len(names)
                 )
@@ -122,19 +144,10 @@ def evaluate(
 
 
 def merge_scores(parts: list[Scores]) -> Scores:
-    """The Scores of consecutive shares of the windows, as one run over all of them: the same additions in the
-    same order (score_logits adds one window at a time)."""
+    """The Scores of consecutive shares of the windows, as one run over all of them."""
     out = Scores()
     for p in parts:
-        out.tokens += p.tokens
-        out.correct += p.correct
-        out.agree += p.agree
-        for v in p.window_nll_sum:
-            out.nll_sum += v
-        for v in p.window_kl_sum:
-            out.kl_sum += v
-        for name in ("window_nll", "window_correct", "window_kl", "window_agree", "window_nll_sum", "window_kl_sum"):
-            getattr(out, name).extend(getattr(p, name))
+        out.add(p)
     return out
 
 
@@ -150,17 +163,17 @@ def score_logits(
     nll, top1, kl, probs = [], [], [], []
     for i, row in enumerate(logits):
         row = row[:-1]
-        row_nll, row_top1 = scores_of(row, targets[i])
+        row_nll, row_top1, m, log_s = scores_of(row, targets[i])
         nll.append(row_nll)
         top1.append(row_top1)
         if base is None and not versus:
             continue
         if base is None:
-            p = probs_of(row)
-            probs.append((p, cross(p, row)))
+            p = probs_of(row, m, log_s)
+            probs.append((p, cross(p, row, m, log_s)))
         else:  # KL(baseline || variant) = sum p log p - sum p log q, per position
             p, p_logp = base[0][i]
-            kl.append(p_logp - cross(p, row))
+            kl.append(p_logp - cross(p, row, m, log_s))
     nll, top1 = torch.stack(nll), torch.stack(top1)  # [b, L-1]
     s.tokens += targets.numel()
     sums = nll.double().sum(-1).tolist()
