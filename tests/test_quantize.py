@@ -2,6 +2,7 @@
 clipping, multiplied in float64 numpy, and the calibration amax against activations captured by hand."""
 
 import copy
+import dataclasses
 from unittest import mock
 
 import ml_dtypes
@@ -207,6 +208,46 @@ def test_a_16_bit_layer_computed_in_its_own_dtype_is_used_as_it_is(tiny_model):
     wide = x[1:].float() + 2.0**-12  # finite values off the bf16 grid
     assert not torch.equal(layer.quantize_input(wide)[1], wide)
     assert dequantize_weight(codes, scale, layer.weights).dtype == torch.float32
+
+
+@pytest.mark.parametrize("recipe_name", ["bf16", "fp8-e4m3", "int8", "fp8-dynamic", "fp8-block", "mxfp8"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_large_weight_is_multiplied_a_block_of_rows_at_a_time_with_the_same_product(monkeypatch, recipe_name, bias):
+    # A weight whose float32 copy would pass WEIGHT_BLOCK_BYTES (here 40 rows' worth) is made a block of rows at a
+    # time: no copy made per forward is larger than a block (128 rows, or 256 for 256-row weight tiles), and the
+    # output is the product of the whole dequantized weight. 300 rows: two whole blocks and a partial one, whose
+    # last 128 x 128 tile is partial too.
+    import ptq.quantization.quantize as quantize
+    from ptq.numerics.granularity import PerBlock
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 300, bias=bias)
+    recipe = load_recipe(recipe_name)
+    weights = recipe.weights
+    x = torch.randn(2, 5, 96) * 3
+    q = QuantLinear(linear, weights, recipe.inputs, torch.tensor(9.0) if recipe.needs_calibration else None)
+    want = torch.nn.functional.linear(q.quantize_input(x)[1], q.weight, linear.bias)
+    made = []
+    dequantize_weight = quantize.dequantize_weight
+    monkeypatch.setattr(
+        quantize, "dequantize_weight", lambda codes, *a: made.append(len(codes)) or dequantize_weight(codes, *a)
+    )
+    monkeypatch.setattr(quantize, "WEIGHT_BLOCK_BYTES", 40 * 96 * 4)
+    with torch.no_grad():
+        got = q(x)
+    assert made == [128, 128, 44]
+    assert torch.equal(got, want)
+    if recipe_name == "fp8-block":  # 256-row tiles: blocks of 256 rows, the scale's rows sliced with them
+        tiled = dataclasses.replace(weights, granularity=PerBlock(256, 64))
+        q = QuantLinear(linear, tiled, recipe.inputs, None)
+        want = torch.nn.functional.linear(q.quantize_input(x)[1], q.weight, linear.bias)
+        made.clear()
+        with torch.no_grad():
+            assert torch.equal(q(x), want) and made == [256, 44]
+    with torch.enable_grad():  # autograd: the whole weight, as F.linear (blocks written into the output would not do)
+        made.clear()
+        q(x)
+        assert made == [300]
 
 
 def test_an_input_shared_by_q_k_v_and_gate_up_is_quantized_once(tiny_model):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -227,9 +228,7 @@ class QuantLinear(nn.Module):
         if self.fp8_matmul:
             return self.fp8_forward(x)
         x, x_q = self.quantize_input(x)
-        return F.linear(
-            x_q.to(x.dtype), dequantize_weight(self.weight_codes, self.weight_scale, self.weights, x.dtype), self.bias
-        )
+        return simulated_linear(x_q.to(x.dtype), self.weight_codes, self.weight_scale, self.weights, self.bias)
 
     def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same product as the simulation, by a real FP8 matmul: torch._scaled_mm multiplies the input's
@@ -307,6 +306,50 @@ def dequantize_weight(
     if isinstance(g, (gr.PerTensor, gr.PerChannel)):
         return _weight_dequantize(codes, scale, dtype)
     return _grouped_dequantize(codes, gr.broadcastable(scale, g), g, dtype)
+
+
+# The simulation makes a weight from its codes in the compute dtype on each forward. One whose copy would be larger
+# than this (a vocabulary-sized lm_head in float32 on a CPU, a large model's MLP) is made and multiplied a block of
+# output rows at a time, each block's product written into the output, so that the forward's transient is one block
+# rather than a second copy of the largest layer.
+WEIGHT_BLOCK_BYTES = 64 * 2**20
+
+
+def simulated_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, weights: TensorQuant, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """F.linear(x, dequantize_weight(codes, scale, weights, x.dtype), bias), in blocks of output rows where the
+    dequantized weight would exceed WEIGHT_BLOCK_BYTES (without autograd: the blocks write into the output)."""
+    out_features, in_features = codes.shape
+    g = weights.granularity
+    align = math.lcm(128, g.rows) if isinstance(g, gr.PerBlock) else 128  # blocks of rows start on a weight block
+    rows = max(align, WEIGHT_BLOCK_BYTES // (in_features * x.element_size()) // align * align)
+    if (
+        (codes.dtype == x.dtype and not weights.format.scaled)  # no copy made: the codes are the weight
+        or out_features <= rows
+        or torch.is_grad_enabled()
+        or not isinstance(g, (gr.PerTensor, gr.PerChannel, gr.PerGroup, gr.PerBlock))
+    ):
+        return F.linear(x, dequantize_weight(codes, scale, weights, x.dtype), bias)
+    flat = x.reshape(-1, in_features)
+    y = torch.empty(len(flat), out_features, dtype=x.dtype, device=x.device)
+    for start in range(0, out_features, rows):
+        stop = min(start + rows, out_features)
+        w = dequantize_weight(codes[start:stop], _scale_rows(scale, g, start, stop), weights, x.dtype)
+        if bias is None:
+            torch.mm(flat, w.t(), out=y[:, start:stop])
+        else:
+            torch.addmm(bias[start:stop], flat, w.t(), out=y[:, start:stop])
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def _scale_rows(scale: torch.Tensor, g: gr.Granularity, start: int, stop: int) -> torch.Tensor:
+    """The stored scale (granularity.stored) of a weight's rows start:stop (start on a block's first row)."""
+    if isinstance(g, gr.PerTensor):
+        return scale
+    if isinstance(g, gr.PerBlock):
+        return scale[start // g.rows : -(-stop // g.rows)]
+    return scale[start:stop]  # per channel [out, 1], per group [out, in / G]
 
 
 def _rounded_codes(w: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool) -> torch.Tensor:
