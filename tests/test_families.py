@@ -144,6 +144,43 @@ def test_grouped_experts_match_the_expert_by_expert_loop():
         torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
 
 
+def test_a_large_experts_layer_is_dequantized_a_few_experts_at_a_time_with_the_same_output(monkeypatch):
+    # All experts' weights at once would pass WEIGHT_BLOCK_BYTES (set here to two experts' gate/up in float32): they
+    # are dequantized two experts at a time (down: four), each group's rows computed into the output, the same
+    # logits bit for bit; experts that no token is routed to (2 and 3 here) are not dequantized at all.
+    model = linearize(families.build("qwen3_moe", hidden_size=128, moe_intermediate_size=256))
+    recipes = [load_recipe(n) for n in ("fp8-dynamic", "fp8-block")]
+    ids = _ids(3)
+    made = []
+    dequantize_weight = quantize_module.dequantize_weight
+
+    def recording(codes, *args):
+        if codes.dim() == 3:  # a stack of experts' weights
+            made.append(len(codes))
+        return dequantize_weight(codes, *args)
+
+    monkeypatch.setattr(quantize_module, "dequantize_weight", recording)
+    for variant in quantize_variants(model, recipes, None).values():
+        with torch.inference_mode():
+            whole = variant(ids).logits
+            assert made == [4, 4] * 2  # gate/up and down of both MoE layers, all experts at once
+            monkeypatch.setattr(quantize_module, "WEIGHT_BLOCK_BYTES", 2 * 512 * 128 * 4)
+            made.clear()
+            chunked = variant(ids).logits
+            assert made == [2, 2, 4] * 2  # gate/up two experts at a time, down (half the size) four
+            assert torch.equal(chunked, whole)
+            for m in variant.modules():  # route every token to experts 0 and 1
+                if isinstance(m, LinearExperts):
+                    m.register_forward_pre_hook(
+                        lambda mod, args: (args[0], torch.zeros_like(args[1]) + torch.arange(2), args[2])
+                    )
+            made.clear()
+            variant(ids)
+            assert made == [2, 4] * 2  # gate/up: experts 0-1 only; down: 0-3 in one group
+            monkeypatch.setattr(quantize_module, "WEIGHT_BLOCK_BYTES", 64 * 2**20)
+            made.clear()
+
+
 def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, text_file):
     from conftest import make_tokenizer
 

@@ -694,9 +694,26 @@ class GroupedExperts:
             x_q = x
         else:
             x_q = quantize_activation(x, self.inputs, None if self.inputs.dynamic else self.input_scale[expert_ids])[0]
-        weight = dequantize_weight(self.codes, self.weight_scale, self.weights, x.dtype)  # in the compute dtype
+        x_q = x_q.to(x.dtype)
         bias = self.bias[expert_ids] if self.bias is not None else None
-        return grouped_linear(x_q.to(x.dtype), weight, offsets, bias)
+        experts = max(1, WEIGHT_BLOCK_BYTES // (self.codes[0].numel() * x.element_size()))
+        if experts >= len(self.codes) or torch.is_grad_enabled():
+            weight = dequantize_weight(self.codes, self.weight_scale, self.weights, x.dtype)  # in the compute dtype
+            return grouped_linear(x_q, weight, offsets, bias)
+        # All experts' weights dequantized at once would pass WEIGHT_BLOCK_BYTES (a large MoE layer: as large as the
+        # 16-bit layer): a few experts at a time, each group's rows into the output; experts no row is routed to
+        # are not dequantized at all
+        ends = [0, *offsets.tolist()]  # expert e's rows are ends[e]:ends[e + 1]
+        y = torch.empty(len(x), self.codes.shape[1], dtype=x.dtype, device=x.device)
+        for first in range(0, len(self.codes), experts):
+            last = min(first + experts, len(self.codes))
+            start, stop = ends[first], ends[last]
+            if start == stop:
+                continue
+            weight = dequantize_weight(self.codes[first:last], self.weight_scale[first:last], self.weights, x.dtype)
+            rows = None if bias is None else bias[start:stop]
+            y[start:stop] = grouped_linear(x_q[start:stop], weight, offsets[first:last] - start, rows)
+        return y
 
 
 def grouped_experts(experts, layers: dict[str, list]) -> dict[str, GroupedExperts] | None:
