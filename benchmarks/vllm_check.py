@@ -26,9 +26,16 @@ import safetensors.torch
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+_compile = os.environ.get("PTQ_COMPILE")
 
 import families  # noqa: E402
 from conftest import make_tokenizer  # noqa: E402
+
+# The tests' conftest turns the fused kernels off (PTQ_COMPILE=0) for the test run; this check runs ptq as users do
+if _compile is None:
+    os.environ.pop("PTQ_COMPILE", None)
+else:
+    os.environ["PTQ_COMPILE"] = _compile
 
 from ptq import progress  # noqa: E402
 from ptq.errors import PtqError  # noqa: E402
