@@ -294,13 +294,18 @@ def quantize_weight(
     return codes, gr.stored(scale, g)
 
 
+def is_its_own_weight(codes: torch.Tensor, weights: TensorQuant, dtype: torch.dtype) -> bool:
+    """A 16-bit weight whose codes are already in the compute dtype: dequantize_weight returns the codes themselves."""
+    return codes.dtype == dtype and not weights.format.scaled
+
+
 def dequantize_weight(
     codes: torch.Tensor, scale: torch.Tensor, weights: TensorQuant, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """codes * scale (the stored scale of quantize_weight), in `dtype`, by one fused loop. A 16-bit weight whose codes
     are already in `dtype` (bf16 compute: the baseline, the layers a recipe leaves out) is its codes: its scale is 1,
     and no copy of it is made per forward."""
-    if codes.dtype == dtype and not weights.format.scaled:
+    if is_its_own_weight(codes, weights, dtype):
         return codes
     g = weights.granularity
     if isinstance(g, (gr.PerTensor, gr.PerChannel)):
@@ -325,7 +330,7 @@ def simulated_linear(
     align = math.lcm(128, g.rows) if isinstance(g, gr.PerBlock) else 128  # blocks of rows start on a weight block
     rows = max(align, WEIGHT_BLOCK_BYTES // (in_features * x.element_size()) // align * align)
     if (
-        (codes.dtype == x.dtype and not weights.format.scaled)  # no copy made: the codes are the weight
+        is_its_own_weight(codes, weights, x.dtype)  # no copy made
         or out_features <= rows
         or torch.is_grad_enabled()
         or not isinstance(g, (gr.PerTensor, gr.PerChannel, gr.PerGroup, gr.PerBlock))
@@ -697,7 +702,11 @@ class GroupedExperts:
         x_q = x_q.to(x.dtype)
         bias = self.bias[expert_ids] if self.bias is not None else None
         experts = max(1, WEIGHT_BLOCK_BYTES // (self.codes[0].numel() * x.element_size()))
-        if experts >= len(self.codes) or torch.is_grad_enabled():
+        if (
+            experts >= len(self.codes)
+            or torch.is_grad_enabled()
+            or is_its_own_weight(self.codes, self.weights, x.dtype)
+        ):
             weight = dequantize_weight(self.codes, self.weight_scale, self.weights, x.dtype)  # in the compute dtype
             return grouped_linear(x_q, weight, offsets, bias)
         # All experts' weights dequantized at once would pass WEIGHT_BLOCK_BYTES (a large MoE layer: as large as the
