@@ -92,6 +92,11 @@ def peak_rss(python_args: list[str], tmp: Path) -> int:
     return int(out.read_text()) * 1024  # kB
 
 
+def peak_rss_runs(python_args: list[str], tmp: Path) -> list[int]:
+    """peak_rss of PEAK_RUNS fresh processes, smallest first."""
+    return sorted(peak_rss(python_args, tmp) for _ in range(PEAK_RUNS))
+
+
 # What `ptq compare` holds whatever the model's weights: ptq and its libraries imported, the model's config and
 # tokenizer (its skeleton on the meta device), the evaluation text tokenized, and each fused kernel compiled.
 FIXED_FOOTPRINT = """
@@ -238,36 +243,32 @@ def main() -> None:
     # probabilities for one batch; the metrics themselves are fused loops without temporaries of that size).
     bytes_16bit = 2 * sum(p.numel() for p in model.parameters())
     footprint = statistics.median(
-        peak_rss(["-c", FIXED_FOOTPRINT.format(model=args.model, seq_len=args.seq_len, windows=args.windows)], tmp)
-        for _ in range(PEAK_RUNS)
+        peak_rss_runs(["-c", FIXED_FOOTPRINT.format(model=args.model, seq_len=args.seq_len, windows=args.windows)], tmp)
     )
     buffers = 2 * 4 * args.seq_len * model.config.vocab_size * 4
     constant = footprint + buffers
     # Each the median of PEAK_RUNS fresh processes: one process's peak moved by up to 0.13 GB between identical runs
     # here (1.78-1.91 GB layer by layer), half of this model's 16-bit size.
     runs = {
-        mode: sorted(
-            peak_rss(
-                [
-                    "-m",
-                    "ptq",
-                    "compare",
-                    args.model,
-                    "--calib",
-                    str(tmp / "calib.safetensors"),
-                    "--max-windows",
-                    str(args.windows),
-                    "--seq-len",
-                    str(args.seq_len),
-                    "--out",
-                    str(tmp / "mem"),
-                    "--force",
-                    "--quiet",
-                    mode,
-                ],
-                tmp,
-            )
-            for _ in range(PEAK_RUNS)
+        mode: peak_rss_runs(
+            [
+                "-m",
+                "ptq",
+                "compare",
+                args.model,
+                "--calib",
+                str(tmp / "calib.safetensors"),
+                "--max-windows",
+                str(args.windows),
+                "--seq-len",
+                str(args.seq_len),
+                "--out",
+                str(tmp / "mem"),
+                "--force",
+                "--quiet",
+                mode,
+            ],
+            tmp,
         )
         for mode in ("--in-memory", "--low-memory")
     }
