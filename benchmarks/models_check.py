@@ -3,14 +3,18 @@ tests/families.py builds, dense and mixture-of-experts, each printed with its co
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+# Coverage does not depend on the kernels: the eager ones spare compiling for each family's shapes (as in the tests)
+os.environ.setdefault("PTQ_COMPILE", "0")
+os.environ.setdefault("PTQ_DEVICE", "cpu")
+
 import families  # noqa: E402
-from conftest import TEXT, make_tokenizer  # noqa: E402
 
 from ptq import progress  # noqa: E402
 from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions  # noqa: E402
@@ -28,11 +32,11 @@ def main() -> int:
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "text.txt"
-        text.write_text(TEXT * 3)
+        text.write_text(families.TEXT * 3)
         for family in families.FAMILIES:
             directory = Path(tmp) / family
             families.build(family).save_pretrained(directory)
-            make_tokenizer().save_pretrained(directory)
+            families.make_tokenizer().save_pretrained(directory)
             try:
                 r = run_compare(
                     ["fp8-e4m3", "int8"],

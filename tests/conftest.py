@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from families import TEXT, make_tokenizer  # noqa: F401 (the tests import both from here)
 
 # Tests run the eager quantization kernel (bit-identical to the compiled one, which
 # test_quantize.py checks once) so that each test process does not pay for compilation.
@@ -16,26 +17,6 @@ os.environ.setdefault("PTQ_COMPILE", "0")
 # ptq computes on the GPU by default; the tests build their references on the CPU, so ptq runs there too (on a GPU
 # machine as well). Tests of the CUDA paths ask for cuda themselves and are skipped where there is none.
 os.environ.setdefault("PTQ_DEVICE", "cpu")
-
-TEXT = (
-    "Who's there? Nay, answer me: stand, and unfold yourself. Long live the king! "
-    "You come most carefully upon your hour. 'Tis now struck twelve; get thee to bed. "
-    "For this relief much thanks: 'tis bitter cold, and I am sick at heart. "
-) * 20
-
-
-def make_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator([TEXT], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
 def save_tiny_llama(path: Path, seed: int = 0, **config) -> Path:

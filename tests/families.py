@@ -1,9 +1,33 @@
 """Tiny randomly initialised models of every architecture family ptq is tested on, built offline from their
-transformers configs: dense families and mixture-of-experts families (fused experts)."""
+transformers configs: dense families and mixture-of-experts families (fused experts); and the text and byte-level
+BPE tokenizer they are run with (no environment settings here: the tests' conftest and the checks in benchmarks/
+import this)."""
 
 from __future__ import annotations
 
 import torch
+
+# A few lines of Hamlet: the tokenizer is trained on them and the tests evaluate on them
+TEXT = (
+    "Who's there? Nay, answer me: stand, and unfold yourself. Long live the king! "
+    "You come most carefully upon your hour. 'Tis now struck twelve; get thee to bed. "
+    "For this relief much thanks: 'tis bitter cold, and I am sick at heart. "
+) * 20
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([TEXT], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
 
 COMMON = dict(
     vocab_size=300,
