@@ -129,7 +129,7 @@ FAMILIES = DENSE | MOE_FAMILIES
 
 
 def build(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A tiny random model of `family` in eval mode (float32), its weights scaled so that activations stay O(1).
+    """A tiny random model of `family` (transformers' own initialisation, seeded) in eval mode, float32.
     overrides: config values instead of the family's (wider layers, for schemes that need whole 128-wide blocks)."""
     import transformers
 

@@ -421,19 +421,12 @@ def test_every_scheme_exports_a_moe_model_per_expert_and_verifies(family, tmp_pa
     own names, with the scheme's scales; reloaded (by transformers, or ptq's reader where transformers cannot
     run the scheme) and equal to the simulation."""
     import families
-    import transformers
-    from conftest import make_tokenizer
 
-    cls, kwargs = families.FAMILIES[family]
-    kwargs = kwargs | dict(hidden_size=128, intermediate_size=128, head_dim=32, moe_intermediate_size=128)
-    if family == "mixtral":
-        kwargs.pop("moe_intermediate_size")
-    config = getattr(transformers, cls)(**kwargs, pad_token_id=None, bos_token_id=None, eos_token_id=None)
-    config.tie_word_embeddings = False
-    torch.manual_seed(0)
+    wide = dict(hidden_size=128, intermediate_size=128, head_dim=32)  # Mixtral's experts are intermediate_size wide
+    wide |= {} if family == "mixtral" else dict(moe_intermediate_size=128)
     model_dir = tmp_path / family
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    make_tokenizer().save_pretrained(model_dir)
+    families.build(family, **wide).save_pretrained(model_dir)
+    families.make_tokenizer().save_pretrained(model_dir)
     down = {
         "mixtral": "model.layers.1.block_sparse_moe.experts.3.w2",
         "qwen3_moe": "model.layers.1.mlp.experts.3.down_proj",
