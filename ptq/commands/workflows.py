@@ -916,13 +916,16 @@ def run_quantize(
             )
             own_rounding = engines.unlike_reload_loader(r.inputs, target)
             own = (
-                export.simulate_export(
-                    copy.deepcopy(loaded.model),
-                    r,
-                    calib,
-                    loader_inputs=False,
-                    unrounded_inputs=unrounded,
-                    target=target,
+                (
+                    own_rounding,
+                    export.simulate_export(
+                        copy.deepcopy(loaded.model),
+                        r,
+                        calib,
+                        loader_inputs=False,
+                        unrounded_inputs=unrounded,
+                        target=target,
+                    ),
                 )
                 if own_rounding
                 else None
@@ -942,8 +945,7 @@ def run_quantize(
                 len(quantized) - len(unrounded),
                 windows.input_ids,
                 batch_size,
-                ptq_simulated=own,
-                ptq_rounding=own_rounding,
+                ptq_own=own,
                 unapplied_input_scales=scales,
                 directory=tmp,
                 expected_tensors=expected,

@@ -809,24 +809,25 @@ def verify(
     expected_layers: int,
     input_ids: torch.Tensor,
     batch_size: int = 4,
-    ptq_simulated: nn.Module | None = None,
-    ptq_rounding: str | None = None,
+    ptq_own: tuple[str, nn.Module] | None = None,
     unapplied_input_scales: dict[str, torch.Tensor] | None = None,
     directory: Path | None = None,
     expected_tensors: dict[str, torch.Tensor] | None = None,
 ) -> dict:
     """Score the reloaded checkpoint against the simulation that computes what the loader computes (the gate on
     logits: KL and top-1), check the files against `expected_tensors` (simulated_tensors) bit for bit, and report
-    the perplexity against ptq's own simulation (`ptq_simulated`, when the loader's input rounding differs from
-    ptq's, which `ptq_rounding` names: int8 inputs over [-127, 127], vLLM's scaling of static FP8 inputs) next to
-    the measured noise floor (the simulation with another attention implementation), all on the same windows, through the one evaluation loop. `unapplied_input_scales`: the scales the loader does not apply
-    (unapplied_scales: fused experts' input scales in transformers, KV-cache scales), checked in the files only."""
+    the measured noise floor (the simulation with another attention implementation), all on the same windows,
+    through the one evaluation loop.
+    ptq_own: (how the loader's input rounding differs from ptq's, ptq's own simulation), where they differ (int8
+    inputs over [-127, 127], vLLM's scaling of static FP8 inputs): the reloaded perplexity is also given against it.
+    unapplied_input_scales: the scales the loader does not apply (unapplied_scales: fused experts' input scales in
+    transformers, KV-cache scales), checked in the files only."""
     from ptq.evaluation.evaluate import evaluate
 
     noise = OtherAttention(simulated)
     models = (
         {"simulated": simulated, "reloaded": reloaded}
-        | ({"ptq": ptq_simulated} if ptq_simulated is not None else {})
+        | ({"ptq": ptq_own[1]} if ptq_own is not None else {})
         | {"noise": noise}
     )
     scores = evaluate(models, input_ids, batch_size)
@@ -893,7 +894,7 @@ def verify(
             "kl_div": floor.kl_div,
             "top1_agreement": floor.top1_agreement,
         },
-        "ptq_rounding": ptq_rounding if ptq_simulated is not None else None,
+        "ptq_rounding": ptq_own[0] if ptq_own is not None else None,
         "tensors_checked_in_file": len(expected_tensors),
         "tensors_differing": differing,
         "input_scales_checked_in_file": len(expert_input_scales),
