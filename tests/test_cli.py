@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from ptq.calibration.calibrate import load_calibration
 
@@ -50,7 +51,12 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
         "low_memory": False,
         "blockwise_simulated": None,
         "placement": None,
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...: what the numbers were made with
     }
+    assert (
+        f"cpu ({runs['sim']['compute']['cpu_kernels']} kernels), float32 compute"
+        in (tmp_path / "sim" / "report.md").read_text()
+    )
     assert runs["fp8"]["compute"]["matmul"] == "fp8" and runs["bf16"]["compute"]["dtype"] == "bfloat16"
     sim, fp8, bf16 = (runs[k]["variants"][0] for k in ("sim", "fp8", "bf16"))
     assert fp8["perplexity"] == pytest.approx(sim["perplexity"], rel=1e-5)

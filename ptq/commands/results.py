@@ -244,7 +244,8 @@ def describe_compute(compute: dict) -> str:
         matmul = "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)"
     blocks = "; layer by layer from disk (--low-memory)" if compute.get("low_memory") else ""
     placed_text = f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
-    return f"{compute['device']}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
+    kernels = f" ({compute['cpu_kernels']} kernels)" if compute.get("cpu_kernels") else ""
+    return f"{compute['device']}{kernels}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
 
 
 def _eval_setup(corpus: Corpus, windows: Windows, scores: Scores) -> EvalSetup:

@@ -325,7 +325,8 @@ def check_coverage(plans: dict[str, Plan], strict: bool = False) -> dict[str, di
 
 def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, placement: Placement | None = None) -> dict:
     """Where and how the models run: {"device", "dtype", "matmul", "low_memory"} (see devices.compute_dtype,
-    quantize.resolve_matmul and streaming), checked before anything is loaded; with a placement (--device-map),
+    quantize.resolve_matmul and streaming) and on a CPU "cpu_kernels" (the instruction set of torch's kernels: AVX2,
+    AVX512, ...), checked before anything is loaded; with a placement (--device-map),
     "placement" is filled in once the models are placed (ptq.execution.placement.summary of each)."""
     device = default_device()
     check_placement(placement, low_memory)
@@ -337,6 +338,8 @@ def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, place
         "matmul": resolve_matmul(matmul, device),
         "low_memory": low_memory,
     }
+    if device.type == "cpu":  # torch's CPU kernels round apart between instruction sets (AVX2, AVX-512)
+        info["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()
     if info["matmul"] == "fp8":  # 128 x 128 blocks: real where torch has the kernel, else why not
         info["blockwise_simulated"] = blockwise_unavailable(device, getattr(torch, info["dtype"]))
     return info
