@@ -45,7 +45,8 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
 def ptq_simulation(model_dir: Path, recipe: str | None, calibration, windows: torch.Tensor) -> dict:
     """ptq's simulation of the checkpoint under --target vllm (export's simulation: left-out layers as stored, every
     quantized input rounded as vLLM rounds it, not as the reload check's transformers does: loader_inputs=False), its
-    perplexity, and the noise floor: the same with the other attention."""
+    perplexity, and the noise floor: the largest change of that perplexity with the other attention or with the
+    static input scales a few ulps off (scale_ulp_perplexities)."""
     from ptq.evaluation.evaluate import evaluate
     from ptq.export.checkpoint import OtherAttention, simulate_export
     from ptq.models.loading import load_model
@@ -83,10 +84,10 @@ def scale_ulp_perplexities(model, windows: torch.Tensor) -> dict[int, float]:
     ]
     saved = [s.clone() for s in scales]
 
-    def regroup():  # fused experts keep a stack of their layers' scales: stacked again from the current ones
+    def regroup():  # fused experts keep a stack of their layers' scales
         for m in model.modules():
             if isinstance(m, LinearExperts):
-                m._grouped = None
+                m.regroup()
 
     out = {}
     for k in SCALE_ULPS if scales else ():

@@ -162,6 +162,11 @@ class LinearExperts(nn.ModuleList):
             out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
         return out
 
+    def regroup(self) -> None:
+        """Forget the grouped form: it is stacked again on the next forward from the layers' current tensors (after
+        their scales were changed in place, which the cache key of modules and device does not see)."""
+        self._grouped = None
+
     def _grouped_weights(self):
         """When every expert matrix is a QuantLinear without SmoothQuant, and the experts of each projection share
         their formats: their codes stacked along a leading expert dimension, made once (the QuantLinears then keep
