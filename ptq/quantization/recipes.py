@@ -53,7 +53,8 @@ class TensorQuant:
     int_range: str = "symmetric"
     # dynamic scales: at least this (vLLM's 1 / (448 * 512) for FP8 inputs); set by the plan for the target
     min_scale: float = 0.0
-    # static scales: applied as x * (1 / scale), not x / scale (vLLM's FP8 input kernels); set by the plan for the target
+    # applied as x * (1 / scale), not x / scale: set by the plan for static FP8 inputs under the vllm target (vLLM's
+    # FP8 input kernels); dynamic scales honour it too (vLLM-CPU's native path multiplies for those as well)
     reciprocal: bool = False
 
     @property
