@@ -351,7 +351,8 @@ def line(row: dict) -> str:
     else:
         by_layer = f"layers: {layers['layers']} on vLLM's inputs, {layers['rows']} rows, largest difference {layers['largest']:.1e}"
         if layers["other_rounding"]:
-            by_layer += f", {layers['other_rounding']} rows one input code apart (x / scale vs x * (1 / scale))"
+            n = layers["other_rounding"]
+            by_layer += f", {n} row{'s' * (n != 1)} one input code apart (x / scale vs x * (1 / scale))"
         if layers["unexplained"]:
             by_layer += "; DIFFER: " + "; ".join(layers["unexplained"][:5])
     return (
