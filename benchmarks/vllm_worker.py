@@ -192,7 +192,7 @@ LAYER_ROWS = 64  # rows (tokens) of each linear layer's input and output that --
 
 def record_layers(model, recorded: dict[str, dict]) -> int:
     """Forward hooks on every linear layer (a module with a quant_method whose name ends in LinearMethod: vLLM's
-    LinearBase subclasses, quantized or not) that keep, on the layer's first call while `recorded` is empty of it,
+    LinearBase subclasses, quantized or not) that keep, on the layer's first call once recorded["_on"] is set,
     LAYER_ROWS evenly spaced rows of its input and of its output, and the widths of a fused layer's shards
     (QKVParallelLinear's q/k/v, MergedColumnParallelLinear's gate/up). Matmul rows are independent, so a few rows
     of vLLM's own inputs are enough to run ptq's layer on the same numbers (benchmarks.vllm_check.layer_by_layer).
