@@ -146,6 +146,32 @@ def test_a_layer_ptq_does_not_have_differs(recorded):
     ]
 
 
+def test_a_router_under_vllms_mixtral_name_is_compared_by_its_weight(tmp_path):
+    """vLLM's `block_sparse_moe.gate` (a ReplicatedLinear) is transformers' `mlp.gate`, a router module that is no
+    Linear: its matmul is x @ weight.T."""
+
+    class Router(nn.Module):  # as transformers' MixtralTopKRouter: a weight, and a forward that is more than a matmul
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 8, generator=torch.Generator().manual_seed(2)))
+
+        def forward(self, x):
+            raise AssertionError("the check runs the router's matmul, not its routing")
+
+    model = nn.Module()
+    model.mlp = nn.Module()
+    model.mlp.gate = Router()
+    x = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    y = x.astype(np.float64) @ model.mlp.gate.weight.detach().numpy().T.astype(np.float64)
+    save(
+        {"block_sparse_moe.gate.x": x, "block_sparse_moe.gate.y": y},
+        tmp_path / "l.safetensors",
+        {"block_sparse_moe.gate": [4]},
+    )
+    out = layer_by_layer(model, tmp_path / "l.safetensors")
+    assert out["agrees"] and out["layers"] == 1 and out["largest"] < 1e-6
+
+
 @pytest.mark.parametrize(
     "logs, t_995",  # t quantiles from a printed table (two-sided 99%: 0.995)
     [([0.0, 0.01, -0.01], 9.925), ([0.0, 0.02, -0.02, 0.01, -0.01, 0.0], 4.032)],
