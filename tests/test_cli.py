@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ptq.calibration.calibrate import load_calibration
+from ptq.execution.devices import cpu_model
 
 FAST = ["--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--quiet"]
 
@@ -52,9 +53,10 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
         "blockwise_simulated": None,
         "placement": None,
         "cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...: what the numbers were made with
+        "cpu": cpu_model(),
     }
     assert (
-        f"cpu ({runs['sim']['compute']['cpu_kernels']} kernels), float32 compute"
+        f"cpu ({cpu_model()}, {runs['sim']['compute']['cpu_kernels']} kernels), float32 compute"
         in (tmp_path / "sim" / "report.md").read_text()
     )
     assert runs["fp8"]["compute"]["matmul"] == "fp8" and runs["bf16"]["compute"]["dtype"] == "bfloat16"
@@ -64,6 +66,23 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
     assert bf16["perplexity"] == pytest.approx(sim["perplexity"], rel=0.05) and bf16["perplexity"] != sim["perplexity"]
     assert "torch._scaled_mm" in (tmp_path / "fp8" / "report.md").read_text()
     assert "run in bfloat16 in every variant" in (tmp_path / "bf16" / "report.md").read_text()
+
+
+def test_cpu_model_is_the_processors_model_name(tmp_path):
+    """From /proc/cpuinfo's first "model name" line (x86 Linux); a cpuinfo without one (ARM's) falls back to the
+    platform's processor name, and a bare architecture name is no model."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor @ 2.60GHz\n\n"
+        "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Processor @ 2.60GHz\n"
+    )
+    assert cpu_model(str(cpuinfo)) == "Intel(R) Xeon(R) Processor @ 2.60GHz"
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n")
+    import platform
+
+    expected = platform.processor().strip()
+    assert cpu_model(str(cpuinfo)) == (expected if expected not in ("", "x86_64", "aarch64", "arm64", "i386") else None)
+    assert cpu_model(str(tmp_path / "missing")) == cpu_model(str(cpuinfo))
 
 
 @pytest.mark.parametrize(

@@ -244,7 +244,8 @@ def describe_compute(compute: dict) -> str:
         matmul = "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)"
     blocks = "; layer by layer from disk (--low-memory)" if compute.get("low_memory") else ""
     placed_text = f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
-    kernels = f" ({compute['cpu_kernels']} kernels)" if compute.get("cpu_kernels") else ""
+    cpu = [compute.get("cpu"), compute.get("cpu_kernels") and f"{compute['cpu_kernels']} kernels"]
+    kernels = f" ({', '.join(x for x in cpu if x)})" if any(cpu) else ""
     return f"{compute['device']}{kernels}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
 
 

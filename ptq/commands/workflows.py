@@ -48,7 +48,7 @@ from ptq.evaluation.data import Corpus, load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
 from ptq.execution import batching, devices, distributed, streaming
-from ptq.execution.devices import compute_dtype, default_device
+from ptq.execution.devices import compute_dtype, cpu_model, default_device
 from ptq.execution.placement import Placement, placed, placed_copy
 from ptq.execution.placement import summary as placement_summary
 from ptq.files import check_output_dir, check_writable
@@ -326,7 +326,7 @@ def check_coverage(plans: dict[str, Plan], strict: bool = False) -> dict[str, di
 def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, placement: Placement | None = None) -> dict:
     """Where and how the models run: {"device", "dtype", "matmul", "low_memory"} (see devices.compute_dtype,
     quantize.resolve_matmul and streaming) and on a CPU "cpu_kernels" (the instruction set of torch's kernels: AVX2,
-    AVX512, ...), checked before anything is loaded; with a placement (--device-map),
+    AVX512, ...) and "cpu" (the processor, devices.cpu_model), checked before anything is loaded; with a placement (--device-map),
     "placement" is filled in once the models are placed (ptq.execution.placement.summary of each)."""
     device = default_device()
     check_placement(placement, low_memory)
@@ -338,8 +338,9 @@ def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, place
         "matmul": resolve_matmul(matmul, device),
         "low_memory": low_memory,
     }
-    if device.type == "cpu":  # torch's CPU kernels round apart between instruction sets (AVX2, AVX-512)
+    if device.type == "cpu":  # torch's CPU kernels round apart between instruction sets (AVX2, AVX-512) and processors
         info["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()
+        info["cpu"] = cpu_model()
     if info["matmul"] == "fp8":  # 128 x 128 blocks: real where torch has the kernel, else why not
         info["blockwise_simulated"] = blockwise_unavailable(device, getattr(torch, info["dtype"]))
     return info

@@ -43,6 +43,23 @@ def default_device() -> torch.device:
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The processor's model name ("Intel(R) Xeon(R) Processor @ 2.60GHz", "AMD EPYC ..."): on Linux from
+    /proc/cpuinfo, elsewhere platform.processor(); None when neither names it. torch's float32 CPU kernels round apart
+    per processor, not only per instruction set (the offline model's 16-bit baseline reads 41.2510 on an Intel Xeon
+    and 41.2528 on an AMD EPYC, both AVX512), so a report names it."""
+    import platform
+
+    with contextlib.suppress(OSError):
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    name = platform.processor().strip()
+    return name if name and name not in ("x86_64", "aarch64", "arm64", "i386") else None
+
+
 def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """The dtype a model computes in: `name` ("float32" or "bfloat16"), by default bfloat16 on CUDA (its fast
     path) and float32 on CPU, where a simulated product of 8- or 16-bit values is exact."""

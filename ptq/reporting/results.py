@@ -50,9 +50,11 @@ class Compute:
     # matmul fp8: why 128 x 128 weight blocks are simulated (None: real block-wise FP8 matmuls, or matmul simulated)
     blockwise_simulated: str | None = None
     placement: dict[str, dict[str, int]] | None = None  # --device-map: per model, device-map entries per device
-    # on a CPU: the vector instruction set torch's kernels run with (AVX2, AVX512, ...). Their float32 results
-    # round apart in the last bits, so a perplexity repeats to every digit only on CPUs of the same set.
+    # on a CPU: the vector instruction set torch's kernels run with (AVX2, AVX512, ...), and the processor's model
+    # name. Their float32 results round apart in the last bits per set and per processor, so a perplexity repeats to
+    # every digit only on the same kind of CPU.
     cpu_kernels: str | None = None
+    cpu: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
