@@ -87,9 +87,8 @@ def noise_floor_pct(perplexities: list[float]) -> float:
     perplexities of such runs: the half-width of the CONFIDENCE interval of a difference of two of them, on the log
     scale, t(df = n - 1) x the runs' standard deviation x sqrt(2). A quantized model turns float-order noise into
     perplexity (an int8 static model's 8-window perplexity moves by several % under a 1-ulp change of its input
-    scales), so the floor is a statistic of the runs, not their largest deviation (with five perturbations the
-    largest misses one more run of the same noise 1 time in 6: the check read DIFFERS on int8 in a session where
-    every layer agreed)."""
+    scales), so the floor is a statistic of the runs, not their largest deviation: with five perturbations the
+    largest misses one more run of the same noise 1 time in 6 (an int8 row once read DIFFERS so; README, vLLM)."""
     from scipy.stats import t
 
     logs = torch.tensor(perplexities, dtype=torch.float64).log()
