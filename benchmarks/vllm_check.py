@@ -53,10 +53,11 @@ def ptq_simulation(
     model_dir: Path, recipe: str | None, calibration, windows: torch.Tensor, layers: Path | None = None
 ) -> dict:
     """ptq's simulation of the checkpoint under --target vllm (export's simulation: left-out layers as stored, every
-    quantized input rounded as vLLM rounds it, not as the reload check's transformers does: loader_inputs=False), its
-    perplexity, the perplexities of the same simulation under float-level perturbations (perturbed_perplexities)
-    and the noise floor they give (noise_floor_pct); with `layers` (vLLM's recorded linear layers), ptq's layers run
-    on vLLM's own inputs (layer_by_layer)."""
+    quantized input rounded as vLLM rounds it, not as the reload check's transformers does: loader_inputs=False) and
+    its perplexity; with `layers` (vLLM's recorded linear layers: vLLM ran the checkpoint), also the perplexities of
+    the same simulation under float-level perturbations (perturbed_perplexities), the noise floor they give
+    (noise_floor_pct) and ptq's layers on vLLM's own inputs (layer_by_layer). Without them there is nothing to
+    compare with, and the perturbed runs are not made."""
     from ptq.evaluation.evaluate import evaluate
     from ptq.export.checkpoint import OtherAttention, simulate_export
     from ptq.models.loading import load_model
@@ -65,6 +66,9 @@ def ptq_simulation(
     model = load_model(str(model_dir)).model
     if recipe is not None:
         model = simulate_export(model, load_recipe(recipe), calibration, loader_inputs=False, target="vllm")
+    if layers is None:
+        ptq = evaluate({"ptq": model}, windows, 4)["ptq"]
+        return {"perplexity": ptq.perplexity, "window_nll": ptq.window_nll, "layers": None}
     scores = evaluate({"ptq": model, "noise": OtherAttention(model)}, windows, 4)
     ptq, noise = scores["ptq"], scores["noise"]
     perturbed = {"eager attention": noise.perplexity} | perturbed_perplexities(model, windows)
@@ -74,7 +78,7 @@ def ptq_simulation(
         "perturbed": perturbed,
         "noise_floor_pct": noise_floor_pct([ptq.perplexity, *perturbed.values()]),
         "noise_kl": noise.kl_div,
-        "layers": None if layers is None else layer_by_layer(model, layers),
+        "layers": layer_by_layer(model, layers),
     }
 
 
@@ -298,6 +302,7 @@ def check_model(
                 print(line(rows[-1]), flush=True)
                 continue
         layers = work / f"{name}-{row['checkpoint']}.layers.safetensors"
+        layers.unlink(missing_ok=True)  # a reused --out folder: only this run's record counts
         row["vllm"] = run_vllm(
             python,
             checkpoint,
@@ -307,7 +312,8 @@ def check_model(
             "--layers",
             layers,
         )
-        row["ptq"] = ptq_simulation(model_dir, recipe, calibration, windows, layers if layers.is_file() else None)
+        scored = "perplexity" in row["vllm"]  # the worker writes `layers` with its perplexity
+        row["ptq"] = ptq_simulation(model_dir, recipe, calibration, windows, layers if scored else None)
         if (row["vllm"].get("stand_in_calls") or {}).get("_scaled_mm") and "perplexity" in row["vllm"]:
             # vLLM's own float order: the same run with the FP8 matmul's products summed in float64, not float32
             sums64 = run_vllm(
