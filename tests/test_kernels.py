@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import warnings
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 
@@ -117,6 +119,40 @@ def test_every_fused_kernel_compiles_and_matches_its_eager_ops(device):
             got = fused(fn, compile=True)(*args)
             assert same(got, fn(*args), exact), what
     assert ptq.numerics.kernels.FALLBACKS == {}
+
+
+def near_ties(fmt_name: str, scale: np.float32) -> np.ndarray:
+    """Inputs x whose x / scale lies within 3 float32 ulps of a tie between two neighbouring codes of the format
+    (the midpoints, from ml_dtypes' table of every E4M3 code, or the integers'), of either sign: where an approximate
+    division (Triton's default, PTX div.full.f32) and the correctly rounded one (the eager op's) can round apart."""
+    if fmt_name == "int8":
+        grid = np.arange(0, 128, dtype=np.float64)
+    else:
+        codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        grid = np.unique(codes[np.isfinite(codes) & (codes >= 0)])
+    x = ((grid[1:] + grid[:-1]) / 2 * np.float64(scale)).astype(np.float32)
+    x = (x.view(np.int32)[:, None] + np.arange(-3, 4, dtype=np.int32)).view(np.float32).ravel()
+    return np.concatenate([x, -x])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [0.1, 1 / 3, 0.0123, 7.77])
+def test_fused_rounding_next_to_ties_matches_the_eager_division(device, scale):
+    # Fails on CUDA without kernels.EAGER_NUMERICS' correctly rounded division: there x / scale next to a tie can
+    # land on the other side of it, one code apart from the eager op, the CPU and the engine.
+    s = np.float32(scale)
+    for fmt, reciprocal in (("e4m3", False), ("e4m3", True), ("int8", False)):
+        x = torch.from_numpy(near_ties(fmt, s)).reshape(2, -1).to(device)
+        args = (x, torch.tensor(s, device=device), FORMATS[fmt], True, None, PerTensor(), False, reciprocal)
+        assert same(fused(_round_activation, compile=True)(*args), _round_activation(*args)), (fmt, reciprocal)
+    # Dynamic per token: each row's scale is its amax / 448, in float32; a row of inputs next to that scale's ties,
+    # with that amax as its largest element.
+    row_amax = np.float32(448 * s)
+    row = np.append(near_ties("e4m3", row_amax / np.float32(448)), row_amax)
+    assert np.abs(row).max() == row_amax
+    x = torch.from_numpy(np.stack([row, -row])).to(device)
+    spec = TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True)
+    assert same(fused(_round_dynamic, compile=True)(x, spec, False), _round_dynamic(x, spec, False))
 
 
 def test_the_formats_constants_are_literals_of_the_generated_code():

@@ -99,7 +99,23 @@ def _specialised(fn, constants: tuple, n: int):
     name = _kernel_name(fn, constants)
     kernel.__code__ = kernel.__code__.replace(co_name="".join(c if c.isalnum() else "_" for c in name))
     kernel.__name__ = kernel.__qualname__ = kernel.__code__.co_name
-    return torch.compile(kernel, dynamic=False)
+    return torch.compile(kernel, dynamic=False, options=EAGER_NUMERICS)
+
+
+# Inductor's options that make a generated kernel compute what the eager ops compute, which ptq's rounding needs bit
+# for bit (they matter in Triton, on GPUs; the CPU loops are already strict, see strict_cpu_arithmetic):
+# - division correctly rounded: Triton lowers x / y to an approximate division (PTX div.full.f32, up to 2 ulps
+#   off), so x / scale next to a tie between two codes could round to the other code than the eager op, than
+#   the CPU, and than the engine's own kernel;
+# - no fused multiply-adds and every cast kept (emulate_precision_casts): a bf16 value rounded, then widened,
+#   stays rounded, and a * b + c is two roundings, as in the eager ops;
+# - subnormals kept (disable_ftz): a float32 subnormal is not flushed to zero, as eager CUDA kernels keep them
+#   (an E8M0 scale 2^-127, or a tiny scaled input, would otherwise read as 0).
+EAGER_NUMERICS = {
+    "emulate_precision_casts": True,
+    "eager_numerics.division_rounding": True,
+    "eager_numerics.disable_ftz": True,
+}
 
 
 _TENSOR = object()  # a tensor argument's slot
