@@ -390,6 +390,23 @@ def test_compute_scale():
             compute_scale(torch.tensor([1.0, bad]), E4M3)
 
 
+def test_a_tiny_amax_gets_a_normal_scale_so_that_multiplying_by_its_reciprocal_works():
+    # amax / 448 below 2^-126 is a float32 subnormal, whose reciprocal overflows to inf: vLLM scales static FP8
+    # inputs by x * (1 / scale), where a 0 became NaN. The scale is raised to 2^-126 (the amax still fits).
+    tiny = 2.0**-126
+    for a in (1e-36, 5e-37, 1e-38):
+        scale = compute_scale(torch.tensor(a), E4M3)
+        assert scale.item() == tiny and torch.isfinite(scale.reciprocal())
+        x = torch.tensor([0.0, a, -a / 3], dtype=torch.float32)
+        for reciprocal in (False, True):
+            got = quantize(x, scale, E4M3, reciprocal=reciprocal).numpy()
+            # reference: ml_dtypes' E4M3 of x * 2^126 (exact in float32: a power of two)
+            want = (x.numpy() * np.float32(2.0**126)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            np.testing.assert_array_equal(got, want)
+    assert compute_scale(torch.tensor(448 * tiny), E4M3).item() == tiny  # the smallest normal scale, unchanged
+    assert compute_scale(torch.tensor(448 * tiny * 2), E4M3).item() == 2 * tiny
+
+
 def test_amax():
     x = torch.tensor([[1.0, -7.0], [3.0, 2.0]])
     assert amax(x).item() == 7.0 and amax(x).shape == ()

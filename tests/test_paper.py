@@ -172,6 +172,33 @@ def test_smoothquant_through_calibration_and_selection(tiny_model):
     assert quantized.model.layers[0].self_attn.q_proj.weights.format.name == "bf16"  # ignored: baseline
 
 
+def test_smoothquant_under_vllm_shares_the_smoothed_weights_scale_and_rounds_int8_inputs_as_vllm(tiny_model):
+    # vLLM serves a smoothed checkpoint as plain W8A8: q/k/v (and gate/up) share the largest of their per-tensor
+    # weight scales, taken from the weights as stored (W * s), and int8 inputs round over [-128, 127]. The shared
+    # scale came from the unsmoothed weights, so W * s saturated; smoothed inputs kept [-127, 127].
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    fp8 = recipe(smoothquant={"alpha": 0.5})
+    int8 = recipe(weights={"format": "int8"}, inputs={"format": "int8"}, smoothquant={"alpha": 0.5})
+    smoothed = resolve_plan(model, fp8).smoothed
+    calibration = calibrate(model, ids, calibrated_layers(model, fp8), channels=smoothed)
+    quantized = quantize_(copy.deepcopy(model), fp8, calibration, target="vllm")
+    attn = "model.layers.1.self_attn"
+    stored = []
+    for p in ("q_proj", "k_proj", "v_proj"):
+        w = model.get_submodule(f"{attn}.{p}").weight.detach().double().numpy()
+        s = smoothing_factors(
+            calibration.input_channel_amax[f"{attn}.{p}"], model.get_submodule(f"{attn}.{p}").weight, 0.5
+        )
+        stored.append(w * s.double().numpy())
+    want = np.float32(max(np.abs(w).max() for w in stored).astype(np.float32) / np.float32(448))
+    for p in ("q_proj", "k_proj", "v_proj"):
+        assert float(quantized.get_submodule(f"{attn}.{p}").weight_scale) == want, p
+    quantized = quantize_(copy.deepcopy(model), int8, calibration, target="vllm")
+    assert quantized.get_submodule(f"{attn}.q_proj").inputs.lowest == -128.0
+    assert quantize_(copy.deepcopy(model), int8, calibration).get_submodule(f"{attn}.q_proj").inputs.lowest is None
+
+
 def test_describe_plan_lists_linear_and_attention_tensors(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     r = recipe(

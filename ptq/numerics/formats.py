@@ -169,9 +169,7 @@ def round_to_format(
 def compute_scale(amax: torch.Tensor | float, fmt: NumberFormat) -> torch.Tensor:
     """Scale that maps amax onto fmt.max: amax / fmt.max in float32 (scalar or per-channel).
 
-    Where that is zero (amax == 0, or so small that the division underflows) the scale is 1:
-    such a tensor is all zeros to the format's precision, and any scale represents it, while
-    a zero scale would divide by zero. 16-bit formats are not scaled: all ones.
+    Where that is zero or subnormal, usable_scale's rule. 16-bit formats are not scaled: all ones.
     Raises ValueError for negative or non-finite amax (callers validate user data first).
     """
     amax = torch.as_tensor(amax, dtype=torch.float32)
@@ -179,8 +177,15 @@ def compute_scale(amax: torch.Tensor | float, fmt: NumberFormat) -> torch.Tensor
         raise ValueError(f"amax must be finite and non-negative, got {amax}")
     if not fmt.scaled:
         return torch.ones_like(amax)
-    scale = amax / fmt.max
-    return torch.where(scale > 0, scale, 1.0)
+    return usable_scale(amax / fmt.max)
+
+
+def usable_scale(scale: torch.Tensor) -> torch.Tensor:
+    """amax / max made a scale every consumer can use. Zero (an all-zero tensor or token, or an amax so small that
+    the division underflows): 1, since any scale represents zeros and a zero scale would divide by zero. Below the
+    smallest normal float32, 2^-126 (amax under 448 * 2^-126 for E4M3): a subnormal scale's reciprocal is inf, and
+    engines that multiply by it (vLLM, static FP8 inputs) would turn a 0 into NaN; 2^-126 still fits the amax."""
+    return torch.where(scale > 0, scale.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
 
 
 def quantize(

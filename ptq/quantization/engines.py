@@ -191,7 +191,7 @@ def served_inputs(
     `int8_range`, "symmetric" or "full", when given: the range the checkpoint's loader uses), rule 4 for dynamic
     FP8 inputs with float32 scales, rule 5 for static per-tensor FP8 inputs (or `reciprocal`, when given: whether
     the loader multiplies by the reciprocal; transformers' compressed-tensors divides). The plan calls it for every
-    quantized matmul (not SmoothQuant's)."""
+    quantized matmul, SmoothQuant's too (a smoothed checkpoint is served as plain W8A8)."""
     if int8_range is None:
         int8_range = "full" if int8_inputs_as_engine(target) else "symmetric"
     if inputs.format.kind == "int" and inputs.static and inputs.int_range != int8_range:

@@ -235,7 +235,7 @@ def resolve_plan(
         reason = _why_left_out(name, module, recipe)
         weights, inputs = (recipe.weights, recipe.inputs) if reason is None else (BASELINE_LINEAR, BASELINE_LINEAR)
         smooth = reason is None and recipe.smoothquant is not None
-        if reason is None and not smooth:
+        if reason is None:
             inputs = engines.served_inputs(inputs, target, int8_range, reciprocal)
         matmuls[name] = MatmulPlan(
             name, getattr(module, "ptq_kind", kind(module)), module.weight.numel(), weights, inputs, reason, smooth

@@ -26,7 +26,7 @@ from ptq.calibration.observers import choose_clip
 from ptq.errors import PtqError
 from ptq.models.matmuls import kind, quantizable
 from ptq.numerics import granularity as gr
-from ptq.numerics.formats import FORMATS, NumberFormat, amax, compute_scale, dequantize, quantize
+from ptq.numerics.formats import FORMATS, NumberFormat, amax, compute_scale, dequantize, quantize, usable_scale
 from ptq.numerics.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
 from ptq.quantization import attention, engines, residual
 from ptq.quantization.attention import AttentionQuant
@@ -57,7 +57,7 @@ def dynamic_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
     if spec.min_scale:  # the engine's floor (ptq.quantization.engines, rule 4); an all-zero token gets it too
         scale = scale.clamp(min=spec.min_scale)
     else:
-        scale = torch.where(scale > 0, scale, 1.0)  # an all-zero token: any scale represents it
+        scale = usable_scale(scale)  # an all-zero token: 1, any scale represents it
     return torch.exp2(torch.ceil(torch.log2(scale))) if spec.scale == "pow2" else scale
 
 
@@ -537,10 +537,20 @@ def quantize_(
         for name, e in plan.matmuls.items()
         if e.quantized and e.inputs.static and name not in smoothed
     }
+    smooths = {  # SmoothQuant's factors: the weights stored (and their amax) are W * s
+        name: smoothing_factors(
+            calibration.input_channel_amax[name], model.get_submodule(name).weight, recipe.smoothquant
+        )
+        for name in smoothed
+    }
+
+    def weight_amax(name: str) -> torch.Tensor:
+        w = model.get_submodule(name).weight
+        return amax(w.float() * smooths[name].to(w.device)) if name in smooths else amax(w)
+
     # the scales the target engine serves, for the groups the plan says share one (ptq.quantization.engines)
     shared_weight_amax = engines.shared_amax(
-        {n: e.weight_group for n, e in plan.matmuls.items() if e.weight_group},
-        lambda n: amax(model.get_submodule(n).weight),
+        {n: e.weight_group for n, e in plan.matmuls.items() if e.weight_group}, weight_amax
     )
     shared_input_amax = engines.shared_amax(
         {n: e.input_group for n, e in plan.matmuls.items() if e.input_group}, clips.__getitem__
@@ -552,9 +562,8 @@ def quantize_(
         linear = getattr(parent, child)
         smooth = input_amax = None
         if name in smoothed:
-            channel_amax = calibration.input_channel_amax[name]
-            smooth = smoothing_factors(channel_amax, linear.weight, recipe.smoothquant)
-            input_amax = (channel_amax / smooth).max()  # the smoothed input's amax, exactly
+            smooth = smooths[name]
+            input_amax = (calibration.input_channel_amax[name] / smooth).max()  # the smoothed input's amax, exactly
         elif inputs.static:
             input_amax = shared_input_amax.get(name, clips.get(name))
         q = QuantLinear(
