@@ -327,10 +327,14 @@ def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
         raise PtqError(f"{where}.dynamic must be true or false, not {reprlib.repr(dynamic)}")
     if dynamic and role == "weights":
         raise PtqError(f"{where}: dynamic (per-token) scales apply to activations; weights are known ahead")
+    if dynamic and not fmt.scaled:
+        raise PtqError(f"{where}: {fmt.name} is not scaled, so 'dynamic' (a scale per token) does not apply")
     granularity = _granularity(fields, where, role, dynamic)
     saturate = fields.get("saturate", fmt.scaled)  # 16-bit formats overflow to inf like an IEEE cast
     if not isinstance(saturate, bool):
         raise PtqError(f"{where}.saturate must be true or false, not {reprlib.repr(saturate)}")
+    if "saturate" in fields and fmt.kind == "int":
+        raise PtqError(f"{where}: {fmt.name} always clamps to its range; 'saturate' applies to float formats")
     observer = fields.get("observer", "max")
     if observer not in OBSERVERS:
         raise PtqError(f"{where}: unknown observer '{observer}' (known: {', '.join(OBSERVERS)})")
