@@ -74,7 +74,7 @@ def test_histogram_matches_numpy_on_the_bin_edges():
             on,
             np.nextafter(on, np.float32(0)),
             np.nextafter(on, np.float32(np.inf)),
-            [0.0, 1e-30, 2.0**-25, 2.0**16, 3e38],
+            [0.0, 1e-30, 2.0**-25, 2.0**16, 2.0**32, 3e38],
             samples(6, 10_000) * 50,
         ]
     ).astype(np.float32)
@@ -100,6 +100,26 @@ def test_percentile_matches_numpy_within_a_bin(p):
     got = percentile_clip(obs.hist, float(obs.amax), p)
     want = np.percentile(np.abs(x), p)
     assert want / BIN <= got <= want * BIN
+
+
+def test_percentile_and_mse_above_fp16s_range_match_numpy():
+    # A bf16 model's down-projection can see inputs beyond 2^16 (fp16's range), where the histogram used to end:
+    # every such value fell into its last bin and the 99.5th percentile read 65019 instead of numpy's 1.8e5.
+    x = samples(5) * 1e5
+    obs = observe(x)
+    want = np.percentile(np.abs(x), 99.5)
+    got = percentile_clip(obs.hist, float(obs.amax), 99.5)
+    assert want > 2**16 and want / BIN <= got <= want * BIN
+    got = mse_clip(obs.hist, float(obs.amax), INT8)
+    grid = np.abs(x).max() * 2.0 ** -np.linspace(0, 8, 400)
+    assert np_mse(x, got, INT8) <= 1.05 * min(np_mse(x, c, INT8) for c in grid)
+
+
+def test_an_amax_beyond_the_histogram_falls_back_to_the_max():
+    x = np.array([1.0, 2.0, 3.0 * 2.0**32], dtype=np.float32)
+    obs = observe(x, chunks=1)
+    for method in ("percentile", "mse", "entropy", "best"):
+        assert choose_clip(method, obs.hist, float(obs.amax), E4M3, 50.0) == ("max", float(obs.amax))
 
 
 @pytest.mark.parametrize("fmt", [E4M3, INT8])

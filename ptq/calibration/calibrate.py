@@ -52,7 +52,8 @@ from ptq.models.matmuls import LinearExperts, quantizable
 from ptq.numerics.formats import NumberFormat, amax, compute_scale, fake_quantize
 from ptq.progress import progress
 
-FILE_KIND = "ptq-calibration/2"  # /2: histogram bins read off the float32 bit pattern (ptq/calibration/observers.py)
+# /2: histogram bins read off the float32 bit pattern (ptq/calibration/observers.py); /3: up to 2^32, not 2^16
+FILE_KIND = "ptq-calibration/3"
 CHECKPOINT_KIND = "ptq-calibration-checkpoint/2"
 NONFINITE_POLICIES = ("fail", "skip")
 UNSEEN_POLICIES = ("fallback", "fail")

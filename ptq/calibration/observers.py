@@ -28,7 +28,10 @@ from ptq.numerics.formats import NumberFormat, amax, fake_quantize
 
 MANTISSA_BITS = 5  # a bin is the float32 values with one exponent and the same top 5 mantissa bits
 BINS_PER_OCTAVE = 2**MANTISSA_BITS
-MIN_EXPONENT, MAX_EXPONENT = -24, 16  # |x| below 2^-24 lands in bin 0, at or above 2^16 in the last bin
+# |x| below 2^-24 lands in bin 0, at or above 2^32 in the last bin. The top reaches past fp16's 65504 because
+# bf16 models' matmul inputs can (a down-projection's outliers); a histogram cannot place what its last bin
+# holds, so above 2^32 the methods that read it give way to the max (choose_clip).
+MIN_EXPONENT, MAX_EXPONENT = -24, 32
 NUM_BINS = (MAX_EXPONENT - MIN_EXPONENT) * BINS_PER_OCTAVE
 _FIRST_BIN = (MIN_EXPONENT + 127) << MANTISSA_BITS  # the bit pattern of 2^-24 (float32 bias 127), shifted
 SUBSAMPLES = 4
@@ -261,8 +264,9 @@ def choose_clip(
     method: str, hist: torch.Tensor | None, amax: float, fmt: NumberFormat, percentile: float = 99.99
 ) -> tuple[str, float]:
     """(method used, clip) for one activation. `best` tries max, percentile and mse and keeps the one with
-    the lowest mean squared error on the calibration histogram."""
-    if method == "max" or hist is None:
+    the lowest mean squared error on the calibration histogram. An amax at or above the histogram's top
+    (2^MAX_EXPONENT, where the last bin gathers values it cannot place): the max."""
+    if method == "max" or hist is None or amax >= 2.0**MAX_EXPONENT:
         return "max", amax
     if method == "percentile":
         return method, percentile_clip(hist, amax, percentile)
