@@ -85,7 +85,8 @@ def test_hostile_yaml_is_refused_quickly(tmp_path, text):
     start = time.monotonic()
     with pytest.raises(PtqError):
         load_recipe(str(path))
-    assert time.monotonic() - start < 5
+    # Minutes without the guards; seconds with them, more on a loaded 2-core machine (7 s seen under 5 jobs)
+    assert time.monotonic() - start < 30
 
 
 def valid_calibration_bytes(tmp_path: Path) -> bytes:
@@ -141,7 +142,7 @@ metadata_json = st.one_of(
 @FUZZ
 @given(
     st.dictionaries(entry_names, st.tuples(dtypes, st.lists(values, max_size=3)), max_size=4),
-    st.sampled_from(["ptq-calibration/2", "other", ""]),
+    st.sampled_from(["ptq-calibration/3", "ptq-calibration/2", "other", ""]),
     metadata_json,
 )
 def test_structured_calibration_files(tmp_path, entries, kind, metadata):
