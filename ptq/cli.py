@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from ptq import progress
 from ptq.errors import PtqError
@@ -571,6 +572,8 @@ def _print_faults(metadata: dict) -> None:
 
 
 def _exit_for_gates(results) -> None:
+    """Exit 1 when a gate fails: `results` as judged (compare's fresh gates, or report's judged anew), so the exit
+    code and the report's verdict come from the same checks."""
     if results.gates and not results.gates.passed:
         raise typer.Exit(1)
 
@@ -744,9 +747,11 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
             highlight=False,
         )
         for p in ver["problems"]:
-            console.print(f"  problem: {p}", highlight=False)
+            console.print(f"  problem: {p}", highlight=False, markup=False)
     else:
-        console.print(f"not verified ({info.get('verification_skipped', '--no-verify')})", highlight=False)
+        console.print(
+            f"not verified ({info.get('verification_skipped', '--no-verify')})", highlight=False, markup=False
+        )
     if written:
         pct = 100 * size["bytes_saved"] / size["bytes_16bit"]
         console.print(
@@ -878,18 +883,21 @@ def _print_compare(results, out: Path) -> None:
     console = Console()
     console.print(table)
     for v in results.variants:
-        console.print(f"{v.name}: {describe_coverage(to_json(v.coverage))}", highlight=False, soft_wrap=True)
+        console.print(
+            f"{v.name}: {describe_coverage(to_json(v.coverage))}", highlight=False, soft_wrap=True, markup=False
+        )
     _print_tasks(console, results, [base, *results.variants])
     if results.gates:
         from ptq.reporting.report import verdict
 
-        console.print(verdict(results).replace("**", ""), highlight=False)
-    console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
+        console.print(verdict(results).replace("**", ""), highlight=False, markup=False)
+    console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}", markup=False)
 
 
 def _print_tasks(console, results, entries: list) -> None:
     from rich.table import Table
 
+    from ptq.reporting.gates import task_higher_is_better, task_metric_is_share
     from ptq.reporting.report import task_delta
 
     if not results.tasks:
@@ -902,15 +910,19 @@ def _print_tasks(console, results, entries: list) -> None:
         table.add_column(col, justify="left" if col in ("task", "metric") else "right")
     for task in results.tasks:
         for metric in task.metrics:
+            # a share in [0, 1] as a percentage; a metric in its own units (likelihood_diff, nats) as it is
+            scale, unit, places = (100, "%", 1) if task_metric_is_share(results, task.name, metric) else (1, "", 3)
             cells = []
             for e in entries:
                 m = e.tasks[task.name].metrics[metric]
-                cell = f"{100 * m.value:.1f}% [{100 * m.ci[0]:.1f}, {100 * m.ci[1]:.1f}]"
+                low, high = (f"{scale * x:.{places}f}" for x in m.ci)
+                cell = f"{scale * m.value:.{places}f}{unit} [{low}, {high}]"
                 d = task_delta(e, task.name, metric)
                 if d:
-                    cell += f" ({100 * d.delta:+.1f}{'*' if d.significant else ''}; {d.recovery_pct:.1f}%)"
+                    cell += f" ({scale * d.delta:+.{places}f}{'*' if d.significant else ''}; {d.recovery_pct:.1f}%)"
                 cells.append(cell)
-            table.add_row(task.name, metric, str(task.n), *cells)
+            lower = "" if task_higher_is_better(results, task.name, metric) else " (lower is better)"
+            table.add_row(task.name, metric + lower, str(task.n), *cells)
     console.print(table)
 
 
@@ -948,14 +960,16 @@ def main() -> None:
     try:
         app()
     except PtqError as e:
-        progress.stderr.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        progress.stderr.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None
     except Exception as e:
         if type(e).__name__ != "OutOfMemoryError":  # torch.cuda.OutOfMemoryError where no step named what did not fit
             raise
         from ptq.execution.devices import out_of_memory
 
-        progress.stderr.print(f"[bold red]error:[/] {out_of_memory('', str(e))}", highlight=False, soft_wrap=True)
+        progress.stderr.print(
+            f"[bold red]error:[/] {escape(out_of_memory('', str(e)))}", highlight=False, soft_wrap=True
+        )
         raise SystemExit(2) from None
     except (KeyboardInterrupt, SystemExit) as e:  # typer turns KeyboardInterrupt into exit code 130
         if not (_TERMINATED or isinstance(e, KeyboardInterrupt) or e.code == 130):

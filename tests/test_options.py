@@ -247,7 +247,8 @@ def test_a_reused_calibration_file_gets_the_range_warnings(command, tiny_model, 
     code, _, err = ptq_cli(*args)
     assert code == 0, err
     warnings = calibration_record(command, out)["warnings"]
-    assert len(warnings) == 1 and warnings[0].startswith(
+    # compare and eval score the text the file was calibrated on, and say that too (test_data.py)
+    assert len(warnings) == (1 if command == "quantize" else 2) and warnings[0].startswith(
         "weight amax 3e-36 of layer 'model.layers.0.self_attn.o_proj' "
         "is below 5.27e-36: its e4m3 scale is not a normal float32"
     )

@@ -112,6 +112,182 @@ def test_bad_gate_values_exit_2_with_one_line(ptq_cli, compared, args, message):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def task_info(name: str, higher_is_better: dict[str, bool], n: int = 100, sha: str = "a" * 64, shots: int = 0):
+    from ptq.reporting.results import TaskInfo
+
+    return TaskInfo(
+        name=name,
+        kind="multiple_choice",
+        n=n,
+        metrics=list(higher_is_better),
+        higher_is_better=higher_is_better,
+        num_fewshot=shots,
+        group=None,
+        source="by hand",
+        notes=[],
+        chance=None,
+        documents_sha256=sha,
+    )
+
+
+def scores(n: int = 100, half_width: float = 0.02, **values: float):
+    from ptq.reporting.results import TaskMetric, TaskScores
+
+    return TaskScores(
+        n=n,
+        metrics={k: TaskMetric(value=v, stderr=0.01, ci=(v - half_width, v + half_width)) for k, v in values.items()},
+    )
+
+
+def test_lower_is_better_task_metrics_follow_the_recorded_direction():
+    """lm-eval records higher_is_better per task (crows_pairs_english: likelihood_diff and pct_stereotype, both
+    False); the gates, the trend and the report follow it rather than guessing from the metric's name."""
+    import dataclasses
+
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.gates import higher_is_better
+    from ptq.reporting.report import tasks_section, trend_section
+    from ptq.reporting.trend import trend
+
+    crows = task_info("crows_pairs_english", {"likelihood_diff": False, "pct_stereotype": False})
+    mixed = task_info("mytask", {"acc": True, "error_rate": False})
+
+    def run(crows_values: dict, mytask_values: dict):
+        return compare_results(
+            baseline(
+                tasks={
+                    "crows_pairs_english": scores(likelihood_diff=3.55, pct_stereotype=0.60),
+                    "mytask": scores(acc=0.8, error_rate=0.2),
+                }
+            ),
+            [
+                variant(
+                    "fp8",
+                    tasks={"crows_pairs_english": scores(**crows_values), "mytask": scores(**mytask_values)},
+                )
+            ],
+        )
+
+    more_biased = dataclasses.replace(
+        run({"likelihood_diff": 4.10, "pct_stereotype": 0.66}, {"acc": 0.8, "error_rate": 0.3}), tasks=[crows, mixed]
+    )
+    checks = check(more_biased, Limits(min_accuracy_recovery_pct=99.0))
+    # only next-token accuracy and mytask's acc are accuracies; a higher error rate or bias is never "115% recovery"
+    assert [(c.task, c.task_metric) for c in checks] == [("next-token", None), ("mytask", "acc")]
+    assert all(c.passed for c in checks)
+    # a limit on a task none of whose metrics is an accuracy cannot pass silently
+    (crows_check,) = [c for c in check(more_biased, parse_limits(None, ["crows_pairs_english=99%"], None))]
+    assert crows_check.value is None and not crows_check.passed
+    # where the results record no direction, lm-eval's lower-is-better names still decide
+    assert higher_is_better("acc") and not higher_is_better("word_perplexity")
+    assert not higher_is_better("exact_match,strict-match", {"exact_match": False})
+
+    # the trend: lower values are better, and a metric in nats is not a percentage
+    less_biased = dataclasses.replace(
+        run({"likelihood_diff": 3.20, "pct_stereotype": 0.54}, {"acc": 0.8, "error_rate": 0.1}), tasks=[crows, mixed]
+    )
+    t = trend(more_biased, less_biased)
+    moves = {(m.entry, m.task): m for m in t["moves"] if m.task}
+    for task in ("crows_pairs_english likelihood_diff", "crows_pairs_english pct_stereotype", "mytask error_rate"):
+        assert moves[("fp8", task)].beyond_intervals and moves[("fp8", task)].worse  # it rose: worse
+        assert moves[("fp8", task)].to_json()["better"] == "lower"
+    assert moves[("fp8", "crows_pairs_english likelihood_diff")].share is False
+    lines = trend_section(t, less_biased)
+    row = next(line for line in lines if line.startswith("| fp8 | crows_pairs_english likelihood_diff"))
+    assert row == (
+        "| fp8 | crows_pairs_english likelihood_diff (lower is better) | 3.2000 [3.1800, 3.2200] "
+        "| 4.1000 [4.0800, 4.1200] | +0.9000 | ⚠️ worse |"
+    )
+    row = next(line for line in lines if line.startswith("| fp8 | mytask error_rate"))
+    assert "| 10.00% [8.00%, 12.00%] | 30.00% [28.00%, 32.00%] | +20.00 points | ⚠️ worse |" in row
+    assert trend(less_biased, more_biased)["moves"][-1].worse is False  # fp8's error_rate fell: better
+
+    # the report: nats as they are, shares as percentages, the direction named
+    lines = tasks_section(more_biased)
+    row = next(line for line in lines if line.startswith("| crows_pairs_english | likelihood_diff") and "fp8" in line)
+    assert "| likelihood_diff (lower is better) |" in row and "| 4.1000 | [4.0800, 4.1200] |" in row
+    assert "%" not in row.replace("| recovery |", "")  # no percentage but the (absent) recovery column
+    row = next(line for line in lines if line.startswith("| crows_pairs_english | pct_stereotype") and "fp8" in line)
+    assert "| 66.00% | [64.00, 68.00] |" in row
+    assert (
+        "In their own units, not percentages (values, intervals and deltas): crows_pairs_english likelihood_diff."
+        in lines
+    )
+
+
+def test_console_task_table_prints_a_metric_in_its_own_units():
+    import dataclasses
+    import io
+
+    from rich.console import Console
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.cli import _print_tasks
+
+    crows = task_info("crows_pairs_english", {"likelihood_diff": False, "pct_stereotype": False})
+    r = dataclasses.replace(
+        compare_results(
+            baseline(tasks={"crows_pairs_english": scores(likelihood_diff=3.55, pct_stereotype=0.6)}),
+            [variant("fp8", tasks={"crows_pairs_english": scores(likelihood_diff=4.1, pct_stereotype=0.66)})],
+        ),
+        tasks=[crows],
+    )
+    out = io.StringIO()
+    _print_tasks(Console(file=out, width=400), r, [r.baseline, *r.variants])
+    text = out.getvalue()
+    assert "3.550 [3.530, 3.570]" in text and "4.100 [4.080, 4.120]" in text and "355.0%" not in text
+    assert "60.0% [58.0, 62.0]" in text and "likelihood_diff (lower is better)" in text
+
+
+def test_a_nan_never_passes_a_gate():
+    from ptq.reporting.gates import accuracy_recovery_pct
+
+    assert math.isnan(accuracy_recovery_pct(0.3, float("nan"))) and math.isnan(accuracy_recovery_pct(float("nan"), 0.5))
+    assert accuracy_recovery_pct(0.3, 0.0) == 100.0  # a zero baseline cannot be fallen short of, as documented
+    from sample_results import baseline, compare_results, variant
+
+    nan = float("nan")
+    limits = parse_limits("2%", ["99%"], "0.01")
+    for r in (
+        compare_results(baseline(accuracy=nan), [variant(accuracy=0.01)]),
+        compare_results(baseline(), [variant(ppl_delta_pct=nan, accuracy=nan, kl_div=nan)]),
+    ):
+        checks = {c.metric: c for c in check(r, limits)}
+        assert not checks["accuracy_recovery_pct"].passed
+        assert "recovery nan% is not >= 99%" in checks["accuracy_recovery_pct"].describe()
+    assert not checks["ppl_delta_pct"].passed and not checks["kl_div"].passed
+    assert checks["kl_div"].describe() == "v: KL nan is not <= 0.01"
+
+
+def test_a_value_beyond_its_limit_never_prints_as_the_limit():
+    import dataclasses
+
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.gates import gate_results
+    from ptq.reporting.report import render_markdown
+
+    r = compare_results(baseline(), [variant("v", ppl_delta_pct=2.004, accuracy=0.49498, kl_div=4e-6)])
+    r = dataclasses.replace(r, gates=gate_results(r, parse_limits("2%", ["99%"], "1e-6")))
+    md = render_markdown(r)
+    # 100 * 0.49498 / 0.5 = 98.996% recovery: .2f would print 99.00% against the 99% limit
+    assert "- ❌ v: perplexity +2.004% > +2%" in md
+    assert "- ❌ v: next-token accuracy recovery 98.996% < 99%" in md
+    assert "- ❌ v: KL 4e-06 > 1e-06" in md
+    row = table_row(md, "v ❌")
+    assert (row[4], row[6], row[7]) == ("**+2.004%** ❌", "**98.996%** ❌", "**0.000004** ❌")
+    # ordinary values, away from their limits (or with no limit), print as before
+    r2 = compare_results(baseline(), [variant("v", ppl_delta_pct=3.0, accuracy=0.45, kl_div=0.0123)])
+    r2 = dataclasses.replace(r2, gates=gate_results(r2, parse_limits("2%", ["99%"], "0.01")))
+    assert table_row(render_markdown(r2), "v ❌")[4:8] == ["**+3.00%** ❌", "45.00%", "**90.00%** ❌", "**0.01230** ❌"]
+    from ptq.reporting.results import fmt_against
+
+    assert fmt_against(2.004, None, "+.2f") == "+2.00" and fmt_against(2.0, 2.0, "+.2f") == "+2.00"
+    assert fmt_against(1.00001e-6, 1e-6, ".4g") == "1.00001e-06"
+    assert fmt_against(1.996, 2.0, "+.2f") == "+1.996"  # passing, still not printed as the limit
+
+
 # --- compare with gates, through the CLI --------------------------------------------------------
 
 
@@ -297,6 +473,31 @@ def test_plots_are_linked_relative_deterministic_and_skippable(compared, ptq_cli
     assert code == 1 and not list(tmp_path.glob("bare-*.png")) and "![" not in (tmp_path / "bare.md").read_text()
 
 
+def test_metrics_plot_draws_an_inf_perplexity_and_a_missing_interval_without_warnings():
+    import dataclasses
+    import warnings
+
+    import sample_results
+
+    from ptq.reporting.plots import metrics_figure
+
+    nan = math.nan
+    collapsed = dataclasses.replace(
+        sample_results.variant("collapsed", ppl_delta_pct=math.inf), perplexity_ci=(math.inf, math.inf)
+    )
+    unknown = dataclasses.replace(sample_results.variant("few", ppl_delta_pct=3.0), perplexity_ci=(nan, nan))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "invalid value encountered" from a NaN or inf bar
+        fig = metrics_figure(sample_results.compare_results(variants=[collapsed, unknown]))
+        fig.canvas.draw()
+    ax = fig.axes[0]  # perplexity
+    heights = [bar.get_height() for bar in ax.patches]
+    assert heights == [10.0, 0.0, pytest.approx(10.3)]  # the inf bar has no height; its label says inf
+    assert [t.get_text() for t in ax.texts] == ["10", "inf", "10.3"]
+    (segments,) = [c.get_segments() for c in ax.collections]  # the error bars: the baseline's interval only
+    assert [tuple(float(y) for _, y in seg) for seg in segments] == [(9.8, 10.2), (0.0, 0.0), (10.3, 10.3)]
+
+
 # --- trend ---------------------------------------------------------------------------------------
 
 
@@ -327,6 +528,99 @@ def test_trend_flags_changes_beyond_intervals(compared, ptq_cli, tmp_path):
     assert "1 change beyond the intervals" in data["verdict"]
     moved = next(m for m in data["trend"]["moves"] if m["beyond_intervals"])
     assert moved["worse"] is True
+
+
+def test_trend_names_every_difference_in_setup():
+    """Two runs that measured differently (task documents, --limit, shots, dtype, target, BOS, calibration) are not
+    a code change alone: the trend says what differs."""
+    import dataclasses
+
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.report import trend_section
+    from ptq.reporting.results import TaskScoring
+    from ptq.reporting.trend import trend
+
+    def run(n: int, sha: str, limit: float | None, shots: int, acc: float):
+        r = compare_results(baseline(tasks={"piqa": scores(n, acc=acc)}), [variant(tasks={"piqa": scores(n, acc=acc)})])
+        scoring = TaskScoring(harness="lm-eval 0.4.13", batch_size=4, limit=limit, num_fewshot=None, requested=["piqa"])
+        return dataclasses.replace(r, tasks=[task_info("piqa", {"acc": True}, n, sha, shots)], task_scoring=scoring)
+
+    old, new = run(20, "b" * 64, 20.0, 0, 0.8), run(500, "c" * 64, None, 5, 0.7)
+    same = trend(new, run(500, "c" * 64, None, 5, 0.7))
+    assert same["setup_changes"] == []
+    assert trend(new, old)["setup_changes"] == [
+        "task --limit: 20.0 -> None",
+        f"piqa documents: 20 (sha256 {'b' * 16}) -> 500 (sha256 {'c' * 16})",
+        "piqa shots: 0 -> 5",
+    ]
+    # compute dtype, --target, BOS and the calibration text's identity and amount
+    calibrated = dataclasses.replace(new, calibration=_calibration("d" * 64, windows=32))
+    other = dataclasses.replace(
+        new,
+        compute=dataclasses.replace(new.compute, dtype="bfloat16"),
+        target="transformers",
+        eval=dataclasses.replace(new.eval, bos=True),
+        calibration=_calibration("e" * 64, windows=8),
+    )
+    t = trend(other, calibrated)
+    assert t["setup_changes"] == [
+        "bos: False -> True",
+        "compute dtype: float32 -> bfloat16",
+        "target: vllm -> transformers",
+        f"calibration text (sha256): {'d' * 16} -> {'e' * 16}",
+        "calibration windows: 32 -> 8",
+    ]
+    assert f"calibration text (sha256): {'d' * 16} -> {'e' * 16}" in trend_section(t, calibrated)[3]
+    assert trend(new, calibrated)["setup_changes"] == [f"calibration text (sha256): {'d' * 16} -> None"] + [
+        "calibration windows: 32 -> None",
+        "calibration seq_len: 64 -> None",
+    ]
+
+
+def _calibration(sha: str, windows: int):
+    from ptq.reporting.results import CalibrationEntry, CalibrationFaults, CalibrationSummary
+
+    return CalibrationEntry(
+        source="calibrated in this run",
+        data="calib.txt",
+        data_sha256=sha,
+        windows=windows,
+        seq_len=64,
+        tokens=windows * 63,
+        batch_size=4,
+        summary=CalibrationSummary(layers=0, input_amax_min=1.0, input_amax_median=1.0, input_amax_max=1.0, largest=[]),
+        faults=CalibrationFaults(on_nonfinite="fail", unseen_layers=[], nonfinite_batches={}, warnings=[]),
+        layers=[],
+    )
+
+
+def test_report_exit_code_and_json_come_from_the_checks_it_shows(ptq_cli, tmp_path):
+    """A results file whose stored gates.passed disagrees with its numbers (an older ptq's, or edited): `ptq report`
+    judges the stored limits anew, and its markdown, --json and exit code all say the same."""
+    import dataclasses
+
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.results import Gates, dumps
+
+    r = compare_results(baseline(), [variant(ppl_delta_pct=3.0)])
+    stale_pass = dataclasses.replace(r, gates=Gates(limits=Limits(max_ppl_increase_pct=2.0), passed=True, checks=[]))
+    (tmp_path / "stale.json").write_text(dumps(stale_pass))
+    code, out, err = ptq_cli("report", tmp_path / "stale.json")
+    assert code == 1 and "- ❌ v: perplexity +3.00% > +2%" in out
+    assert "stores gates.passed true, but its numbers fail its limits" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = ptq_cli("report", tmp_path / "stale.json", "--json")
+    data = json.loads(out)
+    assert code == 1 and data["passed"] is False and data["gates"]["passed"] is False
+    assert [(c["metric"], c["value"], c["passed"]) for c in data["gates"]["checks"]] == [("ppl_delta_pct", 3.0, False)]
+    # and the other way round: a stored failure the numbers do not bear out
+    stale_fail = dataclasses.replace(r, gates=Gates(limits=Limits(max_ppl_increase_pct=5.0), passed=False, checks=[]))
+    (tmp_path / "stale_fail.json").write_text(dumps(stale_fail))
+    code, out, _ = ptq_cli("report", tmp_path / "stale_fail.json")
+    assert code == 0 and "✅ **All 1 gate checks pass**" in out
+    code, out, _ = ptq_cli("report", tmp_path / "stale_fail.json", "--json")
+    assert code == 0 and json.loads(out)["passed"] is True and json.loads(out)["gates"]["passed"] is True
 
 
 def test_report_refuses_a_file_that_is_not_results(ptq_cli, tmp_path):

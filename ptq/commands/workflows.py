@@ -44,7 +44,7 @@ from ptq.commands.options import (
 from ptq.commands.results import build_results, calibration_faults, recipe_summary
 from ptq.errors import PtqError
 from ptq.evaluation import harness
-from ptq.evaluation.data import Corpus, load_corpus, make_windows
+from ptq.evaluation.data import Corpus, load_corpus, make_windows, shared_text
 from ptq.evaluation.evaluate import evaluate
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
 from ptq.execution import batching, devices, distributed, streaming
@@ -59,7 +59,7 @@ from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_targets, resolve_plans
 from ptq.quantization.quantize import blockwise_unavailable, quantize_, quantize_variants, resolve_matmul
 from ptq.quantization.recipes import Recipe, load_recipe
-from ptq.reporting.gates import Limits, gate_results
+from ptq.reporting.gates import Limits, gate_results, rejudged
 from ptq.reporting.report import (
     render_markdown,
     report_outputs,
@@ -413,6 +413,16 @@ class _Measured:
         return False
 
 
+def _record_shared_text(calib: Calibration | None, calib_corpus: Corpus | None, eval_corpus: Corpus) -> None:
+    """When the calibration the recipes use (`calib`, calibrated here on `calib_corpus` or read from a file, whose
+    text's sha256 is all that is known) shares text with the evaluation text (ptq.evaluation.data.shared_text), say so
+    among its warnings: calibration.faults.warnings in results.json, a "Warning:" line in the report, one line on
+    stderr (as the range rule's warnings)."""
+    shared = shared_text(calib_corpus, eval_corpus, calib.metadata.get("data_sha256")) if calib else None
+    if shared:
+        calib.metadata = {**calib.metadata, "warnings": [*calib.metadata.get("warnings", []), shared]}
+
+
 def run_compare(
     recipes: list[str],
     *,
@@ -467,6 +477,7 @@ def run_compare(
         batch_size=compute.batch_size,
         placement=model.placement,
     )
+    _record_shared_text(calib if needs_calibration else None, calib_corpus, eval_corpus)
 
     layer_order = list(linear_layers(loaded.model))
     task_run = None
@@ -653,6 +664,7 @@ def run_eval(
         batch_size=compute.batch_size,
         placement=model.placement,
     )
+    _record_shared_text(calib if needed else None, calib_corpus, eval_corpus)
     layer_order = list(linear_layers(loaded.model))
     batch_size, task_run = compute.batch_size, None
     if streamed:
@@ -715,13 +727,24 @@ def run_report(
     plots: bool = True,
     force: bool = False,
 ) -> tuple[CompareResults, CompareResults | None, str]:
-    """Render a compare results file (gates from `limits` if any are given, else those stored by compare) as
-    markdown, with a trend against `previous_file`; write it (and its plots) to `output` if given. Returns the
-    results as judged, the previous results and the markdown."""
+    """Render a compare results file (gates from `limits` if any are given, else the limits stored by compare, judged
+    anew on the numbers) as markdown, with a trend against `previous_file`; write it (and its plots) to `output` if
+    given. Returns the results as judged (their `gates` are what the markdown shows and the exit code follows), the
+    previous results and the markdown."""
     results = load_compare(results_file)
     previous = load_compare(previous_file, "previous results file") if previous_file else None
     if limits is not None and limits.any():
         results = dataclasses.replace(results, gates=gate_results(results, limits))
+    elif results.gates is not None:
+        stored = results.gates.passed
+        results = rejudged(results)
+        if stored != results.gates.passed:
+            stderr.print(
+                f"warning: {results_file} stores gates.passed {str(stored).lower()}, but its numbers "
+                f"{'pass' if results.gates.passed else 'fail'} its limits: judged on the numbers",
+                highlight=False,
+                soft_wrap=True,
+            )
     if output is None:
         return results, previous, render_markdown(results, previous)
     for path in report_outputs(Path(output), results, plots):
@@ -918,7 +941,21 @@ def run_quantize(
             unrounded = export.unapplied_input_layers(
                 loaded.model, quantized, conv1d=bool(conv1d), dynamic=r.inputs.dynamic
             )
-            own_rounding = engines.unlike_reload_loader(r.inputs, target)
+            # The loader first, so that the simulation computes its arithmetic: compressed-tensors in transformers takes
+            # one dynamic "token" scale for a whole 2-D input (ptq's reader, and vLLM, scale each token).
+            reloaded, load_info = export.reload_or_read(
+                tmp, conv1d=bool(conv1d), trust_remote_code=model.trust_remote_code
+            )
+            one_scale = (
+                []
+                if "loader" in load_info
+                else export.token_rule_layers(
+                    loaded.model, r, [n for n in quantized if n not in unrounded], windows.input_ids
+                )
+            )
+            own_rounding = "; ".join(
+                filter(None, (engines.unlike_reload_loader(r.inputs, target), export.describe_token_rule(one_scale)))
+            )
             own = (
                 (
                     own_rounding,
@@ -936,11 +973,12 @@ def run_quantize(
             )
             disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
             scales = export.unapplied_scales(loaded.model, unrounded, calib, plans[r.name])
-            simulated = export.simulate_export(loaded.model, r, calib, unrounded_inputs=unrounded, target=target)
+            simulated = export.simulate_export(
+                loaded.model, r, calib, unrounded_inputs=unrounded, target=target, one_scale_2d_inputs=one_scale
+            )
             expected = export.simulated_tensors(simulated, disk, conv1d)
             # the experts' input scales as the target engine has them (vllm: one per layer, the largest)
             scales = {k: expected.get(k, v) for k, v in scales.items()}
-            reloaded, load_info = export.reload_or_read(tmp, conv1d=bool(conv1d))
             reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU
             info["verification"] = export.verify(
                 simulated,
@@ -958,6 +996,7 @@ def run_quantize(
                 "loader", "transformers AutoModelForCausalLM.from_pretrained"
             )
             info["verification"] |= {
+                "loader_one_scale_2d_inputs": one_scale,  # export.token_rule_layers: so in the check's simulation only
                 "data": corpus.source,
                 "data_sha256": corpus.sha256,
                 "description": windows.description,

@@ -275,6 +275,54 @@ def _short_reason(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# Calibration text in the evaluation text
+
+SHORT_DOCUMENT = 100  # characters, whitespace normalized: shorter documents may be shared by chance
+SHORT_SHARE = 0.01  # ... so they count only when together they make this share of the evaluation text
+
+
+def shared_text(calibration: Corpus | None, evaluation: Corpus, calibration_sha256: str | None = None) -> str | None:
+    """What the calibration text shares with the evaluation text, in one line for a warning and the report; None when
+    they share nothing. Scales calibrated on the text a variant is then scored on can flatter it, so this is said, not
+    refused (a user may do it on purpose). `calibration`: the text calibrated on in this run, matched as a whole (its
+    sha256) and document by document (equal up to whitespace); for a calibration file only its text's sha256
+    (`calibration_sha256`) is known, and only the whole text can match. Documents under SHORT_DOCUMENT characters
+    (headings, one-line rows: unrelated texts share some by chance, as wikitext's train and test splits share section
+    headings) count only when together they make at least SHORT_SHARE of the evaluation text."""
+    sha = calibration.sha256 if calibration is not None else calibration_sha256
+    if sha is not None and sha == evaluation.sha256:
+        return (
+            f"the calibration text is the evaluation text ({evaluation.source}, sha256 {sha[:16]}): the variants are "
+            "scored on the text their scales were calibrated on, which can flatter them"
+        )
+    if calibration is None:
+        return None
+    calibrated = [_words(d) for d in calibration.documents]
+    known = set(calibrated)
+    evaluated = [_words(d) for d in evaluation.documents]
+    total = sum(map(len, evaluated))
+    shared = [d for d in evaluated if d in known]
+    short = [d for d in shared if len(d) < SHORT_DOCUMENT]
+    if sum(map(len, short)) < SHORT_SHARE * total:
+        shared = [d for d in shared if len(d) >= SHORT_DOCUMENT]
+    if not shared:
+        return None
+    share = sum(map(len, shared)) / total
+    counted = set(shared)
+    in_calibration = sum(d in counted for d in calibrated)
+    return (
+        f"{len(shared)} of the {len(evaluated)} evaluation documents ({100 * share:.1f}% of the evaluation text) are "
+        f"also calibration documents ({in_calibration} of {len(calibrated)}): the variants are partly scored on the "
+        "text their scales were calibrated on, which can flatter them"
+    )
+
+
+def _words(document: str) -> str:
+    """A document with its whitespace normalized: what two documents must share to count as the same."""
+    return " ".join(document.split())
+
+
+# ----------------------------------------------------------------------------------------------
 # Markdown cleaning
 
 # The words stay; the markup goes, so the model sees plain text: speaker names and stage

@@ -37,7 +37,12 @@ class Scores:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.nll_sum / self.tokens)
+        """exp(mean NLL); inf past the float range (a mean NLL above ~709.78 nats: a collapsed variant), as numpy
+        would give, so that the report says so and a gate fails rather than the run stopping."""
+        try:
+            return math.exp(self.nll_sum / self.tokens)
+        except OverflowError:
+            return math.inf
 
     @property
     def accuracy(self) -> float:

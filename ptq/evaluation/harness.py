@@ -547,9 +547,11 @@ def _sha256(hashes: list[str]) -> str:
 def add_task_metrics(entry: dict, run: HarnessRun, tasks: list[dict], baseline: str | None = None) -> None:
     """entry["tasks"] = {task: {metric: lm-eval's value, metric_stderr: lm-eval's, metric_ci: bootstrap 95%, n}};
     with a baseline also entry["task_deltas"] = {task: {metric: {delta, stderr, ci, significant, n, recovery_pct}}},
-    paired on the same documents, and entry["task_samples"] (the per-document values the intervals resample)."""
+    paired on the same documents, and entry["task_samples"] (the per-document values the intervals resample).
+    recovery_pct is 100 * variant / baseline either way; only a higher-is-better metric (as lm-eval records it for
+    the task) takes an accuracy's rule that a zero baseline counts as 100%."""
     from ptq.evaluation import stats
-    from ptq.reporting.gates import accuracy_recovery_pct
+    from ptq.reporting.gates import accuracy_recovery_pct, higher_is_better, ratio_pct
 
     mine = run.models[entry["name"]]
     entry["tasks"], entry["task_samples"], deltas = {}, {}, {}
@@ -574,7 +576,9 @@ def add_task_metrics(entry: dict, run: HarnessRun, tasks: list[dict], baseline: 
             if baseline is not None:
                 base = run.models[baseline]
                 d = stats.paired_delta(base.samples[name][key], values, stats.difference)
-                d["recovery_pct"] = accuracy_recovery_pct(float(reported[key]), float(base.results[name][key]))
+                # an accuracy's recovery (a zero baseline counts as 100%), or a lower-is-better metric's plain ratio
+                recover = accuracy_recovery_pct if higher_is_better(metric, task.get("higher_is_better")) else ratio_pct
+                d["recovery_pct"] = recover(float(reported[key]), float(base.results[name][key]))
                 deltas.setdefault(name, {})[metric] = d
         entry["tasks"][name] = {**row, "n": task["n"]}
         entry["task_samples"][name] = samples

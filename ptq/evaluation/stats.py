@@ -5,6 +5,16 @@ A variant and the baseline are scored on the same units, so their difference is 
 each resample draws one set of units and computes both metrics on it. Unit-to-unit difficulty then
 cancels, and the interval of the difference is far narrower than the two intervals side by side would
 suggest. A difference is "distinguishable from zero" when its 95% interval excludes 0.
+
+Fewer than MIN_UNITS units give no interval: the standard error and both ends are NaN (results.json's value for a
+number that is not available) and no difference is distinguishable from zero. With n <= 3 units the resample that
+draws the smallest unit n times has probability n ** -n >= 1/27 = 3.7%, above the 2.5% of a tail (and so for the
+largest), so the percentile "interval" is the smallest and largest unit: the range of the data, not an estimate
+(two windows of one sign made any difference "distinguishable"). From MIN_UNITS up the interval exists but is still
+narrower than a 95% one for few units (docs/reports.md gives its measured coverage).
+
+A statistic that overflows (the perplexity of a collapsed variant, exp of a mean NLL past 709 nats) is inf, and so
+are the interval's ends that it reaches; they are not interpolated into NaN.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ RESAMPLES = 2000
 SEED = 0
 CONFIDENCE = 0.95
 _CHUNK = 200  # resamples drawn at a time, so memory stays at _CHUNK x units
+MIN_UNITS = 4  # fewer units: no standard error, no interval, never distinguishable from zero (see above)
+NOT_AVAILABLE = float("nan")
 
 Statistic = Callable[[np.ndarray], np.ndarray]  # unit means along the last axis -> the metric
 
@@ -48,37 +60,60 @@ def _resampled_means(units: np.ndarray) -> np.ndarray:
 
 def _interval(samples: np.ndarray) -> list[float]:
     tail = 100 * (1 - CONFIDENCE) / 2
-    lo, hi = np.percentile(samples, [tail, 100 - tail])
+    if np.isfinite(samples).all():
+        lo, hi = np.percentile(samples, [tail, 100 - tail])
+    else:  # inf - inf would interpolate to NaN: take the samples at or beyond each end instead
+        lo = np.percentile(samples, tail, method="lower")
+        hi = np.percentile(samples, 100 - tail, method="higher")
     return [float(lo), float(hi)]
 
 
+def _spread(samples: np.ndarray) -> tuple[float, list[float]]:
+    """The standard error and 95% interval of bootstrap `samples` of a statistic."""
+    with np.errstate(invalid="ignore"):  # inf samples: the standard error is NaN, not a warning
+        stderr = float(samples.std(ddof=1))
+    return stderr, _interval(samples)
+
+
+def _check_units(n: int) -> None:
+    if n == 0:
+        raise ValueError("cannot bootstrap zero units")
+
+
 def estimate(units, statistic: Statistic = identity) -> dict:
-    """`statistic(mean of units)` with its bootstrap standard error and 95% interval."""
+    """`statistic(mean of units)` with its bootstrap standard error and 95% interval (NaN with fewer than MIN_UNITS
+    units)."""
     units = np.asarray(units, dtype=np.float64)
-    samples = statistic(_resampled_means(units)[0])
-    return {
-        "value": float(statistic(units.mean())),
-        "stderr": float(samples.std(ddof=1)) if len(units) > 1 else 0.0,
-        "ci": _interval(samples),
-        "n": int(len(units)),
-    }
+    _check_units(len(units))
+    with np.errstate(over="ignore"):  # exp of a huge mean NLL: an infinite perplexity, as it is
+        value = float(statistic(units.mean()))
+        if len(units) < MIN_UNITS:
+            stderr, ci = NOT_AVAILABLE, [NOT_AVAILABLE, NOT_AVAILABLE]
+        else:
+            stderr, ci = _spread(statistic(_resampled_means(units)[0]))
+    return {"value": value, "stderr": stderr, "ci": ci, "n": int(len(units))}
 
 
 def paired_delta(base_units, variant_units, delta: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> dict:
     """`delta(variant mean, base mean)` on the same units, with a paired bootstrap interval and whether
-    that interval excludes zero."""
+    that interval excludes zero (never with fewer than MIN_UNITS units: then no interval, NaN)."""
     base_units = np.asarray(base_units, dtype=np.float64)
     variant_units = np.asarray(variant_units, dtype=np.float64)
     if base_units.shape != variant_units.shape:
         raise ValueError(f"paired units differ in shape: {base_units.shape} vs {variant_units.shape}")
-    base_samples, variant_samples = _resampled_means(np.stack([base_units, variant_units]))
-    samples = delta(variant_samples, base_samples)
-    ci = _interval(samples)
+    _check_units(len(base_units))
+    with np.errstate(over="ignore"):  # a collapsed variant's perplexity ratio: inf, as it is
+        value = float(delta(variant_units.mean(), base_units.mean()))
+        if len(base_units) < MIN_UNITS:
+            stderr, ci = NOT_AVAILABLE, [NOT_AVAILABLE, NOT_AVAILABLE]
+        else:
+            base_samples, variant_samples = _resampled_means(np.stack([base_units, variant_units]))
+            stderr, ci = _spread(delta(variant_samples, base_samples))
     return {
-        "delta": float(delta(variant_units.mean(), base_units.mean())),
-        "stderr": float(samples.std(ddof=1)) if len(base_units) > 1 else 0.0,
+        "delta": value,
+        "stderr": stderr,
         "ci": ci,
-        "significant": bool(ci[0] > 0 or ci[1] < 0),
+        "significant": bool(ci[0] > 0 or ci[1] < 0),  # False for NaN ends: no interval, nothing distinguished
         "n": int(len(base_units)),
     }
 

@@ -4,20 +4,24 @@
                                   100 * (ppl_variant / ppl_baseline - 1) <= 2
     --min-accuracy-recovery 99%   accuracy recovery = accuracy_variant / accuracy_baseline >= 99%,
                                   for next-token accuracy and for every task in the results, each of its
-                                  higher-is-better metrics (acc and acc_norm; exact_match per filter);
+                                  higher-is-better metrics (acc and acc_norm; exact_match per filter; the
+                                  direction is the one results.json records per task, lm-eval's);
                                   `TASK=98%` sets one task's limit (`next-token` names next-token accuracy);
                                   a task with a limit but no score in the results fails its gate
     --max-kl 0.01                 mean KL(p_baseline || p_variant) <= 0.01 nats per predicted token
 
-A gate is a budget on the point estimate: it fails when the measured value is beyond the limit. Intervals,
-where results carry them, are reported next to the values but do not decide a gate. Percent limits need the
-'%' sign, so that "0.99" can never be mistaken for 99%.
+A gate is a budget on the point estimate: it fails when the measured value is beyond the limit or not a number (a
+NaN never passes). Intervals, where results carry them, are reported next to the values but do not decide a gate.
+Percent limits need the '%' sign, so that "0.99" can never be mistaken for 99%.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from ptq.errors import PtqError
-from ptq.reporting.results import Check, CompareResults, Entry, Gates, Limits, TaskMetric
+from ptq.reporting.results import Check, CompareResults, Entry, Gates, Limits, Results, TaskInfo, TaskMetric
 
 NEXT_TOKEN = "next-token"  # the name of next-token accuracy among the tasks of --min-accuracy-recovery
 
@@ -65,7 +69,9 @@ def parse_limits(
     return Limits(ppl, default, per_task, kl)
 
 
-LOWER_IS_BETTER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter")  # lm-eval's
+# lm-eval's lower-is-better metrics, for a metric whose direction the results do not record (results.json records
+# lm-eval's own per task, TaskInfo.higher_is_better, and that decides wherever it is known)
+LOWER_IS_BETTER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter")
 
 
 def task_scores(entry: Entry) -> dict[str, dict[str, TaskMetric]]:
@@ -73,13 +79,57 @@ def task_scores(entry: Entry) -> dict[str, dict[str, TaskMetric]]:
     return {name: scores.metrics for name, scores in (entry.tasks or {}).items()}
 
 
-def higher_is_better(metric: str) -> bool:
-    return metric.partition(",")[0] not in LOWER_IS_BETTER
+def higher_is_better(metric: str, recorded: dict[str, bool] | None = None) -> bool:
+    """Whether a higher value of a task metric is better: as `recorded` (a TaskInfo's higher_is_better, keyed by
+    lm-eval's metric name, without the filter) says, else by the names of LOWER_IS_BETTER."""
+    name = metric.partition(",")[0]
+    for key in (metric, name):
+        if recorded and key in recorded:
+            return bool(recorded[key])
+    return name not in LOWER_IS_BETTER
+
+
+def task_info(results: Results, task: str) -> TaskInfo | None:
+    return next((t for t in results.tasks or [] if t.name == task), None)
+
+
+def task_higher_is_better(results: Results, task: str, metric: str) -> bool:
+    """A task metric's direction, as the results record it for that task (lm-eval's), else by its name."""
+    info = task_info(results, task)
+    return higher_is_better(metric, info.higher_is_better if info else None)
+
+
+def entries(results: Results) -> list[Entry]:
+    return [results.baseline, *results.variants] if isinstance(results, CompareResults) else [results.config]
+
+
+def task_metric_is_share(results: Results, task: str, metric: str) -> bool:
+    """Whether a task metric is a share in [0, 1] (acc, exact_match: printed as a percentage) rather than a quantity
+    in its own units (likelihood_diff, in nats): every per-document value the results hold lies in [0, 1] (a mean of
+    them then does too); without per-document values, every value and interval end does."""
+    samples = [value for e in entries(results) for value in ((e.task_samples or {}).get(task) or {}).get(metric) or []]
+    if not samples:
+        for e in entries(results):
+            m = task_scores(e).get(task, {}).get(metric)
+            if m is not None:
+                samples += [m.value, *m.ci]
+    return all(0.0 <= value <= 1.0 for value in samples if not math.isnan(value))  # a NaN (no interval) says nothing
 
 
 def accuracy_recovery_pct(variant_acc: float, baseline_acc: float) -> float:
-    """100 * variant / baseline; a zero baseline cannot be fallen short of (100%)."""
+    """100 * variant / baseline; a zero baseline cannot be fallen short of (100%); NaN when either is NaN (a NaN
+    fails every gate)."""
+    if math.isnan(variant_acc) or math.isnan(baseline_acc):
+        return math.nan
     return 100.0 * (variant_acc / baseline_acc) if baseline_acc > 0 else 100.0  # equal accuracies: exactly 100
+
+
+def ratio_pct(variant: float, baseline: float) -> float:
+    """100 * variant / baseline for a lower-is-better metric (above 100: worse); 100 when both are 0, NaN when only
+    the baseline is 0 or either is NaN."""
+    if baseline == 0:
+        return 100.0 if variant == 0 else math.nan
+    return 100.0 * variant / baseline
 
 
 def check(results: CompareResults, limits: Limits) -> list[Check]:
@@ -97,7 +147,7 @@ def check(results: CompareResults, limits: Limits) -> list[Check]:
             (t, m): (variant_tasks[t][m].value, s.value)
             for t, metrics in base_tasks.items()
             for m, s in metrics.items()
-            if m in variant_tasks.get(t, {}) and higher_is_better(m)
+            if m in variant_tasks.get(t, {}) and task_higher_is_better(results, t, m)
         }
         for (task, metric), (acc, base_acc) in accuracies.items():
             limit = limits.task_accuracy_recovery_pct.get(task, limits.min_accuracy_recovery_pct)
@@ -124,3 +174,14 @@ def gate_results(results: CompareResults, limits: Limits) -> Gates | None:
 def stored_checks(results: CompareResults) -> list[Check]:
     """The checks of a results file, recomputed from its stored limits (so they always match the numbers)."""
     return check(results, results.gates.limits) if results.gates else []
+
+
+def rejudged(results: CompareResults) -> CompareResults:
+    """The results with their stored gates judged anew from the stored limits: the checks and `passed` of the
+    numbers as they are, whatever flag the file stored (an older ptq's, or one edited by hand). What `ptq report`
+    renders, prints with --json and exits by."""
+    if results.gates is None:
+        return results
+    checks = stored_checks(results)
+    gates = Gates(limits=results.gates.limits, passed=all(c.passed for c in checks), checks=checks)
+    return dataclasses.replace(results, gates=gates)

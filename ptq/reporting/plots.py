@@ -10,6 +10,7 @@ version or date, so the same results give the same bytes.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -92,15 +93,19 @@ def metrics_figure(results: CompareResults):
     for ax, (key, label, factor) in zip(axes, panels):
         rows = [(i, e) for i, e in enumerate(entries) if hasattr(e, key)]  # the baseline has no KL or agreement
         xs = [i for i, _ in rows]
-        ys = [factor * getattr(e, key) for _, e in rows]
+        values = [factor * getattr(e, key) for _, e in rows]
+        # A bar of inf (a collapsed variant's perplexity) or NaN cannot be drawn: height 0, its value written on it.
+        # An interval that is not there (NaN ends: too few windows) or not finite: no error bar.
+        ys = [y if math.isfinite(y) else 0.0 for y in values]
         err = [[0.0] * len(rows), [0.0] * len(rows)]
         for j, (_, e) in enumerate(rows):
             value, (low, high) = getattr(e, key), getattr(e, f"{key}_ci")
-            err[0][j], err[1][j] = factor * value - factor * low, factor * high - factor * value
+            if all(map(math.isfinite, (value, low, high))):
+                err[0][j], err[1][j] = factor * value - factor * low, factor * high - factor * value
         ax.bar(xs, ys, color=[COLORS[i % len(COLORS)] for i in xs], yerr=err if any(map(any, err)) else None, capsize=4)
-        for x, y in zip(xs, ys):
+        for x, y, value in zip(xs, ys, values):
             ax.annotate(
-                f"{y:.4g}", (x, y), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points"
+                f"{value:.4g}", (x, y), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points"
             )
         limit = _limit_line(key, base, limits)
         if limit is not None:

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ptq.evaluation.stats import MIN_UNITS
 from ptq.files import check_writable, write_text_atomic, write_texts_atomic
-from ptq.reporting.gates import stored_checks
+from ptq.reporting.gates import (
+    accuracy_recovery_pct,
+    rejudged,
+    stored_checks,
+    task_higher_is_better,
+    task_metric_is_share,
+)
 from ptq.reporting.results import (
     CalibrationFaults,
     Check,
@@ -22,6 +29,7 @@ from ptq.reporting.results import (
     Results,
     Variant,
     dumps,
+    fmt_against,
     to_json,
 )
 from ptq.reporting.trend import LABELS, Move, trend
@@ -126,6 +134,11 @@ def _cell(text: str, failed: list[Check]) -> str:
     return f"**{text}** {FAIL}" if failed else text
 
 
+def _limit(checks: list[Check]) -> float | None:
+    """The limit of a cell's check (the first, where several share the cell)."""
+    return checks[0].limit if checks else None
+
+
 def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
     base = r.baseline
     by_cell: dict[tuple[str, str], list[Check]] = {}
@@ -139,14 +152,17 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
     for v in r.variants:
         fails = [c for c in checks if c.variant == v.name and not c.passed]
         mark = f" {FAIL}" if fails else (f" {PASS}" if any(c.variant == v.name for c in checks) else "")
-        recovery = 100 * v.accuracy / base.accuracy if base.accuracy > 0 else 100.0
-        cell = {
-            m: [c for c in by_cell.get((v.name, m), []) if not c.passed]
-            for m in ("ppl_delta_pct", "accuracy_recovery_pct", "kl_div")
-        }
-        ppl_delta = _cell(f"{v.ppl_delta_pct:+.2f}%", cell["ppl_delta_pct"])
-        recovery = _cell(f"{recovery:.2f}%", cell["accuracy_recovery_pct"])
-        kl = _cell(f"{v.kl_div:.5f}", cell["kl_div"])
+        recovery = accuracy_recovery_pct(v.accuracy, base.accuracy)
+        gated = {m: by_cell.get((v.name, m), []) for m in ("ppl_delta_pct", "accuracy_recovery_pct", "kl_div")}
+        cell = {m: [c for c in checks if not c.passed] for m, checks in gated.items()}
+        # a value next to its limit gets the digits that tell it from the limit (+2.004% against 2%, not +2.00%)
+        ppl_delta = _cell(
+            f"{fmt_against(v.ppl_delta_pct, _limit(gated['ppl_delta_pct']), '+.2f')}%", cell["ppl_delta_pct"]
+        )
+        recovery = _cell(
+            f"{fmt_against(recovery, _limit(gated['accuracy_recovery_pct']), '.2f')}%", cell["accuracy_recovery_pct"]
+        )
+        kl = _cell(fmt_against(v.kl_div, _limit(gated["kl_div"]), ".5f"), cell["kl_div"])
         lines.append(
             f"| {v.name}{mark} | {v.recipe.weights} | {v.recipe.inputs} | {v.perplexity:.4f} "
             f"| {ppl_delta} | {100 * v.accuracy:.2f}% | {recovery} | {kl} | {100 * v.top1_agreement:.2f}% |"
@@ -162,14 +178,16 @@ def gates_note(r: CompareResults) -> str:
     )
 
 
-def _fmt(metric: str, value: float) -> str:
+def _fmt(metric: str, value: float, share: bool | None = None) -> str:
     if metric == "perplexity":
         return f"{value:.4f}"
     if metric == "ppl_delta_pct":
         return f"{value:+.2f}%"
     if metric == "kl_div":
         return f"{value:.5f}"
-    return f"{100 * value:.2f}%"  # accuracy, agreement: fractions
+    if share is False:
+        return f"{value:.4f}"  # a task metric in its own units (likelihood_diff, nats)
+    return f"{100 * value:.2f}%"  # accuracy, agreement, a task metric that is a share: fractions
 
 
 def _fmt_change(m: Move) -> str:
@@ -180,11 +198,15 @@ def _fmt_change(m: Move) -> str:
         return f"{m.change:+.2f} points"
     if m.metric == "kl_div":
         return f"{m.change:+.5f}"
+    if m.share is False:
+        return f"{m.change:+.4f}"
     return f"{100 * m.change:+.2f} points"
 
 
-def _ci_text(ci: tuple[float, float], metric: str) -> str:
-    return f" [{_fmt(metric, ci[0]).lstrip('+')}, {_fmt(metric, ci[1]).lstrip('+')}]"
+def _ci_text(ci: tuple[float, float], metric: str, share: bool | None = None) -> str:
+    if any(c != c for c in ci):  # no interval (fewer units than one needs)
+        return " [n/a]"
+    return f" [{_fmt(metric, ci[0], share).lstrip('+')}, {_fmt(metric, ci[1], share).lstrip('+')}]"
 
 
 def trend_section(t: dict, previous: CompareResults) -> list[str]:
@@ -203,10 +225,12 @@ def trend_section(t: dict, previous: CompareResults) -> list[str]:
     lines += ["", "| recipe | metric | previous | now | change | beyond intervals |", "|---|---|---:|---:|---:|:---:|"]
     for m in moves:
         label = (m.task if " " in m.task else f"{m.task} accuracy") if m.task else LABELS[m.metric]
+        if m.task and m.better == "lower":
+            label += " (lower is better)"
         flag = f"{MOVED} {'worse' if m.worse else 'better'}" if m.beyond_intervals else "no"
         lines.append(
-            f"| {m.entry} | {label} | {_fmt(m.metric, m.previous)}{_ci_text(m.previous_ci, m.metric)} "
-            f"| {_fmt(m.metric, m.current)}{_ci_text(m.current_ci, m.metric)} | {_fmt_change(m)} | {flag} |"
+            f"| {m.entry} | {label} | {_fmt(m.metric, m.previous, m.share)}{_ci_text(m.previous_ci, m.metric, m.share)} "
+            f"| {_fmt(m.metric, m.current, m.share)}{_ci_text(m.current_ci, m.metric, m.share)} | {_fmt_change(m)} | {flag} |"
         )
     return lines
 
@@ -511,8 +535,11 @@ def render_coverage(r: CompareResults) -> list[str]:
     return lines
 
 
-def _ci(ci: tuple[float, float], scale: float = 1, fmt: str = ".2f") -> str:
-    return f"[{scale * ci[0]:{fmt}}, {scale * ci[1]:{fmt}}]"
+def _ci(ci: tuple[float, float], scale: float = 1, fmt: str = ".2f", unit: str = "") -> str:
+    """An interval as [lo, hi]; "n/a" where there is none (NaN ends: fewer units than an interval needs)."""
+    if any(c != c for c in ci):
+        return "n/a"
+    return f"[{scale * ci[0]:{fmt}}, {scale * ci[1]:{fmt}}]{unit}"
 
 
 def _distinguishable(significant: bool) -> str:
@@ -530,7 +557,8 @@ def intervals_section(r: CompareResults) -> list[str]:
         f"{base.name} and the variant) and is distinguishable from zero when its interval excludes 0. The "
         "intervals cover the choice of windows, not the rounding: scales that differ in their last digits can "
         "move a perplexity delta by tenths of a point while the KL barely moves (ptq's docs/paper.md, \"Noise beyond "
-        'the intervals"); compare close recipes by their KL.',
+        f'the intervals"); compare close recipes by their KL. Fewer than {MIN_UNITS} windows give no interval (n/a): '
+        "with so few, a percentile interval is only the range of the windows.",
         "",
         f"| variant | perplexity | 95% CI | Δ ppl vs {base.name} | 95% CI | distinguishable from 0 "
         "| next-token acc | 95% CI | Δ acc (points) | 95% CI | distinguishable from 0 |",
@@ -541,7 +569,7 @@ def intervals_section(r: CompareResults) -> list[str]:
     for v in r.variants:
         lines.append(
             f"| {v.name} | {v.perplexity:.4f} | {_ci(v.perplexity_ci, fmt='.4f')} | {v.ppl_delta_pct:+.2f}% "
-            f"| {_ci(v.ppl_delta_pct_ci, fmt='+.2f')}% | {_distinguishable(v.ppl_delta_significant)} "
+            f"| {_ci(v.ppl_delta_pct_ci, fmt='+.2f', unit='%')} | {_distinguishable(v.ppl_delta_significant)} "
             f"| {100 * v.accuracy:.2f}% | {_ci(v.accuracy_ci, 100)} | {100 * v.accuracy_delta:+.2f} "
             f"| {_ci(v.accuracy_delta_ci, 100, '+.2f')} | {_distinguishable(v.accuracy_delta_significant)} |"
         )
@@ -563,26 +591,48 @@ def tasks_section(r: Results) -> list[str]:
         head += f" Δ vs {base_name} (points) | 95% CI | distinguishable from 0 | recovery |"
         rule += "---:|---:|---|---:|"
     lines += [head, rule]
+    # the recovery gates' limits, so that a recovery next to its limit is printed with the digits that tell them apart
+    limits = {(c.variant, c.task, c.task_metric): c.limit for c in stored_checks(r)} if compare else {}
+    in_units, lower = [], []  # metrics that are not shares in [0, 1] (not printed as percentages); lower is better
     for task in r.tasks:
         for metric in task.metrics:
+            share = task_metric_is_share(r, task.name, metric)
+            scale, unit, places = (100, "%", 2) if share else (1, "", 4)
+            if not share:
+                in_units.append(f"{task.name} {metric}")
+            label = metric
+            if not task_higher_is_better(r, task.name, metric):
+                label += " (lower is better)"
+                lower.append(f"{task.name} {metric}")
             for e in entries:
                 t = e.tasks[task.name]
                 m = t.metrics[metric]
                 shots = "" if task.num_fewshot is None else task.num_fewshot
                 row = (
-                    f"| {task.name} | {metric} | {t.n} | {shots} | "
+                    f"| {task.name} | {label} | {t.n} | {shots} | "
                     f"{'**' + e.name + '**' if e.name == base_name else e.name} | "
-                    f"{100 * m.value:.2f}% | {_ci(m.ci, 100)} |"
+                    f"{scale * m.value:.{places}f}{unit} | {_ci(m.ci, scale, f'.{places}f')} |"
                 )
                 if base_name:
                     d = task_delta(e, task.name, metric)
+                    recovery = fmt_against(d.recovery_pct, limits.get((e.name, task.name, metric)), ".2f") if d else ""
                     row += (
-                        f" {100 * d.delta:+.2f} | {_ci(d.ci, 100, '+.2f')} | {_distinguishable(d.significant)} "
-                        f"| {d.recovery_pct:.2f}% |"
+                        f" {scale * d.delta:+.{places}f} | {_ci(d.ci, scale, f'+.{places}f')} "
+                        f"| {_distinguishable(d.significant)} | {recovery}% |"
                         if d
                         else " | | | |"
                     )
                 lines.append(row)
+    if any(t.n < MIN_UNITS for t in r.tasks):
+        lines += ["", f"Fewer than {MIN_UNITS} documents give no interval (n/a): with so few, it is only their range."]
+    if in_units:
+        lines += ["", f"In their own units, not percentages (values, intervals and deltas): {', '.join(in_units)}."]
+    if lower:
+        lines += [
+            "",
+            f"Lower is better (as lm-eval records it): {', '.join(lower)}; recovery is variant / baseline, so above "
+            "100% is a loss there, and the accuracy-recovery gate does not apply.",
+        ]
     lines += ["", "Tasks:", ""]
     for task in r.tasks:
         chance = (
@@ -635,10 +685,11 @@ def render_eval_markdown(r: EvalResults) -> str:
 
 def report_summary(results: CompareResults, previous: CompareResults | None, output: Path | None) -> dict:
     """What `ptq report --json` prints: the verdict, whether every gate passed, the gates, and the trend."""
+    results = rejudged(results)  # one set of checks for the verdict, `passed` and `gates`
     moves = trend(results, previous) if previous is not None else None
     return {
         "verdict": verdict(results, None, moves),
-        "passed": all(c.passed for c in stored_checks(results)),
+        "passed": results.gates.passed if results.gates else True,
         "gates": to_json(results.gates),
         "output": str(output) if output else None,
         "trend": None if moves is None else moves | {"moves": [m.to_json() for m in moves["moves"]]},

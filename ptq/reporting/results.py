@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -343,6 +344,18 @@ class Limits:
         return parts
 
 
+def fmt_against(value: float, limit: float | None, spec: str) -> str:
+    """`value` formatted by `spec` ("+.2f", ".2f", ".5f", ".4g"), with as many more digits as it takes not to read
+    as `limit` when it is not the limit: a Δ ppl of 2.004% against a 2% limit prints +2.004%, not +2.00%, and a KL of
+    4e-06 against 1e-06 prints 0.000004 under ".5f", not 0.00000. Values well away from the limit print as `spec`."""
+    sign, _, rest = spec.rpartition(".")
+    digits, kind = int(rest[:-1]), rest[-1]
+    if limit is not None and math.isfinite(value) and math.isfinite(limit) and value != limit:
+        while digits < 17 and float(f"{value:.{digits}{kind}}") == float(f"{limit:.{digits}{kind}}"):
+            digits += 1
+    return f"{value:{sign}.{digits}{kind}}"
+
+
 @dataclass(frozen=True)
 class Check:
     """One gate against one variant."""
@@ -359,11 +372,20 @@ class Check:
         if self.value is None:
             return f"{self.variant}: {self.task} accuracy was not measured (its gate needs it)"
         if self.metric == "ppl_delta_pct":
-            return f"{self.variant}: perplexity {self.value:+.2f}% {'<=' if self.passed else '>'} +{self.limit:g}%"
+            value = fmt_against(self.value, self.limit, "+.2f")
+            return f"{self.variant}: perplexity {value}% {self._op('<=', '>')} +{self.limit:g}%"
         if self.metric == "kl_div":
-            return f"{self.variant}: KL {self.value:.4g} {'<=' if self.passed else '>'} {self.limit:g}"
+            value = fmt_against(self.value, self.limit, ".4g")
+            return f"{self.variant}: KL {value} {self._op('<=', '>')} {self.limit:g}"
         what = f"{self.task} {self.task_metric}" if self.task_metric else f"{self.task} accuracy"
-        return f"{self.variant}: {what} recovery {self.value:.2f}% {'>=' if self.passed else '<'} {self.limit:g}%"
+        value = fmt_against(self.value, self.limit, ".2f")
+        return f"{self.variant}: {what} recovery {value}% {self._op('>=', '<')} {self.limit:g}%"
+
+    def _op(self, meets: str, beyond: str) -> str:
+        """How the value compares with the limit: a NaN is neither within nor beyond it, and fails."""
+        if self.passed:
+            return meets
+        return f"is not {meets}" if self.value is not None and math.isnan(self.value) else beyond
 
 
 @dataclass(frozen=True, kw_only=True)

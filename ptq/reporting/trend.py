@@ -2,14 +2,16 @@
 
 Entries are matched by name (the baseline, each variant, each task). A change is flagged as beyond its
 intervals when the two runs' 95% intervals for the metric (its `<metric>_ci` field, [low, high]) do not
-overlap, a conservative test.
+overlap, a conservative test. Whether a change is better or worse follows the metric's direction: for a task metric,
+the one results.json records for the task (lm-eval's higher_is_better). Where the two runs were measured in a
+different setup (model, text, windows, task documents, dtype, target, calibration, ...), `setup_changes` names it.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ptq.reporting.gates import task_scores
+from ptq.reporting.gates import task_higher_is_better, task_metric_is_share, task_scores
 from ptq.reporting.results import CompareResults, Entry
 
 # (field of an entry, label, which direction is better); the baseline has the first and third only
@@ -22,12 +24,52 @@ METRICS = (
 )
 LABELS = {key: label for key, label, _ in METRICS}
 BETTER = {key: better for key, _, better in METRICS}
+
+
+def _sha(value: str | None) -> str | None:
+    return value[:16] if value else value
+
+
+def _calibration(r: CompareResults, what: str):
+    cal = r.calibration
+    if cal is None:
+        return None
+    return {"text": _sha(cal.data_sha256), "windows": cal.windows, "seq_len": cal.seq_len}[what]
+
+
 SETUP = (
     ("model", lambda r: r.model.name),
     ("evaluation text", lambda r: r.eval.data_sha256),
     ("seq_len", lambda r: r.eval.seq_len),
     ("windows", lambda r: r.eval.windows),
+    ("bos", lambda r: r.eval.bos),
+    ("compute dtype", lambda r: r.compute.dtype),
+    ("target", lambda r: r.target),
+    ("calibration text (sha256)", lambda r: _calibration(r, "text")),
+    ("calibration windows", lambda r: _calibration(r, "windows")),
+    ("calibration seq_len", lambda r: _calibration(r, "seq_len")),
+    ("task --limit", lambda r: r.task_scoring.limit if r.task_scoring else None),
+    ("task --num-fewshot", lambda r: r.task_scoring.num_fewshot if r.task_scoring else None),
 )
+
+
+def setup_changes(results: CompareResults, previous: CompareResults) -> list[str]:
+    """What differs in how the two runs measured: "what: previous -> now", one entry each. Tasks are compared where
+    both runs scored them: their documents (how many, and the sha256 over lm-eval's document hashes) and shots."""
+    changes = [f"{what}: {get(previous)} -> {get(results)}" for what, get in SETUP if get(previous) != get(results)]
+    old_tasks = {t.name: t for t in previous.tasks or []}
+    for new in results.tasks or []:
+        old = old_tasks.get(new.name)
+        if old is None:
+            continue
+        if (old.n, old.documents_sha256) != (new.n, new.documents_sha256):
+            changes.append(
+                f"{new.name} documents: {old.n} (sha256 {_sha(old.documents_sha256)}) -> "
+                f"{new.n} (sha256 {_sha(new.documents_sha256)})"
+            )
+        if old.num_fewshot != new.num_fewshot:
+            changes.append(f"{new.name} shots: {old.num_fewshot} -> {new.num_fewshot}")
+    return changes
 
 
 @dataclass(frozen=True)
@@ -39,6 +81,9 @@ class Move:
     current: float
     previous_ci: tuple[float, float]
     current_ci: tuple[float, float]
+    better: str | None = None  # "higher" or "lower"; None: the metric's in METRICS
+    # a task metric: whether it is a share in [0, 1] (printed as a percentage) or in its own units; None: not a task's
+    share: bool | None = None
 
     @property
     def change(self) -> float:
@@ -51,14 +96,21 @@ class Move:
 
     @property
     def worse(self) -> bool:
-        better = BETTER.get(self.metric, "higher")
+        better = self.better or BETTER.get(self.metric, "higher")
         return self.change > 0 if better == "lower" else self.change < 0
 
     def to_json(self) -> dict:
-        return asdict(self) | {"change": self.change, "beyond_intervals": self.beyond_intervals, "worse": self.worse}
+        return asdict(self) | {
+            "better": self.better or BETTER.get(self.metric, "higher"),
+            "change": self.change,
+            "beyond_intervals": self.beyond_intervals,
+            "worse": self.worse,
+        }
 
 
-def _moves(name: str, previous: Entry, current: Entry) -> list[Move]:
+def _moves(
+    name: str, previous: Entry, current: Entry, results: CompareResults, previous_results: CompareResults
+) -> list[Move]:
     moves = [
         Move(name, key, None, getattr(previous, key), getattr(current, key), _ci(previous, key), _ci(current, key))
         for key, _, _ in METRICS
@@ -70,7 +122,13 @@ def _moves(name: str, previous: Entry, current: Entry) -> list[Move]:
             old = old_tasks.get(task, {}).get(metric)
             if old:
                 label = task if metric == "acc" else f"{task} {metric}"
-                moves.append(Move(name, "accuracy", label, old.value, new.value, old.ci, new.ci))
+                higher = task_higher_is_better(results, task, metric)
+                share = task_metric_is_share(results, task, metric) and task_metric_is_share(
+                    previous_results, task, metric
+                )
+                kind = "accuracy" if higher and share else "task_metric"  # an accuracy, or a task's other metric
+                better = "higher" if higher else "lower"
+                moves.append(Move(name, kind, label, old.value, new.value, old.ci, new.ci, better, share))
     return moves
 
 
@@ -82,16 +140,15 @@ def trend(results: CompareResults, previous: CompareResults) -> dict:
     """{"setup_changes": [...], "moves": [Move], "only_now": [...], "only_before": [...]}."""
     moves = []
     if previous.baseline.name == results.baseline.name:
-        moves += _moves(results.baseline.name, previous.baseline, results.baseline)
+        moves += _moves(results.baseline.name, previous.baseline, results.baseline, results, previous)
     old_variants = {v.name: v for v in previous.variants}
     for v in results.variants:
         if v.name in old_variants:
-            moves += _moves(v.name, old_variants[v.name], v)
+            moves += _moves(v.name, old_variants[v.name], v, results, previous)
     now_names = {results.baseline.name, *(v.name for v in results.variants)}
     old_names = {previous.baseline.name, *old_variants}
-    setup = [f"{what}: {get(previous)} -> {get(results)}" for what, get in SETUP if get(previous) != get(results)]
     return {
-        "setup_changes": setup,
+        "setup_changes": setup_changes(results, previous),
         "moves": moves,
         "only_now": sorted(now_names - old_names),
         "only_before": sorted(old_names - now_names),
