@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -482,3 +483,283 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
             "-q",
         )
         assert code == 2 and "transformers cannot load" in err and not calibrated
+
+
+# -- Mixture-of-experts checkpoints: partly quantized experts, Qwen2-MoE's shared expert and its gate ---------
+
+
+def quantize_cli(ptq_cli, source, recipe, out, text_file, *extra):
+    """`ptq quantize` with the small settings of these tests (verified unless told otherwise)."""
+    return ptq_cli(
+        "quantize",
+        source,
+        "--recipe",
+        recipe,
+        "--data",
+        text_file,
+        "--samples",
+        "4",
+        "--seq-len",
+        "64",
+        "--verify-windows",
+        "4",
+        "-o",
+        out,
+        "-q",
+        *extra,
+    )
+
+
+def test_checkpoint_names_answers_the_names_asked_for_only():
+    """The expert stand-ins cover every projection; a caller asking for some expert weights gets those only."""
+    import families
+
+    from ptq.export.checkpoint import checkpoint_names
+    from ptq.models.matmuls import linearize
+
+    model = linearize(families.build("qwen3_moe"))
+    asked = ["model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    assert checkpoint_names(model, asked) == {name: name for name in asked}
+
+
+@pytest.mark.parametrize(
+    "recipe, sizes",
+    [
+        ("fp8-dynamic-no-down", {}),  # the recipe leaves every down_proj out
+        ("fp8-block", dict(hidden_size=128, intermediate_size=128, head_dim=32, moe_intermediate_size=200)),
+    ],
+)
+def test_partly_quantized_experts_export_and_verify(recipe, sizes, ptq_cli, text_file, tmp_path):
+    """Experts whose down_proj is left out (by the recipe, or by its shape: 200 inputs are not whole 128-wide blocks)
+    while gate/up are quantized: each expert's down_proj is written as in the source and named in `ignore`, and the
+    checkpoint verifies (fp8-block: by ptq's reader, which transformers needs here)."""
+    import families
+
+    source = tmp_path / "qwen3-moe"
+    families.build("qwen3_moe", **sizes).to(torch.bfloat16).save_pretrained(source)
+    make_tokenizer().save_pretrained(source)
+    if recipe == "fp8-dynamic-no-down":
+        path = tmp_path / "no-down.yaml"
+        path.write_text(
+            "name: fp8-dynamic-no-down\ntargets: [Linear, Conv1D, Experts]\nignore: [lm_head, '*.down_proj']\n"
+            "weights: {format: e4m3, granularity: channel}\ninputs: {format: e4m3, granularity: token, dynamic: true}\n"
+        )
+        recipe = path
+    out = tmp_path / "out"
+    code, _, err = quantize_cli(ptq_cli, source, recipe, out, text_file)
+    assert code == 0, err
+    tensors, original = read_checkpoint(out), read_checkpoint(source)
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    for e in range(4):
+        down, gate = f"model.layers.1.mlp.experts.{e}.down_proj", f"model.layers.1.mlp.experts.{e}.gate_proj"
+        assert down in ignore and f"{down}.weight_scale" not in tensors
+        assert tensors[f"{down}.weight"].dtype == torch.bfloat16
+        assert torch.equal(tensors[f"{down}.weight"], original[f"{down}.weight"])
+        assert gate not in ignore and tensors[f"{gate}.weight"].dtype == torch.float8_e4m3fn
+        assert f"{gate}.weight_scale" in tensors
+    ver = json.loads((out / "ptq-export.json").read_text())["verification"]
+    assert ver["passed"] and ver["kl_div"] <= 1e-6 and not ver["tensors_differing"], ver["problems"]
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_dynamic(tmp_path_factory):
+    """A tiny Qwen2-MoE (its shared expert is fed [tokens, hidden] inputs, and gated by a Linear H -> 1) exported with
+    fp8-dynamic and verified."""
+    import families
+
+    root = tmp_path_factory.mktemp("qwen2-moe")
+    source, out, text = root / "source", root / "fp8-dynamic", root / "text.txt"
+    families.build("qwen2_moe").save_pretrained(source)
+    make_tokenizer().save_pretrained(source)
+    text.write_text(TEXT * 3)
+    argv = ["ptq", "quantize", str(source), "--recipe", "fp8-dynamic", "--data", str(text)]
+    argv += ["--samples", "4", "--seq-len", "64", "--verify-windows", "4", "-o", str(out), "-q"]
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as e:
+        mp.setattr(sys, "argv", argv)
+        cli.main()
+    progress.QUIET = False
+    assert e.value.code == 0
+    return source, out
+
+
+def test_the_reload_check_takes_compressed_tensors_one_scale_for_a_2d_input(tiny_model):
+    """compressed-tensors' dynamic "token" strategy scales a [tokens, features] input as one tensor (and a [batch,
+    tokens, features] one per token). The layers the check marks so round exactly as compressed-tensors' own
+    functions do, on either shape; the others keep ptq's (and vLLM's) per-token scales."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    from ptq.export import checkpoint as export
+    from ptq.models.loading import load_model
+    from ptq.quantization.recipes import load_recipe
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+
+    def compressed_tensors(x):
+        scale, zero_point = compute_dynamic_scales_and_zp(x, args, torch.nn.Linear(64, 64))
+        return fake_quantize(x, scale, zero_point, args)
+
+    marked, plain = "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"
+    model = load_model(str(tiny_model)).model
+    simulated = export.simulate_export(model, load_recipe("fp8-dynamic"), None, one_scale_2d_inputs=[marked])
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 1, 6)[:, None]
+    for shape in ((6, 64), (1, 6, 64)):
+        v = x.reshape(shape)
+        assert torch.equal(simulated.get_submodule(marked).quantize_input(v)[1], compressed_tensors(v))
+    per_token = compressed_tensors(x[None])[0]
+    assert torch.equal(simulated.get_submodule(plain).quantize_input(x)[1], per_token)
+    assert not torch.equal(per_token, compressed_tensors(x))  # the two rules differ on this input
+
+
+def test_qwen2_moe_fp8_dynamic_verifies_and_says_where_the_loader_differs(qwen2_moe_dynamic):
+    """The shared expert's 2-D inputs: the reload check simulates compressed-tensors' one scale there, so the reloaded
+    logits equal the simulation's, and ptq's own (vLLM's per-token) perplexity is reported next to it, with the
+    layers named in ptq-export.json and the model card."""
+    _, out = qwen2_moe_dynamic
+    ver = json.loads((out / "ptq-export.json").read_text())["verification"]
+    assert ver["passed"] and ver["kl_div"] == 0 and ver["top1_agreement"] == 1, ver["problems"]
+    shared = [f"model.layers.{i}.mlp.shared_expert.{p}" for i in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")]
+    assert ver["loader_one_scale_2d_inputs"] == shared
+    assert "6 layer(s) fed 2-D inputs" in ver["ptq_rounding"] and shared[0] in ver["ptq_rounding"]
+    assert ver["ptq_perplexity"] != ver["simulated_perplexity"]  # per token is not one scale per input
+    assert ver["ptq_rounding"] in (out / "README.md").read_text()
+
+
+def test_qwen2_moe_shared_expert_gate_is_left_out_like_the_routers(qwen2_moe_dynamic):
+    """vLLM's qwen2_moe.py keeps shared_expert_gate a plain nn.Linear: it stays as stored, in `ignore`, and the
+    coverage names it with its reason (the shared expert's own projections are quantized)."""
+    import families
+
+    from ptq.models.matmuls import linearize
+    from ptq.quantization.plan import resolve_plan
+    from ptq.quantization.recipes import load_recipe
+
+    source, out = qwen2_moe_dynamic
+    tensors, original = read_checkpoint(out), read_checkpoint(source)
+    info = json.loads((out / "ptq-export.json").read_text())
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    reasons = {x["name"]: x["reason"] for x in info["coverage"]["left_out"]}
+    for i in (0, 1):
+        gate = f"model.layers.{i}.mlp.shared_expert_gate"
+        assert gate in ignore and gate in info["format"]["ignored_layers"] and f"{gate}.weight_scale" not in tensors
+        assert torch.equal(tensors[f"{gate}.weight"], original[f"{gate}.weight"])
+        assert reasons[f"{gate}.weight"].startswith("router (shared-expert gate")
+        assert tensors[f"model.layers.{i}.mlp.shared_expert.up_proj.weight"].dtype == torch.float8_e4m3fn
+
+    plan = resolve_plan(linearize(families.build("qwen2_moe")), load_recipe("fp8-e4m3"))
+    assert not [name for name in plan.quantized if "shared_expert_gate" in name]
+    left_out = {x["name"]: x["reason"] for x in plan.coverage()["left_out"]}
+    assert left_out["model.layers.0.mlp.shared_expert_gate.weight"].startswith("router (shared-expert gate")
+
+
+# -- ptq's own reader, remote code, pickle sources ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden", [128, 256])
+def test_ptq_reader_expands_block_scales_by_block_structure(hidden, ptq_cli, text_file, tmp_path):
+    """Weights of 200 rows: 128 x 128 tiles, the last row of tiles 72 rows high ([2, 1] or [2, 2] scales). The reader's
+    weights are the codes times their tile's scale, expanded here with numpy from the files and block_structure."""
+    from conftest import save_tiny_llama
+
+    from ptq.export.checkpoint import reload_dequantized
+
+    source = save_tiny_llama(tmp_path / "llama", hidden_size=hidden, intermediate_size=200, tie_word_embeddings=False)
+    out = tmp_path / "out"
+    code, _, err = quantize_cli(ptq_cli, source, "fp8-block", out, text_file)
+    assert code == 0, err
+    assert json.loads((out / "ptq-export.json").read_text())["verification"]["passed"]
+    rows, cols = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "weights"
+    ]["block_structure"]
+    model, _ = reload_dequantized(out)
+    tensors = read_checkpoint(out)
+    layers = [k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")]
+    assert tensors["model.layers.0.mlp.gate_proj.weight_scale"].shape == (2, hidden // 128)
+    for layer in layers:
+        codes = tensors[f"{layer}.weight"].float().numpy()
+        scale = tensors[f"{layer}.weight_scale"].numpy()
+        expanded = np.repeat(np.repeat(scale, rows, 0), cols, 1)[: codes.shape[0], : codes.shape[1]]
+        assert np.array_equal(model.get_submodule(layer).weight.numpy(), codes * expanded), layer
+
+
+REMOTE_CONFIG = (
+    "from transformers import LlamaConfig\n\n\nclass PtqTestConfig(LlamaConfig):\n    model_type = 'ptq_test_llama'\n"
+)
+REMOTE_MODELING = (
+    "from transformers import LlamaForCausalLM\n\nfrom .configuration_ptqtest import PtqTestConfig\n"
+    "from .ptqtest_helpers import NOTE\n\n\nclass PtqTestForCausalLM(LlamaForCausalLM):\n"
+    "    config_class = PtqTestConfig\n    note = NOTE\n"
+)
+
+
+def test_remote_code_travels_with_the_checkpoint_and_runs_only_when_trusted(tiny_model, ptq_cli, text_file, tmp_path):
+    """A model with its own code (auto_map): the export carries the files auto_map names and those they import
+    relatively (not the source's other Python files), and both reloads (transformers, ptq's reader) run it with
+    --trust-remote-code; without it, the command stops in one line, as loading does."""
+    import shutil
+
+    from ptq.errors import PtqError
+    from ptq.export.checkpoint import reload_dequantized
+
+    source = tmp_path / "ptq-remote-llama"
+    shutil.copytree(tiny_model, source)
+    (source / "configuration_ptqtest.py").write_text(REMOTE_CONFIG)
+    (source / "modeling_ptqtest.py").write_text(REMOTE_MODELING)
+    (source / "ptqtest_helpers.py").write_text("NOTE = 'relative import'\n")
+    (source / "unrelated.py").write_text("raise RuntimeError('not part of the model')\n")
+    config = json.loads((source / "config.json").read_text())
+    config |= {
+        "model_type": "ptq_test_llama",
+        "architectures": ["PtqTestForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_ptqtest.PtqTestConfig",
+            "AutoModelForCausalLM": "modeling_ptqtest.PtqTestForCausalLM",
+        },
+    }
+    (source / "config.json").write_text(json.dumps(config))
+
+    code, _, err = quantize_cli(ptq_cli, source, "fp8-dynamic", tmp_path / "refused", text_file)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "custom code" in err, err
+    assert not (tmp_path / "refused").exists()
+
+    out = tmp_path / "ptq-remote-export"
+    code, _, err = quantize_cli(ptq_cli, source, "fp8-dynamic", out, text_file, "--trust-remote-code")
+    assert code == 0, err
+    for name in ("configuration_ptqtest.py", "modeling_ptqtest.py", "ptqtest_helpers.py"):
+        assert (out / name).read_text() == (source / name).read_text()
+    assert not (out / "unrelated.py").exists()
+    info = json.loads((out / "ptq-export.json").read_text())
+    ver = info["verification"]
+    assert ver["passed"] and ver["loader"] == "transformers AutoModelForCausalLM.from_pretrained"
+    assert ver["load"]["input_quantized_layers"] == 14
+    model, read = reload_dequantized(out, trust_remote_code=True)
+    assert type(model).__name__ == "PtqTestForCausalLM" and model.note == "relative import"
+    assert read["input_quantized_layers"] == 14 and not read["missing_keys"]
+    with pytest.raises(PtqError, match="custom code"):
+        reload_dequantized(out)
+
+
+def test_a_bf16_pickle_source_is_exported_in_bf16(tiny_model, ptq_cli, text_file, tmp_path):
+    """A bf16 pytorch_model.bin (--allow-pickle): the tensors ptq does not quantize are written in bf16, as stored, and
+    config.json says bfloat16."""
+    import shutil
+
+    from ptq.export.checkpoint import source_dtypes
+
+    source = tmp_path / "pickled"
+    shutil.copytree(tiny_model, source, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = {
+        k: v.to(torch.bfloat16) for k, v in safetensors.torch.load_file(str(tiny_model / "model.safetensors")).items()
+    }
+    torch.save(state, source / "pytorch_model.bin")
+    assert source_dtypes(str(source)) == {k: torch.bfloat16 for k in state}
+    out = tmp_path / "out"
+    code, _, err = quantize_cli(ptq_cli, source, "fp8-dynamic", out, text_file, "--allow-pickle")
+    assert code == 0, err
+    tensors = read_checkpoint(out)
+    kept = [k for k in tensors if not k.endswith("_scale") and tensors[k].dtype != torch.float8_e4m3fn]
+    assert "model.embed_tokens.weight" in kept and "model.norm.weight" in kept
+    assert all(tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], state[k]) for k in kept)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((out / "ptq-export.json").read_text())["verification"]["passed"]

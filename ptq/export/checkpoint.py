@@ -33,13 +33,13 @@ from torch import nn
 
 from ptq.calibration.calibrate import Calibration
 from ptq.errors import PtqError
-from ptq.models.matmuls import LinearExperts, kind, quantizable
+from ptq.models.matmuls import ROUTER, LinearExperts, kind, quantizable
 from ptq.numerics.formats import NumberFormat, amax, compute_scale
 from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken, e8m0_codes
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_key
 from ptq.quantization.plan import resolve_plan as plan_of
-from ptq.quantization.quantize import quantize_, quantize_weight
+from ptq.quantization.quantize import QuantLinear, quantize_, quantize_weight
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
@@ -191,14 +191,18 @@ class _Entry:
 
 
 def source_dtypes(location: str) -> dict[str, torch.dtype]:
-    """The dtype of every tensor in the source checkpoint (a local directory's safetensors headers), so that
-    tensors ptq does not quantize are written back as they were, not in the float32 ptq computes in."""
+    """The dtype of every tensor in the source checkpoint (a local directory's safetensors headers; for a checkpoint
+    with pickle weights only, loaded with --allow-pickle, its pytorch_model*.bin files, memory-mapped by
+    torch.load(weights_only=True)), so that tensors ptq does not quantize are written back as they were, not in the
+    float32 ptq computes in."""
     directory = Path(location)
     if not directory.is_dir():  # a Hub id: its files are in the local cache, if anywhere
         try:
             from huggingface_hub import snapshot_download
 
-            directory = Path(snapshot_download(location, local_files_only=True, allow_patterns=["*.safetensors"]))
+            directory = Path(
+                snapshot_download(location, local_files_only=True, allow_patterns=["*.safetensors", "*.bin"])
+            )
         except Exception:
             return {}
     dtypes: dict[str, torch.dtype] = {}
@@ -206,6 +210,14 @@ def source_dtypes(location: str) -> dict[str, torch.dtype]:
         with safetensors.safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 dtypes[key] = _DTYPE_NAMES.get(f.get_slice(key).get_dtype(), None) or f.get_slice(key).get_dtype()
+    if not dtypes:  # pickle weights only (ptq.models.loading refuses them without --allow-pickle)
+        for path in sorted(directory.glob("pytorch_model*.bin")):
+            try:  # memory-mapped: the dtypes are read, not the tensors
+                state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            except Exception:  # an old (non-zip) pickle cannot be memory-mapped: read as loading read it
+                state = torch.load(str(path), map_location="cpu", weights_only=True)
+            dtypes |= {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor)}
+            del state
     return {k: v for k, v in dtypes.items() if isinstance(v, torch.dtype)}
 
 
@@ -267,7 +279,9 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
     missing = [n for n in names if n not in mapping]
     if missing:
         raise PtqError(f"cannot work out the checkpoint name of '{missing[0]}' in {type(model).__name__}")
-    return mapping
+    # the stand-ins cover every projection of every experts module; only the names asked for are answered (a recipe
+    # may quantize some of an expert's projections and not others)
+    return {n: mapping[n] for n in names}
 
 
 def check_experts_per_expert(model: nn.Module) -> None:
@@ -284,7 +298,10 @@ def export_layers(model: nn.Module, recipe: Recipe, plan: Plan | None = None) ->
     """The Linear layers the recipe's plan quantizes and those it leaves out, and the state-dict names to save;
     refuses a model where that is nothing, or where a quantized weight is tied to another tensor."""
     plan = plan or plan_of(model, recipe)
-    quantized, ignored = plan.quantized, sorted(plan.left_out)
+    # and the routers that are Linear layers (ptq.models.matmuls: MoE routers, Qwen2-MoE's shared_expert_gate), which
+    # the checkpoint's "Linear" target would otherwise cover: the loaders must keep them as stored
+    routers = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and kind(m) == ROUTER]
+    quantized, ignored = plan.quantized, sorted({*plan.left_out, *routers})
     if not quantized:
         raise PtqError(
             f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} (it targets "
@@ -569,10 +586,51 @@ def write_config(
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(directory)
+    copy_remote_code(getattr(model.config, "_name_or_path", ""), getattr(model.config, "auto_map", None), directory)
     ModelCompressor(quantization_config=quantization_config(recipe, ignored)).update_config(str(directory))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(directory)
     return json.loads((directory / "config.json").read_text())["quantization_config"]
+
+
+def remote_code_files(auto_map: dict | None) -> list[str]:
+    """The Python files of the model's own directory that config.json's auto_map names ("modeling_x.XForCausalLM" ->
+    modeling_x.py; a reference into another repository, "owner/repo--modeling_x.X", is fetched from there)."""
+    names = []
+    for value in (auto_map or {}).values():
+        for reference in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(reference, str) and "--" not in reference and "." in reference:
+                names.append(reference.split(".")[0] + ".py")
+    return sorted(set(names))
+
+
+def copy_remote_code(source: str, auto_map: dict | None, directory: Path) -> list[str]:
+    """Copy into `directory` the source checkpoint's Python files that auto_map names, with the files they import
+    relatively (transformers' get_relative_import_files, as its save_pretrained does): the exported config.json keeps
+    the source's auto_map, so its code must travel with it (loading it needs trust_remote_code, as the source did).
+    `source`: the source's local directory, or a Hub id whose files are in the local cache. Returns the names copied."""
+    import shutil
+
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    wanted = remote_code_files(auto_map)
+    if not wanted or not source:
+        return []
+    root = Path(source)
+    if not root.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            root = Path(snapshot_download(source, local_files_only=True, allow_patterns=["*.py"]))
+        except Exception:
+            return []
+    files = {root / name for name in wanted if (root / name).is_file()}
+    for f in list(files):
+        files |= {Path(p) for p in get_relative_import_files(str(f)) if Path(p).is_file()}
+    for f in sorted(files):
+        if not (directory / f.name).exists():  # config.save_pretrained already copies the configuration's own file
+            shutil.copyfile(f, directory / f.name)
+    return sorted(f.name for f in files)
 
 
 def checkpoint_bytes(entries: list[_Entry], quantized_layers: list[str]) -> dict:
@@ -637,6 +695,7 @@ def simulate_export(
     loader_inputs: bool = True,
     unrounded_inputs: list[str] = (),
     target: str = "transformers",
+    one_scale_2d_inputs: list[str] = (),
 ) -> nn.Module:
     """ptq's simulation of the exported checkpoint, in place: quantize_ with the recipe and calibration, except
     that the layers the recipe leaves out keep their plain Linear (the checkpoint stores them unquantized and
@@ -646,7 +705,8 @@ def simulate_export(
     (vLLM multiplies by the reciprocal: engines rule 5). loader_inputs=False: as `ptq compare` simulates the target.
     The `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
     the reload check computes for them: see unapplied_input_layers). `target`: whose scales the checkpoint holds
-    (ptq.quantization.engines; vllm: the fused groups' shared scales)."""
+    (ptq.quantization.engines; vllm: the fused groups' shared scales). The `one_scale_2d_inputs` layers take one
+    dynamic scale for a whole 2-D input, as compressed-tensors does in transformers (see token_rule_layers)."""
     # transformers does not quantize the KV cache (vLLM does, from k_scale / v_scale): simulated without it, and
     # its scales are checked in the files (unapplied_scales)
     recipe = dataclasses.replace(recipe, kv_cache=None)
@@ -658,7 +718,59 @@ def simulate_export(
         setattr(model.get_submodule(parent), child, m)
     for name in unrounded_inputs:
         model.get_submodule(name).round_inputs = False
+    for name in one_scale_2d_inputs:
+        model.get_submodule(name).__class__ = _OneScaleFor2DInputs
     return model
+
+
+# compressed-tensors' dynamic "token" strategy (compute_dynamic_scales_and_zp, 0.20) keeps dimensions 0 and 1 of the
+# input and reduces the rest: per token for [batch, tokens, features], but ONE scale for a 2-D [tokens, features]
+# input, which some modules feed their Linear layers (Qwen2-MoE's shared expert: hidden_states.view(-1, H)). vLLM
+# flattens every input to 2-D and scales each token (as ptq simulates), so this is the reload check's loader's
+# arithmetic, not the served one: the check simulates it for those layers, and reports ptq's own next to it.
+
+
+class _OneScaleFor2DInputs(QuantLinear):
+    """A QuantLinear with dynamic per-token inputs that, as compressed-tensors in transformers, takes one scale for a
+    whole 2-D input (and one per token otherwise)."""
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() != 2 or not self.round_inputs:
+            return super().quantize_input(x)
+        return x, self.input_quantizer(x, dataclasses.replace(self.inputs, granularity=PerTensor()), None)[0]
+
+
+def token_rule_layers(model: nn.Module, recipe: Recipe, layers: list[str], input_ids: torch.Tensor) -> list[str]:
+    """The `layers` (quantized, with their inputs rounded by the reload check's loader) whose dynamic per-token inputs
+    reach them 2-D, where compressed-tensors takes one scale for the whole input (_OneScaleFor2DInputs): found by one
+    forward of the unquantized `model` over the first window. None of them for other recipes."""
+    if not (recipe.inputs.dynamic and isinstance(recipe.inputs.granularity, PerToken)) or not layers:
+        return []
+    seen: set[str] = set()
+    hooks = [
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, args, name=name: seen.add(name) if args[0].dim() == 2 else None
+        )
+        for name in layers
+    ]
+    try:
+        with torch.inference_mode():
+            model(input_ids=input_ids[:1].to(next(model.parameters()).device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [name for name in layers if name in seen]
+
+
+def describe_token_rule(layers: list[str]) -> str | None:
+    """ptq's rounding of the layers token_rule_layers found, in words for the report (None: there are none)."""
+    if not layers:
+        return None
+    shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    return (
+        f"vLLM's per-token dynamic input scales in the {len(layers)} layer(s) fed 2-D inputs ({shown}), where "
+        "transformers' compressed-tensors takes one scale per input"
+    )
 
 
 def unapplied_input_layers(model: nn.Module, quantized: list[str], conv1d: bool, dynamic: bool = False) -> list[str]:
@@ -754,8 +866,9 @@ class OtherAttention(nn.Module):
             self.model.config._attn_implementation = previous
 
 
-def reload(directory: Path) -> tuple[nn.Module, dict]:
-    """Load the checkpoint as a user would (AutoModelForCausalLM.from_pretrained, float32, default options),
+def reload(directory: Path, trust_remote_code: bool = False) -> tuple[nn.Module, dict]:
+    """Load the checkpoint as a user would (AutoModelForCausalLM.from_pretrained, float32, default options; the
+    model's own code, copied with it, runs only with `trust_remote_code`, as the user asked for the source),
     and describe what transformers made of it."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -764,7 +877,7 @@ def reload(directory: Path) -> tuple[nn.Module, dict]:
     try:  # compressed-tensors draws its own tqdm bars on stderr; ptq shows its own progress
         with contextlib.redirect_stderr(io.StringIO()):
             model, info = AutoModelForCausalLM.from_pretrained(
-                str(directory), dtype=torch.float32, output_loading_info=True
+                str(directory), dtype=torch.float32, output_loading_info=True, trust_remote_code=trust_remote_code
             )
             with torch.inference_mode():  # compressed-tensors decompresses the weights on the first forward
                 model(input_ids=torch.zeros((1, 1), dtype=torch.long))
@@ -788,17 +901,19 @@ def reload(directory: Path) -> tuple[nn.Module, dict]:
     }
 
 
-def reload_or_read(directory: Path, conv1d: bool) -> tuple[nn.Module, dict]:
+def reload_or_read(directory: Path, conv1d: bool, trust_remote_code: bool = False) -> tuple[nn.Module, dict]:
     """The checkpoint reloaded by transformers; where transformers cannot run it (Conv1D layers, or its error on
-    load: block or MX scales on some shapes), by ptq's own reader, with transformers' reason recorded."""
+    load: block or MX scales on some shapes), by ptq's own reader, with transformers' reason recorded.
+    `trust_remote_code`: as the user gave it for the source (the checkpoint carries the source's own code)."""
     if conv1d:
-        return reload_dequantized(directory)
+        return reload_dequantized(directory, trust_remote_code=trust_remote_code)
     try:
-        return reload(directory)
+        return reload(directory, trust_remote_code)
     except PtqError as e:
         return reload_dequantized(
             directory,
             f"transformers cannot run this checkpoint: {str(e).removeprefix('transformers cannot load the exported checkpoint: ')}",
+            trust_remote_code,
         )
 
 
@@ -904,57 +1019,54 @@ def verify(
 
 
 def reload_dequantized(
-    directory: Path, why: str = "transformers does not load compressed-tensors Conv1D layers"
+    directory: Path,
+    why: str = "transformers does not load compressed-tensors Conv1D layers",
+    trust_remote_code: bool = False,
 ) -> tuple[nn.Module, dict]:
     """ptq's own reader, for checkpoints transformers cannot run as quantized (Conv1D layers; block and MX scales
     where transformers' compressed-tensors integration fails): every quantized weight dequantized from the files
-    (codes x weight_scale, each scale repeated over its group or tile; E8M0 bytes read as 2^(u - 127); in the
+    (codes x weight_scale, each scale repeated over its group or tile as config.json's weights say: block_structure
+    rows x columns, or group_size columns, cropped at the edges; E8M0 bytes read as 2^(u - 127); in the
     file's orientation: [in, out] for Conv1D), every other tensor as stored, written as a plain float32
     checkpoint that transformers then loads with its own weight conversions (experts merged as usual);
     dynamic inputs (per tensor, token or group, as config.json's input_activations say) of the plain layers
     quantized on the fly with torch's own float8 cast. Static input scales and experts' inputs are not applied
     (verify checks static scales in the files). Deliberately simple arithmetic, read from the files and
-    config.json alone, so that it checks the files rather than ptq's simulation."""
+    config.json alone, so that it checks the files rather than ptq's simulation. A model with its own code (auto_map)
+    runs it with `trust_remote_code` only."""
+    import shutil
     import tempfile
 
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.pytorch_utils import Conv1D
 
     config = json.loads((Path(directory) / "config.json").read_text())
     scheme = next(iter(config.pop("quantization_config")["config_groups"].values()))
-    with torch.device("meta"):  # which layers are Conv1D ([in, out] on disk)
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    conv1d = {name for name, m in skeleton.named_modules() if isinstance(m, Conv1D)}
+    weight_args = scheme.get("weights") or {}
+    tile = (
+        tuple(weight_args["block_structure"])
+        if weight_args.get("strategy") == "block"
+        else (1, weight_args["group_size"])
+        if weight_args.get("strategy") == "group"
+        else None
+    )
+    with tempfile.TemporaryDirectory(prefix="ptq-reader-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        if remote_code_files(config.get("auto_map")):  # the model's own code, copied with the checkpoint, goes along
+            for f in Path(directory).glob("*.py"):
+                shutil.copyfile(f, Path(tmp) / f.name)
+        try:
+            with torch.device("meta"):  # which layers are Conv1D ([in, out] on disk)
+                skeleton = AutoModelForCausalLM.from_config(
+                    AutoConfig.from_pretrained(tmp, trust_remote_code=trust_remote_code),
+                    trust_remote_code=trust_remote_code,
+                )
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PtqError(f"ptq's reader cannot build the exported checkpoint's model: {reason}") from None
+        model, info, stored, dynamic_layers = _read_dequantized(
+            directory, tmp, scheme, tile, skeleton, trust_remote_code
+        )
     input_args = scheme.get("input_activations")
-    stored = _read_tensors(directory, None)
-    dense, dynamic_layers = {}, []
-    for key, t in stored.items():
-        if key.endswith((".weight_scale", ".input_scale", ".k_scale", ".v_scale")):
-            continue
-        scale = stored.get(f"{key}_scale")
-        if scale is not None:
-            if scale.dtype == torch.uint8:  # E8M0
-                scale = torch.exp2(scale.float() - 127)
-            rows, cols = t.shape
-            if scale.dim() == 2 and scale.shape[1] > 1:  # groups along the input, or tiles: repeat each scale
-                scale = scale.repeat_interleave(-(-rows // scale.shape[0]), 0)[:rows].repeat_interleave(
-                    -(-cols // scale.shape[1]), 1
-                )[:, :cols]
-            elif scale.numel() > 1 and key.removesuffix(".weight") in conv1d:  # [in, out] on disk
-                scale = scale.reshape(1, -1)
-            t = t.float() * scale
-            if input_args is not None and input_args.get("dynamic"):
-                dynamic_layers.append(key.removesuffix(".weight"))
-        dense[key] = t.float() if t.is_floating_point() else t
-    try:
-        with tempfile.TemporaryDirectory(prefix="ptq-reader-") as tmp:
-            (Path(tmp) / "config.json").write_text(json.dumps(config))
-            safetensors.torch.save_file(dense, str(Path(tmp) / "model.safetensors"))
-            model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True)
-    except Exception as e:  # a tensor of the wrong shape (e.g. a Conv1D weight not in [in, out])
-        raise PtqError(
-            f"the exported checkpoint does not fit its architecture: {str(e).strip().splitlines()[-1]}"
-        ) from None
     modules = dict(model.named_modules())
     hooked = [name for name in dynamic_layers if name in modules]  # experts are merged on load: weights only
     for name in hooked:
@@ -968,6 +1080,46 @@ def reload_dequantized(
         "input_quantized_layers": len(hooked),
         "loader": f"ptq's dequantizing reader ({why})",
     }
+
+
+def _read_dequantized(
+    directory: Path, tmp: str, scheme: dict, tile: tuple[int, int] | None, skeleton: nn.Module, trust_remote_code: bool
+) -> tuple[nn.Module, dict, dict, list[str]]:
+    """reload_dequantized's reading: the files' weights dequantized into `tmp` (holding the plain config.json), loaded
+    by transformers; (the model, its loading info, the stored tensors, the layers with dynamic inputs)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    conv1d = {name for name, m in skeleton.named_modules() if isinstance(m, Conv1D)}
+    input_args = scheme.get("input_activations")
+    stored = _read_tensors(directory, None)
+    dense, dynamic_layers = {}, []
+    for key, t in stored.items():
+        if key.endswith((".weight_scale", ".input_scale", ".k_scale", ".v_scale")):
+            continue
+        scale = stored.get(f"{key}_scale")
+        if scale is not None:
+            if scale.dtype == torch.uint8:  # E8M0
+                scale = torch.exp2(scale.float() - 127)
+            rows, cols = t.shape
+            if tile is not None:  # tiles, or groups along the input: each scale over its tile, the last ones partial
+                scale = scale.repeat_interleave(tile[0], 0)[:rows].repeat_interleave(tile[1], 1)[:, :cols]
+            elif scale.numel() > 1 and key.removesuffix(".weight") in conv1d:  # [in, out] on disk
+                scale = scale.reshape(1, -1)
+            t = t.float() * scale
+            if input_args is not None and input_args.get("dynamic"):
+                dynamic_layers.append(key.removesuffix(".weight"))
+        dense[key] = t.float() if t.is_floating_point() else t
+    try:
+        safetensors.torch.save_file(dense, str(Path(tmp) / "model.safetensors"))
+        model, info = AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.float32, output_loading_info=True, trust_remote_code=trust_remote_code
+        )
+    except Exception as e:  # a tensor of the wrong shape (e.g. a Conv1D weight not in [in, out])
+        raise PtqError(
+            f"the exported checkpoint does not fit its architecture: {str(e).strip().splitlines()[-1]}"
+        ) from None
+    return model, info, stored, dynamic_layers
 
 
 def _dynamic_fp8(x: torch.Tensor, args: dict) -> torch.Tensor:

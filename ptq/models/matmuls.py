@@ -28,6 +28,13 @@ from torch import nn
 
 KINDS = ("Linear", "Conv1D", "Experts")  # what recipes target (Recipe.targets)
 ROUTER = "Router"  # an MoE router that is a Linear layer: left in the compute dtype, like routers of other kinds
+# Qwen2-MoE's gate of its shared expert (Linear H -> 1, sigmoid): a gating weight like the router's, which vLLM's
+# qwen2_moe.py keeps a plain torch.nn.Linear (no quantized weight loads into it) and llm-compressor's Qwen-MoE
+# examples leave out (`re:.*mlp.shared_expert_gate$`): left out with the routers, for its own reason
+SHARED_EXPERT_GATE = "shared_expert_gate"
+_SHARED_EXPERT_GATE_REASON = (
+    "router (shared-expert gate, Linear): its gating stays in the compute dtype, as vLLM keeps it (a plain nn.Linear)"
+)
 # What a quantized matmul (ptq.quantization.quantize.QuantLinear) has that this module reads without importing it:
 QUANTIZED = "quantized_matmul"  # a class attribute, True: a matmul already quantized (coverage skips it and its parts)
 GROUPING = "grouped_experts"  # (experts, layers) -> the grouped form of a LinearExperts' layers, or None
@@ -241,7 +248,7 @@ def linearize(model: nn.Module) -> nn.Module:
         elif is_fused_experts(module):
             setattr(parent, child, LinearExperts(module))
             for sibling, m in parent.named_children():  # the MoE block's router, where it is a Linear layer
-                if sibling in ("gate", "router") and isinstance(m, nn.Linear):
+                if sibling in ("gate", "router", SHARED_EXPERT_GATE) and isinstance(m, nn.Linear):
                     m.ptq_kind = ROUTER
         elif isinstance(module, nn.Linear) and "router" in type(module).__name__.lower():
             module.ptq_kind = ROUTER
@@ -269,7 +276,9 @@ def unsupported(model: nn.Module) -> list[LeftOut]:
                 LeftOut(
                     f"{name}.weight",
                     module.weight.numel(),
-                    f"router ({type(module).__name__}): routing stays in the compute dtype",
+                    _SHARED_EXPERT_GATE_REASON
+                    if name.rsplit(".", 1)[-1] == SHARED_EXPERT_GATE
+                    else f"router ({type(module).__name__}): routing stays in the compute dtype",
                 )
             )
             continue
