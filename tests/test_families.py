@@ -338,3 +338,22 @@ def test_strict_coverage_refuses_weights_ptq_cannot_quantize(tmp_path, ptq_cli, 
         assert "model.layers.0.mlp.down_proj.weight" in err
         code, _, err = ptq_cli(*args, "--out", tmp_path / "b", "--strict-coverage")
         assert code == 2 and "--strict-coverage" in err and not (tmp_path / "b" / "results.json").exists()
+
+
+def test_convolutions_are_left_out_as_convolutions_not_fused_experts():
+    from ptq.models.matmuls import unsupported, unsupported_weights
+
+    class Block(torch.nn.Module):  # Mamba's depthwise conv1d has a 3-D weight, like fused experts
+        def __init__(self):
+            super().__init__()
+            self.in_proj = torch.nn.Linear(8, 8)
+            self.conv1d = torch.nn.Conv1d(8, 8, kernel_size=4, groups=8)
+            self.conv2d = torch.nn.Conv2d(3, 4, kernel_size=3)
+
+    left = {x.name: x.reason for x in unsupported(Block())}
+    assert set(left) == {"conv1d.weight", "conv2d.weight"}
+    assert left["conv1d.weight"] == "not supported (Conv1d is a convolution, which ptq does not quantize)"
+    assert left["conv2d.weight"] == "not supported (Conv2d is a convolution, which ptq does not quantize)"
+    assert not any("fused experts" in reason for reason in left.values())
+    cov = {"left_out": [{"name": n, "params": 1, "reason": r} for n, r in left.items()]}
+    assert len(unsupported_weights(cov)) == 2

@@ -57,14 +57,17 @@ def load_model(
     device = device or default_device()
     caveats: tuple[str, ...] = ()
     pickle_only = False
+    hub: dict = {}
     if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
         if spec != DEFAULT_MODEL and not Path(spec).is_file():
             raise PtqError(f"model file {spec} does not exist")
         directory, caveats, source = local_directory(spec)
     elif Path(spec).exists() or spec.startswith((".", "/", "~")):
         directory = Path(spec).expanduser()
+        if directory.exists() and not directory.is_dir():
+            raise PtqError(f"{spec} is a file, not a model: {EXPECTED}")
         if not directory.is_dir():
-            raise PtqError(f"model directory {spec} does not exist")
+            raise PtqError(f"model folder or file {spec} does not exist: {EXPECTED}")
         if not (directory / "config.json").is_file():
             raise PtqError(f"{spec} is not a Hugging Face model directory (no config.json)")
         if not any(directory.glob("*.safetensors")):
@@ -94,15 +97,91 @@ def load_model(
                 linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
             )
     else:
+        hub = hub_access(spec)
         directory, source = spec, f"Hugging Face Hub: {spec}"
     if memory_check and Path(directory).is_dir():
         from ptq.execution.resources import check_fits
 
         check_fits(Path(directory), copies, device, f"model '{spec}'")
-    model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code, allow_pickle=allow_pickle)
+    model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **hub)
     return LoadedModel(
         linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
     )
+
+
+EXPECTED = (
+    f"expected a model folder (with config.json), a .gguf file, a Hub id (org/name) or '{DEFAULT_MODEL}' (the default)"
+)
+# org/name, or a bare name (the Hub's canonical models: gpt2, t5-small)
+_HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def hub_access(spec: str) -> dict:
+    """How to load a model spec that is neither a local path nor the default: refused at once unless it has the shape
+    of a Hub id (org/name, or a canonical bare name), so that a typo is one quick line instead of a minute of download
+    retries. A Hub id in the local Hugging Face cache loads from there ({"local_files_only": True}) when the Hub cannot
+    be used (HF_HUB_OFFLINE, or no connection to it); one that is not cached then fails at once (with a network, the
+    Hub itself says whether the id exists). Returns extra from_pretrained arguments."""
+    if not _HUB_ID.fullmatch(spec):
+        raise PtqError(f"no model folder or file '{spec}', and a Hub id looks like org/name: {EXPECTED}")
+    cached = _hub_cached(spec)
+    if _hub_offline():
+        if cached:
+            return {"local_files_only": True}
+        raise PtqError(
+            f"no model folder or file '{spec}', and as a Hub id it is not in the local Hugging Face cache while "
+            f"HF_HUB_OFFLINE is set: {EXPECTED}"
+        )
+    reason = _hub_unreachable()
+    if reason is None:
+        return {}
+    if cached:
+        return {"local_files_only": True}
+    raise PtqError(
+        f"no model folder or file '{spec}', and as a Hub id it is not in the local Hugging Face cache while the Hub "
+        f"cannot be reached ({reason}): {EXPECTED}"
+    )
+
+
+def _hub_cached(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds the model's config.json (a model downloaded before)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an odd id or cache: let transformers say what is wrong
+        return False
+
+
+def _hub_offline() -> bool:
+    import os
+
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE", os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return constants.HF_HUB_OFFLINE or value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_unreachable(timeout: float = 5.0) -> str | None:
+    """None when a connection to the Hub's endpoint (HF_ENDPOINT) can be opened, else why not, in a few words: one
+    quick try, instead of huggingface_hub's five retries with backoff."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # the Hub is reached through a proxy: let huggingface_hub use it
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return (
+            f"{host}: {e.strerror or e.__class__.__name__}" if not isinstance(e, TimeoutError) else f"{host}: timed out"
+        )
+    return None
 
 
 def to_compute(model: nn.Module, device, dtype: torch.dtype | None) -> nn.Module:
@@ -141,16 +220,25 @@ def local_directory(spec: str | None) -> tuple[Path, tuple[str, ...], str] | Non
 def _from_pretrained(
     location: str, spec: str, trust_remote_code: bool, allow_pickle: bool = False, quantization_config=None, **kwargs
 ) -> tuple[nn.Module, object]:
+    from huggingface_hub.utils import logging as hub_logging
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from ptq import progress
 
     hf_logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()  # no "Retrying in 8s [Retry 5/5]" lines: the error says what failed, once
     (hf_logging.disable_progress_bar if progress.QUIET else hf_logging.enable_progress_bar)()
     model_kwargs = kwargs | ({"quantization_config": quantization_config} if quantization_config is not None else {})
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as e:
+        if Path(location).is_dir() and "gguf_file" not in kwargs and not _tokenizer_files(Path(location)):
+            raise PtqError(
+                f"cannot load model '{spec}': no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...) in {location}"
+            ) from None
+        raise PtqError(f"cannot load model '{spec}': {_one_line(e)}") from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(
             location,
             dtype=torch.float32,
@@ -160,11 +248,33 @@ def _from_pretrained(
             **model_kwargs,
         )
     except Exception as e:  # transformers raises OSError, ValueError, safetensors errors, ... for bad models
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PtqError(f"cannot load model '{spec}': {reason}") from None
+        raise PtqError(f"cannot load model '{spec}': {_one_line(e)}") from None
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "tokenizer_config.json",
+    "spiece.model",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.tiktoken",
+)
+
+
+def _tokenizer_files(directory: Path) -> list[str]:
+    return [name for name in TOKENIZER_FILES if (directory / name).is_file()]
+
+
+def _one_line(e: Exception, limit: int = 400) -> str:
+    """An exception's whole message on one line (transformers' span several, and the first alone can stop mid-sentence),
+    cut at `limit` characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def _exported_caveat(directory: Path) -> str | None:
@@ -208,6 +318,14 @@ def converted_gguf_dir(gguf_path: Path) -> tuple[Path, tuple[str, ...]]:
     if not caveat_file.is_file():
         # Created and checked before the conversion (half a minute for a small model), not after it.
         make_dir(target.parent, "the model cache", " (set PTQ_CACHE to a folder that can be written)")
+        from ptq import progress
+
+        if not progress.QUIET:  # a minute of imports, reading and tokenizer conversion before any bar of its own
+            progress.stderr.print(
+                f"converting {gguf_path.name} into the ptq cache {target.parent} (once; about a minute for a small model)...",
+                highlight=False,
+                soft_wrap=True,
+            )
         caveat = gguf_caveat(gguf_path)
         model, tokenizer = _from_pretrained(str(gguf_path.parent), str(gguf_path), False, gguf_file=gguf_path.name)
         model.hf_quantizer = None  # save_pretrained refuses GGUF-quantized models otherwise

@@ -284,8 +284,9 @@ def unsupported(model: nn.Module) -> list[LeftOut]:
             continue
         if skip(module) or any(skip(p) for p in _parents(model, name)):
             continue
+        conv = isinstance(module, nn.modules.conv._ConvNd)  # Conv1d/2d/3d and transposed: any kernel size
         for pname, p in module.named_parameters(recurse=False):
-            if (
+            if not (conv and pname == "weight") and (
                 not (p.dim() == 3 or (p.dim() == 2 and pname.endswith("weight")))
                 or "embed" in pname
                 or "norm" in type(module).__name__.lower()
@@ -293,7 +294,9 @@ def unsupported(model: nn.Module) -> list[LeftOut]:
                 continue
             full = f"{name}.{pname}" if name else pname
             cls = type(module).__name__
-            if "router" in cls.lower() or "gate" in name.rsplit(".", 1)[-1]:
+            if conv:
+                reason = f"not supported ({cls} is a convolution, which ptq does not quantize)"
+            elif "router" in cls.lower() or "gate" in name.rsplit(".", 1)[-1]:
                 reason = f"router ({cls}): routing stays in the compute dtype"
             elif p.dim() == 3:
                 reason = f"fused experts of a layout ptq does not know ({cls})"
