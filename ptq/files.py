@@ -18,7 +18,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -144,18 +144,19 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str]) -> Non
             os.fsync(f.fileno())
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-
-
-def write_texts_atomic(texts: dict[Path, str]) -> None:
-    """Several files that belong together (results.json and report.md): all are written to temporary
-    files first and renamed only once every one is complete, so a full disk leaves the old set or none."""
+def write_set_atomic(writers: dict[Path, Callable[[Path], None]]) -> None:
+    """Files that belong together (results.json, report.md and its plots): each written by its function into a
+    temporary file, all renamed only once every one is complete, so a failure (a full disk) leaves the old set or
+    none."""
     with ExitStack() as stack:
-        tmps = {path: stack.enter_context(atomic_path(path)) for path in texts}
+        tmps = {path: stack.enter_context(atomic_path(path)) for path in writers}
         for path, tmp in tmps.items():
-            tmp.write_text(texts[path], encoding="utf-8")
+            writers[path](tmp)
+
+
+def text_writer(text: str) -> Callable[[Path], None]:
+    """A write_set_atomic writer of `text` (UTF-8)."""
+    return lambda tmp: tmp.write_text(text, encoding="utf-8")
 
 
 def _umask() -> int:
@@ -177,9 +178,21 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     try:
         os.chmod(tmp_path, 0o777 & ~_umask())  # mkdtemp makes 0700 folders; a checkpoint or cache gets the usual mode
         yield tmp_path
+        # An existing folder (--force) is moved aside, not deleted, until the new one is in place: an interruption
+        # in between leaves one of the two under `path` (the other under a hidden temporary name), never neither.
+        old = None
         if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp_path, path)
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, old / path.name)
+        try:
+            os.replace(tmp_path, path)
+        except BaseException:
+            if old is not None:
+                os.replace(old / path.name, path)
+                old.rmdir()
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp_path, ignore_errors=True)
         raise

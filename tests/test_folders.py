@@ -232,3 +232,31 @@ def test_a_directory_output_gets_the_usual_mode_not_mkdtemps_0700(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "new" / "ckpt").stat().st_mode) == 0o755
+
+
+def test_replacing_a_directory_keeps_the_old_one_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    # --force onto an existing export: the old folder used to be deleted before the rename, so an interruption in
+    # between left neither. Now a failing rename puts the old one back, and a successful one leaves no trace of it.
+    import os
+
+    from ptq import files
+
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    real_replace = os.replace
+
+    def interrupted(src, dst):
+        if Path(dst) == target and Path(src).name.endswith(".tmp"):  # the new folder, not the old one moved back
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with files.atomic_dir(target) as tmp:
+            (tmp / "new.txt").write_text("new")
+    assert [p.name for p in target.iterdir()] == ["old.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    monkeypatch.setattr(files.os, "replace", real_replace)
+    with files.atomic_dir(target) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert [p.name for p in target.iterdir()] == ["new.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -663,3 +663,32 @@ def test_inspect_lists_every_linear_with_its_shape_and_treatment(ptq_cli, tiny_m
 def test_every_command_has_help_with_an_example(ptq_cli, command):
     code, out, _ = ptq_cli(command, "--help")
     assert code == 0 and "Example: ptq " + command in " ".join(out.split())
+
+
+def test_report_into_a_directory_is_refused_before_anything_is_written(compared, ptq_cli, tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    for force in ([], ["--force"]):
+        code, _, err = ptq_cli("report", compared / "results.json", "-o", target, *force)
+        assert code == 2 and "is a directory" in err and "--force" not in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not list(target.iterdir())
+
+
+def test_report_plots_and_markdown_are_written_as_one_set(compared, ptq_cli, tmp_path, monkeypatch):
+    from ptq.reporting import plots
+
+    def broken(results):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots, "snr_figure", broken)  # the last plot fails, after the others are drawn
+    code, _, err = ptq_cli("report", compared / "results.json", "-o", tmp_path / "pr.md")
+    assert code != 0
+    assert not list(tmp_path.iterdir())  # neither the markdown nor the plots drawn before the failure
+    monkeypatch.undo()
+    code, _, err = ptq_cli("report", compared / "results.json", "-o", tmp_path / "pr.md")
+    assert code == 1 and sorted(p.name for p in tmp_path.iterdir()) == [
+        "pr-layer-amax.png",
+        "pr-layer-snr.png",
+        "pr-metrics.png",
+        "pr.md",
+    ]

@@ -175,8 +175,9 @@ def test_report_refuses_eval_results_in_one_line(tiny_model, text, ptq_cli, tmp_
 
 
 def test_report_gates_trend_and_plots_work_from_the_typed_document(built, tmp_path):
+    from ptq.files import write_set_atomic
     from ptq.reporting.gates import stored_checks
-    from ptq.reporting.plots import available, write_plots
+    from ptq.reporting.plots import available, plot_writers
     from ptq.reporting.report import render_markdown, report_summary
     from ptq.reporting.trend import trend
 
@@ -205,8 +206,8 @@ def test_report_gates_trend_and_plots_work_from_the_typed_document(built, tmp_pa
     assert "1 change beyond the intervals" in summary["verdict"]
     # the plots: all three, from the object
     assert available(results) == ["metrics", "layer-amax", "layer-snr"]
-    written = write_plots(results, tmp_path / "r.md")
-    assert {p.name for p in written.values()} == {"r-metrics.png", "r-layer-amax.png", "r-layer-snr.png"}
+    write_set_atomic(plot_writers(results, tmp_path / "r.md"))
+    assert {p.name for p in tmp_path.iterdir()} == {"r-metrics.png", "r-layer-amax.png", "r-layer-snr.png"}
 
 
 def test_quantize_reads_compare_results_through_the_reader(built, tmp_path):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
-from ptq.files import atomic_path
 from ptq.numerics.formats import get_format
 from ptq.reporting.results import CompareResults, Entry, Limits
 
@@ -42,17 +42,16 @@ def available(results: CompareResults) -> list[str]:
     return names
 
 
-def write_plots(results: CompareResults, report: Path) -> dict[str, Path]:
-    """Draw every available plot next to `report`; return {name: path} of those written."""
+def plot_writers(results: CompareResults, report: Path) -> dict[Path, Callable[[Path], None]]:
+    """Every available plot next to `report`: its path, and the function that draws it into a (temporary) file
+    (ptq.files.write_set_atomic writes them with the report, as one set)."""
     paths = plot_paths(Path(report))
     draw = {"metrics": metrics_figure, "layer-amax": amax_figure, "layer-snr": snr_figure}
-    written = {}
-    for name in available(results):
-        fig = draw[name](results)
-        with atomic_path(paths[name]) as tmp:
-            fig.savefig(tmp, format="png", dpi=100, metadata={"Software": None})
-        written[name] = paths[name]
-    return written
+
+    def writer(name: str) -> Callable[[Path], None]:
+        return lambda tmp: draw[name](results).savefig(tmp, format="png", dpi=100, metadata={"Software": None})
+
+    return {paths[name]: writer(name) for name in available(results)}
 
 
 def _figure(width: float, height: float, rows: int = 1, cols: int = 1):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ptq.errors import PtqError
 from ptq.evaluation.stats import MIN_UNITS
-from ptq.files import check_writable, write_text_atomic, write_texts_atomic
+from ptq.files import check_writable, text_writer, write_set_atomic
 from ptq.reporting.gates import (
     accuracy_recovery_pct,
     rejudged,
@@ -43,23 +44,47 @@ def write_report(out_dir: Path, results: Results, force: bool, plots: bool = Tru
     report, results_file = out_dir / "report.md", out_dir / "results.json"
     compare = isinstance(results, CompareResults)
     plots = plots and compare
-    for path in report_outputs(report, results, plots) + [results_file]:
+    for path in report_outputs(report, results, plots) + [_not_a_directory(results_file)]:
         check_writable(path, force)
-    links = _write_plots(results, report) if plots else {}
+    links = _plot_links(results, report) if plots else {}
     markdown = render_markdown(results, None, links) if compare else render_eval_markdown(results)
-    # results.json and report.md are renamed into place together, once both are complete.
-    write_texts_atomic({results_file: dumps(results), report: markdown})
+    # results.json, report.md and the plots are renamed into place together, once all are complete.
+    _write_set(report, {results_file: dumps(results), report: markdown}, results if plots else None)
     return report, results_file
 
 
 def report_outputs(report: Path, results: Results, plots: bool) -> list[Path]:
-    """Every file writing `report` creates: the markdown and, with plots, the PNGs next to it."""
+    """Every file writing `report` creates: the markdown and, with plots, the PNGs next to it. An output that is an
+    existing directory is refused here, before any work: --force cannot overwrite a directory."""
     from ptq.reporting.plots import available, plot_paths
 
+    report = _not_a_directory(Path(report))
     if not plots:
-        return [Path(report)]
+        return [report]
+    paths = plot_paths(report)
+    return [report] + [_not_a_directory(paths[name]) for name in available(results)]
+
+
+def _not_a_directory(path: Path) -> Path:
+    if Path(path).is_dir():
+        raise PtqError(f"cannot write {path}: it is a directory; give a file name such as {Path(path) / 'report.md'}")
+    return Path(path)
+
+
+def _plot_links(results: CompareResults, report: Path) -> dict[str, str]:
+    """The relative links report.md gives its plots."""
+    from ptq.reporting.plots import available, plot_paths
+
     paths = plot_paths(Path(report))
-    return [Path(report)] + [paths[name] for name in available(results)]
+    return {name: paths[name].name for name in available(results)}
+
+
+def _write_set(report: Path, texts: dict[Path, str], plotted: CompareResults | None) -> None:
+    """The texts and (for `plotted` results) the plots of `report`, as one set (ptq.files.write_set_atomic)."""
+    from ptq.reporting.plots import plot_writers
+
+    plots = plot_writers(plotted, report) if plotted is not None else {}
+    write_set_atomic(plots | {path: text_writer(text) for path, text in texts.items()})
 
 
 def write_markdown(
@@ -73,16 +98,9 @@ def write_markdown(
     report = Path(report)
     for path in report_outputs(report, results, plots):
         check_writable(path, force)
-    links = _write_plots(results, report) if plots else {}
-    write_text_atomic(report, render_markdown(results, previous, links))
+    links = _plot_links(results, report) if plots else {}
+    _write_set(report, {report: render_markdown(results, previous, links)}, results if plots else None)
     return report
-
-
-def _write_plots(results: CompareResults, report: Path) -> dict[str, str]:
-    """Draw the plots next to `report`; returns their relative links."""
-    from ptq.reporting.plots import write_plots
-
-    return {name: path.name for name, path in write_plots(results, report).items()}
 
 
 def render_markdown(
