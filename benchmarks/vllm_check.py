@@ -281,13 +281,14 @@ def check_model(
         checkpoint = model_dir if recipe is None else work / f"{name}-{recipe}"
         if recipe is not None:
             try:
+                from ptq.quantization.recipes import load_recipe
+
                 ptq(
                     "quantize",
                     model_dir,
                     "--recipe",
                     recipe,
-                    "--calib",
-                    calib,
+                    *(["--calib", calib] if load_recipe(recipe).needs_calibration else []),  # else refused: unused
                     "--seq-len",
                     seq_len,
                     "--no-verify",

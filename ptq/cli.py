@@ -13,6 +13,11 @@ from ptq import progress
 from ptq.errors import PtqError
 from ptq.reporting.results import to_json
 
+try:  # typer >= 0.20 carries its own copy of click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exceptions
+
 app = typer.Typer(
     help="Post-training quantization of Hugging Face causal LMs to FP8 E4M3, compared with int8 and bf16.\n\n"
     "Exit codes: 0 success (all gates pass), 1 a gate failed, 2 a usage or input error, 130 interrupted, 143 terminated.\n\n"
@@ -958,7 +963,16 @@ def main() -> None:
     _TERMINATED.clear()
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        app()
+        code = app(standalone_mode=False)  # click's own usage errors are printed below, in ptq's one line
+        if isinstance(code, int) and code:  # typer.Exit(n), and 130 for an interrupt
+            raise SystemExit(code)
+    except click_exceptions.ClickException as e:
+        if type(e).__name__ != "NoArgsIsHelpError":  # bare `ptq`: typer has printed the help already
+            progress.stderr.print(f"[bold red]error:[/] {escape(e.format_message())}", highlight=False, soft_wrap=True)
+        raise SystemExit(e.exit_code) from None
+    except typer.Abort:  # end of input at a prompt (ptq asks for none)
+        progress.stderr.print("Aborted!", highlight=False)
+        raise SystemExit(1) from None
     except PtqError as e:
         progress.stderr.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None

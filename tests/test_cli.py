@@ -241,3 +241,142 @@ def test_python_dash_m_entry_point(tmp_path):
 
     result = subprocess.run([sys.executable, "-m", "ptq", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "calibrate" in result.stdout and "compare" in result.stdout
+
+
+def one_line(stderr: str) -> bool:
+    return len(stderr.strip().splitlines()) == 1 and stderr.startswith("error: ")
+
+
+@pytest.fixture(scope="module")
+def gpt2_model(tmp_path_factory):
+    """A tiny GPT-2 (learned position table of 256 rows, transformer.wpe) with the tests' tokenizer."""
+    from conftest import make_tokenizer
+    from families import build
+
+    path = tmp_path_factory.mktemp("gpt2")
+    build("gpt2").save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("task, shots, pool", [("ptq_arith", 8, 4), ("ptq_shakespeare", 50, 6)])
+def test_num_fewshot_beyond_a_tasks_pool_is_one_line(ptq_cli, tiny_model, text_file, tmp_path, task, shots, pool):
+    code, _, stderr = ptq_cli(
+        "eval", tiny_model, "--eval-data", text_file, *FAST[:4], "--tasks", task, "--limit", "2",
+        "--num-fewshot", str(shots), "--out", tmp_path / "o", "--quiet",
+    )  # fmt: skip
+    assert code == 2 and one_line(stderr), stderr
+    assert f"{task} has only {pool} few-shot examples (--num-fewshot {shots})" in stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_seq_len_beyond_learned_positions_is_refused_and_beyond_rotary_warned(
+    ptq_cli, tiny_model, gpt2_model, text_file, tmp_path
+):
+    for args in (
+        ("calibrate", gpt2_model, "--data", text_file, "--samples", "2", "-o", tmp_path / "c.safetensors"),
+        ("compare", gpt2_model, "--calib-data", text_file, "--eval-data", text_file, "--out", tmp_path / "r"),
+        ("eval", gpt2_model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "e"),
+    ):
+        code, _, stderr = ptq_cli(*args, "--seq-len", "257", "--quiet")
+        assert code == 2 and one_line(stderr), stderr
+        assert "--seq-len 257" in stderr and "'transformer.wpe') has 256 positions" in stderr
+    assert not any((tmp_path / name).exists() for name in ("c.safetensors", "r", "e"))
+    long_text = tmp_path / "long.txt"
+    long_text.write_text(text_file.read_text() * 10)
+    code, _, stderr = ptq_cli(
+        "eval", tiny_model, "--eval-data", long_text, "--seq-len", "300", "--max-windows", "1", "--tasks", "",
+        "--out", tmp_path / "rope", "--quiet",
+    )  # fmt: skip
+    assert code == 0, stderr
+    assert stderr.count("warning: --seq-len 300 is beyond the context") == 1 and "(256 positions)" in stderr
+
+
+def test_huge_numbers_are_capped_or_refused_in_one_line(ptq_cli, tiny_model, text_file, tmp_path):
+    calib = tmp_path / "c.safetensors"
+    code, _, stderr = ptq_cli(
+        "calibrate", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "-o", calib,
+        "--batch-size", "99999999999999999999", "--quiet",
+    )  # fmt: skip
+    assert code == 0 and calib.is_file(), stderr  # larger than the windows: all of them in one batch
+    code, _, stderr = ptq_cli(
+        "eval", tiny_model, "--eval-data", text_file, *FAST[:4], "--tasks", "ptq_arith", "--limit", "1e20",
+        "--out", tmp_path / "e", "--quiet",
+    )  # fmt: skip
+    assert code == 2 and one_line(stderr) and "--limit 1e+20 is too large" in stderr
+    for size in ("inf", "1e300"):
+        code, _, stderr = ptq_cli(
+            "quantize", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "--shard-size", size,
+            "--no-verify", "-o", tmp_path / "q", "--quiet",
+        )  # fmt: skip
+        assert code == 2 and one_line(stderr) and "--shard-size must be a number of MB" in stderr, stderr
+    assert not (tmp_path / "q").exists() and not (tmp_path / "e").exists()
+
+
+def test_quantize_refuses_compare_results_of_another_model(ptq_cli, tiny_model, other_tiny_model, text_file, tmp_path):
+    other = tmp_path / "other"
+    code, _, stderr = ptq_cli(
+        "compare", other_tiny_model, "--recipes", "fp8-e4m3", "--calib-data", text_file, "--eval-data", text_file,
+        "--out", other, "--no-plots", *FAST,
+    )  # fmt: skip
+    assert code == 0, stderr
+    args = ("quantize", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "--no-verify", "-q")
+    code, _, stderr = ptq_cli(*args, "--compare-results", other, "-o", tmp_path / "q")
+    assert code == 2 and one_line(stderr), stderr
+    assert f"compares another model ('{other_tiny_model}'" in stderr and not (tmp_path / "q").exists()
+    mine = tmp_path / "mine"
+    assert ptq_cli(
+        "compare", tiny_model, "--recipes", "fp8-e4m3", "--calib-data", text_file, "--eval-data", text_file,
+        "--out", mine, "--no-plots", *FAST,
+    )[0] == 0  # fmt: skip
+    code, _, stderr = ptq_cli(*args, "--compare-results", mine, "-o", tmp_path / "q2")
+    assert code == 0, stderr
+    info = json.loads((tmp_path / "q2" / "ptq-export.json").read_text())
+    assert info["compare"]["model"] == str(tiny_model)
+
+
+def test_calibration_options_a_run_does_not_use_are_refused(ptq_cli, tiny_model, text_file, tmp_path):
+    """bf16 needs no calibration: --calib-data (even a file that does not exist) and --calib are refused, not
+    dropped; so is --calib for a quantize recipe that computes its scales on the fly."""
+    calib = tmp_path / "c.safetensors"
+    assert (
+        ptq_cli("calibrate", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "-o", calib, "-q")[0]
+        == 0
+    )
+    base = ("eval", tiny_model, "--eval-data", text_file, *FAST[:4], "--tasks", "", "--out", tmp_path / "e", "-q")
+    for extra, flag in (
+        (("--calib-data", tmp_path / "nosuch.txt"), "--calib-data"),
+        (("--calib", calib), "--calib"),
+        (("--calib", tmp_path / "nosuch.safetensors"), "--calib"),
+    ):
+        code, _, stderr = ptq_cli(*base, *extra)
+        assert code == 2 and one_line(stderr), stderr
+        assert f"{flag} is not used: recipe bf16 needs no calibration" in stderr
+        code, _, stderr = ptq_cli(
+            "compare", tiny_model, "--recipes", "fp8-dynamic", "--eval-data", text_file, *FAST[:4],
+            "--out", tmp_path / "c", "-q", *extra,
+        )  # fmt: skip
+        assert code == 2 and one_line(stderr) and f"{flag} is not used" in stderr, stderr
+    code, _, stderr = ptq_cli(
+        "quantize", tiny_model, "--recipe", "fp8-dynamic", "--calib", calib, "--seq-len", "32", "--no-verify",
+        "-o", tmp_path / "q", "-q",
+    )  # fmt: skip
+    assert code == 2 and one_line(stderr) and "--calib is not used: recipe fp8-dynamic" in stderr, stderr
+    assert not any(p.exists() for p in (tmp_path / "e", tmp_path / "c", tmp_path / "q"))
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["eval", "m", "--max-windows", "0"], "--max-windows"),
+        (["compare", "m", "--seq-len", "1"], "--seq-len"),
+        (["quantize", "m", "-o", "x", "--shard-size", "nan"], "--shard-size"),
+        (["eval", "m", "--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_option_parser_errors_are_one_line(ptq_cli, args, flag):
+    code, stdout, stderr = ptq_cli(*args)
+    assert code == 2 and one_line(stderr) and flag in stderr and not stdout, stderr
+    code, stdout, _ = ptq_cli(args[0], "--help")
+    assert code == 0 and "Usage" in stdout  # --help as typer prints it
+    assert (flag in stdout) != flag.startswith("--no-such")

@@ -406,3 +406,18 @@ def test_shipped_tasks_are_indexed_by_lm_eval():
     for doc in docs["ptq_arith"]:  # every answer's arithmetic is right
         work, answer = doc["answer"].split(" #### ")
         assert eval(work.split(". ")[-1].split(" = ")[0]) == int(answer)  # noqa: S307  (our own data file)
+
+
+def test_lm_eval_git_describe_outside_a_checkout_prints_nothing(tmp_path, monkeypatch, capfd):
+    """lm-eval records `git describe` of the working directory; outside a git checkout git's "fatal: not a git
+    repository" went straight to the terminal. Inside ptq's lm-eval context its stderr is discarded."""
+    from lm_eval.loggers import utils as lm_eval_utils
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    lm_eval_utils.get_git_commit_hash()
+    assert "fatal" in capfd.readouterr().err  # lm-eval as it is
+    with harness.quiet_lm_eval():
+        assert lm_eval_utils.get_git_commit_hash() is None
+    assert "fatal" not in capfd.readouterr().err
+    assert lm_eval_utils.subprocess is subprocess  # put back

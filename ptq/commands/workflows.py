@@ -130,6 +130,7 @@ def run_calibrate(
         ),
     )
     loaded = _load(model, streamed)
+    check_seq_len(loaded, calibration.seq_len)
     plans = resolve_plans(loaded.model, loaded_recipes)
     check_coverage(plans, model.strict_coverage)
     result = _calibrate(
@@ -286,6 +287,32 @@ def _load(
             dtype=dtype,
             copies=copies,
         )
+
+
+def check_seq_len(loaded: LoadedModel, seq_len: int) -> None:
+    """--seq-len against the model's context: refused beyond a learned position table (an embedding with one row
+    per position, GPT-2's wpe: a longer window indexes past it), warned about beyond a rotary or other computed
+    position encoding's trained range (it runs, extrapolated)."""
+    limit = _max_len({"model": loaded.model})
+    if not limit or seq_len <= limit:
+        return
+    inputs = loaded.model.get_input_embeddings() if hasattr(loaded.model, "get_input_embeddings") else None
+    learned = [
+        name
+        for name, m in loaded.model.named_modules()
+        if isinstance(m, torch.nn.Embedding) and m is not inputs and ("pos" in name.lower() or name.endswith("wpe"))
+    ]
+    if learned:
+        raise PtqError(
+            f"--seq-len {seq_len} is longer than model '{loaded.name}' can take: its learned position table "
+            f"('{learned[0]}') has {limit} positions"
+        )
+    stderr.print(
+        f"warning: --seq-len {seq_len} is beyond the context model '{loaded.name}' was trained on ({limit} "
+        "positions): its positions are extrapolated, and the numbers may not mean much",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def check_ranges(calibration: Calibration, plans: dict[str, Plan]) -> list[str]:
@@ -459,12 +486,19 @@ def run_compare(
         raise PtqError("each recipe may appear once, and not as the baseline 'bf16'")
     if streamed:
         streaming.check_compare_recipes(variants)
-    reused = load_calibration(calibration.file) if calibration.file else None
     needs_calibration = [r for r in variants if r.needs_calibration]
+    _refuse_unused_calibration(
+        calibration,
+        bool(needs_calibration),
+        f"recipe(s) {', '.join(r.name for r in variants)} need no calibration",
+        "--calib-data",
+    )
+    reused = load_calibration(calibration.file) if calibration.file else None
     calib_corpus = load_corpus(calibration.data, role="calibration") if needs_calibration and reused is None else None
     eval_corpus = load_corpus(data.data, role="evaluation")
     task_work, suite = _task_suite(data, eval_corpus)  # fail before the model
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]), copies=copies)
+    check_seq_len(loaded, data.seq_len)
     windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
     plans = resolve_plans(loaded.model, [baseline, *variants], compute.target)  # the one plan per recipe
     coverages = check_coverage(plans, model.strict_coverage)
@@ -538,6 +572,16 @@ def run_compare(
     return results
 
 
+def _refuse_unused_calibration(calibration: CalibrationOptions, needs: bool, why: str, data_flag: str | None) -> None:
+    """--calib and the calibration text (`data_flag`) when no recipe of the run needs a calibration: refused in one
+    line rather than dropped (a missing file, or a calibration of another model, would otherwise pass unnoticed)."""
+    if needs:
+        return
+    given = [flag for flag, value in (("--calib", calibration.file), (data_flag, calibration.data)) if flag and value]
+    if given:
+        raise PtqError(f"{given[0]} is not used: {why} (leave it out)")
+
+
 def _refuse_resume(command: str, calibration: CalibrationOptions) -> None:
     refuse_unused(command, calibration, resume="--resume", checkpoint_every="--checkpoint-every")
 
@@ -579,6 +623,8 @@ def check_task_options(data: DataOptions) -> None:
             "accelerate launch (perplexity is data-parallel), or run the tasks in a run of their own"
         )
     limit = data.limit
+    if limit is not None and limit >= 2**53:  # lm-eval counts documents in integers: more than any task has
+        raise PtqError(f"--limit {limit:g} is too large: give at most {2**53 - 1} documents per task")
     if limit is not None and not (limit > 0 and (limit < 1 or float(limit).is_integer())):
         raise PtqError(
             f"--limit takes a number of documents per task (e.g. 100) or a fraction below 1 (e.g. 0.1), not {limit:g}"
@@ -646,12 +692,16 @@ def run_eval(
     config = load_recipe(recipe)
     if streamed:
         streaming.check_compare_recipes([config])
+    _refuse_unused_calibration(
+        calibration, config.needs_calibration, f"recipe {config.name} needs no calibration", "--calib-data"
+    )
     reused = load_calibration(calibration.file) if calibration.file else None
     needed = [config] if config.needs_calibration else []
     calib_corpus = load_corpus(calibration.data, role="calibration") if needed and reused is None else None
     eval_corpus = load_corpus(data.data, role="evaluation")
     task_work, suite = _task_suite(data, eval_corpus)  # fail before the model
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]))
+    check_seq_len(loaded, data.seq_len)
     windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
     plans = resolve_plans(loaded.model, [config], compute.target)  # the one plan
     config_coverage = check_coverage(plans, model.strict_coverage)[config.name]
@@ -716,7 +766,11 @@ def run_eval(
 
 def _max_len(models: dict) -> int | None:
     config = getattr(next(iter(models.values())), "config", None)
-    return getattr(config, "max_position_embeddings", None)
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def run_report(
@@ -825,12 +879,15 @@ def run_quantize(
     refuse_unused("quantize", compute, matmul="--matmul")
     refuse_unused("quantize", output, limits="a gate")
     _refuse_resume("quantize", calibration)
+    if not 0 < checkpoint.shard_size_mb < 1e12:  # inf and nan too
+        raise PtqError(f"--shard-size must be a number of MB above 0 and below 1e12, not {checkpoint.shard_size_mb:g}")
     out, force, batch_size, placement = Path(output.path), output.force, compute.batch_size, model.placement
     check_export_target(out, force)
     target = engines.check_target(compute.target)
     check_placement(placement, compute.low_memory)
     r = load_recipe(recipe)
     export.check_exportable(r)
+    _refuse_unused_calibration(calibration, r.needs_calibration, f"recipe {r.name} needs no calibration", None)
     compare = load_compare_results(checkpoint.compare_results, r.name) if checkpoint.compare_results else None
     reused = load_calibration(calibration.file) if calibration.file else None
     check_output_dir(out.parent)
@@ -844,6 +901,9 @@ def run_quantize(
         ),
     )
     loaded = _load(model, streamed)
+    check_seq_len(loaded, data.seq_len)
+    if compare is not None:
+        check_compare_model(compare, loaded)
     plans = resolve_plans(loaded.model, [r], target)  # the one plan
     export.export_layers(loaded.model, r, plans[r.name])  # refuse an unexportable model before calibrating it
     checkpoint_coverage = check_coverage(plans, model.strict_coverage)[r.name]
@@ -1022,6 +1082,16 @@ def check_export_target(output: Path, force: bool) -> None:
             raise PtqError(f"{output} is not a ptq export (no {EXPORT_INFO}): not replacing it, even with --force")
 
 
+def check_compare_model(compare: dict, loaded: LoadedModel) -> None:
+    """Refuse the results of a compare of another model (--compare-results): their numbers would go into this
+    model's card. The model is known by where its weights came from (a folder, a Hub id, a GGUF file)."""
+    if compare.get("model_source") != loaded.source:
+        raise PtqError(
+            f"{compare['file']} compares another model ('{compare['model']}', from {compare.get('model_source')}), "
+            f"not '{loaded.name}' (from {loaded.source}): its numbers do not belong in this model's card"
+        )
+
+
 def load_compare_results(path: Path, recipe: str) -> dict:
     """The rows of a `ptq compare` results.json (a file or its directory) for the model card."""
     path = Path(path)
@@ -1036,6 +1106,7 @@ def load_compare_results(path: Path, recipe: str) -> dict:
     return {
         "file": str(path),
         "model": r.model.name,
+        "model_source": r.model.source,
         "eval": ev.description,
         "eval_data": ev.data,
         "eval_sha256": ev.data_sha256,

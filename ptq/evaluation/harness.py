@@ -100,8 +100,14 @@ def lm_eval_version() -> str:
 def quiet_lm_eval():
     """lm-eval logs every step at INFO and warns about passing a built model (which is what ptq means to do):
     keep its errors only, and its progress bars and datasets' off when ptq is quiet."""
+    import lm_eval.loggers.utils as lm_eval_utils
+
     from ptq import progress
 
+    # lm-eval records `git describe` of the working directory: outside a git checkout git's "fatal: not a git
+    # repository" went to ptq's stderr. The same command, its stderr discarded (its result is unchanged).
+    git = lm_eval_utils.subprocess
+    lm_eval_utils.subprocess = _QuietSubprocess(git)
     loggers = [logging.getLogger(n) for n in ("lm-eval", "lm_eval", "datasets")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -124,6 +130,20 @@ def quiet_lm_eval():
             lg.setLevel(level)
         for module, bar in bars:
             module.tqdm = bar
+        lm_eval_utils.subprocess = git
+
+
+class _QuietSubprocess:
+    """The subprocess module, its check_output with stderr discarded unless told otherwise."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def check_output(self, *args, **kwargs):
+        return self._module.check_output(*args, **{"stderr": self._module.DEVNULL, **kwargs})
 
 
 def _silenced(bar):
@@ -331,7 +351,7 @@ def load_check(suite: Suite, manager) -> None:
     for name in suite.names:
         try:
             with quiet_lm_eval():
-                manager.load([name])
+                loaded = manager.load([name])
         except Exception as e:  # noqa: BLE001  (a missing dataset, no network, a bad YAML: one line for the user)
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             offline = (
@@ -344,6 +364,27 @@ def load_check(suite: Suite, manager) -> None:
                 f"local files: {name}=FILE.jsonl (rows in its dataset's own fields), or a task YAML with "
                 "dataset_path: json and dataset_kwargs: {data_files: ...}"
             ) from None
+        for task_name, task in (loaded.get("tasks") or {}).items() if isinstance(loaded, dict) else ():
+            check_fewshot(task_name, task, suite.num_fewshot)
+
+
+def check_fewshot(name: str, task, num_fewshot: int | None) -> None:
+    """Refuse more few-shot examples (--num-fewshot, else the task's own num_fewshot) than the task's few-shot pool
+    holds (lm-eval would stop with "Sample larger than population"); drawn from the test split itself, the document
+    being scored is not one of them."""
+    config = getattr(task, "config", None)
+    n = num_fewshot if num_fewshot is not None else getattr(config, "num_fewshot", None)
+    if not n or config is None:
+        return
+    try:
+        pool = len(list(task.fewshot_docs()))
+    except Exception:  # noqa: BLE001  (a task whose pool lm-eval builds otherwise: left to lm-eval)
+        return
+    fewshot_split = getattr(getattr(task, "fewshot_cfg", None), "split", None)
+    available = pool - 1 if fewshot_split is not None and fewshot_split == getattr(config, "test_split", None) else pool
+    if n > available:
+        flag = f"--num-fewshot {n}" if num_fewshot is not None else f"its num_fewshot: {n}"
+        raise PtqError(f"{name} has only {max(available, 0)} few-shot examples ({flag})")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from ptq.execution.devices import input_device, out_of_memory, release
 AUTO = "auto"
 CPU_BATCH_SIZE = 4
 MAX_AUTO_BATCH_SIZE = 64
+MAX_BATCH_SIZE = 2**31 - 1  # an explicit size above this (more windows than any run has) is capped to it
 GPU_MEMORY_FRACTION = 0.7  # of the free memory, for the activations (allocator fragmentation, cuBLAS workspaces)
 
 
@@ -34,7 +35,7 @@ def parse_batch_size(value: str | int | None) -> int | None:
         size = 0
     if size < 1:
         raise PtqError(f"--batch-size must be a positive integer or 'auto', not {value!r}")
-    return size
+    return min(size, MAX_BATCH_SIZE)  # more than there are windows is all of them in one batch
 
 
 def window_bytes(
