@@ -546,7 +546,11 @@ def test_partly_quantized_experts_export_and_verify(recipe, sizes, ptq_cli, text
         )
         recipe = path
     out = tmp_path / "out"
+    # vLLM runs each experts module as one FusedMoE of one precision: refused for it, in one line, before any work
     code, _, err = quantize_cli(ptq_cli, source, recipe, out, text_file)
+    assert code == 2 and "one fused layer of one precision" in err and "down_proj" in err and not out.exists(), err
+    assert err.count("error:") == 1 and err.strip().splitlines()[-1].startswith("error:")  # above: the source's saving
+    code, _, err = quantize_cli(ptq_cli, source, recipe, out, text_file, "--target", "transformers")
     assert code == 0, err
     tensors, original = read_checkpoint(out), read_checkpoint(source)
     ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
@@ -559,6 +563,15 @@ def test_partly_quantized_experts_export_and_verify(recipe, sizes, ptq_cli, text
         assert f"{gate}.weight_scale" in tensors
     ver = json.loads((out / "ptq-export.json").read_text())["verification"]
     assert ver["passed"] and ver["kl_div"] <= 1e-6 and not ver["tensors_differing"], ver["problems"]
+
+
+def test_a_partly_quantized_fused_layer_is_refused_for_vllm(ptq_cli, tiny_model, text_file, tmp_path):
+    # ignore k_proj alone: q/k/v are one qkv_proj in vLLM, which refuses shards of different precision
+    recipe = tmp_path / "no-k.yaml"
+    recipe.write_text("name: no-k\nignore: [lm_head, '*.k_proj']\nweights: {format: e4m3}\ninputs: {format: e4m3}\n")
+    code, _, err = quantize_cli(ptq_cli, tiny_model, recipe, tmp_path / "out", text_file)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert "k_proj' would stay in 16 bits while" in err and "q_proj' is quantized" in err
 
 
 @pytest.fixture(scope="module")

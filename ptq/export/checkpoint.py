@@ -308,6 +308,8 @@ def export_layers(model: nn.Module, recipe: Recipe, plan: Plan | None = None) ->
             f"{', '.join(recipe.targets)} modules, and this model has none outside {', '.join(recipe.ignore)})"
         )
     check_loadable(model, recipe, quantized)
+    if plan.target == "vllm":
+        check_fused_precision(model, quantized)
     names = _saved_names(model)
     tied = [name for name in quantized if f"{name}.weight" not in names]
     if tied:
@@ -316,6 +318,27 @@ def export_layers(model: nn.Module, recipe: Recipe, plan: Plan | None = None) ->
             f"of recipe '{recipe.name}' (ignore: [{tied[0]}])"
         )
     return quantized, ignored, names
+
+
+def check_fused_precision(model: nn.Module, quantized: list[str]) -> None:
+    """Refuse, for --target vllm, a checkpoint where one of vLLM's fused layers is partly quantized: q/k/v, gate/up
+    (engines.fused_groups) or an experts module (one FusedMoE: vLLM skips it whole if any expert layer is ignored).
+    vLLM refuses the first ("Detected some but not all shards of ... are quantized. All shards of fused layers to have
+    the same precision") and would load the second unquantized. transformers loads both (--target transformers)."""
+    done = set(quantized)
+    groups = [tuple(g) for g in engines.fused_groups(model)]
+    for path, m in model.named_modules():
+        if isinstance(m, LinearExperts):
+            groups.append(tuple(n for n, sub in m.named_modules(prefix=path) if quantizable(sub) and n != path))
+    for group in groups:
+        partly = [n for n in group if n not in done]
+        if partly and len(partly) < len(group):
+            kept = next(n for n in group if n in done)
+            raise PtqError(
+                f"'{partly[0]}' would stay in 16 bits while '{kept}' is quantized, and vLLM runs them as one fused "
+                "layer of one precision (it refuses such a checkpoint): quantize both or neither, or export for "
+                "transformers (--target transformers)"
+            )
 
 
 def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> None:
