@@ -982,7 +982,7 @@ def main() -> None:
         from ptq.execution.devices import out_of_memory
 
         progress.stderr.print(
-            f"[bold red]error:[/] {escape(out_of_memory('', str(e)))}", highlight=False, soft_wrap=True
+            f"[bold red]error:[/] {escape(str(out_of_memory('', str(e))))}", highlight=False, soft_wrap=True
         )
         raise SystemExit(2) from None
     except (KeyboardInterrupt, SystemExit) as e:  # typer turns KeyboardInterrupt into exit code 130
