@@ -964,8 +964,7 @@ def main() -> None:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         code = app(standalone_mode=False)  # click's own usage errors are printed below, in ptq's one line
-        if isinstance(code, int) and code:  # typer.Exit(n), and 130 for an interrupt
-            raise SystemExit(code)
+        raise SystemExit(code if isinstance(code, int) else 0)  # as typer's standalone mode: typer.Exit(n), 130, 0
     except click_exceptions.ClickException as e:
         if type(e).__name__ != "NoArgsIsHelpError":  # bare `ptq`: typer has printed the help already
             progress.stderr.print(f"[bold red]error:[/] {escape(e.format_message())}", highlight=False, soft_wrap=True)

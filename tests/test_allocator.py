@@ -77,9 +77,6 @@ def test_the_cli_sets_it_before_any_command(monkeypatch):
     calls = []
     monkeypatch.setattr(allocator, "keep_freed_host_memory", lambda: calls.append(True) or True)
     monkeypatch.setattr(sys, "argv", ["ptq", "--help"])
-    try:
+    with pytest.raises(SystemExit) as exit:
         cli.main()
-        code = 0  # the help printed, main returned
-    except SystemExit as e:
-        code = e.code
-    assert code in (0, None) and calls == [True]
+    assert exit.value.code == 0 and calls == [True]
