@@ -51,6 +51,7 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
         "matmul": "simulated",
         "low_memory": False,
         "blockwise_simulated": None,
+        "blockwise_partial_simulated": None,
         "placement": None,
         "cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...: what the numbers were made with
         "cpu": cpu_model(),

@@ -50,6 +50,7 @@ def test_evaluate_feeds_each_model_on_its_own_device_and_scores_on_the_first(tin
     assert seen == [torch.device("cpu")] * 4
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("matmul", ["simulated", "fp8"])
 def test_compare_on_cuda_gives_the_cpu_numbers(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch, matmul):
@@ -86,6 +87,7 @@ def test_compare_on_cuda_gives_the_cpu_numbers(ptq_cli, tiny_model, text_file, t
         )
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
     from ptq.calibration.calibrate import load_calibration
@@ -127,6 +129,7 @@ def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, te
         assert float(amax["cuda"][name]) == pytest.approx(float(value), rel=1e-4), name
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_low_memory_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
@@ -167,6 +170,7 @@ def test_low_memory_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, t
         assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3)
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_device_map_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):

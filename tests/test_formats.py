@@ -217,6 +217,7 @@ def test_midpoints_are_ties():
     assert 61440.0 in midpoints(E5M2)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("fmt", FLOAT_FORMATS + [INT8], ids=lambda f: f.name)
 def test_cuda_matches_cpu(wide_values, fmt):

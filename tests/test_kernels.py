@@ -23,7 +23,10 @@ DEVICES = [
     "cpu",
     pytest.param(
         "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiles the Triton kernels"),
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiles the Triton kernels"),
+        ],
     ),
 ]
 

@@ -323,6 +323,75 @@ def test_real_fp8_matmul_matches_the_simulation(tiny_model, tmp_path, recipe_tex
     assert not torch.equal(got, quantize_(copy.deepcopy(model), load_recipe("bf16"), None)(input_ids=ids).logits)
 
 
+def _cublas_scaled_mm(original, calls):
+    """torch._scaled_mm with the checks its CUDA kernel makes and its CPU kernel does not (torch 2.11's
+    aten/src/ATen/native/cuda/ScaledBlas.cpp): no E5M2 x E5M2 product, no bias with a float32 output, the inner
+    and output dimensions multiples of 16."""
+
+    def scaled_mm(a, b, *args, bias=None, out_dtype=None, **kwargs):
+        if a.dtype == b.dtype == torch.float8_e5m2:
+            raise ValueError("Multiplication of two Float8_e5m2 matrices is not supported")
+        if bias is not None and out_dtype == torch.float32:
+            raise ValueError("Bias is not supported when out_dtype is set to Float32")
+        if a.shape[1] % 16 or b.shape[0] % 16 or b.shape[1] % 16:
+            raise ValueError(f"dimensions not multiples of 16: {tuple(a.shape)} x {tuple(b.shape)}")
+        calls.append(1)
+        return original(a, b, *args, bias=bias, out_dtype=out_dtype, **kwargs)
+
+    return scaled_mm
+
+
+@pytest.mark.parametrize(
+    "recipe_text, fp8_layers",
+    [
+        ("weights: {format: e4m3}\ninputs: {format: e4m3}\n", 7),
+        ("weights: {format: e5m2}\ninputs: {format: e4m3, scale: pow2}\n", 7),
+        ("weights: {format: e5m2}\ninputs: {format: e5m2}\n", 0),  # cuBLAS has no E5M2 x E5M2 product
+    ],
+)
+def test_real_fp8_matmuls_keep_to_the_rules_of_cublas(tmp_path, recipe_text, fp8_layers):
+    """A float32 model with biases (Qwen2's q/k/v, --low-memory's compute dtype) under --matmul fp8, with
+    torch._scaled_mm held to the rules of its CUDA kernel: the bias is added after a float32 product, an
+    E5M2 x E5M2 layer stays simulated, and the logits are the simulation's."""
+    from tests.conftest import save_tiny_llama
+
+    path = save_tiny_llama(
+        tmp_path / "m", attention_bias=True, mlp_bias=True, num_attention_heads=2, num_key_value_heads=1
+    )
+    model = AutoModelForCausalLM.from_pretrained(path)
+    (tmp_path / "r.yaml").write_text("name: t\ntargets: [Linear]\nignore: [lm_head]\n" + recipe_text)
+    recipe = load_recipe(str(tmp_path / "r.yaml"))
+    ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4))
+    cal = calibrate(model, ids, calibrated_layers(model, recipe))
+    simulated = quantize_(copy.deepcopy(model), recipe, cal)
+    real = quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
+    layers = [m for m in real.modules() if isinstance(m, QuantLinear) and m.fp8_matmul]
+    assert len(layers) == fp8_layers * model.config.num_hidden_layers
+    assert all(m.bias is not None for m in layers)
+    calls = []
+    cublas = _cublas_scaled_mm(torch._scaled_mm, calls)
+    with torch.no_grad(), mock.patch.object(torch, "_scaled_mm", cublas):
+        want, got = simulated(input_ids=ids).logits, real(input_ids=ids).logits
+    assert len(calls) == len(layers)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_features", [128, 256, 384, 512, 640, 11008])
+def test_block_fp8_matmul_passes_torchs_scale_layout_checks(in_features):
+    """The block-wise product's arguments, on meta tensors, against torch's own shape and stride checks for 1 x 128
+    input groups times 128 x 128 weight blocks (the meta function mirrors the CUDA kernel's): the weight's scales
+    padded to round_up(K / 128, 4) rows, whatever K / 128 is (Llama-2's down_proj: 86)."""
+    from ptq.quantization.quantize import _blockwise_mm
+
+    rows, out_features, k_blocks = 48, 256, in_features // 128
+    codes = torch.empty(rows, in_features, dtype=torch.float8_e4m3fn, device="meta")
+    weight_codes = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device="meta")
+    scale_x = torch.empty(rows, k_blocks, device="meta")
+    scale_w = torch.empty(out_features // 128, k_blocks, device="meta")
+    y = _blockwise_mm(codes, weight_codes, scale_x, scale_w, torch.bfloat16)
+    assert y.shape == (rows, out_features) and y.dtype == torch.bfloat16
+
+
 def test_matmul_choice_is_checked_and_auto_is_simulated_on_cpu(tiny_model):
     from ptq.quantization.quantize import resolve_matmul
 
@@ -332,6 +401,7 @@ def test_matmul_choice_is_checked_and_auto_is_simulated_on_cpu(tiny_model):
         resolve_matmul("int4", torch.device("cpu"))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
     reason="no CUDA device with FP8 (compute capability 8.9+)",

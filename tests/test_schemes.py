@@ -493,6 +493,7 @@ def test_group_and_block_scales_stay_simulated_under_matmul_fp8_where_torch_has_
     assert not calls
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
     reason="no Hopper-class CUDA device (block-wise FP8 matmuls: compute capability 9.0+)",
@@ -514,6 +515,9 @@ def test_cuda_block_fp8_matmul_matches_the_simulation_or_says_why_not(wide_llama
     real = quantize_(copy.deepcopy(model), r, None, matmul="fp8")
     blocks = [m for m in real.modules() if isinstance(m, QuantLinear) and m.weights.format.name == "e4m3"]
     why = blockwise_unavailable(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9):  # cuBLAS's block-wise FP8: Hopper, CUDA 12.9+
+        assert why is None, why
     assert blocks and all(m.fp8_matmul == (why is None) for m in blocks), why
     with torch.no_grad():
         want, got = simulated(input_ids=ids).logits.float(), real(input_ids=ids).logits.float()

@@ -230,9 +230,10 @@ def calibration_faults(metadata: dict) -> CalibrationFaults:
 def describe_compute(compute: dict) -> str:
     """One line for reports."""
     if compute["matmul"] == "fp8":
-        why = compute.get("blockwise_simulated")
+        why, partial = compute.get("blockwise_simulated"), compute.get("blockwise_partial_simulated")
         blocks = (
             "128 x 128 weight blocks with 1 x 128 input groups too (torch.nn.functional.scaled_mm block-wise)"
+            + (f", but layers with partial blocks simulated ({partial})" if partial else "")
             if why is None
             else f"128 x 128 blocks simulated ({why})"
         )

@@ -370,6 +370,8 @@ def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, place
         info["cpu"] = cpu_model()
     if info["matmul"] == "fp8":  # 128 x 128 blocks: real where torch has the kernel, else why not
         info["blockwise_simulated"] = blockwise_unavailable(device, getattr(torch, info["dtype"]))
+        if info["blockwise_simulated"] is None:  # layers whose dimensions are not multiples of 128: tried apart
+            info["blockwise_partial_simulated"] = blockwise_unavailable(device, getattr(torch, info["dtype"]), False)
     return info
 
 

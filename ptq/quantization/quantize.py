@@ -255,9 +255,12 @@ class QuantLinear(nn.Module):
             y = _blockwise_mm(codes, self.weight_codes, scale_x, scale_w, x.dtype)
             y = y if self.bias is None else y + self.bias
         else:
+            # cuBLAS takes no bias with a float32 output ("Bias is not supported when out_dtype is set to Float32")
+            bias = self.bias if x.dtype != torch.float32 else None
             y = torch._scaled_mm(
-                codes, self.weight_codes.t(), scale_a=scale_x, scale_b=scale_w, bias=self.bias, out_dtype=x.dtype
+                codes, self.weight_codes.t(), scale_a=scale_x, scale_b=scale_w, bias=bias, out_dtype=x.dtype
             )
+            y = y if bias is not None or self.bias is None else y + self.bias
         return y[:rows].reshape(*x.shape[:-1], self.out_features)
 
     @property
@@ -400,21 +403,25 @@ def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQu
     """A layer can run as a real FP8 matmul when its weight and its input are both in a scaled 8-bit float
     format (E4M3 or E5M2) with per-tensor or per-row scales (torch._scaled_mm's tensor-wise and row-wise
     scaling), or with 128 x 128 weight blocks and dynamic 1 x 128 input groups where torch multiplies those on the
-    layer's device (blockwise_unavailable); MX groups (E8M0 scales) stay simulated. Without SmoothQuant, and its
-    dimensions multiples of 16 (cuBLAS's rule)."""
+    layer's device (blockwise_unavailable, tried apart for layers with partial blocks); MX groups (E8M0 scales)
+    stay simulated, and so does an E5M2 input times E5M2 weight (cuBLAS has no such product). Without SmoothQuant,
+    and its dimensions multiples of 16 (cuBLAS's rule)."""
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     if weights.format.torch_dtype not in fp8 or inputs.format.torch_dtype not in fp8 or smooth is not None:
         return False
+    if weights.format.torch_dtype == inputs.format.torch_dtype == torch.float8_e5m2:
+        return False  # cuBLAS: "Multiplication of two Float8_e5m2 matrices is not supported"
     if inputs.scale_format != "fp32" or weights.scale_format != "fp32":
         return False
     if linear.in_features % 16 or linear.out_features % 16:
         return False
     if isinstance(weights.granularity, gr.PerBlock):
+        whole = linear.in_features % 128 == 0 and linear.out_features % 128 == 0
         return (
             weights.granularity == gr.PerBlock(128, 128)
             and inputs.granularity == gr.PerGroup(128)
             and inputs.dynamic
-            and blockwise_unavailable(linear.weight.device, linear.weight.dtype) is None
+            and blockwise_unavailable(linear.weight.device, linear.weight.dtype, whole) is None
         )
     return isinstance(weights.granularity, (gr.PerTensor, gr.PerChannel)) and isinstance(
         inputs.granularity, (gr.PerTensor, gr.PerToken)
@@ -428,30 +435,33 @@ def _blockwise_mm(
     block scales [out / 128, in / 128] (DeepSeek-V3's layout), by torch.nn.functional.scaled_mm. The scales'
     memory layouts are the ones torch checks for (aten/src/ATen/native/cuda/ScaledBlas.cpp,
     is_blockwise_1x128_scaling: the input's column-major; is_blockwise_128x128_scaling of the transposed second
-    operand: the weight's row-major)."""
+    operand: the weight's row-major), with the weight's K blocks padded to a multiple of 4
+    (_scaled_block1x128_block128x128: [round_up(K / 128, 4), N / 128], strides (1, that); the padding is never read)."""
     return F.scaled_mm(
         codes,
         weight_codes.t(),
         scale_x.t().contiguous().t(),
         F.ScalingType.BlockWise1x128,
-        scale_w.t(),
+        F.pad(scale_w, (0, -scale_w.shape[1] % 4), value=1.0).t(),
         F.ScalingType.BlockWise128x128,
         output_dtype=dtype,
     )
 
 
-_BLOCKWISE: dict[tuple[str, torch.dtype], str | None] = {}
+_BLOCKWISE: dict[tuple[str, torch.dtype, bool], str | None] = {}
 
 
-def blockwise_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+def blockwise_unavailable(device: torch.device, dtype: torch.dtype, whole_blocks: bool = True) -> str | None:
     """None when torch multiplies 1 x 128-group inputs by 128 x 128-block weights on `device` with output in
     `dtype` (cuBLAS on Hopper with CUDA 12.9 or later); else why not, in one line. Tried once per device and dtype
     on a small product and compared with the simulation's, so that a kernel which accepts the scales but reads them
-    otherwise is not used either."""
-    key = (str(device), dtype)
+    otherwise is not used either; `whole_blocks=False` tries a weight whose last blocks are partial (320 x 192: the
+    layers whose dimensions are not multiples of 128), which the kernel may read otherwise than the simulation."""
+    key = (str(device), dtype, whole_blocks)
     if key not in _BLOCKWISE:
         g = torch.Generator().manual_seed(0)
-        x, w = torch.randn(32, 256, generator=g).to(device), torch.randn(256, 256, generator=g).to(device)
+        k, n = (256, 256) if whole_blocks else (320, 192)
+        x, w = torch.randn(32, k, generator=g).to(device), torch.randn(n, k, generator=g).to(device)
         inputs = TensorQuant(FORMATS["e4m3"], gr.PerGroup(128), dynamic=True)
         weights = TensorQuant(FORMATS["e4m3"], gr.PerBlock(128, 128))
         codes, scale_x = quantize_activation(x, inputs, codes=True)
@@ -466,6 +476,8 @@ def blockwise_unavailable(device: torch.device, dtype: torch.dtype) -> str | Non
         except Exception as e:  # the op's own refusal is the reason (no kernel for this device, version or dtype)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             _BLOCKWISE[key] = f"torch.nn.functional.scaled_mm on {device}: {type(e).__name__}: {first}"
+        if not whole_blocks and _BLOCKWISE[key] is not None and blockwise_unavailable(device, dtype) is None:
+            _BLOCKWISE[key] = f"partial blocks: {_BLOCKWISE[key]}"
     return _BLOCKWISE[key]
 
 

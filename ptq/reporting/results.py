@@ -50,6 +50,8 @@ class Compute:
     low_memory: bool  # layer by layer from disk (--low-memory)
     # matmul fp8: why 128 x 128 weight blocks are simulated (None: real block-wise FP8 matmuls, or matmul simulated)
     blockwise_simulated: str | None = None
+    # and why layers with partial blocks (dimensions not multiples of 128) are, where whole blocks are not
+    blockwise_partial_simulated: str | None = None
     placement: dict[str, dict[str, int]] | None = None  # --device-map: per model, device-map entries per device
     # on a CPU: the vector instruction set torch's kernels run with (AVX2, AVX512, ...), and the processor's model
     # name. Their float32 results round apart in the last bits per set and per processor, so a perplexity repeats to
