@@ -776,3 +776,64 @@ def test_a_bf16_pickle_source_is_exported_in_bf16(tiny_model, ptq_cli, text_file
     assert all(tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], state[k]) for k in kept)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert json.loads((out / "ptq-export.json").read_text())["verification"]["passed"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_static_input_scales_are_exported_under_the_recipes_observer(family, tiny_model, ptq_cli, text_file, tmp_path):
+    """A percentile observer clips each static input below its amax: the checkpoint's input_scale is that clip / 448,
+    the scale the simulation (compare) uses, for dense layers and experts alike, and the export verifies; not the
+    calibration's raw amax / 448."""
+    import families
+
+    if family == "llama":
+        source = tiny_model
+    else:
+        source = tmp_path / family
+        families.build(family).to(torch.bfloat16).save_pretrained(source)
+        make_tokenizer().save_pretrained(source)
+    recipe = tmp_path / "pct.yaml"
+    recipe.write_text(
+        "name: pct\ntargets: [Linear, Conv1D, Experts]\nignore: [lm_head]\nweights: {format: e4m3}\n"
+        "inputs: {format: e4m3, observer: percentile, percentile: 99.0}\n"
+    )
+    calib = tmp_path / "calib.safetensors"
+    code, _, err = ptq_cli(
+        "calibrate", source, "--recipe", recipe, "--data", text_file, "--samples", "4", "--seq-len", "64", "-o", calib
+    )
+    assert code == 0, err
+    out = tmp_path / "out"
+    code, _, err = ptq_cli(
+        "quantize",
+        source,
+        "--recipe",
+        recipe,
+        "--calib",
+        calib,
+        "--target",
+        "transformers",
+        "-o",
+        out,
+        "-q",
+        "--seq-len",
+        "64",
+        "--verify-windows",
+        "4",
+    )
+    assert code == 0, err
+    assert json.loads((out / "ptq-export.json").read_text())["verification"]["passed"]
+    from transformers import AutoModelForCausalLM
+
+    from ptq.export.checkpoint import checkpoint_names
+    from ptq.models.matmuls import linearize
+
+    amax = {
+        k.removeprefix("input_amax/"): v
+        for k, v in safetensors.torch.load_file(str(calib)).items()
+        if "input_amax/" in k
+    }
+    disk = checkpoint_names(linearize(AutoModelForCausalLM.from_pretrained(source)), [f"{k}.weight" for k in amax])
+    raw = {disk[f"{k}.weight"].removesuffix(".weight"): v for k, v in amax.items()}  # by the checkpoint's names
+    scales = {k.removesuffix(".input_scale"): v for k, v in read_checkpoint(out).items() if k.endswith(".input_scale")}
+    assert len(scales) == (14 if family == "llama" else 32) and set(scales) <= set(raw)
+    clipped = [k for k in scales if float(scales[k]) < float(raw[k]) / 448 * (1 - 1e-6)]
+    assert len(clipped) == len(scales)  # each below its amax / 448: the 99th percentile, not the max

@@ -39,7 +39,7 @@ from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerHead, Pe
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_key
 from ptq.quantization.plan import resolve_plan as plan_of
-from ptq.quantization.quantize import QuantLinear, quantize_, quantize_weight
+from ptq.quantization.quantize import QuantLinear, input_clip, quantize_, quantize_weight
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
@@ -411,9 +411,10 @@ def plan_checkpoint(
     shared_weight_amax = engines.shared_amax(
         {n: plan.matmuls[n].weight_group for n in quantized if plan.matmuls[n].weight_group}, weight_amax
     )
+    # each static input's clip under the recipe's observer (max: the amax), as the simulation takes it
+    clip = lambda n: input_clip(calibration, n, plan.matmuls[n].inputs)  # noqa: E731
     shared_input_amax = engines.shared_amax(
-        {n: plan.matmuls[n].input_group for n in quantized if plan.matmuls[n].input_group},
-        lambda n: calibration.input_amax[n],
+        {n: plan.matmuls[n].input_group for n in quantized if plan.matmuls[n].input_group}, clip
     )
     entries: list[_Entry] = []
     for name in names:
@@ -441,7 +442,7 @@ def plan_checkpoint(
             tuple(tensor.shape),
             weight,
             recipe,
-            shared_input_amax.get(layer, calibration.input_amax[layer]) if recipe.inputs.static else None,
+            shared_input_amax.get(layer, clip(layer)) if recipe.inputs.static else None,
             transposed=name in conv1d,
             weight_amax=shared_weight_amax.get(layer),
         )
@@ -828,7 +829,7 @@ def unapplied_scales(
     disk = checkpoint_names(model, [f"{name}.weight" for name in layers]) if layers else {}
     return scales | {
         disk[f"{name}.weight"].removesuffix(".weight") + ".input_scale": _input_scale(
-            calibration.input_amax[name], recipe.inputs.format
+            input_clip(calibration, name, plan.matmuls[name].inputs), recipe.inputs.format
         )
         for name in layers
     }
