@@ -442,6 +442,7 @@ def inspect(
     ] = "fp8-e4m3,int8",
     trust_remote_code: RemoteCode = False,
     as_json: Json = False,
+    target: Target = "vllm",
 ) -> None:
     """List the model's Linear layers with their shapes and what each recipe does to them.
 
@@ -449,7 +450,7 @@ def inspect(
     """
     from ptq.commands.workflows import run_inspect
 
-    info = run_inspect(model, _split(recipe), trust_remote_code)
+    info = run_inspect(model, _split(recipe), trust_remote_code, target)
     if as_json:
         _print_json(info)
     else:
@@ -596,7 +597,7 @@ def _print_inspect(info: dict) -> None:
     names = list(info["recipes"])
     table = Table(
         title=f"{info['model']['name']}: {info['linear_layers']} quantizable layers (Linear, Conv1D, experts), "
-        f"{info['linear_parameters']:,} parameters"
+        f"{info['linear_parameters']:,} parameters, as {info['target']} serves them"
     )
     table.add_column("layer", no_wrap=True)
     table.add_column("kind", no_wrap=True)

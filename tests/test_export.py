@@ -427,15 +427,26 @@ def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_cli, text_file, 
     assert code == 2 and "quantizes no layer" in err and not (tmp_path / "out").exists()
 
 
+PARTIAL_KV = "name: partial-kv\nweights: {format: e4m3}\ninputs: {format: e4m3}\nkv_cache: {format: e4m3}\n"
+
+
 @pytest.mark.parametrize(
     "family, recipe, message",
-    [("mixtral", "int8", "Unsupported FusedMoe scheme"), ("gpt_oss", "fp8-e4m3", "stored fused (3-D)")],
+    [
+        ("mixtral", "int8", "Unsupported FusedMoe scheme"),
+        ("gpt_oss", "fp8-e4m3", "stored fused (3-D)"),
+        ("gpt2", "fp8-e4m3+kv", "has no k_proj"),
+        ("gpt2", "mxfp8", "has Conv1D layers"),
+        ("falcon", "fp8-e4m3+kv", "FalconAttention computes attention in its own code"),
+        ("llama", "partial-kv", "leaves the KV cache of 'model.layers.1.self_attn.kv_cache.key'"),
+    ],
 )
 def test_pairs_no_loader_takes_are_refused_before_calibration(
     family, recipe, message, ptq_cli, text_file, tmp_path, monkeypatch, capsys
 ):
-    """int8 experts with static inputs (neither transformers nor vLLM loads them) and experts a checkpoint keeps fused:
-    one line, exit 2, before any calibration."""
+    """int8 experts with static inputs (neither transformers nor vLLM loads them), experts a checkpoint keeps fused, a
+    KV cache the checkpoint cannot name or that the plan leaves partly in 16 bits (a checkpoint's kv_cache_scheme
+    covers every layer), group scales on Conv1D: one line, exit 2, before any calibration."""
     import families
 
     from ptq.commands import workflows
@@ -444,6 +455,11 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
     families.build(family).save_pretrained(model_dir)
     make_tokenizer().save_pretrained(model_dir)
     capsys.readouterr()  # save_pretrained's progress bars
+    if recipe == "partial-kv":  # the second layer's K and V left out
+        recipe = tmp_path / "partial-kv.yaml"
+        recipe.write_text(
+            PARTIAL_KV + "ignore: [lm_head, 'model.layers.1.self_attn.key', 'model.layers.1.self_attn.value']\n"
+        )
     calibrated = []
     monkeypatch.setattr(workflows, "_calibrate", lambda *a, **k: calibrated.append(1))
     code, _, err = ptq_cli(

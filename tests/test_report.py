@@ -650,11 +650,18 @@ def test_inspect_lists_every_linear_with_its_shape_and_treatment(ptq_cli, tiny_m
             assert (fp8["weights"], int8["weights"], int8["inputs"]) == (
                 "e4m3 per-tensor",
                 "int8 per-channel",
-                "int8 per-tensor",
+                "int8 per-tensor [-128, 127]",  # as vLLM serves them (the default target, as compare's)
             )
         else:
             assert fp8["weights"] == "bf16"
-    assert info["recipes"]["int8"]["layers"] == len(linear) - 1
+    assert info["target"] == "vllm" and info["recipes"]["int8"]["layers"] == len(linear) - 1
+    q, k, v = (f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
+    by_layer = {row["layer"]: row["recipes"] for row in info["layers"]}
+    assert by_layer[q]["fp8-e4m3"]["shares_scale_with"] == [k, v]  # vLLM's fused qkv_proj: one weight scale
+    code, out, _ = ptq_cli("inspect", tiny_model, "--recipe", "fp8-e4m3,int8", "--json", "--target", "transformers")
+    info = json.loads(out)
+    by_layer = {row["layer"]: row["recipes"] for row in info["layers"]}
+    assert by_layer[q]["int8"]["inputs"] == "int8 per-tensor" and by_layer[q]["fp8-e4m3"]["shares_scale_with"] is None
     code, out, _ = ptq_cli("inspect", tiny_model, "--recipe", "int8")
     assert code == 0 and "lm_head" in out and "- (bf16)" in out and "int8 ch / int8" in out
 

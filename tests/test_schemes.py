@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from conftest import make_tokenizer
 
 from ptq.errors import PtqError
 from ptq.numerics import granularity as gr
@@ -227,6 +228,55 @@ def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(
     info = json.loads((tmp_path / "out" / "ptq-export.json").read_text())
     assert info["format"]["quantized_layers"] == 2 and info["coverage"]["left_out"] == coverage["left_out"]
     assert info["verification"]["passed"]
+
+
+def test_kv_cache_and_attention_inputs_left_out_are_named_with_their_reason(tmp_path, ptq_cli, text_file):
+    """The attention inputs and KV cache a recipe asks for but the plan leaves in the compute dtype are in the
+    coverage, `ptq inspect` and the report: those the recipe's ignore patterns leave out, and whole attention layers
+    that compute attention in their own code (Falcon's), which --strict-coverage refuses."""
+    import families
+
+    from ptq.commands.workflows import run_inspect
+
+    llama = tmp_path / "llama"
+    families.build("llama").save_pretrained(llama)
+    make_tokenizer().save_pretrained(llama)
+    recipe = tmp_path / "partial-kv.yaml"
+    recipe.write_text(
+        "name: partial-kv\nweights: {format: e4m3}\ninputs: {format: e4m3}\nkv_cache: {format: e4m3}\n"
+        "ignore: [lm_head, 'model.layers.1.self_attn.value']\n"
+    )
+    inspected = run_inspect(str(llama), [str(recipe)])
+    left = inspected["recipes"]["partial-kv"]["coverage"]["attention_left_out"]
+    assert left == [
+        {
+            "name": "model.layers.1.self_attn.kv_cache.value",
+            "reason": "left out by the recipe (ignore: model.layers.1.self_attn.value)",
+        }
+    ]
+    assert (
+        "`model.layers.1.self_attn.kv_cache.value`: left out by the recipe"
+        in (inspected["recipes"]["partial-kv"]["coverage_line"])
+    )
+
+    falcon = tmp_path / "falcon"
+    families.build("falcon").save_pretrained(falcon)
+    make_tokenizer().save_pretrained(falcon)
+    run = ("compare", falcon, "--recipes", "fp8-e4m3+kv", "--calib-data", text_file, "--eval-data", text_file)
+    small = ("--calib-samples", "2", "--max-windows", "4", "--seq-len", "16", "--tasks", "", "--no-plots")
+    code, _, err = ptq_cli(*run, *small, "--out", tmp_path / "report")
+    assert code == 0, err
+    assert "2 attention layer(s) whose inputs and KV cache ptq cannot quantize" in err
+    results = json.loads((tmp_path / "report" / "results.json").read_text())
+    (variant,) = results["variants"]
+    left = variant["coverage"]["attention_left_out"]
+    assert [x["name"] for x in left] == ["transformer.h.0.self_attention", "transformer.h.1.self_attention"]
+    assert all(
+        x["reason"].startswith("not supported: FalconAttention computes attention in its own code") for x in left
+    )
+    assert "FalconAttention computes attention in its own code" in (tmp_path / "report" / "report.md").read_text()
+    code, _, err = ptq_cli(*run, *small, "--out", tmp_path / "strict", "--strict-coverage")
+    assert code == 2 and "--strict-coverage refuses a partial answer" in err and not (tmp_path / "strict").exists()
 
 
 # -- Checkpoints match compressed-tensors' presets -----------------------------------------------------------

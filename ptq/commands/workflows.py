@@ -333,16 +333,18 @@ def check_coverage(plans: dict[str, Plan], strict: bool = False) -> dict[str, di
     quantize for lack of support get a one-line warning naming them, or with `strict` (--strict-coverage) stop
     the run before any work."""
     coverages = {name: plan.coverage() for name, plan in plans.items()}
-    missing = {x["name"]: x for cov in coverages.values() for x in unsupported_weights(cov)}
-    if missing:
+    weights = {x["name"]: x for cov in coverages.values() for x in unsupported_weights(cov)}
+    layers = {  # attention layers whose inputs or KV cache a recipe asks for and ptq cannot quantize
+        x["name"]: x for cov in coverages.values() for x in cov["attention_left_out"] if x["reason"].startswith("not ")
+    }
+    for what, missing in (("matmul weight(s)", weights), ("attention layer(s) whose inputs and KV cache", layers)):
+        if not missing:
+            continue
         items = list(missing.values())
         names = ", ".join(f"'{x['name']}'" for x in items[:3]) + (
             f" and {len(items) - 3} more" if len(items) > 3 else ""
         )
-        message = (
-            f"{len(items)} matmul weight(s) ptq cannot quantize stay in the compute dtype: {names} "
-            f"({items[0]['reason']})"
-        )
+        message = f"{len(items)} {what} ptq cannot quantize stay in the compute dtype: {names} ({items[0]['reason']})"
         if strict:
             raise PtqError(f"{message}; --strict-coverage refuses a partial answer")
         if distributed.is_main():  # once, not once per torchrun process
@@ -370,7 +372,7 @@ def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, place
         info["cpu"] = cpu_model()
     if info["matmul"] == "fp8":  # 128 x 128 blocks: real where torch has the kernel, else why not
         info["blockwise_simulated"] = blockwise_unavailable(device, getattr(torch, info["dtype"]))
-        if info["blockwise_simulated"] is None:  # layers whose dimensions are not multiples of 128: tried apart
+        if info["blockwise_simulated"] is None:  # layers whose out_features is not a multiple of 128: tried apart
             info["blockwise_partial_simulated"] = blockwise_unavailable(device, getattr(torch, info["dtype"]), False)
     return info
 
@@ -809,12 +811,14 @@ def run_report(
     return results, previous, Path(output).read_text(encoding="utf-8")
 
 
-def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool = False) -> dict:
-    """Every Linear layer of the model with its shape, and what each recipe does to its weights and inputs."""
+def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool = False, target: str = "vllm") -> dict:
+    """Every Linear layer of the model with its shape, and what each recipe does to its weights and inputs, as
+    `target` serves them (the plans compare and quantize resolve: vLLM's int8 range, its shared scales)."""
     loaded_recipes = [load_recipe(r) for r in recipes]
+    target = engines.check_target(target)
     loaded = load_model(model, trust_remote_code, device=torch.device("cpu"))
     layers = linear_layers(loaded.model)
-    plans = resolve_plans(loaded.model, loaded_recipes)
+    plans = resolve_plans(loaded.model, loaded_recipes, target)
     rows = []
     for name, m in layers.items():
         row = {
@@ -832,6 +836,7 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
                 "inputs": entry.inputs.describe(),
                 "calibrated": entry.quantized and entry.inputs.static,
                 "reason": entry.reason,
+                "shares_scale_with": sorted({*entry.weight_group, *entry.input_group} - {name}) or None,
             }
         rows.append(row)
     total = sum(row["parameters"] for row in rows)
@@ -848,6 +853,7 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
     }
     return {
         "model": {"name": loaded.name, "source": loaded.source},
+        "target": target,
         "linear_layers": len(rows),
         "linear_parameters": total,
         "recipes": summary,

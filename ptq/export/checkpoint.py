@@ -296,21 +296,33 @@ def check_experts_per_expert(model: nn.Module) -> None:
 
 def export_layers(model: nn.Module, recipe: Recipe, plan: Plan | None = None) -> tuple[list[str], list[str], list[str]]:
     """The Linear layers the recipe's plan quantizes and those it leaves out, and the state-dict names to save;
-    refuses a model where that is nothing, or where a quantized weight is tied to another tensor."""
+    refuses, before any calibration, a model where that is nothing, where a quantized weight is tied to another
+    tensor, or whose checkpoint could not hold what the plan simulates (check_kv_cache, Conv1D with group scales)."""
     plan = plan or plan_of(model, recipe)
     # and the routers that are Linear layers (ptq.models.matmuls: MoE routers, Qwen2-MoE's shared_expert_gate), which
     # the checkpoint's "Linear" target would otherwise cover: the loaders must keep them as stored
     routers = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and kind(m) == ROUTER]
     quantized, ignored = plan.quantized, sorted({*plan.left_out, *routers})
     if not quantized:
+        reasons: dict[str, int] = {}
+        for x in plan.coverage()["left_out"]:
+            reasons[x["reason"]] = reasons.get(x["reason"], 0) + 1
+        why = "; ".join(f"{n} {'layer' if n == 1 else 'layers'} {reason}" for reason, n in reasons.items())
         raise PtqError(
-            f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} (it targets "
-            f"{', '.join(recipe.targets)} modules, and this model has none outside {', '.join(recipe.ignore)})"
+            f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} ({why or 'no matmul'})"
         )
     check_loadable(model, recipe, quantized)
+    conv1d = [name for name in quantized if kind(model.get_submodule(name)) == "Conv1D"]
+    if conv1d and isinstance(recipe.weights.granularity, (PerGroup, PerBlock)):
+        raise PtqError(
+            f"recipe '{recipe.name}' has {recipe.weights.granularity.describe()} weight scales and this "
+            f"{type(model).__name__} has Conv1D layers: ptq quantize writes group and block scales for "
+            "Linear weights only; `ptq compare` covers this model"
+        )
     if plan.target == "vllm":
         check_fused_precision(model, quantized)
     names = _saved_names(model)
+    check_kv_cache(model, plan, names)
     tied = [name for name in quantized if f"{name}.weight" not in names]
     if tied:
         raise PtqError(
@@ -318,6 +330,30 @@ def export_layers(model: nn.Module, recipe: Recipe, plan: Plan | None = None) ->
             f"of recipe '{recipe.name}' (ignore: [{tied[0]}])"
         )
     return quantized, ignored, names
+
+
+def check_kv_cache(model: nn.Module, plan: Plan, names: list[str]) -> None:
+    """Refuse a KV-cache recipe whose plan leaves some attention layer's K or V in the compute dtype: the
+    checkpoint's kv_cache_scheme has no per-layer list (compressed-tensors applies it to every attention layer,
+    and vLLM stores a layer without k_scale / v_scale in FP8 at scale 1), so it would not run as simulated. And one
+    whose attention has no k_proj to name the scales after."""
+    if plan.recipe.kv_cache is None:
+        return
+    left = [x for x in plan.attention_left_out() if ".kv_cache." in x["name"] or x["name"] in plan.other_attention]
+    if not plan.attention and not left:
+        left = [{"name": type(model).__name__, "reason": "no attention layer ptq can quantize"}]
+    if left:
+        raise PtqError(
+            f"recipe '{plan.recipe.name}' leaves the KV cache of '{left[0]['name']}' in the compute dtype "
+            f"({left[0]['reason']}): a checkpoint's kv_cache_scheme covers every attention layer, so the engine "
+            "would serve it otherwise than simulated; quantize every layer's KV cache or none"
+        )
+    for layer in plan.attention:
+        if f"{layer}.k_proj.weight" not in names:
+            raise PtqError(
+                f"attention layer '{layer}' of {type(model).__name__} has no k_proj: ptq quantize writes "
+                "KV-cache scales for q/k/v-projection attention only"
+            )
 
 
 def check_fused_precision(model: nn.Module, quantized: list[str]) -> None:
@@ -400,12 +436,6 @@ def plan_checkpoint(
     modules = dict(model.named_modules())
     disk = checkpoint_names(model, names)
     conv1d = {f"{name}.weight" for name, m in modules.items() if quantizable(m) and kind(m) == "Conv1D"}
-    if conv1d and isinstance(recipe.weights.granularity, (PerGroup, PerBlock)):
-        raise PtqError(
-            f"recipe '{recipe.name}' has {recipe.weights.granularity.describe()} weight scales and this "
-            f"{type(model).__name__} has Conv1D layers: ptq quantize writes group and block scales for "
-            "Linear weights only; `ptq compare` covers this model"
-        )
     weight_amax = (lambda n: amax(modules[n].weight)) if read is None else (lambda n: calibration.weight_amax[n])  # noqa: E731
     # the scales the target engine serves, for the groups the plan says share one (ptq.quantization.engines)
     shared_weight_amax = engines.shared_amax(
@@ -461,14 +491,8 @@ def kv_cache_entries(model: nn.Module, plan, calibration: Calibration | None, di
     from ptq.quantization.quantize import input_clip, scale_for
 
     entries = []
-    for layer, tensors in plan.attention.items():
-        projection = f"{layer}.k_proj.weight"
-        if projection not in disk:
-            raise PtqError(
-                f"attention layer '{layer}' of {type(model).__name__} has no k_proj: ptq quantize writes "
-                "KV-cache scales for q/k/v-projection attention only"
-            )
-        prefix = disk[projection].removesuffix(".k_proj.weight")
+    for layer, tensors in plan.attention.items():  # each with a k_proj (check_kv_cache)
+        prefix = disk[f"{layer}.k_proj.weight"].removesuffix(".k_proj.weight")
         for tensor, short in (("kv_cache.key", "k"), ("kv_cache.value", "v")):
             spec = tensors.get(tensor)
             if spec is None:

@@ -326,6 +326,10 @@ def describe_coverage(cov: dict) -> str:
     parts = [
         f"{_names(items)} ({sum(i['params'] for i in items):,} params): {reason}" for reason, items in groups.items()
     ]
+    attention: dict[str, list[dict]] = {}
+    for x in cov.get("attention_left_out", []):
+        attention.setdefault(x["reason"], []).append(x)
+    parts += [f"{_names(items)}: {reason}" for reason, items in attention.items()]
     return (
         f"{100 * share:.2f}% of matmul weight parameters quantized ({cov['quantized_weight_params']:,} of "
         f"{cov['matmul_weight_params']:,})" + (f"; left in the compute dtype: {'; '.join(parts)}" if parts else "")

@@ -159,6 +159,18 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def other_attention(model: nn.Module) -> dict[str, str]:
+    """Attention layers that do not dispatch through the attention interface (their own softmax(QK^T)V code), by
+    module name -> class name: ptq cannot quantize their matmul inputs or KV cache."""
+    found, taken = {}, attention_modules(model)
+    for name, module in model.named_modules():
+        within = any(name.startswith(f"{outer}.") for outer in (*taken, *found))
+        if type(module).__name__.endswith("Attention") and name not in taken and not within:
+            if not getattr(module, "is_cross_attention", False):
+                found[name] = type(module).__name__
+    return found
+
+
 def set_implementation(model: nn.Module, implementation: str) -> str:
     """Switch the model's attention implementation; returns the previous one."""
     if implementation.startswith(IMPLEMENTATION):

@@ -67,6 +67,8 @@ class Plan:
     attention_layers: tuple[str, ...] = ()  # every attention layer and decoder block, quantized or not (rows)
     residual_blocks: tuple[str, ...] = ()
     target: str = "transformers"  # the engine whose load-time rules the plan applies (ptq.quantization.engines)
+    # with an attention or KV-cache recipe: attention layers ptq cannot quantize (attention.other_attention)
+    other_attention: dict[str, str] = field(default_factory=dict)
 
     @property
     def quantized(self) -> list[str]:
@@ -126,11 +128,32 @@ class Plan:
         ]
         return names
 
+    def attention_left_out(self) -> list[dict]:
+        """The attention inputs and KV-cache tensors the recipe asks for that stay in the compute dtype, and why:
+        [{"name", "reason"}], a layer's tensors by name ("<layer>.kv_cache.key"), an unsupported layer whole."""
+        asked = [f"kv_cache.{t}" for t in ("key", "value")] if self.recipe.kv_cache is not None else []
+        asked += list(self.recipe.attention_tensors) if self.recipe.attention is not None else []
+        left = [
+            {"name": f"{layer}.{t}", "reason": _why_not_selected(f"{layer}.{t.removeprefix('kv_cache.')}", self.recipe)}
+            for layer in self.attention_layers
+            for t in asked
+            if t not in self.attention.get(layer, {})
+        ]
+        return left + [
+            {
+                "name": layer,
+                "reason": f"not supported: {cls} computes attention in its own code, not through transformers' "
+                "attention interface, where ptq quantizes attention inputs and the KV cache",
+            }
+            for layer, cls in self.other_attention.items()
+        ]
+
     def coverage(self) -> dict:
         """How much of the model's matmul weights the recipe quantizes: {"quantized_weight_params",
-        "matmul_weight_params", "left_out": [{"name", "params", "reason"}]}, where matmul weights are every
-        weight that multiplies activations (Linear, Conv1D, experts, lm_head, routers; not embedding look-ups),
-        and `left_out` names what stays in the compute dtype and why, largest first."""
+        "matmul_weight_params", "left_out": [{"name", "params", "reason"}], "attention_left_out"}, where matmul
+        weights are every weight that multiplies activations (Linear, Conv1D, experts, lm_head, routers; not
+        embedding look-ups), `left_out` names what stays in the compute dtype and why, largest first, and
+        `attention_left_out` the attention inputs and KV cache the recipe asks for that stay (attention_left_out)."""
         left = [LeftOut(m.name, m.params, m.reason) for m in self.matmuls.values() if not m.quantized]
         left = sorted([*left, *self.unsupported], key=lambda x: (-x.params, x.name))
         return {
@@ -138,6 +161,7 @@ class Plan:
             "matmul_weight_params": sum(m.params for m in self.matmuls.values())
             + sum(x.params for x in self.unsupported),
             "left_out": [{"name": x.name, "params": x.params, "reason": x.reason} for x in left],
+            "attention_left_out": self.attention_left_out(),
         }
 
     def rows(self) -> list[dict]:
@@ -154,7 +178,8 @@ class Plan:
             }
             for m in self.matmuls.values()
         ]
-        for layer in self.attention_layers:
+        left = {x["name"]: x["reason"] for x in self.attention_left_out()}
+        for layer in (*self.attention_layers, *self.other_attention):
             for tensor in ("kv_cache.key", "kv_cache.value", *attention.TENSORS):
                 spec = self.attention.get(layer, {}).get(tensor)
                 rows.append(
@@ -164,7 +189,7 @@ class Plan:
                         "quantized": spec is not None,
                         "weights": None,
                         "inputs": spec.describe() if spec else "fp32",
-                        "reason": None,
+                        "reason": left.get(f"{layer}.{tensor}", left.get(layer)),
                         "smoothquant": None,
                     }
                 )
@@ -190,17 +215,22 @@ def calibration_key(layer: str, tensor: str) -> str:
     return f"{layer}.{tensor.removeprefix('kv_cache.')}"
 
 
+def _why_not_selected(name: str, recipe: Recipe) -> str:
+    ignored = [p for p in recipe.ignore if fnmatch.fnmatchcase(name, p)]
+    return (
+        f"left out by the recipe (ignore: {', '.join(ignored)})"
+        if ignored
+        else "left out by the recipe (not matched by its include patterns)"
+    )
+
+
 def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
     k = kind(module)
     if k not in recipe.targets:
-        return f"left out by the recipe (a {k} layer; it targets {', '.join(recipe.targets)})"
+        article = "an" if k[0] in "AEIOU" else "a"
+        return f"left out by the recipe ({article} {k} layer; it targets {', '.join(recipe.targets)})"
     if not recipe.selects(name):
-        ignored = [p for p in recipe.ignore if fnmatch.fnmatchcase(name, p)]
-        return (
-            f"left out by the recipe (ignore: {', '.join(ignored)})"
-            if ignored
-            else "left out by the recipe (not matched by its include patterns)"
-        )
+        return _why_not_selected(name, recipe)
     for role, spec in (("weight", recipe.weights), ("input", recipe.inputs)):
         g = spec.granularity
         if isinstance(g, PerGroup) and module.in_features % g.size:
@@ -264,8 +294,17 @@ def resolve_plan(
             tensors = {t: recipe.residual for t in residual.TENSORS if recipe.selects(f"{name}.residual.{t}")}
             if tensors:
                 residual_plan[name] = tensors
+    beyond = recipe.kv_cache is not None or recipe.attention is not None
     return Plan(
-        recipe, matmuls, attention_plan, residual_plan, unsupported(model), tuple(layers), tuple(blocks), target
+        recipe,
+        matmuls,
+        attention_plan,
+        residual_plan,
+        unsupported(model),
+        tuple(layers),
+        tuple(blocks),
+        target,
+        attention.other_attention(model) if beyond else {},
     )
 
 

@@ -416,7 +416,7 @@ def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQu
     if linear.in_features % 16 or linear.out_features % 16:
         return False
     if isinstance(weights.granularity, gr.PerBlock):
-        whole = linear.in_features % 128 == 0 and linear.out_features % 128 == 0
+        whole = linear.out_features % 128 == 0  # the plan takes whole blocks along the input only
         return (
             weights.granularity == gr.PerBlock(128, 128)
             and inputs.granularity == gr.PerGroup(128)
@@ -455,12 +455,12 @@ def blockwise_unavailable(device: torch.device, dtype: torch.dtype, whole_blocks
     """None when torch multiplies 1 x 128-group inputs by 128 x 128-block weights on `device` with output in
     `dtype` (cuBLAS on Hopper with CUDA 12.9 or later); else why not, in one line. Tried once per device and dtype
     on a small product and compared with the simulation's, so that a kernel which accepts the scales but reads them
-    otherwise is not used either; `whole_blocks=False` tries a weight whose last blocks are partial (320 x 192: the
-    layers whose dimensions are not multiples of 128), which the kernel may read otherwise than the simulation."""
+    otherwise is not used either; `whole_blocks=False` tries a weight whose last row of blocks is partial (192 outputs:
+    the layers whose out_features is not a multiple of 128), which the kernel may read otherwise than the simulation."""
     key = (str(device), dtype, whole_blocks)
     if key not in _BLOCKWISE:
         g = torch.Generator().manual_seed(0)
-        k, n = (256, 256) if whole_blocks else (320, 192)
+        k, n = (256, 256) if whole_blocks else (256, 192)
         x, w = torch.randn(32, k, generator=g).to(device), torch.randn(n, k, generator=g).to(device)
         inputs = TensorQuant(FORMATS["e4m3"], gr.PerGroup(128), dynamic=True)
         weights = TensorQuant(FORMATS["e4m3"], gr.PerBlock(128, 128))

@@ -50,7 +50,7 @@ class Compute:
     low_memory: bool  # layer by layer from disk (--low-memory)
     # matmul fp8: why 128 x 128 weight blocks are simulated (None: real block-wise FP8 matmuls, or matmul simulated)
     blockwise_simulated: str | None = None
-    # and why layers with partial blocks (dimensions not multiples of 128) are, where whole blocks are not
+    # and why layers with a partial row of blocks (out_features not a multiple of 128) are, where whole blocks are not
     blockwise_partial_simulated: str | None = None
     placement: dict[str, dict[str, int]] | None = None  # --device-map: per model, device-map entries per device
     # on a CPU: the vector instruction set torch's kernels run with (AVX2, AVX512, ...), and the processor's model
@@ -109,12 +109,20 @@ class LeftOut:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttentionLeftOut:
+    name: str  # "<layer>.kv_cache.key", "<layer>.query", ... or an attention layer ptq cannot quantize, whole
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Coverage:
     """What share of the model's matmul weights (Linear, Conv1D, experts, lm_head, routers) a recipe quantizes."""
 
     quantized_weight_params: int
     matmul_weight_params: int
     left_out: list[LeftOut]  # largest first
+    # the attention inputs and KV-cache tensors the recipe asks for that stay in the compute dtype
+    attention_left_out: list[AttentionLeftOut] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
