@@ -777,7 +777,13 @@ def eval_(
     calib: CalibFile = None,
     calib_data: CalibData = None,
     calib_samples: CalibSamples = 32,
-    tasks: Tasks = "cloze",
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            "--tasks",
+            help=TASKS_HELP + " Default 'auto': cloze, or none where lm-eval cannot run (--low-memory, torchrun).",
+        ),
+    ] = "auto",
     max_items: MaxItems = 300,
     num_fewshot: NumFewshot = None,
     limit: Limit = None,

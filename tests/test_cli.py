@@ -381,3 +381,20 @@ def test_option_parser_errors_are_one_line(ptq_cli, args, flag):
     code, stdout, _ = ptq_cli(args[0], "--help")
     assert code == 0 and "Usage" in stdout  # --help as typer prints it
     assert (flag in stdout) != flag.startswith("--no-such")
+
+
+def test_eval_by_default_scores_the_cloze_task_where_lm_eval_can_run(tiny_model, text_file, ptq_cli, tmp_path):
+    """eval's --tasks default ('auto') is the cloze task with the model whole in memory, and none layer by layer
+    (--low-memory: lm-eval needs the whole model), with a note, where it used to refuse its own default. An
+    explicit task layer by layer is still refused in one line."""
+    base = ("eval", tiny_model, *FAST[:4], "--force")  # the default evaluation text: long enough for cloze items
+    code, _, err = ptq_cli(*base, "--out", tmp_path / "whole", "--limit", "2")
+    assert code == 0, err
+    assert [t["name"] for t in json.loads((tmp_path / "whole" / "results.json").read_text())["tasks"]] == ["cloze"]
+    code, _, err = ptq_cli(*base, "--out", tmp_path / "layered", "--low-memory")
+    assert code == 0, err
+    assert "note: no task accuracy layer by layer (--low-memory)" in err
+    results = json.loads((tmp_path / "layered" / "results.json").read_text())
+    assert not results["tasks"] and results["compute"]["low_memory"]
+    code, _, err = ptq_cli(*base, "--out", tmp_path / "asked", "--low-memory", "--tasks", "cloze")
+    assert code == 2 and one_line(err) and "--tasks needs the whole model in memory" in err

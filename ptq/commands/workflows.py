@@ -617,6 +617,9 @@ def _check_report_outputs(output: OutputOptions, plots: bool) -> None:
     check_output_dir(out)
 
 
+AUTO_TASKS = "auto"  # eval's --tasks default: cloze where the model is whole in one process, else none
+
+
 def check_task_options(data: DataOptions) -> None:
     """--tasks runs lm-evaluation-harness in one process; --num-fewshot and --limit are its options."""
     if not data.tasks and (data.num_fewshot is not None or data.limit is not None):
@@ -681,7 +684,6 @@ def run_eval(
     (ptq.execution.placement)."""
     _refuse_resume("eval", calibration)
     refuse_unused("eval", output, limits="a gate (they compare with a baseline: use ptq compare)")
-    check_task_options(data)
     distributed.setup()
     streamed = _streams(
         model,
@@ -691,6 +693,17 @@ def run_eval(
             f"({streaming.LOW_MEMORY_FLAG})"
         ),
     )
+    if data.tasks == AUTO_TASKS:  # eval's default: the cloze task, where lm-eval can run (the model whole, one process)
+        whole = not streamed and not distributed.active()
+        data = dataclasses.replace(data, tasks="cloze" if whole else None)
+        if not whole and distributed.is_main():
+            where = f"layer by layer ({streaming.LOW_MEMORY_FLAG})" if streamed else "under torchrun"
+            stderr.print(
+                f"note: no task accuracy {where}: lm-eval needs the whole model in one process; perplexity only",
+                highlight=False,
+                soft_wrap=True,
+            )
+    check_task_options(data)
     compute_info = _compute_info(model, compute, data, streamed)
     _check_report_outputs(output, plots=False)
     config = load_recipe(recipe)
