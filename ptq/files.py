@@ -193,6 +193,10 @@ def atomic_dir(path: Path) -> Iterator[Path]:
             raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:  # a full disk, a quota, a read-only mount while the folder was written: one line
+        shutil.rmtree(tmp_path, ignore_errors=True)
+        where = f" ({e.filename})" if e.filename else ""
+        raise PtqError(f"cannot write {path}: {_reason(e)}{where} (nothing was written)") from None
     except BaseException:
         shutil.rmtree(tmp_path, ignore_errors=True)
         raise

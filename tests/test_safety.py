@@ -349,3 +349,21 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path, size):
     assert gguf_key(first) != gguf_key(second)
     second.write_bytes(data + b"\0")
     assert gguf_key(first) != gguf_key(second)
+
+
+def test_disk_full_while_writing_a_checkpoint(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    """A shard that cannot be written (no space left) ends `ptq quantize` in one line, exit 2, with no folder and
+    no temporary left behind."""
+    import safetensors.torch
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "out"
+    code, _, err = ptq_cli(
+        "quantize", tiny_model, "--recipe", "fp8-dynamic", "--seq-len", "16", "--no-verify", "-o", out, "-q"
+    )
+    assert code == 2 and one_error_line(err), err
+    assert f"cannot write {out}: no space left on device" in err
+    assert not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
