@@ -22,8 +22,9 @@
 #    installed with pip --no-index --no-deps --target; what is still missing pip-installed when a registry answers,
 #    else noted; no offline model: one line, and the script stops;
 # 1. the CUDA tests, marked `cuda` (fused kernels compiled by Inductor/Triton without fallback, CUDA against the CPU,
-#    FP8 matmuls, block-wise ones), and meanwhile the rest of the suite on the CPU cores (pytest -n $JOBS -m "not cuda",
-#    one thread each, PTQ_DEVICE=cpu as the tests expect);
+#    FP8 matmuls, block-wise ones), and meanwhile the rest of the suite on the CPU cores (pytest -n $JOBS, one thread
+#    each, PTQ_DEVICE=cpu as the tests expect; -m "not cuda and not model": the offline-model tests, a minute each,
+#    run in CI);
 # 2. ptq compare on the offline model (smollm2: fp8-e4m3, fp8-dynamic, fp8-block), simulated and with real FP8
 #    matmuls, side by side (PTQ_DEVICE=cuda), and whether block-wise FP8 matmuls ran;
 # 3. python -m benchmarks.bench on the GPU (benchmarks/bench_cuda.py: an 8B-shaped Llama made in GPU memory), alone on the machine;
@@ -135,7 +136,7 @@ print(next(d.locate_file(f) for f in d.files or [] if f.name.endswith('.gguf')))
 fi
 echo "offline model: $gguf" | tee -a "$OUT/setup.log"
 
-# 1. The whole suite but the CUDA tests on the CPU cores (one thread per worker), in the background; the CUDA tests
+# 1. The suite but the CUDA and offline-model tests on the CPU cores (one thread per worker), in the background; the CUDA tests
 #    (marked `cuda`) meanwhile, alone on the GPU. Their kernels compile where the tests ask for it (the fused kernels'
 #    own tests); PTQ_COMPILE stays 0 as in the suite, so that no CPU half of a CUDA test compiles C++ kernels.
 XDIST=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n $JOBS" || echo "")
@@ -143,7 +144,7 @@ T_SUITE=$(cap 600 $((T_BENCH + GLUE)))
 echo "suite: pytest $XDIST, timeout ${T_SUITE}s; budget left $((BUDGET - SECONDS + START))s"
 # shellcheck disable=SC2086  # XDIST is empty or two words
 ( PTQ_DEVICE=cpu OMP_NUM_THREADS=${SUITE_THREADS:-1} timeout -k 5 "$T_SUITE" "$PYTHON" -m pytest -q -p no:cacheprovider \
-      $XDIST --maxfail=20 -m "not cuda" > "$OUT/suite.log" 2>&1; echo $? > "$OUT/suite.rc" ) &
+      $XDIST --maxfail=20 -m "not cuda and not model" > "$OUT/suite.log" 2>&1; echo $? > "$OUT/suite.rc" ) &
 SUITE=$!
 PTQ_DEVICE=cpu timeout "$(cap 100 $((T_BENCH + GLUE + 2 * 50)))" "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
     -m cuda 2>&1 | tee "$OUT/cuda-tests.log" | tail -15
@@ -187,8 +188,8 @@ wait "$SUITE"
 rc=$(cat "$OUT/suite.rc" 2>/dev/null || echo 124)
 tail -3 "$OUT/suite.log"
 line=$(grep -E "passed|failed" "$OUT/suite.log" | tail -1)
-[ "$rc" = 0 ] && verdict PASS "whole suite but the CUDA tests: $line" \
-              || verdict MISS "whole suite but the CUDA tests (exit $rc$([ "$rc" = 124 ] && echo ": stopped at ${T_SUITE}s")): ${line:-no summary, see $OUT/suite.log}"
+[ "$rc" = 0 ] && verdict PASS "the suite but the CUDA and offline-model tests: $line" \
+              || verdict MISS "the suite but the CUDA and offline-model tests (exit $rc$([ "$rc" = 124 ] && echo ": stopped at ${T_SUITE}s")): ${line:-no summary, see $OUT/suite.log}"
 
 # 3. The GPU bench, alone.
 echo "bench: timeout $(cap 120 "$GLUE")s"
