@@ -14,7 +14,9 @@ Reasons a matmul is left in the compute dtype (16-bit in every variant, as in th
       simulated; partial 128 x 128 weight *tiles* (rows or columns) are fine: their scales are laid out by
       ceil division, as compressed-tensors and vLLM do.
 Weights that multiply activations but are not matmuls ptq quantizes (routers, unknown layouts) are listed by
-ptq.models.matmuls.unsupported and appear in the coverage with their own reason.
+ptq.models.matmuls.unsupported and appear in the coverage with their own reason. So do the attention inputs and
+KV-cache tensors an attention or KV-cache recipe asks for and leaves out: by its ignore patterns, or because the
+layer computes attention in its own code (attention.other_attention), where ptq cannot reach them.
 
 The plan is resolved for a target engine (ptq.quantization.engines): under vllm it says which layers share one
 weight scale or one input scale (vLLM's fused q/k/v and gate/up, its fused experts) and that int8 inputs round
@@ -153,7 +155,7 @@ class Plan:
         "matmul_weight_params", "left_out": [{"name", "params", "reason"}], "attention_left_out"}, where matmul
         weights are every weight that multiplies activations (Linear, Conv1D, experts, lm_head, routers; not
         embedding look-ups), `left_out` names what stays in the compute dtype and why, largest first, and
-        `attention_left_out` the attention inputs and KV cache the recipe asks for that stay (attention_left_out)."""
+        `attention_left_out` the attention inputs and KV-cache tensors the recipe asks for that stay there."""
         left = [LeftOut(m.name, m.params, m.reason) for m in self.matmuls.values() if not m.quantized]
         left = sorted([*left, *self.unsupported], key=lambda x: (-x.params, x.name))
         return {
