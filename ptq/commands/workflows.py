@@ -684,6 +684,8 @@ def run_eval(
     (ptq.execution.placement)."""
     _refuse_resume("eval", calibration)
     refuse_unused("eval", output, limits="a gate (they compare with a baseline: use ptq compare)")
+    if data.tasks != AUTO_TASKS:  # tasks given: checked before torch.distributed starts
+        check_task_options(data)
     distributed.setup()
     streamed = _streams(
         model,
@@ -703,7 +705,7 @@ def run_eval(
                 highlight=False,
                 soft_wrap=True,
             )
-    check_task_options(data)
+        check_task_options(data)
     compute_info = _compute_info(model, compute, data, streamed)
     _check_report_outputs(output, plots=False)
     config = load_recipe(recipe)
