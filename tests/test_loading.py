@@ -130,3 +130,48 @@ def test_a_gguf_conversion_says_so_before_the_long_work(tmp_path, monkeypatch, c
         assert err == ""
     else:
         assert "converting Some-Model.Q4_1.gguf into the ptq cache" in err and "once" in err
+
+
+def error_line(err: str) -> str:
+    """The one line of an error, after transformers' progress bar of the weights it read."""
+    return one_line("\n".join(line for line in err.splitlines() if "Loading weights" not in line))
+
+
+def _edit_checkpoint(source, target, edit) -> None:
+    """A copy of the model in `source` whose (single-file) safetensors tensors `edit` changes in place."""
+    import safetensors.torch
+
+    shutil.copytree(source, target)
+    weights = target / "model.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    edit(tensors)
+    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(ptq_cli, tiny_model, tmp_path):
+    """transformers fills a tensor missing from the checkpoint with random values, its warning hidden: refused,
+    in one line naming it. A tied lm_head and the computed rotary buffers are not missing (tiny_model ties them)."""
+    import safetensors
+
+    with safetensors.safe_open(str(tiny_model / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    loading.load_model(str(tiny_model))  # tied, non-persistent buffers: loads
+    missing = tmp_path / "missing"
+    _edit_checkpoint(tiny_model, missing, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(PtqError, match=r"no tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        loading.load_model(str(missing))
+    code, _, err = ptq_cli("inspect", missing)
+    line = error_line(err)
+    assert code == 2 and "model.layers.1.mlp.up_proj.weight" in line and "random values" in line
+
+
+def test_a_tensor_of_another_shape_is_refused_naming_it(ptq_cli, tiny_model, tmp_path):
+    import torch
+
+    wrong = tmp_path / "wrong"
+    name = "model.layers.0.input_layernorm.weight"
+    _edit_checkpoint(tiny_model, wrong, lambda t: t.__setitem__(name, torch.ones(1)))
+    code, _, err = ptq_cli("inspect", wrong)
+    line = error_line(err)
+    assert code == 2 and f"tensor '{name}' has shape [1] in the checkpoint but [64]" in line
+    assert "above report" not in line

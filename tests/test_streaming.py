@@ -31,9 +31,14 @@ ALL_LINEAR = "name: e4m3-all\nweights: {format: e4m3}\ninputs: {format: e4m3}\ni
 STREAMED = ["llama", "gemma3", "gpt2", "mixtral", "qwen3_moe"]  # dense, GPT-2 (Conv1D), MoE (fused experts)
 
 
-def save_family(path: Path, family: str) -> Path:
+# OPT-350m's shape: word embeddings narrower than the decoder, so that project_in and project_out, Linear layers
+# outside the decoder layers, run before the first one and after the last one
+OPT_PROJ = dict(word_embed_proj_dim=32, do_layer_norm_before=False)
+
+
+def save_family(path: Path, family: str, **overrides) -> Path:
     """A tiny random model of `family` stored in bf16 in several shards, with its own (untied) lm_head."""
-    model = families.build(family, seed=3)
+    model = families.build(family, seed=3, **overrides)
     model.to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
     make_tokenizer().save_pretrained(path)
     assert len(list(path.glob("model-*.safetensors"))) > 2
@@ -42,7 +47,9 @@ def save_family(path: Path, family: str) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    return {family: save_family(tmp_path_factory.mktemp(family), family) for family in STREAMED}
+    return {family: save_family(tmp_path_factory.mktemp(family), family) for family in STREAMED} | {
+        "opt-proj": save_family(tmp_path_factory.mktemp("opt-proj"), "opt", **OPT_PROJ)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +68,7 @@ def windows(n: int = 7, seq_len: int = 24) -> torch.Tensor:
     return torch.randint(0, 300, (n, seq_len), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("family", [*STREAMED, "tied-llama"])
+@pytest.mark.parametrize("family", [*STREAMED, "tied-llama", "opt-proj"])
 @pytest.mark.parametrize("recipe", ["fp8-e4m3", "all-linear"])
 def test_layer_by_layer_amax_equal_in_memory_calibration(family, recipe, checkpoints, tiny_model, all_linear):
     directory = tiny_model if family == "tied-llama" else checkpoints[family]
@@ -80,6 +87,7 @@ def test_layer_by_layer_amax_equal_in_memory_calibration(family, recipe, checkpo
     assert list(got.weight_amax) == list(expected.weight_amax)
     assert ("lm_head" in layers) == (recipe == "all-linear")
     assert any(".experts." in name for name in layers) == (family in ("mixtral", "qwen3_moe"))
+    assert ({"model.decoder.project_in", "model.decoder.project_out"} <= set(layers)) == (family == "opt-proj")
     for name in layers:
         assert torch.equal(got.input_amax[name], expected.input_amax[name]), name
         assert torch.equal(got.weight_amax[name], expected.weight_amax[name]), name
@@ -287,7 +295,7 @@ def test_calibrate_cli_low_memory_file_matches_in_memory(sharded_model, text_fil
     }
 
 
-@pytest.mark.parametrize("family", [*STREAMED, "tied-llama"])
+@pytest.mark.parametrize("family", [*STREAMED, "tied-llama", "opt-proj"])
 def test_layer_by_layer_compare_gives_the_in_memory_results(
     family, checkpoints, tiny_model, text_file, tmp_path, ptq_cli
 ):
@@ -330,6 +338,8 @@ def test_layer_by_layer_compare_gives_the_in_memory_results(
             assert b[key] == a[key], (a["name"], key)
     if family != "tied-llama":  # the lm_head's input in E4M3 is measured
         assert whole["variants"][3]["snr_db"]["inputs"]["lm_head"] is not None
+    if family == "opt-proj":  # the Linear layers before the first decoder layer and after the last one
+        assert all(whole["variants"][0]["snr_db"]["inputs"][f"model.decoder.project_{x}"] for x in ("in", "out"))
     assert streamed["calibration"]["layers"] == whole["calibration"]["layers"]
 
 
@@ -442,3 +452,94 @@ def test_low_memory_refusals_are_one_line(sharded_model, other_tiny_model, text_
     )
     assert code == 2 and "calibration file" in err and not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.*"))
+
+
+def _rewrite(directory: Path, edit) -> None:
+    """Each safetensors file of `directory` rewritten as `edit` changes its {name: tensor} (in place)."""
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors = safetensors.torch.load_file(str(f))
+        edit(tensors)
+        safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def test_a_tied_config_with_its_own_lm_head_is_untied_as_transformers_does(tmp_path, text_file, ptq_cli):
+    """A config that ties the lm_head to the embeddings while the checkpoint stores a different lm_head.weight:
+    transformers keeps them apart; layer by layer too, the lm_head is read, and exported, from its own tensor."""
+    model = save_family(tmp_path / "m", "llama")  # its own lm_head
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    whole = load_model(str(model))
+    assert whole.model.lm_head.weight is not whole.model.model.embed_tokens.weight
+    streamed = streaming.load_streamed(str(model))
+    assert streamed.model.ptq_streamed.disk["lm_head.weight"] == "lm_head.weight"
+    expected = evaluate({"m": whole.model}, windows(3), batch_size=2)["m"]
+    got = evaluate(streaming.LayerByLayer(streamed.model), windows(3), batch_size=2)["model"]
+    assert got.window_nll == expected.window_nll
+    common = ["--recipe", "fp8-e4m3", "--data", text_file, "--samples", "3", "--seq-len", "16", "-q"]
+    assert ptq_cli("quantize", model, *common, "--in-memory", "--no-verify", "-o", tmp_path / "a")[0] == 0
+    assert ptq_cli("quantize", model, *common, "--low-memory", "-o", tmp_path / "b")[0] == 0
+    assert checkpoint_files(tmp_path / "b") == checkpoint_files(tmp_path / "a")
+    # A checkpoint storing the same values under both names is tied, as transformers ties it
+    embeddings = streaming.SafetensorsCheckpoint(model).read_one("model.embed_tokens.weight")
+    _rewrite(model, lambda t: t.update({"lm_head.weight": embeddings}) if "lm_head.weight" in t else None)
+    tied = streaming.load_streamed(str(model)).model
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+def test_a_tensor_of_another_shape_is_refused_before_anything_runs(checkpoints, tmp_path, text_file, ptq_cli):
+    """copy_ would broadcast a norm weight stored as [1] over the whole layer: every tensor's shape is checked
+    against the model's when it is loaded (Conv1D's weight, [in, out] on disk, included)."""
+    import shutil
+
+    llama = tmp_path / "llama"
+    shutil.copytree(checkpoints["llama"], llama)
+    name = "model.layers.1.post_attention_layernorm.weight"
+    _rewrite(llama, lambda t: t.update({name: torch.ones(1, dtype=torch.bfloat16)}) if name in t else None)
+    calib = ["--data", text_file, "--samples", "2", "--seq-len", "16", "-q", "--low-memory"]
+    code, _, err = ptq_cli("calibrate", llama, *calib, "-o", tmp_path / "c.st")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"tensor '{name}'" in err and "shape [1]" in err and "[64]" in err
+    assert not (tmp_path / "c.st").exists()
+
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(checkpoints["gpt2"], gpt2)
+    name = "transformer.h.0.mlp.c_fc.weight"  # [64, 256] on disk: stored as a Linear's [256, 64] here
+    _rewrite(gpt2, lambda t: t.update({name: t[name].t().contiguous()}) if name in t else None)
+    with pytest.raises(streaming.PtqError, match=rf"'{name}' .* shape \[256, 64\], but .* has \[64, 256\]"):
+        streaming.load_streamed(str(gpt2))
+    streaming.load_streamed(str(checkpoints["gpt2"]))  # as saved: loads
+
+
+def test_a_checkpoint_without_the_base_model_prefix_streams(tmp_path):
+    """openai-community/gpt2's checkpoint names its tensors `wte.weight`, not `transformer.wte.weight` (the base
+    model's checkpoint): transformers loads it, and so does --low-memory, with the same results."""
+    model = families.build("gpt2", seed=3)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    directory = tmp_path / "gpt2"
+    model.to(torch.bfloat16).save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+    _rewrite(directory, lambda t: t.update({k.removeprefix("transformer."): t.pop(k) for k in list(t)}))
+    with safetensors.safe_open(str(directory / "model.safetensors"), "pt") as f:
+        assert "wte.weight" in f.keys() and not any(k.startswith("transformer.") for k in f.keys())
+    whole = load_model(str(directory))
+    streamed = streaming.load_streamed(str(directory))
+    expected = evaluate({"m": whole.model}, windows(3), batch_size=2)["m"]
+    got = evaluate(streaming.LayerByLayer(streamed.model), windows(3), batch_size=2)["model"]
+    assert got.window_nll == expected.window_nll
+
+
+def test_the_memory_estimate_counts_the_files_the_index_names(sharded_model, tmp_path):
+    """Mistral's repositories ship the sharded weights (named in model.safetensors.index.json) and the same weights
+    again as consolidated.safetensors: only what the index names loads, and is counted."""
+    import shutil
+
+    directory = tmp_path / "m"
+    shutil.copytree(sharded_model, directory)
+    params = resources.checkpoint_parameters(sharded_model)
+    assert params == sum(p.numel() for p in load_model(str(sharded_model)).model.parameters())
+    tensors = {}
+    for f in sorted(directory.glob("model-*.safetensors")):
+        tensors |= safetensors.torch.load_file(str(f))
+    safetensors.torch.save_file(tensors, str(directory / "consolidated.safetensors"))
+    assert resources.checkpoint_parameters(directory) == params

@@ -18,10 +18,21 @@ NO_CHECK_FLAG = "--no-memory-check"
 
 def checkpoint_parameters(directory: Path) -> int | None:
     """Parameter count from the safetensors headers (read without loading any tensor data); for pickle
-    checkpoints, the file size over 2 bytes (a 16-bit checkpoint, the common case); None if unknown."""
+    checkpoints, the file size over 2 bytes (a 16-bit checkpoint, the common case); None if unknown. With a
+    model.safetensors.index.json, only the files its weight_map names, which are what loads (Mistral's repositories
+    also ship the same weights as consolidated.safetensors)."""
+    import json
+
     import safetensors
 
     files = sorted(Path(directory).glob("*.safetensors"))
+    index = Path(directory) / "model.safetensors.index.json"
+    if files and index.is_file():
+        try:
+            named = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise PtqError(f"{index} is not a readable safetensors index") from None
+        files = [Path(directory) / name for name in sorted(named)]
     if files:
         total = 0
         for f in files:
@@ -30,7 +41,7 @@ def checkpoint_parameters(directory: Path) -> int | None:
                     for key in st.keys():
                         total += math.prod(st.get_slice(key).get_shape())
             except Exception:
-                raise PtqError(f"cannot read the weights file {f}: damaged or not safetensors") from None
+                raise PtqError(f"cannot read the weights file {f}: missing, damaged or not safetensors") from None
         return total
     pickles = sorted(Path(directory).glob("*.bin"))
     return sum(f.stat().st_size for f in pickles) // 2 if pickles else None

@@ -7,16 +7,19 @@ copied from it when it is read) and linearized (ptq.models.matmuls: the names th
 files are keyed by and the export writes). `LayerByLayer` runs it (ptq.execution.executors):
 1. The trunk: everything but the decoder layers (embeddings, rotary embeddings, final norm, lm_head), read from
    disk; in its list of decoder layers, `LayerSlot`s without weights stand in.
-2. Capture: the model's own forward runs on each batch; each slot records what it is called with (position
-   embeddings, attention masks, cache positions, whatever the family passes to that layer; the first one also the
-   hidden states) and the last one stops the forward.
+2. Capture: the model's own forward runs on each batch, on what the caller's `parts` makes of the trunk (below:
+   what runs before the first decoder layer, OPT's project_in, is then quantized and observed as in memory); each
+   slot records what it is called with (position embeddings, attention masks, cache positions, whatever the family
+   passes to that layer; the first one also the hidden states) and the last one stops the forward.
 3. Each decoder layer is read (safetensors, memory-mapped, only that layer's tensors, under the names
    `save_pretrained` gives them: ptq.export.checkpoint.checkpoint_names), in float32 and laid out as
    ptq.models.loading lays it out (a copy of transformers' layer, then linearized), run on every batch, its
    outputs replacing its inputs, and freed before the next one is read.
 4. The logits: the model's forward runs on the trunk again, each slot passing its input on and the last one
    returning the last layer's output, so the final norm, the lm_head and whatever the family does after it
-   (Gemma's soft-capping) are the model's own code.
+   (Gemma's soft-capping) are the model's own code; what ran before the first slot runs again without its hooks
+   (observed once). Without logits, the base model's forward runs so, when it has Linear layers after the last
+   decoder layer (OPT's project_out).
 What is computed on each part (the trunk, then each layer as it is read) is the caller's `parts`: calibration's
 observers, compare's quantized variants and their SNR hooks, as on the whole model in memory. The same float32
 ops run on the same batches in the same order as in memory: the amax, the scores and the checkpoint files are
@@ -65,6 +68,7 @@ class SafetensorsCheckpoint:
         else:
             files = [p.name for p in sorted(self.directory.glob("*.safetensors"))]
         self.file: dict[str, Path] = {}
+        self.stored: dict[str, str] = {}  # a name the tensor is read under -> its name in the file, where they differ
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}  # safetensors dtype names: "BF16", "F32", ...
         for name in files:
@@ -85,6 +89,22 @@ class SafetensorsCheckpoint:
             except Exception:
                 raise PtqError(f"cannot read the weights file {path}: missing, damaged or not safetensors") from None
 
+    def add_prefix(self, prefix: str) -> None:
+        """A checkpoint of the base model alone (openai-community/gpt2's `wte.weight`, not `transformer.wte.weight`)
+        read under the names the causal LM gives its tensors, as transformers loads it: when no tensor's name starts
+        with `prefix.`, each is also found under `prefix.<name>`."""
+        if not prefix or any(key.startswith(f"{prefix}.") for key in self.file):
+            return
+        for key in list(self.file):
+            alias = f"{prefix}.{key}"
+            if alias not in self.file:
+                self.file[alias], self.shape[alias], self.dtype[alias] = (
+                    self.file[key],
+                    self.shape[key],
+                    self.dtype[key],
+                )
+                self.stored[alias] = key
+
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The named tensors, in their stored dtype; each file is opened once per call and closed after."""
         return dict(self.each(names))
@@ -103,7 +123,7 @@ class SafetensorsCheckpoint:
         for path, keys in by_file.items():
             with safetensors.safe_open(str(path), framework="pt") as f:
                 for k in keys:
-                    yield k, f.get_tensor(k)
+                    yield k, f.get_tensor(self.stored.get(k, k))
 
 
 def supports(spec: str | None) -> bool:
@@ -171,7 +191,8 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False) -> LoadedMo
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PtqError(f"cannot build model '{spec}' ({config.model_type}): {reason}") from None
-    built.tie_weights()  # as from_pretrained ties them (init_empty_weights leaves them apart)
+    checkpoint.add_prefix(getattr(built, "base_model_prefix", ""))
+    _tie_as_loaded(built, checkpoint)
     built.eval()
     built.requires_grad_(False)
     model = linearize(copy.deepcopy(built))
@@ -186,11 +207,47 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False) -> LoadedMo
             f"the checkpoint in {directory} has no tensor '{absent[0]}', which {type(model).__name__} has: "
             f"{LOW_MEMORY_FLAG} reads checkpoints written in the layout of this transformers version"
         )
+    _check_shapes(model, disk, checkpoint, directory)
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(directory))
     model.ptq_checkpoint = checkpoint
     model.ptq_streamed = Streamed(built, checkpoint, disk, layers)
     return LoadedModel(model, tokenizer, name=spec or "smollm2", source=source, caveats=tuple(caveats))
+
+
+def _tie_as_loaded(built: nn.Module, checkpoint: SafetensorsCheckpoint) -> None:
+    """Tie the weights the config ties, as from_pretrained does (init_empty_weights leaves them apart); as
+    transformers does too, not a pair that the checkpoint stores both of with different values (a tied config whose
+    checkpoint has its own lm_head.weight): those stay apart, each read from its own tensor."""
+    tied = getattr(built, "all_tied_weights_keys", None)
+    if not isinstance(tied, dict):
+        built.tie_weights()
+        return
+    for target, source in list(tied.items()):
+        if target in checkpoint.file and source in checkpoint.file:
+            stored = checkpoint.read([target, source])
+            a, b = stored[target], stored[source]
+            if a.shape != b.shape or not torch.equal(a.to(torch.float32), b.to(torch.float32)):
+                tied.pop(target)
+            del stored, a, b
+    built.tie_weights(recompute_mapping=False)
+
+
+def _check_shapes(model: nn.Module, disk: dict[str, str], checkpoint: SafetensorsCheckpoint, directory: Path) -> None:
+    """Every tensor's shape in the checkpoint against the model's (config.json), before anything runs: copied into
+    a tensor of another shape, it would be broadcast silently. Conv1D's weight is [in, out] on disk."""
+    tensors = model.state_dict(keep_vars=True)
+    conv1d = {f"{name}.weight" for name, m in model.named_modules() if quantizable(m) and kind(m) == "Conv1D"}
+    for name, stored in disk.items():
+        want = tuple(tensors[name].shape)
+        want = want[::-1] if name in conv1d else want
+        got = checkpoint.shape[stored]
+        if got != want:
+            raise PtqError(
+                f"tensor '{stored}' in the checkpoint in {directory} has shape {list(got)}, but "
+                f"{type(model).__name__} as its config.json describes it has {list(want)}: the checkpoint does not "
+                "match its config"
+            )
 
 
 def is_streamed(model: nn.Module) -> bool:
@@ -307,17 +364,23 @@ class LayerByLayer:
     ) -> Iterator[tuple[torch.Tensor, Iterator]]:
         batches = [b.to(self.device) for b in input_ids.split(size)]
         trunk = self._trunk(logits)
-        captured = [self._capture(trunk, batch) for batch in batches]
-        calls = [
-            c for _, c in captured
-        ]  # per batch, per layer: (positional arguments after the hidden states, keywords)
-        # Each model's own hidden states, every batch, in buffers that each layer's outputs are copied into (new
-        # long-lived tensors at every layer would fragment the host's memory: its peak would grow layer by layer)
-        hidden = {name: [h.clone() for h, _ in captured] for name in self.names}
-        del captured
-        returns_tuple = False
+        # The trunk's Linear layers that the base model runs after its last decoder layer (OPT's project_out): run
+        # when the logits are not computed too, as calibration runs the base model in memory (ptq's `_runner`)
+        linears = {n for n, m in trunk.named_modules() if quantizable(m) and _in_base(trunk, n)}
         with self.parts(trunk) as trunks:
             del trunk
+            # Each model's own inputs of its first decoder layer: what runs before it (OPT's project_in) is part of
+            # the trunk, quantized in a variant and observed in calibration as in memory
+            captured = {name: [self._capture(trunks[name], batch) for batch in batches] for name in self.names}
+            # per batch, per layer: (positional arguments after the hidden states, keywords), the same for every model
+            calls = [c for _, c, _ in captured[self.names[0]]]
+            early = {name: captured[name][0][2] for name in self.names}  # modules run before the first decoder layer
+            ran = {n for n, m in trunks[self.names[0]].named_modules() if any(m is e for e in early[self.names[0]])}
+            tail = bool(linears - ran)
+            # Each model's own hidden states, every batch, in buffers that each layer's outputs are copied into (new
+            # long-lived tensors at every layer would fragment the host's memory: its peak would grow layer by layer)
+            hidden = {name: [h.clone() for h, _, _ in captured.pop(name)] for name in self.names}
+            returns_tuple = False
             for i in range(self.layer_count):
                 path = f"{self.streamed.layers}.{i}"
                 with self.parts(self._layer(i)) as layers:
@@ -336,10 +399,14 @@ class LayerByLayer:
                 del layers
                 gc.collect()  # this layer's weights are freed before the next one is read (its copies hold cycles)
             for b, batch in enumerate(batches):
+                finals = [hidden[name][b] for name in self.names]
                 if logits:
-                    yield batch, self._logits(trunks, [hidden[name][b] for name in self.names], batch, returns_tuple)
+                    yield batch, self._logits(trunks, finals, batch, returns_tuple, early)
                     advance(len(batch) * len(self.names))
                 else:
+                    if tail:
+                        for _ in self._logits(trunks, finals, batch, returns_tuple, early, base=True):
+                            pass
                     yield batch, iter(())
                 for name in self.names:
                     hidden[name][b] = None
@@ -365,10 +432,14 @@ class LayerByLayer:
         path = f"{self.streamed.layers}.{i}"
         return _materialise(self.streamed.built.get_submodule(path), self.streamed, self.device, path)
 
-    def _capture(self, trunk: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
-        """The first decoder layer's hidden states and every decoder layer's other arguments on one batch."""
+    def _capture(
+        self, trunk: nn.Module, batch: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[tuple, dict]], list[nn.Module]]:
+        """The first decoder layer's hidden states and every decoder layer's other arguments on one batch, and the
+        trunk's modules that ran before the first decoder layer."""
         slots = trunk.get_submodule(self.streamed.layers)
         calls = []
+        early: list[nn.Module] = []
 
         def record(*args, **kwargs):
             hidden, args = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
@@ -377,23 +448,40 @@ class LayerByLayer:
                 raise _Captured
             return hidden  # what the next layer gets is not used: only the first layer's input is
 
+        def called(module, args):
+            if not calls and not any(module is m for m in early):
+                early.append(module)
+
         for slot in slots:
             slot.action = record
+        inside = {id(m) for slot in slots for m in slot.modules()}
+        hooks = [m.register_forward_pre_hook(called) for m in trunk.modules() if id(m) not in inside]
         try:
             trunk(input_ids=batch, use_cache=False)
         except _Captured:
             pass
+        finally:
+            for h in hooks:
+                h.remove()
         if len(calls) != len(slots):
             raise PtqError(
                 f"the forward of {type(trunk).__name__} called {len(calls)} of its {len(slots)} decoder layers: "
                 f"{LOW_MEMORY_FLAG} cannot run it layer by layer; load it whole"
             )
-        return calls[0][0], [c for _, c in calls]
+        return calls[0][0], [c for _, c in calls], early
 
     def _logits(
-        self, trunks: dict[str, nn.Module], finals: list[torch.Tensor], batch: torch.Tensor, returns_tuple: bool
+        self,
+        trunks: dict[str, nn.Module],
+        finals: list[torch.Tensor],
+        batch: torch.Tensor,
+        returns_tuple: bool,
+        early: dict[str, list[nn.Module]],
+        base: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each model's logits on `batch` from its last decoder layer's output `finals[i]`, by the model's forward."""
+        """Each model's logits on `batch` from its last decoder layer's output `finals[i]`, by the model's forward
+        (`base`: the base model's forward, no lm_head: its last hidden states). What runs before the first decoder
+        layer ran on this batch at the capture: run again here without its hooks (observers, SNR), its output unused."""
         wrap = (lambda x: (x,)) if returns_tuple else (lambda x: x)  # noqa: E731  as the layers return it
         for name, final in zip(self.names, finals):
             trunk = trunks[name]
@@ -401,7 +489,33 @@ class LayerByLayer:
             for slot in slots:
                 slot.action = lambda *args, **kwargs: wrap(args[0] if args else kwargs["hidden_states"])
             slots[len(slots) - 1].action = lambda *args, final=final, **kwargs: wrap(final)
-            yield name, trunk(input_ids=batch, use_cache=False).logits
+            with _without_hooks(early[name]):
+                if base:
+                    out = trunk.base_model(input_ids=batch, use_cache=False).last_hidden_state
+                else:
+                    out = trunk(input_ids=batch, use_cache=False).logits
+            yield name, out
+
+
+def _in_base(model: nn.Module, name: str) -> bool:
+    """Whether the module named `name` in `model` is in its base model (not the lm_head)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return getattr(model, "base_model", model) is model or name.startswith(f"{prefix}.")
+
+
+@contextlib.contextmanager
+def _without_hooks(modules: list[nn.Module]) -> Iterator[None]:
+    """The modules' forward hooks off for the block."""
+    from collections import OrderedDict
+
+    saved = [(m, m._forward_pre_hooks, m._forward_hooks) for m in modules]
+    for m in modules:
+        m._forward_pre_hooks, m._forward_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        for m, pre, post in saved:
+            m._forward_pre_hooks, m._forward_hooks = pre, post
 
 
 def _materialise(

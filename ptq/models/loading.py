@@ -239,19 +239,45 @@ def _from_pretrained(
             ) from None
         raise PtqError(f"cannot load model '{spec}': {_one_line(e)}") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             location,
             dtype=torch.float32,
             use_safetensors=None if "gguf_file" in kwargs or allow_pickle else True,
             weights_only=True,
             trust_remote_code=trust_remote_code,
+            output_loading_info=True,  # what is missing or mismatched, checked below: its report is not shown
+            ignore_mismatched_sizes=True,  # only not to raise: a mismatch is refused below, naming it
             **model_kwargs,
         )
     except Exception as e:  # transformers raises OSError, ValueError, safetensors errors, ... for bad models
         raise PtqError(f"cannot load model '{spec}': {_one_line(e)}") from None
+    check_loading_info(model, info, spec)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def check_loading_info(model: nn.Module, info: dict, spec: str) -> None:
+    """Refuse a checkpoint that does not hold the model its config describes: transformers fills a tensor missing
+    from it, or one of another shape in it, with random values (and says so in a report at warning level, hidden
+    here). Tensors the model ties to another one and buffers it computes are not missing (transformers leaves them
+    out of `missing_keys`)."""
+    more = lambda keys: f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""  # noqa: E731
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: str(m[0]))
+    if mismatched:
+        key, stored, expected = mismatched[0]
+        raise PtqError(
+            f"cannot load model '{spec}': tensor '{key}' has shape {list(stored)} in the checkpoint but "
+            f"{list(expected)} in {type(model).__name__} as its config.json describes it{more(mismatched)}: the "
+            "checkpoint does not match its config"
+        )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise PtqError(
+            f"cannot load model '{spec}': the checkpoint has no tensor '{missing[0]}'{more(missing)}, which "
+            f"{type(model).__name__} has (transformers would fill it with random values): the checkpoint is "
+            "incomplete or does not match its config"
+        )
 
 
 TOKENIZER_FILES = (
