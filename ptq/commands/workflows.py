@@ -335,7 +335,10 @@ def check_coverage(plans: dict[str, Plan], strict: bool = False) -> dict[str, di
     coverages = {name: plan.coverage() for name, plan in plans.items()}
     weights = {x["name"]: x for cov in coverages.values() for x in unsupported_weights(cov)}
     layers = {  # attention layers whose inputs or KV cache a recipe asks for and ptq cannot quantize
-        x["name"]: x for cov in coverages.values() for x in cov["attention_left_out"] if x["reason"].startswith("not ")
+        x["name"]: x
+        for cov in coverages.values()
+        for x in cov["attention_left_out"]
+        if x["reason"].startswith("not supported")
     }
     for what, missing in (("matmul weight(s)", weights), ("attention layer(s) whose inputs and KV cache", layers)):
         if not missing:

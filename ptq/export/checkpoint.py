@@ -17,6 +17,7 @@ model plus one shard.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -39,7 +40,7 @@ from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerHead, Pe
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_key
 from ptq.quantization.plan import resolve_plan as plan_of
-from ptq.quantization.quantize import QuantLinear, input_clip, quantize_, quantize_weight
+from ptq.quantization.quantize import QuantLinear, input_clip, quantize_, quantize_weight, scale_for
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
@@ -304,9 +305,7 @@ def export_layers(model: nn.Module, recipe: Recipe, plan: Plan | None = None) ->
     routers = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and kind(m) == ROUTER]
     quantized, ignored = plan.quantized, sorted({*plan.left_out, *routers})
     if not quantized:
-        reasons: dict[str, int] = {}
-        for x in plan.coverage()["left_out"]:
-            reasons[x["reason"]] = reasons.get(x["reason"], 0) + 1
+        reasons = collections.Counter(x["reason"] for x in plan.coverage()["left_out"])
         why = "; ".join(f"{n} {'layer' if n == 1 else 'layers'} {reason}" for reason, n in reasons.items())
         raise PtqError(
             f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} ({why or 'no matmul'})"
@@ -488,8 +487,6 @@ def plan_checkpoint(
 def kv_cache_entries(model: nn.Module, plan, calibration: Calibration | None, disk: dict[str, str]) -> list[_Entry]:
     """`<attention>.k_scale` and `.v_scale` of every attention layer whose KV cache the plan quantizes: float32,
     [1] per tensor or [kv heads, 1, 1] per head (compressed-tensors' attn_head layout), the simulation's scales."""
-    from ptq.quantization.quantize import input_clip, scale_for
-
     entries = []
     for layer, tensors in plan.attention.items():  # each with a k_proj (check_kv_cache)
         prefix = disk[f"{layer}.k_proj.weight"].removesuffix(".k_proj.weight")
