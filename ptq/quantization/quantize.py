@@ -256,11 +256,12 @@ class QuantLinear(nn.Module):
             y = y if self.bias is None else y + self.bias
         else:
             # cuBLAS takes no bias with a float32 output ("Bias is not supported when out_dtype is set to Float32")
-            bias = self.bias if x.dtype != torch.float32 else None
+            fused_bias = self.bias if x.dtype != torch.float32 else None
             y = torch._scaled_mm(
-                codes, self.weight_codes.t(), scale_a=scale_x, scale_b=scale_w, bias=bias, out_dtype=x.dtype
+                codes, self.weight_codes.t(), scale_a=scale_x, scale_b=scale_w, bias=fused_bias, out_dtype=x.dtype
             )
-            y = y if bias is not None or self.bias is None else y + self.bias
+            if fused_bias is None and self.bias is not None:
+                y = y + self.bias
         return y[:rows].reshape(*x.shape[:-1], self.out_features)
 
     @property
