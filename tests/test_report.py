@@ -699,3 +699,68 @@ def test_report_plots_and_markdown_are_written_as_one_set(compared, ptq_cli, tmp
         "pr-metrics.png",
         "pr.md",
     ]
+
+
+def test_metrics_plot_draws_the_accuracy_gate_that_next_token_accuracy_is_judged_by():
+    """`--min-accuracy-recovery next-token=98%` is the limit next-token accuracy is gated by (it overrides a default
+    99%, and is one on its own): the accuracy panel's dashed line is base accuracy x 98%, as the checks say."""
+    import dataclasses
+
+    import sample_results
+
+    from ptq.reporting.gates import gate_results
+    from ptq.reporting.plots import metrics_figure
+
+    base = sample_results.baseline(accuracy=0.5)
+    r = sample_results.compare_results(base, [sample_results.variant("v", accuracy=0.495)])
+    for given, expected in ((["99%", "next-token=98%"], 98.0), (["next-token=98%"], 98.0), (["99%"], 99.0)):
+        gated = dataclasses.replace(r, gates=gate_results(r, parse_limits(None, given, None)))
+        (judged,) = [c for c in gated.gates.checks if c.task == "next-token"]
+        assert judged.limit == expected
+        ax = metrics_figure(gated).axes[1]  # next-token accuracy, in percent
+        (line,) = [ln for ln in ax.lines if ln.get_label() == "gate"]
+        assert line.get_ydata()[0] == pytest.approx(100 * 0.5 * expected / 100)
+
+
+def test_trend_names_a_change_of_matmul_path_or_of_a_recipe_under_the_same_name():
+    """Real FP8 matmuls (--matmul fp8) against a simulated previous run, or a recipe whose formats changed while its
+    name did not: the numbers move for that reason, not the code's, and the trend must say so."""
+    import dataclasses
+
+    from sample_results import compare_results, variant
+
+    from ptq.reporting.trend import trend
+
+    old = compare_results()
+    assert trend(old, compare_results())["setup_changes"] == []
+    fp8 = dataclasses.replace(old, compute=dataclasses.replace(old.compute, matmul="fp8"))
+    assert trend(fp8, old)["setup_changes"] == ["matmul: simulated -> fp8"]
+    v = variant()
+    channel = dataclasses.replace(
+        v, recipe=dataclasses.replace(v.recipe, weights="e4m3 per-channel", ignore=["lm_head"])
+    )
+    assert trend(compare_results(variants=[channel]), old)["setup_changes"] == [
+        "v weights: e4m3 per-tensor -> e4m3 per-channel",
+        "v ignore: [] -> ['lm_head']",
+    ]
+
+
+def test_the_verdict_and_intervals_never_print_a_failing_ppl_delta_as_its_limit():
+    """+2.004% against a 2% limit fails: the verdict line (the first a pull request shows) and the intervals table
+    print it as +2.004%, as the results table and the failed checks do, not as a failing +2.00%."""
+    import dataclasses
+
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.gates import gate_results
+    from ptq.reporting.report import render_markdown
+
+    r = compare_results(baseline(), [variant("v", ppl_delta_pct=2.004)])
+    r = dataclasses.replace(r, gates=gate_results(r, parse_limits("2%", None, None)))
+    md = render_markdown(r)
+    verdict = md.splitlines()[2]
+    assert verdict.startswith("❌ **1 of 1 gate checks fail** (v)") and verdict.endswith("v +2.004%.")
+    assert "| v | 10.2004 | [10.0004, 10.4004] | +2.004% |" in md
+    # without a limit, or away from it, the usual two decimals
+    plain = render_markdown(compare_results(baseline(), [variant("v", ppl_delta_pct=2.004)]))
+    assert plain.splitlines()[2].endswith("v +2.00%.") and "| +2.00% |" in plain

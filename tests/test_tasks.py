@@ -66,6 +66,49 @@ def test_paired_delta():
     assert ppl["delta"] == pytest.approx(100 * (np.exp(0.01) - 1)) and ppl["significant"]
 
 
+def test_a_share_of_documents_has_a_wilson_interval_not_the_bootstraps_degenerate_one():
+    """Per-document 0/1 scores (acc, exact_match): the percentile bootstrap's interval collapses at the edge (6 of 6
+    right gave [1, 1], 19 of 20 [0.85, 1]: over the binomial it held p = 0.97 45% of the times at n = 20). Their
+    interval is Wilson's score interval, checked against scipy; other per-document values keep the bootstrap."""
+    from scipy.stats import binom, binomtest
+
+    # what results.json's task intervals are made of (harness.add_task_metrics)
+    values = {"a": [1.0] * 6, "b": [1.0] * 5 + [0.0]}
+    models = {
+        name: harness.ModelTasks(
+            results={"t": {"acc,none": float(np.mean(v))}},
+            samples={"t": {"acc,none": np.array(v)}},
+            doc_hashes={"t": [f"h{i}" for i in range(6)]},
+            choices={"t": [2] * 6},
+            responses={},
+        )
+        for name, v in values.items()
+    }
+    run = harness.HarnessRun(models, {}, {}, {"t": {"acc": True}}, {}, 4)
+    tasks = [{"name": "t", "n": 6, "metrics": ["acc"], "higher_is_better": {"acc": True}}]
+    for name, k in (("a", 6), ("b", 5)):
+        entry = {"name": name}
+        harness.add_task_metrics(entry, run, tasks, baseline=None if name == "a" else "a")
+        wilson = binomtest(k, 6).proportion_ci(0.95, method="wilson")
+        assert entry["tasks"]["t"]["acc_ci"] == pytest.approx([wilson.low, wilson.high], abs=1e-12)
+
+    for k, n in ((6, 6), (0, 6), (19, 20), (98, 100), (30, 100)):
+        units = np.array([1.0] * k + [0.0] * (n - k))
+        wilson = binomtest(k, n).proportion_ci(0.95, method="wilson")
+        e = stats.estimate_share(units)
+        assert e["value"] == k / n and e["n"] == n
+        assert e["ci"] == pytest.approx([wilson.low, wilson.high], abs=1e-12)
+    # its coverage over the binomial itself, at n = 20, p = 0.97: near 95% (the bootstrap's was 45%)
+    n, p = 20, 0.97
+    intervals = [stats.estimate_share([1.0] * k + [0.0] * (n - k))["ci"] for k in range(n + 1)]
+    covered = sum(binom.pmf(k, n, p) for k, (lo, hi) in enumerate(intervals) if lo <= p <= hi)
+    assert covered > 0.94
+    few = stats.estimate_share([1.0, 1.0, 1.0])  # below MIN_UNITS: no interval, as everywhere
+    assert all(np.isnan(few["ci"]))
+    scores = np.array([0.2, 0.5, 1.3, 0.9, 0.4])  # not 0/1: the bootstrap's interval
+    assert stats.estimate_share(scores) == stats.estimate(scores)
+
+
 # ----------------------------------------------------------------------------------------------
 # Task construction
 

@@ -605,7 +605,7 @@ def add_task_metrics(entry: dict, run: HarnessRun, tasks: list[dict], baseline: 
             if metric not in task["metrics"]:
                 continue
             metric_name, _, filt = key.partition(",")
-            e = stats.estimate(values)
+            e = stats.estimate_share(values)  # 0/1 per document: Wilson's interval
             row.update(
                 {
                     metric: float(reported[key]),
@@ -653,7 +653,8 @@ def protocol(tasks: list[dict]) -> list[str]:
         "(lm_eval.models.huggingface.HFLM around the model ptq built; simple_evaluate with log_samples): the values and "
         "their stderr are lm-eval's, as `lm_eval --model hf` reports them for the same weights.",
         f"Task intervals: {s['method']} ({s['resamples']} resamples, seed {s['seed']}) over the documents of lm-eval's "
-        "per-sample results; deltas vs the baseline are paired (the same resampled documents for both) and marked "
+        "per-sample results, except a metric that is 0 or 1 per document (acc, exact_match): Wilson's score interval "
+        "for a proportion; deltas vs the baseline are paired (the same resampled documents for both) and marked "
         "distinguishable from 0 when their 95% interval excludes 0. Recovery = variant / baseline, as model cards "
         "report it.",
     ]

@@ -1,5 +1,6 @@
 """Uncertainty of every reported number: percentile bootstrap over the evaluation units (windows for
-perplexity, items for task accuracy), with a fixed seed so the same results give the same intervals.
+perplexity, items for task accuracy), with a fixed seed so the same results give the same intervals. A task metric
+that is 0 or 1 per item (a proportion) has Wilson's score interval instead (estimate_share).
 
 A variant and the baseline are scored on the same units, so their difference is estimated *paired*:
 each resample draws one set of units and computes both metrics on it. Unit-to-unit difficulty then
@@ -19,7 +20,9 @@ are the interval's ends that it reaches; they are not interpolated into NaN.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from statistics import NormalDist
 
 import numpy as np
 
@@ -92,6 +95,28 @@ def estimate(units, statistic: Statistic = identity) -> dict:
         else:
             stderr, ci = _spread(statistic(_resampled_means(units)[0]))
     return {"value": value, "stderr": stderr, "ci": ci, "n": int(len(units))}
+
+
+def estimate_share(units) -> dict:
+    """estimate() of per-document scores (task metrics). Where every unit is 0 or 1 (acc, exact_match: a count of
+    successes) the 95% interval is Wilson's score interval for a binomial proportion: the percentile bootstrap's
+    collapses at the edge (6 of 6 right gave [1, 1]; at 20 documents and p = 0.97 it held p 45% of the time),
+    Wilson's holds it about 95% of the time at any n and p. Other scores keep the bootstrap's."""
+    e = estimate(units)
+    units = np.asarray(units, dtype=np.float64)
+    if len(units) >= MIN_UNITS and np.isin(units, (0.0, 1.0)).all():
+        e["ci"] = wilson(int(units.sum()), len(units))
+    return e
+
+
+def wilson(successes: int, n: int) -> list[float]:
+    """Wilson's score interval (no continuity correction) for `successes` of `n`, at CONFIDENCE."""
+    z = NormalDist().inv_cdf(0.5 + CONFIDENCE / 2)
+    p, z2 = successes / n, z * z / n
+    center = (p + z2 / 2) / (1 + z2)
+    half = z / (1 + z2) * math.sqrt(p * (1 - p) / n + z2 / (4 * n))
+    # the ends are exact at the edges (0 of n: low 0; n of n: high 1), not a rounding away from them
+    return [0.0 if successes == 0 else center - half, 1.0 if successes == n else center + half]
 
 
 def paired_delta(base_units, variant_units, delta: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> dict:

@@ -129,11 +129,17 @@ def render_markdown(
     return "\n".join(lines)
 
 
+def _ppl_delta(v: Variant, checks: list[Check]) -> str:
+    """A variant's Δ ppl, with the digits that tell it from its gate's limit (+2.004% against 2%, not +2.00%)."""
+    limit = _limit([c for c in checks if c.variant == v.name and c.metric == "ppl_delta_pct"])
+    return f"{fmt_against(v.ppl_delta_pct, limit, '+.2f')}%"
+
+
 def verdict(r: CompareResults, checks: list[Check] | None = None, moves: dict | None = None) -> str:
     base = r.baseline.name
-    parts = [f"{v.name} {v.ppl_delta_pct:+.2f}%" for v in r.variants]
-    ppl = f"perplexity vs {base}: " + ", ".join(parts) + "." if parts else "baseline only."
     checks = stored_checks(r) if checks is None else checks
+    parts = [f"{v.name} {_ppl_delta(v, checks)}" for v in r.variants]
+    ppl = f"perplexity vs {base}: " + ", ".join(parts) + "." if parts else "baseline only."
     failed = [c for c in checks if not c.passed]
     if not checks:
         line = f"**Perplexity vs {base}:** " + ", ".join(parts) + "." if parts else "**Baseline only.**"
@@ -567,6 +573,7 @@ def _distinguishable(significant: bool) -> str:
 def intervals_section(r: CompareResults) -> list[str]:
     """Perplexity and next-token accuracy with 95% intervals, and the paired deltas vs the baseline."""
     base = r.baseline
+    checks = stored_checks(r)
     lines = [
         "",
         "## Intervals (95%)",
@@ -586,7 +593,7 @@ def intervals_section(r: CompareResults) -> list[str]:
     ]
     for v in r.variants:
         lines.append(
-            f"| {v.name} | {v.perplexity:.4f} | {_ci(v.perplexity_ci, fmt='.4f')} | {v.ppl_delta_pct:+.2f}% "
+            f"| {v.name} | {v.perplexity:.4f} | {_ci(v.perplexity_ci, fmt='.4f')} | {_ppl_delta(v, checks)} "
             f"| {_ci(v.ppl_delta_pct_ci, fmt='+.2f', unit='%')} | {_distinguishable(v.ppl_delta_significant)} "
             f"| {100 * v.accuracy:.2f}% | {_ci(v.accuracy_ci, 100)} | {100 * v.accuracy_delta:+.2f} "
             f"| {_ci(v.accuracy_delta_ci, 100, '+.2f')} | {_distinguishable(v.accuracy_delta_significant)} |"

@@ -4,7 +4,8 @@ Entries are matched by name (the baseline, each variant, each task). A change is
 intervals when the two runs' 95% intervals for the metric (its `<metric>_ci` field, [low, high]) do not
 overlap, a conservative test. Whether a change is better or worse follows the metric's direction: for a task metric,
 the one results.json records for the task (lm-eval's higher_is_better). Where the two runs were measured in a
-different setup (model, text, windows, task documents, dtype, target, calibration, ...), `setup_changes` names it.
+different setup (model, text, windows, task documents, dtype, matmul path, target, calibration, a recipe's formats
+under the same name, ...), `setup_changes` names it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ SETUP = (
     ("windows", lambda r: r.eval.windows),
     ("bos", lambda r: r.eval.bos),
     ("compute dtype", lambda r: r.compute.dtype),
+    ("matmul", lambda r: r.compute.matmul),  # real FP8 matmuls round otherwise than the simulation
     ("target", lambda r: r.target),
     ("calibration text (sha256)", lambda r: _calibration(r, "text")),
     ("calibration windows", lambda r: _calibration(r, "windows")),
@@ -53,10 +55,24 @@ SETUP = (
 )
 
 
+# what a recipe quantizes and how (its name, description and file may change without changing that)
+RECIPE_SETUP = ("weights", "inputs", "ignore", "attention", "kv_cache", "smoothquant_alpha", "residual")
+
+
 def setup_changes(results: CompareResults, previous: CompareResults) -> list[str]:
     """What differs in how the two runs measured: "what: previous -> now", one entry each. Tasks are compared where
     both runs scored them: their documents (how many, and the sha256 over lm-eval's document hashes) and shots."""
     changes = [f"{what}: {get(previous)} -> {get(results)}" for what, get in SETUP if get(previous) != get(results)]
+    # entries are matched by name: one whose recipe quantizes otherwise under the same name is a different measurement
+    old_entries = {e.name: e for e in [previous.baseline, *previous.variants]}
+    for new in [results.baseline, *results.variants]:
+        old = old_entries.get(new.name)
+        if old is None:
+            continue
+        for what in RECIPE_SETUP:
+            before, now = getattr(old.recipe, what), getattr(new.recipe, what)
+            if before != now:
+                changes.append(f"{new.name} {what}: {before} -> {now}")
     old_tasks = {t.name: t for t in previous.tasks or []}
     for new in results.tasks or []:
         old = old_tasks.get(new.name)
