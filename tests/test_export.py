@@ -590,6 +590,46 @@ def test_a_partly_quantized_fused_layer_is_refused_for_vllm(ptq_cli, tiny_model,
     assert "k_proj' would stay in 16 bits while" in err and "q_proj' is quantized" in err
 
 
+def vllm_accepts_block_shape(output_partition_sizes: list[int], block_n: int = 128) -> bool:
+    """vLLM's fp8_utils.validate_fp8_block_shape on one GPU, which compressed_tensors_w8a8_fp8.py calls for block
+    weights: a merged layer (qkv_proj, gate_up_proj) whose parts but the last are not whole blocks of block_n rows
+    raises "Weight output_partition_size = ... is not divisible by weight quantization block_n"."""
+    return all(size % block_n == 0 for size in output_partition_sizes[:-1])
+
+
+@pytest.mark.parametrize("target", ["vllm", "transformers"])
+def test_fp8_block_leaves_out_fused_layers_whose_parts_vllm_cannot_block(target):
+    """k_proj of 64 rows (2 KV heads of 32) and gate/up of 200 rows, with 128 inputs: vLLM cannot load q/k/v or
+    gate/up as 128 x 128 blocks, so under --target vllm the plan leaves each such fused layer whole in 16 bits, with
+    its reason (o_proj stays quantized); transformers runs each Linear alone and takes them all."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ptq.export.checkpoint import export_layers
+    from ptq.models.matmuls import linearize
+    from ptq.quantization.plan import resolve_plan
+    from ptq.quantization.recipes import load_recipe
+
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=128, intermediate_size=200, num_hidden_layers=1, num_attention_heads=4
+    )
+    config.num_key_value_heads = 2
+    model = linearize(LlamaForCausalLM(config))
+    recipe = load_recipe("fp8-block")
+    plan = resolve_plan(model, recipe, target)
+    quantized, _, _ = export_layers(model, recipe, plan)
+    prefix = "model.layers.0."
+    for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+        sizes = [model.get_submodule(prefix + n).out_features for n in group]
+        assert not vllm_accepts_block_shape(sizes)
+        done = [prefix + n in quantized for n in group]
+        assert done == [target == "transformers"] * len(group)
+    assert prefix + "self_attn.o_proj" in quantized
+    if target == "vllm":
+        reasons = {x["name"]: x["reason"] for x in plan.coverage()["left_out"]}
+        assert "k_proj has 64 output rows" in reasons[prefix + "self_attn.v_proj"]
+        assert "gate_proj has 200 output rows" in reasons[prefix + "mlp.up_proj"]
+
+
 @pytest.fixture(scope="module")
 def qwen2_moe_dynamic(tmp_path_factory):
     """A tiny Qwen2-MoE (its shared expert is fed [tokens, hidden] inputs, and gated by a Linear H -> 1) exported with
@@ -682,20 +722,51 @@ def test_qwen2_moe_shared_expert_gate_is_left_out_like_the_routers(qwen2_moe_dyn
     assert left_out["model.layers.0.mlp.shared_expert_gate.weight"].startswith("router (shared-expert gate")
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"])
+def test_routers_that_are_not_linear_layers_are_in_ignore(family, tmp_path):
+    """transformers 5's routers are modules of their own (Qwen3MoeTopKRouter, MixtralTopKRouter), not nn.Linear; vLLM
+    builds them as ReplicatedLinear, which the "Linear" target matches (qwen3_moe.py passes its quant_config to the
+    gate), so a router missing from `ignore` is loaded as an FP8 layer without weight_scale. compressed-tensors lists
+    them (get_vllm_module_type: Router / Gate classes count as Linear): every router it lists is in ptq's `ignore`,
+    under the checkpoint's name (Mixtral's block_sparse_moe.gate)."""
+    import families
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    from ptq.export.checkpoint import plan_checkpoint, quantization_config
+    from ptq.models.matmuls import linearize
+    from ptq.quantization.recipes import load_recipe
+
+    recipe = load_recipe("fp8-dynamic")
+    model = families.build(family)
+    model.save_pretrained(tmp_path / "source")
+    on_disk = set(read_checkpoint(tmp_path / "source"))
+    apply_quantization_config(model, quantization_config(recipe, ["lm_head"]))
+    routers = [n for n in QuantizationConfig.from_pretrained(model).ignore if n != "lm_head"]
+    assert routers and all(n.endswith(".mlp.gate") for n in routers)
+    _, _, ignore = plan_checkpoint(linearize(families.build(family)), recipe, None, {}, target="vllm")
+    assert all(f"{n}.weight" in on_disk for n in ignore)  # the names vLLM loads
+    for name in routers:  # model.layers.{i}.mlp.gate: that layer's router, as the checkpoint names it
+        layer = name.removesuffix(".mlp.gate") + "."
+        assert [n for n in ignore if n.startswith(layer) and n.endswith(".gate")] == [
+            name.replace(".mlp.", ".block_sparse_moe.") if family == "mixtral" else name
+        ]
+
+
 # -- ptq's own reader, remote code, pickle sources ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("hidden", [128, 256])
 def test_ptq_reader_expands_block_scales_by_block_structure(hidden, ptq_cli, text_file, tmp_path):
     """Weights of 200 rows: 128 x 128 tiles, the last row of tiles 72 rows high ([2, 1] or [2, 2] scales). The reader's
-    weights are the codes times their tile's scale, expanded here with numpy from the files and block_structure."""
+    weights are the codes times their tile's scale, expanded here with numpy from the files and block_structure.
+    For transformers: vLLM refuses gate/up of 200 rows as one merged layer of blocks (they stay 16-bit for it)."""
     from conftest import save_tiny_llama
 
     from ptq.export.checkpoint import reload_dequantized
 
     source = save_tiny_llama(tmp_path / "llama", hidden_size=hidden, intermediate_size=200, tie_word_embeddings=False)
     out = tmp_path / "out"
-    code, _, err = quantize_cli(ptq_cli, source, "fp8-block", out, text_file)
+    code, _, err = quantize_cli(ptq_cli, source, "fp8-block", out, text_file, "--target", "transformers")
     assert code == 0, err
     assert json.loads((out / "ptq-export.json").read_text())["verification"]["passed"]
     rows, cols = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][

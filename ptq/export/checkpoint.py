@@ -303,6 +303,10 @@ def export_layers(model: nn.Module, recipe: Recipe, plan: Plan | None = None) ->
     # and the routers that are Linear layers (ptq.models.matmuls: MoE routers, Qwen2-MoE's shared_expert_gate), which
     # the checkpoint's "Linear" target would otherwise cover: the loaders must keep them as stored
     routers = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and kind(m) == ROUTER]
+    # and the routers that are modules of their own (transformers 5's Qwen3MoeTopKRouter, MixtralTopKRouter...):
+    # vLLM builds them as ReplicatedLinear, which the "Linear" target matches (its qwen3_moe.py hands the gate its
+    # quant_config), so they are listed too, as compressed-tensors does (quant_config.get_vllm_module_type)
+    routers += [x.name.rpartition(".")[0] for x in plan.unsupported if x.reason.startswith("router")]
     quantized, ignored = plan.quantized, sorted({*plan.left_out, *routers})
     if not quantized:
         reasons = collections.Counter(x["reason"] for x in plan.coverage()["left_out"])

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ptq.models.matmuls import LeftOut, kind, quantizable, unsupported
+from ptq.models.matmuls import LeftOut, LinearExperts, kind, quantizable, unsupported
 from ptq.numerics.granularity import PerBlock, PerGroup, PerHead
 from ptq.quantization import attention, engines, residual
 from ptq.quantization.recipes import BASELINE_LINEAR, Recipe, TensorQuant
@@ -249,6 +249,32 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
     return None
 
 
+def _leave_out_unblockable_fused(model: nn.Module, matmuls: dict[str, MatmulPlan], rows: int) -> None:
+    """In place: vLLM loads q/k/v and gate/up into one merged layer (engines.fused_groups) and refuses block weights
+    there unless every part but the last is whole blocks of `rows` rows (fp8_utils.validate_fp8_block_shape: "Weight
+    output_partition_size = ... is not divisible by weight quantization block_n"); such a group is left out whole (a
+    part alone would be refused too). Experts are left to FusedMoE's rule (down_proj's in_features, the same size)."""
+    modules = dict(model.named_modules())
+    experts = {path for path, m in modules.items() if isinstance(m, LinearExperts)}
+    for group in engines.fused_groups(model):
+        if group[0].rpartition(".")[0].rpartition(".")[0] in experts:
+            continue
+        bad = [n for n in group[:-1] if modules[n].out_features % rows]
+        if not bad or not any(matmuls[n].quantized for n in group):
+            continue
+        short = [n.rpartition(".")[2] for n in group]
+        reason = (
+            f"shape: vLLM runs {'/'.join(short)} as one layer, whose parts but the last must be whole {rows}-row "
+            f"weight blocks ({short[group.index(bad[0])]} has {modules[bad[0]].out_features} output rows); it "
+            "refuses the checkpoint otherwise"
+        )
+        for n in group:
+            if matmuls[n].quantized:
+                matmuls[n] = dataclasses.replace(
+                    matmuls[n], weights=BASELINE_LINEAR, inputs=BASELINE_LINEAR, reason=reason, smooth=False
+                )
+
+
 def resolve_plan(
     model: nn.Module,
     recipe: Recipe,
@@ -272,6 +298,8 @@ def resolve_plan(
         matmuls[name] = MatmulPlan(
             name, getattr(module, "ptq_kind", kind(module)), module.weight.numel(), weights, inputs, reason, smooth
         )
+    if engines.check_target(target) == "vllm" and isinstance(recipe.weights.granularity, PerBlock):
+        _leave_out_unblockable_fused(model, matmuls, recipe.weights.granularity.rows)
     targeted = {name for name, m in matmuls.items() if m.quantized}
     static_inputs = {name for name in targeted if matmuls[name].inputs.static and not matmuls[name].smooth}
     groups = engines.engine_groups(model, recipe, target, static_inputs, targeted)
