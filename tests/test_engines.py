@@ -19,7 +19,7 @@ from ptq.calibration.calibrate import calibrate
 from ptq.models.matmuls import LinearExperts, linearize
 from ptq.quantization.plan import calibrated_layers, resolve_plan
 from ptq.quantization.quantize import QuantLinear, quantize_
-from ptq.quantization.recipes import load_recipe
+from ptq.quantization.recipes import load_recipe, parse_recipe
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vllm/model_executor/models/llama.py
 
@@ -318,6 +318,38 @@ def test_int8_inputs_round_as_vllm_under_the_vllm_target():
     # the reference: vLLM's order, clamp x / scale to [-128, 127] first, then round half to even
     assert q.quantize_input(x)[1].numpy().tolist() == np.round(np.clip(x.numpy(), -128, 127)).tolist()
     assert full.describe().endswith("[-128, 127]")
+
+
+def test_dynamic_int8_inputs_round_as_vllms_kernel_under_the_vllm_target():
+    """vLLM's dynamic_scaled_int8_quant_kernel, hand-computed: a row [0x3eefdfbf (0.46850392), 17] has the scale
+    17 / 127 but is rounded as x * (127 / 17) = 3.4999998, code 3, where x / (17 / 127) and x times the float32
+    reciprocal of 17 / 127 (7.4705887, not 127 / 17 = 7.470588) give 3.5, which ties to the even 4 (numpy's float32
+    arithmetic agrees). The transformers target (and the reload check's loader) divides."""
+    from ptq.quantization import engines
+    from ptq.quantization.quantize import ActivationQuantizer
+
+    x = torch.tensor([[0x3EEFDFBF, 0x41880000]], dtype=torch.int32).view(torch.float32)
+    x0, amax = x.numpy()[0]
+    scale = amax / np.float32(127)
+    assert amax == 17 and np.rint(x0 * (np.float32(127) / amax)) == 3
+    assert np.rint(x0 / scale) == 4 and np.rint(x0 * (np.float32(1) / scale)) == 4
+    spec = parse_recipe(
+        {
+            "name": "w8a8",
+            "weights": {"format": "int8"},
+            "inputs": {"format": "int8", "granularity": "token", "dynamic": True},
+        }
+    ).inputs
+    served = engines.served_inputs(spec, "vllm")
+    assert served.reciprocal and not engines.served_inputs(spec, "transformers").reciprocal
+    assert engines.unlike_reload_loader(spec, "vllm") == "vLLM's x * (127 / amax) for dynamic int8 inputs"
+    for compile in (True, False):
+        codes, s = ActivationQuantizer(compile=compile)(x, served, codes=True)
+        assert codes.tolist() == [[3, 127]] and s.item() == scale
+        assert ActivationQuantizer(compile=compile)(x, spec, codes=True)[0].tolist() == [[4, 127]]
+        assert ActivationQuantizer(compile=compile)(x, served)[0].numpy().tolist() == [[3 * scale, 127 * scale]]
+    # an all-zero token: codes 0, as vLLM's (its multiplier is 0)
+    assert ActivationQuantizer(compile=False)(torch.zeros(1, 4), served, codes=True)[0].tolist() == [[0, 0, 0, 0]]
 
 
 def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_path, ptq_cli, text_file, capsys):

@@ -83,6 +83,12 @@ def every_kernel(device: str):
             (x * 1e-5, TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True, min_scale=1 / (448 * 512)), False),
             True,
         ),
+        (  # the power-of-two scales are made from the float32 bits: int32 ops in Triton too
+            "dynamic rounding, power-of-two scales",
+            _round_dynamic,
+            (x, TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True, scale="pow2"), False),
+            True,
+        ),
         ("weight codes e5m2", _rounded_codes, (w, per_channel, FORMATS["e5m2"], True), True),
         ("weight codes bf16", _rounded_codes, (w, torch.tensor(1.0, device=device), FORMATS["bf16"], False), True),
         ("weight dequantize", dequantize, (codes, per_channel), True),

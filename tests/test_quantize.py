@@ -323,16 +323,19 @@ def test_real_fp8_matmul_matches_the_simulation(tiny_model, tmp_path, recipe_tex
     assert not torch.equal(got, quantize_(copy.deepcopy(model), load_recipe("bf16"), None)(input_ids=ids).logits)
 
 
-def _cublas_scaled_mm(original, calls):
+def _cublas_scaled_mm(original, calls, cutlass_rowwise=False):
     """torch._scaled_mm with the checks its CUDA kernel makes and its CPU kernel does not (torch 2.11's
     aten/src/ATen/native/cuda/ScaledBlas.cpp): no E5M2 x E5M2 product, no bias with a float32 output, the inner
-    and output dimensions multiples of 16."""
+    and output dimensions multiples of 16; with `cutlass_rowwise` (Ada, Blackwell: row-wise scales go to CUTLASS's
+    kernel) no float32 output with row-wise scales."""
 
     def scaled_mm(a, b, *args, bias=None, out_dtype=None, **kwargs):
         if a.dtype == b.dtype == torch.float8_e5m2:
             raise ValueError("Multiplication of two Float8_e5m2 matrices is not supported")
         if bias is not None and out_dtype == torch.float32:
             raise ValueError("Bias is not supported when out_dtype is set to Float32")
+        if cutlass_rowwise and kwargs["scale_a"].dim() and out_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError("Only bf16 and fp16 high precision output types are supported for row-wise scaling.")
         if a.shape[1] % 16 or b.shape[0] % 16 or b.shape[1] % 16:
             raise ValueError(f"dimensions not multiples of 16: {tuple(a.shape)} x {tuple(b.shape)}")
         calls.append(1)
@@ -341,18 +344,27 @@ def _cublas_scaled_mm(original, calls):
     return scaled_mm
 
 
+@pytest.mark.parametrize("cutlass_rowwise", [False, True], ids=["hopper", "ada-blackwell"])
 @pytest.mark.parametrize(
     "recipe_text, fp8_layers",
     [
         ("weights: {format: e4m3}\ninputs: {format: e4m3}\n", 7),
         ("weights: {format: e5m2}\ninputs: {format: e4m3, scale: pow2}\n", 7),
         ("weights: {format: e5m2}\ninputs: {format: e5m2}\n", 0),  # cuBLAS has no E5M2 x E5M2 product
+        (
+            "weights: {format: e4m3, granularity: channel}\ninputs: {format: e4m3, granularity: token, dynamic: true}\n",
+            7,
+        ),
     ],
 )
-def test_real_fp8_matmuls_keep_to_the_rules_of_cublas(tmp_path, recipe_text, fp8_layers):
+def test_real_fp8_matmuls_keep_to_the_rules_of_cublas(tmp_path, monkeypatch, recipe_text, fp8_layers, cutlass_rowwise):
     """A float32 model with biases (Qwen2's q/k/v, --low-memory's compute dtype) under --matmul fp8, with
     torch._scaled_mm held to the rules of its CUDA kernel: the bias is added after a float32 product, an
-    E5M2 x E5M2 layer stays simulated, and the logits are the simulation's."""
+    E5M2 x E5M2 layer stays simulated, row-wise scales with a float32 output are applied after a unit-scale product
+    where torch runs CUTLASS's row-wise kernel (bf16 or fp16 only), and the logits are the simulation's."""
+    import ptq.quantization.quantize as quantize_module
+
+    monkeypatch.setattr(quantize_module, "rowwise_float32_unavailable", lambda device: cutlass_rowwise)
     from tests.conftest import save_tiny_llama
 
     path = save_tiny_llama(
@@ -362,18 +374,43 @@ def test_real_fp8_matmuls_keep_to_the_rules_of_cublas(tmp_path, recipe_text, fp8
     (tmp_path / "r.yaml").write_text("name: t\ntargets: [Linear]\nignore: [lm_head]\n" + recipe_text)
     recipe = load_recipe(str(tmp_path / "r.yaml"))
     ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4))
-    cal = calibrate(model, ids, calibrated_layers(model, recipe))
+    cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
     simulated = quantize_(copy.deepcopy(model), recipe, cal)
     real = quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
     layers = [m for m in real.modules() if isinstance(m, QuantLinear) and m.fp8_matmul]
     assert len(layers) == fp8_layers * model.config.num_hidden_layers
     assert all(m.bias is not None for m in layers)
     calls = []
-    cublas = _cublas_scaled_mm(torch._scaled_mm, calls)
+    cublas = _cublas_scaled_mm(torch._scaled_mm, calls, cutlass_rowwise)
     with torch.no_grad(), mock.patch.object(torch, "_scaled_mm", cublas):
         want, got = simulated(input_ids=ids).logits, real(input_ids=ids).logits
     assert len(calls) == len(layers)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # torch's CPU kernel dequantizes, then multiplies: the simulation's arithmetic. The unit-scale product sums the
+    # codes' products first, as a GPU does; a static input near a rounding boundary may then take the next code
+    tolerance = 1e-4 if cutlass_rowwise else 1e-5
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    "capability, cuda, unavailable",
+    [
+        ((9, 0), "13.0", False),
+        ((9, 0), "12.9", False),
+        ((9, 0), "12.6", True),
+        ((8, 9), "13.0", True),
+        ((10, 0), "13.0", True),
+        ((12, 0), "12.9", True),
+    ],
+)
+def test_rowwise_float32_output_is_cublas_on_hopper_only(monkeypatch, capability, cuda, unavailable):
+    """torch 2.11 sends row-wise scales to cuBLAS (float32 output allowed) on compute capability 9.x with CUDA
+    12.9+, and to CUTLASS (bf16 / fp16 only) on Ada, Blackwell or an older CUDA; on a CPU the question does not arise."""
+    from ptq.quantization.quantize import rowwise_float32_unavailable
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert rowwise_float32_unavailable(torch.device("cuda", 0)) is unavailable
+    assert rowwise_float32_unavailable(torch.device("cpu")) is False
 
 
 @pytest.mark.parametrize("in_features", [128, 256, 384, 512, 640, 11008])
@@ -421,3 +458,101 @@ def test_cuda_fp8_matmul_in_bf16_matches_the_simulation(tiny_model, recipe_name)
         want, got = simulated(input_ids=ids).logits.float(), real(input_ids=ids).logits.float()
     assert got.dtype == want.dtype and torch.isfinite(got).all()
     assert float((got - want).abs().max() / want.abs().max()) < 2e-2  # a few bf16 roundings apart
+
+
+def _tiny(family: str) -> torch.nn.Module:
+    """A tiny model of a tested family, or of a sandwich-norm one the families file does not list."""
+    import families
+    import transformers
+
+    extra = {"olmo2": "Olmo2Config", "glm4": "Glm4Config"}
+    if family not in extra:
+        return families.build(family)
+    torch.manual_seed(0)
+    config = getattr(transformers, extra[family])(**families.COMMON, head_dim=16, pad_token_id=None)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "gemma3", "olmo2", "glm4"])
+def test_residual_quantizers_see_the_operands_of_the_blocks_two_adds(family):
+    """Each residual quantizer is given what the block adds: x + attn_out is the mid-block sum and mid + mlp_out the
+    block's output, bit for bit. Sandwich-norm blocks (Gemma 2/3, OLMo 2, GLM-4) add their post-norms' outputs, and
+    their post_attention_layernorm (Gemma, OLMo) reads the attention output, not the sum."""
+    from ptq.quantization import residual
+
+    model = _tiny(family)
+    name, block = next(iter(residual.residual_blocks(model).items()))
+    seen = {}
+
+    def recorder(tensor):
+        def q(x):
+            seen.setdefault(tensor, x.detach().clone())
+            return x
+
+        return q
+
+    handles = residual.install(model, {name: {t: recorder(t) for t in residual.TENSORS}})
+    handles.append(
+        block.register_forward_hook(
+            lambda m, a, out: seen.setdefault("output", out[0] if isinstance(out, tuple) else out)
+        )
+    )
+    with torch.no_grad():
+        model(torch.arange(12)[None])
+    for h in handles:
+        h.remove()
+    assert torch.equal(seen["input"] + seen["attn_out"], seen["mid"])
+    assert torch.equal(seen["mid"] + seen["mlp_out"], seen["output"])
+
+
+def test_pow2_scales_are_the_smallest_power_of_two_that_does_not_clip():
+    """scale: pow2 rounds amax / max up to a power of two, so that amax / scale <= max. Against numpy's frexp of the
+    float32 amax / 448, for amaxes 0-3 ulps around 448 * 2^j, static and dynamic, eager and compiled: a scale one ulp
+    above 2^j has a float32 log2 of exactly j, and exp2(ceil(log2)) gave 2^j (the amax then clipped)."""
+    from ptq.numerics.formats import FORMATS
+    from ptq.numerics.granularity import PerTensor, PerToken
+    from ptq.numerics.kernels import fused
+    from ptq.quantization.quantize import dynamic_scale, scale_for
+    from ptq.quantization.recipes import TensorQuant
+
+    base = (448 * 2.0 ** np.arange(-100, 100)).astype(np.float32)
+    amax = np.concatenate([(base.view(np.int32) + ulps).view(np.float32) for ulps in (-1, 0, 1, 2, 3)])
+    s = amax / np.float32(448)
+    mantissa, exponent = np.frexp(s.astype(np.float64))
+    want = np.where(mantissa == 0.5, s, np.exp2(exponent)).astype(np.float32)
+    assert (amax.astype(np.float64) / want <= 448).all()
+
+    static = TensorQuant(FORMATS["e4m3"], PerTensor(), scale="pow2")
+    assert np.array_equal(np.array([scale_for(torch.tensor(a), static).item() for a in amax], np.float32), want)
+    dynamic = TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True, scale="pow2")
+    rows = torch.from_numpy(amax).reshape(-1, 1).repeat(1, 8)
+    for fn in (dynamic_scale, fused(dynamic_scale, compile=True)):
+        assert np.array_equal(fn(rows, dynamic).flatten().numpy(), want)
+
+
+def test_smoothquant_in_a_bf16_model_computes_in_bf16_as_the_reference():
+    """SmoothQuant's s is float32, so x / s is float32: a bf16 layer with a bias raised ("self and mat2 must have the
+    same dtype"), one without returned float32 to the rest of the bf16 model. Against numpy: x / s and W * s in
+    float32, int8 rounded (np.rint), the dequantized operands rounded to bf16 once, multiplied in float64."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    x = (torch.randn(3, 5, 64) * 4).to(torch.bfloat16)
+    s = torch.rand(64) * 3 + 0.25
+    input_amax = (x.float().abs().amax((0, 1)) / s).max()
+    recipe = load_recipe("int8-smoothquant")
+    q = QuantLinear(linear, recipe.weights, recipe.inputs, input_amax, smooth=s)
+    y = q(x)
+    assert y.dtype == torch.bfloat16
+
+    def bf16(v):
+        return v.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    sn = s.numpy()
+    w = linear.weight.detach().float().numpy() * sn
+    w_scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
+    w_ref = bf16(np.clip(np.rint(w / w_scale), -127, 127) * w_scale)
+    x_s = x.float().numpy() / sn
+    x_scale = np.float32(input_amax.item()) / np.float32(127)
+    x_ref = bf16(np.clip(np.rint(x_s / x_scale), -127, 127) * x_scale)
+    y_ref = x_ref @ w_ref.T + linear.bias.detach().double().numpy()
+    np.testing.assert_allclose(y.double().detach().numpy(), y_ref, rtol=2e-2, atol=2e-2)

