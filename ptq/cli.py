@@ -207,6 +207,9 @@ MaxWindows = Annotated[
 ]
 
 
+VERIFY_WINDOWS = 8  # quantize's --verify-windows default
+
+
 def _split(values: str) -> list[str]:
     return [v.strip() for v in values.split(",") if v.strip()]
 
@@ -654,7 +657,7 @@ def quantize(
     ] = True,
     verify_windows: Annotated[
         int, typer.Option("--verify-windows", min=1, help="Evaluation windows for the verification.")
-    ] = 8,
+    ] = VERIFY_WINDOWS,
     shard_size: Annotated[
         float, typer.Option("--shard-size", min=0.001, help="Largest safetensors shard, in MB.")
     ] = 1000.0,
@@ -688,6 +691,9 @@ def quantize(
     from ptq.commands.options import CheckpointOptions, ComputeOptions, DataOptions, OutputOptions
     from ptq.commands.workflows import run_quantize
     from ptq.export.checkpoint import VerificationFailed
+
+    if not verify and verify_windows != VERIFY_WINDOWS:  # an option takes effect or is refused, never dropped
+        raise PtqError("--verify-windows does not apply with --no-verify (no verification runs)")
 
     options = dict(
         model=_model_options(

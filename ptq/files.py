@@ -32,8 +32,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("PTQ_CACHE") or Path.home() / ".cache" / "ptq").expanduser()
 
 
-def check_writable(path: Path, force: bool) -> None:
-    """Refuse to overwrite an existing output unless --force was given."""
+def check_writable(path: Path, force: bool, directory: bool = False) -> None:
+    """Refuse to overwrite an existing output unless --force was given. A file output (not `directory`) that is an
+    existing directory is refused even with --force, before any work: the rename onto it would fail at the end."""
+    path = Path(path)
+    if not directory and path.is_dir() and not path.is_symlink():  # a symlink is replaced, not followed
+        raise PtqError(
+            f"cannot write {path}: it is a directory, and the output is a file (--force does not replace it)"
+        )
     if path.exists() and not force:
         raise PtqError(f"{path} already exists (use --force to overwrite)")
 

@@ -218,6 +218,36 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("recipes, expected", [("fp8-dynamic,mxfp8", "need no calibration"), (",", "no recipe given")])
+def test_calibrate_with_nothing_to_calibrate_stops_before_loading_the_model(
+    recipes, expected, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+):
+    # It used to load the model (minutes for a large one) before saying "nothing to calibrate"
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("ptq.commands.workflows.load_model", never)
+    out = tmp_path / "c.safetensors"
+    code, _, err = ptq_cli("calibrate", tiny_model, "--recipe", recipes, "--data", text_file, "-o", out, "-q")
+    assert code == 2 and expected in err and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize("command", ["compare", "inspect", "eval", "quantize"])
+def test_an_empty_recipe_list_is_refused_not_a_baseline_alone(command, ptq_cli, tiny_model, text_file, tmp_path):
+    # `ptq compare --recipes "$RECIPES"` with an empty variable compared nothing and passed every gate (exit 0)
+    out = tmp_path / "out"
+    args = {
+        "compare": ("--recipes", "", "--eval-data", text_file, "--out", out, "--max-ppl-increase", "1%", *FAST),
+        "inspect": ("--recipe", " , "),
+        "eval": ("--recipe", "", "--eval-data", text_file, "--out", out, "--tasks", "", *FAST),
+        "quantize": ("--recipe", "", "-o", out, "--no-verify", "-q"),
+    }[command]
+    code, _, err = ptq_cli(command, tiny_model, *args)
+    assert code == 2 and "no recipe given" in err and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1 and not out.exists()
+
+
 def test_existing_outputs_need_force(ptq_cli, tiny_model, text_file, tmp_path):
     calib = tmp_path / "c.safetensors"
     args = ("calibrate", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "-o", calib, "--quiet")
@@ -334,6 +364,32 @@ def test_quantize_refuses_compare_results_of_another_model(ptq_cli, tiny_model, 
     assert code == 0, stderr
     info = json.loads((tmp_path / "q2" / "ptq-export.json").read_text())
     assert info["compare"]["model"] == str(tiny_model)
+
+
+def test_verify_windows_with_no_verify_is_refused_not_dropped(ptq_cli, tiny_model, tmp_path):
+    out = tmp_path / "q"
+    code, _, err = ptq_cli(
+        "quantize", tiny_model, "--recipe", "fp8-dynamic", "--no-verify", "--verify-windows", "20", "-o", out, "-q"
+    )
+    assert code == 2 and "--verify-windows does not apply with --no-verify" in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_fewer_calibration_windows_than_asked_for_are_said(ptq_cli, tiny_model, text_file, tmp_path):
+    from ptq.calibration.calibrate import load_calibration
+
+    out = tmp_path / "c.safetensors"
+    code, _, err = ptq_cli(
+        "calibrate", tiny_model, "--data", text_file, "--samples", "100000", "--seq-len", "32", "-o", out, "-q"
+    )
+    assert code == 0, err
+    windows = load_calibration(out).metadata["windows"]
+    assert 0 < windows < 100000
+    assert f"calibrating on {windows}, not the 100000 asked for" in " ".join(err.split())
+    code, _, err = ptq_cli(
+        "calibrate", tiny_model, "--data", text_file, "--samples", "8", "--seq-len", "32", "-o", out, "-q", "--force"
+    )
+    assert code == 0 and "asked for" not in err, err
 
 
 def test_calibration_options_a_run_does_not_use_are_refused(ptq_cli, tiny_model, text_file, tmp_path):

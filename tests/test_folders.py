@@ -219,6 +219,24 @@ def test_outputs_under_a_file_are_refused_in_one_line_before_any_work(
     assert blocker.read_text() == "" and not list(tmp_path.rglob("*.tmp"))
 
 
+@pytest.mark.parametrize("name", ["calibrate", "compare", "eval", "report"])
+def test_a_file_output_that_is_a_directory_is_refused_before_any_work_even_with_force(
+    name, tiny_model, text_file, results_file, tmp_path, ptq_cli, monkeypatch
+):
+    # calibrate -o DIR --force, or a report.md that is a folder, used to run the whole command and fail on the rename
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr("ptq.commands.workflows.load_model", never)
+    args, written = command(name, tiny_model, text_file, results_file, tmp_path / "out")
+    written[0].mkdir(parents=True)
+    (written[0] / "keep.txt").write_text("mine")
+    code, _, err = ptq_cli(*args, "--force")
+    assert code == 2 and one_error_line(err), err
+    assert f"{written[0]}: it is a directory" in err
+    assert (written[0] / "keep.txt").read_text() == "mine" and not list(tmp_path.rglob("*.tmp"))
+
+
 def test_a_directory_output_gets_the_usual_mode_not_mkdtemps_0700(tmp_path):
     import os
     import stat

@@ -63,6 +63,24 @@ def test_running_max_and_mergeable_histograms():
     assert torch.equal(a.hist, obs.hist) and float(a.amax) == float(obs.amax)
 
 
+def test_observing_copies_nothing_to_the_host(monkeypatch):
+    # The histogram stays where the activations are until it is read: `observe` used to read the `hist` property
+    # (a copy to the CPU) on every call, a device sync per layer and batch on CUDA that its docstring rules out.
+    copies = []
+    real_cpu = torch.Tensor.cpu
+
+    def cpu(self, *args, **kwargs):
+        copies.append(tuple(self.shape))
+        return real_cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    x = samples(n=1000)
+    obs = observe(x, chunks=3, channels=False)
+    TensorObserver(hist=False).observe(torch.from_numpy(x))
+    assert copies == []
+    assert int(obs.hist.sum()) == x.size and copies  # reading it copies, once asked
+
+
 def test_histogram_matches_numpy_on_the_bin_edges():
     # Values on, just below and just above every 7th bin edge, zeros, tiny and huge values, both signs:
     # the bit-pattern binning must agree with numpy's histogram over bin_edges() (bin 0 and the last bin

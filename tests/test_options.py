@@ -105,6 +105,111 @@ def test_on_unseen_fail_stops_on_a_layer_without_data(command, tiny_model, text_
     assert "received no calibration data, e.g. 'model.layers.0.self_attn.q_proj'" in err
 
 
+@pytest.mark.parametrize("recipe", ("paper-e4m3", "percentile"))
+def test_an_unseen_layer_under_a_histogram_observer_takes_its_siblings_clip(
+    recipe, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    # --on-unseen fallback gave the layer its sibling's amax but no histogram: every observer but max then stopped
+    # the run with "calibration file has no histogram ... recalibrate", in a run that had calibrated itself.
+    from ptq.calibration.diagnostics import sqnr_table
+    from ptq.calibration.observers import choose_clip
+    from ptq.numerics.formats import get_format
+    from ptq.quantization.quantize import input_clip
+    from ptq.quantization.recipes import load_recipe
+
+    if recipe == "percentile":
+        recipe = tmp_path / "percentile.yaml"
+        recipe.write_text(
+            "name: pct\nweights: {format: e4m3}\ninputs: {format: e4m3, observer: percentile, percentile: 99}\n"
+        )
+    observe, seen = TensorObserver.__call__, []
+
+    def never_the_first_layer(self, module, args):  # as an expert the router never picks
+        seen.append(module)
+        if module is not seen[0]:
+            observe(self, module, args)
+
+    monkeypatch.setattr(TensorObserver, "__call__", never_the_first_layer)
+    calib = tmp_path / "c.safetensors"
+    code, _, err = ptq_cli(
+        "calibrate",
+        tiny_model,
+        "--recipe",
+        recipe,
+        "--data",
+        text_file,
+        "--samples",
+        "8",
+        "--seq-len",
+        "16",
+        "-o",
+        calib,
+    )
+    assert code == 0, err
+    unseen, sibling = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"
+    calibration = load_calibration(calib)
+    assert [u["layer"] for u in calibration.metadata["unseen_layers"]] == [unseen]
+    assert torch.equal(calibration.input_amax[unseen], calibration.input_amax[sibling])
+    spec = load_recipe(str(recipe)).inputs
+    want = choose_clip(
+        spec.observer,
+        calibration.input_hist[sibling],
+        float(calibration.input_amax[sibling]),
+        get_format("e4m3"),
+        spec.percentile,
+    )[1]
+    assert float(input_clip(calibration, unseen, spec)) == pytest.approx(want) and want < float(
+        calibration.input_amax[sibling]
+    )
+    assert unseen not in {row["tensor"] for row in sqnr_table(calibration)["tensors"]}  # no data of its own to diagnose
+    seen.clear()
+    evaluation = ("--eval-data", text_file, "--max-windows", "2", "--seq-len", "16", "--no-plots", "-q")
+    for extra in (("--calib-data", text_file, "--calib-samples", "8"), ("--calib", calib)):
+        code, _, err = ptq_cli(
+            "compare", tiny_model, "--recipes", recipe, *extra, *evaluation, "--out", tmp_path / extra[0]
+        )
+        assert code == 0, err
+        assert f"warning: layer '{unseen}' received no calibration data" in err
+
+
+def test_a_layer_whose_every_batch_was_skipped_gets_its_siblings_channel_amax(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    # --on-nonfinite skip on every batch of a layer: its amax fell back to its sibling's, but its per-channel maxima
+    # stayed all zeros, and SmoothQuant smoothed it with them (input amax 0) without a word
+    observe, seen = TensorObserver.__call__, []
+
+    def nan_in_every_batch_of_the_first_layer(self, module, args):
+        seen.append(module)
+        if module is seen[0]:
+            args = (args[0] * float("nan"), *args[1:])
+        observe(self, module, args)
+
+    monkeypatch.setattr(TensorObserver, "__call__", nan_in_every_batch_of_the_first_layer)
+    calib = tmp_path / "c.safetensors"
+    args = (
+        "--data",
+        text_file,
+        "--samples",
+        "8",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "-q",
+        "--on-nonfinite",
+        "skip",
+    )
+    code, _, err = ptq_cli("calibrate", tiny_model, "--recipe", "int8-smoothquant", *args, "-o", calib)
+    assert code == 0, err
+    skipped, sibling = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"
+    calibration = load_calibration(calib)
+    assert calibration.metadata["nonfinite_batches"] == {skipped: 2}
+    assert [u["layer"] for u in calibration.metadata["unseen_layers"]] == [skipped]
+    assert torch.equal(calibration.input_channel_amax[skipped], calibration.input_channel_amax[sibling])
+    assert float(calibration.input_channel_amax[skipped].max()) > 0
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_allow_pickle_loads_a_pickle_checkpoint(command, tiny_model, text_file, tmp_path, ptq_cli):
     pickled = copy_model(tiny_model, tmp_path / "pickled", skip=("model.safetensors",))

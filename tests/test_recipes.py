@@ -65,6 +65,9 @@ def test_recipe_from_a_path(tmp_path):
             "smoothquant needs static inputs",
         ),
         ({"include": "model.*"}, "'include' must be a list of strings"),
+        ({"targets": []}, "'targets' is empty: it would select nothing"),  # used to give a variant that is the baseline
+        ({"include": []}, "'include' is empty: it would select nothing"),
+        ({"attention": {"format": "e4m3", "tensors": []}}, "'attention.tensors' is empty"),
     ],
 )
 def test_invalid_recipes_name_the_problem(change, message):
@@ -92,6 +95,22 @@ def test_unknown_name_bad_yaml_and_missing_file(tmp_path):
     unsafe.write_text("!!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(PtqError, match="not valid YAML"):  # safe_load refuses Python tags
         load_recipe(str(unsafe))
+
+
+def test_a_builtin_name_is_not_shadowed_by_a_file_or_folder_of_that_name(tmp_path, monkeypatch):
+    # `ptq quantize smollm2 --recipe int8 -o int8` makes a folder `int8`: `--recipe int8` in that folder then read
+    # the folder as a recipe file ("recipe file int8 does not exist"), and a stray file `fp8-e4m3` as YAML
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "int8").mkdir()
+    (tmp_path / "fp8-e4m3").write_text("name: mine\n")
+    assert load_recipe("int8").weights.format is FORMATS["int8"] and load_recipe("int8").source.endswith("int8.yaml")
+    assert load_recipe("fp8-e4m3").name == "fp8-e4m3" and load_recipe("fp8-e4m3+kv").kv_cache is not None
+    with pytest.raises(PtqError, match="recipe fp8-e4m3: missing key"):  # a path, written as one
+        load_recipe("./fp8-e4m3")
+    (tmp_path / "mine").write_text(yaml.safe_dump(VALID))  # a name that is no built-in: the file, as before
+    assert load_recipe("mine").name == "x"
+    with pytest.raises(PtqError, match="int8 is a folder, not a recipe file"):
+        load_recipe("./int8")
 
 
 def test_new_keys_parse_and_describe():

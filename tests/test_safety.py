@@ -332,6 +332,71 @@ def test_calibration_metadata_is_validated(tmp_path):
             load_calibration(path)
 
 
+@pytest.mark.parametrize("recipe", ["fp8-dynamic+kv-head", "fp8-dynamic+kv"])
+def test_a_kv_cache_calibration_of_another_model_is_refused(
+    recipe, tiny_model, other_tiny_model, text_file, tmp_path, ptq_cli
+):
+    # The only static scales are K and V's: the file has no Linear of its own to tell the models apart by, yet it
+    # must be refused for another model as any calibration file is (the same layer names, other weights).
+    calib = tmp_path / "other.st"
+    assert ptq_cli(*calib_args(other_tiny_model, text_file, calib, "--recipe", recipe))[0] == 0
+    common = (
+        "--eval-data",
+        text_file,
+        "--seq-len",
+        "16",
+        "--max-windows",
+        "2",
+        "--recipes",
+        recipe,
+        "--no-plots",
+        "-q",
+    )
+    code, _, err = ptq_cli("compare", tiny_model, "--calib", calib, "--out", tmp_path / "wrong", *common)
+    assert code == 2 and one_error_line(err) and "made for another model" in err, err
+    assert not (tmp_path / "wrong").exists()
+    # ... and accepted for the model it was made for
+    code, _, err = ptq_cli("compare", other_tiny_model, "--calib", calib, "--out", tmp_path / "right", *common)
+    assert code == 0, err
+
+
+def test_a_calibration_file_is_taken_for_its_model_computed_in_bfloat16(
+    tiny_model, other_tiny_model, text_file, tmp_path, ptq_cli
+):
+    # ptq calibrate reads the weights in float32; compare --dtype bfloat16 (the default on CUDA) rounds a float32
+    # checkpoint's weights to bf16, and the file was refused as "made for another model" on its own model
+    calib = tmp_path / "c.st"
+    assert ptq_cli(*calib_args(tiny_model, text_file, calib))[0] == 0
+    common = (
+        "--calib",
+        calib,
+        "--eval-data",
+        text_file,
+        "--seq-len",
+        "16",
+        "--max-windows",
+        "2",
+        "--dtype",
+        "bfloat16",
+    )
+    common += ("--recipes", "fp8-e4m3", "--no-plots", "-q")
+    code, _, err = ptq_cli("compare", tiny_model, *common, "--out", tmp_path / "mine")
+    assert code == 0, err
+    code, _, err = ptq_cli("compare", other_tiny_model, *common, "--out", tmp_path / "other")
+    assert code == 2 and one_error_line(err) and "made for another model" in err, err
+
+
+def test_a_calibration_file_that_cannot_be_checked_against_the_model_is_refused(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from ptq.calibration.calibrate import Calibration
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    key = "model.layers.0.self_attn.key"  # K's amax, and no weight amax at all (a file from before they were recorded)
+    with pytest.raises(PtqError, match="no weight amax to check it against this model"):
+        Calibration({key: torch.tensor(1.0)}, {}).check_model(model, [key])
+
+
 @pytest.mark.parametrize("size", [100_000, 5 << 20])
 def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path, size):
     """A reinstalled package (new path, new mtime) reuses the converted model; changed content does not."""

@@ -70,8 +70,11 @@ class Calibration:
     input_channel_amax: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> float32 [in_features]
 
     def check_model(self, model: nn.Module, layers: list[str]) -> None:
-        """Refuse a calibration made for another model: same layers, same weights (by their amax)."""
+        """Refuse a calibration made for another model: same layers, same weights (by their amax). An attention matmul
+        input or a residual-add input has no weight of its own: the weights of the matmuls of its attention layer or
+        block (recorded by calibrate) identify the model."""
         modules = dict(model.named_modules())
+        checked = set()
         for name in layers:
             if name not in self.input_amax:
                 raise PtqError(
@@ -79,21 +82,39 @@ class Calibration:
                     f"(made for model '{self.metadata.get('model', '?')}'; recalibrate for this model and recipe)"
                 )
             module = modules.get(name)
-            if (
-                module is None
-                and name not in self.weight_amax
-                and name.split(".residual.")[0].rpartition(".")[0] in modules
-            ):
-                continue  # an attention matmul input ("<layer>.query") or a residual-add input: no weight of its own
+            owner = weightless_owner(name)
+            if module is None and name not in self.weight_amax and owner in modules:
+                checked |= {n for n in self.weight_amax if n.startswith(owner + ".")}
+                continue
+            checked.add(name)
+        for name in sorted(checked):
+            module = modules.get(name)
             if (
                 not quantizable(module)
                 or name not in self.weight_amax
-                or not torch.equal(amax(module.weight).cpu(), self.weight_amax[name])
+                or not torch.equal(amax(module.weight).cpu(), _as_weight(self.weight_amax[name], module.weight))
             ):
                 raise PtqError(
                     f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
                     f"the weights of layer '{name}' differ"
                 )
+        if layers and not checked:  # K/V or residual amax alone would be taken from any model with the same names
+            raise PtqError(
+                f"calibration file (made for model '{self.metadata.get('model', '?')}') has no weight amax to check it "
+                "against this model: recalibrate with this version of ptq"
+            )
+
+
+def _as_weight(recorded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A weight amax recorded in float32 (ptq calibrate reads float32) as it is for the weight in its compute dtype:
+    rounding is monotonic, so the amax of a float32 checkpoint's weights rounded to bfloat16 is its amax rounded."""
+    return recorded.to(weight.dtype).float() if weight.dtype != recorded.dtype else recorded
+
+
+def weightless_owner(name: str) -> str:
+    """The attention layer of an attention matmul input or KV-cache tensor ("<layer>.key"), the decoder block of a
+    residual-add input ("<block>.residual.mid"): the module whose matmuls' weights identify the model for it."""
+    return name.split(".residual.")[0] if ".residual." in name else name.rpartition(".")[0]
 
 
 def checkpoint_path(output: Path) -> Path:
@@ -220,6 +241,9 @@ def _calibrate_batches(
     linears = [name for name in layers if quantizable(modules.get(name))]
     observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
     weight_amax: dict[str, torch.Tensor] = {}
+    # attention layers and blocks whose inputs are calibrated: their matmuls' weight amax identify the model
+    # (Calibration.check_model), calibrated or not
+    owners = tuple(weightless_owner(name) + "." for name in layers if name not in linears)
 
     @contextlib.contextmanager
     def observed(part: nn.Module):
@@ -232,6 +256,9 @@ def _calibrate_batches(
             if name in here:
                 weight_amax[name] = check_weight(name, weights[name].weight)
                 hooks.append(here[name].register_forward_pre_hook(observers[name]))
+        for name, m in here.items():
+            if owners and name not in weight_amax and name.startswith(owners) and quantizable(m):
+                weight_amax[name] = check_weight(name, weights[name].weight)
         experts = [m for m in part.modules() if isinstance(m, LinearExperts)]
         for m in experts:
             m.all_experts = all_experts
@@ -305,7 +332,9 @@ def _calibrate_batches(
                 if checkpoint is not None and i + 1 < len(batches) and time.monotonic() - saved_at >= checkpoint_every:
                     save_checkpoint(checkpoint, observers, fingerprint, i + 1, len(batches), batch_size)
                     saved_at = time.monotonic()
-    calibration = finish(observers, layers, {name: weight_amax[name] for name in linears}, on_nonfinite, on_unseen)
+    # the calibrated layers in their order (as read, layer by layer, they come part by part), then the others
+    weights = {name: weight_amax[name] for name in linears} | weight_amax
+    calibration = finish(observers, layers, weights, on_nonfinite, on_unseen)
     if layer_by_layer is not None:
         calibration.metadata["low_memory"] = f"calibrated {layer_by_layer.description}"
     return calibration
@@ -335,6 +364,13 @@ def finish(
     metadata: dict = {"on_nonfinite": on_nonfinite, "on_unseen": on_unseen}
     if skipped:
         metadata["nonfinite_batches"] = skipped
+    hists = {name: obs.hist for name, obs in observers.items() if obs.finite_batches() and obs.hist is not None}
+    # per-channel maxima of the batches kept (a layer whose every batch was non-finite has zeros: none)
+    channel_amax = {
+        name: obs.channel_amax.cpu()
+        for name, obs in observers.items()
+        if obs.channels and obs.channel_amax is not None and obs.finite_batches()
+    }
     if unseen:
         if on_unseen == "fail":
             raise PtqError(
@@ -343,20 +379,22 @@ def finish(
             )
         metadata["unseen_layers"] = []
         for name in unseen:
-            value, rule = fallback_amax(name, input_amax)
-            input_amax[name] = value
+            source, rule = _fallback_source(name, input_amax)
+            value = input_amax[name] = input_amax[source].clone()
+            if source in hists:  # the observers other than max read a histogram: that of the layer the amax comes from
+                hists[name] = hists[source].clone()  # its own tensor: safetensors saves no shared memory
+            # SmoothQuant's per-channel maxima, likewise, where the layer's own shape is known to be the source's
+            shape = getattr(observers[name].channel_amax, "shape", None)
+            if source in channel_amax and shape == channel_amax[source].shape:
+                channel_amax[name] = channel_amax[source].clone()
             metadata["unseen_layers"].append({"layer": name, "input_amax": float(value), "rule": rule})
     input_amax = {name: input_amax[name] for name in layers}
     return Calibration(
         input_amax,
         weight_amax,
         metadata,
-        input_hist={name: obs.hist for name, obs in observers.items() if obs.finite_batches()},
-        input_channel_amax={
-            name: obs.channel_amax.cpu()
-            for name, obs in observers.items()
-            if obs.channels and obs.channel_amax is not None
-        },
+        input_hist=hists,
+        input_channel_amax=channel_amax,
     )
 
 
@@ -401,6 +439,12 @@ def fallback_amax(name: str, seen: dict[str, torch.Tensor]) -> tuple[torch.Tenso
     (1) same name but for the last number (the other experts of the same block: experts.*.down_proj),
     (2) same name but for every number (that projection in every block), (3) every calibrated layer.
     The largest, because a too-large scale costs precision while a too-small one clips."""
+    source, rule = _fallback_source(name, seen)
+    return seen[source].clone(), rule
+
+
+def _fallback_source(name: str, seen: dict[str, torch.Tensor]) -> tuple[str, str]:
+    """The calibrated layer whose input amax fallback_amax gives `name`, and the rule that chose it."""
     parts = name.split(".")
     numbers = [i for i, p in enumerate(parts) if p.isdigit()]
     wildcards = [{numbers[-1]}, set(numbers)] if numbers else []
@@ -409,10 +453,9 @@ def fallback_amax(name: str, seen: dict[str, torch.Tensor]) -> tuple[torch.Tenso
         regex = re.compile(r"\.".join(r"\d+" if i in wild else re.escape(p) for i, p in enumerate(parts)))
         relatives = [n for n in seen if regex.fullmatch(n)]
         if relatives:
-            return max(
-                seen[n] for n in relatives
-            ).clone(), f"max input amax of {len(relatives)} calibrated layer(s) matching {pattern}"
-    return max(seen.values()).clone(), f"max input amax of all {len(seen)} calibrated layers"
+            source = max(relatives, key=lambda n: float(seen[n]))
+            return source, f"max input amax of {len(relatives)} calibrated layer(s) matching {pattern}"
+    return max(seen, key=lambda n: float(seen[n])), f"max input amax of all {len(seen)} calibrated layers"
 
 
 def range_findings(checks: list[tuple[str, str, torch.Tensor, NumberFormat]]) -> list[str]:
@@ -607,8 +650,6 @@ def load_calibration(path: Path) -> Calibration:
         target[name] = tensor.reshape(())
     if not calibration.input_amax:
         raise PtqError(f"{path}: the calibration file has no amax entries")
-    if not set(calibration.weight_amax) <= set(calibration.input_amax):
-        raise PtqError(f"{path}: input and weight amax name different layers")
     if not set(calibration.input_hist) | set(calibration.input_channel_amax) <= set(calibration.input_amax):
         raise PtqError(f"{path}: histograms or per-channel amax name tensors without an input amax")
     return calibration

@@ -16,7 +16,11 @@ def sqnr_table(calibration: Calibration, top: int = 10) -> dict | None:
     """{"method", "tensors": [{tensor, amax, sqnr_e4m3_db, sqnr_int8_db}], "worst_e4m3", "worst_int8"}
     or None when the calibration has no histograms."""
     rows = []
+    # a layer no calibration data reached holds the histogram of the one its amax came from: nothing of its own
+    unseen = {u["layer"] for u in calibration.metadata.get("unseen_layers", [])}
     for name, hist in sorted(calibration.input_hist.items()):
+        if name in unseen:
+            continue
         amax = float(calibration.input_amax[name])
         row = {"tensor": name, "amax": amax}
         for fmt in FORMATS:

@@ -114,7 +114,7 @@ class TensorObserver:
 
     def _statistics(self, x: torch.Tensor) -> tuple:
         version = None if x.is_inference() else x._version
-        wants = (self.hist is not None, self.channels)
+        wants = (self._hist is not None, self.channels)  # not `hist`: a copy to the host, a device sync
         shared = TensorObserver.shared
         if shared is not None and shared[0] is x and shared[1] == version and shared[2] == wants:
             return shared[3]

@@ -121,6 +121,13 @@ def run_calibrate(
         )
     check_output_dir(Path(output.path).parent)
     loaded_recipes = [load_recipe(r) for r in recipes]
+    if not loaded_recipes:
+        raise PtqError("no recipe given: --recipe names the recipe(s) to calibrate for, comma-separated")
+    if not any(r.needs_calibration for r in loaded_recipes):  # known from the recipes: before the (slow) model load
+        raise PtqError(
+            f"recipe(s) {', '.join(r.name for r in loaded_recipes)} need no calibration (no static input scale, no "
+            "SmoothQuant): nothing to calibrate"
+        )
     corpus = load_corpus(calibration.data, role="calibration")  # bad data fails before the (slow) model load
     streamed = not calibration.resume and _streams(
         model,
@@ -168,6 +175,13 @@ def _calibrate(
     layer). placement (--device-map): a copy of the model placed over the devices runs; the weight amax come from
     the model itself, in CPU memory."""
     windows = make_windows(corpus, loaded.tokenizer, options.seq_len, options.samples)
+    if len(windows.input_ids) < options.samples and distributed.is_main():  # fewer than asked: said, not silent
+        stderr.print(
+            f"note: {corpus.source} holds {len(windows.input_ids)} windows of {windows.seq_len} tokens: calibrating on "
+            f"{len(windows.input_ids)}, not the {options.samples} asked for",
+            highlight=False,
+            soft_wrap=True,
+        )
     layers, channels = calibration_targets(plans.values())
     if not layers:
         raise PtqError(f"recipes {', '.join(plans)} quantize no input with a scale: nothing to calibrate")
@@ -489,6 +503,10 @@ def run_compare(
     _check_report_outputs(output, output.plots)
     baseline = load_recipe(BASELINE_RECIPE)
     variants = [load_recipe(r) for r in recipes]
+    if not variants:  # `--recipes "$EMPTY"`: a baseline alone, whose gates would pass with nothing to judge
+        raise PtqError(
+            "no recipe given: --recipes names the recipe(s) to compare with the bf16 baseline, comma-separated"
+        )
     if len({r.name for r in variants} | {baseline.name}) != len(variants) + 1:
         raise PtqError("each recipe may appear once, and not as the baseline 'bf16'")
     if streamed:
@@ -833,6 +851,8 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
     """Every Linear layer of the model with its shape, and what each recipe does to its weights and inputs, as
     `target` serves them (the plans compare and quantize resolve: vLLM's int8 range, its shared scales)."""
     loaded_recipes = [load_recipe(r) for r in recipes]
+    if not loaded_recipes:
+        raise PtqError("no recipe given: --recipe names the recipe(s) to show, comma-separated")
     target = engines.check_target(target)
     loaded = load_model(model, trust_remote_code, device=torch.device("cpu"))
     layers = linear_layers(loaded.model)
@@ -1100,7 +1120,7 @@ def check_export_target(output: Path, force: bool) -> None:
     directory, never a directory that ptq did not write."""
     from ptq.export.checkpoint import EXPORT_INFO
 
-    check_writable(output, force)
+    check_writable(output, force, directory=True)
     if output.exists():
         if not output.is_dir():
             raise PtqError(f"{output} exists and is not a directory")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
 import reprlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,13 +147,22 @@ def load_recipe(name_or_path: str) -> Recipe:
     base, plus, option = str(name_or_path).rpartition("+")
     if plus and option in KV_CACHE_OPTIONS:
         return with_kv_cache(load_recipe(base), option)
-    path = Path(name_or_path)
-    if not (path.suffix in (".yaml", ".yml") or path.exists()):
-        path = recipes_dir() / f"{name_or_path}.yaml"
+    text = str(name_or_path)
+    if not text.strip():  # Path("") is the current directory
+        raise PtqError(f"no recipe given (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml file)")
+    path = Path(text)
+    # A built-in name is the built-in recipe, even where a file or folder of that name is in the current directory
+    # (`ptq quantize --recipe int8 -o int8` makes one); a path is written as one: with a folder or a .yaml suffix.
+    written_as_path = path.suffix in (".yaml", ".yml") or "/" in text or os.sep in text
+    builtin = recipes_dir() / f"{text}.yaml"
+    if not written_as_path and (builtin.is_file() or not path.exists()):
+        path = builtin
         if not path.is_file():
             raise PtqError(
                 f"unknown recipe '{name_or_path}' (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml file)"
             )
+    if path.is_dir():
+        raise PtqError(f"{path} is a folder, not a recipe file (a .yaml file, or a built-in recipe's name)")
     if not path.is_file():
         raise PtqError(f"recipe file {path} does not exist")
     try:
@@ -195,7 +205,7 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
     name = _string(fields["name"], f"{where}: 'name'")
     # SmoothQuant folds one factor per input channel into a layer: experts (routed inputs) are not targeted by default
     default_targets = [k for k in KINDS if k != "Experts"] if "smoothquant" in fields else list(KINDS)
-    targets = tuple(_string_list(fields.get("targets", default_targets), f"{where}: 'targets'"))
+    targets = tuple(_string_list(fields.get("targets", default_targets), f"{where}: 'targets'", empty=False))
     for t in targets:
         if t not in TARGET_TYPES:
             raise PtqError(f"{where}: unknown target type '{t}' (known: {', '.join(TARGET_TYPES)})")
@@ -206,7 +216,7 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         spec = fields["attention"]
         if isinstance(spec, dict) and "tensors" in spec:
             spec = dict(spec)
-            attention_tensors = tuple(_string_list(spec.pop("tensors"), f"{where}: 'attention.tensors'"))
+            attention_tensors = tuple(_string_list(spec.pop("tensors"), f"{where}: 'attention.tensors'", empty=False))
             for t in attention_tensors:
                 if t not in ATTENTION_TENSORS:
                     raise PtqError(f"{where}: unknown attention tensor '{t}' (known: {', '.join(ATTENTION_TENSORS)})")
@@ -240,7 +250,7 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         targets=targets,
         ignore=tuple(_string_list(fields.get("ignore", ["lm_head"]), f"{where}: 'ignore'")),
         source=source,
-        include=tuple(_string_list(fields.get("include", ["*"]), f"{where}: 'include'")),
+        include=tuple(_string_list(fields.get("include", ["*"]), f"{where}: 'include'", empty=False)),
         attention=attention,
         attention_tensors=attention_tensors,
         kv_cache=kv_cache,
@@ -396,7 +406,11 @@ def _string(value: object, where: str) -> str:
     return value
 
 
-def _string_list(value: object, where: str) -> list[str]:
+def _string_list(value: object, where: str, empty: bool = True) -> list[str]:
+    """empty=False: a list that selects what is quantized, where [] would quantize nothing (a variant that is the
+    baseline, reported as a recipe)."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise PtqError(f"{where} must be a list of strings, not {reprlib.repr(value)}")
+    if not value and not empty:
+        raise PtqError(f"{where} is empty: it would select nothing to quantize")
     return value
