@@ -55,7 +55,8 @@ class TensorQuant:
     # dynamic scales: at least this (vLLM's 1 / (448 * 512) for FP8 inputs); set by the plan for the target
     min_scale: float = 0.0
     # applied as x * (1 / scale), not x / scale: set by the plan for static FP8 inputs under the vllm target (vLLM's
-    # FP8 input kernels); dynamic scales honour it too (vLLM-CPU's native path multiplies for those as well)
+    # FP8 input kernels); dynamic scales honour it too (vLLM-CPU's native path multiplies for those as well), and
+    # dynamic int8 inputs as vLLM's kernel does, x * (127 / amax) (ptq.quantization.engines, rule 3)
     reciprocal: bool = False
 
     @property
