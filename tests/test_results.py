@@ -222,3 +222,21 @@ def test_quantize_reads_compare_results_through_the_reader(built, tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"schema_version": 7}))
     with pytest.raises(PtqError, match="schema version 7"):
         load_compare_results(tmp_path / "bad.json", "int8")
+
+
+def test_a_results_folder_is_read_through_its_results_json(tmp_path):
+    """`ptq report reports/pr` (the folder compare wrote) reads reports/pr/results.json; a folder without one, or a
+    path that does not exist, is named in one line for what it is."""
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.results import dumps
+
+    results = compare_results(baseline(), [variant("a", 1.5, 0.45, 0.02)])
+    (tmp_path / "pr").mkdir()
+    (tmp_path / "pr" / "results.json").write_text(dumps(results))
+    assert load_results(tmp_path / "pr") == results
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PtqError, match="empty is a folder without a results.json"):
+        load_results(tmp_path / "empty")
+    with pytest.raises(PtqError, match="nowhere does not exist"):
+        load_results(tmp_path / "nowhere")

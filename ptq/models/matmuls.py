@@ -332,7 +332,7 @@ def describe_coverage(cov: dict) -> str:
     parts += [f"{_names(items)}: {reason}" for reason, items in attention.items()]
     return (
         f"{100 * share:.2f}% of matmul weight parameters quantized ({cov['quantized_weight_params']:,} of "
-        f"{cov['matmul_weight_params']:,})" + (f"; left in the compute dtype: {'; '.join(parts)}" if parts else "")
+        f"{cov['matmul_weight_params']:,})" + (f"; left unquantized: {'; '.join(parts)}" if parts else "")
     )
 
 

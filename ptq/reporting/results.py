@@ -482,6 +482,10 @@ class _Invalid(Exception):
 def load_results(path: Path, what: str = "results file") -> Results:
     """The typed document of a results.json, or a PtqError in one line naming what is wrong with the file."""
     path = Path(path)
+    if path.is_dir() and (path / "results.json").is_file():  # the folder compare wrote (--out): its results.json
+        path = path / "results.json"
+    if path.is_dir():
+        raise PtqError(f"{what} {path} is a folder without a results.json")
     if not path.is_file():
         raise PtqError(f"{what} {path} does not exist")
     try:
