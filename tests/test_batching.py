@@ -365,3 +365,76 @@ def test_compare_and_quantize_calibrate_on_their_batch_size(ptq_cli, tiny_model,
     )
     assert code == 0, stderr
     assert json.loads((tmp_path / "q" / "ptq-export.json").read_text())["calibration"]["batch_size"] == 1
+
+
+def test_the_estimate_reads_a_multimodal_models_text_config(monkeypatch):
+    """Gemma 3 4B and up (Gemma3ForConditionalGeneration, what AutoModelForCausalLM loads), Mistral 3, Llama 4 keep
+    vocab_size and hidden_size in config.text_config: read off the top-level config, the estimate was 1 byte a
+    window and `auto` took MAX_AUTO_BATCH_SIZE windows whatever the free memory."""
+    from transformers import Gemma3Config
+
+    config = Gemma3Config()  # google/gemma-3-4b-it's text shape: 262,208-token vocabulary, 2560 wide
+    text = config.get_text_config()
+    assert batching.window_bytes(config, 2048, torch.bfloat16, models=3) == batching.window_bytes(
+        text, 2048, torch.bfloat16, models=3
+    )
+    assert batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True) > 2048 * text.vocab_size * 2
+
+    class OnCuda(torch.nn.Module):
+        def parameters(self, recurse=True):
+            yield type("P", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16})()
+
+    fake = OnCuda()
+    fake.config = config
+    one = batching.window_bytes(text, 2048, torch.bfloat16, models=3)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * one, 20 * one))
+    assert batching.auto_batch_size(fake, 2048, windows=1000, models=3) == 7  # 70% of 10 windows, not 64
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_whole_models_build_no_kv_cache(family):
+    """Scoring and calibrating run each forward once over whole windows: a KV cache (transformers builds one unless
+    told not to: config.use_cache) would hold every layer's keys and values for the batch until its logits are
+    scored, on top of what `auto` estimates (Llama 2 7B: 1 GiB a window of 2048 tokens, eight times its logits)."""
+    import families
+    from transformers.cache_utils import Cache
+
+    from ptq.calibration.calibrate import calibrate
+    from ptq.models.loading import linear_layers
+    from ptq.models.matmuls import linearize
+
+    model = linearize(families.build(family))  # as loaded: GPT-2's Conv1D as Linear
+    ids = torch.randint(0, 300, (3, 16), generator=torch.Generator().manual_seed(0))
+    expected = [model(input_ids=ids[i : i + 2]).logits for i in (0, 2)]  # with its cache, as before
+    outputs = []
+    hooks = [m.register_forward_hook(lambda m, a, out: outputs.append(out)) for m in (model, model.base_model)]
+    scores = evaluate({"m": model}, ids, batch_size=2)["m"]
+    linear = next(n for n in linear_layers(model) if "lm_head" not in n)
+    calibrate(model, ids, [linear], batch_size=2)
+    for h in hooks:
+        h.remove()
+    assert outputs and not [k for out in outputs for k, v in out.items() if isinstance(v, Cache)]
+    nll = [
+        torch.nn.functional.cross_entropy(lg[w, :-1], ids[i + w, 1:]).item()
+        for i, lg in zip((0, 2), expected)
+        for w in range(len(lg))
+    ]
+    assert scores.window_nll == pytest.approx(nll, rel=1e-5)  # the same numbers
+
+
+def test_the_estimate_counts_the_scores_eager_attention_materializes():
+    """Gemma 2 and gpt-oss run eager attention by default (ptq's attention quantization too): each layer's scores,
+    heads x seq_len^2 a window, are in memory in the compute dtype and as their float32 softmax. gpt-oss-20b at 2048
+    tokens: 64 heads x 2048^2 x 4 bytes = 1 GiB a window for the softmax alone, left out of an estimate of 2.4 GiB."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig()  # gpt-oss-20b's shape: 64 heads, 201,088-token vocabulary
+    sdpa = batching.window_bytes(config, 2048, torch.bfloat16, models=2)
+    config._attn_implementation = "eager"
+    softmax = config.num_attention_heads * 2048 * 2048 * 4
+    assert batching.window_bytes(config, 2048, torch.bfloat16, models=2) >= sdpa + softmax
+    for calibrating in (True, False):
+        config._attn_implementation = "sdpa"
+        fused = batching.window_bytes(config, 2048, torch.bfloat16, calibrating=calibrating)
+        config._attn_implementation = "ptq"  # ptq.quantization.attention: eager, with its quantizers
+        assert batching.window_bytes(config, 2048, torch.bfloat16, calibrating=calibrating) >= fused + softmax

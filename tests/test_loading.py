@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -175,3 +176,170 @@ def test_a_tensor_of_another_shape_is_refused_naming_it(ptq_cli, tiny_model, tmp
     line = error_line(err)
     assert code == 2 and f"tensor '{name}' has shape [1] in the checkpoint but [64]" in line
     assert "above report" not in line
+
+
+def test_a_model_whose_float32_load_does_not_fit_the_host_is_refused_before_loading(tiny_model, monkeypatch):
+    """On a GPU, the GPU's free memory was the only check, but from_pretrained first reads every weight into host
+    memory in float32 (then moved to the GPU): a 32B model on one 141 GB GPU with 128 GB of RAM passed the check
+    and was killed by the OOM killer half-way through its load. The host's memory is checked too."""
+    import torch
+
+    from ptq.execution import resources
+
+    params = resources.checkpoint_parameters(tiny_model)
+    free = {"cuda": params * 4 * 100, "cpu": params * 4 - 1}  # the GPU holds it, the host not in float32
+    monkeypatch.setattr(resources, "available_memory", lambda device: free[device.type])
+    loads = []
+    monkeypatch.setattr(loading, "_from_pretrained", lambda *a, **k: loads.append(a) or (None, None))
+    with pytest.raises(PtqError, match="needs at least .* available on cpu"):
+        loading.load_model(str(tiny_model), device=torch.device("cuda"))
+    assert not loads
+    free["cpu"] = params * 4 * 2  # with room on the host, it loads (to_compute is not reached here)
+    monkeypatch.setattr(loading, "to_compute", lambda model, device, dtype: model)
+    monkeypatch.setattr(loading, "linearize", lambda model: model)
+    loading.load_model(str(tiny_model), device=torch.device("cuda"))
+    assert len(loads) == 1
+    free["cpu"] = 0
+    loading.load_model(str(tiny_model), device=torch.device("cuda"), memory_check=False)  # --no-memory-check
+    assert len(loads) == 2
+
+
+def test_a_gguf_edited_in_place_is_converted_again(tmp_path):
+    """gguf_set_metadata.py (llama.cpp) edits a GGUF's metadata in place, the same size: the fix of Llama 3 GGUFs'
+    eos_token_id. The cache key sampled 64 KiB chunks spread over the file, which left most of the metadata (after
+    the first 64 KiB: the vocabulary, then the special tokens' ids) out: the edited file got the old conversion."""
+    import gguf
+
+    path = _write_gguf(tmp_path / "m.gguf", eos=2)
+    before = loading.gguf_key(path)
+    reader = gguf.GGUFReader(str(path), "r+")  # as gguf_set_metadata.py does
+    field = reader.fields["tokenizer.ggml.eos_token_id"]
+    field.parts[field.data[0]][0] = 7
+    del reader, field
+    assert gguf.GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"].contents() == 7
+    assert loading.gguf_key(path) != before
+
+
+def test_a_compressed_tensors_checkpoint_too_big_for_memory_is_refused_before_loading(
+    tiny_model, tmp_path, monkeypatch
+):
+    """`ptq eval` of a checkpoint `ptq quantize` wrote loads its weights dequantized to float32: its size is checked as
+    any model's (it is not streamed automatically: ptq.execution.streaming.supports), not loaded until the OOM killer
+    stops it."""
+    import json
+
+    from ptq.execution import resources
+
+    exported = tmp_path / "exported"
+    shutil.copytree(tiny_model, exported)
+    config = json.loads((exported / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    (exported / "config.json").write_text(json.dumps(config))
+    params = resources.checkpoint_parameters(exported)
+    monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 - 1)
+    loads = []
+    monkeypatch.setattr(loading, "_from_pretrained", lambda *a, **k: loads.append(a) or (None, None))
+    with pytest.raises(PtqError, match="needs at least"):
+        loading.load_model(str(exported))
+    assert not loads
+
+
+def _write_gguf(path, eos: int = 2, rows: int = 4096):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list([f"tok{i:05d}" for i in range(30000)])  # a vocabulary: 480 KB of metadata
+    writer.add_eos_token_id(eos)
+    writer.add_tensor("w", np.zeros((rows, 1024), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_too_big_for_memory_is_refused_before_its_conversion(tmp_path, monkeypatch):
+    """A .gguf is converted by loading it whole in float32 (then written to the cache in float32): the memory check
+    ran on the converted folder, after the conversion, which a 4-bit 70B GGUF (280 GB in float32) does not survive."""
+    from ptq.execution import resources
+
+    gguf = _write_gguf(tmp_path / "Big.Q4_1.gguf")
+    monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(resources, "available_memory", lambda device: 4096 * 1024 * 4 - 1)  # its float32 size - 1
+    converted = []
+
+    def convert(*args, **kwargs):  # the long work: stop here
+        converted.append(args)
+        raise PtqError("stopped")
+
+    monkeypatch.setattr(loading, "_from_pretrained", convert)
+    with pytest.raises(PtqError, match=r"needs at least 16\.0 MiB \(4,194,304 parameters .* --no-memory-check"):
+        loading.load_model(str(gguf))
+    assert not converted
+    with pytest.raises(PtqError, match="stopped"):  # --no-memory-check: converted anyway
+        loading.load_model(str(gguf), memory_check=False)
+    assert len(converted) == 1
+    monkeypatch.setattr(resources, "available_memory", lambda device: 4096 * 1024 * 4)  # fits
+    with pytest.raises(PtqError, match="stopped"):
+        loading.load_model(str(gguf))
+
+
+def test_runs_started_together_convert_a_gguf_once(tmp_path, monkeypatch):
+    """torchrun's processes (or two runs started together) on a .gguf not yet in the cache each converted it: N times
+    the float32 model in host memory, and the last to finish replaced the folder the others were loading. One
+    converts; the others wait for it and load its folder."""
+    import threading
+
+    gguf = tmp_path / "Some-Model.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "gguf_caveat", lambda path: "caveat")
+    monkeypatch.setattr(progress, "QUIET", True)
+    conversions = []
+
+    class Saved:
+        def save_pretrained(self, folder):
+            (Path(folder) / f"{type(self).__name__}.txt").write_text("")
+
+    def convert(*args, **kwargs):  # the long work
+        conversions.append(args)
+        time.sleep(1)
+        model = Saved()
+        model.config = type("Config", (), {})()
+        return model, Saved()
+
+    monkeypatch.setattr(loading, "_from_pretrained", convert)
+    found, errors = [], []
+
+    def run():
+        try:
+            found.append(loading.converted_gguf_dir(gguf, memory_check=False))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(found) == 3 and len({str(d) for d, _ in found}) == 1
+    assert len(conversions) == 1
+
+
+def test_a_gguf_path_with_a_leading_tilde_is_found(tmp_path, monkeypatch):
+    """A quoted path keeps its `~` ("~/My Models/m.gguf": the shell expands none in quotes); a model folder's is
+    expanded, a .gguf file's was not: "model file ~/My Models/m.gguf does not exist"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "My Models").mkdir()
+    (tmp_path / "My Models" / "m.gguf").write_bytes(b"GGUF" + bytes(100))
+    monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "gguf_caveat", lambda path: "caveat")
+    monkeypatch.setattr(progress, "QUIET", True)
+
+    def convert(location, spec, *args, **kwargs):  # the long work: stop here, with what it was given
+        raise PtqError(f"converting {spec} from {location}")
+
+    monkeypatch.setattr(loading, "_from_pretrained", convert)
+    with pytest.raises(PtqError, match=f"converting {tmp_path}/My Models/m.gguf from {tmp_path}/My Models$"):
+        loading.load_model("~/My Models/m.gguf")

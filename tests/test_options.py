@@ -83,16 +83,23 @@ def test_on_nonfinite_skip_leaves_the_bad_batch_out(command, tiny_model, text_fi
     assert calibration_record(command, tmp_path / "skip")["nonfinite_batches"] == {"model.layers.0.self_attn.q_proj": 1}
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_on_unseen_fail_stops_on_a_layer_without_data(command, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def starve_the_first_layer(monkeypatch) -> list:
+    """The first observed layer never gets data (as an expert the router never picks); the list of observed modules
+    is returned, to be cleared between runs."""
     observe, seen = TensorObserver.__call__, []
 
-    def never_the_first_layer(self, module, args):  # as an expert the router never picks
+    def never_the_first_layer(self, module, args):
         seen.append(module)
         if module is not seen[0]:
             observe(self, module, args)
 
     monkeypatch.setattr(TensorObserver, "__call__", never_the_first_layer)
+    return seen
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_on_unseen_fail_stops_on_a_layer_without_data(command, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+    seen = starve_the_first_layer(monkeypatch)
     code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "fallback"))
     assert code == 0, err
     assert "warning: layer 'model.layers.0.self_attn.q_proj' received no calibration data" in err
@@ -122,14 +129,7 @@ def test_an_unseen_layer_under_a_histogram_observer_takes_its_siblings_clip(
         recipe.write_text(
             "name: pct\nweights: {format: e4m3}\ninputs: {format: e4m3, observer: percentile, percentile: 99}\n"
         )
-    observe, seen = TensorObserver.__call__, []
-
-    def never_the_first_layer(self, module, args):  # as an expert the router never picks
-        seen.append(module)
-        if module is not seen[0]:
-            observe(self, module, args)
-
-    monkeypatch.setattr(TensorObserver, "__call__", never_the_first_layer)
+    seen = starve_the_first_layer(monkeypatch)
     calib = tmp_path / "c.safetensors"
     code, _, err = ptq_cli(
         "calibrate",

@@ -543,3 +543,17 @@ def test_the_memory_estimate_counts_the_files_the_index_names(sharded_model, tmp
         tensors |= safetensors.torch.load_file(str(f))
     safetensors.torch.save_file(tensors, str(directory / "consolidated.safetensors"))
     assert resources.checkpoint_parameters(directory) == params
+
+
+def test_streams_automatically_when_the_host_cannot_load_it_for_the_gpu(sharded_model, monkeypatch):
+    """On a GPU that holds the model, loading it whole still reads its float32 weights into host memory first: a host
+    with less memory than that streams it (one layer at a time, memory-mapped) instead of loading it."""
+    params = resources.checkpoint_parameters(sharded_model)
+    free = {"cuda": params * 4 * 100, "cpu": params * 4 - 1}
+    monkeypatch.setattr(resources, "available_memory", lambda device: free[device.type])
+    monkeypatch.setattr(streaming, "default_device", lambda: torch.device("cuda"))
+    assert streaming.too_big(str(sharded_model))
+    free["cpu"] = params * 4 * 2
+    assert not streaming.too_big(str(sharded_model))
+    free["cuda"] = params * 4 - 1
+    assert streaming.too_big(str(sharded_model))

@@ -290,7 +290,7 @@ def _load(
     against the memory as `copies` float32 copies; or when `streamed` its meta-device skeleton to stream from disk
     (ptq.execution.streaming)."""
     if streamed:
-        return streaming.load_streamed(model.model, model.trust_remote_code)
+        return streaming.load_streamed(model.model, model.trust_remote_code, model.memory_check)
     with devices.gpu_memory(f"loading model '{model.model}'"):
         return load_model(
             model.model,

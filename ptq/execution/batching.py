@@ -44,18 +44,25 @@ def window_bytes(
     """Estimated GPU memory one window of `seq_len` tokens needs while `models` variants score it: each
     variant's logits in the compute dtype and, one window at a time, in float32 (the metrics); the baseline's
     probabilities in float32, kept for the batch; the hidden states of one decoder block (residual, norm, q/k/v,
-    attention output, the MLP's intermediate activations) in the compute dtype.
+    attention output, the MLP's intermediate activations) in the compute dtype, and with eager attention its scores.
 
     calibrating: one model observed instead of scored: its logits in the compute dtype only when it computes
     them (`logits`: calibration skips the lm_head unless it is calibrated), no metrics, no probabilities; plus
     what an observer holds for a moment while it measures the widest input (the MLP's intermediate
     activations): a float32 copy, its int32 bit pattern and the int64 bin index of its histogram, 16 bytes an
     element (ptq.calibration.observers.histogram)."""
+    # A multimodal model's (Gemma 3 4B+, Mistral 3, Llama 4) sizes are in its text config, not at the top level
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(config, "vocab_size", 0) or 0
     hidden = getattr(config, "hidden_size", 0) or 0
     intermediate = getattr(config, "intermediate_size", 0) or 4 * hidden
     size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
     block = seq_len * (8 * hidden + 3 * intermediate) * size
+    # Eager attention (Gemma 2's and gpt-oss' default; "ptq..." is ptq.quantization.attention's, eager too) holds one
+    # layer's scores, heads x seq_len^2, in the compute dtype, their float32 softmax and its cast back; fused SDPA none
+    attention = getattr(config, "_attn_implementation", None)
+    if isinstance(attention, str) and (attention == "eager" or attention.startswith("ptq")):
+        block += (getattr(config, "num_attention_heads", 0) or 0) * seq_len * seq_len * (2 * size + 4)
     if calibrating:
         return (seq_len * vocab * size if logits else 0) + block + seq_len * max(hidden, intermediate) * 16
     logits_bytes = seq_len * vocab * (size + (4 if models > 1 else 0))  # + the baseline's float32 probabilities

@@ -38,6 +38,9 @@ class WholeModels:
         self.devices = {name: device or input_device(m) for name, m in models.items()}
         self.device = self.devices[self.names[0]]  # where the batches and the logits go (the baseline's device)
         self.dtype = next(self.model.parameters()).dtype
+        # No KV cache: one forward per window, and the cache (every layer's keys and values for the whole batch, as
+        # large as the logits or larger) would stay alive until the logits are scored, past the batch-size estimate
+        self.options = {name: {"use_cache": False} if _takes(m, "use_cache") else {} for name, m in models.items()}
 
     def steps(self, windows: int, logits: bool = True) -> int:
         return windows * len(self.names)
@@ -60,8 +63,19 @@ class WholeModels:
         self, batch: torch.Tensor, logits: bool, i: int, after_batch
     ) -> Iterator[tuple[str, torch.Tensor | None]]:
         for name in self.names:
-            out = self.models[name](input_ids=batch.to(self.devices[name]))
+            out = self.models[name](input_ids=batch.to(self.devices[name]), **self.options[name])
             yield name, out.logits.to(self.device) if logits else None
             del out
         if after_batch is not None:
             after_batch(i)
+
+
+def _takes(model: nn.Module, keyword: str) -> bool:
+    """Whether the model's forward takes `keyword` (transformers' models all take use_cache; a plain module may not)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

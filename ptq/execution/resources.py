@@ -69,7 +69,10 @@ def shortfall(directory: Path, copies: float, device: torch.device) -> tuple[int
     command keeps (in float32 copies: a compared variant holds 16- or 8-bit weight codes, half a copy at most),
     exceed the memory available on `device`; None when they fit or either side is unknown. Activations come
     on top: the estimate is a lower bound."""
-    params = checkpoint_parameters(directory)
+    return _shortfall(checkpoint_parameters(directory), copies, device)
+
+
+def _shortfall(params: int | None, copies: float, device: torch.device) -> tuple[int, int, int] | None:
     free = available_memory(device)
     if params is None or free is None:
         return None
@@ -79,7 +82,12 @@ def shortfall(directory: Path, copies: float, device: torch.device) -> tuple[int
 
 def check_fits(directory: Path, copies: float, device: torch.device, what: str) -> None:
     """Refuse to load a model that does not fit (shortfall), with the estimate and the ways out."""
-    short = shortfall(directory, copies, device)
+    check_parameters_fit(checkpoint_parameters(directory), copies, device, what)
+
+
+def check_parameters_fit(params: int | None, copies: float, device: torch.device, what: str) -> None:
+    """check_fits for a model of `params` parameters (a GGUF file's, before it is converted)."""
+    short = _shortfall(params, copies, device)
     if short is not None:
         params, needed, free = short
         copies_text = (

@@ -140,10 +140,16 @@ def supports(spec: str | None) -> bool:
 
 def too_big(spec: str | None, copies: float = 1) -> bool:
     """The estimate of ptq.execution.resources (float32 weights times `copies` vs the memory available) says the model
-    does not fit."""
+    does not fit; on a GPU, also when its float32 weights do not fit the host's memory, where loading reads them
+    first (ptq.models.loading)."""
     from ptq.execution.resources import shortfall
 
-    return supports(spec) and shortfall(Path(spec).expanduser(), copies, default_device()) is not None
+    if not supports(spec):
+        return False
+    directory, device = Path(spec).expanduser(), default_device()
+    return shortfall(directory, copies, device) is not None or (
+        device.type != "cpu" and shortfall(directory, 1, torch.device("cpu")) is not None
+    )
 
 
 @dataclass
@@ -157,14 +163,15 @@ class Streamed:
     layers: str  # the decoder layers' ModuleList, e.g. "model.layers" ("transformer.h" for GPT-2)
 
 
-def load_streamed(spec: str | None, trust_remote_code: bool = False) -> LoadedModel:
+def load_streamed(spec: str | None, trust_remote_code: bool = False, memory_check: bool = True) -> LoadedModel:
     """The model on the meta device, linearized (no weights in memory), its tokenizer, and what to read it from.
-    No remote code runs: only the architectures transformers itself implements are streamed."""
+    No remote code runs: only the architectures transformers itself implements are streamed. `memory_check`: a .gguf
+    not yet converted is refused when the host cannot hold it in float32 (its conversion loads it whole)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    found = local_directory(spec)
+    found = local_directory(spec, memory_check)
     if found is None:
         raise PtqError(
             f"{LOW_MEMORY_FLAG} works on a local model directory with safetensors weights; '{spec}' is not one "

@@ -7,11 +7,13 @@ directory, which loads in seconds afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import re
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,9 +61,9 @@ def load_model(
     pickle_only = False
     hub: dict = {}
     if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
-        if spec != DEFAULT_MODEL and not Path(spec).is_file():
+        if spec != DEFAULT_MODEL and not Path(spec).expanduser().is_file():
             raise PtqError(f"model file {spec} does not exist")
-        directory, caveats, source = local_directory(spec)
+        directory, caveats, source = local_directory(spec, memory_check)
     elif Path(spec).exists() or spec.startswith((".", "/", "~")):
         directory = Path(spec).expanduser()
         if directory.exists() and not directory.is_dir():
@@ -85,6 +87,8 @@ def load_model(
             from transformers import CompressedTensorsConfig
 
             caveats = (exported,)
+            if memory_check:  # dequantized: as large in float32 as the model it was exported from
+                _check_memory(directory, copies, device, spec)
             with warnings.catch_warnings():  # "loading attributes will be overwritten": that is the point
                 warnings.simplefilter("ignore", UserWarning)
                 model, tokenizer = _from_pretrained(
@@ -100,13 +104,21 @@ def load_model(
         hub = hub_access(spec)
         directory, source = spec, f"Hugging Face Hub: {spec}"
     if memory_check and Path(directory).is_dir():
-        from ptq.execution.resources import check_fits
-
-        check_fits(Path(directory), copies, device, f"model '{spec}'")
+        _check_memory(Path(directory), copies, device, spec)
     model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **hub)
     return LoadedModel(
         linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
     )
+
+
+def _check_memory(directory: Path, copies: float, device: torch.device, spec: str) -> None:
+    """The model's float32 size times `copies` against the memory of `device` (ptq.execution.resources); on a GPU,
+    one float32 copy against the host's too: from_pretrained reads every weight into host memory in float32 first."""
+    from ptq.execution.resources import check_fits
+
+    check_fits(directory, copies, device, f"model '{spec}'")
+    if device.type != "cpu":
+        check_fits(directory, 1, torch.device("cpu"), f"model '{spec}' (read in float32 before {device.type})")
 
 
 EXPECTED = (
@@ -201,16 +213,18 @@ def to_compute(model: nn.Module, device, dtype: torch.dtype | None) -> nn.Module
     return model
 
 
-def local_directory(spec: str | None) -> tuple[Path, tuple[str, ...], str] | None:
+def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, tuple[str, ...], str] | None:
     """The local Hugging Face directory behind a model spec (the offline default and .gguf files converted once into
-    the cache), its caveats and where its weights came from, for reports; None for a Hub id."""
+    the cache, `memory_check`: if the host holds them in float32), its caveats and where its weights came from, for
+    reports; None for a Hub id."""
     if spec is None or spec == DEFAULT_MODEL:
-        directory, caveats = converted_gguf_dir(default_gguf_path())
+        directory, caveats = converted_gguf_dir(default_gguf_path(), memory_check)
         version = importlib.metadata.version(DEFAULT_DISTRIBUTION)
         return directory, caveats, f"SmolLM2-135M-Instruct from the PyPI package {DEFAULT_DISTRIBUTION} {version}"
-    if spec.endswith(".gguf") and Path(spec).is_file():
-        directory, caveats = converted_gguf_dir(Path(spec))
-        return directory, caveats, f"{Path(spec).resolve()} (GGUF)"
+    if spec.endswith(".gguf") and Path(spec).expanduser().is_file():  # "~/My Models/m.gguf", quoted: as folders
+        gguf = Path(spec).expanduser()
+        directory, caveats = converted_gguf_dir(gguf, memory_check)
+        return directory, caveats, f"{gguf.resolve()} (GGUF)"
     directory = Path(spec).expanduser()
     if directory.is_dir():
         return directory, (), str(directory.resolve())
@@ -337,44 +351,97 @@ def default_gguf_path() -> Path:
     raise PtqError(f"no .gguf file found in the installed {DEFAULT_DISTRIBUTION} package")
 
 
-def converted_gguf_dir(gguf_path: Path) -> tuple[Path, tuple[str, ...]]:
-    """Dequantize a GGUF once into a cached safetensors directory; return it and the report caveat."""
+def converted_gguf_dir(gguf_path: Path, memory_check: bool = True) -> tuple[Path, tuple[str, ...]]:
+    """Dequantize a GGUF once into a cached safetensors directory; return it and the report caveat. With
+    `memory_check`, a GGUF whose float32 model (what the conversion loads) does not fit the host is refused first."""
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{gguf_key(gguf_path)}"
     caveat_file = target / "ptq-gguf-caveat.txt"
     if not caveat_file.is_file():
+        if memory_check:
+            from ptq.execution.resources import check_parameters_fit
+
+            check_parameters_fit(gguf_parameters(gguf_path), 1, torch.device("cpu"), f"converting {gguf_path.name}")
         # Created and checked before the conversion (half a minute for a small model), not after it.
         make_dir(target.parent, "the model cache", " (set PTQ_CACHE to a folder that can be written)")
-        from ptq import progress
-
-        if not progress.QUIET:  # a minute of imports, reading and tokenizer conversion before any bar of its own
-            progress.stderr.print(
-                f"converting {gguf_path.name} into the ptq cache {target.parent} (once; about a minute for a small model)...",
-                highlight=False,
-                soft_wrap=True,
-            )
-        caveat = gguf_caveat(gguf_path)
-        model, tokenizer = _from_pretrained(str(gguf_path.parent), str(gguf_path), False, gguf_file=gguf_path.name)
-        model.hf_quantizer = None  # save_pretrained refuses GGUF-quantized models otherwise
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        with atomic_dir(target) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            (tmp / "ptq-gguf-caveat.txt").write_text(caveat)
+        # One conversion at a time (torchrun's processes, runs started together): the others wait, then load it.
+        # The lock is on the .gguf itself: no lock file is left in the cache.
+        with _locked(gguf_path):
+            if not caveat_file.is_file():
+                _convert_gguf(gguf_path, target)
     return target, (caveat_file.read_text(),)
 
 
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    from ptq import progress
+
+    if not progress.QUIET:  # a minute of imports, reading and tokenizer conversion before any bar of its own
+        progress.stderr.print(
+            f"converting {gguf_path.name} into the ptq cache {target.parent} (once; about a minute for a small model)...",
+            highlight=False,
+            soft_wrap=True,
+        )
+    caveat = gguf_caveat(gguf_path)
+    model, tokenizer = _from_pretrained(str(gguf_path.parent), str(gguf_path), False, gguf_file=gguf_path.name)
+    model.hf_quantizer = None  # save_pretrained refuses GGUF-quantized models otherwise
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "ptq-gguf-caveat.txt").write_text(caveat)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on the file `path` (opened for reading) for the block, between processes; none where
+    fcntl is not."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    try:
+        handle = open(path, "rb")  # noqa: SIM115  (closed below, which releases the lock)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError:  # a file system without locks (some NFS mounts): unlocked, as before
+        pass
+    try:
+        yield
+    finally:
+        handle.close()
+
+
+GGUF_HEADER_BYTES = 32 << 20  # read whole for the key: a GGUF's metadata (vocabulary, special tokens) and tensor table
+
+
 def gguf_key(gguf_path: Path, samples: int = 64, chunk: int = 1 << 16) -> str:
-    """The cache key of a GGUF file: its size and 64 chunks of 64 KiB spread over it (the whole file when
+    """The cache key of a GGUF file: its size, its first 32 MiB (the metadata and tensor table, which tools edit in
+    place: llama.cpp's gguf_set_metadata.py) and 64 chunks of 64 KiB spread over the file (the whole file when
     smaller), not its path or mtime, so that a reinstalled package or a copy reuses the converted model
     instead of caching another one, and reading a 40 GB file for its key stays cheap."""
     size = gguf_path.stat().st_size
     h = hashlib.sha256(str(size).encode())
     with open(gguf_path, "rb") as f:
+        h.update(f.read(GGUF_HEADER_BYTES))
         for i in range(samples):
             f.seek(max(size - chunk, 0) * i // max(samples - 1, 1))
             h.update(f.read(chunk))
     return h.hexdigest()[:16]
+
+
+def gguf_parameters(gguf_path: Path) -> int | None:
+    """The number of weights in a GGUF file (from its tensor table: no tensor is read); None when it cannot be read
+    (gguf_caveat then says so)."""
+    from gguf import GGUFReader
+
+    try:
+        return sum(int(t.n_elements) for t in GGUFReader(gguf_path).tensors)
+    except Exception:
+        return None
 
 
 def gguf_caveat(gguf_path: Path) -> str:
