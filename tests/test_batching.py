@@ -438,3 +438,37 @@ def test_the_estimate_counts_the_scores_eager_attention_materializes():
         fused = batching.window_bytes(config, 2048, torch.bfloat16, calibrating=calibrating)
         config._attn_implementation = "ptq"  # ptq.quantization.attention: eager, with its quantizers
         assert batching.window_bytes(config, 2048, torch.bfloat16, calibrating=calibrating) >= fused + softmax
+
+
+def test_auto_takes_the_smallest_batch_over_the_models_a_variant_with_eager_attention_included(tiny_model, monkeypatch):
+    """A variant that quantizes attention runs ptq's eager attention (heads x seq_len^2 scores a window) where the
+    baseline runs SDPA: the batch size was estimated from the baseline alone. Both the evaluation and lm-eval's
+    batches now take the smallest estimate over the models."""
+    from transformers import LlamaConfig
+
+    from ptq.evaluation.evaluate import evaluate
+
+    def on_cuda(attention: str) -> torch.nn.Module:
+        class OnCuda(torch.nn.Module):
+            def parameters(self, recurse=True):
+                yield type("P", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16})()
+
+        fake = OnCuda()
+        fake.config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_attention_heads=32)
+        fake.config._attn_implementation = attention
+        return fake
+
+    baseline, variant = on_cuda("sdpa"), on_cuda("ptq")
+    sdpa = batching.window_bytes(baseline.config, 4096, torch.bfloat16, models=2)
+    eager = batching.window_bytes(variant.config, 4096, torch.bfloat16, models=2)
+    assert eager == sdpa + 32 * 4096 * 4096 * (2 * 2 + 4)  # by hand: the scores, their float32 softmax, the cast
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * eager, 40 * eager))
+    alone = batching.auto_batch_size(baseline, 4096, windows=1000, models=2)
+    both = batching.auto_batch_size([baseline, variant], 4096, windows=1000, models=2)
+    assert both == int(20 * eager * batching.GPU_MEMORY_FRACTION // eager) == 14 and alone > both
+    # the evaluation hands every model it runs to the estimate
+    given = []
+    monkeypatch.setattr(batching, "auto_batch_size", lambda model, *a, **k: given.append(model) or 2)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    evaluate({"a": model, "b": model}, torch.randint(0, 100, (2, 8)), batch_size=None)
+    assert given == [[model, model]]

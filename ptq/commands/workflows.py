@@ -682,11 +682,12 @@ def _task_suite(data: DataOptions, eval_corpus: Corpus):
 
 def _task_batch_size(models: dict, batch_size: int | None) -> int:
     """Documents per forward pass for lm-eval: --batch-size, or ptq's automatic choice for one model at a time
-    over the model's context (ptq.execution.batching)."""
+    over the model's context (ptq.execution.batching), the smallest over the models (a variant may compute attention
+    eagerly)."""
     if batch_size is not None:
         return batch_size
-    model = next(iter(models.values()))
-    return batching.auto_batch_size(model, min(_max_len(models) or 2048, 2048), batching.MAX_AUTO_BATCH_SIZE, 1)
+    context = min(_max_len(models) or 2048, 2048)
+    return batching.auto_batch_size(list(models.values()), context, batching.MAX_AUTO_BATCH_SIZE, 1)
 
 
 def run_eval(

@@ -114,7 +114,8 @@ def evaluate(
     scores = {name: Scores() for name in names}
     seq_len = input_ids.shape[1]
     auto = batch_size is None
-    size = batching.auto_batch_size(run.model, seq_len, len(input_ids), len(names)) if auto else batch_size
+    estimated = list(run.models.values()) if isinstance(run, WholeModels) else run.model  # each variant's config
+    size = batching.auto_batch_size(estimated, seq_len, len(input_ids), len(names)) if auto else batch_size
     done = 0  # windows scored
     with torch.inference_mode(), progress("evaluating", run.steps(len(input_ids)), seq_len) as advance:
         while done < len(input_ids):

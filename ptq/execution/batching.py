@@ -70,11 +70,20 @@ def window_bytes(
 
 
 def auto_batch_size(
-    model: nn.Module, seq_len: int, windows: int, models: int = 1, *, calibrating: bool = False, logits: bool = True
+    model: nn.Module | list[nn.Module],
+    seq_len: int,
+    windows: int,
+    models: int = 1,
+    *,
+    calibrating: bool = False,
+    logits: bool = True,
 ) -> int:
     """The batch size `auto` stands for: on CUDA from the free memory and `window_bytes` (`calibrating` and
     `logits` passed on), at most the number of windows and MAX_AUTO_BATCH_SIZE; on the CPU (and for a model
-    on the meta device, run layer by layer), CPU_BATCH_SIZE."""
+    on the meta device, run layer by layer), CPU_BATCH_SIZE. For a list of models (a compare's baseline and
+    variants), the smallest: a variant that quantizes attention computes it eagerly, its scores held per window."""
+    if isinstance(model, list):
+        return min(auto_batch_size(m, seq_len, windows, models, calibrating=calibrating, logits=logits) for m in model)
     device, param = input_device(model), next(model.parameters(), None)
     if param is None or device.type != "cuda":
         return max(1, min(CPU_BATCH_SIZE, windows))
