@@ -392,6 +392,29 @@ def test_fewer_calibration_windows_than_asked_for_are_said(ptq_cli, tiny_model, 
     assert code == 0 and "asked for" not in err, err
 
 
+def test_calibration_options_where_nothing_is_calibrated_are_named_in_a_note(ptq_cli, tiny_model, text_file, tmp_path):
+    """With --calib (a file reused) or recipes that need no calibration, --calib-samples, --on-unseen and the others
+    of a calibration run here do nothing: said in a note, not dropped in silence; used, they bring no note."""
+    calib = tmp_path / "c.safetensors"
+    assert ptq_cli("calibrate", tiny_model, "--data", text_file, *FAST[:2], "--samples", "2", "-o", calib, "-q")[0] == 0
+    common = ("--eval-data", text_file, *FAST[:4], "--no-plots", "-q", "--calib-samples", "3", "--on-unseen", "fail")
+    code, _, err = ptq_cli("compare", tiny_model, "--calib", calib, "--out", tmp_path / "a", *common)
+    assert code == 0, err
+    assert f"note: --calib-samples, --on-unseen not used: the calibration is read from {calib}" in " ".join(err.split())
+    code, _, err = ptq_cli("compare", tiny_model, "--recipes", "fp8-dynamic", "--out", tmp_path / "b", *common)
+    assert code == 0, err
+    assert "note: --calib-samples, --on-unseen not used: recipe(s) fp8-dynamic need no calibration" in " ".join(
+        err.split()
+    )
+    code, _, err = ptq_cli(
+        "quantize", tiny_model, "--recipe", "fp8-e4m3", "--calib", calib, "--samples", "3", *FAST[:2], "--no-verify",
+        "-o", tmp_path / "q", "-q",
+    )  # fmt: skip
+    assert code == 0 and "note: --samples not used: the calibration is read from" in " ".join(err.split()), err
+    code, _, err = ptq_cli("compare", tiny_model, "--out", tmp_path / "c", *common)  # calibrated here: used
+    assert code == 0 and "not used" not in err, err
+
+
 def test_calibration_options_a_run_does_not_use_are_refused(ptq_cli, tiny_model, text_file, tmp_path):
     """bf16 needs no calibration: --calib-data (even a file that does not exist) and --calib are refused, not
     dropped; so is --calib for a quantize recipe that computes its scales on the fly."""

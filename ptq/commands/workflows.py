@@ -599,12 +599,27 @@ def run_compare(
 
 def _refuse_unused_calibration(calibration: CalibrationOptions, needs: bool, why: str, data_flag: str | None) -> None:
     """--calib and the calibration text (`data_flag`) when no recipe of the run needs a calibration: refused in one
-    line rather than dropped (a missing file, or a calibration of another model, would otherwise pass unnoticed)."""
-    if needs:
-        return
-    given = [flag for flag, value in (("--calib", calibration.file), (data_flag, calibration.data)) if flag and value]
-    if given:
-        raise PtqError(f"{given[0]} is not used: {why} (leave it out)")
+    line rather than dropped (a missing file, or a calibration of another model, would otherwise pass unnoticed);
+    the options of a calibration run here, where none runs, named in a note."""
+    if not needs:
+        given = [
+            flag for flag, value in (("--calib", calibration.file), (data_flag, calibration.data)) if flag and value
+        ]
+        if given:
+            raise PtqError(f"{given[0]} is not used: {why} (leave it out)")
+    # how to calibrate here, where nothing is calibrated (a file is reused, or no recipe needs it): said, not dropped
+    if calibration.file or not needs:
+        flags = {
+            "samples": "--calib-samples" if data_flag == "--calib-data" else "--samples",
+            "on_nonfinite": "--on-nonfinite",
+            "on_unseen": "--on-unseen",
+            "all_experts": "--routed-experts-only",
+        }
+        default = CalibrationOptions()
+        unused = [flag for name, flag in flags.items() if getattr(calibration, name) != getattr(default, name)]
+        if unused and distributed.is_main():
+            reason = f"the calibration is read from {calibration.file}" if calibration.file else why
+            stderr.print(f"note: {', '.join(unused)} not used: {reason}", highlight=False, soft_wrap=True)
 
 
 def _refuse_resume(command: str, calibration: CalibrationOptions) -> None:
