@@ -974,9 +974,11 @@ def main() -> None:
 
     keep_freed_host_memory()  # fewer page faults per forward (docs/performance.md)
     _TERMINATED.clear()
+    progress.NOTES.clear()
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         code = app(standalone_mode=False)  # click's own usage errors are printed below, in ptq's one line
+        progress.print_notes()
         raise SystemExit(code if isinstance(code, int) else 0)  # as typer's standalone mode: typer.Exit(n), 130, 0
     except click_exceptions.ClickException as e:
         if type(e).__name__ != "NoArgsIsHelpError":  # bare `ptq`: typer has printed the help already

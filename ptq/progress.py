@@ -10,6 +10,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 stderr = Console(stderr=True)
 QUIET = False  # set by the CLI's --quiet
+# notes said once the command has run (ptq.cli.main): before a user mistake's one-line error they would make it two
+NOTES: list[str] = []
+
+
+def note_at_end(text: str) -> None:
+    NOTES.append(text)
+
+
+def print_notes() -> None:
+    for text in NOTES:
+        stderr.print(f"note: {text}", highlight=False, soft_wrap=True)
+    NOTES.clear()
 
 
 @contextmanager

@@ -54,7 +54,7 @@ from ptq.execution.placement import summary as placement_summary
 from ptq.files import check_output_dir, check_writable
 from ptq.models.loading import LoadedModel, linear_layers, load_model
 from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
-from ptq.progress import stderr
+from ptq.progress import note_at_end, stderr
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_targets, resolve_plans
 from ptq.quantization.quantize import blockwise_unavailable, quantize_, quantize_variants, resolve_matmul
@@ -607,7 +607,8 @@ def _refuse_unused_calibration(calibration: CalibrationOptions, needs: bool, why
         ]
         if given:
             raise PtqError(f"{given[0]} is not used: {why} (leave it out)")
-    # how to calibrate here, where nothing is calibrated (a file is reused, or no recipe needs it): said, not dropped
+    # how to calibrate here, where nothing is calibrated (a file is reused, or no recipe needs it): said once the
+    # command has run, not dropped
     if calibration.file or not needs:
         flags = {
             "samples": "--calib-samples" if data_flag == "--calib-data" else "--samples",
@@ -619,7 +620,7 @@ def _refuse_unused_calibration(calibration: CalibrationOptions, needs: bool, why
         unused = [flag for name, flag in flags.items() if getattr(calibration, name) != getattr(default, name)]
         if unused and distributed.is_main():
             reason = f"the calibration is read from {calibration.file}" if calibration.file else why
-            stderr.print(f"note: {', '.join(unused)} not used: {reason}", highlight=False, soft_wrap=True)
+            note_at_end(f"{', '.join(unused)} not used: {reason}")
 
 
 def _refuse_resume(command: str, calibration: CalibrationOptions) -> None:
