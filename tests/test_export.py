@@ -924,3 +924,55 @@ def test_static_input_scales_are_exported_under_the_recipes_observer(family, tin
     assert len(scales) == (14 if family == "llama" else 32) and set(scales) <= set(raw)
     clipped = [k for k in scales if float(scales[k]) < float(raw[k]) / 448 * (1 - 1e-6)]
     assert len(clipped) == len(scales)  # each below its amax / 448: the 99th percentile, not the max
+
+
+def test_an_fp8_source_is_exported_from_its_dequantized_weights_in_its_own_dtype(
+    tiny_model, ptq_cli, text_file, tmp_path
+):
+    """An FP8 checkpoint (quant_method fp8: float8 codes, one float32 weight_scale_inv per weight, the rest bf16) is
+    quantized from its dequantized weights (codes x scales, here by hand, then per-channel amax / 448). Its
+    config.json says bfloat16, the dtype holding the checkpoint's values, not float32, the dtype of most of its
+    tensors (the scales), and the tensors ptq does not quantize stay bf16."""
+    from test_loading import save_fp8_checkpoint
+
+    fp8 = save_fp8_checkpoint(tiny_model, tmp_path / "fp8")
+    out = tmp_path / "out"
+    code, _, err = quantize_cli(ptq_cli, fp8, "fp8-dynamic", out, text_file)
+    assert code == 0, err
+    source, tensors = read_checkpoint(fp8), read_checkpoint(out)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert not [k for k in tensors if k.endswith("_scale_inv")]
+    kept = [k for k in tensors if not k.endswith(("_proj.weight", "_scale"))]
+    assert kept and all(tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], source[k]) for k in kept)
+    key = "model.layers.1.mlp.down_proj.weight"
+    w = source[key].float() * source[key + "_scale_inv"].repeat_interleave(32, 0).repeat_interleave(32, 1)
+    scale = w.abs().amax(dim=1, keepdim=True) / 448  # per output channel
+    assert torch.equal(tensors[key.replace(".weight", ".weight_scale")], scale)
+    assert torch.equal(tensors[key].view(torch.uint8), (w / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+    info = json.loads((out / "ptq-export.json").read_text())
+    assert info["verification"]["passed"] and "fp8 checkpoint" in info["model"]["caveats"][0]
+
+
+@pytest.mark.parametrize("target", ["vllm", "transformers"])
+def test_a_reload_check_that_would_not_fit_keeps_the_checkpoint_unverified(
+    target, tiny_model, ptq_cli, text_file, tmp_path, monkeypatch
+):
+    """Memory for 1.5 float32 copies: the model loads, and the check fits under transformers (the reload, one copy) but
+    not under vllm, where static FP8 inputs are also simulated as vLLM rounds them (a second copy): the checkpoint is
+    then kept, unverified, with the reason, instead of running out of memory after it was written."""
+    from ptq.execution import resources
+
+    free = int(resources.checkpoint_parameters(Path(tiny_model)) * 4 * 1.5)
+    monkeypatch.setattr(resources, "available_memory", lambda device: free)
+    out = tmp_path / target
+    code, _, err = ptq_cli(
+        "quantize", tiny_model, "-o", out, "--target", target, "--data", text_file, "--samples", "2", "--seq-len", "32"
+    )
+    assert code == 0, err
+    info = json.loads((out / "ptq-export.json").read_text())
+    if target == "vllm":
+        assert info["verification"] is None and "two float32 copies" in info["verification_skipped"]
+        assert "Not verified (reloading and comparing" in (out / "README.md").read_text()
+    else:
+        assert info["verification"]["passed"] and "verification_skipped" not in info
+    assert read_checkpoint(out)  # written either way

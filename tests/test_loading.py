@@ -343,3 +343,73 @@ def test_a_gguf_path_with_a_leading_tilde_is_found(tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "_from_pretrained", convert)
     with pytest.raises(PtqError, match=f"converting {tmp_path}/My Models/m.gguf from {tmp_path}/My Models$"):
         loading.load_model("~/My Models/m.gguf")
+
+
+def save_fp8_checkpoint(source: Path, target: Path, block: int = 32) -> Path:
+    """`source` as an official FP8 checkpoint is laid out (DeepSeek-V3, Qwen3 FP8: quant_method fp8): every
+    projection's weight as float8_e4m3fn codes with a float32 `weight_scale_inv` per block x block tile (amax / 448),
+    everything else in bf16."""
+    import json
+
+    import safetensors.torch
+    import torch
+
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = {}
+    for key, w in safetensors.torch.load_file(source / "model.safetensors").items():
+        if not key.endswith("_proj.weight"):
+            tensors[key] = w.to(torch.bfloat16)
+            continue
+        rows, cols = w.shape
+        tiles = w.float().reshape(rows // block, block, cols // block, block)
+        scale = tiles.abs().amax(dim=(1, 3)) / 448
+        tensors[key] = (tiles / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        tensors[key.replace(".weight", ".weight_scale_inv")] = scale
+    safetensors.torch.save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_an_fp8_checkpoint_is_dequantized_where_transformers_would_keep_its_codes(tiny_model, tmp_path, monkeypatch):
+    """On a GPU of compute capability 8.9+ (an H100 here: torch.cuda made to say so), transformers loads an FP8
+    checkpoint as FP8Linear layers holding the float8 codes and their weight_scale_inv; cast to float32 as ptq
+    computes, the codes would become the weights, their scales dropped. ptq dequantizes: each weight is its codes
+    times its block's scale (the reference below, by hand), no scale is left as a parameter, and reports say so."""
+    import safetensors.torch
+    import torch
+
+    fp8 = save_fp8_checkpoint(tiny_model, tmp_path / "fp8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    loaded = loading.load_model(str(fp8), device=torch.device("cpu"))
+    stored = safetensors.torch.load_file(fp8 / "model.safetensors")
+    params = dict(loaded.model.named_parameters())
+    assert not [name for name in params if "scale" in name]
+    projections = [key for key in stored if key.endswith("_proj.weight")]
+    assert len(projections) == 14
+    for key in projections:
+        scale = stored[key.replace(".weight", ".weight_scale_inv")]
+        expected = stored[key].float() * scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+        assert params[key].dtype == torch.float32 and torch.equal(params[key], expected), key
+    assert "fp8 checkpoint: its weights were dequantized" in loaded.caveats[0]
+
+
+def test_a_checkpoint_quantized_by_a_method_ptq_cannot_dequantize_is_refused(ptq_cli, tiny_model, tmp_path):
+    import json
+
+    gptq = tmp_path / "gptq"
+    shutil.copytree(tiny_model, gptq)
+    config = json.loads((gptq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (gptq / "config.json").write_text(json.dumps(config))
+    code, _, err = ptq_cli("inspect", gptq)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"model '{gptq}' is already quantized (quant_method gptq), which ptq cannot dequantize" in err

@@ -418,11 +418,11 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path, size):
 
 def test_disk_full_while_writing_a_checkpoint(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
     """A shard that cannot be written (no space left) ends `ptq quantize` in one line, exit 2, with no folder and
-    no temporary left behind."""
+    no temporary left behind. safetensors reports it as its own SafetensorError (not an OSError), in these words."""
     import safetensors.torch
 
     def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = tmp_path / "out"
@@ -432,3 +432,49 @@ def test_disk_full_while_writing_a_checkpoint(tiny_model, text_file, tmp_path, p
     assert code == 2 and one_error_line(err), err
     assert f"cannot write {out}: no space left on device" in err
     assert not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+
+
+def test_a_shard_over_the_file_size_limit_is_one_line_and_leaves_nothing(tiny_model, text_file, tmp_path):
+    """The same failure for real, not mocked: `ptq quantize` in a process whose files may not grow past 64 kB
+    (RLIMIT_FSIZE, as a quota does), so that safetensors' own write of the shard fails with EFBIG."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    script = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"  # the write fails with EFBIG instead of killing the process
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (64_000, 64_000))\n"
+        "from ptq import cli\n"
+        "sys.argv = ['ptq', *sys.argv[1:]]\n"
+        "cli.main()\n"
+    )
+    args = [tiny_model, "--recipe", "fp8-dynamic", "--seq-len", "16", "--no-verify", "--shard-size", "1", "-o", out]
+    done = subprocess.run(
+        [sys.executable, "-c", script, "quantize", *map(str, args), "-q"], capture_output=True, text=True, timeout=300
+    )
+    assert (done.returncode, one_error_line(done.stderr)) == (2, True), done.stderr
+    assert f"cannot write {out}: File too large" in done.stderr, done.stderr
+    assert not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+
+
+def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_any_shard(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    """The shards' size is known before the first is written: a disk without the room for them is one line at once,
+    not a failure at the last shard of a 100B-parameter model, with nothing written and nothing left behind."""
+    import shutil
+
+    import safetensors.torch
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=50_000))
+    written = []
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: written.append(a))
+    out = tmp_path / "out"
+    code, _, err = ptq_cli(
+        "quantize", tiny_model, "--recipe", "fp8-dynamic", "--seq-len", "16", "--no-verify", "-o", out, "-q"
+    )
+    assert code == 2 and one_error_line(err), err
+    assert "but only 50.0 kB is free on the disk of" in err and "nothing was written" in err
+    assert not written and not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())

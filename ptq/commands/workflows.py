@@ -54,6 +54,7 @@ from ptq.execution.placement import summary as placement_summary
 from ptq.files import check_output_dir, check_writable
 from ptq.models.loading import LoadedModel, linear_layers, load_model
 from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
+from ptq.numerics.granularity import PerToken
 from ptq.progress import note_at_end, stderr
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_targets, resolve_plans
@@ -1051,6 +1052,8 @@ def run_quantize(
                 "since transformers cannot run a compressed-tensors checkpoint offloaded by "
                 "accelerate; reload it where it fits, or serve it with vLLM"
             )
+        elif checkpoint.verify and model.memory_check and (short := _verification_shortfall(loaded.model, r, target)):
+            info["verification_skipped"] = short
         elif checkpoint.verify:
             corpus = load_corpus(data.data, role="evaluation")
             windows = make_windows(corpus, loaded.tokenizer, data.seq_len, data.windows)
@@ -1130,6 +1133,34 @@ def run_quantize(
         (tmp / export.EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         (tmp / "README.md").write_text(render_model_card(info), encoding="utf-8")
     return info
+
+
+def _verification_shortfall(model: torch.nn.Module, recipe: Recipe, target: str) -> str | None:
+    """Why reloading and comparing the checkpoint would not fit in memory (None: it fits, or memory is unknown). The
+    check holds, next to the model, the checkpoint reloaded in float32 (read on the host, then moved to the model's
+    device) and, where the target rounds inputs unlike the reload's loader, a float32 copy of the model for ptq's own
+    simulation. Checked before the check starts: running out of memory there would throw away a checkpoint written
+    correctly; this way it is kept, unverified, and the card says why."""
+    from ptq.execution.resources import available_memory
+
+    copy_float32 = sum(p.numel() for p in model.parameters()) * 4
+    own_copy = engines.unlike_reload_loader(recipe.inputs, target) is not None or (
+        recipe.inputs.dynamic and isinstance(recipe.inputs.granularity, PerToken)
+    )
+    device = next(model.parameters()).device
+    needs = {device: copy_float32 * (2 if own_copy else 1)}
+    if device.type != "cpu":
+        needs[torch.device("cpu")] = copy_float32  # from_pretrained reads it on the host first
+    for where, needed in needs.items():
+        free = available_memory(where)
+        if free is not None and needed > free:
+            return (
+                f"reloading and comparing the checkpoint needs about {needed / 2**30:.1f} GiB on {where.type} beside the model "
+                f"({'two float32 copies' if own_copy and where == device else 'a float32 copy'} of the model) and "
+                f"{free / 2**30:.1f} GiB is free: the checkpoint is written but not verified; compare it where it "
+                "fits (`ptq compare CHECKPOINT`), or serve it with vLLM"
+            )
+    return None
 
 
 def check_export_target(output: Path, force: bool) -> None:

@@ -23,6 +23,10 @@ import copy
 import dataclasses
 import io
 import json
+import math
+import os
+import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,11 +195,20 @@ class _Entry:
         return n * self.dtype.itemsize
 
 
-def source_dtypes(location: str) -> dict[str, torch.dtype]:
+class SourceDtypes(dict):
+    """Tensor name -> its dtype in the source checkpoint, and (`elements`) the number of values each floating-point
+    dtype holds there."""
+
+    def __init__(self, dtypes: dict[str, torch.dtype], elements: dict[torch.dtype, int]):
+        super().__init__(dtypes)
+        self.elements = elements
+
+
+def source_dtypes(location: str) -> SourceDtypes:
     """The dtype of every tensor in the source checkpoint (a local directory's safetensors headers; for a checkpoint
     with pickle weights only, loaded with --allow-pickle, its pytorch_model*.bin files, memory-mapped by
     torch.load(weights_only=True)), so that tensors ptq does not quantize are written back as they were, not in the
-    float32 ptq computes in."""
+    float32 ptq computes in. Tensors of other dtypes (an FP8 checkpoint's codes, dequantized on load) are left out."""
     directory = Path(location)
     if not directory.is_dir():  # a Hub id: its files are in the local cache, if anywhere
         try:
@@ -205,21 +218,29 @@ def source_dtypes(location: str) -> dict[str, torch.dtype]:
                 snapshot_download(location, local_files_only=True, allow_patterns=["*.safetensors", "*.bin"])
             )
         except Exception:
-            return {}
+            return SourceDtypes({}, {})
     dtypes: dict[str, torch.dtype] = {}
+    elements: collections.Counter = collections.Counter()
     for path in sorted(directory.glob("*.safetensors")):
         with safetensors.safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                dtypes[key] = _DTYPE_NAMES.get(f.get_slice(key).get_dtype(), None) or f.get_slice(key).get_dtype()
+                piece = f.get_slice(key)
+                dtype = _DTYPE_NAMES.get(piece.get_dtype())
+                if dtype is not None:
+                    dtypes[key] = dtype
+                    elements[dtype] += math.prod(piece.get_shape())
     if not dtypes:  # pickle weights only (ptq.models.loading refuses them without --allow-pickle)
         for path in sorted(directory.glob("pytorch_model*.bin")):
             try:  # memory-mapped: the dtypes are read, not the tensors
                 state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
             except Exception:  # an old (non-zip) pickle cannot be memory-mapped: read as loading read it
                 state = torch.load(str(path), map_location="cpu", weights_only=True)
-            dtypes |= {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor)}
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dtype in _DTYPE_NAMES.values():
+                    dtypes[k] = v.dtype
+                    elements[v.dtype] += v.numel()
             del state
-    return {k: v for k, v in dtypes.items() if isinstance(v, torch.dtype)}
+    return SourceDtypes(dtypes, dict(elements))
 
 
 def _saved_names(model: nn.Module) -> list[str]:
@@ -581,8 +602,12 @@ def _input_scale(input_amax: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
 
 
 def _dominant_dtype(dtypes: dict[str, torch.dtype]) -> torch.dtype:
-    floating = [d for d in dtypes.values() if d.is_floating_point]
-    return max(set(floating), key=floating.count) if floating else torch.float32
+    """The source checkpoint's own dtype: the floating-point dtype that holds most of its values (SourceDtypes), not
+    most of its tensors (an FP8 checkpoint has a float32 weight_scale_inv next to each weight, its values in bf16)."""
+    elements = getattr(dtypes, "elements", None)
+    if elements is None:
+        elements = collections.Counter(d for d in dtypes.values() if d.is_floating_point)
+    return max(elements, key=elements.get) if elements else torch.float32
 
 
 def shard(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
@@ -601,7 +626,17 @@ def shard(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
 def write_weights(
     entries: list[_Entry], directory: Path, max_shard_bytes: int, advance: Callable[[int], None] = lambda n: None
 ) -> dict:
-    """Write the safetensors shards (and the index when there is more than one), one shard in memory at a time."""
+    """Write the safetensors shards (and the index when there is more than one), one shard in memory at a time; refused
+    at once when the disk has not the room for them (a streamed model's weights are read and quantized as its shards
+    are written: a full disk is found out before that work, not at the last shard)."""
+    from ptq.reporting.report import human_bytes
+
+    total, free = sum(e.nbytes for e in entries), shutil.disk_usage(directory).free
+    if free < total:
+        raise PtqError(
+            f"the checkpoint's tensors take {human_bytes(total)} but only {human_bytes(free)} is free on the disk of "
+            f"{directory.parent}: free some space or write it elsewhere (-o); nothing was written"
+        )
     groups = shard(entries, max_shard_bytes)
     n = len(groups)
     weight_map = {}
@@ -613,14 +648,26 @@ def write_weights(
             assert t.dtype == e.dtype and tuple(t.shape) == e.shape, (e.name, t.dtype, t.shape)
             tensors[e.name] = t
             weight_map[e.name] = filename
-        safetensors.torch.save_file(tensors, str(directory / filename), metadata={"format": "pt"})
+        _save_shard(tensors, directory / filename)
         del tensors
         advance(len(group))
-    total = sum(e.nbytes for e in entries)
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return {"shards": n, "tensor_bytes": total}
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors.torch.save_file, whose I/O errors (a full disk, a quota) come as SafetensorError ("... (os error
+    28)"), not OSError: raised as the OSError they are, which ptq.files.atomic_dir turns into one line."""
+    try:
+        safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    except safetensors.SafetensorError as e:
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
 
 
 def write_config(

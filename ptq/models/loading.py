@@ -60,6 +60,7 @@ def load_model(
     caveats: tuple[str, ...] = ()
     pickle_only = False
     hub: dict = {}
+    quantized = None  # (the quantization_config that dequantizes it, its caveat) for a checkpoint already quantized
     if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
         if spec != DEFAULT_MODEL and not Path(spec).expanduser().is_file():
             raise PtqError(f"model file {spec} does not exist")
@@ -82,30 +83,23 @@ def load_model(
                     "safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)"
                 )
         source = str(directory.resolve())
-        exported = _exported_caveat(directory)
-        if exported:  # a compressed-tensors checkpoint: load its weights dequantized, as plain Linear layers
-            from transformers import CompressedTensorsConfig
-
-            caveats = (exported,)
-            if memory_check:  # dequantized: as large in float32 as the model it was exported from
-                _check_memory(directory, copies, device, spec)
-            with warnings.catch_warnings():  # "loading attributes will be overwritten": that is the point
-                warnings.simplefilter("ignore", UserWarning)
-                model, tokenizer = _from_pretrained(
-                    str(directory),
-                    spec,
-                    trust_remote_code,
-                    quantization_config=CompressedTensorsConfig(dequantize=True),
-                )
-            return LoadedModel(
-                linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
-            )
+        quantized = dequantized_loading(_read_config(directory / "config.json"), directory.name, spec)
     else:
         hub = hub_access(spec)
         directory, source = spec, f"Hugging Face Hub: {spec}"
-    if memory_check and Path(directory).is_dir():
+        quantized = dequantized_loading(_hub_config(spec, hub), spec, spec)
+    if memory_check and Path(directory).is_dir():  # dequantized: as large in float32 as a 16-bit checkpoint
         _check_memory(Path(directory), copies, device, spec)
-    model, tokenizer = _from_pretrained(str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **hub)
+    dequantizing = {}
+    if quantized is not None:  # an already quantized checkpoint: its weights dequantized, as plain Linear layers
+        dequantizing["quantization_config"], caveat = quantized
+        caveats = (caveat,)
+    with warnings.catch_warnings():
+        if dequantizing:  # "loading attributes will be overwritten": that is the point
+            warnings.simplefilter("ignore", UserWarning)
+        model, tokenizer = _from_pretrained(
+            str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **dequantizing, **hub
+        )
     return LoadedModel(
         linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
     )
@@ -317,21 +311,76 @@ def _one_line(e: Exception, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
-def _exported_caveat(directory: Path) -> str | None:
-    """What evaluating a compressed-tensors checkpoint (e.g. from `ptq quantize`) means, or None for other models."""
+def _read_config(path: Path) -> dict | None:
+    """A config.json as a dict; None when it cannot be read (transformers then says what is wrong with it)."""
     import json
 
     try:
-        qc = json.loads((directory / "config.json").read_text()).get("quantization_config")
+        config = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+    return config if isinstance(config, dict) else None
+
+
+def _hub_config(spec: str, hub: dict) -> dict | None:
+    """The config.json of a Hub model as a dict (from the local cache when `hub` says so); None when it cannot be had
+    (from_pretrained then says why)."""
+    from transformers import PretrainedConfig
+
+    try:
+        return PretrainedConfig.get_config_dict(spec, **hub)[0]
+    except Exception:
         return None
-    return (
-        f"{directory.name} is a compressed-tensors checkpoint ({qc.get('format')}): it is evaluated as its 8-bit weights "
-        "dequantized to float32, without the checkpoint's own input scales. The 8-bit weight rounding is already in "
-        "every variant, the bf16 baseline included; a recipe re-quantizes those weights (for the recipe the checkpoint "
-        "was exported with, this reproduces them) and quantizes inputs with scales calibrated in this run."
+
+
+# quant_method of an already quantized checkpoint -> the transformers config class that loads it with every weight
+# dequantized (codes x scales, in the dtype asked for): ptq quantizes a model's values, never a checkpoint's codes. A
+# quantizer left to itself keeps the codes where the hardware runs them (transformers' fp8 on a GPU of compute
+# capability 8.9 or more: FP8Linear layers holding float8 weights and weight_scale_inv), and casting those layers to
+# float32 would turn the codes into weights, their scales dropped.
+DEQUANTIZED_METHODS = {
+    "compressed-tensors": "CompressedTensorsConfig",  # llm-compressor, ptq quantize
+    "fp8": "FineGrainedFP8Config",  # DeepSeek-V3/R1, Qwen3 FP8 (128 x 128 blocks, weight_scale_inv)
+    "mxfp4": "Mxfp4Config",  # gpt-oss
+}
+
+
+def dequantized_loading(config: dict | None, name: str, spec: str) -> tuple[object, str] | None:
+    """For a checkpoint already quantized (its config.json has a quantization_config): the quantization_config that
+    makes from_pretrained dequantize it, and what that means for reports; None for a 16/32-bit checkpoint. A
+    quantization method transformers cannot dequantize (GPTQ, AWQ, bitsandbytes, ...) is refused: its weights would
+    load as packed integers, or as modules that are no Linear layers."""
+    qc = (config or {}).get("quantization_config")
+    if not isinstance(qc, dict):
+        return None
+    method = str(
+        qc.get("quant_method") or ("bitsandbytes" if qc.get("load_in_4bit") or qc.get("load_in_8bit") else "?")
+    )
+    if method not in DEQUANTIZED_METHODS:
+        raise PtqError(
+            f"model '{spec}' is already quantized (quant_method {method}), which ptq cannot dequantize: quantize the "
+            f"original 16- or 32-bit model (ptq dequantizes {', '.join(DEQUANTIZED_METHODS)} checkpoints only)"
+        )
+    import transformers
+
+    config_class = getattr(transformers, DEQUANTIZED_METHODS[method])
+    if method == "compressed-tensors":
+        return config_class(dequantize=True), (
+            f"{name} is a compressed-tensors checkpoint ({qc.get('format')}): it is evaluated as its 8-bit weights "
+            "dequantized to float32, without the checkpoint's own input scales. The 8-bit weight rounding is already "
+            "in every variant, the bf16 baseline included; a recipe re-quantizes those weights (for the recipe the "
+            "checkpoint was exported with, this reproduces them) and quantizes inputs with scales calibrated in this "
+            "run."
+        )
+    try:
+        loading = config_class.from_dict(qc | {"dequantize": True})
+    except Exception as e:
+        raise PtqError(f"cannot load model '{spec}': its quantization_config ({method}): {_one_line(e)}") from None
+    return loading, (
+        f"{name} is a {method} checkpoint: its weights were dequantized (codes x scales) to float32 and are "
+        f"quantized from there. They already sit on the {method} grid, the bf16 baseline included, so the error "
+        "of quantizing them again looks smaller than on the original 16-bit model; activation quantization is "
+        "fully real."
     )
 
 
