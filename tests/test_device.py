@@ -90,8 +90,15 @@ def test_compare_on_cuda_gives_the_cpu_numbers(ptq_cli, tiny_model, text_file, t
 @pytest.mark.cuda
 @needs_cuda
 def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+    import re
+
+    from families import TEXT
+
     from ptq.calibration.calibrate import load_calibration
 
+    # the cloze task's items are lines that end a sentence with a plain word: one sentence a line (text_file has none)
+    lines = tmp_path / "lines.txt"
+    lines.write_text(re.sub(r"([.!?]) ", r"\1\n", TEXT * 3))
     amax = {}
     for device in ("cpu", "cuda"):
         monkeypatch.setenv("PTQ_DEVICE", device)
@@ -109,7 +116,7 @@ def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, te
             "--calib",
             calib,
             "--eval-data",
-            text_file,
+            lines,
             "--tasks",
             "cloze",
             "--max-items",
@@ -184,8 +191,13 @@ def test_device_map_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, t
         model = tmp_path / family
         families.build(family).save_pretrained(model)
         make_tokenizer().save_pretrained(model)
+    # Each of the compare's 3 models (baseline, fp8-e4m3, int8) gets a third of the GPU limit, and accelerate keeps
+    # room for the largest decoder layer on it: the limits that split every model (float32) between GPU and CPU
+    # memory, measured with accelerate's device map: llama 500KB (400-600), mixtral 800KB (600-1000); above, all on
+    # the GPU; below, all on the CPU.
+    gpu_limit = {"llama": "500KB", "mixtral": "800KB"}[family]
     runs = {}
-    for device, extra in (("cpu", []), ("cuda", ["--device-map", "auto", "--max-memory", "0=400KB,cpu=1GB"])):
+    for device, extra in (("cpu", []), ("cuda", ["--device-map", "auto", "--max-memory", f"0={gpu_limit},cpu=1GB"])):
         monkeypatch.setenv("PTQ_DEVICE", device)
         out = tmp_path / device
         code, _, stderr = ptq_cli(
@@ -213,3 +225,68 @@ def test_device_map_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, t
         [runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]
     ):
         assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "recipe_text",
+    [
+        "weights: {format: e4m3}\ninputs: {format: e4m3}\n",  # per-tensor
+        "weights: {format: e4m3, granularity: channel}\ninputs: {format: e4m3, granularity: token, dynamic: true}\n",
+    ],
+)
+def test_fp8_matmuls_where_the_cpu_scaled_mm_takes_per_tensor_scales_only(
+    tiny_model, tmp_path, monkeypatch, recipe_text
+):
+    """torch 2.11's CPU torch._scaled_mm refuses any scale but a per-tensor one (an INTERNAL ASSERT; later versions
+    take row-wise scales): the probe reads that refusal, and --matmul fp8 there multiplies with per-tensor or unit
+    scales and applies the row-wise ones after, in float32: the simulation's logits, one torch._scaled_mm per layer."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import ptq.quantization.quantize as quantize_module
+    from ptq.calibration.calibrate import calibrate
+    from ptq.quantization.plan import calibrated_layers
+    from ptq.quantization.recipes import load_recipe
+
+    refusal = "Now _scaled_mm only supports per-tensor scaling for CPU backend."
+    original, ops_original, calls = torch._scaled_mm, torch.ops.aten._scaled_mm, []
+
+    def per_tensor_only(scaled_mm):
+        def call(a, b, scale_a, scale_b, *args, **kwargs):
+            if scale_a.numel() != 1 or scale_b.numel() != 1:
+                raise RuntimeError(f"(scale_a.numel() == 1 && scale_b.numel() == 1) INTERNAL ASSERT FAILED. {refusal}")
+            calls.append(1)
+            return scaled_mm(a, b, scale_a, scale_b, *args, **kwargs)
+
+        return call
+
+    a = torch.ones(16, 32).to(torch.float8_e4m3fn)
+    try:  # this torch's own CPU kernel (row-wise scales in versions after 2.11), asked through the public name
+        original(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+        rowwise = True
+    except RuntimeError:
+        rowwise = False
+    monkeypatch.setattr(quantize_module, "_CPU_TENSORWISE_ONLY", [])
+    assert quantize_module.cpu_scaled_mm_tensorwise_only() is not rowwise
+    monkeypatch.setattr(quantize_module, "_CPU_TENSORWISE_ONLY", [])
+    monkeypatch.setattr(torch.ops.aten, "_scaled_mm", per_tensor_only(ops_original))
+    assert quantize_module.cpu_scaled_mm_tensorwise_only() is True
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    (tmp_path / "r.yaml").write_text("name: t\ntargets: [Linear]\nignore: [lm_head]\n" + recipe_text)
+    recipe = load_recipe(str(tmp_path / "r.yaml"))
+    ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4))
+    cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
+    simulated = quantize_module.quantize_(copy.deepcopy(model), recipe, cal)
+    real = quantize_module.quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
+    monkeypatch.setattr(
+        torch,
+        "_scaled_mm",
+        lambda a, b, scale_a, scale_b, **kwargs: per_tensor_only(original)(a, b, scale_a, scale_b, **kwargs),
+    )
+    calls.clear()
+    with torch.no_grad():
+        want, got = simulated(input_ids=ids).logits, real(input_ids=ids).logits
+    assert len(calls) == 7 * model.config.num_hidden_layers  # q k v o gate up down, each one real FP8 matmul
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -266,9 +266,10 @@ class QuantLinear(nn.Module):
         codes = codes.reshape(-1, self.in_features)
         rows, scale_w = len(codes), self.weight_scale
         blockwise = isinstance(self.weights.granularity, gr.PerBlock)
+        tensorwise_only = not codes.is_cuda and cpu_scaled_mm_tensorwise_only()
         if blockwise:
             scale_x = scale_x.reshape(rows, -1)  # [rows, in / 128]
-        elif scale_x.dim() or scale_w.dim() or not codes.is_cuda:
+        elif scale_x.dim() or scale_w.dim() or not (codes.is_cuda or tensorwise_only):
             # row-wise scaling needs both scales row-wise; on CPUs torch's tensor-wise path is a slow reference
             # loop (70x the row-wise one here), so per-tensor scales go row-wise there too: the same product
             scale_x = scale_x.reshape(-1, 1).expand(rows, 1).contiguous()
@@ -280,12 +281,15 @@ class QuantLinear(nn.Module):
         if blockwise:
             y = _blockwise_mm(codes, self.weight_codes, scale_x, scale_w, x.dtype)
             y = y if self.bias is None else y + self.bias
-        elif x.dtype == torch.float32 and scale_x.dim() and rowwise_float32_unavailable(codes.device):
-            # the product with unit scales, then both scales in float32, as the row-wise kernel's epilogue applies them
+        elif scale_x.dim() and (
+            tensorwise_only or (x.dtype == torch.float32 and rowwise_float32_unavailable(codes.device))
+        ):
+            # the product with unit scales, then both scales (and the bias) in float32, as the row-wise kernel's
+            # epilogue applies them, rounded once to the compute dtype
             one = torch.ones((), device=codes.device)
             y = torch._scaled_mm(codes, self.weight_codes.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
             y = y * scale_w * scale_x
-            y = y if self.bias is None else y + self.bias
+            y = (y if self.bias is None else y + self.bias).to(x.dtype)
         else:
             # cuBLAS takes no bias with a float32 output ("Bias is not supported when out_dtype is set to Float32")
             fused_bias = self.bias if x.dtype != torch.float32 else None
@@ -432,6 +436,23 @@ def rowwise_float32_unavailable(device: torch.device) -> bool:
         return False
     cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
     return torch.cuda.get_device_capability(device)[0] != 9 or cuda < (12, 9)
+
+
+_CPU_TENSORWISE_ONLY: list[bool] = []
+
+
+def cpu_scaled_mm_tensorwise_only() -> bool:
+    """Whether this torch's CPU torch._scaled_mm takes per-tensor scales only (torch 2.11: "Now _scaled_mm only
+    supports per-tensor scaling for CPU backend"; later ones take row-wise scales too). Tried once per process on a
+    16 x 16 product, through torch.ops so that a wrapper of torch._scaled_mm does not see the trial."""
+    if not _CPU_TENSORWISE_ONLY:
+        a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+        try:
+            torch.ops.aten._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+            _CPU_TENSORWISE_ONLY.append(False)
+        except RuntimeError:  # torch's INTERNAL ASSERT is a RuntimeError
+            _CPU_TENSORWISE_ONLY.append(True)
+    return _CPU_TENSORWISE_ONLY[0]
 
 
 def resolve_matmul(matmul: str, device: torch.device) -> str:
