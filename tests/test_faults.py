@@ -30,7 +30,7 @@ from ptq.errors import PtqError
 from ptq.evaluation.data import load_corpus
 from ptq.models.loading import load_model
 from ptq.numerics.formats import compute_scale, fake_quantize, get_format
-from ptq.quantization.plan import resolve_plans
+from ptq.quantization.plan import calibration_targets, resolve_plans
 from ptq.quantization.recipes import load_recipe
 from ptq.reporting.report import faults_lines
 
@@ -211,6 +211,29 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
         )
 
 
+def test_per_channel_amax_of_another_length_is_refused(tiny_model, tmp_path):
+    """A calibration file whose per-channel input amax has another length than the layer's inputs (damaged, or
+    edited) was used: a single value broadcast over every channel into SmoothQuant's factors, silently."""
+    from ptq.calibration.calibrate import save_calibration
+    from ptq.quantization.quantize import quantize_
+
+    model = load_model(str(tiny_model)).model
+    recipe = load_recipe("int8-smoothquant")
+    ids = torch.randint(0, 200, (4, 16), generator=torch.Generator().manual_seed(0))
+    layers, channels = calibration_targets(resolve_plans(model, [recipe]).values())
+    layer = "model.layers.0.mlp.down_proj"
+    calibration = calibrate(model, ids, layers, channels=channels)
+    calibration.metadata |= {"data": "t", "data_sha256": "0", "windows": 4, "seq_len": 16, "tokens": 64}
+    calibration.check_model(model, layers)  # as made
+    calibration.input_channel_amax[layer] = calibration.input_channel_amax[layer][:1].clone()
+    save_calibration(calibration, tmp_path / "c.st")
+    with pytest.raises(
+        PtqError,
+        match=f"1 per-channel input amax for layer '{layer}', which has 128 input channels: the file is damaged",
+    ):
+        quantize_(model, recipe, load_calibration(tmp_path / "c.st"))
+
+
 def test_fallback_amax_prefers_close_relatives():
     seen = {
         "m.layers.0.experts.0.w": torch.tensor(1.0),
@@ -228,6 +251,40 @@ def test_observer_ignores_nonfinite_batches():
     for x in (torch.tensor([1.0, -3.0]), torch.tensor([float("inf")]), torch.tensor([2.0, float("nan")])):
         obs(None, (x,))
     assert obs.amax == 3.0 and int(obs.nonfinite) == 2 and obs.finite_batches() == 1
+
+
+def test_fail_policy_never_lets_a_nonfinite_batch_through():
+    """finish, whatever ran the batches: under --on-nonfinite fail a counted non-finite batch is an error, not a
+    skipped batch (the layer-by-layer executor once left the lm_head's batches unchecked: they were skipped)."""
+    from ptq.calibration.calibrate import finish
+
+    def observers():
+        obs = TensorObserver()
+        for x in (torch.tensor([1.0]), torch.tensor([float("nan")])):
+            obs.observe(x)
+        return {"a": obs}
+
+    assert finish(observers(), ["a"], {}, "skip", "fallback").metadata["nonfinite_batches"] == {"a": 1}
+    with pytest.raises(PtqError, match=r"input of layer 'a' contains NaN or inf in 1 calibration batch\(es\)"):
+        finish(observers(), ["a"], {}, "fail", "fallback")
+
+
+def test_the_per_batch_check_makes_nothing_for_observers_not_called(monkeypatch):
+    """--on-nonfinite fail checks every observer after each batch (layer by layer: after each layer's batch). Those
+    not called yet (experts no token reached, later layers) hold the count 0 as an int: the check made a tensor of
+    each and, on CUDA, copied it to the GPU, some 10^4 copies per check for a large MoE."""
+    from ptq.calibration.calibrate import _fail_on_nonfinite
+
+    observers = {f"layer.{i}": TensorObserver(hist=False) for i in range(1000)}
+    observers["layer.0"].observe(torch.tensor([1.0]))
+    made = []
+    real = torch.as_tensor
+    monkeypatch.setattr(torch, "as_tensor", lambda *a, **k: made.append(1) or real(*a, **k))
+    _fail_on_nonfinite(observers, 0, 4)
+    assert not made
+    observers["layer.7"].observe(torch.tensor([float("inf")]))
+    with pytest.raises(PtqError, match="input of layer 'layer.7' contains inf in calibration batch 2 "):
+        _fail_on_nonfinite(observers, 2, 4)
 
 
 def test_zero_and_tiny_amax_warn_and_stay_finite():

@@ -413,3 +413,23 @@ def test_a_checkpoint_quantized_by_a_method_ptq_cannot_dequantize_is_refused(ptq
     code, _, err = ptq_cli("inspect", gptq)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"model '{gptq}' is already quantized (quant_method gptq), which ptq cannot dequantize" in err
+
+
+def test_the_memory_estimate_counts_two_values_per_byte_of_mxfp4_blocks(tmp_path):
+    """gpt-oss stores its experts as MXFP4: uint8 *_blocks of two 4-bit values per byte, and uint8 *_scales (one E8M0
+    per 32 values). Dequantized on load, a *_blocks tensor of N bytes is 2N values; other uint8 tensors count as they
+    are."""
+    import safetensors.torch
+    import torch
+
+    from ptq.execution import resources
+
+    safetensors.torch.save_file(
+        {
+            "mlp.experts.gate_up_proj_blocks": torch.zeros(2, 64, 4, 16, dtype=torch.uint8),  # 8192 bytes
+            "mlp.experts.gate_up_proj_scales": torch.zeros(2, 64, 4, dtype=torch.uint8),  # 512
+            "mlp.experts.gate_up_proj_bias": torch.zeros(2, 64, dtype=torch.bfloat16),  # 128
+        },
+        str(tmp_path / "model.safetensors"),
+    )
+    assert resources.checkpoint_parameters(tmp_path) == 2 * 8192 + 512 + 128

@@ -63,6 +63,88 @@ def test_running_max_and_mergeable_histograms():
     assert torch.equal(a.hist, obs.hist) and float(a.amax) == float(obs.amax)
 
 
+def test_merge_equals_one_observer_of_every_batch_and_refuses_other_statistics():
+    """merge folds shards' observers into the statistics of one that saw every batch (numpy's max, numpy's
+    histogram counts), whichever side is empty or saw only non-finite batches; observers keeping other statistics are
+    refused (they used to raise AttributeError on a missing histogram, or broadcast 1 channel over 8 silently)."""
+    rng = np.random.default_rng(1)
+    batches = [rng.standard_normal((3, 8)).astype(np.float32) * s for s in (1, 5, 2)]
+    bad = np.full((3, 8), np.inf, dtype=np.float32)
+    shards = [[batches[0], bad], [], [batches[1], batches[2]], [bad]]
+    merged = TensorObserver(channels=True)
+    for shard in shards:
+        obs = TensorObserver(channels=True)
+        for x in shard:
+            obs.observe(torch.from_numpy(x))
+        merged.merge(obs)
+    every = np.abs(np.stack(batches))
+    assert merged.calls == 5 and int(merged.nonfinite) == 2 and merged.finite_batches() == 3
+    assert float(merged.amax) == every.max()
+    np.testing.assert_array_equal(merged.channel_amax.numpy(), every.reshape(-1, 8).max(0))
+    edges = bin_edges().numpy()
+    want, _ = np.histogram(np.clip(every.astype(np.float64), edges[0], np.nextafter(edges[-1], 0)), bins=edges)
+    assert merged.hist.tolist() == want.tolist()
+    assert torch.isinf(merged.last)  # the latest batch, which names a fault
+
+    x = torch.from_numpy(batches[0])
+    for mine, theirs in [
+        (TensorObserver(), TensorObserver(hist=False)),
+        (TensorObserver(hist=False), TensorObserver()),
+        (TensorObserver(channels=True), TensorObserver()),
+    ]:
+        theirs.observe(x)
+        with pytest.raises(ValueError, match="cannot merge observers that keep different statistics"):
+            mine.merge(theirs)
+    mine, theirs = TensorObserver(channels=True), TensorObserver(channels=True)
+    mine.observe(x)
+    theirs.observe(x[:, :1])
+    with pytest.raises(ValueError, match=r"cannot merge per-channel amax of \[1\] channels into \[8\]"):
+        mine.merge(theirs)
+
+
+@pytest.mark.parametrize("all_experts", [True, False])
+def test_layers_reading_one_tensor_measure_it_once(all_experts, monkeypatch):
+    """q/k/v read one tensor, and so do an expert's gate/up (with all_experts, every expert's): its histogram is
+    computed once. The cache was keyed on a detached view, a new object at every call, so it never hit: each layer
+    measured its input again. Per decoder layer of 4 experts: attention 2 (q/k/v, o), then with all_experts 1 (every
+    gate/up) + 4 (each down_proj), routed 2 per expert (gate/up on its tokens, down_proj). The statistics are those
+    of each layer calibrated alone (no tensor shared with another observer)."""
+    import families
+
+    from ptq.calibration import observers
+    from ptq.calibration.calibrate import calibrate
+    from ptq.models.matmuls import linearize
+    from ptq.quantization.plan import calibration_targets, resolve_plans
+    from ptq.quantization.recipes import load_recipe
+
+    model = linearize(families.build("qwen3_moe", seed=3))
+    assert model.config.num_experts == 4 and model.config.num_hidden_layers == 2
+    layers, _ = calibration_targets(resolve_plans(model, [load_recipe("fp8-e4m3")]).values())
+    ids = torch.randint(0, 300, (4, 24), generator=torch.Generator().manual_seed(0))
+    made = []
+    real = observers.histogram
+    monkeypatch.setattr(observers, "histogram", lambda x: made.append(x.shape) or real(x))
+    together = calibrate(model, ids, layers, batch_size=2, all_experts=all_experts)
+    assert len(made) == 2 * 2 * ((2 + 1 + 4) if all_experts else (2 + 2 * 4))  # 2 batches, 2 decoder layers
+    for name in layers:
+        alone = calibrate(model, ids, [name], batch_size=2, all_experts=all_experts)
+        assert torch.equal(together.input_amax[name], alone.input_amax[name]), name
+        assert torch.equal(together.input_hist[name], alone.input_hist[name]), name
+
+
+def test_a_tensor_written_in_place_is_measured_again():
+    """The statistics shared by layers reading one tensor are keyed by its version: values written in place are
+    measured again; an inference tensor (no version) is never shared."""
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            x = torch.ones(4, 8)
+            a, b = TensorObserver(), TensorObserver()
+            a.observe(x)
+            x.mul_(3)
+            b.observe(x)
+        assert float(a.amax) == 1 and float(b.amax) == 3, mode
+
+
 def test_observing_copies_nothing_to_the_host(monkeypatch):
     # The histogram stays where the activations are until it is read: `observe` used to read the `hist` property
     # (a copy to the CPU) on every call, a device sync per layer and batch on CUDA that its docstring rules out.

@@ -20,6 +20,7 @@ import torch
 from conftest import TEXT, make_tokenizer
 
 from ptq.calibration.calibrate import calibrate, load_calibration
+from ptq.errors import PtqError
 from ptq.evaluation.evaluate import evaluate
 from ptq.execution import resources, streaming
 from ptq.models.loading import load_model
@@ -94,6 +95,55 @@ def test_layer_by_layer_amax_equal_in_memory_calibration(family, recipe, checkpo
         assert torch.equal(got.input_hist[name], expected.input_hist[name]), name
     assert "layer by layer" in got.metadata["low_memory"]
     assert all(p.is_meta for p in streamed.model.parameters())  # the skeleton was never filled
+
+
+@pytest.mark.parametrize("fault", ["embedding", "final-norm"])
+def test_layer_by_layer_names_a_fault_outside_the_decoder_layers_as_in_memory(fault, tmp_path, all_linear):
+    """--on-nonfinite fail, layer by layer: an inf in what runs before the first decoder layer (OPT's embeddings into
+    project_in, on a token of batch 1) was named with batch 0 (the trunk ran on every batch before any check), and one
+    after the last (a final norm's inf into the lm_head) was not checked at all: the lm_head's batches were skipped
+    silently and it got a fallback amax. Both stop as in memory, with the same message."""
+    ids = windows()
+    model = families.build(
+        "opt" if fault == "embedding" else "llama", seed=3, **(OPT_PROJ if fault == "embedding" else {})
+    )
+    if fault == "embedding":
+        model.get_input_embeddings().weight[int(ids[4, 5])] = float("inf")  # batch 1 of batches of 3
+    else:
+        model.model.norm.weight[0] = float("inf")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "m", max_shard_size="60KB")
+    make_tokenizer().save_pretrained(tmp_path / "m")
+    whole = load_model(str(tmp_path / "m"))
+    layers, _ = calibration_targets(resolve_plans(whole.model, [load_recipe(str(all_linear))]).values())
+    with pytest.raises(PtqError) as expected:
+        calibrate(whole.model, ids, layers, batch_size=3)
+    streamed = streaming.load_streamed(str(tmp_path / "m"))
+    with pytest.raises(PtqError) as got:
+        calibrate(streamed.model, ids, layers, batch_size=3, layer_by_layer=streaming.LayerByLayer(streamed.model))
+    assert str(got.value) == str(expected.value)
+    layer, batch = ("model.decoder.project_in", 1) if fault == "embedding" else ("lm_head", 0)
+    assert f"input of layer '{layer}' contains inf in calibration batch {batch} " in str(got.value)
+
+
+def test_a_hidden_state_written_in_place_is_measured_again(checkpoints, tmp_path):
+    """Layer by layer, each layer's output is copied into its input's buffer: the same tensor, new values. A layer
+    that reads it directly (OPT with its norms after: q/k/v) must not be given the statistics the observers measured
+    on it at the previous layer (they share one measurement per tensor: its version tells the values apart)."""
+    recipe = tmp_path / "q.yaml"
+    recipe.write_text("name: q-only\nweights: {format: e4m3}\ninputs: {format: e4m3}\ninclude: ['*.q_proj']\n")
+    directory = checkpoints["opt-proj"]
+    whole = load_model(str(directory))
+    layers, _ = calibration_targets(resolve_plans(whole.model, [load_recipe(str(recipe))]).values())
+    assert layers == [f"model.decoder.layers.{i}.self_attn.q_proj" for i in range(2)]
+    expected = calibrate(whole.model, windows(3), layers, batch_size=3)  # one batch: one buffer, written per layer
+    streamed = streaming.load_streamed(str(directory))
+    got = calibrate(
+        streamed.model, windows(3), layers, batch_size=3, layer_by_layer=streaming.LayerByLayer(streamed.model)
+    )
+    assert expected.input_amax[layers[0]] != expected.input_amax[layers[1]]
+    for name in layers:
+        assert torch.equal(got.input_amax[name], expected.input_amax[name]), name
+        assert torch.equal(got.input_hist[name], expected.input_hist[name]), name
 
 
 @pytest.mark.parametrize("family", STREAMED)

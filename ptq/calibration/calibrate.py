@@ -44,7 +44,7 @@ from torch import nn
 
 from ptq.calibration.observers import NUM_BINS, TensorObserver
 from ptq.errors import PtqError
-from ptq.execution import batching
+from ptq.execution import batching, distributed
 from ptq.execution.devices import input_device
 from ptq.execution.executors import WholeModels
 from ptq.files import check_writable, save_safetensors
@@ -82,6 +82,12 @@ class Calibration:
                     f"(made for model '{self.metadata.get('model', '?')}'; recalibrate for this model and recipe)"
                 )
             module = modules.get(name)
+            channels = self.input_channel_amax.get(name)
+            if channels is not None and quantizable(module) and channels.shape != module.weight.shape[1:]:
+                raise PtqError(
+                    f"calibration file has {channels.numel()} per-channel input amax for layer '{name}', which has "
+                    f"{module.weight.shape[1]} input channels: the file is damaged; recalibrate"
+                )
             owner = weightless_owner(name)
             if module is None and name not in self.weight_amax and owner in modules:
                 checked |= {n for n in self.weight_amax if n.startswith(owner + ".")}
@@ -196,7 +202,9 @@ def calibrate(
             error = str(e)  # not the exception: its frames hold the batch's tensors
         else:
             calibration.metadata["batch_size"] = size
-            return calibration
+            # Under torchrun each process calibrates on the same windows, but not always on the same batches (an
+            # automatic batch size follows each GPU's free memory): the first process's scales, everywhere
+            return distributed.first(calibration)
         param = next(model.parameters())
         estimate = size * batching.window_bytes(
             model.config, input_ids.shape[1], param.dtype, calibrating=True, logits=runner is model
@@ -310,7 +318,7 @@ def _calibrate_batches(
             for hook in residual.install(model, residual_blocks):
                 stack.callback(hook.remove)
             run = WholeModels({"original": _runner(model, layers)}, input_device(model))
-        stack.callback(setattr, TensorObserver, "shared", None)  # release the last activation it holds
+        stack.callback(setattr, TensorObserver, "shared", ())  # release the last activations it holds
         saved_at = time.monotonic()
         description = (
             f"calibrating again on batches of {batch_size} (out of GPU memory on {restarted})"
@@ -320,7 +328,7 @@ def _calibrate_batches(
         done = sum(len(b) for b in batches[:start])
         check = (lambda i: _fail_on_nonfinite(observers, start + i, batch_size)) if on_nonfinite == "fail" else None
         with (
-            torch.inference_mode(),
+            torch.no_grad(),  # not inference_mode: its tensors have no version, which the observers' shared statistics need
             progress(description, run.steps(len(input_ids), logits), input_ids.shape[1]) as advance,
         ):
             advance(done)
@@ -357,6 +365,12 @@ def finish(
             unseen.append(name)
         else:
             input_amax[name] = obs.amax.float().cpu()
+    if skipped and on_nonfinite == "fail":  # an executor checks each batch as it goes; none may pass unchecked
+        name = next(iter(skipped))
+        raise PtqError(
+            f"input of layer '{name}' contains NaN or inf in {skipped[name]} calibration batch(es); use "
+            "--on-nonfinite skip to leave such batches out of that layer's amax"
+        )
     if len(unseen) == len(layers):
         raise PtqError(
             "no calibration batch reached any calibrated layer with finite values: nothing to calibrate from"
@@ -421,10 +435,15 @@ def check_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _fail_on_nonfinite(observers: dict[str, TensorObserver], batch: int, batch_size: int) -> None:
-    counts = [torch.as_tensor(o.nonfinite) for o in observers.values()]
-    if counts and bool(
-        torch.stack([c.to(counts[0].device) for c in counts]).any()
-    ):  # one device sync per batch, only in "fail" mode
+    # One device sync per batch and device, only in "fail" mode. An observer not called yet (an MoE expert no token
+    # reached; layer by layer, every later layer's) holds an int: no tensor made and copied to the GPU for it per check
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for o in observers.values():
+        if torch.is_tensor(o.nonfinite):
+            by_device.setdefault(o.nonfinite.device, []).append(o.nonfinite)
+    if any(not torch.is_tensor(o.nonfinite) and o.nonfinite for o in observers.values()) or any(
+        bool(torch.stack(counts).any()) for counts in by_device.values()
+    ):
         name, obs = min(((n, o) for n, o in observers.items() if int(o.nonfinite)), key=lambda no: no[1].step)
         what = "NaN" if torch.isnan(obs.last) else "inf"
         raise PtqError(

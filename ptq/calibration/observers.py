@@ -80,9 +80,11 @@ class TensorObserver:
         self.last: torch.Tensor | None = None  # the latest batch's amax (NaN or inf names the fault)
         self.step = -1  # when it was last called, in the order of all observers' calls
 
-    # The statistics of the last tensor observed: q/k/v (and gate/up) see the same input tensor, which is
-    # then measured once. Held by reference (its memory cannot be reused meanwhile); calibration clears it.
-    shared: tuple | None = None
+    # The statistics of the last two tensors observed, the latest used first: q/k/v (and gate/up) see the same input
+    # tensor, which is then measured once, and so do all experts' gate/up when every token goes through every expert
+    # (gate/up of each, on the layer's input, then its down_proj on its own). Held by reference (their memory cannot
+    # be reused meanwhile); calibration clears them.
+    shared: tuple = ()
 
     @property
     def hist(self) -> torch.Tensor | None:
@@ -94,7 +96,6 @@ class TensorObserver:
         self._hist = value
 
     def observe(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.detach()
         a, hist, channel_amax = self._statistics(x)
         self.last, self.calls, self.step = a, self.calls + 1, next(_CALLS)
         finite = torch.isfinite(a)
@@ -110,19 +111,28 @@ class TensorObserver:
             previous = self.channel_amax if self.channel_amax is not None else torch.zeros_like(channel_amax)
             previous = previous.to(channel_amax.device)
             self.channel_amax = torch.where(finite, torch.maximum(previous, channel_amax), previous)
-        return x
+        return x.detach()
 
     def _statistics(self, x: torch.Tensor) -> tuple:
+        """(amax, histogram, per-channel amax) of x, measured once for the layers that read the same tensor: the
+        tensor itself and its version are the key (a detached view would be a new object on every call; a tensor
+        written in place, as layer by layer the hidden states are, has a new version). An inference tensor has no
+        version: not cached (calibration runs under no_grad)."""
         version = None if x.is_inference() else x._version
         wants = (self._hist is not None, self.channels)  # not `hist`: a copy to the host, a device sync
-        shared = TensorObserver.shared
-        if shared is not None and shared[0] is x and shared[1] == version and shared[2] == wants:
-            return shared[3]
-        a = amax(x)
-        hist = histogram(x) if self._hist is not None else None  # kept only if finite (observe)
-        channel_amax = x.abs().reshape(-1, x.shape[-1]).amax(0).float() if self.channels else None
-        TensorObserver.shared = (x, version, wants, (a, hist, channel_amax))
-        return a, hist, channel_amax
+        for i, (seen, seen_version, seen_wants, statistics) in enumerate(TensorObserver.shared):
+            if seen is x and seen_version == version and seen_wants == wants:
+                if i:  # the latest used first: it is kept while each expert's down_proj input comes and goes
+                    TensorObserver.shared = TensorObserver.shared[::-1]
+                return statistics
+        data = x.detach()
+        a = amax(data)
+        hist = histogram(data) if self._hist is not None else None  # kept only if finite (observe)
+        channel_amax = data.abs().reshape(-1, data.shape[-1]).amax(0).float() if self.channels else None
+        statistics = (a, hist, channel_amax)
+        if version is not None:
+            TensorObserver.shared = ((x, version, wants, statistics), *TensorObserver.shared[:1])
+        return statistics
 
     def __call__(self, module, args: tuple) -> None:  # a forward pre-hook on a Linear
         self.observe(args[0])
@@ -131,20 +141,39 @@ class TensorObserver:
         return self.calls - self.nonfinite
 
     def merge(self, other: TensorObserver) -> None:
-        """Fold in another observer's statistics (e.g. from another process or shard)."""
-        self.calls += other.calls
-        self.nonfinite += other.nonfinite
-        if other.amax is None:
-            return
-        self.amax = other.amax if self.amax is None else torch.maximum(self.amax, other.amax)
-        if self._hist is not None:
-            self._hist = self._hist + other._hist.to(self._hist.device)
-        if self.channels:
-            self.channel_amax = (
-                other.channel_amax
-                if self.channel_amax is None
-                else torch.maximum(self.channel_amax, other.channel_amax)
+        """Fold in another observer's statistics of the same activation (e.g. from another process or shard): the
+        same as if this one had seen its batches too, on this observer's device. Observers that keep different
+        statistics (a histogram or per-channel maxima on one only, or channels of another count) are refused: the
+        merged statistics would hold part of the batches."""
+        if (self._hist is None) != (other._hist is None) or self.channels != other.channels:
+            raise ValueError(
+                f"cannot merge observers that keep different statistics (histogram {self._hist is not None} / "
+                f"{other._hist is not None}, per-channel amax {self.channels} / {other.channels})"
             )
+        if self.channel_amax is not None and other.channel_amax is not None:
+            if self.channel_amax.shape != other.channel_amax.shape:
+                raise ValueError(
+                    f"cannot merge per-channel amax of {list(other.channel_amax.shape)} channels into "
+                    f"{list(self.channel_amax.shape)}: not the same activation"
+                )
+        self.calls += other.calls
+        self.nonfinite = _fold(self.nonfinite, other.nonfinite, torch.add)
+        if other.step > self.step:  # the latest batch names a fault (its amax is NaN or inf)
+            self.last, self.step = other.last, other.step
+        self._hist = _fold(self._hist, other._hist, torch.add)
+        self.amax = _fold(self.amax, other.amax, torch.maximum)
+        self.channel_amax = _fold(self.channel_amax, other.channel_amax, torch.maximum)
+
+
+def _fold(mine, theirs, op):
+    """op(mine, theirs) on mine's device; the other one where either is None. A count (op add) may be an int."""
+    if theirs is None:
+        return mine
+    if mine is None:
+        return theirs.clone()
+    if not torch.is_tensor(mine):
+        return theirs + mine
+    return op(mine, theirs.to(mine.device) if torch.is_tensor(theirs) else torch.tensor(theirs, device=mine.device))
 
 
 def _bin_values(hist: torch.Tensor, amax: float) -> tuple[torch.Tensor, torch.Tensor]:

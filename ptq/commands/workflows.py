@@ -45,7 +45,7 @@ from ptq.commands.results import build_results, calibration_faults, recipe_summa
 from ptq.errors import PtqError
 from ptq.evaluation import harness
 from ptq.evaluation.data import Corpus, load_corpus, make_windows, shared_text
-from ptq.evaluation.evaluate import evaluate
+from ptq.evaluation.evaluate import evaluate, gather_scores
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
 from ptq.execution import batching, devices, distributed, streaming
 from ptq.execution.devices import compute_dtype, cpu_model, default_device
@@ -107,6 +107,7 @@ def run_calibrate(
     """Calibrate for `recipes` and save to output.path; a checkpoint (OUTPUT.checkpoint) is kept while running and
     removed at the end. compute.low_memory: layer by layer from disk (ptq.execution.streaming); None: when the model
     does not fit in memory. model.placement: the model placed over the GPUs and offloaded (ptq.execution.placement)."""
+    _refuse_torchrun("calibrate")
     refuse_unused("calibrate", model, dtype="--dtype")
     refuse_unused("calibrate", calibration, file="--calib")
     refuse_unused("calibrate", compute, matmul="--matmul")
@@ -278,6 +279,8 @@ def _streams(model: ModelOptions, low_memory: bool | None, copies: float = 1, no
     --no-memory-check; `note` is printed then."""
     if low_memory is not None:
         return low_memory
+    if distributed.active():  # layer by layer runs in one process: the memory check's own error says what to do
+        return False
     streamed = model.placement is None and model.memory_check and streaming.too_big(model.model, copies)
     if streamed and note:
         stderr.print(note, highlight=False, soft_wrap=True)
@@ -566,9 +569,7 @@ def run_compare(
                 compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
             mine = distributed.share(len(windows.input_ids), INPUT_SNR_WINDOWS)  # all of them in one process
             with input_snr_db(quantized) as input_snr:
-                scores = distributed.gather_scores(
-                    evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size)
-                )
+                scores = gather_scores(evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size))
             input_snr = distributed.gather(input_snr)[0]  # the first process's share starts with the measured windows
             if suite is not None:
                 task_run = harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size))
@@ -626,6 +627,16 @@ def _refuse_unused_calibration(calibration: CalibrationOptions, needs: bool, why
 
 def _refuse_resume(command: str, calibration: CalibrationOptions) -> None:
     refuse_unused(command, calibration, resume="--resume", checkpoint_every="--checkpoint-every")
+
+
+def _refuse_torchrun(command: str) -> None:
+    """calibrate and quantize run in one process (their outputs are one file or folder, which every torchrun process
+    would compute and write alike): refused under torchrun, before any work."""
+    if distributed.active():
+        raise PtqError(
+            f"ptq {command} runs in one process: start it without torchrun / accelerate launch (compare and eval "
+            "spread their windows over the processes)"
+        )
 
 
 def _compute_info(model: ModelOptions, compute: ComputeOptions, data: DataOptions, streamed: bool) -> dict:
@@ -795,9 +806,7 @@ def run_eval(
             if model.placement:
                 compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
             mine = distributed.share(len(windows.input_ids))  # all of them in one process
-            s = distributed.gather_scores(evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size))[
-                config.name
-            ]
+            s = gather_scores(evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size))[config.name]
             task_run = (
                 harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size)) if suite else None
             )
@@ -938,6 +947,7 @@ def run_quantize(
     from ptq.progress import progress
     from ptq.reporting.report import render_model_card
 
+    _refuse_torchrun("quantize")
     refuse_unused("quantize", model, dtype="--dtype")
     refuse_unused("quantize", data, tasks="--tasks")
     refuse_unused("quantize", compute, matmul="--matmul")
@@ -1100,7 +1110,13 @@ def run_quantize(
             disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
             scales = export.unapplied_scales(loaded.model, unrounded, calib, plans[r.name])
             simulated = export.simulate_export(
-                loaded.model, r, calib, unrounded_inputs=unrounded, target=target, one_scale_2d_inputs=one_scale
+                loaded.model,
+                r,
+                calib,
+                unrounded_inputs=unrounded,
+                target=target,
+                one_scale_2d_inputs=one_scale,
+                kv_cache=load_info.get("kv_cache_quantized", False),
             )
             expected = export.simulated_tensors(simulated, disk, conv1d)
             # the experts' input scales as the target engine has them (vllm: one per layer, the largest)

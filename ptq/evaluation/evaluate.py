@@ -157,6 +157,15 @@ def merge_scores(parts: list[Scores]) -> Scores:
     return out
 
 
+def gather_scores(scores: dict[str, Scores]) -> dict[str, Scores]:
+    """Each variant's Scores merged over the torchrun processes' shares of the windows, window by window in their
+    order (ptq.execution.distributed); the scores themselves in one process."""
+    from ptq.execution import distributed
+
+    parts = distributed.gather(scores)
+    return {name: merge_scores([p[name] for p in parts]) for name in scores}
+
+
 def score_logits(
     s: Scores, logits: torch.Tensor, targets: torch.Tensor, base: tuple | None, versus: bool = True
 ) -> tuple:

@@ -1,12 +1,13 @@
 """Data-parallel evaluation under `torchrun --nproc-per-node N` or `accelerate launch` (WORLD_SIZE > 1).
 
 Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.execution.devices.default_device), builds the same
-variants and calibrates on the same windows (calibration is not split: its result must be the same everywhere).
+variants and calibrates on the same windows (calibration is not split); the first process's calibration is then used
+by all (first): their batches, and so the last bits of their amax, may differ.
 The evaluation windows are split into contiguous shares, one per process (the first process's share holds the
 windows the input SNR is measured on); the scores are gathered with
-all_gather_object, so that every process has the whole result, and merged window by window in their order:
-the numbers are those of one process (ptq.evaluation.evaluate.Scores sums one window at a time, so the merge replays the
-same additions). Only the first process (rank 0) writes the report and prints; the others print nothing.
+all_gather_object, so that every process has the whole result, and merged window by window in their order
+(ptq.evaluation.evaluate.gather_scores): the numbers are those of one process (Scores sums one window at a time, so
+the merge replays the same additions). Only the first process (rank 0) writes the report and prints; the others print nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ def world() -> tuple[int, int]:
         raise PtqError(
             f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not "
             "integers: start several processes with torchrun or accelerate launch"
+        ) from None
+
+
+def local_processes() -> int:
+    """How many processes of this run are on this machine: LOCAL_WORLD_SIZE (torchrun and accelerate launch set it),
+    else WORLD_SIZE (all of them, at most); 1 without torch.distributed's environment."""
+    size = world()[1]
+    if size == 1:
+        return 1
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    except ValueError:
+        raise PtqError(
+            f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r} is not an integer: start several processes "
+            "with torchrun or accelerate launch"
         ) from None
 
 
@@ -73,6 +89,18 @@ def share(n: int, first_at_least: int = 0) -> range:
     return range(start, first + rank * rest // others)
 
 
+def first(value):
+    """The first process's `value` on every process (broadcast_object_list); `value` itself in one process, or
+    where the processes have not joined a group (setup)."""
+    import torch.distributed as dist
+
+    if not active() or not dist.is_initialized():
+        return value
+    box = [value if is_main() else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather(value):
     """Every process's `value`, in rank order (all_gather_object); [value] alone."""
     if not active():
@@ -82,11 +110,3 @@ def gather(value):
     values = [None] * world()[1]
     dist.all_gather_object(values, value)
     return values
-
-
-def gather_scores(scores: dict) -> dict:
-    """Each variant's Scores merged over the processes' shares, window by window in their order."""
-    from ptq.evaluation.evaluate import merge_scores
-
-    parts = gather(scores)
-    return {name: merge_scores([p[name] for p in parts]) for name in scores}

@@ -39,7 +39,10 @@ def checkpoint_parameters(directory: Path) -> int | None:
             try:
                 with safetensors.safe_open(str(f), framework="pt") as st:
                     for key in st.keys():
-                        total += math.prod(st.get_slice(key).get_shape())
+                        piece = st.get_slice(key)
+                        # MXFP4 (gpt-oss): two 4-bit values per byte of a *_blocks tensor, dequantized on load
+                        packed = 2 if key.endswith("_blocks") and piece.get_dtype() == "U8" else 1
+                        total += math.prod(piece.get_shape()) * packed
             except Exception:
                 raise PtqError(f"cannot read the weights file {f}: missing, damaged or not safetensors") from None
         return total
@@ -67,16 +70,31 @@ def available_memory(device: torch.device) -> int | None:
 def shortfall(directory: Path, copies: float, device: torch.device) -> tuple[int, int, int] | None:
     """(parameters, bytes needed, bytes available) when the model's float32 weights, times the copies the
     command keeps (in float32 copies: a compared variant holds 16- or 8-bit weight codes, half a copy at most),
-    exceed the memory available on `device`; None when they fit or either side is unknown. Activations come
-    on top: the estimate is a lower bound."""
+    exceed the memory available on `device`; None when they fit or either side is unknown. Under torchrun, times the
+    processes that each hold their own (processes_sharing). Activations come on top: the estimate is a lower bound."""
     return _shortfall(checkpoint_parameters(directory), copies, device)
+
+
+def processes_sharing(device: torch.device) -> int:
+    """How many processes of this run load their own copy of the model into `device`'s memory at once: under torchrun
+    or accelerate launch, every process on this machine for the host's memory (from_pretrained converts a 16-bit
+    checkpoint to float32 in each process's own memory; what they share, the checkpoint's page cache, MemAvailable
+    already counts as free); on a GPU, the processes placed on it (ptq.execution.devices.default_device:
+    cuda:LOCAL_RANK modulo the GPU count). 1 in a single process. Each process measures before its own load: one
+    that starts late sees the others' loads under way and may count them twice (--no-memory-check then)."""
+    from ptq.execution.distributed import local_processes
+
+    local = local_processes()
+    if device.type == "cuda" and local > 1:
+        return -(-local // max(torch.cuda.device_count(), 1))
+    return local
 
 
 def _shortfall(params: int | None, copies: float, device: torch.device) -> tuple[int, int, int] | None:
     free = available_memory(device)
     if params is None or free is None:
         return None
-    needed = int(params * FLOAT32_BYTES * copies)
+    needed = int(params * FLOAT32_BYTES * copies * processes_sharing(device))
     return (params, needed, free) if needed > free else None
 
 
@@ -95,10 +113,13 @@ def check_parameters_fit(params: int | None, copies: float, device: torch.device
             if copies > 1
             else ""
         )
+        processes = processes_sharing(device)
+        processes_text = f" x {processes} processes, each loading its own" if processes > 1 else ""
         raise PtqError(
             f"{what} needs at least {_size(needed)} ({params:,} parameters x {FLOAT32_BYTES} bytes in "
-            f"float32{copies_text}) but only {_size(free)} is available on {device.type}: use a machine with "
-            f"more memory{', compare fewer recipes per run' if copies > 2 else ''}, or pass {NO_CHECK_FLAG} to try anyway"
+            f"float32{copies_text}{processes_text}) but only {_size(free)} is available on {device.type}: use a "
+            f"machine with more memory{', compare fewer recipes per run' if copies > 2 else ''}"
+            f"{', start fewer processes per machine' if processes > 1 else ''}, or pass {NO_CHECK_FLAG} to try anyway"
         )
 
 

@@ -377,8 +377,14 @@ class LayerByLayer:
         with self.parts(trunk) as trunks:
             del trunk
             # Each model's own inputs of its first decoder layer: what runs before it (OPT's project_in) is part of
-            # the trunk, quantized in a variant and observed in calibration as in memory
-            captured = {name: [self._capture(trunks[name], batch) for batch in batches] for name in self.names}
+            # the trunk, quantized in a variant and observed in calibration as in memory (and checked batch by batch,
+            # so that a fault there is named with its own batch)
+            captured = {name: [] for name in self.names}
+            for name in self.names:
+                for b, batch in enumerate(batches):
+                    captured[name].append(self._capture(trunks[name], batch))
+                    if after_batch is not None:
+                        after_batch(b)
             # per batch, per layer: (positional arguments after the hidden states, keywords), the same for every model
             calls = [c for _, c, _ in captured[self.names[0]]]
             early = {name: captured[name][0][2] for name in self.names}  # modules run before the first decoder layer
@@ -407,13 +413,16 @@ class LayerByLayer:
                 gc.collect()  # this layer's weights are freed before the next one is read (its copies hold cycles)
             for b, batch in enumerate(batches):
                 finals = [hidden[name][b] for name in self.names]
+                # what runs after the last decoder layer (final norm, lm_head, project_out) is checked too
                 if logits:
-                    yield batch, self._logits(trunks, finals, batch, returns_tuple, early)
+                    yield batch, _then(self._logits(trunks, finals, batch, returns_tuple, early), after_batch, b)
                     advance(len(batch) * len(self.names))
                 else:
                     if tail:
                         for _ in self._logits(trunks, finals, batch, returns_tuple, early, base=True):
                             pass
+                        if after_batch is not None:
+                            after_batch(b)
                     yield batch, iter(())
                 for name in self.names:
                     hidden[name][b] = None
@@ -502,6 +511,13 @@ class LayerByLayer:
                 else:
                     out = trunk(input_ids=batch, use_cache=False).logits
             yield name, out
+
+
+def _then(outputs: Iterator, after_batch: Callable[[int], None] | None, b: int) -> Iterator:
+    """`outputs`, then after_batch(b) once they are all out (as WholeModels calls it)."""
+    yield from outputs
+    if after_batch is not None:
+        after_batch(b)
 
 
 def _in_base(model: nn.Module, name: str) -> bool:
