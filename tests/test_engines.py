@@ -30,11 +30,15 @@ def e4m3(x: torch.Tensor) -> np.ndarray:
 
 
 def requantize_with_max_scale(codes: list[torch.Tensor], scales: list[torch.Tensor]) -> tuple[list[np.ndarray], float]:
-    """vLLM's requantize_with_max_scale (model_executor/layers/quantization/utils/w8a8_utils.py): each shard
-    dequantized with its own scale (per_tensor_dequantize: codes * scale in float32), then quantized with the group's
-    largest scale (scaled_fp8_quant: x / scale, clamped to +-448, rounded to E4M3)."""
+    """vLLM 0.32's requantize_with_max_scale (model_executor/layers/quantization/utils/w8a8_utils.py), which every
+    static per-tensor FP8 layer goes through at load: each shard dequantized with its own scale (per_tensor_dequantize:
+    `codes.to(float16) * scale`, a float16 product: the 0-d float32 scale does not promote it), then quantized with the
+    group's largest scale (scaled_fp8_quant: times the float32 reciprocal of the scale, clamped to +-448, rounded to
+    E4M3)."""
     top = torch.stack([s.reshape(()) for s in scales]).max()
-    return [e4m3(c.float() * s.reshape(()) / top) for c, s in zip(codes, scales)], float(top)
+    dequantized = [c.to(torch.float16) * s.reshape(()) for c, s in zip(codes, scales)]
+    assert all(d.dtype == torch.float16 for d in dequantized)
+    return [e4m3(d.float() * top.reciprocal()) for d in dequantized], float(top)
 
 
 def _tensors(directory) -> dict[str, torch.Tensor]:
@@ -217,6 +221,54 @@ def test_the_plan_decides_which_layers_share_a_scale_and_quantize_follows_it(tin
     assert len(set(weights.values())) > 1  # the group's members differ, so sharing changes something
 
 
+def test_only_whole_groups_share_a_scale_and_every_experts_gate_and_up_collapse_into_one_input_scale():
+    """Rules 1 and 2, from the layer names alone: a fused group one of whose members the recipe leaves out shares
+    nothing (vLLM cannot load it; the export refuses it); a mixture-of-experts layer's static input scale is the
+    largest over every expert's gate and up (w13), and over every expert's down (w2). The calibrated clips are made
+    distinct per layer here, so that each member of a group is seen to count (every expert's gate/up sees every
+    calibration token, so their real clips are equal)."""
+    import copy
+
+    llama = linearize(families.build("llama"))
+    partial = parse_recipe(
+        {
+            "name": "no-v0",
+            "weights": {"format": "e4m3"},
+            "inputs": {"format": "e4m3"},
+            "ignore": ["lm_head", "model.layers.0.self_attn.v_proj"],
+        }
+    )
+    plan = resolve_plan(llama, partial, "vllm")
+    for p in ("q_proj", "k_proj"):
+        m = plan.matmuls[f"model.layers.0.self_attn.{p}"]
+        assert m.quantized and m.weight_group == () and m.input_group == (), p
+    assert plan.matmuls["model.layers.1.self_attn.k_proj"].weight_group == tuple(
+        f"model.layers.1.self_attn.{p}" for p in FUSED[0]
+    )
+    assert plan.matmuls["model.layers.0.mlp.up_proj"].input_group == (
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj",
+    )
+
+    model = linearize(families.build("mixtral"))
+    recipe = load_recipe("fp8-e4m3")
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    calibration = calibrate(model, ids, sorted(set(calibrated_layers(model, recipe))))
+    for i, name in enumerate(sorted(calibration.input_amax)):
+        calibration.input_amax[name] = calibration.input_amax[name] * (1 + (i * 37 % 101) / 100)
+    quantized = quantize_(copy.deepcopy(model), recipe, calibration, target="vllm")
+    layers = dict(quantized.named_modules())
+    for path, experts in quantized.named_modules():
+        if not isinstance(experts, LinearExperts):
+            continue
+        w13 = [f"{path}.{e}.{p}" for e in range(len(experts)) for p in ("gate_proj", "up_proj")]
+        w2 = [f"{path}.{e}.down_proj" for e in range(len(experts))]
+        for group in (w13, w2):
+            clips = np.array([float(calibration.input_amax[n]) for n in group], dtype=np.float32)
+            assert len(set(clips.tolist())) == len(group)
+            assert {float(layers[n].input_scale) for n in group} == {clips.max() / np.float32(448)}, group
+
+
 def test_dynamic_fp8_input_scales_have_vllms_floor_under_the_vllm_target(tiny_model):
     """vLLM's QuantFP8 (input_quant_fp8.py) clamps every dynamic FP8 scale, per token or per 1 x 128 group, to at
     least 1 / (448 * 512): a token whose amax is below 1/512 is scaled by that floor under vllm, by amax / 448 under
@@ -304,6 +356,40 @@ def test_dynamic_inputs_honour_the_reciprocal_rule_too():
         assert quantizer(x, dataclasses.replace(divided, reciprocal=True))[0].tolist() == [[3.75, 1344.0]]
 
 
+def test_dynamic_per_tensor_fp8_inputs_are_scaled_by_the_reciprocal_under_the_vllm_target():
+    """Rule 5 for a dynamic per-tensor scale: vLLM's dynamic_scaled_fp8_quant (csrc/quantization/fp8/common.cu) takes
+    amax / 448 over the whole input, then quantizes with scaled_fp8_quant_kernel, which multiplies by 1 / scale, as
+    QuantFP8.forward_native does. The hand-computed tie above, as one input: [0x4063ffff (3.5624998), 1344] has the
+    scale 3; times its reciprocal x0 rounds to 1.25 (3.75), divided to 1.125 (3.375). The transformers target (and
+    the reload check's loader, compressed-tensors) divides."""
+    from ptq.quantization import engines
+    from ptq.quantization.quantize import ActivationQuantizer
+
+    x = torch.tensor([[0x4063FFFF, 0x44A80000]], dtype=torch.int32).view(torch.float32)
+    third = np.float32(1) / np.float32(3)
+    assert float((x.numpy()[0, 0] * third).astype(ml_dtypes.float8_e4m3fn)) == 1.25
+    spec = parse_recipe(
+        {
+            "name": "fp8-tensor-dynamic",
+            "weights": {"format": "e4m3"},
+            "inputs": {"format": "e4m3", "granularity": "tensor", "dynamic": True},
+        }
+    ).inputs
+    served, divided = engines.served_inputs(spec, "vllm"), engines.served_inputs(spec, "transformers")
+    assert served.reciprocal and served.min_scale == np.float32(1) / (np.float32(448) * np.float32(512))
+    assert not divided.reciprocal and divided.min_scale == 0.0
+    assert engines.unlike_reload_loader(spec, "vllm") == "vLLM's x * (1 / scale) for dynamic per-tensor FP8 inputs"
+    assert engines.unlike_reload_loader(spec, "transformers") is None
+    for compile in (True, False):
+        quantizer = ActivationQuantizer(compile=compile)
+        got, scale = quantizer(x, served)
+        assert scale.item() == 3.0 and got.tolist() == [[3.75, 1344.0]]
+        assert quantizer(x, divided)[0].tolist() == [[3.375, 1344.0]]
+    # per token and per 1 x 128 group, the CUDA kernels divide: unchanged
+    for recipe in ("fp8-dynamic", "fp8-block"):
+        assert not engines.served_inputs(load_recipe(recipe).inputs, "vllm").reciprocal
+
+
 def test_int8_inputs_round_as_vllm_under_the_vllm_target():
     """vLLM's static_scaled_int8_quant: float_to_int8_rn(x / scale), round to nearest even saturated to [-128, 127];
     ptq's convention clamps to [-127, 127]."""
@@ -350,6 +436,16 @@ def test_dynamic_int8_inputs_round_as_vllms_kernel_under_the_vllm_target():
         assert ActivationQuantizer(compile=compile)(x, served)[0].numpy().tolist() == [[3 * scale, 127 * scale]]
     # an all-zero token: codes 0, as vLLM's (its multiplier is 0)
     assert ActivationQuantizer(compile=False)(torch.zeros(1, 4), served, codes=True)[0].tolist() == [[0, 0, 0, 0]]
+    # a token whose amax is below 127 / FLT_MAX: vLLM's multiplier is inf, the nonzero elements saturate, a zero is
+    # code 0; its scale is amax / 127, unfloored (a float32 subnormal here, not the 2^-126 of ptq's own floor)
+    tiny = torch.tensor([[1e-37, 0.0, -5e-38]])
+    assert np.float32(127) / np.float32(1e-37) == np.inf
+    for compile in (True, False):
+        codes, s = ActivationQuantizer(compile=compile)(tiny, served, codes=True)
+        assert codes.tolist() == [[127, 0, -127]] and s.item() == np.float32(1e-37) / np.float32(127)
+        values = ActivationQuantizer(compile=compile)(tiny, served)[0]
+        served_value = float(np.float32(127) * np.float32(s.item()))  # the float32 product
+        assert values.numpy().tolist() == [[served_value, 0.0, -served_value]]
 
 
 def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_path, ptq_cli, text_file, capsys):

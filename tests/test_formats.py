@@ -228,9 +228,48 @@ def test_cuda_matches_cpu(wide_values, fmt):
         assert_same_bits(gpu, cpu, np.uint32, wide_values, f"cuda {fmt.name}")
 
 
+def float64_values() -> np.ndarray:
+    """float64 inputs that float32 cannot hold: each format's ties nudged by 2^-30 of themselves either way (float32
+    rounds them onto the tie), random 53-bit values from far below the formats' subnormals to past float32's
+    max, what float32 flushes to zero or overflows to inf, and the special values."""
+    rng = np.random.default_rng(5)
+    ties = np.concatenate([midpoints(f).astype(np.float64) for f in FLOAT_FORMATS])
+    with np.errstate(invalid="ignore"):
+        b = bf16_patterns().astype(np.float64)
+    b = np.sort(b[np.isfinite(b) & (b >= 0)])
+    ties = np.concatenate([ties, (b[1:] + b[:-1]) / 2, np.arange(-128, 128) + 0.5])  # bf16's and int8's ties too
+    nudged = np.concatenate([ties * (1 + 2.0**-30), ties * (1 - 2.0**-30)])
+    logu = rng.choice([-1.0, 1.0], 200_000) * 2.0 ** rng.uniform(-160, 130, 200_000)
+    edge = [1e-50, 2.0**-150, 3.0e38, 3.4028235677973366e38, 1e39, 1e300, 0.0, np.inf, np.nan]
+    edge = np.array(edge + [(2 - 2.0**-8) * 2.0**127 * (1 - 2.0**-40)])  # just below bf16's overflow tie
+    return np.concatenate([nudged, logu, edge, -edge])
+
+
+@pytest.mark.parametrize("saturate", [False, True])
+@pytest.mark.parametrize("fmt", FLOAT_FORMATS + [INT8], ids=lambda f: f.name)
+def test_float64_inputs_are_rounded_once(fmt, saturate):
+    # ml_dtypes and numpy round a float64 to the format directly; casting it to float32 first rounded twice
+    # (1.0625 + 2^-40 became the E4M3 tie 1.0625, then the even 1.0 instead of 1.125; 464 + 2^-30 became 448
+    # instead of NaN when not saturating).
+    x = float64_values()
+    with np.errstate(all="ignore"):
+        if fmt is INT8:
+            ref = np.clip(np.rint(x), -127, 127).astype(np.float32)
+        else:
+            if saturate:
+                clipped = np.clip(x, -fmt.max, fmt.max)
+                x_ref = np.where(np.isinf(x), x, clipped) if fmt.has_inf else clipped
+            else:
+                x_ref = x
+            ref = x_ref.astype(REF_DTYPE[fmt.name]).astype(np.float32)
+        assert (x.astype(np.float32) != x)[np.isfinite(x)].sum() > 400_000  # float32 cannot hold most of them
+    ours = round_to_format(torch.from_numpy(x), fmt, saturate=saturate).numpy()
+    assert_same_bits(ours, ref, np.uint32, x, f"float64 -> {fmt.name} saturate={saturate}")
+
+
 def test_other_input_dtypes_and_strides():
-    x64 = torch.tensor([1.0 + 2.0**-40, 464.0, -3.0 * 2**-10], dtype=torch.float64)
-    assert round_to_format(x64, E4M3).tolist() == [1.0, 448.0, -(2.0**-8)]
+    x64 = torch.tensor([1.0 + 2.0**-40, 464.0, -3.0 * 2**-10, 1.0625 + 2.0**-40], dtype=torch.float64)
+    assert round_to_format(x64, E4M3).tolist() == [1.0, 448.0, -(2.0**-8), 1.125]
     xb = torch.tensor([3.0, 448.0, 500.0], dtype=torch.bfloat16)
     assert round_to_format(xb, E4M3).tolist() == [3.0, 448.0, 448.0]
     w = torch.randn(64, 32)

@@ -77,6 +77,16 @@ def test_an_overflowing_perplexity_is_inf_with_an_inf_interval_and_no_warning():
     units = np.array([3.0, 3.1, 2.9, 3000.0, 3.2])
     means = np.concatenate([units[rng.integers(0, 5, size=(200, 5))].mean(-1) for _ in range(10)])
     assert partly["ci"][0] == pytest.approx(math.exp(np.percentile(means, 2.5, method="lower")))
+    # the same with units whose resampled means seldom tie, so that the sample at or below the 2.5% point (the wider
+    # interval) and the one at or above it differ
+    units = np.append(3 + 0.3 * np.random.default_rng(1).standard_normal(11), 3000.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wider = stats.estimate(units, np.exp)
+    rng = np.random.default_rng(stats.SEED)
+    means = np.concatenate([units[rng.integers(0, 12, size=(200, 12))].mean(-1) for _ in range(10)])
+    lower, higher = (math.exp(np.percentile(means, 2.5, method=m)) for m in ("lower", "higher"))
+    assert lower < higher and wider["ci"][0] == pytest.approx(lower, rel=1e-12) and wider["ci"][1] == math.inf
 
 
 def test_compare_on_too_few_windows_writes_and_reports_no_interval(ptq_cli, tiny_model, text_file, tmp_path):

@@ -74,7 +74,7 @@ def get_format(name: str) -> NumberFormat:
     return FORMATS[key]
 
 
-def _exp2(k: torch.Tensor) -> torch.Tensor:
+def exact_exp2(k: torch.Tensor) -> torch.Tensor:
     """2.0**k as float32 for an int32 tensor k in [-149, 127], built from the bit pattern.
 
     torch.exp2 / torch.pow are not guaranteed exact on every device, and the bf16 quantum
@@ -83,6 +83,20 @@ def _exp2(k: torch.Tensor) -> torch.Tensor:
     normal = ((k + 127).clamp(min=1) << 23).view(torch.float32)
     subnormal = (torch.ones_like(k) << (k + 149).clamp(0, 22)).view(torch.float32)
     return torch.where(k >= -126, normal, subnormal)
+
+
+def _to_float32(x: torch.Tensor) -> torch.Tensor:
+    """x as float32, from which rounding to any format of ptq is that of x itself. Every dtype but float64 converts
+    exactly. A float64 is rounded to odd (toward zero, the last bit set where bits were dropped): rounding it on to
+    a format of 22 significant bits or fewer then equals rounding the float64 once, where rounding to nearest twice
+    can make a tie that x is not on (1.0625 + 2^-40 rounds to 1.0625 in float32, then to the even 1.0 in E4M3; it is
+    nearer 1.125)."""
+    if x.dtype != torch.float64:
+        return x.float()
+    y = x.float()
+    bits = y.view(torch.int32)
+    bits = torch.where(y.double().abs() > x.abs(), bits - 1, bits)  # rounded away from zero: one ulp back
+    return torch.where(y.double() != x, bits | 1, bits).view(torch.float32)  # NaN: stays NaN
 
 
 def _split_round(x: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
@@ -122,9 +136,9 @@ def round_to_format(
     `flush_subnormals` do not apply: there is no inf and there are no subnormals); NaN stays NaN. Rounding
     first and clamping to integer bounds equals clamping first and rounding (vLLM's order).
 
-    Non-float32 inputs are cast to float32 first.
+    Any float dtype is rounded once, exactly: float64 too (see _to_float32).
     """
-    x = x.float()
+    x = _to_float32(x)
     if saturate and not flush_subnormals and fmt.torch_dtype == torch.float8_e4m3fn:
         # Every matmul input of an FP8 recipe comes here. Clamped to +-max first, nothing can overflow (where the
         # cast differs between versions); NaN stays NaN, and +-inf saturates as below. Within +-max both ways
@@ -150,7 +164,7 @@ def round_to_format(
     # float32 subnormals have biased exponent 0 and clamp up too). The upper clamp only
     # matters for inf/NaN, which are dealt with below.
     e = ((a.view(torch.int32) >> 23) - 127).clamp(1 - fmt.bias, 127)
-    quantum = _exp2(e - fmt.mantissa_bits)
+    quantum = exact_exp2(e - fmt.mantissa_bits)
     # Dividing and multiplying by a power of two is exact; torch.round is half-to-even.
     # A magnitude that rounds past float32's max becomes inf here, not NaN: it is an overflow.
     r = torch.round(a / quantum) * quantum

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ptq.numerics.formats import exact_exp2
+
 
 @dataclass(frozen=True)
 class PerTensor:
@@ -154,7 +156,8 @@ def e8m0_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
     e_max, m_max = (max_bits >> 23) - 127, max_bits & 0x7FFFFF
     k = exponent - e_max + (mantissa > m_max).to(torch.int32)
     k = torch.where(amax > 0, k, 0).clamp(E8M0_MIN_EXPONENT, E8M0_MAX_EXPONENT)
-    return torch.exp2(k.float())
+    # from the bits: exp2 is approximate on some devices (Triton's ex2.approx flushes 2^-127, a subnormal, to 0)
+    return exact_exp2(k.to(torch.int32))
 
 
 def e8m0_codes(scale: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ def fused(fn, compile: bool | None = None):
 
     One kernel per value of the non-tensor arguments (a NumberFormat, `saturate`), compiled with those values
     as constants of the graph: the format's ints (bias, mantissa bits, clamps) become int32 literals of the
-    generated code, and every integer the bit tricks of formats.round_to_format / _exp2 make is an int32 tensor
+    generated code, and every integer the bit tricks of formats.round_to_format / exact_exp2 make is an int32 tensor
     op on int32 operands, so what is bitcast to float32 is 32-bit by construction. Compiled with dynamic=True
     instead, those ints arrived as 64-bit symbolic sizes (ks0, ks1), the int arithmetic promoted to int64 in
     Triton and `.view(torch.float32)` could not compile ("Cannot bitcast data-type of size 64 to data-type of

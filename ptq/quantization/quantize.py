@@ -98,15 +98,19 @@ def _round_activation(
 def _round_dynamic(x: torch.Tensor, spec: TensorQuant, codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x rounded with dynamic scales taken from x itself (dynamic_scale), and the scales: one function, so that its
     fused kernel reads each row (token or group) once for its maximum and its rounding, without a temporary |x|."""
-    scale = dynamic_scale(x, spec)
     if spec.reciprocal and spec.format.kind == "int":
         # vLLM's dynamic int8 kernel multiplies by max / amax, which is not always the float32 reciprocal of the scale
-        # amax / max: next to a tie the two round to neighbouring codes (ptq.quantization.engines, rule 3)
+        # amax / max: next to a tie the two round to neighbouring codes (ptq.quantization.engines, rule 3). Its scale
+        # is amax / max unfloored; below amax 127 / FLT_MAX the multiplier is inf, every nonzero element saturates,
+        # and a zero (0 * inf: NaN) converts to code 0, as every zero does.
         g = spec.granularity
         view = gr.grouped(x, g)
-        x_amax = gr.amax_of(view, g)
-        q = round_to_format(view.float() * torch.where(x_amax > 0, spec.format.max / x_amax, 0.0), spec.format)
+        x_amax = gr.amax_of(view, g).float()
+        scale = torch.where(x_amax > 0, x_amax / spec.format.max, 1.0)
+        scaled = view.float() * torch.where(x_amax > 0, spec.format.max / x_amax, 0.0)
+        q = round_to_format(torch.where(view == 0, 0.0, scaled), spec.format)
         return gr.ungrouped(q.to(spec.format.torch_dtype) if codes else dequantize(q, scale), g, x.shape), scale
+    scale = dynamic_scale(x, spec)
     q = _round_activation(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes, spec.reciprocal)
     return q, scale
 
