@@ -175,6 +175,32 @@ def test_the_reload_check_simulates_the_loaders_division_and_compare_vllms_recip
         assert layers and all(m.inputs.reciprocal == reciprocal for m in layers)
 
 
+def test_the_reload_check_quantizes_the_kv_cache_where_its_loader_does(tiny_model, ptq_cli, text_file, tmp_path):
+    """transformers 5.17 (with compressed-tensors 0.20) quantizes the KV cache itself from the checkpoint's k_scale and
+    v_scale, where 5.24 leaves them unused: reload says which (kv_cache_quantized), and the check's simulation
+    quantizes the KV cache in the first case only (the KV-cache exports of tests/test_schemes.py verify under both:
+    checked under 5.17 in a venv of its own)."""
+    from ptq.calibration.calibrate import load_calibration
+    from ptq.export import checkpoint as export
+    from ptq.models.loading import load_model
+    from ptq.quantization.recipes import load_recipe
+
+    calib = tmp_path / "calib.safetensors"
+    args = ("--data", text_file, "--samples", "2", "--seq-len", "32", "-q")
+    assert ptq_cli("calibrate", tiny_model, "--recipe", "fp8-e4m3+kv", "-o", calib, *args)[0] == 0
+    recipe, calibration = load_recipe("fp8-e4m3+kv"), load_calibration(calib)
+    ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    logits, quantizers = {}, {}
+    for kv_cache in (False, True):
+        simulated = export.simulate_export(
+            load_model(str(tiny_model)).model, recipe, calibration, target="vllm", kv_cache=kv_cache
+        )
+        quantizers[kv_cache] = sum(len(getattr(m, "kv_cache", ())) for m in simulated.modules())
+        logits[kv_cache] = simulated(input_ids=ids).logits
+    assert quantizers == {False: 0, True: 4}  # K and V of each of the 2 layers
+    assert not torch.equal(logits[False], logits[True])
+
+
 def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
     """The check can fail: a checkpoint whose input scales are off, or with one layer's weight_scale x2, is caught
     (by the files and by the logits), and so is a load that drops the static input quantization (dequantize=True);
@@ -536,6 +562,60 @@ def test_checkpoint_names_answers_the_names_asked_for_only():
     model = linearize(families.build("qwen3_moe"))
     asked = ["model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
     assert checkpoint_names(model, asked) == {name: name for name in asked}
+
+
+def test_checkpoint_names_survive_a_split_that_squeezes_size_one_dimensions(monkeypatch):
+    """transformers 5.17's revert of Mixtral's expert fusion squeezes a size-1 dimension away: the stand-ins are built so
+    that their split still reads back 2-D (the name of every expert weight), under such a split too."""
+    import families
+    from transformers import core_model_loading
+
+    from ptq.export.checkpoint import checkpoint_names
+    from ptq.models.matmuls import linearize
+
+    revert = core_model_loading.revert_weight_conversion
+
+    def squeezing(model, state_dict):
+        return {k: v.squeeze(-1) if v.shape[-1] == 1 else v for k, v in revert(model, state_dict).items()}
+
+    model = linearize(families.build("mixtral"))
+    asked = ["model.layers.0.block_sparse_moe.experts.1.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    names = checkpoint_names(model, asked)
+    monkeypatch.setattr(core_model_loading, "revert_weight_conversion", squeezing)
+    assert checkpoint_names(model, asked) == names
+
+
+def test_a_reload_that_holds_weights_in_16_bits_is_left_to_ptqs_reader(tiny_model, tmp_path, monkeypatch):
+    """Asked for float32, transformers 5.17 dequantizes fused experts into bfloat16: such a reload computes another
+    model than the checkpoint's, so reload refuses it, and the check falls back to ptq's own reader with the reason."""
+    import transformers
+
+    from ptq.export import checkpoint as export
+
+    exported = tmp_path / "out"
+    common = ["--data", str(tmp_path / "t.txt"), "--samples", "2", "--seq-len", "32", "-q"]
+    (tmp_path / "t.txt").write_text(TEXT * 3)
+    from_pretrained = transformers.AutoModelForCausalLM.from_pretrained
+
+    def narrowing(*args, **kwargs):  # the reload of the export as transformers 5.17 makes it (not ptq's reader's)
+        loaded = from_pretrained(*args, **kwargs)
+        if Path(args[0]).parent == exported.parent and Path(args[0]).name.startswith((".out", "out")):
+            loaded[0].model.layers[0].mlp.register_buffer("held", torch.zeros(1, dtype=torch.bfloat16))
+        return loaded
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as e:
+        mp.setattr(
+            sys, "argv", ["ptq", "quantize", str(tiny_model), "--recipe", "fp8-dynamic", "-o", str(exported), *common]
+        )
+        mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", narrowing)
+        cli.main()
+    progress.QUIET = False
+    assert e.value.code == 0
+    verification = json.loads((exported / "ptq-export.json").read_text())["verification"]
+    assert verification["passed"] and "holds 1 tensor(s) in 16 bits" in verification["loader"]
+    with pytest.raises(export.PtqError, match="in 16 bits"):
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", narrowing)
+        export.reload(exported)
 
 
 @pytest.mark.parametrize(

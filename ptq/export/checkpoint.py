@@ -276,7 +276,8 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
             projections[str(code)] = [path, *parts]
             e = torch.arange(len(m), dtype=torch.float64)[:, None, None]
             r = torch.arange(rows, dtype=torch.float64)[None, :, None]
-            stand_ins[f"{path}.{fused_name}"] = (code * 4096 + e) * 2.0**24 + r
+            # two columns, not one: transformers 5.17's split squeezes a size-1 dimension away (a 1-D tensor back)
+            stand_ins[f"{path}.{fused_name}"] = ((code * 4096 + e) * 2.0**24 + r).expand(-1, -1, 2)
     try:
         reverted = revert_weight_conversion(model, stand_ins)
     except Exception as e:
@@ -792,6 +793,7 @@ def simulate_export(
     unrounded_inputs: list[str] = (),
     target: str = "transformers",
     one_scale_2d_inputs: list[str] = (),
+    kv_cache: bool = False,
 ) -> nn.Module:
     """ptq's simulation of the exported checkpoint, in place: quantize_ with the recipe and calibration, except
     that the layers the recipe leaves out keep their plain Linear (the checkpoint stores them unquantized and
@@ -802,10 +804,12 @@ def simulate_export(
     The `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
     the reload check computes for them: see unapplied_input_layers). `target`: whose scales the checkpoint holds
     (ptq.quantization.engines; vllm: the fused groups' shared scales). The `one_scale_2d_inputs` layers take one
-    dynamic scale for a whole 2-D input, as compressed-tensors does in transformers (see token_rule_layers)."""
-    # transformers does not quantize the KV cache (vLLM does, from k_scale / v_scale): simulated without it, and
-    # its scales are checked in the files (unapplied_scales)
-    recipe = dataclasses.replace(recipe, kv_cache=None)
+    dynamic scale for a whole 2-D input, as compressed-tensors does in transformers (see token_rule_layers).
+    kv_cache: whether the loader quantizes the KV cache (reload's kv_cache_quantized)"""
+    # transformers (but 5.17) does not quantize the KV cache (vLLM does, from k_scale / v_scale): simulated without
+    # it then; its scales are checked in the files either way (unapplied_scales)
+    if not kv_cache:
+        recipe = dataclasses.replace(recipe, kv_cache=None)
     plan = plan_of(model, recipe, target, **(engines.RELOAD_LOADER_INPUTS if loader_inputs else {}))
     kept = {name: model.get_submodule(name) for name in plan.left_out}
     quantize_(model, recipe, calibration, target=target, plan=plan)
@@ -980,10 +984,21 @@ def reload(directory: Path, trust_remote_code: bool = False) -> tuple[nn.Module,
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PtqError(f"transformers cannot load the exported checkpoint: {reason}") from None
+    # asked for float32, some transformers versions still hold weights in 16 bits (5.17 dequantizes fused experts
+    # into bfloat16): the loader then computes another model than the checkpoint's, and the check would measure that
+    narrowed = [n for n, t in model.state_dict().items() if t.dtype in (torch.bfloat16, torch.float16)]
+    if narrowed:
+        raise PtqError(
+            f"transformers cannot load the exported checkpoint: it holds {len(narrowed)} tensor(s) in 16 bits though "
+            f"float32 was asked for ('{narrowed[0]}', {model.state_dict()[narrowed[0]].dtype})"
+        )
     model.eval()
     model.requires_grad_(False)
     quantized = [m for m in model.modules() if getattr(m, "quantization_scheme", None) is not None]
     return model, {
+        # some versions (5.17) quantize the KV cache themselves, by compressed-tensors' attention hook, from the
+        # checkpoint's k_scale / v_scale; others leave them unused (unexpected keys)
+        "kv_cache_quantized": any(n.endswith((".k_scale", ".v_scale")) for n in model.state_dict()),
         "missing_keys": sorted(info.get("missing_keys", [])),
         "unexpected_keys": sorted(info.get("unexpected_keys", [])),
         "mismatched_keys": sorted(str(k) for k in info.get("mismatched_keys", [])),
