@@ -585,9 +585,11 @@ def test_checkpoint_names_survive_a_split_that_squeezes_size_one_dimensions(monk
     assert checkpoint_names(model, asked) == names
 
 
-def test_a_reload_that_holds_weights_in_16_bits_is_left_to_ptqs_reader(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8-e4m3"])
+def test_a_reload_that_holds_weights_in_16_bits_is_left_to_ptqs_reader(recipe, tiny_model, tmp_path, monkeypatch):
     """Asked for float32, transformers 5.17 dequantizes fused experts into bfloat16: such a reload computes another
-    model than the checkpoint's, so reload refuses it, and the check falls back to ptq's own reader with the reason."""
+    model than the checkpoint's, so reload refuses it, and the check falls back to ptq's own reader with the reason,
+    and with that reader's input rounding (dynamic scales; static ones are checked in the files)."""
     import transformers
 
     from ptq.export import checkpoint as export
@@ -604,9 +606,7 @@ def test_a_reload_that_holds_weights_in_16_bits_is_left_to_ptqs_reader(tiny_mode
         return loaded
 
     with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as e:
-        mp.setattr(
-            sys, "argv", ["ptq", "quantize", str(tiny_model), "--recipe", "fp8-dynamic", "-o", str(exported), *common]
-        )
+        mp.setattr(sys, "argv", ["ptq", "quantize", str(tiny_model), "--recipe", recipe, "-o", str(exported), *common])
         mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", narrowing)
         cli.main()
     progress.QUIET = False
@@ -768,6 +768,9 @@ def test_qwen2_moe_fp8_dynamic_verifies_and_says_where_the_loader_differs(qwen2_
     _, out = qwen2_moe_dynamic
     ver = json.loads((out / "ptq-export.json").read_text())["verification"]
     assert ver["passed"] and ver["kl_div"] == 0 and ver["top1_agreement"] == 1, ver["problems"]
+    if ver["loader"].startswith("ptq's dequantizing reader"):  # transformers 5.17 (experts in bf16): no such rule
+        assert "in 16 bits" in ver["loader"] and ver["loader_one_scale_2d_inputs"] == []
+        return
     shared = [f"model.layers.{i}.mlp.shared_expert.{p}" for i in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")]
     assert ver["loader_one_scale_2d_inputs"] == shared
     assert "6 layer(s) fed 2-D inputs" in ver["ptq_rounding"] and shared[0] in ver["ptq_rounding"]

@@ -232,7 +232,10 @@ def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, 
     assert code == 0, err
     info = json.loads((tmp_path / "ckpt" / "ptq-export.json").read_text())
     assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6
-    assert info["verification"]["input_scales_checked_in_file"] == 2 * 4 * 3
+    # 2 layers x 4 experts x 3 projections, whose input scales transformers has no place for; where ptq's reader
+    # stands in (transformers 5.17 holds the experts in bf16), all 32 quantized layers' (it applies no static scale)
+    reader = info["verification"]["loader"].startswith("ptq's dequantizing reader")
+    assert info["verification"]["input_scales_checked_in_file"] == (32 if reader else 2 * 4 * 3)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:

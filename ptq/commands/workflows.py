@@ -1082,6 +1082,10 @@ def run_quantize(
             reloaded, load_info = export.reload_or_read(
                 tmp, conv1d=bool(conv1d), trust_remote_code=model.trust_remote_code
             )
+            if "loader" in load_info and not conv1d:  # ptq's reader stood in for transformers: its input rounding
+                unrounded = export.unapplied_input_layers(
+                    loaded.model, quantized, conv1d=True, dynamic=r.inputs.dynamic
+                )
             one_scale = (
                 []
                 if "loader" in load_info
