@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from ptq import progress
 from ptq.errors import PtqError
+from ptq.reporting.report import kl_text
 from ptq.reporting.results import to_json
 
 try:  # typer >= 0.20 carries its own copy of click
@@ -895,7 +896,7 @@ def _print_compare(results, out: Path) -> None:
             f"{v.perplexity:.4f}",
             f"{v.ppl_delta_pct:+.2f}%",
             f"{100 * v.accuracy:.2f}%",
-            f"{v.kl_div:.5f}",
+            kl_text(v.kl_div),
             f"{100 * v.top1_agreement:.2f}%",
         )
     console = Console()

@@ -477,3 +477,17 @@ def test_eval_by_default_scores_the_cloze_task_where_lm_eval_can_run(tiny_model,
     assert not results["tasks"] and results["compute"]["low_memory"]
     code, _, err = ptq_cli(*base, "--out", tmp_path / "asked", "--low-memory", "--tasks", "cloze")
     assert code == 2 and one_line(err) and "--tasks needs the whole model in memory" in err
+
+
+def test_the_console_table_never_prints_a_small_kl_as_zero(tmp_path, capsys, monkeypatch):
+    """A KL of 3.4e-06 (int8 on a tiny MoE) printed as 0.00000 reads as a variant identical to the baseline: the
+    console table writes it as the report does (report.kl_text)."""
+    import sample_results
+
+    from ptq import cli
+
+    monkeypatch.setenv("COLUMNS", "200")
+    results = sample_results.compare_results(variants=[sample_results.variant("int8", 1.0, kl_div=3.4e-06)])
+    cli._print_compare(results, tmp_path)
+    out = capsys.readouterr().out
+    assert "0.0000034" in out and "0.00000 " not in out

@@ -276,7 +276,7 @@ def test_a_value_beyond_its_limit_never_prints_as_the_limit():
     assert "- ❌ v: next-token accuracy recovery 98.996% < 99%" in md
     assert "- ❌ v: KL 4e-06 > 1e-06" in md
     row = table_row(md, "v ❌")
-    assert (row[4], row[6], row[7]) == ("**+2.004%** ❌", "**98.996%** ❌", "**0.000004** ❌")
+    assert (row[4], row[6], row[7]) == ("**+2.004%** ❌", "**98.996%** ❌", "**0.0000040** ❌")
     # ordinary values, away from their limits (or with no limit), print as before
     r2 = compare_results(baseline(), [variant("v", ppl_delta_pct=3.0, accuracy=0.45, kl_div=0.0123)])
     r2 = dataclasses.replace(r2, gates=gate_results(r2, parse_limits("2%", ["99%"], "0.01")))
@@ -764,3 +764,177 @@ def test_the_verdict_and_intervals_never_print_a_failing_ppl_delta_as_its_limit(
     # without a limit, or away from it, the usual two decimals
     plain = render_markdown(compare_results(baseline(), [variant("v", ppl_delta_pct=2.004)]))
     assert plain.splitlines()[2].endswith("v +2.00%.") and "| +2.00% |" in plain
+
+
+def test_the_intervals_give_the_kl_and_agreement_with_their_intervals():
+    """The intervals section asks to compare close recipes by their KL: it prints each variant's KL and top-1
+    agreement with the intervals results.json holds for them (kl_div_ci, top1_agreement_ci)."""
+    import dataclasses
+
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.report import intervals_section
+
+    close = [
+        dataclasses.replace(variant("a", kl_div=0.03935), kl_div_ci=(0.03389, 0.04505)),
+        dataclasses.replace(variant("b", kl_div=0.03684), kl_div_ci=(0.02942, 0.04306)),
+    ]
+    lines = intervals_section(compare_results(baseline(), close))
+    at = lines.index("| variant | KL vs bf16 (nats/token) | 95% CI | top-1 agreement | 95% CI |")
+    table = "\n".join(lines[at:])
+    assert table_row(table, "a |") == ["a", "0.03935", "[0.03389, 0.04505]", "99.00%", "[98.00, 100.00]"]
+    assert table_row(table, "b |") == ["b", "0.03684", "[0.02942, 0.04306]", "99.00%", "[98.00, 100.00]"]
+
+
+def test_the_16_bit_baseline_is_not_reported_as_quantized():
+    """The bf16 baseline rounds its matmul weights to bf16: its coverage line says so, not "100% ... quantized"."""
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.report import coverage_lines
+
+    r = compare_results(baseline(), [variant("v")])
+    base = dataclasses_replace_recipe(r.baseline, weights="bf16", inputs="bf16")
+    base_line, variant_line = coverage_lines([base, r.variants[0]])[2:4]
+    assert base_line == "- bf16: 100.00% of matmul weight parameters rounded to bf16 (10 of 10)."
+    assert variant_line == "- v: 100.00% of matmul weight parameters quantized (10 of 10)."
+
+
+def dataclasses_replace_recipe(entry, **recipe):
+    import dataclasses
+
+    return dataclasses.replace(entry, recipe=dataclasses.replace(entry.recipe, **recipe))
+
+
+def test_a_variant_that_quantizes_fewer_weights_says_so_in_the_verdict_and_table():
+    """fp8-block on a model whose in_features are not multiples of 128 leaves most layers in 16 bits: its small
+    perplexity delta is not an answer about 8 bits, so the verdict and the table give its share next to it."""
+    import dataclasses
+
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.report import render_markdown
+    from ptq.reporting.results import Coverage, LeftOut
+
+    full = Coverage(quantized_weight_params=7895, matmul_weight_params=10000, left_out=[])
+    part = Coverage(
+        quantized_weight_params=1974,
+        matmul_weight_params=10000,
+        left_out=[LeftOut(name="model.layers.0.mlp.up_proj", params=8026, reason="shape")],
+    )
+    r = compare_results(
+        baseline(),
+        [
+            dataclasses.replace(variant("fp8", ppl_delta_pct=1.82), coverage=full),
+            dataclasses.replace(variant("block", ppl_delta_pct=0.6), coverage=part),
+        ],
+    )
+    md = render_markdown(r)
+    assert md.splitlines()[2] == (
+        "**Perplexity vs bf16:** fp8 +1.82%, block +0.60% (only 19.74% of matmul weights quantized)."
+    )
+    assert table_row(md, "fp8 |")[-1] == "78.95%"
+    assert table_row(md, "block |")[-1] == "**19.74%**"
+    assert table_row(md, "**bf16**")[-1] == ""
+    assert md.splitlines()[4].endswith("| top-1 agreement | matmul weights quantized |")
+
+
+def test_a_small_kl_is_never_printed_as_zero():
+    """KL 3.437e-06 (an int8 MoE above) is not 0.00000: the results table, the intervals and the trend give it two
+    significant digits, and a change from it to 1.03e-05 (three times as far from the baseline) is not +0.00000.
+    KLs of 1e-4 and above print as before (5 decimals)."""
+    import dataclasses
+
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.report import render_markdown
+
+    def with_kl(kl: float, ci: tuple[float, float]):
+        return compare_results(baseline(), [dataclasses.replace(variant("v", kl_div=kl), kl_div_ci=ci)])
+
+    before, now = with_kl(3.437e-6, (2.9e-6, 4.1e-6)), with_kl(1.03e-5, (8.7e-6, 1.21e-5))
+    md = render_markdown(now, before)
+    assert table_row(md, "v |")[7] == "0.000010"  # the results table
+    at = md.splitlines().index("| variant | KL vs bf16 (nats/token) | 95% CI | top-1 agreement | 95% CI |")
+    assert table_row("\n".join(md.splitlines()[at:]), "v |")[1:3] == ["0.000010", "[0.0000087, 0.000012]"]
+    trend_row = next(line for line in md.splitlines() if line.startswith("| v | KL vs baseline |"))
+    assert trend_row == (
+        "| v | KL vs baseline | 0.0000034 [0.0000029, 0.0000041] | 0.000010 [0.0000087, 0.000012] | +0.0000069 | ⚠️ worse |"
+    )
+    assert table_row(render_markdown(with_kl(0.03935, (0.03389, 0.04505))), "v |")[7] == "0.03935"
+    assert table_row(render_markdown(with_kl(0.00012, (0.0001, 0.00014))), "v |")[7] == "0.00012"
+
+
+def test_the_gates_note_defines_the_percentages_it_judges():
+    """The table prints Δ ppl and accuracy recovery in percent (+2.00%, 99.60%) and the gates' limits are percents:
+    the note's definitions carry the factor 100 that makes them so, as docs/reports.md's do."""
+    import dataclasses
+
+    from sample_results import compare_results, variant
+
+    from ptq.reporting.gates import gate_results
+    from ptq.reporting.report import gates_note
+
+    r = compare_results(variants=[variant("v", ppl_delta_pct=1.0)])
+    note = gates_note(dataclasses.replace(r, gates=gate_results(r, parse_limits("2%", ["99%"], "0.01"))))
+    assert "Δ ppl = 100 * (ppl_variant / ppl_baseline - 1) %" in note
+    assert "accuracy recovery = 100 * accuracy_variant / accuracy_baseline %" in note
+
+
+@pytest.mark.parametrize(
+    "names",
+    [["fp8-e4m3", "fp8-dynamic", "fp8-block", "mxfp8", "int8"], [f"fp8-e4m3-smoothquant-{i}" for i in range(8)]],
+)
+def test_the_metrics_plot_labels_of_many_recipes_do_not_overlap(names):
+    """The bars of `ptq compare --recipes fp8-e4m3,fp8-dynamic,fp8-block,mxfp8,int8` (and of eight long names): each
+    panel's recipe names, as drawn, lie apart (fp8-e4m3, fp8-dynamic and fp8-block used to run into one another),
+    clear of the other panels' titles, and inside the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from sample_results import compare_results, variant
+
+    from ptq.reporting.plots import metrics_figure
+
+    fig = metrics_figure(compare_results(variants=[variant(n) for n in names]))
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    figure_box = fig.bbox
+    for ax in fig.axes:
+        boxes = [label.get_window_extent(renderer) for label in ax.get_xticklabels() if label.get_text()]
+        assert len(boxes) == len(names) + 1
+        for left, right in zip(boxes, boxes[1:]):
+            assert not left.overlaps(right), ax.get_title()
+        assert all(b.y0 >= figure_box.y0 and b.x0 >= figure_box.x0 for b in boxes)
+        title = ax.title.get_window_extent(renderer)
+        # no panel's labels run into the title of the panel below
+        for other in fig.axes:
+            if other is not ax:
+                assert not any(b.overlaps(other.title.get_window_extent(renderer)) for b in boxes)
+        assert title.height > 0
+
+
+def test_per_layer_snr_median_and_the_diagnostics_name_what_they_measure():
+    """The SNR summary's median of an even number of layers is the mean of the middle two (statistics.median), not
+    the upper one; the per-tensor diagnostics are of each layer's input (calibration histograms of activations), and
+    their table says so rather than naming a layer as if it were its weight."""
+    import dataclasses
+    import statistics
+
+    from sample_results import compare_results, variant
+
+    from ptq.reporting.report import details_sections, render_diagnostics
+    from ptq.reporting.results import Diagnostics, LayerSnr, TensorSqnr
+
+    weights = {"a": 30.0, "b": 31.0, "c": 33.0, "d": 40.0}
+    snr = LayerSnr(weights=weights, inputs={"a": 20.0, "b": None}, input_windows=1)
+    r = compare_results(variants=[dataclasses.replace(variant("v"), snr_db=snr)])
+    row = table_row("\n".join(details_sections(r)), "v |")
+    assert row == ["v", f"{statistics.median(weights.values()):.1f}", "30.0 (`a`)", "20.0", "20.0 (`a`)"]
+    assert row[1] == "32.0"
+    d = Diagnostics(
+        method="static per-tensor max scale",
+        tensors=[TensorSqnr(tensor="model.layers.0.mlp.down_proj", amax=106.2, sqnr_e4m3_db=31.9, sqnr_int8_db=4.6)],
+        worst_e4m3=["model.layers.0.mlp.down_proj"],
+        worst_int8=["model.layers.0.mlp.down_proj"],
+    )
+    lines = render_diagnostics(dataclasses.replace(r, diagnostics=d))
+    assert "| layer (its input) | input amax | SQNR E4M3 (dB) | SQNR int8 (dB) |" in lines

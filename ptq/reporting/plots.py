@@ -89,7 +89,21 @@ def metrics_figure(results: CompareResults):
         ("kl_div", f"KL vs {base.name} (nats/token)", 1.0),
         ("top1_agreement", f"top-1 agreement with {base.name} (%)", 100.0),
     ]
-    fig, axes = _figure(11, 6.5, 2, 2)
+    # The names under the bars, side by side, must not run together: a character is about 0.6 of the font size wide
+    # and each bar has 4.6 inches (a panel) / bars; the font shrinks to fit, down to 6 points, below which the names
+    # stand upright in 8 points, the figure taller by their length under each row of panels.
+    longest = max(map(len, names))
+    fit = 0.85 * 4.6 / len(names) / (0.6 / 72 * longest)
+    upright = fit < 6
+    tick_size = 8 if upright else min(10.0, fit)
+    if upright:
+        names_in = 0.6 * 8 / 72 * longest + 0.15  # the upright names' height, inches
+        height = 6.5 + 2 * names_in
+        fig, axes = _figure(11, height, 2, 2)
+        axes_in = (0.9 * height - (0.4 + names_in) - (0.5 + names_in)) / 2  # each row's height, inches
+        fig.subplots_adjust(bottom=(0.4 + names_in) / height, hspace=(0.5 + names_in) / axes_in)
+    else:
+        fig, axes = _figure(11, 6.5, 2, 2)
     for ax, (key, label, factor) in zip(axes, panels):
         rows = [(i, e) for i, e in enumerate(entries) if hasattr(e, key)]  # the baseline has no KL or agreement
         xs = [i for i, _ in rows]
@@ -111,7 +125,7 @@ def metrics_figure(results: CompareResults):
         if limit is not None:
             ax.axhline(factor * limit, color="#c44e52", linestyle="--", linewidth=1, label="gate")
             ax.legend(loc="lower right", fontsize=8)
-        ax.set_xticks(range(len(names)), names)
+        ax.set_xticks(range(len(names)), names, fontsize=tick_size, rotation=90 if upright else 0)
         ax.set_title(label, fontsize=10)
         ax.margins(y=0.15)
     fig.suptitle(

@@ -9,6 +9,8 @@ marked), the trend against a previous run, then the plots and details folded in 
 
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 from ptq.errors import PtqError
@@ -135,10 +137,28 @@ def _ppl_delta(v: Variant, checks: list[Check]) -> str:
     return f"{fmt_against(v.ppl_delta_pct, limit, '+.2f')}%"
 
 
+def quantized_share_pct(e: Entry) -> float:
+    """The share of the model's matmul weight parameters an entry quantizes (as describe_coverage computes it)."""
+    cov = e.coverage
+    return 100 * cov.quantized_weight_params / cov.matmul_weight_params if cov.matmul_weight_params else 0.0
+
+
+def partial_variants(r: CompareResults) -> set[str]:
+    """The variants that quantize fewer matmul weights than the most complete one (layers a format cannot take,
+    left in 16 bits): their deltas are not an answer about 8 bits, and the verdict and table say so."""
+    most = max((quantized_share_pct(v) for v in r.variants), default=0.0)
+    return {v.name for v in r.variants if quantized_share_pct(v) < most}
+
+
 def verdict(r: CompareResults, checks: list[Check] | None = None, moves: dict | None = None) -> str:
     base = r.baseline.name
     checks = stored_checks(r) if checks is None else checks
-    parts = [f"{v.name} {_ppl_delta(v, checks)}" for v in r.variants]
+    partial = partial_variants(r)
+    parts = [
+        f"{v.name} {_ppl_delta(v, checks)}"
+        + (f" (only {quantized_share_pct(v):.2f}% of matmul weights quantized)" if v.name in partial else "")
+        for v in r.variants
+    ]
     ppl = f"perplexity vs {base}: " + ", ".join(parts) + "." if parts else "baseline only."
     failed = [c for c in checks if not c.passed]
     if not checks:
@@ -152,6 +172,24 @@ def verdict(r: CompareResults, checks: list[Check] | None = None, moves: dict | 
         if beyond:
             line += f" {MOVED} {len(beyond)} change{'s' if len(beyond) > 1 else ''} beyond the intervals since the previous run."
     return line
+
+
+def kl_text(value: float, limit: float | None = None, sign: str = "") -> str:
+    """A KL (nats/token) with 5 decimals, or with as many as two significant digits take below 1e-4: a KL of 3.4e-06
+    is not 0.00000, which reads as a variant identical to the baseline; and with the digits that tell it from `limit`."""
+    digits = 5
+    if math.isfinite(value) and 0 < abs(value) < 1e-4:
+        digits = min(17, 1 - math.floor(math.log10(abs(value))))
+    return fmt_against(value, limit, f"{sign}.{digits}f")
+
+
+def _kl(v: Variant, checks: list[Check]) -> str:
+    """A variant's KL, with the digits that tell it from its gate's limit."""
+    return kl_text(v.kl_div, _limit([c for c in checks if c.variant == v.name and c.metric == "kl_div"]))
+
+
+def _kl_ci(ci: tuple[float, float]) -> str:
+    return "n/a" if any(c != c for c in ci) else f"[{kl_text(ci[0])}, {kl_text(ci[1])}]"
 
 
 def _cell(text: str, failed: list[Check]) -> str:
@@ -169,10 +207,11 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
     for c in checks:
         by_cell.setdefault((c.variant, c.metric if c.task in (None, "next-token") else "tasks"), []).append(c)
     lines = [
-        f"| variant | weights | inputs | perplexity | Δ ppl vs {base.name} | next-token acc | acc recovery | KL vs {base.name} (nats/token) | top-1 agreement |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-        f"| **{base.name}** (baseline) | {base.recipe.weights} | {base.recipe.inputs} | {base.perplexity:.4f} | | {100 * base.accuracy:.2f}% | | | |",
+        f"| variant | weights | inputs | perplexity | Δ ppl vs {base.name} | next-token acc | acc recovery | KL vs {base.name} (nats/token) | top-1 agreement | matmul weights quantized |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| **{base.name}** (baseline) | {base.recipe.weights} | {base.recipe.inputs} | {base.perplexity:.4f} | | {100 * base.accuracy:.2f}% | | | | |",
     ]
+    partial = partial_variants(r)
     for v in r.variants:
         fails = [c for c in checks if c.variant == v.name and not c.passed]
         mark = f" {FAIL}" if fails else (f" {PASS}" if any(c.variant == v.name for c in checks) else "")
@@ -186,18 +225,20 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
         recovery = _cell(
             f"{fmt_against(recovery, _limit(gated['accuracy_recovery_pct']), '.2f')}%", cell["accuracy_recovery_pct"]
         )
-        kl = _cell(fmt_against(v.kl_div, _limit(gated["kl_div"]), ".5f"), cell["kl_div"])
+        kl = _cell(kl_text(v.kl_div, _limit(gated["kl_div"])), cell["kl_div"])
+        share = f"{quantized_share_pct(v):.2f}%"
         lines.append(
             f"| {v.name}{mark} | {v.recipe.weights} | {v.recipe.inputs} | {v.perplexity:.4f} "
-            f"| {ppl_delta} | {100 * v.accuracy:.2f}% | {recovery} | {kl} | {100 * v.top1_agreement:.2f}% |"
+            f"| {ppl_delta} | {100 * v.accuracy:.2f}% | {recovery} | {kl} | {100 * v.top1_agreement:.2f}% "
+            f"| {share if v.name not in partial else f'**{share}**'} |"
         )
     return lines
 
 
 def gates_note(r: CompareResults) -> str:
     return (
-        "<sub>Gates: " + "; ".join(r.gates.limits.describe()) + ". Δ ppl = ppl_variant / ppl_baseline - 1; "
-        "accuracy recovery = accuracy_variant / accuracy_baseline (next-token accuracy and each task); "
+        "<sub>Gates: " + "; ".join(r.gates.limits.describe()) + ". Δ ppl = 100 * (ppl_variant / ppl_baseline - 1) %; "
+        "accuracy recovery = 100 * accuracy_variant / accuracy_baseline % (next-token accuracy and each task); "
         "KL = mean KL(baseline || variant) per token. A gate judges the measured value, not its interval.</sub>"
     )
 
@@ -208,7 +249,7 @@ def _fmt(metric: str, value: float, share: bool | None = None) -> str:
     if metric == "ppl_delta_pct":
         return f"{value:+.2f}%"
     if metric == "kl_div":
-        return f"{value:.5f}"
+        return kl_text(value)
     if share is False:
         return f"{value:.4f}"  # a task metric in its own units (likelihood_diff, nats)
     return f"{100 * value:.2f}%"  # accuracy, agreement, a task metric that is a share: fractions
@@ -221,7 +262,7 @@ def _fmt_change(m: Move) -> str:
     if m.metric == "ppl_delta_pct":
         return f"{m.change:+.2f} points"
     if m.metric == "kl_div":
-        return f"{m.change:+.5f}"
+        return kl_text(m.change, sign="+")
     if m.share is False:
         return f"{m.change:+.4f}"
     return f"{100 * m.change:+.2f} points"
@@ -315,7 +356,7 @@ def _snr_summary(values: dict[str, float | None]) -> str:
     known = sorted((db, layer) for layer, db in values.items() if db is not None)
     if not known:
         return "— | —"
-    median = known[len(known) // 2][0]
+    median = statistics.median(db for db, _ in known)
     worst_db, worst_layer = known[0]
     return f"{median:.1f} | {worst_db:.1f} (`{worst_layer}`)"
 
@@ -512,7 +553,7 @@ def render_diagnostics(r: CompareResults, top: int = 10) -> list[str]:
     def row_line(t: str) -> str:
         return f"| `{t}` | {rows[t].amax:.4g} | {fmt_db(rows[t].sqnr_e4m3_db)} | {fmt_db(rows[t].sqnr_int8_db)} |"
 
-    head = ["| tensor | amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
+    head = ["| layer (its input) | input amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
     lines = [f"- {d.method}.", ""]
     for name, worst in (("e4m3", d.worst_e4m3), ("int8", d.worst_int8)):
         lines += [f"Worst {top} under {name}:", "", *head]
@@ -528,11 +569,19 @@ def coverage_lines(entries: list[Entry]) -> list[str]:
     """What share of the model's matmul weights each variant quantizes, and what stayed in the compute dtype and
     why: shown under the results table, since a variant that left most weights alone is not an answer about 8 bits."""
     from ptq.models.matmuls import describe_coverage
+    from ptq.numerics.formats import get_format
+
+    def line(e: Entry) -> str:
+        text = describe_coverage(to_json(e.coverage))
+        weights = e.recipe.weights.split()[0]
+        if not get_format(weights).scaled:  # the 16-bit baseline rounds its weights to bf16 and quantizes nothing
+            text = text.replace(" quantized (", f" rounded to {weights} (", 1)
+        return f"- {e.name}: {text}."
 
     return [
         "**Coverage** (matmul weights: Linear, Conv1D, experts, lm_head, routers):",
         "",
-        *[f"- {e.name}: {describe_coverage(to_json(e.coverage))}." for e in entries],
+        *[line(e) for e in entries],
         "",
     ]
 
@@ -597,6 +646,17 @@ def intervals_section(r: CompareResults) -> list[str]:
             f"| {_ci(v.ppl_delta_pct_ci, fmt='+.2f', unit='%')} | {_distinguishable(v.ppl_delta_significant)} "
             f"| {100 * v.accuracy:.2f}% | {_ci(v.accuracy_ci, 100)} | {100 * v.accuracy_delta:+.2f} "
             f"| {_ci(v.accuracy_delta_ci, 100, '+.2f')} | {_distinguishable(v.accuracy_delta_significant)} |"
+        )
+    # the agreement with the baseline, by which close recipes are told apart, with its intervals
+    lines += [
+        "",
+        f"| variant | KL vs {base.name} (nats/token) | 95% CI | top-1 agreement | 95% CI |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for v in r.variants:
+        lines.append(
+            f"| {v.name} | {_kl(v, checks)} | {_kl_ci(v.kl_div_ci)} "
+            f"| {100 * v.top1_agreement:.2f}% | {_ci(v.top1_agreement_ci, 100)} |"
         )
     return lines
 
