@@ -1161,24 +1161,24 @@ def _verification_shortfall(model: torch.nn.Module, recipe: Recipe, target: str)
     device) and, where the target rounds inputs unlike the reload's loader, a float32 copy of the model for ptq's own
     simulation. Checked before the check starts: running out of memory there would throw away a checkpoint written
     correctly; this way it is kept, unverified, and the card says why."""
-    from ptq.execution.resources import available_memory
+    from ptq.execution.resources import parameters_shortfall, size_text
 
-    copy_float32 = sum(p.numel() for p in model.parameters()) * 4
+    params = sum(p.numel() for p in model.parameters())
     own_copy = engines.unlike_reload_loader(recipe.inputs, target) is not None or (
         recipe.inputs.dynamic and isinstance(recipe.inputs.granularity, PerToken)
     )
     device = next(model.parameters()).device
-    needs = {device: copy_float32 * (2 if own_copy else 1)}
+    copies = {device: 2 if own_copy else 1}
     if device.type != "cpu":
-        needs[torch.device("cpu")] = copy_float32  # from_pretrained reads it on the host first
-    for where, needed in needs.items():
-        free = available_memory(where)
-        if free is not None and needed > free:
+        copies[torch.device("cpu")] = 1  # from_pretrained reads it on the host first
+    for where, n in copies.items():
+        short = parameters_shortfall(params, n, where)
+        if short is not None:
             return (
-                f"reloading and comparing the checkpoint needs about {needed / 2**30:.1f} GiB on {where.type} beside the model "
-                f"({'two float32 copies' if own_copy and where == device else 'a float32 copy'} of the model) and "
-                f"{free / 2**30:.1f} GiB is free: the checkpoint is written but not verified; compare it where it "
-                "fits (`ptq compare CHECKPOINT`), or serve it with vLLM"
+                f"reloading and comparing the checkpoint needs about {size_text(short[1])} on {where.type} beside the "
+                f"model ({'two float32 copies' if n == 2 else 'a float32 copy'} of the model) and {size_text(short[2])} "
+                "is free: the checkpoint is written but not verified; compare it where it fits (`ptq compare "
+                "CHECKPOINT`), or serve it with vLLM"
             )
     return None
 

@@ -72,7 +72,7 @@ def shortfall(directory: Path, copies: float, device: torch.device) -> tuple[int
     command keeps (in float32 copies: a compared variant holds 16- or 8-bit weight codes, half a copy at most),
     exceed the memory available on `device`; None when they fit or either side is unknown. Under torchrun, times the
     processes that each hold their own (processes_sharing). Activations come on top: the estimate is a lower bound."""
-    return _shortfall(checkpoint_parameters(directory), copies, device)
+    return parameters_shortfall(checkpoint_parameters(directory), copies, device)
 
 
 def processes_sharing(device: torch.device) -> int:
@@ -90,7 +90,7 @@ def processes_sharing(device: torch.device) -> int:
     return local
 
 
-def _shortfall(params: int | None, copies: float, device: torch.device) -> tuple[int, int, int] | None:
+def parameters_shortfall(params: int | None, copies: float, device: torch.device) -> tuple[int, int, int] | None:
     free = available_memory(device)
     if params is None or free is None:
         return None
@@ -105,7 +105,7 @@ def check_fits(directory: Path, copies: float, device: torch.device, what: str) 
 
 def check_parameters_fit(params: int | None, copies: float, device: torch.device, what: str) -> None:
     """check_fits for a model of `params` parameters (a GGUF file's, before it is converted)."""
-    short = _shortfall(params, copies, device)
+    short = parameters_shortfall(params, copies, device)
     if short is not None:
         params, needed, free = short
         copies_text = (
@@ -116,12 +116,12 @@ def check_parameters_fit(params: int | None, copies: float, device: torch.device
         processes = processes_sharing(device)
         processes_text = f" x {processes} processes, each loading its own" if processes > 1 else ""
         raise PtqError(
-            f"{what} needs at least {_size(needed)} ({params:,} parameters x {FLOAT32_BYTES} bytes in "
-            f"float32{copies_text}{processes_text}) but only {_size(free)} is available on {device.type}: use a "
+            f"{what} needs at least {size_text(needed)} ({params:,} parameters x {FLOAT32_BYTES} bytes in "
+            f"float32{copies_text}{processes_text}) but only {size_text(free)} is available on {device.type}: use a "
             f"machine with more memory{', compare fewer recipes per run' if copies > 2 else ''}"
             f"{', start fewer processes per machine' if processes > 1 else ''}, or pass {NO_CHECK_FLAG} to try anyway"
         )
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"

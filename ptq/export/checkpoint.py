@@ -986,11 +986,12 @@ def reload(directory: Path, trust_remote_code: bool = False) -> tuple[nn.Module,
         raise PtqError(f"transformers cannot load the exported checkpoint: {reason}") from None
     # asked for float32, some transformers versions still hold weights in 16 bits (5.17 dequantizes fused experts
     # into bfloat16): the loader then computes another model than the checkpoint's, and the check would measure that
-    narrowed = [n for n, t in model.state_dict().items() if t.dtype in (torch.bfloat16, torch.float16)]
+    state = model.state_dict()
+    narrowed = [n for n, t in state.items() if t.dtype in (torch.bfloat16, torch.float16)]
     if narrowed:
         raise PtqError(
             f"transformers cannot load the exported checkpoint: it holds {len(narrowed)} tensor(s) in 16 bits though "
-            f"float32 was asked for ('{narrowed[0]}', {model.state_dict()[narrowed[0]].dtype})"
+            f"float32 was asked for ('{narrowed[0]}', {state[narrowed[0]].dtype})"
         )
     model.eval()
     model.requires_grad_(False)
@@ -998,7 +999,7 @@ def reload(directory: Path, trust_remote_code: bool = False) -> tuple[nn.Module,
     return model, {
         # some versions (5.17) quantize the KV cache themselves, by compressed-tensors' attention hook, from the
         # checkpoint's k_scale / v_scale; others leave them unused (unexpected keys)
-        "kv_cache_quantized": any(n.endswith((".k_scale", ".v_scale")) for n in model.state_dict()),
+        "kv_cache_quantized": any(n.endswith((".k_scale", ".v_scale")) for n in state),
         "missing_keys": sorted(info.get("missing_keys", [])),
         "unexpected_keys": sorted(info.get("unexpected_keys", [])),
         "mismatched_keys": sorted(str(k) for k in info.get("mismatched_keys", [])),
