@@ -1,5 +1,5 @@
 """Layer-by-layer calibration, compare and export from disk (ptq/execution/streaming.py, `--low-memory`) against the
-in-memory paths, on tiny Llama, Gemma 3, GPT-2, Mixtral and Qwen3-MoE: the same amax, bit for bit, the same
+in-memory paths, on tiny Llama, Gemma 3, GPT-2, Mixtral, Qwen3-MoE and DeepSeek-V3: the same amax, bit for bit, the same
 perplexity, KL and per-window values, and the same checkpoint files, byte for byte.
 
 Why exactly equal, not within a tolerance: both run the same float32 ops on the same batches in the same order
@@ -29,7 +29,14 @@ from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
 
 ALL_LINEAR = "name: e4m3-all\nweights: {format: e4m3}\ninputs: {format: e4m3}\nignore: []\n"  # lm_head included
-STREAMED = ["llama", "gemma3", "gpt2", "mixtral", "qwen3_moe"]  # dense, GPT-2 (Conv1D), MoE (fused experts)
+STREAMED = [
+    "llama",
+    "gemma3",
+    "gpt2",
+    "mixtral",
+    "qwen3_moe",
+    "deepseek_v3",
+]  # dense, GPT-2 (Conv1D), MoE (fused experts; MLA)
 
 
 # OPT-350m's shape: word embeddings narrower than the decoder, so that project_in and project_out, Linear layers
@@ -87,7 +94,7 @@ def test_layer_by_layer_amax_equal_in_memory_calibration(family, recipe, checkpo
     assert list(got.input_amax) == list(expected.input_amax) == layers
     assert list(got.weight_amax) == list(expected.weight_amax)
     assert ("lm_head" in layers) == (recipe == "all-linear")
-    assert any(".experts." in name for name in layers) == (family in ("mixtral", "qwen3_moe"))
+    assert any(".experts." in name for name in layers) == (family in ("mixtral", "qwen3_moe", "deepseek_v3"))
     assert ({"model.decoder.project_in", "model.decoder.project_out"} <= set(layers)) == (family == "opt-proj")
     for name in layers:
         assert torch.equal(got.input_amax[name], expected.input_amax[name]), name
@@ -260,6 +267,7 @@ def checkpoint_files(directory: Path) -> dict[str, bytes]:
         ("gpt2", "fp8-e4m3"),
         ("mixtral", "fp8-e4m3"),
         ("qwen3_moe", "fp8-e4m3"),
+        ("deepseek_v3", "fp8-e4m3"),
     ],
 )
 def test_layer_by_layer_quantize_writes_the_same_checkpoint(family, recipe, checkpoints, tmp_path, ptq_cli):
@@ -320,7 +328,7 @@ def test_layer_by_layer_quantize_writes_the_same_checkpoint(family, recipe, chec
     codes = torch.float8_e4m3fn if recipe == "fp8-e4m3" else torch.int8
     quantized = [name for name, t in tensors.items() if t.dtype == codes]
     assert quantized and all(f"{name.removesuffix('.weight')}.input_scale" in tensors for name in quantized)
-    if family in ("mixtral", "qwen3_moe"):
+    if family in ("mixtral", "qwen3_moe", "deepseek_v3"):
         assert any(".experts.3." in name for name in quantized)  # per-expert 2-D weights, under the checkpoint's names
     info = json.loads((tmp_path / "streamed" / "ptq-export.json").read_text())
     assert (
@@ -661,17 +669,17 @@ def assert_read_as_loaded(directory: Path) -> int:
     return sum(streamed.checkpoint.dtype[s] in ("F8_E4M3", "I8", "U8") for s in streamed.disk.values())
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "deepseek_v3"])
 def test_an_fp8_checkpoint_is_read_layer_by_layer_dequantized_as_in_memory(family, checkpoints, tmp_path, ptq_cli):
     """An official FP8 checkpoint (DeepSeek-V3, Qwen3 FP8: too large for memory in float32 is what they are) is read
     with --low-memory, each weight its codes times its tile's scale as compressed-tensors' model-free converter
-    computes it, equal to what transformers' loader makes of it in memory; `ptq quantize --low-memory` then writes
-    the bytes the in-memory quantize writes, and says the weights were dequantized."""
+    computes it, equal to what transformers' loader makes of it in memory; `ptq quantize --low-memory` (calibrating
+    layer by layer) then writes the bytes the in-memory quantize writes, and says the weights were dequantized."""
     fp8 = save_fp8_blocks(checkpoints[family], tmp_path / "fp8")
     assert assert_read_as_loaded(fp8) > (8 if family == "llama" else 20)
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 3)
-    common = ["--recipe", "fp8-dynamic", "--data", text, "--samples", "3", "--seq-len", "32", "-q"]
+    common = ["--recipe", "fp8-e4m3", "--data", text, "--samples", "3", "--seq-len", "32", "-q"]  # calibrated
     assert ptq_cli("quantize", fp8, *common, "--in-memory", "--no-verify", "-o", tmp_path / "whole")[0] == 0
     code, _, err = ptq_cli("quantize", fp8, *common, "--low-memory", "-o", tmp_path / "streamed")
     assert code == 0, err
