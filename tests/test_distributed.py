@@ -63,19 +63,26 @@ def test_shares_are_contiguous_cover_everything_and_the_first_holds_the_snr_wind
             assert max(map(len, shares[1:]), default=0) <= len(shares[0]) or len(shares[0]) == min(n, 4)
 
 
-def test_compare_with_two_processes_gives_the_numbers_of_one(ptq_cli, tiny_model, text_file, tmp_path):
-    calib = tmp_path / "c.safetensors"
-    code, _, stderr = ptq_cli(
-        "calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "-o", calib, "--quiet"
-    )
+@pytest.mark.parametrize("calibration", ["file", "in the run"])
+def test_compare_with_two_processes_gives_the_numbers_of_one(calibration, ptq_cli, tiny_model, text_file, tmp_path):
+    """With a calibration file, and calibrating in the run (each process on its share of the 3 batches of 4
+    windows, the observers merged): the numbers of one process."""
+    if calibration == "file":
+        calib = ["--calib", tmp_path / "c.safetensors"]
+        code, _, stderr = ptq_cli(
+            "calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "-o", calib[1], "-q"
+        )
+        assert code == 0, stderr
+    else:
+        calib = ["--calib-data", text_file, "--calib-samples", "12"]
+    code, _, stderr = ptq_cli("compare", tiny_model, *calib, "--eval-data", text_file, "--out", tmp_path / "one", *ARGS)
     assert code == 0, stderr
-    code, _, stderr = ptq_cli(
-        "compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", tmp_path / "one", *ARGS
-    )
-    assert code == 0, stderr
-    run = torchrun("compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", tmp_path / "two", *ARGS)
+    run = torchrun("compare", tiny_model, *calib, "--eval-data", text_file, "--out", tmp_path / "two", *ARGS)
     assert run.returncode == 0, run.stderr[-3000:]
     one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    assert two["calibration"] == one["calibration"] and one["calibration"]["windows"] == (
+        4 if calib[0] == "--calib" else 12
+    )
     assert two["eval"] == one["eval"] and one["eval"]["windows"] == 7
     assert numbers(two["baseline"]) == numbers(one["baseline"])
     assert [numbers(v) for v in two["variants"]] == [numbers(v) for v in one["variants"]]
@@ -146,62 +153,102 @@ def test_the_memory_check_counts_a_copy_per_process_on_the_machine(tiny_model, m
         resources.processes_sharing(torch.device("cpu"))
 
 
-FIRST_PROCESS_CALIBRATION = """
+SHARED_CALIBRATION = """
 import json, sys
 from pathlib import Path
 import torch
-from ptq.calibration.calibrate import calibrate
-from ptq.execution import distributed
+from ptq.calibration import calibrate as calibration_module
+from ptq.errors import PtqError
+from ptq.execution import batching, distributed
 from ptq.models.loading import load_model
 
 distributed.setup()
 rank = distributed.world()[0]
 model = load_model(sys.argv[1]).model
-# other windows in each process: what other batches (an automatic batch size per GPU) do to the last bits of an amax
-ids = torch.randint(0, 200, (4, 16), generator=torch.Generator().manual_seed(rank))
-calibration = calibrate(model, ids, ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"], batch_size=2)
-amax = {k: float(v) for k, v in calibration.input_amax.items()}
-Path(sys.argv[2], f"{rank}.json").write_text(json.dumps(amax))
+windows = []
+model.model.embed_tokens.register_forward_pre_hook(lambda module, args: windows.append(len(args[0])))
+# an automatic batch size follows each GPU's free memory: here 2 windows on the first process, 3 on the second
+batching.auto_batch_size = lambda *args, **kwargs: 2 + rank
+if sys.argv[3] == "nan" and rank == 1:  # a fault in the second process's share only
+    model.model.layers[0].register_forward_hook(lambda module, args, out: (out[0] * float("nan"), *out[1:]) if isinstance(out, tuple) else out * float("nan"))
+ids = torch.randint(0, 200, (5, 16), generator=torch.Generator().manual_seed(0))
+layers = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"]
+try:
+    c = calibration_module.calibrate(model, ids, layers, batch_size=None, channels=layers[:1])
+except PtqError as e:
+    Path(sys.argv[2], f"{rank}.json").write_text(json.dumps({"error": str(e)}))
+    raise SystemExit(2)
+result = {
+    "windows": windows,
+    "amax": {k: float(v) for k, v in c.input_amax.items()},
+    "hist": {k: v.tolist() for k, v in c.input_hist.items()},
+    "channels": {k: v.tolist() for k, v in c.input_channel_amax.items()},
+}
+Path(sys.argv[2], f"{rank}.json").write_text(json.dumps(result))
 """
 
 
-def test_every_process_uses_the_first_processs_calibration(tiny_model, tmp_path):
-    """Under torchrun each process calibrates; when their batches differ (--batch-size auto follows each GPU's free
-    memory), so can the last bits of their amax, and the variants each process scores would be different models
-    merged into one score. The first process's calibration is used everywhere."""
-    import torch
-
-    from ptq.calibration.calibrate import calibrate
-    from ptq.models.loading import load_model
-
-    script = tmp_path / "calibrate.py"
-    script.write_text(FIRST_PROCESS_CALIBRATION)
+def run_script(script: str, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
     env = dict(os.environ, PTQ_DEVICE="cpu", OMP_NUM_THREADS="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
-    run = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--nproc-per-node=2",
+            f"--nproc-per-node={processes}",
             "--master-addr=127.0.0.1",
             f"--master-port={free_port()}",
-            str(script),
-            str(tiny_model),
-            str(tmp_path),
+            script,
+            *args,
         ],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def test_each_process_calibrates_its_share_and_all_hold_the_one_process_calibration(tiny_model, tmp_path):
+    """Under torchrun the calibration batches are split: one batch size for all (the smallest automatic one, 2
+    here), the first process runs batches 0-1 (windows 0-3), the second batch 2 (window 4), and the merged
+    observers give every process the calibration of one process that ran all three, bit for bit: amax, histograms,
+    per-channel amax."""
+    import torch
+
+    from ptq.calibration.calibrate import calibrate
+    from ptq.models.loading import load_model
+
+    script = tmp_path / "calibrate.py"
+    script.write_text(SHARED_CALIBRATION)
+    run = run_script(str(script), str(tiny_model), str(tmp_path), "clean")
     assert run.returncode == 0, run.stderr[-3000:]
     first, second = (json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1))
+    assert (first["windows"], second["windows"]) == ([2, 2], [1])
     model = load_model(str(tiny_model)).model
-    ids = torch.randint(0, 200, (4, 16), generator=torch.Generator().manual_seed(0))
-    alone = calibrate(model, ids, list(first), batch_size=2)
-    assert first == second == {k: float(v) for k, v in alone.input_amax.items()}
+    ids = torch.randint(0, 200, (5, 16), generator=torch.Generator().manual_seed(0))
+    layers = list(first["amax"])
+    alone = calibrate(model, ids, layers, batch_size=2, channels=layers[:1])
+    expected = {
+        "amax": {k: float(v) for k, v in alone.input_amax.items()},
+        "hist": {k: v.tolist() for k, v in alone.input_hist.items()},
+        "channels": {k: v.tolist() for k, v in alone.input_channel_amax.items()},
+    }
+    for key, value in expected.items():
+        assert first[key] == second[key] == value, key
+
+
+def test_a_fault_in_one_processs_share_stops_every_process_with_its_message(tiny_model, tmp_path):
+    """A NaN in the second process's share (its batch 2, of all processes' batches) stops both processes with the
+    same one-line message naming that batch, instead of leaving the first one waiting for the second's statistics."""
+    script = tmp_path / "calibrate.py"
+    script.write_text(SHARED_CALIBRATION)
+    run = run_script(str(script), str(tiny_model), str(tmp_path), "nan")
+    assert run.returncode != 0
+    first, second = (json.loads((tmp_path / f"{rank}.json").read_text())["error"] for rank in (0, 1))
+    assert first == second
+    assert "contains NaN in calibration batch 2 (windows 4-5)" in first, first
 
 
 @pytest.mark.parametrize("command", ["calibrate", "quantize"])

@@ -170,6 +170,8 @@ def calibrate(
     (ptq.execution.streaming.LayerByLayer); the observers are hooked on each layer as it is read. Linear inputs
     only, without checkpoints.
     """
+    if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
+        raise PtqError(f"unknown policy: on_nonfinite={on_nonfinite!r}, on_unseen={on_unseen!r}")
     auto = batch_size is None
     runner = _runner(model, layers)
     if auto:
@@ -178,17 +180,23 @@ def calibrate(
         )
     else:
         size = batch_size
+    # Under torchrun each process runs its share of the batches and the observers are merged: one batch size for all
+    # (an automatic one follows each GPU's free memory), so that every batch is one of the one-process run's
+    split = distributed.joined() and layer_by_layer is None and checkpoint is None
+    if split:
+        size = min(distributed.gather(size))
     restarted = None
     while True:
-        error = None
+        error = failure = None
+        batches = range(-(-len(input_ids) // size))
+        mine = distributed.share(len(batches)) if split else batches
         try:
-            calibration = _calibrate_batches(
+            observers, weight_amax = _calibrate_batches(
                 model,
-                input_ids,
+                input_ids[mine.start * size : mine.stop * size],
                 layers,
                 size,
                 on_nonfinite,
-                on_unseen,
                 checkpoint,
                 checkpoint_every,
                 resume,
@@ -197,14 +205,28 @@ def calibrate(
                 restarted,
                 weights_of,
                 layer_by_layer,
+                first_batch=mine.start,
             )
         except torch.cuda.OutOfMemoryError as e:
             error = str(e)  # not the exception: its frames hold the batch's tensors
-        else:
+        except PtqError as e:
+            if not split:
+                raise
+            failure = str(e)
+        if split:  # what one process met (a NaN in its share, out of memory) stops or backs off every process
+            outcomes = distributed.gather((failure, error))
+            failure = next((f for f, _ in outcomes if f), None)
+            if failure is not None:
+                raise PtqError(failure)
+            error = next((e for _, e in outcomes if e), None)
+            if error is None:
+                observers = merge_shares(distributed.gather({n: o.cpu() for n, o in observers.items()}))
+        if error is None:
+            calibration = finish(observers, layers, weight_amax, on_nonfinite, on_unseen)
             calibration.metadata["batch_size"] = size
-            # Under torchrun each process calibrates on the same windows, but not always on the same batches (an
-            # automatic batch size follows each GPU's free memory): the first process's scales, everywhere
-            return distributed.first(calibration)
+            if layer_by_layer is not None:
+                calibration.metadata["low_memory"] = f"calibrated {layer_by_layer.description}"
+            return calibration
         param = next(model.parameters())
         estimate = size * batching.window_bytes(
             model.config, input_ids.shape[1], param.dtype, calibrating=True, logits=runner is model
@@ -229,7 +251,6 @@ def _calibrate_batches(
     layers: list[str],
     batch_size: int,
     on_nonfinite: str,
-    on_unseen: str,
     checkpoint: Path | None,
     checkpoint_every: float,
     resume: bool,
@@ -238,11 +259,11 @@ def _calibrate_batches(
     restarted: int | None = None,
     weights_of: nn.Module | None = None,
     layer_by_layer=None,
-) -> Calibration:
-    """One calibration run on batches of `batch_size` windows, with new observers (see calibrate).
-    restarted: the batch size that ran out of memory before this run, for the progress bar."""
-    if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
-        raise PtqError(f"unknown policy: on_nonfinite={on_nonfinite!r}, on_unseen={on_unseen!r}")
+    first_batch: int = 0,
+) -> tuple[dict[str, TensorObserver], dict[str, torch.Tensor]]:
+    """One calibration run on batches of `batch_size` windows, with new observers (see calibrate): the observers
+    and the weights' amax. restarted: the batch size that ran out of memory before this run, for the progress bar.
+    first_batch: the number of the first batch among all processes' (torchrun), for the messages."""
     from ptq.quantization import attention, residual
 
     modules = dict(model.named_modules())
@@ -326,7 +347,11 @@ def _calibrate_batches(
             else "calibrating"
         )
         done = sum(len(b) for b in batches[:start])
-        check = (lambda i: _fail_on_nonfinite(observers, start + i, batch_size)) if on_nonfinite == "fail" else None
+        check = (
+            (lambda i: _fail_on_nonfinite(observers, first_batch + start + i, batch_size))
+            if on_nonfinite == "fail"
+            else None
+        )
         with (
             torch.no_grad(),  # not inference_mode: its tensors have no version, which the observers' shared statistics need
             progress(description, run.steps(len(input_ids), logits), input_ids.shape[1]) as advance,
@@ -341,11 +366,17 @@ def _calibrate_batches(
                     save_checkpoint(checkpoint, observers, fingerprint, i + 1, len(batches), batch_size)
                     saved_at = time.monotonic()
     # the calibrated layers in their order (as read, layer by layer, they come part by part), then the others
-    weights = {name: weight_amax[name] for name in linears} | weight_amax
-    calibration = finish(observers, layers, weights, on_nonfinite, on_unseen)
-    if layer_by_layer is not None:
-        calibration.metadata["low_memory"] = f"calibrated {layer_by_layer.description}"
-    return calibration
+    return observers, {name: weight_amax[name] for name in linears} | weight_amax
+
+
+def merge_shares(shares: list[dict[str, TensorObserver]]) -> dict[str, TensorObserver]:
+    """The observers of every process's share of the batches (torchrun), in rank order, merged: those of one process
+    that saw every batch (TensorObserver.merge; the histogram's bins are fixed, so the sum is exact)."""
+    merged = shares[0]
+    for other in shares[1:]:
+        for name, observer in merged.items():
+            observer.merge(other[name])
+    return merged
 
 
 def finish(

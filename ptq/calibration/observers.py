@@ -140,6 +140,19 @@ class TensorObserver:
     def finite_batches(self) -> int:
         return self.calls - self.nonfinite
 
+    def cpu(self) -> TensorObserver:
+        """A copy whose statistics are on the CPU (to be sent to another process: torchrun's shares)."""
+        copy = TensorObserver(hist=self._hist is not None, channels=self.channels)
+        on_cpu = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731
+        copy.amax, copy._hist, copy.channel_amax = on_cpu(self.amax), on_cpu(self._hist), on_cpu(self.channel_amax)
+        copy.calls, copy.nonfinite, copy.last, copy.step = (
+            self.calls,
+            on_cpu(self.nonfinite),
+            on_cpu(self.last),
+            self.step,
+        )
+        return copy
+
     def merge(self, other: TensorObserver) -> None:
         """Fold in another observer's statistics of the same activation (e.g. from another process or shard): the
         same as if this one had seen its batches too, on this observer's device. Observers that keep different

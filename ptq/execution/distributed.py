@@ -1,8 +1,10 @@
 """Data-parallel evaluation under `torchrun --nproc-per-node N` or `accelerate launch` (WORLD_SIZE > 1).
 
-Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.execution.devices.default_device), builds the same
-variants and calibrates on the same windows (calibration is not split); the first process's calibration is then used
-by all (first): their batches, and so the last bits of their amax, may differ.
+Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.execution.devices.default_device) and builds the
+same variants. Calibration is split by batches: one batch size for all (the smallest automatic one), each process
+observes a contiguous share of the one-process run's batches, and the observers are gathered and merged
+(ptq.calibration.calibrate.merge_shares): every process then holds the one-process calibration, bit for bit (a
+running max and a histogram of fixed bins do not depend on which process saw a batch).
 The evaluation windows are split into contiguous shares, one per process (the first process's share holds the
 windows the input SNR is measured on); the scores are gathered with
 all_gather_object, so that every process has the whole result, and merged window by window in their order
@@ -50,6 +52,13 @@ def active() -> bool:
     return world()[1] > 1
 
 
+def joined() -> bool:
+    """Whether this process runs with others in a process group (setup): what collectives need."""
+    import torch.distributed as dist
+
+    return active() and dist.is_available() and dist.is_initialized()
+
+
 def is_main() -> bool:
     """Whether this process writes reports and prints (rank 0, or the only process)."""
     return world()[0] == 0
@@ -87,18 +96,6 @@ def share(n: int, first_at_least: int = 0) -> range:
     rest, others = n - first, size - 1
     start = first + (rank - 1) * rest // others
     return range(start, first + rank * rest // others)
-
-
-def first(value):
-    """The first process's `value` on every process (broadcast_object_list); `value` itself in one process, or
-    where the processes have not joined a group (setup)."""
-    import torch.distributed as dist
-
-    if not active() or not dist.is_initialized():
-        return value
-    box = [value if is_main() else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def gather(value):
