@@ -235,7 +235,7 @@ def test_device_map_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, t
     ],
 )
 def test_fp8_matmuls_where_the_cpu_scaled_mm_takes_per_tensor_scales_only(
-    tiny_model, tmp_path, monkeypatch, recipe_text
+    tiny_model, tmp_path, monkeypatch, request, recipe_text
 ):
     """torch 2.11's CPU torch._scaled_mm refuses any scale but a per-tensor one (an INTERNAL ASSERT; later versions
     take row-wise scales): the probe reads that refusal, and --matmul fp8 there multiplies with per-tensor or unit
@@ -267,11 +267,13 @@ def test_fp8_matmuls_where_the_cpu_scaled_mm_takes_per_tensor_scales_only(
         rowwise = True
     except RuntimeError:
         rowwise = False
-    monkeypatch.setattr(quantize_module, "_CPU_TENSORWISE_ONLY", [])
-    assert quantize_module.cpu_scaled_mm_tensorwise_only() is not rowwise
-    monkeypatch.setattr(quantize_module, "_CPU_TENSORWISE_ONLY", [])
+    probe = quantize_module.cpu_scaled_mm_tensorwise_only
+    request.addfinalizer(probe.cache_clear)  # the next test tries this torch's own kernel again
+    probe.cache_clear()
+    assert probe() is not rowwise
+    probe.cache_clear()
     monkeypatch.setattr(torch.ops.aten, "_scaled_mm", per_tensor_only(ops_original))
-    assert quantize_module.cpu_scaled_mm_tensorwise_only() is True
+    assert probe() is True
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     (tmp_path / "r.yaml").write_text("name: t\ntargets: [Linear]\nignore: [lm_head]\n" + recipe_text)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 
 import torch
@@ -442,21 +443,17 @@ def rowwise_float32_unavailable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] != 9 or cuda < (12, 9)
 
 
-_CPU_TENSORWISE_ONLY: list[bool] = []
-
-
+@functools.cache
 def cpu_scaled_mm_tensorwise_only() -> bool:
     """Whether this torch's CPU torch._scaled_mm takes per-tensor scales only (torch 2.11: "Now _scaled_mm only
     supports per-tensor scaling for CPU backend"; later ones take row-wise scales too). Tried once per process on a
     16 x 16 product, through torch.ops so that a wrapper of torch._scaled_mm does not see the trial."""
-    if not _CPU_TENSORWISE_ONLY:
-        a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-        try:
-            torch.ops.aten._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
-            _CPU_TENSORWISE_ONLY.append(False)
-        except RuntimeError:  # torch's INTERNAL ASSERT is a RuntimeError
-            _CPU_TENSORWISE_ONLY.append(True)
-    return _CPU_TENSORWISE_ONLY[0]
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch.ops.aten._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:  # torch's INTERNAL ASSERT is a RuntimeError
+        return True
+    return False
 
 
 def resolve_matmul(matmul: str, device: torch.device) -> str:
