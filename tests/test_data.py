@@ -246,10 +246,21 @@ def test_path_with_a_comma_is_a_path(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Hugging Face datasets (no network: load_dataset is replaced)
+# Hugging Face datasets (no network: load_dataset is replaced; without the Hub: tests/test_offline_data.py)
 
 
-def test_hf_dataset_rows(monkeypatch):
+@pytest.fixture
+def hub_reachable(monkeypatch):
+    """As with a network: offline mode not set, and the Hub answers the probe (datasets' own path, not the cache's)."""
+    import datasets.config
+
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(data, "hub_unreachable", lambda: None)
+
+
+def test_hf_dataset_rows(monkeypatch, hub_reachable):
     import datasets
 
     calls = []
@@ -267,7 +278,7 @@ def test_hf_dataset_rows(monkeypatch):
         load_corpus("hf:someone/wiki,field=body,split=train", "evaluation")
 
 
-def test_hf_without_network_is_one_line_error(monkeypatch):
+def test_hf_without_network_is_one_line_error(monkeypatch, hub_reachable):
     import datasets
 
     def offline(*args, **kwargs):

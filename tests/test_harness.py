@@ -369,7 +369,7 @@ def test_hub_task_offline_and_unknown_task_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(Exception) as e:
         harness.prepare("piqa", None, tmp_path, max_items=None)
     message = str(e.value)
-    assert "cannot load task 'piqa' (HF_DATASETS_OFFLINE is set)" in message and "piqa=FILE.jsonl" in message
+    assert "cannot load task 'piqa': HF_DATASETS_OFFLINE is set" in message and "piqa=FILE.jsonl" in message
     assert len(message.splitlines()) == 1
 
 

