@@ -407,9 +407,8 @@ def stored_dequantizer(directory: Path, config: dict, spec: str) -> tuple[object
                 f"{refused} with per-tensor scales (weight_block_size {block}): load it without --low-memory"
             )
         try:
-            converter = FP8BlockDequantizer.from_pretrained(
-                str(directory), weight_block_size=tuple(block), dtype=torch.float32
-            )
+            # every module targeted: a weight with a weight_scale_inv stored is dequantized (streaming's _scales)
+            converter = FP8BlockDequantizer(targets=("re:.*",), weight_block_size=tuple(block), dtype=torch.float32)
         except Exception as e:
             raise PtqError(f"cannot read the fp8 checkpoint '{spec}': {_one_line(e)}") from None
         return converter, caveat
