@@ -100,9 +100,26 @@ def load_model(
         model, tokenizer = _from_pretrained(
             str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **dequantizing, **hub
         )
+    if dequantizing:
+        _as_unquantized(model, str(directory), hub)
     return LoadedModel(
         linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
     )
+
+
+def _as_unquantized(model: nn.Module, location: str, hub: dict) -> None:
+    """A model loaded dequantized, as loaded from an unquantized checkpoint of the same config: transformers 5.17 keeps
+    the quantizer's weight conversions (each weight merged with its scales, which cannot be reverted without them)
+    and its parallel plans (base_model_ep_plan naming `*_scale_inv` tensors), which the checkpoint ptq writes would
+    carry. Its checkpoint names are then the default conversions', its plans those of config.json."""
+    if "_weight_conversions" in vars(model):
+        del model._weight_conversions
+    fresh = type(model.config).from_pretrained(location, **hub)
+    for plan in ("base_model_tp_plan", "base_model_ep_plan", "base_model_pp_plan"):
+        if plan in vars(fresh):  # set by config.json
+            setattr(model.config, plan, vars(fresh)[plan])
+        elif plan in vars(model.config):  # set by the quantizer over the class's own
+            delattr(model.config, plan)
 
 
 def _check_memory(directory: Path, copies: float, device: torch.device, spec: str) -> None:
