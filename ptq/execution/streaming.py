@@ -122,7 +122,7 @@ class SafetensorsCheckpoint:
         missing = [n for n in names if n not in self.file]
         if missing:
             raise PtqError(f"the checkpoint in {self.directory} has no tensor '{missing[0]}'")
-        scales = {n: self._scales(n) for n in names}  # read first: a weight's bytes / 256 at most
+        scales = {n: self._scales(n) for n in names}  # read first: small (MX: a 32nd of the codes, at most)
         read = dict(self._plain(sorted({s for ss in scales.values() for s in ss})))
         for k, tensor in self._plain(names):
             if scales.get(k):

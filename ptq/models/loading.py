@@ -405,10 +405,9 @@ def stored_dequantizer(directory: Path, config: dict, spec: str) -> tuple[object
     """For `--low-memory` (ptq.execution.streaming reads each tensor from the files, without transformers' loader):
     compressed-tensors' model-free converter that dequantizes an already quantized checkpoint's weights as they are
     read, in float32 (codes x scales, the products transformers' loader makes), and the caveat reports print (as
-    dequantized_loading's); None for a 16/32-bit checkpoint.
-    The converter's `get_dependencies(name)` names the scales a weight is computed from, `process(tensors)` computes it. Weights
-    stored other than as one 8-bit code per value (packed int4, MXFP4, NVFP4) are refused in one line: they load in
-    memory (without --low-memory)."""
+    dequantized_loading's); None for a 16/32-bit checkpoint. The converter's `get_dependencies(name)` names the
+    scales a weight is computed from, `process(tensors)` computes it. Weights stored other than as one 8-bit code
+    per value (packed int4, MXFP4, NVFP4) are refused in one line: they load in memory (without --low-memory)."""
     qc = config.get("quantization_config")
     if not isinstance(qc, dict):
         return None
