@@ -67,6 +67,7 @@ def ptq_cli(monkeypatch, capsys):
     from ptq import cli, progress
 
     def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()  # what the test printed before (a checkpoint's save bar) is not this run's output
         monkeypatch.setattr(sys, "argv", ["ptq", *map(str, args)])
         code = 0
         try:

@@ -494,7 +494,7 @@ def test_low_memory_refusals_are_one_line(sharded_model, other_tiny_model, text_
         (("calibrate", gpt_oss, *calib, "--low-memory", "-o", tmp_path / "g.st"), "cannot read"),
         (
             ("calibrate", "some-org/some-model", *calib, "--low-memory", "-o", tmp_path / "h.st"),
-            "local model directory",
+            "not in the local Hugging Face cache",
         ),
         (
             ("calibrate", sharded_model, *calib, "--low-memory", "--resume", "-o", tmp_path / "r.st"),
@@ -743,3 +743,64 @@ def test_low_memory_refuses_packed_and_damaged_quantized_checkpoints_in_one_line
         code, _, err = ptq_cli("calibrate", model, "--samples", "2", "--seq-len", "16", "--low-memory", "-q", "-o",
                                tmp_path / "c.st")  # fmt: skip
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in " ".join(err.split()), err
+
+
+def cache_as_hub(source: Path, cache: Path, repo: str, monkeypatch) -> None:
+    """`source` as the Hugging Face cache holds a downloaded Hub model (models--org--name: refs/main naming a snapshot
+    folder of its files), the cache pointed at `cache`, and no Hub to reach (HF_HUB_OFFLINE)."""
+    import huggingface_hub.constants
+
+    from ptq.models import loading
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for f in source.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loading.hub_snapshot.cache_clear()  # once per process: not another test's answer
+
+
+@pytest.fixture
+def hub_model(checkpoints, tmp_path, monkeypatch):
+    from ptq.models import loading
+
+    cache_as_hub(checkpoints["llama"], tmp_path / "hub", "ptq-test/tiny-llama", monkeypatch)
+    yield "ptq-test/tiny-llama"
+    loading.hub_snapshot.cache_clear()
+
+
+def test_a_hub_id_is_read_from_its_folder_in_the_cache_layer_by_layer_as_in_memory(hub_model, tmp_path, ptq_cli):
+    """A Hub id is a folder once its files are in the Hugging Face cache (hub_snapshot): --low-memory reads it (it
+    used to be refused: "works on a local model directory"), with the numbers of the in-memory compare."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 3)
+    common = ["--calib-data", text, "--calib-samples", "3", "--eval-data", text, "--seq-len", "32"]
+    common += ["--max-windows", "3", "--recipes", "fp8-e4m3", "-q"]
+    code, _, err = ptq_cli("compare", hub_model, *common, "--in-memory", "--out", tmp_path / "whole")
+    assert code == 0, err
+    code, _, err = ptq_cli("compare", hub_model, *common, "--low-memory", "--out", tmp_path / "streamed")
+    assert code == 0, err
+    whole, streamed = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("whole", "streamed"))
+    assert [v["perplexity"] for v in streamed["variants"]] == [v["perplexity"] for v in whole["variants"]]
+    assert streamed["model"]["name"] == hub_model and "Hugging Face Hub: ptq-test/tiny-llama" in str(streamed["model"])
+
+
+def test_a_hub_id_too_big_for_memory_is_checked_before_loading_and_goes_layer_by_layer(
+    hub_model, checkpoints, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    """A Hub id's size is known from its files before it is loaded: one that does not fit goes layer by layer on its
+    own, and --in-memory refuses it with the estimate (before, a Hub id had no memory check: from_pretrained ran out
+    of memory)."""
+    params = resources.checkpoint_parameters(checkpoints["llama"])
+    monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 - 1)
+    calib = ["--data", text_file, "--samples", "2", "--seq-len", "16"]
+    code, _, err = ptq_cli("calibrate", hub_model, *calib, "-o", tmp_path / "c.st")
+    assert code == 0, err
+    assert "working layer by layer from disk (--low-memory)" in " ".join(err.split())
+    code, _, err = ptq_cli("calibrate", hub_model, *calib, "--in-memory", "-o", tmp_path / "d.st")
+    assert code == 2 and "needs at least" in err and not (tmp_path / "d.st").exists()

@@ -49,7 +49,7 @@ from torch import nn
 from ptq.errors import PtqError
 from ptq.execution.devices import default_device
 from ptq.export.checkpoint import _saved_names, checkpoint_names
-from ptq.models.loading import LoadedModel, local_directory, stored_dequantizer
+from ptq.models.loading import DEFAULT_MODEL, LoadedModel, local_directory, stored_dequantizer
 from ptq.models.matmuls import kind, linearize, quantizable
 
 LOW_MEMORY_FLAG = "--low-memory"
@@ -162,19 +162,30 @@ class SafetensorsCheckpoint:
 
 
 def supports(spec: str | None) -> bool:
-    """Whether `spec` is a local safetensors checkpoint, 16/32-bit or quantized by a method read dequantized
+    """Whether `spec` is a safetensors checkpoint in a folder (a local one, or a Hub id's in the Hugging Face cache,
+    downloaded first: loading would download it anyway), 16/32-bit or quantized by a method read dequantized
     (ptq.models.loading.stored_dequantizer; what it cannot read is refused there, in one line)."""
-    if spec is None or not Path(spec).expanduser().is_dir():
-        return False  # automatic streaming only for local directories: the default model fits anyway
-    directory = Path(spec).expanduser()
+    return _directory(spec) is not None
+
+
+def _directory(spec: str | None) -> Path | None:
+    """The folder `supports` answers for; None for a spec it does not."""
+    if spec is None or spec == DEFAULT_MODEL or spec.endswith(".gguf"):
+        return None  # automatic streaming only for folders: the default model fits anyway, a .gguf converts whole
+    found = local_directory(spec)
+    if found is None:
+        return None
+    directory = found[0]
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return None
     if not isinstance(config, dict) or not any(directory.glob("*.safetensors")):
-        return False
+        return None
     quantized = config.get("quantization_config")
-    return quantized is None or (isinstance(quantized, dict) and quantized.get("quant_method") in STREAMED_METHODS)
+    if quantized is None or (isinstance(quantized, dict) and quantized.get("quant_method") in STREAMED_METHODS):
+        return directory
+    return None
 
 
 def too_big(spec: str | None, copies: float = 1) -> bool:
@@ -183,9 +194,10 @@ def too_big(spec: str | None, copies: float = 1) -> bool:
     first (ptq.models.loading)."""
     from ptq.execution.resources import shortfall
 
-    if not supports(spec):
+    directory = _directory(spec)
+    if directory is None:
         return False
-    directory, device = Path(spec).expanduser(), default_device()
+    device = default_device()
     return shortfall(directory, copies, device) is not None or (
         device.type != "cpu" and shortfall(directory, 1, torch.device("cpu")) is not None
     )
@@ -213,8 +225,7 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False, memory_chec
     found = local_directory(spec, memory_check)
     if found is None:
         raise PtqError(
-            f"{LOW_MEMORY_FLAG} works on a local model directory with safetensors weights; '{spec}' is not one "
-            "(download it first, e.g. with `hf download`)"
+            f"{LOW_MEMORY_FLAG} works on a model folder with safetensors weights or a Hub id; '{spec}' is neither"
         )
     directory, caveats, source = found
     if not (directory / "config.json").is_file():

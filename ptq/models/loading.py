@@ -8,6 +8,7 @@ directory, which loads in seconds afterwards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import re
@@ -59,14 +60,15 @@ def load_model(
     device = device or default_device()
     caveats: tuple[str, ...] = ()
     pickle_only = False
-    hub: dict = {}
     quantized = None  # (the quantization_config that dequantizes it, its caveat) for a checkpoint already quantized
     if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
         if spec != DEFAULT_MODEL and not Path(spec).expanduser().is_file():
             raise PtqError(f"model file {spec} does not exist")
         directory, caveats, source = local_directory(spec, memory_check)
-    elif Path(spec).exists() or spec.startswith((".", "/", "~")):
-        directory = Path(spec).expanduser()
+    else:
+        local = Path(spec).exists() or spec.startswith((".", "/", "~"))
+        # a Hub id: its files downloaded into (or found in) the local Hugging Face cache, then read as a folder
+        directory = Path(spec).expanduser() if local else hub_snapshot(spec, allow_pickle)
         if directory.exists() and not directory.is_dir():
             raise PtqError(f"{spec} is a file, not a model: {EXPECTED}")
         if not directory.is_dir():
@@ -82,13 +84,11 @@ def load_model(
                     f"{spec} has only pickle weights (.bin), which can run code when loaded: convert them to "
                     "safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)"
                 )
-        source = str(directory.resolve())
-        quantized = dequantized_loading(_read_config(directory / "config.json"), directory.name, spec)
-    else:
-        hub = hub_access(spec)
-        directory, source = spec, f"Hugging Face Hub: {spec}"
-        quantized = dequantized_loading(_hub_config(spec, hub), spec, spec)
-    if memory_check and Path(directory).is_dir():  # dequantized: as large in float32 as a 16-bit checkpoint
+        source = str(directory.resolve()) if local else f"Hugging Face Hub: {spec} (revision {directory.name[:12]})"
+        quantized = dequantized_loading(
+            _read_config(directory / "config.json"), directory.name if local else spec, spec
+        )
+    if memory_check:  # dequantized: as large in float32 as a 16-bit checkpoint
         _check_memory(Path(directory), copies, device, spec)
     dequantizing = {}
     if quantized is not None:  # an already quantized checkpoint: its weights dequantized, as plain Linear layers
@@ -98,23 +98,23 @@ def load_model(
         if dequantizing:  # "loading attributes will be overwritten": that is the point
             warnings.simplefilter("ignore", UserWarning)
         model, tokenizer = _from_pretrained(
-            str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **dequantizing, **hub
+            str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **dequantizing
         )
     if dequantizing:
-        _as_unquantized(model, str(directory), hub)
+        _as_unquantized(model, str(directory))
     return LoadedModel(
         linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
     )
 
 
-def _as_unquantized(model: nn.Module, location: str, hub: dict) -> None:
+def _as_unquantized(model: nn.Module, location: str) -> None:
     """A model loaded dequantized, as loaded from an unquantized checkpoint of the same config: transformers 5.17 keeps
     the quantizer's weight conversions (each weight merged with its scales, which cannot be reverted without them)
     and its parallel plans (base_model_ep_plan naming `*_scale_inv` tensors), which the checkpoint ptq writes would
     carry. Its checkpoint names are then the default conversions', its plans those of config.json."""
     if "_weight_conversions" in vars(model):
         del model._weight_conversions
-    fresh = type(model.config).from_pretrained(location, **hub)
+    fresh = type(model.config).from_pretrained(location)
     for plan in ("base_model_tp_plan", "base_model_ep_plan", "base_model_pp_plan"):
         if plan in vars(fresh):  # set by config.json
             setattr(model.config, plan, vars(fresh)[plan])
@@ -164,6 +164,49 @@ def hub_access(spec: str) -> dict:
         f"no model folder or file '{spec}', and as a Hub id it is not in the local Hugging Face cache while the Hub "
         f"cannot be reached ({reason}): {EXPECTED}"
     )
+
+
+HUB_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")  # config, tokenizer, remote code
+
+
+@functools.cache
+def hub_snapshot(spec: str, allow_pickle: bool = False) -> Path:
+    """The folder of Hub model `spec` in the local Hugging Face cache, holding what loading reads: its config,
+    tokenizer and generation config files, remote code (run only with --trust-remote-code), and the weight files its
+    index names (pickle ones only with `allow_pickle`). Downloaded, with huggingface_hub's progress bars, or found in
+    the cache when the Hub cannot be used (hub_access). Everything after reads a folder: the memory check before
+    loading, the switch to layer by layer, --low-memory, an export's source dtypes. Once per process."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    from huggingface_hub.utils import logging as hub_logging
+
+    from ptq import progress
+
+    offline = hub_access(spec).get("local_files_only", False)
+    hub_logging.set_verbosity_error()  # no "Retrying in 8s [Retry 5/5]" lines: the error says what failed, once
+    (disable_progress_bars if progress.QUIET else enable_progress_bars)()
+    try:
+        directory = Path(snapshot_download(spec, allow_patterns=list(HUB_FILES), local_files_only=offline))
+        weights = _weight_files(directory, allow_pickle)
+        directory = Path(snapshot_download(spec, allow_patterns=weights, local_files_only=offline))
+    except Exception as e:
+        where = "in the local Hugging Face cache" if offline else "on the Hugging Face Hub"
+        raise PtqError(f"cannot read model '{spec}' {where}: {_one_line(e)}") from None
+    return directory
+
+
+def _weight_files(directory: Path, allow_pickle: bool) -> list[str]:
+    """The weight files a Hub model's index names (as from_pretrained reads them: not a repo's other copies, such as
+    Mistral's consolidated.safetensors), or the single-file names; pickle ones only when allowed."""
+    names = [("model.safetensors.index.json", "model.safetensors")]
+    if allow_pickle:
+        names.append(("pytorch_model.bin.index.json", "pytorch_model.bin"))
+    files: list[str] = []
+    for index, single in names:
+        config = _read_config(directory / index)
+        weight_map = config.get("weight_map") if isinstance(config, dict) else None
+        files += sorted(set(weight_map.values())) if isinstance(weight_map, dict) else [single]
+    return files
 
 
 def _hub_cached(repo_id: str) -> bool:
@@ -226,8 +269,8 @@ def to_compute(model: nn.Module, device, dtype: torch.dtype | None) -> nn.Module
 
 def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, tuple[str, ...], str] | None:
     """The local Hugging Face directory behind a model spec (the offline default and .gguf files converted once into
-    the cache, `memory_check`: if the host holds them in float32), its caveats and where its weights came from, for
-    reports; None for a Hub id."""
+    the cache, `memory_check`: if the host holds them in float32; a Hub id's files in the Hugging Face cache,
+    hub_snapshot), its caveats and where its weights came from, for reports; None for anything else."""
     if spec is None or spec == DEFAULT_MODEL:
         directory, caveats = converted_gguf_dir(default_gguf_path(), memory_check)
         version = importlib.metadata.version(DEFAULT_DISTRIBUTION)
@@ -239,6 +282,9 @@ def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, 
     directory = Path(spec).expanduser()
     if directory.is_dir():
         return directory, (), str(directory.resolve())
+    if not spec.startswith((".", "/", "~")) and _HUB_ID.fullmatch(spec):
+        directory = hub_snapshot(spec)
+        return directory, (), f"Hugging Face Hub: {spec} (revision {directory.name[:12]})"
     return None
 
 
@@ -329,7 +375,8 @@ def _one_line(e: Exception, limit: int = 400) -> str:
 
 
 def _read_config(path: Path) -> dict | None:
-    """A config.json as a dict; None when it cannot be read (transformers then says what is wrong with it)."""
+    """A JSON file (config.json, a weights index) as a dict; None when it cannot be read (transformers then says what
+    is wrong with a config)."""
     import json
 
     try:
@@ -337,17 +384,6 @@ def _read_config(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return config if isinstance(config, dict) else None
-
-
-def _hub_config(spec: str, hub: dict) -> dict | None:
-    """The config.json of a Hub model as a dict (from the local cache when `hub` says so); None when it cannot be had
-    (from_pretrained then says why)."""
-    from transformers import PretrainedConfig
-
-    try:
-        return PretrainedConfig.get_config_dict(spec, **hub)[0]
-    except Exception:
-        return None
 
 
 # quant_method of an already quantized checkpoint -> the transformers config class that loads it with every weight
