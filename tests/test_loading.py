@@ -345,27 +345,37 @@ def test_a_gguf_path_with_a_leading_tilde_is_found(tmp_path, monkeypatch):
         loading.load_model("~/My Models/m.gguf")
 
 
-def save_fp8_checkpoint(source: Path, target: Path, block: int = 32) -> Path:
-    """`source` as an official FP8 checkpoint is laid out (DeepSeek-V3, Qwen3 FP8: quant_method fp8): every
-    projection's weight as float8_e4m3fn codes with a float32 `weight_scale_inv` per block x block tile (amax / 448),
-    everything else in bf16."""
+def save_fp8_checkpoint(source: Path, target: Path, block: int = 32, shards: int = 1) -> Path:
+    """`source` as an official FP8 checkpoint is laid out (DeepSeek-V3, Qwen3 FP8: quant_method fp8): every matmul
+    weight (experts' included, under the checkpoint's per-expert names) as float8_e4m3fn codes with a float32
+    `weight_scale_inv` per block x block tile (amax / 448), everything else in bf16, in `shards` files."""
     import json
 
     import safetensors.torch
     import torch
 
-    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     tensors = {}
-    for key, w in safetensors.torch.load_file(source / "model.safetensors").items():
-        if not key.endswith("_proj.weight"):
-            tensors[key] = w.to(torch.bfloat16)
+    for f in sorted(source.glob("*.safetensors")):
+        tensors |= safetensors.torch.load_file(str(f))
+    for key, w in list(tensors.items()):
+        rows, cols = w.shape if w.ndim == 2 else (0, 0)
+        if any(s in key for s in ("embed", "lm_head", "norm")) or not rows or rows % block or cols % block:
+            tensors[key] = w.to(torch.bfloat16)  # and a router of a few experts, as DeepSeek-V3 keeps its gate
             continue
-        rows, cols = w.shape
         tiles = w.float().reshape(rows // block, block, cols // block, block)
         scale = tiles.abs().amax(dim=(1, 3)) / 448
         tensors[key] = (tiles / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
-        tensors[key.replace(".weight", ".weight_scale_inv")] = scale
-    safetensors.torch.save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+        tensors[key.removesuffix("weight") + "weight_scale_inv"] = scale
+    names = sorted(tensors)
+    files = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors": names[i::shards] for i in range(shards)}
+    if shards == 1:
+        files = {"model.safetensors": names}
+    for file, keys in files.items():
+        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(target / file), metadata={"format": "pt"})
+    if shards > 1:
+        weight_map = {k: file for file, keys in files.items() for k in keys}
+        (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((target / "config.json").read_text())
     config["dtype"] = "bfloat16"
     config["quantization_config"] = {

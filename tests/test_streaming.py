@@ -18,6 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from conftest import TEXT, make_tokenizer
+from test_loading import save_fp8_checkpoint
 
 from ptq.calibration.calibrate import calibrate, load_calibration
 from ptq.errors import PtqError
@@ -430,7 +431,7 @@ def test_streams_automatically_when_the_model_does_not_fit(
 ):
     model = checkpoints["qwen3_moe"]  # any architecture; an FP8 checkpoint too, read dequantized
     if stored == "fp8":
-        model = save_fp8_blocks(model, tmp_path / "fp8")
+        model = save_fp8_checkpoint(model, tmp_path / "fp8", block=16, shards=2)
     params = resources.checkpoint_parameters(model)
     monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 - 1)  # float32 weights do not fit
     code, _, err = ptq_cli(
@@ -622,42 +623,6 @@ def test_streams_automatically_when_the_host_cannot_load_it_for_the_gpu(sharded_
     assert streaming.too_big(str(sharded_model))
 
 
-def save_fp8_blocks(source: Path, target: Path, block: int = 16) -> Path:
-    """`source` laid out as DeepSeek-V3 and Qwen3's official FP8 checkpoints are (quant_method fp8): every matmul
-    weight (experts' included, under the checkpoint's per-expert names) as float8_e4m3fn codes with a float32
-    `weight_scale_inv` per block x block tile (amax / 448), the rest as stored; in shards."""
-    tensors = {}
-    for f in sorted(source.glob("*.safetensors")):
-        tensors |= safetensors.torch.load_file(str(f))
-    for key in [k for k, w in tensors.items() if w.ndim == 2 and not any(s in k for s in ("embed", "lm_head", "norm"))]:
-        rows, cols = tensors[key].shape
-        if rows % block or cols % block:
-            continue  # a router of a few experts: kept in 16 bits, as DeepSeek-V3 keeps its gate
-        tiles = tensors[key].float().reshape(rows // block, block, cols // block, block)
-        scale = tiles.abs().amax(dim=(1, 3)) / 448
-        tensors[key] = (tiles / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
-        tensors[key.removesuffix("weight") + "weight_scale_inv"] = scale
-    target.mkdir()
-    names = sorted(tensors)
-    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    for file, keys in halves.items():
-        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(target / file), metadata={"format": "pt"})
-    weight_map = {k: file for file, keys in halves.items() for k in keys}
-    (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    for f in source.iterdir():
-        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-            (target / f.name).write_bytes(f.read_bytes())
-    config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [block, block],
-    }
-    (target / "config.json").write_text(json.dumps(config))
-    return target
-
-
 def assert_read_as_loaded(directory: Path) -> int:
     """Layer by layer, every tensor is read as the in-memory load holds it (transformers' loader dequantizing the
     checkpoint), bit for bit; returns how many were stored as codes."""
@@ -675,7 +640,7 @@ def test_an_fp8_checkpoint_is_read_layer_by_layer_dequantized_as_in_memory(famil
     with --low-memory, each weight its codes times its tile's scale as compressed-tensors' model-free converter
     computes it, equal to what transformers' loader makes of it in memory; `ptq quantize --low-memory` (calibrating
     layer by layer) then writes the bytes the in-memory quantize writes, and says the weights were dequantized."""
-    fp8 = save_fp8_blocks(checkpoints[family], tmp_path / "fp8")
+    fp8 = save_fp8_checkpoint(checkpoints[family], tmp_path / "fp8", block=16, shards=2)
     assert assert_read_as_loaded(fp8) > (8 if family == "llama" else 20)
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 3)
@@ -728,7 +693,7 @@ def test_low_memory_refuses_packed_and_damaged_quantized_checkpoints_in_one_line
         "ignore": ["lm_head"],
     }
     (packed / "config.json").write_text(json.dumps(config))
-    damaged = save_fp8_blocks(checkpoints["llama"], tmp_path / "damaged")
+    damaged = save_fp8_checkpoint(checkpoints["llama"], tmp_path / "damaged", block=16, shards=2)
     index = json.loads((damaged / "model.safetensors.index.json").read_text())
     scale = "model.layers.1.mlp.down_proj.weight_scale_inv"
     file = damaged / index["weight_map"].pop(scale)
