@@ -78,7 +78,8 @@ def load_model(
         if not any(directory.glob("*.safetensors")):
             pickle_only = any(directory.glob("*.bin")) or any(directory.glob("*.pt"))
             if not pickle_only:
-                raise PtqError(f"{spec} has no .safetensors weights")
+                hint = "" if local or allow_pickle else " (a model with pickle weights only loads with --allow-pickle)"
+                raise PtqError(f"{spec} has no .safetensors weights{hint}")
             if not allow_pickle:
                 raise PtqError(
                     f"{spec} has only pickle weights (.bin), which can run code when loaded: convert them to "
