@@ -23,8 +23,9 @@ def free_port() -> int:
 
 
 def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node PROCESSES ARGS...` on the CPU (gloo); ARGS: `-m ptq ...`, or a script and its own."""
     env = dict(os.environ, PTQ_DEVICE="cpu", OMP_NUM_THREADS="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
     return subprocess.run(
         [
@@ -34,8 +35,6 @@ def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
             f"--nproc-per-node={processes}",
             "--master-addr=127.0.0.1",
             f"--master-port={free_port()}",
-            "-m",
-            "ptq",
             *map(str, args),
         ],
         env=env,
@@ -77,7 +76,9 @@ def test_compare_with_two_processes_gives_the_numbers_of_one(calibration, ptq_cl
         calib = ["--calib-data", text_file, "--calib-samples", "12"]
     code, _, stderr = ptq_cli("compare", tiny_model, *calib, "--eval-data", text_file, "--out", tmp_path / "one", *ARGS)
     assert code == 0, stderr
-    run = torchrun("compare", tiny_model, *calib, "--eval-data", text_file, "--out", tmp_path / "two", *ARGS)
+    run = torchrun(
+        "-m", "ptq", "compare", tiny_model, *calib, "--eval-data", text_file, "--out", tmp_path / "two", *ARGS
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
     assert two["calibration"] == one["calibration"] and one["calibration"]["windows"] == (
@@ -95,7 +96,9 @@ def test_eval_with_two_processes_gives_the_numbers_of_one(ptq_cli, tiny_model, t
         "eval", tiny_model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "one", *ARGS
     )
     assert code == 0, stderr
-    run = torchrun("eval", tiny_model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "two", *ARGS)
+    run = torchrun(
+        "-m", "ptq", "eval", tiny_model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "two", *ARGS
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
     assert numbers(two["config"]) == numbers(one["config"])
@@ -188,28 +191,6 @@ Path(sys.argv[2], f"{rank}.json").write_text(json.dumps(result))
 """
 
 
-def run_script(script: str, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PTQ_DEVICE="cpu", OMP_NUM_THREADS="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(name, None)
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={processes}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}",
-            script,
-            *args,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def test_each_process_calibrates_its_share_and_all_hold_the_one_process_calibration(tiny_model, tmp_path):
     """Under torchrun the calibration batches are split: one batch size for all (the smallest automatic one, 2
     here), the first process runs batches 0-1 (windows 0-3), the second batch 2 (window 4), and the merged
@@ -222,7 +203,7 @@ def test_each_process_calibrates_its_share_and_all_hold_the_one_process_calibrat
 
     script = tmp_path / "calibrate.py"
     script.write_text(SHARED_CALIBRATION)
-    run = run_script(str(script), str(tiny_model), str(tmp_path), "clean")
+    run = torchrun(script, tiny_model, tmp_path, "clean")
     assert run.returncode == 0, run.stderr[-3000:]
     first, second = (json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1))
     assert (first["windows"], second["windows"]) == ([2, 2], [1])
@@ -244,7 +225,7 @@ def test_a_fault_in_one_processs_share_stops_every_process_with_its_message(tiny
     same one-line message naming that batch, instead of leaving the first one waiting for the second's statistics."""
     script = tmp_path / "calibrate.py"
     script.write_text(SHARED_CALIBRATION)
-    run = run_script(str(script), str(tiny_model), str(tmp_path), "nan")
+    run = torchrun(script, tiny_model, tmp_path, "nan")
     assert run.returncode != 0
     first, second = (json.loads((tmp_path / f"{rank}.json").read_text())["error"] for rank in (0, 1))
     assert first == second
