@@ -64,8 +64,9 @@ LowMemory = Annotated[
     typer.Option(
         "--low-memory/--in-memory",
         show_default="automatic",
-        help="Work layer by layer from a local safetensors checkpoint (any architecture ptq loads): one decoder layer in "
-        "memory (on the GPU) at a time, for models larger than memory. Default: only when the model does not fit.",
+        help="Work layer by layer from a safetensors checkpoint (a folder, or a Hub id's in the Hugging Face cache; FP8 "
+        "and 8-bit checkpoints read dequantized): one decoder layer in memory (on the GPU) at a time, for models larger "
+        "than memory. Default: only when the model does not fit.",
     ),
 ]
 NoMemoryCheck = Annotated[
