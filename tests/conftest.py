@@ -54,6 +54,20 @@ def other_tiny_model(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-other"), seed=1)
 
 
+@pytest.fixture(autouse=True)
+def hub_not_asked_yet():
+    """ptq asks about the Hub once per process (whether it can be reached, where a Hub id's files are): each test asks
+    anew, as a new run would, and no test sees another's answer."""
+    from ptq.models import loading
+
+    answers = (loading.hub_unreachable, loading.hub_snapshot)
+    for cached in answers:
+        cached.cache_clear()
+    yield
+    for cached in answers:
+        cached.cache_clear()
+
+
 @pytest.fixture
 def text_file(tmp_path) -> Path:
     path = tmp_path / "text.txt"

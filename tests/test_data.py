@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from ptq.errors import PtqError
 from ptq.evaluation import data
 from ptq.evaluation.data import Corpus, clean_markdown, load_corpus, make_windows
+from ptq.models import loading
 
 TRAGEDIES = {
     "Hamlet",
@@ -257,7 +258,7 @@ def hub_reachable(monkeypatch):
     for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(data, "hub_unreachable", lambda: None)
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)
 
 
 def test_hf_dataset_rows(monkeypatch, hub_reachable):

@@ -73,9 +73,9 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_cannot_be_used(monkey
     monkeypatch.setattr(loading, "_hub_offline", lambda: True)
     assert loading.hub_access("org/name") == {"local_files_only": True}
     monkeypatch.setattr(loading, "_hub_offline", lambda: False)
-    monkeypatch.setattr(loading, "_hub_unreachable", lambda: "huggingface.co: Name or service not known")
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: "huggingface.co: Name or service not known")
     assert loading.hub_access("org/name") == {"local_files_only": True}
-    monkeypatch.setattr(loading, "_hub_unreachable", lambda: None)  # a network: transformers' normal path
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)  # a network: transformers' normal path
     assert loading.hub_access("org/name") == {}
     monkeypatch.setattr(loading, "_hub_cached", lambda repo_id: False)
     assert loading.hub_access("org/name") == {}

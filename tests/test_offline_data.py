@@ -13,6 +13,7 @@ from test_tasks import varied_rows, write_jsonl
 
 from ptq.errors import PtqError
 from ptq.evaluation import data, harness
+from ptq.models import loading
 
 OFFLINE_VARIABLES = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 PROXIES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")  # the probe leaves the Hub to a proxy
@@ -21,7 +22,7 @@ CACHED = "ptq_offline_rows"  # the name of the dataset put in the local cache (n
 
 @pytest.fixture
 def closed_hub(monkeypatch, tmp_path):
-    """The Hub at a closed local port, offline mode not set, an empty datasets cache, the probe not made yet; yields
+    """The Hub at a closed local port, offline mode not set, an empty datasets cache, the probe not made yet; returns
     the list of connection attempts to the Hub's port."""
     import datasets.config
     from huggingface_hub import constants
@@ -51,9 +52,7 @@ def closed_hub(monkeypatch, tmp_path):
         return connect(address, *args, **kwargs)
 
     monkeypatch.setattr(socket, "create_connection", counted)
-    data.hub_unreachable.cache_clear()
-    yield tries
-    data.hub_unreachable.cache_clear()  # no other test sees this Hub's answer
+    return tries  # the Hub's answer is asked anew in each test (conftest's hub_not_asked_yet)
 
 
 def still_online():
@@ -163,4 +162,4 @@ def test_tasks_on_local_files_do_not_probe_the_hub(closed_hub, tmp_path):
     )
     suite = harness.prepare(f"mc={items},ptq_arith,{user / 'mine.yaml'}", None, tmp_path / "work", max_items=None)
     assert suite.names == ["mc", "ptq_arith", "mine"]
-    assert closed_hub == [] and data.hub_unreachable.cache_info().misses == 0
+    assert closed_hub == [] and loading.hub_unreachable.cache_info().misses == 0

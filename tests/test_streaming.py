@@ -715,8 +715,6 @@ def cache_as_hub(source: Path, cache: Path, repo: str, monkeypatch) -> None:
     folder of its files), the cache pointed at `cache`, and no Hub to reach (HF_HUB_OFFLINE)."""
     import huggingface_hub.constants
 
-    from ptq.models import loading
-
     revision = "0123456789abcdef0123456789abcdef01234567"
     snapshot = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / revision
     snapshot.mkdir(parents=True)
@@ -727,16 +725,12 @@ def cache_as_hub(source: Path, cache: Path, repo: str, monkeypatch) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    loading.hub_snapshot.cache_clear()  # once per process: not another test's answer
 
 
 @pytest.fixture
 def hub_model(checkpoints, tmp_path, monkeypatch):
-    from ptq.models import loading
-
     cache_as_hub(checkpoints["llama"], tmp_path / "hub", "ptq-test/tiny-llama", monkeypatch)
-    yield "ptq-test/tiny-llama"
-    loading.hub_snapshot.cache_clear()
+    return "ptq-test/tiny-llama"
 
 
 def test_a_hub_id_is_read_from_its_folder_in_the_cache_layer_by_layer_as_in_memory(hub_model, tmp_path, ptq_cli):

@@ -17,7 +17,6 @@ into one stream, and the stream is cut into non-overlapping windows (see make_wi
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -289,15 +288,6 @@ def _short_reason(e: BaseException) -> str:
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
-@functools.lru_cache(maxsize=1)
-def hub_unreachable() -> str | None:
-    """Why the Hub cannot be reached, in a few words, or None: the one quick connect that ptq.models.loading tries
-    before a Hub model, done at most once per process (a run may load several datasets and tasks)."""
-    from ptq.models.loading import _hub_unreachable
-
-    return _hub_unreachable()
-
-
 def _offline_setting() -> str | None:
     """What already puts datasets offline, in words, or None. datasets reads HF_DATASETS_OFFLINE, else HF_HUB_OFFLINE
     (or TRANSFORMERS_OFFLINE), once, at its import: a variable set since then counts here too."""
@@ -316,10 +306,12 @@ def _offline_setting() -> str | None:
 def hub_or_cache():
     """Around a datasets load that would use the Hub: yields why only the local datasets cache can be used, or None.
 
-    When offline mode is set, or is not but the Hub cannot be reached (hub_unreachable), the block runs with datasets
+    When offline mode is set, or is not but the Hub cannot be reached (loading.hub_unreachable), the block runs with datasets
     and huggingface_hub offline: a dataset in the local cache loads from there, and one that is not fails at once,
     instead of after huggingface_hub's five retries with backoff (about 25 s). Both libraries read their offline
     settings at import, so their flags are set here, and restored after, rather than the environment."""
+    from ptq.models.loading import hub_unreachable
+
     why = _offline_setting()
     if why is None:
         reason = hub_unreachable()

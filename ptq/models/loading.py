@@ -156,7 +156,7 @@ def hub_access(spec: str) -> dict:
             f"no model folder or file '{spec}', and as a Hub id it is not in the local Hugging Face cache while "
             f"HF_HUB_OFFLINE is set: {EXPECTED}"
         )
-    reason = _hub_unreachable()
+    reason = hub_unreachable()
     if reason is None:
         return {}
     if cached:
@@ -177,7 +177,8 @@ def hub_snapshot(spec: str, allow_pickle: bool = False) -> Path:
     index names (pickle ones only with `allow_pickle`). Downloaded, with huggingface_hub's progress bars, or found in
     the cache when the Hub cannot be used (hub_access). Everything after reads a folder: the memory check before
     loading, the switch to layer by layer, --low-memory, an export's source dtypes. Once per process."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
     from huggingface_hub.utils import logging as hub_logging
 
@@ -190,6 +191,16 @@ def hub_snapshot(spec: str, allow_pickle: bool = False) -> Path:
         directory = Path(snapshot_download(spec, allow_patterns=list(HUB_FILES), local_files_only=offline))
         weights = _weight_files(directory, allow_pickle)
         directory = Path(snapshot_download(spec, allow_patterns=weights, local_files_only=offline))
+    except GatedRepoError:
+        raise PtqError(
+            f"model '{spec}' is gated on the Hugging Face Hub: accept its conditions on its page "
+            f"({constants.ENDPOINT}/{spec}), with the account whose token is set (`hf auth login`, or HF_TOKEN)"
+        ) from None
+    except RepositoryNotFoundError:  # the Hub answers the same for a private repository without a token
+        raise PtqError(
+            f"no model '{spec}' on the Hugging Face Hub, or it is private and no token with access to it is set "
+            f"(`hf auth login`, or HF_TOKEN): {EXPECTED}"
+        ) from None
     except Exception as e:
         where = "in the local Hugging Face cache" if offline else "on the Hugging Face Hub"
         raise PtqError(f"cannot read model '{spec}' {where}: {_one_line(e)}") from None
@@ -229,9 +240,11 @@ def _hub_offline() -> bool:
     return constants.HF_HUB_OFFLINE or value.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def _hub_unreachable(timeout: float = 5.0) -> str | None:
+@functools.lru_cache(maxsize=1)
+def hub_unreachable(timeout: float = 5.0) -> str | None:
     """None when a connection to the Hub's endpoint (HF_ENDPOINT) can be opened, else why not, in a few words: one
-    quick try, instead of huggingface_hub's five retries with backoff."""
+    quick try, instead of huggingface_hub's five retries with backoff, and one per process: a run may load a model,
+    datasets and lm-eval tasks from the Hub (ptq.evaluation.data.hub_or_cache)."""
     import os
     import socket
     from urllib.parse import urlparse
