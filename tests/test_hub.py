@@ -174,3 +174,20 @@ def test_a_hub_id_that_does_not_exist_or_is_gated_is_one_line(hub, ptq_cli):
     line = err.splitlines()[-1]
     assert f"model '{REPO}' is gated on the Hugging Face Hub: accept its conditions" in line
     assert f"{hub.endpoint}/{REPO}" in line and "HF_TOKEN" in line
+
+
+def test_a_checkpoint_of_a_hub_model_names_it_as_its_base_model(hub, tmp_path, ptq_cli):
+    """The model card of a checkpoint quantized from a Hub model carries the Hub's metadata for a quantization of it
+    (base_model, base_model_relation), read here by huggingface_hub's own card parser; one from a folder names none."""
+    from huggingface_hub import ModelCard
+
+    code, _, err = ptq_cli("quantize", REPO, "--recipe", "fp8-dynamic", "-o", tmp_path / "from-hub", "-q")
+    assert code == 0, err
+    card = ModelCard.load(tmp_path / "from-hub" / "README.md").data.to_dict()
+    assert card["base_model"] == REPO and card["base_model_relation"] == "quantized"
+    assert json.loads((tmp_path / "from-hub" / "ptq-export.json").read_text())["model"]["hub_id"] == REPO
+
+    code, _, err = ptq_cli("quantize", hub.folder, "--recipe", "fp8-dynamic", "-o", tmp_path / "from-folder", "-q")
+    assert code == 0, err
+    card = ModelCard.load(tmp_path / "from-folder" / "README.md").data.to_dict()
+    assert "base_model" not in card and "base_model_relation" not in card and "fp8" in card["tags"]

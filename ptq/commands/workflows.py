@@ -52,7 +52,7 @@ from ptq.execution.devices import compute_dtype, cpu_model, default_device
 from ptq.execution.placement import Placement, placed, placed_copy
 from ptq.execution.placement import summary as placement_summary
 from ptq.files import check_output_dir, check_writable
-from ptq.models.loading import LoadedModel, linear_layers, load_model
+from ptq.models.loading import LoadedModel, hub_repo, linear_layers, load_model
 from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
 from ptq.numerics.granularity import PerToken
 from ptq.progress import note_at_end, stderr
@@ -1012,6 +1012,7 @@ def run_quantize(
             "source": loaded.source,
             "caveats": list(loaded.caveats),
             "architecture": type(loaded.model).__name__,
+            "hub_id": hub_repo(loaded.name),  # the model card's base_model: the Hub links the two
         },
         "recipe": to_json(recipe_summary(r)),
         "target": target,

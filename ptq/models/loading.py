@@ -296,10 +296,18 @@ def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, 
     directory = Path(spec).expanduser()
     if directory.is_dir():
         return directory, (), str(directory.resolve())
-    if not spec.startswith((".", "/", "~")) and _HUB_ID.fullmatch(spec):
+    if hub_repo(spec):
         directory = hub_snapshot(spec)
         return directory, (), f"Hugging Face Hub: {spec} (revision {directory.name[:12]})"
     return None
+
+
+def hub_repo(spec: str | None) -> str | None:
+    """`spec` when it names a model on the Hub (not the default, nor a local file or folder, and shaped org/name or
+    a canonical bare name), else None."""
+    if spec is None or spec == DEFAULT_MODEL or spec.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(spec):
+        return None
+    return None if Path(spec).expanduser().exists() else spec
 
 
 def _from_pretrained(

@@ -394,6 +394,12 @@ def render_model_card(e: dict) -> str:
         "---",
         "library_name: transformers",
         "tags: [ptq, compressed-tensors, " + ("fp8" if fmt["format"] == "float-quantized" else "int8") + "]",
+        # a model from the Hub: the Hub lists this checkpoint among the source's quantizations
+        *(
+            [f"base_model: {e['model']['hub_id']}", "base_model_relation: quantized"]
+            if e["model"].get("hub_id")
+            else []
+        ),
         "---",
         "",
         f"# {e['model']['name']} — {rec['name']} (ptq {e['versions']['ptq']})",
