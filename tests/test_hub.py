@@ -11,19 +11,21 @@ import json
 import shutil
 import threading
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import pytest
 import torch
 from conftest import save_tiny_llama
 
 REPO = "ptq-test-org/tiny-llama"
-COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+COMMIT = "89abcdef0123456789abcdef0123456789abcdef"  # main
+REVISIONS = {"main": COMMIT, "v1.0": "1234567890abcdef1234567890abcdef12345678"}  # a tag, at another commit
 
 
 class FakeHub(http.server.ThreadingHTTPServer):
-    """The Hub's download API for one repository, REPO, held in `folder`, at commit COMMIT; `gated`: its files need
-    a token with access (the metadata does not, as on the Hub); `requests` lists (method, path)."""
+    """The Hub's download API for one repository, REPO, held in `folder`, at each commit of REVISIONS (the same files);
+    `gated`: its files need a token with access (the metadata does not, as on the Hub); `requests` lists (method,
+    path)."""
 
     def __init__(self, folder: Path):
         super().__init__(("127.0.0.1", 0), _Handler)
@@ -66,18 +68,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         json_type = {"Content-Type": "application/json"}
         api, resolve = f"/api/models/{REPO}/", f"/{REPO}/resolve/"
         if path.startswith(api + "revision/"):
-            info = {"id": REPO, "sha": COMMIT, "siblings": [{"rfilename": e["path"]} for e in self.server.files()]}
+            commit = REVISIONS.get(unquote(path[len(api + "revision/") :]))
+            if commit is None:
+                return self._send(b'{"error": "no revision"}', {"X-Error-Code": "RevisionNotFound"}, body, 404)
+            info = {"id": REPO, "sha": commit, "siblings": [{"rfilename": e["path"]} for e in self.server.files()]}
             return self._send(json.dumps(info).encode(), json_type, body)
         if path.startswith(api + "tree/"):
             return self._send(json.dumps(self.server.files()).encode(), json_type, body)
         if path.startswith(resolve) and self.server.gated:  # the Hub's answer without a token
             return self._send(b'{"error": "gated"}', {"X-Error-Code": "GatedRepo"} | json_type, body, status=401)
         if path.startswith(resolve):
-            name = path[len(resolve) :].split("/", 1)[1]
+            commit, name = path[len(resolve) :].split("/", 1)
             entry = next((e for e in self.server.files() if e["path"] == name), None)
-            if entry is not None:
+            if entry is not None and commit in REVISIONS.values():
                 etag = entry["lfs"]["oid"] if "lfs" in entry else entry["oid"]
-                headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"'}
+                headers = {"X-Repo-Commit": commit, "ETag": f'"{etag}"'}
                 return self._send((self.server.folder / name).read_bytes(), headers, body)
             return self._send(b'{"error": "no entry"}', {"X-Error-Code": "EntryNotFound"} | json_type, body, 404)
         # another repository: the Hub answers 401 for one that does not exist, as for a private one without a token
@@ -178,10 +183,11 @@ def test_a_hub_id_that_does_not_exist_or_is_gated_is_one_line(hub, ptq_cli):
 
 def test_a_checkpoint_of_a_hub_model_names_it_as_its_base_model(hub, tmp_path, ptq_cli):
     """The model card of a checkpoint quantized from a Hub model carries the Hub's metadata for a quantization of it
-    (base_model, base_model_relation), read here by huggingface_hub's own card parser; one from a folder names none."""
+    (base_model: the repository, whatever revision was read; base_model_relation), read here by huggingface_hub's own
+    card parser; one from a folder names none."""
     from huggingface_hub import ModelCard
 
-    code, _, err = ptq_cli("quantize", REPO, "--recipe", "fp8-dynamic", "-o", tmp_path / "from-hub", "-q")
+    code, _, err = ptq_cli("quantize", f"{REPO}@v1.0", "--recipe", "fp8-dynamic", "-o", tmp_path / "from-hub", "-q")
     assert code == 0, err
     card = ModelCard.load(tmp_path / "from-hub" / "README.md").data.to_dict()
     assert card["base_model"] == REPO and card["base_model_relation"] == "quantized"
@@ -191,3 +197,51 @@ def test_a_checkpoint_of_a_hub_model_names_it_as_its_base_model(hub, tmp_path, p
     assert code == 0, err
     card = ModelCard.load(tmp_path / "from-folder" / "README.md").data.to_dict()
     assert "base_model" not in card and "base_model_relation" not in card and "fp8" in card["tags"]
+
+
+def test_a_revision_is_read_as_asked_and_named_in_the_reports(hub, tmp_path, text_file, ptq_cli):
+    """org/name@revision (a branch, tag or commit, as in huggingface_hub's hf:// paths): the files of that commit,
+    which the calibration file names; a revision the Hub does not have is one line."""
+    from ptq.calibration.calibrate import load_calibration
+
+    calib = ["--data", text_file, "--samples", "2", "--seq-len", "16", "-q"]
+    code, _, err = ptq_cli("calibrate", f"{REPO}@v1.0", *calib, "-o", tmp_path / "c.safetensors")
+    assert code == 0, err
+    assert (tmp_path / "hub-cache" / "models--ptq-test-org--tiny-llama" / "snapshots" / REVISIONS["v1.0"]).is_dir()
+    files = [path for _, path in hub.requests if "/resolve/" in path]
+    assert files and all(f"/resolve/{REVISIONS['v1.0']}/" in path for path in files)
+    metadata = load_calibration(tmp_path / "c.safetensors").metadata
+    assert metadata["model"] == f"{REPO}@v1.0"
+    assert metadata["model_source"] == f"Hugging Face Hub: {REPO} (revision {REVISIONS['v1.0'][:12]}, asked as 'v1.0')"
+
+    code, _, err = ptq_cli("inspect", f"{REPO}@v2")
+    assert code == 2 and "error" in err.splitlines()[-1], err
+    assert f"model '{REPO}' on the Hugging Face Hub has no revision 'v2'" in err.splitlines()[-1]
+
+
+def test_without_the_hub_a_revision_is_read_from_the_cache_if_it_was_downloaded(
+    hub, tmp_path, text_file, ptq_cli, monkeypatch
+):
+    import huggingface_hub.constants as constants
+
+    from ptq.calibration.calibrate import load_calibration
+    from ptq.models import loading
+
+    calib = ["--data", text_file, "--samples", "2", "--seq-len", "16", "-q"]
+    code, _, err = ptq_cli("calibrate", f"{REPO}@v1.0", *calib, "-o", tmp_path / "online.safetensors")
+    assert code == 0, err
+    asked = len(hub.requests)
+    loading.hub_snapshot.cache_clear()  # as a new run would
+    with monkeypatch.context() as offline:
+        offline.setenv("HF_HUB_OFFLINE", "1")
+        offline.setattr(constants, "HF_HUB_OFFLINE", True)
+        code, _, err = ptq_cli("calibrate", f"{REPO}@v1.0", *calib, "-o", tmp_path / "offline.safetensors")
+        assert code == 0, err
+        code, _, err = ptq_cli("calibrate", f"{REPO}@main", *calib, "-o", tmp_path / "main.safetensors")
+    assert len(hub.requests) == asked  # nothing asked of the Hub
+    online, offline = (load_calibration(tmp_path / f"{run}.safetensors") for run in ("online", "offline"))
+    assert online.metadata["model_source"] == offline.metadata["model_source"]
+    assert online.input_amax.keys() == offline.input_amax.keys()
+    assert all(torch.equal(online.input_amax[k], offline.input_amax[k]) for k in online.input_amax)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"'{REPO}@main', and as a Hub id it is not in the local Hugging Face cache while HF_HUB_OFFLINE" in err

@@ -22,7 +22,7 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("spec", ["a/b/c", "x@y", "org/na me"])
+@pytest.mark.parametrize("spec", ["a/b/c", "x@y@z", "org/na me", "org/name@"])
 def test_a_name_that_is_no_path_and_no_hub_id_is_refused_at_once(ptq_cli, spec, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("the Hub must not be asked")
@@ -69,7 +69,7 @@ def test_a_hub_id_without_a_network_fails_after_one_try(ptq_cli, monkeypatch, sp
 
 
 def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_cannot_be_used(monkeypatch):
-    monkeypatch.setattr(loading, "_hub_cached", lambda repo_id: True)
+    monkeypatch.setattr(loading, "_hub_cached", lambda repo_id, revision: True)
     monkeypatch.setattr(loading, "_hub_offline", lambda: True)
     assert loading.hub_access("org/name") == {"local_files_only": True}
     monkeypatch.setattr(loading, "_hub_offline", lambda: False)
@@ -77,7 +77,7 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_cannot_be_used(monkey
     assert loading.hub_access("org/name") == {"local_files_only": True}
     monkeypatch.setattr(loading, "hub_unreachable", lambda: None)  # a network: transformers' normal path
     assert loading.hub_access("org/name") == {}
-    monkeypatch.setattr(loading, "_hub_cached", lambda repo_id: False)
+    monkeypatch.setattr(loading, "_hub_cached", lambda repo_id, revision: False)
     assert loading.hub_access("org/name") == {}
 
 

@@ -85,7 +85,7 @@ def load_model(
                     f"{spec} has only pickle weights (.bin), which can run code when loaded: convert them to "
                     "safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)"
                 )
-        source = str(directory.resolve()) if local else f"Hugging Face Hub: {spec} (revision {directory.name[:12]})"
+        source = str(directory.resolve()) if local else hub_source(spec, directory)
         quantized = dequantized_loading(
             _read_config(directory / "config.json"), directory.name if local else spec, spec
         )
@@ -134,21 +134,40 @@ def _check_memory(directory: Path, copies: float, device: torch.device, spec: st
 
 
 EXPECTED = (
-    f"expected a model folder (with config.json), a .gguf file, a Hub id (org/name) or '{DEFAULT_MODEL}' (the default)"
+    f"expected a model folder (with config.json), a .gguf file, a Hub id (org/name, or org/name@revision) or "
+    f"'{DEFAULT_MODEL}' (the default)"
 )
-# org/name, or a bare name (the Hub's canonical models: gpt2, t5-small)
-_HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*")
+# org/name, or a bare name (the Hub's canonical models: gpt2, t5-small); then @revision: a branch, tag or commit, as in
+# huggingface_hub's hf:// paths (a branch may hold slashes: refs/pr/1)
+_HUB_ID = re.compile(
+    r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*(?:@[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*)?"
+)
+
+
+def hub_revision(spec: str) -> tuple[str, str | None]:
+    """A Hub id's repository and revision: org/name@v1.0 is ("org/name", "v1.0"); org/name is ("org/name", None),
+    the main branch."""
+    repo, _, revision = spec.partition("@")
+    return repo, revision or None
+
+
+def hub_source(spec: str, snapshot: Path) -> str:
+    """Where a Hub model's weights came from, for reports: the repository and the commit its files are from (the
+    folder huggingface_hub names after it), and the revision asked for, when one was."""
+    repo, revision = hub_revision(spec)
+    asked = f", asked as '{revision}'" if revision and revision != snapshot.name else ""
+    return f"Hugging Face Hub: {repo} (revision {snapshot.name[:12]}{asked})"
 
 
 def hub_access(spec: str) -> dict:
     """How to load a model spec that is neither a local path nor the default: refused at once unless it has the shape
-    of a Hub id (org/name, or a canonical bare name), so that a typo is one quick line instead of a minute of download
+    of a Hub id (org/name, or a canonical bare name, @revision optional), so that a typo is one quick line instead of a minute of download
     retries. A Hub id in the local Hugging Face cache loads from there ({"local_files_only": True}) when the Hub cannot
     be used (HF_HUB_OFFLINE, or no connection to it); one that is not cached then fails at once (with a network, the
     Hub itself says whether the id exists). Returns extra from_pretrained arguments."""
     if not _HUB_ID.fullmatch(spec):
         raise PtqError(f"no model folder or file '{spec}', and a Hub id looks like org/name: {EXPECTED}")
-    cached = _hub_cached(spec)
+    cached = _hub_cached(*hub_revision(spec))
     if _hub_offline():
         if cached:
             return {"local_files_only": True}
@@ -178,27 +197,37 @@ def hub_snapshot(spec: str, allow_pickle: bool = False) -> Path:
     the cache when the Hub cannot be used (hub_access). Everything after reads a folder: the memory check before
     loading, the switch to layer by layer, --low-memory, an export's source dtypes. Once per process."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
     from huggingface_hub.utils import logging as hub_logging
 
     from ptq import progress
 
     offline = hub_access(spec).get("local_files_only", False)
+    repo, revision = hub_revision(spec)
     hub_logging.set_verbosity_error()  # no "Retrying in 8s [Retry 5/5]" lines: the error says what failed, once
     (disable_progress_bars if progress.QUIET else enable_progress_bars)()
     try:
-        directory = Path(snapshot_download(spec, allow_patterns=list(HUB_FILES), local_files_only=offline))
+        directory = Path(
+            snapshot_download(repo, revision=revision, allow_patterns=list(HUB_FILES), local_files_only=offline)
+        )
         weights = _weight_files(directory, allow_pickle)
-        directory = Path(snapshot_download(spec, allow_patterns=weights, local_files_only=offline))
+        # the commit just read (a branch may move on between the two calls): config and weights of one revision
+        directory = Path(
+            snapshot_download(repo, revision=directory.name, allow_patterns=weights, local_files_only=offline)
+        )
+    except RevisionNotFoundError:
+        raise PtqError(
+            f"model '{repo}' on the Hugging Face Hub has no revision '{revision}' (a branch, tag or commit)"
+        ) from None
     except GatedRepoError:
         raise PtqError(
-            f"model '{spec}' is gated on the Hugging Face Hub: accept its conditions on its page "
-            f"({constants.ENDPOINT}/{spec}), with the account whose token is set (`hf auth login`, or HF_TOKEN)"
+            f"model '{repo}' is gated on the Hugging Face Hub: accept its conditions on its page "
+            f"({constants.ENDPOINT}/{repo}), with the account whose token is set (`hf auth login`, or HF_TOKEN)"
         ) from None
     except RepositoryNotFoundError:  # the Hub answers the same for a private repository without a token
         raise PtqError(
-            f"no model '{spec}' on the Hugging Face Hub, or it is private and no token with access to it is set "
+            f"no model '{repo}' on the Hugging Face Hub, or it is private and no token with access to it is set "
             f"(`hf auth login`, or HF_TOKEN): {EXPECTED}"
         ) from None
     except Exception as e:
@@ -221,12 +250,12 @@ def _weight_files(directory: Path, allow_pickle: bool) -> list[str]:
     return files
 
 
-def _hub_cached(repo_id: str) -> bool:
-    """Whether the local Hugging Face cache holds the model's config.json (a model downloaded before)."""
+def _hub_cached(repo_id: str, revision: str | None = None) -> bool:
+    """Whether the local Hugging Face cache holds the model's config.json at `revision` (downloaded before)."""
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+        return isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str)
     except Exception:  # an odd id or cache: let transformers say what is wrong
         return False
 
@@ -298,16 +327,16 @@ def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, 
         return directory, (), str(directory.resolve())
     if hub_repo(spec):
         directory = hub_snapshot(spec)
-        return directory, (), f"Hugging Face Hub: {spec} (revision {directory.name[:12]})"
+        return directory, (), hub_source(spec, directory)
     return None
 
 
 def hub_repo(spec: str | None) -> str | None:
-    """`spec` when it names a model on the Hub (not the default, nor a local file or folder, and shaped org/name or
-    a canonical bare name), else None."""
+    """The Hub repository `spec` names (not the default, nor a local file or folder, and shaped org/name or a
+    canonical bare name, with or without @revision), else None."""
     if spec is None or spec == DEFAULT_MODEL or spec.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(spec):
         return None
-    return None if Path(spec).expanduser().exists() else spec
+    return None if Path(spec).expanduser().exists() else hub_revision(spec)[0]
 
 
 def _from_pretrained(
