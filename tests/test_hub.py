@@ -245,3 +245,29 @@ def test_without_the_hub_a_revision_is_read_from_the_cache_if_it_was_downloaded(
     assert all(torch.equal(online.input_amax[k], offline.input_amax[k]) for k in online.input_amax)
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert f"'{REPO}@main', and as a Hub id it is not in the local Hugging Face cache while HF_HUB_OFFLINE" in err
+
+
+def test_weights_larger_than_the_free_disk_are_refused_before_they_are_downloaded(hub, tmp_path, ptq_cli, monkeypatch):
+    """huggingface_hub only warns, file by file, when the disk is short: a 140 GB model would fail once the disk is
+    full. The shards' total (from the index) is checked against the cache's free space before the first shard."""
+    import shutil
+    from collections import namedtuple
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hub.folder, dtype=torch.float32)
+    (hub.folder / "model.safetensors").unlink()
+    model.save_pretrained(hub.folder, max_shard_size="100KB")
+    size = json.loads((hub.folder / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2 * size, size + 1, size - 1))
+    code, _, err = ptq_cli("inspect", REPO)
+    assert code == 2, err
+    line = err.splitlines()[-1]
+    assert f"model '{REPO}' needs " in line and "more for its weights in the Hugging Face cache" in line
+    assert str(tmp_path / "hub-cache") in line and "HF_HUB_CACHE" in line
+    assert not {f for f in downloaded(hub) if f.endswith(".safetensors")}  # not one shard
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2 * size, size, size))  # just enough
+    code, _, err = ptq_cli("inspect", REPO)
+    assert code == 0, err

@@ -211,11 +211,15 @@ def hub_snapshot(spec: str, allow_pickle: bool = False) -> Path:
         directory = Path(
             snapshot_download(repo, revision=revision, allow_patterns=list(HUB_FILES), local_files_only=offline)
         )
-        weights = _weight_files(directory, allow_pickle)
+        weights, size = _weight_files(directory, allow_pickle)
+        if not offline:
+            _check_disk(directory, weights, size, repo)
         # the commit just read (a branch may move on between the two calls): config and weights of one revision
         directory = Path(
             snapshot_download(repo, revision=directory.name, allow_patterns=weights, local_files_only=offline)
         )
+    except PtqError:
+        raise
     except RevisionNotFoundError:
         raise PtqError(
             f"model '{repo}' on the Hugging Face Hub has no revision '{revision}' (a branch, tag or commit)"
@@ -236,18 +240,47 @@ def hub_snapshot(spec: str, allow_pickle: bool = False) -> Path:
     return directory
 
 
-def _weight_files(directory: Path, allow_pickle: bool) -> list[str]:
+def _weight_files(directory: Path, allow_pickle: bool) -> tuple[list[str], int | None]:
     """The weight files a Hub model's index names (as from_pretrained reads them: not a repo's other copies, such as
-    Mistral's consolidated.safetensors), or the single-file names; pickle ones only when allowed."""
+    Mistral's consolidated.safetensors), or the single-file names; pickle ones only when allowed. And their size as
+    the indexes state it (metadata.total_size, the tensors' bytes), or None where a single file has no index."""
     names = [("model.safetensors.index.json", "model.safetensors")]
     if allow_pickle:
         names.append(("pytorch_model.bin.index.json", "pytorch_model.bin"))
     files: list[str] = []
+    size: int | None = 0
     for index, single in names:
         config = _read_config(directory / index)
         weight_map = config.get("weight_map") if isinstance(config, dict) else None
-        files += sorted(set(weight_map.values())) if isinstance(weight_map, dict) else [single]
-    return files
+        if isinstance(weight_map, dict):
+            files += sorted(set(weight_map.values()))
+            total = (config.get("metadata") or {}).get("total_size")
+            size = size + int(total) if size is not None and isinstance(total, (int, float)) else None
+        else:
+            files.append(single)
+            size = None
+    return files, size
+
+
+def _check_disk(snapshot: Path, weights: list[str], size: int | None, repo: str) -> None:
+    """Before a Hub model's weights are downloaded: do they fit on the disk of the Hugging Face cache? huggingface_hub
+    only warns, file by file, so a model larger than the free space would fail once it has filled the disk, hours
+    into the download of a large one. `size`: the weights' bytes (None: unknown, not checked); those already in the
+    cache do not count."""
+    import shutil
+
+    from ptq.execution.resources import size_text
+
+    if not size:
+        return
+    cached = sum((snapshot / f).stat().st_size for f in weights if (snapshot / f).is_file())
+    free = shutil.disk_usage(snapshot).free
+    if size - cached > free:
+        raise PtqError(
+            f"model '{repo}' needs {size_text(size - cached)} more for its weights in the Hugging Face cache "
+            f"({snapshot.parents[2]}), which has {size_text(free)} free: free some space, or set HF_HUB_CACHE to a "
+            "folder on a larger disk"
+        )
 
 
 def _hub_cached(repo_id: str, revision: str | None = None) -> bool:
