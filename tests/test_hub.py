@@ -264,8 +264,8 @@ def test_weights_larger_than_the_free_disk_are_refused_before_they_are_downloade
     code, _, err = ptq_cli("inspect", REPO)
     assert code == 2, err
     line = err.splitlines()[-1]
-    assert f"model '{REPO}' needs " in line and "more for its weights in the Hugging Face cache" in line
-    assert str(tmp_path / "hub-cache") in line and "HF_HUB_CACHE" in line
+    assert f"model '{REPO}' (its weights, in the Hugging Face cache) needs " in line
+    assert f"in {tmp_path / 'hub-cache'}, which has " in line and "HF_HUB_CACHE" in line
     assert not {f for f in downloaded(hub) if f.endswith(".safetensors")}  # not one shard
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2 * size, size, size))  # just enough

@@ -285,6 +285,33 @@ def test_a_gguf_too_big_for_memory_is_refused_before_its_conversion(tmp_path, mo
         loading.load_model(str(gguf))
 
 
+def test_a_gguf_larger_than_the_free_disk_is_refused_before_its_conversion(tmp_path, monkeypatch):
+    """The conversion writes the float32 weights into the ptq cache: checked against its disk's free space first, not
+    found out when the disk is full."""
+    import shutil
+    from collections import namedtuple
+
+    gguf = _write_gguf(tmp_path / "Big.Q4_1.gguf")
+    monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 2**39, 4096 * 1024 * 4 - 1))
+    converted = []
+
+    def convert(*args, **kwargs):  # the long work: stop here
+        converted.append(args)
+        raise PtqError("stopped")
+
+    monkeypatch.setattr(loading, "_from_pretrained", convert)
+    with pytest.raises(
+        PtqError, match=r"converting Big\.Q4_1\.gguf \(float32 safetensors\) needs 16\.0 MiB in .*PTQ_CACHE"
+    ):
+        loading.load_model(str(gguf))
+    assert not converted
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 2**39, 4096 * 1024 * 4))  # room enough
+    with pytest.raises(PtqError, match="stopped"):
+        loading.load_model(str(gguf))
+
+
 def test_runs_started_together_convert_a_gguf_once(tmp_path, monkeypatch):
     """torchrun's processes (or two runs started together) on a .gguf not yet in the cache each converted it: N times
     the float32 model in host memory, and the last to finish replaced the folder the others were loading. One

@@ -123,5 +123,20 @@ def check_parameters_fit(params: int | None, copies: float, device: torch.device
         )
 
 
+def check_disk(folder: Path, needed: int, what: str, way_out: str) -> None:
+    """Refuse, before it starts, to write `needed` bytes into `folder` (or the nearest folder above it that exists)
+    when its disk has less free: a download or conversion would otherwise fail once it has filled the disk."""
+    import shutil
+
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:  # cannot tell: the write itself says so if the disk is full
+        return
+    if needed > free:
+        raise PtqError(f"{what} needs {size_text(needed)} in {folder}, which has {size_text(free)} free: {way_out}")
+
+
 def size_text(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"

@@ -267,19 +267,13 @@ def _check_disk(snapshot: Path, weights: list[str], size: int | None, repo: str)
     only warns, file by file, so a model larger than the free space would fail once it has filled the disk, hours
     into the download of a large one. `size`: the weights' bytes (None: unknown, not checked); those already in the
     cache do not count."""
-    import shutil
+    from ptq.execution.resources import check_disk
 
-    from ptq.execution.resources import size_text
-
-    if not size:
-        return
-    cached = sum((snapshot / f).stat().st_size for f in weights if (snapshot / f).is_file())
-    free = shutil.disk_usage(snapshot).free
-    if size - cached > free:
-        raise PtqError(
-            f"model '{repo}' needs {size_text(size - cached)} more for its weights in the Hugging Face cache "
-            f"({snapshot.parents[2]}), which has {size_text(free)} free: free some space, or set HF_HUB_CACHE to a "
-            "folder on a larger disk"
+    if size:
+        cached = sum((snapshot / f).stat().st_size for f in weights if (snapshot / f).is_file())
+        way_out = "free some space, or set HF_HUB_CACHE to a folder on a larger disk"
+        check_disk(
+            snapshot.parents[2], size - cached, f"model '{repo}' (its weights, in the Hugging Face cache)", way_out
         )
 
 
@@ -594,12 +588,23 @@ def converted_gguf_dir(gguf_path: Path, memory_check: bool = True) -> tuple[Path
             check_parameters_fit(gguf_parameters(gguf_path), 1, torch.device("cpu"), f"converting {gguf_path.name}")
         # Created and checked before the conversion (half a minute for a small model), not after it.
         make_dir(target.parent, "the model cache", " (set PTQ_CACHE to a folder that can be written)")
+        _check_gguf_disk(gguf_path, target)
         # One conversion at a time (torchrun's processes, runs started together): the others wait, then load it.
         # The lock is on the .gguf itself: no lock file is left in the cache.
         with _locked(gguf_path):
             if not caveat_file.is_file():
                 _convert_gguf(gguf_path, target)
     return target, (caveat_file.read_text(),)
+
+
+def _check_gguf_disk(gguf_path: Path, target: Path) -> None:
+    """Room in the ptq cache for the conversion's float32 weights (as they are loaded) before it starts."""
+    from ptq.execution.resources import FLOAT32_BYTES, check_disk
+
+    params = gguf_parameters(gguf_path)
+    if params:
+        way_out = "free some space, or set PTQ_CACHE to a folder on a larger disk"
+        check_disk(target.parent, params * FLOAT32_BYTES, f"converting {gguf_path.name} (float32 safetensors)", way_out)
 
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
