@@ -135,7 +135,9 @@ def check_disk(folder: Path, needed: int, what: str, way_out: str) -> None:
     except OSError:  # cannot tell: the write itself says so if the disk is full
         return
     if needed > free:
-        raise PtqError(f"{what} needs {size_text(needed)} in {folder}, which has {size_text(free)} free: {way_out}")
+        raise PtqError(
+            f"{what} needs at least {size_text(needed)} in {folder}, which has {size_text(free)} free: {way_out}"
+        )
 
 
 def size_text(n: int) -> str:
