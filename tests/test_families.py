@@ -360,3 +360,33 @@ def test_convolutions_are_left_out_as_convolutions_not_fused_experts():
     assert not any("fused experts" in reason for reason in left.values())
     cov = {"left_out": [{"name": n, "params": 1, "reason": r} for n, r in left.items()]}
     assert len(unsupported_weights(cov)) == 2
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_the_structure_built_from_the_config_is_the_loaded_models(family, tmp_path):
+    """`ptq inspect` builds the model from its config on the meta device (no weights read or downloaded): its
+    matmuls, their shapes and every shipped recipe's plan (for each target) are those of the model loaded whole."""
+    from pathlib import Path
+
+    from ptq.models.loading import linear_layers, load_model, load_structure
+
+    folder = tmp_path / family
+    families.build(family).save_pretrained(folder)
+    families.make_tokenizer().save_pretrained(folder)
+    loaded, built = load_model(str(folder), memory_check=False).model, load_structure(str(folder)).model
+    assert all(p.device.type == "meta" for p in built.parameters())
+
+    def layers(model):
+        return [(n, kind(m), tuple(m.weight.shape)) for n, m in linear_layers(model).items()]
+
+    assert layers(built) == layers(loaded)
+    recipes = [load_recipe(p.stem) for p in sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))]
+    for target in ("vllm", "transformers"):
+        plans, expected = resolve_plans(built, recipes, target), resolve_plans(loaded, recipes, target)
+        for name, plan in plans.items():
+            assert plan.matmuls == expected[name].matmuls, (target, name)
+            assert (plan.attention, plan.residual) == (expected[name].attention, expected[name].residual)
+            assert (plan.unsupported, plan.other_attention) == (
+                expected[name].unsupported,
+                expected[name].other_attention,
+            )

@@ -247,7 +247,9 @@ def test_without_the_hub_a_revision_is_read_from_the_cache_if_it_was_downloaded(
     assert f"'{REPO}@main', and as a Hub id it is not in the local Hugging Face cache while HF_HUB_OFFLINE" in err
 
 
-def test_weights_larger_than_the_free_disk_are_refused_before_they_are_downloaded(hub, tmp_path, ptq_cli, monkeypatch):
+def test_weights_larger_than_the_free_disk_are_refused_before_they_are_downloaded(
+    hub, tmp_path, text_file, ptq_cli, monkeypatch
+):
     """huggingface_hub only warns, file by file, when the disk is short: a 140 GB model would fail once the disk is
     full. The shards' total (from the index) is checked against the cache's free space before the first shard."""
     import shutil
@@ -261,7 +263,8 @@ def test_weights_larger_than_the_free_disk_are_refused_before_they_are_downloade
     size = json.loads((hub.folder / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2 * size, size + 1, size - 1))
-    code, _, err = ptq_cli("inspect", REPO)
+    calib = ["--data", text_file, "--samples", "2", "--seq-len", "16", "-o", tmp_path / "c.safetensors", "-q"]
+    code, _, err = ptq_cli("calibrate", REPO, *calib)
     assert code == 2, err
     line = err.splitlines()[-1]
     assert f"model '{REPO}' (its weights, in the Hugging Face cache) needs at least " in line
@@ -269,5 +272,20 @@ def test_weights_larger_than_the_free_disk_are_refused_before_they_are_downloade
     assert not {f for f in downloaded(hub) if f.endswith(".safetensors")}  # not one shard
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2 * size, size, size))  # just enough
-    code, _, err = ptq_cli("inspect", REPO)
+    code, _, err = ptq_cli("calibrate", REPO, *calib)
     assert code == 0, err
+
+
+def test_inspect_of_a_hub_model_reads_its_config_and_no_weights(hub, ptq_cli):
+    """What a recipe does to each layer is known from the config: `ptq inspect org/name` downloads no weight file (a
+    70B model's 140 GB), and says what inspecting the same model's folder says."""
+    recipes = ["--recipe", "fp8-e4m3,fp8-block,int8", "--json"]
+    code, out, err = ptq_cli("inspect", REPO, *recipes)
+    assert code == 0, err
+    assert "config.json" in downloaded(hub) and not {f for f in downloaded(hub) if f.endswith(".safetensors")}
+    code, from_folder, err = ptq_cli("inspect", hub.folder, *recipes)
+    assert code == 0, err
+    from_hub, from_folder = json.loads(out), json.loads(from_folder)
+    assert from_hub.pop("model")["source"] == f"Hugging Face Hub: {REPO} (revision {COMMIT[:12]})"
+    from_folder.pop("model")
+    assert from_hub == from_folder and from_hub["linear_layers"] > 0

@@ -97,7 +97,7 @@ def test_a_model_folder_without_tokenizer_files_says_so_completely(ptq_cli, tiny
     shutil.copytree(tiny_model, notok)
     for name in loading.TOKENIZER_FILES + ("special_tokens_map.json",):
         (notok / name).unlink(missing_ok=True)
-    code, _, err = ptq_cli("inspect", notok)
+    code, _, err = ptq_cli("calibrate", notok, "--samples", "1", "--seq-len", "8", "-o", tmp_path / "c.st")  # loads it
     line = one_line(err)
     assert code == 2 and "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json" in line
     assert line.rstrip().endswith(f"in {notok}") and "Couldn't instantiate" not in line
@@ -161,7 +161,9 @@ def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(ptq_cli, tiny_model,
     _edit_checkpoint(tiny_model, missing, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(PtqError, match=r"no tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
         loading.load_model(str(missing))
-    code, _, err = ptq_cli("inspect", missing)
+    code, _, err = ptq_cli(
+        "calibrate", missing, "--samples", "1", "--seq-len", "8", "-o", tmp_path / "c.st"
+    )  # loads it
     line = error_line(err)
     assert code == 2 and "model.layers.1.mlp.up_proj.weight" in line and "random values" in line
 
@@ -172,7 +174,7 @@ def test_a_tensor_of_another_shape_is_refused_naming_it(ptq_cli, tiny_model, tmp
     wrong = tmp_path / "wrong"
     name = "model.layers.0.input_layernorm.weight"
     _edit_checkpoint(tiny_model, wrong, lambda t: t.__setitem__(name, torch.ones(1)))
-    code, _, err = ptq_cli("inspect", wrong)
+    code, _, err = ptq_cli("calibrate", wrong, "--samples", "1", "--seq-len", "8", "-o", tmp_path / "c.st")  # loads it
     line = error_line(err)
     assert code == 2 and f"tensor '{name}' has shape [1] in the checkpoint but [64]" in line
     assert "above report" not in line

@@ -24,7 +24,8 @@ from ptq.calibration.calibrate import calibrate, load_calibration
 from ptq.errors import PtqError
 from ptq.evaluation.evaluate import evaluate
 from ptq.execution import resources, streaming
-from ptq.models.loading import load_model
+from ptq.models.loading import linear_layers, load_model, load_structure
+from ptq.models.matmuls import kind
 from ptq.quantization.plan import calibration_targets, resolve_plans
 from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
@@ -625,8 +626,15 @@ def test_streams_automatically_when_the_host_cannot_load_it_for_the_gpu(sharded_
 
 def assert_read_as_loaded(directory: Path) -> int:
     """Layer by layer, every tensor is read as the in-memory load holds it (transformers' loader dequantizing the
-    checkpoint), bit for bit; returns how many were stored as codes."""
-    whole = load_model(str(directory)).model.state_dict()
+    checkpoint), bit for bit; returns how many were stored as codes. And `ptq inspect`'s model, built from the config
+    alone, has the loaded model's matmuls (a quantized checkpoint's too: plain Linear layers, as dequantized)."""
+    loaded = load_model(str(directory)).model
+    whole = loaded.state_dict()
+    built = load_structure(str(directory)).model
+    shapes = [
+        {n: (kind(m), tuple(m.weight.shape)) for n, m in linear_layers(model).items()} for model in (built, loaded)
+    ]
+    assert shapes[0] == shapes[1] and len(shapes[0]) > 0
     streamed = streaming.load_streamed(str(directory)).model.ptq_streamed
     for name, stored in streamed.disk.items():
         value = streamed.checkpoint.read_one(stored).float()

@@ -52,7 +52,7 @@ from ptq.execution.devices import compute_dtype, cpu_model, default_device
 from ptq.execution.placement import Placement, placed, placed_copy
 from ptq.execution.placement import summary as placement_summary
 from ptq.files import check_output_dir, check_writable
-from ptq.models.loading import LoadedModel, hub_repo, linear_layers, load_model
+from ptq.models.loading import LoadedModel, hub_repo, linear_layers, load_model, load_structure
 from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
 from ptq.numerics.granularity import PerToken
 from ptq.progress import note_at_end, stderr
@@ -881,7 +881,7 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
     if not loaded_recipes:
         raise PtqError("no recipe given: --recipe names the recipe(s) to show, comma-separated")
     target = engines.check_target(target)
-    loaded = load_model(model, trust_remote_code, device=torch.device("cpu"))
+    loaded = load_structure(model, trust_remote_code)  # shapes only: no weights read, nor downloaded
     layers = linear_layers(loaded.model)
     plans = resolve_plans(loaded.model, loaded_recipes, target)
     rows = []

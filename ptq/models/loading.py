@@ -66,15 +66,7 @@ def load_model(
             raise PtqError(f"model file {spec} does not exist")
         directory, caveats, source = local_directory(spec, memory_check)
     else:
-        local = Path(spec).exists() or spec.startswith((".", "/", "~"))
-        # a Hub id: its files downloaded into (or found in) the local Hugging Face cache, then read as a folder
-        directory = Path(spec).expanduser() if local else hub_snapshot(spec, allow_pickle)
-        if directory.exists() and not directory.is_dir():
-            raise PtqError(f"{spec} is a file, not a model: {EXPECTED}")
-        if not directory.is_dir():
-            raise PtqError(f"model folder or file {spec} does not exist: {EXPECTED}")
-        if not (directory / "config.json").is_file():
-            raise PtqError(f"{spec} is not a Hugging Face model directory (no config.json)")
+        directory, local = _model_folder(spec, allow_pickle)
         if not any(directory.glob("*.safetensors")):
             pickle_only = any(directory.glob("*.bin")) or any(directory.glob("*.pt"))
             if not pickle_only:
@@ -106,6 +98,51 @@ def load_model(
     return LoadedModel(
         linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
     )
+
+
+def _model_folder(spec: str, allow_pickle: bool = False, weights: bool = True) -> tuple[Path, bool]:
+    """The Hugging Face folder of a model spec that is a folder or a Hub id (its files downloaded into, or found in,
+    the local Hugging Face cache; its weights only with `weights`), and whether it is local."""
+    local = Path(spec).exists() or spec.startswith((".", "/", "~"))
+    directory = Path(spec).expanduser() if local else hub_snapshot(spec, allow_pickle, weights)
+    if directory.exists() and not directory.is_dir():
+        raise PtqError(f"{spec} is a file, not a model: {EXPECTED}")
+    if not directory.is_dir():
+        raise PtqError(f"model folder or file {spec} does not exist: {EXPECTED}")
+    if not (directory / "config.json").is_file():
+        raise PtqError(f"{spec} is not a Hugging Face model directory (no config.json)")
+    return directory, local
+
+
+def load_structure(spec: str | None, trust_remote_code: bool = False) -> LoadedModel:
+    """The model as ptq sees it (its matmuls as Linear layers: linearize) without its weights: built from its config
+    on the meta device, which is all `ptq inspect` reads. A model of any size is shown at once and in no memory, and
+    a Hub id's weights are not downloaded (a .gguf is converted first: its config comes from the conversion). No
+    tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    spec = spec or DEFAULT_MODEL
+    if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
+        if spec != DEFAULT_MODEL and not Path(spec).expanduser().is_file():
+            raise PtqError(f"model file {spec} does not exist")
+        directory, caveats, source = local_directory(spec)
+        local = True
+    else:
+        directory, local = _model_folder(spec, weights=False)
+        caveats, source = (), str(directory.resolve()) if local else hub_source(spec, directory)
+    quantized = dequantized_loading(_read_config(directory / "config.json"), directory.name if local else spec, spec)
+    if quantized is not None:  # loaded, its weights would be dequantized into plain Linear layers: as built here
+        caveats = (quantized[1],)
+    hf_logging.set_verbosity_error()
+    try:
+        config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for configs it cannot build
+        raise PtqError(f"cannot load model '{spec}': {_one_line(e)}") from None
+    model.eval().requires_grad_(False)
+    return LoadedModel(linearize(model), None, name=spec, source=source, caveats=caveats)
 
 
 def _as_unquantized(model: nn.Module, location: str) -> None:
@@ -190,10 +227,10 @@ HUB_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")  # c
 
 
 @functools.cache
-def hub_snapshot(spec: str, allow_pickle: bool = False) -> Path:
+def hub_snapshot(spec: str, allow_pickle: bool = False, weights: bool = True) -> Path:
     """The folder of Hub model `spec` in the local Hugging Face cache, holding what loading reads: its config,
-    tokenizer and generation config files, remote code (run only with --trust-remote-code), and the weight files its
-    index names (pickle ones only with `allow_pickle`). Downloaded, with huggingface_hub's progress bars, or found in
+    tokenizer and generation config files, remote code (run only with --trust-remote-code), and, with `weights`, the
+    weight files its index names (pickle ones only with `allow_pickle`). Downloaded, with huggingface_hub's progress bars, or found in
     the cache when the Hub cannot be used (hub_access). Everything after reads a folder: the memory check before
     loading, the switch to layer by layer, --low-memory, an export's source dtypes. Once per process."""
     from huggingface_hub import constants, snapshot_download
@@ -211,13 +248,14 @@ def hub_snapshot(spec: str, allow_pickle: bool = False) -> Path:
         directory = Path(
             snapshot_download(repo, revision=revision, allow_patterns=list(HUB_FILES), local_files_only=offline)
         )
-        weights, size = _weight_files(directory, allow_pickle)
-        if not offline:
-            _check_disk(directory, weights, size, repo)
-        # the commit just read (a branch may move on between the two calls): config and weights of one revision
-        directory = Path(
-            snapshot_download(repo, revision=directory.name, allow_patterns=weights, local_files_only=offline)
-        )
+        if weights:
+            files, size = _weight_files(directory, allow_pickle)
+            if not offline:
+                _check_disk(directory, files, size, repo)
+            # the commit just read (a branch may move on between the two calls): config and weights of one revision
+            directory = Path(
+                snapshot_download(repo, revision=directory.name, allow_patterns=files, local_files_only=offline)
+            )
     except PtqError:
         raise
     except RevisionNotFoundError:
