@@ -317,9 +317,14 @@ def unsupported_weights(cov: dict) -> list[dict]:
     return [x for x in cov["left_out"] if x["reason"].startswith(("not supported", "fused experts of a layout"))]
 
 
+def quantized_share(quantized_params: int, matmul_params: int) -> float:
+    """The share (0 to 1) of the model's matmul weight parameters a recipe quantizes; 0 for a model without any."""
+    return quantized_params / matmul_params if matmul_params else 0.0
+
+
 def describe_coverage(cov: dict) -> str:
     """One line: share of matmul weights quantized, and what is left out, grouped by reason."""
-    share = cov["quantized_weight_params"] / cov["matmul_weight_params"] if cov["matmul_weight_params"] else 0.0
+    share = quantized_share(cov["quantized_weight_params"], cov["matmul_weight_params"])
     groups: dict[str, list[dict]] = {}
     for x in cov["left_out"]:
         groups.setdefault(x["reason"], []).append(x)

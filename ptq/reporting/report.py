@@ -138,9 +138,10 @@ def _ppl_delta(v: Variant, checks: list[Check]) -> str:
 
 
 def quantized_share_pct(e: Entry) -> float:
-    """The share of the model's matmul weight parameters an entry quantizes (as describe_coverage computes it)."""
-    cov = e.coverage
-    return 100 * cov.quantized_weight_params / cov.matmul_weight_params if cov.matmul_weight_params else 0.0
+    """The share of the model's matmul weight parameters an entry quantizes, in percent."""
+    from ptq.models.matmuls import quantized_share
+
+    return 100 * quantized_share(e.coverage.quantized_weight_params, e.coverage.matmul_weight_params)
 
 
 def partial_variants(r: CompareResults) -> set[str]:
