@@ -741,7 +741,7 @@ def quantize(
 def _print_quantize(info: dict, output: Path, written: bool) -> None:
     from rich.console import Console
 
-    from ptq.reporting.report import human_bytes
+    from ptq.execution.resources import size_text
 
     console = Console()
     size, ver = info["size"], info["verification"]
@@ -770,9 +770,9 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
     if written:
         pct = 100 * size["bytes_saved"] / size["bytes_16bit"]
         console.print(
-            f"wrote {output}: {human_bytes(size['bytes'])} in {size['shards']} shard(s), "
+            f"wrote {output}: {size_text(size['bytes'], si=True)} in {size['shards']} shard(s), "
             f"{info['format']['quantized_layers']} Linear layers as {info['recipe']['weights']} at 1 byte/parameter; "
-            f"16-bit checkpoint {human_bytes(size['bytes_16bit'])}, saved {human_bytes(size['bytes_saved'])} ({pct:.1f}%)",
+            f"16-bit checkpoint {size_text(size['bytes_16bit'], si=True)}, saved {size_text(size['bytes_saved'], si=True)} ({pct:.1f}%)",
             highlight=False,
         )
 

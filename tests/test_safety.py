@@ -119,7 +119,7 @@ def test_model_too_big_fails_early_with_estimate_and_flag(tiny_model, text_file,
     )
     assert code == 2 and one_error_line(err)
     assert (
-        f"needs at least {params * 10 / 2**20:.1f} MiB ({params:,} parameters x 4 bytes in float32 x 2.5 copies" in err
+        f"needs at least {params * 10 / 2**10:.1f} KiB ({params:,} parameters x 4 bytes in float32 x 2.5 copies" in err
     )
     assert (
         "--no-memory-check" in err and "compare fewer recipes" in err and not (tmp_path / "o" / "results.json").exists()
@@ -476,5 +476,29 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_any_shard(
         "quantize", tiny_model, "--recipe", "fp8-dynamic", "--seq-len", "16", "--no-verify", "-o", out, "-q"
     )
     assert code == 2 and one_error_line(err), err
-    assert "but only 50.0 kB is free on the disk of" in err and "nothing was written" in err
+    assert (
+        "writing the checkpoint's tensors needs at least " in err and f"in {tmp_path}, which has 48.8 KiB free" in err
+    )
+    assert "nothing was written" in err
     assert not written and not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "n, binary, decimal",
+    [
+        (0, "0 B", "0 B"),
+        (999, "999 B", "999 B"),
+        (1000, "1000 B", "1.0 kB"),
+        (1024, "1.0 KiB", "1.0 kB"),
+        (50_000, "48.8 KiB", "50.0 kB"),
+        (16 * 2**20, "16.0 MiB", "16.8 MB"),
+        (2**30 // 2, "512.0 MiB", "536.9 MB"),
+        (140 * 10**9, "130.4 GiB", "140.0 GB"),
+        (3 * 2**40, "3.0 TiB", "3.3 TB"),
+        (5000 * 2**40, "5,000.0 TiB", "5,497.6 TB"),
+    ],
+)
+def test_one_byte_formatter_binary_for_memory_and_disk_decimal_for_files(n, binary, decimal):
+    from ptq.execution.resources import size_text
+
+    assert (size_text(n), size_text(n, si=True)) == (binary, decimal)

@@ -140,5 +140,15 @@ def check_disk(folder: Path, needed: int, what: str, way_out: str) -> None:
         )
 
 
-def size_text(n: int) -> str:
-    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+def size_text(n: int, si: bool = False) -> str:
+    """A byte count for people, in the largest unit it holds one of: binary units (GiB: memory, as free and nvidia-smi
+    count it, and disk) or, with `si`, decimal ones (GB: file sizes, as the Hub shows them)."""
+    base, units = (1000, ("kB", "MB", "GB", "TB")) if si else (1024, ("KiB", "MiB", "GiB", "TiB"))
+    if abs(n) < base:
+        return f"{n} B"
+    value, unit = n / base, units[0]
+    for bigger in units[1:]:
+        if abs(value) < base:
+            break
+        value, unit = value / base, bigger
+    return f"{value:,.1f} {unit}"

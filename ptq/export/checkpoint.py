@@ -26,7 +26,6 @@ import json
 import math
 import os
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -630,14 +629,11 @@ def write_weights(
     """Write the safetensors shards (and the index when there is more than one), one shard in memory at a time; refused
     at once when the disk has not the room for them (a streamed model's weights are read and quantized as its shards
     are written: a full disk is found out before that work, not at the last shard)."""
-    from ptq.reporting.report import human_bytes
+    from ptq.execution.resources import check_disk
 
-    total, free = sum(e.nbytes for e in entries), shutil.disk_usage(directory).free
-    if free < total:
-        raise PtqError(
-            f"the checkpoint's tensors take {human_bytes(total)} but only {human_bytes(free)} is free on the disk of "
-            f"{directory.parent}: free some space or write it elsewhere (-o); nothing was written"
-        )
+    total = sum(e.nbytes for e in entries)
+    way_out = "free some space or write it elsewhere (-o); nothing was written"
+    check_disk(directory.parent, total, "writing the checkpoint's tensors", way_out)
     groups = shard(entries, max_shard_bytes)
     n = len(groups)
     weight_map = {}

@@ -379,15 +379,9 @@ def faults_lines(faults: CalibrationFaults) -> list[str]:
     return lines
 
 
-def human_bytes(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n} B"
-
-
 def render_model_card(e: dict) -> str:
     """README.md of a `ptq quantize` checkpoint, rendered from its ptq-export.json alone."""
+    from ptq.execution.resources import size_text
     from ptq.models.matmuls import describe_coverage
 
     rec, fmt, cal, size, ver = e["recipe"], e["format"], e["calibration"], e["size"], e["verification"]
@@ -421,9 +415,9 @@ def render_model_card(e: dict) -> str:
         *([f"| coverage | {describe_coverage(e['coverage'])} |"] if e.get("coverage") else []),
         f"| format | compressed-tensors `{fmt['format']}` (compressed-tensors {fmt['compressed_tensors']}) |",
         *([f"| scales for | {e['target_rules']} |"] if e.get("target_rules") else []),
-        f"| size | {human_bytes(size['bytes'])} of tensors in {size['shards']} safetensors shard(s); the 16-bit checkpoint is "
-        f"{human_bytes(size['bytes_16bit'])}: {human_bytes(size['bytes_saved'])} saved ({100 * size['bytes_saved'] / size['bytes_16bit']:.1f}%) |",
-        f"| other tensors | unchanged from the source ({', '.join(size['other_dtypes'])}, {human_bytes(size['other_bytes'])}) |",
+        f"| size | {size_text(size['bytes'], si=True)} of tensors in {size['shards']} safetensors shard(s); the 16-bit checkpoint is "
+        f"{size_text(size['bytes_16bit'], si=True)}: {size_text(size['bytes_saved'], si=True)} saved ({100 * size['bytes_saved'] / size['bytes_16bit']:.1f}%) |",
+        f"| other tensors | unchanged from the source ({', '.join(size['other_dtypes'])}, {size_text(size['other_bytes'], si=True)}) |",
         (
             f"| calibration | {cal['data']} (sha256 `{str(cal['data_sha256'])[:16]}`), {cal['windows']} windows x "
             f"{cal['seq_len']} tokens = {cal['tokens']:,} tokens; {cal['source']} |"
