@@ -31,7 +31,8 @@ app = typer.Typer(
 ModelArg = Annotated[
     str | None,
     typer.Argument(
-        help="Hub id (org/name, or org/name@revision), local model directory, .gguf file, or 'smollm2' (the offline default).",
+        help="Hub id (org/name, or org/name@revision), local model directory, .gguf file, or 'smollm2' "
+        "(the offline default).",
         show_default="smollm2",
     ),
 ]

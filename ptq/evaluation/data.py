@@ -306,9 +306,9 @@ def _offline_setting() -> str | None:
 def hub_or_cache():
     """Around a datasets load that would use the Hub: yields why only the local datasets cache can be used, or None.
 
-    When offline mode is set, or is not but the Hub cannot be reached (loading.hub_unreachable), the block runs with datasets
-    and huggingface_hub offline: a dataset in the local cache loads from there, and one that is not fails at once,
-    instead of after huggingface_hub's five retries with backoff (about 25 s). Both libraries read their offline
+    When offline mode is set, or is not but the Hub cannot be reached (loading.hub_unreachable), the block runs with
+    datasets and huggingface_hub offline: a dataset in the local cache loads from there, and one that is not fails at
+    once, instead of after huggingface_hub's five retries with backoff (about 25 s). Both libraries read their offline
     settings at import, so their flags are set here, and restored after, rather than the environment."""
     from ptq.models.loading import hub_unreachable
 

@@ -198,10 +198,10 @@ def hub_source(spec: str, snapshot: Path) -> str:
 
 def hub_access(spec: str) -> dict:
     """How to load a model spec that is neither a local path nor the default: refused at once unless it has the shape
-    of a Hub id (org/name, or a canonical bare name, @revision optional), so that a typo is one quick line instead of a minute of download
-    retries. A Hub id in the local Hugging Face cache loads from there ({"local_files_only": True}) when the Hub cannot
-    be used (HF_HUB_OFFLINE, or no connection to it); one that is not cached then fails at once (with a network, the
-    Hub itself says whether the id exists). Returns extra from_pretrained arguments."""
+    of a Hub id (org/name, or a canonical bare name; @revision optional), so that a typo is one quick line instead of
+    a minute of download retries. A Hub id in the local Hugging Face cache loads from there ({"local_files_only":
+    True}) when the Hub cannot be used (HF_HUB_OFFLINE, or no connection to it); one that is not cached then fails at
+    once (with a network, the Hub itself says whether the id exists). Returns extra from_pretrained arguments."""
     if not _HUB_ID.fullmatch(spec):
         raise PtqError(f"no model folder or file '{spec}', and a Hub id looks like org/name: {EXPECTED}")
     cached = _hub_cached(*hub_revision(spec))
@@ -230,9 +230,10 @@ HUB_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")  # c
 def hub_snapshot(spec: str, allow_pickle: bool = False, weights: bool = True) -> Path:
     """The folder of Hub model `spec` in the local Hugging Face cache, holding what loading reads: its config,
     tokenizer and generation config files, remote code (run only with --trust-remote-code), and, with `weights`, the
-    weight files its index names (pickle ones only with `allow_pickle`). Downloaded, with huggingface_hub's progress bars, or found in
-    the cache when the Hub cannot be used (hub_access). Everything after reads a folder: the memory check before
-    loading, the switch to layer by layer, --low-memory, an export's source dtypes. Once per process."""
+    weight files its index names (pickle ones only with `allow_pickle`), after a check that the disk has room for
+    them. Downloaded, with huggingface_hub's progress bars, or found in the cache when the Hub cannot be used
+    (hub_access). Everything after reads a folder: the memory check before loading, the switch to layer by layer,
+    --low-memory, an export's source dtypes. Once per process."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
