@@ -6,7 +6,10 @@ is counted: one, the probe, where datasets alone would retry."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from test_tasks import varied_rows, write_jsonl
@@ -163,3 +166,30 @@ def test_tasks_on_local_files_do_not_probe_the_hub(closed_hub, tmp_path):
     suite = harness.prepare(f"mc={items},ptq_arith,{user / 'mine.yaml'}", None, tmp_path / "work", max_items=None)
     assert suite.names == ["mc", "ptq_arith", "mine"]
     assert closed_hub == [] and loading.hub_unreachable.cache_info().misses == 0
+
+
+@pytest.mark.parametrize(
+    "environment, hub, datasets",
+    [
+        ({}, None, None),
+        ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE", "HF_HUB_OFFLINE"),
+        ({"HF_HUB_OFFLINE": "yes", "TRANSFORMERS_OFFLINE": "0"}, "HF_HUB_OFFLINE", "HF_HUB_OFFLINE"),
+        ({"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "1"}, None, None),  # the first one set decides
+        ({"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "ON"}, "TRANSFORMERS_OFFLINE", "TRANSFORMERS_OFFLINE"),
+        ({"HF_DATASETS_OFFLINE": "1"}, None, "HF_DATASETS_OFFLINE"),
+        ({"HF_DATASETS_OFFLINE": "0", "HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE", None),  # datasets': its own first
+    ],
+)
+def test_the_offline_variables_are_read_as_huggingface_hub_and_datasets_read_them(
+    environment, hub, datasets, monkeypatch
+):
+    for name in OFFLINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert loading.offline_variable("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") == hub
+    assert loading.offline_variable(*OFFLINE_VARIABLES) == datasets
+    # as the libraries themselves read them, at import in a new process
+    read = "import huggingface_hub.constants as h, datasets.config as d; print(h.HF_HUB_OFFLINE, d.HF_DATASETS_OFFLINE)"
+    done = subprocess.run([sys.executable, "-c", read], env=dict(os.environ), capture_output=True, text=True)
+    assert done.stdout.split() == [str(hub is not None), str(datasets is not None)], done.stderr

@@ -21,7 +21,6 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,19 +284,16 @@ def _short_reason(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------
 # The Hub, or the local datasets cache only
 
-_TRUE = {"1", "ON", "YES", "TRUE"}
-
 
 def _offline_setting() -> str | None:
-    """What already puts datasets offline, in words, or None. datasets reads HF_DATASETS_OFFLINE, else HF_HUB_OFFLINE
-    (or TRANSFORMERS_OFFLINE), once, at its import: a variable set since then counts here too."""
+    """What already puts datasets offline, in words, or None: HF_DATASETS_OFFLINE, else HF_HUB_OFFLINE (or
+    TRANSFORMERS_OFFLINE), as datasets reads them, or its own flag."""
     import datasets.config
 
-    if "HF_DATASETS_OFFLINE" in os.environ:
-        name = "HF_DATASETS_OFFLINE"
-    else:
-        name = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
-    if os.environ.get(name, "").strip().upper() in _TRUE:
+    from ptq.models.loading import offline_variable
+
+    name = offline_variable("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    if name is not None:
         return f"{name} is set"
     return "datasets' offline mode is on" if datasets.config.HF_HUB_OFFLINE else None
 

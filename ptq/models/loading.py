@@ -327,13 +327,22 @@ def _hub_cached(repo_id: str, revision: str | None = None) -> bool:
         return False
 
 
-def _hub_offline() -> bool:
+def offline_variable(*names: str) -> str | None:
+    """The first of the offline variables `names` set (not empty) in the environment, when it turns offline mode on;
+    None otherwise. huggingface_hub reads HF_HUB_OFFLINE, else TRANSFORMERS_OFFLINE; datasets reads
+    HF_DATASETS_OFFLINE first. Both read them once, at import: read here again, a variable set since counts too."""
     import os
 
+    for name in names:
+        if os.environ.get(name):
+            return name if os.environ[name].strip().upper() in {"1", "ON", "YES", "TRUE"} else None
+    return None
+
+
+def _hub_offline() -> bool:
     from huggingface_hub import constants
 
-    value = os.environ.get("HF_HUB_OFFLINE", os.environ.get("TRANSFORMERS_OFFLINE", ""))
-    return constants.HF_HUB_OFFLINE or value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+    return constants.HF_HUB_OFFLINE or offline_variable("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") is not None
 
 
 @functools.lru_cache(maxsize=1)
