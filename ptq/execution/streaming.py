@@ -49,7 +49,7 @@ from torch import nn
 from ptq.errors import PtqError
 from ptq.execution.devices import default_device
 from ptq.export.checkpoint import _saved_names, checkpoint_names
-from ptq.models.loading import DEFAULT_MODEL, LoadedModel, local_directory, stored_dequantizer
+from ptq.models.loading import DEFAULT_MODEL, LoadedModel, local_directory, stored_dequantizer, weightless
 from ptq.models.matmuls import kind, linearize, quantizable
 
 LOW_MEMORY_FLAG = "--low-memory"
@@ -218,8 +218,7 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False, memory_chec
     """The model on the meta device, linearized (no weights in memory), its tokenizer, and what to read it from.
     No remote code runs: only the architectures transformers itself implements are streamed. `memory_check`: a .gguf
     not yet converted is refused when the host cannot hold it in float32 (its conversion loads it whole)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
     found = local_directory(spec, memory_check)
@@ -248,16 +247,9 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False, memory_chec
     else:
         dequantizer = None
     checkpoint = SafetensorsCheckpoint(directory, dequantizer)
-    try:
-        with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) computed, as in memory
-            built = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PtqError(f"cannot build model '{spec}' ({config.model_type}): {reason}") from None
+    built = weightless(config, spec)  # no remote code: streamed architectures are transformers' own
     checkpoint.add_prefix(getattr(built, "base_model_prefix", ""))
     _tie_as_loaded(built, checkpoint)
-    built.eval()
-    built.requires_grad_(False)
     model = linearize(copy.deepcopy(built))
     layers = decoder_layers(model)
     try:

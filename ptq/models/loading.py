@@ -66,7 +66,7 @@ def load_model(
             raise PtqError(f"model file {spec} does not exist")
         directory, caveats, source = local_directory(spec, memory_check)
     else:
-        directory, local = _model_folder(spec, allow_pickle)
+        directory, local, source, quantized = _model_folder(spec, allow_pickle)
         if not any(directory.glob("*.safetensors")):
             pickle_only = any(directory.glob("*.bin")) or any(directory.glob("*.pt"))
             if not pickle_only:
@@ -77,10 +77,6 @@ def load_model(
                     f"{spec} has only pickle weights (.bin), which can run code when loaded: convert them to "
                     "safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)"
                 )
-        source = str(directory.resolve()) if local else hub_source(spec, directory)
-        quantized = dequantized_loading(
-            _read_config(directory / "config.json"), directory.name if local else spec, spec
-        )
     if memory_check:  # dequantized: as large in float32 as a 16-bit checkpoint
         _check_memory(Path(directory), copies, device, spec)
     dequantizing = {}
@@ -100,9 +96,10 @@ def load_model(
     )
 
 
-def _model_folder(spec: str, allow_pickle: bool = False, weights: bool = True) -> tuple[Path, bool]:
+def _model_folder(spec: str, allow_pickle: bool = False, weights: bool = True) -> tuple[Path, bool, str, tuple | None]:
     """The Hugging Face folder of a model spec that is a folder or a Hub id (its files downloaded into, or found in,
-    the local Hugging Face cache; its weights only with `weights`), and whether it is local."""
+    the local Hugging Face cache; its weights only with `weights`), whether it is local, where its weights come from
+    (for reports), and for a checkpoint already quantized how it is loaded dequantized (dequantized_loading)."""
     local = Path(spec).exists() or spec.startswith((".", "/", "~"))
     directory = Path(spec).expanduser() if local else hub_snapshot(spec, allow_pickle, weights)
     if directory.exists() and not directory.is_dir():
@@ -111,7 +108,9 @@ def _model_folder(spec: str, allow_pickle: bool = False, weights: bool = True) -
         raise PtqError(f"model folder or file {spec} does not exist: {EXPECTED}")
     if not (directory / "config.json").is_file():
         raise PtqError(f"{spec} is not a Hugging Face model directory (no config.json)")
-    return directory, local
+    source = str(directory.resolve()) if local else hub_source(spec, directory)
+    quantized = dequantized_loading(_read_config(directory / "config.json"), directory.name if local else spec, spec)
+    return directory, local, source, quantized
 
 
 def load_structure(spec: str | None, trust_remote_code: bool = False) -> LoadedModel:
@@ -119,7 +118,7 @@ def load_structure(spec: str | None, trust_remote_code: bool = False) -> LoadedM
     on the meta device, which is all `ptq inspect` reads. A model of any size is shown at once and in no memory: a
     Hub id's weights are not downloaded, and a .gguf is not converted (its config is read from its metadata, as the
     conversion reads it). No tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     spec = spec or DEFAULT_MODEL
@@ -131,19 +130,31 @@ def load_structure(spec: str | None, trust_remote_code: bool = False) -> LoadedM
         gguf, source = found
         location, options, caveats = gguf.parent, {"gguf_file": gguf.name}, (gguf_caveat(gguf),)
     else:
-        location, local = _model_folder(spec, weights=False)
-        caveats, source, options = (), str(location.resolve()) if local else hub_source(spec, location), {}
-        quantized = dequantized_loading(_read_config(location / "config.json"), location.name if local else spec, spec)
-        if quantized is not None:  # loaded, its weights would be dequantized into plain Linear layers: as built here
-            caveats = (quantized[1],)
+        location, _, source, quantized = _model_folder(spec, weights=False)
+        # loaded, its weights would be dequantized into plain Linear layers: as built here
+        caveats, options = ((quantized[1],) if quantized is not None else ()), {}
     try:
         config = AutoConfig.from_pretrained(str(location), trust_remote_code=trust_remote_code, **options)
-        with torch.device("meta"):
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for configs it cannot read
+        raise PtqError(f"cannot load model '{spec}': {_one_line(e)}") from None
+    model = weightless(config, spec, trust_remote_code)
+    model.tie_weights()  # as from_pretrained ties them (init_empty_weights leaves them apart)
+    return LoadedModel(linearize(model), None, name=spec, source=source, caveats=caveats)
+
+
+def weightless(config, spec: str | None, trust_remote_code: bool = False) -> nn.Module:
+    """The model `config` describes, in float32 and eval mode, without its weights: parameters on the meta device,
+    buffers computed as in memory (rotary frequencies). What `ptq inspect` reads the model's shapes from, and what
+    --low-memory fills layer by layer (ptq.execution.streaming)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for configs it cannot build
-        raise PtqError(f"cannot load model '{spec}': {_one_line(e)}") from None
-    model.eval().requires_grad_(False)
-    return LoadedModel(linearize(model), None, name=spec, source=source, caveats=caveats)
+        raise PtqError(f"cannot build model '{spec}' ({config.model_type}): {_one_line(e)}") from None
+    return model.eval().requires_grad_(False)
 
 
 def _as_unquantized(model: nn.Module, location: str) -> None:
