@@ -14,6 +14,7 @@ the merge replays the same additions). Only the first process (rank 0) writes th
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -77,11 +78,22 @@ def setup() -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # Leave the group while the interpreter is whole: a process that exits without it can be aborted (SIGABRT,
+        # "terminate called without an active exception") by gloo's worker threads during finalization.
+        atexit.register(leave)
     if not is_main():
         from ptq import progress
 
         progress.QUIET = True
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (for the life of the process)
+
+
+def leave() -> None:
+    """Leave the process group joined by setup (at exit; a no-op when there is none)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def share(n: int, first_at_least: int = 0) -> range:
