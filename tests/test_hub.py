@@ -247,20 +247,25 @@ def test_without_the_hub_a_revision_is_read_from_the_cache_if_it_was_downloaded(
     assert f"'{REPO}@main', and as a Hub id it is not in the local Hugging Face cache while HF_HUB_OFFLINE" in err
 
 
+@pytest.mark.parametrize("layout", ["sharded", "one file"])
 def test_weights_larger_than_the_free_disk_are_refused_before_they_are_downloaded(
-    hub, tmp_path, text_file, ptq_cli, monkeypatch
+    hub, tmp_path, text_file, ptq_cli, monkeypatch, layout
 ):
     """huggingface_hub only warns, file by file, when the disk is short: a 140 GB model would fail once the disk is
-    full. The shards' total (from the index) is checked against the cache's free space before the first shard."""
+    full. The weight files' sizes (the Hub's file tree: the shards the index names, or the one model.safetensors, not
+    the repository's other copy) are checked against the cache's free space before the first one is fetched."""
     import shutil
     from collections import namedtuple
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hub.folder, dtype=torch.float32)
-    (hub.folder / "model.safetensors").unlink()
-    model.save_pretrained(hub.folder, max_shard_size="100KB")
-    size = json.loads((hub.folder / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    if layout == "sharded":
+        model = AutoModelForCausalLM.from_pretrained(hub.folder, dtype=torch.float32)
+        (hub.folder / "model.safetensors").unlink()
+        model.save_pretrained(hub.folder, max_shard_size="100KB")
+    weights = list(hub.folder.glob("model*.safetensors"))
+    assert (len(weights) > 1) == (layout == "sharded")
+    size = sum(f.stat().st_size for f in weights)  # the files' bytes, headers included
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2 * size, size + 1, size - 1))
     calib = ["--data", text_file, "--samples", "2", "--seq-len", "16", "-o", tmp_path / "c.safetensors", "-q"]
@@ -269,11 +274,12 @@ def test_weights_larger_than_the_free_disk_are_refused_before_they_are_downloade
     line = err.splitlines()[-1]
     assert f"model '{REPO}' (its weights, in the Hugging Face cache) needs at least " in line
     assert f"in {tmp_path / 'hub-cache'}, which has " in line and "HF_HUB_CACHE" in line
-    assert not {f for f in downloaded(hub) if f.endswith(".safetensors")}  # not one shard
+    assert not {f for f in downloaded(hub) if f.endswith(".safetensors")}  # not one weight file
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2 * size, size, size))  # just enough
     code, _, err = ptq_cli("calibrate", REPO, *calib)
     assert code == 0, err
+    assert {f for f in downloaded(hub) if f.endswith(".safetensors")} == {f.name for f in weights}
 
 
 def test_inspect_of_a_hub_model_reads_its_config_and_no_weights(hub, ptq_cli):

@@ -262,9 +262,9 @@ def hub_snapshot(spec: str, allow_pickle: bool = False, weights: bool = True) ->
             snapshot_download(repo, revision=revision, allow_patterns=list(HUB_FILES), local_files_only=offline)
         )
         if weights:
-            files, size = _weight_files(directory, allow_pickle)
+            files = _weight_files(directory, allow_pickle)
             if not offline:
-                _check_disk(directory, files, size, repo)
+                _check_disk(directory, files, repo)
             # the commit just read (a branch may move on between the two calls): config and weights of one revision
             directory = Path(
                 snapshot_download(repo, revision=directory.name, allow_patterns=files, local_files_only=offline)
@@ -291,41 +291,37 @@ def hub_snapshot(spec: str, allow_pickle: bool = False, weights: bool = True) ->
     return directory
 
 
-def _weight_files(directory: Path, allow_pickle: bool) -> tuple[list[str], int | None]:
+def _weight_files(directory: Path, allow_pickle: bool) -> list[str]:
     """The weight files a Hub model's index names (as from_pretrained reads them: not a repo's other copies, such as
-    Mistral's consolidated.safetensors), or the single-file names; pickle ones only when allowed. And their size as
-    the indexes state it (metadata.total_size, the tensors' bytes), or None where a single file has no index."""
+    Mistral's consolidated.safetensors), or the single-file names; pickle ones only when allowed."""
     names = [("model.safetensors.index.json", "model.safetensors")]
     if allow_pickle:
         names.append(("pytorch_model.bin.index.json", "pytorch_model.bin"))
     files: list[str] = []
-    size: int | None = 0
     for index, single in names:
         config = _read_config(directory / index)
         weight_map = config.get("weight_map") if isinstance(config, dict) else None
-        if isinstance(weight_map, dict):
-            files += sorted(set(weight_map.values()))
-            total = (config.get("metadata") or {}).get("total_size")
-            size = size + int(total) if size is not None and isinstance(total, (int, float)) else None
-        else:
-            files.append(single)
-            size = None
-    return files, size
+        files += sorted(set(weight_map.values())) if isinstance(weight_map, dict) else [single]
+    return files
 
 
-def _check_disk(snapshot: Path, weights: list[str], size: int | None, repo: str) -> None:
+def _check_disk(snapshot: Path, weights: list[str], repo: str) -> None:
     """Before a Hub model's weights are downloaded: do they fit on the disk of the Hugging Face cache? huggingface_hub
     only warns, file by file, so a model larger than the free space would fail once it has filled the disk, hours
-    into the download of a large one. `size`: the weights' bytes (None: unknown, not checked); those already in the
-    cache do not count."""
+    into the download of a large one. The files' sizes are the Hub's (its file tree at the snapshot's commit, one
+    request, sharded or single-file alike); those already in the cache do not count."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
     from ptq.execution.resources import check_disk
 
-    if size:
-        cached = sum((snapshot / f).stat().st_size for f in weights if (snapshot / f).is_file())
-        way_out = "free some space, or set HF_HUB_CACHE to a folder on a larger disk"
-        check_disk(
-            snapshot.parents[2], size - cached, f"model '{repo}' (its weights, in the Hugging Face cache)", way_out
-        )
+    wanted = {f for f in weights if not (snapshot / f).is_file()}
+    if not wanted:
+        return
+    tree = HfApi().list_repo_tree(repo, revision=snapshot.name, recursive=True)
+    size = sum(e.lfs.size if e.lfs else e.size for e in tree if isinstance(e, RepoFile) and e.path in wanted)
+    way_out = "free some space, or set HF_HUB_CACHE to a folder on a larger disk"
+    check_disk(snapshot.parents[2], size, f"model '{repo}' (its weights, in the Hugging Face cache)", way_out)
 
 
 def _hub_cached(repo_id: str, revision: str | None = None) -> bool:
