@@ -35,6 +35,36 @@ def test_a_name_that_is_no_path_and_no_hub_id_is_refused_at_once(ptq_cli, spec, 
     assert f"no model folder or file '{spec}'" in line and "org/name" in line and "'smollm2'" in line
 
 
+def test_a_model_spec_is_a_gguf_a_folder_or_a_hub_id_decided_in_one_place(tmp_path, monkeypatch):
+    """What the loaders, --low-memory and the model card's base_model each take a spec for: a path that exists is a
+    path even when it reads like a Hub id (a folder ./org/name), one written as a path is a path even when missing,
+    and only the rest is a Hub id (its repository without the @revision)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    expected = {
+        None: ("gguf", None),
+        loading.DEFAULT_MODEL: ("gguf", None),
+        "m.gguf": ("gguf", None),
+        "org/name": ("folder", None),  # the folder here, not the Hub's org/name
+        "~/models": ("folder", None),
+        "./missing": ("folder", None),
+        "/no/such/folder": ("folder", None),
+        "org/other": ("hub", "org/other"),
+        "org/other@v1.0": ("hub", "org/other"),
+        "gpt2": ("hub", "gpt2"),
+        "a/b/c": ("hub", None),  # no Hub id's shape: hub_access refuses it
+    }
+    for spec, (kind, repo) in expected.items():
+        assert (loading.model_kind(spec), loading.hub_repo(spec)) == (kind, repo), spec
+    assert loading.gguf_file("m.gguf")[0].resolve() == tmp_path / "m.gguf" and loading.gguf_file("org/other") is None
+    assert loading.local_directory("org/name")[0] == Path("org/name")
+    assert loading.local_directory("./missing") is None
+
+
 def test_a_hub_id_offline_and_not_cached_fails_at_once(ptq_cli, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.monotonic()

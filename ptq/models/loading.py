@@ -100,7 +100,7 @@ def _model_folder(spec: str, allow_pickle: bool = False, weights: bool = True) -
     """The Hugging Face folder of a model spec that is a folder or a Hub id (its files downloaded into, or found in,
     the local Hugging Face cache; its weights only with `weights`), whether it is local, where its weights come from
     (for reports), and for a checkpoint already quantized how it is loaded dequantized (dequantized_loading)."""
-    local = Path(spec).exists() or spec.startswith((".", "/", "~"))
+    local = model_kind(spec) == "folder"
     directory = Path(spec).expanduser() if local else hub_snapshot(spec, allow_pickle, weights)
     if directory.exists() and not directory.is_dir():
         raise PtqError(f"{spec} is a file, not a model: {EXPECTED}")
@@ -393,6 +393,17 @@ def to_compute(model: nn.Module, device, dtype: torch.dtype | None) -> nn.Module
     return model
 
 
+def model_kind(spec: str | None) -> str:
+    """What a model spec names, decided here only: "gguf" (the offline default, or a .gguf file), "folder" (a local
+    path: one that exists, or one written as a path), or "hub" (anything else, taken as a Hub id: hub_access checks
+    its shape)."""
+    if spec is None or spec == DEFAULT_MODEL or (spec.endswith(".gguf") and Path(spec).expanduser().is_file()):
+        return "gguf"  # "~/My Models/m.gguf", quoted: as folders
+    if spec.startswith((".", "/", "~")) or Path(spec).expanduser().exists():
+        return "folder"
+    return "hub"
+
+
 def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, tuple[str, ...], str] | None:
     """The local Hugging Face directory behind a model spec (the offline default and .gguf files converted once into
     the cache, `memory_check`: if the host holds them in float32; a Hub id's files in the Hugging Face cache,
@@ -402,8 +413,8 @@ def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, 
         directory, caveats = converted_gguf_dir(found[0], memory_check)
         return directory, caveats, found[1]
     directory = Path(spec).expanduser()
-    if directory.is_dir():
-        return directory, (), str(directory.resolve())
+    if model_kind(spec) == "folder":
+        return (directory, (), str(directory.resolve())) if directory.is_dir() else None
     if hub_repo(spec):
         directory = hub_snapshot(spec)
         return directory, (), hub_source(spec, directory)
@@ -413,21 +424,19 @@ def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, 
 def gguf_file(spec: str | None) -> tuple[Path, str] | None:
     """The .gguf file behind a model spec (the offline default's, or a .gguf file's) and where its weights came from,
     for reports; None for any other spec."""
+    if model_kind(spec) != "gguf":
+        return None
     if spec is None or spec == DEFAULT_MODEL:
         version = importlib.metadata.version(DEFAULT_DISTRIBUTION)
         return default_gguf_path(), f"SmolLM2-135M-Instruct from the PyPI package {DEFAULT_DISTRIBUTION} {version}"
-    if spec.endswith(".gguf") and Path(spec).expanduser().is_file():  # "~/My Models/m.gguf", quoted: as folders
-        gguf = Path(spec).expanduser()
-        return gguf, f"{gguf.resolve()} (GGUF)"
-    return None
+    gguf = Path(spec).expanduser()
+    return gguf, f"{gguf.resolve()} (GGUF)"
 
 
 def hub_repo(spec: str | None) -> str | None:
-    """The Hub repository `spec` names (not the default, nor a local file or folder, and shaped org/name or a
-    canonical bare name, with or without @revision), else None."""
-    if spec is None or spec == DEFAULT_MODEL or spec.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(spec):
-        return None
-    return None if Path(spec).expanduser().exists() else hub_revision(spec)[0]
+    """The Hub repository `spec` names (a Hub id shaped org/name or a canonical bare name, with or without
+    @revision), else None."""
+    return hub_revision(spec)[0] if model_kind(spec) == "hub" and _HUB_ID.fullmatch(spec) else None
 
 
 def _from_pretrained(
