@@ -672,6 +672,17 @@ def quantize(
             help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.",
         ),
     ] = None,
+    push_to_hub: Annotated[
+        str | None,
+        typer.Option(
+            "--push-to-hub",
+            help="Upload the checkpoint, once written and verified, to this Hub repository (org/name) in one commit; "
+            "checked first: a token that may write, and a repository that holds no files unless --force.",
+        ),
+    ] = None,
+    private: Annotated[
+        bool, typer.Option("--private", help="With --push-to-hub: a repository it creates is private.")
+    ] = False,
     batch_size: BatchSize = "auto",
     force: Force = False,
     quiet: Quiet = False,
@@ -722,7 +733,13 @@ def quantize(
         ),
         compute=ComputeOptions(batch_size=batch_size, low_memory=low_memory, target=target),
         output=OutputOptions(path=output, force=force),
-        checkpoint=CheckpointOptions(verify=verify, shard_size_mb=shard_size, compare_results=compare_results),
+        checkpoint=CheckpointOptions(
+            verify=verify,
+            shard_size_mb=shard_size,
+            compare_results=compare_results,
+            push_to_hub=push_to_hub,
+            private=private,
+        ),
     )
     try:
         info = run_quantize(recipe, **options)
@@ -776,6 +793,8 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
             f"16-bit checkpoint {size_text(size['bytes_16bit'], si=True)}, saved {size_text(size['bytes_saved'], si=True)} ({pct:.1f}%)",
             highlight=False,
         )
+    if written and info.get("hub"):
+        console.print(f"uploaded to {info['hub']['url']} (commit {info['hub']['commit'][:12]})", highlight=False)
 
 
 @app.command("eval")

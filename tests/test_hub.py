@@ -5,9 +5,11 @@ what it asks for is counted."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import http.server
 import json
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -15,29 +17,38 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 import torch
+import yaml
 from conftest import save_tiny_llama
 
+from ptq import __version__
+
 REPO = "ptq-test-org/tiny-llama"
+TOKEN = "hf_ptq_test_token"  # the one token FakeHub knows
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"  # main
 REVISIONS = {"main": COMMIT, "v1.0": "1234567890abcdef1234567890abcdef12345678"}  # a tag, at another commit
 
 
 class FakeHub(http.server.ThreadingHTTPServer):
-    """The Hub's download API for one repository, REPO, held in `folder`, at each commit of REVISIONS (the same files);
-    `gated`: its files need a token with access (the metadata does not, as on the Hub); `requests` lists (method,
-    path)."""
+    """The Hub's API for downloads, from REPO held in `folder` at each commit of REVISIONS (the same files), and for
+    uploads: a token's account (whoami), creating a repository, and commits of files (sent inline: every file's
+    upload mode is "regular") or deletions, kept in folders under `folder`'s parent. `gated`: REPO's files need a token
+    with access (the metadata does not, as on the Hub); `token_role`: what the token set may do; `requests` lists
+    (method, path); `commits` each commit's (repository, message); `private` the repositories created private; `cards` the model
+    cards' metadata validated before a commit."""
 
     def __init__(self, folder: Path):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.folder, self.gated, self.requests = folder, False, []
+        self.repos = {REPO: folder}  # repository -> its files
+        self.token_role, self.commits, self.private, self.cards = "write", [], set(), []
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def files(self) -> list[dict]:
+    def files(self, repo: str = REPO) -> list[dict]:
         entries = []
-        for f in sorted(self.folder.iterdir()):
+        for f in sorted(self.repos[repo].iterdir()):
             data = f.read_bytes()
             entry = {"type": "file", "oid": _git_oid(data), "size": len(data), "path": f.name}
             if f.suffix == ".safetensors":  # weights are LFS files on the Hub: their etag is the content's sha256
@@ -45,9 +56,28 @@ class FakeHub(http.server.ThreadingHTTPServer):
             entries.append(entry)
         return entries
 
+    def commit(self, repo: str, lines: list[dict]) -> str:
+        """Apply a commit's operations (huggingface_hub's ndjson lines) to `repo`'s folder; its new commit id."""
+        folder = self.repos[repo]
+        for line in lines:
+            value = line["value"]
+            if line["key"] == "header":
+                self.commits.append((repo, value["summary"]))
+            elif line["key"] == "file":
+                (folder / value["path"]).write_bytes(base64.b64decode(value["content"]))
+            elif line["key"] == "deletedFile":
+                (folder / value["path"]).unlink()
+            else:
+                raise AssertionError(f"FakeHub: unexpected commit operation {line['key']}")
+        return hashlib.sha1(f"{repo} {len(self.commits)}".encode()).hexdigest()
+
 
 def _git_oid(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+API = re.compile(r"/api/models/([^/]+/[^/]+)/(revision|tree|preupload|commit)/(.*)")
+RESOLVE = re.compile(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)")
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -62,31 +92,70 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self._answer(body=True)
 
+    def do_POST(self):
+        self._answer(body=True)
+
     def _answer(self, body: bool):
         path = urlparse(self.path).path
         self.server.requests.append((self.command, path))
         json_type = {"Content-Type": "application/json"}
-        api, resolve = f"/api/models/{REPO}/", f"/{REPO}/resolve/"
-        if path.startswith(api + "revision/"):
-            commit = REVISIONS.get(unquote(path[len(api + "revision/") :]))
+        data = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if self.command == "POST" else b""
+        if path == "/api/whoami-v2":
+            if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                return self._send(b'{"error": "Invalid credentials in Authorization header"}', json_type, body, 401)
+            who = {"name": "ptq-tester", "auth": {"accessToken": {"role": self.server.token_role}}}
+            return self._send(json.dumps(who).encode(), json_type, body)
+        if path == "/api/validate-yaml":  # a README.md's metadata, before it is committed: YAML that holds a mapping
+            front = json.loads(data)["content"].split("---\n")
+            metadata = yaml.safe_load(front[1]) if len(front) > 2 and front[0] == "" else None
+            if not isinstance(metadata, dict):
+                return self._send(b'{"errors": [{"message": "no metadata"}]}', json_type, body, 400)
+            self.server.cards.append(metadata)
+            return self._send(b'{"errors": [], "warnings": []}', json_type, body)
+        if path == "/api/repos/create" and self.command == "POST":
+            ask = json.loads(data)
+            repo = f"{ask['organization']}/{ask['name']}"
+            url = json.dumps({"url": f"{self.server.endpoint}/{repo}"}).encode()
+            if repo in self.server.repos:  # as the Hub: 409, with the repository's address
+                return self._send(url[:-1] + b', "error": "You already created this model repo"}', json_type, body, 409)
+            self.server.repos[repo] = self.server.folder.parent / repo.replace("/", "--")
+            self.server.repos[repo].mkdir()
+            if ask.get("visibility", "private" if ask.get("private") else None) == "private":  # huggingface_hub 1+, 0.x
+                self.server.private.add(repo)
+            return self._send(url, json_type, body)
+        api, resolve = API.fullmatch(path), RESOLVE.fullmatch(path)
+        repo = unquote((api or resolve)[1]) if api or resolve else None
+        if repo not in self.server.repos:
+            # the Hub answers 401 for a repository that does not exist, as for a private one without a token
+            return self._send(b'{"error": "not found"}', {"X-Error-Code": "RepoNotFound"} | json_type, body, 401)
+        if api and api[2] == "revision":
+            commit = REVISIONS.get(unquote(api[3])) if repo == REPO else COMMIT
             if commit is None:
                 return self._send(b'{"error": "no revision"}', {"X-Error-Code": "RevisionNotFound"}, body, 404)
-            info = {"id": REPO, "sha": commit, "siblings": [{"rfilename": e["path"]} for e in self.server.files()]}
+            info = {"id": repo, "sha": commit, "siblings": [{"rfilename": e["path"]} for e in self.server.files(repo)]}
             return self._send(json.dumps(info).encode(), json_type, body)
-        if path.startswith(api + "tree/"):
-            return self._send(json.dumps(self.server.files()).encode(), json_type, body)
-        if path.startswith(resolve) and self.server.gated:  # the Hub's answer without a token
+        if api and api[2] == "tree":
+            return self._send(json.dumps(self.server.files(repo)).encode(), json_type, body)
+        if api and api[2] == "preupload":
+            modes = [
+                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in json.loads(data)["files"]
+            ]
+            return self._send(json.dumps({"files": modes}).encode(), json_type, body)
+        if api and api[2] == "commit":
+            oid = self.server.commit(repo, [json.loads(line) for line in data.decode().splitlines() if line])
+            answer = {"commitUrl": f"{self.server.endpoint}/{repo}/commit/{oid}", "commitOid": oid}
+            return self._send(json.dumps(answer).encode(), json_type, body)
+        if resolve and self.server.gated:  # the Hub's answer without a token
             return self._send(b'{"error": "gated"}', {"X-Error-Code": "GatedRepo"} | json_type, body, status=401)
-        if path.startswith(resolve):
-            commit, name = path[len(resolve) :].split("/", 1)
-            entry = next((e for e in self.server.files() if e["path"] == name), None)
-            if entry is not None and commit in REVISIONS.values():
+        if resolve:
+            commit, name = resolve[2], resolve[3]
+            entry = next((e for e in self.server.files(repo) if e["path"] == name), None)
+            if entry is not None and (commit in REVISIONS.values() or repo != REPO):
                 etag = entry["lfs"]["oid"] if "lfs" in entry else entry["oid"]
                 headers = {"X-Repo-Commit": commit, "ETag": f'"{etag}"'}
-                return self._send((self.server.folder / name).read_bytes(), headers, body)
+                return self._send((self.server.repos[repo] / name).read_bytes(), headers, body)
             return self._send(b'{"error": "no entry"}', {"X-Error-Code": "EntryNotFound"} | json_type, body, 404)
-        # another repository: the Hub answers 401 for one that does not exist, as for a private one without a token
-        self._send(b'{"error": "not found"}', {"X-Error-Code": "RepoNotFound"} | json_type, body, status=401)
+        self._send(b'{"error": "not found"}', json_type, body, status=404)
 
     def _send(self, data: bytes, headers: dict, body: bool, status: int = 200):
         self.send_response(status)
@@ -295,3 +364,92 @@ def test_inspect_of_a_hub_model_reads_its_config_and_no_weights(hub, ptq_cli):
     assert from_hub.pop("model")["source"] == f"Hugging Face Hub: {REPO} (revision {COMMIT[:12]})"
     from_folder.pop("model")
     assert from_hub == from_folder and from_hub["linear_layers"] > 0
+
+
+PUSHED = "ptq-test-org/tiny-llama-FP8-dynamic"
+
+
+@pytest.fixture
+def token(monkeypatch, tmp_path):
+    """A token huggingface_hub sends (HF_TOKEN), and no token file of the machine's."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+
+
+def test_a_checkpoint_is_pushed_to_the_hub_once_written_and_verified(hub, token, tmp_path, ptq_cli):
+    """`ptq quantize org/name -o DIR --push-to-hub org/name-FP8`: the verified checkpoint is written to DIR, then the
+    repository is created (private when asked) and holds exactly DIR's files, byte for byte, in one commit naming the
+    recipe and model; the repository then loads through ptq as any Hub model."""
+    out = tmp_path / "fp8"
+    code, stdout, err = ptq_cli(
+        "quantize", REPO, "--recipe", "fp8-dynamic", "-o", out, "--push-to-hub", PUSHED, "--private"
+    )
+    assert code == 0, err
+    assert "verification passed" in stdout and f"uploaded to {hub.endpoint}/{PUSHED} (commit " in stdout
+    pushed = hub.repos[PUSHED]
+    assert sorted(f.name for f in pushed.iterdir()) == sorted(f.name for f in out.iterdir())
+    assert all((pushed / f.name).read_bytes() == f.read_bytes() for f in out.iterdir())
+    assert hub.commits == [(PUSHED, f"ptq {__version__}: fp8-dynamic of {REPO}")]
+    assert hub.private == {PUSHED}
+    assert [card["base_model"] for card in hub.cards] == [REPO]  # the card's metadata, as the Hub validates it
+    code, stdout, err = ptq_cli("inspect", PUSHED, "--recipe", "fp8-e4m3", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["model"]["source"].startswith(f"Hugging Face Hub: {PUSHED} (revision ")
+
+
+def test_a_push_that_would_fail_or_overwrite_is_refused_before_the_work(hub, token, tmp_path, ptq_cli, monkeypatch):
+    """Each in one line, before the model is read and with nothing written or committed: an id that is not org/name,
+    no token, a read-only one, no Hub, a repository that holds files (without --force), --private alone. With --force
+    the repository's files are those of the new checkpoint: an earlier upload's other files are deleted in the same
+    commit (no stale shard beside the new ones), the Hub's .gitattributes kept."""
+    import huggingface_hub.constants as constants
+
+    def refused(*flags: str) -> str:
+        requests = len(hub.requests)
+        code, _, err = ptq_cli("quantize", REPO, "--recipe", "fp8-dynamic", "-o", tmp_path / "out", *flags)
+        assert code == 2 and not (tmp_path / "out").exists() and not hub.commits, err
+        assert not [path for _, path in hub.requests[requests:] if "/resolve/" in path]  # the model was not read
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        return lines[0]
+
+    assert "--push-to-hub takes a Hub repository id org/name" in refused("--push-to-hub", "tiny-llama-fp8")
+    assert "--push-to-hub takes a Hub repository id org/name" in refused("--push-to-hub", f"{PUSHED}@v1")
+    assert "--private applies with --push-to-hub" in refused("--private")
+    assert f"Hub repository {REPO} already holds files (config.json, " in refused("--push-to-hub", REPO)
+    hub.token_role = "read"
+    assert "the one set is read-only" in refused("--push-to-hub", PUSHED)
+    hub.token_role = "write"
+    monkeypatch.delenv("HF_TOKEN")
+    assert "needs a Hugging Face token that may write: `hf auth login`, or set HF_TOKEN" in refused(
+        "--push-to-hub", PUSHED
+    )
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert f"--push-to-hub {PUSHED}: the Hugging Face Hub cannot be reached (HF_HUB_OFFLINE is set)" in refused(
+        "--push-to-hub", PUSHED
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert not hub.repos.keys() - {REPO}  # nothing created
+
+    # --force: the earlier upload's files go, in the same commit as the new ones
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    (existing / "model-00001-of-00009.safetensors").write_bytes(b"an earlier upload's shard")
+    hub.repos[PUSHED] = existing
+    assert "already holds files (model-00001-of-00009.safetensors)" in refused("--push-to-hub", PUSHED)
+    code, _, err = ptq_cli(
+        "quantize", REPO, "--recipe", "fp8-dynamic", "-o", tmp_path / "out", "--push-to-hub", PUSHED, "--force", "-q"
+    )
+    assert code == 0, err
+    assert sorted(f.name for f in existing.iterdir()) == sorted(
+        [".gitattributes", *(f.name for f in (tmp_path / "out").iterdir())]
+    )
+    assert len(hub.commits) == 1 and not hub.private

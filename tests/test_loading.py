@@ -80,7 +80,7 @@ def test_a_hub_id_offline_and_not_cached_fails_at_once(ptq_cli, monkeypatch):
 def test_a_hub_id_without_a_network_fails_after_one_try(ptq_cli, monkeypatch, spec):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(loading, "_hub_offline", lambda: False)
+    monkeypatch.setattr(loading, "hub_offline", lambda: False)
     for name in PROXIES:
         monkeypatch.delenv(name, raising=False)
     tries = []
@@ -100,9 +100,9 @@ def test_a_hub_id_without_a_network_fails_after_one_try(ptq_cli, monkeypatch, sp
 
 def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_cannot_be_used(monkeypatch):
     monkeypatch.setattr(loading, "_hub_cached", lambda repo_id, revision: True)
-    monkeypatch.setattr(loading, "_hub_offline", lambda: True)
+    monkeypatch.setattr(loading, "hub_offline", lambda: True)
     assert loading.hub_access("org/name") == {"local_files_only": True}
-    monkeypatch.setattr(loading, "_hub_offline", lambda: False)
+    monkeypatch.setattr(loading, "hub_offline", lambda: False)
     monkeypatch.setattr(loading, "hub_unreachable", lambda: "huggingface.co: Name or service not known")
     assert loading.hub_access("org/name") == {"local_files_only": True}
     monkeypatch.setattr(loading, "hub_unreachable", lambda: None)  # a network: transformers' normal path
@@ -136,10 +136,10 @@ def test_a_model_folder_without_tokenizer_files_says_so_completely(ptq_cli, tiny
 def test_a_multi_line_loading_error_is_kept_whole_on_one_line():
     error = ValueError("Couldn't instantiate the backend tokenizer from one of: \n(1) a file\n(2) an instance")
     assert (
-        loading._one_line(error) == "Couldn't instantiate the backend tokenizer from one of: (1) a file (2) an instance"
+        loading.one_line(error) == "Couldn't instantiate the backend tokenizer from one of: (1) a file (2) an instance"
     )
-    assert loading._one_line(ValueError("")) == "ValueError"
-    assert len(loading._one_line(ValueError("x" * 1000))) == 400
+    assert loading.one_line(ValueError("")) == "ValueError"
+    assert len(loading.one_line(ValueError("x" * 1000))) == 400
 
 
 @pytest.mark.parametrize("quiet", [False, True])

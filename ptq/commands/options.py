@@ -101,6 +101,8 @@ class CheckpointOptions:
     verify: bool = True  # --verify / --no-verify: reload the checkpoint and check its logits against ptq's simulation
     shard_size_mb: float = 1000.0  # --shard-size
     compare_results: Path | None = None  # --compare-results: a compare results.json for the model card
+    push_to_hub: str | None = None  # --push-to-hub org/name: uploaded once written and verified (ptq.export.hub)
+    private: bool = False  # --private: a repository --push-to-hub creates is private
 
 
 def refuse_unused(command: str, options: object, **flags: str) -> None:

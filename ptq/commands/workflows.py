@@ -51,6 +51,7 @@ from ptq.execution import batching, devices, distributed, streaming
 from ptq.execution.devices import compute_dtype, cpu_model, default_device
 from ptq.execution.placement import Placement, placed, placed_copy
 from ptq.execution.placement import summary as placement_summary
+from ptq.export import hub
 from ptq.files import check_output_dir, check_writable
 from ptq.models.loading import LoadedModel, hub_repo, linear_layers, load_model, load_structure
 from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
@@ -957,6 +958,10 @@ def run_quantize(
         raise PtqError(f"--shard-size must be a number of MB above 0 and below 1e12, not {checkpoint.shard_size_mb:g}")
     out, force, batch_size, placement = Path(output.path), output.force, compute.batch_size, model.placement
     check_export_target(out, force)
+    if checkpoint.push_to_hub:
+        hub.check_push(checkpoint.push_to_hub, force)  # before the long work, as the folder is
+    elif checkpoint.private:
+        raise PtqError("--private applies with --push-to-hub (the repository it creates)")
     target = engines.check_target(compute.target)
     check_placement(placement, compute.low_memory)
     r = load_recipe(recipe)
@@ -1153,6 +1158,9 @@ def run_quantize(
                 raise export.VerificationFailed(info)
         (tmp / export.EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         (tmp / "README.md").write_text(render_model_card(info), encoding="utf-8")
+    if checkpoint.push_to_hub:
+        message = f"ptq {__version__}: {r.name} of {loaded.name}" + ("" if info["verification"] else " (unverified)")
+        info["hub"] = hub.push(out, checkpoint.push_to_hub, checkpoint.private, message)
     return info
 
 

@@ -136,7 +136,7 @@ def load_structure(spec: str | None, trust_remote_code: bool = False) -> LoadedM
     try:
         config = AutoConfig.from_pretrained(str(location), trust_remote_code=trust_remote_code, **options)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for configs it cannot read
-        raise PtqError(f"cannot load model '{spec}': {_one_line(e)}") from None
+        raise PtqError(f"cannot load model '{spec}': {one_line(e)}") from None
     model = weightless(config, spec, trust_remote_code)
     model.tie_weights()  # as from_pretrained ties them (init_empty_weights leaves them apart)
     return LoadedModel(linearize(model), None, name=spec, source=source, caveats=caveats)
@@ -153,7 +153,7 @@ def weightless(config, spec: str | None, trust_remote_code: bool = False) -> nn.
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for configs it cannot build
-        raise PtqError(f"cannot build model '{spec}' ({config.model_type}): {_one_line(e)}") from None
+        raise PtqError(f"cannot build model '{spec}' ({config.model_type}): {one_line(e)}") from None
     return model.eval().requires_grad_(False)
 
 
@@ -217,7 +217,7 @@ def hub_access(spec: str) -> dict:
     if not _HUB_ID.fullmatch(spec):
         raise PtqError(f"no model folder or file '{spec}', and a Hub id looks like org/name: {EXPECTED}")
     cached = _hub_cached(*hub_revision(spec))
-    if _hub_offline():
+    if hub_offline():
         if cached:
             return {"local_files_only": True}
         raise PtqError(
@@ -287,7 +287,7 @@ def hub_snapshot(spec: str, allow_pickle: bool = False, weights: bool = True) ->
         ) from None
     except Exception as e:
         where = "in the local Hugging Face cache" if offline else "on the Hugging Face Hub"
-        raise PtqError(f"cannot read model '{spec}' {where}: {_one_line(e)}") from None
+        raise PtqError(f"cannot read model '{spec}' {where}: {one_line(e)}") from None
     return directory
 
 
@@ -346,7 +346,7 @@ def offline_variable(*names: str) -> str | None:
     return None
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     from huggingface_hub import constants
 
     return constants.HF_HUB_OFFLINE or offline_variable("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") is not None
@@ -459,7 +459,7 @@ def _from_pretrained(
             raise PtqError(
                 f"cannot load model '{spec}': no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...) in {location}"
             ) from None
-        raise PtqError(f"cannot load model '{spec}': {_one_line(e)}") from None
+        raise PtqError(f"cannot load model '{spec}': {one_line(e)}") from None
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             location,
@@ -472,7 +472,7 @@ def _from_pretrained(
             **model_kwargs,
         )
     except Exception as e:  # transformers raises OSError, ValueError, safetensors errors, ... for bad models
-        raise PtqError(f"cannot load model '{spec}': {_one_line(e)}") from None
+        raise PtqError(f"cannot load model '{spec}': {one_line(e)}") from None
     check_loading_info(model, info, spec)
     model.eval()
     model.requires_grad_(False)
@@ -518,7 +518,7 @@ def _tokenizer_files(directory: Path) -> list[str]:
     return [name for name in TOKENIZER_FILES if (directory / name).is_file()]
 
 
-def _one_line(e: Exception, limit: int = 400) -> str:
+def one_line(e: Exception, limit: int = 400) -> str:
     """An exception's whole message on one line (transformers' span several, and the first alone can stop mid-sentence),
     cut at `limit` characters."""
     text = " ".join(str(e).split()) or type(e).__name__
@@ -579,7 +579,7 @@ def dequantized_loading(config: dict | None, name: str, spec: str) -> tuple[obje
     try:
         loading = config_class.from_dict(qc | {"dequantize": True})
     except Exception as e:
-        raise PtqError(f"cannot load model '{spec}': its quantization_config ({method}): {_one_line(e)}") from None
+        raise PtqError(f"cannot load model '{spec}': its quantization_config ({method}): {one_line(e)}") from None
     return loading, (
         f"{name} is a {method} checkpoint: its weights were dequantized (codes x scales) to float32 and are "
         f"quantized from there. They already sit on the {method} grid, the bf16 baseline included, so the error "
@@ -613,7 +613,7 @@ def stored_dequantizer(directory: Path, config: dict, spec: str) -> tuple[object
             # every module targeted: a weight with a weight_scale_inv stored is dequantized (streaming's _scales)
             converter = FP8BlockDequantizer(targets=("re:.*",), weight_block_size=tuple(block), dtype=torch.float32)
         except Exception as e:
-            raise PtqError(f"cannot read the fp8 checkpoint '{spec}': {_one_line(e)}") from None
+            raise PtqError(f"cannot read the fp8 checkpoint '{spec}': {one_line(e)}") from None
         return converter, caveat
     if method == "compressed-tensors":
         from compressed_tensors.compressors import BaseCompressor
@@ -625,7 +625,7 @@ def stored_dequantizer(directory: Path, config: dict, spec: str) -> tuple[object
                 for scheme in converter.quant_config.config_groups.values()
             }
         except Exception as e:
-            raise PtqError(f"cannot read the compressed-tensors checkpoint '{spec}': {_one_line(e)}") from None
+            raise PtqError(f"cannot read the compressed-tensors checkpoint '{spec}': {one_line(e)}") from None
         packed = sorted(getattr(f, "value", str(f)) for f, root in stored.items() if root != "weight")
         if packed:
             raise PtqError(f"{refused} ({', '.join(packed)}: packed weights): load it without --low-memory")

@@ -1,0 +1,82 @@
+"""Publishing a checkpoint on the Hugging Face Hub: `ptq quantize MODEL -o DIR --push-to-hub org/name`.
+
+Everything the upload needs is checked before the long work (the repository id, a connection to the Hub, a token
+that may write, what the repository already holds), so that a quantization of hours does not end in "401". The
+checkpoint is written and verified on disk first, as without the flag, and then uploaded in one commit: the
+repository then holds exactly the checkpoint's files (with --force, the files of an earlier upload that this one
+does not have are deleted in the same commit, so that no stale shard is left beside the new ones). An upload that
+fails leaves the checkpoint on disk, and the error says how to upload it again.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ptq.errors import PtqError
+
+FLAG = "--push-to-hub"
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")  # org/name: where it goes is explicit
+KEPT = ".gitattributes"  # the Hub's LFS rules: kept by huggingface_hub even when a delete pattern matches it
+
+
+def check_push(repo: str, force: bool) -> None:
+    """Refuse, in one line and before any work, an upload to `repo` that would fail or overwrite: an id that is not
+    org/name, no connection to the Hub, no token or a read-only one, or a repository that already holds files
+    (replaced only with `force`)."""
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    from ptq.models.loading import hub_offline, hub_unreachable, one_line
+
+    if not _REPO_ID.fullmatch(repo):
+        raise PtqError(
+            f"{FLAG} takes a Hub repository id org/name (your account or organization, then a name), not '{repo}'"
+        )
+    reason = "HF_HUB_OFFLINE is set" if hub_offline() else hub_unreachable()
+    if reason:
+        raise PtqError(f"{FLAG} {repo}: the Hugging Face Hub cannot be reached ({reason})")
+    if get_token() is None:
+        raise PtqError(f"{FLAG} needs a Hugging Face token that may write: `hf auth login`, or set HF_TOKEN")
+    api = HfApi()
+    try:
+        role = ((api.whoami().get("auth") or {}).get("accessToken") or {}).get("role")
+    except HfHubHTTPError as e:
+        raise PtqError(f"{FLAG}: the Hugging Face Hub refused the token set ({one_line(e, 200)})") from None
+    try:
+        files = api.list_repo_files(repo)
+    except RepositoryNotFoundError:  # created at the upload
+        files = []
+    except HfHubHTTPError as e:
+        raise PtqError(f"{FLAG} {repo}: cannot list the repository's files ({one_line(e, 200)})") from None
+    if role == "read":
+        raise PtqError(
+            f"{FLAG} needs a Hugging Face token that may write; the one set is read-only (HF_TOKEN, `hf auth login`)"
+        )
+    held = sorted(f for f in files if f != KEPT)
+    if held and not force:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise PtqError(
+            f"Hub repository {repo} already holds files ({shown}): --force replaces them with this checkpoint"
+        )
+
+
+def push(folder: Path, repo: str, private: bool, message: str) -> dict:
+    """Upload the checkpoint `folder` to `repo` in one commit, its files replacing whatever the repository held (a
+    repository it creates is private with `private`, else as the account or organization makes new ones; an existing
+    one keeps its visibility). Returns the repository's address and the commit."""
+    from huggingface_hub import HfApi, constants
+
+    from ptq.models.loading import one_line
+
+    api = HfApi()
+    try:
+        # without --private: the Hub's default (an organization may make its new repositories private)
+        api.create_repo(repo, private=True if private else None, exist_ok=True)
+        commit = api.upload_folder(folder_path=folder, repo_id=repo, commit_message=message, delete_patterns="*")
+    except Exception as e:  # noqa: BLE001  (whatever failed, the checkpoint is kept and can be uploaded again)
+        raise PtqError(
+            f"the checkpoint is written to {folder}, but uploading it to {repo} failed ({one_line(e, 200)}): "
+            f"upload it with `hf upload {repo} {folder}`"
+        ) from None
+    return {"repo": repo, "url": f"{constants.ENDPOINT}/{repo}", "commit": commit.oid}
