@@ -67,8 +67,9 @@ def push(folder: Path, repo: str, private: bool, message: str) -> dict:
     one keeps its visibility). Returns the repository's address and the commit."""
     from huggingface_hub import HfApi, constants
 
-    from ptq.models.loading import one_line
+    from ptq.models.loading import hub_transfers, one_line
 
+    hub_transfers()
     api = HfApi()
     try:
         # without --private: the Hub's default (an organization may make its new repositories private)

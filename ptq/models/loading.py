@@ -248,15 +248,10 @@ def hub_snapshot(spec: str, allow_pickle: bool = False, weights: bool = True) ->
     --low-memory, an export's source dtypes. Once per process."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
-    from huggingface_hub.utils import logging as hub_logging
-
-    from ptq import progress
 
     offline = hub_access(spec).get("local_files_only", False)
     repo, revision = hub_revision(spec)
-    hub_logging.set_verbosity_error()  # no "Retrying in 8s [Retry 5/5]" lines: the error says what failed, once
-    (disable_progress_bars if progress.QUIET else enable_progress_bars)()
+    hub_transfers()
     try:
         directory = Path(
             snapshot_download(repo, revision=revision, allow_patterns=list(HUB_FILES), local_files_only=offline)
@@ -289,6 +284,18 @@ def hub_snapshot(spec: str, allow_pickle: bool = False, weights: bool = True) ->
         where = "in the local Hugging Face cache" if offline else "on the Hugging Face Hub"
         raise PtqError(f"cannot read model '{spec}' {where}: {one_line(e)}") from None
     return directory
+
+
+def hub_transfers() -> None:
+    """huggingface_hub set up for a download or upload: its progress bars as ptq's (none with --quiet), and no
+    "Retrying in 8s [Retry 5/5]" lines (the error says what failed, once)."""
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    from huggingface_hub.utils import logging as hub_logging
+
+    from ptq import progress
+
+    hub_logging.set_verbosity_error()
+    (disable_progress_bars if progress.QUIET else enable_progress_bars)()
 
 
 def _weight_files(directory: Path, allow_pickle: bool) -> list[str]:
