@@ -387,7 +387,18 @@ def _uses_hub(name: str, manager) -> bool:
     if Path(entry.yaml_path).resolve().parent == TASKS_DIR:
         return False
     try:
-        config = load_yaml(entry.yaml_path, resolve_func=False)
+        modified = Path(entry.yaml_path).stat().st_mtime_ns
+    except OSError:  # lm-eval's load says why
+        return True
+    return _reads_remote_data(str(entry.yaml_path), modified, load_yaml)
+
+
+@functools.lru_cache(maxsize=256)
+def _reads_remote_data(yaml_path: str, modified: int, load_yaml) -> bool:
+    """Whether the task YAML at `yaml_path` (as of its modification time `modified`) may read its data from the Hub
+    (see _uses_hub): read once for the check before the run and the run."""
+    try:
+        config = load_yaml(yaml_path, resolve_func=False)
     except Exception:  # noqa: BLE001  (a YAML lm-eval will refuse: its load says why)
         return True
     paths = _strings((config.get("dataset_kwargs") or {}).get("data_files"))
