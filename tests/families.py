@@ -128,12 +128,20 @@ MOE_FAMILIES = {
 FAMILIES = DENSE | MOE_FAMILIES
 
 
+# Not a supported family: a model whose attention computes softmax(QK^T)V in its own code, not through transformers'
+# attention interface (Bloom's, in every transformers version ptq supports; Falcon's did before transformers 5.25),
+# so that ptq cannot quantize its attention inputs or KV cache and must say so.
+OWN_ATTENTION = {
+    "bloom": ("BloomConfig", dict(vocab_size=300, hidden_size=64, n_layer=2, n_head=4)),
+}
+
+
 def build(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny random model of `family` (transformers' own initialisation, seeded) in eval mode, float32.
     overrides: config values instead of the family's (wider layers, for schemes that need whole 128-wide blocks)."""
     import transformers
 
-    config_class, kwargs = FAMILIES[family]
+    config_class, kwargs = (FAMILIES | OWN_ATTENTION)[family]
     config = getattr(transformers, config_class)(
         **(kwargs | overrides), pad_token_id=None, bos_token_id=None, eos_token_id=None
     )

@@ -463,7 +463,7 @@ PARTIAL_KV = "name: partial-kv\nweights: {format: e4m3}\ninputs: {format: e4m3}\
         ("gpt_oss", "fp8-e4m3", "stored fused (3-D)"),
         ("gpt2", "fp8-e4m3+kv", "has no k_proj"),
         ("gpt2", "mxfp8", "has Conv1D layers"),
-        ("falcon", "fp8-e4m3+kv", "FalconAttention computes attention in its own code"),
+        ("bloom", "fp8-e4m3+kv", "BloomAttention computes attention in its own code"),
         ("llama", "partial-kv", "leaves the KV cache of 'model.layers.1.self_attn.kv_cache.key'"),
     ],
 )

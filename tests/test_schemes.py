@@ -233,7 +233,7 @@ def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(
 def test_kv_cache_and_attention_inputs_left_out_are_named_with_their_reason(tmp_path, ptq_cli, text_file):
     """The attention inputs and KV cache a recipe asks for but the plan leaves in the compute dtype are in the
     coverage, `ptq inspect` and the report: those the recipe's ignore patterns leave out, and whole attention layers
-    that compute attention in their own code (Falcon's), which --strict-coverage refuses."""
+    that compute attention in their own code (Bloom's), which --strict-coverage refuses."""
     import families
 
     from ptq.commands.workflows import run_inspect
@@ -259,10 +259,10 @@ def test_kv_cache_and_attention_inputs_left_out_are_named_with_their_reason(tmp_
         in (inspected["recipes"]["partial-kv"]["coverage_line"])
     )
 
-    falcon = tmp_path / "falcon"
-    families.build("falcon").save_pretrained(falcon)
-    make_tokenizer().save_pretrained(falcon)
-    run = ("compare", falcon, "--recipes", "fp8-e4m3+kv", "--calib-data", text_file, "--eval-data", text_file)
+    bloom = tmp_path / "bloom"
+    families.build("bloom").save_pretrained(bloom)
+    make_tokenizer().save_pretrained(bloom)
+    run = ("compare", bloom, "--recipes", "fp8-e4m3+kv", "--calib-data", text_file, "--eval-data", text_file)
     small = ("--calib-samples", "2", "--max-windows", "4", "--seq-len", "16", "--tasks", "", "--no-plots")
     code, _, err = ptq_cli(*run, *small, "--out", tmp_path / "report")
     assert code == 0, err
@@ -271,10 +271,8 @@ def test_kv_cache_and_attention_inputs_left_out_are_named_with_their_reason(tmp_
     (variant,) = results["variants"]
     left = variant["coverage"]["attention_left_out"]
     assert [x["name"] for x in left] == ["transformer.h.0.self_attention", "transformer.h.1.self_attention"]
-    assert all(
-        x["reason"].startswith("not supported: FalconAttention computes attention in its own code") for x in left
-    )
-    assert "FalconAttention computes attention in its own code" in (tmp_path / "report" / "report.md").read_text()
+    assert all(x["reason"].startswith("not supported: BloomAttention computes attention in its own code") for x in left)
+    assert "BloomAttention computes attention in its own code" in (tmp_path / "report" / "report.md").read_text()
     code, _, err = ptq_cli(*run, *small, "--out", tmp_path / "strict", "--strict-coverage")
     assert code == 2 and "--strict-coverage refuses a partial answer" in err and not (tmp_path / "strict").exists()
 
