@@ -56,6 +56,7 @@ def test_a_model_spec_is_a_gguf_a_folder_or_a_hub_id_decided_in_one_place(tmp_pa
         "org/other": ("hub", "org/other"),
         "org/other@v1.0": ("hub", "org/other"),
         "gpt2": ("hub", "gpt2"),
+        "missing.gguf": ("gguf", None),  # refused as a missing file (gguf_file), not looked up on the Hub
         "a/b/c": ("hub", None),  # no Hub id's shape: hub_access refuses it
     }
     for spec, (kind, repo) in expected.items():
@@ -63,6 +64,8 @@ def test_a_model_spec_is_a_gguf_a_folder_or_a_hub_id_decided_in_one_place(tmp_pa
     assert loading.gguf_file("m.gguf")[0].resolve() == tmp_path / "m.gguf" and loading.gguf_file("org/other") is None
     assert loading.local_directory("org/name")[0] == Path("org/name")
     assert loading.local_directory("./missing") is None
+    with pytest.raises(PtqError, match="model file missing.gguf does not exist"):
+        loading.gguf_file("missing.gguf")
 
 
 def test_a_hub_id_offline_and_not_cached_fails_at_once(ptq_cli, monkeypatch):

@@ -49,7 +49,7 @@ from torch import nn
 from ptq.errors import PtqError
 from ptq.execution.devices import default_device
 from ptq.export.checkpoint import _saved_names, checkpoint_names
-from ptq.models.loading import DEFAULT_MODEL, LoadedModel, local_directory, stored_dequantizer, weightless
+from ptq.models.loading import LoadedModel, local_directory, model_kind, stored_dequantizer, weightless
 from ptq.models.matmuls import kind, linearize, quantizable
 
 LOW_MEMORY_FLAG = "--low-memory"
@@ -170,7 +170,7 @@ def supports(spec: str | None) -> bool:
 
 def _directory(spec: str | None) -> Path | None:
     """The folder `supports` answers for; None for a spec it does not."""
-    if spec is None or spec == DEFAULT_MODEL or spec.endswith(".gguf"):
+    if model_kind(spec) == "gguf":
         return None  # automatic streaming only for folders: the default model fits anyway, a .gguf converts whole
     found = local_directory(spec)
     if found is None:

@@ -10,13 +10,11 @@ fails leaves the checkpoint on disk, and the error says how to upload it again.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from ptq.errors import PtqError
 
 FLAG = "--push-to-hub"
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")  # org/name: where it goes is explicit
 KEPT = ".gitattributes"  # the Hub's LFS rules: kept by huggingface_hub even when a delete pattern matches it
 
 
@@ -27,9 +25,9 @@ def check_push(repo: str, force: bool) -> None:
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
-    from ptq.models.loading import hub_offline, hub_unreachable, one_line
+    from ptq.models.loading import HUB_REPO, hub_offline, hub_unreachable, one_line
 
-    if not _REPO_ID.fullmatch(repo):
+    if not HUB_REPO.fullmatch(repo):  # org/name, no bare name or @revision: where it goes is explicit
         raise PtqError(
             f"{FLAG} takes a Hub repository id org/name (your account or organization, then a name), not '{repo}'"
         )
@@ -43,16 +41,16 @@ def check_push(repo: str, force: bool) -> None:
         role = ((api.whoami().get("auth") or {}).get("accessToken") or {}).get("role")
     except HfHubHTTPError as e:
         raise PtqError(f"{FLAG}: the Hugging Face Hub refused the token set ({one_line(e, 200)})") from None
+    if role == "read":
+        raise PtqError(
+            f"{FLAG} needs a Hugging Face token that may write; the one set is read-only (HF_TOKEN, `hf auth login`)"
+        )
     try:
         files = api.list_repo_files(repo)
     except RepositoryNotFoundError:  # created at the upload
         files = []
     except HfHubHTTPError as e:
         raise PtqError(f"{FLAG} {repo}: cannot list the repository's files ({one_line(e, 200)})") from None
-    if role == "read":
-        raise PtqError(
-            f"{FLAG} needs a Hugging Face token that may write; the one set is read-only (HF_TOKEN, `hf auth login`)"
-        )
     held = sorted(f for f in files if f != KEPT)
     if held and not force:
         shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")

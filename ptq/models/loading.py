@@ -61,9 +61,7 @@ def load_model(
     caveats: tuple[str, ...] = ()
     pickle_only = False
     quantized = None  # (the quantization_config that dequantizes it, its caveat) for a checkpoint already quantized
-    if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
-        if spec != DEFAULT_MODEL and not Path(spec).expanduser().is_file():
-            raise PtqError(f"model file {spec} does not exist")
+    if model_kind(spec) == "gguf":
         directory, caveats, source = local_directory(spec, memory_check)
     else:
         directory, local, source, quantized = _model_folder(spec, allow_pickle)
@@ -123,11 +121,8 @@ def load_structure(spec: str | None, trust_remote_code: bool = False) -> LoadedM
 
     spec = spec or DEFAULT_MODEL
     hf_logging.set_verbosity_error()
-    if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
-        found = gguf_file(spec)
-        if found is None:
-            raise PtqError(f"model file {spec} does not exist")
-        gguf, source = found
+    if model_kind(spec) == "gguf":
+        gguf, source = gguf_file(spec)
         location, options, caveats = gguf.parent, {"gguf_file": gguf.name}, (gguf_caveat(gguf),)
     else:
         location, _, source, quantized = _model_folder(spec, weights=False)
@@ -188,9 +183,9 @@ EXPECTED = (
 )
 # org/name, or a bare name (the Hub's canonical models: gpt2, t5-small); then @revision: a branch, tag or commit, as in
 # huggingface_hub's hf:// paths (a branch may hold slashes: refs/pr/1)
-_HUB_ID = re.compile(
-    r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*(?:@[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*)?"
-)
+_HUB_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"  # an account's, organization's or repository's name on the Hub
+HUB_REPO = re.compile(f"{_HUB_NAME}/{_HUB_NAME}")  # org/name: where an upload goes (ptq.export.hub)
+_HUB_ID = re.compile(f"(?:{_HUB_NAME}/)?{_HUB_NAME}" + r"(?:@[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*)?")
 
 
 def hub_revision(spec: str) -> tuple[str, str | None]:
@@ -404,8 +399,8 @@ def model_kind(spec: str | None) -> str:
     """What a model spec names, decided here only: "gguf" (the offline default, or a .gguf file), "folder" (a local
     path: one that exists, or one written as a path), or "hub" (anything else, taken as a Hub id: hub_access checks
     its shape)."""
-    if spec is None or spec == DEFAULT_MODEL or (spec.endswith(".gguf") and Path(spec).expanduser().is_file()):
-        return "gguf"  # "~/My Models/m.gguf", quoted: as folders
+    if spec is None or spec == DEFAULT_MODEL or (spec.endswith(".gguf") and not Path(spec).expanduser().is_dir()):
+        return "gguf"  # "~/My Models/m.gguf", quoted: as folders; a missing one is refused as such (gguf_file)
     if spec.startswith((".", "/", "~")) or Path(spec).expanduser().exists():
         return "folder"
     return "hub"
@@ -430,13 +425,15 @@ def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, 
 
 def gguf_file(spec: str | None) -> tuple[Path, str] | None:
     """The .gguf file behind a model spec (the offline default's, or a .gguf file's) and where its weights came from,
-    for reports; None for any other spec."""
+    for reports; None for any other spec. A .gguf that is not there is refused."""
     if model_kind(spec) != "gguf":
         return None
     if spec is None or spec == DEFAULT_MODEL:
         version = importlib.metadata.version(DEFAULT_DISTRIBUTION)
         return default_gguf_path(), f"SmolLM2-135M-Instruct from the PyPI package {DEFAULT_DISTRIBUTION} {version}"
     gguf = Path(spec).expanduser()
+    if not gguf.is_file():
+        raise PtqError(f"model file {spec} does not exist")
     return gguf, f"{gguf.resolve()} (GGUF)"
 
 
