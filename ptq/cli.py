@@ -641,7 +641,8 @@ def quantize(
         str,
         typer.Option(
             "--recipe",
-            help="Recipe to export: fp8-e4m3 or int8 (or a .yaml path with E4M3 or int8 weights and inputs).",
+            help="Recipe to export: fp8-e4m3, fp8-dynamic, fp8-block, mxfp8 or int8; NAME+kv or NAME+kv-head adds an FP8 "
+            "KV cache (e.g. fp8-e4m3+kv); or a .yaml path with E4M3 or int8 weights and inputs.",
         ),
     ] = "fp8-e4m3",
     output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")] = ...,

@@ -41,6 +41,7 @@ class FakeHub(http.server.ThreadingHTTPServer):
         self.folder, self.gated, self.requests = folder, False, []
         self.repos = {REPO: folder}  # repository -> its files
         self.token_role, self.commits, self.private, self.cards = "write", [], set(), []
+        self.token_scoped: list[dict] = []  # a fine-grained token's permissions (token_role "fineGrained")
 
     @property
     def endpoint(self) -> str:
@@ -103,7 +104,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if path == "/api/whoami-v2":
             if self.headers.get("Authorization") != f"Bearer {TOKEN}":
                 return self._send(b'{"error": "Invalid credentials in Authorization header"}', json_type, body, 401)
-            who = {"name": "ptq-tester", "auth": {"accessToken": {"role": self.server.token_role}}}
+            token = {"role": self.server.token_role}
+            if token["role"] == "fineGrained":  # as the Hub describes one: per entity, what the token may do to it
+                token["fineGrained"] = {"canReadGatedRepos": False, "global": [], "scoped": self.server.token_scoped}
+            who = {"name": "ptq-tester", "auth": {"type": "access_token", "accessToken": token}}
             return self._send(json.dumps(who).encode(), json_type, body)
         if path == "/api/validate-yaml":  # a README.md's metadata, before it is committed: YAML that holds a mapping
             front = json.loads(data)["content"].split("---\n")
@@ -403,9 +407,10 @@ def test_a_checkpoint_is_pushed_to_the_hub_once_written_and_verified(hub, token,
 
 def test_a_push_that_would_fail_or_overwrite_is_refused_before_the_work(hub, token, tmp_path, ptq_cli, monkeypatch):
     """Each in one line, before the model is read and with nothing written or committed: an id that is not org/name,
-    no token, a read-only one, no Hub, a repository that holds files (without --force), --private alone. With --force
-    the repository's files are those of the new checkpoint: an earlier upload's other files are deleted in the same
-    commit (no stale shard beside the new ones), the Hub's .gitattributes kept."""
+    no token, a read-only one, a fine-grained one that may not write to the repository, no Hub, a repository that
+    holds files (without --force), --private alone. With --force the repository's files are those of the new
+    checkpoint: an earlier upload's other files are deleted in the same commit (no stale shard beside the new ones),
+    the Hub's .gitattributes kept."""
     import huggingface_hub.constants as constants
 
     def refused(*flags: str) -> str:
@@ -423,6 +428,28 @@ def test_a_push_that_would_fail_or_overwrite_is_refused_before_the_work(hub, tok
     assert f"Hub repository {REPO} already holds files (config.json, " in refused("--push-to-hub", REPO)
     hub.token_role = "read"
     assert "the one set is read-only" in refused("--push-to-hub", PUSHED)
+    # a fine-grained token: refused unless it may write to the repository's owner, or to the repository itself
+    hub.token_role = "fineGrained"
+
+    def scoped(kind: str, name: str, *permissions: str) -> dict:
+        return {"entity": {"_id": "0" * 24, "type": kind, "name": name}, "permissions": list(permissions)}
+
+    for refusing in (
+        [scoped("user", "ptq-tester", "repo.content.read", "repo.write")],  # the account's own repositories only
+        [scoped("org", "ptq-test-org", "repo.content.read", "inference.endpoints.write")],  # may read, not write
+        [scoped("model", REPO, "repo.write")],  # another repository of the organization
+    ):
+        hub.token_scoped = refusing
+        line = refused("--push-to-hub", PUSHED)
+        assert f"--push-to-hub {PUSHED}: the fine-grained token set may not write there" in line
+        assert "write access to the repositories of ptq-test-org" in line
+    for writing in (
+        [scoped("user", "ptq-tester", "repo.write"), scoped("org", "PTQ-Test-Org", "repo.content.read", "repo.write")],
+        [scoped("model", REPO, "repo.content.read", "repo.write")],
+        [{"entity": {"type": "org"}, "permissions": []}],  # no name: ptq cannot tell, the upload decides
+    ):
+        hub.token_scoped = writing  # past the token: the next check (REPO holds files) refuses
+        assert f"Hub repository {REPO} already holds files" in refused("--push-to-hub", REPO)
     hub.token_role = "write"
     monkeypatch.delenv("HF_TOKEN")
     assert "needs a Hugging Face token that may write: `hf auth login`, or set HF_TOKEN" in refused(

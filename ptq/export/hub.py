@@ -20,8 +20,8 @@ KEPT = ".gitattributes"  # the Hub's LFS rules: kept by huggingface_hub even whe
 
 def check_push(repo: str, force: bool) -> None:
     """Refuse, in one line and before any work, an upload to `repo` that would fail or overwrite: an id that is not
-    org/name, no connection to the Hub, no token or a read-only one, or a repository that already holds files
-    (replaced only with `force`)."""
+    org/name, no connection to the Hub, no token, a read-only one or a fine-grained one without write access to `repo`,
+    or a repository that already holds files (replaced only with `force`)."""
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
@@ -38,12 +38,18 @@ def check_push(repo: str, force: bool) -> None:
         raise PtqError(f"{FLAG} needs a Hugging Face token that may write: `hf auth login`, or set HF_TOKEN")
     api = HfApi()
     try:
-        role = ((api.whoami().get("auth") or {}).get("accessToken") or {}).get("role")
+        token = (api.whoami().get("auth") or {}).get("accessToken") or {}
     except HfHubHTTPError as e:
         raise PtqError(f"{FLAG}: the Hugging Face Hub refused the token set ({one_line(e, 200)})") from None
-    if role == "read":
+    if token.get("role") == "read":
         raise PtqError(
             f"{FLAG} needs a Hugging Face token that may write; the one set is read-only (HF_TOKEN, `hf auth login`)"
+        )
+    if token.get("role") == "fineGrained" and not fine_grained_may_write(token.get("fineGrained"), repo):
+        owner = repo.split("/")[0]
+        raise PtqError(
+            f"{FLAG} {repo}: the fine-grained token set may not write there; give it write access to the repositories "
+            f"of {owner}, or to {repo} itself if it exists (huggingface.co/settings/tokens)"
         )
     try:
         files = api.list_repo_files(repo)
@@ -57,6 +63,25 @@ def check_push(repo: str, force: bool) -> None:
         raise PtqError(
             f"Hub repository {repo} already holds files ({shown}): --force replaces them with this checkpoint"
         )
+
+
+def fine_grained_may_write(permissions: dict | None, repo: str) -> bool:
+    """Whether a fine-grained token's permissions (whoami's accessToken.fineGrained: scoped entries, each an entity and
+    what the token may do to it) include 'repo.write' on `repo` or on its owner, a user or an organization. A shape
+    this does not know (no scoped list, an entity without a name) counts as allowed: the upload then decides."""
+    scoped = (permissions or {}).get("scoped")
+    if not isinstance(scoped, list):
+        return True
+    owner = repo.split("/")[0].casefold()
+    for entry in scoped:
+        entity = entry.get("entity") or {}
+        name = entity.get("name")
+        if not isinstance(name, str):
+            return True
+        covers = name.casefold() == (repo.casefold() if entity.get("type") == "model" else owner)
+        if covers and entity.get("type") in ("model", "user", "org") and "repo.write" in entry.get("permissions", []):
+            return True
+    return False
 
 
 def push(folder: Path, repo: str, private: bool, message: str) -> dict:
