@@ -421,7 +421,7 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
         .get_submodule(name)
         .register_forward_pre_hook(lambda m, a: captured.append(a[0].detach().numpy().copy()))
     )
-    with input_snr_db(quantized) as inputs:
+    with input_snr_db(quantized, ids.shape[1]) as inputs:
         evaluate(models, ids, batch_size=3)  # windows 0-2, then 3-5: the second batch counts for one window
     hook.remove()
     snr = layer_snr({v: weight_snr_db(model, m) for v, m in quantized.items()}, inputs)
@@ -448,6 +448,62 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     assert snr["fp8-e4m3"]["inputs"][name] == pytest.approx(reference_snr(x, x_e4m3), abs=1e-5)
     assert snr["fp8-e4m3"]["input_windows"] == 4 and set(snr) == {"fp8-e4m3", "int8", "int8-smoothquant"}
     assert 25 < snr["fp8-e4m3"]["weights"][name] < 35  # 3 mantissa bits: about 31 dB on Gaussian-like weights
+
+
+def test_every_experts_input_snr_is_measured_grouped_as_one_by_one_against_an_independent_reference():
+    """A mixture-of-experts layer's experts run grouped (one matmul for all of them), not through their QuantLinears'
+    forward: each expert's input SNR is still measured, on the rows routed to it, as when the experts run one by one
+    (the SNR of the same rows, whatever their order), and expert 0's gate_proj input against ml_dtypes on the rows the
+    router sent it. Past its share of tokens, a layer's hook removes itself."""
+    import families
+
+    from ptq.calibration.calibrate import calibrate
+    from ptq.evaluation.evaluate import evaluate
+    from ptq.evaluation.layerstats import input_snr_db, quantized_layers
+    from ptq.models.matmuls import LinearExperts, linearize
+    from ptq.quantization.plan import calibrated_layers
+    from ptq.quantization.quantize import quantize_variants
+    from ptq.quantization.recipes import load_recipe
+
+    model = linearize(families.build("mixtral"))
+    ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+    recipes = [load_recipe("fp8-e4m3"), load_recipe("fp8-dynamic")]
+    cal = calibrate(model, ids, sorted(calibrated_layers(model, recipes[0])))
+    models = quantize_variants(model, [load_recipe("bf16"), *recipes], cal)
+    quantized = {r.name: models[r.name] for r in recipes}
+    block = quantized["fp8-e4m3"].model.layers[0].mlp.experts
+    routed = []  # the E4M3 variant's input to its first experts layer, and where each token goes
+    hook = block.register_forward_pre_hook(lambda m, a: routed.append((a[0].clone(), a[1].clone())))
+
+    def measured() -> dict:
+        with input_snr_db(quantized, window_tokens=16, windows=4) as inputs:  # every token: one batch of 4 windows
+            evaluate(models, ids, batch_size=4)
+            # a layer that has seen its 64 tokens removed its hook; an expert, given fewer, keeps it
+            hooked = {n for v in quantized.values() for n, q in quantized_layers(v).items() if q._forward_pre_hooks}
+            assert hooked and all(".experts." in n for n in hooked)
+        return inputs
+
+    grouped = measured()
+    hook.remove()
+    experts = [m for v in quantized.values() for m in v.modules() if isinstance(m, LinearExperts)]
+    assert all(m._grouped[1] is not None for m in experts)  # the grouped forward ran
+    for m in experts:
+        m._grouped_weights = lambda: None  # the loop over experts, module by module
+    looped = measured()
+
+    for variant in quantized:
+        names = [n for n in grouped[variant] if ".experts." in n]
+        assert len(names) == 2 * 4 * 3  # 2 layers, 4 experts, gate/up/down
+        assert all(grouped[variant][n] is not None for n in names), variant  # Mixtral routes to every expert here
+        assert grouped[variant] == pytest.approx(looped[variant], abs=1e-4), variant
+
+    hidden, top_k = routed[0]
+    x = hidden[(top_k == 0).any(-1)].numpy()  # the rows routed to expert 0
+    name = "model.layers.0.mlp.experts.0.gate_proj"
+    scale = np.float32(cal.input_amax[name].item() / np.float32(448))
+    x_e4m3 = np.clip(x / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    assert grouped["fp8-e4m3"][name] == pytest.approx(reference_snr(x, x_e4m3), abs=1e-5)
+    assert grouped["fp8-e4m3"][name] == grouped["fp8-e4m3"]["model.layers.0.mlp.experts.0.up_proj"]
 
 
 # --- plots ---------------------------------------------------------------------------------------

@@ -428,6 +428,7 @@ class MeasuredVariants:
         input_snr: dict[str, dict],
         target: str,
         plans: dict[str, Plan],
+        window_tokens: int,
     ):
         self.recipes, self.variants, self.calibration, self.matmul = (
             [baseline, *variants],
@@ -436,6 +437,7 @@ class MeasuredVariants:
             matmul,
         )
         self.weight_snr, self.input_snr, self.target, self.plans = weight_snr, input_snr, target, plans
+        self.window_tokens = window_tokens  # the evaluation windows' length, for input SNR's share of each layer
 
     def __call__(self, part: torch.nn.Module) -> _Measured:
         # a part is the trunk or one decoder layer, under its names in the whole model: the whole model's plans,
@@ -445,7 +447,7 @@ class MeasuredVariants:
         quantized = {r.name: models[r.name] for r in self.variants}
         for name, m in quantized.items():
             self.weight_snr[name] |= weight_snr_db(part, m)
-        return _Measured(models, input_snr_db(quantized), self.input_snr)
+        return _Measured(models, input_snr_db(quantized, self.window_tokens), self.input_snr)
 
 
 class _Measured:
@@ -550,7 +552,15 @@ def run_compare(
         # The same variants and measurements, made of each part of the model as it is read from disk
         weight_snr, input_snr = {r.name: {} for r in variants}, {r.name: {} for r in variants}
         parts = MeasuredVariants(
-            baseline, variants, calib, compute_info["matmul"], weight_snr, input_snr, compute.target, plans
+            baseline,
+            variants,
+            calib,
+            compute_info["matmul"],
+            weight_snr,
+            input_snr,
+            compute.target,
+            plans,
+            windows.input_ids.shape[1],
         )
         run = streaming.LayerByLayer(loaded.model, parts, [baseline.name, *(r.name for r in variants)])
         scores = evaluate(run, windows.input_ids, batch_size)
@@ -569,7 +579,7 @@ def run_compare(
             if placement:
                 compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
             mine = distributed.share(len(windows.input_ids), INPUT_SNR_WINDOWS)  # all of them in one process
-            with input_snr_db(quantized) as input_snr:
+            with input_snr_db(quantized, windows.input_ids.shape[1]) as input_snr:
                 scores = gather_scores(evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size))
             input_snr = distributed.gather(input_snr)[0]  # the first process's share starts with the measured windows
             if suite is not None:
@@ -788,7 +798,9 @@ def run_eval(
     layer_order = list(linear_layers(loaded.model))
     batch_size, task_run = compute.batch_size, None
     if streamed:
-        parts = MeasuredVariants(config, [], calib, compute_info["matmul"], {}, {}, compute.target, plans)
+        parts = MeasuredVariants(
+            config, [], calib, compute_info["matmul"], {}, {}, compute.target, plans, windows.input_ids.shape[1]
+        )
         s = evaluate(streaming.LayerByLayer(loaded.model, parts, [config.name]), windows.input_ids, batch_size)[
             config.name
         ]

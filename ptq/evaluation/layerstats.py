@@ -6,7 +6,9 @@ SNR (signal-to-quantization-noise ratio) of a tensor x and its quantized-and-deq
   weight the variant actually uses;
 - inputs: each variant's own input to each Linear over the first few evaluation windows, against its
   rounding in that layer (static scale, or per token). The noise is that layer's own rounding and
-  saturation only; measured while the evaluation runs, so it costs no extra forward pass.
+  saturation only; measured while the evaluation runs, so it costs no extra forward pass. A mixture-of-experts
+  expert sees only the tokens routed to it: its input is measured over the first windows' worth of tokens it is
+  given (4 x the window length), wherever in the text they come from.
 """
 
 from __future__ import annotations
@@ -56,27 +58,32 @@ _fused_powers = fused(_powers)  # one pass, no temporaries
 
 
 @contextlib.contextmanager
-def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDOWS):
+def input_snr_db(quantized: dict[str, nn.Module], window_tokens: int, windows: int = INPUT_SNR_WINDOWS):
     """While the variants run (the evaluation), measure the SNR of each scaled-input layer's input over the
-    first `windows` windows it sees. Yields {variant: {layer: dB}}, filled in when the block ends."""
+    first `windows` windows it sees (windows of `window_tokens` tokens; an expert's input, a row per token routed
+    to it, over the first windows x window_tokens rows). Yields {variant: {layer: dB}}, filled in when the block
+    ends. A layer's hook removes itself once it has measured its share, so the rest of the evaluation runs without."""
+    budget = windows * window_tokens  # tokens per layer
     sums: dict[str, dict[str, list]] = {}
     hooks = []
 
-    def hook_for(sums_of_layer: list, last: dict):
+    def hook_for(sums_of_layer: list, last: dict, handle: list):
         def hook(module: QuantLinear, args: tuple) -> None:
             x = args[0]
-            room = windows - sums_of_layer[1]
-            if room <= 0:
-                return
-            if len(x) > room:
-                x = x[:room]
-            with onloaded(module):  # offloaded by --device-map: its scale is on the device during its forward only
-                x_in, x_q = module.quantize_input(x)  # the same call the forward makes next (an input is rounded once)
-                if last.get("x_q") is not x_q:  # q/k/v (gate/up) share one input and its rounding: sum it once
-                    last["x_q"] = x_q  # held, so that its identity cannot be reused meanwhile
-                    last["sums"] = _fused_powers(x_in.detach(), x_q)  # left on the device: no sync per layer
-            sums_of_layer[0] = last["sums"] if sums_of_layer[0] is None else sums_of_layer[0] + last["sums"]
-            sums_of_layer[1] += len(x)
+            room = budget - sums_of_layer[1]
+            per_row = x[:1].numel() // x.shape[-1]  # tokens in one window [S, in], or 1 for an expert's row [in]
+            if len(x) * per_row > room:
+                x = x[: room // per_row]
+            if len(x):
+                with onloaded(module):  # offloaded by --device-map: its scale is on the device during its forward only
+                    x_in, x_q = module.quantize_input(x)  # the call the forward makes next (an input is rounded once)
+                    if last.get("x_q") is not x_q:  # q/k/v (gate/up) share one input and its rounding: sum it once
+                        last["x_q"] = x_q  # held, so that its identity cannot be reused meanwhile
+                        last["sums"] = _fused_powers(x_in.detach(), x_q)  # left on the device: no sync per layer
+                sums_of_layer[0] = last["sums"] if sums_of_layer[0] is None else sums_of_layer[0] + last["sums"]
+                sums_of_layer[1] += len(x) * per_row
+            if sums_of_layer[1] >= budget:
+                handle[0].remove()
 
         return hook
 
@@ -84,8 +91,10 @@ def input_snr_db(quantized: dict[str, nn.Module], windows: int = INPUT_SNR_WINDO
         sums[variant], last = {}, {}
         for name, q in quantized_layers(model).items():
             if q.inputs.format.scaled:
-                sums[variant][name] = [None, 0]  # [signal, noise] powers (a tensor), windows seen
-                hooks.append(q.register_forward_pre_hook(hook_for(sums[variant][name], last)))
+                sums[variant][name] = [None, 0]  # [signal, noise] powers (a tensor), tokens seen
+                handle: list = []
+                handle.append(q.register_forward_pre_hook(hook_for(sums[variant][name], last, handle)))
+                hooks.append(handle[0])
     result: dict[str, dict[str, float | None]] = {}
     try:
         yield result

@@ -768,6 +768,7 @@ class GroupedExperts:
             [stack([row_scales(group[e]) for group in layers]) for e in range(len(first_group))]
         )
         self.input_scale = torch.stack([m.input_scale for m in first_group]).reshape(-1, 1)
+        self.experts = list(zip(*layers))  # per expert, its QuantLinears of this projection (gate and up, or down)
         biases = [[group[e].bias for group in layers] for e in range(len(first_group))]
         self.bias = None if first.bias is None else torch.stack([stack(b) for b in biases])
         rows = sum(group[0].out_features for group in layers)
@@ -783,6 +784,8 @@ class GroupedExperts:
     def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         from ptq.models.matmuls import grouped_linear
 
+        if any(m._forward_pre_hooks for layers in self.experts for m in layers):
+            self._expert_hooks(x, offsets)
         if not self.round_inputs:
             x_q = x
         else:
@@ -811,6 +814,18 @@ class GroupedExperts:
             rows = None if bias is None else bias[start:stop]
             y[start:stop] = grouped_linear(x_q[start:stop], weight, offsets[first:last] - start, rows)
         return y
+
+    def _expert_hooks(self, x: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Forward pre-hooks on an expert's own QuantLinears (ptq.evaluation.layerstats' input SNR) called with the
+        rows routed to that expert, as when the experts run one by one; an input a hook returns is not used here."""
+        ends = [0, *offsets.tolist()]  # expert e's rows are ends[e]:ends[e + 1]
+        for e, layers in enumerate(self.experts):
+            if ends[e] == ends[e + 1] or not any(m._forward_pre_hooks for m in layers):
+                continue
+            rows = x[ends[e] : ends[e + 1]]
+            for m in layers:
+                for key, hook in list(m._forward_pre_hooks.items()):
+                    hook(m, (rows,), {}) if key in m._forward_pre_hooks_with_kwargs else hook(m, (rows,))
 
 
 def grouped_experts(experts, layers: dict[str, list]) -> dict[str, GroupedExperts] | None:
