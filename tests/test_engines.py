@@ -315,6 +315,27 @@ def test_the_dynamic_scale_floor_keeps_a_recipes_power_of_two_scales():
     assert dynamic_scale(x, spec).flatten().tolist() == [2.0**-7, 2.0**-17, 2.0**-17]
 
 
+def test_a_recipes_power_of_two_scales_for_dynamic_int8_inputs_are_kept_under_the_vllm_target():
+    # vLLM's x * (127 / amax) (rule 3) is for scales amax / 127: a recipe's power-of-two scale is its own rounding, the
+    # same under both targets: 3 / 127 and 0.5 / 127 round up to 2^-5 and 2^-7; codes round(x / 2^k), by hand
+    from ptq.numerics.formats import FORMATS
+    from ptq.numerics.granularity import PerToken
+    from ptq.quantization import engines
+    from ptq.quantization.quantize import quantize_activation
+    from ptq.quantization.recipes import TensorQuant
+
+    spec = TensorQuant(FORMATS["int8"], PerToken(), dynamic=True, scale="pow2")
+    x = torch.tensor([[3.0, 1.0, -0.7], [0.5, 0.3, -0.2]])
+    for target in engines.TARGETS:
+        served = engines.served_inputs(spec, target)
+        q, scale = quantize_activation(x, served)
+        assert scale.flatten().tolist() == [2.0**-5, 2.0**-7], target
+        codes = [[96, 32, -22], [64, 38, -26]]  # 0.7 * 32 = 22.4, 0.3 * 128 = 38.4, 0.2 * 128 = 25.6
+        assert q.tolist() == [[c * 2.0**-5 for c in codes[0]], [c * 2.0**-7 for c in codes[1]]], target
+    amax_spec = TensorQuant(FORMATS["int8"], PerToken(), dynamic=True)
+    assert engines.served_inputs(amax_spec, "vllm").reciprocal  # rule 3 for amax-derived scales
+
+
 def test_static_fp8_inputs_are_scaled_by_the_reciprocal_under_the_vllm_target():
     """Rule 5, hand-computed: x = 0x4063ffff (3.5624998) with scale 3. x / 3 = 1.1874999 rounds down to 1.125, while
     x * (1 / 3) = 1.1875 is a tie and rounds to the even 1.25 (ml_dtypes agrees); times the scale, 3.375 and 3.75."""

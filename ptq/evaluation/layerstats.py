@@ -62,7 +62,8 @@ def input_snr_db(quantized: dict[str, nn.Module], window_tokens: int, windows: i
     """While the variants run (the evaluation), measure the SNR of each scaled-input layer's input over the
     first `windows` windows it sees (windows of `window_tokens` tokens; an expert's input, a row per token routed
     to it, over the first windows x window_tokens rows). Yields {variant: {layer: dB}}, filled in when the block
-    ends. A layer's hook removes itself once it has measured its share, so the rest of the evaluation runs without."""
+    ends; a layer given no input is not in it. A layer's hook removes itself once it has measured its share, so the
+    rest of the evaluation runs without."""
     budget = windows * window_tokens  # tokens per layer
     sums: dict[str, dict[str, list]] = {}
     hooks = []
@@ -101,9 +102,10 @@ def input_snr_db(quantized: dict[str, nn.Module], window_tokens: int, windows: i
     finally:
         for h in hooks:
             h.remove()
+    # a layer given no input (an expert no token was routed to) was not measured: left out, not null (exact)
     result.update(
         {
-            v: {n: snr_db(*powers.tolist()) if powers is not None else None for n, (powers, _) in layers.items()}
+            v: {n: snr_db(*powers.tolist()) for n, (powers, _) in layers.items() if powers is not None}
             for v, layers in sums.items()
         }
     )

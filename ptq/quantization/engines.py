@@ -215,7 +215,13 @@ def served_inputs(
         reciprocal = check_target(target) == "vllm"
     if reciprocal and fp8 and isinstance(inputs.granularity, PerTensor) and inputs.scale_format == "fp32":
         return dataclasses.replace(inputs, reciprocal=True)  # static, or dynamic per tensor (rule 5)
-    if reciprocal and inputs.format.kind == "int" and inputs.dynamic and isinstance(inputs.granularity, PerToken):
+    if (
+        reciprocal
+        and inputs.format.kind == "int"
+        and inputs.dynamic
+        and isinstance(inputs.granularity, PerToken)
+        and inputs.scale == "amax"  # a recipe's power-of-two scale keeps its rounding (x / 2^k: exact either way)
+    ):
         return dataclasses.replace(inputs, reciprocal=True)  # rule 3, dynamic: x * (127 / amax)
     return inputs
 
