@@ -771,8 +771,13 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
             f"{ver['windows']} windows x {ver['seq_len']} tokens): perplexity {ver['reloaded_perplexity']:.4f} vs "
             f"{ver['simulated_perplexity']:.4f} simulated"
             + (f", {ver['ptq_perplexity']:.4f} with {ver['ptq_rounding']}" if ver["ptq_rounding"] else "")
-            + f" ({ver['ppl_delta_pct']:+.4f}%; float-order noise floor {ver['noise_floor']['ppl_delta_pct']:+.4f}%, "
-            f"KL {ver['noise_floor']['kl_div']:.3g}), files {len(ver['tensors_differing']) or 'bit-identical'}"
+            + f" ({ver['ppl_delta_pct']:+.4f}%; "
+            + (
+                f"float-order noise floor {ver['noise_floor']['ppl_delta_pct']:+.4f}%, KL {ver['noise_floor']['kl_div']:.3g}"
+                if ver["noise_floor"]
+                else f"no float-order noise floor: {ver['no_noise_floor']}"
+            )
+            + f"), files {len(ver['tensors_differing']) or 'bit-identical'}"
             + (" differing" if ver["tensors_differing"] else "")
             + f" ({ver['tensors_checked_in_file']} tensors), "
             f"KL {ver['kl_div']:.3g} nats/token (limit {tol['max_kl_div']:g}), same top-1 {100 * ver['top1_agreement']:.2f}% "

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import families
 import numpy as np
 import pytest
 import safetensors.torch
@@ -473,7 +474,6 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
     """int8 experts with static inputs (neither transformers nor vLLM loads them), experts a checkpoint keeps fused, a
     KV cache the checkpoint cannot name or that the plan leaves partly in 16 bits (a checkpoint's kv_cache_scheme
     covers every layer), group scales on Conv1D: one line, exit 2, before any calibration."""
-    import families
 
     from ptq.commands import workflows
 
@@ -554,7 +554,6 @@ def quantize_cli(ptq_cli, source, recipe, out, text_file, *extra):
 
 def test_checkpoint_names_answers_the_names_asked_for_only():
     """The expert stand-ins cover every projection; a caller asking for some expert weights gets those only."""
-    import families
 
     from ptq.export.checkpoint import checkpoint_names
     from ptq.models.matmuls import linearize
@@ -567,7 +566,6 @@ def test_checkpoint_names_answers_the_names_asked_for_only():
 def test_checkpoint_names_survive_a_split_that_squeezes_size_one_dimensions(monkeypatch):
     """transformers 5.17's revert of Mixtral's expert fusion squeezes a size-1 dimension away: the stand-ins are built so
     that their split still reads back 2-D (the name of every expert weight), under such a split too."""
-    import families
     from transformers import core_model_loading
 
     from ptq.export.checkpoint import checkpoint_names
@@ -629,7 +627,6 @@ def test_partly_quantized_experts_export_and_verify(recipe, sizes, ptq_cli, text
     """Experts whose down_proj is left out (by the recipe, or by its shape: 200 inputs are not whole 128-wide blocks)
     while gate/up are quantized: each expert's down_proj is written as in the source and named in `ignore`, and the
     checkpoint verifies (fp8-block: by ptq's reader, which transformers needs here)."""
-    import families
 
     source = tmp_path / "qwen3-moe"
     families.build("qwen3_moe", **sizes).to(torch.bfloat16).save_pretrained(source)
@@ -714,7 +711,6 @@ def test_fp8_block_leaves_out_fused_layers_whose_parts_vllm_cannot_block(target)
 def qwen2_moe_dynamic(tmp_path_factory):
     """A tiny Qwen2-MoE (its shared expert is fed [tokens, hidden] inputs, and gated by a Linear H -> 1) exported with
     fp8-dynamic and verified."""
-    import families
 
     root = tmp_path_factory.mktemp("qwen2-moe")
     source, out, text = root / "source", root / "fp8-dynamic", root / "text.txt"
@@ -731,10 +727,11 @@ def qwen2_moe_dynamic(tmp_path_factory):
     return source, out
 
 
-def test_the_reload_check_takes_compressed_tensors_one_scale_for_a_2d_input(tiny_model):
-    """compressed-tensors' dynamic "token" strategy scales a [tokens, features] input as one tensor (and a [batch,
-    tokens, features] one per token). The layers the check marks so round exactly as compressed-tensors' own
-    functions do, on either shape; the others keep ptq's (and vLLM's) per-token scales."""
+def test_the_reload_check_takes_compressed_tensors_token_scales_for_2d_and_4d_inputs(tiny_model):
+    """compressed-tensors' dynamic "token" strategy scales a [tokens, features] input as one tensor, a [batch, tokens,
+    features] one per token and a [batch, 1, tokens, features] one (DeepSeek-V3's kv_b_proj) per window. The layers the
+    check marks so round exactly as compressed-tensors' own functions do, on each shape; the others keep ptq's (and
+    vLLM's) per-token scales."""
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
@@ -751,14 +748,15 @@ def test_the_reload_check_takes_compressed_tensors_one_scale_for_a_2d_input(tiny
 
     marked, plain = "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"
     model = load_model(str(tiny_model)).model
-    simulated = export.simulate_export(model, load_recipe("fp8-dynamic"), None, one_scale_2d_inputs=[marked])
+    simulated = export.simulate_export(model, load_recipe("fp8-dynamic"), None, token_rule_inputs=[marked])
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 1, 6)[:, None]
-    for shape in ((6, 64), (1, 6, 64)):
+    for shape in ((6, 64), (1, 6, 64), (2, 1, 3, 64), (3, 2, 1, 64)):
         v = x.reshape(shape)
-        assert torch.equal(simulated.get_submodule(marked).quantize_input(v)[1], compressed_tensors(v))
+        assert torch.equal(simulated.get_submodule(marked).quantize_input(v)[1], compressed_tensors(v)), shape
     per_token = compressed_tensors(x[None])[0]
     assert torch.equal(simulated.get_submodule(plain).quantize_input(x)[1], per_token)
     assert not torch.equal(per_token, compressed_tensors(x))  # the two rules differ on this input
+    assert not torch.equal(per_token, compressed_tensors(x.reshape(2, 1, 3, 64)).reshape(6, 64))  # nor on 4-D
 
 
 def test_qwen2_moe_fp8_dynamic_verifies_and_says_where_the_loader_differs(qwen2_moe_dynamic):
@@ -769,11 +767,11 @@ def test_qwen2_moe_fp8_dynamic_verifies_and_says_where_the_loader_differs(qwen2_
     ver = json.loads((out / "ptq-export.json").read_text())["verification"]
     assert ver["passed"] and ver["kl_div"] == 0 and ver["top1_agreement"] == 1, ver["problems"]
     if ver["loader"].startswith("ptq's dequantizing reader"):  # transformers 5.17 (experts in bf16): no such rule
-        assert "in 16 bits" in ver["loader"] and ver["loader_one_scale_2d_inputs"] == []
+        assert "in 16 bits" in ver["loader"] and ver["loader_token_rule_layers"] == []
         return
     shared = [f"model.layers.{i}.mlp.shared_expert.{p}" for i in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")]
-    assert ver["loader_one_scale_2d_inputs"] == shared
-    assert "6 layer(s) fed 2-D inputs" in ver["ptq_rounding"] and shared[0] in ver["ptq_rounding"]
+    assert ver["loader_token_rule_layers"] == shared
+    assert "6 layer(s) fed inputs other than 3-D" in ver["ptq_rounding"] and shared[0] in ver["ptq_rounding"]
     assert ver["ptq_perplexity"] != ver["simulated_perplexity"]  # per token is not one scale per input
     assert ver["ptq_rounding"] in (out / "README.md").read_text()
 
@@ -781,7 +779,6 @@ def test_qwen2_moe_fp8_dynamic_verifies_and_says_where_the_loader_differs(qwen2_
 def test_qwen2_moe_shared_expert_gate_is_left_out_like_the_routers(qwen2_moe_dynamic):
     """vLLM's qwen2_moe.py keeps shared_expert_gate a plain nn.Linear: it stays as stored, in `ignore`, and the
     coverage names it with its reason (the shared expert's own projections are quantized)."""
-    import families
 
     from ptq.models.matmuls import linearize
     from ptq.quantization.plan import resolve_plan
@@ -811,8 +808,8 @@ def test_routers_that_are_not_linear_layers_are_in_ignore(family, tmp_path):
     builds them as ReplicatedLinear, which the "Linear" target matches (qwen3_moe.py passes its quant_config to the
     gate), so a router missing from `ignore` is loaded as an FP8 layer without weight_scale. compressed-tensors lists
     them (get_vllm_module_type: Router / Gate classes count as Linear): every router it lists is in ptq's `ignore`,
-    under the checkpoint's name (Mixtral's block_sparse_moe.gate)."""
-    import families
+    under the checkpoint's name (Mixtral's block_sparse_moe.gate), which vLLM matches, and under the module's name
+    that compressed-tensors lists (Mixtral's mlp.gate)."""
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
     from ptq.export.checkpoint import plan_checkpoint, quantization_config
@@ -827,12 +824,63 @@ def test_routers_that_are_not_linear_layers_are_in_ignore(family, tmp_path):
     routers = [n for n in QuantizationConfig.from_pretrained(model).ignore if n != "lm_head"]
     assert routers and all(n.endswith(".mlp.gate") for n in routers)
     _, _, ignore = plan_checkpoint(linearize(families.build(family)), recipe, None, {}, target="vllm")
-    assert all(f"{n}.weight" in on_disk for n in ignore)  # the names vLLM loads
-    for name in routers:  # model.layers.{i}.mlp.gate: that layer's router, as the checkpoint names it
+    modules = {n for n, _ in model.named_modules()}
+    assert all(f"{n}.weight" in on_disk or n in modules for n in ignore)  # the names vLLM loads, or transformers'
+    for (
+        name
+    ) in routers:  # model.layers.{i}.mlp.gate: that layer's router, as the checkpoint names it, and as its module
         layer = name.removesuffix(".mlp.gate") + "."
-        assert [n for n in ignore if n.startswith(layer) and n.endswith(".gate")] == [
-            name.replace(".mlp.", ".block_sparse_moe.") if family == "mixtral" else name
-        ]
+        assert sorted(n for n in ignore if n.startswith(layer) and n.endswith(".gate")) == sorted(
+            {name, name.replace(".mlp.", ".block_sparse_moe.") if family == "mixtral" else name}
+        )
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_every_family_exports_fp8_dynamic_and_its_reload_verifies(family, ptq_cli, text_file, tmp_path):
+    """Each supported family, a tiny random checkpoint on disk: `ptq quantize --recipe fp8-dynamic` writes it, and
+    transformers' reload computes what ptq's simulation of the loader computes (KL 0 here: the same ops), every
+    quantized tensor in the files bit for bit ptq's. Where the two loaders' names, attention implementations or input
+    shapes differ from the plain case (GPT-NeoX's embed_out, PhiMoE's router, Gemma 2's soft-capped attention without
+    sdpa, DeepSeek-V3's 4-D kv_b_proj input) this is what catches it. GPT-OSS, whose experts are stored fused with
+    biases, is refused in one line before any work."""
+    source = tmp_path / family
+    families.build(family).save_pretrained(source)
+    make_tokenizer().save_pretrained(source)
+    out = tmp_path / "out"
+    args = ("quantize", source, "--recipe", "fp8-dynamic", "--data", text_file, "--seq-len", "64")
+    code, _, err = ptq_cli(*args, "--verify-windows", "2", "-o", out, "-q")
+    if family == "gpt_oss":
+        assert code == 2 and "have biases and are stored fused (3-D)" in err and not out.exists(), err
+        return
+    assert code == 0, err
+    ver = json.loads((out / "ptq-export.json").read_text())["verification"]
+    assert ver["passed"] and ver["kl_div"] == 0 and ver["top1_agreement"] == 1, ver["problems"]
+    assert ver["tensors_checked_in_file"] > 0 and not ver["tensors_differing"]
+    assert (ver["noise_floor"] is None) == (family == "gemma2"), ver["no_noise_floor"]
+
+
+@pytest.mark.parametrize("family", sorted(set(families.FAMILIES) - {"gpt_oss"}))
+def test_the_loader_quantizes_exactly_the_layers_ptq_quantizes_in_every_family(family):
+    """compressed-tensors (what transformers' loader runs) matches the checkpoint's `ignore` against transformers'
+    module names, vLLM against the names in the files: where the two differ (GPT-NeoX's lm_head is embed_out in the
+    files, PhiMoE's mlp.router is block_sparse_moe.gate), a left-out layer listed under one name only is quantized by
+    the other loader, without a weight_scale. Under compressed-tensors' own matching, on the model as transformers
+    builds it, the Linear layers the config quantizes are exactly those ptq quantizes (GPT-2's Conv1D layers are ptq's
+    reader's; GPT-OSS is refused for export)."""
+    from compressed_tensors.quantization import apply_quantization_config
+
+    from ptq.export.checkpoint import plan_checkpoint, quantization_config
+    from ptq.models.matmuls import linearize
+    from ptq.quantization.recipes import load_recipe
+
+    recipe = load_recipe("fp8-dynamic")
+    _, quantized, ignore = plan_checkpoint(linearize(families.build(family)), recipe, None, {}, target="vllm")
+    model = families.build(family)
+    linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    apply_quantization_config(model, quantization_config(recipe, ignore))
+    matched = {n for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    assert matched == set(quantized) & linear
+    assert matched or family == "gpt2"
 
 
 # -- ptq's own reader, remote code, pickle sources ----------------------------------------------------------
@@ -953,7 +1001,6 @@ def test_static_input_scales_are_exported_under_the_recipes_observer(family, tin
     """A percentile observer clips each static input below its amax: the checkpoint's input_scale is that clip / 448,
     the scale the simulation (compare) uses, for dense layers and experts alike, and the export verifies; not the
     calibration's raw amax / 448."""
-    import families
 
     if family == "llama":
         source = tiny_model

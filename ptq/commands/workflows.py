@@ -1104,7 +1104,7 @@ def run_quantize(
                 unrounded = export.unapplied_input_layers(
                     loaded.model, quantized, conv1d=True, dynamic=r.inputs.dynamic
                 )
-            one_scale = (
+            token_rule = (
                 []
                 if "loader" in load_info
                 else export.token_rule_layers(
@@ -1112,7 +1112,7 @@ def run_quantize(
                 )
             )
             own_rounding = "; ".join(
-                filter(None, (engines.unlike_reload_loader(r.inputs, target), export.describe_token_rule(one_scale)))
+                filter(None, (engines.unlike_reload_loader(r.inputs, target), export.describe_token_rule(token_rule)))
             )
             own = (
                 (
@@ -1137,7 +1137,7 @@ def run_quantize(
                 calib,
                 unrounded_inputs=unrounded,
                 target=target,
-                one_scale_2d_inputs=one_scale,
+                token_rule_inputs=token_rule,
                 kv_cache=load_info.get("kv_cache_quantized", False),
             )
             expected = export.simulated_tensors(simulated, disk, conv1d)
@@ -1160,7 +1160,7 @@ def run_quantize(
                 "loader", "transformers AutoModelForCausalLM.from_pretrained"
             )
             info["verification"] |= {
-                "loader_one_scale_2d_inputs": one_scale,  # export.token_rule_layers: so in the check's simulation only
+                "loader_token_rule_layers": token_rule,  # export.token_rule_layers: so in the check's simulation only
                 "data": corpus.source,
                 "data_sha256": corpus.sha256,
                 "description": windows.description,

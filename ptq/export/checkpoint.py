@@ -503,9 +503,10 @@ def plan_checkpoint(
     entries += kv_cache_entries(model, plan, calibration, disk)
     if read is not None:  # a calibration of another model is refused before anything is written
         _checked_weight(quantized[0], read(disk[f"{quantized[0]}.weight"]), calibration)
-    ignored = sorted(
-        disk[f"{name}.weight"].removesuffix(".weight") if f"{name}.weight" in disk else name for name in ignored
-    )
+    # each left-out layer under its name in the files, which vLLM matches, and under its module's name where
+    # transformers names it otherwise (GPT-NeoX's lm_head is embed_out on disk, PhiMoE's mlp.router is
+    # block_sparse_moe.gate): compressed-tensors matches the ignore list against transformers' module names
+    ignored = sorted({n for name in ignored for n in (name, disk.get(f"{name}.weight", name).removesuffix(".weight"))})
     return entries, quantized, ignored
 
 
@@ -788,7 +789,7 @@ def simulate_export(
     loader_inputs: bool = True,
     unrounded_inputs: list[str] = (),
     target: str = "transformers",
-    one_scale_2d_inputs: list[str] = (),
+    token_rule_inputs: list[str] = (),
     kv_cache: bool = False,
 ) -> nn.Module:
     """ptq's simulation of the exported checkpoint, in place: quantize_ with the recipe and calibration, except
@@ -799,8 +800,8 @@ def simulate_export(
     (vLLM multiplies by the reciprocal: engines rule 5). loader_inputs=False: as `ptq compare` simulates the target.
     The `unrounded_inputs` layers keep their quantized weights but take their inputs as they are (what the loader of
     the reload check computes for them: see unapplied_input_layers). `target`: whose scales the checkpoint holds
-    (ptq.quantization.engines; vllm: the fused groups' shared scales). The `one_scale_2d_inputs` layers take one
-    dynamic scale for a whole 2-D input, as compressed-tensors does in transformers (see token_rule_layers).
+    (ptq.quantization.engines; vllm: the fused groups' shared scales). The `token_rule_inputs` layers take their
+    dynamic input scales as compressed-tensors does in transformers (see token_rule_layers).
     kv_cache: whether the loader quantizes the KV cache (reload's kv_cache_quantized)"""
     # transformers (but 5.17) does not quantize the KV cache (vLLM does, from k_scale / v_scale): simulated without
     # it then; its scales are checked in the files either way (unapplied_scales)
@@ -814,38 +815,42 @@ def simulate_export(
         setattr(model.get_submodule(parent), child, m)
     for name in unrounded_inputs:
         model.get_submodule(name).round_inputs = False
-    for name in one_scale_2d_inputs:
-        model.get_submodule(name).__class__ = _OneScaleFor2DInputs
+    for name in token_rule_inputs:
+        model.get_submodule(name).__class__ = _TokenScalesOfTheLoader
     return model
 
 
 # compressed-tensors' dynamic "token" strategy (compute_dynamic_scales_and_zp, 0.20) keeps dimensions 0 and 1 of the
 # input and reduces the rest: per token for [batch, tokens, features], but ONE scale for a 2-D [tokens, features]
-# input, which some modules feed their Linear layers (Qwen2-MoE's shared expert: hidden_states.view(-1, H)). vLLM
-# flattens every input to 2-D and scales each token (as ptq simulates), so this is the reload check's loader's
-# arithmetic, not the served one: the check simulates it for those layers, and reports ptq's own next to it.
+# input (torch reduces every dimension over an empty list), which some modules feed their Linear layers (Qwen2-MoE's
+# shared expert: hidden_states.view(-1, H)), and one per window for DeepSeek-V3's kv_b_proj, fed [batch, 1, tokens,
+# rank]. vLLM flattens every input to 2-D and scales each token (as ptq simulates), so this is the reload check's
+# loader's arithmetic, not the served one: the check simulates it for those layers, and reports ptq's own next to it.
 
 
-class _OneScaleFor2DInputs(QuantLinear):
-    """A QuantLinear with dynamic per-token inputs that, as compressed-tensors in transformers, takes one scale for a
-    whole 2-D input (and one per token otherwise)."""
+class _TokenScalesOfTheLoader(QuantLinear):
+    """A QuantLinear with dynamic per-token inputs scaled as compressed-tensors scales them in transformers: one scale
+    per index of the input's first two dimensions, over the others (per token for a 3-D input)."""
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.dim() != 2 or not self.round_inputs:
+        if x.dim() == 3 or not self.round_inputs:
             return super().quantize_input(x)
-        return x, self.input_quantizer(x, dataclasses.replace(self.inputs, granularity=PerTensor()), None)[0]
+        if x.dim() == 2:
+            return x, self.input_quantizer(x, dataclasses.replace(self.inputs, granularity=PerTensor()), None)[0]
+        rows = x.reshape(x.shape[0] * x.shape[1], -1)  # a row per index of the first two dimensions: a scale each
+        return x, self.input_quantizer(rows, self.inputs, None)[0].reshape(x.shape)
 
 
 def token_rule_layers(model: nn.Module, recipe: Recipe, layers: list[str], input_ids: torch.Tensor) -> list[str]:
     """The `layers` (quantized, with their inputs rounded by the reload check's loader) whose dynamic per-token inputs
-    reach them 2-D, where compressed-tensors takes one scale for the whole input (_OneScaleFor2DInputs): found by one
-    forward of the unquantized `model` over the first window. None of them for other recipes."""
+    reach them other than 3-D, where compressed-tensors' scales are not per token (_TokenScalesOfTheLoader): found by
+    one forward of the unquantized `model` over the first window. None of them for other recipes."""
     if not (recipe.inputs.dynamic and isinstance(recipe.inputs.granularity, PerToken)) or not layers:
         return []
     seen: set[str] = set()
     hooks = [
         model.get_submodule(name).register_forward_pre_hook(
-            lambda m, args, name=name: seen.add(name) if args[0].dim() == 2 else None
+            lambda m, args, name=name: seen.add(name) if args[0].dim() != 3 else None
         )
         for name in layers
     ]
@@ -864,8 +869,9 @@ def describe_token_rule(layers: list[str]) -> str | None:
         return None
     shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
     return (
-        f"vLLM's per-token dynamic input scales in the {len(layers)} layer(s) fed 2-D inputs ({shown}), where "
-        "transformers' compressed-tensors takes one scale per input"
+        f"vLLM's per-token dynamic input scales in the {len(layers)} layer(s) fed inputs other than 3-D ({shown}), "
+        "where transformers' compressed-tensors takes one scale per index of their first two dimensions (one per "
+        "2-D input)"
     )
 
 
@@ -961,6 +967,19 @@ class OtherAttention(nn.Module):
         finally:
             self.model.config._attn_implementation = previous
 
+    def cannot_run(self, input_ids: torch.Tensor) -> str | None:
+        """Why the other implementation cannot run this model (transformers refuses it: Gemma 2's soft-capped
+        attention has no sdpa form), tried on a few tokens of the first window; None when it runs."""
+        from ptq.models.loading import one_line
+
+        device = self.model.get_input_embeddings().weight.device
+        try:
+            with torch.inference_mode():
+                self(input_ids=input_ids[:1, :8].to(device))
+        except (ValueError, NotImplementedError) as e:
+            return f"{self.implementation} attention cannot run this model ({one_line(e, 160)})"
+        return None
+
 
 def reload(directory: Path, trust_remote_code: bool = False) -> tuple[nn.Module, dict]:
     """Load the checkpoint as a user would (AutoModelForCausalLM.from_pretrained, float32, default options; the
@@ -1048,16 +1067,16 @@ def verify(
     from ptq.evaluation.evaluate import evaluate
 
     noise = OtherAttention(simulated)
+    no_noise_floor = noise.cannot_run(input_ids)
     models = (
         {"simulated": simulated, "reloaded": reloaded}
         | ({"ptq": ptq_own[1]} if ptq_own is not None else {})
-        | {"noise": noise}
+        | ({"noise": noise} if no_noise_floor is None else {})
     )
     scores = evaluate(models, input_ids, batch_size)
-    sim, rel, floor = scores["simulated"], scores["reloaded"], scores["noise"]
+    sim, rel, floor = scores["simulated"], scores["reloaded"], scores.get("noise")
     own = scores.get("ptq", sim)
     ppl_delta = rel.perplexity / own.perplexity - 1
-    floor_delta = floor.perplexity / sim.perplexity - 1
     problems = []
     # transformers merges the per-expert weights and scales into its fused experts, but has no place for their input
     # scales (vLLM reads them): those keys are expected to be left over (the file check covers them).
@@ -1110,13 +1129,17 @@ def verify(
         "ppl_delta_pct": 100 * ppl_delta,
         "kl_div": rel.kl_div,
         "top1_agreement": rel.top1_agreement,
+        # measured, not a limit: None where no other float order runs the model, and why
         "noise_floor": {
             "what": f"ptq's simulation with {noise.implementation} instead of "
             f"{simulated.config._attn_implementation} attention",
-            "ppl_delta_pct": 100 * floor_delta,
+            "ppl_delta_pct": 100 * (floor.perplexity / sim.perplexity - 1),
             "kl_div": floor.kl_div,
             "top1_agreement": floor.top1_agreement,
-        },
+        }
+        if floor is not None
+        else None,
+        "no_noise_floor": no_noise_floor,
         "ptq_rounding": ptq_own[0] if ptq_own is not None else None,
         "tensors_checked_in_file": len(expected_tensors),
         "tensors_differing": differing,

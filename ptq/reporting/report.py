@@ -452,6 +452,8 @@ def render_model_card(e: dict) -> str:
                 f"| float-order noise floor: {noise['what']} | {noise['ppl_delta_pct']:+.4f}% perplexity, "
                 f"KL {noise['kl_div']:.3g}, same top-1 {100 * noise['top1_agreement']:.2f}% | | measured, not a limit |"
             ]
+        elif ver.get("no_noise_floor"):
+            lines += [f"| float-order noise floor: not measured, {ver['no_noise_floor']} | | | |"]
         lines += [
             f"| quantized tensors in the files (codes, weight_scale, input_scale) | {ver.get('tensors_checked_in_file', 0)} | "
             f"{ver.get('tensors_checked_in_file', 0) - len(ver.get('tensors_differing', []))} equal | bit for bit |",
