@@ -240,6 +240,30 @@ def test_console_task_table_prints_a_metric_in_its_own_units():
     assert "60.0% [58.0, 62.0]" in text and "likelihood_diff (lower is better)" in text
 
 
+def test_a_variant_exactly_at_the_accuracy_recovery_limit_passes():
+    """Limits are inclusive (docs/reports.md): 99 right of 104 tokens against the baseline's 100 is a recovery of
+    exactly 99%, and passes --min-accuracy-recovery 99%, where the float quotient of the two accuracies reads
+    98.99999999999999%. Every ratio of counts that is a whole percentage comes out as exactly that number."""
+    from fractions import Fraction
+
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.gates import accuracy_recovery_pct
+
+    assert 100 * ((99 / 104) / (100 / 104)) < 99  # what the plain quotient says
+    assert accuracy_recovery_pct(99 / 104, 100 / 104) == 99.0
+    results = compare_results(baseline(accuracy=100 / 104), [variant("fp8", accuracy=99 / 104)])
+    (c,) = check(results, parse_limits(min_accuracy_recovery=["99%"]))
+    assert c.passed and c.value == 99.0 and "recovery 99.00% >= 99%" in c.describe()
+    assert not check(results, parse_limits(min_accuracy_recovery=["99.01%"]))[0].passed
+    for n in range(1, 400):
+        for correct in range(1, n + 1):
+            for pct in (90, 95, 98, 99):
+                if correct * pct % 100 == 0:  # the variant has exactly pct% of the baseline's right answers
+                    assert accuracy_recovery_pct(correct * pct // 100 / n, correct / n) == pct
+    assert accuracy_recovery_pct(0.7231, 0.7519) == float(100 * Fraction(7231, 7519))
+
+
 def test_a_nan_never_passes_a_gate():
     from ptq.reporting.gates import accuracy_recovery_pct
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 
 from ptq.errors import PtqError
 from ptq.reporting.results import Check, CompareResults, Entry, Gates, Limits, Results, TaskInfo, TaskMetric
@@ -118,10 +119,19 @@ def task_metric_is_share(results: Results, task: str, metric: str) -> bool:
 
 def accuracy_recovery_pct(variant_acc: float, baseline_acc: float) -> float:
     """100 * variant / baseline; a zero baseline cannot be fallen short of (100%); NaN when either is NaN (a NaN
-    fails every gate)."""
+    fails every gate). An accuracy is a count over a count held as the nearest float: each is read back as that
+    fraction (denominators up to 10^7: two such fractions lie 10^-14 apart or more, a float's rounding 10^-16) and
+    the ratio rounded once, so
+    that a variant exactly at a limit is at it: 99 of 104 against 100 of 104 is 99%, not the 98.99999999999999% of
+    the float quotient, which would fail a 99% gate that the documentation calls inclusive."""
     if math.isnan(variant_acc) or math.isnan(baseline_acc):
         return math.nan
-    return 100.0 * (variant_acc / baseline_acc) if baseline_acc > 0 else 100.0  # equal accuracies: exactly 100
+    if not baseline_acc > 0:
+        return 100.0
+    if not math.isfinite(variant_acc) or not math.isfinite(baseline_acc):
+        return 100.0 * (variant_acc / baseline_acc)
+    exact = Fraction(variant_acc).limit_denominator(10**7) / Fraction(baseline_acc).limit_denominator(10**7)
+    return float(100 * exact)  # equal accuracies: exactly 100
 
 
 def ratio_pct(variant: float, baseline: float) -> float:
