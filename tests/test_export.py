@@ -333,6 +333,15 @@ def test_refusals_leave_nothing_behind(tiny_model, ptq_cli, text_file, tmp_path)
     code, _, err = ptq_cli("quantize", tiny_model, "-o", mine, "--force", *common)
     assert code == 2 and "not a ptq export" in err and (mine / "notes.txt").read_text() == "keep me"
 
+    # vLLM serves dynamic inputs per token whatever the checkpoint's strategy says (compressed_tensors_w8a8_fp8.py)
+    per_tensor = tmp_path / "dynamic-per-tensor.yaml"
+    per_tensor.write_text(
+        "name: dpt\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamic: true, granularity: tensor}\n"
+    )
+    code, _, err = ptq_cli("quantize", tiny_model, "--recipe", per_tensor, "-o", tmp_path / "a", *common)
+    assert code == 2 and "vLLM serves a compressed-tensors checkpoint's dynamic inputs per token" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
+
     tied = tmp_path / "tied.yaml"
     tied.write_text("name: all\nweights: {format: e4m3}\ninputs: {format: e4m3}\nignore: []\n")
     code, _, err = ptq_cli("quantize", tiny_model, "--recipe", tied, "-o", tmp_path / "b", *common)

@@ -77,6 +77,12 @@ def check_exportable(recipe: Recipe) -> None:
             f"recipe '{recipe.name}' uses '{w.scale if w.scale != 'amax' else x.scale}' scales: the "
             "checkpoint format takes amax-derived scales (or MX's E8M0), so it would not run as simulated"
         )
+    if x.dynamic and isinstance(x.granularity, PerTensor):
+        raise PtqError(
+            f"recipe '{recipe.name}' takes one dynamic scale per input tensor: vLLM serves a compressed-tensors "
+            "checkpoint's dynamic inputs per token whatever strategy it names (CompressedTensorsW8A8Fp8 / Int8), so "
+            "it would not run as simulated; use dynamic per-token inputs (fp8-dynamic)"
+        )
     mx = [s.scale_format == "e8m0" for s in (w, x)]
     if any(mx) and not (all(mx) and w.granularity == x.granularity == PerGroup(32)):
         raise PtqError(
