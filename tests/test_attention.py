@@ -3,6 +3,7 @@ changes nothing, and a counting quantizer sees every batched-matmul input of eve
 
 import copy
 
+import families
 import pytest
 import torch
 
@@ -164,3 +165,30 @@ def test_residual_add_inputs_pass_through_and_counting(arch):
         assert not torch.equal(model(input_ids=IDS).logits, want)
     for h in handles:
         h.remove()
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_ptq_attention_is_each_familys_eager_attention_bit_for_bit(family):
+    """The "ptq" implementation with pass-through quantizers computes each family's own eager attention, bit for bit:
+    Gemma 2's logit soft-capping (its q and k scaled up here so that the cap bites) and GPT-OSS's attention sinks
+    included, which a plain softmax(QK^T)V would drop, changing every activation after the first attention layer
+    (what calibration then records and what the quantized model computes)."""
+    model = families.build(family)
+    model.config._attn_implementation = "eager"
+    if family == "gemma2":
+        assert model.config.attn_logit_softcapping
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30)
+            layer.self_attn.k_proj.weight.mul_(30)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+    layers = attention.attention_modules(model)
+    assert layers
+    passed = []
+    quantized = copy.deepcopy(model)
+    attention.install(quantized, {n: AttentionQuant({t: Counter(passed, f"{n}.{t}") for t in TENSORS}) for n in layers})
+    with torch.inference_mode():
+        got = quantized(input_ids=ids).logits
+    assert {n for n, _ in passed} == {f"{n}.{t}" for n in layers for t in TENSORS}
+    assert torch.equal(got, want)

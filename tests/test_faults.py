@@ -211,6 +211,41 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
         )
 
 
+def test_a_fallback_is_never_taken_from_another_unseen_layer():
+    """Every batch non-finite in block 1 (--on-nonfinite skip): each of its experts falls back to the largest amax
+    of that projection among the experts that were calibrated (block 0's four), and the rule says so; before, the
+    second unseen expert of block 1 named the first, itself a fallback, as its '1 calibrated layer'."""
+    import families
+
+    from ptq.calibration.calibrate import calibrate
+    from ptq.models.matmuls import linearize
+    from ptq.quantization.plan import calibration_targets
+
+    model = linearize(families.build("mixtral"))
+    layers = [
+        n for n in calibration_targets(resolve_plans(model, [load_recipe("fp8-e4m3")]).values())[0] if ".experts." in n
+    ]
+
+    def nan_into_block_1(module, args, kwargs):
+        x = (args[0] if args else kwargs["hidden_states"]).clone()
+        x[0, 0, 0] = float("nan")
+        return ((x, *args[1:]), kwargs) if args else (args, kwargs | {"hidden_states": x})
+
+    hook = model.model.layers[1].register_forward_pre_hook(nan_into_block_1, with_kwargs=True)
+    ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+    calibration = calibrate(model, ids, layers, on_nonfinite="skip")
+    hook.remove()
+    unseen = calibration.metadata["unseen_layers"]
+    assert sorted(u["layer"] for u in unseen) == sorted(n for n in layers if n.startswith("model.layers.1."))
+    for u in unseen:
+        projection = u["layer"].rpartition(".")[2]
+        block_0 = [calibration.input_amax[f"model.layers.0.mlp.experts.{e}.{projection}"] for e in range(4)]
+        assert u["input_amax"] == float(max(block_0))
+        assert (
+            u["rule"] == f"max input amax of 4 calibrated layer(s) matching model.layers.*.mlp.experts.*.{projection}"
+        )
+
+
 def test_per_channel_amax_of_another_length_is_refused(tiny_model, tmp_path):
     """A calibration file whose per-channel input amax has another length than the layer's inputs (damaged, or
     edited) was used: a single value broadcast over every channel into SmoothQuant's factors, silently."""

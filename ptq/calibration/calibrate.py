@@ -423,8 +423,9 @@ def finish(
                 "token was routed to?): calibrate on more text, or use --on-unseen fallback"
             )
         metadata["unseen_layers"] = []
+        calibrated = {n: v for n, v in input_amax.items() if n not in set(unseen)}  # no fallback is another's source
         for name in unseen:
-            source, rule = _fallback_source(name, input_amax)
+            source, rule = _fallback_source(name, calibrated)
             value = input_amax[name] = input_amax[source].clone()
             if source in hists:  # the observers other than max read a histogram: that of the layer the amax comes from
                 hists[name] = hists[source].clone()  # its own tensor: safetensors saves no shared memory

@@ -64,9 +64,12 @@ def quantized_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' eager attention, with the matmul inputs passed through the layer's AttentionQuant."""
+    """transformers' eager attention, with the matmul inputs passed through the layer's AttentionQuant; Gemma 2's
+    logit soft-capping (`softcap`) and GPT-OSS's attention sinks (`s_aux`) as their own eager functions compute them."""
     aq: AttentionQuant | None = getattr(module, "ptq_attention", None)
     if aq is not None:
         key, value = aq.apply_cache("key", key), aq.apply_cache("value", value)
@@ -75,10 +78,8 @@ def quantized_attention(
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    scores = _masked_scores(torch.matmul(query, key.transpose(2, 3)) * scaling, attention_mask, softcap)
+    probs = _softmax(scores, s_aux, query.dtype if s_aux is None else value.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     if aq is not None:
         probs = aq.apply("probs", probs)
@@ -86,12 +87,35 @@ def quantized_attention(
     return output, probs
 
 
+def _masked_scores(scores: torch.Tensor, mask: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """Q.K^T * scaling soft-capped (tanh(s / cap) * cap, Gemma 2), then the additive mask, in the eager order."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores if mask is None else scores + mask
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(scores) in float32; with attention sinks (GPT-OSS: one learned logit per head), each row's softmax over
+    its scores and its head's sink, less the row's max, in the scores' dtype, the sink's share then dropped."""
+    if sinks is None:
+        return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    sinks = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[-2], -1)
+    combined = torch.cat([scores, sinks], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return nn.functional.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(dtype)
+
+
 def _observed_probs(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The softmax output P, as the eager computation makes it, from SDPA's mask: boolean (True attends),
     None (SDPA's causal shortcut, query and key aligned at the start) or additive."""
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = _masked_scores(torch.matmul(query, key.transpose(2, 3)) * scaling, None, softcap)
     if attention_mask is None:
         q_len, k_len = scores.shape[-2:]
         attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
@@ -99,7 +123,7 @@ def _observed_probs(
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + attention_mask
-    return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return _softmax(scores, sinks, query.dtype)
 
 
 def observed_attention(
@@ -127,6 +151,8 @@ def observed_attention(
                     _repeat_kv(key, n_rep),
                     attention_mask,
                     query.size(-1) ** -0.5 if scaling is None else scaling,
+                    kwargs.get("softcap"),
+                    kwargs.get("s_aux"),
                 ),
             )
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
