@@ -339,6 +339,40 @@ def test_layer_by_layer_quantize_writes_the_same_checkpoint(family, recipe, chec
     assert "--low-memory" in (tmp_path / "streamed" / "README.md").read_text()
 
 
+def test_a_recipe_without_calibration_whose_weight_scales_vllm_shares_streams_the_same_checkpoint(
+    sharded_model, text_file, tmp_path, ptq_cli
+):
+    """Per-tensor FP8 weights with dynamic per-token inputs need no calibration, yet under --target vllm q/k/v and
+    gate/up share one weight scale, the largest amax of the group: layer by layer those amaxes are read from the
+    files (there is no calibration to take them from; this used to be an AttributeError traceback)."""
+    recipe = tmp_path / "tensor-dynamic.yaml"
+    recipe.write_text("name: tensor-dynamic\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamic: true}\n")
+    common = ["--recipe", recipe, "--data", text_file, "--seq-len", "32", "--shard-size", "0.05", "-q"]
+    code, _, err = ptq_cli("quantize", sharded_model, *common, "--in-memory", "--no-verify", "-o", tmp_path / "whole")
+    assert code == 0, err
+    code, _, err = ptq_cli("quantize", sharded_model, *common, "--low-memory", "-o", tmp_path / "streamed")
+    assert code == 0, err
+    assert checkpoint_files(tmp_path / "streamed") == checkpoint_files(tmp_path / "whole")
+    tensors = {}
+    for f in (tmp_path / "whole").glob("model-*.safetensors"):
+        tensors |= safetensors.torch.load_file(str(f))
+    scales = {n: t for n, t in tensors.items() if n.endswith((".q_proj.weight_scale", ".k_proj.weight_scale"))}
+    assert scales and len({float(t) for t in scales.values()}) < len(scales)  # q and k share their layer's scale
+
+
+def test_a_moe_config_asking_for_router_logits_runs_layer_by_layer(tmp_path):
+    """`output_router_logits: true` in a MoE checkpoint's config (kept from its training) makes the model's forward
+    gather every layer's router logits for an auxiliary loss, which the trunk of a layer-by-layer run does not have
+    (an IndexError traceback before): the same scores as the model in memory, which computes that loss and drops it."""
+    path = save_family(tmp_path / "mixtral", "mixtral", output_router_logits=True)
+    whole = load_model(str(path))
+    assert whole.model.config.output_router_logits
+    streamed = streaming.load_streamed(str(path))
+    expected = evaluate({"m": whole.model}, windows(4), batch_size=2)["m"]
+    got = evaluate(streaming.LayerByLayer(streamed.model), windows(4), batch_size=2)["model"]
+    assert got.window_nll == expected.window_nll and got.correct == expected.correct
+
+
 def test_calibrate_cli_low_memory_file_matches_in_memory(sharded_model, text_file, tmp_path, ptq_cli):
     args = ["--data", text_file, "--samples", "4", "--seq-len", "32", "-q"]
     assert ptq_cli("calibrate", sharded_model, *args, "--in-memory", "-o", tmp_path / "a.st")[0] == 0

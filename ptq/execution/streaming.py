@@ -521,7 +521,7 @@ class LayerByLayer:
         inside = {id(m) for slot in slots for m in slot.modules()}
         hooks = [m.register_forward_pre_hook(called) for m in trunk.modules() if id(m) not in inside]
         try:
-            trunk(input_ids=batch, use_cache=False)
+            trunk(input_ids=batch, use_cache=False, **_no_aux_outputs(trunk))
         except _Captured:
             pass
         finally:
@@ -555,10 +555,17 @@ class LayerByLayer:
             slots[len(slots) - 1].action = lambda *args, final=final, **kwargs: wrap(final)
             with _without_hooks(early[name]):
                 if base:
-                    out = trunk.base_model(input_ids=batch, use_cache=False).last_hidden_state
+                    out = trunk.base_model(input_ids=batch, use_cache=False, **_no_aux_outputs(trunk)).last_hidden_state
                 else:
-                    out = trunk(input_ids=batch, use_cache=False).logits
+                    out = trunk(input_ids=batch, use_cache=False, **_no_aux_outputs(trunk)).logits
             yield name, out
+
+
+def _no_aux_outputs(trunk: nn.Module) -> dict:
+    """A MoE config with `output_router_logits` makes the model's forward gather every layer's router logits for its
+    load-balancing loss, which the trunk, its layers run apart, does not have (an IndexError): asked off, as the
+    loss is not used (the whole model computes it and drops it). Nothing is passed to a model without it."""
+    return {"output_router_logits": False} if getattr(trunk.config, "output_router_logits", False) else {}
 
 
 def _then(outputs: Iterator, after_batch: Callable[[int], None] | None, b: int) -> Iterator:

@@ -466,7 +466,14 @@ def plan_checkpoint(
     modules = dict(model.named_modules())
     disk = checkpoint_names(model, names)
     conv1d = {f"{name}.weight" for name, m in modules.items() if quantizable(m) and kind(m) == "Conv1D"}
-    weight_amax = (lambda n: amax(modules[n].weight)) if read is None else (lambda n: calibration.weight_amax[n])  # noqa: E731
+
+    def weight_amax(n: str) -> torch.Tensor:  # in memory; else the calibration's, or read (no calibration is needed)
+        if read is None:
+            return amax(modules[n].weight)
+        if calibration is not None and n in calibration.weight_amax:
+            return calibration.weight_amax[n]
+        return amax(read(disk[f"{n}.weight"]).float())
+
     # the scales the target engine serves, for the groups the plan says share one (ptq.quantization.engines)
     shared_weight_amax = engines.shared_amax(
         {n: plan.matmuls[n].weight_group for n in quantized if plan.matmuls[n].weight_group}, weight_amax
