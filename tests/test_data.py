@@ -534,3 +534,15 @@ def test_compare_and_eval_on_their_calibration_text_warn_and_say_so_in_the_repor
     assert code == 0 and "warning: the calibration text is the evaluation text" in err, err
     assert json.loads((out / "results.json").read_text())["calibration"]["faults"]["warnings"] == warnings
     assert f"- Warning: {warnings[0]}." in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("spec", ["", "  "])
+def test_an_empty_text_name_is_refused_not_read_as_the_current_folder(spec, tmp_path, monkeypatch):
+    # `--data "$DATA"` with DATA unset: before, the current folder was searched for text and used, silently
+    from ptq.errors import PtqError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("some text that is not the user's evaluation text\n" * 50)
+    for role in ("calibration", "evaluation"):
+        with pytest.raises(PtqError, match=f"the {role} text is an empty name"):
+            load_corpus(spec, role)

