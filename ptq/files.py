@@ -184,6 +184,9 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     try:
         os.chmod(tmp_path, 0o777 & ~_umask())  # mkdtemp makes 0700 folders; a checkpoint or cache gets the usual mode
         yield tmp_path
+        for f in tmp_path.rglob("*"):  # and its files too: safetensors' save_file makes them 0600
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, 0o666 & ~_umask())
         # An existing folder (--force) is moved aside, not deleted, until the new one is in place: an interruption
         # in between leaves one of the two under `path` (the other under a hidden temporary name), never neither.
         old = None

@@ -243,15 +243,22 @@ def test_a_directory_output_gets_the_usual_mode_not_mkdtemps_0700(tmp_path):
     import os
     import stat
 
+    import safetensors.torch
+    import torch
+
     from ptq.files import atomic_dir
 
     old = os.umask(0o022)
     try:
         with atomic_dir(tmp_path / "new" / "ckpt") as tmp:
             (tmp / "f").write_text("x")
+            # safetensors' writer makes its files 0600: another user could not read a shared export or cache
+            safetensors.torch.save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "new" / "ckpt").stat().st_mode) == 0o755
+    for name in ("f", "model.safetensors"):
+        assert stat.S_IMODE((tmp_path / "new" / "ckpt" / name).stat().st_mode) == 0o644, name
 
 
 def test_replacing_a_directory_keeps_the_old_one_until_the_new_one_is_in_place(tmp_path, monkeypatch):
