@@ -423,7 +423,8 @@ def finish(
                 "token was routed to?): calibrate on more text, or use --on-unseen fallback"
             )
         metadata["unseen_layers"] = []
-        calibrated = {n: v for n, v in input_amax.items() if n not in set(unseen)}  # no fallback is another's source
+        unseen_set = set(unseen)
+        calibrated = {n: v for n, v in input_amax.items() if n not in unseen_set}  # no fallback is another's source
         for name in unseen:
             source, rule = _fallback_source(name, calibrated)
             value = input_amax[name] = input_amax[source].clone()

@@ -78,7 +78,9 @@ def quantized_attention(
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    scores = _masked_scores(torch.matmul(query, key.transpose(2, 3)) * scaling, attention_mask, softcap)
+    scores = _softcapped(torch.matmul(query, key.transpose(2, 3)) * scaling, softcap)
+    if attention_mask is not None:
+        scores = scores + attention_mask
     probs = _softmax(scores, s_aux, query.dtype if s_aux is None else value.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     if aq is not None:
@@ -87,11 +89,9 @@ def quantized_attention(
     return output, probs
 
 
-def _masked_scores(scores: torch.Tensor, mask: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
-    """Q.K^T * scaling soft-capped (tanh(s / cap) * cap, Gemma 2), then the additive mask, in the eager order."""
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    return scores if mask is None else scores + mask
+def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Q.K^T * scaling soft-capped, tanh(s / cap) * cap (Gemma 2), before the mask as in the eager order."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -115,7 +115,7 @@ def _observed_probs(
 ) -> torch.Tensor:
     """The softmax output P, as the eager computation makes it, from SDPA's mask: boolean (True attends),
     None (SDPA's causal shortcut, query and key aligned at the start) or additive."""
-    scores = _masked_scores(torch.matmul(query, key.transpose(2, 3)) * scaling, None, softcap)
+    scores = _softcapped(torch.matmul(query, key.transpose(2, 3)) * scaling, softcap)
     if attention_mask is None:
         q_len, k_len = scores.shape[-2:]
         attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
