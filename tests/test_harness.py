@@ -274,8 +274,12 @@ def test_a_group_is_paired_on_its_members_documents(tiny_model, tmp_path):
         "group: mcs\ntask: [mc_a, mc_b]\naggregate_metric_list:\n  - metric: acc\n"
         "    aggregation: mean\n    weight_by_size: true\nmetadata:\n  version: 1.0\n"
     )
+    (folder / "_plain.yaml").write_text("group: plain\ntask: [mc_a]\nmetadata:\n  version: 1.0\n")
     suite = harness.prepare(str(folder), None, tmp_path / "work", max_items=None)
-    assert suite.names == ["mcs"]
+    assert suite.names == ["mcs", "plain"]
+    # what results will hold, known before any model: a group that aggregates nothing has no row (describe_tasks)
+    assert suite.scored == {"mcs", "mc_a", "mc_b"}
+    suite = harness.prepare(str(folder / "_mcs.yaml"), None, tmp_path / "work", max_items=None)
     loaded = load_model(str(tiny_model))
     model = loaded.model
     run = harness.run({"a": model, "b": model}, loaded.tokenizer, suite, 4)
@@ -291,6 +295,33 @@ def test_a_group_is_paired_on_its_members_documents(tiny_model, tmp_path):
     assert entry["tasks"]["mcs"]["acc"] == a.results["mcs"]["acc,none"]
     assert entry["task_samples"]["mcs"]["acc"] == [*a.samples["mc_a"]["acc,none"], *a.samples["mc_b"]["acc,none"]]
     assert entry["task_deltas"]["mcs"]["acc"]["n"] == 14
+
+
+def test_a_gate_on_a_task_the_run_does_not_score_stops_before_the_model(ptq_cli, tmp_path):
+    """It could only fail, and only after the whole run (exit 1, read as a regression): a typo is one line, exit 2."""
+    mc = write_jsonl(tmp_path / "mc.jsonl", varied_rows(6))
+    text = tmp_path / "lines.txt"
+    text.write_text(LINES)
+    for tasks, gate, scored in ((None, "mc=99%", "next-token"), (f"mine={mc}", "mc=99%", "next-token, mine")):
+        code, out, err = ptq_cli(
+            "compare",
+            tmp_path / "no-model-here",  # never reached: the gates are checked first
+            *(("--tasks", tasks) if tasks else ()),
+            "--eval-data",
+            text,
+            "--min-accuracy-recovery",
+            "mine=99%",
+            "--min-accuracy-recovery",
+            gate,
+            "--out",
+            tmp_path / "out",
+        )
+        assert code == 2 and out == "", err
+        assert err.strip().splitlines()[-1] == (  # after datasets' own "Generating test split" lines
+            f"error: --min-accuracy-recovery names task '{'mine' if tasks is None else 'mc'}', which this run has no "
+            f"accuracy for (it has {scored}): correct the name, or add the task to compare's --tasks"
+        )
+    assert not (tmp_path / "out").exists()
 
 
 def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():

@@ -112,6 +112,14 @@ def test_bad_gate_values_exit_2_with_one_line(ptq_cli, compared, args, message):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_report_refuses_a_gate_on_a_task_the_results_do_not_hold(ptq_cli, compared):
+    code, out, err = ptq_cli("report", compared / "results.json", "--min-accuracy-recovery", "hellaswag=99%")
+    assert code == 2 and out == ""
+    assert "names task 'hellaswag', which" in err and "(it has next-token)" in err and len(err.splitlines()) == 1
+    code, out, _ = ptq_cli("report", compared / "results.json", "--min-accuracy-recovery", "next-token=0%")
+    assert code == 0 and "gate checks pass" in out
+
+
 def task_info(name: str, higher_is_better: dict[str, bool], n: int = 100, sha: str = "a" * 64, shots: int = 0):
     from ptq.reporting.results import TaskInfo
 

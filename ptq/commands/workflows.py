@@ -61,7 +61,7 @@ from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_targets, resolve_plans
 from ptq.quantization.quantize import blockwise_unavailable, quantize_, quantize_variants, resolve_matmul
 from ptq.quantization.recipes import Recipe, load_recipe
-from ptq.reporting.gates import Limits, gate_results, rejudged
+from ptq.reporting.gates import Limits, gate_results, refuse_unmeasured_gates, rejudged, task_scores
 from ptq.reporting.report import (
     render_markdown,
     report_outputs,
@@ -529,6 +529,7 @@ def run_compare(
     calib_corpus = load_corpus(calibration.data, role="calibration") if needs_calibration and reused is None else None
     eval_corpus = load_corpus(data.data, role="evaluation")
     task_work, suite = _task_suite(data, eval_corpus)  # fail before the model
+    refuse_unmeasured_gates(output.limits, suite.scored if suite else set())
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]), copies=copies)
     check_seq_len(loaded, data.seq_len)
     windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
@@ -868,6 +869,7 @@ def run_report(
     results = load_compare(results_file)
     previous = load_compare(previous_file, "previous results file") if previous_file else None
     if limits is not None and limits.any():
+        refuse_unmeasured_gates(limits, set(task_scores(results.baseline)), str(results_file))
         results = dataclasses.replace(results, gates=gate_results(results, limits))
     elif results.gates is not None:
         stored = results.gates.passed

@@ -53,6 +53,7 @@ class Suite:
     notes: dict[str, list[str]] = field(default_factory=dict)
     num_fewshot: int | None = None
     limit: float | None = None
+    scored: set[str] = field(default_factory=set)  # the tasks and aggregating groups results will hold (load_check)
 
     def task_manager(self):
         with quiet_lm_eval():
@@ -365,6 +366,10 @@ def load_check(suite: Suite, manager) -> None:
                 ) from None
         for task_name, task in (loaded.get("tasks") or {}).items() if isinstance(loaded, dict) else ():
             check_fewshot(task_name, task, suite.num_fewshot)
+            suite.scored.add(task_name)
+        groups = (loaded.get("groups") or {}) if isinstance(loaded, dict) else {}
+        # a group has a row of its own only when it aggregates its members (describe_tasks)
+        suite.scored |= {g for g, group in groups.items() if getattr(group, "aggregate_metric_list", None)}
 
 
 LOCAL_BUILDERS = ("json", "csv", "text", "parquet", "arrow")  # datasets' packaged builders, which read data_files

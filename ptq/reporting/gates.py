@@ -70,6 +70,17 @@ def parse_limits(
     return Limits(ppl, default, per_task, kl)
 
 
+def refuse_unmeasured_gates(limits: Limits | None, scored: set[str], source: str = "this run") -> None:
+    """Stop when a per-task gate names a task that `source` does not score: that gate could only fail, and in compare
+    only after the whole run. `scored`: the tasks with results (compare: harness.Suite.scored, before the model)."""
+    unknown = [t for t in (limits.task_accuracy_recovery_pct if limits else {}) if t != NEXT_TOKEN and t not in scored]
+    if unknown:
+        raise PtqError(
+            f"--min-accuracy-recovery names task '{unknown[0]}', which {source} has no accuracy for (it has "
+            f"{', '.join([NEXT_TOKEN, *sorted(scored)])}): correct the name, or add the task to compare's --tasks"
+        )
+
+
 # lm-eval's lower-is-better metrics, for a metric whose direction the results do not record (results.json records
 # lm-eval's own per task, TaskInfo.higher_is_better, and that decides wherever it is known)
 LOWER_IS_BETTER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter")
