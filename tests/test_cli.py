@@ -479,6 +479,23 @@ def test_eval_by_default_scores_the_cloze_task_where_lm_eval_can_run(tiny_model,
     assert code == 2 and one_line(err) and "--tasks needs the whole model in memory" in err
 
 
+def test_eval_by_default_on_a_text_without_cloze_items_gives_perplexity_with_a_note(tiny_model, ptq_cli, tmp_path):
+    """The default task is not the user's request: a text with no cloze item (one line) is evaluated, with a note
+    saying why there is no accuracy. Asked for by name, the cloze task on that text is refused in one line."""
+    text = tmp_path / "one-line.txt"
+    text.write_text("the cat sat on the mat and then the cat sat on the mat again. " * 20)
+    base = ("eval", tiny_model, "--eval-data", text, "--seq-len", "16", "--max-windows", "2", "-q")
+    code, out, err = ptq_cli(*base, "--out", tmp_path / "auto")
+    assert code == 0, err
+    assert err.strip() == (
+        f"note: no cloze accuracy (no line of {text} ends a sentence with a lowercase word that occurs earlier in "
+        "its 200-600 character passage): perplexity only; --tasks names other tasks"
+    )
+    assert not json.loads((tmp_path / "auto" / "results.json").read_text())["tasks"] and "perplexity" in out
+    code, out, err = ptq_cli(*base, "--out", tmp_path / "asked", "--tasks", "cloze")
+    assert code == 2 and one_line(err) and f"error: task 'cloze' has no items: no line of {text} ends" in err
+
+
 def test_the_console_table_never_prints_a_small_kl_as_zero(tmp_path, capsys, monkeypatch):
     """A KL of 3.4e-06 (int8 on a tiny MoE) printed as 0.00000 reads as a variant identical to the baseline: the
     console table writes it as the report does (report.kl_text)."""

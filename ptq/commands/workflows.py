@@ -47,6 +47,7 @@ from ptq.evaluation import harness
 from ptq.evaluation.data import Corpus, load_corpus, make_windows, shared_text
 from ptq.evaluation.evaluate import evaluate, gather_scores
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
+from ptq.evaluation.tasks import cloze_items, no_cloze_items
 from ptq.execution import batching, devices, distributed, streaming
 from ptq.execution.devices import compute_dtype, cpu_model, default_device
 from ptq.execution.placement import Placement, placed, placed_copy
@@ -746,7 +747,8 @@ def run_eval(
     (ptq.execution.placement)."""
     _refuse_resume("eval", calibration)
     refuse_unused("eval", output, limits="a gate (they compare with a baseline: use ptq compare)")
-    if data.tasks != AUTO_TASKS:  # tasks given: checked before torch.distributed starts
+    auto_tasks = data.tasks == AUTO_TASKS
+    if not auto_tasks:  # tasks given: checked before torch.distributed starts
         check_task_options(data)
     distributed.setup()
     streamed = _streams(
@@ -757,7 +759,7 @@ def run_eval(
             f"({streaming.LOW_MEMORY_FLAG})"
         ),
     )
-    if data.tasks == AUTO_TASKS:  # eval's default: the cloze task, where lm-eval can run (the model whole, one process)
+    if auto_tasks:  # eval's default: the cloze task, where lm-eval can run (the model whole, one process)
         whole = not streamed and not distributed.active()
         data = dataclasses.replace(data, tasks="cloze" if whole else None)
         if not whole and distributed.is_main():
@@ -780,6 +782,13 @@ def run_eval(
     needed = [config] if config.needs_calibration else []
     calib_corpus = load_corpus(calibration.data, role="calibration") if needed and reused is None else None
     eval_corpus = load_corpus(data.data, role="evaluation")
+    if auto_tasks and data.tasks == "cloze" and not cloze_items(eval_corpus):  # not asked for: a note, not an error
+        stderr.print(
+            f"note: no cloze accuracy ({no_cloze_items(eval_corpus)}): perplexity only; --tasks names other tasks",
+            highlight=False,
+            soft_wrap=True,
+        )
+        data = dataclasses.replace(data, tasks=None)
     task_work, suite = _task_suite(data, eval_corpus)  # fail before the model
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]))
     check_seq_len(loaded, data.seq_len)

@@ -122,6 +122,27 @@ def build_cloze(corpus: Corpus, name: str = "cloze") -> Task:
     The model must produce " " + word: every token of it greedily (harness `is_greedy`).
     """
     lo, hi = CLOZE_CONTEXT_CHARS
+    notes = (
+        f"passages: whole lines, {lo}-{hi} characters of context; target: a lowercase word of 3+ letters "
+        "ending a line and a sentence, also found earlier in the passage; non-overlapping passages; "
+        "correct when greedy decoding yields all of the word's tokens",
+    )
+    items = cloze_items(corpus)
+    if not items:
+        raise PtqError(f"task '{name}' has no items: {no_cloze_items(corpus)}")
+    return _task(name, "greedy", items, f"cloze from {corpus.source} (sha256 {corpus.sha256[:16]})", notes)
+
+
+def no_cloze_items(corpus: Corpus) -> str:
+    return (
+        f"no line of {corpus.source} ends a sentence with a lowercase word that occurs earlier in its "
+        f"{CLOZE_CONTEXT_CHARS[0]}-{CLOZE_CONTEXT_CHARS[1]} character passage"
+    )
+
+
+def cloze_items(corpus: Corpus) -> list[Item]:
+    """The items of build_cloze (none where no line of the text qualifies: a text without line breaks, say)."""
+    lo, hi = CLOZE_CONTEXT_CHARS
     items: list[Item] = []
     for doc in corpus.documents:
         lines = doc.split("\n")
@@ -143,12 +164,7 @@ def build_cloze(corpus: Corpus, name: str = "cloze") -> Task:
                 continue
             items.append(Item((context,), (" " + word,), 0))
             used_until = word_at + len(word)
-    notes = (
-        f"passages: whole lines, {lo}-{hi} characters of context; target: a lowercase word of 3+ letters "
-        "ending a line and a sentence, also found earlier in the passage; non-overlapping passages; "
-        "correct when greedy decoding yields all of the word's tokens",
-    )
-    return _task(name, "greedy", items, f"cloze from {corpus.source} (sha256 {corpus.sha256[:16]})", notes)
+    return items
 
 
 def cloze_rows(task: Task) -> list[dict]:
