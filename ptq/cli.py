@@ -816,7 +816,8 @@ def eval_(
         str | None,
         typer.Option(
             "--tasks",
-            help=TASKS_HELP + " Default 'auto': cloze, or none where lm-eval cannot run (--low-memory, torchrun) or the text has no cloze items.",
+            help=TASKS_HELP + " Default 'auto': cloze, or none where lm-eval cannot run (--low-memory, torchrun) "
+            "or the text has no cloze items.",
         ),
     ] = "auto",
     max_items: MaxItems = 300,
