@@ -88,13 +88,31 @@ def test_unknown_name_bad_yaml_and_missing_file(tmp_path):
     with pytest.raises(PtqError, match="does not exist"):
         load_recipe(str(tmp_path / "nope.yaml"))
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: [unclosed\n")
-    with pytest.raises(PtqError, match="not valid YAML"):
+    bad.write_text("name: x\ndescription: [unclosed\n")
+    with pytest.raises(PtqError, match=r"bad.yaml, line 3, column 1: not valid YAML: expected ',' or ']'"):
         load_recipe(str(bad))
     unsafe = tmp_path / "unsafe.yaml"
     unsafe.write_text("!!python/object/apply:os.system ['echo pwned']\n")
-    with pytest.raises(PtqError, match="not valid YAML"):  # safe_load refuses Python tags
-        load_recipe(str(unsafe))
+    with pytest.raises(PtqError, match="line 1, column 1: not valid YAML: could not determine a constructor"):
+        load_recipe(str(unsafe))  # safe loading refuses Python tags
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("name: x\nweights: {format: e4m3}\ninputs: {format: e4m3}\nweights: {format: int8}\n", "line 4, column 1"),
+        ("name: x\nweights: {format: e4m3, format: int8}\ninputs: {format: e4m3}\n", "line 2, column 25"),
+    ],
+)
+def test_a_key_given_twice_is_refused_where_yaml_would_keep_the_last(tmp_path, text, where):
+    import yaml
+
+    assert yaml.safe_load(text)["weights"] == {"format": "int8"}  # what PyYAML alone would quantize by
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    key = "weights" if where.startswith("line 4") else "format"
+    with pytest.raises(PtqError, match=rf"twice.yaml, {where}: not valid YAML: '{key}' given twice \(first on line"):
+        load_recipe(str(path))
 
 
 def test_a_builtin_name_is_not_shadowed_by_a_file_or_folder_of_that_name(tmp_path, monkeypatch):
