@@ -146,6 +146,7 @@ MaxItems = Annotated[
         "--max-items",
         min=1,
         help="Cloze: build at most this many items from the text, evenly spaced (--limit caps every task).",
+        show_default="300",
     ),
 ]
 NumFewshot = Annotated[
@@ -335,7 +336,7 @@ def compare(
     allow_pickle: AllowPickle = False,
     no_memory_check: NoMemoryCheck = False,
     tasks: Tasks = None,
-    max_items: MaxItems = 300,
+    max_items: MaxItems = None,
     num_fewshot: NumFewshot = None,
     limit: Limit = None,
     dtype: Dtype = None,
@@ -437,7 +438,7 @@ def report(
     elif output is None:
         print(markdown, end="")
     else:
-        progress.stderr.print(f"wrote {output}", highlight=False)
+        progress.stderr.print(f"wrote {output}", highlight=False, markup=False, soft_wrap=True)
     _exit_for_gates(judged)
 
 
@@ -798,6 +799,8 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
             f"{info['format']['quantized_layers']} Linear layers as {info['recipe']['weights']} at 1 byte/parameter; "
             f"16-bit checkpoint {size_text(size['bytes_16bit'], si=True)}, saved {size_text(size['bytes_saved'], si=True)} ({pct:.1f}%)",
             highlight=False,
+            markup=False,
+            soft_wrap=True,
         )
     if written and info.get("hub"):
         console.print(f"uploaded to {info['hub']['url']} (commit {info['hub']['commit'][:12]})", highlight=False)
@@ -820,7 +823,7 @@ def eval_(
             "or the text has no cloze items.",
         ),
     ] = "auto",
-    max_items: MaxItems = 300,
+    max_items: MaxItems = None,
     num_fewshot: NumFewshot = None,
     limit: Limit = None,
     eval_data: EvalData = None,
@@ -904,7 +907,11 @@ def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
         table.add_row(row["layer"], f"{row['input_amax']:.4g}", f"{row['weight_amax']:.4g}")
     console = Console()
     console.print(table)
-    console.print(f"calibrated on {metadata['tokens']:,} tokens of {metadata['data']}; wrote {output}")
+    console.print(
+        f"calibrated on {metadata['tokens']:,} tokens of {metadata['data']}; wrote {output}",
+        markup=False,
+        soft_wrap=True,
+    )
 
 
 def _print_compare(results, out: Path) -> None:
@@ -939,14 +946,16 @@ def _print_compare(results, out: Path) -> None:
         from ptq.reporting.report import verdict
 
         console.print(verdict(results).replace("**", ""), highlight=False, markup=False)
-    console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}", markup=False)
+    console.print(
+        f"wrote {out / 'report.md'} and {out / 'results.json'}", markup=False, highlight=False, soft_wrap=True
+    )
 
 
 def _print_tasks(console, results, entries: list) -> None:
     from rich.table import Table
 
     from ptq.reporting.gates import task_higher_is_better, task_metric_is_share
-    from ptq.reporting.report import task_delta
+    from ptq.reporting.report import interval_text, task_delta
 
     if not results.tasks:
         return
@@ -963,8 +972,7 @@ def _print_tasks(console, results, entries: list) -> None:
             cells = []
             for e in entries:
                 m = e.tasks[task.name].metrics[metric]
-                low, high = (f"{scale * x:.{places}f}" for x in m.ci)
-                cell = f"{scale * m.value:.{places}f}{unit} [{low}, {high}]"
+                cell = f"{scale * m.value:.{places}f}{unit} {interval_text(m.ci, scale, f'.{places}f')}"
                 d = task_delta(e, task.name, metric)
                 if d:
                     cell += f" ({scale * d.delta:+.{places}f}{'*' if d.significant else ''}; {d.recovery_pct:.1f}%)"
@@ -977,15 +985,24 @@ def _print_tasks(console, results, entries: list) -> None:
 def _print_eval(results, out: Path) -> None:
     from rich.console import Console
 
+    from ptq.evaluation.stats import MIN_UNITS
+    from ptq.reporting.report import interval_text
+
     c = results.config
+    interval = interval_text(c.perplexity_ci, fmt=".4f")
+    if interval == "n/a":
+        interval = f"(no interval: fewer than {MIN_UNITS} windows)"
     console = Console()
     console.print(
-        f"{results.model.name} with {c.name}: perplexity {c.perplexity:.4f} "
-        f"[{c.perplexity_ci[0]:.4f}, {c.perplexity_ci[1]:.4f}] on {results.eval.windows} windows "
-        f"x {results.eval.seq_len} tokens"
+        f"{results.model.name} with {c.name}: perplexity {c.perplexity:.4f} {interval} on {results.eval.windows} "
+        f"windows x {results.eval.seq_len} tokens",
+        markup=False,  # an interval is no rich markup tag ("[nan, nan]" vanished as one)
+        soft_wrap=True,
     )
     _print_tasks(console, results, [c])
-    console.print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
+    console.print(
+        f"wrote {out / 'report.md'} and {out / 'results.json'}", markup=False, highlight=False, soft_wrap=True
+    )
 
 
 _TERMINATED: list[int] = []  # set by the SIGTERM handler (click re-raises interrupts as its own)

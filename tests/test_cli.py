@@ -479,6 +479,40 @@ def test_eval_by_default_scores_the_cloze_task_where_lm_eval_can_run(tiny_model,
     assert code == 2 and one_line(err) and "--tasks needs the whole model in memory" in err
 
 
+def test_max_items_without_a_cloze_task_is_refused_and_caps_the_default_one(tiny_model, text_file, ptq_cli, tmp_path):
+    """--max-items caps only the cloze items: given where no cloze task runs, it was dropped silently."""
+    from ptq.commands.options import DEFAULT_MAX_ITEMS
+
+    refusal = (
+        "error: --max-items caps the cloze task's items, and this run scores no cloze task: add cloze to --tasks, "
+        "or drop --max-items (--limit caps every task)"
+    )
+    for args in (("compare", tiny_model), ("eval", tiny_model, "--tasks", "ptq_arith")):
+        code, out, err = ptq_cli(*args, "--max-items", "5", "--out", tmp_path / "refused")
+        assert code == 2 and out == "" and err.strip() == refusal
+    assert not (tmp_path / "refused").exists()
+    code, out, err = ptq_cli("eval", tiny_model, *FAST[:4], "--max-items", "3", "--out", tmp_path / "three", "-q")
+    assert code == 0, err
+    assert [(t["name"], t["n"]) for t in json.loads((tmp_path / "three" / "results.json").read_text())["tasks"]] == [
+        ("cloze", 3)
+    ]
+    _, help_text, _ = ptq_cli("eval", "--help")
+    assert f"[default: ({DEFAULT_MAX_ITEMS})]" in " ".join(help_text.split())
+
+
+def test_eval_prints_a_missing_interval_and_a_bracketed_path_as_they_are(tiny_model, text_file, ptq_cli, tmp_path):
+    """rich read "[nan, nan]" (fewer windows than an interval needs) and "[abc]" in a path as markup and dropped them."""
+    out_dir = tmp_path / "run[abc]"
+    args = ("eval", tiny_model, "--eval-data", text_file, "--seq-len", "32", "--max-windows", "2", "--tasks", "")
+    code, out, err = ptq_cli(*args, "--out", out_dir, "-q")
+    assert code == 0, err
+    first, last = out.strip().splitlines()
+    assert first.startswith(f"{tiny_model} with bf16: perplexity ") and first.endswith(
+        " (no interval: fewer than 4 windows) on 2 windows x 32 tokens"
+    ), first
+    assert last == f"wrote {out_dir / 'report.md'} and {out_dir / 'results.json'}"
+
+
 def test_eval_by_default_on_a_text_without_cloze_items_gives_perplexity_with_a_note(tiny_model, ptq_cli, tmp_path):
     """The default task is not the user's request: a text with no cloze item (one line) is evaluated, with a note
     saying why there is no accuracy. Asked for by name, the cloze task on that text is refused in one line."""

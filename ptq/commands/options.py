@@ -43,7 +43,7 @@ class DataOptions:
     seq_len: int = 512  # --seq-len
     windows: int | None = 40  # --max-windows (quantize: --verify-windows); None: every window of the text
     tasks: str | None = None  # --tasks: lm-evaluation-harness tasks (ptq.evaluation.harness)
-    max_items: int | None = DEFAULT_MAX_ITEMS  # --max-items: cloze items built from the text
+    max_items: int | None = None  # --max-items: cloze items built from the text; None: DEFAULT_MAX_ITEMS
     num_fewshot: int | None = None  # --num-fewshot (lm-eval's); None: each task's own
     limit: float | None = None  # --limit (lm-eval's): the first N documents of each task, or a fraction below 1
 

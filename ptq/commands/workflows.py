@@ -33,6 +33,7 @@ from ptq.calibration.calibrate import (
     save_calibration,
 )
 from ptq.commands.options import (
+    DEFAULT_MAX_ITEMS,
     CalibrationOptions,
     CheckpointOptions,
     ComputeOptions,
@@ -686,6 +687,11 @@ def check_task_options(data: DataOptions) -> None:
     """--tasks runs lm-evaluation-harness in one process; --num-fewshot and --limit are its options."""
     if not data.tasks and (data.num_fewshot is not None or data.limit is not None):
         raise PtqError("--num-fewshot and --limit apply to --tasks: give tasks too")
+    if data.max_items is not None and not harness.scores_cloze(data.tasks):
+        raise PtqError(
+            "--max-items caps the cloze task's items, and this run scores no cloze task: add cloze to --tasks, or "
+            "drop --max-items (--limit caps every task)"
+        )
     if data.tasks and distributed.active():
         raise PtqError(
             "--tasks runs lm-evaluation-harness on each model in one process: start ptq without torchrun / "
@@ -714,7 +720,7 @@ def _task_suite(data: DataOptions, eval_corpus: Corpus):
         data.tasks,
         lambda: eval_corpus,
         Path(work.name),
-        max_items=data.max_items,
+        max_items=data.max_items or DEFAULT_MAX_ITEMS,
         num_fewshot=data.num_fewshot,
         limit=data.limit,
     )

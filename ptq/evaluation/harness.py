@@ -168,6 +168,11 @@ def _split_specs(spec: str) -> list[tuple[str, str | None]]:
     return out
 
 
+def scores_cloze(spec: str | None) -> bool:
+    """Whether --tasks `spec` has the cloze task built from text (what --max-items caps)."""
+    return bool(spec) and any(name == "cloze" for name, _ in _split_specs(spec))
+
+
 def _write(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
     return path

@@ -611,7 +611,7 @@ def render_coverage(r: CompareResults) -> list[str]:
     return lines
 
 
-def _ci(ci: tuple[float, float], scale: float = 1, fmt: str = ".2f", unit: str = "") -> str:
+def interval_text(ci: tuple[float, float], scale: float = 1, fmt: str = ".2f", unit: str = "") -> str:
     """An interval as [lo, hi]; "n/a" where there is none (NaN ends: fewer units than an interval needs)."""
     if any(c != c for c in ci):
         return "n/a"
@@ -640,15 +640,15 @@ def intervals_section(r: CompareResults) -> list[str]:
         f"| variant | perplexity | 95% CI | Δ ppl vs {base.name} | 95% CI | distinguishable from 0 "
         "| next-token acc | 95% CI | Δ acc (points) | 95% CI | distinguishable from 0 |",
         "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
-        f"| **{base.name}** (baseline) | {base.perplexity:.4f} | {_ci(base.perplexity_ci, fmt='.4f')} | | | "
-        f"| {100 * base.accuracy:.2f}% | {_ci(base.accuracy_ci, 100)} | | | |",
+        f"| **{base.name}** (baseline) | {base.perplexity:.4f} | {interval_text(base.perplexity_ci, fmt='.4f')} | | | "
+        f"| {100 * base.accuracy:.2f}% | {interval_text(base.accuracy_ci, 100)} | | | |",
     ]
     for v in r.variants:
         lines.append(
-            f"| {v.name} | {v.perplexity:.4f} | {_ci(v.perplexity_ci, fmt='.4f')} | {_ppl_delta(v, checks)} "
-            f"| {_ci(v.ppl_delta_pct_ci, fmt='+.2f', unit='%')} | {_distinguishable(v.ppl_delta_significant)} "
-            f"| {100 * v.accuracy:.2f}% | {_ci(v.accuracy_ci, 100)} | {100 * v.accuracy_delta:+.2f} "
-            f"| {_ci(v.accuracy_delta_ci, 100, '+.2f')} | {_distinguishable(v.accuracy_delta_significant)} |"
+            f"| {v.name} | {v.perplexity:.4f} | {interval_text(v.perplexity_ci, fmt='.4f')} | {_ppl_delta(v, checks)} "
+            f"| {interval_text(v.ppl_delta_pct_ci, fmt='+.2f', unit='%')} | {_distinguishable(v.ppl_delta_significant)} "
+            f"| {100 * v.accuracy:.2f}% | {interval_text(v.accuracy_ci, 100)} | {100 * v.accuracy_delta:+.2f} "
+            f"| {interval_text(v.accuracy_delta_ci, 100, '+.2f')} | {_distinguishable(v.accuracy_delta_significant)} |"
         )
     # the agreement with the baseline, by which close recipes are told apart, with its intervals
     lines += [
@@ -659,7 +659,7 @@ def intervals_section(r: CompareResults) -> list[str]:
     for v in r.variants:
         lines.append(
             f"| {v.name} | {_kl(v, checks)} | {_kl_ci(v.kl_div_ci)} "
-            f"| {100 * v.top1_agreement:.2f}% | {_ci(v.top1_agreement_ci, 100)} |"
+            f"| {100 * v.top1_agreement:.2f}% | {interval_text(v.top1_agreement_ci, 100)} |"
         )
     return lines
 
@@ -699,13 +699,13 @@ def tasks_section(r: Results) -> list[str]:
                 row = (
                     f"| {task.name} | {label} | {t.n} | {shots} | "
                     f"{'**' + e.name + '**' if e.name == base_name else e.name} | "
-                    f"{scale * m.value:.{places}f}{unit} | {_ci(m.ci, scale, f'.{places}f')} |"
+                    f"{scale * m.value:.{places}f}{unit} | {interval_text(m.ci, scale, f'.{places}f')} |"
                 )
                 if base_name:
                     d = task_delta(e, task.name, metric)
                     recovery = fmt_against(d.recovery_pct, limits.get((e.name, task.name, metric)), ".2f") if d else ""
                     row += (
-                        f" {scale * d.delta:+.{places}f} | {_ci(d.ci, scale, f'+.{places}f')} "
+                        f" {scale * d.delta:+.{places}f} | {interval_text(d.ci, scale, f'+.{places}f')} "
                         f"| {_distinguishable(d.significant)} | {recovery}% |"
                         if d
                         else " | | | |"
@@ -753,7 +753,7 @@ def render_eval_markdown(r: EvalResults) -> str:
         "| configuration | weights | inputs | perplexity | 95% CI | next-token acc | 95% CI |",
         "|---|---|---|---:|---:|---:|---:|",
         f"| {c.name} | {c.recipe.weights} | {c.recipe.inputs} | {c.perplexity:.4f} "
-        f"| {_ci(c.perplexity_ci, fmt='.4f')} | {100 * c.accuracy:.2f}% | {_ci(c.accuracy_ci, 100)} |",
+        f"| {interval_text(c.perplexity_ci, fmt='.4f')} | {100 * c.accuracy:.2f}% | {interval_text(c.accuracy_ci, 100)} |",
     ]
     lines += tasks_section(r)
     lines += [""] + coverage_lines([c])
