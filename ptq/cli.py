@@ -28,9 +28,26 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+def _model(value: str) -> str:
+    """The model argument: an empty one is refused, not read as "none given" (the offline default)."""
+    if not value.strip():
+        raise typer.BadParameter("is empty: give a Hub id, a model folder, a .gguf file or 'smollm2'")
+    return value
+
+
+def _path(value: str) -> Path:
+    """A path option's value: an empty one is refused (Path("") is the current folder, where a report or a
+    checkpoint would then be written)."""
+    if not str(value).strip():
+        raise typer.BadParameter("is empty: give a path")
+    return Path(value)
+
+
 ModelArg = Annotated[
     str | None,
     typer.Argument(
+        parser=_model,
         help="Hub id (org/name, or org/name@revision), local model directory, .gguf file, or 'smollm2' "
         "(the offline default).",
         show_default="smollm2",
@@ -203,7 +220,11 @@ MaxMemory = Annotated[
         "'0=70GiB,1=70GiB,cpu=400GiB'. Default: 70% of each GPU's free memory and 90% of the available host memory.",
     ),
 ]
-CalibFile = Annotated[Path | None, typer.Option("--calib", help="Reuse a calibration file from `ptq calibrate`.")]
+
+
+CalibFile = Annotated[
+    Path | None, typer.Option("--calib", parser=_path, help="Reuse a calibration file from `ptq calibrate`.")
+]
 CalibData = Annotated[str | None, typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")]
 CalibSamples = Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")]
 EvalData = Annotated[str | None, typer.Option("--eval-data", help=DATA_HELP + " (evaluation split).")]
@@ -222,9 +243,9 @@ def _split(values: str) -> list[str]:
 @app.command()
 def calibrate(
     model: ModelArg = None,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Calibration file to write (safetensors).")] = Path(
-        "calibration.safetensors"
-    ),
+    output: Annotated[
+        Path, typer.Option("--output", "-o", parser=_path, help="Calibration file to write (safetensors).")
+    ] = Path("calibration.safetensors"),
     data: Annotated[str | None, typer.Option("--data", help=DATA_HELP + " (calibration split).")] = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Calibration windows.")] = 32,
     seq_len: SeqLen = 512,
@@ -320,9 +341,9 @@ def compare(
     seq_len: SeqLen = 512,
     max_windows: MaxWindows = 40,
     batch_size: BatchSize = "auto",
-    out: Annotated[Path, typer.Option("--out", help="Directory for report.md, results.json and the plots.")] = Path(
-        "reports/compare"
-    ),
+    out: Annotated[
+        Path, typer.Option("--out", parser=_path, help="Directory for report.md, results.json and the plots.")
+    ] = Path("reports/compare"),
     max_ppl_increase: MaxPplIncrease = None,
     min_accuracy_recovery: MinAccuracyRecovery = None,
     max_kl: MaxKl = None,
@@ -406,13 +427,17 @@ def compare(
 
 @app.command()
 def report(
-    results: Annotated[Path, typer.Argument(metavar="RESULTS.json", help="results.json written by `ptq compare`.")],
+    results: Annotated[
+        Path, typer.Argument(metavar="RESULTS.json", parser=_path, help="results.json written by `ptq compare`.")
+    ],
     previous: Annotated[
-        Path | None, typer.Option("--previous", help="An earlier results.json: show what moved since.")
+        Path | None, typer.Option("--previous", parser=_path, help="An earlier results.json: show what moved since.")
     ] = None,
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", help="Write the markdown (and its plots) here instead of printing it."),
+        typer.Option(
+            "--output", "-o", parser=_path, help="Write the markdown (and its plots) here instead of printing it."
+        ),
     ] = None,
     max_ppl_increase: MaxPplIncrease = None,
     min_accuracy_recovery: MinAccuracyRecovery = None,
@@ -646,7 +671,7 @@ def quantize(
             "KV cache (e.g. fp8-e4m3+kv); or a .yaml path with E4M3 or int8 weights and inputs.",
         ),
     ] = "fp8-e4m3",
-    output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")] = ...,
+    output: Annotated[Path, typer.Option("--output", "-o", parser=_path, help="Checkpoint directory to write.")] = ...,
     calib: CalibFile = None,
     data: Annotated[
         str | None,
@@ -671,6 +696,7 @@ def quantize(
         Path | None,
         typer.Option(
             "--compare-results",
+            parser=_path,
             help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.",
         ),
     ] = None,
@@ -830,7 +856,7 @@ def eval_(
     seq_len: SeqLen = 512,
     max_windows: MaxWindows = 40,
     batch_size: BatchSize = "auto",
-    out: Annotated[Path, typer.Option("--out", help="Directory for report.md and results.json.")] = Path(
+    out: Annotated[Path, typer.Option("--out", parser=_path, help="Directory for report.md and results.json.")] = Path(
         "reports/eval"
     ),
     force: Force = False,

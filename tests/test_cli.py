@@ -542,3 +542,42 @@ def test_the_console_table_never_prints_a_small_kl_as_zero(tmp_path, capsys, mon
     cli._print_compare(results, tmp_path)
     out = capsys.readouterr().out
     assert "0.0000034" in out and "0.00000 " not in out
+
+
+@pytest.mark.parametrize(
+    "args, name",
+    [
+        (("inspect", ""), "'model'"),
+        (("compare", "TINY", "--out", ""), "'--out'"),
+        (("eval", "TINY", "--out", " "), "'--out'"),
+        (("calibrate", "TINY", "-o", ""), "'--output' / '-o'"),
+        (("quantize", "TINY", "-o", ""), "'--output' / '-o'"),
+        (("compare", "TINY", "--calib", ""), "'--calib'"),
+        (("report", ""), "'RESULTS.json'"),
+    ],
+)
+def test_an_empty_model_or_path_is_refused_not_read_as_a_default_or_the_current_folder(
+    ptq_cli, tiny_model, tmp_path, monkeypatch, args, name
+):
+    """`ptq inspect ""` showed the offline default model; `--out ""` wrote the report into the current folder."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = ptq_cli(*(str(tiny_model) if a == "TINY" else a for a in args))
+    assert code == 2 and out == "" and one_line(err), err
+    assert err.startswith(f"error: Invalid value for {name}: is empty: give a")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_never_writes_over_the_results_it_reads(ptq_cli, tmp_path):
+    from sample_results import compare_results
+
+    from ptq.reporting.results import to_json
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(to_json(compare_results())))
+    code, out, err = ptq_cli("report", results)
+    assert code == 0 and out.startswith("# ptq compare"), err  # a results file report reads
+    before = results.read_bytes()
+    for target in (results, tmp_path / "." / "results.json"):
+        code, out, err = ptq_cli("report", results, "-o", target, "--force", "--no-plots")
+        assert code == 2 and one_line(err) and "is the input" in err, err
+    assert results.read_bytes() == before

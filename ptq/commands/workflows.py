@@ -898,7 +898,10 @@ def run_report(
             )
     if output is None:
         return results, previous, render_markdown(results, previous)
+    inputs = {Path(f).resolve(): f for f in (results_file, previous_file) if f is not None}
     for path in report_outputs(Path(output), results, plots):
+        if Path(path).resolve() in inputs:  # --force would replace the file being read with its own rendering
+            raise PtqError(f"--output {path} is the input {inputs[Path(path).resolve()]}: write the report elsewhere")
         check_writable(path, force)
     write_markdown(Path(output), results, previous, plots, force=True)
     return results, previous, Path(output).read_text(encoding="utf-8")
