@@ -368,6 +368,7 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
         ("mc={label}", "line 1: 'label' must be an integer index"),
         ("mc=missing.jsonl", "does not exist"),
         ("{empty_folder}", "defines no lm-eval task"),
+        (" , ", "--tasks ' , ' names no task (e.g. --tasks cloze; --tasks '' for none)"),
     ],
 )
 def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message):

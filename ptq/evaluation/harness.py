@@ -164,7 +164,7 @@ def _split_specs(spec: str) -> list[tuple[str, str | None]]:
             raise PtqError(f"bad task '{part}': expected NAME, NAME=FILE.jsonl, FILE.jsonl, FILE.yaml or a folder")
         out.append((name, path) if sep else (part, None))
     if not out:
-        raise PtqError("no tasks given (e.g. --tasks cloze)")
+        raise PtqError(f"--tasks '{spec}' names no task (e.g. --tasks cloze; --tasks '' for none)")
     return out
 
 
