@@ -164,6 +164,7 @@ def corrupted_model(src, tmp_path):
         "invalid recipe",
         "other model's calibration",
         "unreadable calibration",
+        "calibration folder",
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
@@ -207,6 +208,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
             == 0
         )
         extra, expected = ["--calib", str(calib)], "made for another model"
+    elif case == "calibration folder":
+        extra, expected = ["--calib", str(tmp_path)], f"calibration file {tmp_path} is a folder: give the .safetensors"
     else:
         (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
         extra, expected = ["--calib", str(tmp_path / "junk.safetensors")], "not a readable calibration file"

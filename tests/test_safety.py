@@ -235,6 +235,39 @@ def test_damaged_model_weights(tiny_model, text_file, tmp_path, ptq_cli):
         assert "damaged or not safetensors" in err or "cannot load model" in err
 
 
+def test_a_weights_file_that_cannot_be_opened_is_named_with_the_reason(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    """No permission to read a file is no damaged file (tests run as root, where chmod 000 still reads: the operating
+    system's error is raised where safetensors would raise it)."""
+    import safetensors
+
+    from ptq.execution import resources, streaming
+
+    opened = safetensors.safe_open
+    reasons = {
+        PermissionError(13, "Permission denied"): "permission denied (check the file's owner and mode)",
+        OSError(5, "Input/output error"): "Input/output error",
+        safetensors.SafetensorError("Error while deserializing header: header too large"): "damaged or not safetensors",
+    }
+    weights = tiny_model / "model.safetensors"
+    for error, reason in reasons.items():
+
+        def refuse(path, *args, error=error, **kwargs):
+            if Path(path) == weights:
+                raise error
+            return opened(path, *args, **kwargs)
+
+        monkeypatch.setattr(safetensors, "safe_open", refuse)
+        expected = f"cannot read the weights file {weights}: {reason}"
+        for read in (resources.checkpoint_parameters, streaming.SafetensorsCheckpoint):
+            with pytest.raises(PtqError) as caught:
+                read(tiny_model)
+            assert str(caught.value) == expected
+        code, _, err = ptq_cli(*calib_args(tiny_model, text_file, tmp_path / "c.st"))
+        assert code == 2 and err.strip() == f"error: {expected}", err
+
+
 def test_paths_from_user_files_cannot_escape(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -657,6 +657,8 @@ def save_calibration(calibration: Calibration, path: Path, force: bool = False) 
 
 def load_calibration(path: Path) -> Calibration:
     path = Path(path)
+    if path.is_dir():
+        raise PtqError(f"calibration file {path} is a folder: give the .safetensors file that `ptq calibrate` wrote")
     if not path.is_file():
         raise PtqError(f"calibration file {path} does not exist")
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ptq.errors import PtqError
+from ptq.errors import PtqError, unreadable_weights
 
 GIB = 2**30
 FLOAT32_BYTES = 4
@@ -43,8 +43,8 @@ def checkpoint_parameters(directory: Path) -> int | None:
                         # MXFP4 (gpt-oss): two 4-bit values per byte of a *_blocks tensor, dequantized on load
                         packed = 2 if key.endswith("_blocks") and piece.get_dtype() == "U8" else 1
                         total += math.prod(piece.get_shape()) * packed
-            except Exception:
-                raise PtqError(f"cannot read the weights file {f}: missing, damaged or not safetensors") from None
+            except Exception as e:
+                raise unreadable_weights(f, e) from None
         return total
     pickles = sorted(Path(directory).glob("*.bin"))
     return sum(f.stat().st_size for f in pickles) // 2 if pickles else None

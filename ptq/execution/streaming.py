@@ -46,7 +46,7 @@ import safetensors
 import torch
 from torch import nn
 
-from ptq.errors import PtqError
+from ptq.errors import PtqError, unreadable_weights
 from ptq.execution.devices import default_device
 from ptq.export.checkpoint import _saved_names, checkpoint_names
 from ptq.models.loading import LoadedModel, local_directory, model_kind, stored_dequantizer, weightless
@@ -91,8 +91,8 @@ class SafetensorsCheckpoint:
                         )
             except PtqError:
                 raise
-            except Exception:
-                raise PtqError(f"cannot read the weights file {path}: missing, damaged or not safetensors") from None
+            except Exception as e:
+                raise unreadable_weights(path, e) from None
 
     def add_prefix(self, prefix: str) -> None:
         """A checkpoint of the base model alone (openai-community/gpt2's `wte.weight`, not `transformer.wte.weight`)
