@@ -7,7 +7,7 @@ has no ~/.cache; `-o new/dir/file`). Also the helpers that keep outputs safe and
 `check_output_dir` (fail before hours of work, not after), `make_dir` (a folder created and checked up
 front, such as the model cache), `safe_join` (a name taken from a user's file cannot escape the output directory),
 `save_safetensors` (byte-identical files for identical content), and `cache_root` (where converted models and
-offloaded weights are kept).
+offloaded weights are kept). And the one reader of the YAML files users write (recipes, task files): `read_yaml`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+
+import yaml
 
 from ptq.errors import PtqError
 
@@ -209,3 +211,44 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp_path, ignore_errors=True)
         raise
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a key given twice in one mapping is an error: PyYAML keeps the last one
+    silently, so `weights:` written twice would quantize by whichever came second."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"'{key}' given twice (first on line {seen[key] + 1})", key_node.start_mark
+                )
+            seen.setdefault(key, key_node.start_mark.line)
+        return super().construct_mapping(node, deep)
+
+
+class _TaggedLoader(_StrictLoader):
+    """lm-eval's task files tag values (`!function utils.process_docs`): read as None, for checking only."""
+
+
+_TaggedLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def read_yaml(path: Path, what: str, tags: bool = False) -> object:
+    """A user's YAML file, safe-loaded (no Python objects), a key given twice refused; a problem is one line with
+    its line and column. tags: custom tags (lm-eval's !function) allowed, as None."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        return yaml.load(text, Loader=_TaggedLoader if tags else _StrictLoader)  # noqa: S506 (SafeLoader subclasses)
+    except (OSError, UnicodeDecodeError) as e:
+        raise PtqError(f"cannot read {what} {path}: {e}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise PtqError(f"{what} {path}{at}: not valid YAML: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise PtqError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:  # PyYAML builds nested collections recursively
+        raise PtqError(f"{what} {path} is nested too deeply") from None

@@ -369,6 +369,9 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
         ("mc=missing.jsonl", "does not exist"),
         ("{empty_folder}", "defines no lm-eval task"),
         (" , ", "--tasks ' , ' names no task (e.g. --tasks cloze; --tasks '' for none)"),
+        ("{broken_yaml}", "broken.yaml, line 3, column 6: not valid YAML: mapping values are not allowed here"),
+        ("{yaml_folder}", "broken.yaml, line 3, column 6: not valid YAML"),  # lm-eval's index skipped it silently
+        ("{twice_yaml}", "twice.yaml, line 2, column 1: not valid YAML: 'task' given twice (first on line 1)"),
     ],
 )
 def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message):
@@ -377,12 +380,25 @@ def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message
     wrong = write_jsonl(tmp_path / "wrong.jsonl", [{"question": "a"}])
     label = write_jsonl(tmp_path / "label.jsonl", [{"context": "a", "choices": ["b", "c"], "label": 2}])
     (tmp_path / "empty").mkdir()
+    (tmp_path / "yaml").mkdir()
+    broken = tmp_path / "yaml" / "broken.yaml"
+    broken.write_text("task: mine\ndataset_path: json\n  bad: [\n")
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(f"task: mine\ntask: other\ninclude: {SHIPPED / '_ptq_choice.yaml'}\n")
     out_dir = tmp_path / "out"
     code, _, err = ptq_cli(
         "eval",
         tiny_model,
         "--tasks",
-        task.format(bad=bad, wrong=wrong, label=label, empty_folder=tmp_path / "empty"),
+        task.format(
+            bad=bad,
+            wrong=wrong,
+            label=label,
+            empty_folder=tmp_path / "empty",
+            broken_yaml=broken,
+            yaml_folder=tmp_path / "yaml",
+            twice_yaml=twice,
+        ),
         "--out",
         out_dir,
         "-q",

@@ -35,6 +35,7 @@ import numpy as np
 import yaml
 
 from ptq.errors import PtqError
+from ptq.files import read_yaml
 
 TASKS_DIR = Path(__file__).resolve().with_name("lm_eval_tasks")  # the task YAMLs ptq ships
 CHOICE_TEMPLATE = TASKS_DIR / "_ptq_choice.yaml"
@@ -229,6 +230,10 @@ def _yaml_names(target: Path) -> list[str]:
     defines groups runs its groups, not their members twice)."""
     from lm_eval.tasks._index import Kind, TaskIndex
 
+    # lm-eval's index passes over a file it cannot read in silence: the user's files are read here first, so that
+    # a typo is named with its line, not reported as "no task" (or, with a key given twice, run as the other task)
+    for path in sorted(p for p in target.rglob("*") if p.suffix in (".yaml", ".yml")) if target.is_dir() else [target]:
+        read_yaml(path, "task file", tags=True)
     folder = target if target.is_dir() else target.parent
     with quiet_lm_eval():
         index = TaskIndex().build([folder])

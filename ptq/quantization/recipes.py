@@ -18,10 +18,10 @@ import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from torch import nn
 
 from ptq.errors import PtqError
+from ptq.files import read_yaml
 from ptq.models.matmuls import KINDS, kind
 from ptq.numerics.formats import NumberFormat, get_format
 from ptq.numerics.granularity import Granularity, PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken
@@ -166,35 +166,7 @@ def load_recipe(name_or_path: str) -> Recipe:
         raise PtqError(f"{path} is a folder, not a recipe file (a .yaml file, or a built-in recipe's name)")
     if not path.is_file():
         raise PtqError(f"recipe file {path} does not exist")
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
-    except (OSError, UnicodeDecodeError) as e:
-        raise PtqError(f"cannot read recipe {path}: {e}") from None
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise PtqError(f"recipe {path}{at}: not valid YAML: {e.problem or e.context}") from None
-    except yaml.YAMLError as e:
-        raise PtqError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    except RecursionError:  # PyYAML builds nested collections recursively
-        raise PtqError(f"recipe {path} is nested too deeply to be a recipe") from None
-    return parse_recipe(data, source=str(path))
-
-
-class _RecipeLoader(yaml.SafeLoader):
-    """yaml.safe_load's loader, except that a key given twice in one mapping is an error: PyYAML keeps the last one
-    silently, so `weights:` written twice would quantize by whichever came second."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"'{key}' given twice (first on line {seen[key] + 1})", key_node.start_mark
-                )
-            seen.setdefault(key, key_node.start_mark.line)
-        return super().construct_mapping(node, deep)
+    return parse_recipe(read_yaml(path, "recipe"), source=str(path))
 
 
 def with_kv_cache(recipe: Recipe, option: str) -> Recipe:
