@@ -11,7 +11,6 @@ from rich.markup import escape
 
 from ptq import progress
 from ptq.errors import PtqError
-from ptq.reporting.report import kl_text
 from ptq.reporting.results import to_json
 
 try:  # typer >= 0.20 carries its own copy of click
@@ -945,20 +944,24 @@ def _print_compare(results, out: Path) -> None:
     from rich.table import Table
 
     from ptq.models.matmuls import describe_coverage
+    from ptq.reporting.gates import stored_checks
+    from ptq.reporting.report import kl_div_text, ppl_delta_text
 
     base = results.baseline
-    table = Table(title=f"{results.model.name}: {results.eval.windows} windows x {results.eval.seq_len} tokens")
+    checks = stored_checks(results)
+    # names (a recipe's, the model's, a task's) are text, not rich markup: escaped, so "[...]" is printed as written
+    table = Table(title=escape(f"{results.model.name}: {results.eval.windows} windows x {results.eval.seq_len} tokens"))
     for col in ("variant", "perplexity", "Δ ppl", "next-token acc", f"KL vs {base.name}", "top-1 agreement"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    table.add_row(base.name, f"{base.perplexity:.4f}", "", f"{100 * base.accuracy:.2f}%", "", "")
-    failed = {c.variant for c in results.gates.checks if not c.passed} if results.gates else set()
+        table.add_column(escape(col), justify="left" if col == "variant" else "right")
+    table.add_row(escape(base.name), f"{base.perplexity:.4f}", "", f"{100 * base.accuracy:.2f}%", "", "")
+    failed = {c.variant for c in checks if not c.passed}
     for v in results.variants:
         table.add_row(
-            v.name + (" FAIL" if v.name in failed else ""),
+            escape(v.name) + (" FAIL" if v.name in failed else ""),
             f"{v.perplexity:.4f}",
-            f"{v.ppl_delta_pct:+.2f}%",
+            ppl_delta_text(v, checks),  # with the digits that tell it from its gate's limit, as in the report
             f"{100 * v.accuracy:.2f}%",
-            kl_text(v.kl_div),
+            kl_div_text(v, checks),
             f"{100 * v.top1_agreement:.2f}%",
         )
     console = Console()
@@ -980,17 +983,19 @@ def _print_compare(results, out: Path) -> None:
 def _print_tasks(console, results, entries: list) -> None:
     from rich.table import Table
 
-    from ptq.reporting.gates import task_higher_is_better, task_metric_is_share
-    from ptq.reporting.report import interval_text, task_delta
+    from ptq.reporting.gates import stored_checks, task_higher_is_better, task_metric_is_share
+    from ptq.reporting.report import interval_text, task_checks, task_delta
+    from ptq.reporting.results import CompareResults, fmt_against
 
     if not results.tasks:
         return
+    checks = stored_checks(results) if isinstance(results, CompareResults) else []
     table = Table(
         title="task accuracy, lm-evaluation-harness (95% CI; Δ vs baseline in points, * = distinguishable "
         "from 0; recovery = variant / baseline)"
     )
     for col in ("task", "metric", "n", *(e.name for e in entries)):
-        table.add_column(col, justify="left" if col in ("task", "metric") else "right")
+        table.add_column(escape(col), justify="left" if col in ("task", "metric") else "right")
     for task in results.tasks:
         for metric in task.metrics:
             # a share in [0, 1] as a percentage; a metric in its own units (likelihood_diff, nats) as it is
@@ -1001,10 +1006,15 @@ def _print_tasks(console, results, entries: list) -> None:
                 cell = f"{scale * m.value:.{places}f}{unit} {interval_text(m.ci, scale, f'.{places}f')}"
                 d = task_delta(e, task.name, metric)
                 if d:
-                    cell += f" ({scale * d.delta:+.{places}f}{'*' if d.significant else ''}; {d.recovery_pct:.1f}%)"
-                cells.append(cell)
+                    gated = task_checks(checks, e.name, task.name, metric)
+                    limit = gated[0].limit if gated else None
+                    cell += (
+                        f" ({fmt_against(scale * d.delta, None, f'+.{places}f', 0)}{'*' if d.significant else ''}; "
+                        f"{fmt_against(d.recovery_pct, limit, '.1f')}%{' FAIL' if any(not c.passed for c in gated) else ''})"
+                    )
+                cells.append(escape(cell))
             lower = "" if task_higher_is_better(results, task.name, metric) else " (lower is better)"
-            table.add_row(task.name, metric + lower, str(task.n), *cells)
+            table.add_row(escape(task.name), escape(metric + lower), str(task.n), *cells)
     console.print(table)
 
 

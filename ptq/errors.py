@@ -17,3 +17,12 @@ def unreadable_weights(path, error: Exception) -> PtqError:
     else:
         why = "damaged or not safetensors"
     return PtqError(f"cannot read the weights file {path}: {why}")
+
+
+def name_problem(name: str) -> str | None:
+    """What keeps `name` (a recipe's, a task's) from naming a row of the report's tables, or None: a name is one
+    line without '|' (a markdown table would split the row there)."""
+    import unicodedata
+
+    bad = next((c for c in name if c == "|" or unicodedata.category(c) == "Cc"), None)
+    return None if bad is None else f"{name!r} holds {bad!r}: a name is one line without '|' (it names a table row)"

@@ -372,6 +372,7 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
         ("{broken_yaml}", "broken.yaml, line 3, column 6: not valid YAML: mapping values are not allowed here"),
         ("{yaml_folder}", "broken.yaml, line 3, column 6: not valid YAML"),  # lm-eval's index skipped it silently
         ("{twice_yaml}", "twice.yaml, line 2, column 1: not valid YAML: 'task' given twice (first on line 1)"),
+        ("a|b={good}", "task 'a|b' holds '|': a name is one line without '|' (it names a table row)"),
     ],
 )
 def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message):
@@ -380,6 +381,7 @@ def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message
     wrong = write_jsonl(tmp_path / "wrong.jsonl", [{"question": "a"}])
     label = write_jsonl(tmp_path / "label.jsonl", [{"context": "a", "choices": ["b", "c"], "label": 2}])
     (tmp_path / "empty").mkdir()
+    good = write_jsonl(tmp_path / "good.jsonl", varied_rows(4))
     (tmp_path / "yaml").mkdir()
     broken = tmp_path / "yaml" / "broken.yaml"
     broken.write_text("task: mine\ndataset_path: json\n  bad: [\n")
@@ -398,6 +400,7 @@ def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message
             broken_yaml=broken,
             yaml_folder=tmp_path / "yaml",
             twice_yaml=twice,
+            good=good,
         ),
         "--out",
         out_dir,

@@ -97,6 +97,12 @@ def test_unknown_name_bad_yaml_and_missing_file(tmp_path):
         load_recipe(str(unsafe))  # safe loading refuses Python tags
 
 
+@pytest.mark.parametrize("name", ["fp8|static", "fp8\nstatic"])
+def test_a_recipe_name_that_cannot_name_a_table_row_is_refused(name):
+    with pytest.raises(PtqError, match=r"recipe <recipe>: 'name' .* holds .*: a name is one line without '\|'"):
+        parse_recipe({"name": name, "weights": {"format": "e4m3"}, "inputs": {"format": "e4m3"}})
+
+
 @pytest.mark.parametrize(
     "text, where",
     [

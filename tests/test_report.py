@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from ptq.reporting.gates import Limits, check, parse_limits
+from ptq.reporting.gates import Limits, accuracy_recovery_pct, check, parse_limits
+from ptq.reporting.report import render_markdown
 
 COMPARE_ARGS = ("--seq-len", "64", "--max-windows", "8", "--calib-samples", "4", "--batch-size", "4")
 
@@ -80,6 +81,8 @@ def test_gate_limits_are_inclusive_and_recovery_is_a_ratio():
         ("kl_div", True),
     ]
     assert at_limit[1].value == pytest.approx(99.0)
+    # a share that is no count's (4e-08 read as the fraction 0 divided by 0): the floats' own ratio
+    assert accuracy_recovery_pct(2e-08, 4e-08) == 50.0 and accuracy_recovery_pct(99 / 104, 100 / 104) == 99.0
     beyond = check(results_with(2.01, 0.494, 0.0101), limits)
     assert [c.passed for c in beyond] == [False, False, False]
     assert "perplexity +2.01% > +2%" in beyond[0].describe()
@@ -1026,3 +1029,66 @@ def test_per_layer_snr_median_and_the_diagnostics_name_what_they_measure():
     )
     lines = render_diagnostics(dataclasses.replace(r, diagnostics=d))
     assert "| layer (its input) | input amax | SQNR E4M3 (dB) | SQNR int8 (dB) |" in lines
+
+
+def near_limits_with_a_task(names=("fp8[static]", "fp8[/]")):
+    """Two variants beside their gates' limits (Δ ppl 2.004% at 2%, KL 0.0100004 at 0.01, piqa recovery 98.98% at
+    99%) and a partial one (20 of 1,000,000 matmul weights left out), gates judged."""
+    import dataclasses
+
+    from sample_results import baseline, compare_results, task_scores, variant
+
+    from ptq.reporting.gates import gate_results
+    from ptq.reporting.results import Coverage, TaskDelta
+
+    base = baseline(tasks=task_scores(piqa=0.6))
+    near = variant(names[0], 2.004, 0.5, 0.0100004, tasks=task_scores(piqa=0.5939))
+    delta = TaskDelta(delta=-0.0061, stderr=0.003, ci=(-0.012, -0.00004), significant=True, n=100, recovery_pct=98.98)
+    near = dataclasses.replace(near, task_deltas={"piqa": {"acc": delta}})
+    partial = variant(names[1], 0.0034, 0.5, 0.001, tasks=task_scores(piqa=0.6))
+    partial = dataclasses.replace(
+        partial,
+        coverage=Coverage(quantized_weight_params=999_980, matmul_weight_params=1_000_000, left_out=[]),
+        ppl_delta_pct_ci=(0.002, 0.9),
+        ppl_delta_significant=True,
+        task_deltas={"piqa": {"acc": dataclasses.replace(delta, delta=0.0, ci=(0.0, 0.0), recovery_pct=100.0)}},
+    )
+    results = dataclasses.replace(compare_results(base, [near, partial]), tasks=[task_info("piqa", {"acc": True})])
+    return dataclasses.replace(results, gates=gate_results(results, parse_limits("2%", ["99%"], "0.01")))
+
+
+def test_console_prints_names_as_written_and_values_with_the_digits_of_the_report(tmp_path, capsys, monkeypatch):
+    """rich read "[static]" in a recipe name as a style tag (dropped) and "[/]" as a closing tag (a traceback after the
+    report was written); the console rounded 2.004% to +2.00% beside FAIL, where the report prints +2.004%."""
+    from ptq import cli
+
+    monkeypatch.setenv("COLUMNS", "250")
+    cli._print_compare(near_limits_with_a_task(), tmp_path)
+    out = capsys.readouterr().out
+    assert "fp8[static] FAIL" in out and "│ fp8[/] " in out
+    assert "+2.004%" in out and "0.0100004" in out and "+2.00%" not in out
+    assert "98.98% FAIL)" in out  # the piqa recovery against its 99% limit, not 99.0%
+    assert "+0.003%" in out  # not +0.00%: beside it the interval excludes 0
+
+
+def test_markdown_keeps_nonzero_ends_partial_shares_and_failing_task_cells_apart():
+    md = render_markdown(near_limits_with_a_task())
+    assert "[+0.002, +0.90]%" in md and "| +0.003% |" in md  # an end or a delta that is not 0 does not read +0.00
+    assert "(only 99.998% of matmul weights quantized)" in md and "**99.998%**" in md
+    piqa_rows = [line for line in md.splitlines() if line.startswith("| piqa | acc |") and "fp8[static]" in line]
+    assert piqa_rows and piqa_rows[0].endswith("| **98.98%** ❌ |")
+    assert "[-1.20, -0.004]" in piqa_rows[0]
+
+
+def test_trend_from_or_to_an_infinite_perplexity_prints_no_nan():
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.trend import trend
+
+    collapsed = compare_results(baseline(), [variant("fp8", base_perplexity=float("inf"))])
+    recovered = compare_results(baseline(), [variant("fp8", 1.0)])
+    for old, new in ((collapsed, recovered), (collapsed, collapsed)):
+        md = render_markdown(new, old)
+        rows = [line for line in md.splitlines() if line.startswith("| fp8 | perplexity |")]
+        assert rows and "nan" not in rows[0], rows
+    assert trend(recovered, collapsed)["moves"]

@@ -137,6 +137,20 @@ def _variant(data: dict, **changes) -> dict:
         (lambda d: _variant(d, perplexity_ci=[1.0]), "variants[0].perplexity_ci: expected a list of 2 numbers"),
         (lambda d: {k: v for k, v in d.items() if k != "baseline"}, "baseline is missing"),
         (lambda d: [d], "a JSON object expected, not a list"),
+        # what the types alone allow and the readers tripped over (a traceback, exit 1: read as a failed gate)
+        (lambda d: d | {"command": ["compare"]}, 'command: expected one of compare, eval, not ["compare"]'),
+        (lambda d: _variant(d, tasks=None), "variants[0].tasks.ptq_shakespeare: no score for acc, which tasks[0]"),
+        (
+            lambda d: d | {"tasks": [d["tasks"][0] | {"metrics": [*d["tasks"][0]["metrics"], "f1"]}]},
+            "baseline.tasks.ptq_shakespeare: no score for f1, which tasks[0] lists",
+        ),
+        (lambda d: _variant(d, perplexity=10**400), "variants[0].perplexity: an integer of 1329 bits is beyond"),
+        (
+            lambda d: _variant(d, recipe=d["variants"][0]["recipe"] | {"weights": ""}),
+            "variants[0].recipe.weights: empty",
+        ),
+        (lambda d: _variant(d, name="w8|a8"), "variants[0].name: 'w8|a8' holds '|': a name is one line without '|'"),
+        (lambda d: _variant(d, name="fp8\nrow"), "variants[0].name: 'fp8\\nrow' holds '\\n'"),
     ],
 )
 def test_report_refuses_another_version_or_a_malformed_file_in_one_line(built, ptq_cli, tmp_path, change, message):

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ptq.errors import PtqError
+from ptq.errors import PtqError, name_problem
 from ptq.files import read_yaml
 
 TASKS_DIR = Path(__file__).resolve().with_name("lm_eval_tasks")  # the task YAMLs ptq ships
@@ -314,6 +314,9 @@ def prepare(
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise PtqError(f"task '{twice[0]}' given twice")
+    for name in names:
+        if name_problem(name):
+            raise PtqError(f"task {name_problem(name)}")
     suite = Suite(names, list(dict.fromkeys([work, *include])), False, sources, notes, num_fewshot, limit)
     manager = suite.task_manager()
     if any(

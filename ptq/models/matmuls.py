@@ -335,8 +335,11 @@ def describe_coverage(cov: dict) -> str:
     for x in cov.get("attention_left_out", []):
         attention.setdefault(x["reason"], []).append(x)
     parts += [f"{_names(items)}: {reason}" for reason, items in attention.items()]
+    from ptq.reporting.results import fmt_against  # a share that is not all reads as less than 100%
+
     return (
-        f"{100 * share:.2f}% of matmul weight parameters quantized ({cov['quantized_weight_params']:,} of "
+        f"{fmt_against(100 * share, None, '.2f', 0, 100)}% of matmul weight parameters quantized "
+        f"({cov['quantized_weight_params']:,} of "
         f"{cov['matmul_weight_params']:,})" + (f"; left unquantized: {'; '.join(parts)}" if parts else "")
     )
 

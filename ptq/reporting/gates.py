@@ -141,8 +141,15 @@ def accuracy_recovery_pct(variant_acc: float, baseline_acc: float) -> float:
         return 100.0
     if not math.isfinite(variant_acc) or not math.isfinite(baseline_acc):
         return 100.0 * (variant_acc / baseline_acc)
-    exact = Fraction(variant_acc).limit_denominator(10**7) / Fraction(baseline_acc).limit_denominator(10**7)
+    exact = _count_ratio(variant_acc) / _count_ratio(baseline_acc)
     return float(100 * exact)  # equal accuracies: exactly 100
+
+
+def _count_ratio(share: float) -> Fraction:
+    """The fraction of denominator up to 10^7 whose nearest float `share` is; `share` exactly where none is (a share
+    not from counts: 4e-08 would read as 0)."""
+    fraction = Fraction(share).limit_denominator(10**7)
+    return fraction if float(fraction) == share else Fraction(share)
 
 
 def ratio_pct(variant: float, baseline: float) -> float:

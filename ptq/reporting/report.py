@@ -131,10 +131,10 @@ def render_markdown(
     return "\n".join(lines)
 
 
-def _ppl_delta(v: Variant, checks: list[Check]) -> str:
+def ppl_delta_text(v: Variant, checks: list[Check]) -> str:
     """A variant's Δ ppl, with the digits that tell it from its gate's limit (+2.004% against 2%, not +2.00%)."""
     limit = _limit([c for c in checks if c.variant == v.name and c.metric == "ppl_delta_pct"])
-    return f"{fmt_against(v.ppl_delta_pct, limit, '+.2f')}%"
+    return f"{fmt_against(v.ppl_delta_pct, limit, '+.2f', 0)}%"
 
 
 def quantized_share_pct(e: Entry) -> float:
@@ -142,6 +142,11 @@ def quantized_share_pct(e: Entry) -> float:
     from ptq.models.matmuls import quantized_share
 
     return 100 * quantized_share(e.coverage.quantized_weight_params, e.coverage.matmul_weight_params)
+
+
+def share_text(e: Entry) -> str:
+    """quantized_share_pct as text, with the digits that keep a share that is not all from reading 100.00%."""
+    return f"{fmt_against(quantized_share_pct(e), None, '.2f', 0, 100)}%"
 
 
 def partial_variants(r: CompareResults) -> set[str]:
@@ -156,8 +161,8 @@ def verdict(r: CompareResults, checks: list[Check] | None = None, moves: dict | 
     checks = stored_checks(r) if checks is None else checks
     partial = partial_variants(r)
     parts = [
-        f"{v.name} {_ppl_delta(v, checks)}"
-        + (f" (only {quantized_share_pct(v):.2f}% of matmul weights quantized)" if v.name in partial else "")
+        f"{v.name} {ppl_delta_text(v, checks)}"
+        + (f" (only {share_text(v)} of matmul weights quantized)" if v.name in partial else "")
         for v in r.variants
     ]
     ppl = f"perplexity vs {base}: " + ", ".join(parts) + "." if parts else "baseline only."
@@ -184,7 +189,7 @@ def kl_text(value: float, limit: float | None = None, sign: str = "") -> str:
     return fmt_against(value, limit, f"{sign}.{digits}f")
 
 
-def _kl(v: Variant, checks: list[Check]) -> str:
+def kl_div_text(v: Variant, checks: list[Check]) -> str:
     """A variant's KL, with the digits that tell it from its gate's limit."""
     return kl_text(v.kl_div, _limit([c for c in checks if c.variant == v.name and c.metric == "kl_div"]))
 
@@ -220,14 +225,12 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
         gated = {m: by_cell.get((v.name, m), []) for m in ("ppl_delta_pct", "accuracy_recovery_pct", "kl_div")}
         cell = {m: [c for c in checks if not c.passed] for m, checks in gated.items()}
         # a value next to its limit gets the digits that tell it from the limit (+2.004% against 2%, not +2.00%)
-        ppl_delta = _cell(
-            f"{fmt_against(v.ppl_delta_pct, _limit(gated['ppl_delta_pct']), '+.2f')}%", cell["ppl_delta_pct"]
-        )
+        ppl_delta = _cell(ppl_delta_text(v, checks), cell["ppl_delta_pct"])
         recovery = _cell(
             f"{fmt_against(recovery, _limit(gated['accuracy_recovery_pct']), '.2f')}%", cell["accuracy_recovery_pct"]
         )
         kl = _cell(kl_text(v.kl_div, _limit(gated["kl_div"])), cell["kl_div"])
-        share = f"{quantized_share_pct(v):.2f}%"
+        share = share_text(v)
         lines.append(
             f"| {v.name}{mark} | {v.recipe.weights} | {v.recipe.inputs} | {v.perplexity:.4f} "
             f"| {ppl_delta} | {100 * v.accuracy:.2f}% | {recovery} | {kl} | {100 * v.top1_agreement:.2f}% "
@@ -257,8 +260,11 @@ def _fmt(metric: str, value: float, share: bool | None = None) -> str:
 
 
 def _fmt_change(m: Move) -> str:
+    if math.isnan(m.change):  # from inf to inf (a run that collapsed both times): no change to state
+        return "n/a"
     if m.metric == "perplexity":
-        rel = f" ({100 * m.change / m.previous:+.2f}%)" if m.previous else ""
+        finite = math.isfinite(m.previous) and math.isfinite(m.current)
+        rel = f" ({100 * m.change / m.previous:+.2f}%)" if m.previous and finite else ""
         return f"{m.change:+.4f}{rel}"
     if m.metric == "ppl_delta_pct":
         return f"{m.change:+.2f} points"
@@ -615,7 +621,8 @@ def interval_text(ci: tuple[float, float], scale: float = 1, fmt: str = ".2f", u
     """An interval as [lo, hi]; "n/a" where there is none (NaN ends: fewer units than an interval needs)."""
     if any(c != c for c in ci):
         return "n/a"
-    return f"[{scale * ci[0]:{fmt}}, {scale * ci[1]:{fmt}}]{unit}"
+    # an end that is not 0 never reads as 0 (+0.0034 is not +0.00, beside "distinguishable from 0: yes")
+    return f"[{fmt_against(scale * ci[0], None, fmt, 0)}, {fmt_against(scale * ci[1], None, fmt, 0)}]{unit}"
 
 
 def _distinguishable(significant: bool) -> str:
@@ -645,9 +652,9 @@ def intervals_section(r: CompareResults) -> list[str]:
     ]
     for v in r.variants:
         lines.append(
-            f"| {v.name} | {v.perplexity:.4f} | {interval_text(v.perplexity_ci, fmt='.4f')} | {_ppl_delta(v, checks)} "
+            f"| {v.name} | {v.perplexity:.4f} | {interval_text(v.perplexity_ci, fmt='.4f')} | {ppl_delta_text(v, checks)} "
             f"| {interval_text(v.ppl_delta_pct_ci, fmt='+.2f', unit='%')} | {_distinguishable(v.ppl_delta_significant)} "
-            f"| {100 * v.accuracy:.2f}% | {interval_text(v.accuracy_ci, 100)} | {100 * v.accuracy_delta:+.2f} "
+            f"| {100 * v.accuracy:.2f}% | {interval_text(v.accuracy_ci, 100)} | {fmt_against(100 * v.accuracy_delta, None, '+.2f', 0)} "
             f"| {interval_text(v.accuracy_delta_ci, 100, '+.2f')} | {_distinguishable(v.accuracy_delta_significant)} |"
         )
     # the agreement with the baseline, by which close recipes are told apart, with its intervals
@@ -658,7 +665,7 @@ def intervals_section(r: CompareResults) -> list[str]:
     ]
     for v in r.variants:
         lines.append(
-            f"| {v.name} | {_kl(v, checks)} | {_kl_ci(v.kl_div_ci)} "
+            f"| {v.name} | {kl_div_text(v, checks)} | {_kl_ci(v.kl_div_ci)} "
             f"| {100 * v.top1_agreement:.2f}% | {interval_text(v.top1_agreement_ci, 100)} |"
         )
     return lines
@@ -680,7 +687,7 @@ def tasks_section(r: Results) -> list[str]:
         rule += "---:|---:|---|---:|"
     lines += [head, rule]
     # the recovery gates' limits, so that a recovery next to its limit is printed with the digits that tell them apart
-    limits = {(c.variant, c.task, c.task_metric): c.limit for c in stored_checks(r)} if compare else {}
+    checks = stored_checks(r) if compare else []
     in_units, lower = [], []  # metrics that are not shares in [0, 1] (not printed as percentages); lower is better
     for task in r.tasks:
         for metric in task.metrics:
@@ -703,10 +710,12 @@ def tasks_section(r: Results) -> list[str]:
                 )
                 if base_name:
                     d = task_delta(e, task.name, metric)
-                    recovery = fmt_against(d.recovery_pct, limits.get((e.name, task.name, metric)), ".2f") if d else ""
+                    gated = task_checks(checks, e.name, task.name, metric)
+                    recovery = f"{fmt_against(d.recovery_pct, _limit(gated), '.2f')}%" if d else ""
                     row += (
-                        f" {scale * d.delta:+.{places}f} | {interval_text(d.ci, scale, f'+.{places}f')} "
-                        f"| {_distinguishable(d.significant)} | {recovery}% |"
+                        f" {fmt_against(scale * d.delta, None, f'+.{places}f', 0)} "
+                        f"| {interval_text(d.ci, scale, f'+.{places}f')} | {_distinguishable(d.significant)} "
+                        f"| {_cell(recovery, [c for c in gated if not c.passed])} |"
                         if d
                         else " | | | |"
                     )
@@ -737,6 +746,11 @@ def tasks_section(r: Results) -> list[str]:
         shots = f", --num-fewshot {scoring.num_fewshot}" if scoring.num_fewshot is not None else ""
         lines += ["", f"Scoring: {scoring.harness}, batch size {scoring.batch_size}{shots}{limit}."]
     return lines
+
+
+def task_checks(checks: list[Check], variant: str, task: str, metric: str) -> list[Check]:
+    """The recovery gate's checks of one task metric of one variant (none, or one)."""
+    return [c for c in checks if (c.variant, c.task, c.task_metric) == (variant, task, metric)]
 
 
 def task_delta(e: Entry, task: str, metric: str):

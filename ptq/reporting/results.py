@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ptq.errors import PtqError
+from ptq.errors import PtqError, name_problem
 
 SCHEMA_VERSION = 1
 COMMANDS = ("compare", "eval")
@@ -354,14 +354,17 @@ class Limits:
         return parts
 
 
-def fmt_against(value: float, limit: float | None, spec: str) -> str:
+def fmt_against(value: float, limit: float | None, spec: str, *landmarks: float) -> str:
     """`value` formatted by `spec` ("+.2f", ".2f", ".5f", ".4g"), with as many more digits as it takes not to read
     as `limit` when it is not the limit: a Δ ppl of 2.004% against a 2% limit prints +2.004%, not +2.00%, and a KL of
-    4e-06 against 1e-06 prints 0.000004 under ".5f", not 0.00000. Values well away from the limit print as `spec`."""
+    4e-06 against 1e-06 prints 0.000004 under ".5f", not 0.00000. `landmarks`: other values it must not read as
+    unless it is them (0 for an interval's end next to "distinguishable from 0", 100 for a share that is not all).
+    Values well away from them print as `spec`."""
     sign, _, rest = spec.rpartition(".")
     digits, kind = int(rest[:-1]), rest[-1]
-    if limit is not None and math.isfinite(value) and math.isfinite(limit) and value != limit:
-        while digits < 17 and float(f"{value:.{digits}{kind}}") == float(f"{limit:.{digits}{kind}}"):
+    apart = [x for x in (limit, *landmarks) if x is not None and math.isfinite(x) and x != value]
+    if math.isfinite(value):
+        while digits < 17 and any(float(f"{value:.{digits}{kind}}") == float(f"{x:.{digits}{kind}}") for x in apart):
             digits += 1
     return f"{value:{sign}.{digits}{kind}}"
 
@@ -517,16 +520,42 @@ def from_json(data: Any, name: str = "results") -> Results:
             f"{name} has results schema version {version}; this ptq reads version {SCHEMA_VERSION}: {advice}"
         )
     command = data.get("command", "compare")  # files from before the version: compare's had no `command`
-    cls = {"compare": CompareResults, "eval": EvalResults}.get(command)
+    cls = {"compare": CompareResults, "eval": EvalResults}.get(command) if isinstance(command, str) else None
     try:
         if cls is None:
             raise _Invalid(f"command: expected one of {', '.join(COMMANDS)}, not {json.dumps(command)}")
-        return _parse(cls, {**data, "schema_version": SCHEMA_VERSION, "command": command}, "")
+        results = _parse(cls, {**data, "schema_version": SCHEMA_VERSION, "command": command}, "")
+        _check_references(results)
+        return results
     except _Invalid as e:
         written = " (written before schema versions: rerun the command)" if legacy else ""
         raise PtqError(
             f"{name} is not a valid ptq results file of schema version {SCHEMA_VERSION}{written}: {e}"
         ) from None
+
+
+def _check_references(results: Results) -> None:
+    """What the schema's types alone do not say and the readers rely on: every entry has a score for each task and
+    metric the document lists, names fit in a table row, a recipe names its formats."""
+    entries = (
+        [("baseline", results.baseline), *((f"variants[{i}]", v) for i, v in enumerate(results.variants))]
+        if isinstance(results, CompareResults)
+        else [("config", results.config)]
+    )
+    for i, task in enumerate(results.tasks or []):
+        if name_problem(task.name):
+            raise _Invalid(f"tasks[{i}].name: {name_problem(task.name)}")
+        for where, e in entries:
+            scores = (e.tasks or {}).get(task.name)
+            missing = [m for m in task.metrics if scores is None or m not in scores.metrics]
+            if missing:
+                raise _Invalid(f"{where}.tasks.{task.name}: no score for {missing[0]}, which tasks[{i}] lists")
+    for where, e in entries:
+        if name_problem(e.name):
+            raise _Invalid(f"{where}.name: {name_problem(e.name)}")
+        for part in ("weights", "inputs"):
+            if not getattr(e.recipe, part).split():
+                raise _Invalid(f"{where}.recipe.{part}: empty (a format, such as 'e4m3 per-tensor')")
 
 
 def parse(kind: Any, value: Any) -> Any:
@@ -591,7 +620,10 @@ def _parse(kind: Any, value: Any, where: str) -> Any:
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _Invalid(f"{where}: expected a number, got {_kind(value)}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise _Invalid(f"{where}: an integer of {value.bit_length()} bits is beyond a float's range") from None
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _Invalid(
