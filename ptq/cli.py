@@ -20,7 +20,8 @@ except ImportError:  # pragma: no cover
 
 app = typer.Typer(
     help="Post-training quantization of Hugging Face causal LMs to FP8 E4M3, compared with int8 and bf16.\n\n"
-    "Exit codes: 0 success (all gates pass), 1 a gate failed, 2 a usage or input error, 130 interrupted, 143 terminated.\n\n"
+    "Exit codes: 0 success (all gates pass), 1 a gate failed (quantize: the checkpoint failed its verification), "
+    "2 a usage or input error, 130 interrupted, 143 terminated.\n\n"
     "Example: ptq compare smollm2 --max-ppl-increase 2% --out reports/pr && ptq report reports/pr/results.json",
     no_args_is_help=True,
     add_completion=False,

@@ -452,6 +452,7 @@ def test_layer_by_layer_compare_refuses_what_needs_the_whole_model(sharded_model
     ]
     for extra, message in (
         (["--recipes", "paper-e4m3"], "compares Linear-layer recipes only"),
+        (["--recipes", "fp8-e4m3+kv"], "recipe 'fp8-e4m3+kv' quantizes the KV cache: --low-memory compares"),
         (["--tasks", "cloze"], "--tasks needs the whole model in memory"),
         (["--dtype", "bfloat16"], "--low-memory computes in float32"),
     ):

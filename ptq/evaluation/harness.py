@@ -17,8 +17,8 @@ Task specs (`--tasks`, comma-separated):
     cloze, cloze=TEXT     cloze items ptq builds from the evaluation text (or TEXT), scored by lm-eval
                           (lm_eval_tasks/_ptq_cloze.yaml)
 
-The generated task files (cloze items, local copies) are written to a folder that is kept with the results
-(`tasks/`), so that `lm_eval --include_path <out>/tasks` runs the same tasks.
+The generated task files (cloze items, local copies) are written to a temporary folder, removed at exit; what
+each task was (its source, its documents' sha256) is in results.json's `tasks`.
 """
 
 from __future__ import annotations

@@ -331,12 +331,14 @@ def decoder_layers(model: nn.Module) -> str:
 
 def check_compare_recipes(recipes: list) -> None:
     """Layer by layer, the layers run as transformers' code with ptq's Linear layers: recipes that quantize
-    attention's matmul inputs or the residual adds (which switch the whole model's attention) need the model whole."""
+    attention's matmul inputs, the KV cache or the residual adds (which switch the whole model's attention) need the
+    model whole."""
     for r in recipes:
         if r.beyond_linear:
+            words = {"attention": "attention's matmul inputs", "kv_cache": "the KV cache", "residual": "residual adds"}
             raise PtqError(
-                f"recipe '{r.name}' quantizes attention or residual inputs: {LOW_MEMORY_FLAG} compares "
-                "Linear-layer recipes only; load the model whole"
+                f"recipe '{r.name}' quantizes {' and '.join(words[k] for k in r.beyond_linear)}: {LOW_MEMORY_FLAG} "
+                "compares Linear-layer recipes only; load the model whole"
             )
 
 
