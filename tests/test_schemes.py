@@ -357,6 +357,11 @@ def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, t
     assert math.isclose(
         info["verification"]["reloaded_perplexity"], info["verification"]["simulated_perplexity"], rel_tol=1e-4
     )
+    # the file check covers every quantized layer's codes and weight_scale (block and MX scales too), bit for bit
+    layers = info["format"]["quantized_layers"]
+    assert (
+        info["verification"]["tensors_checked_in_file"] == 2 * layers and not info["verification"]["tensors_differing"]
+    )
 
 
 # -- FP8 KV cache, per tensor and per head, with any FP8 recipe ----------------------------------------------

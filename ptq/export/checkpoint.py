@@ -936,11 +936,10 @@ def simulated_tensors(simulated: nn.Module, disk: dict[str, str], conv1d: list[s
         layer = on_disk.removesuffix(".weight")
         codes = m.weight_codes.t() if weight.removesuffix(".weight") in conv1d else m.weight_codes
         expected[f"{layer}.weight"] = codes
-        if isinstance(m.weights.granularity, (PerTensor, PerChannel)) and m.weights.scale_format == "fp32":
-            # (block and MX scales are laid out on disk as their presets say: checked by the tests of those schemes)
-            expected[f"{layer}.weight_scale"] = (
-                m.weight_scale.reshape(-1, 1) if m.weight_scale.dim() else m.weight_scale.reshape(1)
-            )
+        # the scale as the preset lays it out on disk: [1], [out, 1], [out, groups] (MX: E8M0 codes), [row, column
+        # blocks], of the weight [out, in] (Conv1D's too)
+        scale = m.weight_scale.reshape(weight_scale_shape(tuple(m.weight_codes.shape), m.weights))
+        expected[f"{layer}.weight_scale"] = e8m0_codes(scale) if m.weights.scale_format == "e8m0" else scale
         if m.inputs.static:
             expected[f"{layer}.input_scale"] = m.input_scale.reshape(1)
     return expected
