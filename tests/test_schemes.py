@@ -362,6 +362,12 @@ def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, t
     assert (
         info["verification"]["tensors_checked_in_file"] == 2 * layers and not info["verification"]["tensors_differing"]
     )
+    # the card says what loaded it, offers transformers' snippet only where transformers runs it, and tags it fp8
+    card = (out / "README.md").read_text()
+    reader = info["verification"]["loader"].startswith("ptq's")
+    assert reader == (recipe == "mxfp8")  # transformers' compressed-tensors fails on MX scales (a dtype mismatch)
+    assert ("| reloaded (ptq reader) |" in card) == reader and ("from_pretrained" in card) != reader
+    assert "tags: [ptq, compressed-tensors, fp8]" in card
 
 
 # -- FP8 KV cache, per tensor and per head, with any FP8 recipe ----------------------------------------------
@@ -465,7 +471,22 @@ def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(option, tiny_model
         assert scale.shape == ((2, 1, 1) if option == "kv-head" else (1,))  # 2 KV heads
         assert np.array_equal(scale.flatten().numpy(), (amax_.float().numpy() / np.float32(448.0)).flatten())
     info = json.loads((out / "ptq-export.json").read_text())
-    assert info["verification"]["passed"] and info["verification"]["input_scales_checked_in_file"] == 4
+    ver = info["verification"]
+    assert ver["passed"] and ver["kv_scales_checked_in_file"] == 4 and ver["input_scales_checked_in_file"] == 0
+    # k_scale / v_scale are scales the export adds, not source tensors: the 16-bit size and "other tensors" leave
+    # them out, as every other scale
+    size = info["size"]
+    quantized = {n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")}
+    scales = [t for name, t in tensors.items() if name.endswith("_scale")]
+    assert size["scale_bytes"] == sum(t.numel() * 4 for t in scales)
+    others = [
+        t for name, t in tensors.items() if not name.endswith("_scale") and name[: -len(".weight")] not in quantized
+    ]
+    assert size["other_bytes"] == sum(t.numel() * t.element_size() for t in others)
+    card = (out / "README.md").read_text()
+    layers = info["format"]["quantized_layers"]
+    assert f"| layers the loader runs with input quantization (static or dynamic) | {layers} | {layers} | all |" in card
+    assert "| KV-cache scales (`k_scale`, `v_scale`" in card and "input scales the loader does not apply" not in card
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

@@ -745,6 +745,7 @@ def checkpoint_bytes(entries: list[_Entry], quantized_layers: list[str]) -> dict
     floating-point or quantized tensor at 2 bytes (the scales are not part of a 16-bit checkpoint)."""
     codes = {f"{layer}.weight" for layer in quantized_layers}
     scales = {f"{layer}.{kind}" for layer in quantized_layers for kind in ("weight_scale", "input_scale")}
+    scales |= {e.name for e in entries if e.name.endswith((".k_scale", ".v_scale"))}  # the FP8 KV cache's: new too
     model = [e for e in entries if e.name not in scales]
     bytes_16bit = sum(
         e.nbytes // e.dtype.itemsize * (2 if e.dtype.is_floating_point or e.name in codes else e.dtype.itemsize)
@@ -1155,7 +1156,9 @@ def verify(
         "ptq_rounding": ptq_own[0] if ptq_own is not None else None,
         "tensors_checked_in_file": len(expected_tensors),
         "tensors_differing": differing,
-        "input_scales_checked_in_file": len(expert_input_scales),
+        # the scales the loader has no place for, checked in the files: input scales, and the KV cache's k/v scales
+        "input_scales_checked_in_file": sum(1 for k in expert_input_scales if k.endswith(".input_scale")),
+        "kv_scales_checked_in_file": sum(1 for k in expert_input_scales if k.endswith((".k_scale", ".v_scale"))),
         "tolerance": {"max_kl_div": VERIFY_MAX_KL, "min_top1_agreement": VERIFY_MIN_TOP1, "files": "bit for bit"},
         "load": load_info,
     }

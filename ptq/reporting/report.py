@@ -394,7 +394,7 @@ def render_model_card(e: dict) -> str:
     lines = [
         "---",
         "library_name: transformers",
-        "tags: [ptq, compressed-tensors, " + ("fp8" if fmt["format"] == "float-quantized" else "int8") + "]",
+        "tags: [ptq, compressed-tensors, " + ("int8" if fmt["format"] == "int-quantized" else "fp8") + "]",
         # a model from the Hub: the Hub lists this checkpoint among the source's quantizations
         *(
             [f"base_model: {e['model']['hub_id']}", "base_model_relation: quantized"]
@@ -434,6 +434,8 @@ def render_model_card(e: dict) -> str:
     ]
     lines += [f"Note: {c}" for c in e["model"]["caveats"]]
     lines += ["", "## Verification", ""]
+    # ptq's own reader stands in where transformers cannot run the checkpoint as quantized (Conv1D, some schemes)
+    reader = ver is not None and str(ver.get("loader") or "").startswith("ptq's")
     if ver is None:
         lines += [f"Not verified ({e.get('verification_skipped', 'exported with `--no-verify`')})."]
     else:
@@ -443,7 +445,7 @@ def render_model_card(e: dict) -> str:
             f"{ver.get('loader') or 'transformers AutoModelForCausalLM.from_pretrained'} (float32, CPU, default options) and "
             f"scored against ptq's simulation of the same recipe and calibration on {ver['description']} of {ver['data']}:",
             "",
-            "| | simulated (ptq) | reloaded (transformers) | limit |",
+            f"| | simulated (ptq) | reloaded ({'ptq reader' if reader else 'transformers'}) | limit |",
             "|---|---:|---:|---:|",
             f"| perplexity | {ver['simulated_perplexity']:.4f} | {ver['reloaded_perplexity']:.4f} | |",
         ]
@@ -475,11 +477,25 @@ def render_model_card(e: dict) -> str:
                 if ver.get("input_scales_checked_in_file")
                 else []
             ),
+            *(
+                [
+                    "| KV-cache scales (`k_scale`, `v_scale`: vLLM applies them, this loader does not), compared with "
+                    f"ptq's in the files | {ver['kv_scales_checked_in_file']} | equal | bit for bit |"
+                ]
+                if ver.get("kv_scales_checked_in_file")
+                else []
+            ),
             "",
-            "transformers (with compressed-tensors installed) decompresses the 8-bit weights to the load dtype on the first "
-            "forward pass and rounds every quantized layer's input with its stored `input_scale` (clamp, then round to the "
-            "8-bit grid) before the matmul, so on a CPU it computes what the ptq simulation computes. Loading with "
-            "`CompressedTensorsConfig(dequantize=True)` instead drops the input scales: only the weight rounding remains.",
+            "ptq's reader stands in for transformers here (why: above). It dequantizes every weight from the files "
+            "alone (codes x `weight_scale`, each scale over its group or tile as config.json says) and rounds dynamic "
+            "inputs on the fly with torch's own float8 cast, so that the check is of the files, not of ptq's "
+            "simulation."
+            if reader
+            else "transformers (with compressed-tensors installed) decompresses the 8-bit weights to the load dtype on "
+            "the first forward pass and rounds every quantized layer's input with its stored `input_scale` (clamp, then "
+            "round to the 8-bit grid) before the matmul, so on a CPU it computes what the ptq simulation computes. "
+            "Loading with `CompressedTensorsConfig(dequantize=True)` instead drops the input scales: only the weight "
+            "rounding remains.",
         ]
         if ver.get("criterion"):
             lines += [
@@ -528,16 +544,19 @@ def render_model_card(e: dict) -> str:
             f"| {v['name']} | {v['perplexity']:.4f} | {v['ppl_delta_pct']:+.2f}% | {100 * v['accuracy']:.2f}% "
             f"| {v['kl_div']:.5f} | {100 * v['top1_agreement']:.2f}% |",
         ]
+    lines += ["", "## Use", ""]
+    if not reader:
+        lines += [
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer  # needs: pip install compressed-tensors",
+            'model = AutoModelForCausalLM.from_pretrained("PATH")',
+            'tokenizer = AutoTokenizer.from_pretrained("PATH")',
+            "```",
+            "",
+        ]
+    else:
+        lines += ["transformers cannot run this checkpoint as quantized (see Verification).", ""]
     lines += [
-        "",
-        "## Use",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer  # needs: pip install compressed-tensors",
-        'model = AutoModelForCausalLM.from_pretrained("PATH")',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH")',
-        "```",
-        "",
         "vLLM reads the same `quantization_config` (`vllm serve PATH`). With ptq, `ptq compare PATH` evaluates the "
         "dequantized 8-bit weights as its model (its bf16 baseline is then this checkpoint's weights with 16-bit inputs).",
         "",
