@@ -821,7 +821,7 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
     if written:
         pct = 100 * size["bytes_saved"] / size["bytes_16bit"]
         console.print(
-            f"wrote {output}: {size_text(size['bytes'], si=True)} in {size['shards']} shard(s), "
+            f"wrote {output}: {size_text(size['bytes'], si=True)} of tensors in {size['shards']} shard(s), "
             f"{info['format']['quantized_layers']} Linear layers as {info['recipe']['weights']} at 1 byte/parameter; "
             f"16-bit checkpoint {size_text(size['bytes_16bit'], si=True)}, saved {size_text(size['bytes_saved'], si=True)} ({pct:.1f}%)",
             highlight=False,

@@ -75,6 +75,19 @@ def test_perplexity_accuracy_kl_and_agreement_match_numpy(metric_kernels):
     assert scores["same"].kl_div == 0.0 and scores["same"].top1_agreement == 1.0  # an identical model: exactly
 
 
+def test_the_kl_of_the_same_distributions_is_never_negative(metric_kernels):
+    """Logits shifted by a constant are the same distributions (KL 0); the difference of the two rounded sums went
+    below 0 by about 1e-8 in some windows, printed as "KL -7.69e-09" by quantize's noise floor."""
+    rng = np.random.default_rng(0)
+    vocab = 50
+    base = rng.normal(size=(vocab, vocab)).astype(np.float32) * 3
+    shifted = base + np.float32(0.37)
+    ids = rng.integers(0, vocab, size=(6, 33))
+    models = {"base": Bigram(torch.from_numpy(base)), "shifted": Bigram(torch.from_numpy(shifted))}
+    scores = evaluate(models, torch.from_numpy(ids), batch_size=2)["shifted"]
+    assert min(scores.window_kl) >= 0 and 0 <= scores.kl_div < 1e-7
+
+
 def test_tokens_a_model_rules_out_count_zero_in_the_kl(metric_kernels):
     # Logits of -inf (a vocabulary entry masked out, in both models): p = 0 there, and 0 log 0 counts 0, as numpy's
     # sum over the other tokens; a NaN from 0 * -inf would spoil the whole KL.

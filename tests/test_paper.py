@@ -267,6 +267,11 @@ def test_summary_lists_linear_layers_and_check_model_needs_their_weights(tiny_mo
         {"a.self_attn.query": torch.tensor(99.0), "a.q_proj": torch.tensor(1.0)}, {"a.q_proj": torch.tensor(2.0)}
     )
     assert [row["layer"] for row in summary_rows(calibration)["largest"]] == ["a.q_proj"]
+    # the median of an even count is the mean of the middle two, as numpy's (torch's median takes the lower one)
+    amaxes = [3.0, 1.0, 4.0, 1.5]
+    names = [f"l{i}" for i in range(len(amaxes))]
+    even = Calibration({n: torch.tensor(a) for n, a in zip(names, amaxes)}, {n: torch.tensor(1.0) for n in names})
+    assert summary_rows(even)["input_amax_median"] == float(np.median(amaxes)) == 2.25
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     name = "model.layers.0.mlp.up_proj"  # an input amax without the weight amax that identifies the model
     with pytest.raises(PtqError, match="made for another model"):

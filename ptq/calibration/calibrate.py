@@ -32,6 +32,7 @@ import hashlib
 import json
 import re
 import reprlib
+import statistics
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -759,12 +760,12 @@ def summary_rows(calibration: Calibration, top: int = 10) -> dict:
         ((k, float(v)) for k, v in calibration.input_amax.items() if k in calibration.weight_amax),
         key=lambda kv: -kv[1],
     )
-    values = torch.tensor([v for _, v in items]) if items else torch.zeros(1)
+    values = [v for _, v in items] or [0.0]
     weights = calibration.weight_amax
     return {
         "layers": len(items),
-        "input_amax_min": float(values.min()),
-        "input_amax_median": float(values.median()),
-        "input_amax_max": float(values.max()),
+        "input_amax_min": min(values),
+        "input_amax_median": statistics.median(values),  # the mean of the middle two (torch's median: the lower)
+        "input_amax_max": max(values),
         "largest": [{"layer": k, "input_amax": v, "weight_amax": float(weights[k])} for k, v in items[:top]],
     }

@@ -188,7 +188,8 @@ def score_logits(
             probs.append((p, cross(p, row, m, log_s)))
         else:  # KL(baseline || variant) = sum p log p - sum p log q, per position
             p, p_logp = base[0][i]
-            kl.append(p_logp - cross(p, row, m, log_s))
+            # >= 0 as a KL is: the difference of two sums, rounded, went below by 1e-9 where the models agree
+            kl.append((p_logp - cross(p, row, m, log_s)).clamp_min(0))
     nll, top1 = torch.stack(nll), torch.stack(top1)  # [b, L-1]
     s.tokens += targets.numel()
     sums = nll.double().sum(-1).tolist()
