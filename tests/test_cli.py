@@ -584,3 +584,25 @@ def test_report_never_writes_over_the_results_it_reads(ptq_cli, tmp_path):
         code, out, err = ptq_cli("report", results, "-o", target, "--force", "--no-plots")
         assert code == 2 and one_line(err) and "is the input" in err, err
     assert results.read_bytes() == before
+
+
+def test_a_tokenizer_with_ids_beyond_the_models_embedding_is_refused_before_a_forward(ptq_cli, text_file, tmp_path):
+    """Another model's tokenizer (ids up to its own vocabulary): an IndexError from the embedding, exit 1, before."""
+    from conftest import make_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tokenizer()
+    config = LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = tmp_path / "small-vocab"
+    LlamaForCausalLM(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    window = ("--seq-len", "32", "-q")
+    for args in (
+        ("eval", model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "e", "--max-windows", "2"),
+        ("calibrate", model, "--data", text_file, "--samples", "2", "-o", tmp_path / "c.safetensors"),
+    ):
+        code, out, err = ptq_cli(*args, *window)
+        assert code == 2 and out == "" and one_line(err), err
+        assert f"the tokenizer of model '{model}' gives token id" in err and "its embedding has 50 rows" in err

@@ -179,7 +179,7 @@ def _calibrate(
     free memory, halved with a restart from the first batch when a batch does not fit; 4 on the CPU and layer by
     layer). placement (--device-map): a copy of the model placed over the devices runs; the weight amax come from
     the model itself, in CPU memory."""
-    windows = make_windows(corpus, loaded.tokenizer, options.seq_len, options.samples)
+    windows = model_windows(corpus, loaded, options.seq_len, options.samples)
     if len(windows.input_ids) < options.samples and distributed.is_main():  # fewer than asked: said, not silent
         stderr.print(
             f"note: {corpus.source} holds {len(windows.input_ids)} windows of {windows.seq_len} tokens: calibrating on "
@@ -308,6 +308,21 @@ def _load(
             dtype=dtype,
             copies=copies,
         )
+
+
+def model_windows(corpus: Corpus, loaded: LoadedModel, seq_len: int, count: int | None):
+    """make_windows with the model's tokenizer, refused in one line where the tokenizer gives a token id the model's
+    embedding has no row for (a tokenizer of another model: an IndexError deep in the first forward otherwise)."""
+    windows = make_windows(corpus, loaded.tokenizer, seq_len, count)
+    embedding = loaded.model.get_input_embeddings() if hasattr(loaded.model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    largest = int(windows.input_ids.max()) if windows.input_ids.numel() else -1
+    if rows is not None and largest >= rows:
+        raise PtqError(
+            f"the tokenizer of model '{loaded.name}' gives token id {largest}, but its embedding has {rows} rows "
+            f"(vocab_size {getattr(loaded.model.config, 'vocab_size', rows)}): the tokenizer is not this model's"
+        )
+    return windows
 
 
 def check_seq_len(loaded: LoadedModel, seq_len: int) -> None:
@@ -534,7 +549,7 @@ def run_compare(
     refuse_unmeasured_gates(output.limits, suite.scored if suite else set())
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]), copies=copies)
     check_seq_len(loaded, data.seq_len)
-    windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
+    windows = model_windows(eval_corpus, loaded, data.seq_len, data.windows)
     plans = resolve_plans(loaded.model, [baseline, *variants], compute.target)  # the one plan per recipe
     coverages = check_coverage(plans, model.strict_coverage)
     calib, calibration_source = _calibration(
@@ -798,7 +813,7 @@ def run_eval(
     task_work, suite = _task_suite(data, eval_corpus)  # fail before the model
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]))
     check_seq_len(loaded, data.seq_len)
-    windows = make_windows(eval_corpus, loaded.tokenizer, data.seq_len, data.windows)
+    windows = model_windows(eval_corpus, loaded, data.seq_len, data.windows)
     plans = resolve_plans(loaded.model, [config], compute.target)  # the one plan
     config_coverage = check_coverage(plans, model.strict_coverage)[config.name]
     calib, calibration_source = _calibration(
@@ -1104,7 +1119,7 @@ def run_quantize(
             info["verification_skipped"] = short
         elif checkpoint.verify:
             corpus = load_corpus(data.data, role="evaluation")
-            windows = make_windows(corpus, loaded.tokenizer, data.seq_len, data.windows)
+            windows = model_windows(corpus, loaded, data.seq_len, data.windows)
             # Inputs the loader rounds otherwise than ptq's simulation of the target (int8: the loaders over
             # [-128, 127], ptq over [-127, 127]; static FP8 under vllm: transformers divides by the scale, vLLM
             # multiplies by its reciprocal): check the logits against the simulation of what the loader computes, and
