@@ -225,17 +225,31 @@ def test_report_gates_trend_and_plots_work_from_the_typed_document(built, tmp_pa
 
 
 def test_quantize_reads_compare_results_through_the_reader(built, tmp_path):
+    import dataclasses
+
     from ptq.commands.workflows import load_compare_results
+    from ptq.quantization.recipes import load_recipe
 
     results, out = built
-    rows = load_compare_results(out, "int8")  # the folder or the file
+    int8 = load_recipe("int8")
+    rows = load_compare_results(out, int8, "vllm")  # the folder or the file
     assert rows["file"] == str(out / "results.json") and rows["variant"]["kl_div"] == results.variants[1].kl_div
     assert rows["baseline"]["recipe"]["name"] == "bf16" and rows["eval_sha256"] == results.eval.data_sha256
     with pytest.raises(PtqError, match="has no results for recipe 'fp8-e5m2'"):
-        load_compare_results(out, "fp8-e5m2")
+        load_compare_results(out, load_recipe("fp8-e5m2"), "vllm")
+    # a row of the same name is not enough: the same quantization, for the same target (the card quotes it)
+    other = dataclasses.replace(load_recipe("fp8-dynamic"), name="int8")
+    with pytest.raises(
+        PtqError, match="'int8' is another recipe of that name \\(weights: int8 per-channel, here: e4m3"
+    ):
+        load_compare_results(out, other, "vllm")
+    with pytest.raises(
+        PtqError, match="simulated 'int8' as vllm serves it; this checkpoint is for --target transformers"
+    ):
+        load_compare_results(out, int8, "transformers")
     (tmp_path / "bad.json").write_text(json.dumps({"schema_version": 7}))
     with pytest.raises(PtqError, match="schema version 7"):
-        load_compare_results(tmp_path / "bad.json", "int8")
+        load_compare_results(tmp_path / "bad.json", int8, "vllm")
 
 
 def test_a_results_folder_is_read_through_its_results_json(tmp_path):

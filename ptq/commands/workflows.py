@@ -1014,7 +1014,7 @@ def run_quantize(
     r = load_recipe(recipe)
     export.check_exportable(r)
     _refuse_unused_calibration(calibration, r.needs_calibration, f"recipe {r.name} needs no calibration", None)
-    compare = load_compare_results(checkpoint.compare_results, r.name) if checkpoint.compare_results else None
+    compare = load_compare_results(checkpoint.compare_results, r, target) if checkpoint.compare_results else None
     reused = load_calibration(calibration.file) if calibration.file else None
     check_output_dir(out.parent)
     needed = [r] if r.needs_calibration else []
@@ -1262,15 +1262,30 @@ def check_compare_model(compare: dict, loaded: LoadedModel) -> None:
         )
 
 
-def load_compare_results(path: Path, recipe: str) -> dict:
-    """The rows of a `ptq compare` results.json (a file or its directory) for the model card."""
+def load_compare_results(path: Path, recipe: Recipe, target: str) -> dict:
+    """The rows of a `ptq compare` results.json (a file or its directory) for the model card: the variant of this
+    recipe's name, refused unless it quantized as this recipe does, for the same target (a name alone can be another
+    recipe's: a card would then quote another configuration's numbers)."""
     path = Path(path)
     path = path / "results.json" if path.is_dir() else path
     r = load_compare(path)
-    variant = next((v for v in r.variants if v.name == recipe), None)
+    variant = next((v for v in r.variants if v.name == recipe.name), None)
     if variant is None:
         raise PtqError(
-            f"{path} has no results for recipe '{recipe}' (it compares {', '.join(v.name for v in r.variants) or 'nothing'})"
+            f"{path} has no results for recipe '{recipe.name}' (it compares {', '.join(v.name for v in r.variants) or 'nothing'})"
+        )
+    mine, theirs = to_json(recipe_summary(recipe)), to_json(variant.recipe)
+    differs = [k for k in mine if k not in ("name", "description", "source") and mine[k] != theirs.get(k)]
+    if differs:
+        k = differs[0]
+        raise PtqError(
+            f"{path}'s '{recipe.name}' is another recipe of that name ({k}: {theirs.get(k)}, here: {mine[k]}): "
+            "its numbers are not this checkpoint's"
+        )
+    if r.target != target:
+        raise PtqError(
+            f"{path} simulated '{recipe.name}' as {r.target} serves it; this checkpoint is for --target {target}: "
+            f"compare with --target {target}, or quantize with --target {r.target}"
         )
     base, ev = r.baseline, r.eval
     return {
