@@ -531,6 +531,9 @@ def test_eval_by_default_on_a_text_without_cloze_items_gives_perplexity_with_a_n
     assert not json.loads((tmp_path / "auto" / "results.json").read_text())["tasks"] and "perplexity" in out
     code, out, err = ptq_cli(*base, "--out", tmp_path / "asked", "--tasks", "cloze")
     assert code == 2 and one_line(err) and f"error: task 'cloze' has no items: no line of {text} ends" in err
+    for option in (("--limit", "5"), ("--num-fewshot", "1"), ("--max-items", "3")):  # task options, none to apply to
+        code, out, err = ptq_cli(*base, "--out", tmp_path / "options", *option)
+        assert code == 2 and one_line(err) and "apply to task accuracy, and this run scores none" in err, err
 
 
 def test_the_console_table_never_prints_a_small_kl_as_zero(tmp_path, capsys, monkeypatch):

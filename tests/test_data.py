@@ -213,6 +213,15 @@ def test_jsonl_rows_with_default_and_named_field(tmp_path):
     assert "field 'body', 3 rows" in c.source
 
 
+def test_a_field_for_text_without_jsonl_rows_is_refused(tmp_path):
+    """`,field=` picks a field of .jsonl rows: on plain text it was dropped silently."""
+    (tmp_path / "a.txt").write_text("plain text")
+    with pytest.raises(PtqError, match=r"option 'field' picks a field of \.jsonl rows; .*a\.txt is plain text"):
+        load_corpus(f"{tmp_path / 'a.txt'},field=body", "evaluation")
+    with pytest.raises(PtqError, match="option 'field' picks a field of .jsonl rows; folder .* holds no .jsonl file"):
+        load_corpus(f"{tmp_path},field=body", "evaluation")
+
+
 def test_folder_recursive_sorted_by_relative_path(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "z.txt").write_text("from b/z")

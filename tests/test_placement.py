@@ -125,6 +125,7 @@ def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tin
         (["--device-map", "auto", "--max-memory", "cpu"], "--max-memory 'cpu' is not DEVICE=SIZE"),
         (["--device-map", "auto", "--max-memory", f"{torch.cuda.device_count()}=1GB"], "GPU(s)"),
         (["--device-map", "auto", "--max-memory", "tpu=1GB"], "device 'tpu' is not a GPU index"),
+        (["--device-map", "auto", "--max-memory", "cpu=1GiB,cpu=2GiB"], "--max-memory names device cpu twice"),
         (["--device-map", "auto", "--low-memory"], "--low-memory and --device-map"),
     ],
 )

@@ -107,6 +107,10 @@ def test_per_task_gates_default_override_and_missing_task_fails():
         (("--min-accuracy-recovery", "ninety%"), "is not a percentage"),
         (("--max-kl", "-1"), "non-negative"),
         (("--min-accuracy-recovery", "99%", "--min-accuracy-recovery", "98%"), "give one limit"),
+        (
+            ("--min-accuracy-recovery", "next-token=99%", "--min-accuracy-recovery", "next-token=0%"),
+            "--min-accuracy-recovery sets next-token twice (99%, 0%): give one",
+        ),
     ],
 )
 def test_bad_gate_values_exit_2_with_one_line(ptq_cli, compared, args, message):

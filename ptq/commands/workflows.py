@@ -804,6 +804,11 @@ def run_eval(
     calib_corpus = load_corpus(calibration.data, role="calibration") if needed and reused is None else None
     eval_corpus = load_corpus(data.data, role="evaluation")
     if auto_tasks and data.tasks == "cloze" and not cloze_items(eval_corpus):  # not asked for: a note, not an error
+        if data.limit is not None or data.num_fewshot is not None or data.max_items is not None:
+            raise PtqError(  # ...unless a task option was: it would go unused
+                f"--limit, --num-fewshot and --max-items apply to task accuracy, and this run scores none: the default "
+                f"task, cloze, has no items ({no_cloze_items(eval_corpus)}); name tasks with --tasks"
+            )
         stderr.print(
             f"note: no cloze accuracy ({no_cloze_items(eval_corpus)}): perplexity only; --tasks names other tasks",
             highlight=False,

@@ -186,12 +186,16 @@ def _load_local(path: Path, options: dict[str, str]) -> Corpus:
         )
         if not files:
             raise PtqError(f"no .txt, .md or .jsonl files in folder {path}")
+        if "field" in options and not any(f.suffix.lower() == ".jsonl" for f in files):
+            raise PtqError(f"option 'field' picks a field of .jsonl rows; folder {path} holds no .jsonl file")
         documents = [doc for f in files for doc in _read_documents(f, field)]
         kept = sum(1 for d in documents if d.strip())
         source = f"{path} ({len(files)} files, {kept} documents)"
         return _corpus(documents, source, f"folder {path}")
     if path.suffix.lower() not in TEXT_SUFFIXES:
         raise PtqError(f"unsupported data file {path}: expected .txt, .md or .jsonl (or a folder)")
+    if "field" in options and path.suffix.lower() != ".jsonl":
+        raise PtqError(f"option 'field' picks a field of .jsonl rows; {path} is plain text")
     documents = _read_documents(path, field)
     if path.suffix.lower() == ".jsonl":
         kept = sum(1 for d in documents if d.strip())

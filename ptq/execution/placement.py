@@ -77,6 +77,8 @@ def parse_max_memory(text: str) -> dict:
             key = device
         else:
             raise PtqError(f"--max-memory device '{device}' is not a GPU index, 'cpu' or 'disk'")
+        if key in limits:  # cpu=1GiB,cpu=2GiB (or 0=..,00=..): which one was meant is not ptq's to guess
+            raise PtqError(f"--max-memory names device {key} twice")
         try:
             limits[key] = convert_file_size_to_int(size)
         except (ValueError, OverflowError):  # 1e400GiB: an infinite float

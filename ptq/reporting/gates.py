@@ -50,6 +50,10 @@ def parse_limits(
         if sep and not task.strip():
             raise PtqError(f"--min-accuracy-recovery: '{entry}' names no task (use TASK=99% or 99%)")
         pct = parse_percent(value, "--min-accuracy-recovery")
+        if sep and task.strip() in per_task:  # the later one would loosen (or tighten) a gate unseen
+            raise PtqError(
+                f"--min-accuracy-recovery sets {task.strip()} twice ({per_task[task.strip()]:g}%, {pct:g}%): give one"
+            )
         if sep:
             per_task[task.strip()] = pct
         elif default is not None:
