@@ -373,6 +373,8 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
         ("{yaml_folder}", "broken.yaml, line 3, column 6: not valid YAML"),  # lm-eval's index skipped it silently
         ("{twice_yaml}", "twice.yaml, line 2, column 1: not valid YAML: 'task' given twice (first on line 1)"),
         ("a|b={good}", "task 'a|b' holds '|': a name is one line without '|' (it names a table row)"),
+        # ptq's shipped ptq_arith ran instead, and the report credited the user's file
+        ("ptq_arith={good}", "task name 'ptq_arith' is taken by ptq's own task of that name, which would run instead"),
     ],
 )
 def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message):

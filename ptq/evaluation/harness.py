@@ -355,6 +355,16 @@ def prepare(
             )
     if any(isinstance(item, tuple) for item in by_name):
         manager = suite.task_manager()  # the generated local copies, indexed
+    for name in names:  # a task ptq wrote must be the one lm-eval finds under its name, not a shipped one
+        generated = work / f"{name}.yaml"
+        entry = manager.task_index.get(name)
+        found = Path(entry.yaml_path).resolve() if entry is not None and entry.yaml_path else None
+        if generated.is_file() and found != generated.resolve():
+            raise PtqError(
+                f"task name '{name}' is taken by {'ptq' if found and found.is_relative_to(TASKS_DIR) else 'lm-eval'}'s "
+                f"own task of that name, which would run instead of {sources.get(name, 'yours')}: name yours "
+                "otherwise (NAME=FILE.jsonl)"
+            )
     load_check(suite, manager)
     return suite
 
