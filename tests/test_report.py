@@ -1096,3 +1096,17 @@ def test_trend_from_or_to_an_infinite_perplexity_prints_no_nan():
         rows = [line for line in md.splitlines() if line.startswith("| fp8 | perplexity |")]
         assert rows and "nan" not in rows[0], rows
     assert trend(recovered, collapsed)["moves"]
+
+
+def test_a_report_written_again_takes_the_plots_it_no_longer_draws_away(compared, ptq_cli, tmp_path):
+    """With --no-plots --force (or a run with less to plot), the earlier run's PNGs stayed beside the new report,
+    showing another run's numbers; without --force they are refused like any output."""
+    out = tmp_path / "again"
+    code, _, err = ptq_cli("report", compared / "results.json", "-o", out / "report.md")
+    assert code == 1, err  # compared's KL gate fails
+    plots = sorted(p.name for p in out.glob("*.png"))
+    assert plots == ["report-layer-amax.png", "report-layer-snr.png", "report-metrics.png"]
+    code, _, err = ptq_cli("report", compared / "results.json", "-o", out / "report.md", "--no-plots")
+    assert code == 2 and "exists" in err and len(list(out.glob("*.png"))) == 3
+    code, _, err = ptq_cli("report", compared / "results.json", "-o", out / "report.md", "--no-plots", "--force")
+    assert code == 1 and not list(out.glob("*.png")) and (out / "report.md").is_file()

@@ -524,7 +524,7 @@ def run_compare(
         ),
     )
     compute_info = _compute_info(model, compute, data, streamed)
-    _check_report_outputs(output, output.plots)
+    _check_report_outputs(output)
     baseline = load_recipe(BASELINE_RECIPE)
     variants = [load_recipe(r) for r in recipes]
     if not variants:  # `--recipes "$EMPTY"`: a baseline alone, whose gates would pass with nothing to judge
@@ -681,17 +681,14 @@ def _compute_info(model: ModelOptions, compute: ComputeOptions, data: DataOption
     return info
 
 
-def _check_report_outputs(output: OutputOptions, plots: bool) -> None:
-    """report.md, results.json (and the plots) in output.path: refused if they exist without --force, the folder
-    checked, before any work."""
-    out = Path(output.path)
-    for name in ("report.md", "results.json"):
-        check_writable(out / name, output.force)
-    if plots:
-        from ptq.reporting.plots import plot_paths
+def _check_report_outputs(output: OutputOptions) -> None:
+    """report.md, results.json and the plots in output.path (drawn, or an earlier run's, which are removed): refused
+    if they exist without --force, the folder checked, before any work."""
+    from ptq.reporting.plots import plot_paths
 
-        for path in plot_paths(out / "report.md").values():
-            check_writable(path, output.force)
+    out = Path(output.path)
+    for path in [out / "report.md", out / "results.json", *plot_paths(out / "report.md").values()]:
+        check_writable(path, output.force)
     check_output_dir(out)
 
 
@@ -792,7 +789,7 @@ def run_eval(
             )
         check_task_options(data)
     compute_info = _compute_info(model, compute, data, streamed)
-    _check_report_outputs(output, plots=False)
+    _check_report_outputs(output)
     config = load_recipe(recipe)
     if streamed:
         streaming.check_compare_recipes([config])

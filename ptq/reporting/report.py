@@ -56,15 +56,26 @@ def write_report(out_dir: Path, results: Results, force: bool, plots: bool = Tru
 
 
 def report_outputs(report: Path, results: Results, plots: bool) -> list[Path]:
-    """Every file writing `report` creates: the markdown and, with plots, the PNGs next to it. An output that is an
-    existing directory is refused here, before any work: --force cannot overwrite a directory."""
+    """Every file writing `report` creates or replaces: the markdown, with plots the PNGs next to it, and the plots of
+    `report` an earlier run left that this one does not draw (removed: they would show another run's numbers beside
+    this report). An output that is an existing directory is refused here, before any work: --force cannot
+    overwrite a directory."""
+    report = _not_a_directory(Path(report))
+    drawn = _drawn_plots(report, results, plots)
+    return [report] + [_not_a_directory(p) for p in drawn] + _stale_plots(report, drawn)
+
+
+def _drawn_plots(report: Path, results: Results, plots: bool) -> list[Path]:
     from ptq.reporting.plots import available, plot_paths
 
-    report = _not_a_directory(Path(report))
-    if not plots:
-        return [report]
     paths = plot_paths(report)
-    return [report] + [_not_a_directory(paths[name]) for name in available(results)]
+    return [paths[name] for name in available(results)] if plots and isinstance(results, CompareResults) else []
+
+
+def _stale_plots(report: Path, drawn: list[Path]) -> list[Path]:
+    from ptq.reporting.plots import plot_paths
+
+    return [p for p in plot_paths(report).values() if p not in drawn and p.is_file()]
 
 
 def _not_a_directory(path: Path) -> Path:
@@ -87,6 +98,8 @@ def _write_set(report: Path, texts: dict[Path, str], plotted: CompareResults | N
 
     plots = plot_writers(plotted, report) if plotted is not None else {}
     write_set_atomic(plots | {path: text_writer(text) for path, text in texts.items()})
+    for stale in _stale_plots(report, list(plots)):  # allowed by report_outputs' checks (--force)
+        stale.unlink(missing_ok=True)
 
 
 def write_markdown(
