@@ -375,6 +375,8 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
         ("a|b={good}", "task 'a|b' holds '|': a name is one line without '|' (it names a table row)"),
         # ptq's shipped ptq_arith ran instead, and the report credited the user's file
         ("ptq_arith={good}", "task name 'ptq_arith' is taken by ptq's own task of that name, which would run instead"),
+        ("mine={empty_folder}", "NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of them is given"),
+        ("mine={twice_yaml}", "NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of them is given"),
     ],
 )
 def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message):

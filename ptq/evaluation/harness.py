@@ -293,6 +293,11 @@ def prepare(
             names.append(name)  # an lm-eval task by name, checked below
             by_name.append(name)
             continue
+        if path is not None and (target.is_dir() or target.suffix in (".yaml", ".yml")):
+            raise PtqError(
+                f"{name}={path}: NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of them is given "
+                f"without NAME= (--tasks {path}: its tasks are named inside it)"
+            )
         task_name = name if path is not None else target.stem
         rows = _jsonl_rows(target)
         if all(f in rows[0][1] for f in CHOICE_FIELDS):
