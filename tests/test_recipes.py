@@ -114,6 +114,14 @@ def test_a_key_given_twice_is_refused_where_yaml_would_keep_the_last(tmp_path, t
     import yaml
 
     assert yaml.safe_load(text)["weights"] == {"format": "int8"}  # what PyYAML alone would quantize by
+    # a key that overrides a merged one (`<<: *anchor`) is not given twice: YAML's merge is for that
+    merged = tmp_path / "merged.yaml"
+    merged.write_text(
+        "name: x\nbase: &b {format: e4m3, granularity: tensor}\nweights:\n  <<: *b\n  granularity: channel\n"
+        "inputs: {format: e4m3}\n"
+    )
+    with pytest.raises(PtqError, match="unknown key 'base'"):  # read as YAML: the recipe check speaks, not the reader
+        load_recipe(str(merged))
     path = tmp_path / "twice.yaml"
     path.write_text(text)
     key = "weights" if where.startswith("line 4") else "format"
