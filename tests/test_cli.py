@@ -165,6 +165,7 @@ def corrupted_model(src, tmp_path):
         "other model's calibration",
         "unreadable calibration",
         "calibration folder",
+        "broken tokenizer",
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
@@ -208,6 +209,11 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
             == 0
         )
         extra, expected = ["--calib", str(calib)], "made for another model"
+    elif case == "broken tokenizer":  # the JSON error alone did not say which file
+        broken = tmp_path / "broken-tokenizer"
+        shutil.copytree(tiny_model, broken)
+        (broken / "tokenizer.json").write_text("{garbage")
+        model, expected = str(broken), f"{broken / 'tokenizer.json'} is not valid JSON (Expecting property name"
     elif case == "calibration folder":
         extra, expected = ["--calib", str(tmp_path)], f"calibration file {tmp_path} is a folder: give the .safetensors"
     else:

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.metadata
+import json
 import re
 import warnings
 from collections import Counter
@@ -463,6 +464,12 @@ def _from_pretrained(
             raise PtqError(
                 f"cannot load model '{spec}': no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...) in {location}"
             ) from None
+        if isinstance(e, json.JSONDecodeError) and Path(location).is_dir():  # which file: the error does not say
+            for f in sorted(Path(location).glob("*.json")):
+                try:
+                    json.loads(f.read_text(encoding="utf-8"))
+                except (ValueError, OSError) as bad:
+                    raise PtqError(f"cannot load model '{spec}': {f} is not valid JSON ({one_line(bad)})") from None
         raise PtqError(f"cannot load model '{spec}': {one_line(e)}") from None
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
