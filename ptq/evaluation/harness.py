@@ -320,8 +320,8 @@ def prepare(
         twice = sorted({n for n in names if names.count(n) > 1})
         raise PtqError(f"task '{twice[0]}' given twice")
     for name in names:
-        if name_problem(name):
-            raise PtqError(f"task {name_problem(name)}")
+        if problem := name_problem(name):
+            raise PtqError(f"task {problem}")
     suite = Suite(names, list(dict.fromkeys([work, *include])), False, sources, notes, num_fewshot, limit)
     manager = suite.task_manager()
     if any(

@@ -196,8 +196,8 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         optional={"description", "targets", "ignore", "include", "attention", "kv_cache", "smoothquant", "residual"},
     )
     name = _string(fields["name"], f"{where}: 'name'")
-    if name_problem(name):
-        raise PtqError(f"{where}: 'name' {name_problem(name)}")
+    if problem := name_problem(name):
+        raise PtqError(f"{where}: 'name' {problem}")
     # SmoothQuant folds one factor per input channel into a layer: experts (routed inputs) are not targeted by default
     default_targets = [k for k in KINDS if k != "Experts"] if "smoothquant" in fields else list(KINDS)
     targets = tuple(_string_list(fields.get("targets", default_targets), f"{where}: 'targets'", empty=False))

@@ -543,16 +543,16 @@ def _check_references(results: Results) -> None:
         else [("config", results.config)]
     )
     for i, task in enumerate(results.tasks or []):
-        if name_problem(task.name):
-            raise _Invalid(f"tasks[{i}].name: {name_problem(task.name)}")
+        if problem := name_problem(task.name):
+            raise _Invalid(f"tasks[{i}].name: {problem}")
         for where, e in entries:
             scores = (e.tasks or {}).get(task.name)
             missing = [m for m in task.metrics if scores is None or m not in scores.metrics]
             if missing:
                 raise _Invalid(f"{where}.tasks.{task.name}: no score for {missing[0]}, which tasks[{i}] lists")
     for where, e in entries:
-        if name_problem(e.name):
-            raise _Invalid(f"{where}.name: {name_problem(e.name)}")
+        if problem := name_problem(e.name):
+            raise _Invalid(f"{where}.name: {problem}")
         for part in ("weights", "inputs"):
             if not getattr(e.recipe, part).split():
                 raise _Invalid(f"{where}.recipe.{part}: empty (a format, such as 'e4m3 per-tensor')")
