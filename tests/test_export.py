@@ -4,6 +4,7 @@ references (compressed-tensors' own schema and compressors, the source safetenso
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -349,6 +350,48 @@ def test_refusals_leave_nothing_behind(tiny_model, ptq_cli, text_file, tmp_path)
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+# weight x input pairs as vLLM 0.32's compressed-tensors schemes serve them (compressed_tensors.py `_is_fp8_w8a8`,
+# `_is_static_tensor_w8a8`, `_is_dynamic_token_w8a8`; schemes/compressed_tensors_w8a8_fp8.py)
+E4M3, INT8, DYNAMIC = "{format: e4m3", "{format: int8", ", dynamic: true}"
+BLOCK, CHANNEL = ", granularity: block, block_size: [{0}, {1}]}}", ", granularity: channel}"
+GROUP = ", granularity: group, group_size: {0}, dynamic: true}}"
+VLLM_PAIRS = [
+    (E4M3 + "}", E4M3 + "}", None),  # fp8-e4m3
+    (E4M3 + CHANNEL, E4M3 + DYNAMIC, None),  # fp8-dynamic
+    (E4M3 + BLOCK.format(128, 128), E4M3 + GROUP.format(128), None),  # fp8-block
+    (E4M3 + BLOCK.format(64, 64), E4M3 + GROUP.format(64), None),
+    (INT8 + CHANNEL, INT8 + "}", None),  # int8
+    (INT8 + CHANNEL, INT8 + DYNAMIC, None),
+    # block weights with a static input scale: an assert at load
+    (E4M3 + BLOCK.format(128, 128), E4M3 + "}", "vLLM refuses block weights with a static input scale"),
+    # block weights: inputs served in groups of block_structure[0], whatever the config names
+    (E4M3 + BLOCK.format(128, 128), E4M3 + DYNAMIC, "groups of 1 x 128"),
+    (E4M3 + BLOCK.format(128, 128), E4M3 + GROUP.format(64), "groups of 1 x 128"),
+    (E4M3 + BLOCK.format(64, 128), E4M3 + GROUP.format(128), "groups of 1 x 64"),
+    # per-tensor / per-channel weights: dynamic inputs served per token
+    (E4M3 + CHANNEL, E4M3 + GROUP.format(128), "per token whatever the checkpoint names"),
+    (INT8 + CHANNEL, INT8 + GROUP.format(128), "per token whatever the checkpoint names"),
+    # int8 block weights: "No compressed-tensors compatible scheme"
+    (INT8 + BLOCK.format(128, 128), INT8 + GROUP.format(128), "int8 block weights"),
+]
+
+
+@pytest.mark.parametrize("weights, inputs, refused", VLLM_PAIRS)
+def test_only_pairs_vllm_serves_as_simulated_are_exportable(weights, inputs, refused, tmp_path):
+    from ptq.errors import PtqError
+    from ptq.export.checkpoint import check_exportable
+    from ptq.quantization.recipes import load_recipe
+
+    path = tmp_path / "pair.yaml"
+    path.write_text(f"name: pair\nweights: {weights}\ninputs: {inputs}\n")
+    recipe = load_recipe(str(path))
+    if refused is None:
+        check_exportable(recipe)
+    else:
+        with pytest.raises(PtqError, match=re.escape(refused)):
+            check_exportable(recipe)
+
+
 def test_force_replaces_an_earlier_export_and_an_interrupted_one_leaves_nothing(
     tiny_model, ptq_cli, text_file, tmp_path, monkeypatch
 ):
@@ -475,6 +518,9 @@ PARTIAL_KV = "name: partial-kv\nweights: {format: e4m3}\ninputs: {format: e4m3}\
         ("gpt2", "mxfp8", "has Conv1D layers"),
         ("bloom", "fp8-e4m3+kv", "BloomAttention computes attention in its own code"),
         ("llama", "partial-kv", "leaves the KV cache of 'model.layers.1.self_attn.kv_cache.key'"),
+        # per-tensor weights with per-token inputs: vLLM's fused-MoE FP8 method asserts block weights at load
+        ("mixtral", "tensor-token", "vLLM's fused-MoE FP8 method takes"),
+        ("qwen3_moe", "block-64", "quantizes the experts of Qwen3MoeForCausalLM with per-block-64x64"),
     ],
 )
 def test_pairs_no_loader_takes_are_refused_before_calibration(
@@ -495,6 +541,14 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
         recipe.write_text(
             PARTIAL_KV + "ignore: [lm_head, 'model.layers.1.self_attn.key', 'model.layers.1.self_attn.value']\n"
         )
+    custom = {
+        "tensor-token": "weights: {format: e4m3}\ninputs: {format: e4m3, dynamic: true}\n",
+        "block-64": "weights: {format: e4m3, granularity: block, block_size: [64, 64]}\n"
+        "inputs: {format: e4m3, granularity: group, group_size: 64, dynamic: true}\n",
+    }
+    if recipe in custom:  # exportable on dense layers (test_only_pairs_vllm_serves_as_simulated_are_exportable)
+        (tmp_path / f"{recipe}.yaml").write_text(f"name: {recipe}\n{custom[recipe]}")
+        recipe = tmp_path / f"{recipe}.yaml"
     calibrated = []
     monkeypatch.setattr(workflows, "_calibrate", lambda *a, **k: calibrated.append(1))
     code, _, err = ptq_cli(

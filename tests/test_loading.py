@@ -213,6 +213,55 @@ def test_a_tensor_of_another_shape_is_refused_naming_it(ptq_cli, tiny_model, tmp
     assert "above report" not in line
 
 
+def _cgroup(folder: Path, limit: str, usage: int, inactive: tuple[str, int]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    v2 = inactive[0] == "inactive_file"
+    (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(limit + "\n")
+    (folder / ("memory.current" if v2 else "memory.usage_in_bytes")).write_text(f"{usage}\n")
+    (folder / "memory.stat").write_text(f"anon 1\n{inactive[0]} {inactive[1]}\nactive_file 7\n")
+
+
+def test_the_host_memory_check_counts_the_memory_cgroup_limit(tmp_path, monkeypatch):
+    """A container's, pod's or Slurm job's memory limit is not in /proc/meminfo (the whole machine): the check read
+    MemAvailable only, passed a model the limit could not hold, and the OOM killer ended the run where ptq would have
+    worked layer by layer. The room is limit - (usage - inactive file cache), the tightest over the cgroup's
+    ancestors; cgroup v2, v1 and hybrid (both) files as the kernel writes them."""
+    import torch
+
+    from ptq.execution import resources
+
+    gib = 1 << 30
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    proc = tmp_path / "cgroup"
+    # v2: the job's own limit is 'max'; its parent allows 8 GiB, 6 GiB used of which 1 GiB is reclaimable cache
+    _cgroup(v2 / "slurm" / "job_1", "max", 3 * gib, ("inactive_file", 0))
+    _cgroup(v2 / "slurm", str(8 * gib), 6 * gib, ("inactive_file", gib))
+    proc.write_text("0::/slurm/job_1\n")
+    assert resources.cgroup_available(proc, v2) == 3 * gib
+    _cgroup(v2 / "slurm" / "job_1", str(2 * gib), 3 * gib, ("inactive_file", 2 * gib))  # tighter: 2 - (3 - 2)
+    assert resources.cgroup_available(proc, v2) == gib
+    # v1: the memory controller's line among others; no limit is 2^63 rounded down to a page
+    _cgroup(v1 / "memory" / "docker" / "abc", str(4 * gib), 5 * gib, ("total_inactive_file", 2 * gib))
+    _cgroup(v1 / "memory" / "docker", "9223372036854771712", 9 * gib, ("total_inactive_file", 0))
+    proc.write_text("5:cpuacct,cpu:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    assert resources.cgroup_available(proc, v1) == gib
+    # over the limit (the kernel reclaims first): no room, not a negative number
+    _cgroup(v1 / "memory" / "docker" / "abc", str(4 * gib), 7 * gib, ("total_inactive_file", gib))
+    assert resources.cgroup_available(proc, v1) == 0
+    # no limit anywhere, no memory controller, or nothing readable: the kernel's MemAvailable stands
+    _cgroup(v1 / "memory" / "docker" / "abc", "9223372036854771712", 7 * gib, ("total_inactive_file", gib))
+    assert resources.cgroup_available(proc, v1) is None
+    proc.write_text("3:cpuset:/\n")
+    assert resources.cgroup_available(proc, v1) is None
+    assert resources.cgroup_available(tmp_path / "absent", v1) is None
+    # the host's check takes the smaller of the two
+    monkeypatch.setattr(resources, "_mem_available", lambda: 20 * gib)
+    monkeypatch.setattr(resources, "cgroup_available", lambda: 3 * gib)
+    assert resources.available_memory(torch.device("cpu")) == 3 * gib
+    monkeypatch.setattr(resources, "cgroup_available", lambda: None)
+    assert resources.available_memory(torch.device("cpu")) == 20 * gib
+
+
 def test_a_model_whose_float32_load_does_not_fit_the_host_is_refused_before_loading(tiny_model, monkeypatch):
     """On a GPU, the GPU's free memory was the only check, but from_pretrained first reads every weight into host
     memory in float32 (then moved to the GPU): a 32B model on one 141 GB GPU with 128 GB of RAM passed the check

@@ -51,10 +51,18 @@ def checkpoint_parameters(directory: Path) -> int | None:
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes that can still be allocated on `device`: free GPU memory, or the kernel's MemAvailable."""
+    """Bytes that can still be allocated on `device`: free GPU memory; on the host, the kernel's MemAvailable, or
+    less where this process's memory cgroup allows less (a container, a Kubernetes pod or a Slurm job: their limit
+    is not in /proc/meminfo, which shows the whole machine, and past it the OOM killer ends the run unannounced)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
+    host = _mem_available()
+    limited = cgroup_available()
+    return host if limited is None else limited if host is None else min(host, limited)
+
+
+def _mem_available() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -65,6 +73,52 @@ def available_memory(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as the largest page-aligned int64
+
+
+def cgroup_available(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path | None = None) -> int | None:
+    """Bytes this process's memory cgroup, and every cgroup above it, still allows: the tightest of limit - (usage -
+    inactive file cache), the cache the kernel reclaims before it kills (as the container engines count a working
+    set); None where no limit is set or none can be read. cgroup v2 (memory.max, memory.current) and v1 (the memory
+    controller's memory.limit_in_bytes, memory.usage_in_bytes)."""
+    root = root or CGROUP_ROOT
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:  # hierarchy-id:controllers:path; v2's line is 0::path (hybrid systems have both)
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", None, "")
+        if controllers == "":
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
+        elif controllers is not None and "memory" in controllers.split(","):
+            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        rooms.append(_cgroup_room(base, path, *files))
+    rooms = [r for r in rooms if r is not None]
+    return min(rooms) if rooms else None
+
+
+def _cgroup_room(base: Path, path: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    """The tightest limit - working set from the cgroup at `path` up to `base`, None where none is limited."""
+    folder, rooms = base / path.strip("/"), []
+    while True:
+        try:
+            text = (folder / limit_file).read_text().strip()
+            if text != "max" and int(text) < _UNLIMITED:
+                usage = int((folder / usage_file).read_text())
+                stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
+                rooms.append(max(int(text) - max(usage - int(stat.get(inactive_key, 0)), 0), 0))
+        except (OSError, ValueError):
+            pass  # not mounted here, or not readable: the kernel's MemAvailable stands
+        if folder == base or base not in folder.parents:
+            break
+        folder = folder.parent
+    return min(rooms) if rooms else None
 
 
 def shortfall(directory: Path, copies: float, device: torch.device) -> tuple[int, int, int] | None:

@@ -118,6 +118,41 @@ def check_exportable(recipe: Recipe) -> None:
             f"recipe '{recipe.name}' uses SmoothQuant: the checkpoint format has no per-channel "
             "division of a layer's input, so it would not run as simulated"
         )
+    if not any(mx):
+        _check_vllm_pairing(recipe)
+
+
+def _check_vllm_pairing(recipe: Recipe) -> None:
+    """The weight x input pairs vLLM's compressed-tensors schemes serve as written (vllm 0.32
+    compressed_tensors.py, `_is_fp8_w8a8`, `_is_static_tensor_w8a8`, `_is_dynamic_token_w8a8`, and
+    CompressedTensorsW8A8Fp8): block weights take dynamic input groups of block_structure[0] (whatever group
+    the config names) and no static input scale (an assert at load); per-tensor and per-channel weights take a
+    static per-tensor input scale (recipes allow no other static one) or a dynamic per-token one (other dynamic
+    inputs are served per token); int8 weights are per-tensor or per-channel ("No compressed-tensors compatible
+    scheme" otherwise)."""
+    w, x = recipe.weights, recipe.inputs
+    wg, xg = w.granularity, x.granularity
+    pair = f"recipe '{recipe.name}' pairs {wg.describe()} weights with {x.describe()} inputs"
+    if isinstance(wg, PerBlock):
+        if w.format.kind == "int":
+            raise PtqError(
+                f"recipe '{recipe.name}' has int8 block weights: vLLM loads int8 weights per tensor or per channel "
+                "only; use fp8-block, or per-channel int8 weights"
+            )
+        if not x.dynamic:
+            raise PtqError(f"{pair}: vLLM refuses block weights with a static input scale; use fp8-block")
+        if not (wg.rows == wg.cols and xg == PerGroup(wg.cols)):
+            raise PtqError(
+                f"{pair}: vLLM serves block weights' inputs in dynamic groups of 1 x {wg.rows} (the block's rows) "
+                "whatever the checkpoint names, so it would not run as simulated; use square blocks and input "
+                "groups of their size (fp8-block: 128 x 128, groups of 128)"
+            )
+    elif x.dynamic and not isinstance(xg, PerToken):
+        raise PtqError(
+            f"{pair}: vLLM serves the dynamic inputs of per-tensor and per-channel weights per token whatever the "
+            "checkpoint names, so it would not run as simulated; use dynamic per-token inputs"
+            + (" (fp8-dynamic), or fp8-block for groups" if w.format.kind == "float" else "")
+        )
 
 
 def quantization_args(spec: TensorQuant):
@@ -427,7 +462,26 @@ def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> No
             f"model: no loader takes it ({why}cannot load int-quantized checkpoints with fused experts); "
             "use fp8-e4m3"
         )
+    w, x = recipe.weights, recipe.inputs
+    fp8_experts = w.scale_format != "e8m0" and any(kind(model.get_submodule(n)) == "Experts" for n in quantized)
+    if fp8_experts and (w.granularity, x.granularity, x.dynamic) not in _VLLM_FP8_EXPERTS:
+        raise PtqError(
+            f"recipe '{recipe.name}' quantizes the experts of {type(model).__name__} with {w.granularity.describe()} "
+            f"weights and {x.describe()} inputs: vLLM's fused-MoE FP8 method takes per-tensor weights with a static "
+            "per-tensor input scale (fp8-e4m3), per-channel weights with dynamic per-token inputs (fp8-dynamic), or "
+            "128 x 128 blocks with dynamic 1 x 128 input groups (fp8-block), and refuses or reshapes the others; "
+            "use one of those, or leave the experts out (targets without Experts)"
+        )
     check_experts_per_expert(model)
+
+
+# (weights, inputs, dynamic inputs) of FP8 experts as vLLM 0.32 serves them (compressed_tensors_moe_w8a8_fp8.py:
+# per_tensor, per_channel, and block scales keyed as kFp8Static128BlockSym with kFp8Dynamic128Sym inputs)
+_VLLM_FP8_EXPERTS = {
+    (PerTensor(), PerTensor(), False),
+    (PerChannel(), PerToken(), True),
+    (PerBlock(128, 128), PerGroup(128), True),
+}
 
 
 def plan_checkpoint(
