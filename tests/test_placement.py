@@ -64,6 +64,33 @@ def test_compare_with_offloaded_models_equals_the_models_in_memory(
     assert offload.is_dir() and not any(offload.iterdir())  # used for the disk, and emptied after the run
 
 
+def test_offloading_to_a_disk_without_room_is_refused_before_writing(
+    tmp_path, ptq_cli, text_file, tiny_model, monkeypatch
+):
+    """accelerate writes offloaded tensors through memory maps: a disk that filled under one ended the process with
+    SIGBUS (exit 135, no message) and left the partly written folder, disk still full. The free space is checked
+    first, and --max-memory's disk limit, which accelerate accepts and does not apply, is applied."""
+    import shutil
+    from collections import namedtuple
+
+    monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))
+    args = ["eval", tiny_model, "--recipe", "fp8-e4m3", "--calib-data", text_file, "--eval-data", text_file, *COMMON[:-1], "-q"]
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 4096))  # 4 KiB free
+    code, _, err = ptq_cli(*args, "--device-map", "auto", "--max-memory", "cpu=150KB", "--out", tmp_path / "full")
+    last = err.strip().splitlines()[-1]  # after eval's note that the text has no cloze items
+    assert code == 2 and "offloading part of the model to disk (--device-map) needs at least" in last, err
+    assert "4.0 KiB free" in last and sum(line.startswith("error") for line in err.splitlines()) == 1
+    offload = tmp_path / "cache" / "offload"
+    assert not offload.exists() or not any(offload.rglob("*.dat"))
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    code, _, err = ptq_cli(*args, "--device-map", "auto", "--max-memory", "cpu=150KB,disk=1KB", "--out", tmp_path / "d")
+    assert code == 2 and "--max-memory's disk limit leaves it 1000 B" in err, err
+    code, _, err = ptq_cli(*args, "--device-map", "auto", "--max-memory", "cpu=150KB,disk=1GB", "--out", tmp_path / "e")
+    assert code == 0, err
+
+
 def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tiny_model):
     model = _model_dir("qwen3_moe", tmp_path, tiny_model)
     args = ["--data", text_file, "--seq-len", "16", "--samples", "2"]

@@ -34,6 +34,7 @@ from torch import nn
 
 from ptq.errors import PtqError
 from ptq.execution.devices import gpu_memory
+from ptq.execution.resources import check_disk, size_text
 from ptq.files import cache_root, make_dir
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's names
@@ -136,17 +137,35 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
         folder = None
         disk = [name for name, device in mapping.items() if device == "disk"]
         if disk:
+            offloaded = {
+                k: t for k, t in model.state_dict().items() if any(not m or k == m or k.startswith(m + ".") for m in disk)
+            }
+            # before writing: accelerate writes through memory maps, and a disk that fills under one ends the
+            # process with SIGBUS, no message, and the folder left behind
+            size = sum(t.numel() * t.element_size() for t in offloaded.values())
+            if "disk" in share and size > share["disk"]:  # accelerate takes the limit and does not apply it
+                raise PtqError(
+                    f"{FLAG}: {size_text(size)} of the model would go to disk, past the other devices' limits, "
+                    f"and --max-memory's disk limit leaves it {size_text(share['disk'])} (the limit is split over "
+                    "the models held at once): raise the disk limit or the others"
+                )
+            check_disk(
+                Path(offload_dir),
+                size,
+                f"offloading part of the model to disk ({FLAG})",
+                "free space there, set PTQ_CACHE to a folder on a larger disk, or give the GPUs and the CPU more "
+                "(--max-memory)",
+            )
             make_dir(Path(offload_dir), "the offload folder", " (set PTQ_CACHE to a folder that can be written)")
             folder = tempfile.mkdtemp(prefix="model-", dir=offload_dir)
             # Written here rather than by dispatch_model, which misses a whole model sent to disk (module name "").
-            offload_state_dict(
-                folder,
-                {
-                    k: t
-                    for k, t in model.state_dict().items()
-                    if any(not m or k == m or k.startswith(m + ".") for m in disk)
-                },
-            )
+            try:
+                offload_state_dict(folder, offloaded)
+            except OSError as e:
+                raise PtqError(
+                    f"cannot offload the model to disk in {folder} ({FLAG}): {e.strerror or e}; free space there or "
+                    "set PTQ_CACHE to another folder"
+                ) from None
         gpus = [d for d in mapping.values() if d not in ("cpu", "disk")]
         # force_hooks: even a model that fits one device is placed by the hooks, which give each placed module new
         # tensors, not by model.to(), which would move in place the tensors the variants share with one another
