@@ -276,7 +276,7 @@ def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp
 
     recipe_name, out = exported
     loaded = load_model(str(out))
-    assert "compressed-tensors checkpoint" in loaded.caveats[0]
+    assert "compressed-tensors checkpoint" in loaded.caveats[0] and "its 8-bit weights dequantized" in loaded.caveats[0]
     tensors = read_checkpoint(out)
     recipe = load_recipe(recipe_name)
     layer = "model.layers.0.mlp.down_proj"

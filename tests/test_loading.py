@@ -554,3 +554,46 @@ def test_the_memory_estimate_counts_two_values_per_byte_of_mxfp4_blocks(tmp_path
         str(tmp_path / "model.safetensors"),
     )
     assert resources.checkpoint_parameters(tmp_path) == 2 * 8192 + 512 + 128
+
+
+def test_the_memory_estimate_counts_the_values_of_packed_compressed_tensors_weights(tmp_path):
+    """compressed-tensors pack-quantized (W4A16) stores eight 4-bit values per int32 of a weight_packed tensor, with
+    the unpacked shape in weight_shape (which may lie in another shard); NVFP4 two per uint8. They load dequantized,
+    one float32 per value: counted per stored element, a 70B W4A16 model read as about 9 billion parameters and
+    passed the memory check it could not hold."""
+    import json
+
+    import safetensors.torch
+    import torch
+
+    from ptq.execution import resources
+
+    layer = "model.layers.0.mlp"
+    first = {
+        f"{layer}.up_proj.weight_packed": torch.zeros(512, 32, dtype=torch.int32),  # 512 x 256 int4 values
+        f"{layer}.up_proj.weight_scale": torch.zeros(512, 8),  # 4096
+        f"{layer}.gate_proj.weight_packed": torch.zeros(64, 16, dtype=torch.uint8),  # NVFP4: 64 x 32, no shape
+        "model.norm.weight": torch.zeros(256),
+    }
+    second = {f"{layer}.up_proj.weight_shape": torch.tensor([512, 256])}  # the shape in the other shard
+    safetensors.torch.save_file(first, str(tmp_path / "model-00001-of-00002.safetensors"))
+    safetensors.torch.save_file(second, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {k: "model-00001-of-00002.safetensors" for k in first}}
+    index["weight_map"] |= {k: "model-00002-of-00002.safetensors" for k in second}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert resources.checkpoint_parameters(tmp_path) == 512 * 256 + 4096 + 64 * 32 + 256
+
+
+def test_the_caveat_of_a_compressed_tensors_checkpoint_names_its_weights_bits():
+    """A W4A16 checkpoint (pack-quantized) was described as "its 8-bit weights dequantized"."""
+    from ptq.models.loading import dequantized_loading
+
+    def caveat(groups):
+        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": groups}
+        return dequantized_loading({"quantization_config": qc}, "model 'm'", "m")[1]
+
+    assert "evaluated as its 4-bit weights dequantized" in caveat({"group_0": {"weights": {"num_bits": 4}}})
+    assert "The 4-bit weights' rounding" in caveat({"group_0": {"weights": {"num_bits": 4}}})
+    mixed = {"group_0": {"weights": {"num_bits": 4}}, "group_1": {"weights": {"num_bits": 8}}}
+    assert "evaluated as its quantized weights dequantized" in caveat(mixed)
+    assert "its quantized weights" in caveat({"group_0": {"weights": None}})

@@ -74,7 +74,18 @@ def test_offloading_to_a_disk_without_room_is_refused_before_writing(
     from collections import namedtuple
 
     monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))
-    args = ["eval", tiny_model, "--recipe", "fp8-e4m3", "--calib-data", text_file, "--eval-data", text_file, *COMMON[:-1], "-q"]
+    args = [
+        "eval",
+        tiny_model,
+        "--recipe",
+        "fp8-e4m3",
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+        *COMMON[:-1],
+        "-q",
+    ]
     usage = namedtuple("usage", "total used free")
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 4096))  # 4 KiB free

@@ -138,7 +138,9 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
         disk = [name for name, device in mapping.items() if device == "disk"]
         if disk:
             offloaded = {
-                k: t for k, t in model.state_dict().items() if any(not m or k == m or k.startswith(m + ".") for m in disk)
+                k: t
+                for k, t in model.state_dict().items()
+                if any(not m or k == m or k.startswith(m + ".") for m in disk)
             }
             # before writing: accelerate writes through memory maps, and a disk that fills under one ends the
             # process with SIGBUS, no message, and the folder left behind

@@ -16,8 +16,14 @@ FLOAT32_BYTES = 4
 NO_CHECK_FLAG = "--no-memory-check"
 
 
+# values per element of a packed weight whose unpacked shape is not stored: 4-bit values (W4A16, NVFP4), the
+# common case (8-bit packing stores its shape; counting 4-bit values over-estimates it, the safe side)
+PACKED_VALUES = {"I32": 8, "I64": 16, "U8": 2, "I8": 2}
+
+
 def checkpoint_parameters(directory: Path) -> int | None:
-    """Parameter count from the safetensors headers (read without loading any tensor data); for pickle
+    """Parameter count from the safetensors headers (read without loading any tensor data, but the 2-number unpacked
+    shapes of packed weights, which load dequantized: one parameter per value, not per stored element); for pickle
     checkpoints, the file size over 2 bytes (a 16-bit checkpoint, the common case); None if unknown. With a
     model.safetensors.index.json, only the files its weight_map names, which are what loads (Mistral's repositories
     also ship the same weights as consolidated.safetensors)."""
@@ -34,18 +40,23 @@ def checkpoint_parameters(directory: Path) -> int | None:
             raise PtqError(f"{index} is not a readable safetensors index") from None
         files = [Path(directory) / name for name in sorted(named)]
     if files:
-        total = 0
+        total, packed, unpacked = 0, {}, {}
         for f in files:
             try:
                 with safetensors.safe_open(str(f), framework="pt") as st:
                     for key in st.keys():
                         piece = st.get_slice(key)
-                        # MXFP4 (gpt-oss): two 4-bit values per byte of a *_blocks tensor, dequantized on load
-                        packed = 2 if key.endswith("_blocks") and piece.get_dtype() == "U8" else 1
-                        total += math.prod(piece.get_shape()) * packed
+                        size, dtype = math.prod(piece.get_shape()), piece.get_dtype()
+                        if key.endswith(".weight_packed"):  # compressed-tensors pack-quantized (int4), NVFP4
+                            packed[key.removesuffix("_packed")] = size * PACKED_VALUES.get(dtype, 1)
+                        elif key.endswith(".weight_shape"):  # the unpacked shape, stored beside the codes
+                            unpacked[key.removesuffix("_shape")] = math.prod(st.get_tensor(key).tolist())
+                        else:
+                            # MXFP4 (gpt-oss): two 4-bit values per byte of a *_blocks tensor, dequantized on load
+                            total += size * (2 if key.endswith("_blocks") and dtype == "U8" else 1)
             except Exception as e:
                 raise unreadable_weights(f, e) from None
-        return total
+        return total + sum(unpacked.get(stem, values) for stem, values in packed.items())
     pickles = sorted(Path(directory).glob("*.bin"))
     return sum(f.stat().st_size for f in pickles) // 2 if pickles else None
 

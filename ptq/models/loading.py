@@ -580,9 +580,13 @@ def dequantized_loading(config: dict | None, name: str, spec: str) -> tuple[obje
 
     config_class = getattr(transformers, DEQUANTIZED_METHODS[method])
     if method == "compressed-tensors":
+        groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
+        groups = {k: g for k, g in groups.items() if isinstance(g, dict)}
+        bits = {g["weights"].get("num_bits") if isinstance(g.get("weights"), dict) else None for g in groups.values()}
+        weights = f"{bits.pop()}-bit weights" if len(bits) == 1 and None not in bits else "quantized weights"
         return config_class(dequantize=True), (
-            f"{name} is a compressed-tensors checkpoint ({qc.get('format')}): it is evaluated as its 8-bit weights "
-            "dequantized to float32, without the checkpoint's own input scales. The 8-bit weight rounding is already "
+            f"{name} is a compressed-tensors checkpoint ({qc.get('format')}): it is evaluated as its {weights} "
+            f"dequantized to float32, without the checkpoint's own input scales. The {weights}' rounding is already "
             "in every variant, the bf16 baseline included; a recipe re-quantizes those weights (for the recipe the "
             "checkpoint was exported with, this reproduces them) and quantizes inputs with scales calibrated in this "
             "run."
