@@ -138,9 +138,16 @@ def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, te
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_low_memory_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
-    """--low-memory on the GPU: one decoder layer on it at a time, read from disk, the same float32 numbers."""
+@pytest.mark.parametrize("family, hidden_on_host", [("llama", False), ("mixtral", False), ("llama", True)])
+def test_low_memory_on_cuda_gives_the_cpu_numbers(
+    family, hidden_on_host, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+):
+    """--low-memory on the GPU: one decoder layer on it at a time, read from disk, the same float32 numbers; also
+    with the hidden states waiting in host memory between layers (where the GPU could not hold them)."""
+    from ptq.execution import streaming
+
+    if hidden_on_host:
+        monkeypatch.setattr(streaming, "HIDDEN_ON_GPU_FRACTION", 0)
     model = tiny_model
     if family != "llama":
         import families

@@ -227,6 +227,54 @@ def test_out_of_memory_backs_off_layer_by_layer(sharded_model, monkeypatch):
     assert all(torch.equal(calibration.input_amax[n], expected_amax[n]) for n in layers)
 
 
+def test_layer_by_layer_keeps_the_hidden_states_in_host_memory_when_the_gpu_cannot_hold_them(
+    sharded_model, monkeypatch
+):
+    """Every window's hidden states wait between decoder layers, whatever the batch size: on a GPU they could not
+    fit (a 405B model's 512 calibration windows: 64 GiB), each out-of-memory back-off read the whole checkpoint again
+    to fail at batch size 1, and the error advised --low-memory, in use. They wait in host memory when they would
+    take more than HIDDEN_ON_GPU_FRACTION of the free GPU memory; a layer-by-layer out-of-memory names other ways
+    out. Without a GPU here, the choice is checked on its own, and the scores with the states copied batch by batch
+    are the model's in memory."""
+    streamed = streaming.load_streamed(str(sharded_model))
+    run = streaming.LayerByLayer(streamed.model)
+    states = torch.zeros(2, 24, 64)  # one batch of 2 windows: 12 KiB in float32
+    assert run._hidden_store(states, 2, 8) == run.device  # on the CPU: where they always were
+    run.device = torch.device("cuda")
+    free = 4 * 8 * 24 * 64 * 4  # 4 x what 8 windows take
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
+    assert run._hidden_store(states, 2, 8) == torch.device("cuda")  # a quarter of the free memory
+    assert run._hidden_store(states, 2, 9) == torch.device("cpu")  # more
+    assert run.with_parts(streaming._as_is, ["a", "b"])._hidden_store(states, 2, 8) == torch.device("cpu")
+
+    whole = load_model(str(sharded_model))
+    expected = evaluate({"m": whole.model}, windows(), batch_size=2)["m"]
+    copies = []
+    original = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # hidden states copied to and from a store that is not the compute device
+        copies.append(kwargs.get("copy", False))
+        return original(self, *args, **kwargs)
+
+    run = streaming.LayerByLayer(streamed.model)
+    monkeypatch.setattr(run, "_hidden_store", lambda hidden, batch, windows: torch.device("cpu"))
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    got = evaluate(run, windows(), batch_size=2)["model"]
+    monkeypatch.undo()
+    assert got.window_nll == expected.window_nll and got.kl_sum == expected.kl_sum
+    assert copies.count(True) == 4  # each of the 4 batches' captured states copied once into its buffer
+
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    def no_memory(self, hidden_states, *args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB.")
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", no_memory)
+    with pytest.raises(PtqError, match="use a smaller --batch-size or fewer recipes per run$") as error:
+        evaluate(streaming.LayerByLayer(streamed.model), windows(), batch_size=None)
+    assert "--low-memory" not in str(error.value)
+
+
 def test_layer_by_layer_variants_equal_in_memory_variants(checkpoints):
     """compare's executor on its own: each recipe's variant scored layer by layer equals the variant of the whole
     model (quantize_variants), KL against the baseline included."""

@@ -46,7 +46,7 @@ from torch import nn
 from ptq.calibration.observers import NUM_BINS, TensorObserver
 from ptq.errors import PtqError
 from ptq.execution import batching, distributed
-from ptq.execution.devices import input_device
+from ptq.execution.devices import WAYS_OUT, input_device
 from ptq.execution.executors import WholeModels
 from ptq.files import check_writable, save_safetensors
 from ptq.models.matmuls import LinearExperts, quantizable
@@ -234,7 +234,12 @@ def calibrate(
         )
         restarted = size
         size = batching.back_off(
-            size, auto, f"calibrating on batches of {size} window(s) of {input_ids.shape[1]} tokens", error, estimate
+            size,
+            auto,
+            f"calibrating on batches of {size} window(s) of {input_ids.shape[1]} tokens",
+            error,
+            estimate,
+            layer_by_layer.ways_out if layer_by_layer is not None else WAYS_OUT,
         )
         resume = False  # the checkpoint's statistics go too: a new run on the smaller batch size
 

@@ -145,6 +145,7 @@ def evaluate(
                     f"{min(size, len(input_ids) - done)} window(s) of {seq_len} tokens",
                     error,
                     estimate,
+                    run.ways_out,
                 )
     return scores
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError
-from ptq.execution.devices import input_device, out_of_memory, release
+from ptq.execution.devices import WAYS_OUT, input_device, out_of_memory, release
 
 AUTO = "auto"
 CPU_BATCH_SIZE = 4
@@ -94,11 +94,13 @@ def auto_batch_size(
     return max(1, min(MAX_AUTO_BATCH_SIZE, windows, int(free * GPU_MEMORY_FRACTION // per_window)))
 
 
-def back_off(size: int, auto: bool, what: str, error: str, estimate: int | None = None) -> int:
+def back_off(
+    size: int, auto: bool, what: str, error: str, estimate: int | None = None, ways_out: str = WAYS_OUT
+) -> int:
     """After a CUDA out-of-memory at batch size `size`: the halved size to retry with (automatic batch sizes
     only), or the one-line error (an explicit batch size, or a single window that does not fit). Call it outside
     the `except` block, with the error's message: the exception's frames would keep the batch's tensors alive."""
     release()
     if not auto or size <= 1:
-        raise out_of_memory(what, error, estimate) from None
+        raise out_of_memory(what, error, estimate, ways_out) from None
     return size // 2

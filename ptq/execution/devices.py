@@ -18,6 +18,8 @@ from torch import nn
 from ptq.errors import PtqError
 
 WAYS_OUT = "use a smaller --batch-size, --low-memory (one decoder layer on the GPU at a time), or fewer recipes per run"
+# already one decoder layer at a time (ptq.execution.streaming.LayerByLayer)
+LAYER_BY_LAYER_WAYS_OUT = "use a smaller --batch-size or fewer recipes per run"
 
 
 def default_device() -> torch.device:
@@ -88,7 +90,9 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def out_of_memory(what: str, error: str | None = None, estimate: int | None = None) -> PtqError:
+def out_of_memory(
+    what: str, error: str | None = None, estimate: int | None = None, ways_out: str = WAYS_OUT
+) -> PtqError:
     """The one-line error for a CUDA out-of-memory: what did not fit, the estimate if known, the way out.
     `error` is torch's message (its first sentence is kept: "CUDA out of memory. Tried to allocate 2.00 GiB")."""
     detail = ""
@@ -96,7 +100,7 @@ def out_of_memory(what: str, error: str | None = None, estimate: int | None = No
         first = (error.strip().splitlines() or [""])[0]
         detail = f" ({'. '.join(first.split('. ')[:2]).rstrip('.')})" if first else ""
     needs = f", estimated {_gib(estimate)}" if estimate else ""
-    return PtqError(f"out of GPU memory{' ' + what if what else ''}{needs}{detail}: {WAYS_OUT}")
+    return PtqError(f"out of GPU memory{' ' + what if what else ''}{needs}{detail}: {ways_out}")
 
 
 def release() -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ptq.execution.devices import input_device
+from ptq.execution.devices import WAYS_OUT, input_device
 
 
 class WholeModels:
@@ -38,6 +38,7 @@ class WholeModels:
         self.devices = {name: device or input_device(m) for name, m in models.items()}
         self.device = self.devices[self.names[0]]  # where the batches and the logits go (the baseline's device)
         self.dtype = next(self.model.parameters()).dtype
+        self.ways_out = WAYS_OUT  # of an out-of-memory
         # No KV cache: one forward per window, and the cache (every layer's keys and values for the whole batch, as
         # large as the logits or larger) would stay alive until the logits are scored, past the batch-size estimate
         self.options = {name: {"use_cache": False} if _takes(m, "use_cache") else {} for name, m in models.items()}

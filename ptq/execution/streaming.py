@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError, unreadable_weights
-from ptq.execution.devices import default_device
+from ptq.execution.devices import LAYER_BY_LAYER_WAYS_OUT, default_device
 from ptq.export.checkpoint import _saved_names, checkpoint_names
 from ptq.models.loading import LoadedModel, local_directory, model_kind, stored_dequantizer, weightless
 from ptq.models.matmuls import kind, linearize, quantizable
@@ -378,6 +378,9 @@ def _mounted(module: nn.Module, path: str) -> nn.Module:
     return root
 
 
+HIDDEN_ON_GPU_FRACTION = 0.25  # of the free GPU memory at the capture, the rest for the layers and the activations
+
+
 class LayerByLayer:
     """The executor (ptq.execution.executors) of a streamed model: one decoder layer in memory at a time.
 
@@ -403,6 +406,7 @@ class LayerByLayer:
         self.dtype = torch.float32  # every tensor is read in float32
         self.layer_count = len(model.get_submodule(self.streamed.layers))
         self.description = f"layer by layer from disk ({self.layer_count} decoder layers)"
+        self.ways_out = LAYER_BY_LAYER_WAYS_OUT  # of an out-of-memory: --low-memory is this
 
     def with_parts(self, parts: Callable, names: list[str]) -> LayerByLayer:
         return LayerByLayer(self.model, parts, names, self.device)
@@ -429,10 +433,17 @@ class LayerByLayer:
             # Each model's own inputs of its first decoder layer: what runs before it (OPT's project_in) is part of
             # the trunk, quantized in a variant and observed in calibration as in memory (and checked batch by batch,
             # so that a fault there is named with its own batch)
-            captured = {name: [] for name in self.names}
+            captured, store = {name: [] for name in self.names}, None
             for name in self.names:
                 for b, batch in enumerate(batches):
-                    captured[name].append(self._capture(trunks[name], batch))
+                    h, c, e = self._capture(trunks[name], batch)
+                    if store is None:
+                        store = self._hidden_store(h, len(batch), len(input_ids))
+                    # each model's own hidden states, every batch, in buffers that each layer's outputs are copied
+                    # into (new long-lived tensors at every layer would fragment the host's memory: its peak would
+                    # grow layer by layer)
+                    captured[name].append((h.to(store, copy=True), c, e))
+                    del h
                     if after_batch is not None:
                         after_batch(b)
             # per batch, per layer: (positional arguments after the hidden states, keywords), the same for every model
@@ -440,9 +451,7 @@ class LayerByLayer:
             early = {name: captured[name][0][2] for name in self.names}  # modules run before the first decoder layer
             ran = {n for n, m in trunks[self.names[0]].named_modules() if any(m is e for e in early[self.names[0]])}
             tail = bool(linears - ran)
-            # Each model's own hidden states, every batch, in buffers that each layer's outputs are copied into (new
-            # long-lived tensors at every layer would fragment the host's memory: its peak would grow layer by layer)
-            hidden = {name: [h.clone() for h, _, _ in captured.pop(name)] for name in self.names}
+            hidden = {name: [h for h, _, _ in captured.pop(name)] for name in self.names}
             returns_tuple = False
             for i in range(self.layer_count):
                 path = f"{self.streamed.layers}.{i}"
@@ -451,10 +460,11 @@ class LayerByLayer:
                         layer = layers[name].get_submodule(path)
                         for b, batch in enumerate(batches):
                             args, kwargs = calls[b][i]
-                            out = layer(hidden[name][b], *args, **kwargs)
+                            h = hidden[name][b].to(self.device)  # the same tensor where they wait on the device
+                            out = layer(h, *args, **kwargs)
                             returns_tuple = isinstance(out, tuple)
                             hidden[name][b].copy_(out[0] if returns_tuple else out)
-                            del out
+                            del out, h
                             if after_batch is not None:
                                 after_batch(b)
                             advance(len(batch))
@@ -462,7 +472,7 @@ class LayerByLayer:
                 del layers
                 gc.collect()  # this layer's weights are freed before the next one is read (its copies hold cycles)
             for b, batch in enumerate(batches):
-                finals = [hidden[name][b] for name in self.names]
+                finals = [hidden[name][b].to(self.device) for name in self.names]
                 # what runs after the last decoder layer (final norm, lm_head, project_out) is checked too
                 if logits:
                     yield batch, _then(self._logits(trunks, finals, batch, returns_tuple, early), after_batch, b)
@@ -476,6 +486,18 @@ class LayerByLayer:
                     yield batch, iter(())
                 for name in self.names:
                     hidden[name][b] = None
+
+    def _hidden_store(self, hidden: torch.Tensor, batch_windows: int, windows: int) -> torch.device:
+        """Where every window's hidden states wait between decoder layers: on the compute device while all of them
+        (every model's) take at most HIDDEN_ON_GPU_FRACTION of its free memory, else in host memory, each batch
+        copied over for its layer. They do not shrink with the batch size: held on a GPU they could not fit (a
+        405B model's 512 calibration windows of 2048 tokens: 64 GiB in float32), every out-of-memory back-off would
+        read the whole checkpoint again, to fail at batch size 1."""
+        if self.device.type != "cuda":
+            return self.device
+        need = hidden.numel() * hidden.element_size() * windows * len(self.names) // batch_windows
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return self.device if need <= HIDDEN_ON_GPU_FRACTION * free else torch.device("cpu")
 
     def _trunk(self, logits: bool) -> nn.Module:
         """The model with its tensors outside the decoder layers read, and LayerSlots for the decoder layers. Without
