@@ -217,7 +217,7 @@ MaxMemory = Annotated[
         "--max-memory",
         metavar="DEVICE=SIZE,...",
         help="With --device-map: the memory ptq may use on each device, for all the models it holds at once, e.g. "
-        "'0=70GiB,1=70GiB,cpu=400GiB'. Default: 70% of each GPU's free memory and 90% of the available host memory.",
+        "'0=70GiB,1=70GiB,cpu=400GiB'. Default: 70% of each GPU's free memory and 90% of the host memory available to the models.",
     ),
 ]
 

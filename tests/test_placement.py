@@ -202,8 +202,28 @@ def test_limits_are_shared_between_the_models_held_at_once_and_the_report_says_w
     placement = parse("sequential", "cpu=1.5GB, disk=10GB")
     assert placement == Placement("sequential", {"cpu": 1_500_000_000, "disk": 10_000_000_000})
     assert budgets(placement, 3) == {"cpu": 500_000_000, "disk": 3_333_333_333}
+    assert budgets(placement, 3, held=10**9) == {"cpu": 500_000_000, "disk": 3_333_333_333}  # the user's limits
     assert (
         describe({"bf16": {"cuda:0": 3, "cuda:1": 2, "cpu": 1}, "fp8-e4m3": {"cuda:0": 5}})
         == "placed over cuda:0, cuda:1 by accelerate (--device-map), offloaded to CPU memory"
     )
     assert describe({"bf16": {"cpu": 2, "disk": 4}}) == "placed in CPU memory and on disk by accelerate (--device-map)"
+
+
+def test_the_default_host_budget_counts_the_memory_the_models_already_hold(monkeypatch):
+    """The models are loaded and quantized on the CPU before they are placed, and a module placed on the CPU stays
+    where it is: the default budget is 90% of what is available plus what they hold (each storage once: variants
+    share the tensors they do not quantize), not of what is left beside them."""
+    from torch import nn
+
+    from ptq.execution import placement as placing
+    from ptq.execution import resources
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(resources, "available_memory", lambda device: 1000)
+    shared = nn.Linear(16, 16, bias=False)  # 1 KiB of float32
+    a, b = nn.Sequential(shared, nn.Linear(16, 8)), nn.Sequential(shared)  # 544 bytes more in a
+    assert placing.host_bytes([a, b]) == 1024 + 512 + 32
+    assert placing.host_bytes([nn.Linear(4, 4, device="meta")]) == 0
+    assert placing.budgets(placing.Placement(), 2) == {"cpu": 450}
+    assert placing.budgets(placing.Placement(), 2, held=1568) == {"cpu": int(2568 * 0.9) // 2}

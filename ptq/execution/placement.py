@@ -10,8 +10,8 @@ states from one device to the next.
 
 The model is loaded and quantized on the CPU first (host memory holds the original and the variants' weight
 codes); then each model gets its share of every device: `--max-memory` (or, by default, 70% of each GPU's free
-memory, the rest being left for the activations, and 90% of the available host memory) divided by the number of
-models held at once. Offloaded modules are loaded whole: a mixture-of-experts layer reads its experts' weights
+memory, the rest being left for the activations, and 90% of the host memory available to the models: what is free
+plus what they already take there) divided by the number of models held at once. Offloaded modules are loaded whole: a mixture-of-experts layer reads its experts' weights
 directly (ptq.models.matmuls.LinearExperts), so it is loaded with them (`preload_module_classes`), and the quantized
 layers' codes and scales are buffers, offloaded with the weights (`offload_buffers`).
 
@@ -39,7 +39,7 @@ from ptq.files import cache_root, make_dir
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's names
 GPU_WEIGHTS_FRACTION = 0.7  # of each GPU's free memory for weights; the rest for activations (ptq.execution.batching)
-CPU_WEIGHTS_FRACTION = 0.9  # of the available host memory
+CPU_WEIGHTS_FRACTION = 0.9  # of the host memory available to the models (free, plus what they take already)
 PRELOADED = ["LinearExperts"]  # modules whose forward reads their submodules' tensors directly
 FLAG = "--device-map"
 
@@ -91,9 +91,12 @@ def parse_max_memory(text: str) -> dict:
     return limits
 
 
-def budgets(placement: Placement, models: int) -> dict:
+def budgets(placement: Placement, models: int, held: int = 0) -> dict:
     """Each of `models` models' share of every device: the --max-memory limits (devices not named there get
-    nothing), or the default fractions of the free GPU memory and the available host memory."""
+    nothing), or the default fractions of the free GPU memory and of the host memory available to the models: what
+    is available, plus the `held` bytes the models (loaded and quantized on the CPU) already take there, where the
+    modules placed on the CPU stay, with nothing new allocated (counted as used, they sent modules to disk that the
+    host had room for: on a 512 GB host holding a 70B compare, 55 GB of the baseline)."""
     from ptq.execution.resources import available_memory
 
     limits = placement.max_memory
@@ -102,8 +105,22 @@ def budgets(placement: Placement, models: int) -> dict:
             i: int(available_memory(torch.device("cuda", i)) * GPU_WEIGHTS_FRACTION)
             for i in range(torch.cuda.device_count())
         }
-        limits["cpu"] = int((available_memory(torch.device("cpu")) or 0) * CPU_WEIGHTS_FRACTION)
+        limits["cpu"] = int(((available_memory(torch.device("cpu")) or 0) + held) * CPU_WEIGHTS_FRACTION)
     return {device: size // max(models, 1) for device, size in limits.items()}
+
+
+def host_bytes(models) -> int:
+    """Bytes of host memory the models' tensors take, each storage once (the variants share what they do not
+    quantize)."""
+    seen, total = set(), 0
+    for model in models:
+        for t in (*model.parameters(), *model.buffers()):
+            if t.device.type == "cpu":
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+    return total
 
 
 def device_map(model: nn.Module, placement: Placement, share: dict) -> dict:
@@ -192,7 +209,7 @@ def placed(models: dict[str, nn.Module], placement: Placement | None):
         yield models
         return
     folder = cache_root() / "offload" / uuid.uuid4().hex  # made only if something goes to disk
-    share = budgets(placement, len(models))
+    share = budgets(placement, len(models), host_bytes(models.values()))
     try:
         with gpu_memory(f"placing {len(models)} model(s) over the devices ({FLAG})"):
             result = {name: place(model, placement, share, folder) for name, model in models.items()}
