@@ -145,7 +145,10 @@ def e8m0_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
     For E4M3 (max 448 = 1.75 * 2^8) and amax = m * 2^e (1 <= m < 2): k = e - 8, or e - 7 when m > 1.75.
     The OCP MX v1.0 reference takes k = e - 8 always and clamps elements in (448, 512) * 2^k to 448;
     compressed-tensors' generate_mx_scales takes e - 7 from m >= 1.75 (so it differs from this rule only when
-    amax is exactly 448 * 2^j). A zero group gets 2^0. k is clamped to E8M0's range [-127, 127]."""
+    amax is exactly 448 * 2^j). vLLM 0.32's MXFP8 input quantization computes ceil(log2(amax / 448)) in float32
+    (utils/mxfp8_utils.py): where amax is a few ulps above 448 * 2^j the division rounds down to 448 * 2^j, it takes
+    k one lower and clamps the group's largest element (448.0009 -> 448): dynamic inputs only, weights are read
+    from the checkpoint's bytes. A zero group gets 2^0. k is clamped to E8M0's range [-127, 127]."""
     amax = amax.float()
     bits = amax.view(torch.int32)
     exponent = (bits >> 23) - 127  # float32 subnormals (and zero) read as -127: clamped below anyway
