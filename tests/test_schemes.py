@@ -366,7 +366,17 @@ def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, t
     card = (out / "README.md").read_text()
     reader = info["verification"]["loader"].startswith("ptq's")
     assert reader == (recipe == "mxfp8")  # transformers' compressed-tensors fails on MX scales (a dtype mismatch)
-    assert ("| reloaded (ptq reader) |" in card) == reader and ("from_pretrained" in card) != reader
+    assert ("| reloaded (ptq reader) |" in card) == reader
+    # ...and where only bfloat16 runs (MX: compressed-tensors decompresses MX scales in bfloat16), with that dtype,
+    # once transformers' bfloat16 weights were seen equal to the files' codes x scales
+    bf16 = info["verification"].get("transformers_bfloat16")
+    assert (bf16 is not None) == reader
+    if reader:
+        assert bf16 == {"runs": True, "layers": layers, "equal": layers}
+        assert "transformers runs this checkpoint in bfloat16 only" in card
+        assert 'from_pretrained("PATH", dtype=torch.bfloat16)' in card and "import torch" in card
+    else:
+        assert 'from_pretrained("PATH")' in card
     assert "tags: [ptq, compressed-tensors, fp8]" in card
 
 

@@ -1196,6 +1196,8 @@ def run_quantize(
             info["verification"]["loader"] = load_info.get(
                 "loader", "transformers AutoModelForCausalLM.from_pretrained"
             )
+            if "bfloat16" in load_info:  # transformers failed in float32: how it does in bfloat16 (bfloat16_check)
+                info["verification"]["transformers_bfloat16"] = load_info["bfloat16"]
             info["verification"] |= {
                 "loader_token_rule_layers": token_rule,  # export.token_rule_layers: so in the check's simulation only
                 "data": corpus.source,

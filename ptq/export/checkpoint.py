@@ -1048,10 +1048,12 @@ class OtherAttention(nn.Module):
         return None
 
 
-def reload(directory: Path, trust_remote_code: bool = False) -> tuple[nn.Module, dict]:
+def reload(
+    directory: Path, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, dict]:
     """Load the checkpoint as a user would (AutoModelForCausalLM.from_pretrained, float32, default options; the
     model's own code, copied with it, runs only with `trust_remote_code`, as the user asked for the source),
-    and describe what transformers made of it."""
+    and describe what transformers made of it. `dtype`: bfloat16 for bfloat16_check only."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -1059,7 +1061,7 @@ def reload(directory: Path, trust_remote_code: bool = False) -> tuple[nn.Module,
     try:  # compressed-tensors draws its own tqdm bars on stderr; ptq shows its own progress
         with contextlib.redirect_stderr(io.StringIO()):
             model, info = AutoModelForCausalLM.from_pretrained(
-                str(directory), dtype=torch.float32, output_loading_info=True, trust_remote_code=trust_remote_code
+                str(directory), dtype=dtype, output_loading_info=True, trust_remote_code=trust_remote_code
             )
             with torch.inference_mode():  # compressed-tensors decompresses the weights on the first forward
                 model(input_ids=torch.zeros((1, 1), dtype=torch.long))
@@ -1070,7 +1072,7 @@ def reload(directory: Path, trust_remote_code: bool = False) -> tuple[nn.Module,
     # into bfloat16): the loader then computes another model than the checkpoint's, and the check would measure that
     state = model.state_dict()
     narrowed = [n for n, t in state.items() if t.dtype in (torch.bfloat16, torch.float16)]
-    if narrowed:
+    if narrowed and dtype == torch.float32:
         raise PtqError(
             f"transformers cannot load the exported checkpoint: it holds {len(narrowed)} tensor(s) in 16 bits though "
             f"float32 was asked for ('{narrowed[0]}', {state[narrowed[0]].dtype})"
@@ -1104,11 +1106,34 @@ def reload_or_read(directory: Path, conv1d: bool, trust_remote_code: bool = Fals
     try:
         return reload(directory, trust_remote_code)
     except PtqError as e:
-        return reload_dequantized(
+        model, info = reload_dequantized(
             directory,
             f"transformers cannot run this checkpoint: {str(e).removeprefix('transformers cannot load the exported checkpoint: ')}",
             trust_remote_code,
         )
+    info["bfloat16"] = bfloat16_check(directory, model, trust_remote_code)
+    return model, info
+
+
+def bfloat16_check(directory: Path, read: nn.Module, trust_remote_code: bool = False) -> dict:
+    """Where transformers cannot run the checkpoint in float32, does it in bfloat16, the dtype users load 16-bit
+    models in? (compressed-tensors' MX decompression returns bfloat16 scales: "expected m1 and m2 to have the same
+    dtype" in float32.) And are the weights it decompresses the files' codes x scales, those of ptq's reader (`read`,
+    float32) in bfloat16? An E4M3 code times a power of two is exact in bfloat16, so MX weights must be equal bit for
+    bit. {"runs", "error" where it does not, "layers": quantized layers compared, "equal": how many were}."""
+    try:
+        model, _ = reload(directory, trust_remote_code, dtype=torch.bfloat16)
+    except PtqError as e:
+        return {"runs": False, "error": str(e).removeprefix("transformers cannot load the exported checkpoint: ")}
+    modules = dict(read.named_modules())
+    compared = [
+        (m.weight, modules[name].weight)
+        for name, m in model.named_modules()
+        if getattr(m, "quantization_scheme", None) is not None and name in modules and hasattr(m, "weight")
+    ]
+    equal = sum(torch.equal(w, r.to(torch.bfloat16)) for w, r in compared if w.shape == r.shape)
+    del model
+    return {"runs": True, "layers": len(compared), "equal": int(equal)}
 
 
 def verify(

@@ -558,13 +558,30 @@ def render_model_card(e: dict) -> str:
             f"| {v['kl_div']:.5f} | {100 * v['top1_agreement']:.2f}% |",
         ]
     lines += ["", "## Use", ""]
-    if not reader:
+    bf16 = (ver or {}).get("transformers_bfloat16") or {}
+    bf16_runs = bool(bf16.get("runs")) and bf16.get("equal") == bf16.get("layers")
+    if bf16_runs:
+        lines += [
+            f"transformers runs this checkpoint in bfloat16 only (in float32 it fails; see Verification): loaded so "
+            f"in the check, its {bf16['layers']} quantized layers' decompressed weights equal the files' codes x "
+            "scales, bit for bit.",
+            "",
+        ]
+    if not reader or bf16_runs:
         lines += [
             "```python",
+            *(["import torch"] if bf16_runs else []),
             "from transformers import AutoModelForCausalLM, AutoTokenizer  # needs: pip install compressed-tensors",
-            'model = AutoModelForCausalLM.from_pretrained("PATH")',
+            f'model = AutoModelForCausalLM.from_pretrained("PATH"{", dtype=torch.bfloat16" if bf16_runs else ""})',
             'tokenizer = AutoTokenizer.from_pretrained("PATH")',
             "```",
+            "",
+        ]
+    elif bf16.get("runs"):
+        lines += [
+            f"transformers cannot run this checkpoint as quantized in float32 (see Verification); in bfloat16 it "
+            f"loads, but only {bf16['equal']} of its {bf16['layers']} quantized layers' decompressed weights equal "
+            "the files' codes x scales.",
             "",
         ]
     else:
