@@ -476,3 +476,33 @@ def test_lm_eval_git_describe_outside_a_checkout_prints_nothing(tmp_path, monkey
         assert lm_eval_utils.get_git_commit_hash() is None
     assert "fatal" not in capfd.readouterr().err
     assert lm_eval_utils.subprocess is subprocess  # put back
+
+
+def test_few_shot_examples_of_ptqs_own_formats_never_include_the_document_scored(tmp_path):
+    """ptq's multiple-choice rows and cloze items draw their shots from the task's own rows. Without fewshot_split
+    naming that split, lm-eval did not leave the scored document out: with 4 shots from 5 rows every document saw
+    its own answer among its examples. It is left out now, and shots beyond the other rows are refused."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    rows = [
+        {"context": f"Question {i}: which letter?", "choices": ["A", "B", "C", "D"], "label": i % 4} for i in range(5)
+    ]
+    words = ["river", "stone", "candle", "harbor", "meadow", "lantern", "orchard", "falcon", "willow", "anvil"] * 3
+    text = tmp_path / "lines.txt"  # no two cloze items alike (lm-eval leaves out every copy of the scored one)
+    text.write_text(
+        "\n".join(
+            f"In year {i} the {w} stood near gate {7 * i}, and all spoke of the {w}." for i, w in enumerate(words)
+        )
+    )
+    specs = {"mine": f"mine={write_jsonl(tmp_path / 'rows.jsonl', rows)}", "cloze": f"cloze={text}"}
+    for name, spec in specs.items():
+        suite = harness.prepare(spec, None, tmp_path / name, max_items=None)
+        task = suite.task_manager().load([name])["tasks"][name]
+        docs = list(task.test_docs())
+        shots = len(docs) - 1  # every other document
+        for doc in docs:
+            context = task.fewshot_context(doc, num_fewshot=shots)
+            scored = doc["context"]
+            assert context.count(scored) == 1, (name, scored)  # as the question only, at the end
+            assert context.endswith(scored), name
+        with pytest.raises(harness.PtqError, match=f"{name} has only {shots} few-shot examples"):
+            harness.check_fewshot(name, task, shots + 1)

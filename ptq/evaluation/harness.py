@@ -453,8 +453,9 @@ def _strings(value) -> list[str]:
 
 def check_fewshot(name: str, task, num_fewshot: int | None) -> None:
     """Refuse more few-shot examples (--num-fewshot, else the task's own num_fewshot) than the task's few-shot pool
-    holds (lm-eval would stop with "Sample larger than population"); drawn from the test split itself, the document
-    being scored is not one of them."""
+    holds (lm-eval would stop with "Sample larger than population"); drawn from the test split itself (fewshot_split
+    naming it: ptq's _ptq_choice.yaml and _ptq_cloze.yaml), lm-eval leaves the document being scored out, so one
+    fewer."""
     config = getattr(task, "config", None)
     n = num_fewshot if num_fewshot is not None else getattr(config, "num_fewshot", None)
     if not n or config is None:
