@@ -1017,6 +1017,10 @@ def _print_tasks(console, results, entries: list) -> None:
             lower = "" if task_higher_is_better(results, task.name, metric) else " (lower is better)"
             table.add_row(escape(task.name), escape(metric + lower), str(task.n), *cells)
     console.print(table)
+    for task in results.tasks:  # lm-eval's numbers ptq cannot pair (harness.describe_tasks), named here too
+        for note in task.notes:
+            if note.startswith("not reported:"):
+                console.print(escape(f"{task.name}: {note}"), highlight=False, soft_wrap=True)
 
 
 def _print_eval(results, out: Path) -> None:

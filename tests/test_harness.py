@@ -506,3 +506,35 @@ def test_few_shot_examples_of_ptqs_own_formats_never_include_the_document_scored
             assert context.endswith(scored), name
         with pytest.raises(harness.PtqError, match=f"{name} has only {shots} few-shot examples"):
             harness.check_fewshot(name, task, shots + 1)
+
+
+def test_a_metric_that_is_not_a_mean_over_documents_is_named_not_silently_dropped(ptq_cli, tiny_model, tmp_path):
+    """lm-eval's perplexities (loglikelihood_rolling: wikitext's word_perplexity, bits_per_byte) and corpus-level
+    scores are no means over documents, which ptq pairs: such a task ran for minutes and showed an empty table, exit
+    0, nothing said. They are named as not reported, in results.json, the report and the console."""
+    docs = write_jsonl(
+        tmp_path / "docs.jsonl", [{"text": " ".join(LINES.split()[i : i + 40])} for i in range(0, 400, 50)]
+    )
+    task = tmp_path / "rolling.yaml"
+    task.write_text(
+        "task: rolling\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {docs}\noutput_type: loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\n"
+        "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n"
+        "metadata:\n  version: 1.0\n"
+    )
+    mc = write_jsonl(tmp_path / "mc.jsonl", varied_rows(6))
+    text = tmp_path / "lines.txt"
+    text.write_text(LINES)
+    code, out, err = ptq_cli(
+        "eval", tiny_model, "--eval-data", text, "--seq-len", "32", "--max-windows", "2",
+        "--tasks", f"{task},mine={mc}", "--out", tmp_path / "out", "-q",
+    )  # fmt: skip
+    assert code == 0, err
+    tasks = {t["name"]: t for t in json.loads((tmp_path / "out" / "results.json").read_text())["tasks"]}
+    note = "not reported: bits_per_byte, word_perplexity (lm-eval's values are not a mean over the documents"
+    assert tasks["rolling"]["metrics"] == [] and any(n.startswith(note) for n in tasks["rolling"]["notes"])
+    assert tasks["mine"]["metrics"] == ["acc", "acc_norm"] and not any(
+        "not reported" in n for n in tasks["mine"]["notes"]
+    )
+    assert note in (tmp_path / "out" / "report.md").read_text()
+    assert f"rolling: {note}" in " ".join(out.split())

@@ -635,6 +635,11 @@ def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
         metrics = [metric_key(k) for k, v in samples.items() if _is_mean(v, reported.get(k))]
         if task in run.group_subtasks and not metrics:
             continue  # a group whose number is not its documents' mean (not weighted by size): its members only
+        # lm-eval's numbers that are no mean over documents (a perplexity, bleu): ptq pairs documents, so it cannot
+        # give them an interval or a paired delta; named, never silently left out
+        unpaired = sorted(
+            {metric_key(k) for k in reported if "," in k and "_stderr," not in k} - set(metrics),
+        )
         config = run.configs.get(task, {})
         choices = first.choices.get(task) or []
         mc = (
@@ -659,7 +664,17 @@ def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
             "source": suite.sources.get(task)
             or (suite.sources.get(group) if group else None)
             or f"lm-eval task {task}",
-            "notes": suite.notes.get(task, []),
+            "notes": suite.notes.get(task, [])
+            + (
+                [
+                    f"not reported: {', '.join(unpaired)} (lm-eval's {'value is' if len(unpaired) == 1 else 'values are'} "
+                    "not a mean over the documents, such as a perplexity or a corpus-level score, and ptq reports "
+                    "per-document means, paired between models; lm-eval's own output has "
+                    f"{'it' if len(unpaired) == 1 else 'them'})"
+                ]
+                if unpaired
+                else []
+            ),
             "chance": float(np.mean([1 / c for c in choices])) if mc and choices and min(choices) > 0 else None,
             "documents_sha256": _sha256(first.doc_hashes[task]),
         }
