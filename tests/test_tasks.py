@@ -148,3 +148,28 @@ def test_cloze_on_the_default_model_is_far_above_chance(tmp_path):
     acc = run.models["bf16"].results["cloze"]["acc,none"]
     assert run.models["bf16"].samples["cloze"]["acc,none"].size == 40
     assert acc > 2 * task.chance, (acc, task.chance)  # 0.3 vs 0.1 on these 40 items
+
+
+def test_the_cloze_chance_is_that_of_the_items_limit_scores(tmp_path):
+    """The cloze task's note gave the chance of all its items while --limit scored only the first of them (8.7% for
+    300 items where the 8 scored gave 12.5%): it is the chance of the items scored, lm-eval's first ceil(n * limit)
+    for a fraction, else the first `limit`."""
+
+    from ptq.evaluation.tasks import Item, Task, scored_chance
+
+    targets = ["sea", "sea", "sky", "sun", "sun", "sun", "sea", "oak"]
+    items = [Item((f"passage {i}",), (" " + w,), 0) for i, w in enumerate(targets)]
+    task = Task("cloze", "greedy", items, "test", len(items), 3 / 8, "most frequent word", ())
+    assert scored_chance(task, None) == (3 / 8, 8)  # sun, 3 of 8
+    assert scored_chance(task, 2) == (1.0, 2)  # sea, sea
+    assert scored_chance(task, 0.3) == (2 / 3, 3)  # ceil(2.4) = 3: sea, sea, sky
+    assert scored_chance(task, 100) == (3 / 8, 8)
+    text = tmp_path / "lines.txt"
+    text.write_text(LINES)
+    suite = harness.prepare(f"cloze={text}", None, tmp_path / "work", max_items=None, limit=4)
+    built = build_cloze(load_corpus(str(text), role="evaluation"))
+    chance = scored_chance(built, 4)[0]
+    assert (
+        f"chance {100 * chance:.1f}%" in suite.notes["cloze"][-1]
+        and "over the 4 items --limit scores" in (suite.notes["cloze"][-1])
+    )

@@ -257,7 +257,7 @@ def prepare(
     Every task is then loaded once by lm-eval, so that a task it cannot find or whose data it cannot reach stops
     here, in one line, before any model is loaded."""
     from ptq.evaluation.data import load_corpus
-    from ptq.evaluation.tasks import build_cloze, cloze_rows, subsample
+    from ptq.evaluation.tasks import build_cloze, cloze_rows, scored_chance, subsample
 
     work.mkdir(parents=True, exist_ok=True)
     names: list[str] = []
@@ -276,7 +276,11 @@ def prepare(
                 if len(task.items) < task.available
                 else f"{task.source}; all {len(task.items)} items"
             )
-            notes["cloze"] = list(task.notes) + [f"chance {100 * task.chance:.1f}%: {task.chance_note}"]
+            chance, scored = scored_chance(task, limit)  # of the items --limit leaves, not of all
+            notes["cloze"] = list(task.notes) + [
+                f"chance {100 * chance:.1f}%: {task.chance_note}"
+                + (f" (over the {scored} items --limit scores)" if scored < len(task.items) else "")
+            ]
             continue
         target = Path(path or name)
         if path is None and target.suffix in (".yaml", ".yml") or (path is None and target.is_dir()):

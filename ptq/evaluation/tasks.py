@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -81,6 +82,14 @@ def subsample(task: Task, max_items: int | None) -> Task:
         task.chance_note,
         task.notes,
     )
+
+
+def scored_chance(task: Task, limit: float | None) -> tuple[float, int]:
+    """The chance of the items lm-eval scores under --limit (the first ceil(n * limit) of them for a fraction, else
+    the first `limit`: lm_eval.evaluator_utils.get_sample_size), and how many those are."""
+    n = len(task.items) if limit is None else math.ceil(len(task.items) * limit) if limit < 1 else int(limit)
+    scored = task.items[:n]
+    return _chance(task.kind, scored)[0], len(scored)
 
 
 def _chance(kind: str, items: list[Item]) -> tuple[float, str]:
