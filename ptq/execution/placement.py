@@ -11,9 +11,10 @@ states from one device to the next.
 The model is loaded and quantized on the CPU first (host memory holds the original and the variants' weight
 codes); then each model gets its share of every device: `--max-memory` (or, by default, 70% of each GPU's free
 memory, the rest being left for the activations, and 90% of the host memory available to the models: what is free
-plus what they already take there) divided by the number of models held at once. Offloaded modules are loaded whole: a mixture-of-experts layer reads its experts' weights
-directly (ptq.models.matmuls.LinearExperts), so it is loaded with them (`preload_module_classes`), and the quantized
-layers' codes and scales are buffers, offloaded with the weights (`offload_buffers`).
+plus what they already take there) divided by the number of models held at once. Offloaded modules are loaded
+whole: a mixture-of-experts layer reads its experts' weights directly (ptq.models.matmuls.LinearExperts), so it is
+loaded with them (`preload_module_classes`), and the quantized layers' codes and scales are buffers, offloaded with
+the weights (`offload_buffers`).
 
 Without CUDA, what the CPU limit holds stays in CPU memory and the rest goes to disk, through the same offloading
 hooks that copy CPU-offloaded modules to a GPU: that is how the tests exercise them on a CPU.

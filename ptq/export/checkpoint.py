@@ -1120,7 +1120,8 @@ def bfloat16_check(directory: Path, read: nn.Module, trust_remote_code: bool = F
     models in? (compressed-tensors' MX decompression returns bfloat16 scales: "expected m1 and m2 to have the same
     dtype" in float32.) And are the weights it decompresses the files' codes x scales, those of ptq's reader (`read`,
     float32) in bfloat16? An E4M3 code times a power of two is exact in bfloat16, so MX weights must be equal bit for
-    bit. {"runs", "error" where it does not, "layers": quantized layers compared, "equal": how many were}."""
+    bit. {"runs", "error" where it does not, "layers": quantized layers compared, "equal": how many were}. The
+    bfloat16 model (half the float32 reload's memory) is freed before the check scores anything."""
     try:
         model, _ = reload(directory, trust_remote_code, dtype=torch.bfloat16)
     except PtqError as e:

@@ -559,7 +559,7 @@ def render_model_card(e: dict) -> str:
         ]
     lines += ["", "## Use", ""]
     bf16 = (ver or {}).get("transformers_bfloat16") or {}
-    bf16_runs = bool(bf16.get("runs")) and bf16.get("equal") == bf16.get("layers")
+    bf16_runs = bool(bf16.get("runs")) and bf16.get("layers", 0) > 0 and bf16.get("equal") == bf16.get("layers")
     if bf16_runs:
         lines += [
             f"transformers runs this checkpoint in bfloat16 only (in float32 it fails; see Verification): loaded so "
