@@ -296,9 +296,14 @@ def main() -> None:
             1.10,
         )
     )
+    rest = t_compare - t_forwards
     print(
-        f"INFO  compare {t_compare:.1f} s = forwards {t_forwards:.1f} s + {t_compare - t_forwards:.1f} s "
-        "(metrics, input SNR, loading, tokenizing, building the variants, the report)"
+        f"INFO  compare {t_compare:.1f} s = forwards {t_forwards:.1f} s {'+' if rest >= 0 else '-'} {abs(rest):.1f} s "
+        + (
+            "(metrics, input SNR, loading, tokenizing, building the variants, the report)"
+            if rest >= 0
+            else "(less than its models' forwards timed alone: the machine's speed drifted between the two)"
+        )
     )
     for mode, what in (("--in-memory", "compare"), ("--low-memory", "compare --low-memory")):
         print(
