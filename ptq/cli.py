@@ -984,6 +984,7 @@ def _print_compare(results, out: Path) -> None:
 def _print_tasks(console, results, entries: list) -> None:
     from rich.table import Table
 
+    from ptq.evaluation import harness
     from ptq.reporting.gates import stored_checks, task_higher_is_better, task_metric_is_share
     from ptq.reporting.report import interval_text, task_checks, task_delta
     from ptq.reporting.results import CompareResults, fmt_against
@@ -1019,7 +1020,7 @@ def _print_tasks(console, results, entries: list) -> None:
     console.print(table)
     for task in results.tasks:  # lm-eval's numbers ptq cannot pair (harness.describe_tasks), named here too
         for note in task.notes:
-            if note.startswith("not reported:"):
+            if note.startswith(harness.NOT_REPORTED):
                 console.print(escape(f"{task.name}: {note}"), highlight=False, soft_wrap=True)
 
 

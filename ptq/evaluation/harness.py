@@ -38,6 +38,7 @@ from ptq.errors import PtqError, name_problem
 from ptq.files import read_yaml
 
 TASKS_DIR = Path(__file__).resolve().with_name("lm_eval_tasks")  # the task YAMLs ptq ships
+NOT_REPORTED = "not reported:"  # opens a task note naming metrics ptq cannot pair (describe_tasks; the console)
 CHOICE_TEMPLATE = TASKS_DIR / "_ptq_choice.yaml"
 CLOZE_TEMPLATE = TASKS_DIR / "_ptq_cloze.yaml"
 CHOICE_FIELDS = ("context", "choices", "label")
@@ -671,7 +672,7 @@ def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
             "notes": suite.notes.get(task, [])
             + (
                 [
-                    f"not reported: {', '.join(unpaired)} (lm-eval's {'value is' if len(unpaired) == 1 else 'values are'} "
+                    f"{NOT_REPORTED} {', '.join(unpaired)} (lm-eval's {'value is' if len(unpaired) == 1 else 'values are'} "
                     "not a mean over the documents, such as a perplexity or a corpus-level score, and ptq reports "
                     "per-document means, paired between models; lm-eval's own output has "
                     f"{'it' if len(unpaired) == 1 else 'them'})"
