@@ -1110,3 +1110,26 @@ def test_a_report_written_again_takes_the_plots_it_no_longer_draws_away(compared
     assert code == 2 and "exists" in err and len(list(out.glob("*.png"))) == 3
     code, _, err = ptq_cli("report", compared / "results.json", "-o", out / "report.md", "--no-plots", "--force")
     assert code == 1 and not list(out.glob("*.png")) and (out / "report.md").is_file()
+
+
+def test_the_diagnostics_list_every_tensor_in_block_order():
+    """The per-tensor SQNR table of a 12-block model lists block 2 before block 10 (names sorted as text put
+    model.layers.10 right after model.layers.1), whatever order the calibration file holds its histograms in."""
+    import torch
+
+    from ptq.calibration.calibrate import Calibration
+    from ptq.calibration.diagnostics import sqnr_table
+    from ptq.calibration.observers import NUM_BINS
+
+    names = [f"model.layers.{i}.{part}" for i in (10, 2, 0, 1, 11) for part in ("self_attn.q_proj", "mlp.down_proj")]
+    hist = torch.zeros(NUM_BINS, dtype=torch.int64)
+    hist[1000:1010] = 5
+    calibration = Calibration(
+        input_amax={n: torch.tensor(1.0) for n in names},
+        weight_amax={n: torch.tensor(1.0) for n in names},
+        input_hist={n: hist.clone() for n in names},
+    )
+    listed = [row["tensor"] for row in sqnr_table(calibration)["tensors"]]
+    assert listed == [
+        f"model.layers.{i}.{part}" for i in (0, 1, 2, 10, 11) for part in ("mlp.down_proj", "self_attn.q_proj")
+    ]

@@ -12,13 +12,18 @@ from ptq.numerics.formats import get_format
 FORMATS = ("e4m3", "int8")
 
 
+def natural_key(name: str) -> tuple:
+    """Layer names in block order: model.layers.2 before model.layers.10 (each dotted part a number or a word)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
+
+
 def sqnr_table(calibration: Calibration, top: int = 10) -> dict | None:
     """{"method", "tensors": [{tensor, amax, sqnr_e4m3_db, sqnr_int8_db}], "worst_e4m3", "worst_int8"}
     or None when the calibration has no histograms."""
     rows = []
     # a layer no calibration data reached holds the histogram of the one its amax came from: nothing of its own
     unseen = {u["layer"] for u in calibration.metadata.get("unseen_layers", [])}
-    for name, hist in sorted(calibration.input_hist.items()):
+    for name, hist in sorted(calibration.input_hist.items(), key=lambda item: natural_key(item[0])):
         if name in unseen:
             continue
         amax = float(calibration.input_amax[name])
