@@ -111,6 +111,30 @@ def test_tokens_a_model_rules_out_count_zero_in_the_kl(metric_kernels):
     )
 
 
+def test_a_position_whose_logits_are_not_numbers_is_never_right(metric_kernels):
+    """A variant with a NaN or +inf logit in some rows (a non-saturating format's overflow): those positions predict
+    nothing, so they count wrong for accuracy and never agree with the baseline; argmax read a NaN as the largest
+    logit, so a NaN row whose next token was 0 counted right. Positions with finite logits score as before."""
+    rng = np.random.default_rng(2)
+    vocab = 6
+    base_table = rng.normal(size=(vocab, vocab)).astype(np.float32)
+    base_table[:, 0] = 5.0  # every position's top-1 is token 0, in both models
+    other_table = base_table.copy()
+    other_table[1, 0] = np.nan  # after token 1: a NaN, where argmax read token 0, the right one
+    other_table[2, 0] = np.inf  # after token 2: +inf
+    ids = np.array([[1, 0, 2, 0, 3, 0, 4, 0], [0, 1, 0, 2, 0, 5, 0, 0]])
+    models = {"base": Bigram(torch.from_numpy(base_table)), "other": Bigram(torch.from_numpy(other_table))}
+    scores = evaluate(models, torch.from_numpy(ids), batch_size=1)
+
+    context, targets = ids[:, :-1], ids[:, 1:]
+    finite = ~np.isin(context, (1, 2))
+    assert scores["base"].accuracy == pytest.approx((targets == 0).mean())
+    assert scores["other"].accuracy == pytest.approx(((targets == 0) & finite).mean())
+    assert scores["other"].top1_agreement == pytest.approx(finite.mean())
+    np.testing.assert_allclose(scores["other"].window_correct, ((targets == 0) & finite).mean(-1))
+    assert math.isnan(scores["other"].perplexity) and math.isnan(scores["other"].kl_div)
+
+
 def test_perplexity_past_the_float_range_is_inf_not_an_error():
     # math.exp raises OverflowError above ~709.78; a collapsed variant's mean NLL gets there, and numpy says inf
     with np.errstate(over="ignore"):

@@ -297,6 +297,22 @@ def test_a_nan_never_passes_a_gate():
         assert "recovery nan% is not >= 99%" in checks["accuracy_recovery_pct"].describe()
     assert not checks["ppl_delta_pct"].passed and not checks["kl_div"].passed
     assert checks["kl_div"].describe() == "v: KL nan is not <= 0.01"
+    # a variant whose perplexity is not a number, under an accuracy gate only that its accuracy meets: it fails, and
+    # the report says why and marks its perplexity
+    import dataclasses
+
+    from ptq.reporting.gates import gate_results
+    from ptq.reporting.report import render_markdown
+
+    for broken in (nan, math.inf):
+        v = dataclasses.replace(variant(accuracy=0.5), perplexity=broken, ppl_delta_pct=broken, kl_div=broken)
+        r = compare_results(baseline(), [v, variant("ok")])
+        r = dataclasses.replace(r, gates=gate_results(r, parse_limits(None, ["99%"], None)))
+        assert not r.gates.passed
+        assert [(c.variant, c.metric) for c in r.gates.checks if not c.passed] == [("v", "finite_outputs")]
+        md = render_markdown(r)
+        assert f"- ❌ v: perplexity {broken} (NaN or inf logits): a model whose outputs are not numbers" in md
+        assert table_row(md, "v ❌")[3] == f"**{broken:.4f}** ❌" and "ok ✅ |" in md
 
 
 def test_a_value_beyond_its_limit_never_prints_as_the_limit():

@@ -70,14 +70,20 @@ class Scores:
             getattr(self, name).extend(getattr(later, name))
 
 
+NO_PREDICTION = -1  # the top-1 token of a position whose logits are not finite: never the target, never agrees
+
+
 def _scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per position of one window: NLL of the next token, the top-1 token, and the log-softmax's parts
-    (max logit m and log sum exp(logits - m)) that _probs and _cross take instead of reducing again."""
+    (max logit m and log sum exp(logits - m)) that _probs and _cross take instead of reducing again. A position
+    whose logits hold a NaN or +inf (a non-saturating format's overflow) has a NaN or inf NLL and predicts nothing
+    (NO_PREDICTION): argmax would read a NaN as the largest logit, and count the position right where it is token 0."""
     x = logits.float()
     m = x.amax(-1, keepdim=True)
     log_s = torch.log(torch.exp(x - m).sum(-1, keepdim=True))
     nll = log_s - (x.gather(-1, targets.unsqueeze(-1)) - m)
-    return nll.squeeze(-1), x.argmax(-1), m.squeeze(-1), log_s.squeeze(-1)
+    top1 = torch.where(torch.isfinite(m + log_s).squeeze(-1), x.argmax(-1), NO_PREDICTION)
+    return nll.squeeze(-1), top1, m.squeeze(-1), log_s.squeeze(-1)
 
 
 def _probs(logits: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
@@ -207,7 +213,8 @@ def score_logits(
     s.window_kl_sum += sums
     for v in sums:
         s.kl_sum += v
-    s.agree += (top1 == base[1]).sum().item()
+    agree = (top1 == base[1]) & (top1 != NO_PREDICTION)
+    s.agree += agree.sum().item()
     s.window_kl += kl.mean(-1).tolist()
-    s.window_agree += (top1 == base[1]).double().mean(-1).tolist()
+    s.window_agree += agree.double().mean(-1).tolist()
     return base

@@ -11,7 +11,7 @@
     --max-kl 0.01                 mean KL(p_baseline || p_variant) <= 0.01 nats per predicted token
 
 A gate is a budget on the point estimate: it fails when the measured value is beyond the limit or not a number (a
-NaN never passes). Intervals, where results carry them, are reported next to the values but do not decide a gate.
+NaN never passes). A variant whose perplexity is not finite (NaN or inf logits) fails whatever gates are given. Intervals, where results carry them, are reported next to the values but do not decide a gate.
 Percent limits need the '%' sign, so that "0.99" can never be mistaken for 99%.
 """
 
@@ -192,6 +192,10 @@ def check(results: CompareResults, limits: Limits) -> list[Check]:
                 checks.append(Check(v.name, "accuracy_recovery_pct", task, None, limit, False))
         if limits.max_kl is not None:
             checks.append(Check(v.name, "kl_div", None, v.kl_div, limits.max_kl, v.kl_div <= limits.max_kl))
+        if not math.isfinite(v.perplexity) and limits.max_ppl_increase_pct is None:
+            # NaN or inf logits (a non-saturating format's overflow): whatever gates were asked for, a model whose
+            # outputs are not numbers does not pass (its accuracy counts those positions wrong, and may still pass)
+            checks.append(Check(v.name, "finite_outputs", None, v.perplexity, math.inf, False))
     return checks
 
 

@@ -235,7 +235,10 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
         fails = [c for c in checks if c.variant == v.name and not c.passed]
         mark = f" {FAIL}" if fails else (f" {PASS}" if any(c.variant == v.name for c in checks) else "")
         recovery = accuracy_recovery_pct(v.accuracy, base.accuracy)
-        gated = {m: by_cell.get((v.name, m), []) for m in ("ppl_delta_pct", "accuracy_recovery_pct", "kl_div")}
+        gated = {
+            m: by_cell.get((v.name, m), [])
+            for m in ("ppl_delta_pct", "accuracy_recovery_pct", "kl_div", "finite_outputs")
+        }
         cell = {m: [c for c in checks if not c.passed] for m, checks in gated.items()}
         # a value next to its limit gets the digits that tell it from the limit (+2.004% against 2%, not +2.00%)
         ppl_delta = _cell(ppl_delta_text(v, checks), cell["ppl_delta_pct"])
@@ -245,7 +248,7 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
         kl = _cell(kl_text(v.kl_div, _limit(gated["kl_div"])), cell["kl_div"])
         share = share_text(v)
         lines.append(
-            f"| {v.name}{mark} | {v.recipe.weights} | {v.recipe.inputs} | {v.perplexity:.4f} "
+            f"| {v.name}{mark} | {v.recipe.weights} | {v.recipe.inputs} | {_cell(f'{v.perplexity:.4f}', cell['finite_outputs'])} "
             f"| {ppl_delta} | {100 * v.accuracy:.2f}% | {recovery} | {kl} | {100 * v.top1_agreement:.2f}% "
             f"| {share if v.name not in partial else f'**{share}**'} |"
         )

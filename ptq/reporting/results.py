@@ -374,7 +374,7 @@ class Check:
     """One gate against one variant."""
 
     variant: str
-    metric: str  # "ppl_delta_pct", "accuracy_recovery_pct" or "kl_div"
+    metric: str  # "ppl_delta_pct", "accuracy_recovery_pct", "kl_div" or "finite_outputs" (fails: perplexity not finite)
     task: str | None  # for accuracy recovery: NEXT_TOKEN or a task name
     value: float | None  # None: the task is not in the results, which fails its gate
     limit: float
@@ -387,6 +387,8 @@ class Check:
         if self.metric == "ppl_delta_pct":
             value = fmt_against(self.value, self.limit, "+.2f")
             return f"{self.variant}: perplexity {value}% {self._op('<=', '>')} +{self.limit:g}%"
+        if self.metric == "finite_outputs":
+            return f"{self.variant}: perplexity {self.value} (NaN or inf logits): a model whose outputs are not numbers fails every gate"
         if self.metric == "kl_div":
             value = fmt_against(self.value, self.limit, ".4g")
             return f"{self.variant}: KL {value} {self._op('<=', '>')} {self.limit:g}"
