@@ -1149,3 +1149,32 @@ def test_the_diagnostics_list_every_tensor_in_block_order():
     assert listed == [
         f"model.layers.{i}.{part}" for i in (0, 1, 2, 10, 11) for part in ("mlp.down_proj", "self_attn.q_proj")
     ]
+
+
+def test_the_report_names_every_layer_a_variant_left_unquantized():
+    """The coverage line names the first three layers of a reason ("and 177 more"); the report then lists every one
+    of them, collapsed, so that what stayed in 16 bits is in the report and not only in results.json."""
+    import dataclasses
+
+    from sample_results import compare_results, variant
+
+    from ptq.reporting.report import render_markdown
+    from ptq.reporting.results import AttentionLeftOut, Coverage, LeftOut
+
+    shape = "shape: in_features 576 is not a multiple of the weight block's 128 columns"
+    names = [f"model.layers.{i}.mlp.up_proj" for i in range(12)]
+    coverage = Coverage(
+        quantized_weight_params=100,
+        matmul_weight_params=1400,
+        left_out=[LeftOut(name="lm_head", params=100, reason="left out by the recipe (ignore: lm_head)")]
+        + [LeftOut(name=n, params=100, reason=shape) for n in names],
+        attention_left_out=[AttentionLeftOut(name="model.layers.0.self_attn", reason="its own attention code")],
+    )
+    r = compare_results(variants=[dataclasses.replace(variant("blocks"), coverage=coverage), variant("all")])
+    md = render_markdown(r)
+    assert "`model.layers.0.mlp.up_proj`, `model.layers.1.mlp.up_proj`, `model.layers.2.mlp.up_proj` and 9 more" in md
+    every = md.split("<details><summary>Every layer left unquantized</summary>")[1].split("</details>")[0]
+    assert every.strip().splitlines() == [
+        f"- blocks, 12 matmul weights: {shape}: " + ", ".join(f"`{n}`" for n in names)
+    ]  # reasons whose names all fit in the line (lm_head, the attention layer) are not repeated
+    assert "Every layer left unquantized" not in render_markdown(compare_results(variants=[variant("all")]))

@@ -7,14 +7,10 @@ from __future__ import annotations
 
 from ptq.calibration.calibrate import Calibration
 from ptq.calibration.observers import sqnr_db
+from ptq.models.matmuls import natural_key
 from ptq.numerics.formats import get_format
 
 FORMATS = ("e4m3", "int8")
-
-
-def natural_key(name: str) -> tuple:
-    """Layer names in block order: model.layers.2 before model.layers.10 (each dotted part a number or a word)."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
 
 
 def sqnr_table(calibration: Calibration, top: int = 10) -> dict | None:

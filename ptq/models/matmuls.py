@@ -311,6 +311,11 @@ def _parents(model: nn.Module, name: str) -> list[nn.Module]:
     return [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
 
 
+def natural_key(name: str) -> tuple:
+    """Layer names in block order: model.layers.2 before model.layers.10 (each dotted part a number or a word)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
+
+
 def unsupported_weights(cov: dict) -> list[dict]:
     """The left-out weights of a coverage that no recipe could quantize for lack of support (routers are left out
     by design and are not counted here)."""
@@ -322,18 +327,25 @@ def quantized_share(quantized_params: int, matmul_params: int) -> float:
     return quantized_params / matmul_params if matmul_params else 0.0
 
 
-def describe_coverage(cov: dict) -> str:
-    """One line: share of matmul weights quantized, and what is left out, grouped by reason."""
-    share = quantized_share(cov["quantized_weight_params"], cov["matmul_weight_params"])
+def left_out_groups(cov: dict) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
+    """A coverage's left-out matmul weights and attention inputs, each grouped by reason ({reason: [entries]})."""
     groups: dict[str, list[dict]] = {}
     for x in cov["left_out"]:
         groups.setdefault(x["reason"], []).append(x)
-    parts = [
-        f"{_names(items)} ({sum(i['params'] for i in items):,} params): {reason}" for reason, items in groups.items()
-    ]
     attention: dict[str, list[dict]] = {}
     for x in cov.get("attention_left_out", []):
         attention.setdefault(x["reason"], []).append(x)
+    return groups, attention
+
+
+def describe_coverage(cov: dict) -> str:
+    """One line: share of matmul weights quantized, and what is left out, grouped by reason (the first few names of
+    each: NAMES_SHOWN)."""
+    share = quantized_share(cov["quantized_weight_params"], cov["matmul_weight_params"])
+    groups, attention = left_out_groups(cov)
+    parts = [
+        f"{_names(items)} ({sum(i['params'] for i in items):,} params): {reason}" for reason, items in groups.items()
+    ]
     parts += [f"{_names(items)}: {reason}" for reason, items in attention.items()]
     from ptq.reporting.results import fmt_against  # a share that is not all reads as less than 100%
 
@@ -344,6 +356,9 @@ def describe_coverage(cov: dict) -> str:
     )
 
 
-def _names(items: list[dict], shown: int = 3) -> str:
+NAMES_SHOWN = 3  # names per reason in describe_coverage's line; the report lists every one below it
+
+
+def _names(items: list[dict], shown: int = NAMES_SHOWN) -> str:
     names = ", ".join(f"`{i['name']}`" for i in items[:shown])
     return names + (f" and {len(items) - shown} more" if len(items) > shown else "")

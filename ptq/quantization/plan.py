@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ptq.models.matmuls import LeftOut, LinearExperts, kind, quantizable, unsupported
+from ptq.models.matmuls import LeftOut, LinearExperts, kind, natural_key, quantizable, unsupported
 from ptq.numerics.granularity import PerBlock, PerGroup, PerHead
 from ptq.quantization import attention, engines, residual
 from ptq.quantization.recipes import BASELINE_LINEAR, Recipe, TensorQuant
@@ -154,10 +154,11 @@ class Plan:
         """How much of the model's matmul weights the recipe quantizes: {"quantized_weight_params",
         "matmul_weight_params", "left_out": [{"name", "params", "reason"}], "attention_left_out"}, where matmul
         weights are every weight that multiplies activations (Linear, Conv1D, experts, lm_head, routers; not
-        embedding look-ups), `left_out` names what stays in the compute dtype and why, largest first, and
-        `attention_left_out` the attention inputs and KV-cache tensors the recipe asks for that stay there."""
+        embedding look-ups), `left_out` names what stays in the compute dtype and why, largest first (then in block
+        order), and `attention_left_out` the attention inputs and KV-cache tensors the recipe asks for that stay
+        there."""
         left = [LeftOut(m.name, m.params, m.reason) for m in self.matmuls.values() if not m.quantized]
-        left = sorted([*left, *self.unsupported], key=lambda x: (-x.params, x.name))
+        left = sorted([*left, *self.unsupported], key=lambda x: (-x.params, natural_key(x.name)))
         return {
             "quantized_weight_params": sum(m.params for m in self.matmuls.values() if m.quantized),
             "matmul_weight_params": sum(m.params for m in self.matmuls.values())

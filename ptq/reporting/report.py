@@ -644,7 +644,25 @@ def coverage_lines(entries: list[Entry]) -> list[str]:
         "",
         *[line(e) for e in entries],
         "",
+        *every_left_out(entries),
     ]
+
+
+def every_left_out(entries: list[Entry]) -> list[str]:
+    """Every matmul weight and attention input each entry left unquantized, by reason, where the coverage line names
+    only the first few of a reason's: collapsed, since a recipe may leave hundreds."""
+    from ptq.models.matmuls import NAMES_SHOWN, left_out_groups
+
+    lines = []
+    for e in entries:
+        for kind, groups in zip(("matmul weights", "attention inputs"), left_out_groups(to_json(e.coverage))):
+            for reason, items in groups.items():
+                if len(items) > NAMES_SHOWN:
+                    names = ", ".join(f"`{i['name']}`" for i in items)
+                    lines.append(f"- {e.name}, {len(items)} {kind}: {reason}: {names}")
+    if not lines:
+        return []
+    return ["<details><summary>Every layer left unquantized</summary>", "", *lines, "", "</details>", ""]
 
 
 def render_coverage(r: CompareResults) -> list[str]:
