@@ -18,7 +18,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -223,7 +223,12 @@ class _StrictLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: merged keys may be overridden, as YAML says
                 continue
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if not isinstance(key, Hashable):
+                # a list or mapping as a key ([1, 2]: 3): PyYAML's own error, with its line, not a TypeError here
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, "found unhashable key", key_node.start_mark
+                )
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"'{key}' given twice (first on line {seen[key] + 1})", key_node.start_mark
                 )

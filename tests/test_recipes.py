@@ -129,6 +129,21 @@ def test_a_key_given_twice_is_refused_where_yaml_would_keep_the_last(tmp_path, t
         load_recipe(str(path))
 
 
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("name: x\nweights: {format: e4m3}\ninputs: {format: e4m3}\n[1, 2]: 3\n", "line 4, column 1"),
+        ("name: x\nweights: {format: e4m3, ? {a: 1} : 1}\ninputs: {format: e4m3}\n", "line 2, column 27"),
+    ],
+)
+def test_a_list_or_mapping_as_a_key_is_one_line_not_a_traceback(tmp_path, text, where):
+    # the check for keys given twice looked each key up in a dict: "TypeError: unhashable type: 'list'"
+    path = tmp_path / "key.yaml"
+    path.write_text(text)
+    with pytest.raises(PtqError, match=rf"key.yaml, {where}: not valid YAML: found unhashable key$"):
+        load_recipe(str(path))
+
+
 def test_a_builtin_name_is_not_shadowed_by_a_file_or_folder_of_that_name(tmp_path, monkeypatch):
     # `ptq quantize smollm2 --recipe int8 -o int8` makes a folder `int8`: `--recipe int8` in that folder then read
     # the folder as a recipe file ("recipe file int8 does not exist"), and a stray file `fp8-e4m3` as YAML
