@@ -13,7 +13,7 @@ import torch
 from test_faults import calib_args, one_error_line
 
 from ptq import files
-from ptq.errors import PtqError
+from ptq.errors import PtqError, unreadable_weights
 from ptq.evaluation.data import Corpus, load_corpus, make_windows
 from ptq.execution import resources
 from ptq.files import safe_join
@@ -266,6 +266,74 @@ def test_a_weights_file_that_cannot_be_opened_is_named_with_the_reason(
             assert str(caught.value) == expected
         code, _, err = ptq_cli(*calib_args(tiny_model, text_file, tmp_path / "c.st"))
         assert code == 2 and err.strip() == f"error: {expected}", err
+
+
+def as_a_user_who_may_not_read(path: Path, read) -> str:
+    """The PtqError message of `read()` where `path` is 0600 and owned by someone else: a model another user saved
+    (save_pretrained writes 0600). As root, in a forked child that has become `nobody` (root reads any file); else by
+    chmod 000. The operating system's own refusal, not a stand-in for it."""
+    import multiprocessing
+    import os
+
+    def attempt(queue=None):
+        try:
+            read()
+            message = "read"
+        except PtqError as e:
+            message = str(e)
+        except Exception as e:  # noqa: BLE001 (the child's traceback would not reach the test)
+            message = repr(e)
+        if queue is None:
+            return message
+        queue.put(message)
+
+    if os.geteuid() != 0:
+        path.chmod(0)
+        return attempt()
+    path.chmod(0o600)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+
+    def child():
+        os.setgid(65534)
+        os.setuid(65534)
+        attempt(queue)
+
+    process = context.Process(target=child)
+    process.start()
+    message = queue.get(timeout=60)
+    process.join()
+    return message
+
+
+def test_a_file_that_may_not_be_read_is_not_called_missing(tiny_model):
+    # safetensors raises FileNotFoundError ("No such file or directory") for a file the user may not read: ptq said
+    # "missing", of a file that is there, and of a calibration file "not a readable calibration file: No such file"
+    import tempfile
+
+    from ptq.calibration.calibrate import load_calibration
+    from ptq.execution import resources, streaming
+
+    with tempfile.TemporaryDirectory() as shared:  # in /tmp, which every user may enter (pytest's tmp_path is 0700)
+        check_unreadable(Path(shared), tiny_model, resources, streaming, load_calibration)
+
+
+def check_unreadable(folder: Path, tiny_model: Path, resources, streaming, load_calibration) -> None:
+    model = copy_model(tiny_model, folder / "model")
+    for p in (folder, model, *model.iterdir()):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    weights = model / "model.safetensors"
+    for read in (lambda: resources.checkpoint_parameters(model), lambda: streaming.SafetensorsCheckpoint(model)):
+        assert as_a_user_who_may_not_read(weights, read) == (
+            f"cannot read the weights file {weights}: permission denied (check the file's owner and mode)"
+        )
+    calibration = folder / "calibration.safetensors"
+    calibration.write_bytes(weights.read_bytes())
+    assert as_a_user_who_may_not_read(calibration, lambda: load_calibration(calibration)) == (
+        f"cannot read the calibration file {calibration}: permission denied (check the file's owner and mode)"
+    )
+    weights.unlink()  # and a file that is not there is still missing
+    assert str(unreadable_weights(weights, FileNotFoundError(weights))).endswith(": missing")
 
 
 def test_paths_from_user_files_cannot_escape(tmp_path):

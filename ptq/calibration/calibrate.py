@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ptq.calibration.observers import NUM_BINS, TensorObserver
-from ptq.errors import PtqError
+from ptq.errors import PtqError, os_reason
 from ptq.execution import batching, distributed
 from ptq.execution.devices import WAYS_OUT, input_device
 from ptq.execution.executors import WholeModels
@@ -672,6 +672,8 @@ def load_calibration(path: Path) -> Calibration:
             header = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
+        if os_reason(path, e):  # the file is there (checked above), but may not be read
+            raise PtqError(f"cannot read the calibration file {path}: {os_reason(path, e)}") from None
         raise PtqError(
             f"{path} is not a readable calibration file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         ) from None
