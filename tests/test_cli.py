@@ -615,3 +615,47 @@ def test_a_tokenizer_with_ids_beyond_the_models_embedding_is_refused_before_a_fo
         code, out, err = ptq_cli(*args, *window)
         assert code == 2 and out == "" and one_line(err), err
         assert f"the tokenizer of model '{model}' gives token id" in err and "its embedding has 50 rows" in err
+
+
+@pytest.mark.parametrize(
+    "recipe, why",
+    [
+        (
+            "name: typo\ninclude: ['model.layer.*']\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamic: true}\n",
+            "layers left out by the recipe (not matched by its include patterns)",
+        ),
+        (
+            "name: typo\nweights: {format: e4m3, granularity: group, group_size: 7}\n"
+            "inputs: {format: e4m3, dynamic: true}\n",
+            "is not a multiple of the weight group of 7",
+        ),
+    ],
+)
+def test_a_recipe_that_quantizes_nothing_is_refused_not_reported_as_a_variant(
+    ptq_cli, tiny_model, text_file, tmp_path, recipe, why
+):
+    """A typo in `include` (or a group no layer's width takes) left every layer in 16 bits: compare reported the
+    16-bit model under the recipe's name, +0.00%, and passed its gates; quantize already refused it. The baseline
+    recipe, evaluated on its own, and inspect, which shows the plan, still run."""
+    from test_faults import one_error_line
+
+    path = tmp_path / "typo.yaml"
+    path.write_text(recipe)
+    static = tmp_path / "static.yaml"  # with inputs to calibrate
+    static.write_text(recipe.replace(", dynamic: true", ""))
+    evaluation = ("--eval-data", text_file, "--seq-len", "16", "--max-windows", "2", "-q")
+    runs = {
+        "compare": ("compare", tiny_model, "--recipes", f"fp8-e4m3,{path}", *evaluation, "--max-ppl-increase", "50%"),
+        "eval": ("eval", tiny_model, "--recipe", path, *evaluation),
+        "calibrate": ("calibrate", tiny_model, "--recipe", static, "--data", text_file, "--seq-len", "16"),
+    }
+    for command, args in runs.items():
+        out = tmp_path / command
+        code, _, err = ptq_cli(*args, "--out" if command != "calibrate" else "-o", out)
+        assert code == 2 and one_error_line(err), (command, err)
+        assert "error: recipe 'typo' quantizes no layer of this model (" in err and why in err, (command, err)
+        assert not out.exists()
+    code, _, err = ptq_cli("eval", tiny_model, "--recipe", "bf16", *evaluation, "--out", tmp_path / "bf16")
+    assert code == 0, err
+    code, out, err = ptq_cli("inspect", tiny_model, "--recipe", path)
+    assert code == 0 and "typo: typo; quantizes 0 of" in out, err

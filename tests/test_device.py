@@ -24,6 +24,15 @@ def test_ptq_device_chooses_where_ptq_computes(monkeypatch):
         monkeypatch.setenv("PTQ_DEVICE", "cuda")
         with pytest.raises(PtqError, match="no CUDA device"):
             default_device()
+    else:
+        monkeypatch.setenv("PTQ_DEVICE", f"cuda:{torch.cuda.device_count()}")
+        with pytest.raises(PtqError, match=f"torch sees {torch.cuda.device_count()} CUDA device"):
+            default_device()
+    # devices torch names but ptq does not compute on: one line (a Mac's mps was a RuntimeError deep in loading)
+    for other in ("mps", "xpu", "meta"):
+        monkeypatch.setenv("PTQ_DEVICE", other)
+        with pytest.raises(PtqError, match=f"^PTQ_DEVICE='{other}': ptq computes on cpu or cuda .*, not {other}$"):
+            default_device()
 
 
 def test_a_bad_ptq_device_is_one_line_exit_2(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):

@@ -364,10 +364,15 @@ def check_ranges(calibration: Calibration, plans: dict[str, Plan]) -> list[str]:
     return range_findings(checks)
 
 
-def check_coverage(plans: dict[str, Plan], strict: bool = False) -> dict[str, dict]:
+def check_coverage(plans: dict[str, Plan], strict: bool = False, refuse_empty: bool = True) -> dict[str, dict]:
     """Each recipe's coverage of the model's matmul weights (its plan's coverage); weights that no recipe could
     quantize for lack of support get a one-line warning naming them, or with `strict` (--strict-coverage) stop
-    the run before any work."""
+    the run before any work. A recipe that quantizes nothing of this model stops it too (`refuse_empty`; inspect,
+    which shows the plans, does not): its numbers would be the 16-bit model's, under the recipe's name."""
+    for name, plan in plans.items():
+        why = plan.quantizes_nothing() if refuse_empty else None
+        if why:
+            raise PtqError(f"recipe '{name}' quantizes no layer of this model ({why})")
     coverages = {name: plan.coverage() for name, plan in plans.items()}
     weights = {x["name"]: x for cov in coverages.values() for x in unsupported_weights(cov)}
     layers = {  # attention layers whose inputs or KV cache a recipe asks for and ptq cannot quantize
@@ -955,7 +960,7 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
             }
         rows.append(row)
     total = sum(row["parameters"] for row in rows)
-    coverages = check_coverage(plans)
+    coverages = check_coverage(plans, refuse_empty=False)
     summary = {
         r.name: {
             "layers": sum(row["recipes"][r.name]["quantized"] for row in rows),

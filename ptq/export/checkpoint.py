@@ -371,10 +371,8 @@ def export_layers(model: nn.Module, recipe: Recipe, plan: Plan | None = None) ->
     routers += [x.name.rpartition(".")[0] for x in plan.unsupported if x.reason.startswith("router")]
     quantized, ignored = plan.quantized, sorted({*plan.left_out, *routers})
     if not quantized:
-        reasons = collections.Counter(x["reason"] for x in plan.coverage()["left_out"])
-        why = "; ".join(f"{n} {'layer' if n == 1 else 'layers'} {reason}" for reason, n in reasons.items())
         raise PtqError(
-            f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} ({why or 'no matmul'})"
+            f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} ({plan.left_out_reasons()})"
         )
     check_loadable(model, recipe, quantized)
     conv1d = [name for name in quantized if kind(model.get_submodule(name)) == "Conv1D"]

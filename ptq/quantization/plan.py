@@ -25,6 +25,7 @@ over [-128, 127]; quantize_ and export compute those shared scales from the amax
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 from collections.abc import Iterable
@@ -91,6 +92,27 @@ class Plan:
     @property
     def left_out(self) -> list[str]:
         return [name for name, m in self.matmuls.items() if not m.quantized]
+
+    def quantizes_nothing(self) -> str | None:
+        """Why a recipe that quantizes (8-bit weights or inputs, attention, KV cache, residual adds) rounds nothing
+        of this model to 8 bits ("12 layers left out by the recipe (...)"), or None where it rounds something (or is
+        the 16-bit baseline). Such a variant measures the 16-bit model under the recipe's name: a typo in `include`
+        would pass every gate."""
+        r = self.recipe
+        quantizing = r.weights.format.scaled or r.inputs.format.scaled or r.attention or r.kv_cache or r.residual
+        eight_bit = any(
+            m.quantized and (m.weights.format.scaled or m.inputs.format.scaled) for m in self.matmuls.values()
+        )
+        if not quantizing or eight_bit or self.attention or self.residual:
+            return None
+        return self.left_out_reasons()
+
+    def left_out_reasons(self) -> str:
+        """What the plan leaves out, counted by reason: "12 layers left out by the recipe (...); 1 layer ..."."""
+        reasons = collections.Counter(x["reason"] for x in self.coverage()["left_out"])
+        return "; ".join(f"{n} {'layer' if n == 1 else 'layers'} {reason}" for reason, n in reasons.items()) or (
+            "no matmul"
+        )
 
     @property
     def smoothed(self) -> list[str]:
