@@ -697,7 +697,8 @@ def quantize(
         typer.Option(
             "--compare-results",
             parser=_path,
-            help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card.",
+            help="A `ptq compare` results.json (or its directory) whose row for this recipe goes into the model card "
+            "(refused for another model, recipe, target or calibration).",
         ),
     ] = None,
     push_to_hub: Annotated[

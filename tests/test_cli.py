@@ -360,7 +360,7 @@ def test_quantize_refuses_compare_results_of_another_model(ptq_cli, tiny_model, 
         "--out", other, "--no-plots", *FAST,
     )  # fmt: skip
     assert code == 0, stderr
-    args = ("quantize", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "--no-verify", "-q")
+    args = ("quantize", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "--no-verify", "-q")
     code, _, stderr = ptq_cli(*args, "--compare-results", other, "-o", tmp_path / "q")
     assert code == 2 and one_line(stderr), stderr
     assert f"compares another model ('{other_tiny_model}'" in stderr and not (tmp_path / "q").exists()
@@ -373,6 +373,16 @@ def test_quantize_refuses_compare_results_of_another_model(ptq_cli, tiny_model, 
     assert code == 0, stderr
     info = json.loads((tmp_path / "q2" / "ptq-export.json").read_text())
     assert info["compare"]["model"] == str(tiny_model)
+    assert info["compare"]["calibration"] == {"data": str(text_file), "windows": 4, "seq_len": 32}
+    # the same model and recipe, calibrated on fewer windows (as this test did, unnoticed, before the check): the card
+    # would quote numbers of other scales
+    code, _, stderr = ptq_cli(*args[:5], "2", *args[6:], "--compare-results", mine, "-o", tmp_path / "q3")
+    assert code == 2 and one_line(stderr), stderr
+    assert (
+        f"{mine / 'results.json'} was calibrated otherwise ({text_file}, 4 x 32 tokens) than this checkpoint" in stderr
+    )
+    assert "quantize with the compare's calibration (--calib), or compare again" in stderr
+    assert not (tmp_path / "q3").exists()
 
 
 def test_verify_windows_with_no_verify_is_refused_not_dropped(ptq_cli, tiny_model, tmp_path):

@@ -1049,6 +1049,8 @@ def run_quantize(
         batch_size=batch_size,
         placement=placement,
     )
+    if compare is not None and needed:
+        check_compare_calibration(compare, calib)
     if reused is not None:
         calibration_source = f"calibration file {Path(calibration.file).name}"
     elif needed:
@@ -1097,7 +1099,7 @@ def run_quantize(
         "coverage": checkpoint_coverage,
         "verification": None,
         "low_memory": streamed,
-        "compare": compare,
+        "compare": None if compare is None else compare | {"calibration": _without_amax(compare["calibration"])},
         "versions": versions() | {"compressed-tensors": importlib.metadata.version("compressed-tensors")},
         "created": now(),
     }
@@ -1271,6 +1273,27 @@ def check_compare_model(compare: dict, loaded: LoadedModel) -> None:
         )
 
 
+def check_compare_calibration(compare: dict, calibration: Calibration | None) -> None:
+    """Refuse the results of a compare whose calibration gave other input scales than this checkpoint's
+    (--compare-results with another --calib, text or number of windows): the card would quote numbers measured with
+    other scales. Known by the layers' input amax, which results.json records exactly (a float32 as a double)."""
+    theirs = (compare.get("calibration") or {}).get("input_amax") if calibration is not None else None
+    for layer, amax in (theirs or {}).items():
+        if layer in calibration.input_amax and float(calibration.input_amax[layer]) != amax:
+            c, m = compare["calibration"], calibration.metadata
+            raise PtqError(
+                f"{compare['file']} was calibrated otherwise ({c['data']}, {c['windows']} x {c['seq_len']} tokens) than "
+                f"this checkpoint ({m.get('data')}, {m.get('windows')} x {m.get('seq_len')} tokens): the input amax of "
+                f"'{layer}' is {amax:.6g} there, {float(calibration.input_amax[layer]):.6g} here, so its numbers are "
+                "not this checkpoint's; quantize with the compare's calibration (--calib), or compare again"
+            )
+
+
+def _without_amax(calibration: dict | None) -> dict | None:
+    """The compare's calibration as ptq-export.json records it: its text and windows, not every layer's amax."""
+    return None if calibration is None else {k: v for k, v in calibration.items() if k != "input_amax"}
+
+
 def load_compare_results(path: Path, recipe: Recipe, target: str) -> dict:
     """The rows of a `ptq compare` results.json (a file or its directory) for the model card: the variant of this
     recipe's name, refused unless it quantized as this recipe does, for the same target (a name alone can be another
@@ -1297,10 +1320,20 @@ def load_compare_results(path: Path, recipe: Recipe, target: str) -> dict:
             f"compare with --target {target}, or quantize with --target {r.target}"
         )
     base, ev = r.baseline, r.eval
+    c = r.calibration
     return {
         "file": str(path),
         "model": r.model.name,
         "model_source": r.model.source,
+        # what the variant's static scales came from, checked against this checkpoint's (check_compare_calibration)
+        "calibration": None
+        if c is None
+        else {
+            "data": c.data,
+            "windows": c.windows,
+            "seq_len": c.seq_len,
+            "input_amax": {row.layer: row.input_amax for row in c.layers},
+        },
         "eval": ev.description,
         "eval_data": ev.data,
         "eval_sha256": ev.data_sha256,
