@@ -206,6 +206,9 @@ def test_pickle_checkpoints_refused_unless_allowed_then_weights_only(tiny_model,
     code, _, err = ptq_cli(*calib_args(evil, text_file, tmp_path / "e.st", "--allow-pickle"))
     assert code == 2 and one_error_line(err) and "cannot load model" in err
     assert not marker.exists()  # weights_only=True refused the payload instead of running it
+    # what to do, for ptq's user (torch's own advice, re-run torch.load with weights_only=False, is not ptq's)
+    assert "its pickle holds more than tensors, which ptq does not load, --allow-pickle or not (" in err, err
+    assert "weights_only" not in err
 
 
 def test_remote_code_is_not_run_unless_asked(tiny_model, text_file, tmp_path, ptq_cli):
@@ -219,6 +222,10 @@ def test_remote_code_is_not_run_unless_asked(tiny_model, text_file, tmp_path, pt
     code, _, err = ptq_cli(*calib_args(model, text_file, tmp_path / "c.st"))
     assert code == 2 and one_error_line(err) and "cannot load model" in err
     assert not marker.exists()
+    # ptq's flag, not transformers' Python argument and an hf.co address made of a local path
+    assert "which ptq runs only with --trust-remote-code" in err and "hf.co" not in err, err
+    code, _, err = ptq_cli("inspect", model)
+    assert code == 2 and "which ptq runs only with --trust-remote-code" in err and not marker.exists(), err
 
 
 def test_damaged_model_weights(tiny_model, text_file, tmp_path, ptq_cli):

@@ -531,8 +531,22 @@ def _tokenizer_files(directory: Path) -> list[str]:
 
 def one_line(e: Exception, limit: int = 400) -> str:
     """An exception's whole message on one line (transformers' span several, and the first alone can stop mid-sentence),
-    cut at `limit` characters."""
+    cut at `limit` characters. Where the message tells a Python caller what to pass (transformers' trust_remote_code,
+    torch.load's weights_only), what the user of ptq can do instead."""
     text = " ".join(str(e).split()) or type(e).__name__
+    if "trust_remote_code=True" in text:  # transformers' advice, with an hf.co address made from a local path
+        return (
+            "it runs code of its own (auto_map in its config.json), which ptq runs only with --trust-remote-code: "
+            "read that code first"
+        )
+    if "Weights only load failed" in text:  # torch.load's advice is weights_only=False, which ptq never passes
+        found = re.search(r"(Unsupported global: \S+ \S+|unsupported GLOBAL \S+)", text)
+        reason = found.group(1) if found else ""
+        return (
+            "its pickle holds more than tensors, which ptq does not load, --allow-pickle or not"
+            + (f" ({reason[:200]})" if reason else "")
+            + ": convert it to safetensors where you trust it"
+        )
     return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
