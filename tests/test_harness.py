@@ -377,6 +377,9 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
         ("ptq_arith={good}", "task name 'ptq_arith' is taken by ptq's own task of that name, which would run instead"),
         ("mine={empty_folder}", "NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of them is given"),
         ("mine={twice_yaml}", "NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of them is given"),
+        # lm-eval's index dropped the task in silence: "defines no lm-eval task"
+        ("{typo_include}", "includes _tmpl.yaml, which is not a file ("),
+        ("{loop_include}", "includes loop.yaml, which includes it again"),
     ],
 )
 def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message):
@@ -391,12 +394,21 @@ def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message
     broken.write_text("task: mine\ndataset_path: json\n  bad: [\n")
     twice = tmp_path / "twice.yaml"
     twice.write_text(f"task: mine\ntask: other\ninclude: {SHIPPED / '_ptq_choice.yaml'}\n")
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "_template.yaml").write_text(f"include: {SHIPPED / '_ptq_choice.yaml'}\n")
+    typo = tmp_path / "inc" / "typo.yaml"
+    typo.write_text(f"include: _tmpl.yaml\ntask: mine\ndataset_path: json\ndataset_kwargs: {{data_files: {good}}}\n")
+    (tmp_path / "loop").mkdir()
+    loop = tmp_path / "loop" / "loop.yaml"
+    loop.write_text("include: [loop.yaml]\ntask: mine\n")
     out_dir = tmp_path / "out"
     code, _, err = ptq_cli(
         "eval",
         tiny_model,
         "--tasks",
         task.format(
+            typo_include=typo,
+            loop_include=loop,
             bad=bad,
             wrong=wrong,
             label=label,

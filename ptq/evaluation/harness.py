@@ -226,6 +226,26 @@ def _task_yaml(name: str, include: Path, data: dict[str, str], extra: dict | Non
     return yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
 
 
+def _check_includes(path: Path, seen: tuple[Path, ...] = ()) -> None:
+    """Read a task file and the files it includes, as lm-eval resolves them (`include:` a path relative to the
+    including file's folder, or absolute): a file that is not there is named, where lm-eval's index would drop the
+    task in silence ("defines no lm-eval task")."""
+    config = read_yaml(path, "task file", tags=True)
+    includes = config.get("include") if isinstance(config, dict) else None
+    for include in includes if isinstance(includes, list) else [includes] if includes is not None else []:
+        if not isinstance(include, str):
+            raise PtqError(f"task file {path}: include: {include!r} is not a file name")
+        found = Path(include).expanduser() if Path(include).expanduser().is_absolute() else path.parent / include
+        if not found.is_file():
+            raise PtqError(
+                f"task file {path} includes {include}, which is not a file ({found}: an include is found beside the "
+                "file that includes it, or by its absolute path)"
+            )
+        if found.resolve() in seen:
+            raise PtqError(f"task file {path} includes {include}, which includes it again")
+        _check_includes(found, (*seen, path.resolve()))
+
+
 def _yaml_names(target: Path) -> list[str]:
     """The tasks a YAML file or a folder of them defines, as lm-eval indexes them (groups first: a folder that
     defines groups runs its groups, not their members twice)."""
@@ -234,7 +254,7 @@ def _yaml_names(target: Path) -> list[str]:
     # lm-eval's index passes over a file it cannot read in silence: the user's files are read here first, so that
     # a typo is named with its line, not reported as "no task" (or, with a key given twice, run as the other task)
     for path in sorted(p for p in target.rglob("*") if p.suffix in (".yaml", ".yml")) if target.is_dir() else [target]:
-        read_yaml(path, "task file", tags=True)
+        _check_includes(path)
     folder = target if target.is_dir() else target.parent
     with quiet_lm_eval():
         index = TaskIndex().build([folder])
