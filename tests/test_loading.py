@@ -597,3 +597,14 @@ def test_the_caveat_of_a_compressed_tensors_checkpoint_names_its_weights_bits():
     mixed = {"group_0": {"weights": {"num_bits": 4}}, "group_1": {"weights": {"num_bits": 8}}}
     assert "evaluated as its quantized weights dequantized" in caveat(mixed)
     assert "its quantized weights" in caveat({"group_0": {"weights": None}})
+
+
+@pytest.mark.parametrize("kept", [1 << 20, 50_000_000])
+def test_a_truncated_gguf_is_called_damaged_or_truncated(tmp_path, kept):
+    # gguf's reader failed on a cut file with numpy's words only ("cannot reshape array of size 399424 into shape")
+    source = loading.gguf_file(loading.DEFAULT_MODEL)[0]
+    cut = tmp_path / "cut.gguf"
+    with open(source, "rb") as f:
+        cut.write_bytes(f.read(kept))
+    with pytest.raises(PtqError, match=rf"^cannot read GGUF file {cut}: damaged or truncated \(.+\)$"):
+        loading.gguf_caveat(cut)

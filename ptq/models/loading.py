@@ -790,7 +790,8 @@ def gguf_caveat(gguf_path: Path) -> str:
     try:
         types = Counter(t.tensor_type.name for t in GGUFReader(gguf_path).tensors)
     except Exception as e:
-        raise PtqError(f"cannot read GGUF file {gguf_path}: {e}") from None
+        # gguf's reader maps the tensors as the header lays them out: a cut file fails there, with numpy's words
+        raise PtqError(f"cannot read GGUF file {gguf_path}: damaged or truncated ({one_line(e, 200)})") from None
     listed = ", ".join(f"{name} x{n}" for name, n in types.most_common())
     bits = [int(m.group(1)) for name, _ in types.most_common() if (m := re.match(r"I?Q(\d)", name))]
     grid = f"a {bits[0]}-bit GGUF" if bits else "a GGUF"  # named after its most common quantized type
