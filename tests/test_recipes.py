@@ -36,6 +36,8 @@ def test_recipe_from_a_path(tmp_path):
     [
         ({"colour": "red"}, "unknown key 'colour'"),
         ({"weights": {"format": "e3m4"}}, "unknown number format 'e3m4'"),
+        # said once where ("recipe x: 'weights': recipe x: 'weights'.format must be ...")
+        ({"weights": {"format": ["e4m3"]}}, r"^recipe <recipe>: 'weights'.format must be a non-empty string, not"),
         ({"weights": {"format": "e4m3", "granularity": "row"}}, "unknown granularity 'row'"),
         ({"inputs": {"format": "e4m3", "granularity": "channel"}}, "per-channel scales apply to weights only"),
         ({"inputs": {"format": "e4m3", "saturate": "yes"}}, "saturate must be true or false"),
@@ -85,6 +87,8 @@ def test_missing_key_and_non_mapping():
 def test_unknown_name_bad_yaml_and_missing_file(tmp_path):
     with pytest.raises(PtqError, match="unknown recipe 'fp7'.*built-in: bf16"):
         load_recipe("fp7")
+    with pytest.raises(PtqError, match=r"'fp8-e4m3,int8' names several recipes: this command takes one \(`ptq compare"):
+        load_recipe("fp8-e4m3,int8")  # eval's and quantize's --recipe: it was "unknown recipe 'fp8-e4m3,int8'"
     with pytest.raises(PtqError, match="does not exist"):
         load_recipe(str(tmp_path / "nope.yaml"))
     bad = tmp_path / "bad.yaml"

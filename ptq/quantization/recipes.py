@@ -158,6 +158,10 @@ def load_recipe(name_or_path: str) -> Recipe:
     builtin = recipes_dir() / f"{text}.yaml"
     if not written_as_path and (builtin.is_file() or not path.exists()):
         path = builtin
+        if not path.is_file() and "," in text:  # `ptq eval --recipe fp8-e4m3,int8`: a list where one is taken
+            raise PtqError(
+                f"'{name_or_path}' names several recipes: this command takes one (`ptq compare --recipes` takes a list)"
+            )
         if not path.is_file():
             raise PtqError(
                 f"unknown recipe '{name_or_path}' (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml file)"
@@ -323,8 +327,9 @@ def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
             "scale_format",
         },
     )
+    name = _string(fields["format"], f"{where}.format")  # its message names where already
     try:
-        fmt = get_format(_string(fields["format"], f"{where}.format"))
+        fmt = get_format(name)
     except PtqError as e:
         raise PtqError(f"{where}: {e}") from None
     dynamic = fields.get("dynamic", False)
