@@ -669,3 +669,26 @@ def test_a_recipe_that_quantizes_nothing_is_refused_not_reported_as_a_variant(
     assert code == 0, err
     code, out, err = ptq_cli("inspect", tiny_model, "--recipe", path)
     assert code == 0 and "typo: typo; quantizes 0 of" in out, err
+
+
+def test_a_recipe_name_given_twice_or_the_baselines_is_named(ptq_cli, tiny_model, tmp_path):
+    # "each recipe may appear once, and not as the baseline 'bf16'" named neither the recipe nor the files
+    from ptq.quantization.recipes import recipes_dir
+
+    same = tmp_path / "mine.yaml"
+    same.write_text("name: fp8-e4m3\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamic: true}\n")
+    baseline = tmp_path / "base.yaml"
+    baseline.write_text("name: bf16\nweights: {format: e4m3}\ninputs: {format: e4m3}\n")
+    builtin = recipes_dir() / "fp8-e4m3.yaml"
+    twice = "each recipe may appear once (a report row and a gate are named by it)"
+    for recipes, message in (
+        ("fp8-e4m3,int8,fp8-e4m3", f"recipe name 'fp8-e4m3' is given twice ({builtin}, {builtin}): {twice}"),
+        (f"fp8-e4m3,{same}", f"recipe name 'fp8-e4m3' is given twice ({builtin}, {same}): {twice}"),
+        (
+            str(baseline),
+            f"recipe name 'bf16' is the baseline's ({baseline}): every compare has the baseline; a variant",
+        ),
+    ):
+        code, _, err = ptq_cli("compare", tiny_model, "--recipes", recipes, "--out", tmp_path / "out", "-q")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and f"error: {message}" in err, err
+    assert not (tmp_path / "out").exists()

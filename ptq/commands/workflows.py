@@ -536,8 +536,18 @@ def run_compare(
         raise PtqError(
             "no recipe given: --recipes names the recipe(s) to compare with the bf16 baseline, comma-separated"
         )
-    if len({r.name for r in variants} | {baseline.name}) != len(variants) + 1:
-        raise PtqError("each recipe may appear once, and not as the baseline 'bf16'")
+    names = [baseline.name] + [r.name for r in variants]
+    if clash := next((n for i, n in enumerate(names) if n in names[:i]), None):
+        where = ", ".join(r.source or r.name for r in variants if r.name == clash)
+        if clash == baseline.name:
+            raise PtqError(
+                f"recipe name '{clash}' is the baseline's ({where}): every compare has the baseline; a variant needs "
+                "a name of its own"
+            )
+        raise PtqError(
+            f"recipe name '{clash}' is given twice ({where}): each recipe may appear once (a report row and a gate "
+            "are named by it)"
+        )
     if streamed:
         streaming.check_compare_recipes(variants)
     needs_calibration = [r for r in variants if r.needs_calibration]
