@@ -61,6 +61,12 @@ def test_recipe_from_a_path(tmp_path):
         ({"attention": {"format": "e4m3", "granularity": "channel"}}, "per-channel scales apply to weights only"),
         ({"kv_cache": {"format": "e4m3", "colour": 1}}, "unknown key 'colour'"),
         ({"smoothquant": {"alpha": 1.5}}, "alpha must be a number in"),
+        # PyYAML reads 1e-3 (no decimal point) as a string: the message says how to write it
+        (
+            {"inputs": {"format": "e4m3", "observer": "percentile", "percentile": "9.999e1"}},
+            r"not '9.999e1' \(YAML reads 9.999e1 as text: write it as 99.99\)$",
+        ),
+        ({"smoothquant": {"alpha": "5e-1"}}, r"not '5e-1' \(YAML reads 5e-1 as text: write it as 0.5\)$"),
         ({"smoothquant": {"beta": 0.5}}, "unknown key 'beta'"),
         (
             {"smoothquant": {"alpha": 0.5}, "inputs": {"format": "int8", "observer": "mse"}},

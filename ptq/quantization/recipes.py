@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import os
 import reprlib
 from dataclasses import dataclass
@@ -229,7 +230,10 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         sq = _mapping(fields["smoothquant"], f"{where}: 'smoothquant'", required={"alpha"}, optional=set())
         smoothquant = sq["alpha"]
         if isinstance(smoothquant, bool) or not isinstance(smoothquant, (int, float)) or not 0 <= smoothquant <= 1:
-            raise PtqError(f"{where}: smoothquant.alpha must be a number in [0, 1], not {reprlib.repr(smoothquant)}")
+            raise PtqError(
+                f"{where}: smoothquant.alpha must be a number in [0, 1], not {reprlib.repr(smoothquant)}"
+                + _text_number(smoothquant)
+            )
         if not inputs.static or inputs.observer != "max":
             raise PtqError(
                 f"{where}: smoothquant needs static inputs calibrated with observer 'max' "
@@ -356,7 +360,10 @@ def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
         raise PtqError(f"{where}: an observer calibrates a static scale; dynamic scales take each token's amax")
     percentile = fields.get("percentile", 99.99)
     if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
-        raise PtqError(f"{where}.percentile must be a number in (0, 100], not {reprlib.repr(percentile)}")
+        raise PtqError(
+            f"{where}.percentile must be a number in (0, 100], not {reprlib.repr(percentile)}"
+            + _text_number(percentile)
+        )
     if "percentile" in fields and observer not in ("percentile", "best"):
         raise PtqError(f"{where}: 'percentile' applies to observer 'percentile' or 'best', not '{observer}'")
     scale = fields.get("scale", "amax")
@@ -398,6 +405,26 @@ def _mapping(data: object, where: str, required: set[str], optional: set[str]) -
     if missing:
         raise PtqError(f"{where}: missing key '{missing[0]}'")
     return data
+
+
+def _text_number(value: object) -> str:
+    """Why a number came as text, where YAML read it so: YAML 1.1 (PyYAML) takes 1e-3 for a string, 1.0e-3 for a
+    number."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not math.isfinite(number):
+        return ""
+    mantissa, e, exponent = repr(number).partition("e")  # '1e-300', '0.001', '99.0'
+    written = (
+        mantissa
+        + (".0" if "." not in mantissa else "")
+        + (f"e{'+' if exponent[0].isdigit() else ''}{exponent}" if e else "")
+    )
+    return f" (YAML reads {value} as text: write it as {written})"
 
 
 def _string(value: object, where: str) -> str:
