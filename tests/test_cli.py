@@ -113,6 +113,7 @@ def test_calibration_file_is_reused_and_gives_the_same_results(ptq_cli, tiny_mod
     cal = load_calibration(calib)
     assert len(cal.input_amax) == 14 and cal.metadata["tokens"] == 4 * 32 and cal.metadata["model"] == str(tiny_model)
     assert cal.metadata["data_sha256"] and cal.metadata["versions"]["torch"]
+    assert cal.metadata["versions"]["tokenizers"] and cal.metadata["versions"]["numpy"]  # windows, intervals
 
     a, b = tmp_path / "a", tmp_path / "b"
     assert ptq_cli("compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", a, *FAST)[0] == 0

@@ -347,6 +347,12 @@ def test_bos_variant_starts_every_window_with_bos(tok_bos):
     assert w.input_ids[:, 1:].flatten().tolist() == stream[:90]
     assert (w.input_ids[:, 1:] != tok_bos.bos_token_id).all()  # no BOS inside the text
     assert w.description.endswith("BOS + 9 text tokens each")
+    # results.json's stride and the protocol: the text advances 9 tokens a window, not 10 (as they said)
+    from ptq.commands.results import protocol, text_stride
+
+    assert text_stride(w) == 9 and text_stride(make_windows(corpus(text), byte_tokenizer(), 10, None)) == 10
+    compute = {"dtype": "float32", "matmul": "simulated"}
+    assert "(9 predictions per window, stride 9 text tokens, no overlap)" in protocol(w, compute)[0]
 
 
 def test_no_eos_means_nothing_between_documents():

@@ -250,13 +250,18 @@ def describe_compute(compute: dict) -> str:
     return f"{compute['device']}{kernels}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
 
 
+def text_stride(windows: Windows) -> int:
+    """Text tokens from one window of the grid to the next: a window's tokens, less the BOS that starts each."""
+    return windows.seq_len - (1 if windows.bos else 0)
+
+
 def _eval_setup(corpus: Corpus, windows: Windows, scores: Scores) -> EvalSetup:
     """The evaluation text and its windows."""
     return EvalSetup(
         data=corpus.source,
         data_sha256=corpus.sha256,
         seq_len=windows.seq_len,
-        stride=windows.seq_len,
+        stride=text_stride(windows),
         windows=len(windows.input_ids),
         tokens=scores.tokens,
         bos=windows.bos,
@@ -308,7 +313,7 @@ def protocol(windows, compute: dict, baseline: Recipe | None = None) -> list[str
     )
     return [
         f"Perplexity: {windows.description}. Each window is scored on its own tokens 2..{windows.seq_len} "
-        f"({windows.seq_len - 1} predictions per window, stride {windows.seq_len}, no overlap); "
+        f"({windows.seq_len - 1} predictions per window, stride {text_stride(windows)} text tokens, no overlap); "
         f"{'a BOS token starts every window' if windows.bos else 'no BOS token (the tokenizer adds none)'}.",
         *against_baseline,
         "Quantized Linear: weights quantized once (one scale per tensor, output channel, 128 x 128 tile or group of the "

@@ -77,10 +77,14 @@ DEFAULT_RECIPES = ("fp8-e4m3", "int8")
 
 
 def versions() -> dict[str, str]:
+    """What shaped the numbers: the model's code (torch, transformers), its windows (tokenizers) and the intervals'
+    resampling (numpy)."""
     return {
         "ptq": __version__,
         "torch": torch.__version__,
         "transformers": importlib.metadata.version("transformers"),
+        "tokenizers": importlib.metadata.version("tokenizers"),
+        "numpy": importlib.metadata.version("numpy"),
         "python": platform.python_version(),
     }
 

@@ -67,7 +67,7 @@ class EvalSetup:
     data: str  # the text's source
     data_sha256: str
     seq_len: int  # tokens per window
-    stride: int  # tokens between window starts (= seq_len: no overlap)
+    stride: int  # text tokens between the starts of the grid's windows: seq_len, less 1 where a BOS starts each
     windows: int
     tokens: int  # predicted tokens scored, over all windows
     bos: bool  # whether a BOS token starts every window
