@@ -414,6 +414,13 @@ def test_to_storage_int8_rejects_bad_codes():
         to_storage(torch.tensor([1.5]), INT8)
     with pytest.raises(ValueError):
         to_storage(torch.tensor([128.0]), INT8)
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        to_storage(torch.tensor([-128.0]), INT8)  # ptq's own convention: symmetric
+    # the loaders' full range (--target vllm's static int8 inputs): quantize gives -128, and it is stored as such
+    q = quantize(torch.tensor([-200.0, -1.0, 64.0]), torch.tensor(1.0), INT8, lowest=-128.0)
+    assert to_storage(q, INT8, lowest=-128.0).tolist() == [-128, -1, 64]
+    with pytest.raises(ValueError, match=r"\[-128, 127\]"):
+        to_storage(torch.tensor([-129.0]), INT8, lowest=-128.0)
 
 
 def test_compute_scale():

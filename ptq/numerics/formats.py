@@ -197,8 +197,10 @@ def compute_scale(amax: torch.Tensor | float, fmt: NumberFormat) -> torch.Tensor
 def usable_scale(scale: torch.Tensor) -> torch.Tensor:
     """amax / max made a scale every consumer can use. Zero (an all-zero tensor or token, or an amax so small that
     the division underflows): 1, since any scale represents zeros and a zero scale would divide by zero. Below the
-    smallest normal float32, 2^-126 (amax under 448 * 2^-126 for E4M3): a subnormal scale's reciprocal is inf, and
-    engines that multiply by it (vLLM, static FP8 inputs) would turn a 0 into NaN; 2^-126 still fits the amax."""
+    smallest normal float32, 2^-126 (amax under 448 * 2^-126 for E4M3): the reciprocal of a subnormal scale of
+    2^-128 or less is inf, and engines that multiply by it (vLLM, static FP8 inputs) would turn a 0 into NaN; one
+    floor for every subnormal (whose division flushes to zero on some hardware besides), and 2^-126 still fits the
+    amax."""
     return torch.where(scale > 0, scale.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
 
 
@@ -235,16 +237,18 @@ def fake_quantize(
     return dequantize(quantize(x, scale, fmt, saturate, lowest), scale)
 
 
-def to_storage(q: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+def to_storage(q: torch.Tensor, fmt: NumberFormat, lowest: float | None = None) -> torch.Tensor:
     """Grid values (output of quantize / round_to_format) -> a fmt.torch_dtype tensor.
 
     The cast is exact because the values are already representable; values not on the grid
     are a programming error and are not checked for float formats. For int8, NaN, fractional
-    or out-of-range values raise ValueError (torch would cast them silently).
+    or out-of-range values raise ValueError (torch would cast them silently); `lowest` as quantize's
+    (-128: the loaders' full int8 range).
     """
-    # NaN fails both comparisons, so this one check also catches it.
-    if fmt.kind == "int" and not bool(((q == torch.round(q)) & (q.abs() <= fmt.max)).all()):
-        raise ValueError(f"int8 codes must be integers in [-{fmt.max:g}, {fmt.max:g}], without NaN")
+    low = -fmt.max if lowest is None else lowest
+    # NaN fails every comparison, so this one check also catches it.
+    if fmt.kind == "int" and not bool(((q == torch.round(q)) & (q >= low) & (q <= fmt.max)).all()):
+        raise ValueError(f"int8 codes must be integers in [{low:g}, {fmt.max:g}], without NaN")
     return q.to(fmt.torch_dtype)
 
 

@@ -4,9 +4,12 @@ A QuantLinear holds its weight already quantized (done once, not per forward), a
 storage dtype (float8_e4m3fn, float8_e5m2, int8, bfloat16: one byte per weight for the 8-bit formats) and a
 scale; it dequantizes them on each forward (one fused cast-and-multiply, under 1% of the matmul on CPU), rounds its input
 to the recipe's format (static per-tensor scale from calibration, or one scale per token computed on the
-fly), and multiplies in float32. A product of two 8- or 16-bit values
-is exact in float32, so this simulates fp32-accumulating FP8/int8/bf16 hardware faithfully up to
-summation order. With `attention` (or `kv_cache`) in the recipe, attention's batched-matmul inputs are
+fly), and multiplies in float32. A product of two 8- or 16-bit values is exact in float32, but the simulation
+multiplies the dequantized operands, code x scale, and that product is itself rounded to float32 (for most inputs:
+a scale is rarely a power of two), where FP8 hardware multiplies the codes and applies the scales after
+accumulating: so it simulates fp32-accumulating FP8/int8/bf16 hardware up to summation order and one float32
+rounding of each dequantized operand (relative 3e-7 of the output's max on a 576-wide layer, as torch._scaled_mm
+on a CPU). With `attention` (or `kv_cache`) in the recipe, attention's batched-matmul inputs are
 rounded too (ptq/quantization/attention.py). SmoothQuant divides each input channel by s and multiplies the weight's
 column by s (ModelOpt's per-layer pre-quant scale, foldable into the preceding norm or layer).
 """
