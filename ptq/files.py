@@ -46,6 +46,20 @@ def check_writable(path: Path, force: bool, directory: bool = False) -> None:
         raise PtqError(f"{path} already exists (use --force to overwrite)")
 
 
+def check_not_an_input(path: Path, inputs: dict[str, str | Path | None]) -> None:
+    """Refuse an output that is one of the run's inputs or lies within one (a model folder), --force or not: the run
+    would replace what it reads. `inputs`: what each is ("--data") -> a local path, or None (a Hub name, the default)."""
+    out = Path(path).resolve()
+    for what, source in inputs.items():
+        if source is None or not Path(source).exists():
+            continue
+        given = Path(source).resolve()
+        if out == given or given.is_dir() and given in out.parents:
+            raise PtqError(
+                f"cannot write {path}: it is {'within ' if out != given else ''}{what} {source}, read by this run"
+            )
+
+
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success rename it onto `path`, on failure delete it."""

@@ -610,3 +610,21 @@ def test_one_byte_formatter_binary_for_memory_and_disk_decimal_for_files(n, bina
     from ptq.execution.resources import size_text
 
     assert (size_text(n), size_text(n, si=True)) == (binary, decimal)
+
+
+def test_calibrate_never_writes_over_what_it_reads(tiny_model, text_file, tmp_path, ptq_cli):
+    # `--data copy.txt -o copy.txt --force` replaced the text with a calibration file; an output in the model's
+    # folder would be read with its weights the next time (every *.safetensors there)
+    model = copy_model(tiny_model, tmp_path / "model")
+    text = tmp_path / "copy.txt"
+    text.write_bytes(text_file.read_bytes())
+    for data, out, message in (
+        (text, text, f"cannot write {text}: it is the calibration text {text}, read by this run"),
+        (f"{text},field=text", text, f"cannot write {text}: it is the calibration text {text}, read by this run"),
+        (text, model / "model.safetensors", f"it is within the model {model}, read by this run"),
+        (text, model / "calib.safetensors", f"it is within the model {model}, read by this run"),
+    ):
+        before = {p.name: p.read_bytes() for p in (text, *model.iterdir())}
+        code, _, err = ptq_cli("calibrate", model, "--data", data, "--seq-len", "16", "-o", out, "--force", "-q")
+        assert code == 2 and one_error_line(err) and message in err, err
+        assert {p.name: p.read_bytes() for p in (text, *model.iterdir())} == before

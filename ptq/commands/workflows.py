@@ -54,7 +54,7 @@ from ptq.execution.devices import compute_dtype, cpu_model, default_device
 from ptq.execution.placement import Placement, placed, placed_copy
 from ptq.execution.placement import summary as placement_summary
 from ptq.export import hub
-from ptq.files import check_output_dir, check_writable
+from ptq.files import check_not_an_input, check_output_dir, check_writable
 from ptq.models.loading import LoadedModel, hub_repo, linear_layers, load_model, load_structure
 from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
 from ptq.numerics.granularity import PerToken
@@ -123,6 +123,8 @@ def run_calibrate(
     if compute.low_memory and calibration.resume:
         raise PtqError("--resume is not available with --low-memory (layer-by-layer calibration keeps no checkpoint)")
     check_writable(output.path, output.force)
+    text = calibration.data.partition(",")[0] if calibration.data else None  # a file or folder, before its options
+    check_not_an_input(output.path, {"the model": model.model, "the calibration text": text})
     checkpoint = checkpoint_path(output.path)
     if checkpoint.exists() and not (calibration.resume or output.force):
         raise PtqError(
