@@ -604,6 +604,9 @@ def test_report_never_writes_over_the_results_it_reads(ptq_cli, tmp_path):
         code, out, err = ptq_cli("report", results, "-o", target, "--force", "--no-plots")
         assert code == 2 and one_line(err) and "is the input" in err, err
     assert results.read_bytes() == before
+    for flag in ("--no-plots", "--force"):  # options for written files, where none is written: said, not ignored
+        code, out, err = ptq_cli("report", results, flag)
+        assert code == 2 and one_line(err) and f"{flag} applies with --output" in err and not out, err
 
 
 def test_a_tokenizer_with_ids_beyond_the_models_embedding_is_refused_before_a_forward(ptq_cli, text_file, tmp_path):

@@ -919,6 +919,10 @@ def run_report(
     anew on the numbers) as markdown, with a trend against `previous_file`; write it (and its plots) to `output` if
     given. Returns the results as judged (their `gates` are what the markdown shows and the exit code follows), the
     previous results and the markdown."""
+    if output is None and (force or not plots):  # they apply to written files: without --output, none is written
+        raise PtqError(
+            f"{'--force' if force else '--no-plots'} applies with --output (the report is printed, not written)"
+        )
     results = load_compare(results_file)
     previous = load_compare(previous_file, "previous results file") if previous_file else None
     if limits is not None and limits.any():
