@@ -617,6 +617,19 @@ def _exit_for_gates(results) -> None:
         raise typer.Exit(1)
 
 
+PIPED_WIDTH = 400  # columns of a table printed to a file or a CI log: its rows whole, not cut to 80
+
+
+def stdout_console():
+    """stdout as rich writes it: a terminal's own width; piped (a CI log, a file) wide enough that a table's columns
+    are not squeezed away (rich takes 80 columns where it finds no terminal: inspect's layer names were cut to 11
+    characters and its kind and shape columns to none)."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=PIPED_WIDTH)
+
+
 def _print_json(data: dict) -> None:
     import json
 
@@ -624,7 +637,6 @@ def _print_json(data: dict) -> None:
 
 
 def _print_inspect(info: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     names = list(info["recipes"])
@@ -644,7 +656,7 @@ def _print_inspect(info: dict) -> None:
             r = row["recipes"][name]
             cells.append(f"{short(r['weights'])} / {short(r['inputs'])}" if r["quantized"] else "- (bf16)")
         table.add_row(row["layer"], row["kind"], f"{row['shape'][0]} x {row['shape'][1]}", *cells)
-    console = Console()
+    console = stdout_console()
     console.print(table)
     console.print(
         "cells: weights / inputs; 'ch' = one scale per output channel, otherwise one per-tensor scale; "
@@ -786,11 +798,10 @@ def quantize(
 
 
 def _print_quantize(info: dict, output: Path, written: bool) -> None:
-    from rich.console import Console
 
     from ptq.execution.resources import size_text
 
-    console = Console()
+    console = stdout_console()
     size, ver = info["size"], info["verification"]
     if ver is not None:
         tol = ver["tolerance"]
@@ -921,7 +932,6 @@ def eval_(
 
 
 def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(
@@ -932,7 +942,7 @@ def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
         table.add_column(col, justify="left" if col == "layer" else "right")
     for row in summary["largest"]:
         table.add_row(row["layer"], f"{row['input_amax']:.4g}", f"{row['weight_amax']:.4g}")
-    console = Console()
+    console = stdout_console()
     console.print(table)
     console.print(
         f"calibrated on {metadata['tokens']:,} tokens of {metadata['data']}; wrote {output}",
@@ -942,7 +952,6 @@ def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
 
 
 def _print_compare(results, out: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from ptq.models.matmuls import describe_coverage
@@ -966,7 +975,7 @@ def _print_compare(results, out: Path) -> None:
             kl_div_text(v, checks),
             f"{100 * v.top1_agreement:.2f}%",
         )
-    console = Console()
+    console = stdout_console()
     console.print(table)
     for v in results.variants:
         console.print(
@@ -1026,7 +1035,6 @@ def _print_tasks(console, results, entries: list) -> None:
 
 
 def _print_eval(results, out: Path) -> None:
-    from rich.console import Console
 
     from ptq.evaluation.stats import MIN_UNITS
     from ptq.reporting.report import interval_text
@@ -1035,7 +1043,7 @@ def _print_eval(results, out: Path) -> None:
     interval = interval_text(c.perplexity_ci, fmt=".4f")
     if interval == "n/a":
         interval = f"(no interval: fewer than {MIN_UNITS} windows)"
-    console = Console()
+    console = stdout_console()
     console.print(
         f"{results.model.name} with {c.name}: perplexity {c.perplexity:.4f} {interval} on {results.eval.windows} "
         f"windows x {results.eval.seq_len} tokens",

@@ -775,6 +775,13 @@ def test_inspect_lists_every_linear_with_its_shape_and_treatment(ptq_cli, tiny_m
     assert by_layer[q]["int8"]["inputs"] == "int8 per-tensor" and by_layer[q]["fp8-e4m3"]["shares_scale_with"] is None
     code, out, _ = ptq_cli("inspect", tiny_model, "--recipe", "int8")
     assert code == 0 and "lm_head" in out and "- (bf16)" in out and "int8 ch / int8" in out
+    # printed to a pipe (a CI log): every row whole, as wide as it needs (at rich's 80 columns, four recipes
+    # squeezed the kind and shape columns away and cut the layer names)
+    code, out, _ = ptq_cli("inspect", tiny_model, "--recipe", "fp8-e4m3,int8,fp8-dynamic,mxfp8")
+    row = next(line for line in out.splitlines() if "model.layers.1.mlp.down_proj" in line)
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells[:3] == ["model.layers.1.mlp.down_proj", "Linear", "64 x 128"] and len(cells) == 7, row
+    assert cells[6] == "e4m3 per-group-32 e8m0 scales / e4m3 per-group-32 dynamic e8m0 scales", row
 
 
 @pytest.mark.parametrize("command", ["calibrate", "compare", "report", "inspect"])
