@@ -1014,7 +1014,9 @@ def test_remote_code_travels_with_the_checkpoint_and_runs_only_when_trusted(tiny
     (source / "config.json").write_text(json.dumps(config))
 
     code, _, err = quantize_cli(ptq_cli, source, "fp8-dynamic", tmp_path / "refused", text_file)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "custom code" in err, err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "which ptq runs only with --trust-remote-code" in err, (
+        err
+    )
     assert not (tmp_path / "refused").exists()
 
     out = tmp_path / "ptq-remote-export"
