@@ -534,6 +534,35 @@ def test_resume_refuses_the_other_expert_setting_and_keeps_the_batch_size(
     assert load_calibration(routed).metadata["all_experts"] is False
 
 
+def test_resume_refuses_another_model_whose_calibrated_weights_are_the_same(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    """The fingerprint held the calibrated layers' weight amax only: a copy with other norm weights (a fine-tune that
+    kept them), or another rope_theta, resumed the first model's checkpoint and mixed the two models' statistics."""
+    from safetensors.torch import load_file, save_file
+    from test_safety import copy_model
+
+    norms = copy_model(tiny_model, tmp_path / "norms")
+    state = load_file(str(norms / "model.safetensors"))
+    for name in state:
+        if name.endswith("input_layernorm.weight"):
+            state[name] = state[name] * 3
+    save_file(state, str(norms / "model.safetensors"), metadata={"format": "pt"})
+    rope = copy_model(tiny_model, tmp_path / "rope")
+    config = json.loads((rope / "config.json").read_text())
+    config.setdefault("rope_parameters", {})["rope_theta"] = 100.0
+    config["rope_theta"] = 100.0
+    (rope / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "c.st"
+    interrupted_calibration(ptq_cli, monkeypatch, calib_args(tiny_model, text_file, out), 2)
+    for other in (norms, rope):
+        code, _, err = ptq_cli(*calib_args(other, text_file, out, "--resume"))
+        assert code == 2 and one_error_line(err) and "was made by a different run (model," in err, (other, err)
+        assert checkpoint_path(out).exists() and not out.exists()
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))  # its own model resumes
+    assert code == 0 and not checkpoint_path(out).exists(), err
+
+
 # 3. Determinism ----------------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import re
 import reprlib
@@ -331,8 +332,10 @@ def _calibrate_batches(
         else:
             stack.enter_context(observed(model))
             fingerprint = run_fingerprint(
-                input_ids, layers, batch_size, on_nonfinite, weight_amax, channels, all_experts
-            )
+                input_ids, layers, batch_size, on_nonfinite, weight_amax, channels, all_experts,
+                # the model's digest reads every weight: only where a checkpoint is written (ptq calibrate)
+                model_digest(weights_of if weights_of is not None else model) if checkpoint is not None else b"",
+            )  # fmt: skip
             if resume:
                 start = load_checkpoint(
                     checkpoint, observers, fingerprint, len(batches), input_device(model), batch_size
@@ -553,10 +556,12 @@ def run_fingerprint(
     weight_amax: dict[str, torch.Tensor],
     channels: list[str] = (),
     all_experts: bool = True,
+    model: bytes = b"",
 ) -> str:
     """What a checkpoint must match to be resumed: the same windows, layers, batches, policy, weights, and
-    whether every expert saw every token (`all_experts`: the statistics of the two settings differ)."""
-    h = hashlib.sha256()
+    whether every expert saw every token (`all_experts`: the statistics of the two settings differ); `model`: the
+    model's model_digest."""
+    h = hashlib.sha256(model)
     h.update(
         json.dumps(
             [list(input_ids.shape), layers, batch_size, on_nonfinite, sorted(channels), bool(all_experts)]
@@ -565,6 +570,33 @@ def run_fingerprint(
     h.update(input_ids.cpu().contiguous().numpy().tobytes())
     h.update(torch.stack([weight_amax[n] for n in layers if n in weight_amax] or [torch.zeros(())]).numpy().tobytes())
     return h.hexdigest()
+
+
+def model_digest(model: nn.Module) -> bytes:
+    """The model a calibration runs, for a resumed run to match: its config (less the fields that name a copy: its
+    path, dtype, transformers' version) and every parameter and buffer by name, shape, dtype and two float64 moments
+    (sum and 2-norm: one pass each, on the tensor's own device; tensors offloaded to the meta device by name alone).
+    The calibrated layers' weight amax alone let a fine-tune of the norms, or another rope_theta, resume this run."""
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is not None:
+        fields = {
+            k: v
+            for k, v in config.to_dict().items()
+            if not k.startswith("_") and k not in ("dtype", "transformers_version")
+        }
+        h.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    moments = []
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        h.update(f"{name} {tuple(t.shape)} {t.dtype}\n".encode())
+        if t.device.type != "meta" and t.numel():
+            t = t.detach() if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t.detach().double()
+            moments.append(
+                torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)]).cpu()
+            )
+    if moments:
+        h.update(torch.stack(moments).numpy().tobytes())
+    return h.digest()
 
 
 def save_checkpoint(
