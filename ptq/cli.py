@@ -805,8 +805,10 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
     size, ver = info["size"], info["verification"]
     if ver is not None:
         tol = ver["tolerance"]
+        # ptq's own reader stands in where transformers cannot run the checkpoint as quantized (Conv1D layers)
+        reloaded = "ptq reader reload" if str(ver.get("loader") or "").startswith("ptq's") else "transformers reload"
         console.print(
-            f"verification {'[green]passed[/]' if ver['passed'] else '[bold red]FAILED[/]'} (transformers reload vs ptq simulation, "
+            f"verification {'[green]passed[/]' if ver['passed'] else '[bold red]FAILED[/]'} ({reloaded} vs ptq simulation, "
             f"{ver['windows']} windows x {ver['seq_len']} tokens): perplexity {ver['reloaded_perplexity']:.4f} vs "
             f"{ver['simulated_perplexity']:.4f} simulated"
             + (f", {ver['ptq_perplexity']:.4f} with {ver['ptq_rounding']}" if ver["ptq_rounding"] else "")

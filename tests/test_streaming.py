@@ -854,3 +854,49 @@ def test_a_hub_id_too_big_for_memory_is_checked_before_loading_and_goes_layer_by
     assert "working layer by layer from disk (--low-memory)" in " ".join(err.split())
     code, _, err = ptq_cli("calibrate", hub_model, *calib, "--in-memory", "-o", tmp_path / "d.st")
     assert code == 2 and "needs at least" in err and not (tmp_path / "d.st").exists()
+
+
+@pytest.mark.parametrize("recipe", ["int8", "fp8-dynamic"])
+def test_a_gpt2_checkpoint_ptq_wrote_is_read_dequantized_in_memory_and_layer_by_layer(
+    recipe, checkpoints, tmp_path, ptq_cli
+):
+    """GPT-2 stores its Conv1D weights [in, out], their per-channel scales [out, 1]: transformers' compressed-tensors
+    loader refused the checkpoint ptq quantize writes for it ("CONVERSION entries"), and --low-memory broadcast the
+    scales along the wrong dimension (a traceback; a square c_proj silently wrong). Each Linear weight, in memory,
+    equals the file's codes (decoded by numpy and ml_dtypes, not by torch) transposed times the row's scale, and
+    `ptq eval` scores the same whole and layer by layer. quantize says its verification reloaded with ptq's reader."""
+    import ml_dtypes
+    import numpy as np
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 3)
+    out = tmp_path / recipe
+    code, out_text, err = ptq_cli(
+        "quantize", checkpoints["gpt2"], "--recipe", recipe, "--data", text, "--samples", "3", "--seq-len", "32",
+        "--verify-windows", "2", "-q", "-o", out,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "verification passed (ptq reader reload vs ptq simulation" in out_text, out_text  # not transformers'
+    stored = {k: v for f in out.glob("*.safetensors") for k, v in safetensors.torch.load_file(str(f)).items()}
+    model = load_model(str(out)).model
+    layers = [k.removesuffix(".weight_scale") for k in stored if k.endswith(".weight_scale")]
+    square = 0
+    for name in layers:
+        codes = stored[f"{name}.weight"]
+        as_numpy = (
+            codes.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+            if codes.dtype != torch.int8
+            else codes.numpy()
+        )
+        scale = stored[f"{name}.weight_scale"].float().numpy()
+        assert scale.shape == (codes.shape[1], 1)  # [out, 1]: codes are [in, out]
+        expected = torch.from_numpy(as_numpy.astype(np.float32).T * scale)
+        assert torch.equal(model.get_submodule(name).weight, expected), name
+        square += codes.shape[0] == codes.shape[1]
+    assert len(layers) == 8 and square == 2  # c_attn, attn.c_proj (square), c_fc, mlp.c_proj in each of 2 layers
+    scores = []
+    for how in ("--in-memory", "--low-memory"):
+        code, _, err = ptq_cli("eval", out, "--eval-data", text, "--seq-len", "32", "--out", tmp_path / how, "-q", how)
+        assert code == 0, err
+        scores.append(json.loads((tmp_path / how / "results.json").read_text()))
+    assert scores[0]["config"]["perplexity"] == scores[1]["config"]["perplexity"] > 1

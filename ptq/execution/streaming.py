@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 from collections.abc import Callable, Iterator
@@ -49,7 +50,14 @@ from torch import nn
 from ptq.errors import PtqError, unreadable_weights
 from ptq.execution.devices import LAYER_BY_LAYER_WAYS_OUT, default_device
 from ptq.export.checkpoint import _saved_names, checkpoint_names
-from ptq.models.loading import LoadedModel, local_directory, model_kind, stored_dequantizer, weightless
+from ptq.models.loading import (
+    LoadedModel,
+    local_directory,
+    model_kind,
+    stored_dequantizer,
+    to_compute,
+    weightless,
+)
 from ptq.models.matmuls import kind, linearize, quantizable
 
 LOW_MEMORY_FLAG = "--low-memory"
@@ -64,6 +72,7 @@ class SafetensorsCheckpoint:
     def __init__(self, directory: Path, dequantizer=None):
         self.directory = Path(directory)
         self.dequantizer = dequantizer
+        self.transposed: set[str] = set()  # weights stored [in, out] (Conv1D's): dequantized as [out, in], per row
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -126,8 +135,11 @@ class SafetensorsCheckpoint:
         read = dict(self._plain(sorted({s for ss in scales.values() for s in ss})))
         for k, tensor in self._plain(names):
             if scales.get(k):
-                stored = self.stored.get(k, k)
-                tensor = self.dequantizer.process({stored: tensor} | {s: read[s] for s in scales[k]})[stored]
+                stored, flip = self.stored.get(k, k), k in self.transposed
+                # compressed-tensors' scales are per output row: a Conv1D weight's rows are its columns on disk
+                codes = tensor.t() if flip else tensor
+                tensor = self.dequantizer.process({stored: codes} | {s: read[s] for s in scales[k]})[stored]
+                tensor = tensor.t() if flip else tensor  # as stored, as every tensor `each` yields
             yield k, tensor
 
     def _scales(self, name: str) -> list[str]:
@@ -263,6 +275,7 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False, memory_chec
             f"{LOW_MEMORY_FLAG} reads checkpoints written in the layout of this transformers version"
         )
     _check_shapes(model, disk, checkpoint, directory)
+    checkpoint.transposed = {disk[name] for name in conv1d_weights(model) if name in disk}
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(directory))
     model.ptq_checkpoint = checkpoint
@@ -292,7 +305,7 @@ def _check_shapes(model: nn.Module, disk: dict[str, str], checkpoint: Safetensor
     """Every tensor's shape in the checkpoint against the model's (config.json), before anything runs: copied into
     a tensor of another shape, it would be broadcast silently. Conv1D's weight is [in, out] on disk."""
     tensors = model.state_dict(keep_vars=True)
-    conv1d = {f"{name}.weight" for name, m in model.named_modules() if quantizable(m) and kind(m) == "Conv1D"}
+    conv1d = conv1d_weights(model)
     for name, stored in disk.items():
         want = tuple(tensors[name].shape)
         want = want[::-1] if name in conv1d else want
@@ -303,6 +316,20 @@ def _check_shapes(model: nn.Module, disk: dict[str, str], checkpoint: Safetensor
                 f"{type(model).__name__} as its config.json describes it has {list(want)}: the checkpoint does not "
                 "match its config"
             )
+
+
+def conv1d_weights(model: nn.Module) -> set[str]:
+    """The state-dict names of the linearized model's Conv1D weights: [in, out] on disk, [out, in] in the model."""
+    return {f"{name}.weight" for name, m in model.named_modules() if quantizable(m) and kind(m) == "Conv1D"}
+
+
+def read_whole(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """A model loaded by load_streamed, read whole into memory on `device` in `dtype`: how ptq loads a checkpoint
+    that transformers' loader cannot dequantize (ptq.models.loading.load_model: compressed-tensors Conv1D layers)."""
+    streamed = loaded.model.ptq_streamed
+    model = _materialise(streamed.built, streamed, device)
+    model.generation_config = loaded.model.generation_config
+    return dataclasses.replace(loaded, model=to_compute(model, device, dtype))
 
 
 def is_streamed(model: nn.Module) -> bool:
@@ -647,7 +674,7 @@ def _materialise(
                 m._buffers[key] = b.to(device=device, dtype=torch.float32 if b.is_floating_point() else b.dtype)
     linearize(module)
     root = _mounted(module, path) if path else module
-    conv1d = {f"{name}.weight" for name, m in root.named_modules() if quantizable(m) and kind(m) == "Conv1D"}
+    conv1d = conv1d_weights(root)
     params = {id(p) for p in root.parameters()}
     left_tensors = {id(t) for m in module.modules() if id(m) in left for t in (*m.parameters(), *m.buffers())}
     done: set[int] = set()

@@ -78,6 +78,13 @@ def load_model(
                 )
     if memory_check:  # dequantized: as large in float32 as a 16-bit checkpoint
         _check_memory(Path(directory), copies, device, spec)
+    if quantized is not None and _conv1d_quantized(Path(directory), spec):
+        from ptq.execution import streaming  # (it imports this module)
+
+        # transformers' compressed-tensors loader quantizes Linear layers only and fails on Conv1D's codes and
+        # scales: ptq's layer-by-layer reader (the one --low-memory runs) dequantizes them, here all at once
+        loaded = streaming.load_streamed(spec, trust_remote_code, memory_check=False)
+        return streaming.read_whole(loaded, device, dtype)
     dequantizing = {}
     if quantized is not None:  # an already quantized checkpoint: its weights dequantized, as plain Linear layers
         dequantizing["quantization_config"], caveat = quantized
@@ -110,6 +117,24 @@ def _model_folder(spec: str, allow_pickle: bool = False, weights: bool = True) -
     source = str(directory.resolve()) if local else hub_source(spec, directory)
     quantized = dequantized_loading(_read_config(directory / "config.json"), directory.name if local else spec, spec)
     return directory, local, source, quantized
+
+
+def _conv1d_quantized(directory: Path, spec: str) -> bool:
+    """Whether `directory` is a compressed-tensors checkpoint of a model with Conv1D layers (GPT-2's, as ptq quantize
+    writes it), built from its config on the meta device to see; no remote code runs (auto_map: not)."""
+    config = _read_config(directory / "config.json") or {}
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors" or config.get("auto_map"):
+        return False
+    from transformers import AutoConfig
+    from transformers.pytorch_utils import Conv1D
+
+    try:
+        built = AutoConfig.from_pretrained(str(directory))
+    except Exception as e:
+        raise PtqError(f"cannot load model '{spec}': {one_line(e)}") from None
+    del built.quantization_config
+    return any(isinstance(m, Conv1D) for m in weightless(built, spec).modules())
 
 
 def load_structure(spec: str | None, trust_remote_code: bool = False) -> LoadedModel:
