@@ -563,6 +563,22 @@ def test_resume_refuses_another_model_whose_calibrated_weights_are_the_same(
     assert code == 0 and not checkpoint_path(out).exists(), err
 
 
+def test_low_memory_calibration_refuses_checkpoint_options_and_says_how_a_leftover_resumes(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    """Layer by layer keeps no checkpoint: --checkpoint-every was silently ignored with --low-memory, and a checkpoint
+    left by an in-memory run said "pass --resume", which --low-memory then refused. Each is one line that holds."""
+    out = tmp_path / "c.st"
+    for flag in (("--resume",), ("--checkpoint-every", "5")):
+        code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--low-memory", *flag))
+        assert code == 2 and one_error_line(err) and f"{flag[0]} is not available with --low-memory" in err, err
+    interrupted_calibration(ptq_cli, monkeypatch, calib_args(tiny_model, text_file, out), 2)
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--low-memory"))
+    assert code == 2 and one_error_line(err) and "run without --low-memory and with --resume to continue" in err, err
+    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))  # as it says: resumes
+    assert code == 0 and out.exists() and not checkpoint_path(out).exists(), err
+
+
 # 3. Determinism ----------------------------------------------------------------------------------
 
 

@@ -120,15 +120,23 @@ def run_calibrate(
     refuse_unused("calibrate", compute, matmul="--matmul")
     refuse_unused("calibrate", output, limits="a gate")
     check_placement(model.placement, compute.low_memory)
-    if compute.low_memory and calibration.resume:
-        raise PtqError("--resume is not available with --low-memory (layer-by-layer calibration keeps no checkpoint)")
+    # layer by layer, every batch is in flight until the last layer: there is no point between batches to save at
+    for flag, given in (
+        ("--resume", calibration.resume),
+        ("--checkpoint-every", calibration.checkpoint_every != CalibrationOptions.checkpoint_every),
+    ):
+        if compute.low_memory and given:
+            raise PtqError(
+                f"{flag} is not available with --low-memory (layer-by-layer calibration keeps no checkpoint)"
+            )
     check_writable(output.path, output.force)
     text = calibration.data.partition(",")[0] if calibration.data else None  # a file or folder, before its options
     check_not_an_input(output.path, {"the model": model.model, "the calibration text": text})
     checkpoint = checkpoint_path(output.path)
     if checkpoint.exists() and not (calibration.resume or output.force):
+        resume = "run without --low-memory and with --resume" if compute.low_memory else "pass --resume"
         raise PtqError(
-            f"{checkpoint} is left from an interrupted run: pass --resume to continue it, or --force to start over"
+            f"{checkpoint} is left from an interrupted run: {resume} to continue it, or --force to start over"
         )
     check_output_dir(Path(output.path).parent)
     loaded_recipes = [load_recipe(r) for r in recipes]
