@@ -494,6 +494,35 @@ def test_a_calibration_file_is_taken_for_its_model_computed_in_bfloat16(
     assert code == 2 and one_error_line(err) and "made for another model" in err, err
 
 
+def test_a_calibration_file_of_a_model_with_the_same_linear_weights_but_other_norms_is_refused(
+    tiny_model, text_file, tmp_path, ptq_cli
+):
+    """The file was checked against the Linear weights' amax alone: a model whose norms differ (a fine-tune that kept
+    the Linear weights) took the other's input scales, clipped 5x, and quantize called it verified. Every other
+    parameter's amax is recorded and checked, in memory and layer by layer; the file still fits its own model."""
+    calib = tmp_path / "c.st"
+    assert ptq_cli(*calib_args(tiny_model, text_file, calib))[0] == 0
+    norms = copy_model(tiny_model, tmp_path / "norms")
+    state = safetensors.torch.load_file(str(norms / "model.safetensors"))
+    for name in state:
+        if name.endswith("post_attention_layernorm.weight"):
+            state[name] = state[name] * 5
+    safetensors.torch.save_file(state, str(norms / "model.safetensors"), metadata={"format": "pt"})
+    common = ("--recipe", "fp8-e4m3", "--calib", calib, "--seq-len", "16", "-q")
+    for model, memory in ((norms, "--in-memory"), (norms, "--low-memory"), (tiny_model, "--low-memory")):
+        out = tmp_path / f"{model.name}{memory}"
+        code, _, err = ptq_cli("quantize", model, *common, memory, "--verify-windows", "1", "-o", out)
+        if model == norms:
+            assert code == 2 and one_error_line(err) and "post_attention_layernorm.weight' differs" in err, err
+            assert not out.exists()
+        else:
+            assert code == 0, err
+        evaluated = ptq_cli(
+            "eval", model, *common, memory, "--eval-data", text_file, "--out", tmp_path / "e", "--force"
+        )
+        assert evaluated[0] == (2 if model == norms else 0), evaluated[2]
+
+
 def test_a_calibration_file_that_cannot_be_checked_against_the_model_is_refused(tiny_model):
     from transformers import AutoModelForCausalLM
 

@@ -11,6 +11,7 @@ else. The weights are the same bf16 values widened to float32, laid out as in me
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import families
@@ -102,6 +103,11 @@ def test_layer_by_layer_amax_equal_in_memory_calibration(family, recipe, checkpo
         assert torch.equal(got.input_amax[name], expected.input_amax[name]), name
         assert torch.equal(got.weight_amax[name], expected.weight_amax[name]), name
         assert torch.equal(got.input_hist[name], expected.input_hist[name]), name
+    # every other parameter's amax, which tells a model with other norms apart: those read, as in memory
+    decoder = {n for n in expected.tensor_amax if re.search(r"\.(layers|h)\.\d+\.", n)}  # GPT-2's are h.N
+    assert decoder and decoder <= got.tensor_amax.keys() <= expected.tensor_amax.keys()
+    for name, value in got.tensor_amax.items():
+        assert torch.equal(value, expected.tensor_amax[name]), name
     assert "layer by layer" in got.metadata["low_memory"]
     assert all(p.is_meta for p in streamed.model.parameters())  # the skeleton was never filled
 

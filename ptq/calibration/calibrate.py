@@ -70,6 +70,9 @@ class Calibration:
     metadata: dict = field(default_factory=dict)
     input_hist: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> int64 [NUM_BINS] counts of |x|
     input_channel_amax: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> float32 [in_features]
+    # every other parameter (norms, embeddings, biases, routers, ...) -> scalar float32 amax: a model whose Linear
+    # weights are another's, with other norms (a fine-tune that kept them), is another model
+    tensor_amax: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def check_model(self, model: nn.Module, layers: list[str]) -> None:
         """Refuse a calibration made for another model: same layers, same weights (by their amax). An attention matmul
@@ -105,6 +108,17 @@ class Calibration:
                 raise PtqError(
                     f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
                     f"the weights of layer '{name}' differ"
+                )
+        for name, p in model.named_parameters():  # those in memory: a part of the model, layer by layer
+            recorded = self.tensor_amax.get(name)
+            if (
+                recorded is not None
+                and p.device.type != "meta"
+                and not torch.equal(amax(p).cpu(), _as_weight(recorded, p))
+            ):
+                raise PtqError(
+                    f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
+                    f"its tensor '{name}' differs"
                 )
         if layers and not checked:  # K/V or residual amax alone would be taken from any model with the same names
             raise PtqError(
@@ -193,7 +207,7 @@ def calibrate(
         batches = range(-(-len(input_ids) // size))
         mine = distributed.share(len(batches)) if split else batches
         try:
-            observers, weight_amax = _calibrate_batches(
+            observers, weight_amax, tensor_amax = _calibrate_batches(
                 model,
                 input_ids[mine.start * size : mine.stop * size],
                 layers,
@@ -225,6 +239,7 @@ def calibrate(
                 observers = merge_shares(distributed.gather({n: o.cpu() for n, o in observers.items()}))
         if error is None:
             calibration = finish(observers, layers, weight_amax, on_nonfinite, on_unseen)
+            calibration.tensor_amax = tensor_amax
             calibration.metadata["batch_size"] = size
             if layer_by_layer is not None:
                 calibration.metadata["low_memory"] = f"calibrated {layer_by_layer.description}"
@@ -277,6 +292,7 @@ def _calibrate_batches(
     linears = [name for name in layers if quantizable(modules.get(name))]
     observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
     weight_amax: dict[str, torch.Tensor] = {}
+    tensor_amax: dict[str, torch.Tensor] = {}  # every other parameter's (Calibration.tensor_amax)
     # attention layers and blocks whose inputs are calibrated: their matmuls' weight amax identify the model
     # (Calibration.check_model), calibrated or not
     owners = tuple(weightless_owner(name) + "." for name in layers if name not in linears)
@@ -295,6 +311,12 @@ def _calibrate_batches(
         for name, m in here.items():
             if owners and name not in weight_amax and name.startswith(owners) and quantizable(m):
                 weight_amax[name] = check_weight(name, weights[name].weight)
+        recorded = {f"{name}.weight" for name in weight_amax}
+        for name, p in (weights_of or part).named_parameters():  # a part's are named as in the model
+            if p.device.type != "meta" and p.is_floating_point() and p.numel() and name not in recorded:
+                value = amax(p.detach()).cpu()
+                if torch.isfinite(value):  # a NaN weight is the observers' and the report's to name
+                    tensor_amax[name] = value
         experts = [m for m in part.modules() if isinstance(m, LinearExperts)]
         for m in experts:
             m.all_experts = all_experts
@@ -375,7 +397,7 @@ def _calibrate_batches(
                     save_checkpoint(checkpoint, observers, fingerprint, i + 1, len(batches), batch_size)
                     saved_at = time.monotonic()
     # the calibrated layers in their order (as read, layer by layer, they come part by part), then the others
-    return observers, {name: weight_amax[name] for name in linears} | weight_amax
+    return observers, {name: weight_amax[name] for name in linears} | weight_amax, tensor_amax
 
 
 def merge_shares(shares: list[dict[str, TensorObserver]]) -> dict[str, TensorObserver]:
@@ -687,6 +709,7 @@ def save_calibration(calibration: Calibration, path: Path, force: bool = False) 
     check_writable(path, force)
     tensors = {f"input_amax/{k}": v.contiguous() for k, v in calibration.input_amax.items()}
     tensors |= {f"weight_amax/{k}": v.contiguous() for k, v in calibration.weight_amax.items()}
+    tensors |= {f"tensor_amax/{k}": v.contiguous() for k, v in calibration.tensor_amax.items()}
     tensors |= {f"input_hist/{k}": v.contiguous() for k, v in calibration.input_hist.items()}
     tensors |= {f"input_channel_amax/{k}": v.float().contiguous() for k, v in calibration.input_channel_amax.items()}
     header = {"kind": FILE_KIND, "metadata": json.dumps(calibration.metadata, sort_keys=True)}
@@ -728,7 +751,11 @@ def load_calibration(path: Path) -> Calibration:
         if kind in ("input_hist", "input_channel_amax") and name:
             _load_statistics(calibration, path, key, tensor)
             continue
-        target = {"input_amax": calibration.input_amax, "weight_amax": calibration.weight_amax}.get(kind)
+        target = {
+            "input_amax": calibration.input_amax,
+            "weight_amax": calibration.weight_amax,
+            "tensor_amax": calibration.tensor_amax,
+        }.get(kind)
         if (
             target is None
             or not name
@@ -738,8 +765,8 @@ def load_calibration(path: Path) -> Calibration:
             or tensor.item() < 0
         ):
             raise PtqError(
-                f"{path}: invalid entry {reprlib.repr(key)} (expected input_amax/LAYER or weight_amax/LAYER: "
-                "a finite, non-negative float32 scalar)"
+                f"{path}: invalid entry {reprlib.repr(key)} (expected input_amax/LAYER, weight_amax/LAYER or "
+                "tensor_amax/TENSOR: a finite, non-negative float32 scalar)"
             )
         target[name] = tensor.reshape(())
     if not calibration.input_amax:

@@ -544,7 +544,7 @@ def plan_checkpoint(
                 tensor = tensor.t()
             dtype = dtypes.get(disk[name], fallback) if tensor.is_floating_point() else tensor.dtype
             make = (
-                (lambda n=disk[name], d=dtype: read(n).to(d).contiguous())
+                (lambda n=disk[name], d=dtype, m=name: _checked_tensor(m, read(n), calibration).to(d).contiguous())
                 if read is not None
                 else (lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous())
             )
@@ -568,6 +568,9 @@ def plan_checkpoint(
     entries += kv_cache_entries(model, plan, calibration, disk)
     if read is not None:  # a calibration of another model is refused before anything is written
         _checked_weight(quantized[0], read(disk[f"{quantized[0]}.weight"]), calibration)
+        for name in names:  # and the vectors it recorded (norms, biases: small), each checked again as written
+            if calibration is not None and name in calibration.tensor_amax and params[name].dim() == 1:
+                _checked_tensor(name, read(disk[name]), calibration)
     # each left-out layer under its name in the files, which vLLM matches, and under its module's name where
     # transformers names it otherwise (GPT-NeoX's lm_head is embed_out on disk, PhiMoE's mlp.router is
     # block_sparse_moe.gate): compressed-tensors matches the ignore list against transformers' module names
@@ -653,6 +656,18 @@ def _checked_weight(layer: str, weight: torch.Tensor, calibration: Calibration |
             f"the weights of layer '{layer}' differ"
         )
     return w
+
+
+def _checked_tensor(name: str, tensor: torch.Tensor, calibration: Calibration | None) -> torch.Tensor:
+    """A tensor read from disk that is not quantized (a norm, an embedding), refused when the calibration recorded
+    another amax for it (Calibration.tensor_amax: another model whose Linear weights are this one's)."""
+    recorded = calibration.tensor_amax.get(name) if calibration is not None else None
+    if recorded is not None and tensor.is_floating_point() and not torch.equal(amax(tensor.float()), recorded):
+        raise PtqError(
+            f"calibration file was made for another model ('{calibration.metadata.get('model', '?')}'): "
+            f"its tensor '{name}' differs"
+        )
+    return tensor
 
 
 def _weight_codes(
