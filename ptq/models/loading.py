@@ -78,13 +78,11 @@ def load_model(
                 )
     if memory_check:  # dequantized: as large in float32 as a 16-bit checkpoint
         _check_memory(Path(directory), copies, device, spec)
+    # transformers' compressed-tensors loader quantizes Linear layers only and fails on Conv1D's codes and scales
+    # (and on some schemes' merged experts: MXFP8's): ptq's layer-by-layer reader (the one --low-memory runs)
+    # dequantizes them, here all at once
     if quantized is not None and _conv1d_quantized(Path(directory), spec):
-        from ptq.execution import streaming  # (it imports this module)
-
-        # transformers' compressed-tensors loader quantizes Linear layers only and fails on Conv1D's codes and
-        # scales: ptq's layer-by-layer reader (the one --low-memory runs) dequantizes them, here all at once
-        loaded = streaming.load_streamed(spec, trust_remote_code, memory_check=False)
-        return streaming.read_whole(loaded, device, dtype)
+        return _read_by_ptq(spec, trust_remote_code, device, dtype)
     dequantizing = {}
     if quantized is not None:  # an already quantized checkpoint: its weights dequantized, as plain Linear layers
         dequantizing["quantization_config"], caveat = quantized
@@ -92,9 +90,17 @@ def load_model(
     with warnings.catch_warnings():
         if dequantizing:  # "loading attributes will be overwritten": that is the point
             warnings.simplefilter("ignore", UserWarning)
-        model, tokenizer = _from_pretrained(
-            str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **dequantizing
-        )
+        try:
+            model, tokenizer = _from_pretrained(
+                str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **dequantizing
+            )
+        except PtqError as failed:
+            if not _ptq_reads(Path(directory)):
+                raise
+            try:
+                return _read_by_ptq(spec, trust_remote_code, device, dtype)
+            except PtqError:
+                raise failed from None  # transformers' reason, the first one met
     if dequantizing:
         _as_unquantized(model, str(directory))
     return LoadedModel(
@@ -119,12 +125,25 @@ def _model_folder(spec: str, allow_pickle: bool = False, weights: bool = True) -
     return directory, local, source, quantized
 
 
-def _conv1d_quantized(directory: Path, spec: str) -> bool:
-    """Whether `directory` is a compressed-tensors checkpoint of a model with Conv1D layers (GPT-2's, as ptq quantize
-    writes it), built from its config on the meta device to see; no remote code runs (auto_map: not)."""
+def _ptq_reads(directory: Path) -> bool:
+    """Whether ptq's own reader (ptq.execution.streaming) can read `directory` whole where transformers' cannot: a
+    compressed-tensors checkpoint of an architecture transformers implements (no auto_map: no remote code)."""
     config = _read_config(directory / "config.json") or {}
     qc = config.get("quantization_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors" or config.get("auto_map"):
+    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" and not config.get("auto_map")
+
+
+def _read_by_ptq(spec: str, trust_remote_code: bool, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from ptq.execution import streaming  # (it imports this module)
+
+    loaded = streaming.load_streamed(spec, trust_remote_code, memory_check=False)  # (remote code: the tokenizer's)
+    return streaming.read_whole(loaded, device, dtype)
+
+
+def _conv1d_quantized(directory: Path, spec: str) -> bool:
+    """Whether `directory` is a compressed-tensors checkpoint of a model with Conv1D layers (GPT-2's, as ptq quantize
+    writes it), built from its config on the meta device to see (_ptq_reads: no remote code runs)."""
+    if not _ptq_reads(directory):
         return False
     from transformers import AutoConfig
     from transformers.pytorch_utils import Conv1D
