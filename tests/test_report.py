@@ -617,6 +617,7 @@ def test_trend_flags_changes_beyond_intervals(compared, ptq_cli, tmp_path):
     previous = copy.deepcopy(current)
     fp8 = next(v for v in previous["variants"] if v["name"] == "fp8-e4m3")
     fp8["perplexity"] = current["variants"][0]["perplexity"] * 0.9
+    fp8["ppl_delta_pct"] = 100 * (fp8["perplexity"] / previous["baseline"]["perplexity"] - 1)  # one run's numbers
     # Intervals of 1% around each perplexity: the moved one (10%) is beyond them, the others are not.
     for results in (current, previous):
         for entry in [results["baseline"], *results["variants"]]:

@@ -151,6 +151,14 @@ def _variant(data: dict, **changes) -> dict:
         ),
         (lambda d: _variant(d, name="w8|a8"), "variants[0].name: 'w8|a8' holds '|': a name is one line without '|'"),
         (lambda d: _variant(d, name="fp8\nrow"), "variants[0].name: 'fp8\\nrow' holds '\\n'"),
+        # numbers no run gives, which a report rendered and its gates judged as they stood (exit 0, gates passed)
+        (lambda d: _variant(d, perplexity=1000.0), "variants[0].ppl_delta_pct: +"),  # the delta not its own
+        (lambda d: _variant(d, accuracy_delta=0.5), "variants[0].accuracy_delta: +0.5 is not its accuracy"),
+        (lambda d: d | {"baseline": d["baseline"] | {"perplexity": 0.0}}, "baseline.perplexity: 0.0 is not a possible"),
+        (lambda d: _variant(d, kl_div=-1.0), "variants[0].kl_div: -1.0 is not a possible value"),
+        (lambda d: _variant(d, top1_agreement=5.0), "variants[0].top1_agreement: 5.0 is not a possible value"),
+        (lambda d: _variant(d, window_nll=[]), "variants[0].window_nll: 0 values for the run's"),
+        (lambda d: _variant(d, name=d["baseline"]["name"]), "is given to two configurations"),
     ],
 )
 def test_report_refuses_another_version_or_a_malformed_file_in_one_line(built, ptq_cli, tmp_path, change, message):

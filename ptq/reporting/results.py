@@ -558,6 +558,52 @@ def _check_references(results: Results) -> None:
         for part in ("weights", "inputs"):
             if not getattr(e.recipe, part).split():
                 raise _Invalid(f"{where}.recipe.{part}: empty (a format, such as 'e4m3 per-tensor')")
+    _check_measurements(results, entries)
+
+
+def _check_measurements(results: Results, entries: list[tuple[str, Entry]]) -> None:
+    """The numbers a report shows side by side, and the gates judge, must be one run's: a value no measurement
+    gives (a perplexity under 1, an agreement over 100%), a delta that is not its variant's against the baseline, or
+    windows other than the run's, is a file edited or damaged, which would be rendered and judged as it stands."""
+    names = [e.name for _, e in entries]
+    if len(set(names)) < len(names):
+        raise _Invalid(f"the name '{next(n for n in names if names.count(n) > 1)}' is given to two configurations")
+
+    def within(value: float, low: float, high: float) -> bool:  # NaN: a measurement that failed, reported as such
+        return math.isnan(value) or low <= value <= high
+
+    def agrees(stored: float, computed: float) -> bool:
+        return (math.isnan(stored) and math.isnan(computed)) or math.isclose(
+            stored, computed, rel_tol=1e-6, abs_tol=1e-9
+        )
+
+    for where, e in entries:
+        if len(e.window_nll) != results.eval.windows:
+            raise _Invalid(
+                f"{where}.window_nll: {len(e.window_nll)} values for the run's {results.eval.windows} windows"
+            )
+        for field_name, low, high in (("perplexity", 1, math.inf), ("accuracy", 0, 1)):
+            if not within(getattr(e, field_name), low, high):
+                raise _Invalid(f"{where}.{field_name}: {getattr(e, field_name)} is not a possible value")
+    if not isinstance(results, CompareResults):
+        return
+    base = results.baseline
+    for i, v in enumerate(results.variants):
+        where = f"variants[{i}]"
+        for field_name, low, high in (("kl_div", 0, math.inf), ("top1_agreement", 0, 1)):
+            if not within(getattr(v, field_name), low, high):
+                raise _Invalid(f"{where}.{field_name}: {getattr(v, field_name)} is not a possible value")
+        ppl_delta = 100 * (v.perplexity / base.perplexity - 1) if base.perplexity else math.nan
+        if not agrees(v.ppl_delta_pct, ppl_delta):
+            raise _Invalid(
+                f"{where}.ppl_delta_pct: {v.ppl_delta_pct:+.4g}% is not its perplexity {v.perplexity:.6g} against the "
+                f"baseline's {base.perplexity:.6g} ({ppl_delta:+.4g}%)"
+            )
+        if not agrees(v.accuracy_delta, v.accuracy - base.accuracy):
+            raise _Invalid(
+                f"{where}.accuracy_delta: {v.accuracy_delta:+.6g} is not its accuracy {v.accuracy:.6g} less the "
+                f"baseline's {base.accuracy:.6g}"
+            )
 
 
 def parse(kind: Any, value: Any) -> Any:
