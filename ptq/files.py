@@ -46,9 +46,10 @@ def check_writable(path: Path, force: bool, directory: bool = False) -> None:
         raise PtqError(f"{path} already exists (use --force to overwrite)")
 
 
-def check_not_an_input(path: Path, inputs: dict[str, str | Path | None]) -> None:
+def check_not_an_input(path: Path, inputs: dict[str, str | Path | None], replaced: bool = False) -> None:
     """Refuse an output that is one of the run's inputs or lies within one (a model folder), --force or not: the run
-    would replace what it reads. `inputs`: what each is ("--data") -> a local path, or None (a Hub name, the default)."""
+    would replace what it reads. `inputs`: what each is ("--data") -> a local path, or None (a Hub name, the default).
+    `replaced`: the output is a folder replaced whole (quantize's), so one that holds an input is refused too."""
     out = Path(path).resolve()
     for what, source in inputs.items():
         if source is None or not Path(source).exists():
@@ -58,6 +59,8 @@ def check_not_an_input(path: Path, inputs: dict[str, str | Path | None]) -> None
             raise PtqError(
                 f"cannot write {path}: it is {'within ' if out != given else ''}{what} {source}, read by this run"
             )
+        if replaced and out in given.parents:
+            raise PtqError(f"cannot write {path}: it holds {what} {source}, read by this run, and would replace it")
 
 
 @contextmanager

@@ -657,3 +657,22 @@ def test_calibrate_never_writes_over_what_it_reads(tiny_model, text_file, tmp_pa
         code, _, err = ptq_cli("calibrate", model, "--data", data, "--seq-len", "16", "-o", out, "--force", "-q")
         assert code == 2 and one_error_line(err) and message in err, err
         assert {p.name: p.read_bytes() for p in (text, *model.iterdir())} == before
+
+
+def test_quantize_never_replaces_or_writes_into_what_it_reads(tiny_model, text_file, tmp_path, ptq_cli):
+    """`quantize out/export -o out/export --force` replaced the ptq export it was reading (a ptq export may be
+    replaced with --force); an output in the model's folder, or one replaced whole that holds an input, is refused."""
+    common = ("--recipe", "fp8-dynamic", "--data", text_file, "--seq-len", "16", "--verify-windows", "1", "-q")
+    export = tmp_path / "out" / "export"
+    assert ptq_cli("quantize", tiny_model, *common, "-o", export)[0] == 0
+    text = export / "text.txt"  # a file the user keeps in an export, which --force would replace with it
+    text.write_bytes(text_file.read_bytes())
+    for model, data, out, message in (
+        (export, text_file, export, f"cannot write {export}: it is the model {export}, read by this run"),
+        (export, text_file, export / "sub", f"it is within the model {export}, read by this run"),
+        (tiny_model, text, export, f"it holds the calibration text {text}, read by this run, and would replace it"),
+    ):
+        before = {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()}
+        code, _, err = ptq_cli("quantize", model, *common[:2], "--data", data, *common[4:], "-o", out, "--force")
+        assert code == 2 and one_error_line(err) and message in err, err
+        assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == before

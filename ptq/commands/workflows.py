@@ -1040,6 +1040,14 @@ def run_quantize(
         raise PtqError(f"--shard-size must be a number of MB above 0 and below 1e12, not {checkpoint.shard_size_mb:g}")
     out, force, batch_size, placement = Path(output.path), output.force, compute.batch_size, model.placement
     check_export_target(out, force)
+    inputs = {
+        "the model": model.model,
+        "the calibration text": calibration.data.partition(",")[0] if calibration.data else None,
+        "the calibration file": calibration.file,
+        "the compare results": checkpoint.compare_results,
+        "the verification text": data.data.partition(",")[0] if data.data else None,
+    }
+    check_not_an_input(out, inputs, replaced=True)
     if checkpoint.push_to_hub:
         hub.check_push(checkpoint.push_to_hub, force)  # before the long work, as the folder is
     elif checkpoint.private:
