@@ -837,7 +837,10 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
         console.print(
             f"wrote {output}: {size_text(size['bytes'], si=True)} of tensors in {size['shards']} shard(s), "
             f"{info['format']['quantized_layers']} Linear layers as {info['recipe']['weights']} at 1 byte/parameter; "
-            f"16-bit checkpoint {size_text(size['bytes_16bit'], si=True)}, saved {size_text(size['bytes_saved'], si=True)} ({pct:.1f}%)",
+            f"16-bit checkpoint {size_text(size['bytes_16bit'], si=True)}, saved {size_text(size['bytes_saved'], si=True)} ({pct:.1f}%)"
+            # a float32 source's other tensors stay float32: the saving against 16 bits is then smaller, even negative
+            + f"; the other tensors as in the source ({', '.join(size['other_dtypes']) or 'none'}, "
+            f"{size_text(size['other_bytes'], si=True)})",
             highlight=False,
             markup=False,
             soft_wrap=True,
