@@ -582,7 +582,8 @@ def _check_measurements(results: Results, entries: list[tuple[str, Entry]]) -> N
             raise _Invalid(
                 f"{where}.window_nll: {len(e.window_nll)} values for the run's {results.eval.windows} windows"
             )
-        for field_name, low, high in (("perplexity", 1, math.inf), ("accuracy", 0, 1)):
+        # a perplexity is exp(mean NLL) >= 1, less a rounding where every token was all but certain
+        for field_name, low, high in (("perplexity", 1 - 1e-6, math.inf), ("accuracy", 0, 1)):
             if not within(getattr(e, field_name), low, high):
                 raise _Invalid(f"{where}.{field_name}: {getattr(e, field_name)} is not a possible value")
     if not isinstance(results, CompareResults):
