@@ -884,7 +884,7 @@ def test_a_gpt2_checkpoint_ptq_wrote_is_read_dequantized_in_memory_and_layer_by_
     assert code == 0, err
     assert "verification passed (ptq reader reload vs ptq simulation" in out_text, out_text  # not transformers'
     stored = {k: v for f in out.glob("*.safetensors") for k, v in safetensors.torch.load_file(str(f)).items()}
-    model = load_model(str(out)).model
+    model = load_model(str(out), reader=streaming.whole_reader(str(out))).model
     layers = [k.removesuffix(".weight_scale") for k in stored if k.endswith(".weight_scale")]
     square = 0
     for name in layers:
@@ -924,7 +924,7 @@ def test_an_mxfp8_moe_checkpoint_ptq_wrote_is_read_in_memory_where_transformers_
     )  # fmt: skip
     assert code == 0, err
     stored = {k: v for f in out.glob("*.safetensors") for k, v in safetensors.torch.load_file(str(f)).items()}
-    whole = load_model(str(out)).model.state_dict()
+    whole = load_model(str(out), reader=streaming.whole_reader(str(out))).model.state_dict()
     disk = streaming.load_streamed(str(out)).model.ptq_streamed.disk
     checked = 0
     for name, on_disk in disk.items():

@@ -321,6 +321,7 @@ def _load(
             memory_check=model.memory_check,
             dtype=dtype,
             copies=copies,
+            reader=streaming.whole_reader(model.model, model.trust_remote_code, dtype),
         )
 
 

@@ -323,6 +323,17 @@ def conv1d_weights(model: nn.Module) -> set[str]:
     return {f"{name}.weight" for name, m in model.named_modules() if quantizable(m) and kind(m) == "Conv1D"}
 
 
+def whole_reader(spec: str | None, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):
+    """ptq's reader for ptq.models.loading.load_model's `reader`: a compressed-tensors checkpoint that transformers'
+    loader cannot dequantize (GPT-2's Conv1D layers, an MXFP8 model's merged experts), read whole onto a device."""
+
+    def reader(device: torch.device) -> LoadedModel:
+        loaded = load_streamed(spec, trust_remote_code, memory_check=False)  # (remote code: the tokenizer's)
+        return read_whole(loaded, device, dtype)
+
+    return reader
+
+
 def read_whole(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """A model loaded by load_streamed, read whole into memory on `device` in `dtype`: how ptq loads a checkpoint
     that transformers' loader cannot dequantize (ptq.models.loading.load_model: compressed-tensors Conv1D layers)."""

@@ -15,7 +15,7 @@ import json
 import re
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,7 @@ def load_model(
     copies: float = 1,
     memory_check: bool = True,
     dtype: torch.dtype = torch.float32,
+    reader: Callable[[torch.device], LoadedModel] | None = None,
 ) -> LoadedModel:
     """Load a causal LM in float32 (exact for bf16/fp16 checkpoints; or `dtype`), in eval mode, on `device`,
     its matmuls as Linear layers (ptq.models.matmuls.linearize: Conv1D and fused experts too).
@@ -56,6 +57,8 @@ def load_model(
     Pickle checkpoints (pytorch_model.bin) can run code when loaded: refused unless `allow_pickle`, and
     then loaded with torch.load(weights_only=True). Before loading a local model, its float32 size times
     `copies` (the copies the command will hold) is checked against the memory available (ptq.execution.resources).
+    `reader(device)`: ptq's own reader of a compressed-tensors checkpoint that transformers' loader cannot dequantize
+    (ptq.execution.streaming.whole_reader, as the commands pass it); without it, such a checkpoint is refused with transformers' reason.
     """
     spec = spec or DEFAULT_MODEL
     device = device or default_device()
@@ -81,8 +84,8 @@ def load_model(
     # transformers' compressed-tensors loader quantizes Linear layers only and fails on Conv1D's codes and scales
     # (and on some schemes' merged experts: MXFP8's): ptq's layer-by-layer reader (the one --low-memory runs)
     # dequantizes them, here all at once
-    if quantized is not None and _conv1d_quantized(Path(directory), spec):
-        return _read_by_ptq(spec, trust_remote_code, device, dtype)
+    if reader is not None and quantized is not None and _conv1d_quantized(Path(directory), spec):
+        return reader(device)
     dequantizing = {}
     if quantized is not None:  # an already quantized checkpoint: its weights dequantized, as plain Linear layers
         dequantizing["quantization_config"], caveat = quantized
@@ -95,10 +98,10 @@ def load_model(
                 str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **dequantizing
             )
         except PtqError as failed:
-            if not _ptq_reads(Path(directory)):
+            if reader is None or not _ptq_reads(Path(directory)):
                 raise
             try:
-                return _read_by_ptq(spec, trust_remote_code, device, dtype)
+                return reader(device)
             except PtqError:
                 raise failed from None  # transformers' reason, the first one met
     if dequantizing:
@@ -131,13 +134,6 @@ def _ptq_reads(directory: Path) -> bool:
     config = _read_config(directory / "config.json") or {}
     qc = config.get("quantization_config")
     return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" and not config.get("auto_map")
-
-
-def _read_by_ptq(spec: str, trust_remote_code: bool, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    from ptq.execution import streaming  # (it imports this module)
-
-    loaded = streaming.load_streamed(spec, trust_remote_code, memory_check=False)  # (remote code: the tokenizer's)
-    return streaming.read_whole(loaded, device, dtype)
 
 
 def _conv1d_quantized(directory: Path, spec: str) -> bool:
