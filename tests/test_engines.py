@@ -455,6 +455,15 @@ def test_dynamic_int8_inputs_round_as_vllms_kernel_under_the_vllm_target():
         assert codes.tolist() == [[3, 127]] and s.item() == scale
         assert ActivationQuantizer(compile=compile)(x, spec, codes=True)[0].tolist() == [[4, 127]]
         assert ActivationQuantizer(compile=compile)(x, served)[0].numpy().tolist() == [[3 * scale, 127 * scale]]
+    # 127 / amax is one division, as the kernel's 127.0f / amax: for amax 3 it is 42.333332, where the float32
+    # reciprocal of 3 times 127 (Python's 127.0 / tensor) is 42.333336, and x = 0x3d112244 (0.03543307) times the
+    # first is 1.4999999, code 1, times the second 1.5, code 2
+    x = torch.tensor([[0x3D112244, 0x40400000]], dtype=torch.int32).view(torch.float32)
+    x0, amax = x.numpy()[0]
+    assert amax == 3 and np.float32(127) / amax != np.float32(1) / amax * np.float32(127)
+    assert np.rint(x0 * (np.float32(127) / amax)) == 1 and np.rint(x0 * (np.float32(1) / amax * np.float32(127))) == 2
+    for compile in (True, False):
+        assert ActivationQuantizer(compile=compile)(x, served, codes=True)[0].tolist() == [[1, 127]]
     # an all-zero token: codes 0, as vLLM's (its multiplier is 0)
     assert ActivationQuantizer(compile=False)(torch.zeros(1, 4), served, codes=True)[0].tolist() == [[0, 0, 0, 0]]
     # a token whose amax is below 127 / FLT_MAX: vLLM's multiplier is inf, the nonzero elements saturate, a zero is

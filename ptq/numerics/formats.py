@@ -219,7 +219,10 @@ def quantize(
     scale broadcasts: a scalar, or shape [out_features, 1] for per-channel weights.
     """
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    scaled = x.float() * scale.reciprocal() if reciprocal else x.float() / scale
+    # 1 / scale as a division of two float32 tensors, not scale.reciprocal(): the same value in eager ops, but
+    # Inductor up to torch 2.11 lowers reciprocal to Triton's approximate division even with kernels.EAGER_NUMERICS
+    # (pytorch#174751), and a compiled CUDA kernel then rounds one code off next to a tie (seen on an H200)
+    scaled = x.float() * (torch.ones_like(scale) / scale) if reciprocal else x.float() / scale
     return round_to_format(scaled, fmt, saturate, lowest=lowest)
 
 

@@ -111,7 +111,10 @@ def _round_dynamic(x: torch.Tensor, spec: TensorQuant, codes: bool) -> tuple[tor
         view = gr.grouped(x, g)
         x_amax = gr.amax_of(view, g).float()
         scale = torch.where(x_amax > 0, x_amax / spec.format.max, 1.0)
-        scaled = view.float() * torch.where(x_amax > 0, spec.format.max / x_amax, 0.0)
+        # max / amax in one rounding, as the kernel's 127.0f / amax: Python's `127.0 / tensor` is
+        # tensor.reciprocal() * 127, two roundings, a different multiplier for a quarter of the amaxes
+        multiplier = torch.full_like(x_amax, spec.format.max) / x_amax
+        scaled = view.float() * torch.where(x_amax > 0, multiplier, 0.0)
         q = round_to_format(torch.where(view == 0, 0.0, scaled), spec.format)
         return gr.ungrouped(q.to(spec.format.torch_dtype) if codes else dequantize(q, scale), g, x.shape), scale
     scale = dynamic_scale(x, spec)
