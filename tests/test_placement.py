@@ -227,3 +227,35 @@ def test_the_default_host_budget_counts_the_memory_the_models_already_hold(monke
     assert placing.host_bytes([nn.Linear(4, 4, device="meta")]) == 0
     assert placing.budgets(placing.Placement(), 2) == {"cpu": 450}
     assert placing.budgets(placing.Placement(), 2, held=1568) == {"cpu": int(2568 * 0.9) // 2}
+
+
+def test_a_placed_model_holds_no_buffer_in_two_modules(tmp_path):
+    """ptq gives one input scale tensor to the layers whose inputs round alike, and accelerate moves a tensor that
+    several submodules of one hooked block hold only once (named_buffers drops duplicates): on an H200 a CPU-offloaded
+    mixture-of-experts layer, loaded whole by one hook, found its experts' scales on two devices. Shown here with the
+    meta device standing in for the GPU; place() gives each module its own buffers before accelerate's hooks."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from ptq.execution.placement import Placement, own_buffers, place
+    from ptq.models.matmuls import LinearExperts, linearize
+    from ptq.quantization.quantize import QuantLinear, quantize_
+    from ptq.quantization.recipes import load_recipe
+
+    def quantized():
+        return quantize_(linearize(families.build("mixtral")), load_recipe("fp8-dynamic"), None)
+
+    def scales(model):
+        experts = next(m for m in model.modules() if isinstance(m, LinearExperts))
+        return experts, [m.input_scale for m in experts.modules() if isinstance(m, QuantLinear)]
+
+    experts, shared = scales(quantized())
+    assert len(shared) > 2 and len({id(s) for s in shared}) == 1  # one tensor, as quantize_ leaves it
+    model = quantized()
+    own_buffers(model)
+    experts, own = scales(model)
+    assert len({id(s) for s in own}) == len(own) and all(torch.equal(s, shared[0]) for s in own)
+    add_hook_to_module(experts, AlignDevicesHook(execution_device="meta", place_submodules=True))
+    assert {s.device.type for s in scales(model)[1]} == {"meta"}  # every expert's scale moved
+    placed = place(quantized(), Placement("auto", {"cpu": 10**9}), {"cpu": 10**9}, tmp_path / "offload")
+    buffers = [b for m in placed.modules() for b in m._buffers.values() if b is not None]
+    assert len({id(b) for b in buffers}) == len(buffers)

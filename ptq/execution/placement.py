@@ -187,6 +187,7 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
                     "set PTQ_CACHE to another folder"
                 ) from None
         gpus = [d for d in mapping.values() if d not in ("cpu", "disk")]
+        own_buffers(model)
         # force_hooks: even a model that fits one device is placed by the hooks, which give each placed module new
         # tensors, not by model.to(), which would move in place the tensors the variants share with one another
         dispatch_model(
@@ -200,6 +201,21 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
         )
     model.hf_device_map = mapping
     return model
+
+
+def own_buffers(model: nn.Module) -> None:
+    """Each module its own buffer tensors, in place. ptq hands one input scale tensor to the layers whose inputs round
+    alike (an input shared by q/k/v is then rounded once), and accelerate moves a tensor that several submodules of
+    one placed block hold only once (its named_buffers drops duplicates): the others kept it on the CPU, and an
+    offloaded mixture-of-experts layer stacked its experts' scales from two devices (seen on an H200)."""
+    seen = set()
+    for module in model.modules():
+        for name, tensor in module._buffers.items():
+            if tensor is not None:
+                if id(tensor) in seen:
+                    module._buffers[name] = tensor.clone()
+                else:
+                    seen.add(id(tensor))
 
 
 @contextlib.contextmanager
