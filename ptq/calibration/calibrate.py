@@ -100,31 +100,37 @@ class Calibration:
             checked.add(name)
         for name in sorted(checked):
             module = modules.get(name)
-            if (
-                not quantizable(module)
-                or name not in self.weight_amax
-                or not torch.equal(amax(module.weight).cpu(), _as_weight(self.weight_amax[name], module.weight))
-            ):
-                raise PtqError(
-                    f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
-                    f"the weights of layer '{name}' differ"
-                )
+            if not quantizable(module) or name not in self.weight_amax:
+                raise self.another_model(f"the weights of layer '{name}' differ")
+            self.check_weight(name, module.weight)
         for name, p in model.named_parameters():  # those in memory: a part of the model, layer by layer
-            recorded = self.tensor_amax.get(name)
-            if (
-                recorded is not None
-                and p.device.type != "meta"
-                and not torch.equal(amax(p).cpu(), _as_weight(recorded, p))
-            ):
-                raise PtqError(
-                    f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
-                    f"its tensor '{name}' differs"
-                )
+            if p.device.type != "meta":
+                self.check_tensor(name, p)
         if layers and not checked:  # K/V or residual amax alone would be taken from any model with the same names
             raise PtqError(
                 f"calibration file (made for model '{self.metadata.get('model', '?')}') has no weight amax to check it "
                 "against this model: recalibrate with this version of ptq"
             )
+
+    def check_weight(self, layer: str, weight: torch.Tensor) -> None:
+        """Refuse `weight` (in memory or read from disk) when the file recorded another amax for `layer`."""
+        recorded = self.weight_amax.get(layer)
+        if recorded is not None and not torch.equal(amax(weight).cpu(), _as_weight(recorded, weight)):
+            raise self.another_model(f"the weights of layer '{layer}' differ")
+
+    def check_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Refuse a tensor that is not quantized (a norm, an embedding: tensor_amax) when the file recorded another
+        amax for it."""
+        recorded = self.tensor_amax.get(name)
+        if (
+            recorded is not None
+            and tensor.is_floating_point()
+            and not torch.equal(amax(tensor).cpu(), _as_weight(recorded, tensor))
+        ):
+            raise self.another_model(f"its tensor '{name}' differs")
+
+    def another_model(self, what: str) -> PtqError:
+        return PtqError(f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): {what}")
 
 
 def _as_weight(recorded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -646,27 +646,16 @@ def quantized_entries(
 def _checked_weight(layer: str, weight: torch.Tensor, calibration: Calibration | None) -> torch.Tensor:
     """A weight read from disk, in float32, refused when its amax is not the calibration's (another model)."""
     w = weight.float()
-    if (
-        calibration is not None
-        and layer in calibration.weight_amax
-        and not torch.equal(amax(w), calibration.weight_amax[layer])
-    ):
-        raise PtqError(
-            f"calibration file was made for another model ('{calibration.metadata.get('model', '?')}'): "
-            f"the weights of layer '{layer}' differ"
-        )
+    if calibration is not None:
+        calibration.check_weight(layer, w)
     return w
 
 
 def _checked_tensor(name: str, tensor: torch.Tensor, calibration: Calibration | None) -> torch.Tensor:
     """A tensor read from disk that is not quantized (a norm, an embedding), refused when the calibration recorded
     another amax for it (Calibration.tensor_amax: another model whose Linear weights are this one's)."""
-    recorded = calibration.tensor_amax.get(name) if calibration is not None else None
-    if recorded is not None and tensor.is_floating_point() and not torch.equal(amax(tensor.float()), recorded):
-        raise PtqError(
-            f"calibration file was made for another model ('{calibration.metadata.get('model', '?')}'): "
-            f"its tensor '{name}' differs"
-        )
+    if calibration is not None:
+        calibration.check_tensor(name, tensor.float() if tensor.is_floating_point() else tensor)
     return tensor
 
 
