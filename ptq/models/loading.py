@@ -81,9 +81,9 @@ def load_model(
                 )
     if memory_check:  # dequantized: as large in float32 as a 16-bit checkpoint
         _check_memory(Path(directory), copies, device, spec)
-    # transformers' compressed-tensors loader quantizes Linear layers only and fails on Conv1D's codes and scales
-    # (and on some schemes' merged experts: MXFP8's): ptq's layer-by-layer reader (the one --low-memory runs)
-    # dequantizes them, here all at once
+    # transformers' compressed-tensors loader quantizes Linear layers only: on Conv1D's codes and scales 5.25 fails
+    # (the fallback below), but 5.17 loads the int8 codes as the weights, silently, so a quantized Conv1D model goes
+    # to ptq's layer-by-layer reader (the one --low-memory runs) at once, which dequantizes them all
     if reader is not None and quantized is not None and _conv1d_quantized(Path(directory), spec):
         return reader(device)
     dequantizing = {}
@@ -97,7 +97,7 @@ def load_model(
             model, tokenizer = _from_pretrained(
                 str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **dequantizing
             )
-        except PtqError as failed:
+        except PtqError as failed:  # e.g. MXFP8's merged experts, Conv1D under transformers 5.25: ptq's reader
             if reader is None or not _ptq_reads(Path(directory)):
                 raise
             try:
