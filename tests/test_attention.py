@@ -185,7 +185,7 @@ def test_ptq_attention_is_each_familys_eager_attention_bit_for_bit(family):
         want = model(input_ids=ids).logits
     layers = attention.attention_modules(model)
     if family == "falcon" and not layers:
-        # transformers before 5.2x runs Falcon's attention in its own code, not through the attention interface: ptq
+        # transformers 5.17 (not 5.25) runs Falcon's attention in its own code, not through the attention interface: ptq
         # cannot quantize its inputs there and names every such layer (coverage reports them left out)
         assert sorted(attention.other_attention(model).values()) == ["FalconAttention"] * model.config.num_hidden_layers
         return

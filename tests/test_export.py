@@ -919,7 +919,7 @@ def test_every_family_exports_fp8_dynamic_and_its_reload_verifies(family, ptq_cl
     ver = json.loads((out / "ptq-export.json").read_text())["verification"]
     assert ver["passed"] and ver["kl_div"] == 0 and ver["top1_agreement"] == 1, ver["problems"]
     assert ver["tensors_checked_in_file"] > 0 and not ver["tensors_differing"]
-    # the noise floor swaps the attention implementation: transformers from 5.2x refuses sdpa for Gemma 2's soft-capped
+    # the noise floor swaps the attention implementation: transformers 5.25 refuses sdpa for Gemma 2's soft-capped
     # attention, and ptq says so instead of a floor (5.17 runs it)
     if ver["noise_floor"] is None:
         assert family == "gemma2" and ver["no_noise_floor"].startswith("sdpa attention cannot run this model"), ver

@@ -18,8 +18,8 @@ def operands(m=24, k=80, n=40, seed=0):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fast_scaled_mm_computes_the_scaled_product(row_wise, out_dtype, with_bias):
-    # The reference: the product in float64, rounded once to the output dtype (torch._scaled_mm itself takes
-    # row-wise scales on the CPU only from torch 2.12: 2.11 asserts "only supports per-tensor scaling")
+    # The reference: the product in float64, rounded once to the output dtype (torch._scaled_mm is no reference
+    # everywhere: torch 2.11's CPU kernel asserts "only supports per-tensor scaling" for row-wise scales; 2.13's runs)
     a, b, g = operands()
     m, n = a.shape[0], b.shape[1]
     if row_wise:
