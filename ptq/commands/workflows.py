@@ -45,7 +45,7 @@ from ptq.commands.options import (
 from ptq.commands.results import build_results, calibration_faults, recipe_summary
 from ptq.errors import PtqError
 from ptq.evaluation import harness
-from ptq.evaluation.data import Corpus, load_corpus, make_windows, shared_text
+from ptq.evaluation.data import Corpus, load_corpus, make_windows, shared_text, spec_source
 from ptq.evaluation.evaluate import evaluate, gather_scores
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
 from ptq.evaluation.tasks import cloze_items, no_cloze_items
@@ -130,8 +130,7 @@ def run_calibrate(
                 f"{flag} is not available with --low-memory (layer-by-layer calibration keeps no checkpoint)"
             )
     check_writable(output.path, output.force)
-    text = calibration.data.partition(",")[0] if calibration.data else None  # a file or folder, before its options
-    check_not_an_input(output.path, {"the model": model.model, "the calibration text": text})
+    check_not_an_input(output.path, {"the model": model.model, "the calibration text": spec_source(calibration.data)})
     checkpoint = checkpoint_path(output.path)
     if checkpoint.exists() and not (calibration.resume or output.force):
         resume = "run without --low-memory and with --resume" if compute.low_memory else "pass --resume"
@@ -1043,10 +1042,10 @@ def run_quantize(
     check_export_target(out, force)
     inputs = {
         "the model": model.model,
-        "the calibration text": calibration.data.partition(",")[0] if calibration.data else None,
+        "the calibration text": spec_source(calibration.data),
         "the calibration file": calibration.file,
         "the compare results": checkpoint.compare_results,
-        "the verification text": data.data.partition(",")[0] if data.data else None,
+        "the verification text": spec_source(data.data),
     }
     check_not_an_input(out, inputs, replaced=True)
     if checkpoint.push_to_hub:

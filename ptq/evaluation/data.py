@@ -95,6 +95,11 @@ def load_corpus(spec: str | None, role: str) -> Corpus:
     return _load_local(Path(source), options)
 
 
+def spec_source(spec: str | None) -> str | None:
+    """What a data spec reads (a file, a folder or a dataset name), before its options; None for the default text."""
+    return spec.split(",")[0].strip() if spec else None
+
+
 def _parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     source, *parts = spec.split(",")
     options: dict[str, str] = {}
