@@ -25,7 +25,13 @@ import torch
 
 from ptq import progress
 from ptq.calibration.calibrate import calibrate, save_calibration
-from ptq.commands.options import CalibrationOptions, ComputeOptions, DataOptions, ModelOptions, OutputOptions
+from ptq.commands.options import (
+    CalibrationOptions,
+    ComputeOptions,
+    DataOptions,
+    ModelOptions,
+    OutputOptions,
+)
 from ptq.commands.workflows import run_compare
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
@@ -139,7 +145,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--compare-windows", type=int, default=40, help="windows of the timed compare (its default)")
+    parser.add_argument(
+        "--compare-windows", type=int, default=40, help="windows of the timed compare (its default)"
+    )
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -152,7 +160,9 @@ def main() -> None:
     device = next(model.parameters()).device
     eval_corpus = load_corpus(None, "evaluation")
     ids = make_windows(eval_corpus, loaded.tokenizer, args.seq_len, args.windows).input_ids
-    calib_ids = make_windows(load_corpus(None, "calibration"), loaded.tokenizer, args.seq_len, args.windows).input_ids
+    calib_ids = make_windows(
+        load_corpus(None, "calibration"), loaded.tokenizer, args.seq_len, args.windows
+    ).input_ids
     e4m3, int8 = load_recipe("fp8-e4m3"), load_recipe("int8")
     layers = calibrated_layers(model, e4m3)
     print(
@@ -160,14 +170,18 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, {next(model.parameters()).device}, {str(dtype).removeprefix('torch.')}"
     )
 
-    def plain_forward(m=model, x=ids):  # a forward over the windows, batch by batch, as compare runs them
+    def plain_forward(
+        m=model, x=ids
+    ):  # a forward over the windows, batch by batch, as compare runs them
         with torch.inference_mode():
             for batch in x.split(4):
                 m(input_ids=batch.to(device))
 
     # 2. Calibration against a plain no-grad forward over the same tokens.
     r_calib = paired_ratio(
-        lambda: calibrate(model, calib_ids, layers), lambda: plain_forward(x=calib_ids), args.repeats
+        lambda: calibrate(model, calib_ids, layers),
+        lambda: plain_forward(x=calib_ids),
+        args.repeats,
     )
     calibration = calibrate(model, calib_ids, layers)
     calibration.metadata |= {
@@ -186,24 +200,34 @@ def main() -> None:
         evaluate({"plain": model}, ids)
 
     r_eval = {  # each variant's evaluation against the unquantized one, timed in pairs
-        name: paired_ratio(lambda name=name, m=m: evaluate({name: m}, ids), plain_eval, args.repeats)
+        name: paired_ratio(
+            lambda name=name, m=m: evaluate({name: m}, ids), plain_eval, args.repeats
+        )
         for name, m in variants.items()
     }
     # The other FP8 schemes (no calibration): per-token (target), 128 x 128 blocks and MX groups (measured, stated)
     schemes = quantize_variants(model, [load_recipe(n) for n in SCHEMES], None)
     r_eval |= {
-        name: paired_ratio(lambda name=name, m=m: evaluate({name: m}, ids), plain_eval, args.repeats)
+        name: paired_ratio(
+            lambda name=name, m=m: evaluate({name: m}, ids), plain_eval, args.repeats
+        )
         for name, m in schemes.items()
     }
     del schemes
 
     # 5. The E4M3 quantize-dequantize kernel on a large tensor, next to torch's cast round trip and a copy.
-    x = torch.randn(64 * 1024 * 1024 // 4, device=next(model.parameters()).device)  # 64 MiB of float32
+    x = torch.randn(
+        64 * 1024 * 1024 // 4, device=next(model.parameters()).device
+    )  # 64 MiB of float32
     scale = compute_scale(torch.tensor(4.0), FORMATS["e4m3"]).to(x.device)
     t_qdq = median_time(lambda: fake_quantize(x, scale, FORMATS["e4m3"]), args.repeats)
-    kernel = fused(fake_quantize)  # what QuantLinear runs: torch.compile's fused loop (eager with PTQ_COMPILE=0)
+    kernel = fused(
+        fake_quantize
+    )  # what QuantLinear runs: torch.compile's fused loop (eager with PTQ_COMPILE=0)
     t_fused = median_time(lambda: kernel(x, scale, FORMATS["e4m3"], True), args.repeats)
-    t_cast = median_time(lambda: (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale, args.repeats)
+    t_cast = median_time(
+        lambda: (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale, args.repeats
+    )
     t_copy = median_time(lambda: x.clone(), args.repeats)
 
     # 7. Real FP8 matmuls (torch._scaled_mm) against the simulation: same logits up to summation order.
@@ -215,22 +239,31 @@ def main() -> None:
     )
     with torch.inference_mode():
         first = ids[:1].to(device)
-        want, got = variants["fp8-e4m3"](input_ids=first).logits.float(), real(input_ids=first).logits.float()
+        want, got = (
+            variants["fp8-e4m3"](input_ids=first).logits.float(),
+            real(input_ids=first).logits.float(),
+        )
     fp8_difference = float((got - want).abs().max() / want.abs().max())
     del real
 
     # 3. A whole compare (baseline + two recipes, calibration file given) against its three models' forwards,
     # once each at compare's default size.
-    compare_ids = make_windows(eval_corpus, loaded.tokenizer, args.seq_len, args.compare_windows).input_ids
+    compare_ids = make_windows(
+        eval_corpus, loaded.tokenizer, args.seq_len, args.compare_windows
+    ).input_ids
     baseline = quantize_variants(model, [load_recipe("bf16")], None)["bf16"]
-    t_forwards = sum(once(lambda m=m: plain_forward(m, compare_ids)) for m in (baseline, *variants.values()))
+    t_forwards = sum(
+        once(lambda m=m: plain_forward(m, compare_ids)) for m in (baseline, *variants.values())
+    )
     del baseline
     tmp = Path(tempfile.mkdtemp(prefix="ptq-bench-"))
     save_calibration(calibration, tmp / "calib.safetensors")
     compare_args = dict(
         model=ModelOptions(model=args.model),
         data=DataOptions(seq_len=args.seq_len, windows=args.compare_windows),
-        calibration=CalibrationOptions(file=tmp / "calib.safetensors", samples=args.windows, seq_len=args.seq_len),
+        calibration=CalibrationOptions(
+            file=tmp / "calib.safetensors", samples=args.windows, seq_len=args.seq_len
+        ),
         compute=ComputeOptions(matmul="simulated"),
         output=OutputOptions(path=tmp / "report", force=True),
     )
@@ -243,7 +276,15 @@ def main() -> None:
     # probabilities for one batch; the metrics themselves are fused loops without temporaries of that size).
     bytes_16bit = 2 * sum(p.numel() for p in model.parameters())
     footprint = statistics.median(
-        peak_rss_runs(["-c", FIXED_FOOTPRINT.format(model=args.model, seq_len=args.seq_len, windows=args.windows)], tmp)
+        peak_rss_runs(
+            [
+                "-c",
+                FIXED_FOOTPRINT.format(
+                    model=args.model, seq_len=args.seq_len, windows=args.windows
+                ),
+            ],
+            tmp,
+        )
     )
     buffers = 2 * 4 * args.seq_len * model.config.vocab_size * 4
     constant = footprint + buffers

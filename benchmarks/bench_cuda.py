@@ -83,13 +83,17 @@ def measure(fn, repeats: int, device: torch.device) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
-def gemm_seconds(model: torch.nn.Module, tokens: int, repeats: int, device: torch.device) -> tuple[float, int]:
+def gemm_seconds(
+    model: torch.nn.Module, tokens: int, repeats: int, device: torch.device
+) -> tuple[float, int]:
     """Seconds of bf16 GEMMs of every Linear shape of the model (and the lm_head) at `tokens` rows, one forward's
     worth; and the FLOPs they do. Each distinct shape is timed once and counted as often as the model has it."""
     shapes: dict[tuple[int, int], int] = {}
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
-            shapes[(m.out_features, m.in_features)] = shapes.get((m.out_features, m.in_features), 0) + 1
+            shapes[(m.out_features, m.in_features)] = (
+                shapes.get((m.out_features, m.in_features), 0) + 1
+            )
     total, flops = 0.0, 0
     for (n, k), count in shapes.items():
         x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
@@ -113,7 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda")
-    for name in ("hidden", "intermediate", "vocab", "heads", "kv-heads"):  # smaller shapes, for a check on a CPU
+    for name in (
+        "hidden",
+        "intermediate",
+        "vocab",
+        "heads",
+        "kv-heads",
+    ):  # smaller shapes, for a check on a CPU
         parser.add_argument(f"--{name}", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     progress.QUIET = True
@@ -144,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.seq_len} tokens, batch {args.batch_size}, median of {args.repeats}; torch {torch.__version__}"
     )
 
-    def forward(m, x):  # a plain forward over the windows, batch by batch, as the evaluation runs them
+    def forward(
+        m, x
+    ):  # a plain forward over the windows, batch by batch, as the evaluation runs them
         with torch.inference_mode():
             for batch in x.split(args.batch_size):
                 m(input_ids=batch.to(device))
@@ -153,19 +165,27 @@ def main(argv: list[str] | None = None) -> None:
     layers = calibrated_layers(model, e4m3)
     t_forward, m_forward = measure(lambda: forward(model, calib_ids), args.repeats, device)
     t_calib, m_calib = measure(
-        lambda: calibrate(model, calib_ids, layers, batch_size=args.batch_size), args.repeats, device
+        lambda: calibrate(model, calib_ids, layers, batch_size=args.batch_size),
+        args.repeats,
+        device,
     )
     calibration = calibrate(model, calib_ids, layers, batch_size=args.batch_size)
 
-    t_bf16, m_bf16 = measure(lambda: evaluate({"bf16": model}, ids, args.batch_size), args.repeats, device)
+    t_bf16, m_bf16 = measure(
+        lambda: evaluate({"bf16": model}, ids, args.batch_size), args.repeats, device
+    )
     simulated = quantize_variants(model, [e4m3], calibration, matmul="simulated")["fp8-e4m3"]
     t_sim, m_sim = measure(
-        lambda simulated=simulated: evaluate({"sim": simulated}, ids, args.batch_size), args.repeats, device
+        lambda simulated=simulated: evaluate({"sim": simulated}, ids, args.batch_size),
+        args.repeats,
+        device,
     )
     del simulated
     torch.cuda.empty_cache() if device.type == "cuda" else None
     real = quantize_variants(model, [e4m3], calibration, matmul="fp8")["fp8-e4m3"]
-    t_fp8, m_fp8 = measure(lambda real=real: evaluate({"fp8": real}, ids, args.batch_size), args.repeats, device)
+    t_fp8, m_fp8 = measure(
+        lambda real=real: evaluate({"fp8": real}, ids, args.batch_size), args.repeats, device
+    )
     del real
 
     rows = args.batch_size * args.seq_len
@@ -175,8 +195,22 @@ def main(argv: list[str] | None = None) -> None:
     model_flops_per_s = 2 * matmul_params * tokens / t_bf16
     roofline = model_flops_per_s / gemm_flops_per_s
 
-    print(line(roofline >= 0.5, "bf16 evaluation / matmul roofline (2 x params x tokens/s)", roofline, ">= 0.50x"))
-    print(line(t_sim / t_bf16 <= 1.15, "simulated E4M3 evaluation / bf16 evaluation", t_sim / t_bf16, "<= 1.15x"))
+    print(
+        line(
+            roofline >= 0.5,
+            "bf16 evaluation / matmul roofline (2 x params x tokens/s)",
+            roofline,
+            ">= 0.50x",
+        )
+    )
+    print(
+        line(
+            t_sim / t_bf16 <= 1.15,
+            "simulated E4M3 evaluation / bf16 evaluation",
+            t_sim / t_bf16,
+            "<= 1.15x",
+        )
+    )
     print(
         line(
             t_bf16 / t_fp8 >= 1.3,
@@ -206,4 +240,6 @@ def main(argv: list[str] | None = None) -> None:
         ("bf16 forward (calibration tokens)", t_forward, m_forward, tokens),
         ("calibration", t_calib, m_calib, tokens),
     ):
-        print(f"INFO  {what:<36} {n / t:12,.0f} tokens/s  {t:8.2f} s  peak GPU memory {peak / gib:6.1f} GiB")
+        print(
+            f"INFO  {what:<36} {n / t:12,.0f} tokens/s  {t:8.2f} s  peak GPU memory {peak / gib:6.1f} GiB"
+        )

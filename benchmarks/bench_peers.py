@@ -62,7 +62,9 @@ def read_scales(directory: Path) -> dict[str, dict[str, float]]:
                     continue
                 value = f.get_tensor(key)
                 if value.numel() != 1:
-                    raise PtqError(f"{path.name}: {key} has {value.numel()} elements, not one per-tensor scale")
+                    raise PtqError(
+                        f"{path.name}: {key} has {value.numel()} elements, not one per-tensor scale"
+                    )
                 scales.setdefault(layer, {})[kind] = float(value.float())
     return scales
 
@@ -86,7 +88,9 @@ class ScaleAgreement:
         )
 
 
-def compare_scales(ours: dict[str, dict[str, float]], theirs: dict[str, dict[str, float]]) -> ScaleAgreement:
+def compare_scales(
+    ours: dict[str, dict[str, float]], theirs: dict[str, dict[str, float]]
+) -> ScaleAgreement:
     common = sorted(set(ours) & set(theirs))
     max_rel, worst, identical = {}, {}, {}
     for kind in SCALE_KINDS:
@@ -101,7 +105,12 @@ def compare_scales(ours: dict[str, dict[str, float]], theirs: dict[str, dict[str
         max_rel[kind] = diffs[worst[kind]] if diffs else float("inf")
         identical[kind] = sum(1 for d in diffs.values() if d == 0)
     return ScaleAgreement(
-        len(common), sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours)), max_rel, worst, identical
+        len(common),
+        sorted(set(ours) - set(theirs)),
+        sorted(set(theirs) - set(ours)),
+        max_rel,
+        worst,
+        identical,
     )
 
 
@@ -151,7 +160,8 @@ def run_ptq_side(model_dir: Path, windows: Path, out: Path, batch_size: int = 4)
 
     # ptq's own version from the package: a checkout on PYTHONPATH (gpu_check.sh) has no installed metadata
     versions = {"ptq": ptq.__version__} | {
-        name: importlib.metadata.version(name) for name in ("compressed-tensors", "transformers", "torch")
+        name: importlib.metadata.version(name)
+        for name in ("compressed-tensors", "transformers", "torch")
     }
     timing = {
         "load_s": load_s,
@@ -179,7 +189,9 @@ def model_directory(spec: str) -> Path:
     if spec.endswith(".gguf"):
         return converted_gguf_dir(Path(spec))[0]
     if not (Path(spec) / "config.json").is_file():
-        raise PtqError(f"bench-peers needs a local model directory (or 'smollm2' or a .gguf), not '{spec}'")
+        raise PtqError(
+            f"bench-peers needs a local model directory (or 'smollm2' or a .gguf), not '{spec}'"
+        )
     return Path(spec)
 
 
@@ -205,15 +217,28 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--windows", type=int, default=16, help="calibration windows (default 16)")
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=4, help="windows per forward, the same for both tools")
-    parser.add_argument("--peer-python", default=".venv-peers/bin/python", help="the python of llm-compressor's venv")
     parser.add_argument(
-        "--out", type=Path, default=None, help="keep the checkpoints and logs here (default: a temp dir)"
+        "--batch-size", type=int, default=4, help="windows per forward, the same for both tools"
     )
-    parser.add_argument("--worker", nargs=3, metavar=("MODEL_DIR", "WINDOWS", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--peer-python",
+        default=".venv-peers/bin/python",
+        help="the python of llm-compressor's venv",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="keep the checkpoints and logs here (default: a temp dir)",
+    )
+    parser.add_argument(
+        "--worker", nargs=3, metavar=("MODEL_DIR", "WINDOWS", "OUT"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.worker:
-        run_ptq_side(Path(args.worker[0]), Path(args.worker[1]), Path(args.worker[2]), args.batch_size)
+        run_ptq_side(
+            Path(args.worker[0]), Path(args.worker[1]), Path(args.worker[2]), args.batch_size
+        )
         return
     peer_script = Path(__file__).resolve().parent / "peer_llmcompressor.py"
     if not Path(args.peer_python).is_file():
@@ -225,7 +250,9 @@ def main() -> None:
 
     model_dir = model_directory(args.model)
     corpus = load_corpus(None, "calibration")
-    windows = make_windows(corpus, AutoTokenizer.from_pretrained(model_dir), args.seq_len, args.windows)
+    windows = make_windows(
+        corpus, AutoTokenizer.from_pretrained(model_dir), args.seq_len, args.windows
+    )
     tmp = args.out or Path(tempfile.mkdtemp(prefix="ptq-bench-peers-"))
     tmp.mkdir(parents=True, exist_ok=True)
     ids_file = tmp / "windows.safetensors"
@@ -269,16 +296,22 @@ def main() -> None:
     print(f"llm-compressor: {versions(theirs)}")
     print(f"ptq:            {versions(ours)}")
     print("seconds (model load excluded from both)   llm-compressor      ptq")
-    print(f"  model load (not timed in the ratios)     {theirs['load_s']:14.1f} {ours['load_s']:8.1f}")
+    print(
+        f"  model load (not timed in the ratios)     {theirs['load_s']:14.1f} {ours['load_s']:8.1f}"
+    )
     print(
         f"  calibration + quantization in memory     {theirs['quantize_s']:14.1f} {ours['quantize_s']:8.1f}"
         f"   (ptq: calibrate {ours['calibrate_s']:.1f} + quantize_ {ours['quantize_s'] - ours['calibrate_s']:.1f})"
     )
-    print(f"  writing the compressed-tensors checkpoint {theirs['save_s']:13.1f} {ours['save_s']:8.1f}")
+    print(
+        f"  writing the compressed-tensors checkpoint {theirs['save_s']:13.1f} {ours['save_s']:8.1f}"
+    )
     in_memory = theirs["quantize_s"] / ours["quantize_s"]
     with_save = (theirs["quantize_s"] + theirs["save_s"]) / (ours["quantize_s"] + ours["save_s"])
     print(f"{verdict(in_memory)}  llm-compressor / ptq: calibration + quantization")
-    print(f"{verdict(with_save)}  llm-compressor / ptq: calibration + quantization + writing the checkpoint")
+    print(
+        f"{verdict(with_save)}  llm-compressor / ptq: calibration + quantization + writing the checkpoint"
+    )
 
     agreement = compare_scales(
         read_scales(tmp / "ptq" / "checkpoint"), read_scales(tmp / "llm-compressor" / "checkpoint")
@@ -290,7 +323,9 @@ def main() -> None:
         )
     missing = agreement.only_in_ours + agreement.only_in_theirs
     if missing:
-        print(f"  layers with scales on one side only: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        print(
+            f"  layers with scales on one side only: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )
     print(
         f"{'PASS' if agreement.agrees() else 'MISS'}  same scales within rounding: {agreement.layers} Linear layers, "
         "ptq amax/448 vs llm-compressor weight_scale and input_scale"

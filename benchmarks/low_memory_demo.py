@@ -36,7 +36,11 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--recipe", default="fp8-e4m3")
-    ap.add_argument("--keep", action="store_true", help="Keep the calibration file and the quantized checkpoint.")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="Keep the calibration file and the quantized checkpoint.",
+    )
     args = ap.parse_args()
 
     import torch
@@ -48,7 +52,9 @@ def main() -> None:
     mem_total = (
         int(
             next(
-                line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+                line
+                for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal")
             ).split()[1]
         )
         * 1024
@@ -101,7 +107,9 @@ def main() -> None:
         rows.append((name, seconds, peak))
     written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print()
-    print("| command | wall time | peak RSS | peak RSS / bf16 weights | peak RSS / float32 weights |")
+    print(
+        "| command | wall time | peak RSS | peak RSS / bf16 weights | peak RSS / float32 weights |"
+    )
     print("|---|---|---|---|---|")
     for name, seconds, peak in rows:
         print(

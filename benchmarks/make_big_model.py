@@ -59,7 +59,9 @@ def make_tokenizer(out: Path, vocab: int) -> None:
         show_progress=False,
     )
     tok.train_from_iterator([text], trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(out)
 
 
 def main() -> None:
@@ -96,7 +98,9 @@ def main() -> None:
     GenerationConfig(bos_token_id=0, eos_token_id=1).save_pretrained(out)
     make_tokenizer(out, args.vocab)
 
-    shapes = tensor_shapes(args.hidden, args.intermediate, args.layers, args.vocab, args.heads, args.kv_heads)
+    shapes = tensor_shapes(
+        args.hidden, args.intermediate, args.layers, args.vocab, args.heads, args.kv_heads
+    )
     total = sum(torch.Size(s).numel() for _, s in shapes)
     limit = int(args.shard_gb * 1e9)
     groups: list[list[tuple[str, tuple]]] = [[]]
@@ -118,11 +122,15 @@ def main() -> None:
             if len(shape) == 1:
                 tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
             else:
-                tensors[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+                tensors[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(
+                    0.0, 0.02, generator=gen
+                )
             weight_map[name] = filename
         safetensors.torch.save_file(tensors, str(out / filename), metadata={"format": "pt"})
         del tensors
-        print(f"wrote {filename} ({i}/{len(groups)}, {time.perf_counter() - start:.0f} s)", flush=True)
+        print(
+            f"wrote {filename} ({i}/{len(groups)}, {time.perf_counter() - start:.0f} s)", flush=True
+        )
     index = {"metadata": {"total_size": total * 2}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     print(

@@ -50,7 +50,9 @@ def main() -> int:
                 print(f"FAIL  {family:14s} {type(e).__name__}: {e}")
                 continue
             v = r.variants[0]
-            print(f"OK    {family:14s} fp8-e4m3 {v.ppl_delta_pct:+.2f}% ppl; {describe_coverage(to_json(v.coverage))}")
+            print(
+                f"OK    {family:14s} fp8-e4m3 {v.ppl_delta_pct:+.2f}% ppl; {describe_coverage(to_json(v.coverage))}"
+            )
     print(f"{len(families.FAMILIES) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 

@@ -42,7 +42,9 @@ def main() -> None:
     ids = load_file(args.windows)["input_ids"]
     # Already tokenized: llm-compressor uses an input_ids column as it is (no tokenization, no truncation
     # below max_seq_length); every window has the same length, so batches need no padding.
-    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    dataset = Dataset.from_dict(
+        {"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()}
+    )
 
     # The "FP8" preset: E4M3 weights with a static per-tensor scale, E4M3 inputs with a static per-tensor
     # scale from a running min/max over the calibration data ("static_minmax"); lm_head left out, as in ptq.

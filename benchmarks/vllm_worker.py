@@ -35,7 +35,15 @@ CALLS = {"static_scaled_fp8_quant": 0, "_scaled_mm": 0}
 
 
 def fast_scaled_mm(
-    a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, sums=torch.float32
+    a,
+    b,
+    scale_a,
+    scale_b,
+    bias=None,
+    scale_result=None,
+    out_dtype=None,
+    use_fast_accum=False,
+    sums=torch.float32,
 ):
     """torch._scaled_mm's arithmetic for FP8 operands with tensor-wise (one element each) or row-wise (scale_a
     [M, 1], scale_b [1, N]) float32 scales: both operands widened to float32 (exact), one float32 matmul (the product
@@ -47,9 +55,13 @@ def fast_scaled_mm(
         return None
     m, n = a.shape[0], b.shape[1]
     for scale, row_wise in ((scale_a, (m, 1)), (scale_b, (1, n))):
-        if scale.dtype != torch.float32 or not (scale.numel() == 1 or tuple(scale.shape) == row_wise):
+        if scale.dtype != torch.float32 or not (
+            scale.numel() == 1 or tuple(scale.shape) == row_wise
+        ):
             return None
-    out = (a.to(sums) @ b.to(sums)) * scale_a * scale_b  # [1] / [M, 1] and [1] / [1, N] broadcast over [M, N]
+    out = (
+        (a.to(sums) @ b.to(sums)) * scale_a * scale_b
+    )  # [1] / [M, 1] and [1] / [1, N] broadcast over [M, N]
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype or torch.float32)
@@ -73,7 +85,12 @@ def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
     original_scaled_fp8_quant = ops.scaled_fp8_quant
 
     def scaled_fp8_quant(input, scale=None, *args, **kwargs):
-        if scale is None or scale.numel() != 1 or kwargs.get("use_per_token_if_dynamic") or input.device.type != "cpu":
+        if (
+            scale is None
+            or scale.numel() != 1
+            or kwargs.get("use_per_token_if_dynamic")
+            or input.device.type != "cpu"
+        ):
             return original_scaled_fp8_quant(input, scale, *args, **kwargs)
         CALLS["static_scaled_fp8_quant"] += 1
         x = (input.float() * scale.float().reshape(()).reciprocal()).clamp(-448.0, 448.0)
@@ -91,7 +108,9 @@ def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
     from vllm.model_executor.layers.fusion import fused_act_quant
     from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8StaticTensorSym
 
-    fused_act_quant._FUSED_ACT_QUANT.pop((SiluAndMul, kFp8StaticTensorSym), None)  # maybe_fused_act_quant's registry
+    fused_act_quant._FUSED_ACT_QUANT.pop(
+        (SiluAndMul, kFp8StaticTensorSym), None
+    )  # maybe_fused_act_quant's registry
     installed.append(
         "fused SiLU-and-mul + FP8 quant disabled (_C::silu_and_mul_quant is missing on CPU): the unfused path"
     )
@@ -101,14 +120,19 @@ def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
     from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpu_kernels
 
     cpu_kernels.check_cpu_sgl_kernel = lambda *a, **k: False
-    installed.append("int8: vLLM's oneDNN kernel instead of its AMX kernel (which takes no float32 input)")
+    installed.append(
+        "int8: vLLM's oneDNN kernel instead of its AMX kernel (which takes no float32 input)"
+    )
 
     # 4. On CPUs with AMX vLLM serves static FP8 per-tensor layers with CPUFp8PerTensorScaledMMLinearKernel, which is
     #    W8A16 (the activations are not quantized at all) and takes bf16 / fp16 only; the check runs vLLM's
     #    PerTensorTorchFP8ScaledMMLinearKernel instead (torch._scaled_mm on FP8 codes of weights and inputs: W8A8, as
     #    vLLM serves these checkpoints on GPUs, and on CPUs without AMX).
     cpu_kernels.CPUFp8PerTensorScaledMMLinearKernel.is_supported = classmethod(
-        lambda cls, compute_capability=None: (False, "disabled by the ptq check: W8A16 and bf16 only")
+        lambda cls, compute_capability=None: (
+            False,
+            "disabled by the ptq check: W8A16 and bf16 only",
+        )
     )
     installed.append(
         "FP8 per-tensor: vLLM's torch._scaled_mm kernel (W8A8) instead of its AMX W8A16 kernel (which "
@@ -124,7 +148,9 @@ def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
     g = torch.Generator().manual_seed(0)
     m, k, n = 48, 160, 96
     a = (torch.randn(m, k, generator=g) * 40).to(torch.float8_e4m3fn)
-    b = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn).t()  # [K, N] column-major, as vLLM passes it
+    b = (
+        (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn).t()
+    )  # [K, N] column-major, as vLLM passes it
     bias = torch.randn(n, generator=g)
     worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
     for scale_a, scale_b in (
@@ -132,9 +158,13 @@ def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
         (torch.rand(m, 1, generator=g) * 0.02, torch.rand(1, n, generator=g) * 0.003),  # row-wise
     ):
         for out_dtype, b_ in ((torch.float32, bias), (torch.float32, None), (torch.bfloat16, None)):
-            ref = original_scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=b_, out_dtype=out_dtype).float()
+            ref = original_scaled_mm(
+                a, b, scale_a=scale_a, scale_b=scale_b, bias=b_, out_dtype=out_dtype
+            ).float()
             got = fast_scaled_mm(a, b, scale_a, scale_b, bias=b_, out_dtype=out_dtype).float()
-            worst[out_dtype] = max(worst[out_dtype], ((got - ref).abs().max() / ref.abs().max()).item())
+            worst[out_dtype] = max(
+                worst[out_dtype], ((got - ref).abs().max() / ref.abs().max()).item()
+            )
 
     def scaled_mm(a, b, *args, **kwargs):
         if a.device.type == "cpu":
@@ -150,7 +180,11 @@ def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
         "codes widened to float32 (exact), float32 matmul, x scale_a x scale_b (+ bias); checked against the real "
         f"op on 48x160x96, tensor-wise and row-wise scales: largest difference {worst[torch.float32]:.1e} of the "
         f"largest output in float32 (the check's dtype), {worst[torch.bfloat16]:.1e} in bf16"
-        + ("; in this run the products are summed in float64 (noise-floor run)" if sums == torch.float64 else "")
+        + (
+            "; in this run the products are summed in float64 (noise-floor run)"
+            if sums == torch.float64
+            else ""
+        )
     )
     return installed
 
@@ -172,10 +206,16 @@ def describe_layers(model) -> dict[str, int]:
             for attr in ("kernel", "fp8_linear"):
                 if getattr(scheme, attr, None) is not None:
                     kernel = getattr(scheme, attr)
-                    inner = getattr(kernel, "kernel", None) or getattr(kernel, "linear_method", None)
+                    inner = getattr(kernel, "kernel", None) or getattr(
+                        kernel, "linear_method", None
+                    )
                     parts.append(
                         type(kernel).__name__
-                        + (f"({getattr(inner, '__name__', type(inner).__name__)})" if inner is not None else "")
+                        + (
+                            f"({getattr(inner, '__name__', type(inner).__name__)})"
+                            if inner is not None
+                            else ""
+                        )
                     )
         for attr in ("fp8_backend", "moe_kernel", "kernel"):
             value = getattr(method, attr, None)
@@ -209,7 +249,11 @@ def record_layers(model, recorded: dict[str, dict]) -> int:
             y = (output[0] if isinstance(output, tuple) else output).reshape(len(x), -1)
             rows = torch.linspace(0, len(x) - 1, min(LAYER_ROWS, len(x))).round().long()
             widths = getattr(module, "output_sizes", None) or [y.shape[-1]]
-            recorded[name] = {"x": x[rows].float().clone(), "y": y[rows].float().clone(), "widths": list(widths)}
+            recorded[name] = {
+                "x": x[rows].float().clone(),
+                "y": y[rows].float().clone(),
+                "widths": list(widths),
+            }
 
         module.register_forward_hook(hook)
         hooked += 1
@@ -222,9 +266,14 @@ def main() -> None:
     parser.add_argument("windows", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument(
-        "--sums", choices=["float32", "float64"], default="float32", help="stand-in 5's accumulation (float64: noise)"
+        "--sums",
+        choices=["float32", "float64"],
+        default="float32",
+        help="stand-in 5's accumulation (float64: noise)",
     )
-    parser.add_argument("--layers", type=Path, default=None, help="write the linear layers' inputs and outputs here")
+    parser.add_argument(
+        "--layers", type=Path, default=None, help="write the linear layers' inputs and outputs here"
+    )
     args = parser.parse_args()
     from safetensors.torch import load_file
 
@@ -257,7 +306,10 @@ def main() -> None:
         window_nll = []
         for row, out in zip(ids, outputs):
             # prompt_logprobs[i] holds the logprob of prompt token i given tokens < i (None for the first)
-            lps = [entry[int(token)].logprob for token, entry in zip(row.tolist()[1:], out.prompt_logprobs[1:])]
+            lps = [
+                entry[int(token)].logprob
+                for token, entry in zip(row.tolist()[1:], out.prompt_logprobs[1:])
+            ]
             window_nll.append(-sum(lps) / len(lps))
         result["window_nll"] = window_nll
         result["perplexity"] = math.exp(sum(window_nll) / len(window_nll))

@@ -51,19 +51,29 @@ def measure(
     loaded = load_model(model)
     variants = [load_recipe(r) for r in recipes]
     layers, channels = calibration_targets(resolve_plans(loaded.model, variants).values())
-    calib_ids = make_windows(load_corpus(calib_data, "calibration"), loaded.tokenizer, seq_len, calib_samples).input_ids
+    calib_ids = make_windows(
+        load_corpus(calib_data, "calibration"), loaded.tokenizer, seq_len, calib_samples
+    ).input_ids
     calibration = calibrate(loaded.model, calib_ids, layers, channels=channels)
-    eval_ids = make_windows(load_corpus(eval_data, "evaluation"), loaded.tokenizer, seq_len, windows).input_ids
+    eval_ids = make_windows(
+        load_corpus(eval_data, "evaluation"), loaded.tokenizer, seq_len, windows
+    ).input_ids
     rows: dict[str, list[dict]] = {r.name: [] for r in variants}
     for repeat in range(repeats + 1):
         used = calibration if repeat == 0 else nudged(calibration, repeat)
         scores = evaluate(
-            quantize_variants(loaded.model, [load_recipe("bf16"), *variants], used, target=DEFAULT_TARGET), eval_ids
+            quantize_variants(
+                loaded.model, [load_recipe("bf16"), *variants], used, target=DEFAULT_TARGET
+            ),
+            eval_ids,
         )  # as `ptq compare` quantizes by default
         base = scores["bf16"].perplexity
         for r in variants:
             rows[r.name].append(
-                {"ppl_delta_pct": 100 * (scores[r.name].perplexity / base - 1), "kl_div": scores[r.name].kl_div}
+                {
+                    "ppl_delta_pct": 100 * (scores[r.name].perplexity / base - 1),
+                    "kl_div": scores[r.name].kl_div,
+                }
             )
     return rows
 
@@ -93,7 +103,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    print("| recipe | Δ ppl as calibrated | Δ ppl, nudged (min..max) | KL as calibrated | KL, nudged (min..max) |")
+    print(
+        "| recipe | Δ ppl as calibrated | Δ ppl, nudged (min..max) | KL as calibrated | KL, nudged (min..max) |"
+    )
     print("|---|---:|---:|---:|---:|")
     for name, runs in rows.items():
         d, kl = [r["ppl_delta_pct"] for r in runs], [r["kl_div"] for r in runs]

@@ -32,7 +32,9 @@ app = typer.Typer(
 def _model(value: str) -> str:
     """The model argument: an empty one is refused, not read as "none given" (the offline default)."""
     if not value.strip():
-        raise typer.BadParameter("is empty: give a Hub id, a model folder, a .gguf file or 'smollm2'")
+        raise typer.BadParameter(
+            "is empty: give a Hub id, a model folder, a .gguf file or 'smollm2'"
+        )
     return value
 
 
@@ -57,7 +59,8 @@ SeqLen = Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per window
 Force = Annotated[bool, typer.Option("--force", help="Overwrite existing outputs.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 RemoteCode = Annotated[
-    bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code (off by default).")
+    bool,
+    typer.Option("--trust-remote-code", help="Allow the model's own Python code (off by default)."),
 ]
 OnNonfinite = Annotated[
     str,
@@ -76,7 +79,10 @@ OnUnseen = Annotated[
     ),
 ]
 AllowPickle = Annotated[
-    bool, typer.Option("--allow-pickle", help="Load pickle (.bin) checkpoints, with torch.load(weights_only=True).")
+    bool,
+    typer.Option(
+        "--allow-pickle", help="Load pickle (.bin) checkpoints, with torch.load(weights_only=True)."
+    ),
 ]
 LowMemory = Annotated[
     bool | None,
@@ -89,13 +95,21 @@ LowMemory = Annotated[
     ),
 ]
 NoMemoryCheck = Annotated[
-    bool, typer.Option("--no-memory-check", help="Load the model even if it looks too big for the memory available.")
+    bool,
+    typer.Option(
+        "--no-memory-check",
+        help="Load the model even if it looks too big for the memory available.",
+    ),
 ]
-Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
+Json = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")
+]
 Dtype = Annotated[
     str | None,
     typer.Option(
-        "--dtype", help="Compute dtype: float32 or bfloat16.", show_default="bfloat16 on CUDA, float32 on CPU"
+        "--dtype",
+        help="Compute dtype: float32 or bfloat16.",
+        show_default="bfloat16 on CUDA, float32 on CPU",
     ),
 ]
 BatchSize = Annotated[
@@ -169,7 +183,9 @@ MaxItems = Annotated[
 NumFewshot = Annotated[
     int | None,
     typer.Option(
-        "--num-fewshot", min=0, help="lm-eval's --num-fewshot: examples in each prompt (default: each task's own)."
+        "--num-fewshot",
+        min=0,
+        help="lm-eval's --num-fewshot: examples in each prompt (default: each task's own).",
     ),
 ]
 Limit = Annotated[
@@ -223,13 +239,21 @@ MaxMemory = Annotated[
 
 
 CalibFile = Annotated[
-    Path | None, typer.Option("--calib", parser=_path, help="Reuse a calibration file from `ptq calibrate`.")
+    Path | None,
+    typer.Option("--calib", parser=_path, help="Reuse a calibration file from `ptq calibrate`."),
 ]
-CalibData = Annotated[str | None, typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")]
-CalibSamples = Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")]
-EvalData = Annotated[str | None, typer.Option("--eval-data", help=DATA_HELP + " (evaluation split).")]
+CalibData = Annotated[
+    str | None, typer.Option("--calib-data", help=DATA_HELP + " (calibration split).")
+]
+CalibSamples = Annotated[
+    int, typer.Option("--calib-samples", min=1, help="Calibration windows when calibrating here.")
+]
+EvalData = Annotated[
+    str | None, typer.Option("--eval-data", help=DATA_HELP + " (evaluation split).")
+]
 MaxWindows = Annotated[
-    int | None, typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced.")
+    int | None,
+    typer.Option("--max-windows", min=1, help="Evaluate at most this many windows, evenly spaced."),
 ]
 
 
@@ -244,9 +268,14 @@ def _split(values: str) -> list[str]:
 def calibrate(
     model: ModelArg = None,
     output: Annotated[
-        Path, typer.Option("--output", "-o", parser=_path, help="Calibration file to write (safetensors).")
+        Path,
+        typer.Option(
+            "--output", "-o", parser=_path, help="Calibration file to write (safetensors)."
+        ),
     ] = Path("calibration.safetensors"),
-    data: Annotated[str | None, typer.Option("--data", help=DATA_HELP + " (calibration split).")] = None,
+    data: Annotated[
+        str | None, typer.Option("--data", help=DATA_HELP + " (calibration split).")
+    ] = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Calibration windows.")] = 32,
     seq_len: SeqLen = 512,
     recipe: Annotated[
@@ -260,7 +289,10 @@ def calibrate(
         bool, typer.Option("--resume", help="Continue an interrupted run from OUTPUT.checkpoint.")
     ] = False,
     checkpoint_every: Annotated[
-        float, typer.Option("--checkpoint-every", min=0, help="Seconds between checkpoints (0: after every batch).")
+        float,
+        typer.Option(
+            "--checkpoint-every", min=0, help="Seconds between checkpoints (0: after every batch)."
+        ),
     ] = 60.0,
     on_nonfinite: OnNonfinite = "fail",
     on_unseen: OnUnseen = "fallback",
@@ -319,7 +351,13 @@ def calibrate(
         raise
     _print_faults(calibration.metadata)
     if as_json:
-        _print_json({"output": str(output), "metadata": calibration.metadata, "summary": summary_rows(calibration)})
+        _print_json(
+            {
+                "output": str(output),
+                "metadata": calibration.metadata,
+                "summary": summary_rows(calibration),
+            }
+        )
     else:
         _print_calibration(summary_rows(calibration), calibration.metadata, output)
 
@@ -342,7 +380,10 @@ def compare(
     max_windows: MaxWindows = 40,
     batch_size: BatchSize = "auto",
     out: Annotated[
-        Path, typer.Option("--out", parser=_path, help="Directory for report.md, results.json and the plots.")
+        Path,
+        typer.Option(
+            "--out", parser=_path, help="Directory for report.md, results.json and the plots."
+        ),
     ] = Path("reports/compare"),
     max_ppl_increase: MaxPplIncrease = None,
     min_accuracy_recovery: MinAccuracyRecovery = None,
@@ -428,15 +469,24 @@ def compare(
 @app.command()
 def report(
     results: Annotated[
-        Path, typer.Argument(metavar="RESULTS.json", parser=_path, help="results.json written by `ptq compare`.")
+        Path,
+        typer.Argument(
+            metavar="RESULTS.json", parser=_path, help="results.json written by `ptq compare`."
+        ),
     ],
     previous: Annotated[
-        Path | None, typer.Option("--previous", parser=_path, help="An earlier results.json: show what moved since.")
+        Path | None,
+        typer.Option(
+            "--previous", parser=_path, help="An earlier results.json: show what moved since."
+        ),
     ] = None,
     output: Annotated[
         Path | None,
         typer.Option(
-            "--output", "-o", parser=_path, help="Write the markdown (and its plots) here instead of printing it."
+            "--output",
+            "-o",
+            parser=_path,
+            help="Write the markdown (and its plots) here instead of printing it.",
         ),
     ] = None,
     max_ppl_increase: MaxPplIncrease = None,
@@ -471,7 +521,11 @@ def report(
 def inspect(
     model: ModelArg = None,
     recipe: Annotated[
-        str, typer.Option("--recipe", help="Recipe(s) to show, comma-separated (names in recipes/ or .yaml paths).")
+        str,
+        typer.Option(
+            "--recipe",
+            help="Recipe(s) to show, comma-separated (names in recipes/ or .yaml paths).",
+        ),
     ] = "fp8-e4m3,int8",
     trust_remote_code: RemoteCode = False,
     as_json: Json = False,
@@ -491,7 +545,15 @@ def inspect(
 
 
 def _model_options(
-    *, model, trust_remote_code, allow_pickle, no_memory_check, strict_coverage, device_map, max_memory, dtype=None
+    *,
+    model,
+    trust_remote_code,
+    allow_pickle,
+    no_memory_check,
+    strict_coverage,
+    device_map,
+    max_memory,
+    dtype=None,
 ):
     """The model options of every command that loads a model (the flags are named alike in each)."""
     from ptq.commands.options import ModelOptions
@@ -570,16 +632,22 @@ def _evaluation_options(
             on_unseen=on_unseen,
             all_experts=all_experts,
         ),
-        compute=ComputeOptions(batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target),
+        compute=ComputeOptions(
+            batch_size=batch_size, matmul=matmul, low_memory=low_memory, target=target
+        ),
     )
 
 
-def _calibration_options(*, calib, data, data_flag, samples, seq_len, on_nonfinite, on_unseen, all_experts):
+def _calibration_options(
+    *, calib, data, data_flag, samples, seq_len, on_nonfinite, on_unseen, all_experts
+):
     """A calibration file (--calib) or the text to calibrate on (`data_flag`), not both."""
     from ptq.commands.options import CalibrationOptions
 
     if calib and data:
-        raise PtqError(f"give either --calib (a calibration file) or {data_flag} (text to calibrate on), not both")
+        raise PtqError(
+            f"give either --calib (a calibration file) or {data_flag} (text to calibrate on), not both"
+        )
     return CalibrationOptions(
         file=calib,
         data=data,
@@ -654,7 +722,9 @@ def _print_inspect(info: dict) -> None:
         cells = []
         for name in names:
             r = row["recipes"][name]
-            cells.append(f"{short(r['weights'])} / {short(r['inputs'])}" if r["quantized"] else "- (bf16)")
+            cells.append(
+                f"{short(r['weights'])} / {short(r['inputs'])}" if r["quantized"] else "- (bf16)"
+            )
         table.add_row(row["layer"], row["kind"], f"{row['shape'][0]} x {row['shape'][1]}", *cells)
     console = stdout_console()
     console.print(table)
@@ -683,13 +753,20 @@ def quantize(
             "KV cache (e.g. fp8-e4m3+kv); or a .yaml path with E4M3 or int8 weights and inputs.",
         ),
     ] = "fp8-e4m3",
-    output: Annotated[Path, typer.Option("--output", "-o", parser=_path, help="Checkpoint directory to write.")] = ...,
+    output: Annotated[
+        Path, typer.Option("--output", "-o", parser=_path, help="Checkpoint directory to write.")
+    ] = ...,
     calib: CalibFile = None,
     data: Annotated[
         str | None,
-        typer.Option("--data", help=DATA_HELP + " (calibration split; verification uses its evaluation split)."),
+        typer.Option(
+            "--data",
+            help=DATA_HELP + " (calibration split; verification uses its evaluation split).",
+        ),
     ] = None,
-    samples: Annotated[int, typer.Option("--samples", min=1, help="Calibration windows when calibrating here.")] = 32,
+    samples: Annotated[
+        int, typer.Option("--samples", min=1, help="Calibration windows when calibrating here.")
+    ] = 32,
     seq_len: SeqLen = 512,
     verify: Annotated[
         bool,
@@ -699,7 +776,8 @@ def quantize(
         ),
     ] = True,
     verify_windows: Annotated[
-        int, typer.Option("--verify-windows", min=1, help="Evaluation windows for the verification.")
+        int,
+        typer.Option("--verify-windows", min=1, help="Evaluation windows for the verification."),
     ] = VERIFY_WINDOWS,
     shard_size: Annotated[
         float, typer.Option("--shard-size", min=0.001, help="Largest safetensors shard, in MB.")
@@ -722,7 +800,8 @@ def quantize(
         ),
     ] = None,
     private: Annotated[
-        bool, typer.Option("--private", help="With --push-to-hub: a repository it creates is private.")
+        bool,
+        typer.Option("--private", help="With --push-to-hub: a repository it creates is private."),
     ] = False,
     batch_size: BatchSize = "auto",
     force: Force = False,
@@ -748,7 +827,9 @@ def quantize(
     from ptq.commands.workflows import run_quantize
     from ptq.export.checkpoint import VerificationFailed
 
-    if not verify and verify_windows != VERIFY_WINDOWS:  # an option takes effect or is refused, never dropped
+    if (
+        not verify and verify_windows != VERIFY_WINDOWS
+    ):  # an option takes effect or is refused, never dropped
         raise PtqError("--verify-windows does not apply with --no-verify (no verification runs)")
 
     options = dict(
@@ -761,7 +842,9 @@ def quantize(
             device_map=device_map,
             max_memory=max_memory,
         ),
-        data=DataOptions(data=data, seq_len=seq_len, windows=verify_windows),  # verification: --data's evaluation split
+        data=DataOptions(
+            data=data, seq_len=seq_len, windows=verify_windows
+        ),  # verification: --data's evaluation split
         calibration=_calibration_options(
             calib=calib,
             data=data,
@@ -806,12 +889,20 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
     if ver is not None:
         tol = ver["tolerance"]
         # ptq's own reader stands in where transformers cannot run the checkpoint as quantized (Conv1D layers)
-        reloaded = "ptq reader reload" if str(ver.get("loader") or "").startswith("ptq's") else "transformers reload"
+        reloaded = (
+            "ptq reader reload"
+            if str(ver.get("loader") or "").startswith("ptq's")
+            else "transformers reload"
+        )
         console.print(
             f"verification {'[green]passed[/]' if ver['passed'] else '[bold red]FAILED[/]'} ({reloaded} vs ptq simulation, "
             f"{ver['windows']} windows x {ver['seq_len']} tokens): perplexity {ver['reloaded_perplexity']:.4f} vs "
             f"{ver['simulated_perplexity']:.4f} simulated"
-            + (f", {ver['ptq_perplexity']:.4f} with {ver['ptq_rounding']}" if ver["ptq_rounding"] else "")
+            + (
+                f", {ver['ptq_perplexity']:.4f} with {ver['ptq_rounding']}"
+                if ver["ptq_rounding"]
+                else ""
+            )
             + f" ({ver['ppl_delta_pct']:+.4f}%; "
             + (
                 f"float-order noise floor {ver['noise_floor']['ppl_delta_pct']:+.4f}%, KL {ver['noise_floor']['kl_div']:.3g}"
@@ -830,7 +921,9 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
             console.print(f"  problem: {p}", highlight=False, markup=False)
     else:
         console.print(
-            f"not verified ({info.get('verification_skipped', '--no-verify')})", highlight=False, markup=False
+            f"not verified ({info.get('verification_skipped', '--no-verify')})",
+            highlight=False,
+            markup=False,
         )
     if written:
         pct = 100 * size["bytes_saved"] / size["bytes_16bit"]
@@ -846,14 +939,20 @@ def _print_quantize(info: dict, output: Path, written: bool) -> None:
             soft_wrap=True,
         )
     if written and info.get("hub"):
-        console.print(f"uploaded to {info['hub']['url']} (commit {info['hub']['commit'][:12]})", highlight=False)
+        console.print(
+            f"uploaded to {info['hub']['url']} (commit {info['hub']['commit'][:12]})",
+            highlight=False,
+        )
 
 
 @app.command("eval")
 def eval_(
     model: ModelArg = None,
     recipe: Annotated[
-        str, typer.Option("--recipe", help="The configuration to evaluate (a recipe name or .yaml path).")
+        str,
+        typer.Option(
+            "--recipe", help="The configuration to evaluate (a recipe name or .yaml path)."
+        ),
     ] = "bf16",
     calib: CalibFile = None,
     calib_data: CalibData = None,
@@ -862,7 +961,8 @@ def eval_(
         str | None,
         typer.Option(
             "--tasks",
-            help=TASKS_HELP + " Default 'auto': cloze, or none where lm-eval cannot run (--low-memory, torchrun) "
+            help=TASKS_HELP
+            + " Default 'auto': cloze, or none where lm-eval cannot run (--low-memory, torchrun) "
             "or the text has no cloze items.",
         ),
     ] = "auto",
@@ -873,9 +973,9 @@ def eval_(
     seq_len: SeqLen = 512,
     max_windows: MaxWindows = 40,
     batch_size: BatchSize = "auto",
-    out: Annotated[Path, typer.Option("--out", parser=_path, help="Directory for report.md and results.json.")] = Path(
-        "reports/eval"
-    ),
+    out: Annotated[
+        Path, typer.Option("--out", parser=_path, help="Directory for report.md and results.json.")
+    ] = Path("reports/eval"),
     force: Force = False,
     quiet: Quiet = False,
     trust_remote_code: RemoteCode = False,
@@ -966,16 +1066,31 @@ def _print_compare(results, out: Path) -> None:
     base = results.baseline
     checks = stored_checks(results)
     # names (a recipe's, the model's, a task's) are text, not rich markup: escaped, so "[...]" is printed as written
-    table = Table(title=escape(f"{results.model.name}: {results.eval.windows} windows x {results.eval.seq_len} tokens"))
-    for col in ("variant", "perplexity", "Δ ppl", "next-token acc", f"KL vs {base.name}", "top-1 agreement"):
+    table = Table(
+        title=escape(
+            f"{results.model.name}: {results.eval.windows} windows x {results.eval.seq_len} tokens"
+        )
+    )
+    for col in (
+        "variant",
+        "perplexity",
+        "Δ ppl",
+        "next-token acc",
+        f"KL vs {base.name}",
+        "top-1 agreement",
+    ):
         table.add_column(escape(col), justify="left" if col == "variant" else "right")
-    table.add_row(escape(base.name), f"{base.perplexity:.4f}", "", f"{100 * base.accuracy:.2f}%", "", "")
+    table.add_row(
+        escape(base.name), f"{base.perplexity:.4f}", "", f"{100 * base.accuracy:.2f}%", "", ""
+    )
     failed = {c.variant for c in checks if not c.passed}
     for v in results.variants:
         table.add_row(
             escape(v.name) + (" FAIL" if v.name in failed else ""),
             f"{v.perplexity:.4f}",
-            ppl_delta_text(v, checks),  # with the digits that tell it from its gate's limit, as in the report
+            ppl_delta_text(
+                v, checks
+            ),  # with the digits that tell it from its gate's limit, as in the report
             f"{100 * v.accuracy:.2f}%",
             kl_div_text(v, checks),
             f"{100 * v.top1_agreement:.2f}%",
@@ -984,7 +1099,10 @@ def _print_compare(results, out: Path) -> None:
     console.print(table)
     for v in results.variants:
         console.print(
-            f"{v.name}: {describe_coverage(to_json(v.coverage))}", highlight=False, soft_wrap=True, markup=False
+            f"{v.name}: {describe_coverage(to_json(v.coverage))}",
+            highlight=False,
+            soft_wrap=True,
+            markup=False,
         )
     _print_tasks(console, results, [base, *results.variants])
     if results.gates:
@@ -992,7 +1110,10 @@ def _print_compare(results, out: Path) -> None:
 
         console.print(verdict(results).replace("**", ""), highlight=False, markup=False)
     console.print(
-        f"wrote {out / 'report.md'} and {out / 'results.json'}", markup=False, highlight=False, soft_wrap=True
+        f"wrote {out / 'report.md'} and {out / 'results.json'}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -1016,7 +1137,9 @@ def _print_tasks(console, results, entries: list) -> None:
     for task in results.tasks:
         for metric in task.metrics:
             # a share in [0, 1] as a percentage; a metric in its own units (likelihood_diff, nats) as it is
-            scale, unit, places = (100, "%", 1) if task_metric_is_share(results, task.name, metric) else (1, "", 3)
+            scale, unit, places = (
+                (100, "%", 1) if task_metric_is_share(results, task.name, metric) else (1, "", 3)
+            )
             cells = []
             for e in entries:
                 m = e.tasks[task.name].metrics[metric]
@@ -1030,10 +1153,14 @@ def _print_tasks(console, results, entries: list) -> None:
                         f"{fmt_against(d.recovery_pct, limit, '.1f')}%{' FAIL' if any(not c.passed for c in gated) else ''})"
                     )
                 cells.append(escape(cell))
-            lower = "" if task_higher_is_better(results, task.name, metric) else " (lower is better)"
+            lower = (
+                "" if task_higher_is_better(results, task.name, metric) else " (lower is better)"
+            )
             table.add_row(escape(task.name), escape(metric + lower), str(task.n), *cells)
     console.print(table)
-    for task in results.tasks:  # lm-eval's numbers ptq cannot pair (harness.describe_tasks), named here too
+    for task in (
+        results.tasks
+    ):  # lm-eval's numbers ptq cannot pair (harness.describe_tasks), named here too
         for note in task.notes:
             if note.startswith(harness.NOT_REPORTED):
                 console.print(escape(f"{task.name}: {note}"), highlight=False, soft_wrap=True)
@@ -1057,7 +1184,10 @@ def _print_eval(results, out: Path) -> None:
     )
     _print_tasks(console, results, [c])
     console.print(
-        f"wrote {out / 'report.md'} and {out / 'results.json'}", markup=False, highlight=False, soft_wrap=True
+        f"wrote {out / 'report.md'} and {out / 'results.json'}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -1080,26 +1210,40 @@ def main() -> None:
     progress.NOTES.clear()
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        code = app(standalone_mode=False)  # click's own usage errors are printed below, in ptq's one line
+        code = app(
+            standalone_mode=False
+        )  # click's own usage errors are printed below, in ptq's one line
         progress.print_notes()
-        raise SystemExit(code if isinstance(code, int) else 0)  # as typer's standalone mode: typer.Exit(n), 130, 0
+        raise SystemExit(
+            code if isinstance(code, int) else 0
+        )  # as typer's standalone mode: typer.Exit(n), 130, 0
     except click_exceptions.ClickException as e:
-        if type(e).__name__ != "NoArgsIsHelpError":  # bare `ptq`: typer has printed the help already
-            progress.stderr.print(f"[bold red]error:[/] {escape(e.format_message())}", highlight=False, soft_wrap=True)
+        if (
+            type(e).__name__ != "NoArgsIsHelpError"
+        ):  # bare `ptq`: typer has printed the help already
+            progress.stderr.print(
+                f"[bold red]error:[/] {escape(e.format_message())}", highlight=False, soft_wrap=True
+            )
         raise SystemExit(e.exit_code) from None
     except typer.Abort:  # end of input at a prompt (ptq asks for none)
         progress.stderr.print("Aborted!", highlight=False)
         raise SystemExit(1) from None
     except PtqError as e:
-        progress.stderr.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        progress.stderr.print(
+            f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True
+        )
         raise SystemExit(2) from None
     except Exception as e:
-        if type(e).__name__ != "OutOfMemoryError":  # torch.cuda.OutOfMemoryError where no step named what did not fit
+        if (
+            type(e).__name__ != "OutOfMemoryError"
+        ):  # torch.cuda.OutOfMemoryError where no step named what did not fit
             raise
         from ptq.execution.devices import out_of_memory
 
         progress.stderr.print(
-            f"[bold red]error:[/] {escape(str(out_of_memory('', str(e))))}", highlight=False, soft_wrap=True
+            f"[bold red]error:[/] {escape(str(out_of_memory('', str(e))))}",
+            highlight=False,
+            soft_wrap=True,
         )
         raise SystemExit(2) from None
     except (KeyboardInterrupt, SystemExit) as e:  # typer turns KeyboardInterrupt into exit code 130

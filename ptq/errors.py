@@ -10,7 +10,9 @@ class PtqError(Exception):
 def unreadable_weights(path, error: Exception) -> PtqError:
     """A weights file safetensors could not open, said as the operating system says it where it did (a missing file,
     no permission to read it), else as what it most likely is."""
-    return PtqError(f"cannot read the weights file {path}: {os_reason(path, error) or 'damaged or not safetensors'}")
+    return PtqError(
+        f"cannot read the weights file {path}: {os_reason(path, error) or 'damaged or not safetensors'}"
+    )
 
 
 def os_reason(path, error: Exception) -> str | None:
@@ -39,4 +41,8 @@ def name_problem(name: str) -> str | None:
     import unicodedata
 
     bad = next((c for c in name if c == "|" or unicodedata.category(c) == "Cc"), None)
-    return None if bad is None else f"{name!r} holds {bad!r}: a name is one line without '|' (it names a table row)"
+    return (
+        None
+        if bad is None
+        else f"{name!r} holds {bad!r}: a name is one line without '|' (it names a table row)"
+    )

@@ -38,7 +38,9 @@ def check_writable(path: Path, force: bool, directory: bool = False) -> None:
     """Refuse to overwrite an existing output unless --force was given. A file output (not `directory`) that is an
     existing directory is refused even with --force, before any work: the rename onto it would fail at the end."""
     path = Path(path)
-    if not directory and path.is_dir() and not path.is_symlink():  # a symlink is replaced, not followed
+    if (
+        not directory and path.is_dir() and not path.is_symlink()
+    ):  # a symlink is replaced, not followed
         raise PtqError(
             f"cannot write {path}: it is a directory, and the output is a file (--force does not replace it)"
         )
@@ -46,7 +48,9 @@ def check_writable(path: Path, force: bool, directory: bool = False) -> None:
         raise PtqError(f"{path} already exists (use --force to overwrite)")
 
 
-def check_not_an_input(path: Path, inputs: dict[str, str | Path | None], replaced: bool = False) -> None:
+def check_not_an_input(
+    path: Path, inputs: dict[str, str | Path | None], replaced: bool = False
+) -> None:
     """Refuse an output that is one of the run's inputs or lies within one (a model folder), --force or not: the run
     would replace what it reads. `inputs`: what each is ("--data") -> a local path, or None (a Hub name, the default).
     `replaced`: the output is a folder replaced whole (quantize's), so one that holds an input is refused too."""
@@ -60,7 +64,9 @@ def check_not_an_input(path: Path, inputs: dict[str, str | Path | None], replace
                 f"cannot write {path}: it is {'within ' if out != given else ''}{what} {source}, read by this run"
             )
         if replaced and out in given.parents:
-            raise PtqError(f"cannot write {path}: it holds {what} {source}, read by this run, and would replace it")
+            raise PtqError(
+                f"cannot write {path}: it holds {what} {source}, read by this run, and would replace it"
+            )
 
 
 @contextmanager
@@ -75,7 +81,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600 files; outputs get the usual mode
+        os.chmod(
+            tmp_path, 0o666 & ~_umask()
+        )  # mkstemp makes 0600 files; outputs get the usual mode
         yield tmp_path
         os.replace(tmp_path, path)
     except OSError as e:
@@ -158,7 +166,9 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str]) -> Non
     data = safetensors.torch.save(tensors, metadata=metadata)
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
-    canonical = {"__metadata__": dict(sorted(header.pop("__metadata__", {}).items()))} | dict(sorted(header.items()))
+    canonical = {"__metadata__": dict(sorted(header.pop("__metadata__", {}).items()))} | dict(
+        sorted(header.items())
+    )
     text = json.dumps(canonical, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes with spaces
     with atomic_path(path) as tmp:
@@ -201,7 +211,9 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     except OSError as e:
         raise PtqError(f"cannot write in {path.parent}: {_reason(e)}") from None
     try:
-        os.chmod(tmp_path, 0o777 & ~_umask())  # mkdtemp makes 0700 folders; a checkpoint or cache gets the usual mode
+        os.chmod(
+            tmp_path, 0o777 & ~_umask()
+        )  # mkdtemp makes 0700 folders; a checkpoint or cache gets the usual mode
         yield tmp_path
         for f in tmp_path.rglob("*"):  # and its files too: safetensors' save_file makes them 0600
             if f.is_file() and not f.is_symlink():
@@ -221,7 +233,9 @@ def atomic_dir(path: Path) -> Iterator[Path]:
             raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:  # a full disk, a quota, a read-only mount while the folder was written: one line
+    except (
+        OSError
+    ) as e:  # a full disk, a quota, a read-only mount while the folder was written: one line
         shutil.rmtree(tmp_path, ignore_errors=True)
         where = f" ({e.filename})" if e.filename else ""
         raise PtqError(f"cannot write {path}: {_reason(e)}{where} (nothing was written)") from None
@@ -237,17 +251,25 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: merged keys may be overridden, as YAML says
+            if (
+                key_node.tag == "tag:yaml.org,2002:merge"
+            ):  # `<<: *base`: merged keys may be overridden, as YAML says
                 continue
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, Hashable):
                 # a list or mapping as a key ([1, 2]: 3): PyYAML's own error, with its line, not a TypeError here
                 raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark, "found unhashable key", key_node.start_mark
+                    "while constructing a mapping",
+                    node.start_mark,
+                    "found unhashable key",
+                    key_node.start_mark,
                 )
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"'{key}' given twice (first on line {seen[key] + 1})", key_node.start_mark
+                    None,
+                    None,
+                    f"'{key}' given twice (first on line {seen[key] + 1})",
+                    key_node.start_mark,
                 )
             seen.setdefault(key, key_node.start_mark.line)
         return super().construct_mapping(node, deep)

@@ -6,7 +6,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 stderr = Console(stderr=True)
 QUIET = False  # set by the CLI's --quiet
@@ -25,7 +32,9 @@ def print_notes() -> None:
 
 
 @contextmanager
-def progress(description: str, total: int, tokens_per_step: int = 0) -> Iterator[Callable[[int], None]]:
+def progress(
+    description: str, total: int, tokens_per_step: int = 0
+) -> Iterator[Callable[[int], None]]:
     """Yield `advance(steps)`; shows steps done, tokens/s when tokens_per_step is given, and time left."""
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
     if tokens_per_step:

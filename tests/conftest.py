@@ -35,7 +35,10 @@ def save_tiny_llama(path: Path, seed: int = 0, **config) -> Path:
         tie_word_embeddings=True,
     )
     config = LlamaConfig(
-        vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **(sizes | config)
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **(sizes | config),
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)

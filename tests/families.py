@@ -23,7 +23,9 @@ def make_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=300,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([TEXT], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
@@ -75,14 +77,29 @@ DENSE = {
     ),
     "falcon": (
         "FalconConfig",
-        dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256),
+        dict(
+            vocab_size=300,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+        ),
     ),
 }
 MOE_FAMILIES = {
-    "mixtral": ("MixtralConfig", COMMON | dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
-    "qwen2_moe": ("Qwen2MoeConfig", COMMON | MOE | dict(num_experts=4, shared_expert_intermediate_size=48)),
+    "mixtral": (
+        "MixtralConfig",
+        COMMON | dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        COMMON | MOE | dict(num_experts=4, shared_expert_intermediate_size=48),
+    ),
     "qwen3_moe": ("Qwen3MoeConfig", COMMON | MOE | dict(num_experts=4, head_dim=16)),
-    "olmoe": ("OlmoeConfig", COMMON | dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+    "olmoe": (
+        "OlmoeConfig",
+        COMMON | dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    ),
     "deepseek_v3": (
         "DeepseekV3Config",
         COMMON
@@ -113,16 +130,28 @@ MOE_FAMILIES = {
             sliding_window=32,
         ),
     ),
-    "phimoe": ("PhimoeConfig", COMMON | dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+    "phimoe": (
+        "PhimoeConfig",
+        COMMON | dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    ),
     "glm4_moe": (
         "Glm4MoeConfig",
         COMMON
         | MOE
-        | dict(n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, head_dim=16),
+        | dict(
+            n_routed_experts=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            head_dim=16,
+        ),
     ),
     "ernie4_5_moe": (
         "Ernie4_5_MoeConfig",
-        COMMON | MOE | dict(moe_num_experts=4, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=0),
+        COMMON
+        | MOE
+        | dict(moe_num_experts=4, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=0),
     ),
 }
 FAMILIES = DENSE | MOE_FAMILIES

@@ -36,7 +36,9 @@ def recipe(name: str) -> RecipeSummary:
 def task_scores(**values: float) -> dict[str, TaskScores]:
     """{task: TaskScores} with one metric, acc, per task: task_scores(piqa=0.6)."""
     return {
-        name: TaskScores(n=100, metrics={"acc": TaskMetric(value=v, stderr=0.01, ci=(v - 0.05, v + 0.05))})
+        name: TaskScores(
+            n=100, metrics={"acc": TaskMetric(value=v, stderr=0.01, ci=(v - 0.05, v + 0.05))}
+        )
         for name, v in values.items()
     }
 
@@ -57,7 +59,9 @@ def _common(name: str, perplexity: float, accuracy: float, tasks) -> dict:
     )
 
 
-def baseline(name: str = "bf16", perplexity: float = 10.0, accuracy: float = 0.5, tasks=None) -> Entry:
+def baseline(
+    name: str = "bf16", perplexity: float = 10.0, accuracy: float = 0.5, tasks=None
+) -> Entry:
     return Entry(**_common(name, perplexity, accuracy, tasks))
 
 
@@ -89,7 +93,9 @@ def variant(
     )
 
 
-def compare_results(base: Entry | None = None, variants: list[Variant] | None = None) -> CompareResults:
+def compare_results(
+    base: Entry | None = None, variants: list[Variant] | None = None
+) -> CompareResults:
     base = base or baseline()
     variants = [variant()] if variants is None else variants
     return CompareResults(
@@ -108,7 +114,9 @@ def compare_results(base: Entry | None = None, variants: list[Variant] | None = 
         ),
         protocol=["By hand."],
         target="vllm",
-        statistics=Statistics(method="percentile bootstrap", resamples=2000, seed=0, confidence=0.95),
+        statistics=Statistics(
+            method="percentile bootstrap", resamples=2000, seed=0, confidence=0.95
+        ),
         calibration=None,
         versions={"ptq": "0"},
         created="2026-01-01T00:00:00+00:00",

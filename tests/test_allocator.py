@@ -35,12 +35,18 @@ for _ in range(6):
 print(json.dumps([kept, faults]))
 """
 
-glibc = pytest.mark.skipif(not os.confstr_names.get("CS_GNU_LIBC_VERSION"), reason="mallopt is glibc's")
+glibc = pytest.mark.skipif(
+    not os.confstr_names.get("CS_GNU_LIBC_VERSION"), reason="mallopt is glibc's"
+)
 
 
 def rounds(setting: str, **env) -> tuple:
-    environment = {k: v for k, v in os.environ.items() if k not in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES")} | env
-    out = subprocess.run([sys.executable, "-c", ROUNDS, setting], capture_output=True, text=True, env=environment)
+    environment = {
+        k: v for k, v in os.environ.items() if k not in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES")
+    } | env
+    out = subprocess.run(
+        [sys.executable, "-c", ROUNDS, setting], capture_output=True, text=True, env=environment
+    )
     assert out.returncode == 0, out.stderr
     return tuple(json.loads(out.stdout))
 
@@ -52,14 +58,19 @@ PAGES = 8 * (8 << 20) // 4096  # the 64 MiB of one round, in 4 KiB pages
 def test_freed_memory_is_kept_for_the_next_round_instead_of_faulted_back():
     _, default = rounds("default")
     kept, faults = rounds("ptq")
-    assert all(f > PAGES / 2 for f in default[1:]), default  # glibc's default: every round faults its blocks in
+    assert all(f > PAGES / 2 for f in default[1:]), (
+        default
+    )  # glibc's default: every round faults its blocks in
     assert kept is True
-    assert faults[0] > PAGES / 2 and all(f < PAGES / 100 for f in faults[1:]), faults  # once, then reused
+    assert faults[0] > PAGES / 2 and all(f < PAGES / 100 for f in faults[1:]), (
+        faults
+    )  # once, then reused
 
 
 @glibc
 @pytest.mark.parametrize(
-    "setting", [{"MALLOC_TRIM_THRESHOLD_": "0"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}]
+    "setting",
+    [{"MALLOC_TRIM_THRESHOLD_": "0"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}],
 )
 def test_the_users_own_malloc_settings_are_kept(setting):
     kept, faults = rounds("ptq", **setting)  # trim everything: what they asked for

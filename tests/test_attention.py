@@ -64,7 +64,11 @@ def test_pass_through_is_identical_and_counting_sees_every_matmul_input(arch):
     log = []
     quantized = copy.deepcopy(sdpa)
     attention.install(
-        quantized, {name: AttentionQuant({t: Counter(log, f"{name}.{t}") for t in TENSORS}) for name in layers}
+        quantized,
+        {
+            name: AttentionQuant({t: Counter(log, f"{name}.{t}") for t in TENSORS})
+            for name in layers
+        },
     )
     assert quantized.config._attn_implementation == "ptq"
     with torch.inference_mode():
@@ -105,19 +109,31 @@ def test_observing_keeps_the_models_own_output_and_sees_the_eager_inputs(arch, o
         observing, quantizing = copy.deepcopy(model), copy.deepcopy(model)
         attention.install(
             observing,
-            {n: AttentionQuant({t: Recorder(observed, f"{n}.{t}") for t in TENSORS}) for n in layers},
+            {
+                n: AttentionQuant({t: Recorder(observed, f"{n}.{t}") for t in TENSORS})
+                for n in layers
+            },
             observe=True,
         )
         attention.install(
-            quantizing, {n: AttentionQuant({t: Recorder(rounded, f"{n}.{t}") for t in TENSORS}) for n in layers}
+            quantizing,
+            {
+                n: AttentionQuant({t: Recorder(rounded, f"{n}.{t}") for t in TENSORS})
+                for n in layers
+            },
         )
-        assert observing.config._attn_implementation == {"sdpa": "ptq-observe-sdpa", "eager": "ptq"}[own]
+        assert (
+            observing.config._attn_implementation
+            == {"sdpa": "ptq-observe-sdpa", "eager": "ptq"}[own]
+        )
         with torch.inference_mode():
             got = observing(input_ids=IDS, **kwargs).logits
             quantizing(input_ids=IDS, **kwargs)
         assert torch.equal(got, want)
         assert observed.keys() == rounded.keys() == {f"{n}.{t}" for n in layers for t in TENSORS}
-        first = next(iter(layers))  # later layers' inputs differ by SDPA's rounding of the layers before
+        first = next(
+            iter(layers)
+        )  # later layers' inputs differ by SDPA's rounding of the layers before
         for name in observed:
             tol = 1e-6 if name.startswith(first + ".") or own == "eager" else 1e-4
             # [batch, heads, position, ...]: padded positions' outputs are arbitrary, in any implementation
@@ -150,12 +166,16 @@ def test_residual_add_inputs_pass_through_and_counting(arch):
     blocks = residual.residual_blocks(model)
     assert len(blocks) == 3
     log = []
-    handles = residual.install(model, {b: {t: Counter(log, f"{b}.{t}") for t in residual.TENSORS} for b in blocks})
+    handles = residual.install(
+        model, {b: {t: Counter(log, f"{b}.{t}") for t in residual.TENSORS} for b in blocks}
+    )
     with torch.inference_mode():
         got = model(input_ids=IDS).logits
     assert torch.equal(got, want)
     assert sorted(n for n, _ in log) == sorted(f"{b}.{t}" for b in blocks for t in residual.TENSORS)
-    assert all(shape == (2, 12, 32) for _, shape in log)  # every operand is a [batch, seq, hidden] stream
+    assert all(
+        shape == (2, 12, 32) for _, shape in log
+    )  # every operand is a [batch, seq, hidden] stream
     for h in handles:
         h.remove()
     # Rounding only the mid-block sum changes the output: the in-place rounding reaches the residual add.
@@ -187,12 +207,18 @@ def test_ptq_attention_is_each_familys_eager_attention_bit_for_bit(family):
     if family == "falcon" and not layers:
         # transformers 5.17 (not 5.25) runs Falcon's attention in its own code, not through the attention interface: ptq
         # cannot quantize its inputs there and names every such layer (coverage reports them left out)
-        assert sorted(attention.other_attention(model).values()) == ["FalconAttention"] * model.config.num_hidden_layers
+        assert (
+            sorted(attention.other_attention(model).values())
+            == ["FalconAttention"] * model.config.num_hidden_layers
+        )
         return
     assert layers
     passed = []
     quantized = copy.deepcopy(model)
-    attention.install(quantized, {n: AttentionQuant({t: Counter(passed, f"{n}.{t}") for t in TENSORS}) for n in layers})
+    attention.install(
+        quantized,
+        {n: AttentionQuant({t: Counter(passed, f"{n}.{t}") for t in TENSORS}) for n in layers},
+    )
     with torch.inference_mode():
         got = quantized(input_ids=ids).logits
     assert {n for n, _ in passed} == {f"{n}.{t}" for n in layers for t in TENSORS}

@@ -44,7 +44,9 @@ def test_batch_size_is_a_positive_integer_or_auto():
             batching.parse_batch_size(bad)
 
 
-def test_auto_is_the_old_default_on_the_cpu_and_follows_free_memory_on_cuda(tiny_model, monkeypatch):
+def test_auto_is_the_old_default_on_the_cpu_and_follows_free_memory_on_cuda(
+    tiny_model, monkeypatch
+):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert batching.auto_batch_size(model, 32, windows=40) == batching.CPU_BATCH_SIZE
     assert batching.auto_batch_size(model, 32, windows=3) == 3
@@ -65,36 +67,57 @@ def test_auto_is_the_old_default_on_the_cpu_and_follows_free_memory_on_cuda(tiny
 
     fake = OnCuda()
     fake.config = config
-    assert batching.auto_batch_size(fake, 2048, windows=1000) == min(batching.MAX_AUTO_BATCH_SIZE, int(100 * 0.7))
+    assert batching.auto_batch_size(fake, 2048, windows=1000) == min(
+        batching.MAX_AUTO_BATCH_SIZE, int(100 * 0.7)
+    )
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (one // 2, 200 * one))
-    assert batching.auto_batch_size(fake, 2048, windows=1000) == 1  # even when one window does not seem to fit
+    assert (
+        batching.auto_batch_size(fake, 2048, windows=1000) == 1
+    )  # even when one window does not seem to fit
     del param
 
 
-def test_an_automatic_batch_size_halves_on_out_of_memory_with_the_same_scores(tiny_model, monkeypatch):
+def test_an_automatic_batch_size_halves_on_out_of_memory_with_the_same_scores(
+    tiny_model, monkeypatch
+):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     other = AutoModelForCausalLM.from_pretrained(tiny_model)
     torch.nn.init.normal_(other.model.layers[0].mlp.down_proj.weight, std=0.05)
-    ids = torch.randint(0, model.config.vocab_size, (7, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (7, 24), generator=torch.Generator().manual_seed(0)
+    )
     want = evaluate({"a": model, "b": other}, ids, batch_size=1)
     calls = []
     oom_above(monkeypatch, 1, calls)
-    got = evaluate({"a": model, "b": other}, ids, batch_size=None)  # auto: 4 on the CPU, then 2, then 1
+    got = evaluate(
+        {"a": model, "b": other}, ids, batch_size=None
+    )  # auto: 4 on the CPU, then 2, then 1
     assert calls[:3] == [4, 2, 1] and max(calls[3:]) == 1
     for name in ("a", "b"):
-        assert got[name] == want[name]  # every sum and per-window list: a failed batch left nothing behind
+        assert (
+            got[name] == want[name]
+        )  # every sum and per-window list: a failed batch left nothing behind
     assert got["b"].kl_div > 0
 
 
 def test_an_explicit_batch_size_that_does_not_fit_is_one_line(tiny_model, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    ids = torch.randint(0, model.config.vocab_size, (6, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (6, 24), generator=torch.Generator().manual_seed(0)
+    )
     oom_above(monkeypatch, 1)
     with pytest.raises(PtqError) as e:
         evaluate({"a": model}, ids, batch_size=2)
     message = str(e.value)
-    assert "\n" not in message and "out of GPU memory evaluating 1 model(s) on 2 window(s) of 24 tokens" in message
-    assert "estimated" in message and "Tried to allocate 3.91 GiB" in message and "--batch-size" in message
+    assert (
+        "\n" not in message
+        and "out of GPU memory evaluating 1 model(s) on 2 window(s) of 24 tokens" in message
+    )
+    assert (
+        "estimated" in message
+        and "Tried to allocate 3.91 GiB" in message
+        and "--batch-size" in message
+    )
     assert "--low-memory" in message and "fewer recipes" in message
 
 
@@ -147,14 +170,25 @@ def test_compare_with_an_explicit_batch_size_that_does_not_fit_is_one_line_exit_
         *FAST,
     )
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
-    assert "out of GPU memory evaluating 3 model(s) on 2 window(s)" in stderr and "--batch-size" in stderr
+    assert (
+        "out of GPU memory evaluating 3 model(s) on 2 window(s)" in stderr
+        and "--batch-size" in stderr
+    )
     assert not out.exists()
 
 
 @pytest.mark.parametrize("value", ["0", "lots"])
 def test_a_bad_batch_size_is_one_line_exit_2(ptq_cli, tiny_model, text_file, tmp_path, value):
     code, _, stderr = ptq_cli(
-        "compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", "--batch-size", value, *FAST
+        "compare",
+        tiny_model,
+        "--eval-data",
+        text_file,
+        "--out",
+        tmp_path / "x",
+        "--batch-size",
+        value,
+        *FAST,
     )
     assert code == 2 and "--batch-size must be a positive integer or 'auto'" in stderr
     assert len(stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
@@ -166,7 +200,9 @@ def test_out_of_memory_while_loading_is_one_line_naming_the_model(
     import ptq.commands.workflows
 
     def no_room(*args, **kwargs):
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 28.00 GiB. GPU 0 has 1.0 GiB free.")
+        raise torch.cuda.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 28.00 GiB. GPU 0 has 1.0 GiB free."
+        )
 
     monkeypatch.setattr(ptq.commands.workflows, "load_model", no_room)
     for command in (
@@ -174,14 +210,23 @@ def test_out_of_memory_while_loading_is_one_line_naming_the_model(
         ["eval", "--tasks", "", "--out", tmp_path / "e"],
         ["calibrate", "-o", tmp_path / "c.safetensors", "--data", text_file],
     ):
-        extra = ["--eval-data", text_file, "--seq-len", "32", "--max-windows", "4"] if command[0] != "calibrate" else []
+        extra = (
+            ["--eval-data", text_file, "--seq-len", "32", "--max-windows", "4"]
+            if command[0] != "calibrate"
+            else []
+        )
         code, _, stderr = ptq_cli(command[0], tiny_model, *command[1:], *extra, "--quiet")
         assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
-        assert f"out of GPU memory loading model '{tiny_model}'" in stderr and "Tried to allocate 28.00 GiB" in stderr
+        assert (
+            f"out of GPU memory loading model '{tiny_model}'" in stderr
+            and "Tried to allocate 28.00 GiB" in stderr
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]  # no output, no checkpoint
 
 
-def test_out_of_memory_while_exporting_leaves_nothing(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+def test_out_of_memory_while_exporting_leaves_nothing(
+    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+):
     pytest.importorskip("compressed_tensors")
     import ptq.export.checkpoint
 
@@ -210,16 +255,23 @@ def test_out_of_memory_while_exporting_leaves_nothing(ptq_cli, tiny_model, text_
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
 
 
-def test_an_out_of_memory_no_step_names_is_still_one_line(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+def test_an_out_of_memory_no_step_names_is_still_one_line(
+    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+):
     import ptq.commands.workflows
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.00 GiB.")
 
     monkeypatch.setattr(ptq.commands.workflows, "make_windows", no_room)
-    code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST)
+    code, _, stderr = ptq_cli(
+        "compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST
+    )
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
-    assert "out of GPU memory (CUDA out of memory. Tried to allocate 5.00 GiB)" in stderr and "--low-memory" in stderr
+    assert (
+        "out of GPU memory (CUDA out of memory. Tried to allocate 5.00 GiB)" in stderr
+        and "--low-memory" in stderr
+    )
 
 
 # Calibration: --batch-size for `ptq calibrate` and the calibration inside compare / eval / quantize --------------
@@ -236,7 +288,9 @@ def oom_in_mlp_above(monkeypatch, limit: int, calls: list | None = None):
         if calls is not None:
             calls.append(len(x))
         if len(x) > limit:
-            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.50 GiB. ({len(x)} rows)")
+            raise torch.cuda.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate 2.50 GiB. ({len(x)} rows)"
+            )
         return forward(self, x)
 
     monkeypatch.setattr(LlamaMLP, "forward", limited)
@@ -247,13 +301,20 @@ def test_calibration_estimate_has_no_metrics_and_logits_only_when_computed():
 
     config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336)
     block = 2048 * (8 * 4096 + 3 * 14336) * 2
-    observer = 2048 * 14336 * 16  # float32 copy, int32 bits, int64 bin index of the MLP's intermediate input
-    assert batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True, logits=False) == block + observer
+    observer = (
+        2048 * 14336 * 16
+    )  # float32 copy, int32 bits, int64 bin index of the MLP's intermediate input
+    assert (
+        batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True, logits=False)
+        == block + observer
+    )
     assert (
         batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True, logits=True)
         == block + observer + 2048 * 128256 * 2
     )  # the lm_head calibrated: logits in bf16, no float32 copy
-    assert batching.window_bytes(config, 2048, torch.bfloat16) == 2048 * 128256 * 2 + block  # evaluation unchanged
+    assert (
+        batching.window_bytes(config, 2048, torch.bfloat16) == 2048 * 128256 * 2 + block
+    )  # evaluation unchanged
 
 
 def _calibration_setup(tiny_model):
@@ -261,11 +322,15 @@ def _calibration_setup(tiny_model):
     from ptq.quantization.recipes import load_recipe
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    ids = torch.randint(0, model.config.vocab_size, (7, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (7, 24), generator=torch.Generator().manual_seed(0)
+    )
     return model, ids, calibrated_layers(model, load_recipe("fp8-e4m3"))
 
 
-def test_calibration_with_an_automatic_batch_size_restarts_on_out_of_memory(tiny_model, monkeypatch):
+def test_calibration_with_an_automatic_batch_size_restarts_on_out_of_memory(
+    tiny_model, monkeypatch
+):
     from ptq.calibration.calibrate import TensorObserver, calibrate
 
     model, ids, layers = _calibration_setup(tiny_model)
@@ -279,18 +344,29 @@ def test_calibration_with_an_automatic_batch_size_restarts_on_out_of_memory(tiny
 
     monkeypatch.setattr(TensorObserver, "__call__", counting)
     oom_in_mlp_above(monkeypatch, 2, calls)
-    got = calibrate(model, ids, layers, batch_size=None)  # auto: 4 on the CPU, then 2 from the first batch again
+    got = calibrate(
+        model, ids, layers, batch_size=None
+    )  # auto: 4 on the CPU, then 2 from the first batch again
     assert calls[0] == 4 and set(calls[1:]) == {2, 1}
-    assert 4 in observed  # the failed batch of 4 was counted by the first block's attention observers ...
+    assert (
+        4 in observed
+    )  # the failed batch of 4 was counted by the first block's attention observers ...
     assert got.metadata["batch_size"] == 2 == want.metadata["batch_size"]
-    assert got.input_amax.keys() == want.input_amax.keys() and got.input_hist.keys() == want.input_hist.keys()
-    for name in want.input_amax:  # ... and yet nothing of it is left: amax and histograms as on batches of 2
+    assert (
+        got.input_amax.keys() == want.input_amax.keys()
+        and got.input_hist.keys() == want.input_hist.keys()
+    )
+    for name in (
+        want.input_amax
+    ):  # ... and yet nothing of it is left: amax and histograms as on batches of 2
         assert torch.equal(got.input_amax[name], want.input_amax[name]), name
         assert torch.equal(got.input_hist[name], want.input_hist[name]), name
     assert sum(int(h.sum()) for h in got.input_hist.values()) > 0
 
 
-def test_calibration_with_an_explicit_batch_size_that_does_not_fit_is_one_line(tiny_model, monkeypatch):
+def test_calibration_with_an_explicit_batch_size_that_does_not_fit_is_one_line(
+    tiny_model, monkeypatch
+):
     from ptq.calibration.calibrate import calibrate
 
     model, ids, layers = _calibration_setup(tiny_model)
@@ -298,11 +374,20 @@ def test_calibration_with_an_explicit_batch_size_that_does_not_fit_is_one_line(t
     with pytest.raises(PtqError) as e:
         calibrate(model, ids, layers, batch_size=2)
     message = str(e.value)
-    assert "\n" not in message and "out of GPU memory calibrating on batches of 2 window(s) of 24 tokens" in message
-    assert "estimated" in message and "Tried to allocate 2.50 GiB" in message and "--batch-size" in message
+    assert (
+        "\n" not in message
+        and "out of GPU memory calibrating on batches of 2 window(s) of 24 tokens" in message
+    )
+    assert (
+        "estimated" in message
+        and "Tried to allocate 2.50 GiB" in message
+        and "--batch-size" in message
+    )
     with pytest.raises(PtqError, match="out of GPU memory calibrating on batches of 1 window"):
         oom_in_mlp_above(monkeypatch, 0)
-        calibrate(model, ids, layers, batch_size=None)  # automatic, down to one window that does not fit either
+        calibrate(
+            model, ids, layers, batch_size=None
+        )  # automatic, down to one window that does not fit either
 
 
 CALIBRATE = ["--samples", "6", "--seq-len", "16", "--quiet"]
@@ -310,7 +395,10 @@ CALIBRATE = ["--samples", "6", "--seq-len", "16", "--quiet"]
 
 def test_calibrate_command_batch_size(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")
-    calibrate = lambda out, *extra: ptq_cli("calibrate", tiny_model, "--data", text_file, "-o", out, *CALIBRATE, *extra)  # noqa: E731
+
+    def calibrate(out, *extra):
+        return ptq_cli("calibrate", tiny_model, "--data", text_file, "-o", out, *CALIBRATE, *extra)
+
     code, _, stderr = calibrate(tmp_path / "two.st", "--batch-size", "2")
     assert code == 0, stderr
     assert load_calibration(tmp_path / "two.st").metadata["batch_size"] == 2
@@ -319,18 +407,28 @@ def test_calibrate_command_batch_size(ptq_cli, tiny_model, text_file, tmp_path, 
     assert load_calibration(tmp_path / "cpu.st").metadata["batch_size"] == batching.CPU_BATCH_SIZE
     with monkeypatch.context() as m:
         oom_in_mlp_above(m, 2)
-        code, _, stderr = calibrate(tmp_path / "auto.st")  # auto: 4 runs out of memory, restarts on 2
+        code, _, stderr = calibrate(
+            tmp_path / "auto.st"
+        )  # auto: 4 runs out of memory, restarts on 2
         assert code == 0, stderr
-        assert (tmp_path / "auto.st").read_bytes() == (tmp_path / "two.st").read_bytes()  # the same file, byte for byte
+        assert (tmp_path / "auto.st").read_bytes() == (
+            tmp_path / "two.st"
+        ).read_bytes()  # the same file, byte for byte
         code, _, stderr = calibrate(tmp_path / "three.st", "--batch-size", "3")
-        assert code == 2 and len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+        assert code == 2 and len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, (
+            stderr
+        )
         assert "out of GPU memory calibrating on batches of 3 window(s) of 16 tokens" in stderr
-        assert not (tmp_path / "three.st").exists() and not (tmp_path / "three.st.checkpoint").exists()
+        assert (
+            not (tmp_path / "three.st").exists() and not (tmp_path / "three.st.checkpoint").exists()
+        )
     code, _, stderr = calibrate(tmp_path / "bad.st", "--batch-size", "0")
     assert code == 2 and "--batch-size must be a positive integer or 'auto'" in stderr
 
 
-def test_compare_and_quantize_calibrate_on_their_batch_size(ptq_cli, tiny_model, text_file, tmp_path):
+def test_compare_and_quantize_calibrate_on_their_batch_size(
+    ptq_cli, tiny_model, text_file, tmp_path
+):
     code, _, stderr = ptq_cli(
         "compare",
         tiny_model,
@@ -345,7 +443,9 @@ def test_compare_and_quantize_calibrate_on_their_batch_size(ptq_cli, tiny_model,
         *FAST,
     )
     assert code == 0, stderr
-    assert json.loads((tmp_path / "c" / "results.json").read_text())["calibration"]["batch_size"] == 3
+    assert (
+        json.loads((tmp_path / "c" / "results.json").read_text())["calibration"]["batch_size"] == 3
+    )
     pytest.importorskip("compressed_tensors")
     code, _, stderr = ptq_cli(
         "quantize",
@@ -364,7 +464,10 @@ def test_compare_and_quantize_calibrate_on_their_batch_size(ptq_cli, tiny_model,
         "--quiet",
     )
     assert code == 0, stderr
-    assert json.loads((tmp_path / "q" / "ptq-export.json").read_text())["calibration"]["batch_size"] == 1
+    assert (
+        json.loads((tmp_path / "q" / "ptq-export.json").read_text())["calibration"]["batch_size"]
+        == 1
+    )
 
 
 def test_the_estimate_reads_a_multimodal_models_text_config(monkeypatch):
@@ -373,12 +476,17 @@ def test_the_estimate_reads_a_multimodal_models_text_config(monkeypatch):
     window and `auto` took MAX_AUTO_BATCH_SIZE windows whatever the free memory."""
     from transformers import Gemma3Config
 
-    config = Gemma3Config()  # google/gemma-3-4b-it's text shape: 262,208-token vocabulary, 2560 wide
+    config = (
+        Gemma3Config()
+    )  # google/gemma-3-4b-it's text shape: 262,208-token vocabulary, 2560 wide
     text = config.get_text_config()
     assert batching.window_bytes(config, 2048, torch.bfloat16, models=3) == batching.window_bytes(
         text, 2048, torch.bfloat16, models=3
     )
-    assert batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True) > 2048 * text.vocab_size * 2
+    assert (
+        batching.window_bytes(config, 2048, torch.bfloat16, calibrating=True)
+        > 2048 * text.vocab_size * 2
+    )
 
     class OnCuda(torch.nn.Module):
         def parameters(self, recurse=True):
@@ -388,7 +496,9 @@ def test_the_estimate_reads_a_multimodal_models_text_config(monkeypatch):
     fake.config = config
     one = batching.window_bytes(text, 2048, torch.bfloat16, models=3)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * one, 20 * one))
-    assert batching.auto_batch_size(fake, 2048, windows=1000, models=3) == 7  # 70% of 10 windows, not 64
+    assert (
+        batching.auto_batch_size(fake, 2048, windows=1000, models=3) == 7
+    )  # 70% of 10 windows, not 64
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
@@ -407,7 +517,10 @@ def test_whole_models_build_no_kv_cache(family):
     ids = torch.randint(0, 300, (3, 16), generator=torch.Generator().manual_seed(0))
     expected = [model(input_ids=ids[i : i + 2]).logits for i in (0, 2)]  # with its cache, as before
     outputs = []
-    hooks = [m.register_forward_hook(lambda m, a, out: outputs.append(out)) for m in (model, model.base_model)]
+    hooks = [
+        m.register_forward_hook(lambda m, a, out: outputs.append(out))
+        for m in (model, model.base_model)
+    ]
     scores = evaluate({"m": model}, ids, batch_size=2)["m"]
     linear = next(n for n in linear_layers(model) if "lm_head" not in n)
     calibrate(model, ids, [linear], batch_size=2)
@@ -436,11 +549,18 @@ def test_the_estimate_counts_the_scores_eager_attention_materializes():
     for calibrating in (True, False):
         config._attn_implementation = "sdpa"
         fused = batching.window_bytes(config, 2048, torch.bfloat16, calibrating=calibrating)
-        config._attn_implementation = "ptq"  # ptq.quantization.attention: eager, with its quantizers
-        assert batching.window_bytes(config, 2048, torch.bfloat16, calibrating=calibrating) >= fused + softmax
+        config._attn_implementation = (
+            "ptq"  # ptq.quantization.attention: eager, with its quantizers
+        )
+        assert (
+            batching.window_bytes(config, 2048, torch.bfloat16, calibrating=calibrating)
+            >= fused + softmax
+        )
 
 
-def test_auto_takes_the_smallest_batch_over_the_models_a_variant_with_eager_attention_included(tiny_model, monkeypatch):
+def test_auto_takes_the_smallest_batch_over_the_models_a_variant_with_eager_attention_included(
+    tiny_model, monkeypatch
+):
     """A variant that quantizes attention runs ptq's eager attention (heads x seq_len^2 scores a window) where the
     baseline runs SDPA: the batch size was estimated from the baseline alone. Both the evaluation and lm-eval's
     batches now take the smallest estimate over the models."""
@@ -454,21 +574,27 @@ def test_auto_takes_the_smallest_batch_over_the_models_a_variant_with_eager_atte
                 yield type("P", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16})()
 
         fake = OnCuda()
-        fake.config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_attention_heads=32)
+        fake.config = LlamaConfig(
+            vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_attention_heads=32
+        )
         fake.config._attn_implementation = attention
         return fake
 
     baseline, variant = on_cuda("sdpa"), on_cuda("ptq")
     sdpa = batching.window_bytes(baseline.config, 4096, torch.bfloat16, models=2)
     eager = batching.window_bytes(variant.config, 4096, torch.bfloat16, models=2)
-    assert eager == sdpa + 32 * 4096 * 4096 * (2 * 2 + 4)  # by hand: the scores, their float32 softmax, the cast
+    assert eager == sdpa + 32 * 4096 * 4096 * (
+        2 * 2 + 4
+    )  # by hand: the scores, their float32 softmax, the cast
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * eager, 40 * eager))
     alone = batching.auto_batch_size(baseline, 4096, windows=1000, models=2)
     both = batching.auto_batch_size([baseline, variant], 4096, windows=1000, models=2)
     assert both == int(20 * eager * batching.GPU_MEMORY_FRACTION // eager) == 14 and alone > both
     # the evaluation hands every model it runs to the estimate
     given = []
-    monkeypatch.setattr(batching, "auto_batch_size", lambda model, *a, **k: given.append(model) or 2)
+    monkeypatch.setattr(
+        batching, "auto_batch_size", lambda model, *a, **k: given.append(model) or 2
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     evaluate({"a": model, "b": model}, torch.randint(0, 100, (2, 8)), batch_size=None)
     assert given == [[model, model]]

@@ -47,8 +47,15 @@ def test_the_gpu_bench_runs_on_a_tiny_model_and_prints_every_target(capsys):
     assert [v[3] for v in verdicts] == [">= 0.50x", "<= 1.15x", ">= 1.30x", "<= 1.10x"]
     # a tiny model on a loaded CPU is far from the GEMM roofline: that ratio may print as 0.00
     assert float(verdicts[0][2]) >= 0 and all(float(v[2]) > 0 for v in verdicts[1:])
-    for what in ("bf16 evaluation", "simulated E4M3 evaluation", "real FP8 evaluation", "calibration"):
-        assert re.search(rf"^INFO  {what}\s+[\d,]+ tokens/s .* peak GPU memory", out, flags=re.M), what
+    for what in (
+        "bf16 evaluation",
+        "simulated E4M3 evaluation",
+        "real FP8 evaluation",
+        "calibration",
+    ):
+        assert re.search(rf"^INFO  {what}\s+[\d,]+ tokens/s .* peak GPU memory", out, flags=re.M), (
+            what
+        )
 
 
 def test_the_model_has_llama_3_8b_shapes_by_default():
@@ -56,7 +63,13 @@ def test_the_model_has_llama_3_8b_shapes_by_default():
 
     model = bench_cuda.build_model(torch.device("meta"), 2048, num_hidden_layers=2)
     c = model.config
-    assert (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_attention_heads, c.num_key_value_heads) == (
+    assert (
+        c.hidden_size,
+        c.intermediate_size,
+        c.vocab_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+    ) == (
         4096,
         14336,
         128256,
@@ -111,15 +124,25 @@ def test_gpu_check_script_says_what_failed_and_exits_non_zero(tmp_path):
         "BUDGET": "60",
         "T_BENCH": "5",
     }
-    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert "unbound variable" not in run.stderr and "syntax error" not in run.stderr, run.stderr
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("MISS  CUDA tests (exit 1): 1 failed, 1 passed in 2.00s"), summary
-    assert "MISS  ptq compare --matmul simulated on smollm2 (exit 2): error: the scaled_mm says no" in summary
-    assert "MISS  ptq compare --matmul fp8 on smollm2 (exit 2): error: the scaled_mm says no" in summary
+    assert (
+        "MISS  ptq compare --matmul simulated on smollm2 (exit 2): error: the scaled_mm says no"
+        in summary
+    )
+    assert (
+        "MISS  ptq compare --matmul fp8 on smollm2 (exit 2): error: the scaled_mm says no"
+        in summary
+    )
     assert "PASS  the suite but the CUDA and offline-model tests: 12 passed in 1.00s" in summary
     assert "PASS  the bench's one target    1.50x  (target >= 1.30x)" in summary
-    assert summary[-1].startswith("MISS  fused kernels: no torch.compile fallback in the logs of"), summary
+    assert summary[-1].startswith(
+        "MISS  fused kernels: no torch.compile fallback in the logs of"
+    ), summary
     assert len(summary) == 6
     back = sorted(p.name for p in (tmp_path / "back").iterdir())
     assert "summary.txt" in back and "cuda-tests.log" in back and len(back) <= 7, back

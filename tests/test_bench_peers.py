@@ -23,7 +23,9 @@ def test_read_scales_from_a_sharded_checkpoint_in_any_dtype(tmp_path):
     )
     save_file(
         {
-            "model.layers.1.o_proj.weight_scale": torch.tensor(3.0),  # a 0-d scale is one per tensor too
+            "model.layers.1.o_proj.weight_scale": torch.tensor(
+                3.0
+            ),  # a 0-d scale is one per tensor too
             "model.layers.1.o_proj.input_scale": torch.tensor([1 / 448], dtype=torch.float32),
         },
         str(tmp_path / "model-00002-of-00002.safetensors"),
@@ -59,17 +61,28 @@ def test_compare_scales_tolerances_and_missing_layers():
     assert same.agrees() and same.identical == {"weight_scale": 2, "input_scale": 2}
     assert same.max_rel_diff == {"weight_scale": 0.0, "input_scale": 0.0}
 
-    one_ulp = float(torch.nextafter(torch.tensor(2.0), torch.tensor(3.0)))  # float32 rounding of an input amax
+    one_ulp = float(
+        torch.nextafter(torch.tensor(2.0), torch.tensor(3.0))
+    )  # float32 rounding of an input amax
     close = compare_scales({"a": _scales(0.25, 0.5), "b": _scales(1.0, one_ulp)}, theirs)
-    assert close.agrees() and close.worst_layer["input_scale"] == "b" and close.identical["input_scale"] == 1
+    assert (
+        close.agrees()
+        and close.worst_layer["input_scale"] == "b"
+        and close.identical["input_scale"] == 1
+    )
     assert 0 < close.max_rel_diff["input_scale"] < INPUT_SCALE_RTOL
 
-    far = compare_scales({"a": _scales(0.25, 0.5 * (1 + 10 * INPUT_SCALE_RTOL)), "b": _scales(1.0, 2.0)}, theirs)
+    far = compare_scales(
+        {"a": _scales(0.25, 0.5 * (1 + 10 * INPUT_SCALE_RTOL)), "b": _scales(1.0, 2.0)}, theirs
+    )
     assert not far.agrees() and far.worst_layer["input_scale"] == "a"
     assert far.max_rel_diff["input_scale"] == pytest.approx(10 * INPUT_SCALE_RTOL)
 
     weight_off = compare_scales(
-        {"a": _scales(float(torch.nextafter(torch.tensor(0.25), torch.tensor(1.0))), 0.5), "b": _scales(1.0, 2.0)},
+        {
+            "a": _scales(float(torch.nextafter(torch.tensor(0.25), torch.tensor(1.0))), 0.5),
+            "b": _scales(1.0, 2.0),
+        },
         theirs,
     )
     assert not weight_off.agrees()  # weight scales come from the same weights: no tolerance
@@ -87,7 +100,9 @@ def test_ptq_side_writes_amax_over_448_for_every_linear(tiny_model, tmp_path):
     ids = torch.randint(0, 200, (6, 32))
     save_file({"input_ids": ids}, str(tmp_path / "windows.safetensors"))
 
-    timing = run_ptq_side(tiny_model, tmp_path / "windows.safetensors", tmp_path / "ptq", batch_size=4)
+    timing = run_ptq_side(
+        tiny_model, tmp_path / "windows.safetensors", tmp_path / "ptq", batch_size=4
+    )
     scales = read_scales(tmp_path / "ptq" / "checkpoint")
 
     # Independently: a plain transformers model, max |x| of each Linear's input over the same batches.
@@ -96,17 +111,23 @@ def test_ptq_side_writes_amax_over_448_for_every_linear(tiny_model, tmp_path):
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name != "lm_head":
             m.register_forward_pre_hook(
-                lambda mod, args, n=name: seen.__setitem__(n, max(seen.get(n, 0.0), float(args[0].abs().max())))
+                lambda mod, args, n=name: seen.__setitem__(
+                    n, max(seen.get(n, 0.0), float(args[0].abs().max()))
+                )
             )
     with torch.no_grad():
         for batch in ids.split(4):
             model(input_ids=batch)
-    assert set(scales) == set(seen) and len(seen) == 2 * 7  # q, k, v, o, gate, up, down per layer; not lm_head
+    assert (
+        set(scales) == set(seen) and len(seen) == 2 * 7
+    )  # q, k, v, o, gate, up, down per layer; not lm_head
 
     def fp32(v):
         return float(torch.tensor(v, dtype=torch.float32) / 448)
 
     for name, s in scales.items():
-        assert s["weight_scale"] == fp32(float(model.get_submodule(name).weight.detach().abs().max()))
+        assert s["weight_scale"] == fp32(
+            float(model.get_submodule(name).weight.detach().abs().max())
+        )
         assert s["input_scale"] == pytest.approx(fp32(seen[name]), rel=1e-6)
     assert timing["quantize_s"] >= timing["calibrate_s"] > 0 and timing["save_s"] > 0

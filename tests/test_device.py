@@ -11,7 +11,9 @@ from ptq.errors import PtqError
 from ptq.execution.devices import default_device
 
 FAST = ["--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--quiet"]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares a CUDA run with the CPU's")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: compares a CUDA run with the CPU's"
+)
 
 
 def test_ptq_device_chooses_where_ptq_computes(monkeypatch):
@@ -31,13 +33,17 @@ def test_ptq_device_chooses_where_ptq_computes(monkeypatch):
     # devices torch names but ptq does not compute on: one line (a Mac's mps was a RuntimeError deep in loading)
     for other in ("mps", "xpu", "meta"):
         monkeypatch.setenv("PTQ_DEVICE", other)
-        with pytest.raises(PtqError, match=f"^PTQ_DEVICE='{other}': ptq computes on cpu or cuda .*, not {other}$"):
+        with pytest.raises(
+            PtqError, match=f"^PTQ_DEVICE='{other}': ptq computes on cpu or cuda .*, not {other}$"
+        ):
             default_device()
 
 
 def test_a_bad_ptq_device_is_one_line_exit_2(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
     monkeypatch.setenv("PTQ_DEVICE", "nowhere")
-    code, _, stderr = ptq_cli("compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST)
+    code, _, stderr = ptq_cli(
+        "compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST
+    )
     assert code == 2 and "PTQ_DEVICE='nowhere'" in stderr and len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
 
@@ -52,8 +58,12 @@ def test_evaluate_feeds_each_model_on_its_own_device_and_scores_on_the_first(tin
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     seen = []
-    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].device), with_kwargs=True)
-    ids = torch.randint(0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(kwargs["input_ids"].device), with_kwargs=True
+    )
+    ids = torch.randint(
+        0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0)
+    )
     scores = evaluate({"a": model, "b": model}, ids, batch_size=2)
     assert scores["a"].perplexity == scores["b"].perplexity and scores["b"].kl_div == 0
     assert seen == [torch.device("cpu")] * 4
@@ -62,7 +72,9 @@ def test_evaluate_feeds_each_model_on_its_own_device_and_scores_on_the_first(tin
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("matmul", ["simulated", "fp8"])
-def test_compare_on_cuda_gives_the_cpu_numbers(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch, matmul):
+def test_compare_on_cuda_gives_the_cpu_numbers(
+    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch, matmul
+):
     if matmul == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs FP8 matmuls (compute capability 8.9+)")
     runs = {}
@@ -88,7 +100,8 @@ def test_compare_on_cuda_gives_the_cpu_numbers(ptq_cli, tiny_model, text_file, t
         runs[device] = json.loads((out / "results.json").read_text())
     assert runs["cuda"]["compute"]["device"] == "cuda"
     for cpu, cuda in zip(
-        [runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]
+        [runs["cpu"]["baseline"], *runs["cpu"]["variants"]],
+        [runs["cuda"]["baseline"], *runs["cuda"]["variants"]],
     ):
         # float32 on both, up to summation order (and TF32-free cuBLAS); the FP8 matmul's bf16-free float32 output too
         assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3), (
@@ -98,7 +111,9 @@ def test_compare_on_cuda_gives_the_cpu_numbers(ptq_cli, tiny_model, text_file, t
 
 @pytest.mark.cuda
 @needs_cuda
-def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(
+    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+):
     import re
 
     from families import TEXT
@@ -113,7 +128,17 @@ def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, te
         monkeypatch.setenv("PTQ_DEVICE", device)
         calib = tmp_path / f"{device}.safetensors"
         code, _, stderr = ptq_cli(
-            "calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "-o", calib, "--quiet"
+            "calibrate",
+            tiny_model,
+            "--data",
+            text_file,
+            "--samples",
+            "4",
+            "--seq-len",
+            "32",
+            "-o",
+            calib,
+            "--quiet",
         )
         assert code == 0, stderr
         amax[device] = load_calibration(calib).input_amax
@@ -147,7 +172,9 @@ def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(ptq_cli, tiny_model, te
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("family, hidden_on_host", [("llama", False), ("mixtral", False), ("llama", True)])
+@pytest.mark.parametrize(
+    "family, hidden_on_host", [("llama", False), ("mixtral", False), ("llama", True)]
+)
 def test_low_memory_on_cuda_gives_the_cpu_numbers(
     family, hidden_on_host, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
 ):
@@ -188,7 +215,8 @@ def test_low_memory_on_cuda_gives_the_cpu_numbers(
         runs[device] = json.loads((out / "results.json").read_text())
     assert runs["cuda"]["compute"]["low_memory"] and runs["cuda"]["compute"]["device"] == "cuda"
     for cpu, cuda in zip(
-        [runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]
+        [runs["cpu"]["baseline"], *runs["cpu"]["variants"]],
+        [runs["cuda"]["baseline"], *runs["cuda"]["variants"]],
     ):
         assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3)
 
@@ -196,7 +224,9 @@ def test_low_memory_on_cuda_gives_the_cpu_numbers(
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_device_map_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch):
+def test_device_map_on_cuda_gives_the_cpu_numbers(
+    family, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+):
     """--device-map with a GPU limit smaller than the models: their first modules on the GPU, the others offloaded to
     CPU memory and copied to the GPU for each forward (the experts' grouped matmul too); the CPU's float32 numbers."""
     model = tiny_model
@@ -214,7 +244,10 @@ def test_device_map_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, t
     # the variants fit on the GPU (at 800KB, the H200 run of 2026-12-04 placed mixtral's three whole on the GPU).
     gpu_limit = "500KB"
     runs = {}
-    for device, extra in (("cpu", []), ("cuda", ["--device-map", "auto", "--max-memory", f"0={gpu_limit},cpu=1GB"])):
+    for device, extra in (
+        ("cpu", []),
+        ("cuda", ["--device-map", "auto", "--max-memory", f"0={gpu_limit},cpu=1GB"]),
+    ):
         monkeypatch.setenv("PTQ_DEVICE", device)
         out = tmp_path / device
         code, _, stderr = ptq_cli(
@@ -237,9 +270,12 @@ def test_device_map_on_cuda_gives_the_cpu_numbers(family, ptq_cli, tiny_model, t
         assert code == 0, stderr
         runs[device] = json.loads((out / "results.json").read_text())
     where = runs["cuda"]["compute"]["placement"]
-    assert all({"cuda:0", "cpu"} <= set(devices) for devices in where.values()), where  # each model split GPU / CPU
+    assert all({"cuda:0", "cpu"} <= set(devices) for devices in where.values()), (
+        where
+    )  # each model split GPU / CPU
     for cpu, cuda in zip(
-        [runs["cpu"]["baseline"], *runs["cpu"]["variants"]], [runs["cuda"]["baseline"], *runs["cuda"]["variants"]]
+        [runs["cpu"]["baseline"], *runs["cpu"]["variants"]],
+        [runs["cuda"]["baseline"], *runs["cuda"]["variants"]],
     ):
         assert cuda["perplexity"] == pytest.approx(cpu["perplexity"], rel=1e-3)
 
@@ -272,7 +308,9 @@ def test_fp8_matmuls_where_the_cpu_scaled_mm_takes_per_tensor_scales_only(
     def per_tensor_only(scaled_mm):
         def call(a, b, scale_a, scale_b, *args, **kwargs):
             if scale_a.numel() != 1 or scale_b.numel() != 1:
-                raise RuntimeError(f"(scale_a.numel() == 1 && scale_b.numel() == 1) INTERNAL ASSERT FAILED. {refusal}")
+                raise RuntimeError(
+                    f"(scale_a.numel() == 1 && scale_b.numel() == 1) INTERNAL ASSERT FAILED. {refusal}"
+                )
             calls.append(1)
             return scaled_mm(a, b, scale_a, scale_b, *args, **kwargs)
 
@@ -280,7 +318,9 @@ def test_fp8_matmuls_where_the_cpu_scaled_mm_takes_per_tensor_scales_only(
 
     a = torch.ones(16, 32).to(torch.float8_e4m3fn)
     try:  # this torch's own CPU kernel (row-wise scales in versions after 2.11), asked through the public name
-        original(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+        original(
+            a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32
+        )
         rowwise = True
     except RuntimeError:
         rowwise = False
@@ -293,19 +333,31 @@ def test_fp8_matmuls_where_the_cpu_scaled_mm_takes_per_tensor_scales_only(
     assert probe() is True
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    (tmp_path / "r.yaml").write_text("name: t\ntargets: [Linear]\nignore: [lm_head]\n" + recipe_text)
+    (tmp_path / "r.yaml").write_text(
+        "name: t\ntargets: [Linear]\nignore: [lm_head]\n" + recipe_text
+    )
     recipe = load_recipe(str(tmp_path / "r.yaml"))
-    ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4))
-    cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
+    ids = torch.randint(
+        0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4)
+    )
+    cal = (
+        calibrate(model, ids, calibrated_layers(model, recipe))
+        if recipe.needs_calibration
+        else None
+    )
     simulated = quantize_module.quantize_(copy.deepcopy(model), recipe, cal)
     real = quantize_module.quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
     monkeypatch.setattr(
         torch,
         "_scaled_mm",
-        lambda a, b, scale_a, scale_b, **kwargs: per_tensor_only(original)(a, b, scale_a, scale_b, **kwargs),
+        lambda a, b, scale_a, scale_b, **kwargs: per_tensor_only(original)(
+            a, b, scale_a, scale_b, **kwargs
+        ),
     )
     calls.clear()
     with torch.no_grad():
         want, got = simulated(input_ids=ids).logits, real(input_ids=ids).logits
-    assert len(calls) == 7 * model.config.num_hidden_layers  # q k v o gate up down, each one real FP8 matmul
+    assert (
+        len(calls) == 7 * model.config.num_hidden_layers
+    )  # q k v o gate up down, each one real FP8 matmul
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

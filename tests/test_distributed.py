@@ -13,7 +13,13 @@ import pytest
 
 from ptq.execution import distributed
 
-ARGS = ["--seq-len", "32", "--max-windows", "7", "--quiet"]  # --tasks is refused under torchrun (test_harness.py)
+ARGS = [
+    "--seq-len",
+    "32",
+    "--max-windows",
+    "7",
+    "--quiet",
+]  # --tasks is refused under torchrun (test_harness.py)
 
 
 def free_port() -> int:
@@ -59,25 +65,50 @@ def test_shares_are_contiguous_cover_everything_and_the_first_holds_the_snr_wind
                 shares.append(distributed.share(n, first_at_least=4))
             assert [i for s in shares for i in s] == list(range(n))
             assert len(shares[0]) >= min(n, 4)
-            assert max(map(len, shares[1:]), default=0) <= len(shares[0]) or len(shares[0]) == min(n, 4)
+            assert max(map(len, shares[1:]), default=0) <= len(shares[0]) or len(shares[0]) == min(
+                n, 4
+            )
 
 
 @pytest.mark.parametrize("calibration", ["file", "in the run"])
-def test_compare_with_two_processes_gives_the_numbers_of_one(calibration, ptq_cli, tiny_model, text_file, tmp_path):
+def test_compare_with_two_processes_gives_the_numbers_of_one(
+    calibration, ptq_cli, tiny_model, text_file, tmp_path
+):
     """With a calibration file, and calibrating in the run (each process on its share of the 3 batches of 4
     windows, the observers merged): the numbers of one process."""
     if calibration == "file":
         calib = ["--calib", tmp_path / "c.safetensors"]
         code, _, stderr = ptq_cli(
-            "calibrate", tiny_model, "--data", text_file, "--samples", "4", "--seq-len", "32", "-o", calib[1], "-q"
+            "calibrate",
+            tiny_model,
+            "--data",
+            text_file,
+            "--samples",
+            "4",
+            "--seq-len",
+            "32",
+            "-o",
+            calib[1],
+            "-q",
         )
         assert code == 0, stderr
     else:
         calib = ["--calib-data", text_file, "--calib-samples", "12"]
-    code, _, stderr = ptq_cli("compare", tiny_model, *calib, "--eval-data", text_file, "--out", tmp_path / "one", *ARGS)
+    code, _, stderr = ptq_cli(
+        "compare", tiny_model, *calib, "--eval-data", text_file, "--out", tmp_path / "one", *ARGS
+    )
     assert code == 0, stderr
     run = torchrun(
-        "-m", "ptq", "compare", tiny_model, *calib, "--eval-data", text_file, "--out", tmp_path / "two", *ARGS
+        "-m",
+        "ptq",
+        "compare",
+        tiny_model,
+        *calib,
+        "--eval-data",
+        text_file,
+        "--out",
+        tmp_path / "two",
+        *ARGS,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
@@ -93,11 +124,29 @@ def test_compare_with_two_processes_gives_the_numbers_of_one(calibration, ptq_cl
 
 def test_eval_with_two_processes_gives_the_numbers_of_one(ptq_cli, tiny_model, text_file, tmp_path):
     code, _, stderr = ptq_cli(
-        "eval", tiny_model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "one", *ARGS
+        "eval",
+        tiny_model,
+        "--eval-data",
+        text_file,
+        "--tasks",
+        "",
+        "--out",
+        tmp_path / "one",
+        *ARGS,
     )
     assert code == 0, stderr
     run = torchrun(
-        "-m", "ptq", "eval", tiny_model, "--eval-data", text_file, "--tasks", "", "--out", tmp_path / "two", *ARGS
+        "-m",
+        "ptq",
+        "eval",
+        tiny_model,
+        "--eval-data",
+        text_file,
+        "--tasks",
+        "",
+        "--out",
+        tmp_path / "two",
+        *ARGS,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
@@ -105,7 +154,9 @@ def test_eval_with_two_processes_gives_the_numbers_of_one(ptq_cli, tiny_model, t
 
 
 @pytest.mark.parametrize("value", ["two"])
-def test_a_broken_world_size_is_one_line(ptq_cli, tiny_model, text_file, tmp_path, monkeypatch, value):
+def test_a_broken_world_size_is_one_line(
+    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch, value
+):
     monkeypatch.setenv("WORLD_SIZE", value)
     code, _, stderr = ptq_cli(
         "compare",
@@ -140,16 +191,23 @@ def test_the_memory_check_counts_a_copy_per_process_on_the_machine(tiny_model, m
     monkeypatch.setenv("WORLD_SIZE", "16")  # two machines of 8 processes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(
-        PtqError, match=r"x 4 bytes in float32 x 8 processes, each loading its own\) but only .* on cpu"
+        PtqError,
+        match=r"x 4 bytes in float32 x 8 processes, each loading its own\) but only .* on cpu",
     ):
         resources.check_fits(tiny_model, 1, torch.device("cpu"), "model")
     free["cpu"] += 1
     resources.check_fits(tiny_model, 1, torch.device("cpu"), "model")
-    resources.check_fits(tiny_model, 2, torch.device("cuda", 3), "model")  # one process per GPU: 2 copies fit
+    resources.check_fits(
+        tiny_model, 2, torch.device("cuda", 3), "model"
+    )  # one process per GPU: 2 copies fit
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # two processes on each of the 8 GPUs
-    with pytest.raises(PtqError, match=r"x 2 copies .* x 2 processes, each loading its own\) .* on cuda"):
+    with pytest.raises(
+        PtqError, match=r"x 2 copies .* x 2 processes, each loading its own\) .* on cuda"
+    ):
         resources.check_fits(tiny_model, 2, torch.device("cuda", 3), "model")
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not set by the launcher: every process may be on this machine
+    monkeypatch.delenv(
+        "LOCAL_WORLD_SIZE"
+    )  # not set by the launcher: every process may be on this machine
     assert resources.processes_sharing(torch.device("cpu")) == 16
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
     with pytest.raises(PtqError, match="LOCAL_WORLD_SIZE='eight' is not an integer"):
@@ -194,7 +252,9 @@ Path(sys.argv[2], f"{rank}.left").write_text(str(not dist.is_initialized()))
 """
 
 
-def test_each_process_calibrates_its_share_and_all_hold_the_one_process_calibration(tiny_model, tmp_path):
+def test_each_process_calibrates_its_share_and_all_hold_the_one_process_calibration(
+    tiny_model, tmp_path
+):
     """Under torchrun the calibration batches are split: one batch size for all (the smallest automatic one, 2
     here), the first process runs batches 0-1 (windows 0-3), the second batch 2 (window 4), and the merged
     observers give every process the calibration of one process that ran all three, bit for bit: amax, histograms,
@@ -232,7 +292,9 @@ def test_a_fault_in_one_processs_share_stops_every_process_with_its_message(tiny
     script.write_text(SHARED_CALIBRATION)
     run = torchrun(script, tiny_model, tmp_path, "nan")
     assert run.returncode != 0
-    first, second = (json.loads((tmp_path / f"{rank}.json").read_text())["error"] for rank in (0, 1))
+    first, second = (
+        json.loads((tmp_path / f"{rank}.json").read_text())["error"] for rank in (0, 1)
+    )
     assert first == second
     assert "contains NaN in calibration batch 2 (windows 4-5)" in first, first
 
@@ -245,12 +307,20 @@ def test_calibrate_and_quantize_refuse_torchrun_before_any_work(
     nothing written (no process group joined: WORLD_SIZE alone, no rendezvous, must not hang)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    code, _, stderr = ptq_cli(command, tiny_model, "--data", text_file, "-o", tmp_path / "out", "--quiet")
-    assert code == 2 and f"ptq {command} runs in one process" in stderr and len(stderr.strip().splitlines()) == 1
+    code, _, stderr = ptq_cli(
+        command, tiny_model, "--data", text_file, "-o", tmp_path / "out", "--quiet"
+    )
+    assert (
+        code == 2
+        and f"ptq {command} runs in one process" in stderr
+        and len(stderr.strip().splitlines()) == 1
+    )
     assert not (tmp_path / "out").exists()
 
 
-def test_under_torchrun_a_model_too_big_for_the_copies_is_not_switched_to_layer_by_layer(monkeypatch):
+def test_under_torchrun_a_model_too_big_for_the_copies_is_not_switched_to_layer_by_layer(
+    monkeypatch,
+):
     """Layer by layer runs in one process: under torchrun the automatic switch would only be refused after it; the
     memory check's own error (with its process count) is what the user sees instead."""
     from ptq.commands import workflows
@@ -261,4 +331,6 @@ def test_under_torchrun_a_model_too_big_for_the_copies_is_not_switched_to_layer_
     assert workflows._streams(ModelOptions(model="some/dir"), None) is True
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert workflows._streams(ModelOptions(model="some/dir"), None) is False
-    assert workflows._streams(ModelOptions(model="some/dir"), True) is True  # asked for: _compute_info refuses it
+    assert (
+        workflows._streams(ModelOptions(model="some/dir"), True) is True
+    )  # asked for: _compute_info refuses it

@@ -21,7 +21,10 @@ from ptq.quantization.plan import calibrated_layers, resolve_plan
 from ptq.quantization.quantize import QuantLinear, quantize_
 from ptq.quantization.recipes import load_recipe, parse_recipe
 
-FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vllm/model_executor/models/llama.py
+FUSED = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)  # vllm/model_executor/models/llama.py
 
 
 def e4m3(x: torch.Tensor) -> np.ndarray:
@@ -29,7 +32,9 @@ def e4m3(x: torch.Tensor) -> np.ndarray:
     return np.clip(x.double().numpy(), -448, 448).astype(ml_dtypes.float8_e4m3fn)
 
 
-def requantize_with_max_scale(codes: list[torch.Tensor], scales: list[torch.Tensor]) -> tuple[list[np.ndarray], float]:
+def requantize_with_max_scale(
+    codes: list[torch.Tensor], scales: list[torch.Tensor]
+) -> tuple[list[np.ndarray], float]:
     """vLLM 0.32's requantize_with_max_scale (model_executor/layers/quantization/utils/w8a8_utils.py), which every
     static per-tensor FP8 layer goes through at load: each shard dequantized with its own scale (per_tensor_dequantize:
     `codes.to(float16) * scale`, a float16 product: the 0-d float32 scale does not promote it), then quantized with the
@@ -105,7 +110,10 @@ def exports(tiny_model, tmp_path_factory):
                 cli.main()
             progress.QUIET = False
             assert e.value.code == 0
-        made[target] = (root / target, json.loads((root / f"r-{target}" / "results.json").read_text()))
+        made[target] = (
+            root / target,
+            json.loads((root / f"r-{target}" / "results.json").read_text()),
+        )
     return made
 
 
@@ -140,9 +148,14 @@ def test_targets_in_results_and_where_vllm_has_no_rule_the_numbers_agree(exports
     and int8."""
     rows = {}
     for target, (_, results) in exports.items():
-        assert results["target"] == target and any(line.startswith(f"target: {target}") for line in results["protocol"])
+        assert results["target"] == target and any(
+            line.startswith(f"target: {target}") for line in results["protocol"]
+        )
         rows[target] = {v["name"]: v for v in results["variants"]}
-    assert rows["vllm"]["fp8-e4m3-dynamic"]["window_nll"] == rows["transformers"]["fp8-e4m3-dynamic"]["window_nll"]
+    assert (
+        rows["vllm"]["fp8-e4m3-dynamic"]["window_nll"]
+        == rows["transformers"]["fp8-e4m3-dynamic"]["window_nll"]
+    )
     assert rows["vllm"]["fp8-e4m3"]["window_nll"] != rows["transformers"]["fp8-e4m3"]["window_nll"]
 
 
@@ -153,26 +166,38 @@ def test_transformers_target_is_independent_per_layer_quantization(tiny_model, t
     from ptq.models.loading import load_model
 
     loaded = load_model(str(tiny_model))
-    ids = make_windows(load_corpus(str(text_file), "calibration"), loaded.tokenizer, 32, 2).input_ids
+    ids = make_windows(
+        load_corpus(str(text_file), "calibration"), loaded.tokenizer, 32, 2
+    ).input_ids
     fp8, int8 = load_recipe("fp8-e4m3"), load_recipe("int8")
     calibration = calibrate(loaded.model, ids, sorted(set(calibrated_layers(loaded.model, fp8))))
-    weights = {n: m.weight.detach().clone() for n, m in loaded.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    weights = {
+        n: m.weight.detach().clone()
+        for n, m in loaded.model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     import copy
 
     for target in ("transformers", "vllm"):
         model = quantize_(copy.deepcopy(loaded.model), fp8, calibration, target=target)
         for name, m in model.named_modules():
-            if not isinstance(m, QuantLinear) or m.weights.format.name != "e4m3":  # lm_head: as the baseline
+            if (
+                not isinstance(m, QuantLinear) or m.weights.format.name != "e4m3"
+            ):  # lm_head: as the baseline
                 continue
             parent, _, leaf = name.rpartition(".")
             group = next((g for g in FUSED if leaf in g), (leaf,)) if target == "vllm" else (leaf,)
             amax = max(float(weights[f"{parent}.{g}"].abs().max()) for g in group)
             assert float(m.weight_scale) == np.float32(amax) / np.float32(448)
             reference = e4m3(weights[name].float() / m.weight_scale)
-            assert np.array_equal(m.weight_codes.view(torch.uint8).numpy(), reference.view(np.uint8))
+            assert np.array_equal(
+                m.weight_codes.view(torch.uint8).numpy(), reference.view(np.uint8)
+            )
         ranges = {
             m.inputs.int_range
-            for m in quantize_(copy.deepcopy(loaded.model), int8, calibration, target=target).modules()
+            for m in quantize_(
+                copy.deepcopy(loaded.model), int8, calibration, target=target
+            ).modules()
             if isinstance(m, QuantLinear) and m.inputs.format.name == "int8"
         }
         assert ranges == ({"symmetric"} if target == "transformers" else {"full"})
@@ -189,36 +214,55 @@ def test_the_plan_decides_which_layers_share_a_scale_and_quantize_follows_it(tin
     from ptq.quantization.plan import resolve_plan
 
     loaded = load_model(str(tiny_model))
-    ids = make_windows(load_corpus(str(text_file), "calibration"), loaded.tokenizer, 32, 2).input_ids
+    ids = make_windows(
+        load_corpus(str(text_file), "calibration"), loaded.tokenizer, 32, 2
+    ).input_ids
     fp8 = load_recipe("fp8-e4m3")
     calibration = calibrate(loaded.model, ids, calibrated_layers(loaded.model, fp8))
     plan = resolve_plan(loaded.model, fp8, "vllm")
     layer = "model.layers.0"
     qkv = tuple(f"{layer}.self_attn.{p}" for p in FUSED[0])
     gate_up = tuple(f"{layer}.mlp.{p}" for p in FUSED[1])
-    assert all(plan.matmuls[n].weight_group == qkv and plan.matmuls[n].input_group == qkv for n in qkv)
+    assert all(
+        plan.matmuls[n].weight_group == qkv and plan.matmuls[n].input_group == qkv for n in qkv
+    )
     assert all(plan.matmuls[n].weight_group == gate_up for n in gate_up)
     assert (
         plan.matmuls[f"{layer}.self_attn.o_proj"].weight_group
         == plan.matmuls[f"{layer}.mlp.down_proj"].weight_group
         == ()
     )
-    assert all(not m.weight_group and not m.input_group for m in resolve_plan(loaded.model, fp8).matmuls.values())
+    assert all(
+        not m.weight_group and not m.input_group
+        for m in resolve_plan(loaded.model, fp8).matmuls.values()
+    )
 
     shared = quantize_(copy.deepcopy(loaded.model), fp8, calibration, target="vllm", plan=plan)
     ungrouped = dataclasses.replace(
-        plan, matmuls={n: dataclasses.replace(m, weight_group=(), input_group=()) for n, m in plan.matmuls.items()}
+        plan,
+        matmuls={
+            n: dataclasses.replace(m, weight_group=(), input_group=())
+            for n, m in plan.matmuls.items()
+        },
     )
     own = quantize_(copy.deepcopy(loaded.model), fp8, calibration, target="vllm", plan=ungrouped)
     per_layer = quantize_(copy.deepcopy(loaded.model), fp8, calibration, target="transformers")
     weights = {n: float(loaded.model.get_submodule(n).weight.abs().max()) for n in qkv}
     inputs = {n: float(calibration.input_amax[n]) for n in qkv}
     for n in qkv:
-        assert float(shared.get_submodule(n).weight_scale) == np.float32(max(weights.values())) / np.float32(448)
-        assert float(shared.get_submodule(n).input_scale) == np.float32(max(inputs.values())) / np.float32(448)
-        assert float(own.get_submodule(n).weight_scale) == float(per_layer.get_submodule(n).weight_scale)
+        assert float(shared.get_submodule(n).weight_scale) == np.float32(
+            max(weights.values())
+        ) / np.float32(448)
+        assert float(shared.get_submodule(n).input_scale) == np.float32(
+            max(inputs.values())
+        ) / np.float32(448)
+        assert float(own.get_submodule(n).weight_scale) == float(
+            per_layer.get_submodule(n).weight_scale
+        )
         assert float(own.get_submodule(n).weight_scale) == np.float32(weights[n]) / np.float32(448)
-    assert len(set(weights.values())) > 1  # the group's members differ, so sharing changes something
+    assert (
+        len(set(weights.values())) > 1
+    )  # the group's members differ, so sharing changes something
 
 
 def test_only_whole_groups_share_a_scale_and_every_experts_gate_and_up_collapse_into_one_input_scale():
@@ -266,7 +310,9 @@ def test_only_whole_groups_share_a_scale_and_every_experts_gate_and_up_collapse_
         for group in (w13, w2):
             clips = np.array([float(calibration.input_amax[n]) for n in group], dtype=np.float32)
             assert len(set(clips.tolist())) == len(group)
-            assert {float(layers[n].input_scale) for n in group} == {clips.max() / np.float32(448)}, group
+            assert {float(layers[n].input_scale) for n in group} == {
+                clips.max() / np.float32(448)
+            }, group
 
 
 def test_dynamic_fp8_input_scales_have_vllms_floor_under_the_vllm_target(tiny_model):
@@ -288,13 +334,16 @@ def test_dynamic_fp8_input_scales_have_vllms_floor_under_the_vllm_target(tiny_mo
         vllm, hf = plan["vllm"].matmuls[name].inputs, plan["transformers"].matmuls[name].inputs
         assert vllm.min_scale == floor and hf.min_scale == 0.0
     vllm, hf = (
-        resolve_plan(model, load_recipe("fp8-dynamic"), t).matmuls[name].inputs for t in ("vllm", "transformers")
+        resolve_plan(model, load_recipe("fp8-dynamic"), t).matmuls[name].inputs
+        for t in ("vllm", "transformers")
     )
     got_vllm, scale_vllm = quantize_activation(x, vllm)
     got_hf, scale_hf = quantize_activation(x, hf)
     amax = np.abs(x.numpy()).max(-1, keepdims=True)
     want_scale = np.maximum(amax / np.float32(448.0), floor)
-    assert np.array_equal(scale_vllm.numpy(), want_scale)  # the zero token too: codes 0 with any scale
+    assert np.array_equal(
+        scale_vllm.numpy(), want_scale
+    )  # the zero token too: codes 0 with any scale
     want = e4m3(x / torch.from_numpy(want_scale)).astype(np.float32) * want_scale
     assert np.array_equal(got_vllm.numpy(), want)
     assert torch.equal(got_vllm[1], got_hf[1]) and not torch.equal(got_vllm[0], got_hf[0])
@@ -330,8 +379,13 @@ def test_a_recipes_power_of_two_scales_for_dynamic_int8_inputs_are_kept_under_th
         served = engines.served_inputs(spec, target)
         q, scale = quantize_activation(x, served)
         assert scale.flatten().tolist() == [2.0**-5, 2.0**-7], target
-        codes = [[96, 32, -22], [64, 38, -26]]  # 0.7 * 32 = 22.4, 0.3 * 128 = 38.4, 0.2 * 128 = 25.6
-        assert q.tolist() == [[c * 2.0**-5 for c in codes[0]], [c * 2.0**-7 for c in codes[1]]], target
+        codes = [
+            [96, 32, -22],
+            [64, 38, -26],
+        ]  # 0.7 * 32 = 22.4, 0.3 * 128 = 38.4, 0.2 * 128 = 25.6
+        assert q.tolist() == [[c * 2.0**-5 for c in codes[0]], [c * 2.0**-7 for c in codes[1]]], (
+            target
+        )
     amax_spec = TensorQuant(FORMATS["int8"], PerToken(), dynamic=True)
     assert engines.served_inputs(amax_spec, "vllm").reciprocal  # rule 3 for amax-derived scales
 
@@ -349,7 +403,9 @@ def test_static_fp8_inputs_are_scaled_by_the_reciprocal_under_the_vllm_target():
     recipe = load_recipe("fp8-e4m3")
     served = engines.served_inputs(recipe.inputs, "vllm")
     assert served.reciprocal and not engines.served_inputs(recipe.inputs, "transformers").reciprocal
-    assert not engines.served_inputs(load_recipe("fp8-dynamic").inputs, "vllm").reciprocal  # dynamic: divided
+    assert not engines.served_inputs(
+        load_recipe("fp8-dynamic").inputs, "vllm"
+    ).reciprocal  # dynamic: divided
     for compile in (True, False):
         quantizer = ActivationQuantizer(compile=compile)
         assert quantizer(x, served, torch.tensor(3.0))[0].item() == 3.75
@@ -359,7 +415,9 @@ def test_static_fp8_inputs_are_scaled_by_the_reciprocal_under_the_vllm_target():
     plan = resolve_plan(model, recipe, "vllm")
     quantized = [m for m in plan.matmuls.values() if m.quantized]
     assert quantized and all(m.inputs.reciprocal for m in quantized)
-    assert not any(m.inputs.reciprocal for m in resolve_plan(model, recipe, "transformers").matmuls.values())
+    assert not any(
+        m.inputs.reciprocal for m in resolve_plan(model, recipe, "transformers").matmuls.values()
+    )
 
 
 def test_dynamic_inputs_honour_the_reciprocal_rule_too():
@@ -374,7 +432,9 @@ def test_dynamic_inputs_honour_the_reciprocal_rule_too():
     for compile in (True, False):
         quantizer = ActivationQuantizer(compile=compile)
         assert quantizer(x, divided)[0].tolist() == [[3.375, 1344.0]]
-        assert quantizer(x, dataclasses.replace(divided, reciprocal=True))[0].tolist() == [[3.75, 1344.0]]
+        assert quantizer(x, dataclasses.replace(divided, reciprocal=True))[0].tolist() == [
+            [3.75, 1344.0]
+        ]
 
 
 def test_dynamic_per_tensor_fp8_inputs_are_scaled_by_the_reciprocal_under_the_vllm_target():
@@ -396,10 +456,18 @@ def test_dynamic_per_tensor_fp8_inputs_are_scaled_by_the_reciprocal_under_the_vl
             "inputs": {"format": "e4m3", "granularity": "tensor", "dynamic": True},
         }
     ).inputs
-    served, divided = engines.served_inputs(spec, "vllm"), engines.served_inputs(spec, "transformers")
-    assert served.reciprocal and served.min_scale == np.float32(1) / (np.float32(448) * np.float32(512))
+    served, divided = (
+        engines.served_inputs(spec, "vllm"),
+        engines.served_inputs(spec, "transformers"),
+    )
+    assert served.reciprocal and served.min_scale == np.float32(1) / (
+        np.float32(448) * np.float32(512)
+    )
     assert not divided.reciprocal and divided.min_scale == 0.0
-    assert engines.unlike_reload_loader(spec, "vllm") == "vLLM's x * (1 / scale) for dynamic per-tensor FP8 inputs"
+    assert (
+        engines.unlike_reload_loader(spec, "vllm")
+        == "vLLM's x * (1 / scale) for dynamic per-tensor FP8 inputs"
+    )
     assert engines.unlike_reload_loader(spec, "transformers") is None
     for compile in (True, False):
         quantizer = ActivationQuantizer(compile=compile)
@@ -423,7 +491,9 @@ def test_int8_inputs_round_as_vllm_under_the_vllm_target():
     q = QuantLinear(linear, spec.weights, full, torch.tensor(127.0))
     assert q.quantize_input(x)[1].tolist() == [[-128.0, -128.0, -127.0, 126.0, 127.0, 0.0]]
     # the reference: vLLM's order, clamp x / scale to [-128, 127] first, then round half to even
-    assert q.quantize_input(x)[1].numpy().tolist() == np.round(np.clip(x.numpy(), -128, 127)).tolist()
+    assert (
+        q.quantize_input(x)[1].numpy().tolist() == np.round(np.clip(x.numpy(), -128, 127)).tolist()
+    )
     assert full.describe().endswith("[-128, 127]")
 
 
@@ -449,23 +519,33 @@ def test_dynamic_int8_inputs_round_as_vllms_kernel_under_the_vllm_target():
     ).inputs
     served = engines.served_inputs(spec, "vllm")
     assert served.reciprocal and not engines.served_inputs(spec, "transformers").reciprocal
-    assert engines.unlike_reload_loader(spec, "vllm") == "vLLM's x * (127 / amax) for dynamic int8 inputs"
+    assert (
+        engines.unlike_reload_loader(spec, "vllm")
+        == "vLLM's x * (127 / amax) for dynamic int8 inputs"
+    )
     for compile in (True, False):
         codes, s = ActivationQuantizer(compile=compile)(x, served, codes=True)
         assert codes.tolist() == [[3, 127]] and s.item() == scale
         assert ActivationQuantizer(compile=compile)(x, spec, codes=True)[0].tolist() == [[4, 127]]
-        assert ActivationQuantizer(compile=compile)(x, served)[0].numpy().tolist() == [[3 * scale, 127 * scale]]
+        assert ActivationQuantizer(compile=compile)(x, served)[0].numpy().tolist() == [
+            [3 * scale, 127 * scale]
+        ]
     # 127 / amax is one division, as the kernel's 127.0f / amax: for amax 3 it is 42.333332, where the float32
     # reciprocal of 3 times 127 (Python's 127.0 / tensor) is 42.333336, and x = 0x3d112244 (0.03543307) times the
     # first is 1.4999999, code 1, times the second 1.5, code 2
     x = torch.tensor([[0x3D112244, 0x40400000]], dtype=torch.int32).view(torch.float32)
     x0, amax = x.numpy()[0]
     assert amax == 3 and np.float32(127) / amax != np.float32(1) / amax * np.float32(127)
-    assert np.rint(x0 * (np.float32(127) / amax)) == 1 and np.rint(x0 * (np.float32(1) / amax * np.float32(127))) == 2
+    assert (
+        np.rint(x0 * (np.float32(127) / amax)) == 1
+        and np.rint(x0 * (np.float32(1) / amax * np.float32(127))) == 2
+    )
     for compile in (True, False):
         assert ActivationQuantizer(compile=compile)(x, served, codes=True)[0].tolist() == [[1, 127]]
     # an all-zero token: codes 0, as vLLM's (its multiplier is 0)
-    assert ActivationQuantizer(compile=False)(torch.zeros(1, 4), served, codes=True)[0].tolist() == [[0, 0, 0, 0]]
+    assert ActivationQuantizer(compile=False)(torch.zeros(1, 4), served, codes=True)[
+        0
+    ].tolist() == [[0, 0, 0, 0]]
     # a token whose amax is below 127 / FLT_MAX: vLLM's multiplier is inf, the nonzero elements saturate, a zero is
     # code 0; its scale is amax / 127, unfloored (a float32 subnormal here, not the 2^-126 of ptq's own floor)
     tiny = torch.tensor([[1e-37, 0.0, -5e-38]])
@@ -473,13 +553,17 @@ def test_dynamic_int8_inputs_round_as_vllms_kernel_under_the_vllm_target():
         assert np.float32(127) / np.float32(1e-37) == np.inf
     for compile in (True, False):
         codes, s = ActivationQuantizer(compile=compile)(tiny, served, codes=True)
-        assert codes.tolist() == [[127, 0, -127]] and s.item() == np.float32(1e-37) / np.float32(127)
+        assert codes.tolist() == [[127, 0, -127]] and s.item() == np.float32(1e-37) / np.float32(
+            127
+        )
         values = ActivationQuantizer(compile=compile)(tiny, served)[0]
         served_value = float(np.float32(127) * np.float32(s.item()))  # the float32 product
         assert values.numpy().tolist() == [[served_value, 0.0, -served_value]]
 
 
-def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_path, ptq_cli, text_file, capsys):
+def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(
+    tmp_path, ptq_cli, text_file, capsys
+):
     """Under vllm, a mixture-of-experts layer's static input scales are one for all gate/up (w13) and one for all down
     (w2), the largest across experts (vLLM's process_fp8_input_tensor_strategy_moe), each expert's gate and up share
     their larger weight scale (process_fp8_weight_tensor_strategy_moe); the checkpoint holds exactly those."""
@@ -504,7 +588,9 @@ def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_
                 scales = {float(m.input_scale) for m in group}
                 if target == "vllm":
                     assert scales == {np.float32(max(clips)) / np.float32(448)}
-                elif group is w2:  # (every expert's gate/up sees every token in calibration: the same amax)
+                elif (
+                    group is w2
+                ):  # (every expert's gate/up sees every token in calibration: the same amax)
                     assert len(scales) > 1
             if target == "vllm":
                 assert all(
@@ -533,11 +619,15 @@ def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(tmp_
     tensors = _tensors(tmp_path / "ckpt")
     for layer in range(2):
         experts = f"model.layers.{layer}.block_sparse_moe.experts"
-        w13 = {float(tensors[f"{experts}.{e}.{w}.input_scale"]) for e in range(4) for w in ("w1", "w3")}
+        w13 = {
+            float(tensors[f"{experts}.{e}.{w}.input_scale"]) for e in range(4) for w in ("w1", "w3")
+        }
         w2 = {float(tensors[f"{experts}.{e}.w2.input_scale"]) for e in range(4)}
         assert len(w13) == 1 and len(w2) == 1
         assert all(
-            torch.equal(tensors[f"{experts}.{e}.w1.weight_scale"], tensors[f"{experts}.{e}.w3.weight_scale"])
+            torch.equal(
+                tensors[f"{experts}.{e}.w1.weight_scale"], tensors[f"{experts}.{e}.w3.weight_scale"]
+            )
             for e in range(4)
         )
     info = json.loads((tmp_path / "ckpt" / "ptq-export.json").read_text())

@@ -38,7 +38,11 @@ def metric_kernels(request, monkeypatch):
     compiled = request.param == "compiled"
     kernels = tuple(
         fused(f, compile=compiled)
-        for f in (ptq.evaluation.evaluate._scores, ptq.evaluation.evaluate._probs, ptq.evaluation.evaluate._cross)
+        for f in (
+            ptq.evaluation.evaluate._scores,
+            ptq.evaluation.evaluate._probs,
+            ptq.evaluation.evaluate._cross,
+        )
     )
     monkeypatch.setattr(ptq.evaluation.evaluate, "_kernels", kernels)
     return request.param
@@ -67,12 +71,16 @@ def test_perplexity_accuracy_kl_and_agreement_match_numpy(metric_kernels):
         assert s.perplexity == pytest.approx(np.exp(nll.mean()), rel=1e-5)
         assert s.accuracy == pytest.approx((logp.argmax(-1) == targets).mean())
         np.testing.assert_allclose(s.window_nll, nll.mean(-1), rtol=1e-5)
-    kl = (np.exp(base_logp) * (base_logp - np_log_softmax(other_table.astype(np.float64)[context]))).sum(-1)
+    kl = (
+        np.exp(base_logp) * (base_logp - np_log_softmax(other_table.astype(np.float64)[context]))
+    ).sum(-1)
     assert scores["other"].kl_div == pytest.approx(kl.mean(), rel=1e-4)
     np.testing.assert_allclose(scores["other"].window_kl, kl.mean(-1), rtol=1e-4)
     agree = base_table[context].argmax(-1) == other_table[context].argmax(-1)
     assert scores["other"].top1_agreement == pytest.approx(agree.mean())
-    assert scores["same"].kl_div == 0.0 and scores["same"].top1_agreement == 1.0  # an identical model: exactly
+    assert (
+        scores["same"].kl_div == 0.0 and scores["same"].top1_agreement == 1.0
+    )  # an identical model: exactly
 
 
 def test_the_kl_of_the_same_distributions_is_never_negative(metric_kernels):
@@ -97,7 +105,10 @@ def test_tokens_a_model_rules_out_count_zero_in_the_kl(metric_kernels):
     other_table = base_table + 0.3 * rng.normal(size=(vocab, vocab)).astype(np.float32)
     base_table[:, 5] = other_table[:, 5] = -np.inf
     ids = rng.integers(0, 5, size=(3, 6))
-    models = {"base": Bigram(torch.from_numpy(base_table)), "other": Bigram(torch.from_numpy(other_table))}
+    models = {
+        "base": Bigram(torch.from_numpy(base_table)),
+        "other": Bigram(torch.from_numpy(other_table)),
+    }
     scores = evaluate(models, torch.from_numpy(ids), batch_size=2)
 
     context = ids[:, :-1]
@@ -123,7 +134,10 @@ def test_a_position_whose_logits_are_not_numbers_is_never_right(metric_kernels):
     other_table[1, 0] = np.nan  # after token 1: a NaN, where argmax read token 0, the right one
     other_table[2, 0] = np.inf  # after token 2: +inf
     ids = np.array([[1, 0, 2, 0, 3, 0, 4, 0], [0, 1, 0, 2, 0, 5, 0, 0]])
-    models = {"base": Bigram(torch.from_numpy(base_table)), "other": Bigram(torch.from_numpy(other_table))}
+    models = {
+        "base": Bigram(torch.from_numpy(base_table)),
+        "other": Bigram(torch.from_numpy(other_table)),
+    }
     scores = evaluate(models, torch.from_numpy(ids), batch_size=1)
 
     context, targets = ids[:, :-1], ids[:, 1:]
@@ -139,7 +153,9 @@ def test_perplexity_past_the_float_range_is_inf_not_an_error():
     # math.exp raises OverflowError above ~709.78; a collapsed variant's mean NLL gets there, and numpy says inf
     with np.errstate(over="ignore"):
         assert Scores(tokens=10, nll_sum=7200.0).perplexity == np.exp(np.float64(720.0)) == math.inf
-    assert Scores(tokens=10, nll_sum=7090.0).perplexity == pytest.approx(np.exp(np.float64(709.0)), rel=1e-12)
+    assert Scores(tokens=10, nll_sum=7090.0).perplexity == pytest.approx(
+        np.exp(np.float64(709.0)), rel=1e-12
+    )
 
 
 def collapse(name: str, nats: float):
@@ -176,12 +192,21 @@ def test_compare_with_a_collapsed_variant_reports_inf_and_fails_the_gate(
     )  # fmt: skip
     assert code == 1, err  # the gate fails; the run does not crash
     assert "Traceback" not in err
-    assert not [str(w.message) for w in recwarn if "/ptq/" in w.filename]  # no overflow warning from ptq's numbers
+    assert not [
+        str(w.message) for w in recwarn if "/ptq/" in w.filename
+    ]  # no overflow warning from ptq's numbers
     text = (out / "results.json").read_text()
     r = json.loads(text)  # Python's json reads the Infinity it writes (as it reads NaN)
     v = r["variants"][0]
-    assert v["perplexity"] == math.inf and v["ppl_delta_pct"] == math.inf and '"perplexity": Infinity' in text
-    assert v["perplexity_ci"] == [math.inf, math.inf] and v["ppl_delta_pct_ci"] == [math.inf, math.inf]
+    assert (
+        v["perplexity"] == math.inf
+        and v["ppl_delta_pct"] == math.inf
+        and '"perplexity": Infinity' in text
+    )
+    assert v["perplexity_ci"] == [math.inf, math.inf] and v["ppl_delta_pct_ci"] == [
+        math.inf,
+        math.inf,
+    ]
     assert v["ppl_delta_significant"] is True and math.isfinite(r["baseline"]["perplexity"])
     (check,) = [c for c in r["gates"]["checks"] if c["metric"] == "ppl_delta_pct"]
     assert check["value"] == math.inf and check["passed"] is False and r["gates"]["passed"] is False

@@ -71,7 +71,9 @@ def test_checkpoint_layout_sizes_and_config(exported, tiny_model):
     assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
     for name in ("tokenizer.json", "generation_config.json", "README.md", "ptq-export.json"):
         assert (out / name).is_file()
-    assert not list(out.parent.glob(".*.tmp"))  # the temporary directory was renamed, none left behind
+    assert not list(
+        out.parent.glob(".*.tmp")
+    )  # the temporary directory was renamed, none left behind
 
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
@@ -80,27 +82,48 @@ def test_checkpoint_layout_sizes_and_config(exported, tiny_model):
     assert config.format == f"{kind}-quantized" and config.ignore == ["lm_head"]
     assert scheme.weights.type == kind and scheme.input_activations.type == kind
     assert scheme.weights.strategy == ("channel" if recipe == "int8" else "tensor")
-    assert scheme.input_activations.strategy == "tensor" and scheme.input_activations.dynamic is False
+    assert (
+        scheme.input_activations.strategy == "tensor" and scheme.input_activations.dynamic is False
+    )
 
     tensors = read_checkpoint(out)
     source = read_checkpoint(tiny_model)
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in tensors.values()
+    )
     quantized = [k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")]
-    assert len(quantized) == 14  # 2 layers x (q, k, v, o, gate, up, down); lm_head is tied and left out
+    assert (
+        len(quantized) == 14
+    )  # 2 layers x (q, k, v, o, gate, up, down); lm_head is tied and left out
     for layer in quantized:
         w = tensors[f"{layer}.weight"]
-        assert w.dtype == dtype and w.element_size() == 1 and w.shape == source[f"{layer}.weight"].shape
+        assert (
+            w.dtype == dtype
+            and w.element_size() == 1
+            and w.shape == source[f"{layer}.weight"].shape
+        )
         assert tensors[f"{layer}.input_scale"].shape == (1,)
-    others = [k for k in tensors if not k.endswith(("_scale",)) and k.removesuffix(".weight") not in quantized]
-    assert others and all(torch.equal(tensors[k], source[k]) for k in others)  # unchanged, same dtype
+    others = [
+        k
+        for k in tensors
+        if not k.endswith(("_scale",)) and k.removesuffix(".weight") not in quantized
+    ]
+    assert others and all(
+        torch.equal(tensors[k], source[k]) for k in others
+    )  # unchanged, same dtype
     assert set(others) | {f"{q}.weight" for q in quantized} == set(source)
 
     info = json.loads((out / "ptq-export.json").read_text())
     size = info["size"]
     params_16bit = sum(t.numel() for t in source.values()) * 2
-    assert size["bytes_16bit"] == params_16bit and size["bytes_saved"] == params_16bit - index["metadata"]["total_size"]
+    assert (
+        size["bytes_16bit"] == params_16bit
+        and size["bytes_saved"] == params_16bit - index["metadata"]["total_size"]
+    )
     card = (out / "README.md").read_text()
-    assert recipe in card and info["calibration"]["data_sha256"][:16] in card and "ptq 0.1.0" in card
+    assert (
+        recipe in card and info["calibration"]["data_sha256"][:16] in card and "ptq 0.1.0" in card
+    )
 
 
 # The layers vLLM loads into one fused layer (QKVParallelLinear, MergedColumnParallelLinear), written out here
@@ -112,7 +135,11 @@ def group_amax(source: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
     """The per-tensor amax vLLM's requantize_with_max_scale leaves a fused layer's shards with: the group's largest."""
     parent, _, name = layer.rpartition(".")
     group = next((g for g in VLLM_FUSED if name in g), (name,))
-    return torch.stack([source[f"{parent}.{m}.weight"].float().abs().max() for m in group]).max().reshape(1)
+    return (
+        torch.stack([source[f"{parent}.{m}.weight"].float().abs().max() for m in group])
+        .max()
+        .reshape(1)
+    )
 
 
 def test_codes_are_bit_identical_to_an_independent_quantization(exported, tiny_model):
@@ -124,7 +151,9 @@ def test_codes_are_bit_identical_to_an_independent_quantization(exported, tiny_m
 
     recipe, out = exported
     dtype, _, fmt_max = FORMATS[recipe]
-    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    config = QuantizationConfig.model_validate(
+        json.loads((out / "config.json").read_text())["quantization_config"]
+    )
     scheme = config.config_groups["group_0"]
     compressor = BaseCompressor.get_value_from_registry(config.format)
     tensors, source = read_checkpoint(out), read_checkpoint(tiny_model)
@@ -136,7 +165,9 @@ def test_codes_are_bit_identical_to_an_independent_quantization(exported, tiny_m
         assert torch.equal(tensors[key], scale)
         reference = compressor.compress({"weight": w, "weight_scale": scale}, scheme)["weight"]
         assert reference.dtype == dtype
-        assert torch.equal(tensors[f"{layer}.weight"].view(torch.uint8), reference.view(torch.uint8))
+        assert torch.equal(
+            tensors[f"{layer}.weight"].view(torch.uint8), reference.view(torch.uint8)
+        )
 
 
 def test_transformers_reload_matches_the_simulation(exported):
@@ -146,7 +177,9 @@ def test_transformers_reload_matches_the_simulation(exported):
     assert ver["load"]["input_quantized_layers"] == 14 and not ver["load"]["unexpected_keys"]
     assert ver["kl_div"] <= ver["tolerance"]["max_kl_div"] and abs(ver["ppl_delta_pct"]) < 0.01
     assert (
-        ver["tensors_checked_in_file"] == 3 * 14 and not ver["tensors_differing"] and "bit for bit" in ver["criterion"]
+        ver["tensors_checked_in_file"] == 3 * 14
+        and not ver["tensors_differing"]
+        and "bit for bit" in ver["criterion"]
     )
     card = (out / "README.md").read_text()
     assert "float-order noise floor" in card and "bit for bit" in card
@@ -156,7 +189,9 @@ def test_transformers_reload_matches_the_simulation(exported):
     assert ver["ptq_rounding"] == own and (own is None or own in card)
 
 
-def test_the_reload_check_simulates_the_loaders_division_and_compare_vllms_reciprocal(tiny_model, tmp_path):
+def test_the_reload_check_simulates_the_loaders_division_and_compare_vllms_reciprocal(
+    tiny_model, tmp_path
+):
     from ptq.calibration.calibrate import calibrate
     from ptq.evaluation.data import load_corpus, make_windows
     from ptq.export import checkpoint as export
@@ -170,14 +205,24 @@ def test_the_reload_check_simulates_the_loaders_division_and_compare_vllms_recip
     text.write_text(TEXT * 3)
     for loader_inputs, reciprocal in ((True, False), (False, True)):
         loaded = load_model(str(tiny_model))
-        windows = make_windows(load_corpus(str(text), "calibration"), loaded.tokenizer, 64, 2).input_ids
+        windows = make_windows(
+            load_corpus(str(text), "calibration"), loaded.tokenizer, 64, 2
+        ).input_ids
         calibration = calibrate(loaded.model, windows, calibrated_layers(loaded.model, recipe))
-        simulated = export.simulate_export(loaded.model, recipe, calibration, loader_inputs, target="vllm")
-        layers = [m for m in simulated.modules() if isinstance(m, QuantLinear) and m.inputs.format.bits == 8]
+        simulated = export.simulate_export(
+            loaded.model, recipe, calibration, loader_inputs, target="vllm"
+        )
+        layers = [
+            m
+            for m in simulated.modules()
+            if isinstance(m, QuantLinear) and m.inputs.format.bits == 8
+        ]
         assert layers and all(m.inputs.reciprocal == reciprocal for m in layers)
 
 
-def test_the_reload_check_quantizes_the_kv_cache_where_its_loader_does(tiny_model, ptq_cli, text_file, tmp_path):
+def test_the_reload_check_quantizes_the_kv_cache_where_its_loader_does(
+    tiny_model, ptq_cli, text_file, tmp_path
+):
     """transformers 5.17 (with compressed-tensors 0.20) quantizes the KV cache itself from the checkpoint's k_scale and
     v_scale, where 5.24 leaves them unused: reload says which (kv_cache_quantized), and the check's simulation
     quantizes the KV cache in the first case only (the KV-cache exports of tests/test_schemes.py verify under both:
@@ -227,17 +272,26 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
     calibration = calibrate(loaded.model, windows, calibrated_layers(loaded.model, recipe))
     quantized = export.export_layers(loaded.model, recipe)[0]
     disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
-    simulated = export.simulate_export(loaded.model, recipe, calibration, target="vllm")  # as exported
+    simulated = export.simulate_export(
+        loaded.model, recipe, calibration, target="vllm"
+    )  # as exported
     expected = export.simulated_tensors(simulated, disk, [])
     assert len(expected) == 3 * 14
 
     def verify(directory: Path) -> dict:
         reloaded, info = export.reload(directory)
-        return export.verify(simulated, reloaded, info, 14, windows, expected_tensors=expected, directory=directory)
+        return export.verify(
+            simulated, reloaded, info, 14, windows, expected_tensors=expected, directory=directory
+        )
 
     good = verify(out)
-    assert good["passed"] and good["tensors_checked_in_file"] == 42 and not good["tensors_differing"]
-    assert good["noise_floor"]["kl_div"] >= 0 and "eager instead of sdpa" in good["noise_floor"]["what"]
+    assert (
+        good["passed"] and good["tensors_checked_in_file"] == 42 and not good["tensors_differing"]
+    )
+    assert (
+        good["noise_floor"]["kl_div"] >= 0
+        and "eager instead of sdpa" in good["noise_floor"]["what"]
+    )
     for name, change in (
         ("input_scale", lambda k: k.endswith(".input_scale")),
         ("weight_scale", lambda k: k == "model.layers.1.mlp.down_proj.weight_scale"),
@@ -246,7 +300,10 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
         shutil.copytree(out, bad)
         for f in bad.glob("model-*.safetensors"):
             tensors = safetensors.torch.load_file(str(f))
-            tensors = {k: v * (3 if name == "input_scale" else 2) if change(k) else v for k, v in tensors.items()}
+            tensors = {
+                k: v * (3 if name == "input_scale" else 2) if change(k) else v
+                for k, v in tensors.items()
+            }
             safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
         result = verify(bad)
         assert not result["passed"] and any("KL" in p for p in result["problems"])
@@ -264,7 +321,9 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
         "input_quantized_layers": 0,
     }
     result = export.verify(simulated, dense.eval(), info, 14, windows)
-    assert not result["passed"] and any("input quantization in 0 of 14" in p for p in result["problems"])
+    assert not result["passed"] and any(
+        "input quantization in 0 of 14" in p for p in result["problems"]
+    )
 
 
 def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp_path):
@@ -276,7 +335,10 @@ def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp
 
     recipe_name, out = exported
     loaded = load_model(str(out))
-    assert "compressed-tensors checkpoint" in loaded.caveats[0] and "its 8-bit weights dequantized" in loaded.caveats[0]
+    assert (
+        "compressed-tensors checkpoint" in loaded.caveats[0]
+        and "its 8-bit weights dequantized" in loaded.caveats[0]
+    )
     tensors = read_checkpoint(out)
     recipe = load_recipe(recipe_name)
     layer = "model.layers.0.mlp.down_proj"
@@ -313,9 +375,13 @@ def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp
 
 def test_refusals_leave_nothing_behind(tiny_model, ptq_cli, text_file, tmp_path):
     common = ["--data", text_file, "--samples", "2", "--seq-len", "32", "--no-verify", "-q"]
-    code, _, err = ptq_cli("quantize", tiny_model, "--recipe", "fp8-e5m2", "-o", tmp_path / "a", *common)
+    code, _, err = ptq_cli(
+        "quantize", tiny_model, "--recipe", "fp8-e5m2", "-o", tmp_path / "a", *common
+    )
     assert code == 2 and "E4M3 and int8 only" in err and not (tmp_path / "a").exists()
-    code, _, err = ptq_cli("quantize", tiny_model, "--recipe", "bf16", "-o", tmp_path / "a", *common)
+    code, _, err = ptq_cli(
+        "quantize", tiny_model, "--recipe", "bf16", "-o", tmp_path / "a", *common
+    )
     assert code == 2 and not (tmp_path / "a").exists()
     for recipe, message in (
         ("paper-e4m3-pow2", "uses 'pow2' scales"),
@@ -323,8 +389,15 @@ def test_refusals_leave_nothing_behind(tiny_model, ptq_cli, text_file, tmp_path)
         ("paper-e4m3-kv", "quantizes attention and kv_cache inputs"),
         ("int8-smoothquant", "SmoothQuant"),
     ):
-        code, _, err = ptq_cli("quantize", tiny_model, "--recipe", recipe, "-o", tmp_path / "a", *common)
-        assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
+        code, _, err = ptq_cli(
+            "quantize", tiny_model, "--recipe", recipe, "-o", tmp_path / "a", *common
+        )
+        assert (
+            code == 2
+            and message in err
+            and len(err.strip().splitlines()) == 1
+            and not (tmp_path / "a").exists()
+        )
 
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -339,8 +412,13 @@ def test_refusals_leave_nothing_behind(tiny_model, ptq_cli, text_file, tmp_path)
     per_tensor.write_text(
         "name: dpt\nweights: {format: e4m3}\ninputs: {format: e4m3, dynamic: true, granularity: tensor}\n"
     )
-    code, _, err = ptq_cli("quantize", tiny_model, "--recipe", per_tensor, "-o", tmp_path / "a", *common)
-    assert code == 2 and "vLLM serves a compressed-tensors checkpoint's dynamic inputs per token" in err, err
+    code, _, err = ptq_cli(
+        "quantize", tiny_model, "--recipe", per_tensor, "-o", tmp_path / "a", *common
+    )
+    assert (
+        code == 2
+        and "vLLM serves a compressed-tensors checkpoint's dynamic inputs per token" in err
+    ), err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
 
     tied = tmp_path / "tied.yaml"
@@ -363,7 +441,11 @@ VLLM_PAIRS = [
     (INT8 + CHANNEL, INT8 + "}", None),  # int8
     (INT8 + CHANNEL, INT8 + DYNAMIC, None),
     # block weights with a static input scale: an assert at load
-    (E4M3 + BLOCK.format(128, 128), E4M3 + "}", "vLLM refuses block weights with a static input scale"),
+    (
+        E4M3 + BLOCK.format(128, 128),
+        E4M3 + "}",
+        "vLLM refuses block weights with a static input scale",
+    ),
     # block weights: inputs served in groups of block_structure[0], whatever the config names
     (E4M3 + BLOCK.format(128, 128), E4M3 + DYNAMIC, "groups of 1 x 128"),
     (E4M3 + BLOCK.format(128, 128), E4M3 + GROUP.format(64), "groups of 1 x 128"),
@@ -398,17 +480,34 @@ def test_force_replaces_an_earlier_export_and_an_interrupted_one_leaves_nothing(
     from ptq.export import checkpoint as export
 
     out = tmp_path / "out"
-    common = [tiny_model, "-o", out, "--data", text_file, "--samples", "2", "--seq-len", "32", "--no-verify", "-q"]
+    common = [
+        tiny_model,
+        "-o",
+        out,
+        "--data",
+        text_file,
+        "--samples",
+        "2",
+        "--seq-len",
+        "32",
+        "--no-verify",
+        "-q",
+    ]
     assert ptq_cli("quantize", *common)[0] == 0
     first = (out / "ptq-export.json").read_text()
-    assert json.loads(first)["verification"] is None and "Not verified" in (out / "README.md").read_text()
+    assert (
+        json.loads(first)["verification"] is None
+        and "Not verified" in (out / "README.md").read_text()
+    )
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(export, "write_config", interrupted)
     code, _, _ = ptq_cli("quantize", *common, "--force")
-    assert code == 130 and (out / "ptq-export.json").read_text() == first  # the earlier export is untouched
+    assert (
+        code == 130 and (out / "ptq-export.json").read_text() == first
+    )  # the earlier export is untouched
     assert not list(tmp_path.glob(".*.tmp"))
     monkeypatch.undo()
     assert ptq_cli("quantize", *common, "--force", "--recipe", "int8")[0] == 0
@@ -442,7 +541,9 @@ def test_other_architectures_round_trip(arch, ptq_cli, text_file, tmp_path):
     )
     torch.manual_seed(0)
     source = tmp_path / arch
-    getattr(transformers, model_name)(config).to(torch.bfloat16).save_pretrained(source)  # a 16-bit checkpoint
+    getattr(transformers, model_name)(config).to(torch.bfloat16).save_pretrained(
+        source
+    )  # a 16-bit checkpoint
     tokenizer.save_pretrained(source)
     out = tmp_path / "out"
     code, stdout, err = ptq_cli(
@@ -487,7 +588,9 @@ def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_cli, text_file, 
     ).save_pretrained(source)
     tokenizer.save_pretrained(source)
     recipe = tmp_path / "linear-only.yaml"
-    recipe.write_text("name: linear-only\ntargets: [Linear]\nweights: {format: e4m3}\ninputs: {format: e4m3}\n")
+    recipe.write_text(
+        "name: linear-only\ntargets: [Linear]\nweights: {format: e4m3}\ninputs: {format: e4m3}\n"
+    )
     code, _, err = ptq_cli(
         "quantize",
         source,
@@ -506,7 +609,9 @@ def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_cli, text_file, 
     assert code == 2 and "quantizes no layer" in err and not (tmp_path / "out").exists()
 
 
-PARTIAL_KV = "name: partial-kv\nweights: {format: e4m3}\ninputs: {format: e4m3}\nkv_cache: {format: e4m3}\n"
+PARTIAL_KV = (
+    "name: partial-kv\nweights: {format: e4m3}\ninputs: {format: e4m3}\nkv_cache: {format: e4m3}\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -520,7 +625,11 @@ PARTIAL_KV = "name: partial-kv\nweights: {format: e4m3}\ninputs: {format: e4m3}\
         ("llama", "partial-kv", "leaves the KV cache of 'model.layers.1.self_attn.kv_cache.key'"),
         # per-tensor weights with per-token inputs: vLLM's fused-MoE FP8 method asserts block weights at load
         ("mixtral", "tensor-token", "vLLM's fused-MoE FP8 method takes"),
-        ("qwen3_moe", "block-64", "quantizes the experts of Qwen3MoeForCausalLM with per-block-64x64"),
+        (
+            "qwen3_moe",
+            "block-64",
+            "quantizes the experts of Qwen3MoeForCausalLM with per-block-64x64",
+        ),
     ],
 )
 def test_pairs_no_loader_takes_are_refused_before_calibration(
@@ -539,14 +648,17 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
     if recipe == "partial-kv":  # the second layer's K and V left out
         recipe = tmp_path / "partial-kv.yaml"
         recipe.write_text(
-            PARTIAL_KV + "ignore: [lm_head, 'model.layers.1.self_attn.key', 'model.layers.1.self_attn.value']\n"
+            PARTIAL_KV
+            + "ignore: [lm_head, 'model.layers.1.self_attn.key', 'model.layers.1.self_attn.value']\n"
         )
     custom = {
         "tensor-token": "weights: {format: e4m3}\ninputs: {format: e4m3, dynamic: true}\n",
         "block-64": "weights: {format: e4m3, granularity: block, block_size: [64, 64]}\n"
         "inputs: {format: e4m3, granularity: group, group_size: 64, dynamic: true}\n",
     }
-    if recipe in custom:  # exportable on dense layers (test_only_pairs_vllm_serves_as_simulated_are_exportable)
+    if (
+        recipe in custom
+    ):  # exportable on dense layers (test_only_pairs_vllm_serves_as_simulated_are_exportable)
         (tmp_path / f"{recipe}.yaml").write_text(f"name: {recipe}\n{custom[recipe]}")
         recipe = tmp_path / f"{recipe}.yaml"
     calibrated = []
@@ -568,7 +680,9 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
     )
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not calibrated and not (tmp_path / "out").exists()
-    if family == "mixtral":  # with the experts left out, transformers still cannot load the int8 checkpoint
+    if (
+        family == "mixtral"
+    ):  # with the experts left out, transformers still cannot load the int8 checkpoint
         dense = tmp_path / "int8-dense.yaml"
         dense.write_text(
             "name: int8-dense\nweights: {format: int8, granularity: channel}\ninputs: {format: int8}\n"
@@ -622,7 +736,10 @@ def test_checkpoint_names_answers_the_names_asked_for_only():
     from ptq.models.matmuls import linearize
 
     model = linearize(families.build("qwen3_moe"))
-    asked = ["model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    asked = [
+        "model.layers.0.mlp.experts.1.gate_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+    ]
     assert checkpoint_names(model, asked) == {name: name for name in asked}
 
 
@@ -637,17 +754,25 @@ def test_checkpoint_names_survive_a_split_that_squeezes_size_one_dimensions(monk
     revert = core_model_loading.revert_weight_conversion
 
     def squeezing(model, state_dict):
-        return {k: v.squeeze(-1) if v.shape[-1] == 1 else v for k, v in revert(model, state_dict).items()}
+        return {
+            k: v.squeeze(-1) if v.shape[-1] == 1 else v
+            for k, v in revert(model, state_dict).items()
+        }
 
     model = linearize(families.build("mixtral"))
-    asked = ["model.layers.0.block_sparse_moe.experts.1.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    asked = [
+        "model.layers.0.block_sparse_moe.experts.1.down_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+    ]
     names = checkpoint_names(model, asked)
     monkeypatch.setattr(core_model_loading, "revert_weight_conversion", squeezing)
     assert checkpoint_names(model, asked) == names
 
 
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8-e4m3"])
-def test_a_reload_that_holds_weights_in_16_bits_is_left_to_ptqs_reader(recipe, tiny_model, tmp_path, monkeypatch):
+def test_a_reload_that_holds_weights_in_16_bits_is_left_to_ptqs_reader(
+    recipe, tiny_model, tmp_path, monkeypatch
+):
     """Asked for float32, transformers 5.17 dequantizes fused experts into bfloat16: such a reload computes another
     model than the checkpoint's, so reload refuses it, and the check falls back to ptq's own reader with the reason,
     and with that reader's input rounding (dynamic scales; static ones are checked in the files)."""
@@ -660,14 +785,24 @@ def test_a_reload_that_holds_weights_in_16_bits_is_left_to_ptqs_reader(recipe, t
     (tmp_path / "t.txt").write_text(TEXT * 3)
     from_pretrained = transformers.AutoModelForCausalLM.from_pretrained
 
-    def narrowing(*args, **kwargs):  # the reload of the export as transformers 5.17 makes it (not ptq's reader's)
+    def narrowing(
+        *args, **kwargs
+    ):  # the reload of the export as transformers 5.17 makes it (not ptq's reader's)
         loaded = from_pretrained(*args, **kwargs)
-        if Path(args[0]).parent == exported.parent and Path(args[0]).name.startswith((".out", "out")):
-            loaded[0].model.layers[0].mlp.register_buffer("held", torch.zeros(1, dtype=torch.bfloat16))
+        if Path(args[0]).parent == exported.parent and Path(args[0]).name.startswith(
+            (".out", "out")
+        ):
+            loaded[0].model.layers[0].mlp.register_buffer(
+                "held", torch.zeros(1, dtype=torch.bfloat16)
+            )
         return loaded
 
     with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as e:
-        mp.setattr(sys, "argv", ["ptq", "quantize", str(tiny_model), "--recipe", recipe, "-o", str(exported), *common])
+        mp.setattr(
+            sys,
+            "argv",
+            ["ptq", "quantize", str(tiny_model), "--recipe", recipe, "-o", str(exported), *common],
+        )
         mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", narrowing)
         cli.main()
     progress.QUIET = False
@@ -683,7 +818,10 @@ def test_a_reload_that_holds_weights_in_16_bits_is_left_to_ptqs_reader(recipe, t
     "recipe, sizes",
     [
         ("fp8-dynamic-no-down", {}),  # the recipe leaves every down_proj out
-        ("fp8-block", dict(hidden_size=128, intermediate_size=128, head_dim=32, moe_intermediate_size=200)),
+        (
+            "fp8-block",
+            dict(hidden_size=128, intermediate_size=128, head_dim=32, moe_intermediate_size=200),
+        ),
     ],
 )
 def test_partly_quantized_experts_export_and_verify(recipe, sizes, ptq_cli, text_file, tmp_path):
@@ -704,14 +842,24 @@ def test_partly_quantized_experts_export_and_verify(recipe, sizes, ptq_cli, text
     out = tmp_path / "out"
     # vLLM runs each experts module as one FusedMoE of one precision: refused for it, in one line, before any work
     code, _, err = quantize_cli(ptq_cli, source, recipe, out, text_file)
-    assert code == 2 and "one fused layer of one precision" in err and "down_proj" in err and not out.exists(), err
-    assert err.count("error:") == 1 and err.strip().splitlines()[-1].startswith("error:")  # above: the source's saving
+    assert (
+        code == 2
+        and "one fused layer of one precision" in err
+        and "down_proj" in err
+        and not out.exists()
+    ), err
+    assert err.count("error:") == 1 and err.strip().splitlines()[-1].startswith(
+        "error:"
+    )  # above: the source's saving
     code, _, err = quantize_cli(ptq_cli, source, recipe, out, text_file, "--target", "transformers")
     assert code == 0, err
     tensors, original = read_checkpoint(out), read_checkpoint(source)
     ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
     for e in range(4):
-        down, gate = f"model.layers.1.mlp.experts.{e}.down_proj", f"model.layers.1.mlp.experts.{e}.gate_proj"
+        down, gate = (
+            f"model.layers.1.mlp.experts.{e}.down_proj",
+            f"model.layers.1.mlp.experts.{e}.gate_proj",
+        )
         assert down in ignore and f"{down}.weight_scale" not in tensors
         assert tensors[f"{down}.weight"].dtype == torch.bfloat16
         assert torch.equal(tensors[f"{down}.weight"], original[f"{down}.weight"])
@@ -721,10 +869,14 @@ def test_partly_quantized_experts_export_and_verify(recipe, sizes, ptq_cli, text
     assert ver["passed"] and ver["kl_div"] <= 1e-6 and not ver["tensors_differing"], ver["problems"]
 
 
-def test_a_partly_quantized_fused_layer_is_refused_for_vllm(ptq_cli, tiny_model, text_file, tmp_path):
+def test_a_partly_quantized_fused_layer_is_refused_for_vllm(
+    ptq_cli, tiny_model, text_file, tmp_path
+):
     # ignore k_proj alone: q/k/v are one qkv_proj in vLLM, which refuses shards of different precision
     recipe = tmp_path / "no-k.yaml"
-    recipe.write_text("name: no-k\nignore: [lm_head, '*.k_proj']\nweights: {format: e4m3}\ninputs: {format: e4m3}\n")
+    recipe.write_text(
+        "name: no-k\nignore: [lm_head, '*.k_proj']\nweights: {format: e4m3}\ninputs: {format: e4m3}\n"
+    )
     code, _, err = quantize_cli(ptq_cli, tiny_model, recipe, tmp_path / "out", text_file)
     assert code == 2 and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
     assert "k_proj' would stay in 16 bits while" in err and "q_proj' is quantized" in err
@@ -750,7 +902,11 @@ def test_fp8_block_leaves_out_fused_layers_whose_parts_vllm_cannot_block(target)
     from ptq.quantization.recipes import load_recipe
 
     config = LlamaConfig(
-        vocab_size=300, hidden_size=128, intermediate_size=200, num_hidden_layers=1, num_attention_heads=4
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=200,
+        num_hidden_layers=1,
+        num_attention_heads=4,
     )
     config.num_key_value_heads = 2
     model = linearize(LlamaForCausalLM(config))
@@ -758,7 +914,10 @@ def test_fp8_block_leaves_out_fused_layers_whose_parts_vllm_cannot_block(target)
     plan = resolve_plan(model, recipe, target)
     quantized, _, _ = export_layers(model, recipe, plan)
     prefix = "model.layers.0."
-    for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+    for group in (
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("mlp.gate_proj", "mlp.up_proj"),
+    ):
         sizes = [model.get_submodule(prefix + n).out_features for n in group]
         assert not vllm_accepts_block_shape(sizes)
         done = [prefix + n in quantized for n in group]
@@ -803,7 +962,9 @@ def test_the_reload_check_takes_compressed_tensors_token_scales_for_2d_and_4d_in
     from ptq.models.loading import load_model
     from ptq.quantization.recipes import load_recipe
 
-    args = QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+    args = QuantizationArgs(
+        num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True
+    )
 
     def compressed_tensors(x):
         scale, zero_point = compute_dynamic_scales_and_zp(x, args, torch.nn.Linear(64, 64))
@@ -811,15 +972,24 @@ def test_the_reload_check_takes_compressed_tensors_token_scales_for_2d_and_4d_in
 
     marked, plain = "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"
     model = load_model(str(tiny_model)).model
-    simulated = export.simulate_export(model, load_recipe("fp8-dynamic"), None, token_rule_inputs=[marked])
-    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 1, 6)[:, None]
+    simulated = export.simulate_export(
+        model, load_recipe("fp8-dynamic"), None, token_rule_inputs=[marked]
+    )
+    x = (
+        torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+        * torch.logspace(-2, 1, 6)[:, None]
+    )
     for shape in ((6, 64), (1, 6, 64), (2, 1, 3, 64), (3, 2, 1, 64)):
         v = x.reshape(shape)
-        assert torch.equal(simulated.get_submodule(marked).quantize_input(v)[1], compressed_tensors(v)), shape
+        assert torch.equal(
+            simulated.get_submodule(marked).quantize_input(v)[1], compressed_tensors(v)
+        ), shape
     per_token = compressed_tensors(x[None])[0]
     assert torch.equal(simulated.get_submodule(plain).quantize_input(x)[1], per_token)
     assert not torch.equal(per_token, compressed_tensors(x))  # the two rules differ on this input
-    assert not torch.equal(per_token, compressed_tensors(x.reshape(2, 1, 3, 64)).reshape(6, 64))  # nor on 4-D
+    assert not torch.equal(
+        per_token, compressed_tensors(x.reshape(2, 1, 3, 64)).reshape(6, 64)
+    )  # nor on 4-D
 
 
 def test_qwen2_moe_fp8_dynamic_verifies_and_says_where_the_loader_differs(qwen2_moe_dynamic):
@@ -829,13 +999,24 @@ def test_qwen2_moe_fp8_dynamic_verifies_and_says_where_the_loader_differs(qwen2_
     _, out = qwen2_moe_dynamic
     ver = json.loads((out / "ptq-export.json").read_text())["verification"]
     assert ver["passed"] and ver["kl_div"] == 0 and ver["top1_agreement"] == 1, ver["problems"]
-    if ver["loader"].startswith("ptq's dequantizing reader"):  # transformers 5.17 (experts in bf16): no such rule
+    if ver["loader"].startswith(
+        "ptq's dequantizing reader"
+    ):  # transformers 5.17 (experts in bf16): no such rule
         assert "in 16 bits" in ver["loader"] and ver["loader_token_rule_layers"] == []
         return
-    shared = [f"model.layers.{i}.mlp.shared_expert.{p}" for i in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")]
+    shared = [
+        f"model.layers.{i}.mlp.shared_expert.{p}"
+        for i in (0, 1)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    ]
     assert ver["loader_token_rule_layers"] == shared
-    assert "6 layer(s) fed inputs other than 3-D" in ver["ptq_rounding"] and shared[0] in ver["ptq_rounding"]
-    assert ver["ptq_perplexity"] != ver["simulated_perplexity"]  # per token is not one scale per input
+    assert (
+        "6 layer(s) fed inputs other than 3-D" in ver["ptq_rounding"]
+        and shared[0] in ver["ptq_rounding"]
+    )
+    assert (
+        ver["ptq_perplexity"] != ver["simulated_perplexity"]
+    )  # per token is not one scale per input
     assert ver["ptq_rounding"] in (out / "README.md").read_text()
 
 
@@ -854,15 +1035,24 @@ def test_qwen2_moe_shared_expert_gate_is_left_out_like_the_routers(qwen2_moe_dyn
     reasons = {x["name"]: x["reason"] for x in info["coverage"]["left_out"]}
     for i in (0, 1):
         gate = f"model.layers.{i}.mlp.shared_expert_gate"
-        assert gate in ignore and gate in info["format"]["ignored_layers"] and f"{gate}.weight_scale" not in tensors
+        assert (
+            gate in ignore
+            and gate in info["format"]["ignored_layers"]
+            and f"{gate}.weight_scale" not in tensors
+        )
         assert torch.equal(tensors[f"{gate}.weight"], original[f"{gate}.weight"])
         assert reasons[f"{gate}.weight"].startswith("router (shared-expert gate")
-        assert tensors[f"model.layers.{i}.mlp.shared_expert.up_proj.weight"].dtype == torch.float8_e4m3fn
+        assert (
+            tensors[f"model.layers.{i}.mlp.shared_expert.up_proj.weight"].dtype
+            == torch.float8_e4m3fn
+        )
 
     plan = resolve_plan(linearize(families.build("qwen2_moe")), load_recipe("fp8-e4m3"))
     assert not [name for name in plan.quantized if "shared_expert_gate" in name]
     left_out = {x["name"]: x["reason"] for x in plan.coverage()["left_out"]}
-    assert left_out["model.layers.0.mlp.shared_expert_gate.weight"].startswith("router (shared-expert gate")
+    assert left_out["model.layers.0.mlp.shared_expert_gate.weight"].startswith(
+        "router (shared-expert gate"
+    )
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"])
@@ -886,12 +1076,14 @@ def test_routers_that_are_not_linear_layers_are_in_ignore(family, tmp_path):
     apply_quantization_config(model, quantization_config(recipe, ["lm_head"]))
     routers = [n for n in QuantizationConfig.from_pretrained(model).ignore if n != "lm_head"]
     assert routers and all(n.endswith(".mlp.gate") for n in routers)
-    _, _, ignore = plan_checkpoint(linearize(families.build(family)), recipe, None, {}, target="vllm")
+    _, _, ignore = plan_checkpoint(
+        linearize(families.build(family)), recipe, None, {}, target="vllm"
+    )
     modules = {n for n, _ in model.named_modules()}
-    assert all(f"{n}.weight" in on_disk or n in modules for n in ignore)  # the names vLLM loads, or transformers'
-    for (
-        name
-    ) in routers:  # model.layers.{i}.mlp.gate: that layer's router, as the checkpoint names it, and as its module
+    assert all(
+        f"{n}.weight" in on_disk or n in modules for n in ignore
+    )  # the names vLLM loads, or transformers'
+    for name in routers:  # model.layers.{i}.mlp.gate: that layer's router, as the checkpoint names it, and as its module
         layer = name.removesuffix(".mlp.gate") + "."
         assert sorted(n for n in ignore if n.startswith(layer) and n.endswith(".gate")) == sorted(
             {name, name.replace(".mlp.", ".block_sparse_moe.") if family == "mixtral" else name}
@@ -899,7 +1091,9 @@ def test_routers_that_are_not_linear_layers_are_in_ignore(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", sorted(families.FAMILIES))
-def test_every_family_exports_fp8_dynamic_and_its_reload_verifies(family, ptq_cli, text_file, tmp_path):
+def test_every_family_exports_fp8_dynamic_and_its_reload_verifies(
+    family, ptq_cli, text_file, tmp_path
+):
     """Each supported family, a tiny random checkpoint on disk: `ptq quantize --recipe fp8-dynamic` writes it, and
     transformers' reload computes what ptq's simulation of the loader computes (KL 0 here: the same ops), every
     quantized tensor in the files bit for bit ptq's. Where the two loaders' names, attention implementations or input
@@ -913,7 +1107,9 @@ def test_every_family_exports_fp8_dynamic_and_its_reload_verifies(family, ptq_cl
     args = ("quantize", source, "--recipe", "fp8-dynamic", "--data", text_file, "--seq-len", "64")
     code, _, err = ptq_cli(*args, "--verify-windows", "2", "-o", out, "-q")
     if family == "gpt_oss":
-        assert code == 2 and "have biases and are stored fused (3-D)" in err and not out.exists(), err
+        assert code == 2 and "have biases and are stored fused (3-D)" in err and not out.exists(), (
+            err
+        )
         return
     assert code == 0, err
     ver = json.loads((out / "ptq-export.json").read_text())["verification"]
@@ -922,7 +1118,9 @@ def test_every_family_exports_fp8_dynamic_and_its_reload_verifies(family, ptq_cl
     # the noise floor swaps the attention implementation: transformers 5.25 refuses sdpa for Gemma 2's soft-capped
     # attention, and ptq says so instead of a floor (5.17 runs it)
     if ver["noise_floor"] is None:
-        assert family == "gemma2" and ver["no_noise_floor"].startswith("sdpa attention cannot run this model"), ver
+        assert family == "gemma2" and ver["no_noise_floor"].startswith(
+            "sdpa attention cannot run this model"
+        ), ver
 
 
 @pytest.mark.parametrize("family", sorted(set(families.FAMILIES) - {"gpt_oss"}))
@@ -940,11 +1138,15 @@ def test_the_loader_quantizes_exactly_the_layers_ptq_quantizes_in_every_family(f
     from ptq.quantization.recipes import load_recipe
 
     recipe = load_recipe("fp8-dynamic")
-    _, quantized, ignore = plan_checkpoint(linearize(families.build(family)), recipe, None, {}, target="vllm")
+    _, quantized, ignore = plan_checkpoint(
+        linearize(families.build(family)), recipe, None, {}, target="vllm"
+    )
     model = families.build(family)
     linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     apply_quantization_config(model, quantization_config(recipe, ignore))
-    matched = {n for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    matched = {
+        n for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None
+    }
     assert matched == set(quantized) & linear
     assert matched or family == "gpt2"
 
@@ -961,14 +1163,18 @@ def test_ptq_reader_expands_block_scales_by_block_structure(hidden, ptq_cli, tex
 
     from ptq.export.checkpoint import reload_dequantized
 
-    source = save_tiny_llama(tmp_path / "llama", hidden_size=hidden, intermediate_size=200, tie_word_embeddings=False)
+    source = save_tiny_llama(
+        tmp_path / "llama", hidden_size=hidden, intermediate_size=200, tie_word_embeddings=False
+    )
     out = tmp_path / "out"
-    code, _, err = quantize_cli(ptq_cli, source, "fp8-block", out, text_file, "--target", "transformers")
+    code, _, err = quantize_cli(
+        ptq_cli, source, "fp8-block", out, text_file, "--target", "transformers"
+    )
     assert code == 0, err
     assert json.loads((out / "ptq-export.json").read_text())["verification"]["passed"]
-    rows, cols = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
-        "weights"
-    ]["block_structure"]
+    rows, cols = json.loads((out / "config.json").read_text())["quantization_config"][
+        "config_groups"
+    ]["group_0"]["weights"]["block_structure"]
     model, _ = reload_dequantized(out)
     tensors = read_checkpoint(out)
     layers = [k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")]
@@ -980,9 +1186,7 @@ def test_ptq_reader_expands_block_scales_by_block_structure(hidden, ptq_cli, tex
         assert np.array_equal(model.get_submodule(layer).weight.numpy(), codes * expanded), layer
 
 
-REMOTE_CONFIG = (
-    "from transformers import LlamaConfig\n\n\nclass PtqTestConfig(LlamaConfig):\n    model_type = 'ptq_test_llama'\n"
-)
+REMOTE_CONFIG = "from transformers import LlamaConfig\n\n\nclass PtqTestConfig(LlamaConfig):\n    model_type = 'ptq_test_llama'\n"
 REMOTE_MODELING = (
     "from transformers import LlamaForCausalLM\n\nfrom .configuration_ptqtest import PtqTestConfig\n"
     "from .ptqtest_helpers import NOTE\n\n\nclass PtqTestForCausalLM(LlamaForCausalLM):\n"
@@ -990,7 +1194,9 @@ REMOTE_MODELING = (
 )
 
 
-def test_remote_code_travels_with_the_checkpoint_and_runs_only_when_trusted(tiny_model, ptq_cli, text_file, tmp_path):
+def test_remote_code_travels_with_the_checkpoint_and_runs_only_when_trusted(
+    tiny_model, ptq_cli, text_file, tmp_path
+):
     """A model with its own code (auto_map): the export carries the files auto_map names and those they import
     relatively (not the source's other Python files), and both reloads (transformers, ptq's reader) run it with
     --trust-remote-code; without it, the command stops in one line, as loading does."""
@@ -1017,13 +1223,17 @@ def test_remote_code_travels_with_the_checkpoint_and_runs_only_when_trusted(tiny
     (source / "config.json").write_text(json.dumps(config))
 
     code, _, err = quantize_cli(ptq_cli, source, "fp8-dynamic", tmp_path / "refused", text_file)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "which ptq runs only with --trust-remote-code" in err, (
-        err
-    )
+    assert (
+        code == 2
+        and len(err.strip().splitlines()) == 1
+        and "which ptq runs only with --trust-remote-code" in err
+    ), err
     assert not (tmp_path / "refused").exists()
 
     out = tmp_path / "ptq-remote-export"
-    code, _, err = quantize_cli(ptq_cli, source, "fp8-dynamic", out, text_file, "--trust-remote-code")
+    code, _, err = quantize_cli(
+        ptq_cli, source, "fp8-dynamic", out, text_file, "--trust-remote-code"
+    )
     assert code == 0, err
     for name in ("configuration_ptqtest.py", "modeling_ptqtest.py", "ptqtest_helpers.py"):
         assert (out / name).read_text() == (source / name).read_text()
@@ -1049,7 +1259,8 @@ def test_a_bf16_pickle_source_is_exported_in_bf16(tiny_model, ptq_cli, text_file
     source = tmp_path / "pickled"
     shutil.copytree(tiny_model, source, ignore=shutil.ignore_patterns("*.safetensors"))
     state = {
-        k: v.to(torch.bfloat16) for k, v in safetensors.torch.load_file(str(tiny_model / "model.safetensors")).items()
+        k: v.to(torch.bfloat16)
+        for k, v in safetensors.torch.load_file(str(tiny_model / "model.safetensors")).items()
     }
     torch.save(state, source / "pytorch_model.bin")
     assert source_dtypes(str(source)) == {k: torch.bfloat16 for k in state}
@@ -1057,15 +1268,21 @@ def test_a_bf16_pickle_source_is_exported_in_bf16(tiny_model, ptq_cli, text_file
     code, _, err = quantize_cli(ptq_cli, source, "fp8-dynamic", out, text_file, "--allow-pickle")
     assert code == 0, err
     tensors = read_checkpoint(out)
-    kept = [k for k in tensors if not k.endswith("_scale") and tensors[k].dtype != torch.float8_e4m3fn]
+    kept = [
+        k for k in tensors if not k.endswith("_scale") and tensors[k].dtype != torch.float8_e4m3fn
+    ]
     assert "model.embed_tokens.weight" in kept and "model.norm.weight" in kept
-    assert all(tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], state[k]) for k in kept)
+    assert all(
+        tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], state[k]) for k in kept
+    )
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert json.loads((out / "ptq-export.json").read_text())["verification"]["passed"]
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_static_input_scales_are_exported_under_the_recipes_observer(family, tiny_model, ptq_cli, text_file, tmp_path):
+def test_static_input_scales_are_exported_under_the_recipes_observer(
+    family, tiny_model, ptq_cli, text_file, tmp_path
+):
     """A percentile observer clips each static input below its amax: the checkpoint's input_scale is that clip / 448,
     the scale the simulation (compare) uses, for dense layers and experts alike, and the export verifies; not the
     calibration's raw amax / 448."""
@@ -1083,7 +1300,18 @@ def test_static_input_scales_are_exported_under_the_recipes_observer(family, tin
     )
     calib = tmp_path / "calib.safetensors"
     code, _, err = ptq_cli(
-        "calibrate", source, "--recipe", recipe, "--data", text_file, "--samples", "4", "--seq-len", "64", "-o", calib
+        "calibrate",
+        source,
+        "--recipe",
+        recipe,
+        "--data",
+        text_file,
+        "--samples",
+        "4",
+        "--seq-len",
+        "64",
+        "-o",
+        calib,
     )
     assert code == 0, err
     out = tmp_path / "out"
@@ -1116,12 +1344,22 @@ def test_static_input_scales_are_exported_under_the_recipes_observer(family, tin
         for k, v in safetensors.torch.load_file(str(calib)).items()
         if "input_amax/" in k
     }
-    disk = checkpoint_names(linearize(AutoModelForCausalLM.from_pretrained(source)), [f"{k}.weight" for k in amax])
-    raw = {disk[f"{k}.weight"].removesuffix(".weight"): v for k, v in amax.items()}  # by the checkpoint's names
-    scales = {k.removesuffix(".input_scale"): v for k, v in read_checkpoint(out).items() if k.endswith(".input_scale")}
+    disk = checkpoint_names(
+        linearize(AutoModelForCausalLM.from_pretrained(source)), [f"{k}.weight" for k in amax]
+    )
+    raw = {
+        disk[f"{k}.weight"].removesuffix(".weight"): v for k, v in amax.items()
+    }  # by the checkpoint's names
+    scales = {
+        k.removesuffix(".input_scale"): v
+        for k, v in read_checkpoint(out).items()
+        if k.endswith(".input_scale")
+    }
     assert len(scales) == (14 if family == "llama" else 32) and set(scales) <= set(raw)
     clipped = [k for k in scales if float(scales[k]) < float(raw[k]) / 448 * (1 - 1e-6)]
-    assert len(clipped) == len(scales)  # each below its amax / 448: the 99th percentile, not the max
+    assert len(clipped) == len(
+        scales
+    )  # each below its amax / 448: the 99th percentile, not the max
 
 
 def test_an_fp8_source_is_exported_from_its_dequantized_weights_in_its_own_dtype(
@@ -1141,12 +1379,18 @@ def test_an_fp8_source_is_exported_from_its_dequantized_weights_in_its_own_dtype
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert not [k for k in tensors if k.endswith("_scale_inv")]
     kept = [k for k in tensors if not k.endswith(("_proj.weight", "_scale"))]
-    assert kept and all(tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], source[k]) for k in kept)
+    assert kept and all(
+        tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], source[k]) for k in kept
+    )
     key = "model.layers.1.mlp.down_proj.weight"
-    w = source[key].float() * source[key + "_scale_inv"].repeat_interleave(32, 0).repeat_interleave(32, 1)
+    w = source[key].float() * source[key + "_scale_inv"].repeat_interleave(32, 0).repeat_interleave(
+        32, 1
+    )
     scale = w.abs().amax(dim=1, keepdim=True) / 448  # per output channel
     assert torch.equal(tensors[key.replace(".weight", ".weight_scale")], scale)
-    assert torch.equal(tensors[key].view(torch.uint8), (w / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(
+        tensors[key].view(torch.uint8), (w / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    )
     info = json.loads((out / "ptq-export.json").read_text())
     assert info["verification"]["passed"] and "fp8 checkpoint" in info["model"]["caveats"][0]
 
@@ -1164,7 +1408,18 @@ def test_a_reload_check_that_would_not_fit_keeps_the_checkpoint_unverified(
     monkeypatch.setattr(resources, "available_memory", lambda device: free)
     out = tmp_path / target
     code, _, err = ptq_cli(
-        "quantize", tiny_model, "-o", out, "--target", target, "--data", text_file, "--samples", "2", "--seq-len", "32"
+        "quantize",
+        tiny_model,
+        "-o",
+        out,
+        "--target",
+        target,
+        "--data",
+        text_file,
+        "--samples",
+        "2",
+        "--seq-len",
+        "32",
     )
     assert code == 0, err
     info = json.loads((out / "ptq-export.json").read_text())

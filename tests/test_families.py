@@ -20,10 +20,24 @@ from ptq.quantization.recipes import Recipe, TensorQuant, load_recipe
 
 # float32 "rounding": 23 mantissa bits and float32's own exponent range, so rounding is the identity; unscaled
 FP32 = NumberFormat(
-    "fp32", "float", 8, 23, 127, torch.finfo(torch.float32).max, 2.0**-126, True, torch.float32, False, 32
+    "fp32",
+    "float",
+    8,
+    23,
+    127,
+    torch.finfo(torch.float32).max,
+    2.0**-126,
+    True,
+    torch.float32,
+    False,
+    32,
 )
 PASS_THROUGH = Recipe(
-    "pass-through", "identity", TensorQuant(FP32, saturate=False), TensorQuant(FP32, saturate=False), ignore=()
+    "pass-through",
+    "identity",
+    TensorQuant(FP32, saturate=False),
+    TensorQuant(FP32, saturate=False),
+    ignore=(),
 )
 
 
@@ -45,7 +59,9 @@ def test_pass_through_quantizer_gives_the_unquantized_logits(family):
     assert all(isinstance(m, QuantLinear) for m in special)
     experts = [m for m in model.modules() if isinstance(m, LinearExperts)]
     assert (len(experts) > 0) == (family in families.MOE_FAMILIES)
-    assert all(m._grouped[1] is not None for m in experts)  # quantized experts run grouped, not one by one
+    assert all(
+        m._grouped[1] is not None for m in experts
+    )  # quantized experts run grouped, not one by one
     # Same arithmetic, up to the order of summation where a loop over experts replaces grouped_mm (none on CPU)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -71,8 +87,12 @@ def test_counting_quantizer_sees_every_matmul_weight(family, monkeypatch):
         for n, m in linearize(families.build(family)).named_modules()
         if kind(m) in ("Linear", "Conv1D", "Experts") and isinstance(m, torch.nn.Linear)
     ]
-    assert sorted(seen) == sorted(expected)  # lm_head too: left out by the recipe, it is rounded as the bf16 baseline
-    assert not calibration.metadata.get("unseen_layers")  # every expert got tokens (all experts calibrated)
+    assert sorted(seen) == sorted(
+        expected
+    )  # lm_head too: left out by the recipe, it is rounded as the bf16 baseline
+    assert not calibration.metadata.get(
+        "unseen_layers"
+    )  # every expert got tokens (all experts calibrated)
     if family in families.MOE_FAMILIES:
         config = model.config
         n = next(
@@ -86,7 +106,9 @@ def test_counting_quantizer_sees_every_matmul_weight(family, monkeypatch):
     # Coverage: everything but lm_head (and the routers, left in the compute dtype by design) is quantized
     left = {x["name"] for x in cov["left_out"]}
     assert "lm_head" in left
-    assert all(x["name"] == "lm_head" or x["reason"].startswith("router") for x in cov["left_out"]), cov["left_out"]
+    assert all(
+        x["name"] == "lm_head" or x["reason"].startswith("router") for x in cov["left_out"]
+    ), cov["left_out"]
     assert cov["quantized_weight_params"] == sum(
         m.weight.numel()
         for n, m in linearize(families.build(family)).named_modules()
@@ -144,7 +166,9 @@ def test_grouped_experts_match_the_expert_by_expert_loop():
         torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
 
 
-def test_a_large_experts_layer_is_dequantized_a_few_experts_at_a_time_with_the_same_output(monkeypatch):
+def test_a_large_experts_layer_is_dequantized_a_few_experts_at_a_time_with_the_same_output(
+    monkeypatch,
+):
     # All experts' weights at once would pass WEIGHT_BLOCK_BYTES (set here to two experts' gate/up in float32): they
     # are dequantized two experts at a time (down: four), each group's rows computed into the output, the same
     # logits bit for bit; experts that no token is routed to (2 and 3 here) are not dequantized at all.
@@ -172,7 +196,11 @@ def test_a_large_experts_layer_is_dequantized_a_few_experts_at_a_time_with_the_s
             for m in variant.modules():  # route every token to experts 0 and 1
                 if isinstance(m, LinearExperts):
                     m.register_forward_pre_hook(
-                        lambda mod, args: (args[0], torch.zeros_like(args[1]) + torch.arange(2), args[2])
+                        lambda mod, args: (
+                            args[0],
+                            torch.zeros_like(args[1]) + torch.arange(2),
+                            args[2],
+                        )
                     )
             made.clear()
             variant(ids)
@@ -214,7 +242,9 @@ def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, 
             "model.layers.1.mlp.gate.weight",
         }
     report = (tmp_path / "r" / "report.md").read_text()
-    assert "of matmul weight parameters quantized" in report and "router (MixtralTopKRouter)" in report
+    assert (
+        "of matmul weight parameters quantized" in report and "router (MixtralTopKRouter)" in report
+    )
     code, out, err = ptq_cli(
         "quantize",
         model_dir,
@@ -240,14 +270,19 @@ def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, 
 
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-        assert f.get_tensor("model.layers.1.block_sparse_moe.experts.3.w2.weight").dtype == torch.float8_e4m3fn
+        assert (
+            f.get_tensor("model.layers.1.block_sparse_moe.experts.3.w2.weight").dtype
+            == torch.float8_e4m3fn
+        )
     for e in range(4):
         for w in ("w1", "w2", "w3"):
             for t in ("weight", "weight_scale", "input_scale"):
                 assert f"model.layers.0.block_sparse_moe.experts.{e}.{w}.{t}" in keys
 
 
-def test_gpt2_conv1d_layers_are_quantized_and_exported_in_conv1d_orientation(tmp_path, ptq_cli, text_file):
+def test_gpt2_conv1d_layers_are_quantized_and_exported_in_conv1d_orientation(
+    tmp_path, ptq_cli, text_file
+):
     import ml_dtypes
     import numpy as np
     from conftest import make_tokenizer
@@ -276,15 +311,30 @@ def test_gpt2_conv1d_layers_are_quantized_and_exported_in_conv1d_orientation(tmp
     cov = json.loads((tmp_path / "r" / "results.json").read_text())["variants"][0]["coverage"]
     assert [x["name"] for x in cov["left_out"]] == ["lm_head"]
     code, _, err = ptq_cli(
-        "quantize", model_dir, "--data", str(text_file), "--seq-len", "16", "--samples", "2", "-o", tmp_path / "ckpt"
+        "quantize",
+        model_dir,
+        "--data",
+        str(text_file),
+        "--seq-len",
+        "16",
+        "--samples",
+        "2",
+        "-o",
+        tmp_path / "ckpt",
     )
     assert code == 0, err
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
         codes = f.get_tensor("transformer.h.0.attn.c_attn.weight")
         scale = f.get_tensor("transformer.h.0.attn.c_attn.weight_scale")
     info = json.loads((tmp_path / "ckpt" / "ptq-export.json").read_text())["verification"]
-    assert info["passed"] and info["kl_div"] <= 1e-6 and info["loader"].startswith("ptq's dequantizing reader")
-    assert info["input_scales_checked_in_file"] == 2 * 4  # c_attn, c_proj, c_fc, mlp.c_proj in each of 2 blocks
+    assert (
+        info["passed"]
+        and info["kl_div"] <= 1e-6
+        and info["loader"].startswith("ptq's dequantizing reader")
+    )
+    assert (
+        info["input_scales_checked_in_file"] == 2 * 4
+    )  # c_attn, c_proj, c_fc, mlp.c_proj in each of 2 blocks
     w = original.transformer.h[0].attn.c_attn.weight.detach()  # Conv1D: [in, out]
     assert codes.shape == w.shape and codes.dtype == torch.float8_e4m3fn
     # independent reference: ml_dtypes' E4M3 rounding of w / (amax / 448), bit for bit
@@ -294,9 +344,13 @@ def test_gpt2_conv1d_layers_are_quantized_and_exported_in_conv1d_orientation(tmp
     assert np.array_equal(codes.view(torch.uint8).numpy(), reference.view(np.uint8))
 
 
-def test_strict_coverage_refuses_weights_ptq_cannot_quantize(tmp_path, ptq_cli, text_file, tiny_model):
+def test_strict_coverage_refuses_weights_ptq_cannot_quantize(
+    tmp_path, ptq_cli, text_file, tiny_model
+):
 
-    class Unknown(torch.nn.Module):  # a matmul weight that is neither Linear, Conv1D nor known experts
+    class Unknown(
+        torch.nn.Module
+    ):  # a matmul weight that is neither Linear, Conv1D nor known experts
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
@@ -340,7 +394,11 @@ def test_strict_coverage_refuses_weights_ptq_cannot_quantize(tmp_path, ptq_cli, 
         assert code == 0 and "warning: 1 matmul weight(s) ptq cannot quantize" in err
         assert "model.layers.0.mlp.down_proj.weight" in err
         code, _, err = ptq_cli(*args, "--out", tmp_path / "b", "--strict-coverage")
-        assert code == 2 and "--strict-coverage" in err and not (tmp_path / "b" / "results.json").exists()
+        assert (
+            code == 2
+            and "--strict-coverage" in err
+            and not (tmp_path / "b" / "results.json").exists()
+        )
 
 
 def test_convolutions_are_left_out_as_convolutions_not_fused_experts():
@@ -355,8 +413,14 @@ def test_convolutions_are_left_out_as_convolutions_not_fused_experts():
 
     left = {x.name: x.reason for x in unsupported(Block())}
     assert set(left) == {"conv1d.weight", "conv2d.weight"}
-    assert left["conv1d.weight"] == "not supported (Conv1d is a convolution, which ptq does not quantize)"
-    assert left["conv2d.weight"] == "not supported (Conv2d is a convolution, which ptq does not quantize)"
+    assert (
+        left["conv1d.weight"]
+        == "not supported (Conv1d is a convolution, which ptq does not quantize)"
+    )
+    assert (
+        left["conv2d.weight"]
+        == "not supported (Conv2d is a convolution, which ptq does not quantize)"
+    )
     assert not any("fused experts" in reason for reason in left.values())
     cov = {"left_out": [{"name": n, "params": 1, "reason": r} for n, r in left.items()]}
     assert len(unsupported_weights(cov)) == 2
@@ -373,19 +437,30 @@ def test_the_structure_built_from_the_config_is_the_loaded_models(family, tmp_pa
     folder = tmp_path / family
     families.build(family).save_pretrained(folder)
     families.make_tokenizer().save_pretrained(folder)
-    loaded, built = load_model(str(folder), memory_check=False).model, load_structure(str(folder)).model
+    loaded, built = (
+        load_model(str(folder), memory_check=False).model,
+        load_structure(str(folder)).model,
+    )
     assert all(p.device.type == "meta" for p in built.parameters())
 
     def layers(model):
         return [(n, kind(m), tuple(m.weight.shape)) for n, m in linear_layers(model).items()]
 
     assert layers(built) == layers(loaded)
-    recipes = [load_recipe(p.stem) for p in sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))]
+    recipes = [
+        load_recipe(p.stem) for p in sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
+    ]
     for target in ("vllm", "transformers"):
-        plans, expected = resolve_plans(built, recipes, target), resolve_plans(loaded, recipes, target)
+        plans, expected = (
+            resolve_plans(built, recipes, target),
+            resolve_plans(loaded, recipes, target),
+        )
         for name, plan in plans.items():
             assert plan.matmuls == expected[name].matmuls, (target, name)
-            assert (plan.attention, plan.residual) == (expected[name].attention, expected[name].residual)
+            assert (plan.attention, plan.residual) == (
+                expected[name].attention,
+                expected[name].residual,
+            )
             assert (plan.unsupported, plan.other_attention) == (
                 expected[name].unsupported,
                 expected[name].other_attention,

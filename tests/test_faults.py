@@ -53,7 +53,9 @@ def edited_model(src: Path, dst: Path, edit) -> Path:
 def one_error_line(err: str) -> bool:
     """A user-facing failure: exactly one 'error:' line and no traceback (transformers' own loading bar
     may also be on stderr)."""
-    return sum(line.startswith("error:") for line in err.splitlines()) == 1 and "Traceback" not in err
+    return (
+        sum(line.startswith("error:") for line in err.splitlines()) == 1 and "Traceback" not in err
+    )
 
 
 def calib_args(model, text_file, out, *extra):
@@ -82,13 +84,20 @@ def test_nan_weight_is_named_with_its_index(tiny_model, text_file, tmp_path, ptq
 
     model = edited_model(tiny_model, tmp_path / "m", poison)
     for policy in ("fail", "skip"):  # a broken checkpoint is an error under either policy
-        code, _, err = ptq_cli(*calib_args(model, text_file, tmp_path / "c.st", "--on-nonfinite", policy))
+        code, _, err = ptq_cli(
+            *calib_args(model, text_file, tmp_path / "c.st", "--on-nonfinite", policy)
+        )
         assert code == 2 and one_error_line(err)
-        assert "weight of layer 'model.layers.0.mlp.up_proj' contains NaN (first at index [3, 5])" in err
+        assert (
+            "weight of layer 'model.layers.0.mlp.up_proj' contains NaN (first at index [3, 5])"
+            in err
+        )
     assert not (tmp_path / "c.st").exists()
 
 
-def test_nan_weight_without_calibration_is_named_when_quantized(tiny_model, text_file, tmp_path, ptq_cli):
+def test_nan_weight_without_calibration_is_named_when_quantized(
+    tiny_model, text_file, tmp_path, ptq_cli
+):
     # A recipe with dynamic inputs needs no calibration: the weight's own rounding finds the NaN.
     def poison(t):
         t["model.layers.1.self_attn.o_proj.weight"][0, 0] = float("nan")
@@ -114,7 +123,9 @@ def test_nan_weight_without_calibration_is_named_when_quantized(tiny_model, text
     assert not (tmp_path / "r" / "results.json").exists()
 
 
-def test_inf_activation_fails_naming_layer_then_skip_falls_back(tiny_model, text_file, tmp_path, ptq_cli):
+def test_inf_activation_fails_naming_layer_then_skip_falls_back(
+    tiny_model, text_file, tmp_path, ptq_cli
+):
     # An inf norm weight is not a quantized tensor, but it makes every input of layer 1 non-finite.
     def poison(t):
         t["model.layers.1.input_layernorm.weight"][0] = float("inf")
@@ -124,7 +135,10 @@ def test_inf_activation_fails_naming_layer_then_skip_falls_back(tiny_model, text
     code, _, err = ptq_cli(*calib_args(model, text_file, out))
     assert code == 2 and one_error_line(err)
     # q_proj is the first layer to see it (the forward order, not the alphabetical one).
-    assert "input of layer 'model.layers.1.self_attn.q_proj' contains" in err and "calibration batch 0" in err
+    assert (
+        "input of layer 'model.layers.1.self_attn.q_proj' contains" in err
+        and "calibration batch 0" in err
+    )
     assert "--on-nonfinite skip" in err and not out.exists()
 
     code, _, err = ptq_cli(*calib_args(model, text_file, out, "--on-nonfinite", "skip"))
@@ -157,7 +171,9 @@ def test_skip_leaves_exactly_the_bad_batches_out(tiny_model):
 
     handle = model.get_submodule(layer).register_forward_pre_hook(inject)
     try:
-        with pytest.raises(PtqError, match=f"input of layer '{layer}' contains NaN in calibration batch 1"):
+        with pytest.raises(
+            PtqError, match=f"input of layer '{layer}' contains NaN in calibration batch 1"
+        ):
             calibrate(model, ids, [layer])
         calls.clear()
         skipped = calibrate(model, ids, [layer], on_nonfinite="skip")
@@ -186,11 +202,16 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
     recipe = load_recipe("fp8-e4m3")
     corpus = load_corpus(str(text_file), "calibration")
     calibration = _calibrate(
-        loaded, corpus, resolve_plans(loaded.model, [recipe]), CalibrationOptions(samples=8, seq_len=16)
+        loaded,
+        corpus,
+        resolve_plans(loaded.model, [recipe]),
+        CalibrationOptions(samples=8, seq_len=16),
     )
     e0, e1, e2 = (f"model.layers.0.mlp.experts.{i}" for i in range(3))
     assert calibration.input_amax[e1] == 2 * calibration.input_amax[e0]
-    assert calibration.input_amax[e2] == calibration.input_amax[e1]  # the largest sibling, not just any
+    assert (
+        calibration.input_amax[e2] == calibration.input_amax[e1]
+    )  # the largest sibling, not just any
     assert calibration.metadata["unseen_layers"] == [
         {
             "layer": e2,
@@ -201,7 +222,8 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
     lines = faults_lines(calibration_faults(calibration.metadata))
     assert any(e2 in line and "no calibration data" in line for line in lines)
     with pytest.raises(
-        PtqError, match=r"1 layer\(s\) received no calibration data, e.g. 'model.layers.0.mlp.experts.2'"
+        PtqError,
+        match=r"1 layer\(s\) received no calibration data, e.g. 'model.layers.0.mlp.experts.2'",
     ):
         _calibrate(
             loaded,
@@ -223,7 +245,9 @@ def test_a_fallback_is_never_taken_from_another_unseen_layer():
 
     model = linearize(families.build("mixtral"))
     layers = [
-        n for n in calibration_targets(resolve_plans(model, [load_recipe("fp8-e4m3")]).values())[0] if ".experts." in n
+        n
+        for n in calibration_targets(resolve_plans(model, [load_recipe("fp8-e4m3")]).values())[0]
+        if ".experts." in n
     ]
 
     def nan_into_block_1(module, args, kwargs):
@@ -236,13 +260,18 @@ def test_a_fallback_is_never_taken_from_another_unseen_layer():
     calibration = calibrate(model, ids, layers, on_nonfinite="skip")
     hook.remove()
     unseen = calibration.metadata["unseen_layers"]
-    assert sorted(u["layer"] for u in unseen) == sorted(n for n in layers if n.startswith("model.layers.1."))
+    assert sorted(u["layer"] for u in unseen) == sorted(
+        n for n in layers if n.startswith("model.layers.1.")
+    )
     for u in unseen:
         projection = u["layer"].rpartition(".")[2]
-        block_0 = [calibration.input_amax[f"model.layers.0.mlp.experts.{e}.{projection}"] for e in range(4)]
+        block_0 = [
+            calibration.input_amax[f"model.layers.0.mlp.experts.{e}.{projection}"] for e in range(4)
+        ]
         assert u["input_amax"] == float(max(block_0))
         assert (
-            u["rule"] == f"max input amax of 4 calibrated layer(s) matching model.layers.*.mlp.experts.*.{projection}"
+            u["rule"]
+            == f"max input amax of 4 calibrated layer(s) matching model.layers.*.mlp.experts.*.{projection}"
         )
 
 
@@ -258,7 +287,13 @@ def test_per_channel_amax_of_another_length_is_refused(tiny_model, tmp_path):
     layers, channels = calibration_targets(resolve_plans(model, [recipe]).values())
     layer = "model.layers.0.mlp.down_proj"
     calibration = calibrate(model, ids, layers, channels=channels)
-    calibration.metadata |= {"data": "t", "data_sha256": "0", "windows": 4, "seq_len": 16, "tokens": 64}
+    calibration.metadata |= {
+        "data": "t",
+        "data_sha256": "0",
+        "windows": 4,
+        "seq_len": 16,
+        "tokens": 64,
+    }
     calibration.check_model(model, layers)  # as made
     calibration.input_channel_amax[layer] = calibration.input_channel_amax[layer][:1].clone()
     save_calibration(calibration, tmp_path / "c.st")
@@ -283,7 +318,11 @@ def test_fallback_amax_prefers_close_relatives():
 
 def test_observer_ignores_nonfinite_batches():
     obs = TensorObserver()
-    for x in (torch.tensor([1.0, -3.0]), torch.tensor([float("inf")]), torch.tensor([2.0, float("nan")])):
+    for x in (
+        torch.tensor([1.0, -3.0]),
+        torch.tensor([float("inf")]),
+        torch.tensor([2.0, float("nan")]),
+    ):
         obs(None, (x,))
     assert obs.amax == 3.0 and int(obs.nonfinite) == 2 and obs.finite_batches() == 1
 
@@ -299,8 +338,12 @@ def test_fail_policy_never_lets_a_nonfinite_batch_through():
             obs.observe(x)
         return {"a": obs}
 
-    assert finish(observers(), ["a"], {}, "skip", "fallback").metadata["nonfinite_batches"] == {"a": 1}
-    with pytest.raises(PtqError, match=r"input of layer 'a' contains NaN or inf in 1 calibration batch\(es\)"):
+    assert finish(observers(), ["a"], {}, "skip", "fallback").metadata["nonfinite_batches"] == {
+        "a": 1
+    }
+    with pytest.raises(
+        PtqError, match=r"input of layer 'a' contains NaN or inf in 1 calibration batch\(es\)"
+    ):
         finish(observers(), ["a"], {}, "fail", "fallback")
 
 
@@ -318,7 +361,9 @@ def test_the_per_batch_check_makes_nothing_for_observers_not_called(monkeypatch)
     _fail_on_nonfinite(observers, 0, 4)
     assert not made
     observers["layer.7"].observe(torch.tensor([float("inf")]))
-    with pytest.raises(PtqError, match="input of layer 'layer.7' contains inf in calibration batch 2 "):
+    with pytest.raises(
+        PtqError, match="input of layer 'layer.7' contains inf in calibration batch 2 "
+    ):
         _fail_on_nonfinite(observers, 2, 4)
 
 
@@ -331,7 +376,9 @@ def test_zero_and_tiny_amax_warn_and_stay_finite():
             ("l", "input", torch.tensor(2.0), e4m3),
         ]
     )
-    assert len(warnings) == 2 and "all zeros" in warnings[0] and "not a normal float32" in warnings[1]
+    assert (
+        len(warnings) == 2 and "all zeros" in warnings[0] and "not a normal float32" in warnings[1]
+    )
     # The rule's premise, checked directly: tiny and huge amax quantize to finite values within one amax.
     for fmt in (e4m3, get_format("e5m2"), int8):
         for a in (1e-45, 1e-40, 1e-36, 1.0, 1e38):
@@ -346,7 +393,9 @@ def test_amax_beyond_reach_is_an_error():
     assert not torch.isfinite(
         fake_quantize(torch.tensor([FLT_MAX]), compute_scale(torch.tensor(FLT_MAX), int8), int8)
     ).all()
-    with pytest.raises(PtqError, match="weight amax 3.403e\\+38 of layer 'x' is beyond int8's reach"):
+    with pytest.raises(
+        PtqError, match="weight amax 3.403e\\+38 of layer 'x' is beyond int8's reach"
+    ):
         range_findings([("x", "weight", torch.tensor(FLT_MAX), int8)])
     assert range_findings([("x", "weight", torch.tensor(FLT_MAX), get_format("e4m3"))]) == []
 
@@ -358,7 +407,10 @@ def test_all_zero_weight_warns_in_cli_and_file(tiny_model, text_file, tmp_path, 
     model = edited_model(tiny_model, tmp_path / "m", zero)
     code, _, err = ptq_cli(*calib_args(model, text_file, tmp_path / "c.st"))
     assert code == 0, err
-    assert "warning: weight of layer 'model.layers.0.self_attn.o_proj' is all zeros (amax 0): scale 1 is used" in err
+    assert (
+        "warning: weight of layer 'model.layers.0.self_attn.o_proj' is all zeros (amax 0): scale 1 is used"
+        in err
+    )
     assert load_calibration(tmp_path / "c.st").metadata["warnings"] == [
         "weight of layer 'model.layers.0.self_attn.o_proj' is all zeros (amax 0): scale 1 is used"
     ]
@@ -414,7 +466,9 @@ def wait_for_checkpoint(proc, checkpoint: Path, timeout: float = 90) -> int:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_killed_calibration_resumes_to_identical_bytes(sig, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def test_killed_calibration_resumes_to_identical_bytes(
+    sig, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")
     out = tmp_path / "resumed.st"
     args = calib_args(tiny_model, text_file, out, "--checkpoint-every", "0")
@@ -449,7 +503,9 @@ def test_killed_calibration_resumes_to_identical_bytes(sig, tiny_model, text_fil
     monkeypatch.setattr(TensorObserver, "__call__", counting)
     code, _, err = ptq_cli(*args, "--resume")
     assert code == 0, err
-    assert len(seen) == 14 * (6 - batches_done)  # only the batches the checkpoint did not cover were run
+    assert len(seen) == 14 * (
+        6 - batches_done
+    )  # only the batches the checkpoint did not cover were run
     assert not checkpoint_path(out).exists()
     monkeypatch.setattr(TensorObserver, "__call__", forward)
 
@@ -484,7 +540,9 @@ def test_resume_refuses_a_checkpoint_of_another_run(tiny_model, text_file, tmp_p
     checkpoint_path(out).write_bytes(b"garbage")
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))
     assert code == 2 and "not a readable calibration checkpoint" in err
-    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--force"))  # --force starts over
+    code, _, err = ptq_cli(
+        *calib_args(tiny_model, text_file, out, "--force")
+    )  # --force starts over
     assert code == 0 and not checkpoint_path(out).exists() and out.is_file()
 
 
@@ -518,9 +576,13 @@ def test_resume_refuses_the_other_expert_setting_and_keeps_the_batch_size(
     assert code == 2 and one_error_line(err) and "was made by a different run" in err, err
     assert "--routed-experts-only" in err and not out.exists()
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--batch-size", "2", "--resume"))
-    assert code == 2 and one_error_line(err) and "was made on batches of 3 windows, not 2" in err, err
+    assert code == 2 and one_error_line(err) and "was made on batches of 3 windows, not 2" in err, (
+        err
+    )
     assert "--batch-size 3 (or auto)" in err
-    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))  # auto: the checkpoint's 3, not 4
+    code, _, err = ptq_cli(
+        *calib_args(tiny_model, text_file, out, "--resume")
+    )  # auto: the checkpoint's 3, not 4
     assert code == 0, err
     assert load_calibration(out).metadata["batch_size"] == 3 and not checkpoint_path(out).exists()
 
@@ -557,9 +619,14 @@ def test_resume_refuses_another_model_whose_calibrated_weights_are_the_same(
     interrupted_calibration(ptq_cli, monkeypatch, calib_args(tiny_model, text_file, out), 2)
     for other in (norms, rope):
         code, _, err = ptq_cli(*calib_args(other, text_file, out, "--resume"))
-        assert code == 2 and one_error_line(err) and "was made by a different run (model," in err, (other, err)
+        assert code == 2 and one_error_line(err) and "was made by a different run (model," in err, (
+            other,
+            err,
+        )
         assert checkpoint_path(out).exists() and not out.exists()
-    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))  # its own model resumes
+    code, _, err = ptq_cli(
+        *calib_args(tiny_model, text_file, out, "--resume")
+    )  # its own model resumes
     assert code == 0 and not checkpoint_path(out).exists(), err
 
 
@@ -571,11 +638,21 @@ def test_low_memory_calibration_refuses_checkpoint_options_and_says_how_a_leftov
     out = tmp_path / "c.st"
     for flag in (("--resume",), ("--checkpoint-every", "5")):
         code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--low-memory", *flag))
-        assert code == 2 and one_error_line(err) and f"{flag[0]} is not available with --low-memory" in err, err
+        assert (
+            code == 2
+            and one_error_line(err)
+            and f"{flag[0]} is not available with --low-memory" in err
+        ), err
     interrupted_calibration(ptq_cli, monkeypatch, calib_args(tiny_model, text_file, out), 2)
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--low-memory"))
-    assert code == 2 and one_error_line(err) and "run without --low-memory and with --resume to continue" in err, err
-    code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))  # as it says: resumes
+    assert (
+        code == 2
+        and one_error_line(err)
+        and "run without --low-memory and with --resume to continue" in err
+    ), err
+    code, _, err = ptq_cli(
+        *calib_args(tiny_model, text_file, out, "--resume")
+    )  # as it says: resumes
     assert code == 0 and out.exists() and not checkpoint_path(out).exists(), err
 
 
@@ -613,7 +690,10 @@ def test_same_command_gives_identical_bytes(tiny_model, text_file, tmp_path, ptq
     compare(tmp_path / "d")
     for name in ("results.json", "report.md"):
         assert (tmp_path / "c" / name).read_bytes() == (tmp_path / "d" / name).read_bytes()
-    assert json.loads((tmp_path / "c" / "results.json").read_text())["created"] == "2023-11-14T22:13:20+00:00"
+    assert (
+        json.loads((tmp_path / "c" / "results.json").read_text())["created"]
+        == "2023-11-14T22:13:20+00:00"
+    )
     for name in ("x.st", "y.st"):
         assert ptq_cli(*calib_args(tiny_model, text_file, tmp_path / name))[0] == 0
     assert (tmp_path / "x.st").read_bytes() == (tmp_path / "y.st").read_bytes()

@@ -31,14 +31,18 @@ def fake_gguf(tiny_model, tmp_path, monkeypatch) -> tuple[Path, list[str]]:
         return real(location, spec, trust_remote_code, **kwargs)
 
     monkeypatch.setattr(models, "_from_pretrained", from_pretrained)
-    monkeypatch.setattr(models, "gguf_caveat", lambda path: f"Weights were dequantized from a GGUF ({path.name}).")
+    monkeypatch.setattr(
+        models, "gguf_caveat", lambda path: f"Weights were dequantized from a GGUF ({path.name})."
+    )
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF" + bytes(range(256)) * 64)
     return gguf, conversions
 
 
 @pytest.mark.parametrize("setting", ["unset", "new folder", "~/new folder"])
-def test_gguf_is_converted_into_a_cache_that_does_not_exist_yet(fake_gguf, tmp_path, monkeypatch, ptq_cli, setting):
+def test_gguf_is_converted_into_a_cache_that_does_not_exist_yet(
+    fake_gguf, tmp_path, monkeypatch, ptq_cli, setting
+):
     gguf, conversions = fake_gguf
     home = tmp_path / "home"  # a new machine: a home without .cache
     home.mkdir()
@@ -54,7 +58,9 @@ def test_gguf_is_converted_into_a_cache_that_does_not_exist_yet(fake_gguf, tmp_p
     else:
         monkeypatch.setenv("PTQ_CACHE", "~/cache" if setting.startswith("~") else str(cache))
     for i in range(2):  # commands that load the model (inspect reads the GGUF's config alone)
-        code, _, err = ptq_cli("calibrate", gguf, "--samples", "1", "--seq-len", "8", "-o", tmp_path / f"{i}.st", "-q")
+        code, _, err = ptq_cli(
+            "calibrate", gguf, "--samples", "1", "--seq-len", "8", "-o", tmp_path / f"{i}.st", "-q"
+        )
         assert code == 0, err
     assert conversions == [str(gguf)]  # converted once, then reused
     converted = cache / "gguf" / f"tiny-{gguf_key(gguf)}"
@@ -63,22 +69,41 @@ def test_gguf_is_converted_into_a_cache_that_does_not_exist_yet(fake_gguf, tmp_p
     assert not (tmp_path / "~").exists()
 
 
-def test_a_cache_that_cannot_be_written_is_one_line_before_the_conversion(fake_gguf, tmp_path, monkeypatch, ptq_cli):
+def test_a_cache_that_cannot_be_written_is_one_line_before_the_conversion(
+    fake_gguf, tmp_path, monkeypatch, ptq_cli
+):
     gguf, conversions = fake_gguf
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("PTQ_CACHE", str(blocker / "cache"))  # a file in the way: it stops root too
-    calibrate = ("calibrate", gguf, "--samples", "1", "--seq-len", "8", "-o", tmp_path / "c.st", "-q")
+    calibrate = (
+        "calibrate",
+        gguf,
+        "--samples",
+        "1",
+        "--seq-len",
+        "8",
+        "-o",
+        tmp_path / "c.st",
+        "-q",
+    )
     code, _, err = ptq_cli(*calibrate)
     assert code == 2 and one_error_line(err), err
-    assert f"cannot write in the model cache {blocker / 'cache' / 'gguf'}" in err and "PTQ_CACHE" in err
+    assert (
+        f"cannot write in the model cache {blocker / 'cache' / 'gguf'}" in err
+        and "PTQ_CACHE" in err
+    )
     assert conversions == [] and blocker.read_text() == ""
 
-    def denied(*args, **kwargs):  # what a read-only folder gives a non-root user (root writes anyway)
+    def denied(
+        *args, **kwargs
+    ):  # what a read-only folder gives a non-root user (root writes anyway)
         raise PermissionError(errno.EACCES, "Permission denied")
 
     monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "read-only"))
-    monkeypatch.setattr(files.tempfile, "mkstemp", denied)  # (every command's output check too: the loading alone)
+    monkeypatch.setattr(
+        files.tempfile, "mkstemp", denied
+    )  # (every command's output check too: the loading alone)
     with pytest.raises(PtqError) as refused:
         load_model(str(gguf))
     assert f"{tmp_path / 'read-only' / 'gguf'}: Permission denied" in str(refused.value)
@@ -115,12 +140,16 @@ def results_file(tiny_model, tmp_path_factory) -> Path:
     return directory / "out" / "results.json"
 
 
-def command(name: str, tiny_model: Path, text_file: Path, results: Path, out: Path) -> tuple[tuple, list[Path]]:
+def command(
+    name: str, tiny_model: Path, text_file: Path, results: Path, out: Path
+) -> tuple[tuple, list[Path]]:
     """The arguments of a cheap run of command `name` writing to `out`, and the files it writes there."""
     report = [out / "report.md", out / "report-metrics.png"]
     return {
         "calibrate": (
-            calib_args(tiny_model, text_file, out / "x.calib.safetensors", "--checkpoint-every", "0"),
+            calib_args(
+                tiny_model, text_file, out / "x.calib.safetensors", "--checkpoint-every", "0"
+            ),
             [out / "x.calib.safetensors"],
         ),
         "compare": (
@@ -201,7 +230,9 @@ def test_outputs_in_folders_that_do_not_exist_yet_are_created(
     assert code == 0, err
     assert all(path.is_file() for path in written), sorted(out.rglob("*"))
     assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.checkpoint"))
-    assert checkpoints == ([True] * 5 if name == "calibrate" else [])  # 24 windows, batches of 4: 5 before the last
+    assert checkpoints == (
+        [True] * 5 if name == "calibrate" else []
+    )  # 24 windows, batches of 4: 5 before the last
 
 
 @pytest.mark.parametrize("name", COMMANDS)
@@ -261,7 +292,9 @@ def test_a_directory_output_gets_the_usual_mode_not_mkdtemps_0700(tmp_path):
         assert stat.S_IMODE((tmp_path / "new" / "ckpt" / name).stat().st_mode) == 0o644, name
 
 
-def test_replacing_a_directory_keeps_the_old_one_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+def test_replacing_a_directory_keeps_the_old_one_until_the_new_one_is_in_place(
+    tmp_path, monkeypatch
+):
     # --force onto an existing export: the old folder used to be deleted before the rename, so an interruption in
     # between left neither. Now a failing rename puts the old one back, and a successful one leaves no trace of it.
     import os
@@ -274,7 +307,9 @@ def test_replacing_a_directory_keeps_the_old_one_until_the_new_one_is_in_place(t
     real_replace = os.replace
 
     def interrupted(src, dst):
-        if Path(dst) == target and Path(src).name.endswith(".tmp"):  # the new folder, not the old one moved back
+        if Path(dst) == target and Path(src).name.endswith(
+            ".tmp"
+        ):  # the new folder, not the old one moved back
             raise KeyboardInterrupt
         return real_replace(src, dst)
 
@@ -282,8 +317,12 @@ def test_replacing_a_directory_keeps_the_old_one_until_the_new_one_is_in_place(t
     with pytest.raises(KeyboardInterrupt):
         with files.atomic_dir(target) as tmp:
             (tmp / "new.txt").write_text("new")
-    assert [p.name for p in target.iterdir()] == ["old.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert [p.name for p in target.iterdir()] == ["old.txt"] and sorted(
+        p.name for p in tmp_path.iterdir()
+    ) == ["ckpt"]
     monkeypatch.setattr(files.os, "replace", real_replace)
     with files.atomic_dir(target) as tmp:
         (tmp / "new.txt").write_text("new")
-    assert [p.name for p in target.iterdir()] == ["new.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert [p.name for p in target.iterdir()] == ["new.txt"] and sorted(
+        p.name for p in tmp_path.iterdir()
+    ) == ["ckpt"]

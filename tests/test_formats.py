@@ -53,7 +53,9 @@ def reference_cast(x: np.ndarray, fmt, saturate: bool) -> np.ndarray:
         return x.astype(np.float32).astype(REF_DTYPE[fmt.name])
 
 
-def assert_same_bits(ours: np.ndarray, ref: np.ndarray, uint, x: np.ndarray | None = None, what: str = ""):
+def assert_same_bits(
+    ours: np.ndarray, ref: np.ndarray, uint, x: np.ndarray | None = None, what: str = ""
+):
     """Bit-exact equality of two arrays viewed as `uint`, except that NaN only has to match NaN."""
     ours_nan = np.isnan(ours.astype(np.float32))
     ref_nan = np.isnan(ref.astype(np.float32))
@@ -98,8 +100,12 @@ def midpoints(fmt) -> np.ndarray:
     top = v[-1] + (v[-1] - v[-2])  # 480 for E4M3 (its NaN code), 65536 for E5M2 (inf)
     v = np.append(v, top)
     mid = ((v[1:] + v[:-1]) / 2).astype(np.float32)
-    assert np.all(mid.astype(np.float64) == (v[1:] + v[:-1]) / 2), "midpoints must be exact in float32"
-    near = np.concatenate([mid, np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))])
+    assert np.all(mid.astype(np.float64) == (v[1:] + v[:-1]) / 2), (
+        "midpoints must be exact in float32"
+    )
+    near = np.concatenate(
+        [mid, np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))]
+    )
     return np.concatenate([near, -near])
 
 
@@ -185,9 +191,13 @@ def test_compiled_e4m3_rounding_matches_reference(wide_values, saturate):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         grid = fused(round_to_format, compile=True)(torch.from_numpy(wide_values), E4M3, saturate)
-    assert kernels.strict_cpu_arithmetic  # Inductor's defaults: the saturating kernel above is the split
+    assert (
+        kernels.strict_cpu_arithmetic
+    )  # Inductor's defaults: the saturating kernel above is the split
     ref = reference_cast(wide_values, E4M3, saturate).astype(np.float32)
-    assert_same_bits(grid.numpy(), ref, np.uint32, wide_values, f"compiled e4m3 saturate={saturate}")
+    assert_same_bits(
+        grid.numpy(), ref, np.uint32, wide_values, f"compiled e4m3 saturate={saturate}"
+    )
 
 
 def test_compiled_e4m3_rounding_matches_reference_on_every_float32_up_to_480():
@@ -199,7 +209,9 @@ def test_compiled_e4m3_rounding_matches_reference_on_every_float32_up_to_480():
         for sign in (1.0, -1.0):
             x = chunk.view(torch.float32) * sign
             ref = torch.from_numpy(reference_cast(x.numpy(), E4M3, True).astype(np.float32))
-            mismatches += int((kernel(x, E4M3, True).view(torch.int32) != ref.view(torch.int32)).sum())
+            mismatches += int(
+                (kernel(x, E4M3, True).view(torch.int32) != ref.view(torch.int32)).sum()
+            )
     assert kernels.strict_cpu_arithmetic and mismatches == 0
 
 
@@ -207,7 +219,9 @@ def test_split_rounding_matches_reference(wide_values):
     # The split by itself, in eager ops (what the fused CPU loop computes), on every tie and its neighbours.
     x = np.clip(wide_values, -448, 448)
     ref = reference_cast(x, E4M3, True).astype(np.float32)
-    assert_same_bits(_split_round(torch.from_numpy(x), E4M3).numpy(), ref, np.uint32, x, "split e4m3")
+    assert_same_bits(
+        _split_round(torch.from_numpy(x), E4M3).numpy(), ref, np.uint32, x, "split e4m3"
+    )
 
 
 def test_midpoints_are_ties():
@@ -237,11 +251,15 @@ def float64_values() -> np.ndarray:
     with np.errstate(invalid="ignore"):
         b = bf16_patterns().astype(np.float64)
     b = np.sort(b[np.isfinite(b) & (b >= 0)])
-    ties = np.concatenate([ties, (b[1:] + b[:-1]) / 2, np.arange(-128, 128) + 0.5])  # bf16's and int8's ties too
+    ties = np.concatenate(
+        [ties, (b[1:] + b[:-1]) / 2, np.arange(-128, 128) + 0.5]
+    )  # bf16's and int8's ties too
     nudged = np.concatenate([ties * (1 + 2.0**-30), ties * (1 - 2.0**-30)])
     logu = rng.choice([-1.0, 1.0], 200_000) * 2.0 ** rng.uniform(-160, 130, 200_000)
     edge = [1e-50, 2.0**-150, 3.0e38, 3.4028235677973366e38, 1e39, 1e300, 0.0, np.inf, np.nan]
-    edge = np.array(edge + [(2 - 2.0**-8) * 2.0**127 * (1 - 2.0**-40)])  # just below bf16's overflow tie
+    edge = np.array(
+        edge + [(2 - 2.0**-8) * 2.0**127 * (1 - 2.0**-40)]
+    )  # just below bf16's overflow tie
     return np.concatenate([nudged, logu, edge, -edge])
 
 
@@ -252,7 +270,9 @@ def test_float64_inputs_are_rounded_once(fmt, saturate):
     # (1.0625 + 2^-40 became the E4M3 tie 1.0625, then the even 1.0 instead of 1.125; 464 + 2^-30 became 448
     # instead of NaN when not saturating).
     # the reference itself: ml_dtypes before 0.7 rounds a float64 through float32, twice (1.0625 + 2^-40 to 1.0)
-    assert np.array([1.0625 + 2.0**-40]).astype(ml_dtypes.float8_e4m3fn)[0] == 1.125, "ml_dtypes < 0.7: see pyproject"
+    assert np.array([1.0625 + 2.0**-40]).astype(ml_dtypes.float8_e4m3fn)[0] == 1.125, (
+        "ml_dtypes < 0.7: see pyproject"
+    )
     x = float64_values()
     with np.errstate(all="ignore"):
         if fmt is INT8:
@@ -264,13 +284,17 @@ def test_float64_inputs_are_rounded_once(fmt, saturate):
             else:
                 x_ref = x
             ref = x_ref.astype(REF_DTYPE[fmt.name]).astype(np.float32)
-        assert (x.astype(np.float32) != x)[np.isfinite(x)].sum() > 400_000  # float32 cannot hold most of them
+        assert (x.astype(np.float32) != x)[
+            np.isfinite(x)
+        ].sum() > 400_000  # float32 cannot hold most of them
     ours = round_to_format(torch.from_numpy(x), fmt, saturate=saturate).numpy()
     assert_same_bits(ours, ref, np.uint32, x, f"float64 -> {fmt.name} saturate={saturate}")
 
 
 def test_other_input_dtypes_and_strides():
-    x64 = torch.tensor([1.0 + 2.0**-40, 464.0, -3.0 * 2**-10, 1.0625 + 2.0**-40], dtype=torch.float64)
+    x64 = torch.tensor(
+        [1.0 + 2.0**-40, 464.0, -3.0 * 2**-10, 1.0625 + 2.0**-40], dtype=torch.float64
+    )
     assert round_to_format(x64, E4M3).tolist() == [1.0, 448.0, -(2.0**-8), 1.125]
     xb = torch.tensor([3.0, 448.0, 500.0], dtype=torch.bfloat16)
     assert round_to_format(xb, E4M3).tolist() == [3.0, 448.0, 448.0]
@@ -298,7 +322,17 @@ def test_bf16_flush_subnormals():
     )
     flushed = round_to_format(x, BF16, saturate=False, flush_subnormals=True)
     assert flushed.tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 2.0**-126, -(2.0**-126), 1.0, 0.0]
-    assert torch.signbit(flushed).tolist() == [False, True, False, False, False, False, True, False, False]
+    assert torch.signbit(flushed).tolist() == [
+        False,
+        True,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
     # Without flushing the subnormals survive; 127.5 quanta of 2**-133 rounds (half-even) up to 2**-126.
     kept = round_to_format(x, BF16, saturate=False)
     assert kept.tolist() == [
@@ -314,9 +348,13 @@ def test_bf16_flush_subnormals():
     ]
     # Normals are unchanged by flushing.
     normals = torch.randn(10_000) * 1e3
-    assert torch.equal(round_to_format(normals, BF16, False, True), round_to_format(normals, BF16, False))
+    assert torch.equal(
+        round_to_format(normals, BF16, False, True), round_to_format(normals, BF16, False)
+    )
     # Same rule for another format: E4M3 values below 2**-6 become zero.
-    assert round_to_format(torch.tensor([2.0**-7, 2.0**-6]), E4M3, flush_subnormals=True).tolist() == [0.0, 2.0**-6]
+    assert round_to_format(
+        torch.tensor([2.0**-7, 2.0**-6]), E4M3, flush_subnormals=True
+    ).tolist() == [0.0, 2.0**-6]
 
 
 # 4. Hand-computed bit patterns, independent of ml_dtypes.
@@ -341,14 +379,26 @@ def test_e4m3_hand_computed_bits():
         0x00,
     ]
     # Ties: 2**-10 is halfway 0..2**-9 -> 0 (even); 3*2**-10 -> 2**-8; 464 between 448 and 480 -> 448 (even).
-    assert bits_of([2.0**-10, 3 * 2.0**-10, 464.0, 1.0625, 1.1875], E4M3, True) == [0x00, 0x02, 0x7E, 0x38, 0x3A]
+    assert bits_of([2.0**-10, 3 * 2.0**-10, 464.0, 1.0625, 1.1875], E4M3, True) == [
+        0x00,
+        0x02,
+        0x7E,
+        0x38,
+        0x3A,
+    ]
     assert bits_of([464.0, 465.0, 1e6, INF, -INF], E4M3, True) == [0x7E, 0x7E, 0x7E, 0x7E, 0xFE]
     assert bits_of([464.0, 465.0, INF, NAN], E4M3, False) == [0x7E, 0x7F, 0x7F, 0x7F]
     assert bits_of([-465.0, -INF], E4M3, False) == [0xFF, 0xFF]
 
 
 def test_e5m2_hand_computed_bits():
-    assert bits_of([57344.0, -57344.0, 1.0, 2.0**-16, 2.0**-14], E5M2, True) == [0x7B, 0xFB, 0x3C, 0x01, 0x04]
+    assert bits_of([57344.0, -57344.0, 1.0, 2.0**-16, 2.0**-14], E5M2, True) == [
+        0x7B,
+        0xFB,
+        0x3C,
+        0x01,
+        0x04,
+    ]
     assert bits_of([INF, -INF, 61440.0, 61439.0], E5M2, True) == [0x7C, 0xFC, 0x7B, 0x7B]
     assert bits_of([INF, 61440.0, 61439.0, -61440.0], E5M2, False) == [0x7C, 0x7C, 0x7B, 0xFC]
     # 2**-17 is halfway 0..2**-16 -> 0; 3*2**-17 -> 2*2**-16.
@@ -356,9 +406,19 @@ def test_e5m2_hand_computed_bits():
 
 
 def test_16_bit_overflow_is_ieee_when_not_saturating():
-    tie = (2 - 2.0**-8) * 2.0**127  # halfway between bf16 max (odd mantissa) and 2**128: rounds up to inf
+    tie = (
+        2 - 2.0**-8
+    ) * 2.0**127  # halfway between bf16 max (odd mantissa) and 2**128: rounds up to inf
     below = float(np.nextafter(np.float32(tie), np.float32(0)))
-    big = [3.3895313892515355e38, below, tie, float(np.finfo(np.float32).max), 65504.0, 65519.0, 65520.0]
+    big = [
+        3.3895313892515355e38,
+        below,
+        tie,
+        float(np.finfo(np.float32).max),
+        65504.0,
+        65519.0,
+        65520.0,
+    ]
     assert bits_of(big[:4], BF16, False) == [0x7F7F, 0x7F7F, 0x7F80, 0x7F80]
     assert bits_of(big[:4], BF16, True) == [0x7F7F, 0x7F7F, 0x7F7F, 0x7F7F]
     assert bits_of(big[4:], FP16, False) == [0x7BFF, 0x7BFF, 0x7C00]
@@ -369,8 +429,24 @@ def test_16_bit_overflow_is_ieee_when_not_saturating():
 
 
 def test_int8_rounding_and_saturation():
-    x = torch.tensor([2.5, 3.5, -2.5, 0.5, 1.5, -0.5, 126.5, 127.4, 300.0, -128.0, -300.0, INF, -INF])
-    assert quantize(x, 1.0, INT8).tolist() == [2, 4, -2, 0, 2, 0, 126, 127, 127, -127, -127, 127, -127]
+    x = torch.tensor(
+        [2.5, 3.5, -2.5, 0.5, 1.5, -0.5, 126.5, 127.4, 300.0, -128.0, -300.0, INF, -INF]
+    )
+    assert quantize(x, 1.0, INT8).tolist() == [
+        2,
+        4,
+        -2,
+        0,
+        2,
+        0,
+        126,
+        127,
+        127,
+        -127,
+        -127,
+        127,
+        -127,
+    ]
     assert torch.isnan(round_to_format(torch.tensor([NAN]), INT8)).all()
 
 
@@ -390,7 +466,9 @@ def test_int8_scale_and_codes_match_numpy():
     assert np.array_equal(stored.numpy(), ref.astype(np.int8))
     # Raw ties with scale 1.
     t = x[:1000]
-    assert np.array_equal(round_to_format(torch.from_numpy(t), INT8).numpy(), np.clip(np.rint(t), -127, 127))
+    assert np.array_equal(
+        round_to_format(torch.from_numpy(t), INT8).numpy(), np.clip(np.rint(t), -127, 127)
+    )
 
 
 def test_int8_per_channel_and_zero_rows():
@@ -399,14 +477,22 @@ def test_int8_per_channel_and_zero_rows():
     assert a.shape == (3, 1) and a.flatten().tolist() == [4.0, 0.0, 127.0]
     scale = compute_scale(a, INT8)
     assert scale.shape == (3, 1)
-    assert scale.flatten().tolist() == [np.float32(4.0) / np.float32(127), 1.0, 1.0]  # amax 0 -> scale 1
+    assert scale.flatten().tolist() == [
+        np.float32(4.0) / np.float32(127),
+        1.0,
+        1.0,
+    ]  # amax 0 -> scale 1
     q = quantize(w, scale, INT8)
     ref = np.clip(np.rint(w.numpy() / scale.numpy()), -127, 127)
     assert np.array_equal(q.numpy(), ref)
     assert q[0].abs().max() == 127 and q[2].tolist() == [-127, 50, 25, 0]
     assert torch.equal(fake_quantize(w, scale, INT8)[1], torch.zeros(4))
     # Values beyond a row's amax (static scale too small) saturate.
-    assert quantize(torch.tensor([[10.0], [1.0], [500.0]]), scale, INT8).flatten().tolist() == [127, 1, 127]
+    assert quantize(torch.tensor([[10.0], [1.0], [500.0]]), scale, INT8).flatten().tolist() == [
+        127,
+        1,
+        127,
+    ]
 
 
 def test_to_storage_int8_rejects_bad_codes():
@@ -432,7 +518,9 @@ def test_compute_scale():
     assert compute_scale(torch.tensor(57344.0), E5M2).item() == 1.0
     s = compute_scale(torch.tensor([[3.0], [0.0]]), E4M3)
     assert s.dtype == torch.float32 and s.shape == (2, 1) and s[1].item() == 1.0
-    assert compute_scale(torch.tensor(1e-45), E4M3).item() == 1.0  # underflowing scale -> 1, never 0
+    assert (
+        compute_scale(torch.tensor(1e-45), E4M3).item() == 1.0
+    )  # underflowing scale -> 1, never 0
     assert compute_scale(torch.tensor([5.0, 0.0]), BF16).tolist() == [1.0, 1.0]
     for bad in (-1.0, NAN, INF):
         with pytest.raises(ValueError):
@@ -450,9 +538,15 @@ def test_a_tiny_amax_gets_a_normal_scale_so_that_multiplying_by_its_reciprocal_w
         for reciprocal in (False, True):
             got = quantize(x, scale, E4M3, reciprocal=reciprocal).numpy()
             # reference: ml_dtypes' E4M3 of x * 2^126 (exact in float32: a power of two)
-            want = (x.numpy() * np.float32(2.0**126)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            want = (
+                (x.numpy() * np.float32(2.0**126))
+                .astype(ml_dtypes.float8_e4m3fn)
+                .astype(np.float32)
+            )
             np.testing.assert_array_equal(got, want)
-    assert compute_scale(torch.tensor(448 * tiny), E4M3).item() == tiny  # the smallest normal scale, unchanged
+    assert (
+        compute_scale(torch.tensor(448 * tiny), E4M3).item() == tiny
+    )  # the smallest normal scale, unchanged
     assert compute_scale(torch.tensor(448 * tiny * 2), E4M3).item() == 2 * tiny
 
 
@@ -515,7 +609,9 @@ def test_get_format_aliases():
         ("float16", "fp16"),
     ]:
         assert get_format(name) is FORMATS[key]
-    with pytest.raises(PtqError, match=r"unknown number format 'e3m4' \(known: e4m3, e5m2, int8, bf16, fp16"):
+    with pytest.raises(
+        PtqError, match=r"unknown number format 'e3m4' \(known: e4m3, e5m2, int8, bf16, fp16"
+    ):
         get_format("e3m4")
 
 

@@ -18,18 +18,24 @@ from ptq.calibration.calibrate import Calibration, load_calibration, save_calibr
 from ptq.errors import PtqError
 from ptq.quantization.recipes import load_recipe, parse_recipe
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
 yaml_like = st.recursive(
     scalars,
     lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10) | st.integers(), inner, max_size=5)
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=10) | st.integers(), inner, max_size=5)
     ),
     max_leaves=20,
 )
 # Near-valid recipes reach deeper into the validation than random values do.
-field_values = st.sampled_from(["e4m3", "int8", "bf16", "fp8-e5m2", "nope", "", "tensor", "channel"]) | yaml_like
+field_values = (
+    st.sampled_from(["e4m3", "int8", "bf16", "fp8-e5m2", "nope", "", "tensor", "channel"])
+    | yaml_like
+)
 tensor_quant = st.dictionaries(
     st.sampled_from(["format", "granularity", "saturate", "extra"]), field_values, max_size=4
 )
@@ -75,7 +81,10 @@ def test_load_recipe_text_only_raises_ptq_error(tmp_path, text):
         "[" * 50_000,  # nesting deep enough to exhaust PyYAML's recursion
         # "billion laughs": 9^8 references; echoing it in an error message took minutes
         "a: &a [x,x,x,x,x,x,x,x,x]\n"
-        + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+        + "".join(
+            f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n"
+            for i in range(8)
+        )
         + "name: *i\nweights: {format: e4m3}\ninputs: {format: e4m3}\n",
     ],
 )
@@ -101,7 +110,9 @@ def valid_calibration_bytes(tmp_path: Path) -> bytes:
     return path.read_bytes()
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.data())
 def test_bit_flipped_and_truncated_calibration_files(tmp_path, data):
     original = valid_calibration_bytes(tmp_path)
@@ -119,18 +130,29 @@ def test_bit_flipped_and_truncated_calibration_files(tmp_path, data):
     # Whatever got through is well-formed: finite, non-negative scalars for the same layers.
     assert set(calibration.input_amax) == set(calibration.weight_amax)
     for value in [*calibration.input_amax.values(), *calibration.weight_amax.values()]:
-        assert value.dtype == torch.float32 and value.shape == () and torch.isfinite(value) and value >= 0
+        assert (
+            value.dtype == torch.float32
+            and value.shape == ()
+            and torch.isfinite(value)
+            and value >= 0
+        )
 
 
-entry_names = st.sampled_from(["input_amax/l", "weight_amax/l", "input_amax/", "other/l", "l"]) | st.text(max_size=12)
+entry_names = st.sampled_from(
+    ["input_amax/l", "weight_amax/l", "input_amax/", "other/l", "l"]
+) | st.text(max_size=12)
 dtypes = st.sampled_from([torch.float32, torch.float16, torch.int64, torch.bool, torch.float64])
 values = st.floats(allow_nan=True, allow_infinity=True, width=32)
 metadata_json = st.one_of(
     st.builds(json.dumps, yaml_like),
     st.builds(
-        lambda extra: json.dumps({"data": "t", "data_sha256": "x", "windows": 1, "seq_len": 2, "tokens": 2} | extra),
+        lambda extra: json.dumps(
+            {"data": "t", "data_sha256": "x", "windows": 1, "seq_len": 2, "tokens": 2} | extra
+        ),
         st.dictionaries(
-            st.sampled_from(["windows", "tokens", "unseen_layers", "warnings", "nonfinite_batches", "data"]),
+            st.sampled_from(
+                ["windows", "tokens", "unseen_layers", "warnings", "nonfinite_batches", "data"]
+            ),
             yaml_like,
             max_size=3,
         ),
@@ -146,7 +168,9 @@ metadata_json = st.one_of(
     metadata_json,
 )
 def test_structured_calibration_files(tmp_path, entries, kind, metadata):
-    tensors = {k: torch.tensor(v, dtype=torch.float32).to(dtype) for k, (dtype, v) in entries.items()}
+    tensors = {
+        k: torch.tensor(v, dtype=torch.float32).to(dtype) for k, (dtype, v) in entries.items()
+    }
     path = tmp_path / "fuzz.st"
     safetensors.torch.save_file(tensors, str(path), metadata={"kind": kind, "metadata": metadata})
     only_ptq_errors(lambda: load_calibration(path))

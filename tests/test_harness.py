@@ -45,7 +45,9 @@ def mc_folder(tmp_path_factory) -> Path:
     return folder
 
 
-def lm_eval_cli(model: Path, tasks: str, include: Path, out: Path) -> tuple[dict, dict[str, list[dict]]]:
+def lm_eval_cli(
+    model: Path, tasks: str, include: Path, out: Path
+) -> tuple[dict, dict[str, list[dict]]]:
     """lm-evaluation-harness's own CLI on the model directory: its results and its per-sample files."""
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     run = subprocess.run(
@@ -151,9 +153,14 @@ def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(
             shown = harness.metric_key(key)
             assert base["tasks"][name][shown] == value, (name, key)  # exactly lm-eval's number
             assert base["tasks"][name][f"{shown}_stderr"] == cli[name][f"{metric}_stderr,{filt}"]
-            per_doc = {int(s["doc_id"]): float(s[metric]) for s in cli_samples[name] if s["filter"] == filt}
+            per_doc = {
+                int(s["doc_id"]): float(s[metric]) for s in cli_samples[name] if s["filter"] == filt
+            }
             assert base["task_samples"][name][shown] == [per_doc[i] for i in sorted(per_doc)]
-    assert base["tasks"]["mc"]["acc"] not in (0.0, 1.0) or base["tasks"]["mc"]["acc_norm"] not in (0.0, 1.0)
+    assert base["tasks"]["mc"]["acc"] not in (0.0, 1.0) or base["tasks"]["mc"]["acc_norm"] not in (
+        0.0,
+        1.0,
+    )
 
     # every variant: a paired delta with its interval, recovery, on the same documents
     for v in r["variants"]:
@@ -161,9 +168,15 @@ def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(
             name = task["name"]
             assert set(v["task_deltas"][name]) == set(task["metrics"])
             for metric, d in v["task_deltas"][name].items():
-                mine, theirs = np.array(v["task_samples"][name][metric]), np.array(base["task_samples"][name][metric])
+                mine, theirs = (
+                    np.array(v["task_samples"][name][metric]),
+                    np.array(base["task_samples"][name][metric]),
+                )
                 expected = stats.paired_delta(theirs, mine, stats.difference)
-                assert d["delta"] == pytest.approx(mine.mean() - theirs.mean()) and d["ci"] == expected["ci"]
+                assert (
+                    d["delta"] == pytest.approx(mine.mean() - theirs.mean())
+                    and d["ci"] == expected["ci"]
+                )
                 assert d["significant"] == (d["ci"][0] > 0 or d["ci"][1] < 0)
                 b, q = base["tasks"][name][metric], v["tasks"][name][metric]
                 assert d["recovery_pct"] == pytest.approx(100 * q / b if b > 0 else 100.0)
@@ -175,7 +188,9 @@ def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(
     assert "recovery" in stdout
 
 
-def test_cloze_and_jsonl_against_itself_give_zero_deltas_and_gates_per_metric(ptq_cli, tiny_model, tmp_path):
+def test_cloze_and_jsonl_against_itself_give_zero_deltas_and_gates_per_metric(
+    ptq_cli, tiny_model, tmp_path
+):
     recipe = tmp_path / "bf16-again.yaml"
     recipe.write_text(
         "name: bf16-again\ndescription: the baseline again\ntargets: [Linear]\nignore: []\n"
@@ -212,9 +227,26 @@ def test_cloze_and_jsonl_against_itself_give_zero_deltas_and_gates_per_metric(pt
     v = r["variants"][0]
     for metrics in v["task_deltas"].values():
         for d in metrics.values():
-            assert d["delta"] == 0 and d["ci"] == [0, 0] and d["significant"] is False and d["recovery_pct"] == 100
-    assert set(v["tasks"]["mine"]) == {"acc", "acc_stderr", "acc_ci", "acc_norm", "acc_norm_stderr", "acc_norm_ci", "n"}
-    checks = {(c["task"], c["task_metric"]) for c in r["gates"]["checks"] if c["metric"] == "accuracy_recovery_pct"}
+            assert (
+                d["delta"] == 0
+                and d["ci"] == [0, 0]
+                and d["significant"] is False
+                and d["recovery_pct"] == 100
+            )
+    assert set(v["tasks"]["mine"]) == {
+        "acc",
+        "acc_stderr",
+        "acc_ci",
+        "acc_norm",
+        "acc_norm_stderr",
+        "acc_norm_ci",
+        "n",
+    }
+    checks = {
+        (c["task"], c["task_metric"])
+        for c in r["gates"]["checks"]
+        if c["metric"] == "accuracy_recovery_pct"
+    }
     assert checks == {("next-token", None), ("cloze", "acc"), ("mine", "acc"), ("mine", "acc_norm")}
     assert "chance" in (tmp_path / "out" / "report.md").read_text()
 
@@ -250,9 +282,15 @@ def test_eval_one_configuration_with_tasks(ptq_cli, tiny_model, tmp_path):
     r = json.loads((tmp_path / "out" / "results.json").read_text())
     c = r["config"]
     assert r["command"] == "eval" and c["name"] == "fp8-e4m3" and "task_deltas" not in c
-    width = {name: c["tasks"][name]["acc_ci"][1] - c["tasks"][name]["acc_ci"][0] for name in ("small", "large")}
+    width = {
+        name: c["tasks"][name]["acc_ci"][1] - c["tasks"][name]["acc_ci"][0]
+        for name in ("small", "large")
+    }
     assert width["large"] < width["small"]  # intervals narrow as documents grow
-    assert r["task_scoring"]["batch_size"] == 16 and r["versions"]["lm_eval"] == harness.lm_eval_version()
+    assert (
+        r["task_scoring"]["batch_size"] == 16
+        and r["versions"]["lm_eval"] == harness.lm_eval_version()
+    )
     report = (tmp_path / "out" / "report.md").read_text()
     assert "# ptq eval" in report and "| large | acc_norm | 40 |" in report
 
@@ -293,7 +331,10 @@ def test_a_group_is_paired_on_its_members_documents(tiny_model, tmp_path):
     harness.add_task_metrics(entry, run, tasks, baseline="a")
     a = run.models["a"]
     assert entry["tasks"]["mcs"]["acc"] == a.results["mcs"]["acc,none"]
-    assert entry["task_samples"]["mcs"]["acc"] == [*a.samples["mc_a"]["acc,none"], *a.samples["mc_b"]["acc,none"]]
+    assert entry["task_samples"]["mcs"]["acc"] == [
+        *a.samples["mc_a"]["acc,none"],
+        *a.samples["mc_b"]["acc,none"],
+    ]
     assert entry["task_deltas"]["mcs"]["acc"]["n"] == 14
 
 
@@ -302,7 +343,10 @@ def test_a_gate_on_a_task_the_run_does_not_score_stops_before_the_model(ptq_cli,
     mc = write_jsonl(tmp_path / "mc.jsonl", varied_rows(6))
     text = tmp_path / "lines.txt"
     text.write_text(LINES)
-    for tasks, gate, scored in ((None, "mc=99%", "next-token"), (f"mine={mc}", "mc=99%", "next-token, mine")):
+    for tasks, gate, scored in (
+        (None, "mc=99%", "next-token"),
+        (f"mine={mc}", "mc=99%", "next-token, mine"),
+    ):
         code, out, err = ptq_cli(
             "compare",
             tmp_path / "no-model-here",  # never reached: the gates are checked first
@@ -317,7 +361,9 @@ def test_a_gate_on_a_task_the_run_does_not_score_stops_before_the_model(ptq_cli,
             tmp_path / "out",
         )
         assert code == 2 and out == "", err
-        assert err.strip().splitlines()[-1] == (  # after datasets' own "Generating test split" lines
+        assert err.strip().splitlines()[
+            -1
+        ] == (  # after datasets' own "Generating test split" lines
             f"error: --min-accuracy-recovery names task '{'mine' if tasks is None else 'mc'}', which this run has no "
             f"accuracy for (it has {scored}): correct the name, or add the task to compare's --tasks"
         )
@@ -329,8 +375,16 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
     accuracy takes the rule that a zero baseline counts as 100% recovery; an error rate that rises from 0 is no
     100% recovery, and one that rises from 0.25 to 0.5 is 200% of the baseline (variant / baseline, as documented)."""
     values = {
-        "a": {"acc,none": [0.0, 0.0, 0.0, 0.0], "err,none": [0.0, 0.0, 0.0, 0.0], "miss,none": [0, 1, 0, 0]},
-        "b": {"acc,none": [1.0, 0.0, 0.0, 0.0], "err,none": [1.0, 0.0, 0.0, 0.0], "miss,none": [1, 1, 0, 0]},
+        "a": {
+            "acc,none": [0.0, 0.0, 0.0, 0.0],
+            "err,none": [0.0, 0.0, 0.0, 0.0],
+            "miss,none": [0, 1, 0, 0],
+        },
+        "b": {
+            "acc,none": [1.0, 0.0, 0.0, 0.0],
+            "err,none": [1.0, 0.0, 0.0, 0.0],
+            "miss,none": [1, 1, 0, 0],
+        },
     }
     models = {
         name: harness.ModelTasks(
@@ -342,7 +396,9 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
         )
         for name, metrics in values.items()
     }
-    run = harness.HarnessRun(models, {}, {}, {"t": {"acc": True, "err": False, "miss": False}}, {}, 4)
+    run = harness.HarnessRun(
+        models, {}, {}, {"t": {"acc": True, "err": False, "miss": False}}, {}, 4
+    )
     tasks = [
         {
             "name": "t",
@@ -354,7 +410,9 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
     entry = {"name": "b"}
     harness.add_task_metrics(entry, run, tasks, baseline="a")
     deltas = entry["task_deltas"]["t"]
-    assert deltas["acc"]["recovery_pct"] == 100.0  # an accuracy's zero baseline cannot be fallen short of
+    assert (
+        deltas["acc"]["recovery_pct"] == 100.0
+    )  # an accuracy's zero baseline cannot be fallen short of
     assert np.isnan(deltas["err"]["recovery_pct"])  # errors from none: no ratio, and never "100%"
     assert deltas["miss"]["recovery_pct"] == pytest.approx(100 * 0.5 / 0.25)
     assert deltas["err"]["delta"] == pytest.approx(0.25)
@@ -369,14 +427,35 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
         ("mc=missing.jsonl", "does not exist"),
         ("{empty_folder}", "defines no lm-eval task"),
         (" , ", "--tasks ' , ' names no task (e.g. --tasks cloze; --tasks '' for none)"),
-        ("{broken_yaml}", "broken.yaml, line 3, column 6: not valid YAML: mapping values are not allowed here"),
-        ("{yaml_folder}", "broken.yaml, line 3, column 6: not valid YAML"),  # lm-eval's index skipped it silently
-        ("{twice_yaml}", "twice.yaml, line 2, column 1: not valid YAML: 'task' given twice (first on line 1)"),
-        ("a|b={good}", "task 'a|b' holds '|': a name is one line without '|' (it names a table row)"),
+        (
+            "{broken_yaml}",
+            "broken.yaml, line 3, column 6: not valid YAML: mapping values are not allowed here",
+        ),
+        (
+            "{yaml_folder}",
+            "broken.yaml, line 3, column 6: not valid YAML",
+        ),  # lm-eval's index skipped it silently
+        (
+            "{twice_yaml}",
+            "twice.yaml, line 2, column 1: not valid YAML: 'task' given twice (first on line 1)",
+        ),
+        (
+            "a|b={good}",
+            "task 'a|b' holds '|': a name is one line without '|' (it names a table row)",
+        ),
         # ptq's shipped ptq_arith ran instead, and the report credited the user's file
-        ("ptq_arith={good}", "task name 'ptq_arith' is taken by ptq's own task of that name, which would run instead"),
-        ("mine={empty_folder}", "NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of them is given"),
-        ("mine={twice_yaml}", "NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of them is given"),
+        (
+            "ptq_arith={good}",
+            "task name 'ptq_arith' is taken by ptq's own task of that name, which would run instead",
+        ),
+        (
+            "mine={empty_folder}",
+            "NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of them is given",
+        ),
+        (
+            "mine={twice_yaml}",
+            "NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of them is given",
+        ),
         # lm-eval's index dropped the task in silence: "defines no lm-eval task"
         ("{typo_include}", "includes _tmpl.yaml, which is not a file ("),
         ("{loop_include}", "includes loop.yaml, which includes it again"),
@@ -386,7 +465,9 @@ def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "a", "choices": ["b", "c"], "label": 0}\n{oops\n')
     wrong = write_jsonl(tmp_path / "wrong.jsonl", [{"question": "a"}])
-    label = write_jsonl(tmp_path / "label.jsonl", [{"context": "a", "choices": ["b", "c"], "label": 2}])
+    label = write_jsonl(
+        tmp_path / "label.jsonl", [{"context": "a", "choices": ["b", "c"], "label": 2}]
+    )
     (tmp_path / "empty").mkdir()
     good = write_jsonl(tmp_path / "good.jsonl", varied_rows(4))
     (tmp_path / "yaml").mkdir()
@@ -397,7 +478,9 @@ def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message
     (tmp_path / "inc").mkdir()
     (tmp_path / "inc" / "_template.yaml").write_text(f"include: {SHIPPED / '_ptq_choice.yaml'}\n")
     typo = tmp_path / "inc" / "typo.yaml"
-    typo.write_text(f"include: _tmpl.yaml\ntask: mine\ndataset_path: json\ndataset_kwargs: {{data_files: {good}}}\n")
+    typo.write_text(
+        f"include: _tmpl.yaml\ntask: mine\ndataset_path: json\ndataset_kwargs: {{data_files: {good}}}\n"
+    )
     (tmp_path / "loop").mkdir()
     loop = tmp_path / "loop" / "loop.yaml"
     loop.write_text("include: [loop.yaml]\ntask: mine\n")
@@ -436,7 +519,10 @@ def test_hub_task_offline_and_unknown_task_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(Exception) as e:
         harness.prepare("piqa", None, tmp_path, max_items=None)
     message = str(e.value)
-    assert "cannot load task 'piqa': HF_DATASETS_OFFLINE is set" in message and "piqa=FILE.jsonl" in message
+    assert (
+        "cannot load task 'piqa': HF_DATASETS_OFFLINE is set" in message
+        and "piqa=FILE.jsonl" in message
+    )
     assert len(message.splitlines()) == 1
 
 
@@ -457,8 +543,12 @@ def test_tasks_under_torchrun_are_refused_in_one_line(ptq_cli, tiny_model, tmp_p
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     for command in ("compare", "eval"):
-        code, _, err = ptq_cli(command, tiny_model, "--tasks", "cloze", "--out", tmp_path / command, "-q")
-        assert code == 2 and "--tasks runs lm-evaluation-harness on each model in one process" in err
+        code, _, err = ptq_cli(
+            command, tiny_model, "--tasks", "cloze", "--out", tmp_path / command, "-q"
+        )
+        assert (
+            code == 2 and "--tasks runs lm-evaluation-harness on each model in one process" in err
+        )
         assert len(err.strip().splitlines()) == 1 and not (tmp_path / command).exists()
 
 
@@ -496,13 +586,28 @@ def test_few_shot_examples_of_ptqs_own_formats_never_include_the_document_scored
     its own answer among its examples. It is left out now, and shots beyond the other rows are refused."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     rows = [
-        {"context": f"Question {i}: which letter?", "choices": ["A", "B", "C", "D"], "label": i % 4} for i in range(5)
+        {"context": f"Question {i}: which letter?", "choices": ["A", "B", "C", "D"], "label": i % 4}
+        for i in range(5)
     ]
-    words = ["river", "stone", "candle", "harbor", "meadow", "lantern", "orchard", "falcon", "willow", "anvil"] * 3
-    text = tmp_path / "lines.txt"  # no two cloze items alike (lm-eval leaves out every copy of the scored one)
+    words = [
+        "river",
+        "stone",
+        "candle",
+        "harbor",
+        "meadow",
+        "lantern",
+        "orchard",
+        "falcon",
+        "willow",
+        "anvil",
+    ] * 3
+    text = (
+        tmp_path / "lines.txt"
+    )  # no two cloze items alike (lm-eval leaves out every copy of the scored one)
     text.write_text(
         "\n".join(
-            f"In year {i} the {w} stood near gate {7 * i}, and all spoke of the {w}." for i, w in enumerate(words)
+            f"In year {i} the {w} stood near gate {7 * i}, and all spoke of the {w}."
+            for i, w in enumerate(words)
         )
     )
     specs = {"mine": f"mine={write_jsonl(tmp_path / 'rows.jsonl', rows)}", "cloze": f"cloze={text}"}
@@ -520,12 +625,15 @@ def test_few_shot_examples_of_ptqs_own_formats_never_include_the_document_scored
             harness.check_fewshot(name, task, shots + 1)
 
 
-def test_a_metric_that_is_not_a_mean_over_documents_is_named_not_silently_dropped(ptq_cli, tiny_model, tmp_path):
+def test_a_metric_that_is_not_a_mean_over_documents_is_named_not_silently_dropped(
+    ptq_cli, tiny_model, tmp_path
+):
     """lm-eval's perplexities (loglikelihood_rolling: wikitext's word_perplexity, bits_per_byte) and corpus-level
     scores are no means over documents, which ptq pairs: such a task ran for minutes and showed an empty table, exit
     0, nothing said. They are named as not reported, in results.json, the report and the console."""
     docs = write_jsonl(
-        tmp_path / "docs.jsonl", [{"text": " ".join(LINES.split()[i : i + 40])} for i in range(0, 400, 50)]
+        tmp_path / "docs.jsonl",
+        [{"text": " ".join(LINES.split()[i : i + 40])} for i in range(0, 400, 50)],
     )
     task = tmp_path / "rolling.yaml"
     task.write_text(
@@ -542,9 +650,13 @@ def test_a_metric_that_is_not_a_mean_over_documents_is_named_not_silently_droppe
         "--tasks", f"{task},mine={mc}", "--out", tmp_path / "out", "-q",
     )  # fmt: skip
     assert code == 0, err
-    tasks = {t["name"]: t for t in json.loads((tmp_path / "out" / "results.json").read_text())["tasks"]}
+    tasks = {
+        t["name"]: t for t in json.loads((tmp_path / "out" / "results.json").read_text())["tasks"]
+    }
     note = "not reported: bits_per_byte, word_perplexity (lm-eval's values are not a mean over the documents"
-    assert tasks["rolling"]["metrics"] == [] and any(n.startswith(note) for n in tasks["rolling"]["notes"])
+    assert tasks["rolling"]["metrics"] == [] and any(
+        n.startswith(note) for n in tasks["rolling"]["notes"]
+    )
     assert tasks["mine"]["metrics"] == ["acc", "acc_norm"] and not any(
         "not reported" in n for n in tasks["mine"]["notes"]
     )

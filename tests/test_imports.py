@@ -49,7 +49,9 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     paths = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
     modules = set(paths)
     return {
-        name: imported_modules(ast.parse(path.read_text(), str(path)), name, path.name == "__init__.py", modules)
+        name: imported_modules(
+            ast.parse(path.read_text(), str(path)), name, path.name == "__init__.py", modules
+        )
         for name, path in paths.items()
     }
 

@@ -25,7 +25,9 @@ DEVICES = [
         "cuda",
         marks=[
             pytest.mark.cuda,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiles the Triton kernels"),
+            pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs CUDA: compiles the Triton kernels"
+            ),
         ],
     ),
 ]
@@ -39,14 +41,26 @@ def every_kernel(device: str):
     w = (torch.randn(48, 64, generator=g) * torch.logspace(-6, 2, 64)).to(device)
     logits = torch.randn(20, 300, generator=g).to(device)
     targets = torch.randint(0, 300, (20,), generator=g).to(device)
-    parts = ptq.evaluation.evaluate._scores(logits, targets)[2:]  # max logit, log sum exp: what _probs, _cross take
+    parts = ptq.evaluation.evaluate._scores(logits, targets)[
+        2:
+    ]  # max logit, log sum exp: what _probs, _cross take
     scale = torch.tensor(0.05, device=device)
     per_channel = (w.abs().amax(1, keepdim=True) / 448).to(device)
     codes = to_storage(quantize(w, per_channel, FORMATS["e4m3"]), FORMATS["e4m3"])
     group_scale = x.reshape(3, 40, 2, 32).abs().amax(-1, keepdim=True) / 448
     return [
-        ("input rounding e4m3", _round_activation, (x, scale, FORMATS["e4m3"], True, None, PerTensor(), False), True),
-        ("input rounding int8", _round_activation, (x, scale, FORMATS["int8"], True, None, PerTensor(), False), True),
+        (
+            "input rounding e4m3",
+            _round_activation,
+            (x, scale, FORMATS["e4m3"], True, None, PerTensor(), False),
+            True,
+        ),
+        (
+            "input rounding int8",
+            _round_activation,
+            (x, scale, FORMATS["int8"], True, None, PerTensor(), False),
+            True,
+        ),
         (
             "input rounding int8 [-128, 127]",
             _round_activation,
@@ -80,7 +94,11 @@ def every_kernel(device: str):
         (
             "dynamic rounding, vLLM's floor",
             _round_dynamic,
-            (x * 1e-5, TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True, min_scale=1 / (448 * 512)), False),
+            (
+                x * 1e-5,
+                TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True, min_scale=1 / (448 * 512)),
+                False,
+            ),
             True,
         ),
         (  # the power-of-two scales are made from the float32 bits: int32 ops in Triton too
@@ -100,12 +118,27 @@ def every_kernel(device: str):
             True,
         ),
         ("weight codes e5m2", _rounded_codes, (w, per_channel, FORMATS["e5m2"], True), True),
-        ("weight codes bf16", _rounded_codes, (w, torch.tensor(1.0, device=device), FORMATS["bf16"], False), True),
+        (
+            "weight codes bf16",
+            _rounded_codes,
+            (w, torch.tensor(1.0, device=device), FORMATS["bf16"], False),
+            True,
+        ),
         ("weight dequantize", dequantize, (codes, per_channel), True),
-        ("weight dequantize to bf16", dequantize, (codes, per_channel, torch.bfloat16), True),  # the bf16 forward's
+        (
+            "weight dequantize to bf16",
+            dequantize,
+            (codes, per_channel, torch.bfloat16),
+            True,
+        ),  # the bf16 forward's
         ("scores", ptq.evaluation.evaluate._scores, (logits, targets), False),
         ("probabilities", ptq.evaluation.evaluate._probs, (logits, *parts), False),
-        ("cross entropy", ptq.evaluation.evaluate._cross, (torch.softmax(logits, -1), logits, *parts), False),
+        (
+            "cross entropy",
+            ptq.evaluation.evaluate._cross,
+            (torch.softmax(logits, -1), logits, *parts),
+            False,
+        ),
         ("powers", ptq.evaluation.layerstats._powers, (w, w.round()), False),
     ]
 
@@ -116,7 +149,9 @@ def same(got, want, exact: bool = True) -> bool:
     if not exact and got.is_floating_point():
         return got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-5, atol=1e-7)
     if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        return got.dtype == want.dtype and torch.equal(
+            got.view(torch.uint8), want.view(torch.uint8)
+        )
     if got.is_floating_point():
         return (
             got.dtype == want.dtype
@@ -134,7 +169,9 @@ def test_every_fused_kernel_compiles_and_matches_its_eager_ops(device):
     # size 32" when the format's ints were symbolic.
     ptq.numerics.kernels.FALLBACKS.clear()
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch.compile failed for kernel", category=UserWarning)
+        warnings.filterwarnings(
+            "error", message="torch.compile failed for kernel", category=UserWarning
+        )
         for what, fn, args, exact in every_kernel(device):
             got = fused(fn, compile=True)(*args)
             assert same(got, fn(*args), exact), what
@@ -163,8 +200,20 @@ def test_fused_rounding_next_to_ties_matches_the_eager_division(device, scale):
     s = np.float32(scale)
     for fmt, reciprocal in (("e4m3", False), ("e4m3", True), ("int8", False)):
         x = torch.from_numpy(near_ties(fmt, s)).reshape(2, -1).to(device)
-        args = (x, torch.tensor(s, device=device), FORMATS[fmt], True, None, PerTensor(), False, reciprocal)
-        assert same(fused(_round_activation, compile=True)(*args), _round_activation(*args)), (fmt, reciprocal)
+        args = (
+            x,
+            torch.tensor(s, device=device),
+            FORMATS[fmt],
+            True,
+            None,
+            PerTensor(),
+            False,
+            reciprocal,
+        )
+        assert same(fused(_round_activation, compile=True)(*args), _round_activation(*args)), (
+            fmt,
+            reciprocal,
+        )
     # Dynamic per token: each row's scale is its amax / 448, in float32; a row of inputs next to that scale's ties,
     # with that amax as its largest element.
     row_amax = np.float32(448 * s)
@@ -182,7 +231,10 @@ def test_the_formats_constants_are_literals_of_the_generated_code():
     from torch._inductor.utils import run_and_get_code
 
     # Not saturating: the arithmetic rounding (saturating E4M3 is a clamp and a cast, with no exponent clamp).
-    x, scale = torch.randn(5, 64) * 100, torch.tensor(2.0)  # within both formats' range: no NaN from an overflow
+    x, scale = (
+        torch.randn(5, 64) * 100,
+        torch.tensor(2.0),
+    )  # within both formats' range: no NaN from an overflow
     with config.patch(fx_graph_cache=False):
         for fmt, literal in (("e4m3", "-6"), ("e5m2", "-14")):
             kernel = fused(fake_quantize, compile=True)
@@ -195,7 +247,9 @@ def test_the_formats_constants_are_literals_of_the_generated_code():
 def test_a_kernel_that_cannot_compile_warns_once_naming_itself_then_runs_eager(monkeypatch):
     def broken_compile(fn, **kwargs):
         def run(*args):
-            raise RuntimeError("Cannot bitcast data-type of size 64 to data-type of size 32\nsecond line")
+            raise RuntimeError(
+                "Cannot bitcast data-type of size 64 to data-type of size 32\nsecond line"
+            )
 
         return run
 
@@ -205,12 +259,21 @@ def test_a_kernel_that_cannot_compile_warns_once_naming_itself_then_runs_eager(m
     kernel = fused(fake_quantize, compile=True)
     with pytest.warns(UserWarning) as caught:
         for _ in range(3):
-            assert torch.equal(kernel(x, scale, FORMATS["e4m3"], True), fake_quantize(x, scale, FORMATS["e4m3"], True))
-        other = fused(fake_quantize, compile=True)  # another instance of the same kernel: no second warning
+            assert torch.equal(
+                kernel(x, scale, FORMATS["e4m3"], True),
+                fake_quantize(x, scale, FORMATS["e4m3"], True),
+            )
+        other = fused(
+            fake_quantize, compile=True
+        )  # another instance of the same kernel: no second warning
         other(x, scale, FORMATS["e4m3"], True)
     messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
     assert len(messages) == 1
-    assert "fake_quantize_e4m3_True" in messages[0] and "size 64" in messages[0] and "second line" not in messages[0]
+    assert (
+        "fake_quantize_e4m3_True" in messages[0]
+        and "size 64" in messages[0]
+        and "second line" not in messages[0]
+    )
     assert list(ptq.numerics.kernels.FALLBACKS) == ["fake_quantize_e4m3_True"]
 
 
@@ -224,7 +287,9 @@ def test_out_of_memory_in_a_kernel_is_raised_not_hidden_by_the_fallback(monkeypa
     monkeypatch.setattr(ptq.numerics.kernels.torch, "compile", oom_compile)
     monkeypatch.setattr(ptq.numerics.kernels, "FALLBACKS", {})
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        fused(fake_quantize, compile=True)(torch.randn(4, 16), torch.tensor(0.1), FORMATS["e4m3"], True)
+        fused(fake_quantize, compile=True)(
+            torch.randn(4, 16), torch.tensor(0.1), FORMATS["e4m3"], True
+        )
     assert ptq.numerics.kernels.FALLBACKS == {}
 
 

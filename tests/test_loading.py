@@ -32,7 +32,9 @@ def test_a_name_that_is_no_path_and_no_hub_id_is_refused_at_once(ptq_cli, spec, 
     code, out, err = ptq_cli("inspect", spec)
     assert code == 2 and out == "" and time.monotonic() - start < 10
     line = one_line(err)
-    assert f"no model folder or file '{spec}'" in line and "org/name" in line and "'smollm2'" in line
+    assert (
+        f"no model folder or file '{spec}'" in line and "org/name" in line and "'smollm2'" in line
+    )
 
 
 def test_a_model_spec_is_a_gguf_a_folder_or_a_hub_id_decided_in_one_place(tmp_path, monkeypatch):
@@ -56,12 +58,18 @@ def test_a_model_spec_is_a_gguf_a_folder_or_a_hub_id_decided_in_one_place(tmp_pa
         "org/other": ("hub", "org/other"),
         "org/other@v1.0": ("hub", "org/other"),
         "gpt2": ("hub", "gpt2"),
-        "missing.gguf": ("gguf", None),  # refused as a missing file (gguf_file), not looked up on the Hub
+        "missing.gguf": (
+            "gguf",
+            None,
+        ),  # refused as a missing file (gguf_file), not looked up on the Hub
         "a/b/c": ("hub", None),  # no Hub id's shape: hub_access refuses it
     }
     for spec, (kind, repo) in expected.items():
         assert (loading.model_kind(spec), loading.hub_repo(spec)) == (kind, repo), spec
-    assert loading.gguf_file("m.gguf")[0].resolve() == tmp_path / "m.gguf" and loading.gguf_file("org/other") is None
+    assert (
+        loading.gguf_file("m.gguf")[0].resolve() == tmp_path / "m.gguf"
+        and loading.gguf_file("org/other") is None
+    )
     assert loading.local_directory("org/name")[0] == Path("org/name")
     assert loading.local_directory("./missing") is None
     with pytest.raises(PtqError, match="model file missing.gguf does not exist"):
@@ -75,11 +83,15 @@ def test_a_hub_id_offline_and_not_cached_fails_at_once(ptq_cli, monkeypatch):
     assert code == 2 and time.monotonic() - start < 10
     line = one_line(err)
     assert (
-        "'ptq-test-org/nosuch'" in line and "not in the local Hugging Face cache" in line and "HF_HUB_OFFLINE" in line
+        "'ptq-test-org/nosuch'" in line
+        and "not in the local Hugging Face cache" in line
+        and "HF_HUB_OFFLINE" in line
     )
 
 
-@pytest.mark.parametrize("spec", ["ptq-test-org/nosuch", "smollm"])  # smollm: a typo of the default, or a bare Hub id
+@pytest.mark.parametrize(
+    "spec", ["ptq-test-org/nosuch", "smollm"]
+)  # smollm: a typo of the default, or a bare Hub id
 def test_a_hub_id_without_a_network_fails_after_one_try(ptq_cli, monkeypatch, spec):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
@@ -98,7 +110,9 @@ def test_a_hub_id_without_a_network_fails_after_one_try(ptq_cli, monkeypatch, sp
     assert code == 2 and time.monotonic() - start < 10 and len(tries) == 1
     line = one_line(err)
     assert f"no model folder or file '{spec}'" in line and "'smollm2'" in line
-    assert "cannot be reached" in line and "Name or service not known" in line and "Retry" not in err
+    assert (
+        "cannot be reached" in line and "Name or service not known" in line and "Retry" not in err
+    )
 
 
 def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_cannot_be_used(monkeypatch):
@@ -106,9 +120,13 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_cannot_be_used(monkey
     monkeypatch.setattr(loading, "hub_offline", lambda: True)
     assert loading.hub_access("org/name") == {"local_files_only": True}
     monkeypatch.setattr(loading, "hub_offline", lambda: False)
-    monkeypatch.setattr(loading, "hub_unreachable", lambda: "huggingface.co: Name or service not known")
+    monkeypatch.setattr(
+        loading, "hub_unreachable", lambda: "huggingface.co: Name or service not known"
+    )
     assert loading.hub_access("org/name") == {"local_files_only": True}
-    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)  # a network: transformers' normal path
+    monkeypatch.setattr(
+        loading, "hub_unreachable", lambda: None
+    )  # a network: transformers' normal path
     assert loading.hub_access("org/name") == {}
     monkeypatch.setattr(loading, "_hub_cached", lambda repo_id, revision: False)
     assert loading.hub_access("org/name") == {}
@@ -122,7 +140,9 @@ def test_an_existing_file_that_is_not_a_model_says_what_it_is(ptq_cli, tmp_path)
     assert code == 2 and f"{text} is a file, not a model" in line and "does not exist" not in line
     assert "model folder" in line and ".gguf file" in line and "Hub id" in line
     code, _, err = ptq_cli("inspect", tmp_path / "missing")
-    assert code == 2 and f"model folder or file {tmp_path / 'missing'} does not exist" in one_line(err)
+    assert code == 2 and f"model folder or file {tmp_path / 'missing'} does not exist" in one_line(
+        err
+    )
 
 
 def test_a_model_folder_without_tokenizer_files_says_so_completely(ptq_cli, tiny_model, tmp_path):
@@ -130,16 +150,21 @@ def test_a_model_folder_without_tokenizer_files_says_so_completely(ptq_cli, tiny
     shutil.copytree(tiny_model, notok)
     for name in loading.TOKENIZER_FILES + ("special_tokens_map.json",):
         (notok / name).unlink(missing_ok=True)
-    code, _, err = ptq_cli("calibrate", notok, "--samples", "1", "--seq-len", "8", "-o", tmp_path / "c.st")  # loads it
+    code, _, err = ptq_cli(
+        "calibrate", notok, "--samples", "1", "--seq-len", "8", "-o", tmp_path / "c.st"
+    )  # loads it
     line = one_line(err)
     assert code == 2 and "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json" in line
     assert line.rstrip().endswith(f"in {notok}") and "Couldn't instantiate" not in line
 
 
 def test_a_multi_line_loading_error_is_kept_whole_on_one_line():
-    error = ValueError("Couldn't instantiate the backend tokenizer from one of: \n(1) a file\n(2) an instance")
+    error = ValueError(
+        "Couldn't instantiate the backend tokenizer from one of: \n(1) a file\n(2) an instance"
+    )
     assert (
-        loading.one_line(error) == "Couldn't instantiate the backend tokenizer from one of: (1) a file (2) an instance"
+        loading.one_line(error)
+        == "Couldn't instantiate the backend tokenizer from one of: (1) a file (2) an instance"
     )
     assert loading.one_line(ValueError("")) == "ValueError"
     assert len(loading.one_line(ValueError("x" * 1000))) == 400
@@ -207,7 +232,9 @@ def test_a_tensor_of_another_shape_is_refused_naming_it(ptq_cli, tiny_model, tmp
     wrong = tmp_path / "wrong"
     name = "model.layers.0.input_layernorm.weight"
     _edit_checkpoint(tiny_model, wrong, lambda t: t.__setitem__(name, torch.ones(1)))
-    code, _, err = ptq_cli("calibrate", wrong, "--samples", "1", "--seq-len", "8", "-o", tmp_path / "c.st")  # loads it
+    code, _, err = ptq_cli(
+        "calibrate", wrong, "--samples", "1", "--seq-len", "8", "-o", tmp_path / "c.st"
+    )  # loads it
     line = error_line(err)
     assert code == 2 and f"tensor '{name}' has shape [1] in the checkpoint but [64]" in line
     assert "above report" not in line
@@ -238,10 +265,14 @@ def test_the_host_memory_check_counts_the_memory_cgroup_limit(tmp_path, monkeypa
     _cgroup(v2 / "slurm", str(8 * gib), 6 * gib, ("inactive_file", gib))
     proc.write_text("0::/slurm/job_1\n")
     assert resources.cgroup_available(proc, v2) == 3 * gib
-    _cgroup(v2 / "slurm" / "job_1", str(2 * gib), 3 * gib, ("inactive_file", 2 * gib))  # tighter: 2 - (3 - 2)
+    _cgroup(
+        v2 / "slurm" / "job_1", str(2 * gib), 3 * gib, ("inactive_file", 2 * gib)
+    )  # tighter: 2 - (3 - 2)
     assert resources.cgroup_available(proc, v2) == gib
     # v1: the memory controller's line among others; no limit is 2^63 rounded down to a page
-    _cgroup(v1 / "memory" / "docker" / "abc", str(4 * gib), 5 * gib, ("total_inactive_file", 2 * gib))
+    _cgroup(
+        v1 / "memory" / "docker" / "abc", str(4 * gib), 5 * gib, ("total_inactive_file", 2 * gib)
+    )
     _cgroup(v1 / "memory" / "docker", "9223372036854771712", 9 * gib, ("total_inactive_file", 0))
     proc.write_text("5:cpuacct,cpu:/docker/abc\n4:memory:/docker/abc\n0::/\n")
     assert resources.cgroup_available(proc, v1) == gib
@@ -249,7 +280,12 @@ def test_the_host_memory_check_counts_the_memory_cgroup_limit(tmp_path, monkeypa
     _cgroup(v1 / "memory" / "docker" / "abc", str(4 * gib), 7 * gib, ("total_inactive_file", gib))
     assert resources.cgroup_available(proc, v1) == 0
     # no limit anywhere, no memory controller, or nothing readable: the kernel's MemAvailable stands
-    _cgroup(v1 / "memory" / "docker" / "abc", "9223372036854771712", 7 * gib, ("total_inactive_file", gib))
+    _cgroup(
+        v1 / "memory" / "docker" / "abc",
+        "9223372036854771712",
+        7 * gib,
+        ("total_inactive_file", gib),
+    )
     assert resources.cgroup_available(proc, v1) is None
     proc.write_text("3:cpuset:/\n")
     assert resources.cgroup_available(proc, v1) is None
@@ -262,7 +298,9 @@ def test_the_host_memory_check_counts_the_memory_cgroup_limit(tmp_path, monkeypa
     assert resources.available_memory(torch.device("cpu")) == 20 * gib
 
 
-def test_a_model_whose_float32_load_does_not_fit_the_host_is_refused_before_loading(tiny_model, monkeypatch):
+def test_a_model_whose_float32_load_does_not_fit_the_host_is_refused_before_loading(
+    tiny_model, monkeypatch
+):
     """On a GPU, the GPU's free memory was the only check, but from_pretrained first reads every weight into host
     memory in float32 (then moved to the GPU): a 32B model on one 141 GB GPU with 128 GB of RAM passed the check
     and was killed by the OOM killer half-way through its load. The host's memory is checked too."""
@@ -271,10 +309,15 @@ def test_a_model_whose_float32_load_does_not_fit_the_host_is_refused_before_load
     from ptq.execution import resources
 
     params = resources.checkpoint_parameters(tiny_model)
-    free = {"cuda": params * 4 * 100, "cpu": params * 4 - 1}  # the GPU holds it, the host not in float32
+    free = {
+        "cuda": params * 4 * 100,
+        "cpu": params * 4 - 1,
+    }  # the GPU holds it, the host not in float32
     monkeypatch.setattr(resources, "available_memory", lambda device: free[device.type])
     loads = []
-    monkeypatch.setattr(loading, "_from_pretrained", lambda *a, **k: loads.append(a) or (None, None))
+    monkeypatch.setattr(
+        loading, "_from_pretrained", lambda *a, **k: loads.append(a) or (None, None)
+    )
     with pytest.raises(PtqError, match="needs at least .* available on cpu"):
         loading.load_model(str(tiny_model), device=torch.device("cuda"))
     assert not loads
@@ -284,7 +327,9 @@ def test_a_model_whose_float32_load_does_not_fit_the_host_is_refused_before_load
     loading.load_model(str(tiny_model), device=torch.device("cuda"))
     assert len(loads) == 1
     free["cpu"] = 0
-    loading.load_model(str(tiny_model), device=torch.device("cuda"), memory_check=False)  # --no-memory-check
+    loading.load_model(
+        str(tiny_model), device=torch.device("cuda"), memory_check=False
+    )  # --no-memory-check
     assert len(loads) == 2
 
 
@@ -317,12 +362,17 @@ def test_a_compressed_tensors_checkpoint_too_big_for_memory_is_refused_before_lo
     exported = tmp_path / "exported"
     shutil.copytree(tiny_model, exported)
     config = json.loads((exported / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+    }
     (exported / "config.json").write_text(json.dumps(config))
     params = resources.checkpoint_parameters(exported)
     monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 - 1)
     loads = []
-    monkeypatch.setattr(loading, "_from_pretrained", lambda *a, **k: loads.append(a) or (None, None))
+    monkeypatch.setattr(
+        loading, "_from_pretrained", lambda *a, **k: loads.append(a) or (None, None)
+    )
     with pytest.raises(PtqError, match="needs at least"):
         loading.load_model(str(exported))
     assert not loads
@@ -350,7 +400,9 @@ def test_a_gguf_too_big_for_memory_is_refused_before_its_conversion(tmp_path, mo
 
     gguf = _write_gguf(tmp_path / "Big.Q4_1.gguf")
     monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(resources, "available_memory", lambda device: 4096 * 1024 * 4 - 1)  # its float32 size - 1
+    monkeypatch.setattr(
+        resources, "available_memory", lambda device: 4096 * 1024 * 4 - 1
+    )  # its float32 size - 1
     converted = []
 
     def convert(*args, **kwargs):  # the long work: stop here
@@ -358,7 +410,9 @@ def test_a_gguf_too_big_for_memory_is_refused_before_its_conversion(tmp_path, mo
         raise PtqError("stopped")
 
     monkeypatch.setattr(loading, "_from_pretrained", convert)
-    with pytest.raises(PtqError, match=r"needs at least 16\.0 MiB \(4,194,304 parameters .* --no-memory-check"):
+    with pytest.raises(
+        PtqError, match=r"needs at least 16\.0 MiB \(4,194,304 parameters .* --no-memory-check"
+    ):
         loading.load_model(str(gguf))
     assert not converted
     with pytest.raises(PtqError, match="stopped"):  # --no-memory-check: converted anyway
@@ -387,11 +441,14 @@ def test_a_gguf_larger_than_the_free_disk_is_refused_before_its_conversion(tmp_p
 
     monkeypatch.setattr(loading, "_from_pretrained", convert)
     with pytest.raises(
-        PtqError, match=r"converting Big\.Q4_1\.gguf \(float32 safetensors\) needs at least 16\.0 MiB in .*PTQ_CACHE"
+        PtqError,
+        match=r"converting Big\.Q4_1\.gguf \(float32 safetensors\) needs at least 16\.0 MiB in .*PTQ_CACHE",
     ):
         loading.load_model(str(gguf))
     assert not converted
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 2**39, 4096 * 1024 * 4))  # room enough
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: usage(2**40, 2**39, 4096 * 1024 * 4)
+    )  # room enough
     with pytest.raises(PtqError, match="stopped"):
         loading.load_model(str(gguf))
 
@@ -448,11 +505,15 @@ def test_a_gguf_path_with_a_leading_tilde_is_found(tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "gguf_caveat", lambda path: "caveat")
     monkeypatch.setattr(progress, "QUIET", True)
 
-    def convert(location, spec, *args, **kwargs):  # the long work: stop here, with what it was given
+    def convert(
+        location, spec, *args, **kwargs
+    ):  # the long work: stop here, with what it was given
         raise PtqError(f"converting {spec} from {location}")
 
     monkeypatch.setattr(loading, "_from_pretrained", convert)
-    with pytest.raises(PtqError, match=f"converting {tmp_path}/My Models/m.gguf from {tmp_path}/My Models$"):
+    with pytest.raises(
+        PtqError, match=f"converting {tmp_path}/My Models/m.gguf from {tmp_path}/My Models$"
+    ):
         loading.load_model("~/My Models/m.gguf")
 
 
@@ -471,22 +532,35 @@ def save_fp8_checkpoint(source: Path, target: Path, block: int = 32, shards: int
         tensors |= safetensors.torch.load_file(str(f))
     for key, w in list(tensors.items()):
         rows, cols = w.shape if w.ndim == 2 else (0, 0)
-        if any(s in key for s in ("embed", "lm_head", "norm")) or not rows or rows % block or cols % block:
-            tensors[key] = w.to(torch.bfloat16)  # and a router of a few experts, as DeepSeek-V3 keeps its gate
+        if (
+            any(s in key for s in ("embed", "lm_head", "norm"))
+            or not rows
+            or rows % block
+            or cols % block
+        ):
+            tensors[key] = w.to(
+                torch.bfloat16
+            )  # and a router of a few experts, as DeepSeek-V3 keeps its gate
             continue
         tiles = w.float().reshape(rows // block, block, cols // block, block)
         scale = tiles.abs().amax(dim=(1, 3)) / 448
         tensors[key] = (tiles / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
         tensors[key.removesuffix("weight") + "weight_scale_inv"] = scale
     names = sorted(tensors)
-    files = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors": names[i::shards] for i in range(shards)}
+    files = {
+        f"model-{i + 1:05d}-of-{shards:05d}.safetensors": names[i::shards] for i in range(shards)
+    }
     if shards == 1:
         files = {"model.safetensors": names}
     for file, keys in files.items():
-        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(target / file), metadata={"format": "pt"})
+        safetensors.torch.save_file(
+            {k: tensors[k] for k in keys}, str(target / file), metadata={"format": "pt"}
+        )
     if shards > 1:
         weight_map = {k: file for file, keys in files.items() for k in keys}
-        (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        (target / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
     config = json.loads((target / "config.json").read_text())
     config["dtype"] = "bfloat16"
     config["quantization_config"] = {
@@ -499,7 +573,9 @@ def save_fp8_checkpoint(source: Path, target: Path, block: int = 32, shards: int
     return target
 
 
-def test_an_fp8_checkpoint_is_dequantized_where_transformers_would_keep_its_codes(tiny_model, tmp_path, monkeypatch):
+def test_an_fp8_checkpoint_is_dequantized_where_transformers_would_keep_its_codes(
+    tiny_model, tmp_path, monkeypatch
+):
     """On a GPU of compute capability 8.9+ (an H100 here: torch.cuda made to say so), transformers loads an FP8
     checkpoint as FP8Linear layers holding the float8 codes and their weight_scale_inv; cast to float32 as ptq
     computes, the codes would become the weights, their scales dropped. ptq dequantizes: each weight is its codes
@@ -523,7 +599,9 @@ def test_an_fp8_checkpoint_is_dequantized_where_transformers_would_keep_its_code
     assert "fp8 checkpoint: its weights were dequantized" in loaded.caveats[0]
 
 
-def test_a_checkpoint_quantized_by_a_method_ptq_cannot_dequantize_is_refused(ptq_cli, tiny_model, tmp_path):
+def test_a_checkpoint_quantized_by_a_method_ptq_cannot_dequantize_is_refused(
+    ptq_cli, tiny_model, tmp_path
+):
     import json
 
     gptq = tmp_path / "gptq"
@@ -533,7 +611,10 @@ def test_a_checkpoint_quantized_by_a_method_ptq_cannot_dequantize_is_refused(ptq
     (gptq / "config.json").write_text(json.dumps(config))
     code, _, err = ptq_cli("inspect", gptq)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert f"model '{gptq}' is already quantized (quant_method gptq), which ptq cannot dequantize" in err
+    assert (
+        f"model '{gptq}' is already quantized (quant_method gptq), which ptq cannot dequantize"
+        in err
+    )
 
 
 def test_the_memory_estimate_counts_two_values_per_byte_of_mxfp4_blocks(tmp_path):
@@ -547,7 +628,9 @@ def test_the_memory_estimate_counts_two_values_per_byte_of_mxfp4_blocks(tmp_path
 
     safetensors.torch.save_file(
         {
-            "mlp.experts.gate_up_proj_blocks": torch.zeros(2, 64, 4, 16, dtype=torch.uint8),  # 8192 bytes
+            "mlp.experts.gate_up_proj_blocks": torch.zeros(
+                2, 64, 4, 16, dtype=torch.uint8
+            ),  # 8192 bytes
             "mlp.experts.gate_up_proj_scales": torch.zeros(2, 64, 4, dtype=torch.uint8),  # 512
             "mlp.experts.gate_up_proj_bias": torch.zeros(2, 64, dtype=torch.bfloat16),  # 128
         },
@@ -570,12 +653,18 @@ def test_the_memory_estimate_counts_the_values_of_packed_compressed_tensors_weig
 
     layer = "model.layers.0.mlp"
     first = {
-        f"{layer}.up_proj.weight_packed": torch.zeros(512, 32, dtype=torch.int32),  # 512 x 256 int4 values
+        f"{layer}.up_proj.weight_packed": torch.zeros(
+            512, 32, dtype=torch.int32
+        ),  # 512 x 256 int4 values
         f"{layer}.up_proj.weight_scale": torch.zeros(512, 8),  # 4096
-        f"{layer}.gate_proj.weight_packed": torch.zeros(64, 16, dtype=torch.uint8),  # NVFP4: 64 x 32, no shape
+        f"{layer}.gate_proj.weight_packed": torch.zeros(
+            64, 16, dtype=torch.uint8
+        ),  # NVFP4: 64 x 32, no shape
         "model.norm.weight": torch.zeros(256),
     }
-    second = {f"{layer}.up_proj.weight_shape": torch.tensor([512, 256])}  # the shape in the other shard
+    second = {
+        f"{layer}.up_proj.weight_shape": torch.tensor([512, 256])
+    }  # the shape in the other shard
     safetensors.torch.save_file(first, str(tmp_path / "model-00001-of-00002.safetensors"))
     safetensors.torch.save_file(second, str(tmp_path / "model-00002-of-00002.safetensors"))
     index = {"weight_map": {k: "model-00001-of-00002.safetensors" for k in first}}
@@ -589,10 +678,16 @@ def test_the_caveat_of_a_compressed_tensors_checkpoint_names_its_weights_bits():
     from ptq.models.loading import dequantized_loading
 
     def caveat(groups):
-        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": groups}
+        qc = {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": groups,
+        }
         return dequantized_loading({"quantization_config": qc}, "model 'm'", "m")[1]
 
-    assert "evaluated as its 4-bit weights dequantized" in caveat({"group_0": {"weights": {"num_bits": 4}}})
+    assert "evaluated as its 4-bit weights dequantized" in caveat(
+        {"group_0": {"weights": {"num_bits": 4}}}
+    )
     assert "The 4-bit weights' rounding" in caveat({"group_0": {"weights": {"num_bits": 4}}})
     mixed = {"group_0": {"weights": {"num_bits": 4}}, "group_1": {"weights": {"num_bits": 8}}}
     assert "evaluated as its quantized weights dequantized" in caveat(mixed)
@@ -606,5 +701,7 @@ def test_a_truncated_gguf_is_called_damaged_or_truncated(tmp_path, kept):
     cut = tmp_path / "cut.gguf"
     with open(source, "rb") as f:
         cut.write_bytes(f.read(kept))
-    with pytest.raises(PtqError, match=rf"^cannot read GGUF file {cut}: damaged or truncated \(.+\)$"):
+    with pytest.raises(
+        PtqError, match=rf"^cannot read GGUF file {cut}: damaged or truncated \(.+\)$"
+    ):
         loading.gguf_caveat(cut)

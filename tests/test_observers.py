@@ -20,7 +20,9 @@ from ptq.calibration.observers import (
 from ptq.numerics.formats import get_format
 
 E4M3, INT8 = get_format("e4m3"), get_format("int8")
-BIN = 1 + 1 / BINS_PER_OCTAVE  # the largest relative width of a bin (at the start of a power of two)
+BIN = (
+    1 + 1 / BINS_PER_OCTAVE
+)  # the largest relative width of a bin (at the start of a power of two)
 
 
 def samples(seed=0, n=200_000):
@@ -82,7 +84,9 @@ def test_merge_equals_one_observer_of_every_batch_and_refuses_other_statistics()
     assert float(merged.amax) == every.max()
     np.testing.assert_array_equal(merged.channel_amax.numpy(), every.reshape(-1, 8).max(0))
     edges = bin_edges().numpy()
-    want, _ = np.histogram(np.clip(every.astype(np.float64), edges[0], np.nextafter(edges[-1], 0)), bins=edges)
+    want, _ = np.histogram(
+        np.clip(every.astype(np.float64), edges[0], np.nextafter(edges[-1], 0)), bins=edges
+    )
     assert merged.hist.tolist() == want.tolist()
     assert torch.isinf(merged.last)  # the latest batch, which names a fault
 
@@ -93,12 +97,16 @@ def test_merge_equals_one_observer_of_every_batch_and_refuses_other_statistics()
         (TensorObserver(channels=True), TensorObserver()),
     ]:
         theirs.observe(x)
-        with pytest.raises(ValueError, match="cannot merge observers that keep different statistics"):
+        with pytest.raises(
+            ValueError, match="cannot merge observers that keep different statistics"
+        ):
             mine.merge(theirs)
     mine, theirs = TensorObserver(channels=True), TensorObserver(channels=True)
     mine.observe(x)
     theirs.observe(x[:, :1])
-    with pytest.raises(ValueError, match=r"cannot merge per-channel amax of \[1\] channels into \[8\]"):
+    with pytest.raises(
+        ValueError, match=r"cannot merge per-channel amax of \[1\] channels into \[8\]"
+    ):
         mine.merge(theirs)
 
 
@@ -125,7 +133,9 @@ def test_layers_reading_one_tensor_measure_it_once(all_experts, monkeypatch):
     real = observers.histogram
     monkeypatch.setattr(observers, "histogram", lambda x: made.append(x.shape) or real(x))
     together = calibrate(model, ids, layers, batch_size=2, all_experts=all_experts)
-    assert len(made) == 2 * 2 * ((2 + 1 + 4) if all_experts else (2 + 2 * 4))  # 2 batches, 2 decoder layers
+    assert len(made) == 2 * 2 * (
+        (2 + 1 + 4) if all_experts else (2 + 2 * 4)
+    )  # 2 batches, 2 decoder layers
     for name in layers:
         alone = calibrate(model, ids, [name], batch_size=2, all_experts=all_experts)
         assert torch.equal(together.input_amax[name], alone.input_amax[name]), name
@@ -219,7 +229,10 @@ def test_an_amax_beyond_the_histogram_falls_back_to_the_max():
     x = np.array([1.0, 2.0, 3.0 * 2.0**32], dtype=np.float32)
     obs = observe(x, chunks=1)
     for method in ("percentile", "mse", "entropy", "best"):
-        assert choose_clip(method, obs.hist, float(obs.amax), E4M3, 50.0) == ("max", float(obs.amax))
+        assert choose_clip(method, obs.hist, float(obs.amax), E4M3, 50.0) == (
+            "max",
+            float(obs.amax),
+        )
 
 
 @pytest.mark.parametrize("fmt", [E4M3, INT8])
@@ -254,7 +267,13 @@ def test_quantized_histogram_on_a_known_histogram():
     levels = torch.tensor([0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
     p, q = quantized_histogram(hist, 4, levels)  # clip at bin 4: bins 5, 6 fold into it
     assert p.tolist() == [4, 0, 2, 2, 10]
-    assert q.tolist() == [4, 0, 2, 2, 6]  # level 1 holds 4 counts over 2 non-empty bins; level 2 holds 6 in 1
+    assert q.tolist() == [
+        4,
+        0,
+        2,
+        2,
+        6,
+    ]  # level 1 holds 4 counts over 2 non-empty bins; level 2 holds 6 in 1
     levels = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     p, q = quantized_histogram(hist, 6, levels)
     assert p.tolist() == [4, 0, 2, 2, 6, 3, 1] and q.tolist() == [3, 0, 3, 3, 3, 3, 3]
@@ -272,6 +291,9 @@ def test_best_picks_the_lowest_error_method():
     obs = observe(x)
     amax = float(obs.amax)
     method, clip = choose_clip("best", obs.hist, amax, INT8, percentile=99.99)
-    errors = {m: np_mse(x, choose_clip(m, obs.hist, amax, INT8)[1], INT8) for m in ("max", "percentile", "mse")}
+    errors = {
+        m: np_mse(x, choose_clip(m, obs.hist, amax, INT8)[1], INT8)
+        for m in ("max", "percentile", "mse")
+    }
     assert method == min(errors, key=errors.get) and method != "max"
     assert choose_clip("max", obs.hist, amax, INT8) == ("max", amax)

@@ -19,7 +19,12 @@ from ptq.evaluation import data, harness
 from ptq.models import loading
 
 OFFLINE_VARIABLES = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-PROXIES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")  # the probe leaves the Hub to a proxy
+PROXIES = (
+    "HTTPS_PROXY",
+    "https_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+)  # the probe leaves the Hub to a proxy
 CACHED = "ptq_offline_rows"  # the name of the dataset put in the local cache (no namespace, like "wikitext")
 
 
@@ -37,7 +42,11 @@ def closed_hub(monkeypatch, tmp_path):
     # huggingface_hub and datasets read HF_ENDPOINT and their offline settings at import: set where they keep them.
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants,
+        "HUGGINGFACE_CO_URL_TEMPLATE",
+        endpoint + "/{repo_id}/resolve/{revision}/{filename}",
+    )
     monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
     for name in OFFLINE_VARIABLES + PROXIES:
         monkeypatch.delenv(name, raising=False)
@@ -63,7 +72,11 @@ def still_online():
     import datasets.config
     from huggingface_hub import constants
 
-    return not (datasets.config.HF_HUB_OFFLINE or datasets.config.HF_DATASETS_OFFLINE or constants.HF_HUB_OFFLINE)
+    return not (
+        datasets.config.HF_HUB_OFFLINE
+        or datasets.config.HF_DATASETS_OFFLINE
+        or constants.HF_HUB_OFFLINE
+    )
 
 
 @pytest.fixture
@@ -112,14 +125,21 @@ def test_a_cached_hf_dataset_loads_from_the_cache_without_the_hub(cached_dataset
 
 def test_an_offline_setting_is_honoured_without_a_probe(closed_hub, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # after datasets read it: ptq reads it again
-    with pytest.raises(PtqError, match="'ptq-test-org/nonexistent': HF_DATASETS_OFFLINE is set and the dataset is not"):
+    with pytest.raises(
+        PtqError,
+        match="'ptq-test-org/nonexistent': HF_DATASETS_OFFLINE is set and the dataset is not",
+    ):
         data.load_corpus("hf:ptq-test-org/nonexistent", "evaluation")
     assert closed_hub == [] and still_online()
 
 
-def test_compare_with_an_hf_dataset_not_cached_exits_2_with_one_line(closed_hub, ptq_cli, tiny_model, tmp_path):
+def test_compare_with_an_hf_dataset_not_cached_exits_2_with_one_line(
+    closed_hub, ptq_cli, tiny_model, tmp_path
+):
     out = tmp_path / "out"
-    code, _, err = ptq_cli("compare", tiny_model, "--eval-data", "hf:ptq-test-org/nonexistent", "--out", out, "-q")
+    code, _, err = ptq_cli(
+        "compare", tiny_model, "--eval-data", "hf:ptq-test-org/nonexistent", "--out", out, "-q"
+    )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
     assert "'ptq-test-org/nonexistent': the Hub cannot be reached (127.0.0.1:" in lines[0]
@@ -135,17 +155,25 @@ def test_a_hub_task_not_cached_fails_at_once_in_one_line(closed_hub, tmp_path):
         harness.prepare("piqa", None, tmp_path / "work", max_items=None)
     message = str(e.value)
     assert message.startswith("cannot load task 'piqa': the Hub cannot be reached (127.0.0.1:")
-    assert "not in the local datasets cache" in message and "piqa=FILE.jsonl" in message and "\n" not in message
+    assert (
+        "not in the local datasets cache" in message
+        and "piqa=FILE.jsonl" in message
+        and "\n" not in message
+    )
     assert len(closed_hub) == 1 and still_online()
 
 
-def test_a_task_over_a_cached_hub_dataset_runs_from_the_cache(cached_dataset, closed_hub, tmp_path, tiny_model):
+def test_a_task_over_a_cached_hub_dataset_runs_from_the_cache(
+    cached_dataset, closed_hub, tmp_path, tiny_model
+):
     """A task YAML whose dataset_path is a Hub dataset (the one in the cache): checked and then scored (lm-eval loads
     its data again), the Hub probed once only."""
     from ptq.models.loading import load_model
 
     task = tmp_path / "cached.yaml"
-    task.write_text(f"include: {harness.CHOICE_TEMPLATE}\ntask: cached_mc\ndataset_path: {CACHED}\n")
+    task.write_text(
+        f"include: {harness.CHOICE_TEMPLATE}\ntask: cached_mc\ndataset_path: {CACHED}\n"
+    )
     suite = harness.prepare(str(task), None, tmp_path / "work", max_items=None)
     assert suite.names == ["cached_mc"]
     loaded = load_model(str(tiny_model))
@@ -163,7 +191,9 @@ def test_tasks_on_local_files_do_not_probe_the_hub(closed_hub, tmp_path):
         f"include: {harness.CHOICE_TEMPLATE}\ntask: mine\ndataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(items))}\n"
     )
-    suite = harness.prepare(f"mc={items},ptq_arith,{user / 'mine.yaml'}", None, tmp_path / "work", max_items=None)
+    suite = harness.prepare(
+        f"mc={items},ptq_arith,{user / 'mine.yaml'}", None, tmp_path / "work", max_items=None
+    )
     assert suite.names == ["mc", "ptq_arith", "mine"]
     assert closed_hub == [] and loading.hub_unreachable.cache_info().misses == 0
 
@@ -173,11 +203,27 @@ def test_tasks_on_local_files_do_not_probe_the_hub(closed_hub, tmp_path):
     [
         ({}, None, None),
         ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE", "HF_HUB_OFFLINE"),
-        ({"HF_HUB_OFFLINE": "yes", "TRANSFORMERS_OFFLINE": "0"}, "HF_HUB_OFFLINE", "HF_HUB_OFFLINE"),
-        ({"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "1"}, None, None),  # the first one set decides
-        ({"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "ON"}, "TRANSFORMERS_OFFLINE", "TRANSFORMERS_OFFLINE"),
+        (
+            {"HF_HUB_OFFLINE": "yes", "TRANSFORMERS_OFFLINE": "0"},
+            "HF_HUB_OFFLINE",
+            "HF_HUB_OFFLINE",
+        ),
+        (
+            {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "1"},
+            None,
+            None,
+        ),  # the first one set decides
+        (
+            {"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "ON"},
+            "TRANSFORMERS_OFFLINE",
+            "TRANSFORMERS_OFFLINE",
+        ),
         ({"HF_DATASETS_OFFLINE": "1"}, None, "HF_DATASETS_OFFLINE"),
-        ({"HF_DATASETS_OFFLINE": "0", "HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE", None),  # datasets': its own first
+        (
+            {"HF_DATASETS_OFFLINE": "0", "HF_HUB_OFFLINE": "1"},
+            "HF_HUB_OFFLINE",
+            None,
+        ),  # datasets': its own first
     ],
 )
 def test_the_offline_variables_are_read_as_huggingface_hub_and_datasets_read_them(
@@ -191,5 +237,7 @@ def test_the_offline_variables_are_read_as_huggingface_hub_and_datasets_read_the
     assert loading.offline_variable(*OFFLINE_VARIABLES) == datasets
     # as the libraries themselves read them, at import in a new process
     read = "import huggingface_hub.constants as h, datasets.config as d; print(h.HF_HUB_OFFLINE, d.HF_DATASETS_OFFLINE)"
-    done = subprocess.run([sys.executable, "-c", read], env=dict(os.environ), capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", read], env=dict(os.environ), capture_output=True, text=True
+    )
     assert done.stdout.split() == [str(hub is not None), str(datasets is not None)], done.stderr

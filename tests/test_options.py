@@ -35,9 +35,39 @@ def command_args(command: str, model: Path, text: Path, out: Path, *extra) -> tu
     calib_data = ("--calib-data", text, "--calib-samples", "8")
     evaluation = ("--eval-data", text, "--max-windows", "2")
     return {
-        "calibrate": ("calibrate", model, "--data", text, "--samples", "8", "-o", out / "c.safetensors"),
-        "compare": ("compare", model, "--recipes", "fp8-e4m3", *calib_data, *evaluation, "--out", out, "--no-plots"),
-        "eval": ("eval", model, "--recipe", "fp8-e4m3", *calib_data, *evaluation, "--tasks", "", "--out", out),
+        "calibrate": (
+            "calibrate",
+            model,
+            "--data",
+            text,
+            "--samples",
+            "8",
+            "-o",
+            out / "c.safetensors",
+        ),
+        "compare": (
+            "compare",
+            model,
+            "--recipes",
+            "fp8-e4m3",
+            *calib_data,
+            *evaluation,
+            "--out",
+            out,
+            "--no-plots",
+        ),
+        "eval": (
+            "eval",
+            model,
+            "--recipe",
+            "fp8-e4m3",
+            *calib_data,
+            *evaluation,
+            "--tasks",
+            "",
+            "--out",
+            out,
+        ),
         "quantize": (
             "quantize",
             model,
@@ -59,12 +89,16 @@ def calibration_record(command: str, out: Path) -> dict:
     if command == "calibrate":
         return load_calibration(out / "c.safetensors").metadata
     if command == "quantize":
-        return json.loads((out / "checkpoint" / "ptq-export.json").read_text())["calibration"]["faults"]
+        return json.loads((out / "checkpoint" / "ptq-export.json").read_text())["calibration"][
+            "faults"
+        ]
     return json.loads((out / "results.json").read_text())["calibration"]["faults"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_on_nonfinite_skip_leaves_the_bad_batch_out(command, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def test_on_nonfinite_skip_leaves_the_bad_batch_out(
+    command, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     observe, seen = TensorObserver.__call__, []
 
     def nan_in_the_first_batch_of_the_first_layer(self, module, args):
@@ -77,10 +111,14 @@ def test_on_nonfinite_skip_leaves_the_bad_batch_out(command, tiny_model, text_fi
     code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "fail"))
     assert code == 2 and one_error_line(err) and "--on-nonfinite skip" in err
     seen.clear()
-    code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "skip", "--on-nonfinite", "skip"))
+    code, _, err = ptq_cli(
+        *command_args(command, tiny_model, text_file, tmp_path / "skip", "--on-nonfinite", "skip")
+    )
     assert code == 0, err
     assert "1 batch(es) with NaN/inf inputs left out of its amax" in err
-    assert calibration_record(command, tmp_path / "skip")["nonfinite_batches"] == {"model.layers.0.self_attn.q_proj": 1}
+    assert calibration_record(command, tmp_path / "skip")["nonfinite_batches"] == {
+        "model.layers.0.self_attn.q_proj": 1
+    }
 
 
 def starve_the_first_layer(monkeypatch) -> list:
@@ -98,16 +136,20 @@ def starve_the_first_layer(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_on_unseen_fail_stops_on_a_layer_without_data(command, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def test_on_unseen_fail_stops_on_a_layer_without_data(
+    command, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     seen = starve_the_first_layer(monkeypatch)
     code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "fallback"))
     assert code == 0, err
     assert "warning: layer 'model.layers.0.self_attn.q_proj' received no calibration data" in err
-    assert [u["layer"] for u in calibration_record(command, tmp_path / "fallback")["unseen_layers"]] == [
-        "model.layers.0.self_attn.q_proj"
-    ]
+    assert [
+        u["layer"] for u in calibration_record(command, tmp_path / "fallback")["unseen_layers"]
+    ] == ["model.layers.0.self_attn.q_proj"]
     seen.clear()
-    code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "fail", "--on-unseen", "fail"))
+    code, _, err = ptq_cli(
+        *command_args(command, tiny_model, text_file, tmp_path / "fail", "--on-unseen", "fail")
+    )
     assert code == 2 and one_error_line(err)
     assert "received no calibration data, e.g. 'model.layers.0.self_attn.q_proj'" in err
 
@@ -161,12 +203,30 @@ def test_an_unseen_layer_under_a_histogram_observer_takes_its_siblings_clip(
     assert float(input_clip(calibration, unseen, spec)) == pytest.approx(want) and want < float(
         calibration.input_amax[sibling]
     )
-    assert unseen not in {row["tensor"] for row in sqnr_table(calibration)["tensors"]}  # no data of its own to diagnose
+    assert unseen not in {
+        row["tensor"] for row in sqnr_table(calibration)["tensors"]
+    }  # no data of its own to diagnose
     seen.clear()
-    evaluation = ("--eval-data", text_file, "--max-windows", "2", "--seq-len", "16", "--no-plots", "-q")
+    evaluation = (
+        "--eval-data",
+        text_file,
+        "--max-windows",
+        "2",
+        "--seq-len",
+        "16",
+        "--no-plots",
+        "-q",
+    )
     for extra in (("--calib-data", text_file, "--calib-samples", "8"), ("--calib", calib)):
         code, _, err = ptq_cli(
-            "compare", tiny_model, "--recipes", recipe, *extra, *evaluation, "--out", tmp_path / extra[0]
+            "compare",
+            tiny_model,
+            "--recipes",
+            recipe,
+            *extra,
+            *evaluation,
+            "--out",
+            tmp_path / extra[0],
         )
         assert code == 0, err
         assert f"warning: layer '{unseen}' received no calibration data" in err
@@ -200,23 +260,32 @@ def test_a_layer_whose_every_batch_was_skipped_gets_its_siblings_channel_amax(
         "--on-nonfinite",
         "skip",
     )
-    code, _, err = ptq_cli("calibrate", tiny_model, "--recipe", "int8-smoothquant", *args, "-o", calib)
+    code, _, err = ptq_cli(
+        "calibrate", tiny_model, "--recipe", "int8-smoothquant", *args, "-o", calib
+    )
     assert code == 0, err
     skipped, sibling = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"
     calibration = load_calibration(calib)
     assert calibration.metadata["nonfinite_batches"] == {skipped: 2}
     assert [u["layer"] for u in calibration.metadata["unseen_layers"]] == [skipped]
-    assert torch.equal(calibration.input_channel_amax[skipped], calibration.input_channel_amax[sibling])
+    assert torch.equal(
+        calibration.input_channel_amax[skipped], calibration.input_channel_amax[sibling]
+    )
     assert float(calibration.input_channel_amax[skipped].max()) > 0
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_allow_pickle_loads_a_pickle_checkpoint(command, tiny_model, text_file, tmp_path, ptq_cli):
     pickled = copy_model(tiny_model, tmp_path / "pickled", skip=("model.safetensors",))
-    torch.save(safetensors.torch.load_file(str(tiny_model / "model.safetensors")), pickled / "pytorch_model.bin")
+    torch.save(
+        safetensors.torch.load_file(str(tiny_model / "model.safetensors")),
+        pickled / "pytorch_model.bin",
+    )
     code, _, err = ptq_cli(*command_args(command, pickled, text_file, tmp_path / "refused"))
     assert code == 2 and one_error_line(err) and "--allow-pickle" in err
-    code, _, err = ptq_cli(*command_args(command, pickled, text_file, tmp_path / "allowed", "--allow-pickle"))
+    code, _, err = ptq_cli(
+        *command_args(command, pickled, text_file, tmp_path / "allowed", "--allow-pickle")
+    )
     assert code == 0, err
 
 
@@ -224,10 +293,16 @@ def test_allow_pickle_loads_a_pickle_checkpoint(command, tiny_model, text_file, 
 def test_no_memory_check_loads_a_model_that_looks_too_big(
     command, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
 ):
-    monkeypatch.setattr(resources, "available_memory", lambda device: 1 << 10)  # 1 KiB: nothing fits
-    code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "checked", "--in-memory"))
+    monkeypatch.setattr(
+        resources, "available_memory", lambda device: 1 << 10
+    )  # 1 KiB: nothing fits
+    code, _, err = ptq_cli(
+        *command_args(command, tiny_model, text_file, tmp_path / "checked", "--in-memory")
+    )
     assert code == 2 and one_error_line(err) and "--no-memory-check" in err
-    code, _, err = ptq_cli(*command_args(command, tiny_model, text_file, tmp_path / "unchecked", "--no-memory-check"))
+    code, _, err = ptq_cli(
+        *command_args(command, tiny_model, text_file, tmp_path / "unchecked", "--no-memory-check")
+    )
     assert code == 0, err
     assert "block by block" not in err  # loaded whole, as asked, not streamed instead
 
@@ -242,7 +317,9 @@ def streamed_and_whole(command: str, out: Path) -> tuple[object, object]:
         weights = safetensors.torch.load_file(str(out / "checkpoint" / "model.safetensors"))
         return {k: v.float().tolist() for k, v in sorted(weights.items())}, info["low_memory"]
     results = json.loads((out / "results.json").read_text())
-    entries = [results["config"]] if command == "eval" else [results["baseline"], *results["variants"]]
+    entries = (
+        [results["config"]] if command == "eval" else [results["baseline"], *results["variants"]]
+    )
     return [(e["perplexity"], e["window_nll"]) for e in entries], results["compute"]["low_memory"]
 
 
@@ -258,7 +335,9 @@ def test_low_memory_gives_the_in_memory_numbers(command, tiny_model, text_file, 
         assert runs["--in-memory"][1] is False and runs["--low-memory"][1] is True
 
 
-def test_eval_low_memory_refuses_what_needs_the_whole_model(tiny_model, text_file, tmp_path, ptq_cli):
+def test_eval_low_memory_refuses_what_needs_the_whole_model(
+    tiny_model, text_file, tmp_path, ptq_cli
+):
     code, _, err = ptq_cli(
         "eval",
         tiny_model,
@@ -277,7 +356,9 @@ def test_eval_low_memory_refuses_what_needs_the_whole_model(tiny_model, text_fil
 
 
 @pytest.mark.parametrize("command", ("compare", "eval", "quantize"))
-def test_a_reused_calibration_file_gets_the_range_warnings(command, tiny_model, text_file, tmp_path, ptq_cli):
+def test_a_reused_calibration_file_gets_the_range_warnings(
+    command, tiny_model, text_file, tmp_path, ptq_cli
+):
     """A weight amax of 3e-36 has a normal float32 int8 scale (3e-36 / 127) but not an E4M3 one (3e-36 / 448): a
     file calibrated for int8 has no warning, and reusing it for fp8-e4m3 warns as calibrating in the run would."""
 
@@ -360,7 +441,9 @@ def test_a_reused_calibration_file_gets_the_range_warnings(command, tiny_model, 
     assert f"warning: {warnings[0]}" in " ".join(err.split())
 
 
-def test_eval_results_and_report_carry_the_calibration_faults(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def test_eval_results_and_report_carry_the_calibration_faults(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     observe, seen = TensorObserver.__call__, []
 
     def never_the_first_layer(self, module, args):
@@ -372,33 +455,52 @@ def test_eval_results_and_report_carry_the_calibration_faults(tiny_model, text_f
     code, _, err = ptq_cli(*command_args("eval", tiny_model, text_file, tmp_path))
     assert code == 0, err
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["calibration"]["faults"]["unseen_layers"][0]["layer"] == "model.layers.0.self_attn.q_proj"
     assert (
-        "Layer `model.layers.0.self_attn.q_proj` received no calibration data" in (tmp_path / "report.md").read_text()
+        results["calibration"]["faults"]["unseen_layers"][0]["layer"]
+        == "model.layers.0.self_attn.q_proj"
+    )
+    assert (
+        "Layer `model.layers.0.self_attn.q_proj` received no calibration data"
+        in (tmp_path / "report.md").read_text()
     )
     # the protocol is compare's, less what compares against a baseline
     assert not any("KL" in line or "Baseline" in line for line in results["protocol"])
-    assert results["protocol"][0].startswith("Perplexity:") and results["protocol"][1].startswith("Quantized Linear:")
+    assert results["protocol"][0].startswith("Perplexity:") and results["protocol"][1].startswith(
+        "Quantized Linear:"
+    )
 
 
 def test_options_a_command_does_not_use_are_refused_in_one_line(tiny_model, tmp_path):
     out = OutputOptions(path=tmp_path / "x")
     cases = [
-        (lambda: run_calibrate(["fp8-e4m3"], model=ModelOptions(dtype="bfloat16"), output=out), "--dtype"),
-        (lambda: run_calibrate(["fp8-e4m3"], compute=ComputeOptions(matmul="fp8"), output=out), "--matmul"),
         (
-            lambda: run_calibrate(["fp8-e4m3"], calibration=CalibrationOptions(file=tmp_path / "c"), output=out),
+            lambda: run_calibrate(["fp8-e4m3"], model=ModelOptions(dtype="bfloat16"), output=out),
+            "--dtype",
+        ),
+        (
+            lambda: run_calibrate(["fp8-e4m3"], compute=ComputeOptions(matmul="fp8"), output=out),
+            "--matmul",
+        ),
+        (
+            lambda: run_calibrate(
+                ["fp8-e4m3"], calibration=CalibrationOptions(file=tmp_path / "c"), output=out
+            ),
             "--calib",
         ),
         (lambda: run_eval(calibration=CalibrationOptions(resume=True), output=out), "--resume"),
         (lambda: run_quantize("fp8-e4m3", data=DataOptions(tasks="cloze"), output=out), "--tasks"),
-        (lambda: run_quantize("fp8-e4m3", compute=ComputeOptions(matmul="fp8"), output=out), "--matmul"),
+        (
+            lambda: run_quantize("fp8-e4m3", compute=ComputeOptions(matmul="fp8"), output=out),
+            "--matmul",
+        ),
     ]
     for run, flag in cases:
         with pytest.raises(PtqError, match=f"^{flag} does not apply to ptq "):
             run()
     assert not (tmp_path / "x").exists()
-    refuse_unused("eval", ComputeOptions(batch_size="auto"), batch_size="--batch-size")  # "auto" is the default
+    refuse_unused(
+        "eval", ComputeOptions(batch_size="auto"), batch_size="--batch-size"
+    )  # "auto" is the default
     with pytest.raises(TypeError):
         DataOptions("text.txt", 16)  # by name only: neighbouring numbers cannot be swapped
     with pytest.raises(PtqError, match="--on-nonfinite must be one of"):

@@ -16,7 +16,12 @@ import torch
 from ptq.calibration.calibrate import load_calibration
 
 COMMON = ["--seq-len", "16", "--max-windows", "2", "--calib-samples", "2", "--no-plots"]
-OFFLOADED = ["--device-map", "auto", "--max-memory", "cpu=450KB"]  # less than the tiny models: some of each on disk
+OFFLOADED = [
+    "--device-map",
+    "auto",
+    "--max-memory",
+    "cpu=450KB",
+]  # less than the tiny models: some of each on disk
 
 
 def _model_dir(family: str, tmp_path, tiny_model):
@@ -36,7 +41,15 @@ def test_compare_with_offloaded_models_equals_the_models_in_memory(
 ):
     model = _model_dir(family, tmp_path, tiny_model)
     monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))  # the offload folders go under it
-    data = ["--calib-data", text_file, "--eval-data", text_file, "--recipes", "fp8-e4m3,int8", *COMMON]
+    data = [
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+        "--recipes",
+        "fp8-e4m3,int8",
+        *COMMON,
+    ]
     code, _, err = ptq_cli("compare", model, *data, "--out", tmp_path / "memory")
     assert code == 0, err
     code, _, err = ptq_cli("compare", model, *data, *OFFLOADED, "--out", tmp_path / "placed")
@@ -46,11 +59,15 @@ def test_compare_with_offloaded_models_equals_the_models_in_memory(
     where = placed["compute"]["placement"]
     assert set(where) == {"bf16", "fp8-e4m3", "int8"}
     assert all("disk" in devices for devices in where.values()), where
-    assert any("cpu" in devices for devices in where.values()), where  # a model split between memory and disk
+    assert any("cpu" in devices for devices in where.values()), (
+        where
+    )  # a model split between memory and disk
     assert "on disk by accelerate (--device-map)" in placed["device"]
     assert memory["compute"]["placement"] is None  # in memory: nothing placed
     assert placed["baseline"]["perplexity"] == memory["baseline"]["perplexity"]
-    assert placed["calibration"]["layers"] == memory["calibration"]["layers"]  # calibrated on the placed original
+    assert (
+        placed["calibration"]["layers"] == memory["calibration"]["layers"]
+    )  # calibrated on the placed original
     for a, b in zip(memory["variants"], placed["variants"], strict=True):
         assert (a["name"], a["perplexity"], a["kl_div"], a["top1_agreement"]) == (
             b["name"],
@@ -61,7 +78,9 @@ def test_compare_with_offloaded_models_equals_the_models_in_memory(
         assert a["snr_db"] == b["snr_db"]  # input SNR measured on the offloaded layers too
     assert "on disk by accelerate" in (tmp_path / "placed" / "report.md").read_text()
     offload = tmp_path / "cache" / "offload"
-    assert offload.is_dir() and not any(offload.iterdir())  # used for the disk, and emptied after the run
+    assert offload.is_dir() and not any(
+        offload.iterdir()
+    )  # used for the disk, and emptied after the run
 
 
 def test_offloading_to_a_disk_without_room_is_refused_before_writing(
@@ -88,17 +107,29 @@ def test_offloading_to_a_disk_without_room_is_refused_before_writing(
     ]
     usage = namedtuple("usage", "total used free")
     real = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 4096))  # 4 KiB free
-    code, _, err = ptq_cli(*args, "--device-map", "auto", "--max-memory", "cpu=150KB", "--out", tmp_path / "full")
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 4096)
+    )  # 4 KiB free
+    code, _, err = ptq_cli(
+        *args, "--device-map", "auto", "--max-memory", "cpu=150KB", "--out", tmp_path / "full"
+    )
     last = err.strip().splitlines()[-1]  # after eval's note that the text has no cloze items
-    assert code == 2 and "offloading part of the model to disk (--device-map) needs at least" in last, err
-    assert "4.0 KiB free" in last and sum(line.startswith("error") for line in err.splitlines()) == 1
+    assert (
+        code == 2 and "offloading part of the model to disk (--device-map) needs at least" in last
+    ), err
+    assert (
+        "4.0 KiB free" in last and sum(line.startswith("error") for line in err.splitlines()) == 1
+    )
     offload = tmp_path / "cache" / "offload"
     assert not offload.exists() or not any(offload.rglob("*.dat"))
     monkeypatch.setattr(shutil, "disk_usage", real)
-    code, _, err = ptq_cli(*args, "--device-map", "auto", "--max-memory", "cpu=150KB,disk=1KB", "--out", tmp_path / "d")
+    code, _, err = ptq_cli(
+        *args, "--device-map", "auto", "--max-memory", "cpu=150KB,disk=1KB", "--out", tmp_path / "d"
+    )
     assert code == 2 and "--max-memory's disk limit leaves it 1000 B" in err, err
-    code, _, err = ptq_cli(*args, "--device-map", "auto", "--max-memory", "cpu=150KB,disk=1GB", "--out", tmp_path / "e")
+    code, _, err = ptq_cli(
+        *args, "--device-map", "auto", "--max-memory", "cpu=150KB,disk=1GB", "--out", tmp_path / "e"
+    )
     assert code == 0, err
 
 
@@ -106,7 +137,9 @@ def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tin
     model = _model_dir("qwen3_moe", tmp_path, tiny_model)
     args = ["--data", text_file, "--seq-len", "16", "--samples", "2"]
     assert ptq_cli("calibrate", model, *args, "-o", tmp_path / "memory.safetensors")[0] == 0
-    code, _, err = ptq_cli("calibrate", model, *args, *OFFLOADED, "-o", tmp_path / "placed.safetensors")
+    code, _, err = ptq_cli(
+        "calibrate", model, *args, *OFFLOADED, "-o", tmp_path / "placed.safetensors"
+    )
     assert code == 0, err
     memory, placed = (
         load_calibration(tmp_path / "memory.safetensors"),
@@ -146,9 +179,14 @@ def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tin
         assert code == 0, err
         evaluated[name] = json.loads((tmp_path / f"eval-{name}" / "results.json").read_text())
     assert "disk" in evaluated["placed"]["compute"]["placement"]["fp8-e4m3"]
-    assert evaluated["placed"]["config"]["perplexity"] == evaluated["memory"]["config"]["perplexity"]
+    assert (
+        evaluated["placed"]["config"]["perplexity"] == evaluated["memory"]["config"]["perplexity"]
+    )
     # lm-eval runs the placed model as it is (accelerate's hooks move each block's weights in): the same task numbers
-    assert evaluated["placed"]["config"]["task_samples"] == evaluated["memory"]["config"]["task_samples"]
+    assert (
+        evaluated["placed"]["config"]["task_samples"]
+        == evaluated["memory"]["config"]["task_samples"]
+    )
     assert evaluated["placed"]["config"]["tasks"]["ptq_shakespeare"]["n"] == 3
 
 
@@ -157,24 +195,42 @@ def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tin
     [
         (["--max-memory", "cpu=1GB"], "--max-memory limits what --device-map places"),
         (["--device-map", "everywhere"], "unknown --device-map 'everywhere'"),
-        (["--device-map", "auto", "--max-memory", "cpu=lots"], "--max-memory size 'lots' is not a size"),
-        (["--device-map", "auto", "--max-memory", "cpu=1e400GiB"], "--max-memory size '1e400GiB' is not a size"),
-        (["--device-map", "auto", "--max-memory", "cpu=1e-30GiB"], "--max-memory size '1e-30GiB' is less than a byte"),
+        (
+            ["--device-map", "auto", "--max-memory", "cpu=lots"],
+            "--max-memory size 'lots' is not a size",
+        ),
+        (
+            ["--device-map", "auto", "--max-memory", "cpu=1e400GiB"],
+            "--max-memory size '1e400GiB' is not a size",
+        ),
+        (
+            ["--device-map", "auto", "--max-memory", "cpu=1e-30GiB"],
+            "--max-memory size '1e-30GiB' is less than a byte",
+        ),
         (["--device-map", "auto", "--max-memory", "cpu"], "--max-memory 'cpu' is not DEVICE=SIZE"),
         (["--device-map", "auto", "--max-memory", f"{torch.cuda.device_count()}=1GB"], "GPU(s)"),
         (["--device-map", "auto", "--max-memory", "tpu=1GB"], "device 'tpu' is not a GPU index"),
-        (["--device-map", "auto", "--max-memory", "cpu=1GiB,cpu=2GiB"], "--max-memory names device cpu twice"),
+        (
+            ["--device-map", "auto", "--max-memory", "cpu=1GiB,cpu=2GiB"],
+            "--max-memory names device cpu twice",
+        ),
         (["--device-map", "auto", "--low-memory"], "--low-memory and --device-map"),
     ],
 )
-def test_bad_placement_options_are_one_line(args, message, tmp_path, ptq_cli, text_file, tiny_model):
-    code, out, err = ptq_cli("compare", tiny_model, "--eval-data", text_file, *COMMON, *args, "--out", tmp_path / "r")
+def test_bad_placement_options_are_one_line(
+    args, message, tmp_path, ptq_cli, text_file, tiny_model
+):
+    code, out, err = ptq_cli(
+        "compare", tiny_model, "--eval-data", text_file, *COMMON, *args, "--out", tmp_path / "r"
+    )
     assert code == 2
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r" / "results.json").exists()
 
 
-def test_quantize_with_offloaded_calibration_writes_the_same_files(tmp_path, ptq_cli, text_file, tiny_model):
+def test_quantize_with_offloaded_calibration_writes_the_same_files(
+    tmp_path, ptq_cli, text_file, tiny_model
+):
     args = ["--data", text_file, "--seq-len", "16", "--samples", "2", "--verify-windows", "2"]
     assert ptq_cli("quantize", tiny_model, *args, "-o", tmp_path / "memory")[0] == 0
     code, out, err = ptq_cli(
@@ -190,7 +246,9 @@ def test_quantize_with_offloaded_calibration_writes_the_same_files(tmp_path, ptq
     )
     assert code == 0, err
     for name in ("model.safetensors", "config.json"):
-        assert (tmp_path / "placed" / name).read_bytes() == (tmp_path / "memory" / name).read_bytes(), name
+        assert (tmp_path / "placed" / name).read_bytes() == (
+            tmp_path / "memory" / name
+        ).read_bytes(), name
     info = json.loads((tmp_path / "placed" / "ptq-export.json").read_text())
     assert info["verification"] is None and "--device-map" in info["verification_skipped"]
     assert "not verified" in out
@@ -202,12 +260,18 @@ def test_limits_are_shared_between_the_models_held_at_once_and_the_report_says_w
     placement = parse("sequential", "cpu=1.5GB, disk=10GB")
     assert placement == Placement("sequential", {"cpu": 1_500_000_000, "disk": 10_000_000_000})
     assert budgets(placement, 3) == {"cpu": 500_000_000, "disk": 3_333_333_333}
-    assert budgets(placement, 3, held=10**9) == {"cpu": 500_000_000, "disk": 3_333_333_333}  # the user's limits
+    assert budgets(placement, 3, held=10**9) == {
+        "cpu": 500_000_000,
+        "disk": 3_333_333_333,
+    }  # the user's limits
     assert (
         describe({"bf16": {"cuda:0": 3, "cuda:1": 2, "cpu": 1}, "fp8-e4m3": {"cuda:0": 5}})
         == "placed over cuda:0, cuda:1 by accelerate (--device-map), offloaded to CPU memory"
     )
-    assert describe({"bf16": {"cpu": 2, "disk": 4}}) == "placed in CPU memory and on disk by accelerate (--device-map)"
+    assert (
+        describe({"bf16": {"cpu": 2, "disk": 4}})
+        == "placed in CPU memory and on disk by accelerate (--device-map)"
+    )
 
 
 def test_the_default_host_budget_counts_the_memory_the_models_already_hold(monkeypatch):
@@ -249,13 +313,17 @@ def test_a_placed_model_holds_no_buffer_in_two_modules(tmp_path):
         return experts, [m.input_scale for m in experts.modules() if isinstance(m, QuantLinear)]
 
     experts, shared = scales(quantized())
-    assert len(shared) > 2 and len({id(s) for s in shared}) == 1  # one tensor, as quantize_ leaves it
+    assert (
+        len(shared) > 2 and len({id(s) for s in shared}) == 1
+    )  # one tensor, as quantize_ leaves it
     model = quantized()
     own_buffers(model)
     experts, own = scales(model)
     assert len({id(s) for s in own}) == len(own) and all(torch.equal(s, shared[0]) for s in own)
     add_hook_to_module(experts, AlignDevicesHook(execution_device="meta", place_submodules=True))
     assert {s.device.type for s in scales(model)[1]} == {"meta"}  # every expert's scale moved
-    placed = place(quantized(), Placement("auto", {"cpu": 10**9}), {"cpu": 10**9}, tmp_path / "offload")
+    placed = place(
+        quantized(), Placement("auto", {"cpu": 10**9}), {"cpu": 10**9}, tmp_path / "offload"
+    )
     buffers = [b for m in placed.modules() for b in m._buffers.values() if b is not None]
     assert len({id(b) for b in buffers}) == len(buffers)

@@ -29,13 +29,20 @@ def ref_fake_quant(x: np.ndarray, amax, fmt: str, axis=None) -> np.ndarray:
     if fmt == "int8":
         q = np.rint(q)
     else:
-        q = q.astype({"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]).astype(np.float32)
+        q = q.astype({"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]).astype(
+            np.float32
+        )
     return (q * scale).astype(np.float32)
 
 
 @pytest.mark.parametrize(
     "recipe_name, wfmt, per_channel",
-    [("fp8-e4m3", "e4m3", False), ("fp8-e5m2", "e5m2", False), ("int8", "int8", True), ("bf16", "bf16", False)],
+    [
+        ("fp8-e4m3", "e4m3", False),
+        ("fp8-e5m2", "e5m2", False),
+        ("int8", "int8", True),
+        ("bf16", "bf16", False),
+    ],
 )
 def test_quant_linear_matches_reference(recipe_name, wfmt, per_channel):
     torch.manual_seed(0)
@@ -44,7 +51,9 @@ def test_quant_linear_matches_reference(recipe_name, wfmt, per_channel):
     x[0, 0, 0] = 40.0  # beyond the calibrated amax: must saturate
     input_amax = torch.tensor(20.0)
     recipe = load_recipe(recipe_name)
-    q = QuantLinear(linear, recipe.weights, recipe.inputs, input_amax if recipe.needs_calibration else None)
+    q = QuantLinear(
+        linear, recipe.weights, recipe.inputs, input_amax if recipe.needs_calibration else None
+    )
 
     w = linear.weight.detach().numpy()
     w_amax = np.abs(w).max(axis=1, keepdims=True) if per_channel else np.abs(w).max()
@@ -60,19 +69,28 @@ def test_quant_linear_matches_reference(recipe_name, wfmt, per_channel):
 def test_plan_keeps_lm_head_in_bf16_and_quantizes_the_rest(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     layers = resolve_plan(model, load_recipe("fp8-e4m3")).matmuls
-    assert layers["lm_head"].weights.format.name == "bf16" and "ignore: lm_head" in layers["lm_head"].reason
+    assert (
+        layers["lm_head"].weights.format.name == "bf16"
+        and "ignore: lm_head" in layers["lm_head"].reason
+    )
     body = [name for name in layers if name != "lm_head"]
-    assert len(body) == 14 and all(layers[n].weights.format.name == "e4m3" and layers[n].quantized for n in body)
+    assert len(body) == 14 and all(
+        layers[n].weights.format.name == "e4m3" and layers[n].quantized for n in body
+    )
     assert calibrated_layers(model, load_recipe("fp8-e4m3")) == body
     assert calibrated_layers(model, load_recipe("bf16")) == []
 
 
 def test_calibration_amax_is_the_max_of_the_inputs_seen(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    ids = torch.randint(0, model.config.vocab_size, (5, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (5, 16), generator=torch.Generator().manual_seed(0)
+    )
     seen = {}
     hooks = [
-        m.register_forward_hook(lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].clone()))
+        m.register_forward_hook(
+            lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].clone())
+        )
         for n, m in model.named_modules()
         if isinstance(m, torch.nn.Linear)
     ]
@@ -81,16 +99,22 @@ def test_calibration_amax_is_the_max_of_the_inputs_seen(tiny_model):
     for h in hooks:
         h.remove()
     layers = calibrated_layers(model, load_recipe("fp8-e4m3"))
-    cal = calibrate(model, ids, layers, batch_size=2)  # batches of 2, 2, 1: the running max must merge them
+    cal = calibrate(
+        model, ids, layers, batch_size=2
+    )  # batches of 2, 2, 1: the running max must merge them
     for name in layers:
         expected = max(float(t.abs().max()) for t in seen[name])
         assert float(cal.input_amax[name]) == pytest.approx(expected, rel=1e-6)
-        assert float(cal.weight_amax[name]) == float(model.get_submodule(name).weight.detach().abs().max())
+        assert float(cal.weight_amax[name]) == float(
+            model.get_submodule(name).weight.detach().abs().max()
+        )
 
 
 def test_quantize_swaps_every_linear_and_bf16_baseline_is_close_to_fp32(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1)
+    )
     cal = calibrate(model, ids, calibrated_layers(model, load_recipe("fp8-e4m3")))
     bf16 = quantize_(copy.deepcopy(model), load_recipe("bf16"), None)
     e4m3 = quantize_(copy.deepcopy(model), load_recipe("fp8-e4m3"), cal)
@@ -119,14 +143,21 @@ def test_compiled_input_kernel_is_bit_identical_to_the_eager_ops():
 
     def same(y, ref):
         assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.nan_to_num(), ref.nan_to_num())
-        assert torch.equal(y.view(torch.int32)[~y.isnan()], ref.view(torch.int32)[~ref.isnan()])  # signed zeros too
+        assert torch.equal(
+            y.view(torch.int32)[~y.isnan()], ref.view(torch.int32)[~ref.isnan()]
+        )  # signed zeros too
 
     for fmt in ("e4m3", "int8"):
         for saturate in (True, False):
             spec = TensorQuant(FORMATS[fmt], PerTensor(), saturate)
-            same(compiled(x.clone(), spec, scale)[0], fake_quantize(x, scale, FORMATS[fmt], saturate))
+            same(
+                compiled(x.clone(), spec, scale)[0], fake_quantize(x, scale, FORMATS[fmt], saturate)
+            )
     full = TensorQuant(FORMATS["int8"], int_range="full")
-    same(compiled(x.clone(), full, scale)[0], fake_quantize(x, scale, FORMATS["int8"], True, lowest=-128.0))
+    same(
+        compiled(x.clone(), full, scale)[0],
+        fake_quantize(x, scale, FORMATS["int8"], True, lowest=-128.0),
+    )
     finite = x.nan_to_num(posinf=1e9)
     for g in (PerToken(), PerGroup(32)):
         spec = TensorQuant(FORMATS["e4m3"], g, dynamic=True)
@@ -134,9 +165,16 @@ def test_compiled_input_kernel_is_bit_identical_to_the_eager_ops():
         grouped = finite.reshape(3, 50, 3, 32) if isinstance(g, PerGroup) else finite
         assert torch.equal(s, dynamic_scale(finite, spec))
         same(y, fake_quantize(grouped, s, FORMATS["e4m3"]).reshape(x.shape))
-    codes, _ = compiled(finite.clone(), dataclasses.replace(spec, granularity=PerTensor(), dynamic=False), scale, True)
+    codes, _ = compiled(
+        finite.clone(),
+        dataclasses.replace(spec, granularity=PerTensor(), dynamic=False),
+        scale,
+        True,
+    )
     want = quantize(finite, scale, FORMATS["e4m3"]).to(torch.float8_e4m3fn)
-    assert codes.dtype == torch.float8_e4m3fn and torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
+    assert codes.dtype == torch.float8_e4m3fn and torch.equal(
+        codes.view(torch.uint8), want.view(torch.uint8)
+    )
 
 
 def test_compiled_weight_rounding_is_bit_identical_to_the_eager_ops():
@@ -144,7 +182,9 @@ def test_compiled_weight_rounding_is_bit_identical_to_the_eager_ops():
     from ptq.quantization.quantize import _rounded_codes, fused
 
     torch.manual_seed(1)
-    w = torch.randn(64, 96) * torch.logspace(-6, 2, 96)  # columns from tiny (subnormal after scaling) to large
+    w = torch.randn(64, 96) * torch.logspace(
+        -6, 2, 96
+    )  # columns from tiny (subnormal after scaling) to large
     compiled = fused(_rounded_codes, compile=True)
     for fmt in ("e4m3", "e5m2", "int8", "bf16"):
         for scale in (
@@ -182,7 +222,9 @@ def test_compiled_weight_dequantize_decodes_every_code_as_ml_dtypes_does():
             got = compiled(codes, scale).numpy()
             want = codes_np.astype(np.float32).reshape(4, 64) * scale.numpy()
             assert np.array_equal(np.isnan(got), np.isnan(want)), fmt
-            assert np.array_equal(got[~np.isnan(got)].view(np.int32), want[~np.isnan(want)].view(np.int32)), fmt
+            assert np.array_equal(
+                got[~np.isnan(got)].view(np.int32), want[~np.isnan(want)].view(np.int32)
+            ), fmt
 
 
 def test_a_16_bit_layer_computed_in_its_own_dtype_is_used_as_it_is(tiny_model):
@@ -199,20 +241,28 @@ def test_a_16_bit_layer_computed_in_its_own_dtype_is_used_as_it_is(tiny_model):
     x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(4)).bfloat16()
     x[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
     assert layer.quantize_input(x)[1] is x
-    rounded = _round_activation(x, layer.input_scale, FORMATS["bf16"], True, None, PerTensor(), False).bfloat16()
+    rounded = _round_activation(
+        x, layer.input_scale, FORMATS["bf16"], True, None, PerTensor(), False
+    ).bfloat16()
     want = torch.nn.functional.linear(rounded, _weight_dequantize(codes, scale, torch.bfloat16))
     with torch.no_grad():
         got = layer(x)
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(
+        got.nan_to_num(), want.nan_to_num()
+    )
     # in float32 compute the same layer still rounds its input to bf16 and widens its codes
     wide = x[1:].float() + 2.0**-12  # finite values off the bf16 grid
     assert not torch.equal(layer.quantize_input(wide)[1], wide)
     assert dequantize_weight(codes, scale, layer.weights).dtype == torch.float32
 
 
-@pytest.mark.parametrize("recipe_name", ["bf16", "fp8-e4m3", "int8", "fp8-dynamic", "fp8-block", "mxfp8"])
+@pytest.mark.parametrize(
+    "recipe_name", ["bf16", "fp8-e4m3", "int8", "fp8-dynamic", "fp8-block", "mxfp8"]
+)
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_large_weight_is_multiplied_a_block_of_rows_at_a_time_with_the_same_product(monkeypatch, recipe_name, bias):
+def test_a_large_weight_is_multiplied_a_block_of_rows_at_a_time_with_the_same_product(
+    monkeypatch, recipe_name, bias
+):
     # A weight whose float32 copy would pass WEIGHT_BLOCK_BYTES (here 40 rows' worth) is made a block of rows at a
     # time: no copy made per forward is larger than a block (128 rows, or 256 for 256-row weight tiles), and the
     # output is the product of the whole dequantized weight. 300 rows: two whole blocks and a partial one, whose
@@ -225,26 +275,34 @@ def test_a_large_weight_is_multiplied_a_block_of_rows_at_a_time_with_the_same_pr
     recipe = load_recipe(recipe_name)
     weights = recipe.weights
     x = torch.randn(2, 5, 96) * 3
-    q = QuantLinear(linear, weights, recipe.inputs, torch.tensor(9.0) if recipe.needs_calibration else None)
+    q = QuantLinear(
+        linear, weights, recipe.inputs, torch.tensor(9.0) if recipe.needs_calibration else None
+    )
     want = torch.nn.functional.linear(q.quantize_input(x)[1], q.weight, linear.bias)
     made = []
     dequantize_weight = quantize.dequantize_weight
     monkeypatch.setattr(
-        quantize, "dequantize_weight", lambda codes, *a: made.append(len(codes)) or dequantize_weight(codes, *a)
+        quantize,
+        "dequantize_weight",
+        lambda codes, *a: made.append(len(codes)) or dequantize_weight(codes, *a),
     )
     monkeypatch.setattr(quantize, "WEIGHT_BLOCK_BYTES", 40 * 96 * 4)
     with torch.no_grad():
         got = q(x)
     assert made == [128, 128, 44]
     assert torch.equal(got, want)
-    if recipe_name == "fp8-block":  # 256-row tiles: blocks of 256 rows, the scale's rows sliced with them
+    if (
+        recipe_name == "fp8-block"
+    ):  # 256-row tiles: blocks of 256 rows, the scale's rows sliced with them
         tiled = dataclasses.replace(weights, granularity=PerBlock(256, 64))
         q = QuantLinear(linear, tiled, recipe.inputs, None)
         want = torch.nn.functional.linear(q.quantize_input(x)[1], q.weight, linear.bias)
         made.clear()
         with torch.no_grad():
             assert torch.equal(q(x), want) and made == [256, 44]
-    with torch.enable_grad():  # autograd: the whole weight, as F.linear (blocks written into the output would not do)
+    with (
+        torch.enable_grad()
+    ):  # autograd: the whole weight, as F.linear (blocks written into the output would not do)
         made.clear()
         q(x)
         assert made == [300]
@@ -252,12 +310,16 @@ def test_a_large_weight_is_multiplied_a_block_of_rows_at_a_time_with_the_same_pr
 
 def test_an_input_shared_by_q_k_v_and_gate_up_is_quantized_once(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2)
+    )
     cal = calibrate(model, ids, calibrated_layers(model, load_recipe("fp8-e4m3")))
     q = quantize_(copy.deepcopy(model), load_recipe("fp8-e4m3"), cal)
     quantizer = q.model.layers[0].self_attn.q_proj.input_quantizer
     calls = []
-    static, dynamic = quantizer._kernels  # fp8-e4m3's inputs have static scales (the lm_head's bf16: none)
+    static, dynamic = (
+        quantizer._kernels
+    )  # fp8-e4m3's inputs have static scales (the lm_head's bf16: none)
     quantizer._kernels = (lambda *a: calls.append(1) or static(*a), dynamic)
     with torch.no_grad():
         cached = q(input_ids=ids).logits
@@ -272,7 +334,9 @@ def test_an_input_shared_by_q_k_v_and_gate_up_is_quantized_once(tiny_model):
 
 def test_variants_share_what_they_do_not_quantize_and_match_separate_copies(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, tie_word_embeddings=False)
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3)
+    )
     recipes = [load_recipe(r) for r in ("bf16", "fp8-e4m3", "int8")]
     cal = calibrate(model, ids, calibrated_layers(model, recipes[1]))
     variants = quantize_variants(model, recipes, cal)
@@ -280,14 +344,22 @@ def test_variants_share_what_they_do_not_quantize_and_match_separate_copies(tiny
     embeds = {storage(v.model.embed_tokens.weight) for v in variants.values()}
     assert len(embeds) == 1  # one copy for all variants...
     original = {storage(t) for t in (*model.parameters(), *model.buffers())}
-    for v in variants.values():  # ...and none of the original's memory (a memory-mapped checkpoint) kept
+    for v in (
+        variants.values()
+    ):  # ...and none of the original's memory (a memory-mapped checkpoint) kept
         assert not original & {storage(t) for t in (*v.parameters(), *v.buffers())}
-    heads = {storage(v.lm_head.weight_codes) for v in variants.values()}  # left in bf16 by every recipe
+    heads = {
+        storage(v.lm_head.weight_codes) for v in variants.values()
+    }  # left in bf16 by every recipe
     assert len(heads) == 1
     assert variants["bf16"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.bfloat16
-    assert variants["fp8-e4m3"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.float8_e4m3fn  # one byte
+    assert (
+        variants["fp8-e4m3"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.float8_e4m3fn
+    )  # one byte
     assert variants["int8"].model.layers[0].mlp.down_proj.weight_codes.dtype == torch.int8
-    assert model.model.layers[0].mlp.down_proj.__class__ is torch.nn.Linear  # the original is left as it was
+    assert (
+        model.model.layers[0].mlp.down_proj.__class__ is torch.nn.Linear
+    )  # the original is left as it was
     with torch.no_grad():
         for r in recipes:
             alone = quantize_(copy.deepcopy(model), r, cal)
@@ -308,19 +380,34 @@ def test_real_fp8_matmul_matches_the_simulation(tiny_model, tmp_path, recipe_tex
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     (tmp_path / "r.yaml").write_text(recipe_text)
     recipe = load_recipe(str(tmp_path / "r.yaml"))
-    ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4))  # 63 rows
-    cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
+    ids = torch.randint(
+        0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4)
+    )  # 63 rows
+    cal = (
+        calibrate(model, ids, calibrated_layers(model, recipe))
+        if recipe.needs_calibration
+        else None
+    )
     simulated = quantize_(copy.deepcopy(model), recipe, cal)
     real = quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
     fp8_layers = [n for n, m in real.named_modules() if isinstance(m, QuantLinear) and m.fp8_matmul]
-    assert len(fp8_layers) == 7 * model.config.num_hidden_layers  # q k v o gate up down; the lm_head is left in bf16
+    assert (
+        len(fp8_layers) == 7 * model.config.num_hidden_layers
+    )  # q k v o gate up down; the lm_head is left in bf16
     calls = []
     original = torch._scaled_mm
-    with torch.no_grad(), mock.patch.object(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or original(*a, **k)):
+    with (
+        torch.no_grad(),
+        mock.patch.object(
+            torch, "_scaled_mm", lambda *a, **k: calls.append(1) or original(*a, **k)
+        ),
+    ):
         want, got = simulated(input_ids=ids).logits, real(input_ids=ids).logits
     assert len(calls) == len(fp8_layers)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(got, quantize_(copy.deepcopy(model), load_recipe("bf16"), None)(input_ids=ids).logits)
+    assert not torch.equal(
+        got, quantize_(copy.deepcopy(model), load_recipe("bf16"), None)(input_ids=ids).logits
+    )
 
 
 def _cublas_scaled_mm(original, calls, cutlass_rowwise=False):
@@ -334,8 +421,14 @@ def _cublas_scaled_mm(original, calls, cutlass_rowwise=False):
             raise ValueError("Multiplication of two Float8_e5m2 matrices is not supported")
         if bias is not None and out_dtype == torch.float32:
             raise ValueError("Bias is not supported when out_dtype is set to Float32")
-        if cutlass_rowwise and kwargs["scale_a"].dim() and out_dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError("Only bf16 and fp16 high precision output types are supported for row-wise scaling.")
+        if (
+            cutlass_rowwise
+            and kwargs["scale_a"].dim()
+            and out_dtype not in (torch.bfloat16, torch.float16)
+        ):
+            raise ValueError(
+                "Only bf16 and fp16 high precision output types are supported for row-wise scaling."
+            )
         if a.shape[1] % 16 or b.shape[0] % 16 or b.shape[1] % 16:
             raise ValueError(f"dimensions not multiples of 16: {tuple(a.shape)} x {tuple(b.shape)}")
         calls.append(1)
@@ -350,31 +443,50 @@ def _cublas_scaled_mm(original, calls, cutlass_rowwise=False):
     [
         ("weights: {format: e4m3}\ninputs: {format: e4m3}\n", 7),
         ("weights: {format: e5m2}\ninputs: {format: e4m3, scale: pow2}\n", 7),
-        ("weights: {format: e5m2}\ninputs: {format: e5m2}\n", 0),  # cuBLAS has no E5M2 x E5M2 product
+        (
+            "weights: {format: e5m2}\ninputs: {format: e5m2}\n",
+            0,
+        ),  # cuBLAS has no E5M2 x E5M2 product
         (
             "weights: {format: e4m3, granularity: channel}\ninputs: {format: e4m3, granularity: token, dynamic: true}\n",
             7,
         ),
     ],
 )
-def test_real_fp8_matmuls_keep_to_the_rules_of_cublas(tmp_path, monkeypatch, recipe_text, fp8_layers, cutlass_rowwise):
+def test_real_fp8_matmuls_keep_to_the_rules_of_cublas(
+    tmp_path, monkeypatch, recipe_text, fp8_layers, cutlass_rowwise
+):
     """A float32 model with biases (Qwen2's q/k/v, --low-memory's compute dtype) under --matmul fp8, with
     torch._scaled_mm held to the rules of its CUDA kernel: the bias is added after a float32 product, an
     E5M2 x E5M2 layer stays simulated, row-wise scales with a float32 output are applied after a unit-scale product
     where torch runs CUTLASS's row-wise kernel (bf16 or fp16 only), and the logits are the simulation's."""
     import ptq.quantization.quantize as quantize_module
 
-    monkeypatch.setattr(quantize_module, "rowwise_float32_unavailable", lambda device: cutlass_rowwise)
+    monkeypatch.setattr(
+        quantize_module, "rowwise_float32_unavailable", lambda device: cutlass_rowwise
+    )
     from tests.conftest import save_tiny_llama
 
     path = save_tiny_llama(
-        tmp_path / "m", attention_bias=True, mlp_bias=True, num_attention_heads=2, num_key_value_heads=1
+        tmp_path / "m",
+        attention_bias=True,
+        mlp_bias=True,
+        num_attention_heads=2,
+        num_key_value_heads=1,
     )
     model = AutoModelForCausalLM.from_pretrained(path)
-    (tmp_path / "r.yaml").write_text("name: t\ntargets: [Linear]\nignore: [lm_head]\n" + recipe_text)
+    (tmp_path / "r.yaml").write_text(
+        "name: t\ntargets: [Linear]\nignore: [lm_head]\n" + recipe_text
+    )
     recipe = load_recipe(str(tmp_path / "r.yaml"))
-    ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4))
-    cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
+    ids = torch.randint(
+        0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4)
+    )
+    cal = (
+        calibrate(model, ids, calibrated_layers(model, recipe))
+        if recipe.needs_calibration
+        else None
+    )
     simulated = quantize_(copy.deepcopy(model), recipe, cal)
     real = quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
     layers = [m for m in real.modules() if isinstance(m, QuantLinear) and m.fp8_matmul]
@@ -402,7 +514,9 @@ def test_real_fp8_matmuls_keep_to_the_rules_of_cublas(tmp_path, monkeypatch, rec
         ((12, 0), "12.9", True),
     ],
 )
-def test_rowwise_float32_output_is_cublas_on_hopper_only(monkeypatch, capability, cuda, unavailable):
+def test_rowwise_float32_output_is_cublas_on_hopper_only(
+    monkeypatch, capability, cuda, unavailable
+):
     """torch 2.11 sends row-wise scales to cuBLAS (float32 output allowed) on compute capability 9.x with CUDA
     12.9+, and to CUTLASS (bf16 / fp16 only) on Ada, Blackwell or an older CUDA; on a CPU the question does not arise."""
     from ptq.quantization.quantize import rowwise_float32_unavailable
@@ -449,8 +563,14 @@ def test_cuda_fp8_matmul_in_bf16_matches_the_simulation(tiny_model, recipe_name)
     torch._scaled_mm), whose logits match the simulation's to bf16 precision."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model).to("cuda", torch.bfloat16)
     recipe = load_recipe(recipe_name)
-    ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4)).cuda()
-    cal = calibrate(model, ids, calibrated_layers(model, recipe)) if recipe.needs_calibration else None
+    ids = torch.randint(
+        0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(4)
+    ).cuda()
+    cal = (
+        calibrate(model, ids, calibrated_layers(model, recipe))
+        if recipe.needs_calibration
+        else None
+    )
     simulated = quantize_(copy.deepcopy(model), recipe, cal)
     real = quantize_(copy.deepcopy(model), recipe, cal, matmul="auto")
     assert any(isinstance(m, QuantLinear) and m.fp8_matmul for m in real.modules())
@@ -516,14 +636,18 @@ def test_pow2_scales_are_the_smallest_power_of_two_that_does_not_clip():
     from ptq.quantization.recipes import TensorQuant
 
     base = (448 * 2.0 ** np.arange(-100, 100)).astype(np.float32)
-    amax = np.concatenate([(base.view(np.int32) + ulps).view(np.float32) for ulps in (-1, 0, 1, 2, 3)])
+    amax = np.concatenate(
+        [(base.view(np.int32) + ulps).view(np.float32) for ulps in (-1, 0, 1, 2, 3)]
+    )
     s = amax / np.float32(448)
     mantissa, exponent = np.frexp(s.astype(np.float64))
     want = np.where(mantissa == 0.5, s, np.exp2(exponent)).astype(np.float32)
     assert (amax.astype(np.float64) / want <= 448).all()
 
     static = TensorQuant(FORMATS["e4m3"], PerTensor(), scale="pow2")
-    assert np.array_equal(np.array([scale_for(torch.tensor(a), static).item() for a in amax], np.float32), want)
+    assert np.array_equal(
+        np.array([scale_for(torch.tensor(a), static).item() for a in amax], np.float32), want
+    )
     dynamic = TensorQuant(FORMATS["e4m3"], PerToken(), dynamic=True, scale="pow2")
     rows = torch.from_numpy(amax).reshape(-1, 1).repeat(1, 8)
     for fn in (dynamic_scale, fused(dynamic_scale, compile=True)):

@@ -13,13 +13,27 @@ VALID = {"name": "x", "weights": {"format": "e4m3"}, "inputs": {"format": "e4m3"
 def test_builtin_recipes_load_with_the_documented_formats():
     assert set(builtin_recipe_names()) >= {"bf16", "fp8-e4m3", "fp8-e5m2", "int8"}
     bf16, e4m3, e5m2, int8 = (load_recipe(n) for n in ("bf16", "fp8-e4m3", "fp8-e5m2", "int8"))
-    assert bf16.weights.format is FORMATS["bf16"] and not bf16.needs_calibration and bf16.ignore == ()
-    assert e4m3.inputs.format is FORMATS["e4m3"] and e4m3.needs_calibration and e4m3.ignore == ("lm_head",)
+    assert (
+        bf16.weights.format is FORMATS["bf16"] and not bf16.needs_calibration and bf16.ignore == ()
+    )
+    assert (
+        e4m3.inputs.format is FORMATS["e4m3"]
+        and e4m3.needs_calibration
+        and e4m3.ignore == ("lm_head",)
+    )
     assert e5m2.weights.format is FORMATS["e5m2"]
     assert int8.weights.granularity == PerChannel() and int8.inputs.granularity == PerTensor()
-    assert bf16.weights.saturate is False and e4m3.weights.saturate is True  # 16-bit overflows like an IEEE cast
-    assert all(load_recipe(n).name == n for n in builtin_recipe_names())  # every shipped recipe validates
-    assert load_recipe("int8-smoothquant").smoothquant == load_recipe("paper-int8-smoothquant").smoothquant == 0.85
+    assert (
+        bf16.weights.saturate is False and e4m3.weights.saturate is True
+    )  # 16-bit overflows like an IEEE cast
+    assert all(
+        load_recipe(n).name == n for n in builtin_recipe_names()
+    )  # every shipped recipe validates
+    assert (
+        load_recipe("int8-smoothquant").smoothquant
+        == load_recipe("paper-int8-smoothquant").smoothquant
+        == 0.85
+    )
 
 
 def test_recipe_from_a_path(tmp_path):
@@ -37,9 +51,15 @@ def test_recipe_from_a_path(tmp_path):
         ({"colour": "red"}, "unknown key 'colour'"),
         ({"weights": {"format": "e3m4"}}, "unknown number format 'e3m4'"),
         # said once where ("recipe x: 'weights': recipe x: 'weights'.format must be ...")
-        ({"weights": {"format": ["e4m3"]}}, r"^recipe <recipe>: 'weights'.format must be a non-empty string, not"),
+        (
+            {"weights": {"format": ["e4m3"]}},
+            r"^recipe <recipe>: 'weights'.format must be a non-empty string, not",
+        ),
         ({"weights": {"format": "e4m3", "granularity": "row"}}, "unknown granularity 'row'"),
-        ({"inputs": {"format": "e4m3", "granularity": "channel"}}, "per-channel scales apply to weights only"),
+        (
+            {"inputs": {"format": "e4m3", "granularity": "channel"}},
+            "per-channel scales apply to weights only",
+        ),
         ({"inputs": {"format": "e4m3", "saturate": "yes"}}, "saturate must be true or false"),
         ({"targets": ["Conv2d"]}, "unknown target type 'Conv2d'"),
         ({"ignore": "lm_head"}, "'ignore' must be a list of strings"),
@@ -47,18 +67,36 @@ def test_recipe_from_a_path(tmp_path):
         ({"weights": {"format": "e4m3", "scale": 2}}, "unknown scale '2'"),
         ({"inputs": {"format": "e4m3", "observer": "minmax"}}, "unknown observer 'minmax'"),
         ({"weights": {"format": "e4m3", "observer": "mse"}}, "weights use max calibration"),
-        ({"inputs": {"format": "e4m3", "observer": "percentile", "percentile": 101}}, "percentile must be a number in"),
-        ({"inputs": {"format": "e4m3", "observer": "mse", "percentile": 99.9}}, "'percentile' applies to observer"),
+        (
+            {"inputs": {"format": "e4m3", "observer": "percentile", "percentile": 101}},
+            "percentile must be a number in",
+        ),
+        (
+            {"inputs": {"format": "e4m3", "observer": "mse", "percentile": 99.9}},
+            "'percentile' applies to observer",
+        ),
         ({"inputs": {"format": "e4m3", "dynamic": "yes"}}, "dynamic must be true or false"),
-        ({"weights": {"format": "e4m3", "dynamic": True}}, "dynamic .per-token. scales apply to activations"),
-        ({"inputs": {"format": "e4m3", "dynamic": True, "scale": "unscaled"}}, "neither 'dynamic' nor an observer"),
+        (
+            {"weights": {"format": "e4m3", "dynamic": True}},
+            "dynamic .per-token. scales apply to activations",
+        ),
+        (
+            {"inputs": {"format": "e4m3", "dynamic": True, "scale": "unscaled"}},
+            "neither 'dynamic' nor an observer",
+        ),
         ({"inputs": {"format": "bf16", "scale": "pow2"}}, "bf16 is not scaled"),
         ({"inputs": {"format": "bf16", "dynamic": True}}, "bf16 is not scaled, so 'dynamic'"),
         ({"attention": {"format": "fp16", "dynamic": True}}, "fp16 is not scaled, so 'dynamic'"),
         ({"inputs": {"format": "int8", "saturate": False}}, "int8 always clamps to its range"),
         ({"weights": {"format": "int8", "saturate": True}}, "int8 always clamps to its range"),
-        ({"attention": {"format": "e4m3", "tensors": ["query", "scores"]}}, "unknown attention tensor 'scores'"),
-        ({"attention": {"format": "e4m3", "granularity": "channel"}}, "per-channel scales apply to weights only"),
+        (
+            {"attention": {"format": "e4m3", "tensors": ["query", "scores"]}},
+            "unknown attention tensor 'scores'",
+        ),
+        (
+            {"attention": {"format": "e4m3", "granularity": "channel"}},
+            "per-channel scales apply to weights only",
+        ),
         ({"kv_cache": {"format": "e4m3", "colour": 1}}, "unknown key 'colour'"),
         ({"smoothquant": {"alpha": 1.5}}, "alpha must be a number in"),
         # PyYAML reads 1e-3 (no decimal point) as a string: the message says how to write it
@@ -66,14 +104,20 @@ def test_recipe_from_a_path(tmp_path):
             {"inputs": {"format": "e4m3", "observer": "percentile", "percentile": "9.999e1"}},
             r"not '9.999e1' \(YAML reads 9.999e1 as text: write it as 99.99\)$",
         ),
-        ({"smoothquant": {"alpha": "5e-1"}}, r"not '5e-1' \(YAML reads 5e-1 as text: write it as 0.5\)$"),
+        (
+            {"smoothquant": {"alpha": "5e-1"}},
+            r"not '5e-1' \(YAML reads 5e-1 as text: write it as 0.5\)$",
+        ),
         ({"smoothquant": {"beta": 0.5}}, "unknown key 'beta'"),
         (
             {"smoothquant": {"alpha": 0.5}, "inputs": {"format": "int8", "observer": "mse"}},
             "smoothquant needs static inputs",
         ),
         ({"include": "model.*"}, "'include' must be a list of strings"),
-        ({"targets": []}, "'targets' is empty: it would select nothing"),  # used to give a variant that is the baseline
+        (
+            {"targets": []},
+            "'targets' is empty: it would select nothing",
+        ),  # used to give a variant that is the baseline
         ({"include": []}, "'include' is empty: it would select nothing"),
         ({"attention": {"format": "e4m3", "tensors": []}}, "'attention.tensors' is empty"),
     ],
@@ -93,64 +137,95 @@ def test_missing_key_and_non_mapping():
 def test_unknown_name_bad_yaml_and_missing_file(tmp_path):
     with pytest.raises(PtqError, match="unknown recipe 'fp7'.*built-in: bf16"):
         load_recipe("fp7")
-    with pytest.raises(PtqError, match=r"'fp8-e4m3,int8' names several recipes: this command takes one \(`ptq compare"):
-        load_recipe("fp8-e4m3,int8")  # eval's and quantize's --recipe: it was "unknown recipe 'fp8-e4m3,int8'"
+    with pytest.raises(
+        PtqError,
+        match=r"'fp8-e4m3,int8' names several recipes: this command takes one \(`ptq compare",
+    ):
+        load_recipe(
+            "fp8-e4m3,int8"
+        )  # eval's and quantize's --recipe: it was "unknown recipe 'fp8-e4m3,int8'"
     with pytest.raises(PtqError, match="does not exist"):
         load_recipe(str(tmp_path / "nope.yaml"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ndescription: [unclosed\n")
-    with pytest.raises(PtqError, match=r"bad.yaml, line 3, column 1: not valid YAML: expected ',' or ']'"):
+    with pytest.raises(
+        PtqError, match=r"bad.yaml, line 3, column 1: not valid YAML: expected ',' or ']'"
+    ):
         load_recipe(str(bad))
     unsafe = tmp_path / "unsafe.yaml"
     unsafe.write_text("!!python/object/apply:os.system ['echo pwned']\n")
-    with pytest.raises(PtqError, match="line 1, column 1: not valid YAML: could not determine a constructor"):
+    with pytest.raises(
+        PtqError, match="line 1, column 1: not valid YAML: could not determine a constructor"
+    ):
         load_recipe(str(unsafe))  # safe loading refuses Python tags
 
 
 @pytest.mark.parametrize("name", ["fp8|static", "fp8\nstatic"])
 def test_a_recipe_name_that_cannot_name_a_table_row_is_refused(name):
-    with pytest.raises(PtqError, match=r"recipe <recipe>: 'name' .* holds .*: a name is one line without '\|'"):
+    with pytest.raises(
+        PtqError, match=r"recipe <recipe>: 'name' .* holds .*: a name is one line without '\|'"
+    ):
         parse_recipe({"name": name, "weights": {"format": "e4m3"}, "inputs": {"format": "e4m3"}})
 
 
 @pytest.mark.parametrize(
     "text, where",
     [
-        ("name: x\nweights: {format: e4m3}\ninputs: {format: e4m3}\nweights: {format: int8}\n", "line 4, column 1"),
-        ("name: x\nweights: {format: e4m3, format: int8}\ninputs: {format: e4m3}\n", "line 2, column 25"),
+        (
+            "name: x\nweights: {format: e4m3}\ninputs: {format: e4m3}\nweights: {format: int8}\n",
+            "line 4, column 1",
+        ),
+        (
+            "name: x\nweights: {format: e4m3, format: int8}\ninputs: {format: e4m3}\n",
+            "line 2, column 25",
+        ),
     ],
 )
 def test_a_key_given_twice_is_refused_where_yaml_would_keep_the_last(tmp_path, text, where):
     import yaml
 
-    assert yaml.safe_load(text)["weights"] == {"format": "int8"}  # what PyYAML alone would quantize by
+    assert yaml.safe_load(text)["weights"] == {
+        "format": "int8"
+    }  # what PyYAML alone would quantize by
     # a key that overrides a merged one (`<<: *anchor`) is not given twice: YAML's merge is for that
     merged = tmp_path / "merged.yaml"
     merged.write_text(
         "name: x\nbase: &b {format: e4m3, granularity: tensor}\nweights:\n  <<: *b\n  granularity: channel\n"
         "inputs: {format: e4m3}\n"
     )
-    with pytest.raises(PtqError, match="unknown key 'base'"):  # read as YAML: the recipe check speaks, not the reader
+    with pytest.raises(
+        PtqError, match="unknown key 'base'"
+    ):  # read as YAML: the recipe check speaks, not the reader
         load_recipe(str(merged))
     path = tmp_path / "twice.yaml"
     path.write_text(text)
     key = "weights" if where.startswith("line 4") else "format"
-    with pytest.raises(PtqError, match=rf"twice.yaml, {where}: not valid YAML: '{key}' given twice \(first on line"):
+    with pytest.raises(
+        PtqError, match=rf"twice.yaml, {where}: not valid YAML: '{key}' given twice \(first on line"
+    ):
         load_recipe(str(path))
 
 
 @pytest.mark.parametrize(
     "text, where",
     [
-        ("name: x\nweights: {format: e4m3}\ninputs: {format: e4m3}\n[1, 2]: 3\n", "line 4, column 1"),
-        ("name: x\nweights: {format: e4m3, ? {a: 1} : 1}\ninputs: {format: e4m3}\n", "line 2, column 27"),
+        (
+            "name: x\nweights: {format: e4m3}\ninputs: {format: e4m3}\n[1, 2]: 3\n",
+            "line 4, column 1",
+        ),
+        (
+            "name: x\nweights: {format: e4m3, ? {a: 1} : 1}\ninputs: {format: e4m3}\n",
+            "line 2, column 27",
+        ),
     ],
 )
 def test_a_list_or_mapping_as_a_key_is_one_line_not_a_traceback(tmp_path, text, where):
     # the check for keys given twice looked each key up in a dict: "TypeError: unhashable type: 'list'"
     path = tmp_path / "key.yaml"
     path.write_text(text)
-    with pytest.raises(PtqError, match=rf"key.yaml, {where}: not valid YAML: found unhashable key$"):
+    with pytest.raises(
+        PtqError, match=rf"key.yaml, {where}: not valid YAML: found unhashable key$"
+    ):
         load_recipe(str(path))
 
 
@@ -160,11 +235,18 @@ def test_a_builtin_name_is_not_shadowed_by_a_file_or_folder_of_that_name(tmp_pat
     monkeypatch.chdir(tmp_path)
     (tmp_path / "int8").mkdir()
     (tmp_path / "fp8-e4m3").write_text("name: mine\n")
-    assert load_recipe("int8").weights.format is FORMATS["int8"] and load_recipe("int8").source.endswith("int8.yaml")
-    assert load_recipe("fp8-e4m3").name == "fp8-e4m3" and load_recipe("fp8-e4m3+kv").kv_cache is not None
+    assert load_recipe("int8").weights.format is FORMATS["int8"] and load_recipe(
+        "int8"
+    ).source.endswith("int8.yaml")
+    assert (
+        load_recipe("fp8-e4m3").name == "fp8-e4m3"
+        and load_recipe("fp8-e4m3+kv").kv_cache is not None
+    )
     with pytest.raises(PtqError, match="recipe fp8-e4m3: missing key"):  # a path, written as one
         load_recipe("./fp8-e4m3")
-    (tmp_path / "mine").write_text(yaml.safe_dump(VALID))  # a name that is no built-in: the file, as before
+    (tmp_path / "mine").write_text(
+        yaml.safe_dump(VALID)
+    )  # a name that is no built-in: the file, as before
     assert load_recipe("mine").name == "x"
     with pytest.raises(PtqError, match="int8 is a folder, not a recipe file"):
         load_recipe("./int8")
@@ -181,11 +263,17 @@ def test_new_keys_parse_and_describe():
             "ignore": ["model.layers.0.*"],
         }
     )
-    assert recipe.inputs.observer == "best" and recipe.inputs.percentile == 99.9 and recipe.inputs.static
+    assert (
+        recipe.inputs.observer == "best"
+        and recipe.inputs.percentile == 99.9
+        and recipe.inputs.static
+    )
     assert recipe.attention_tensors == ("query", "key") and recipe.kv_cache.scale == "pow2"
     assert recipe.inputs.describe() == "e4m3 per-tensor best"
     assert recipe.attention.describe() == "e4m3 per-tensor percentile 99.99"
-    assert recipe.selects("model.layers.1.self_attn.query") and not recipe.selects("model.layers.0.mlp.up_proj")
+    assert recipe.selects("model.layers.1.self_attn.query") and not recipe.selects(
+        "model.layers.0.mlp.up_proj"
+    )
     assert not recipe.selects("lm_head")
     dynamic = parse_recipe(VALID | {"inputs": {"format": "e4m3", "dynamic": True}})
     assert not dynamic.inputs.static and not dynamic.needs_calibration
@@ -221,7 +309,9 @@ def test_sensitivity_examples_each_quantize_one_kind_of_tensor(tiny_model):
         weights = {r["name"].rsplit(".", 1)[-1] for r in rows if is_e4m3(r["weights"])}
         inputs = {r["name"].rsplit(".", 1)[-1] for r in rows if is_e4m3(r["inputs"])}
         part, names = expected[path.stem]
-        assert (weights, inputs) == ((names, set()) if part == "weights" else (set(), names)), path.name
+        assert (weights, inputs) == ((names, set()) if part == "weights" else (set(), names)), (
+            path.name
+        )
 
 
 def test_targets_default_to_every_matmul_kind_and_smoothquant_leaves_experts_out():

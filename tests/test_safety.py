@@ -46,7 +46,9 @@ def test_disk_full_while_writing_calibration(tiny_model, text_file, tmp_path, pt
     assert not (tmp_path / "c.st").exists() and no_temporaries(tmp_path)
 
 
-def test_disk_full_while_writing_report_keeps_the_old_pair(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def test_disk_full_while_writing_report_keeps_the_old_pair(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").write_text("old results")
@@ -81,11 +83,15 @@ def test_disk_full_while_writing_report_keeps_the_old_pair(tiny_model, text_file
     )
     assert code == 2 and one_error_line(err) and "no space left on device" in err
     # results.json was complete first, but nothing is renamed until both are: the old pair stays.
-    assert (out / "results.json").read_text() == "old results" and (out / "report.md").read_text() == "old report"
+    assert (out / "results.json").read_text() == "old results" and (
+        out / "report.md"
+    ).read_text() == "old report"
     assert no_temporaries(tmp_path)
 
 
-def test_unwritable_output_fails_before_any_work(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def test_unwritable_output_fails_before_any_work(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the output was checked")
 
@@ -101,28 +107,47 @@ def test_unwritable_output_fails_before_any_work(tiny_model, text_file, tmp_path
     monkeypatch.setattr(files.tempfile, "mkstemp", denied)
     code, _, err = ptq_cli("compare", str(tiny_model), "--out", str(tmp_path / "out"), "-q")
     assert (
-        code == 2 and one_error_line(err) and "cannot write in output directory" in err and "Permission denied" in err
+        code == 2
+        and one_error_line(err)
+        and "cannot write in output directory" in err
+        and "Permission denied" in err
     )
 
 
-def test_model_too_big_fails_early_with_estimate_and_flag(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def test_model_too_big_fails_early_with_estimate_and_flag(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     loaded = load_model(str(tiny_model))
-    params = sum(p.numel() for p in loaded.model.parameters())  # tied embeddings counted once, as stored
+    params = sum(
+        p.numel() for p in loaded.model.parameters()
+    )  # tied embeddings counted once, as stored
     assert resources.checkpoint_parameters(tiny_model) == params
-    monkeypatch.setattr(resources, "available_memory", lambda device: params * 4 * 2)  # room for 2 copies
+    monkeypatch.setattr(
+        resources, "available_memory", lambda device: params * 4 * 2
+    )  # room for 2 copies
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, tmp_path / "c.st"))
     assert code == 0, err  # calibrate holds one copy
     # compare holds 2.5: the original, and half a copy for bf16 and each variant (without --in-memory, a local
     # checkpoint is compared layer by layer instead: tests/test_streaming.py)
     code, _, err = ptq_cli(
-        "compare", str(tiny_model), "--recipes", "fp8-e4m3,int8", "--out", str(tmp_path / "o"), "-q", "--in-memory"
+        "compare",
+        str(tiny_model),
+        "--recipes",
+        "fp8-e4m3,int8",
+        "--out",
+        str(tmp_path / "o"),
+        "-q",
+        "--in-memory",
     )
     assert code == 2 and one_error_line(err)
     assert (
-        f"needs at least {params * 10 / 2**10:.1f} KiB ({params:,} parameters x 4 bytes in float32 x 2.5 copies" in err
+        f"needs at least {params * 10 / 2**10:.1f} KiB ({params:,} parameters x 4 bytes in float32 x 2.5 copies"
+        in err
     )
     assert (
-        "--no-memory-check" in err and "compare fewer recipes" in err and not (tmp_path / "o" / "results.json").exists()
+        "--no-memory-check" in err
+        and "compare fewer recipes" in err
+        and not (tmp_path / "o" / "results.json").exists()
     )
     code, _, err = ptq_cli(
         "compare",
@@ -191,12 +216,19 @@ class Payload:
         return (open, (str(self.marker), "w"))
 
 
-def test_pickle_checkpoints_refused_unless_allowed_then_weights_only(tiny_model, text_file, tmp_path, ptq_cli):
+def test_pickle_checkpoints_refused_unless_allowed_then_weights_only(
+    tiny_model, text_file, tmp_path, ptq_cli
+):
     state = safetensors.torch.load_file(str(tiny_model / "model.safetensors"))
     plain = copy_model(tiny_model, tmp_path / "plain", skip=("model.safetensors",))
     torch.save(state, plain / "pytorch_model.bin")
     code, _, err = ptq_cli(*calib_args(plain, text_file, tmp_path / "c.st"))
-    assert code == 2 and one_error_line(err) and "only pickle weights" in err and "--allow-pickle" in err
+    assert (
+        code == 2
+        and one_error_line(err)
+        and "only pickle weights" in err
+        and "--allow-pickle" in err
+    )
     code, _, err = ptq_cli(*calib_args(plain, text_file, tmp_path / "c.st", "--allow-pickle"))
     assert code == 0, err
 
@@ -207,7 +239,10 @@ def test_pickle_checkpoints_refused_unless_allowed_then_weights_only(tiny_model,
     assert code == 2 and one_error_line(err) and "cannot load model" in err
     assert not marker.exists()  # weights_only=True refused the payload instead of running it
     # what to do, for ptq's user (torch's own advice, re-run torch.load with weights_only=False, is not ptq's)
-    assert "its pickle holds more than tensors, which ptq does not load, --allow-pickle or not (" in err, err
+    assert (
+        "its pickle holds more than tensors, which ptq does not load, --allow-pickle or not ("
+        in err
+    ), err
     assert "weights_only" not in err
 
 
@@ -216,7 +251,10 @@ def test_remote_code_is_not_run_unless_asked(tiny_model, text_file, tmp_path, pt
     model = copy_model(tiny_model, tmp_path / "remote")
     config = json.loads((model / "config.json").read_text())
     config["model_type"] = "ptq-test-remote"
-    config["auto_map"] = {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"}
+    config["auto_map"] = {
+        "AutoConfig": "custom.CustomConfig",
+        "AutoModelForCausalLM": "custom.CustomModel",
+    }
     (model / "config.json").write_text(json.dumps(config))
     (model / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     code, _, err = ptq_cli(*calib_args(model, text_file, tmp_path / "c.st"))
@@ -225,7 +263,9 @@ def test_remote_code_is_not_run_unless_asked(tiny_model, text_file, tmp_path, pt
     # ptq's flag, not transformers' Python argument and an hf.co address made of a local path
     assert "which ptq runs only with --trust-remote-code" in err and "hf.co" not in err, err
     code, _, err = ptq_cli("inspect", model)
-    assert code == 2 and "which ptq runs only with --trust-remote-code" in err and not marker.exists(), err
+    assert (
+        code == 2 and "which ptq runs only with --trust-remote-code" in err and not marker.exists()
+    ), err
 
 
 def test_damaged_model_weights(tiny_model, text_file, tmp_path, ptq_cli):
@@ -253,9 +293,13 @@ def test_a_weights_file_that_cannot_be_opened_is_named_with_the_reason(
 
     opened = safetensors.safe_open
     reasons = {
-        PermissionError(13, "Permission denied"): "permission denied (check the file's owner and mode)",
+        PermissionError(
+            13, "Permission denied"
+        ): "permission denied (check the file's owner and mode)",
         OSError(5, "Input/output error"): "Input/output error",
-        safetensors.SafetensorError("Error while deserializing header: header too large"): "damaged or not safetensors",
+        safetensors.SafetensorError(
+            "Error while deserializing header: header too large"
+        ): "damaged or not safetensors",
     }
     weights = tiny_model / "model.safetensors"
     for error, reason in reasons.items():
@@ -321,16 +365,23 @@ def test_a_file_that_may_not_be_read_is_not_called_missing(tiny_model):
     from ptq.calibration.calibrate import load_calibration
     from ptq.execution import resources, streaming
 
-    with tempfile.TemporaryDirectory() as shared:  # in /tmp, which every user may enter (pytest's tmp_path is 0700)
+    with (
+        tempfile.TemporaryDirectory() as shared
+    ):  # in /tmp, which every user may enter (pytest's tmp_path is 0700)
         check_unreadable(Path(shared), tiny_model, resources, streaming, load_calibration)
 
 
-def check_unreadable(folder: Path, tiny_model: Path, resources, streaming, load_calibration) -> None:
+def check_unreadable(
+    folder: Path, tiny_model: Path, resources, streaming, load_calibration
+) -> None:
     model = copy_model(tiny_model, folder / "model")
     for p in (folder, model, *model.iterdir()):
         p.chmod(0o755 if p.is_dir() else 0o644)
     weights = model / "model.safetensors"
-    for read in (lambda: resources.checkpoint_parameters(model), lambda: streaming.SafetensorsCheckpoint(model)):
+    for read in (
+        lambda: resources.checkpoint_parameters(model),
+        lambda: streaming.SafetensorsCheckpoint(model),
+    ):
         assert as_a_user_who_may_not_read(weights, read) == (
             f"cannot read the weights file {weights}: permission denied (check the file's owner and mode)"
         )
@@ -348,7 +399,10 @@ def test_paths_from_user_files_cannot_escape(tmp_path):
     out.mkdir()
     (tmp_path / "elsewhere").mkdir()
     (out / "link").symlink_to(tmp_path / "elsewhere")
-    assert safe_join(out, "model.layers.0/scale.safetensors") == out / "model.layers.0" / "scale.safetensors"
+    assert (
+        safe_join(out, "model.layers.0/scale.safetensors")
+        == out / "model.layers.0" / "scale.safetensors"
+    )
     for name in ("../x", "/etc/passwd", "a/../../x", "link/x", "", "a\x00b"):
         with pytest.raises(PtqError, match="refusing output name"):
             safe_join(out, name)
@@ -389,7 +443,9 @@ def test_extremely_long_line_is_fine(tiny_model, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    line = ("unfold yourself " * 40_000) + "x" * 300_000  # 940 kB on one line, a 300 kB "word" at the end
+    line = (
+        "unfold yourself " * 40_000
+    ) + "x" * 300_000  # 940 kB on one line, a 300 kB "word" at the end
     corpus = Corpus([line], "one long line", "0")
     windows = make_windows(corpus, tokenizer, 64, 8)
     assert windows.input_ids.shape == (8, 64)
@@ -406,7 +462,8 @@ def test_calibration_file_of_another_version_asks_to_calibrate_again(tmp_path):
         metadata={"kind": "ptq-calibration/1", "metadata": json.dumps(good)},
     )
     with pytest.raises(
-        PtqError, match=r"written by another version of ptq \(kind 'ptq-calibration/1'.*calibrate again"
+        PtqError,
+        match=r"written by another version of ptq \(kind 'ptq-calibration/1'.*calibrate again",
     ):
         load_calibration(path)
     assert FILE_KIND != "ptq-calibration/1"
@@ -424,7 +481,9 @@ def test_calibration_metadata_is_validated(tmp_path):
         ({k: v for k, v in good.items() if k != "data"}, "'data' must be a string"),
     ):
         path = tmp_path / "c.st"
-        safetensors.torch.save_file(tensors, str(path), metadata={"kind": FILE_KIND, "metadata": json.dumps(metadata)})
+        safetensors.torch.save_file(
+            tensors, str(path), metadata={"kind": FILE_KIND, "metadata": json.dumps(metadata)}
+        )
         with pytest.raises(PtqError, match=message):
             load_calibration(path)
     for bad in (
@@ -434,7 +493,9 @@ def test_calibration_metadata_is_validated(tmp_path):
         torch.tensor(1.0, dtype=torch.float64),
     ):
         safetensors.torch.save_file(
-            {**tensors, "input_amax/l": bad}, str(path), metadata={"kind": FILE_KIND, "metadata": json.dumps(good)}
+            {**tensors, "input_amax/l": bad},
+            str(path),
+            metadata={"kind": FILE_KIND, "metadata": json.dumps(good)},
         )
         with pytest.raises(PtqError, match="invalid entry 'input_amax/l'"):
             load_calibration(path)
@@ -460,11 +521,15 @@ def test_a_kv_cache_calibration_of_another_model_is_refused(
         "--no-plots",
         "-q",
     )
-    code, _, err = ptq_cli("compare", tiny_model, "--calib", calib, "--out", tmp_path / "wrong", *common)
+    code, _, err = ptq_cli(
+        "compare", tiny_model, "--calib", calib, "--out", tmp_path / "wrong", *common
+    )
     assert code == 2 and one_error_line(err) and "made for another model" in err, err
     assert not (tmp_path / "wrong").exists()
     # ... and accepted for the model it was made for
-    code, _, err = ptq_cli("compare", other_tiny_model, "--calib", calib, "--out", tmp_path / "right", *common)
+    code, _, err = ptq_cli(
+        "compare", other_tiny_model, "--calib", calib, "--out", tmp_path / "right", *common
+    )
     assert code == 0, err
 
 
@@ -509,16 +574,34 @@ def test_a_calibration_file_of_a_model_with_the_same_linear_weights_but_other_no
             state[name] = state[name] * 5
     safetensors.torch.save_file(state, str(norms / "model.safetensors"), metadata={"format": "pt"})
     common = ("--recipe", "fp8-e4m3", "--calib", calib, "--seq-len", "16", "-q")
-    for model, memory in ((norms, "--in-memory"), (norms, "--low-memory"), (tiny_model, "--low-memory")):
+    for model, memory in (
+        (norms, "--in-memory"),
+        (norms, "--low-memory"),
+        (tiny_model, "--low-memory"),
+    ):
         out = tmp_path / f"{model.name}{memory}"
-        code, _, err = ptq_cli("quantize", model, *common, memory, "--verify-windows", "1", "-o", out)
+        code, _, err = ptq_cli(
+            "quantize", model, *common, memory, "--verify-windows", "1", "-o", out
+        )
         if model == norms:
-            assert code == 2 and one_error_line(err) and "post_attention_layernorm.weight' differs" in err, err
+            assert (
+                code == 2
+                and one_error_line(err)
+                and "post_attention_layernorm.weight' differs" in err
+            ), err
             assert not out.exists()
         else:
             assert code == 0, err
         evaluated = ptq_cli(
-            "eval", model, *common, memory, "--eval-data", text_file, "--out", tmp_path / "e", "--force"
+            "eval",
+            model,
+            *common,
+            memory,
+            "--eval-data",
+            text_file,
+            "--out",
+            tmp_path / "e",
+            "--force",
         )
         assert evaluated[0] == (2 if model == norms else 0), evaluated[2]
 
@@ -553,25 +636,40 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path, size):
     assert gguf_key(first) != gguf_key(second)
 
 
-def test_disk_full_while_writing_a_checkpoint(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def test_disk_full_while_writing_a_checkpoint(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
     """A shard that cannot be written (no space left) ends `ptq quantize` in one line, exit 2, with no folder and
     no temporary left behind. safetensors reports it as its own SafetensorError (not an OSError), in these words."""
     import safetensors.torch
 
     def full(*args, **kwargs):
-        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise safetensors.SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = tmp_path / "out"
     code, _, err = ptq_cli(
-        "quantize", tiny_model, "--recipe", "fp8-dynamic", "--seq-len", "16", "--no-verify", "-o", out, "-q"
+        "quantize",
+        tiny_model,
+        "--recipe",
+        "fp8-dynamic",
+        "--seq-len",
+        "16",
+        "--no-verify",
+        "-o",
+        out,
+        "-q",
     )
     assert code == 2 and one_error_line(err), err
     assert f"cannot write {out}: no space left on device" in err
     assert not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
 
 
-def test_a_shard_over_the_file_size_limit_is_one_line_and_leaves_nothing(tiny_model, text_file, tmp_path):
+def test_a_shard_over_the_file_size_limit_is_one_line_and_leaves_nothing(
+    tiny_model, text_file, tmp_path
+):
     """The same failure for real, not mocked: `ptq quantize` in a process whose files may not grow past 64 kB
     (RLIMIT_FSIZE, as a quota does), so that safetensors' own write of the shard fails with EFBIG."""
     import subprocess
@@ -586,9 +684,23 @@ def test_a_shard_over_the_file_size_limit_is_one_line_and_leaves_nothing(tiny_mo
         "sys.argv = ['ptq', *sys.argv[1:]]\n"
         "cli.main()\n"
     )
-    args = [tiny_model, "--recipe", "fp8-dynamic", "--seq-len", "16", "--no-verify", "--shard-size", "1", "-o", out]
+    args = [
+        tiny_model,
+        "--recipe",
+        "fp8-dynamic",
+        "--seq-len",
+        "16",
+        "--no-verify",
+        "--shard-size",
+        "1",
+        "-o",
+        out,
+    ]
     done = subprocess.run(
-        [sys.executable, "-c", script, "quantize", *map(str, args), "-q"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script, "quantize", *map(str, args), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert (done.returncode, one_error_line(done.stderr)) == (2, True), done.stderr
     assert f"cannot write {out}: File too large" in done.stderr, done.stderr
@@ -610,14 +722,28 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_any_shard(
     monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: written.append(a))
     out = tmp_path / "out"
     code, _, err = ptq_cli(
-        "quantize", tiny_model, "--recipe", "fp8-dynamic", "--seq-len", "16", "--no-verify", "-o", out, "-q"
+        "quantize",
+        tiny_model,
+        "--recipe",
+        "fp8-dynamic",
+        "--seq-len",
+        "16",
+        "--no-verify",
+        "-o",
+        out,
+        "-q",
     )
     assert code == 2 and one_error_line(err), err
     assert (
-        "writing the checkpoint's tensors needs at least " in err and f"in {tmp_path}, which has 48.8 KiB free" in err
+        "writing the checkpoint's tensors needs at least " in err
+        and f"in {tmp_path}, which has 48.8 KiB free" in err
     )
     assert "nothing was written" in err
-    assert not written and not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+    assert (
+        not written
+        and not out.exists()
+        and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+    )
 
 
 @pytest.mark.parametrize(
@@ -649,30 +775,62 @@ def test_calibrate_never_writes_over_what_it_reads(tiny_model, text_file, tmp_pa
     text.write_bytes(text_file.read_bytes())
     for data, out, message in (
         (text, text, f"cannot write {text}: it is the calibration text {text}, read by this run"),
-        (f"{text},field=text", text, f"cannot write {text}: it is the calibration text {text}, read by this run"),
+        (
+            f"{text},field=text",
+            text,
+            f"cannot write {text}: it is the calibration text {text}, read by this run",
+        ),
         (text, model / "model.safetensors", f"it is within the model {model}, read by this run"),
         (text, model / "calib.safetensors", f"it is within the model {model}, read by this run"),
     ):
         before = {p.name: p.read_bytes() for p in (text, *model.iterdir())}
-        code, _, err = ptq_cli("calibrate", model, "--data", data, "--seq-len", "16", "-o", out, "--force", "-q")
+        code, _, err = ptq_cli(
+            "calibrate", model, "--data", data, "--seq-len", "16", "-o", out, "--force", "-q"
+        )
         assert code == 2 and one_error_line(err) and message in err, err
         assert {p.name: p.read_bytes() for p in (text, *model.iterdir())} == before
 
 
-def test_quantize_never_replaces_or_writes_into_what_it_reads(tiny_model, text_file, tmp_path, ptq_cli):
+def test_quantize_never_replaces_or_writes_into_what_it_reads(
+    tiny_model, text_file, tmp_path, ptq_cli
+):
     """`quantize out/export -o out/export --force` replaced the ptq export it was reading (a ptq export may be
     replaced with --force); an output in the model's folder, or one replaced whole that holds an input, is refused."""
-    common = ("--recipe", "fp8-dynamic", "--data", text_file, "--seq-len", "16", "--verify-windows", "1", "-q")
+    common = (
+        "--recipe",
+        "fp8-dynamic",
+        "--data",
+        text_file,
+        "--seq-len",
+        "16",
+        "--verify-windows",
+        "1",
+        "-q",
+    )
     export = tmp_path / "out" / "export"
     assert ptq_cli("quantize", tiny_model, *common, "-o", export)[0] == 0
-    text = export / "text.txt"  # a file the user keeps in an export, which --force would replace with it
+    text = (
+        export / "text.txt"
+    )  # a file the user keeps in an export, which --force would replace with it
     text.write_bytes(text_file.read_bytes())
     for model, data, out, message in (
-        (export, text_file, export, f"cannot write {export}: it is the model {export}, read by this run"),
+        (
+            export,
+            text_file,
+            export,
+            f"cannot write {export}: it is the model {export}, read by this run",
+        ),
         (export, text_file, export / "sub", f"it is within the model {export}, read by this run"),
-        (tiny_model, text, export, f"it holds the calibration text {text}, read by this run, and would replace it"),
+        (
+            tiny_model,
+            text,
+            export,
+            f"it holds the calibration text {text}, read by this run, and would replace it",
+        ),
     ):
         before = {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()}
-        code, _, err = ptq_cli("quantize", model, *common[:2], "--data", data, *common[4:], "-o", out, "--force")
+        code, _, err = ptq_cli(
+            "quantize", model, *common[:2], "--data", data, *common[4:], "-o", out, "--force"
+        )
         assert code == 2 and one_error_line(err) and message in err, err
         assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == before

@@ -35,7 +35,10 @@ def _e4m3_codes(v: np.ndarray) -> np.ndarray:
     "group_amax, exponent",
     [
         (448.0, 0),  # exactly the format's max: 2^0, nothing clips
-        (449.0, 1),  # just above: the next power (the OCP v1.0 floor rule would give 2^0 and clip it to 448)
+        (
+            449.0,
+            1,
+        ),  # just above: the next power (the OCP v1.0 floor rule would give 2^0 and clip it to 448)
         (1.0, -8),  # 1 / 2^-8 = 256 <= 448, while 2^-9 would put it at 512
         (14.0, -5),  # 1.75 * 2^3: exactly 448 * 2^-5
         (14.000001, -4),
@@ -49,7 +52,12 @@ def test_e8m0_scale_is_the_smallest_power_of_two_that_does_not_clip(group_amax, 
     code = gr.e8m0_codes(scale)
     assert code.dtype == torch.uint8 and code.item() == exponent + 127
     # the byte is ml_dtypes' float8_e8m0fnu encoding of the same power of two
-    assert np.array([2.0**exponent], dtype=np.float32).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)[0] == code.item()
+    assert (
+        np.array([2.0**exponent], dtype=np.float32)
+        .astype(ml_dtypes.float8_e8m0fnu)
+        .view(np.uint8)[0]
+        == code.item()
+    )
 
 
 def test_e8m0_scale_against_numpy_on_random_amax():
@@ -68,7 +76,9 @@ def test_block_weights_match_an_independent_reference_with_partial_tiles():
     w = torch.randn(200, 300, generator=torch.Generator().manual_seed(0)) * 0.05
     spec = TensorQuant(E4M3, gr.PerBlock(128, 128))
     codes, scale = quantize_weight(w, spec)
-    assert scale.shape == (2, 3) and codes.shape == (200, 300) and codes.dtype == torch.float8_e4m3fn
+    assert (
+        scale.shape == (2, 3) and codes.shape == (200, 300) and codes.dtype == torch.float8_e4m3fn
+    )
     wn = w.numpy()
     for i in range(2):
         for j in range(3):
@@ -86,7 +96,9 @@ def test_mx_weights_match_an_independent_reference():
     codes, scale = quantize_weight(w, spec)
     assert scale.shape == (8, 3)
     groups = w.numpy().reshape(8, 3, 32)
-    s = np.exp2(np.ceil(np.log2(np.abs(groups).max(-1).astype(np.float64) / 448.0))).astype(np.float32)
+    s = np.exp2(np.ceil(np.log2(np.abs(groups).max(-1).astype(np.float64) / 448.0))).astype(
+        np.float32
+    )
     assert np.array_equal(scale.numpy(), s)
     ref = _e4m3_codes(groups / s[..., None]).reshape(8, 96)
     assert np.array_equal(codes.view(torch.uint8).numpy(), ref.view(np.uint8))
@@ -128,7 +140,9 @@ def test_a_group_that_does_not_divide_the_row_is_partial_and_padding_changes_no_
     spec = TensorQuant(E4M3, gr.PerGroup(128), dynamic=True)
     full = quantize_activation(x, spec)[0]
     # the last 72 elements form their own group: quantizing them alone gives the same values
-    tail = quantize_activation(x[:, 128:].contiguous(), TensorQuant(E4M3, gr.PerToken(), dynamic=True))[0]
+    tail = quantize_activation(
+        x[:, 128:].contiguous(), TensorQuant(E4M3, gr.PerToken(), dynamic=True)
+    )[0]
     assert torch.equal(full[:, 128:], tail)
 
 
@@ -136,11 +150,21 @@ def test_a_group_that_does_not_divide_the_row_is_partial_and_padding_changes_no_
 
 
 def test_builtin_scheme_recipes():
-    dynamic, block, mx, static = (load_recipe(n) for n in ("fp8-dynamic", "fp8-block", "mxfp8", "fp8-e4m3"))
-    assert dynamic.weights.granularity == gr.PerChannel() and dynamic.inputs.granularity == gr.PerToken()
+    dynamic, block, mx, static = (
+        load_recipe(n) for n in ("fp8-dynamic", "fp8-block", "mxfp8", "fp8-e4m3")
+    )
+    assert (
+        dynamic.weights.granularity == gr.PerChannel()
+        and dynamic.inputs.granularity == gr.PerToken()
+    )
     assert dynamic.inputs.dynamic and not dynamic.needs_calibration
-    assert block.weights.granularity == gr.PerBlock(128, 128) and block.inputs.granularity == gr.PerGroup(128)
-    assert mx.weights.scale_format == mx.inputs.scale_format == "e8m0" and mx.inputs.granularity == gr.PerGroup(32)
+    assert block.weights.granularity == gr.PerBlock(
+        128, 128
+    ) and block.inputs.granularity == gr.PerGroup(128)
+    assert (
+        mx.weights.scale_format == mx.inputs.scale_format == "e8m0"
+        and mx.inputs.granularity == gr.PerGroup(32)
+    )
     assert static.needs_calibration and static.inputs.granularity == gr.PerTensor()
     # the earlier name keeps its meaning
     assert load_recipe("fp8-e4m3-dynamic").weights == dynamic.weights
@@ -150,13 +174,33 @@ def test_builtin_scheme_recipes():
 @pytest.mark.parametrize(
     "weights, inputs, message",
     [
-        ({"format": "e4m3", "granularity": "token"}, {"format": "e4m3"}, "per-token scales apply to activations"),
-        ({"format": "e4m3"}, {"format": "e4m3", "granularity": "group", "group_size": 32}, "computed on the fly"),
+        (
+            {"format": "e4m3", "granularity": "token"},
+            {"format": "e4m3"},
+            "per-token scales apply to activations",
+        ),
+        (
+            {"format": "e4m3"},
+            {"format": "e4m3", "granularity": "group", "group_size": 32},
+            "computed on the fly",
+        ),
         ({"format": "e4m3"}, {"format": "e4m3", "granularity": "channel"}, "apply to weights only"),
         ({"format": "e4m3", "granularity": "group"}, {"format": "e4m3"}, "needs 'group_size'"),
-        ({"format": "e4m3", "granularity": "group", "group_size": 0}, {"format": "e4m3"}, "needs 'group_size'"),
-        ({"format": "e4m3", "granularity": "block", "block_size": [128]}, {"format": "e4m3"}, "needs 'block_size'"),
-        ({"format": "e4m3", "group_size": 32}, {"format": "e4m3"}, "'group_size' applies to granularity 'group'"),
+        (
+            {"format": "e4m3", "granularity": "group", "group_size": 0},
+            {"format": "e4m3"},
+            "needs 'group_size'",
+        ),
+        (
+            {"format": "e4m3", "granularity": "block", "block_size": [128]},
+            {"format": "e4m3"},
+            "needs 'block_size'",
+        ),
+        (
+            {"format": "e4m3", "group_size": 32},
+            {"format": "e4m3"},
+            "'group_size' applies to granularity 'group'",
+        ),
         ({"format": "int8", "scale_format": "e8m0"}, {"format": "int8"}, "scale_format 'e8m0'"),
         (
             {"format": "e4m3"},
@@ -180,11 +224,18 @@ def _odd_llama(path):
     from conftest import save_tiny_llama
 
     return save_tiny_llama(
-        path, hidden_size=48, intermediate_size=64, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False
+        path,
+        hidden_size=48,
+        intermediate_size=64,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
     )
 
 
-def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(tmp_path, ptq_cli, text_file):
+def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(
+    tmp_path, ptq_cli, text_file
+):
     from ptq.commands.workflows import run_inspect
 
     model = _odd_llama(tmp_path / "odd")
@@ -202,7 +253,10 @@ def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(
     assert reasons["lm_head"].startswith("left out by the recipe (ignore: lm_head")
     assert "include patterns" in reasons["model.layers.1.mlp.down_proj"]
     assert reasons["model.layers.0.self_attn.q_proj"].startswith("shape: in_features 48")
-    assert len({r.split(" (")[0].split(":")[0] for r in reasons.values()}) >= 2 and len(set(reasons.values())) >= 3
+    assert (
+        len({r.split(" (")[0].split(":")[0] for r in reasons.values()}) >= 2
+        and len(set(reasons.values())) >= 3
+    )
 
     coverage = inspected["recipes"]["mx-layer0"]["coverage"]
     assert {x["name"]: x["reason"] for x in coverage["left_out"]} == reasons
@@ -226,11 +280,16 @@ def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert sorted(config["ignore"]) == sorted(reasons)
     info = json.loads((tmp_path / "out" / "ptq-export.json").read_text())
-    assert info["format"]["quantized_layers"] == 2 and info["coverage"]["left_out"] == coverage["left_out"]
+    assert (
+        info["format"]["quantized_layers"] == 2
+        and info["coverage"]["left_out"] == coverage["left_out"]
+    )
     assert info["verification"]["passed"]
 
 
-def test_kv_cache_and_attention_inputs_left_out_are_named_with_their_reason(tmp_path, ptq_cli, text_file):
+def test_kv_cache_and_attention_inputs_left_out_are_named_with_their_reason(
+    tmp_path, ptq_cli, text_file
+):
     """The attention inputs and KV cache a recipe asks for but the plan leaves in the compute dtype are in the
     coverage, `ptq inspect` and the report: those the recipe's ignore patterns leave out, and whole attention layers
     that compute attention in their own code (Bloom's), which --strict-coverage refuses."""
@@ -262,25 +321,71 @@ def test_kv_cache_and_attention_inputs_left_out_are_named_with_their_reason(tmp_
     bloom = tmp_path / "bloom"
     families.build("bloom").save_pretrained(bloom)
     make_tokenizer().save_pretrained(bloom)
-    run = ("compare", bloom, "--recipes", "fp8-e4m3+kv", "--calib-data", text_file, "--eval-data", text_file)
-    small = ("--calib-samples", "2", "--max-windows", "4", "--seq-len", "16", "--tasks", "", "--no-plots")
+    run = (
+        "compare",
+        bloom,
+        "--recipes",
+        "fp8-e4m3+kv",
+        "--calib-data",
+        text_file,
+        "--eval-data",
+        text_file,
+    )
+    small = (
+        "--calib-samples",
+        "2",
+        "--max-windows",
+        "4",
+        "--seq-len",
+        "16",
+        "--tasks",
+        "",
+        "--no-plots",
+    )
     code, _, err = ptq_cli(*run, *small, "--out", tmp_path / "report")
     assert code == 0, err
     assert "2 attention layer(s) whose inputs and KV cache ptq cannot quantize" in err
     results = json.loads((tmp_path / "report" / "results.json").read_text())
     (variant,) = results["variants"]
     left = variant["coverage"]["attention_left_out"]
-    assert [x["name"] for x in left] == ["transformer.h.0.self_attention", "transformer.h.1.self_attention"]
-    assert all(x["reason"].startswith("not supported: BloomAttention computes attention in its own code") for x in left)
-    assert "BloomAttention computes attention in its own code" in (tmp_path / "report" / "report.md").read_text()
+    assert [x["name"] for x in left] == [
+        "transformer.h.0.self_attention",
+        "transformer.h.1.self_attention",
+    ]
+    assert all(
+        x["reason"].startswith("not supported: BloomAttention computes attention in its own code")
+        for x in left
+    )
+    assert (
+        "BloomAttention computes attention in its own code"
+        in (tmp_path / "report" / "report.md").read_text()
+    )
     code, _, err = ptq_cli(*run, *small, "--out", tmp_path / "strict", "--strict-coverage")
-    assert code == 2 and "--strict-coverage refuses a partial answer" in err and not (tmp_path / "strict").exists()
+    assert (
+        code == 2
+        and "--strict-coverage refuses a partial answer" in err
+        and not (tmp_path / "strict").exists()
+    )
 
 
 # -- Checkpoints match compressed-tensors' presets -----------------------------------------------------------
 
-PRESETS = {"fp8-e4m3": "FP8", "fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK", "mxfp8": "MXFP8"}
-ARG_FIELDS = ("num_bits", "type", "strategy", "group_size", "block_structure", "dynamic", "symmetric", "scale_dtype")
+PRESETS = {
+    "fp8-e4m3": "FP8",
+    "fp8-dynamic": "FP8_DYNAMIC",
+    "fp8-block": "FP8_BLOCK",
+    "mxfp8": "MXFP8",
+}
+ARG_FIELDS = (
+    "num_bits",
+    "type",
+    "strategy",
+    "group_size",
+    "block_structure",
+    "dynamic",
+    "symmetric",
+    "scale_dtype",
+)
 
 
 @pytest.mark.parametrize("recipe", list(PRESETS))
@@ -291,8 +396,13 @@ def test_quantization_args_are_compressed_tensors_presets(recipe):
 
     preset = PRESET_SCHEMES[PRESETS[recipe]]
     scheme = quantization_config(load_recipe(recipe), []).config_groups["group_0"]
-    for ours, theirs in ((scheme.weights, preset["weights"]), (scheme.input_activations, preset["input_activations"])):
-        assert {f: getattr(ours, f) for f in ARG_FIELDS} == {f: getattr(theirs, f) for f in ARG_FIELDS}
+    for ours, theirs in (
+        (scheme.weights, preset["weights"]),
+        (scheme.input_activations, preset["input_activations"]),
+    ):
+        assert {f: getattr(ours, f) for f in ARG_FIELDS} == {
+            f: getattr(theirs, f) for f in ARG_FIELDS
+        }
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +442,9 @@ def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, t
     assert config["format"] == ("mxfp8-quantized" if recipe == "mxfp8" else "float-quantized")
     tensors = safetensors.torch.load_file(str(out / "model.safetensors"))
     source = safetensors.torch.load_file(str(wide_llama / "model.safetensors"))
-    assert not any(k.endswith(".input_scale") for k in tensors)  # dynamic inputs: the engine computes them
+    assert not any(
+        k.endswith(".input_scale") for k in tensors
+    )  # dynamic inputs: the engine computes them
     layer = "model.layers.0.mlp.down_proj"  # [256, 384]
     codes, scale = tensors[f"{layer}.weight"], tensors[f"{layer}.weight_scale"]
     assert codes.dtype == torch.float8_e4m3fn and codes.shape == (256, 384)
@@ -346,26 +458,31 @@ def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, t
         s = np.repeat(np.repeat(s, 128, 0), 128, 1)
     else:
         assert scale.dtype == torch.uint8 and scale.shape == (256, 12)
-        s = np.exp2(np.ceil(np.log2(np.abs(w.reshape(256, 12, 32)).max(-1).astype(np.float64) / 448.0))).astype(
-            np.float32
-        )
+        s = np.exp2(
+            np.ceil(np.log2(np.abs(w.reshape(256, 12, 32)).max(-1).astype(np.float64) / 448.0))
+        ).astype(np.float32)
         assert np.array_equal(scale.numpy(), (np.log2(s) + 127).astype(np.uint8))
         s = np.repeat(s, 32, 1)
     assert np.array_equal(codes.view(torch.uint8).numpy(), _e4m3_codes(w / s).view(np.uint8))
     info = json.loads((out / "ptq-export.json").read_text())
     assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6
     assert math.isclose(
-        info["verification"]["reloaded_perplexity"], info["verification"]["simulated_perplexity"], rel_tol=1e-4
+        info["verification"]["reloaded_perplexity"],
+        info["verification"]["simulated_perplexity"],
+        rel_tol=1e-4,
     )
     # the file check covers every quantized layer's codes and weight_scale (block and MX scales too), bit for bit
     layers = info["format"]["quantized_layers"]
     assert (
-        info["verification"]["tensors_checked_in_file"] == 2 * layers and not info["verification"]["tensors_differing"]
+        info["verification"]["tensors_checked_in_file"] == 2 * layers
+        and not info["verification"]["tensors_differing"]
     )
     # the card says what loaded it, offers transformers' snippet only where transformers runs it, and tags it fp8
     card = (out / "README.md").read_text()
     reader = info["verification"]["loader"].startswith("ptq's")
-    assert reader == (recipe == "mxfp8")  # transformers' compressed-tensors fails on MX scales (a dtype mismatch)
+    assert reader == (
+        recipe == "mxfp8"
+    )  # transformers' compressed-tensors fails on MX scales (a dtype mismatch)
     assert ("| reloaded (ptq reader) |" in card) == reader
     # ...and where only bfloat16 runs (MX: compressed-tensors decompresses MX scales in bfloat16), with that dtype,
     # once transformers' bfloat16 weights were seen equal to the files' codes x scales
@@ -385,7 +502,11 @@ def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, t
 
 def test_kv_cache_option_combines_with_fp8_recipes_only():
     r = load_recipe("fp8-dynamic+kv-head")
-    assert r.name == "fp8-dynamic+kv-head" and r.kv_cache.granularity == gr.PerHead() and r.needs_calibration
+    assert (
+        r.name == "fp8-dynamic+kv-head"
+        and r.kv_cache.granularity == gr.PerHead()
+        and r.needs_calibration
+    )
     assert r.weights == load_recipe("fp8-dynamic").weights
     assert load_recipe("mxfp8+kv").kv_cache.granularity == gr.PerTensor()
     with pytest.raises(PtqError, match="FP8 KV cache to an FP8 recipe"):
@@ -393,7 +514,13 @@ def test_kv_cache_option_combines_with_fp8_recipes_only():
     with pytest.raises(PtqError, match="already quantizes the KV cache"):
         load_recipe("paper-e4m3-kv+kv")
     with pytest.raises(PtqError, match="per-head scales apply to the KV cache"):
-        parse_recipe({"name": "x", "weights": {"format": "e4m3"}, "inputs": {"format": "e4m3", "granularity": "head"}})
+        parse_recipe(
+            {
+                "name": "x",
+                "weights": {"format": "e4m3"},
+                "inputs": {"format": "e4m3", "granularity": "head"},
+            }
+        )
 
 
 def test_per_head_kv_amax_is_each_heads_max_of_k_and_v_after_rope(tiny_model):
@@ -405,7 +532,9 @@ def test_per_head_kv_amax_is_each_heads_max_of_k_and_v_after_rope(tiny_model):
     from ptq.quantization.plan import calibration_targets, resolve_plans
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    ids = torch.randint(0, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0)
+    )
     seen: dict[int, list] = {}
 
     def capture(module, query, key, value, *args, **kwargs):
@@ -419,19 +548,30 @@ def test_per_head_kv_amax_is_each_heads_max_of_k_and_v_after_rope(tiny_model):
         model(input_ids=ids)
     model.config._attn_implementation = previous
 
-    layers, channels = calibration_targets(resolve_plans(model, [load_recipe("fp8-e4m3+kv-head")]).values())
-    assert "model.layers.0.self_attn.key" in channels and "model.layers.1.self_attn.value" in channels
+    layers, channels = calibration_targets(
+        resolve_plans(model, [load_recipe("fp8-e4m3+kv-head")]).values()
+    )
+    assert (
+        "model.layers.0.self_attn.key" in channels and "model.layers.1.self_attn.value" in channels
+    )
     calibration = calibrate(model, ids, layers, channels=channels, batch_size=3)
     for idx, ((k, v),) in seen.items():
         for name, x in (("key", k), ("value", v)):
-            per_head = np.abs(x.numpy()).max(axis=(0, 2, 3))  # [batch, kv heads, tokens, dim] -> per head
+            per_head = np.abs(x.numpy()).max(
+                axis=(0, 2, 3)
+            )  # [batch, kv heads, tokens, dim] -> per head
             got = calibration.input_channel_amax[f"model.layers.{idx}.self_attn.{name}"].numpy()
             assert np.array_equal(got, per_head)
-            assert calibration.input_amax[f"model.layers.{idx}.self_attn.{name}"].item() == per_head.max()
+            assert (
+                calibration.input_amax[f"model.layers.{idx}.self_attn.{name}"].item()
+                == per_head.max()
+            )
 
 
 @pytest.mark.parametrize("option", ["kv", "kv-head"])
-def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(option, tiny_model, ptq_cli, text_file, tmp_path):
+def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(
+    option, tiny_model, ptq_cli, text_file, tmp_path
+):
     from ptq.calibration.calibrate import load_calibration
 
     out, calib = tmp_path / option, tmp_path / "calib.safetensors"
@@ -468,8 +608,12 @@ def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(option, tiny_model
     )
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert config["kv_cache_scheme"]["strategy"] == ("attn_head" if option == "kv-head" else "tensor")
-    assert config["kv_cache_scheme"]["type"] == "float" and config["kv_cache_scheme"]["num_bits"] == 8
+    assert config["kv_cache_scheme"]["strategy"] == (
+        "attn_head" if option == "kv-head" else "tensor"
+    )
+    assert (
+        config["kv_cache_scheme"]["type"] == "float" and config["kv_cache_scheme"]["num_bits"] == 8
+    )
     tensors = safetensors.torch.load_file(str(out / "model.safetensors"))
     calibration = load_calibration(calib)
     for short, name in (("k", "key"), ("v", "value")):
@@ -479,10 +623,16 @@ def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(option, tiny_model
         ]
         assert scale.dtype == torch.float32
         assert scale.shape == ((2, 1, 1) if option == "kv-head" else (1,))  # 2 KV heads
-        assert np.array_equal(scale.flatten().numpy(), (amax_.float().numpy() / np.float32(448.0)).flatten())
+        assert np.array_equal(
+            scale.flatten().numpy(), (amax_.float().numpy() / np.float32(448.0)).flatten()
+        )
     info = json.loads((out / "ptq-export.json").read_text())
     ver = info["verification"]
-    assert ver["passed"] and ver["kv_scales_checked_in_file"] == 4 and ver["input_scales_checked_in_file"] == 0
+    assert (
+        ver["passed"]
+        and ver["kv_scales_checked_in_file"] == 4
+        and ver["input_scales_checked_in_file"] == 0
+    )
     # k_scale / v_scale are scales the export adds, not source tensors: the 16-bit size and "other tensors" leave
     # them out, as every other scale
     size = info["size"]
@@ -490,23 +640,35 @@ def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(option, tiny_model
     scales = [t for name, t in tensors.items() if name.endswith("_scale")]
     assert size["scale_bytes"] == sum(t.numel() * 4 for t in scales)
     others = [
-        t for name, t in tensors.items() if not name.endswith("_scale") and name[: -len(".weight")] not in quantized
+        t
+        for name, t in tensors.items()
+        if not name.endswith("_scale") and name[: -len(".weight")] not in quantized
     ]
     assert size["other_bytes"] == sum(t.numel() * t.element_size() for t in others)
     card = (out / "README.md").read_text()
     layers = info["format"]["quantized_layers"]
-    assert f"| layers the loader runs with input quantization (static or dynamic) | {layers} | {layers} | all |" in card
-    assert "| KV-cache scales (`k_scale`, `v_scale`" in card and "input scales the loader does not apply" not in card
+    assert (
+        f"| layers the loader runs with input quantization (static or dynamic) | {layers} | {layers} | all |"
+        in card
+    )
+    assert (
+        "| KV-cache scales (`k_scale`, `v_scale`" in card
+        and "input scales the loader does not apply" not in card
+    )
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_every_scheme_exports_a_moe_model_per_expert_and_verifies(family, tmp_path, ptq_cli, text_file):
+def test_every_scheme_exports_a_moe_model_per_expert_and_verifies(
+    family, tmp_path, ptq_cli, text_file
+):
     """Dimensions of 128 (the block scheme's tiles); each expert's projections written 2-D under the checkpoint's
     own names, with the scheme's scales; reloaded (by transformers, or ptq's reader where transformers cannot
     run the scheme) and equal to the simulation."""
     import families
 
-    wide = dict(hidden_size=128, intermediate_size=128, head_dim=32)  # Mixtral's experts are intermediate_size wide
+    wide = dict(
+        hidden_size=128, intermediate_size=128, head_dim=32
+    )  # Mixtral's experts are intermediate_size wide
     wide |= {} if family == "mixtral" else dict(moe_intermediate_size=128)
     model_dir = tmp_path / family
     families.build(family, **wide).save_pretrained(model_dir)
@@ -540,13 +702,21 @@ def test_every_scheme_exports_a_moe_model_per_expert_and_verifies(family, tmp_pa
         tensors = safetensors.torch.load_file(str(out / "model.safetensors"))
         assert tensors[f"{down}.weight"].dtype == torch.float8_e4m3fn
         assert tensors[f"{down}.weight_scale"].shape == scale_shape
-        assert tensors[f"{down}.weight_scale"].dtype == scale_dtype and f"{down}.input_scale" not in tensors
+        assert (
+            tensors[f"{down}.weight_scale"].dtype == scale_dtype
+            and f"{down}.input_scale" not in tensors
+        )
         info = json.loads((out / "ptq-export.json").read_text())
-        assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6, (recipe, info["verification"])
+        assert info["verification"]["passed"] and info["verification"]["kl_div"] <= 1e-6, (
+            recipe,
+            info["verification"],
+        )
 
 
 @pytest.mark.parametrize("recipe", ["fp8-block", "mxfp8"])
-def test_group_and_block_scales_stay_simulated_under_matmul_fp8_where_torch_has_no_kernel(recipe, wide_llama):
+def test_group_and_block_scales_stay_simulated_under_matmul_fp8_where_torch_has_no_kernel(
+    recipe, wide_llama
+):
     """MX groups run simulated with --matmul fp8 everywhere; 128 x 128 blocks where torch has no block-wise kernel
     for the device (every CPU: torch's own refusal is the reason the report gives), with exactly the simulation's
     logits."""
@@ -567,10 +737,14 @@ def test_group_and_block_scales_stay_simulated_under_matmul_fp8_where_torch_has_
 
     model = AutoModelForCausalLM.from_pretrained(wide_llama)
     r = load_recipe(recipe)
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5)
+    )
     simulated = quantize_(copy.deepcopy(model), r, None)
     real = quantize_(copy.deepcopy(model), r, None, matmul="fp8")
-    quantized = [m for m in real.modules() if isinstance(m, QuantLinear) and m.weights.format.name == "e4m3"]
+    quantized = [
+        m for m in real.modules() if isinstance(m, QuantLinear) and m.weights.format.name == "e4m3"
+    ]
     assert quantized and all(not m.fp8_matmul for m in quantized)
     calls = []
     with (
@@ -599,13 +773,20 @@ def test_cuda_block_fp8_matmul_matches_the_simulation_or_says_why_not(wide_llama
 
     model = AutoModelForCausalLM.from_pretrained(wide_llama).to("cuda", torch.bfloat16)
     r = load_recipe("fp8-block")
-    ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(5)).cuda()
+    ids = torch.randint(
+        0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(5)
+    ).cuda()
     simulated = quantize_(copy.deepcopy(model), r, None)
     real = quantize_(copy.deepcopy(model), r, None, matmul="fp8")
-    blocks = [m for m in real.modules() if isinstance(m, QuantLinear) and m.weights.format.name == "e4m3"]
+    blocks = [
+        m for m in real.modules() if isinstance(m, QuantLinear) and m.weights.format.name == "e4m3"
+    ]
     why = blockwise_unavailable(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    if torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9):  # cuBLAS's block-wise FP8: Hopper, CUDA 12.9+
+    if torch.cuda.get_device_capability() == (9, 0) and cuda >= (
+        12,
+        9,
+    ):  # cuBLAS's block-wise FP8: Hopper, CUDA 12.9+
         assert why is None, why
     assert blocks and all(m.fp8_matmul == (why is None) for m in blocks), why
     with torch.no_grad():

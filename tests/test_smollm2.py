@@ -10,7 +10,16 @@ import pytest
 def test_default_model_e4m3_close_to_bf16_int8_worse(ptq_cli, tmp_path):
     out = tmp_path / "smollm2"
     code, _, stderr = ptq_cli(
-        "compare", "--seq-len", "256", "--max-windows", "8", "--calib-samples", "8", "--out", out, "--quiet"
+        "compare",
+        "--seq-len",
+        "256",
+        "--max-windows",
+        "8",
+        "--calib-samples",
+        "8",
+        "--out",
+        out,
+        "--quiet",
     )
     assert code == 0, stderr
     results = json.loads((out / "results.json").read_text())
@@ -19,7 +28,9 @@ def test_default_model_e4m3_close_to_bf16_int8_worse(ptq_cli, tmp_path):
     assert "dequantized from a 4-bit GGUF" in (out / "report.md").read_text()
     assert results["baseline"]["perplexity"] < 200  # a working language model on Shakespeare
     assert abs(e4m3["ppl_delta_pct"]) < 5
-    assert int8["ppl_delta_pct"] > 2 * abs(e4m3["ppl_delta_pct"]) and int8["kl_div"] > e4m3["kl_div"]
+    assert (
+        int8["ppl_delta_pct"] > 2 * abs(e4m3["ppl_delta_pct"]) and int8["kl_div"] > e4m3["kl_div"]
+    )
 
 
 @pytest.mark.model
@@ -29,7 +40,9 @@ def test_inspect_reads_a_gguf_without_converting_it(ptq_cli, tmp_path, monkeypat
     from ptq.models.loading import converted_gguf_dir, default_gguf_path
 
     recipes = ["--recipe", "fp8-e4m3,fp8-block,int8", "--json"]
-    converted, _ = converted_gguf_dir(default_gguf_path())  # in the run's cache (converted once for every test)
+    converted, _ = converted_gguf_dir(
+        default_gguf_path()
+    )  # in the run's cache (converted once for every test)
     code, out, err = ptq_cli("inspect", converted, *recipes)
     assert code == 0, err
     from_folder = json.loads(out)

@@ -20,7 +20,9 @@ def exact_bootstrap_interval(units: np.ndarray) -> tuple[float, float]:
     distribution the Monte Carlo bootstrap samples, enumerated instead (numpy only, no ptq)."""
     n = len(units)
     means = [units[list(idx)].mean() for idx in itertools.product(range(n), repeat=n)]
-    lo, hi = np.percentile(means, [2.5, 97.5], method="inverted_cdf")  # the distribution's own quantiles
+    lo, hi = np.percentile(
+        means, [2.5, 97.5], method="inverted_cdf"
+    )  # the distribution's own quantiles
     return float(lo), float(hi)
 
 
@@ -31,7 +33,11 @@ def test_fewer_than_min_units_give_no_interval_and_never_a_distinguishable_delta
         base = 3.0 + 0.5 * np.arange(n)
         d = stats.paired_delta(base, base + 0.1, stats.ratio_pct_of_exp)
         assert d["delta"] == pytest.approx(100 * math.expm1(0.1)) and d["n"] == n
-        assert math.isnan(d["stderr"]) and all(math.isnan(x) for x in d["ci"]) and d["significant"] is False
+        assert (
+            math.isnan(d["stderr"])
+            and all(math.isnan(x) for x in d["ci"])
+            and d["significant"] is False
+        )
         e = stats.estimate(base, np.exp)
         assert e["value"] == pytest.approx(math.exp(base.mean())) and e["n"] == n
         assert math.isnan(e["stderr"]) and all(math.isnan(x) for x in e["ci"])
@@ -60,7 +66,9 @@ def test_min_units_is_where_the_percentile_interval_stops_being_the_units_range(
 
 def test_an_overflowing_perplexity_is_inf_with_an_inf_interval_and_no_warning():
     base = np.array([3.0, 3.2, 2.9, 3.1, 3.05])
-    collapsed = np.array([720.0, 760.0, 715.0, 800.0, 740.0])  # mean NLL past log(float max) = 709.78 nats
+    collapsed = np.array(
+        [720.0, 760.0, 715.0, 800.0, 740.0]
+    )  # mean NLL past log(float max) = 709.78 nats
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no overflow or invalid-value warning on stderr
         e = stats.estimate(collapsed, np.exp)
@@ -86,10 +94,16 @@ def test_an_overflowing_perplexity_is_inf_with_an_inf_interval_and_no_warning():
     rng = np.random.default_rng(stats.SEED)
     means = np.concatenate([units[rng.integers(0, 12, size=(200, 12))].mean(-1) for _ in range(10)])
     lower, higher = (math.exp(np.percentile(means, 2.5, method=m)) for m in ("lower", "higher"))
-    assert lower < higher and wider["ci"][0] == pytest.approx(lower, rel=1e-12) and wider["ci"][1] == math.inf
+    assert (
+        lower < higher
+        and wider["ci"][0] == pytest.approx(lower, rel=1e-12)
+        and wider["ci"][1] == math.inf
+    )
 
 
-def test_compare_on_too_few_windows_writes_and_reports_no_interval(ptq_cli, tiny_model, text_file, tmp_path):
+def test_compare_on_too_few_windows_writes_and_reports_no_interval(
+    ptq_cli, tiny_model, text_file, tmp_path
+):
     other = tmp_path / "other.txt"  # evaluation text apart from the calibration text
     other.write_text(" ".join(reversed(TEXT.split())) * 3)
     out = tmp_path / "out"
@@ -105,12 +119,16 @@ def test_compare_on_too_few_windows_writes_and_reports_no_interval(ptq_cli, tiny
         assert all(math.isnan(x) for key in ("perplexity_ci", "accuracy_ci") for x in entry[key])
         assert math.isnan(entry["perplexity_stderr"]) and math.isfinite(entry["perplexity"])
     v = r["variants"][0]
-    assert all(math.isnan(x) for x in v["ppl_delta_pct_ci"] + v["accuracy_delta_ci"] + v["kl_div_ci"])
+    assert all(
+        math.isnan(x) for x in v["ppl_delta_pct_ci"] + v["accuracy_delta_ci"] + v["kl_div_ci"]
+    )
     assert v["ppl_delta_significant"] is False and v["accuracy_delta_significant"] is False
     assert v["ppl_delta_pct"] != 0  # a delta that one or two windows used to call distinguishable
     # the report prints the missing interval as such, and `ptq report` reads the file back
     report = (out / "report.md").read_text()
-    row = next(line for line in report.splitlines() if line.startswith("| fp8-e4m3 |") and "n/a" in line)
+    row = next(
+        line for line in report.splitlines() if line.startswith("| fp8-e4m3 |") and "n/a" in line
+    )
     assert row.count("n/a") == 4 and "yes" not in row and "nan" not in row
     assert "Fewer than 4 windows give no interval (n/a)" in report
     code, md, err = ptq_cli("report", out / "results.json")
@@ -127,7 +145,13 @@ def test_the_trend_never_calls_a_change_without_an_interval_beyond_the_intervals
     nan = math.nan
     before = S.compare_results()  # baseline perplexity 10 in [9.8, 10.2]
     moved = S.baseline(perplexity=20.0)  # [19.8, 20.2]: beyond
-    assert [m.beyond_intervals for m in trend(S.compare_results(moved), before)["moves"] if m.entry == "bf16"][0]
-    unknown = dataclasses.replace(moved, perplexity_ci=(nan, nan))  # fewer than 4 windows: no interval
+    assert [
+        m.beyond_intervals
+        for m in trend(S.compare_results(moved), before)["moves"]
+        if m.entry == "bf16"
+    ][0]
+    unknown = dataclasses.replace(
+        moved, perplexity_ci=(nan, nan)
+    )  # fewer than 4 windows: no interval
     moves = [m for m in trend(S.compare_results(unknown), before)["moves"] if m.entry == "bf16"]
     assert moves[0].metric == "perplexity" and moves[0].beyond_intervals is False

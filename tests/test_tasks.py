@@ -127,13 +127,17 @@ def test_cloze_construction():
             context.startswith("\n") or LINES.startswith(context) or "\n" + context in LINES
         )
         assert re.search(rf"\b{word}\b", context, re.IGNORECASE)
-        start = LINES.index(context + target, previous_end)  # in order, and not overlapping the previous passage
+        start = LINES.index(
+            context + target, previous_end
+        )  # in order, and not overlapping the previous passage
         assert LINES[start + len(context + target)] in ".!?"  # the word ended a sentence and a line
         previous_end = start + len(context + target)
     words = [i.continuations[0].strip() for i in task.items]
     assert task.chance == max(words.count(w) for w in set(words)) / len(words)
     small = subsample(task, 3)
-    assert [i for i in small.items] == [task.items[round(k * len(task.items) / 3)] for k in range(3)]
+    assert [i for i in small.items] == [
+        task.items[round(k * len(task.items) / 3)] for k in range(3)
+    ]
     assert small.available == len(task.items)
 
 
@@ -143,7 +147,9 @@ def test_cloze_on_the_default_model_is_far_above_chance(tmp_path):
     loaded = load_model(None)
     task = subsample(build_cloze(load_corpus(None, "evaluation")), 40)
     assert cloze_rows(task)[0]["target"] == task.items[0].continuations[0].strip()
-    suite = harness.prepare("cloze", lambda: load_corpus(None, "evaluation"), tmp_path, max_items=40)
+    suite = harness.prepare(
+        "cloze", lambda: load_corpus(None, "evaluation"), tmp_path, max_items=40
+    )
     run = harness.run({"bf16": loaded.model}, loaded.tokenizer, suite, 12)
     acc = run.models["bf16"].results["cloze"]["acc,none"]
     assert run.models["bf16"].samples["cloze"]["acc,none"].size == 40

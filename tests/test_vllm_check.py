@@ -28,7 +28,11 @@ def int8_reference(x: np.ndarray, w: np.ndarray, reciprocal: bool = False) -> np
     w_codes = np.round(w / w_scale)
     scaled = x * (np.float32(1) / SCALE) if reciprocal else x / SCALE
     x_codes = np.clip(np.round(scaled.astype(np.float32)), -128, 127)
-    return (x_codes.astype(np.float64) @ w_codes.T.astype(np.float64)) * float(SCALE) * w_scale.T.astype(np.float64)
+    return (
+        (x_codes.astype(np.float64) @ w_codes.T.astype(np.float64))
+        * float(SCALE)
+        * w_scale.T.astype(np.float64)
+    )
 
 
 def a_tie(k: int = -99) -> np.float32:
@@ -55,9 +59,15 @@ def recorded(tmp_path):
         linear = nn.Linear(8, out, bias=False)
         linear.weight.data = torch.randn(out, 8, generator=g)
         weights[name] = linear.weight.detach().numpy().copy()
-        setattr(model.attn, name, QuantLinear(linear, spec.weights, inputs, torch.tensor(127 * float(SCALE))))
+        setattr(
+            model.attn,
+            name,
+            QuantLinear(linear, spec.weights, inputs, torch.tensor(127 * float(SCALE))),
+        )
     model.attn.o_proj = nn.Linear(8, 5, bias=False)
-    x = (torch.rand(16, 8, generator=g) * 2 - 1).numpy().astype(np.float32)  # |x| / SCALE < 82: no tie by chance
+    x = (
+        (torch.rand(16, 8, generator=g) * 2 - 1).numpy().astype(np.float32)
+    )  # |x| / SCALE < 82: no tie by chance
     qkv = np.concatenate([int8_reference(x, weights[n]) for n in ("q_proj", "k_proj", "v_proj")], 1)
     o = x.astype(np.float64) @ model.attn.o_proj.weight.detach().numpy().T.astype(np.float64)
     tensors = {"attn.qkv_proj.x": x, "attn.qkv_proj.y": qkv, "attn.o_proj.x": x, "attn.o_proj.y": o}
@@ -67,7 +77,9 @@ def recorded(tmp_path):
 def save(tensors: dict, path, widths=None) -> None:
     widths = widths or {"attn.qkv_proj": [6, 4, 4], "attn.o_proj": [5]}
     safetensors.torch.save_file(
-        {k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in tensors.items()},  # each its own copy
+        {
+            k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in tensors.items()
+        },  # each its own copy
         str(path),
         metadata={"widths": json.dumps(widths)},
     )
@@ -86,14 +98,20 @@ def test_a_row_one_code_apart_by_the_other_rounding_rule_is_named_as_such(record
     model, weights, tensors, path = recorded
     x = tensors["attn.qkv_proj.x"].copy()
     x[3, 2] = a_tie()
-    by_reciprocal = np.concatenate([int8_reference(x, weights[n], True) for n in ("q_proj", "k_proj", "v_proj")], 1)
-    by_division = np.concatenate([int8_reference(x, weights[n]) for n in ("q_proj", "k_proj", "v_proj")], 1)
+    by_reciprocal = np.concatenate(
+        [int8_reference(x, weights[n], True) for n in ("q_proj", "k_proj", "v_proj")], 1
+    )
+    by_division = np.concatenate(
+        [int8_reference(x, weights[n]) for n in ("q_proj", "k_proj", "v_proj")], 1
+    )
     row = np.abs(by_reciprocal[3] - by_division[3]).max() / np.abs(by_reciprocal[3]).max()
     assert row > LAYER_TOLERANCE  # the rule shows
     save(tensors | {"attn.qkv_proj.x": x, "attn.qkv_proj.y": by_reciprocal}, path)
     out = layer_by_layer(model, path)
     assert out["agrees"] and out["other_rounding"] == 1 and out["largest"] < 1e-6
-    assert not any(m.inputs.reciprocal for m in model.modules() if isinstance(m, QuantLinear))  # restored
+    assert not any(
+        m.inputs.reciprocal for m in model.modules() if isinstance(m, QuantLinear)
+    )  # restored
 
 
 def test_a_dynamic_fp8_row_one_code_apart_is_named_as_such(tmp_path):
@@ -136,7 +154,11 @@ def test_a_row_the_engine_computed_otherwise_differs(recorded):
 def test_a_layer_ptq_does_not_have_differs(recorded):
     model, _, tensors, path = recorded
     save(
-        tensors | {"attn.gate_up_proj.x": tensors["attn.o_proj.x"], "attn.gate_up_proj.y": tensors["attn.o_proj.y"]},
+        tensors
+        | {
+            "attn.gate_up_proj.x": tensors["attn.o_proj.x"],
+            "attn.gate_up_proj.y": tensors["attn.o_proj.y"],
+        },
         path,
         {"attn.qkv_proj": [6, 4, 4], "attn.o_proj": [5], "attn.gate_up_proj": [5]},
     )
@@ -150,10 +172,14 @@ def test_a_router_under_vllms_mixtral_name_is_compared_by_its_weight(tmp_path):
     """vLLM's `block_sparse_moe.gate` (a ReplicatedLinear) is transformers' `mlp.gate`, a router module that is no
     Linear: its matmul is x @ weight.T."""
 
-    class Router(nn.Module):  # as transformers' MixtralTopKRouter: a weight, and a forward that is more than a matmul
+    class Router(
+        nn.Module
+    ):  # as transformers' MixtralTopKRouter: a weight, and a forward that is more than a matmul
         def __init__(self):
             super().__init__()
-            self.weight = nn.Parameter(torch.randn(4, 8, generator=torch.Generator().manual_seed(2)))
+            self.weight = nn.Parameter(
+                torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+            )
 
         def forward(self, x):
             raise AssertionError("the check runs the router's matmul, not its routing")
@@ -179,7 +205,9 @@ def test_a_router_under_vllms_mixtral_name_is_compared_by_its_weight(tmp_path):
 def test_noise_floor_is_the_99_percent_bound_of_a_difference_of_two_runs(logs, t_995):
     sd = np.std(logs, ddof=1)
     expected = 100 * (math.exp(t_995 * sd * math.sqrt(2)) - 1)
-    got = noise_floor_pct([math.exp(v) * 37.5 for v in logs])  # the scale of the perplexity does not matter
+    got = noise_floor_pct(
+        [math.exp(v) * 37.5 for v in logs]
+    )  # the scale of the perplexity does not matter
     assert got == pytest.approx(expected, rel=1e-3)
 
 

@@ -10,7 +10,9 @@ from benchmarks.vllm_worker import fast_scaled_mm
 def operands(m=24, k=80, n=40, seed=0):
     g = torch.Generator().manual_seed(seed)
     a = (torch.randn(m, k, generator=g) * 40).to(torch.float8_e4m3fn)
-    b = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn).t()  # [K, N] column-major, as vLLM passes it
+    b = (
+        (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn).t()
+    )  # [K, N] column-major, as vLLM passes it
     return a, b, g
 
 
@@ -23,7 +25,10 @@ def test_fast_scaled_mm_computes_the_scaled_product(row_wise, out_dtype, with_bi
     a, b, g = operands()
     m, n = a.shape[0], b.shape[1]
     if row_wise:
-        scale_a, scale_b = torch.rand(m, 1, generator=g) * 0.02, torch.rand(1, n, generator=g) * 0.003
+        scale_a, scale_b = (
+            torch.rand(m, 1, generator=g) * 0.02,
+            torch.rand(1, n, generator=g) * 0.003,
+        )
     else:
         scale_a, scale_b = torch.tensor([0.013]), torch.tensor([0.0021])
     bias = torch.randn(n, generator=g).to(out_dtype) if with_bias else None

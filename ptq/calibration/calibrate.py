@@ -68,8 +68,12 @@ class Calibration:
     input_amax: dict[str, torch.Tensor]  # layer name -> scalar float32
     weight_amax: dict[str, torch.Tensor]  # layer name -> scalar float32; also identifies the model
     metadata: dict = field(default_factory=dict)
-    input_hist: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> int64 [NUM_BINS] counts of |x|
-    input_channel_amax: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> float32 [in_features]
+    input_hist: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # name -> int64 [NUM_BINS] counts of |x|
+    input_channel_amax: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # name -> float32 [in_features]
     # every other parameter (norms, embeddings, biases, routers, ...) -> scalar float32 amax: a model whose Linear
     # weights are another's, with other norms (a fine-tune that kept them), is another model
     tensor_amax: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -88,7 +92,11 @@ class Calibration:
                 )
             module = modules.get(name)
             channels = self.input_channel_amax.get(name)
-            if channels is not None and quantizable(module) and channels.shape != module.weight.shape[1:]:
+            if (
+                channels is not None
+                and quantizable(module)
+                and channels.shape != module.weight.shape[1:]
+            ):
                 raise PtqError(
                     f"calibration file has {channels.numel()} per-channel input amax for layer '{name}', which has "
                     f"{module.weight.shape[1]} input channels: the file is damaged; recalibrate"
@@ -103,10 +111,15 @@ class Calibration:
             if not quantizable(module) or name not in self.weight_amax:
                 raise self.another_model(f"the weights of layer '{name}' differ")
             self.check_weight(name, module.weight)
-        for name, p in model.named_parameters():  # those in memory: a part of the model, layer by layer
+        for (
+            name,
+            p,
+        ) in model.named_parameters():  # those in memory: a part of the model, layer by layer
             if p.device.type != "meta":
                 self.check_tensor(name, p)
-        if layers and not checked:  # K/V or residual amax alone would be taken from any model with the same names
+        if (
+            layers and not checked
+        ):  # K/V or residual amax alone would be taken from any model with the same names
             raise PtqError(
                 f"calibration file (made for model '{self.metadata.get('model', '?')}') has no weight amax to check it "
                 "against this model: recalibrate with this version of ptq"
@@ -115,7 +128,9 @@ class Calibration:
     def check_weight(self, layer: str, weight: torch.Tensor) -> None:
         """Refuse `weight` (in memory or read from disk) when the file recorded another amax for `layer`."""
         recorded = self.weight_amax.get(layer)
-        if recorded is not None and not torch.equal(amax(weight).cpu(), _as_weight(recorded, weight)):
+        if recorded is not None and not torch.equal(
+            amax(weight).cpu(), _as_weight(recorded, weight)
+        ):
             raise self.another_model(f"the weights of layer '{layer}' differ")
 
     def check_tensor(self, name: str, tensor: torch.Tensor) -> None:
@@ -130,7 +145,9 @@ class Calibration:
             raise self.another_model(f"its tensor '{name}' differs")
 
     def another_model(self, what: str) -> PtqError:
-        return PtqError(f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): {what}")
+        return PtqError(
+            f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): {what}"
+        )
 
 
 def _as_weight(recorded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -242,7 +259,9 @@ def calibrate(
                 raise PtqError(failure)
             error = next((e for _, e in outcomes if e), None)
             if error is None:
-                observers = merge_shares(distributed.gather({n: o.cpu() for n, o in observers.items()}))
+                observers = merge_shares(
+                    distributed.gather({n: o.cpu() for n, o in observers.items()})
+                )
         if error is None:
             calibration = finish(observers, layers, weight_amax, on_nonfinite, on_unseen)
             calibration.tensor_amax = tensor_amax
@@ -318,8 +337,15 @@ def _calibrate_batches(
             if owners and name not in weight_amax and name.startswith(owners) and quantizable(m):
                 weight_amax[name] = check_weight(name, weights[name].weight)
         recorded = {f"{name}.weight" for name in weight_amax}
-        for name, p in (weights_of or part).named_parameters():  # a part's are named as in the model
-            if p.device.type != "meta" and p.is_floating_point() and p.numel() and name not in recorded:
+        for name, p in (
+            weights_of or part
+        ).named_parameters():  # a part's are named as in the model
+            if (
+                p.device.type != "meta"
+                and p.is_floating_point()
+                and p.numel()
+                and name not in recorded
+            ):
                 value = amax(p.detach()).cpu()
                 if torch.isfinite(value):  # a NaN weight is the observers' and the report's to name
                     tensor_amax[name] = value
@@ -338,10 +364,19 @@ def _calibrate_batches(
     for name in layers:
         if name not in linears:
             layer, _, tensor = name.rpartition(".")
-            if layer.endswith(".residual"):  # "<block>.residual.<tensor>": ptq/quantization/residual.py
-                residual_blocks.setdefault(layer.removesuffix(".residual"), {})[tensor] = observers[name].observe
-            elif tensor in ("key", "value"):  # [batch, kv heads, tokens, dim]: heads last, so "channels" are heads
-                attention_layers.setdefault(layer, {})[tensor] = partial(_observe_heads, observers[name])
+            if layer.endswith(
+                ".residual"
+            ):  # "<block>.residual.<tensor>": ptq/quantization/residual.py
+                residual_blocks.setdefault(layer.removesuffix(".residual"), {})[tensor] = observers[
+                    name
+                ].observe
+            elif tensor in (
+                "key",
+                "value",
+            ):  # [batch, kv heads, tokens, dim]: heads last, so "channels" are heads
+                attention_layers.setdefault(layer, {})[tensor] = partial(
+                    _observe_heads, observers[name]
+                )
             else:
                 attention_layers.setdefault(layer, {})[tensor] = observers[name].observe
     logits = _runner(model, layers) is model  # the lm_head is observed: the logits are computed
@@ -366,17 +401,26 @@ def _calibrate_batches(
             )  # fmt: skip
             if resume:
                 start = load_checkpoint(
-                    checkpoint, observers, fingerprint, len(batches), input_device(model), batch_size
+                    checkpoint,
+                    observers,
+                    fingerprint,
+                    len(batches),
+                    input_device(model),
+                    batch_size,
                 )
             previous = model.config._attn_implementation
             attention.install(
-                model, {k: attention.AttentionQuant(v) for k, v in attention_layers.items()}, observe=True
+                model,
+                {k: attention.AttentionQuant(v) for k, v in attention_layers.items()},
+                observe=True,
             )
             stack.callback(attention.uninstall, model, previous)
             for hook in residual.install(model, residual_blocks):
                 stack.callback(hook.remove)
             run = WholeModels({"original": _runner(model, layers)}, input_device(model))
-        stack.callback(setattr, TensorObserver, "shared", ())  # release the last activations it holds
+        stack.callback(
+            setattr, TensorObserver, "shared", ()
+        )  # release the last activations it holds
         saved_at = time.monotonic()
         description = (
             f"calibrating again on batches of {batch_size} (out of GPU memory on {restarted})"
@@ -395,12 +439,21 @@ def _calibrate_batches(
         ):
             advance(done)
             for i, (_, outputs) in enumerate(
-                run.forward(input_ids[done:], batch_size, logits=logits, after_batch=check, advance=advance), start
+                run.forward(
+                    input_ids[done:], batch_size, logits=logits, after_batch=check, advance=advance
+                ),
+                start,
             ):
                 for _ in outputs:
                     pass  # the observers have seen the batch; the logits are not needed
-                if checkpoint is not None and i + 1 < len(batches) and time.monotonic() - saved_at >= checkpoint_every:
-                    save_checkpoint(checkpoint, observers, fingerprint, i + 1, len(batches), batch_size)
+                if (
+                    checkpoint is not None
+                    and i + 1 < len(batches)
+                    and time.monotonic() - saved_at >= checkpoint_every
+                ):
+                    save_checkpoint(
+                        checkpoint, observers, fingerprint, i + 1, len(batches), batch_size
+                    )
                     saved_at = time.monotonic()
     # the calibrated layers in their order (as read, layer by layer, they come part by part), then the others
     return observers, {name: weight_amax[name] for name in linears} | weight_amax, tensor_amax
@@ -433,7 +486,9 @@ def finish(
             unseen.append(name)
         else:
             input_amax[name] = obs.amax.float().cpu()
-    if skipped and on_nonfinite == "fail":  # an executor checks each batch as it goes; none may pass unchecked
+    if (
+        skipped and on_nonfinite == "fail"
+    ):  # an executor checks each batch as it goes; none may pass unchecked
         name = next(iter(skipped))
         raise PtqError(
             f"input of layer '{name}' contains NaN or inf in {skipped[name]} calibration batch(es); use "
@@ -446,7 +501,11 @@ def finish(
     metadata: dict = {"on_nonfinite": on_nonfinite, "on_unseen": on_unseen}
     if skipped:
         metadata["nonfinite_batches"] = skipped
-    hists = {name: obs.hist for name, obs in observers.items() if obs.finite_batches() and obs.hist is not None}
+    hists = {
+        name: obs.hist
+        for name, obs in observers.items()
+        if obs.finite_batches() and obs.hist is not None
+    }
     # per-channel maxima of the batches kept (a layer whose every batch was non-finite has zeros: none)
     channel_amax = {
         name: obs.channel_amax.cpu()
@@ -461,17 +520,25 @@ def finish(
             )
         metadata["unseen_layers"] = []
         unseen_set = set(unseen)
-        calibrated = {n: v for n, v in input_amax.items() if n not in unseen_set}  # no fallback is another's source
+        calibrated = {
+            n: v for n, v in input_amax.items() if n not in unseen_set
+        }  # no fallback is another's source
         for name in unseen:
             source, rule = _fallback_source(name, calibrated)
             value = input_amax[name] = input_amax[source].clone()
-            if source in hists:  # the observers other than max read a histogram: that of the layer the amax comes from
-                hists[name] = hists[source].clone()  # its own tensor: safetensors saves no shared memory
+            if (
+                source in hists
+            ):  # the observers other than max read a histogram: that of the layer the amax comes from
+                hists[name] = hists[
+                    source
+                ].clone()  # its own tensor: safetensors saves no shared memory
             # SmoothQuant's per-channel maxima, likewise, where the layer's own shape is known to be the source's
             shape = getattr(observers[name].channel_amax, "shape", None)
             if source in channel_amax and shape == channel_amax[source].shape:
                 channel_amax[name] = channel_amax[source].clone()
-            metadata["unseen_layers"].append({"layer": name, "input_amax": float(value), "rule": rule})
+            metadata["unseen_layers"].append(
+                {"layer": name, "input_amax": float(value), "rule": rule}
+            )
     input_amax = {name: input_amax[name] for name in layers}
     return Calibration(
         input_amax,
@@ -487,7 +554,10 @@ def _runner(model: nn.Module, layers: list[str]) -> nn.Module:
     base = getattr(model, "base_model", model)
     if base is model:
         return model
-    base_names = {f"{model.base_model_prefix}.{n}" if n else model.base_model_prefix for n, _ in base.named_modules()}
+    base_names = {
+        f"{model.base_model_prefix}.{n}" if n else model.base_model_prefix
+        for n, _ in base.named_modules()
+    }
     return base if set(layers) <= base_names else model
 
 
@@ -514,7 +584,9 @@ def _fail_on_nonfinite(observers: dict[str, TensorObserver], batch: int, batch_s
     if any(not torch.is_tensor(o.nonfinite) and o.nonfinite for o in observers.values()) or any(
         bool(torch.stack(counts).any()) for counts in by_device.values()
     ):
-        name, obs = min(((n, o) for n, o in observers.items() if int(o.nonfinite)), key=lambda no: no[1].step)
+        name, obs = min(
+            ((n, o) for n, o in observers.items() if int(o.nonfinite)), key=lambda no: no[1].step
+        )
         what = "NaN" if torch.isnan(obs.last) else "inf"
         raise PtqError(
             f"input of layer '{name}' contains {what} in calibration batch {batch} (windows "
@@ -539,12 +611,19 @@ def _fallback_source(name: str, seen: dict[str, torch.Tensor]) -> tuple[str, str
     wildcards = [{numbers[-1]}, set(numbers)] if numbers else []
     for wild in wildcards:
         pattern = ".".join("*" if i in wild else p for i, p in enumerate(parts))
-        regex = re.compile(r"\.".join(r"\d+" if i in wild else re.escape(p) for i, p in enumerate(parts)))
+        regex = re.compile(
+            r"\.".join(r"\d+" if i in wild else re.escape(p) for i, p in enumerate(parts))
+        )
         relatives = [n for n in seen if regex.fullmatch(n)]
         if relatives:
             source = max(relatives, key=lambda n: float(seen[n]))
-            return source, f"max input amax of {len(relatives)} calibrated layer(s) matching {pattern}"
-    return max(seen, key=lambda n: float(seen[n])), f"max input amax of all {len(seen)} calibrated layers"
+            return (
+                source,
+                f"max input amax of {len(relatives)} calibrated layer(s) matching {pattern}",
+            )
+    return max(
+        seen, key=lambda n: float(seen[n])
+    ), f"max input amax of all {len(seen)} calibrated layers"
 
 
 def range_findings(checks: list[tuple[str, str, torch.Tensor, NumberFormat]]) -> list[str]:
@@ -592,11 +671,22 @@ def run_fingerprint(
     h = hashlib.sha256(model)
     h.update(
         json.dumps(
-            [list(input_ids.shape), layers, batch_size, on_nonfinite, sorted(channels), bool(all_experts)]
+            [
+                list(input_ids.shape),
+                layers,
+                batch_size,
+                on_nonfinite,
+                sorted(channels),
+                bool(all_experts),
+            ]
         ).encode()
     )
     h.update(input_ids.cpu().contiguous().numpy().tobytes())
-    h.update(torch.stack([weight_amax[n] for n in layers if n in weight_amax] or [torch.zeros(())]).numpy().tobytes())
+    h.update(
+        torch.stack([weight_amax[n] for n in layers if n in weight_amax] or [torch.zeros(())])
+        .numpy()
+        .tobytes()
+    )
     return h.hexdigest()
 
 
@@ -618,9 +708,15 @@ def model_digest(model: nn.Module) -> bytes:
     for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
         h.update(f"{name} {tuple(t.shape)} {t.dtype}\n".encode())
         if t.device.type != "meta" and t.numel():
-            t = t.detach() if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t.detach().double()
+            t = (
+                t.detach()
+                if t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                else t.detach().double()
+            )
             moments.append(
-                torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)]).cpu()
+                torch.stack(
+                    [t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)]
+                ).cpu()
             )
     if moments:
         h.update(torch.stack(moments).numpy().tobytes())
@@ -628,7 +724,12 @@ def model_digest(model: nn.Module) -> bytes:
 
 
 def save_checkpoint(
-    path: Path, observers: dict[str, TensorObserver], fingerprint: str, done: int, total: int, batch_size: int
+    path: Path,
+    observers: dict[str, TensorObserver],
+    fingerprint: str,
+    done: int,
+    total: int,
+    batch_size: int,
 ) -> None:
     tensors = {}
     for name, obs in observers.items():
@@ -671,7 +772,9 @@ def load_checkpoint(
     """Restore the observers from `path`; return the number of batches it covers. batch_size: this run's, to
     name a mismatch (the fingerprint covers it as well)."""
     if path is None or not Path(path).is_file():
-        raise PtqError(f"no checkpoint to resume from ({path} does not exist); run without --resume")
+        raise PtqError(
+            f"no checkpoint to resume from ({path} does not exist); run without --resume"
+        )
     try:
         with safetensors.safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
@@ -682,12 +785,20 @@ def load_checkpoint(
             f"{path} is not a readable calibration checkpoint; delete it or use --force to start over"
         ) from None
     made_on = header.get("batch_size")
-    if header.get("kind") == CHECKPOINT_KIND and batch_size is not None and made_on not in (None, str(batch_size)):
+    if (
+        header.get("kind") == CHECKPOINT_KIND
+        and batch_size is not None
+        and made_on not in (None, str(batch_size))
+    ):
         raise PtqError(
             f"{path} was made on batches of {made_on} windows, not {batch_size}: resume with --batch-size "
             f"{made_on} (or auto), or use --force to start over"
         )
-    if header.get("kind") != CHECKPOINT_KIND or header.get("batches") != str(total) or not 0 < done < total:
+    if (
+        header.get("kind") != CHECKPOINT_KIND
+        or header.get("batches") != str(total)
+        or not 0 < done < total
+    ):
         raise PtqError(
             f"{path} is not a checkpoint of this calibration (kind or batch count differ); use --force to start over"
         )
@@ -700,7 +811,9 @@ def load_checkpoint(
     for name, obs in observers.items():
         counts = tensors.get(f"counts/{name}")
         if counts is None or counts.shape != (2,):
-            raise PtqError(f"{path} is damaged (no counts for layer '{name}'); use --force to start over")
+            raise PtqError(
+                f"{path} is damaged (no counts for layer '{name}'); use --force to start over"
+            )
         obs.calls, obs.nonfinite = int(counts[0]), int(counts[1])
         if f"amax/{name}" in tensors:
             obs.amax = tensors[f"amax/{name}"].to(device)
@@ -717,7 +830,10 @@ def save_calibration(calibration: Calibration, path: Path, force: bool = False) 
     tensors |= {f"weight_amax/{k}": v.contiguous() for k, v in calibration.weight_amax.items()}
     tensors |= {f"tensor_amax/{k}": v.contiguous() for k, v in calibration.tensor_amax.items()}
     tensors |= {f"input_hist/{k}": v.contiguous() for k, v in calibration.input_hist.items()}
-    tensors |= {f"input_channel_amax/{k}": v.float().contiguous() for k, v in calibration.input_channel_amax.items()}
+    tensors |= {
+        f"input_channel_amax/{k}": v.float().contiguous()
+        for k, v in calibration.input_channel_amax.items()
+    }
     header = {"kind": FILE_KIND, "metadata": json.dumps(calibration.metadata, sort_keys=True)}
     save_safetensors(tensors, path, header)
 
@@ -725,7 +841,9 @@ def save_calibration(calibration: Calibration, path: Path, force: bool = False) 
 def load_calibration(path: Path) -> Calibration:
     path = Path(path)
     if path.is_dir():
-        raise PtqError(f"calibration file {path} is a folder: give the .safetensors file that `ptq calibrate` wrote")
+        raise PtqError(
+            f"calibration file {path} is a folder: give the .safetensors file that `ptq calibrate` wrote"
+        )
     if not path.is_file():
         raise PtqError(f"calibration file {path} does not exist")
     try:
@@ -734,18 +852,26 @@ def load_calibration(path: Path) -> Calibration:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         if os_reason(path, e):  # the file is there (checked above), but may not be read
-            raise PtqError(f"cannot read the calibration file {path}: {os_reason(path, e)}") from None
+            raise PtqError(
+                f"cannot read the calibration file {path}: {os_reason(path, e)}"
+            ) from None
         raise PtqError(
             f"{path} is not a readable calibration file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         ) from None
     kind = header.get("kind")
-    if isinstance(kind, str) and kind.startswith(FILE_KIND.split("/")[0] + "/") and kind != FILE_KIND:
+    if (
+        isinstance(kind, str)
+        and kind.startswith(FILE_KIND.split("/")[0] + "/")
+        and kind != FILE_KIND
+    ):
         raise PtqError(
             f"{path} was written by another version of ptq (kind {reprlib.repr(kind)}; this version reads "
             f"{FILE_KIND!r}, whose histograms are binned differently): calibrate again"
         )
     if kind != FILE_KIND:
-        raise PtqError(f"{path} is not a ptq calibration file (kind {reprlib.repr(kind)}, expected {FILE_KIND!r})")
+        raise PtqError(
+            f"{path} is not a ptq calibration file (kind {reprlib.repr(kind)}, expected {FILE_KIND!r})"
+        )
     try:
         metadata = json.loads(header.get("metadata", "{}"))
     except (json.JSONDecodeError, RecursionError):
@@ -777,7 +903,9 @@ def load_calibration(path: Path) -> Calibration:
         target[name] = tensor.reshape(())
     if not calibration.input_amax:
         raise PtqError(f"{path}: the calibration file has no amax entries")
-    if not set(calibration.input_hist) | set(calibration.input_channel_amax) <= set(calibration.input_amax):
+    if not set(calibration.input_hist) | set(calibration.input_channel_amax) <= set(
+        calibration.input_amax
+    ):
         raise PtqError(f"{path}: histograms or per-channel amax name tensors without an input amax")
     return calibration
 
@@ -787,7 +915,9 @@ def _load_statistics(calibration: Calibration, path: Path, key: str, tensor: tor
     kind, _, name = key.partition("/")
     if kind == "input_hist":
         if tensor.dtype != torch.int64 or tensor.shape != (NUM_BINS,) or bool((tensor < 0).any()):
-            raise PtqError(f"{path}: invalid entry {reprlib.repr(key)} (expected {NUM_BINS} non-negative int64 counts)")
+            raise PtqError(
+                f"{path}: invalid entry {reprlib.repr(key)} (expected {NUM_BINS} non-negative int64 counts)"
+            )
         calibration.input_hist[name] = tensor
     else:
         if (
@@ -805,7 +935,9 @@ def _load_statistics(calibration: Calibration, path: Path, key: str, tensor: tor
 def check_metadata(metadata: object, path: Path) -> None:
     """The metadata is read into reports: it must be a JSON object with the fields they use, well typed."""
     if not isinstance(metadata, dict):
-        raise PtqError(f"{path}: calibration metadata must be a JSON object, not {type(metadata).__name__}")
+        raise PtqError(
+            f"{path}: calibration metadata must be a JSON object, not {type(metadata).__name__}"
+        )
     for key, kind in REQUIRED_METADATA.items():
         value = metadata.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
@@ -815,14 +947,17 @@ def check_metadata(metadata: object, path: Path) -> None:
             )
     unseen = metadata.get("unseen_layers", [])
     if not isinstance(unseen, list) or not all(
-        isinstance(u, dict) and isinstance(u.get("layer"), str) and isinstance(u.get("rule"), str) for u in unseen
+        isinstance(u, dict) and isinstance(u.get("layer"), str) and isinstance(u.get("rule"), str)
+        for u in unseen
     ):
         raise PtqError(f"{path}: calibration metadata field 'unseen_layers' is malformed")
     warnings, skipped = metadata.get("warnings", []), metadata.get("nonfinite_batches", {})
     if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
         raise PtqError(f"{path}: calibration metadata field 'warnings' must be a list of strings")
     if not isinstance(skipped, dict) or not all(isinstance(v, int) for v in skipped.values()):
-        raise PtqError(f"{path}: calibration metadata field 'nonfinite_batches' must map layers to counts")
+        raise PtqError(
+            f"{path}: calibration metadata field 'nonfinite_batches' must map layers to counts"
+        )
 
 
 def summary_rows(calibration: Calibration, top: int = 10) -> dict:
@@ -837,7 +972,11 @@ def summary_rows(calibration: Calibration, top: int = 10) -> dict:
     return {
         "layers": len(items),
         "input_amax_min": min(values),
-        "input_amax_median": statistics.median(values),  # the mean of the middle two (torch's median: the lower)
+        "input_amax_median": statistics.median(
+            values
+        ),  # the mean of the middle two (torch's median: the lower)
         "input_amax_max": max(values),
-        "largest": [{"layer": k, "input_amax": v, "weight_amax": float(weights[k])} for k, v in items[:top]],
+        "largest": [
+            {"layer": k, "input_amax": v, "weight_amax": float(weights[k])} for k, v in items[:top]
+        ],
     }

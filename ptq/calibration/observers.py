@@ -33,7 +33,9 @@ BINS_PER_OCTAVE = 2**MANTISSA_BITS
 # holds, so above 2^32 the methods that read it give way to the max (choose_clip).
 MIN_EXPONENT, MAX_EXPONENT = -24, 32
 NUM_BINS = (MAX_EXPONENT - MIN_EXPONENT) * BINS_PER_OCTAVE
-_FIRST_BIN = (MIN_EXPONENT + 127) << MANTISSA_BITS  # the bit pattern of 2^-24 (float32 bias 127), shifted
+_FIRST_BIN = (
+    MIN_EXPONENT + 127
+) << MANTISSA_BITS  # the bit pattern of 2^-24 (float32 bias 127), shifted
 SUBSAMPLES = 4
 MSE_CANDIDATES = 128  # clips tried between amax / 2^8 and amax
 METHODS = ("max", "percentile", "mse", "entropy", "best")
@@ -44,7 +46,9 @@ def bin_edges() -> torch.Tensor:
     everything below 2^-24, the last bin everything above."""
     i = torch.arange(NUM_BINS + 1, dtype=torch.float64)
     octave = torch.div(i, BINS_PER_OCTAVE, rounding_mode="floor")
-    return torch.exp2(MIN_EXPONENT + octave) * (1 + (i - octave * BINS_PER_OCTAVE) / BINS_PER_OCTAVE)
+    return torch.exp2(MIN_EXPONENT + octave) * (
+        1 + (i - octave * BINS_PER_OCTAVE) / BINS_PER_OCTAVE
+    )
 
 
 def histogram(x: torch.Tensor) -> torch.Tensor:
@@ -76,8 +80,12 @@ class TensorObserver:
         self.channel_amax: torch.Tensor | None = None
         self.channels = channels
         self.calls = 0  # batches seen
-        self.nonfinite: int | torch.Tensor = 0  # batches with NaN/inf (a tensor on the device once observed)
-        self.last: torch.Tensor | None = None  # the latest batch's amax (NaN or inf names the fault)
+        self.nonfinite: int | torch.Tensor = (
+            0  # batches with NaN/inf (a tensor on the device once observed)
+        )
+        self.last: torch.Tensor | None = (
+            None  # the latest batch's amax (NaN or inf names the fault)
+        )
         self.step = -1  # when it was last called, in the order of all observers' calls
 
     # The statistics of the last two tensors observed, the latest used first: q/k/v (and gate/up) see the same input
@@ -104,11 +112,17 @@ class TensorObserver:
         )
         # A batch with NaN/inf leaves every statistic as it was (amax: 0 until a finite batch; finite_batches() says)
         previous = self.amax if self.amax is not None else torch.zeros_like(a)
-        self.amax = torch.where(finite, torch.maximum(previous.to(a.device), a), previous.to(a.device))
+        self.amax = torch.where(
+            finite, torch.maximum(previous.to(a.device), a), previous.to(a.device)
+        )
         if self._hist is not None:
             self._hist = self._hist.to(hist.device) + torch.where(finite, hist, 0)
         if self.channels:
-            previous = self.channel_amax if self.channel_amax is not None else torch.zeros_like(channel_amax)
+            previous = (
+                self.channel_amax
+                if self.channel_amax is not None
+                else torch.zeros_like(channel_amax)
+            )
             previous = previous.to(channel_amax.device)
             self.channel_amax = torch.where(finite, torch.maximum(previous, channel_amax), previous)
         return x.detach()
@@ -119,7 +133,10 @@ class TensorObserver:
         written in place, as layer by layer the hidden states are, has a new version). An inference tensor has no
         version: not cached (calibration runs under no_grad)."""
         version = None if x.is_inference() else x._version
-        wants = (self._hist is not None, self.channels)  # not `hist`: a copy to the host, a device sync
+        wants = (
+            self._hist is not None,
+            self.channels,
+        )  # not `hist`: a copy to the host, a device sync
         for i, (seen, seen_version, seen_wants, statistics) in enumerate(TensorObserver.shared):
             if seen is x and seen_version == version and seen_wants == wants:
                 if i:  # the latest used first: it is kept while each expert's down_proj input comes and goes
@@ -128,7 +145,9 @@ class TensorObserver:
         data = x.detach()
         a = amax(data)
         hist = histogram(data) if self._hist is not None else None  # kept only if finite (observe)
-        channel_amax = data.abs().reshape(-1, data.shape[-1]).amax(0).float() if self.channels else None
+        channel_amax = (
+            data.abs().reshape(-1, data.shape[-1]).amax(0).float() if self.channels else None
+        )
         statistics = (a, hist, channel_amax)
         if version is not None:
             TensorObserver.shared = ((x, version, wants, statistics), *TensorObserver.shared[:1])
@@ -144,7 +163,11 @@ class TensorObserver:
         """A copy whose statistics are on the CPU (to be sent to another process: torchrun's shares)."""
         copy = TensorObserver(hist=self._hist is not None, channels=self.channels)
         on_cpu = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731
-        copy.amax, copy._hist, copy.channel_amax = on_cpu(self.amax), on_cpu(self._hist), on_cpu(self.channel_amax)
+        copy.amax, copy._hist, copy.channel_amax = (
+            on_cpu(self.amax),
+            on_cpu(self._hist),
+            on_cpu(self.channel_amax),
+        )
         copy.calls, copy.nonfinite, copy.last, copy.step = (
             self.calls,
             on_cpu(self.nonfinite),
@@ -186,7 +209,12 @@ def _fold(mine, theirs, op):
         return theirs.clone()
     if not torch.is_tensor(mine):
         return theirs + mine
-    return op(mine, theirs.to(mine.device) if torch.is_tensor(theirs) else torch.tensor(theirs, device=mine.device))
+    return op(
+        mine,
+        theirs.to(mine.device)
+        if torch.is_tensor(theirs)
+        else torch.tensor(theirs, device=mine.device),
+    )
 
 
 def _bin_values(hist: torch.Tensor, amax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,13 +230,17 @@ def _bin_values(hist: torch.Tensor, amax: float) -> tuple[torch.Tensor, torch.Te
     return values.flatten(), weights.flatten()
 
 
-def clip_errors(hist: torch.Tensor, amax: float, clips: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+def clip_errors(
+    hist: torch.Tensor, amax: float, clips: torch.Tensor, fmt: NumberFormat
+) -> torch.Tensor:
     """Mean squared error of quantizing the histogram's values with scale clip / fmt.max, per clip."""
     values, weights = _bin_values(hist, amax)
     if values.numel() == 0:
         return torch.zeros_like(clips, dtype=torch.float64)
     scales = (clips.double() / fmt.max).clamp(min=1e-30).float()[:, None]
-    q = fake_quantize(values.float()[None, :].expand(len(clips), -1), scales, fmt, saturate=True).double()
+    q = fake_quantize(
+        values.float()[None, :].expand(len(clips), -1), scales, fmt, saturate=True
+    ).double()
     return ((q - values[None, :]) ** 2 * weights[None, :]).sum(1) / weights.sum()
 
 
@@ -220,14 +252,19 @@ def snr_db(signal_power: float, noise_power: float) -> float | None:
     return 10.0 * math.log10(signal_power / noise_power)
 
 
-def sqnr_db(hist: torch.Tensor, amax: float, fmt: NumberFormat, clip: float | None = None) -> float | None:
+def sqnr_db(
+    hist: torch.Tensor, amax: float, fmt: NumberFormat, clip: float | None = None
+) -> float | None:
     """Signal-to-quantization-noise ratio (dB, see snr_db) of the histogram's values quantized with
     clip / fmt.max (clip defaults to amax: plain max calibration)."""
     values, weights = _bin_values(hist, amax)
     if values.numel() == 0 or amax <= 0:
         return None
     signal = float((values**2 * weights).sum() / weights.sum())
-    return snr_db(signal, float(clip_errors(hist, amax, torch.tensor([clip if clip is not None else amax]), fmt)[0]))
+    return snr_db(
+        signal,
+        float(clip_errors(hist, amax, torch.tensor([clip if clip is not None else amax]), fmt)[0]),
+    )
 
 
 def percentile_clip(hist: torch.Tensor, amax: float, percentile: float) -> float:
@@ -267,7 +304,9 @@ def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> float:
     return float((p[mask] * torch.log(p[mask] / q[mask])).sum())
 
 
-def quantized_histogram(hist: torch.Tensor, clip_bin: int, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_histogram(
+    hist: torch.Tensor, clip_bin: int, levels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """TensorRT's entropy construction, for any grid: P is hist[:clip_bin + 1] with the mass above folded
     into its last bin; Q spreads the mass of each quantization level (bins that round to the same grid
     value, given by `levels`) evenly over that level's non-empty bins, from the unfolded slice."""
@@ -303,7 +342,11 @@ def entropy_clip(hist: torch.Tensor, amax: float, fmt: NumberFormat) -> float:
 
 
 def choose_clip(
-    method: str, hist: torch.Tensor | None, amax: float, fmt: NumberFormat, percentile: float = 99.99
+    method: str,
+    hist: torch.Tensor | None,
+    amax: float,
+    fmt: NumberFormat,
+    percentile: float = 99.99,
 ) -> tuple[str, float]:
     """(method used, clip) for one activation. `best` tries max, percentile and mse and keeps the one with
     the lowest mean squared error on the calibration histogram. An amax at or above the histogram's top
@@ -318,7 +361,11 @@ def choose_clip(
         return method, entropy_clip(hist, amax, fmt)
     if method != "best":
         raise ValueError(f"unknown observer '{method}'")
-    options = {"max": amax, "percentile": percentile_clip(hist, amax, percentile), "mse": mse_clip(hist, amax, fmt)}
+    options = {
+        "max": amax,
+        "percentile": percentile_clip(hist, amax, percentile),
+        "mse": mse_clip(hist, amax, fmt),
+    }
     errors = clip_errors(hist, amax, torch.tensor(list(options.values()), dtype=torch.float64), fmt)
     name = list(options)[int(torch.argmin(errors))]
     return name, options[name]

@@ -80,10 +80,14 @@ def build_results(
         device=describe_compute(compute),
         compute=parse(Compute, compute),
         eval=_eval_setup(corpus, windows, scores[baseline.name if baseline else recipes[0].name]),
-        protocol=protocol(windows, compute, baseline) + [engines.describe(target)] + harness.protocol(described),
+        protocol=protocol(windows, compute, baseline)
+        + [engines.describe(target)]
+        + harness.protocol(described),
         target=target,
         statistics=parse(Statistics, stats.describe()),
-        calibration=calibration_entry(calibration, calibration_source, layer_order) if calibration else None,
+        calibration=calibration_entry(calibration, calibration_source, layer_order)
+        if calibration
+        else None,
         tasks=[parse(TaskInfo, t) for t in described] if tasks else None,
         task_scoring=parse(TaskScoring, harness.scoring(*tasks)) if tasks else None,
         versions=versions | ({"lm_eval": harness.lm_eval_version()} if tasks else {}),
@@ -92,7 +96,10 @@ def build_results(
     if baseline is None:
         (config,) = recipes
         return EvalResults(
-            **run, config=_entry(Entry, config, scores[config.name], coverages, task_entries.get(config.name))
+            **run,
+            config=_entry(
+                Entry, config, scores[config.name], coverages, task_entries.get(config.name)
+            ),
         )
     base = scores[baseline.name]
     results = CompareResults(
@@ -115,7 +122,9 @@ def build_results(
     return dataclasses.replace(results, gates=gate_results(results, limits or Limits()))
 
 
-def _entry(kind: type, recipe: Recipe, s: Scores, coverages: dict, tasks: dict | None, base=None, **fields) -> Entry:
+def _entry(
+    kind: type, recipe: Recipe, s: Scores, coverages: dict, tasks: dict | None, base=None, **fields
+) -> Entry:
     """The baseline's, a variant's (kind Variant, measured against `base`) or eval's configuration's entry."""
     if kind is Variant:
         fields |= {
@@ -187,7 +196,9 @@ def _task_entries(
     return out
 
 
-def calibration_entry(calibration: Calibration, source: str, layer_order: list[str]) -> CalibrationEntry:
+def calibration_entry(
+    calibration: Calibration, source: str, layer_order: list[str]
+) -> CalibrationEntry:
     """Where the calibration came from, its text, summary, faults (what calibration worked around, and the range
     warnings) and every layer's amax, in the model's order."""
     m = calibration.metadata
@@ -230,7 +241,10 @@ def calibration_faults(metadata: dict) -> CalibrationFaults:
 def describe_compute(compute: dict) -> str:
     """One line for reports."""
     if compute["matmul"] == "fp8":
-        why, partial = compute.get("blockwise_simulated"), compute.get("blockwise_partial_simulated")
+        why, partial = (
+            compute.get("blockwise_simulated"),
+            compute.get("blockwise_partial_simulated"),
+        )
         blocks = (
             "128 x 128 weight blocks with 1 x 128 input groups too (torch.nn.functional.scaled_mm block-wise)"
             + (f", but layers with partial blocks simulated ({partial})" if partial else "")
@@ -244,10 +258,14 @@ def describe_compute(compute: dict) -> str:
     else:
         matmul = "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)"
     blocks = "; layer by layer from disk (--low-memory)" if compute.get("low_memory") else ""
-    placed_text = f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
+    placed_text = (
+        f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
+    )
     cpu = [compute.get("cpu"), compute.get("cpu_kernels") and f"{compute['cpu_kernels']} kernels"]
     kernels = f" ({', '.join(x for x in cpu if x)})" if any(cpu) else ""
-    return f"{compute['device']}{kernels}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
+    return (
+        f"{compute['device']}{kernels}, {compute['dtype']} compute; {matmul}{blocks}{placed_text}"
+    )
 
 
 def text_stride(windows: Windows) -> int:
@@ -277,7 +295,9 @@ def recipe_summary(r: Recipe) -> RecipeSummary:
         inputs=r.inputs.describe(),
         ignore=list(r.ignore),
         source=Path(r.source).name,
-        attention=r.attention.describe() + f" ({', '.join(r.attention_tensors)})" if r.attention else None,
+        attention=r.attention.describe() + f" ({', '.join(r.attention_tensors)})"
+        if r.attention
+        else None,
         kv_cache=r.kv_cache.describe() if r.kv_cache else None,
         smoothquant_alpha=r.smoothquant,
         residual=r.residual.describe() if r.residual else None,

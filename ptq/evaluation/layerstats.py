@@ -39,7 +39,11 @@ def weight_snr_db(original: nn.Module, quantized: nn.Module) -> dict[str, float 
     SmoothQuant layer rounds W * s (columns scaled): its noise is measured against that."""
     modules = dict(original.named_modules())
     return {
-        name: snr_db(*_fused_powers(_rounded_weight_source(modules[name].weight.detach(), q), q.weight).tolist())
+        name: snr_db(
+            *_fused_powers(
+                _rounded_weight_source(modules[name].weight.detach(), q), q.weight
+            ).tolist()
+        )
         for name, q in quantized_layers(quantized).items()
     }
 
@@ -58,7 +62,9 @@ _fused_powers = fused(_powers)  # one pass, no temporaries
 
 
 @contextlib.contextmanager
-def input_snr_db(quantized: dict[str, nn.Module], window_tokens: int, windows: int = INPUT_SNR_WINDOWS):
+def input_snr_db(
+    quantized: dict[str, nn.Module], window_tokens: int, windows: int = INPUT_SNR_WINDOWS
+):
     """While the variants run (the evaluation), measure the SNR of each scaled-input layer's input over the
     first `windows` windows it sees (windows of `window_tokens` tokens; an expert's input, a row per token routed
     to it, over the first windows x window_tokens rows). Yields {variant: {layer: dB}}, filled in when the block
@@ -72,16 +78,28 @@ def input_snr_db(quantized: dict[str, nn.Module], window_tokens: int, windows: i
         def hook(module: QuantLinear, args: tuple) -> None:
             x = args[0]
             room = budget - sums_of_layer[1]
-            per_row = x[:1].numel() // x.shape[-1]  # tokens in one window [S, in], or 1 for an expert's row [in]
+            per_row = (
+                x[:1].numel() // x.shape[-1]
+            )  # tokens in one window [S, in], or 1 for an expert's row [in]
             if len(x) * per_row > room:
                 x = x[: room // per_row]
             if len(x):
-                with onloaded(module):  # offloaded by --device-map: its scale is on the device during its forward only
-                    x_in, x_q = module.quantize_input(x)  # the call the forward makes next (an input is rounded once)
-                    if last.get("x_q") is not x_q:  # q/k/v (gate/up) share one input and its rounding: sum it once
+                with onloaded(
+                    module
+                ):  # offloaded by --device-map: its scale is on the device during its forward only
+                    x_in, x_q = module.quantize_input(
+                        x
+                    )  # the call the forward makes next (an input is rounded once)
+                    if (
+                        last.get("x_q") is not x_q
+                    ):  # q/k/v (gate/up) share one input and its rounding: sum it once
                         last["x_q"] = x_q  # held, so that its identity cannot be reused meanwhile
-                        last["sums"] = _fused_powers(x_in.detach(), x_q)  # left on the device: no sync per layer
-                sums_of_layer[0] = last["sums"] if sums_of_layer[0] is None else sums_of_layer[0] + last["sums"]
+                        last["sums"] = _fused_powers(
+                            x_in.detach(), x_q
+                        )  # left on the device: no sync per layer
+                sums_of_layer[0] = (
+                    last["sums"] if sums_of_layer[0] is None else sums_of_layer[0] + last["sums"]
+                )
                 sums_of_layer[1] += len(x) * per_row
             if sums_of_layer[1] >= budget:
                 handle[0].remove()
@@ -94,7 +112,9 @@ def input_snr_db(quantized: dict[str, nn.Module], window_tokens: int, windows: i
             if q.inputs.format.scaled:
                 sums[variant][name] = [None, 0]  # [signal, noise] powers (a tensor), tokens seen
                 handle: list = []
-                handle.append(q.register_forward_pre_hook(hook_for(sums[variant][name], last, handle)))
+                handle.append(
+                    q.register_forward_pre_hook(hook_for(sums[variant][name], last, handle))
+                )
                 hooks.append(handle[0])
     result: dict[str, dict[str, float | None]] = {}
     try:
@@ -105,7 +125,11 @@ def input_snr_db(quantized: dict[str, nn.Module], window_tokens: int, windows: i
     # a layer given no input (an expert no token was routed to) was not measured: left out, not null (exact)
     result.update(
         {
-            v: {n: snr_db(*powers.tolist()) for n, (powers, _) in layers.items() if powers is not None}
+            v: {
+                n: snr_db(*powers.tolist())
+                for n, (powers, _) in layers.items()
+                if powers is not None
+            }
             for v, layers in sums.items()
         }
     )

@@ -30,7 +30,9 @@ RESAMPLES = 2000
 SEED = 0
 CONFIDENCE = 0.95
 _CHUNK = 200  # resamples drawn at a time, so memory stays at _CHUNK x units
-MIN_UNITS = 4  # fewer units: no standard error, no interval, never distinguishable from zero (see above)
+MIN_UNITS = (
+    4  # fewer units: no standard error, no interval, never distinguishable from zero (see above)
+)
 NOT_AVAILABLE = float("nan")
 
 Statistic = Callable[[np.ndarray], np.ndarray]  # unit means along the last axis -> the metric
@@ -42,7 +44,12 @@ def identity(means: np.ndarray) -> np.ndarray:
 
 def describe() -> dict:
     """How the intervals are made, for results.json and the report."""
-    return {"method": "percentile bootstrap", "resamples": RESAMPLES, "seed": SEED, "confidence": CONFIDENCE}
+    return {
+        "method": "percentile bootstrap",
+        "resamples": RESAMPLES,
+        "seed": SEED,
+        "confidence": CONFIDENCE,
+    }
 
 
 def _resampled_means(units: np.ndarray) -> np.ndarray:
@@ -120,13 +127,17 @@ def wilson(successes: int, n: int) -> list[float]:
     return [0.0 if successes == 0 else center - half, 1.0 if successes == n else center + half]
 
 
-def paired_delta(base_units, variant_units, delta: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> dict:
+def paired_delta(
+    base_units, variant_units, delta: Callable[[np.ndarray, np.ndarray], np.ndarray]
+) -> dict:
     """`delta(variant mean, base mean)` on the same units, with a paired bootstrap interval and whether
     that interval excludes zero (never with fewer than MIN_UNITS units: then no interval, NaN)."""
     base_units = np.asarray(base_units, dtype=np.float64)
     variant_units = np.asarray(variant_units, dtype=np.float64)
     if base_units.shape != variant_units.shape:
-        raise ValueError(f"paired units differ in shape: {base_units.shape} vs {variant_units.shape}")
+        raise ValueError(
+            f"paired units differ in shape: {base_units.shape} vs {variant_units.shape}"
+        )
     _check_units(len(base_units))
     with np.errstate(over="ignore"):  # a collapsed variant's perplexity ratio: inf, as it is
         value = float(delta(variant_units.mean(), base_units.mean()))
@@ -139,7 +150,9 @@ def paired_delta(base_units, variant_units, delta: Callable[[np.ndarray, np.ndar
         "delta": value,
         "stderr": stderr,
         "ci": ci,
-        "significant": bool(ci[0] > 0 or ci[1] < 0),  # False for NaN ends: no interval, nothing distinguished
+        "significant": bool(
+            ci[0] > 0 or ci[1] < 0
+        ),  # False for NaN ends: no interval, nothing distinguished
         "n": int(len(base_units)),
     }
 

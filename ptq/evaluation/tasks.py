@@ -24,10 +24,14 @@ DELIMITER = " "  # lm-eval's default target_delimiter between context and contin
 
 @dataclass(frozen=True)
 class Item:
-    contexts: tuple[str, ...]  # one per choice; all equal except for partial evaluation (winogrande)
+    contexts: tuple[
+        str, ...
+    ]  # one per choice; all equal except for partial evaluation (winogrande)
     continuations: tuple[str, ...]  # the scored text of each choice
     label: int
-    norm_lengths: tuple[int, ...] = ()  # acc_norm divisor of each choice (characters); empty: no acc_norm
+    norm_lengths: tuple[
+        int, ...
+    ] = ()  # acc_norm divisor of each choice (characters); empty: no acc_norm
 
 
 @dataclass(frozen=True)
@@ -43,11 +47,17 @@ class Task:
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        return ("acc", "acc_norm") if self.kind == "choice" and all(i.norm_lengths for i in self.items) else ("acc",)
+        return (
+            ("acc", "acc_norm")
+            if self.kind == "choice" and all(i.norm_lengths for i in self.items)
+            else ("acc",)
+        )
 
     @property
     def sha256(self) -> str:
-        blob = json.dumps([[i.contexts, i.continuations, i.label] for i in self.items], ensure_ascii=False)
+        blob = json.dumps(
+            [[i.contexts, i.continuations, i.label] for i in self.items], ensure_ascii=False
+        )
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
     def describe(self) -> dict:
@@ -87,14 +97,22 @@ def subsample(task: Task, max_items: int | None) -> Task:
 def scored_chance(task: Task, limit: float | None) -> tuple[float, int]:
     """The chance of the items lm-eval scores under --limit (the first ceil(n * limit) of them for a fraction, else
     the first `limit`: lm_eval.evaluator_utils.get_sample_size), and how many those are."""
-    n = len(task.items) if limit is None else math.ceil(len(task.items) * limit) if limit < 1 else int(limit)
+    n = (
+        len(task.items)
+        if limit is None
+        else math.ceil(len(task.items) * limit)
+        if limit < 1
+        else int(limit)
+    )
     scored = task.items[:n]
     return _chance(task.kind, scored)[0], len(scored)
 
 
 def _chance(kind: str, items: list[Item]) -> tuple[float, str]:
     if kind == "choice":
-        return float(np.mean([1 / len(i.continuations) for i in items])), "uniform guess among the choices"
+        return float(
+            np.mean([1 / len(i.continuations) for i in items])
+        ), "uniform guess among the choices"
     counts = Counter(i.continuations[i.label].strip().lower() for i in items)
     word, top = counts.most_common(1)[0]
     return top / len(items), (
@@ -103,7 +121,9 @@ def _chance(kind: str, items: list[Item]) -> tuple[float, str]:
     )
 
 
-def _task(name: str, kind: str, items: list[Item], source: str, notes: tuple[str, ...] = ()) -> Task:
+def _task(
+    name: str, kind: str, items: list[Item], source: str, notes: tuple[str, ...] = ()
+) -> Task:
     if not items:
         raise PtqError(f"task '{name}' has no items ({source})")
     chance, note = _chance(kind, items)
@@ -113,8 +133,13 @@ def _task(name: str, kind: str, items: list[Item], source: str, notes: tuple[str
 # ----------------------------------------------------------------------------------------------
 # Cloze: LAMBADA-style items from any text
 
-CLOZE_CONTEXT_CHARS = (200, 600)  # a passage's context: whole lines, at least 200, at most 600 characters
-CLOZE_LAST_WORD = re.compile(r"(?<= )([a-z]{3,})[.!?]$")  # a line that ends a sentence with a plain word
+CLOZE_CONTEXT_CHARS = (
+    200,
+    600,
+)  # a passage's context: whole lines, at least 200, at most 600 characters
+CLOZE_LAST_WORD = re.compile(
+    r"(?<= )([a-z]{3,})[.!?]$"
+)  # a line that ends a sentence with a plain word
 
 
 def build_cloze(corpus: Corpus, name: str = "cloze") -> Task:
@@ -139,7 +164,9 @@ def build_cloze(corpus: Corpus, name: str = "cloze") -> Task:
     items = cloze_items(corpus)
     if not items:
         raise PtqError(f"task '{name}' has no items: {no_cloze_items(corpus)}")
-    return _task(name, "greedy", items, f"cloze from {corpus.source} (sha256 {corpus.sha256[:16]})", notes)
+    return _task(
+        name, "greedy", items, f"cloze from {corpus.source} (sha256 {corpus.sha256[:16]})", notes
+    )
 
 
 def no_cloze_items(corpus: Corpus) -> str:
@@ -178,4 +205,7 @@ def cloze_items(corpus: Corpus) -> list[Item]:
 
 def cloze_rows(task: Task) -> list[dict]:
     """The rows lm-eval scores a cloze task on (lm_eval_tasks/_ptq_cloze.yaml): context and target word."""
-    return [{"context": i.contexts[0], "target": i.continuations[0].removeprefix(DELIMITER)} for i in task.items]
+    return [
+        {"context": i.contexts[0], "target": i.continuations[0].removeprefix(DELIMITER)}
+        for i in task.items
+    ]

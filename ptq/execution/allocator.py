@@ -8,7 +8,9 @@ import os
 
 # glibc's mallopt parameters (malloc.h) and the values ptq sets
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 32 * 2**20  # glibc's ceiling for its own sliding threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
+MMAP_THRESHOLD = (
+    32 * 2**20
+)  # glibc's ceiling for its own sliding threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
 TRIM_THRESHOLD = 256 * 2**20
 # malloc's parameters set by the user (theirs are kept): the variables, and glibc.malloc.* in GLIBC_TUNABLES
 ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -24,7 +26,9 @@ def keep_freed_host_memory() -> bool:
 
     Only on glibc (elsewhere: False), and not where the user sets malloc's parameters (MALLOC_*_, glibc.malloc.*
     in GLIBC_TUNABLES). Called by the CLI and the bench, not on import: a program importing ptq keeps its own."""
-    if any(name in os.environ for name in ENVIRONMENT) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    if any(name in os.environ for name in ENVIRONMENT) or "glibc.malloc." in os.environ.get(
+        "GLIBC_TUNABLES", ""
+    ):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -32,4 +36,7 @@ def keep_freed_host_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; setting either parameter ends glibc's sliding thresholds, so both are set
-    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    return (
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+        and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    )

@@ -21,8 +21,12 @@ from ptq.execution.devices import WAYS_OUT, input_device, out_of_memory, release
 AUTO = "auto"
 CPU_BATCH_SIZE = 4
 MAX_AUTO_BATCH_SIZE = 64
-MAX_BATCH_SIZE = 2**31 - 1  # an explicit size above this (more windows than any run has) is capped to it
-GPU_MEMORY_FRACTION = 0.7  # of the free memory, for the activations (allocator fragmentation, cuBLAS workspaces)
+MAX_BATCH_SIZE = (
+    2**31 - 1
+)  # an explicit size above this (more windows than any run has) is capped to it
+GPU_MEMORY_FRACTION = (
+    0.7  # of the free memory, for the activations (allocator fragmentation, cuBLAS workspaces)
+)
 
 
 def parse_batch_size(value: str | int | None) -> int | None:
@@ -39,7 +43,13 @@ def parse_batch_size(value: str | int | None) -> int | None:
 
 
 def window_bytes(
-    config, seq_len: int, dtype: torch.dtype, models: int = 1, *, calibrating: bool = False, logits: bool = True
+    config,
+    seq_len: int,
+    dtype: torch.dtype,
+    models: int = 1,
+    *,
+    calibrating: bool = False,
+    logits: bool = True,
 ) -> int:
     """Estimated GPU memory one window of `seq_len` tokens needs while `models` variants score it: each
     variant's logits in the compute dtype and, one window at a time, in float32 (the metrics); the baseline's
@@ -62,10 +72,18 @@ def window_bytes(
     # layer's scores, heads x seq_len^2, in the compute dtype, their float32 softmax and its cast back; fused SDPA none
     attention = getattr(config, "_attn_implementation", None)
     if isinstance(attention, str) and (attention == "eager" or attention.startswith("ptq")):
-        block += (getattr(config, "num_attention_heads", 0) or 0) * seq_len * seq_len * (2 * size + 4)
+        block += (
+            (getattr(config, "num_attention_heads", 0) or 0) * seq_len * seq_len * (2 * size + 4)
+        )
     if calibrating:
-        return (seq_len * vocab * size if logits else 0) + block + seq_len * max(hidden, intermediate) * 16
-    logits_bytes = seq_len * vocab * (size + (4 if models > 1 else 0))  # + the baseline's float32 probabilities
+        return (
+            (seq_len * vocab * size if logits else 0)
+            + block
+            + seq_len * max(hidden, intermediate) * 16
+        )
+    logits_bytes = (
+        seq_len * vocab * (size + (4 if models > 1 else 0))
+    )  # + the baseline's float32 probabilities
     return logits_bytes + block
 
 
@@ -83,19 +101,32 @@ def auto_batch_size(
     on the meta device, run layer by layer), CPU_BATCH_SIZE. For a list of models (a compare's baseline and
     variants), the smallest: a variant that quantizes attention computes it eagerly, its scores held per window."""
     if isinstance(model, list):
-        return min(auto_batch_size(m, seq_len, windows, models, calibrating=calibrating, logits=logits) for m in model)
+        return min(
+            auto_batch_size(m, seq_len, windows, models, calibrating=calibrating, logits=logits)
+            for m in model
+        )
     device, param = input_device(model), next(model.parameters(), None)
     if param is None or device.type != "cuda":
         return max(1, min(CPU_BATCH_SIZE, windows))
-    free, _ = torch.cuda.mem_get_info(device)  # with --device-map, of the GPU the inputs and logits are on
+    free, _ = torch.cuda.mem_get_info(
+        device
+    )  # with --device-map, of the GPU the inputs and logits are on
     per_window = max(
-        1, window_bytes(model.config, seq_len, param.dtype, models, calibrating=calibrating, logits=logits)
+        1,
+        window_bytes(
+            model.config, seq_len, param.dtype, models, calibrating=calibrating, logits=logits
+        ),
     )
     return max(1, min(MAX_AUTO_BATCH_SIZE, windows, int(free * GPU_MEMORY_FRACTION // per_window)))
 
 
 def back_off(
-    size: int, auto: bool, what: str, error: str, estimate: int | None = None, ways_out: str = WAYS_OUT
+    size: int,
+    auto: bool,
+    what: str,
+    error: str,
+    estimate: int | None = None,
+    ways_out: str = WAYS_OUT,
 ) -> int:
     """After a CUDA out-of-memory at batch size `size`: the halved size to retry with (automatic batch sizes
     only), or the one-line error (an explicit batch size, or a single window that does not fit). Call it outside

@@ -31,18 +31,33 @@ def default_device() -> torch.device:
         try:
             device = torch.device(name)
         except RuntimeError:
-            raise PtqError(f"PTQ_DEVICE={name!r} is not a device (cpu, cuda, cuda:1, ...)") from None
-        if device.type not in ("cpu", "cuda"):  # mps, xpu, meta...: kernels, dtypes and memory checks are for these
-            raise PtqError(f"PTQ_DEVICE={name!r}: ptq computes on cpu or cuda (an NVIDIA GPU), not {device.type}")
+            raise PtqError(
+                f"PTQ_DEVICE={name!r} is not a device (cpu, cuda, cuda:1, ...)"
+            ) from None
+        if device.type not in (
+            "cpu",
+            "cuda",
+        ):  # mps, xpu, meta...: kernels, dtypes and memory checks are for these
+            raise PtqError(
+                f"PTQ_DEVICE={name!r}: ptq computes on cpu or cuda (an NVIDIA GPU), not {device.type}"
+            )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise PtqError(f"PTQ_DEVICE={name!r} but torch sees no CUDA device")
-        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-            raise PtqError(f"PTQ_DEVICE={name!r} but torch sees {torch.cuda.device_count()} CUDA device(s)")
+        if (
+            device.type == "cuda"
+            and device.index is not None
+            and device.index >= torch.cuda.device_count()
+        ):
+            raise PtqError(
+                f"PTQ_DEVICE={name!r} but torch sees {torch.cuda.device_count()} CUDA device(s)"
+            )
         return device
     if not torch.cuda.is_available():
         return torch.device("cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        return torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        )
     return torch.device("cuda")
 
 

@@ -36,12 +36,17 @@ class WholeModels:
         self.names = list(models)
         self.model = models[self.names[0]]
         self.devices = {name: device or input_device(m) for name, m in models.items()}
-        self.device = self.devices[self.names[0]]  # where the batches and the logits go (the baseline's device)
+        self.device = self.devices[
+            self.names[0]
+        ]  # where the batches and the logits go (the baseline's device)
         self.dtype = next(self.model.parameters()).dtype
         self.ways_out = WAYS_OUT  # of an out-of-memory
         # No KV cache: one forward per window, and the cache (every layer's keys and values for the whole batch, as
         # large as the logits or larger) would stay alive until the logits are scored, past the batch-size estimate
-        self.options = {name: {"use_cache": False} if _takes(m, "use_cache") else {} for name, m in models.items()}
+        self.options = {
+            name: {"use_cache": False} if _takes(m, "use_cache") else {}
+            for name, m in models.items()
+        }
 
     def steps(self, windows: int, logits: bool = True) -> int:
         return windows * len(self.names)
@@ -79,4 +84,6 @@ def _takes(model: nn.Module, keyword: str) -> bool:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return keyword in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return keyword in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )

@@ -39,8 +39,12 @@ from ptq.execution.resources import check_disk, size_text
 from ptq.files import cache_root, make_dir
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's names
-GPU_WEIGHTS_FRACTION = 0.7  # of each GPU's free memory for weights; the rest for activations (ptq.execution.batching)
-CPU_WEIGHTS_FRACTION = 0.9  # of the host memory available to the models (free, plus what they take already)
+GPU_WEIGHTS_FRACTION = (
+    0.7  # of each GPU's free memory for weights; the rest for activations (ptq.execution.batching)
+)
+CPU_WEIGHTS_FRACTION = (
+    0.9  # of the host memory available to the models (free, plus what they take already)
+)
 PRELOADED = ["LinearExperts"]  # modules whose forward reads their submodules' tensors directly
 FLAG = "--device-map"
 
@@ -48,14 +52,18 @@ FLAG = "--device-map"
 @dataclass(frozen=True)
 class Placement:
     strategy: str = "auto"
-    max_memory: dict | None = None  # device (GPU index, "cpu", "disk") -> bytes, for all models held at once
+    max_memory: dict | None = (
+        None  # device (GPU index, "cpu", "disk") -> bytes, for all models held at once
+    )
 
 
 def parse(device_map: str | None, max_memory: str | None) -> Placement | None:
     """`--device-map STRATEGY` and `--max-memory "0=70GiB,1=70GiB,cpu=400GiB"`, checked; None without --device-map."""
     if device_map is None:
         if max_memory is not None:
-            raise PtqError(f"--max-memory limits what {FLAG} places on each device: give {FLAG} auto with it")
+            raise PtqError(
+                f"--max-memory limits what {FLAG} places on each device: give {FLAG} auto with it"
+            )
         return None
     if device_map not in STRATEGIES:
         raise PtqError(f"unknown {FLAG} '{device_map}' (known: {', '.join(STRATEGIES)})")
@@ -74,17 +82,23 @@ def parse_max_memory(text: str) -> dict:
         if device.isdigit():
             key: int | str = int(device)
             if key >= torch.cuda.device_count():
-                raise PtqError(f"--max-memory names GPU {key}, but torch sees {torch.cuda.device_count()} GPU(s)")
+                raise PtqError(
+                    f"--max-memory names GPU {key}, but torch sees {torch.cuda.device_count()} GPU(s)"
+                )
         elif device in ("cpu", "disk"):
             key = device
         else:
             raise PtqError(f"--max-memory device '{device}' is not a GPU index, 'cpu' or 'disk'")
-        if key in limits:  # cpu=1GiB,cpu=2GiB (or 0=..,00=..): which one was meant is not ptq's to guess
+        if (
+            key in limits
+        ):  # cpu=1GiB,cpu=2GiB (or 0=..,00=..): which one was meant is not ptq's to guess
             raise PtqError(f"--max-memory names device {key} twice")
         try:
             limits[key] = convert_file_size_to_int(size)
         except (ValueError, OverflowError):  # 1e400GiB: an infinite float
-            raise PtqError(f"--max-memory size '{size}' is not a size (e.g. 70GiB, 512MB)") from None
+            raise PtqError(
+                f"--max-memory size '{size}' is not a size (e.g. 70GiB, 512MB)"
+            ) from None
         if limits[key] <= 0:
             raise PtqError(f"--max-memory size '{size}' is less than a byte")
     if not limits:
@@ -106,7 +120,9 @@ def budgets(placement: Placement, models: int, held: int = 0) -> dict:
             i: int(available_memory(torch.device("cuda", i)) * GPU_WEIGHTS_FRACTION)
             for i in range(torch.cuda.device_count())
         }
-        limits["cpu"] = int(((available_memory(torch.device("cpu")) or 0) + held) * CPU_WEIGHTS_FRACTION)
+        limits["cpu"] = int(
+            ((available_memory(torch.device("cpu")) or 0) + held) * CPU_WEIGHTS_FRACTION
+        )
     return {device: size // max(models, 1) for device, size in limits.items()}
 
 
@@ -131,14 +147,18 @@ def device_map(model: nn.Module, placement: Placement, share: dict) -> dict:
 
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     memory = {device: size for device, size in share.items() if device != "disk"}
-    if placement.strategy != "sequential" and any(isinstance(d, int) for d in memory):  # "auto" is "balanced", as in
+    if placement.strategy != "sequential" and any(
+        isinstance(d, int) for d in memory
+    ):  # "auto" is "balanced", as in
         memory = get_balanced_memory(
             model,
             max_memory=memory,
             no_split_module_classes=no_split,  # from_pretrained
             low_zero=placement.strategy == "balanced_low_0",
         )
-    memory["disk"] = share.get("disk", 1 << 62)  # what no GPU or the CPU limit holds: offloaded to disk
+    memory["disk"] = share.get(
+        "disk", 1 << 62
+    )  # what no GPU or the CPU limit holds: offloaded to disk
     return dict(infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split))
 
 
@@ -163,7 +183,9 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
             # before writing: accelerate writes through memory maps, and a disk that fills under one ends the
             # process with SIGBUS, no message, and the folder left behind
             size = sum(t.numel() * t.element_size() for t in offloaded.values())
-            if "disk" in share and size > share["disk"]:  # accelerate takes the limit and does not apply it
+            if (
+                "disk" in share and size > share["disk"]
+            ):  # accelerate takes the limit and does not apply it
                 raise PtqError(
                     f"{FLAG}: {size_text(size)} of the model would go to disk, past the other devices' limits, "
                     f"and --max-memory's disk limit leaves it {size_text(share['disk'])} (the limit is split over "
@@ -176,7 +198,11 @@ def place(model: nn.Module, placement: Placement, share: dict, offload_dir: Path
                 "free space there, set PTQ_CACHE to a folder on a larger disk, or give the GPUs and the CPU more "
                 "(--max-memory)",
             )
-            make_dir(Path(offload_dir), "the offload folder", " (set PTQ_CACHE to a folder that can be written)")
+            make_dir(
+                Path(offload_dir),
+                "the offload folder",
+                " (set PTQ_CACHE to a folder that can be written)",
+            )
             folder = tempfile.mkdtemp(prefix="model-", dir=offload_dir)
             # Written here rather than by dispatch_model, which misses a whole model sent to disk (module name "").
             try:
@@ -229,7 +255,9 @@ def placed(models: dict[str, nn.Module], placement: Placement | None):
     share = budgets(placement, len(models), host_bytes(models.values()))
     try:
         with gpu_memory(f"placing {len(models)} model(s) over the devices ({FLAG})"):
-            result = {name: place(model, placement, share, folder) for name, model in models.items()}
+            result = {
+                name: place(model, placement, share, folder) for name, model in models.items()
+            }
         yield result
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -240,7 +268,9 @@ def _quiet():
     """accelerate's warnings while it places a model, which the report replaces: "some parameters are on the meta
     device" (where each model went is in results.json and the report) and "the model weights are not tied" (a
     variant's lm_head is a quantized layer, no longer tied to the embedding; the original's stay tied)."""
-    loggers = [logging.getLogger(name) for name in ("accelerate.big_modeling", "accelerate.utils.modeling")]
+    loggers = [
+        logging.getLogger(name) for name in ("accelerate.big_modeling", "accelerate.utils.modeling")
+    ]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)

@@ -47,10 +47,16 @@ def checkpoint_parameters(directory: Path) -> int | None:
                     for key in st.keys():
                         piece = st.get_slice(key)
                         size, dtype = math.prod(piece.get_shape()), piece.get_dtype()
-                        if key.endswith(".weight_packed"):  # compressed-tensors pack-quantized (int4), NVFP4
+                        if key.endswith(
+                            ".weight_packed"
+                        ):  # compressed-tensors pack-quantized (int4), NVFP4
                             packed[key.removesuffix("_packed")] = size * PACKED_VALUES.get(dtype, 1)
-                        elif key.endswith(".weight_shape"):  # the unpacked shape, stored beside the codes
-                            unpacked[key.removesuffix("_shape")] = math.prod(st.get_tensor(key).tolist())
+                        elif key.endswith(
+                            ".weight_shape"
+                        ):  # the unpacked shape, stored beside the codes
+                            unpacked[key.removesuffix("_shape")] = math.prod(
+                                st.get_tensor(key).tolist()
+                            )
                         else:
                             # MXFP4 (gpt-oss): two 4-bit values per byte of a *_blocks tensor, dequantized on load
                             total += size * (2 if key.endswith("_blocks") and dtype == "U8" else 1)
@@ -90,7 +96,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as the largest page-aligned int64
 
 
-def cgroup_available(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path | None = None) -> int | None:
+def cgroup_available(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path | None = None
+) -> int | None:
     """Bytes this process's memory cgroup, and every cgroup above it, still allows: the tightest of limit - (usage -
     inactive file cache), the cache the kernel reclaims before it kills (as the container engines count a working
     set); None where no limit is set or none can be read. cgroup v2 (memory.max, memory.current) and v1 (the memory
@@ -101,12 +109,17 @@ def cgroup_available(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path |
     except OSError:
         return None
     rooms = []
-    for line in lines:  # hierarchy-id:controllers:path; v2's line is 0::path (hybrid systems have both)
+    for (
+        line
+    ) in lines:  # hierarchy-id:controllers:path; v2's line is 0::path (hybrid systems have both)
         _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", None, "")
         if controllers == "":
             base, files = root, ("memory.max", "memory.current", "inactive_file")
         elif controllers is not None and "memory" in controllers.split(","):
-            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            base, files = (
+                root / "memory",
+                ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+            )
         else:
             continue
         rooms.append(_cgroup_room(base, path, *files))
@@ -114,7 +127,9 @@ def cgroup_available(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path |
     return min(rooms) if rooms else None
 
 
-def _cgroup_room(base: Path, path: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+def _cgroup_room(
+    base: Path, path: str, limit_file: str, usage_file: str, inactive_key: str
+) -> int | None:
     """The tightest limit - working set from the cgroup at `path` up to `base`, None where none is limited."""
     folder, rooms = base / path.strip("/"), []
     while True:
@@ -122,7 +137,11 @@ def _cgroup_room(base: Path, path: str, limit_file: str, usage_file: str, inacti
             text = (folder / limit_file).read_text().strip()
             if text != "max" and int(text) < _UNLIMITED:
                 usage = int((folder / usage_file).read_text())
-                stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
+                stat = dict(
+                    line.split()
+                    for line in (folder / "memory.stat").read_text().splitlines()
+                    if " " in line
+                )
                 rooms.append(max(int(text) - max(usage - int(stat.get(inactive_key, 0)), 0), 0))
         except (OSError, ValueError):
             pass  # not mounted here, or not readable: the kernel's MemAvailable stands
@@ -155,7 +174,9 @@ def processes_sharing(device: torch.device) -> int:
     return local
 
 
-def parameters_shortfall(params: int | None, copies: float, device: torch.device) -> tuple[int, int, int] | None:
+def parameters_shortfall(
+    params: int | None, copies: float, device: torch.device
+) -> tuple[int, int, int] | None:
     free = available_memory(device)
     if params is None or free is None:
         return None
@@ -168,13 +189,17 @@ def check_fits(directory: Path, copies: float, device: torch.device, what: str) 
     check_parameters_fit(checkpoint_parameters(directory), copies, device, what)
 
 
-def check_parameters_fit(params: int | None, copies: float, device: torch.device, what: str) -> None:
+def check_parameters_fit(
+    params: int | None, copies: float, device: torch.device, what: str
+) -> None:
     """check_fits for a model of `params` parameters (a GGUF file's, before it is converted)."""
     short = parameters_shortfall(params, copies, device)
     if short is not None:
         params, needed, free = short
         copies_text = (
-            (f" x {copies:g} copies (the original, and half a copy per variant: weights held as 16- or 8-bit codes)")
+            (
+                f" x {copies:g} copies (the original, and half a copy per variant: weights held as 16- or 8-bit codes)"
+            )
             if copies > 1
             else ""
         )

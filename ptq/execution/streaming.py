@@ -61,7 +61,10 @@ from ptq.models.loading import (
 from ptq.models.matmuls import kind, linearize, quantizable
 
 LOW_MEMORY_FLAG = "--low-memory"
-STREAMED_METHODS = ("fp8", "compressed-tensors")  # already quantized checkpoints read dequantized, tensor by tensor
+STREAMED_METHODS = (
+    "fp8",
+    "compressed-tensors",
+)  # already quantized checkpoints read dequantized, tensor by tensor
 
 
 class SafetensorsCheckpoint:
@@ -72,7 +75,9 @@ class SafetensorsCheckpoint:
     def __init__(self, directory: Path, dequantizer=None):
         self.directory = Path(directory)
         self.dequantizer = dequantizer
-        self.transposed: set[str] = set()  # weights stored [in, out] (Conv1D's): dequantized as [out, in], per row
+        self.transposed: set[str] = (
+            set()
+        )  # weights stored [in, out] (Conv1D's): dequantized as [out, in], per row
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -82,7 +87,9 @@ class SafetensorsCheckpoint:
         else:
             files = [p.name for p in sorted(self.directory.glob("*.safetensors"))]
         self.file: dict[str, Path] = {}
-        self.stored: dict[str, str] = {}  # a name the tensor is read under -> its name in the file, where they differ
+        self.stored: dict[
+            str, str
+        ] = {}  # a name the tensor is read under -> its name in the file, where they differ
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}  # safetensors dtype names: "BF16", "F32", ...
         for name in files:
@@ -91,7 +98,9 @@ class SafetensorsCheckpoint:
                 with safetensors.safe_open(str(path), framework="pt") as f:
                     for key in f.keys():
                         if key in self.file:
-                            raise PtqError(f"tensor '{key}' is stored twice, in {self.file[key].name} and {name}")
+                            raise PtqError(
+                                f"tensor '{key}' is stored twice, in {self.file[key].name} and {name}"
+                            )
                         piece = f.get_slice(key)
                         self.file[key], self.shape[key], self.dtype[key] = (
                             path,
@@ -131,14 +140,18 @@ class SafetensorsCheckpoint:
         missing = [n for n in names if n not in self.file]
         if missing:
             raise PtqError(f"the checkpoint in {self.directory} has no tensor '{missing[0]}'")
-        scales = {n: self._scales(n) for n in names}  # read first: small (MX: a 32nd of the codes, at most)
+        scales = {
+            n: self._scales(n) for n in names
+        }  # read first: small (MX: a 32nd of the codes, at most)
         read = dict(self._plain(sorted({s for ss in scales.values() for s in ss})))
         for k, tensor in self._plain(names):
             if scales.get(k):
                 stored, flip = self.stored.get(k, k), k in self.transposed
                 # compressed-tensors' scales are per output row: a Conv1D weight's rows are its columns on disk
                 codes = tensor.t() if flip else tensor
-                tensor = self.dequantizer.process({stored: codes} | {s: read[s] for s in scales[k]})[stored]
+                tensor = self.dequantizer.process(
+                    {stored: codes} | {s: read[s] for s in scales[k]}
+                )[stored]
                 tensor = tensor.t() if flip else tensor  # as stored, as every tensor `each` yields
             yield k, tensor
 
@@ -153,8 +166,12 @@ class SafetensorsCheckpoint:
         present = [s for s in wanted if s in self.file]
         if present and len(present) < len(wanted):
             missing = next(s for s in wanted if s not in self.file)
-            raise PtqError(f"the checkpoint in {self.directory} has no tensor '{missing}', a scale of '{name}'")
-        codes = ("F8_E4M3", "F8_E5M2") + (("I8", "U8") if wanted else ())  # other 8-bit tensors: masks, ids
+            raise PtqError(
+                f"the checkpoint in {self.directory} has no tensor '{missing}', a scale of '{name}'"
+            )
+        codes = ("F8_E4M3", "F8_E5M2") + (
+            ("I8", "U8") if wanted else ()
+        )  # other 8-bit tensors: masks, ids
         if not present and self.dtype[name] in codes:
             raise PtqError(
                 f"tensor '{name}' in {self.directory} holds 8-bit codes ({self.dtype[name]}) but the checkpoint has "
@@ -195,7 +212,9 @@ def _directory(spec: str | None) -> Path | None:
     if not isinstance(config, dict) or not any(directory.glob("*.safetensors")):
         return None
     quantized = config.get("quantization_config")
-    if quantized is None or (isinstance(quantized, dict) and quantized.get("quant_method") in STREAMED_METHODS):
+    if quantized is None or (
+        isinstance(quantized, dict) and quantized.get("quant_method") in STREAMED_METHODS
+    ):
         return directory
     return None
 
@@ -226,7 +245,9 @@ class Streamed:
     layers: str  # the decoder layers' ModuleList, e.g. "model.layers" ("transformer.h" for GPT-2)
 
 
-def load_streamed(spec: str | None, trust_remote_code: bool = False, memory_check: bool = True) -> LoadedModel:
+def load_streamed(
+    spec: str | None, trust_remote_code: bool = False, memory_check: bool = True
+) -> LoadedModel:
     """The model on the meta device, linearized (no weights in memory), its tokenizer, and what to read it from.
     No remote code runs: only the architectures transformers itself implements are streamed. `memory_check`: a .gguf
     not yet converted is refused when the host cannot hold it in float32 (its conversion loads it whole)."""
@@ -242,17 +263,25 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False, memory_chec
     if not (directory / "config.json").is_file():
         raise PtqError(f"{spec} is not a Hugging Face model directory (no config.json)")
     if not any(directory.glob("*.safetensors")):
-        raise PtqError(f"{spec} has no .safetensors weights ({LOW_MEMORY_FLAG} reads safetensors only)")
+        raise PtqError(
+            f"{spec} has no .safetensors weights ({LOW_MEMORY_FLAG} reads safetensors only)"
+        )
     hf_logging.set_verbosity_error()
     try:
         config = AutoConfig.from_pretrained(str(directory))
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(directory), trust_remote_code=trust_remote_code
+        )
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PtqError(f"cannot load model '{spec}': {reason}") from None
     quantized = getattr(config, "quantization_config", None)
-    if quantized is not None:  # an FP8 or 8-bit compressed-tensors checkpoint: read dequantized, as in memory
-        stored = {"quantization_config": quantized if isinstance(quantized, dict) else quantized.to_dict()}
+    if (
+        quantized is not None
+    ):  # an FP8 or 8-bit compressed-tensors checkpoint: read dequantized, as in memory
+        stored = {
+            "quantization_config": quantized if isinstance(quantized, dict) else quantized.to_dict()
+        }
         dequantizer, caveat = stored_dequantizer(directory, stored, spec)
         caveats = (*caveats, caveat)
         del config.quantization_config  # the model is built, run and exported as a 16/32-bit one
@@ -280,7 +309,9 @@ def load_streamed(spec: str | None, trust_remote_code: bool = False, memory_chec
         model.generation_config = GenerationConfig.from_pretrained(str(directory))
     model.ptq_checkpoint = checkpoint
     model.ptq_streamed = Streamed(built, checkpoint, disk, layers)
-    return LoadedModel(model, tokenizer, name=spec or "smollm2", source=source, caveats=tuple(caveats))
+    return LoadedModel(
+        model, tokenizer, name=spec or "smollm2", source=source, caveats=tuple(caveats)
+    )
 
 
 def _tie_as_loaded(built: nn.Module, checkpoint: SafetensorsCheckpoint) -> None:
@@ -301,7 +332,9 @@ def _tie_as_loaded(built: nn.Module, checkpoint: SafetensorsCheckpoint) -> None:
     built.tie_weights(recompute_mapping=False)
 
 
-def _check_shapes(model: nn.Module, disk: dict[str, str], checkpoint: SafetensorsCheckpoint, directory: Path) -> None:
+def _check_shapes(
+    model: nn.Module, disk: dict[str, str], checkpoint: SafetensorsCheckpoint, directory: Path
+) -> None:
     """Every tensor's shape in the checkpoint against the model's (config.json), before anything runs: copied into
     a tensor of another shape, it would be broadcast silently. Conv1D's weight is [in, out] on disk."""
     tensors = model.state_dict(keep_vars=True)
@@ -320,15 +353,23 @@ def _check_shapes(model: nn.Module, disk: dict[str, str], checkpoint: Safetensor
 
 def conv1d_weights(model: nn.Module) -> set[str]:
     """The state-dict names of the linearized model's Conv1D weights: [in, out] on disk, [out, in] in the model."""
-    return {f"{name}.weight" for name, m in model.named_modules() if quantizable(m) and kind(m) == "Conv1D"}
+    return {
+        f"{name}.weight"
+        for name, m in model.named_modules()
+        if quantizable(m) and kind(m) == "Conv1D"
+    }
 
 
-def whole_reader(spec: str | None, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):
+def whole_reader(
+    spec: str | None, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+):
     """ptq's reader for ptq.models.loading.load_model's `reader`: a compressed-tensors checkpoint that transformers'
     loader cannot dequantize (GPT-2's Conv1D layers, an MXFP8 model's merged experts), read whole onto a device."""
 
     def reader(device: torch.device) -> LoadedModel:
-        loaded = load_streamed(spec, trust_remote_code, memory_check=False)  # (remote code: the tokenizer's)
+        loaded = load_streamed(
+            spec, trust_remote_code, memory_check=False
+        )  # (remote code: the tokenizer's)
         return read_whole(loaded, device, dtype)
 
     return reader
@@ -350,7 +391,9 @@ def is_streamed(model: nn.Module) -> bool:
 def decoder_layers(model: nn.Module) -> str:
     """The name of the model's list of decoder layers: the first ModuleList of num_hidden_layers modules of one of
     the classes transformers keeps whole when it splits a model (`_no_split_modules`)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     count = getattr(config, "num_hidden_layers", None)
     whole = set(getattr(model, "_no_split_modules", None) or ())
     for name, module in model.named_modules():
@@ -373,7 +416,11 @@ def check_compare_recipes(recipes: list) -> None:
     model whole."""
     for r in recipes:
         if r.beyond_linear:
-            words = {"attention": "attention's matmul inputs", "kv_cache": "the KV cache", "residual": "residual adds"}
+            words = {
+                "attention": "attention's matmul inputs",
+                "kv_cache": "the KV cache",
+                "residual": "residual adds",
+            }
             raise PtqError(
                 f"recipe '{r.name}' quantizes {' and '.join(words[k] for k in r.beyond_linear)}: {LOW_MEMORY_FLAG} "
                 "compares Linear-layer recipes only; load the model whole"
@@ -387,7 +434,11 @@ class LayerSlot(nn.Module):
     def __init__(self, layer: nn.Module):
         super().__init__()
         for key, value in vars(layer).items():
-            if not key.startswith("_") and key != "training" and not isinstance(value, (nn.Module, torch.Tensor)):
+            if (
+                not key.startswith("_")
+                and key != "training"
+                and not isinstance(value, (nn.Module, torch.Tensor))
+            ):
                 self.__dict__[key] = value
         self.action: Callable | None = None
 
@@ -416,7 +467,9 @@ def _mounted(module: nn.Module, path: str) -> nn.Module:
     return root
 
 
-HIDDEN_ON_GPU_FRACTION = 0.25  # of the free GPU memory at the capture, the rest for the layers and the activations
+HIDDEN_ON_GPU_FRACTION = (
+    0.25  # of the free GPU memory at the capture, the rest for the layers and the activations
+)
 
 
 class LayerByLayer:
@@ -486,8 +539,14 @@ class LayerByLayer:
                         after_batch(b)
             # per batch, per layer: (positional arguments after the hidden states, keywords), the same for every model
             calls = [c for _, c, _ in captured[self.names[0]]]
-            early = {name: captured[name][0][2] for name in self.names}  # modules run before the first decoder layer
-            ran = {n for n, m in trunks[self.names[0]].named_modules() if any(m is e for e in early[self.names[0]])}
+            early = {
+                name: captured[name][0][2] for name in self.names
+            }  # modules run before the first decoder layer
+            ran = {
+                n
+                for n, m in trunks[self.names[0]].named_modules()
+                if any(m is e for e in early[self.names[0]])
+            }
             tail = bool(linears - ran)
             hidden = {name: [h for h, _, _ in captured.pop(name)] for name in self.names}
             returns_tuple = False
@@ -498,7 +557,9 @@ class LayerByLayer:
                         layer = layers[name].get_submodule(path)
                         for b, batch in enumerate(batches):
                             args, kwargs = calls[b][i]
-                            h = hidden[name][b].to(self.device)  # the same tensor where they wait on the device
+                            h = hidden[name][b].to(
+                                self.device
+                            )  # the same tensor where they wait on the device
                             out = layer(h, *args, **kwargs)
                             returns_tuple = isinstance(out, tuple)
                             hidden[name][b].copy_(out[0] if returns_tuple else out)
@@ -513,11 +574,20 @@ class LayerByLayer:
                 finals = [hidden[name][b].to(self.device) for name in self.names]
                 # what runs after the last decoder layer (final norm, lm_head, project_out) is checked too
                 if logits:
-                    yield batch, _then(self._logits(trunks, finals, batch, returns_tuple, early), after_batch, b)
+                    yield (
+                        batch,
+                        _then(
+                            self._logits(trunks, finals, batch, returns_tuple, early),
+                            after_batch,
+                            b,
+                        ),
+                    )
                     advance(len(batch) * len(self.names))
                 else:
                     if tail:
-                        for _ in self._logits(trunks, finals, batch, returns_tuple, early, base=True):
+                        for _ in self._logits(
+                            trunks, finals, batch, returns_tuple, early, base=True
+                        ):
                             pass
                         if after_batch is not None:
                             after_batch(b)
@@ -545,8 +615,14 @@ class LayerByLayer:
         parent = built.get_submodule(parent_name)
         layers = getattr(parent, attr)
         head = built.get_output_embeddings()
-        tied = head is not None and head.weight is getattr(built.get_input_embeddings(), "weight", None)
-        unread = () if logits or head is None or tied else tuple(n for n, m in built.named_modules() if m is head)
+        tied = head is not None and head.weight is getattr(
+            built.get_input_embeddings(), "weight", None
+        )
+        unread = (
+            ()
+            if logits or head is None or tied
+            else tuple(n for n, m in built.named_modules() if m is head)
+        )
         setattr(parent, attr, nn.ModuleList([LayerSlot(layer) for layer in layers]))
         try:
             trunk = _materialise(built, self.streamed, self.device, unread=unread)
@@ -556,7 +632,9 @@ class LayerByLayer:
 
     def _layer(self, i: int) -> nn.Module:
         path = f"{self.streamed.layers}.{i}"
-        return _materialise(self.streamed.built.get_submodule(path), self.streamed, self.device, path)
+        return _materialise(
+            self.streamed.built.get_submodule(path), self.streamed, self.device, path
+        )
 
     def _capture(
         self, trunk: nn.Module, batch: torch.Tensor
@@ -581,7 +659,9 @@ class LayerByLayer:
         for slot in slots:
             slot.action = record
         inside = {id(m) for slot in slots for m in slot.modules()}
-        hooks = [m.register_forward_pre_hook(called) for m in trunk.modules() if id(m) not in inside]
+        hooks = [
+            m.register_forward_pre_hook(called) for m in trunk.modules() if id(m) not in inside
+        ]
         try:
             trunk(input_ids=batch, use_cache=False, **_no_aux_outputs(trunk))
         except _Captured:
@@ -613,11 +693,15 @@ class LayerByLayer:
             trunk = trunks[name]
             slots = trunk.get_submodule(self.streamed.layers)
             for slot in slots:
-                slot.action = lambda *args, **kwargs: wrap(args[0] if args else kwargs["hidden_states"])
+                slot.action = lambda *args, **kwargs: wrap(
+                    args[0] if args else kwargs["hidden_states"]
+                )
             slots[len(slots) - 1].action = lambda *args, final=final, **kwargs: wrap(final)
             with _without_hooks(early[name]):
                 if base:
-                    out = trunk.base_model(input_ids=batch, use_cache=False, **_no_aux_outputs(trunk)).last_hidden_state
+                    out = trunk.base_model(
+                        input_ids=batch, use_cache=False, **_no_aux_outputs(trunk)
+                    ).last_hidden_state
                 else:
                     out = trunk(input_ids=batch, use_cache=False, **_no_aux_outputs(trunk)).logits
             yield name, out
@@ -627,7 +711,11 @@ def _no_aux_outputs(trunk: nn.Module) -> dict:
     """A MoE config with `output_router_logits` makes the model's forward gather every layer's router logits for its
     load-balancing loss, which the trunk, its layers run apart, does not have (an IndexError): asked off, as the
     loss is not used (the whole model computes it and drops it). Nothing is passed to a model without it."""
-    return {"output_router_logits": False} if getattr(trunk.config, "output_router_logits", False) else {}
+    return (
+        {"output_router_logits": False}
+        if getattr(trunk.config, "output_router_logits", False)
+        else {}
+    )
 
 
 def _then(outputs: Iterator, after_batch: Callable[[int], None] | None, b: int) -> Iterator:
@@ -659,7 +747,11 @@ def _without_hooks(modules: list[nn.Module]) -> Iterator[None]:
 
 
 def _materialise(
-    built: nn.Module, streamed: Streamed, device: torch.device, path: str = "", unread: tuple[str, ...] = ()
+    built: nn.Module,
+    streamed: Streamed,
+    device: torch.device,
+    path: str = "",
+    unread: tuple[str, ...] = (),
 ) -> nn.Module:
     """A copy of `built` (a meta-device module as transformers builds it, at `path` in the model) with its tensors
     read from the checkpoint in float32, linearized as ptq.models.loading loads every model (the experts' and
@@ -676,20 +768,30 @@ def _materialise(
             if p is not None:
                 if id(p) not in made:  # tied parameters stay tied
                     made[id(p)] = nn.Parameter(
-                        torch.empty(p.shape, device=device, dtype=torch.float32 if p.is_floating_point() else p.dtype),
+                        torch.empty(
+                            p.shape,
+                            device=device,
+                            dtype=torch.float32 if p.is_floating_point() else p.dtype,
+                        ),
                         requires_grad=False,
                     )
                 m._parameters[key] = made[id(p)]
         for key, b in m._buffers.items():
             if b is not None:
-                m._buffers[key] = b.to(device=device, dtype=torch.float32 if b.is_floating_point() else b.dtype)
+                m._buffers[key] = b.to(
+                    device=device, dtype=torch.float32 if b.is_floating_point() else b.dtype
+                )
     linearize(module)
     root = _mounted(module, path) if path else module
     conv1d = conv1d_weights(root)
     params = {id(p) for p in root.parameters()}
-    left_tensors = {id(t) for m in module.modules() if id(m) in left for t in (*m.parameters(), *m.buffers())}
+    left_tensors = {
+        id(t) for m in module.modules() if id(m) in left for t in (*m.parameters(), *m.buffers())
+    }
     done: set[int] = set()
-    targets: dict[str, tuple[str, torch.Tensor]] = {}  # checkpoint name -> (model name, the tensor to fill)
+    targets: dict[
+        str, tuple[str, torch.Tensor]
+    ] = {}  # checkpoint name -> (model name, the tensor to fill)
     for name, tensor in root.state_dict(keep_vars=True).items():
         if id(tensor) in done or id(tensor) in left_tensors:
             continue  # tied to a tensor already listed, or left unread
@@ -697,11 +799,15 @@ def _materialise(
         if name in streamed.disk:
             targets[streamed.disk[name]] = (name, tensor)
         elif id(tensor) in params:
-            raise PtqError(f"tensor '{name}' of the model is not in the checkpoint: {LOW_MEMORY_FLAG} cannot read it")
+            raise PtqError(
+                f"tensor '{name}' of the model is not in the checkpoint: {LOW_MEMORY_FLAG} cannot read it"
+            )
         # else a buffer the checkpoint does not keep: as the model computes it
     with torch.no_grad():
         for stored_name, value in streamed.checkpoint.each(list(targets)):
             name, tensor = targets[stored_name]
-            tensor.copy_(value.t() if name in conv1d else value)  # Conv1D keeps its weight [in, out] on disk
+            tensor.copy_(
+                value.t() if name in conv1d else value
+            )  # Conv1D keeps its weight [in, out] on disk
             del value
     return root

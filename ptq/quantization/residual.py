@@ -26,7 +26,9 @@ _ATTN, _MLP, _NORM2 = ("self_attn", "attn"), ("mlp",), ("post_attention_layernor
 
 
 def _child(block: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
-    return next((getattr(block, n) for n in names if isinstance(getattr(block, n, None), nn.Module)), None)
+    return next(
+        (getattr(block, n) for n in names if isinstance(getattr(block, n, None), nn.Module)), None
+    )
 
 
 def add_inputs(block: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:

@@ -22,9 +22,20 @@ import math
 from fractions import Fraction
 
 from ptq.errors import PtqError
-from ptq.reporting.results import Check, CompareResults, Entry, Gates, Limits, Results, TaskInfo, TaskMetric
+from ptq.reporting.results import (
+    Check,
+    CompareResults,
+    Entry,
+    Gates,
+    Limits,
+    Results,
+    TaskInfo,
+    TaskMetric,
+)
 
-NEXT_TOKEN = "next-token"  # the name of next-token accuracy among the tasks of --min-accuracy-recovery
+NEXT_TOKEN = (
+    "next-token"  # the name of next-token accuracy among the tasks of --min-accuracy-recovery
+)
 
 
 def parse_percent(value: str, option: str) -> float:
@@ -41,16 +52,22 @@ def parse_percent(value: str, option: str) -> float:
 
 
 def parse_limits(
-    max_ppl_increase: str | None = None, min_accuracy_recovery: list[str] | None = None, max_kl: str | None = None
+    max_ppl_increase: str | None = None,
+    min_accuracy_recovery: list[str] | None = None,
+    max_kl: str | None = None,
 ) -> Limits:
     """The CLI's gate options -> Limits. min_accuracy_recovery entries are 'P%' or 'TASK=P%'."""
     default, per_task = None, {}
     for entry in min_accuracy_recovery or []:
         task, sep, value = entry.rpartition("=")
         if sep and not task.strip():
-            raise PtqError(f"--min-accuracy-recovery: '{entry}' names no task (use TASK=99% or 99%)")
+            raise PtqError(
+                f"--min-accuracy-recovery: '{entry}' names no task (use TASK=99% or 99%)"
+            )
         pct = parse_percent(value, "--min-accuracy-recovery")
-        if sep and task.strip() in per_task:  # the later one would loosen (or tighten) a gate unseen
+        if (
+            sep and task.strip() in per_task
+        ):  # the later one would loosen (or tighten) a gate unseen
             raise PtqError(
                 f"--min-accuracy-recovery sets {task.strip()} twice ({per_task[task.strip()]:g}%, {pct:g}%): give one"
             )
@@ -70,14 +87,24 @@ def parse_limits(
             raise PtqError(f"--max-kl takes nats per token such as 0.01, not '{max_kl}'") from None
         if not kl >= 0 or kl == float("inf"):
             raise PtqError(f"--max-kl: '{max_kl}' must be a finite, non-negative number")
-    ppl = parse_percent(max_ppl_increase, "--max-ppl-increase") if max_ppl_increase is not None else None
+    ppl = (
+        parse_percent(max_ppl_increase, "--max-ppl-increase")
+        if max_ppl_increase is not None
+        else None
+    )
     return Limits(ppl, default, per_task, kl)
 
 
-def refuse_unmeasured_gates(limits: Limits | None, scored: set[str], source: str = "this run") -> None:
+def refuse_unmeasured_gates(
+    limits: Limits | None, scored: set[str], source: str = "this run"
+) -> None:
     """Stop when a per-task gate names a task that `source` does not score: that gate could only fail, and in compare
     only after the whole run. `scored`: the tasks with results (compare: harness.Suite.scored, before the model)."""
-    unknown = [t for t in (limits.task_accuracy_recovery_pct if limits else {}) if t != NEXT_TOKEN and t not in scored]
+    unknown = [
+        t
+        for t in (limits.task_accuracy_recovery_pct if limits else {})
+        if t != NEXT_TOKEN and t not in scored
+    ]
     if unknown:
         raise PtqError(
             f"--min-accuracy-recovery names task '{unknown[0]}', which {source} has no accuracy for (it has "
@@ -116,20 +143,30 @@ def task_higher_is_better(results: Results, task: str, metric: str) -> bool:
 
 
 def entries(results: Results) -> list[Entry]:
-    return [results.baseline, *results.variants] if isinstance(results, CompareResults) else [results.config]
+    return (
+        [results.baseline, *results.variants]
+        if isinstance(results, CompareResults)
+        else [results.config]
+    )
 
 
 def task_metric_is_share(results: Results, task: str, metric: str) -> bool:
     """Whether a task metric is a share in [0, 1] (acc, exact_match: printed as a percentage) rather than a quantity
     in its own units (likelihood_diff, in nats): every per-document value the results hold lies in [0, 1] (a mean of
     them then does too); without per-document values, every value and interval end does."""
-    samples = [value for e in entries(results) for value in ((e.task_samples or {}).get(task) or {}).get(metric) or []]
+    samples = [
+        value
+        for e in entries(results)
+        for value in ((e.task_samples or {}).get(task) or {}).get(metric) or []
+    ]
     if not samples:
         for e in entries(results):
             m = task_scores(e).get(task, {}).get(metric)
             if m is not None:
                 samples += [m.value, *m.ci]
-    return all(0.0 <= value <= 1.0 for value in samples if not math.isnan(value))  # a NaN (no interval) says nothing
+    return all(
+        0.0 <= value <= 1.0 for value in samples if not math.isnan(value)
+    )  # a NaN (no interval) says nothing
 
 
 def accuracy_recovery_pct(variant_acc: float, baseline_acc: float) -> float:
@@ -172,7 +209,16 @@ def check(results: CompareResults, limits: Limits) -> list[Check]:
     for v in results.variants:
         if limits.max_ppl_increase_pct is not None:
             passed = v.ppl_delta_pct <= limits.max_ppl_increase_pct
-            checks.append(Check(v.name, "ppl_delta_pct", None, v.ppl_delta_pct, limits.max_ppl_increase_pct, passed))
+            checks.append(
+                Check(
+                    v.name,
+                    "ppl_delta_pct",
+                    None,
+                    v.ppl_delta_pct,
+                    limits.max_ppl_increase_pct,
+                    passed,
+                )
+            )
         accuracies = {(NEXT_TOKEN, None): (v.accuracy, base.accuracy)}
         variant_tasks = task_scores(v)
         accuracies |= {
@@ -185,13 +231,27 @@ def check(results: CompareResults, limits: Limits) -> list[Check]:
             limit = limits.task_accuracy_recovery_pct.get(task, limits.min_accuracy_recovery_pct)
             if limit is not None:
                 recovery = accuracy_recovery_pct(acc, base_acc)
-                checks.append(Check(v.name, "accuracy_recovery_pct", task, recovery, limit, recovery >= limit, metric))
+                checks.append(
+                    Check(
+                        v.name,
+                        "accuracy_recovery_pct",
+                        task,
+                        recovery,
+                        limit,
+                        recovery >= limit,
+                        metric,
+                    )
+                )
         measured = {task for task, _ in accuracies}
         for task, limit in limits.task_accuracy_recovery_pct.items():
-            if task not in measured:  # a gate on a task that was not measured must not pass silently
+            if (
+                task not in measured
+            ):  # a gate on a task that was not measured must not pass silently
                 checks.append(Check(v.name, "accuracy_recovery_pct", task, None, limit, False))
         if limits.max_kl is not None:
-            checks.append(Check(v.name, "kl_div", None, v.kl_div, limits.max_kl, v.kl_div <= limits.max_kl))
+            checks.append(
+                Check(v.name, "kl_div", None, v.kl_div, limits.max_kl, v.kl_div <= limits.max_kl)
+            )
         if not math.isfinite(v.perplexity) and limits.max_ppl_increase_pct is None:
             # NaN or inf logits (a non-saturating format's overflow): whatever gates were asked for, a model whose
             # outputs are not numbers does not pass (its accuracy counts those positions wrong, and may still pass)

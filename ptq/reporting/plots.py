@@ -50,7 +50,9 @@ def plot_writers(results: CompareResults, report: Path) -> dict[Path, Callable[[
     draw = {"metrics": metrics_figure, "layer-amax": amax_figure, "layer-snr": snr_figure}
 
     def writer(name: str) -> Callable[[Path], None]:
-        return lambda tmp: draw[name](results).savefig(tmp, format="png", dpi=100, metadata={"Software": None})
+        return lambda tmp: draw[name](results).savefig(
+            tmp, format="png", dpi=100, metadata={"Software": None}
+        )
 
     return {paths[name]: writer(name) for name in available(results)}
 
@@ -60,7 +62,14 @@ def _figure(width: float, height: float, rows: int = 1, cols: int = 1):
 
     # Fixed margins, sized for these figures' labels: a layout engine would cost more than the drawing.
     fig = Figure(figsize=(width, height))
-    fig.subplots_adjust(left=0.07, right=0.985, bottom=0.12 if rows == 1 else 0.06, top=0.9, hspace=0.35, wspace=0.15)
+    fig.subplots_adjust(
+        left=0.07,
+        right=0.985,
+        bottom=0.12 if rows == 1 else 0.06,
+        top=0.9,
+        hspace=0.35,
+        wspace=0.15,
+    )
     return fig, fig.subplots(rows, cols, squeeze=False).ravel()
 
 
@@ -75,7 +84,11 @@ def _block_ticks(ax, layers: list[str]) -> None:
             labels.append(m.group(1))
     step = max(1, len(ticks) // 16)
     ax.set_xticks(ticks[::step], labels[::step])
-    ax.set_xlabel("transformer block (Linear layers in model order)" if ticks else "Linear layer (model order)")
+    ax.set_xlabel(
+        "transformer block (Linear layers in model order)"
+        if ticks
+        else "Linear layer (model order)"
+    )
 
 
 def metrics_figure(results: CompareResults):
@@ -100,12 +113,16 @@ def metrics_figure(results: CompareResults):
         names_in = 0.6 * 8 / 72 * longest + 0.15  # the upright names' height, inches
         height = 6.5 + 2 * names_in
         fig, axes = _figure(11, height, 2, 2)
-        axes_in = (0.9 * height - (0.4 + names_in) - (0.5 + names_in)) / 2  # each row's height, inches
+        axes_in = (
+            0.9 * height - (0.4 + names_in) - (0.5 + names_in)
+        ) / 2  # each row's height, inches
         fig.subplots_adjust(bottom=(0.4 + names_in) / height, hspace=(0.5 + names_in) / axes_in)
     else:
         fig, axes = _figure(11, 6.5, 2, 2)
     for ax, (key, label, factor) in zip(axes, panels):
-        rows = [(i, e) for i, e in enumerate(entries) if hasattr(e, key)]  # the baseline has no KL or agreement
+        rows = [
+            (i, e) for i, e in enumerate(entries) if hasattr(e, key)
+        ]  # the baseline has no KL or agreement
         xs = [i for i, _ in rows]
         values = [factor * getattr(e, key) for _, e in rows]
         # A bar of inf (a collapsed variant's perplexity) or NaN cannot be drawn: height 0, its value written on it.
@@ -116,10 +133,22 @@ def metrics_figure(results: CompareResults):
             value, (low, high) = getattr(e, key), getattr(e, f"{key}_ci")
             if all(map(math.isfinite, (value, low, high))):
                 err[0][j], err[1][j] = factor * value - factor * low, factor * high - factor * value
-        ax.bar(xs, ys, color=[COLORS[i % len(COLORS)] for i in xs], yerr=err if any(map(any, err)) else None, capsize=4)
+        ax.bar(
+            xs,
+            ys,
+            color=[COLORS[i % len(COLORS)] for i in xs],
+            yerr=err if any(map(any, err)) else None,
+            capsize=4,
+        )
         for x, y, value in zip(xs, ys, values):
             ax.annotate(
-                f"{value:.4g}", (x, y), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points"
+                f"{value:.4g}",
+                (x, y),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                xytext=(0, 2),
+                textcoords="offset points",
             )
         limit = _limit_line(key, base, limits)
         if limit is not None:
@@ -153,7 +182,13 @@ def amax_figure(results: CompareResults):
     fig, (ax,) = _figure(11, 4.5)
     xs = range(len(layers))
     ax.plot(
-        xs, [row.input_amax for row in layers], "o-", markersize=3, linewidth=1, color=COLORS[0], label="input amax"
+        xs,
+        [row.input_amax for row in layers],
+        "o-",
+        markersize=3,
+        linewidth=1,
+        color=COLORS[0],
+        label="input amax",
     )
     ax.plot(
         xs,

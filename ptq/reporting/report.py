@@ -40,7 +40,9 @@ from ptq.reporting.trend import LABELS, Move, trend
 FAIL, PASS, MOVED = "❌", "✅", "⚠️"
 
 
-def write_report(out_dir: Path, results: Results, force: bool, plots: bool = True) -> tuple[Path, Path]:
+def write_report(
+    out_dir: Path, results: Results, force: bool, plots: bool = True
+) -> tuple[Path, Path]:
     """results.json and report.md (compare's with the plots, or eval's)."""
     out_dir = Path(out_dir)
     report, results_file = out_dir / "report.md", out_dir / "results.json"
@@ -69,7 +71,11 @@ def _drawn_plots(report: Path, results: Results, plots: bool) -> list[Path]:
     from ptq.reporting.plots import available, plot_paths
 
     paths = plot_paths(report)
-    return [paths[name] for name in available(results)] if plots and isinstance(results, CompareResults) else []
+    return (
+        [paths[name] for name in available(results)]
+        if plots and isinstance(results, CompareResults)
+        else []
+    )
 
 
 def _stale_plots(report: Path, drawn: list[Path]) -> list[Path]:
@@ -80,7 +86,9 @@ def _stale_plots(report: Path, drawn: list[Path]) -> list[Path]:
 
 def _not_a_directory(path: Path) -> Path:
     if Path(path).is_dir():
-        raise PtqError(f"cannot write {path}: it is a directory; give a file name such as {Path(path) / 'report.md'}")
+        raise PtqError(
+            f"cannot write {path}: it is a directory; give a file name such as {Path(path) / 'report.md'}"
+        )
     return Path(path)
 
 
@@ -114,7 +122,9 @@ def write_markdown(
     for path in report_outputs(report, results, plots):
         check_writable(path, force)
     links = _plot_links(results, report) if plots else {}
-    _write_set(report, {report: render_markdown(results, previous, links)}, results if plots else None)
+    _write_set(
+        report, {report: render_markdown(results, previous, links)}, results if plots else None
+    )
     return report
 
 
@@ -154,7 +164,9 @@ def quantized_share_pct(e: Entry) -> float:
     """The share of the model's matmul weight parameters an entry quantizes, in percent."""
     from ptq.models.matmuls import quantized_share
 
-    return 100 * quantized_share(e.coverage.quantized_weight_params, e.coverage.matmul_weight_params)
+    return 100 * quantized_share(
+        e.coverage.quantized_weight_params, e.coverage.matmul_weight_params
+    )
 
 
 def share_text(e: Entry) -> str:
@@ -181,7 +193,11 @@ def verdict(r: CompareResults, checks: list[Check] | None = None, moves: dict | 
     ppl = f"perplexity vs {base}: " + ", ".join(parts) + "." if parts else "baseline only."
     failed = [c for c in checks if not c.passed]
     if not checks:
-        line = f"**Perplexity vs {base}:** " + ", ".join(parts) + "." if parts else "**Baseline only.**"
+        line = (
+            f"**Perplexity vs {base}:** " + ", ".join(parts) + "."
+            if parts
+            else "**Baseline only.**"
+        )
     elif failed:
         line = f"{FAIL} **{len(failed)} of {len(checks)} gate checks fail** ({', '.join(sorted({c.variant for c in failed}))}); {ppl}"
     else:
@@ -204,7 +220,9 @@ def kl_text(value: float, limit: float | None = None, sign: str = "") -> str:
 
 def kl_div_text(v: Variant, checks: list[Check]) -> str:
     """A variant's KL, with the digits that tell it from its gate's limit."""
-    return kl_text(v.kl_div, _limit([c for c in checks if c.variant == v.name and c.metric == "kl_div"]))
+    return kl_text(
+        v.kl_div, _limit([c for c in checks if c.variant == v.name and c.metric == "kl_div"])
+    )
 
 
 def _kl_ci(ci: tuple[float, float]) -> str:
@@ -224,7 +242,9 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
     base = r.baseline
     by_cell: dict[tuple[str, str], list[Check]] = {}
     for c in checks:
-        by_cell.setdefault((c.variant, c.metric if c.task in (None, "next-token") else "tasks"), []).append(c)
+        by_cell.setdefault(
+            (c.variant, c.metric if c.task in (None, "next-token") else "tasks"), []
+        ).append(c)
     lines = [
         f"| variant | weights | inputs | perplexity | Δ ppl vs {base.name} | next-token acc | acc recovery | KL vs {base.name} (nats/token) | top-1 agreement | matmul weights quantized |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -233,7 +253,11 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
     partial = partial_variants(r)
     for v in r.variants:
         fails = [c for c in checks if c.variant == v.name and not c.passed]
-        mark = f" {FAIL}" if fails else (f" {PASS}" if any(c.variant == v.name for c in checks) else "")
+        mark = (
+            f" {FAIL}"
+            if fails
+            else (f" {PASS}" if any(c.variant == v.name for c in checks) else "")
+        )
         recovery = accuracy_recovery_pct(v.accuracy, base.accuracy)
         gated = {
             m: by_cell.get((v.name, m), [])
@@ -243,7 +267,8 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
         # a value next to its limit gets the digits that tell it from the limit (+2.004% against 2%, not +2.00%)
         ppl_delta = _cell(ppl_delta_text(v, checks), cell["ppl_delta_pct"])
         recovery = _cell(
-            f"{fmt_against(recovery, _limit(gated['accuracy_recovery_pct']), '.2f')}%", cell["accuracy_recovery_pct"]
+            f"{fmt_against(recovery, _limit(gated['accuracy_recovery_pct']), '.2f')}%",
+            cell["accuracy_recovery_pct"],
         )
         kl = _cell(kl_text(v.kl_div, _limit(gated["kl_div"])), cell["kl_div"])
         share = share_text(v)
@@ -257,7 +282,9 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
 
 def gates_note(r: CompareResults) -> str:
     return (
-        "<sub>Gates: " + "; ".join(r.gates.limits.describe()) + ". Δ ppl = 100 * (ppl_variant / ppl_baseline - 1) %; "
+        "<sub>Gates: "
+        + "; ".join(r.gates.limits.describe())
+        + ". Δ ppl = 100 * (ppl_variant / ppl_baseline - 1) %; "
         "accuracy recovery = 100 * accuracy_variant / accuracy_baseline % (next-token accuracy and each task); "
         "KL = mean KL(baseline || variant) per token. A gate judges the measured value, not its interval.</sub>"
     )
@@ -276,7 +303,9 @@ def _fmt(metric: str, value: float, share: bool | None = None) -> str:
 
 
 def _fmt_change(m: Move) -> str:
-    if math.isnan(m.change):  # from inf to inf (a run that collapsed both times): no change to state
+    if math.isnan(
+        m.change
+    ):  # from inf to inf (a run that collapsed both times): no change to state
         return "n/a"
     if m.metric == "perplexity":
         finite = math.isfinite(m.previous) and math.isfinite(m.current)
@@ -309,8 +338,14 @@ def trend_section(t: dict, previous: CompareResults) -> list[str]:
             f"{MOVED} The runs differ in setup ({'; '.join(t['setup_changes'])}): changes mix the code change with that."
         )
     if t["only_now"] or t["only_before"]:
-        lines.append(f"New: {', '.join(t['only_now']) or 'none'}; gone: {', '.join(t['only_before']) or 'none'}.")
-    lines += ["", "| recipe | metric | previous | now | change | beyond intervals |", "|---|---|---:|---:|---:|:---:|"]
+        lines.append(
+            f"New: {', '.join(t['only_now']) or 'none'}; gone: {', '.join(t['only_before']) or 'none'}."
+        )
+    lines += [
+        "",
+        "| recipe | metric | previous | now | change | beyond intervals |",
+        "|---|---|---:|---:|---:|:---:|",
+    ]
     for m in moves:
         label = (m.task if " " in m.task else f"{m.task} accuracy") if m.task else LABELS[m.metric]
         if m.task and m.better == "lower":
@@ -336,7 +371,10 @@ def details_sections(r: CompareResults) -> list[str]:
     out = _details("Protocol", [f"- {line}" for line in r.protocol])
     model = [f"- Model: `{r.model.name}`, {r.model.source}."]
     model += [f"- Note: {c}" for c in r.model.caveats]
-    model += [f"- Evaluation text: {ev.data} (sha256 `{ev.data_sha256[:16]}`).", f"- Device: {r.device}."]
+    model += [
+        f"- Evaluation text: {ev.data} (sha256 `{ev.data_sha256[:16]}`).",
+        f"- Device: {r.device}.",
+    ]
     out += _details("Model and data", model)
     if cal:
         s = cal.summary
@@ -352,7 +390,9 @@ def details_sections(r: CompareResults) -> list[str]:
             "| layer | input amax | weight amax |",
             "|---|---:|---:|",
         ]
-        body += [f"| `{row.layer}` | {row.input_amax:.4g} | {row.weight_amax:.4g} |" for row in s.largest]
+        body += [
+            f"| `{row.layer}` | {row.input_amax:.4g} | {row.weight_amax:.4g} |" for row in s.largest
+        ]
         body += faults_lines(cal.faults)
         out += _details("Calibration", body)
     snr = [v for v in r.variants if v.snr_db]
@@ -364,7 +404,9 @@ def details_sections(r: CompareResults) -> list[str]:
             "|---|---:|---:|---:|---:|",
         ]
         for v in snr:
-            body.append(f"| {v.name} | {_snr_summary(v.snr_db.weights)} | {_snr_summary(v.snr_db.inputs)} |")
+            body.append(
+                f"| {v.name} | {_snr_summary(v.snr_db.weights)} | {_snr_summary(v.snr_db.inputs)} |"
+            )
         out += _details("Per-layer SNR", body)
     coverage, diagnostics = render_coverage(r), render_diagnostics(r)
     if coverage:
@@ -406,11 +448,19 @@ def render_model_card(e: dict) -> str:
     from ptq.execution.resources import size_text
     from ptq.models.matmuls import describe_coverage
 
-    rec, fmt, cal, size, ver = e["recipe"], e["format"], e["calibration"], e["size"], e["verification"]
+    rec, fmt, cal, size, ver = (
+        e["recipe"],
+        e["format"],
+        e["calibration"],
+        e["size"],
+        e["verification"],
+    )
     lines = [
         "---",
         "library_name: transformers",
-        "tags: [ptq, compressed-tensors, " + ("int8" if fmt["format"] == "int-quantized" else "fp8") + "]",
+        "tags: [ptq, compressed-tensors, "
+        + ("int8" if fmt["format"] == "int-quantized" else "fp8")
+        + "]",
         # a model from the Hub: the Hub lists this checkpoint among the source's quantizations
         *(
             [f"base_model: {e['model']['hub_id']}", "base_model_relation: quantized"]
@@ -562,7 +612,11 @@ def render_model_card(e: dict) -> str:
         ]
     lines += ["", "## Use", ""]
     bf16 = (ver or {}).get("transformers_bfloat16") or {}
-    bf16_runs = bool(bf16.get("runs")) and bf16.get("layers", 0) > 0 and bf16.get("equal") == bf16.get("layers")
+    bf16_runs = (
+        bool(bf16.get("runs"))
+        and bf16.get("layers", 0) > 0
+        and bf16.get("equal") == bf16.get("layers")
+    )
     if bf16_runs:
         lines += [
             f"transformers runs this checkpoint in bfloat16 only (in float32 it fails; see Verification): loaded so "
@@ -614,7 +668,10 @@ def render_diagnostics(r: CompareResults, top: int = 10) -> list[str]:
     def row_line(t: str) -> str:
         return f"| `{t}` | {rows[t].amax:.4g} | {fmt_db(rows[t].sqnr_e4m3_db)} | {fmt_db(rows[t].sqnr_int8_db)} |"
 
-    head = ["| layer (its input) | input amax | SQNR E4M3 (dB) | SQNR int8 (dB) |", "|---|---:|---:|---:|"]
+    head = [
+        "| layer (its input) | input amax | SQNR E4M3 (dB) | SQNR int8 (dB) |",
+        "|---|---:|---:|---:|",
+    ]
     lines = [f"- {d.method}.", ""]
     for name, worst in (("e4m3", d.worst_e4m3), ("int8", d.worst_int8)):
         lines += [f"Worst {top} under {name}:", "", *head]
@@ -635,7 +692,9 @@ def coverage_lines(entries: list[Entry]) -> list[str]:
     def line(e: Entry) -> str:
         text = describe_coverage(to_json(e.coverage))
         weights = e.recipe.weights.split()[0]
-        if not get_format(weights).scaled:  # the 16-bit baseline rounds its weights to bf16 and quantizes nothing
+        if not get_format(
+            weights
+        ).scaled:  # the 16-bit baseline rounds its weights to bf16 and quantizes nothing
             text = text.replace(" quantized (", f" rounded to {weights} (", 1)
         return f"- {e.name}: {text}."
 
@@ -655,14 +714,23 @@ def every_left_out(entries: list[Entry]) -> list[str]:
 
     lines = []
     for e in entries:
-        for kind, groups in zip(("matmul weights", "attention inputs"), left_out_groups(to_json(e.coverage))):
+        for kind, groups in zip(
+            ("matmul weights", "attention inputs"), left_out_groups(to_json(e.coverage))
+        ):
             for reason, items in groups.items():
                 if len(items) > NAMES_SHOWN:
                     names = ", ".join(f"`{i['name']}`" for i in items)
                     lines.append(f"- {e.name}, {len(items)} {kind}: {reason}: {names}")
     if not lines:
         return []
-    return ["<details><summary>Every layer left unquantized</summary>", "", *lines, "", "</details>", ""]
+    return [
+        "<details><summary>Every layer left unquantized</summary>",
+        "",
+        *lines,
+        "",
+        "</details>",
+        "",
+    ]
 
 
 def render_coverage(r: CompareResults) -> list[str]:
@@ -670,7 +738,10 @@ def render_coverage(r: CompareResults) -> list[str]:
     rows = [
         v
         for v in r.variants
-        if v.recipe.attention or v.recipe.kv_cache or v.recipe.residual or v.recipe.smoothquant_alpha is not None
+        if v.recipe.attention
+        or v.recipe.kv_cache
+        or v.recipe.residual
+        or v.recipe.smoothquant_alpha is not None
     ]
     if not rows:
         return []
@@ -687,7 +758,9 @@ def render_coverage(r: CompareResults) -> list[str]:
     return lines
 
 
-def interval_text(ci: tuple[float, float], scale: float = 1, fmt: str = ".2f", unit: str = "") -> str:
+def interval_text(
+    ci: tuple[float, float], scale: float = 1, fmt: str = ".2f", unit: str = ""
+) -> str:
     """An interval as [lo, hi]; "n/a" where there is none (NaN ends: fewer units than an interval needs)."""
     if any(c != c for c in ci):
         return "n/a"
@@ -758,7 +831,10 @@ def tasks_section(r: Results) -> list[str]:
     lines += [head, rule]
     # the recovery gates' limits, so that a recovery next to its limit is printed with the digits that tell them apart
     checks = stored_checks(r) if compare else []
-    in_units, lower = [], []  # metrics that are not shares in [0, 1] (not printed as percentages); lower is better
+    in_units, lower = (
+        [],
+        [],
+    )  # metrics that are not shares in [0, 1] (not printed as percentages); lower is better
     for task in r.tasks:
         for metric in task.metrics:
             share = task_metric_is_share(r, task.name, metric)
@@ -791,9 +867,15 @@ def tasks_section(r: Results) -> list[str]:
                     )
                 lines.append(row)
     if any(t.n < MIN_UNITS for t in r.tasks):
-        lines += ["", f"Fewer than {MIN_UNITS} documents give no interval (n/a): with so few, it is only their range."]
+        lines += [
+            "",
+            f"Fewer than {MIN_UNITS} documents give no interval (n/a): with so few, it is only their range.",
+        ]
     if in_units:
-        lines += ["", f"In their own units, not percentages (values, intervals and deltas): {', '.join(in_units)}."]
+        lines += [
+            "",
+            f"In their own units, not percentages (values, intervals and deltas): {', '.join(in_units)}.",
+        ]
     if lower:
         lines += [
             "",
@@ -803,7 +885,9 @@ def tasks_section(r: Results) -> list[str]:
     lines += ["", "Tasks:", ""]
     for task in r.tasks:
         chance = (
-            f" Chance {100 * task.chance:.1f}% (uniform guess among the choices)." if task.chance is not None else ""
+            f" Chance {100 * task.chance:.1f}% (uniform guess among the choices)."
+            if task.chance is not None
+            else ""
         )
         lines.append(
             f"- **{task.name}** ({task.kind}): {task.source}; {task.n} documents; "
@@ -812,7 +896,11 @@ def tasks_section(r: Results) -> list[str]:
         lines += [f"  - {note}" for note in task.notes]
     scoring = r.task_scoring
     if scoring:
-        limit = f", --limit {scoring.limit:g} (the first documents of each task)" if scoring.limit is not None else ""
+        limit = (
+            f", --limit {scoring.limit:g} (the first documents of each task)"
+            if scoring.limit is not None
+            else ""
+        )
         shots = f", --num-fewshot {scoring.num_fewshot}" if scoring.num_fewshot is not None else ""
         lines += ["", f"Scoring: {scoring.harness}, batch size {scoring.batch_size}{shots}{limit}."]
     return lines
@@ -849,13 +937,17 @@ def render_eval_markdown(r: EvalResults) -> str:
         f"- Device: {r.device}.",
     ]
     if cal:
-        lines += [f"- Calibration: {cal.source} {cal.data}, {cal.windows} windows x {cal.seq_len} tokens."]
+        lines += [
+            f"- Calibration: {cal.source} {cal.data}, {cal.windows} windows x {cal.seq_len} tokens."
+        ]
         lines += faults_lines(cal.faults)
     lines += ["", "## Versions", "", _versions_line(r), ""]
     return "\n".join(lines)
 
 
-def report_summary(results: CompareResults, previous: CompareResults | None, output: Path | None) -> dict:
+def report_summary(
+    results: CompareResults, previous: CompareResults | None, output: Path | None
+) -> dict:
     """What `ptq report --json` prints: the verdict, whether every gate passed, the gates, and the trend."""
     results = rejudged(results)  # one set of checks for the verdict, `passed` and `gates`
     moves = trend(results, previous) if previous is not None else None
@@ -864,5 +956,7 @@ def report_summary(results: CompareResults, previous: CompareResults | None, out
         "passed": results.gates.passed if results.gates else True,
         "gates": to_json(results.gates),
         "output": str(output) if output else None,
-        "trend": None if moves is None else moves | {"moves": [m.to_json() for m in moves["moves"]]},
+        "trend": None
+        if moves is None
+        else moves | {"moves": [m.to_json() for m in moves["moves"]]},
     }

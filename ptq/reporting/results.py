@@ -39,7 +39,9 @@ Interval = tuple[float, float]  # a 95% interval [low, high]
 class ModelInfo:
     name: str  # as given (Hub id, folder, .gguf file, or smollm2)
     source: str  # where the weights came from (a folder, a Hub revision, a GGUF conversion)
-    caveats: list[str]  # what differs from the model as published (a GGUF conversion's dequantized weights, ...)
+    caveats: list[
+        str
+    ]  # what differs from the model as published (a GGUF conversion's dequantized weights, ...)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +54,9 @@ class Compute:
     blockwise_simulated: str | None = None
     # and why layers with a partial row of blocks (out_features not a multiple of 128) are, where whole blocks are not
     blockwise_partial_simulated: str | None = None
-    placement: dict[str, dict[str, int]] | None = None  # --device-map: per model, device-map entries per device
+    placement: dict[str, dict[str, int]] | None = (
+        None  # --device-map: per model, device-map entries per device
+    )
     # on a CPU: the vector instruction set torch's kernels run with (AVX2, AVX512, ...), and the processor's model
     # name. Their float32 results round apart in the last bits per set and per processor, so a perplexity repeats to
     # every digit only on the same kind of CPU.
@@ -130,7 +134,9 @@ class LayerSnr:
     """Quantization SNR in dB per layer (None: exact), in model order."""
 
     weights: dict[str, float | None]
-    inputs: dict[str, float | None]  # on the variant's own inputs over the first `input_windows` windows
+    inputs: dict[
+        str, float | None
+    ]  # on the variant's own inputs over the first `input_windows` windows
     input_windows: int
 
 
@@ -232,7 +238,9 @@ class Entry:
     accuracy_stderr: float
     accuracy_ci: Interval
     tasks: dict[str, TaskScores] | None = None  # per task (--tasks)
-    task_samples: dict[str, dict[str, list[float]]] | None = None  # per task and metric: each document's value
+    task_samples: dict[str, dict[str, list[float]]] | None = (
+        None  # per task and metric: each document's value
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,7 +338,9 @@ class Limits:
     """The gates' limits (ptq.reporting.gates)."""
 
     max_ppl_increase_pct: float | None = None
-    min_accuracy_recovery_pct: float | None = None  # next-token accuracy and every task without its own limit
+    min_accuracy_recovery_pct: float | None = (
+        None  # next-token accuracy and every task without its own limit
+    )
     task_accuracy_recovery_pct: dict[str, float] = field(default_factory=dict)
     max_kl: float | None = None
 
@@ -348,7 +358,10 @@ class Limits:
             parts.append(f"perplexity increase <= {self.max_ppl_increase_pct:g}%")
         if self.min_accuracy_recovery_pct is not None:
             parts.append(f"accuracy recovery >= {self.min_accuracy_recovery_pct:g}%")
-        parts += [f"{task} accuracy recovery >= {v:g}%" for task, v in self.task_accuracy_recovery_pct.items()]
+        parts += [
+            f"{task} accuracy recovery >= {v:g}%"
+            for task, v in self.task_accuracy_recovery_pct.items()
+        ]
         if self.max_kl is not None:
             parts.append(f"KL <= {self.max_kl:g} nats/token")
         return parts
@@ -364,7 +377,9 @@ def fmt_against(value: float, limit: float | None, spec: str, *landmarks: float)
     digits, kind = int(rest[:-1]), rest[-1]
     apart = [x for x in (limit, *landmarks) if x is not None and math.isfinite(x) and x != value]
     if math.isfinite(value):
-        while digits < 17 and any(float(f"{value:.{digits}{kind}}") == float(f"{x:.{digits}{kind}}") for x in apart):
+        while digits < 17 and any(
+            float(f"{value:.{digits}{kind}}") == float(f"{x:.{digits}{kind}}") for x in apart
+        ):
             digits += 1
     return f"{value:{sign}.{digits}{kind}}"
 
@@ -379,7 +394,9 @@ class Check:
     value: float | None  # None: the task is not in the results, which fails its gate
     limit: float
     passed: bool
-    task_metric: str | None = None  # the task's metric (acc, acc_norm, exact_match,strict-match); None: accuracy
+    task_metric: str | None = (
+        None  # the task's metric (acc, acc_norm, exact_match,strict-match); None: accuracy
+    )
 
     def describe(self) -> str:
         if self.value is None:
@@ -429,7 +446,9 @@ class Run:
     calibration: CalibrationEntry | None  # None: no recipe needed one
     tasks: list[TaskInfo] | None = None  # --tasks, in lm-eval's order
     task_scoring: TaskScoring | None = None
-    versions: dict[str, str]  # package -> version (ptq, torch, transformers, python; lm_eval with --tasks)
+    versions: dict[
+        str, str
+    ]  # package -> version (ptq, torch, transformers, python; lm_eval with --tasks)
     created: str  # ISO 8601, UTC (SOURCE_DATE_EPOCH pins it)
 
 
@@ -487,7 +506,9 @@ class _Invalid(Exception):
 def load_results(path: Path, what: str = "results file") -> Results:
     """The typed document of a results.json, or a PtqError in one line naming what is wrong with the file."""
     path = Path(path)
-    if path.is_dir() and (path / "results.json").is_file():  # the folder compare wrote (--out): its results.json
+    if (
+        path.is_dir() and (path / "results.json").is_file()
+    ):  # the folder compare wrote (--out): its results.json
         path = path / "results.json"
     if path.is_dir():
         raise PtqError(f"{what} {path} is a folder without a results.json")
@@ -504,28 +525,44 @@ def load_compare(path: Path, what: str = "results file") -> CompareResults:
     """load_results, for a reader of `ptq compare` results (they have a baseline and variants)."""
     results = load_results(path, what)
     if not isinstance(results, CompareResults):
-        raise PtqError(f"{path} holds `ptq {results.command}` results, not `ptq compare` results (no baseline)")
+        raise PtqError(
+            f"{path} holds `ptq {results.command}` results, not `ptq compare` results (no baseline)"
+        )
     return results
 
 
 def from_json(data: Any, name: str = "results") -> Results:
     """The typed document of parsed results.json content; `name` (the file) starts every error message."""
     if not isinstance(data, dict):
-        raise PtqError(f"{name} is not a ptq results file: a JSON object expected, not {_kind(data)}")
+        raise PtqError(
+            f"{name} is not a ptq results file: a JSON object expected, not {_kind(data)}"
+        )
     version = data.get("schema_version")
     legacy = "schema_version" not in data
     if not legacy and (not isinstance(version, int) or isinstance(version, bool)):
         raise PtqError(f"{name}: schema_version must be an integer, not {json.dumps(version)}")
     if not legacy and version != SCHEMA_VERSION:
-        advice = "upgrade ptq to read it" if version > SCHEMA_VERSION else "rerun the command to write it anew"
+        advice = (
+            "upgrade ptq to read it"
+            if version > SCHEMA_VERSION
+            else "rerun the command to write it anew"
+        )
         raise PtqError(
             f"{name} has results schema version {version}; this ptq reads version {SCHEMA_VERSION}: {advice}"
         )
-    command = data.get("command", "compare")  # files from before the version: compare's had no `command`
-    cls = {"compare": CompareResults, "eval": EvalResults}.get(command) if isinstance(command, str) else None
+    command = data.get(
+        "command", "compare"
+    )  # files from before the version: compare's had no `command`
+    cls = (
+        {"compare": CompareResults, "eval": EvalResults}.get(command)
+        if isinstance(command, str)
+        else None
+    )
     try:
         if cls is None:
-            raise _Invalid(f"command: expected one of {', '.join(COMMANDS)}, not {json.dumps(command)}")
+            raise _Invalid(
+                f"command: expected one of {', '.join(COMMANDS)}, not {json.dumps(command)}"
+            )
         results = _parse(cls, {**data, "schema_version": SCHEMA_VERSION, "command": command}, "")
         _check_references(results)
         return results
@@ -540,7 +577,10 @@ def _check_references(results: Results) -> None:
     """What the schema's types alone do not say and the readers rely on: every entry has a score for each task and
     metric the document lists, names fit in a table row, a recipe names its formats."""
     entries = (
-        [("baseline", results.baseline), *((f"variants[{i}]", v) for i, v in enumerate(results.variants))]
+        [
+            ("baseline", results.baseline),
+            *((f"variants[{i}]", v) for i, v in enumerate(results.variants)),
+        ]
         if isinstance(results, CompareResults)
         else [("config", results.config)]
     )
@@ -551,13 +591,17 @@ def _check_references(results: Results) -> None:
             scores = (e.tasks or {}).get(task.name)
             missing = [m for m in task.metrics if scores is None or m not in scores.metrics]
             if missing:
-                raise _Invalid(f"{where}.tasks.{task.name}: no score for {missing[0]}, which tasks[{i}] lists")
+                raise _Invalid(
+                    f"{where}.tasks.{task.name}: no score for {missing[0]}, which tasks[{i}] lists"
+                )
     for where, e in entries:
         if problem := name_problem(e.name):
             raise _Invalid(f"{where}.name: {problem}")
         for part in ("weights", "inputs"):
             if not getattr(e.recipe, part).split():
-                raise _Invalid(f"{where}.recipe.{part}: empty (a format, such as 'e4m3 per-tensor')")
+                raise _Invalid(
+                    f"{where}.recipe.{part}: empty (a format, such as 'e4m3 per-tensor')"
+                )
     _check_measurements(results, entries)
 
 
@@ -567,9 +611,13 @@ def _check_measurements(results: Results, entries: list[tuple[str, Entry]]) -> N
     windows other than the run's, is a file edited or damaged, which would be rendered and judged as it stands."""
     names = [e.name for _, e in entries]
     if len(set(names)) < len(names):
-        raise _Invalid(f"the name '{next(n for n in names if names.count(n) > 1)}' is given to two configurations")
+        raise _Invalid(
+            f"the name '{next(n for n in names if names.count(n) > 1)}' is given to two configurations"
+        )
 
-    def within(value: float, low: float, high: float) -> bool:  # NaN: a measurement that failed, reported as such
+    def within(
+        value: float, low: float, high: float
+    ) -> bool:  # NaN: a measurement that failed, reported as such
         return math.isnan(value) or low <= value <= high
 
     def agrees(stored: float, computed: float) -> bool:
@@ -585,7 +633,9 @@ def _check_measurements(results: Results, entries: list[tuple[str, Entry]]) -> N
         # a perplexity is exp(mean NLL) >= 1, less a rounding where every token was all but certain
         for field_name, low, high in (("perplexity", 1 - 1e-6, math.inf), ("accuracy", 0, 1)):
             if not within(getattr(e, field_name), low, high):
-                raise _Invalid(f"{where}.{field_name}: {getattr(e, field_name)} is not a possible value")
+                raise _Invalid(
+                    f"{where}.{field_name}: {getattr(e, field_name)} is not a possible value"
+                )
     if not isinstance(results, CompareResults):
         return
     base = results.baseline
@@ -593,7 +643,9 @@ def _check_measurements(results: Results, entries: list[tuple[str, Entry]]) -> N
         where = f"variants[{i}]"
         for field_name, low, high in (("kl_div", 0, math.inf), ("top1_agreement", 0, 1)):
             if not within(getattr(v, field_name), low, high):
-                raise _Invalid(f"{where}.{field_name}: {getattr(v, field_name)} is not a possible value")
+                raise _Invalid(
+                    f"{where}.{field_name}: {getattr(v, field_name)} is not a possible value"
+                )
         ppl_delta = 100 * (v.perplexity / base.perplexity - 1) if base.perplexity else math.nan
         if not agrees(v.ppl_delta_pct, ppl_delta):
             raise _Invalid(
@@ -617,9 +669,13 @@ def parse(kind: Any, value: Any) -> Any:
 
 
 def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number"
-    )
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+    }.get(type(value), "a number")
 
 
 def _expect(kind: type, value: Any, where: str) -> Any:
@@ -644,7 +700,9 @@ def _parse(kind: Any, value: Any, where: str) -> Any:
             here = f"{where}.{f.name}" if where else f.name
             if f.name in value:
                 args[f.name] = _parse(hints[f.name], value[f.name], here)
-            elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            elif (
+                f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            ):
                 continue  # its default
             elif _optional(hints[f.name]):
                 args[f.name] = None
@@ -658,7 +716,9 @@ def _parse(kind: Any, value: Any, where: str) -> Any:
         (inner,) = [p for p in params if p is not type(None)]
         return _parse(inner, value, where)
     if origin is list:
-        return [_parse(params[0], v, f"{where}[{i}]") for i, v in enumerate(_expect(list, value, where))]
+        return [
+            _parse(params[0], v, f"{where}[{i}]") for i, v in enumerate(_expect(list, value, where))
+        ]
     if origin is tuple:
         if not isinstance(value, list) or len(value) != len(params):
             raise _Invalid(f"{where}: expected a list of {len(params)} numbers, got {_kind(value)}")
@@ -672,7 +732,9 @@ def _parse(kind: Any, value: Any, where: str) -> Any:
         try:
             return float(value)
         except OverflowError:  # an integer of hundreds of digits
-            raise _Invalid(f"{where}: an integer of {value.bit_length()} bits is beyond a float's range") from None
+            raise _Invalid(
+                f"{where}: an integer of {value.bit_length()} bits is beyond a float's range"
+            ) from None
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _Invalid(
@@ -683,8 +745,12 @@ def _parse(kind: Any, value: Any, where: str) -> Any:
         if not isinstance(value, kind):
             raise _Invalid(f"{where}: expected {_kind(kind())}, got {_kind(value)}")
         return value
-    raise TypeError(f"results schema: no reader for {kind!r}")  # a type added to the schema without one
+    raise TypeError(
+        f"results schema: no reader for {kind!r}"
+    )  # a type added to the schema without one
 
 
 def _optional(kind: Any) -> bool:
-    return typing.get_origin(kind) in (types.UnionType, typing.Union) and type(None) in typing.get_args(kind)
+    return typing.get_origin(kind) in (types.UnionType, typing.Union) and type(
+        None
+    ) in typing.get_args(kind)

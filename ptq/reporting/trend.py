@@ -56,13 +56,25 @@ SETUP = (
 
 
 # what a recipe quantizes and how (its name, description and file may change without changing that)
-RECIPE_SETUP = ("weights", "inputs", "ignore", "attention", "kv_cache", "smoothquant_alpha", "residual")
+RECIPE_SETUP = (
+    "weights",
+    "inputs",
+    "ignore",
+    "attention",
+    "kv_cache",
+    "smoothquant_alpha",
+    "residual",
+)
 
 
 def setup_changes(results: CompareResults, previous: CompareResults) -> list[str]:
     """What differs in how the two runs measured: "what: previous -> now", one entry each. Tasks are compared where
     both runs scored them: their documents (how many, and the sha256 over lm-eval's document hashes) and shots."""
-    changes = [f"{what}: {get(previous)} -> {get(results)}" for what, get in SETUP if get(previous) != get(results)]
+    changes = [
+        f"{what}: {get(previous)} -> {get(results)}"
+        for what, get in SETUP
+        if get(previous) != get(results)
+    ]
     # entries are matched by name: one whose recipe quantizes otherwise under the same name is a different measurement
     old_entries = {e.name: e for e in [previous.baseline, *previous.variants]}
     for new in [results.baseline, *results.variants]:
@@ -125,12 +137,25 @@ class Move:
 
 
 def _moves(
-    name: str, previous: Entry, current: Entry, results: CompareResults, previous_results: CompareResults
+    name: str,
+    previous: Entry,
+    current: Entry,
+    results: CompareResults,
+    previous_results: CompareResults,
 ) -> list[Move]:
     moves = [
-        Move(name, key, None, getattr(previous, key), getattr(current, key), _ci(previous, key), _ci(current, key))
+        Move(
+            name,
+            key,
+            None,
+            getattr(previous, key),
+            getattr(current, key),
+            _ci(previous, key),
+            _ci(current, key),
+        )
         for key, _, _ in METRICS
-        if hasattr(previous, key) and hasattr(current, key)  # a variant's delta metrics, not the baseline's
+        if hasattr(previous, key)
+        and hasattr(current, key)  # a variant's delta metrics, not the baseline's
     ]
     old_tasks, new_tasks = task_scores(previous), task_scores(current)
     for task, metrics in new_tasks.items():
@@ -142,9 +167,13 @@ def _moves(
                 share = task_metric_is_share(results, task, metric) and task_metric_is_share(
                     previous_results, task, metric
                 )
-                kind = "accuracy" if higher and share else "task_metric"  # an accuracy, or a task's other metric
+                kind = (
+                    "accuracy" if higher and share else "task_metric"
+                )  # an accuracy, or a task's other metric
                 better = "higher" if higher else "lower"
-                moves.append(Move(name, kind, label, old.value, new.value, old.ci, new.ci, better, share))
+                moves.append(
+                    Move(name, kind, label, old.value, new.value, old.ci, new.ci, better, share)
+                )
     return moves
 
 
@@ -156,7 +185,9 @@ def trend(results: CompareResults, previous: CompareResults) -> dict:
     """{"setup_changes": [...], "moves": [Move], "only_now": [...], "only_before": [...]}."""
     moves = []
     if previous.baseline.name == results.baseline.name:
-        moves += _moves(results.baseline.name, previous.baseline, results.baseline, results, previous)
+        moves += _moves(
+            results.baseline.name, previous.baseline, results.baseline, results, previous
+        )
     old_variants = {v.name: v for v in previous.variants}
     for v in results.variants:
         if v.name in old_variants:
