@@ -35,13 +35,13 @@ from ptq.commands.options import (
 from ptq.commands.workflows import run_compare
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
-from ptq.execution.allocator import keep_freed_host_memory
-from ptq.execution.devices import compute_dtype, default_device
 from ptq.models.loading import load_model
 from ptq.numerics.formats import FORMATS, compute_scale, fake_quantize
 from ptq.quantization.plan import calibrated_layers
 from ptq.quantization.quantize import fused, quantize_variants
 from ptq.quantization.recipes import load_recipe
+from ptq.runtime.allocator import keep_freed_host_memory
+from ptq.runtime.devices import compute_dtype, default_device
 
 
 def median_time(fn, repeats: int) -> float:

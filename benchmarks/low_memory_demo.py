@@ -45,7 +45,7 @@ def main() -> None:
 
     import torch
 
-    from ptq.execution.resources import available_memory, checkpoint_parameters
+    from ptq.runtime.resources import available_memory, checkpoint_parameters
 
     params = checkpoint_parameters(args.model)
     on_disk = sum(f.stat().st_size for f in args.model.glob("*.safetensors"))

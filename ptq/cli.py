@@ -882,7 +882,7 @@ def quantize(
 
 def _print_quantize(info: dict, output: Path, written: bool) -> None:
 
-    from ptq.execution.resources import size_text
+    from ptq.runtime.resources import size_text
 
     console = stdout_console()
     size, ver = info["size"], info["verification"]
@@ -1203,7 +1203,7 @@ def _terminate(signum, frame) -> None:
 def main() -> None:
     """Entry point: user mistakes (PtqError) become one line on stderr and exit code 2. Ctrl-C (130) and
     SIGTERM (143) unwind normally: half-written outputs are deleted, finished ones and checkpoints stay."""
-    from ptq.execution.allocator import keep_freed_host_memory
+    from ptq.runtime.allocator import keep_freed_host_memory
 
     keep_freed_host_memory()  # fewer page faults per forward (docs/performance.md)
     _TERMINATED.clear()
@@ -1238,7 +1238,7 @@ def main() -> None:
             type(e).__name__ != "OutOfMemoryError"
         ):  # torch.cuda.OutOfMemoryError where no step named what did not fit
             raise
-        from ptq.execution.devices import out_of_memory
+        from ptq.runtime.devices import out_of_memory
 
         progress.stderr.print(
             f"[bold red]error:[/] {escape(str(out_of_memory('', str(e))))}",

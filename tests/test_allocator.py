@@ -1,4 +1,4 @@
-"""The host allocator setting (ptq.execution.allocator): glibc keeps the memory a forward frees for the next one.
+"""The host allocator setting (ptq.runtime.allocator): glibc keeps the memory a forward frees for the next one.
 Measured in fresh processes, in page faults: the same allocation pattern with glibc's default and with ptq's."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import sys
 import pytest
 
 from ptq import cli
-from ptq.execution import allocator
+from ptq.runtime import allocator
 
 # Eight 8 MiB blocks written and freed, six times over (what a forward's per-layer buffers do), with malloc
 # itself: the minor page faults of each round. glibc's default (mmap threshold sliding up to the 8 MiB
 # blocks, trim threshold twice that) trims the 64 MiB freed at the heap's top each round and faults it back.
 ROUNDS = """
 import ctypes, json, resource, sys
-from ptq.execution.allocator import keep_freed_host_memory
+from ptq.runtime.allocator import keep_freed_host_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ptq.calibration.calibrate import load_calibration
-from ptq.execution.devices import cpu_model
+from ptq.runtime.devices import cpu_model
 
 FAST = ["--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--quiet"]
 

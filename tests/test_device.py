@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ptq.errors import PtqError
-from ptq.execution.devices import default_device
+from ptq.runtime.devices import default_device
 
 FAST = ["--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--quiet"]
 needs_cuda = pytest.mark.skipif(

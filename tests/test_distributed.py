@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ptq.execution import distributed
+from ptq.runtime import distributed
 
 ARGS = [
     "--seq-len",
@@ -180,7 +180,7 @@ def test_the_memory_check_counts_a_copy_per_process_on_the_machine(tiny_model, m
     import torch
 
     from ptq.errors import PtqError
-    from ptq.execution import resources
+    from ptq.runtime import resources
 
     params = resources.checkpoint_parameters(tiny_model)
     free = {"cpu": params * 4 * 8 - 1, "cuda": params * 4 * 2}
@@ -220,7 +220,8 @@ from pathlib import Path
 import torch
 from ptq.calibration import calibrate as calibration_module
 from ptq.errors import PtqError
-from ptq.execution import batching, distributed
+from ptq.execution import batching
+from ptq.runtime import distributed
 from ptq.models.loading import load_model
 
 distributed.setup()

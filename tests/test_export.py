@@ -1402,7 +1402,7 @@ def test_a_reload_check_that_would_not_fit_keeps_the_checkpoint_unverified(
     """Memory for 1.5 float32 copies: the model loads, and the check fits under transformers (the reload, one copy) but
     not under vllm, where static FP8 inputs are also simulated as vLLM rounds them (a second copy): the checkpoint is
     then kept, unverified, with the reason, instead of running out of memory after it was written."""
-    from ptq.execution import resources
+    from ptq.runtime import resources
 
     free = int(resources.checkpoint_parameters(Path(tiny_model)) * 4 * 1.5)
     monkeypatch.setattr(resources, "available_memory", lambda device: free)

@@ -255,7 +255,7 @@ def test_the_host_memory_check_counts_the_memory_cgroup_limit(tmp_path, monkeypa
     ancestors; cgroup v2, v1 and hybrid (both) files as the kernel writes them."""
     import torch
 
-    from ptq.execution import resources
+    from ptq.runtime import resources
 
     gib = 1 << 30
     v2, v1 = tmp_path / "v2", tmp_path / "v1"
@@ -306,7 +306,7 @@ def test_a_model_whose_float32_load_does_not_fit_the_host_is_refused_before_load
     and was killed by the OOM killer half-way through its load. The host's memory is checked too."""
     import torch
 
-    from ptq.execution import resources
+    from ptq.runtime import resources
 
     params = resources.checkpoint_parameters(tiny_model)
     free = {
@@ -357,7 +357,7 @@ def test_a_compressed_tensors_checkpoint_too_big_for_memory_is_refused_before_lo
     stops it."""
     import json
 
-    from ptq.execution import resources
+    from ptq.runtime import resources
 
     exported = tmp_path / "exported"
     shutil.copytree(tiny_model, exported)
@@ -396,7 +396,7 @@ def _write_gguf(path, eos: int = 2, rows: int = 4096):
 def test_a_gguf_too_big_for_memory_is_refused_before_its_conversion(tmp_path, monkeypatch):
     """A .gguf is converted by loading it whole in float32 (then written to the cache in float32): the memory check
     ran on the converted folder, after the conversion, which a 4-bit 70B GGUF (280 GB in float32) does not survive."""
-    from ptq.execution import resources
+    from ptq.runtime import resources
 
     gguf = _write_gguf(tmp_path / "Big.Q4_1.gguf")
     monkeypatch.setenv("PTQ_CACHE", str(tmp_path / "cache"))
@@ -624,7 +624,7 @@ def test_the_memory_estimate_counts_two_values_per_byte_of_mxfp4_blocks(tmp_path
     import safetensors.torch
     import torch
 
-    from ptq.execution import resources
+    from ptq.runtime import resources
 
     safetensors.torch.save_file(
         {
@@ -649,7 +649,7 @@ def test_the_memory_estimate_counts_the_values_of_packed_compressed_tensors_weig
     import safetensors.torch
     import torch
 
-    from ptq.execution import resources
+    from ptq.runtime import resources
 
     layer = "model.layers.0.mlp"
     first = {

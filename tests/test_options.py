@@ -25,7 +25,7 @@ from ptq.commands.options import (
 )
 from ptq.commands.workflows import run_calibrate, run_eval, run_quantize
 from ptq.errors import PtqError
-from ptq.execution import resources
+from ptq.runtime import resources
 
 COMMANDS = ("calibrate", "compare", "eval", "quantize")
 

@@ -281,7 +281,7 @@ def test_the_default_host_budget_counts_the_memory_the_models_already_hold(monke
     from torch import nn
 
     from ptq.execution import placement as placing
-    from ptq.execution import resources
+    from ptq.runtime import resources
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(resources, "available_memory", lambda device: 1000)

@@ -15,9 +15,9 @@ from test_faults import calib_args, one_error_line
 from ptq import files
 from ptq.errors import PtqError, unreadable_weights
 from ptq.evaluation.data import Corpus, load_corpus, make_windows
-from ptq.execution import resources
 from ptq.files import safe_join
 from ptq.models.loading import load_model
+from ptq.runtime import resources
 
 
 def copy_model(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
@@ -289,7 +289,8 @@ def test_a_weights_file_that_cannot_be_opened_is_named_with_the_reason(
     system's error is raised where safetensors would raise it)."""
     import safetensors
 
-    from ptq.execution import resources, streaming
+    from ptq.execution import streaming
+    from ptq.runtime import resources
 
     opened = safetensors.safe_open
     reasons = {
@@ -363,7 +364,8 @@ def test_a_file_that_may_not_be_read_is_not_called_missing(tiny_model):
     import tempfile
 
     from ptq.calibration.calibrate import load_calibration
-    from ptq.execution import resources, streaming
+    from ptq.execution import streaming
+    from ptq.runtime import resources
 
     with (
         tempfile.TemporaryDirectory() as shared
@@ -762,7 +764,7 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_any_shard(
     ],
 )
 def test_one_byte_formatter_binary_for_memory_and_disk_decimal_for_files(n, binary, decimal):
-    from ptq.execution.resources import size_text
+    from ptq.runtime.resources import size_text
 
     assert (size_text(n), size_text(n, si=True)) == (binary, decimal)
 

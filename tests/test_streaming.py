@@ -24,12 +24,13 @@ from test_loading import save_fp8_checkpoint
 from ptq.calibration.calibrate import calibrate, load_calibration
 from ptq.errors import PtqError
 from ptq.evaluation.evaluate import evaluate
-from ptq.execution import resources, streaming
+from ptq.execution import streaming
 from ptq.models.loading import linear_layers, load_model, load_structure
 from ptq.models.matmuls import kind
 from ptq.quantization.plan import calibration_targets, resolve_plans
 from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
+from ptq.runtime import resources
 
 ALL_LINEAR = "name: e4m3-all\nweights: {format: e4m3}\ninputs: {format: e4m3}\nignore: []\n"  # lm_head included
 STREAMED = [

@@ -46,13 +46,14 @@ from torch import nn
 
 from ptq.calibration.observers import NUM_BINS, TensorObserver
 from ptq.errors import PtqError, os_reason
-from ptq.execution import batching, distributed
-from ptq.execution.devices import WAYS_OUT, input_device
+from ptq.execution import batching
 from ptq.execution.executors import WholeModels
 from ptq.files import check_writable, save_safetensors
 from ptq.models.matmuls import LinearExperts, quantizable
 from ptq.numerics.formats import NumberFormat, amax, compute_scale, fake_quantize
 from ptq.progress import progress
+from ptq.runtime import distributed
+from ptq.runtime.devices import WAYS_OUT, input_device
 
 # /2: histogram bins read off the float32 bit pattern (ptq/calibration/observers.py); /3: up to 2^32, not 2^16
 FILE_KIND = "ptq-calibration/3"

@@ -49,8 +49,7 @@ from ptq.evaluation.data import Corpus, load_corpus, make_windows, shared_text, 
 from ptq.evaluation.evaluate import evaluate, gather_scores
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, layer_snr, weight_snr_db
 from ptq.evaluation.tasks import cloze_items, no_cloze_items
-from ptq.execution import batching, devices, distributed, streaming
-from ptq.execution.devices import compute_dtype, cpu_model, default_device
+from ptq.execution import batching, streaming
 from ptq.execution.placement import Placement, placed, placed_copy
 from ptq.execution.placement import summary as placement_summary
 from ptq.export import hub
@@ -76,6 +75,8 @@ from ptq.reporting.report import (
     write_report,
 )
 from ptq.reporting.results import CompareResults, EvalResults, load_compare, to_json
+from ptq.runtime import devices, distributed
+from ptq.runtime.devices import compute_dtype, cpu_model, default_device
 
 BASELINE_RECIPE = "bf16"
 DEFAULT_RECIPES = ("fp8-e4m3", "int8")
@@ -1487,7 +1488,7 @@ def _verification_shortfall(model: torch.nn.Module, recipe: Recipe, target: str)
     device) and, where the target rounds inputs unlike the reload's loader, a float32 copy of the model for ptq's own
     simulation. Checked before the check starts: running out of memory there would throw away a checkpoint written
     correctly; this way it is kept, unverified, and the card says why."""
-    from ptq.execution.resources import parameters_shortfall, size_text
+    from ptq.runtime.resources import parameters_shortfall, size_text
 
     params = sum(p.numel() for p in model.parameters())
     own_copy = engines.unlike_reload_loader(recipe.inputs, target) is not None or (

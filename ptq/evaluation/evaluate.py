@@ -192,8 +192,8 @@ def merge_scores(parts: list[Scores]) -> Scores:
 
 def gather_scores(scores: dict[str, Scores]) -> dict[str, Scores]:
     """Each variant's Scores merged over the torchrun processes' shares of the windows, window by window in their
-    order (ptq.execution.distributed); the scores themselves in one process."""
-    from ptq.execution import distributed
+    order (ptq.runtime.distributed); the scores themselves in one process."""
+    from ptq.runtime import distributed
 
     parts = distributed.gather(scores)
     return {name: merge_scores([p[name] for p in parts]) for name in scores}

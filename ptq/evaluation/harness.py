@@ -619,7 +619,7 @@ def run(models: dict, tokenizer, suite: Suite, batch_size: int) -> HarnessRun:
     from lm_eval.models.huggingface import HFLM
 
     from ptq.evaluation.data import hub_or_cache
-    from ptq.execution import devices
+    from ptq.runtime import devices
 
     out: dict[str, ModelTasks] = {}
     manager = suite.task_manager()

@@ -1,1 +1,1 @@
-"""How a model is run: batch sizes, placement over devices, layer by layer from disk, data-parallel, memory checks."""
+"""How a model is run: batch sizes, placement over devices, layer by layer from disk, executors."""

@@ -7,7 +7,7 @@ in float32 for the metrics, and the baseline's probabilities; plus the hidden st
 calibration, no metrics but the observers' transient copies of an input); on the CPU, 4 (the old default). An
 automatic batch size halves and retries a batch that runs out of GPU memory (calibration restarts from its first
 batch, ptq.calibration.calibrate); an explicit one does not: the run stops with one line that names what did not fit and the
-way out (ptq.execution.devices.out_of_memory).
+way out (ptq.runtime.devices.out_of_memory).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError
-from ptq.execution.devices import WAYS_OUT, input_device, out_of_memory, release
+from ptq.runtime.devices import WAYS_OUT, input_device, out_of_memory, release
 
 AUTO = "auto"
 CPU_BATCH_SIZE = 4

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ptq.execution.devices import WAYS_OUT, input_device
+from ptq.runtime.devices import WAYS_OUT, input_device
 
 
 class WholeModels:

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError
-from ptq.execution.devices import gpu_memory
-from ptq.execution.resources import check_disk, size_text
 from ptq.files import cache_root, make_dir
+from ptq.runtime.devices import gpu_memory
+from ptq.runtime.resources import check_disk, size_text
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's names
 GPU_WEIGHTS_FRACTION = (
@@ -112,7 +112,7 @@ def budgets(placement: Placement, models: int, held: int = 0) -> dict:
     is available, plus the `held` bytes the models (loaded and quantized on the CPU) already take there, where the
     modules placed on the CPU stay, with nothing new allocated (counted as used, they sent modules to disk that the
     host had room for: on a 512 GB host holding a 70B compare, 55 GB of the baseline)."""
-    from ptq.execution.resources import available_memory
+    from ptq.runtime.resources import available_memory
 
     limits = placement.max_memory
     if limits is None:

@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError, unreadable_weights
-from ptq.execution.devices import LAYER_BY_LAYER_WAYS_OUT, default_device
 from ptq.export.checkpoint import _saved_names, checkpoint_names
 from ptq.models.loading import (
     LoadedModel,
@@ -59,6 +58,7 @@ from ptq.models.loading import (
     weightless,
 )
 from ptq.models.matmuls import kind, linearize, quantizable
+from ptq.runtime.devices import LAYER_BY_LAYER_WAYS_OUT, default_device
 
 LOW_MEMORY_FLAG = "--low-memory"
 STREAMED_METHODS = (
@@ -220,10 +220,10 @@ def _directory(spec: str | None) -> Path | None:
 
 
 def too_big(spec: str | None, copies: float = 1) -> bool:
-    """The estimate of ptq.execution.resources (float32 weights times `copies` vs the memory available) says the model
+    """The estimate of ptq.runtime.resources (float32 weights times `copies` vs the memory available) says the model
     does not fit; on a GPU, also when its float32 weights do not fit the host's memory, where loading reads them
     first (ptq.models.loading)."""
-    from ptq.execution.resources import shortfall
+    from ptq.runtime.resources import shortfall
 
     directory = _directory(spec)
     if directory is None:

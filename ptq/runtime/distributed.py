@@ -1,6 +1,6 @@
 """Data-parallel evaluation under `torchrun --nproc-per-node N` or `accelerate launch` (WORLD_SIZE > 1).
 
-Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.execution.devices.default_device) and builds the
+Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.runtime.devices.default_device) and builds the
 same variants. Calibration is split by batches: one batch size for all (the smallest automatic one), each process
 observes a contiguous share of the one-process run's batches, and the observers are gathered and merged
 (ptq.calibration.calibrate.merge_shares): every process then holds the one-process calibration, bit for bit (a
@@ -72,7 +72,7 @@ def setup() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        from ptq.execution.devices import default_device
+        from ptq.runtime.devices import default_device
 
         device = default_device()
         if device.type == "cuda":

@@ -1,0 +1,1 @@
+"""Runtime helpers every stage may use: devices, memory resources, the host allocator, distributed ranks."""
