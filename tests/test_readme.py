@@ -65,7 +65,12 @@ def _commands(line: str, program: str) -> list[list[str]]:
 
 
 def readme_commands(text: str, program: str) -> list[list[str]]:
-    return [cmd for block in _code_blocks(text) for line in _logical_lines(block) for cmd in _commands(line, program)]
+    return [
+        cmd
+        for block in _code_blocks(text)
+        for line in _logical_lines(block)
+        for cmd in _commands(line, program)
+    ]
 
 
 def parse_error(args: list[str]) -> str | None:
@@ -78,9 +83,11 @@ def parse_error(args: list[str]) -> str | None:
     sub = group.commands.get(name)
     if sub is None:
         return f"no such command: {name}"
+    # click's UsageError family (NoSuchOption, BadParameter, MissingParameter, ...): typer vendors click, so the
+    # classes are not imported by name.
     try:
         ctx = sub.make_context(name, list(rest))
-    except Exception as e:  # click's UsageError family (NoSuchOption, BadParameter, MissingParameter, ...)
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
     ctx.close()
     return None
@@ -127,7 +134,11 @@ def test_the_extraction_handles_continuations_and_chains():
 
 def _make_targets() -> set[str]:
     makefile = (ROOT / "Makefile").read_text()
-    return {m for line in re.findall(r"^([A-Za-z0-9_.-][^:=\n]*):(?!=)", makefile, flags=re.M) for m in line.split()}
+    return {
+        m
+        for line in re.findall(r"^([A-Za-z0-9_.-][^:=\n]*):(?!=)", makefile, flags=re.M)
+        for m in line.split()
+    }
 
 
 def test_every_make_target_shown_exists():
