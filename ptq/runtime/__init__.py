@@ -1,1 +1,2 @@
-"""Runtime helpers every stage may use: devices, memory resources, the host allocator, distributed ranks."""
+"""Runtime helpers every stage may use: devices, memory resources, the host allocator, distributed
+ranks."""
