@@ -76,8 +76,7 @@ def check_not_an_input(
 
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success rename it onto `path`, on failure delete
-    it."""
+    """Yield a temporary path next to `path`; on success rename it onto `path`, else delete it."""
     path = Path(path)
     _create_parent(path)
     try:

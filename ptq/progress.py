@@ -36,8 +36,7 @@ def print_notes() -> None:
 def progress(
     description: str, total: int, tokens_per_step: int = 0
 ) -> Iterator[Callable[[int], None]]:
-    """Yield `advance(steps)`; shows steps done, tokens/s when tokens_per_step is given, and time
-    left."""
+    """Yield `advance(steps)`; shows steps done, tokens/s (with tokens_per_step) and time left."""
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
     if tokens_per_step:
         columns.append(TextColumn("{task.fields[rate]}"))

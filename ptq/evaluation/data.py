@@ -1,5 +1,4 @@
-"""Calibration and evaluation text: where it comes from, how it is cleaned, how it becomes token
-windows.
+"""Calibration and evaluation text: where it comes from, how it is cleaned, its token windows.
 
 A data spec is `SOURCE[,key=value...]`:
 
@@ -103,8 +102,7 @@ def load_corpus(spec: str | None, role: str) -> Corpus:
 
 
 def spec_source(spec: str | None) -> str | None:
-    """What a data spec reads (a file, a folder or a dataset name), before its options; None for the
-    default text."""
+    """What a data spec reads (file, folder or dataset name), before options; None: the default."""
     return spec.split(",")[0].strip() if spec else None
 
 
@@ -377,8 +375,7 @@ def hub_or_cache():
 
 
 def cache_failure(offline: str, e: BaseException) -> str:
-    """Why a load from the local datasets cache only (hub_or_cache yielded `offline`) failed, in
-    words."""
+    """Why a load from the datasets cache only (hub_or_cache yielded `offline`) failed, in words."""
     # offline, what datasets raises for a dataset it has not cached
     if isinstance(e, ConnectionError):
         return f"{offline} and the dataset is not in the local datasets cache"
@@ -437,8 +434,7 @@ def shared_text(
 
 
 def _words(document: str) -> str:
-    """A document with its whitespace normalized: what two documents must share to count as the
-    same."""
+    """A document with its whitespace normalized: what two documents must share to count as one."""
     return " ".join(document.split())
 
 
