@@ -2,12 +2,13 @@
 so an interrupted run never leaves a file that looks complete. A failed write (a full disk, no
 permission) is one line for the user, and the temporary file is removed.
 
-Folders above an output that do not exist yet are created when it is written (a first run on a new machine
-has no ~/.cache; `-o new/dir/file`). Also the helpers that keep outputs safe and reproducible:
-`check_output_dir` (fail before hours of work, not after), `make_dir` (a folder created and checked up
-front, such as the model cache), `safe_join` (a name taken from a user's file cannot escape the output directory),
-`save_safetensors` (byte-identical files for identical content), and `cache_root` (where converted models and
-offloaded weights are kept). And the one reader of the YAML files users write (recipes, task files): `read_yaml`.
+Folders above an output that do not exist yet are created when it is written (a first run on a new
+machine has no ~/.cache; `-o new/dir/file`). Also the helpers that keep outputs safe and
+reproducible: `check_output_dir` (fail before hours of work, not after), `make_dir` (a folder
+created and checked up front, such as the model cache), `safe_join` (a name taken from a user's file
+cannot escape the output directory), `save_safetensors` (byte-identical files for identical
+content), and `cache_root` (where converted models and offloaded weights are kept). And the one
+reader of the YAML files users write (recipes, task files): `read_yaml`.
 """
 
 from __future__ import annotations
@@ -28,21 +29,22 @@ from ptq.errors import PtqError
 
 
 def cache_root() -> Path:
-    """Where ptq keeps what it makes for later runs (converted models, offloaded weights): $PTQ_CACHE (a leading ~
-    expanded, which a shell does not do in quotes), else ~/.cache/ptq. Either may not exist yet on a new machine:
-    it is created on first use."""
+    """Where ptq keeps what it makes for later runs (converted models, offloaded weights):
+    $PTQ_CACHE (a leading ~ expanded, which a shell does not do in quotes), else ~/.cache/ptq.
+    Either may not exist yet on a new machine: it is created on first use."""
     return Path(os.environ.get("PTQ_CACHE") or Path.home() / ".cache" / "ptq").expanduser()
 
 
 def check_writable(path: Path, force: bool, directory: bool = False) -> None:
-    """Refuse to overwrite an existing output unless --force was given. A file output (not `directory`) that is an
-    existing directory is refused even with --force, before any work: the rename onto it would fail at the end."""
+    """Refuse to overwrite an existing output unless --force was given. A file output (not
+    `directory`) that is an existing directory is refused even with --force, before any work: the
+    rename onto it would fail at the end."""
     path = Path(path)
-    if (
-        not directory and path.is_dir() and not path.is_symlink()
-    ):  # a symlink is replaced, not followed
+    # a symlink is replaced, not followed
+    if not directory and path.is_dir() and not path.is_symlink():
         raise PtqError(
-            f"cannot write {path}: it is a directory, and the output is a file (--force does not replace it)"
+            f"cannot write {path}: it is a directory, and the output is a file (--force does not "
+            "replace it)"
         )
     if path.exists() and not force:
         raise PtqError(f"{path} already exists (use --force to overwrite)")
@@ -51,9 +53,10 @@ def check_writable(path: Path, force: bool, directory: bool = False) -> None:
 def check_not_an_input(
     path: Path, inputs: dict[str, str | Path | None], replaced: bool = False
 ) -> None:
-    """Refuse an output that is one of the run's inputs or lies within one (a model folder), --force or not: the run
-    would replace what it reads. `inputs`: what each is ("--data") -> a local path, or None (a Hub name, the default).
-    `replaced`: the output is a folder replaced whole (quantize's), so one that holds an input is refused too."""
+    """Refuse an output that is one of the run's inputs or lies within one (a model folder), --force
+    or not: the run would replace what it reads. `inputs`: what each is ("--data") -> a local path,
+    or None (a Hub name, the default). `replaced`: the output is a folder replaced whole
+    (quantize's), so one that holds an input is refused too."""
     out = Path(path).resolve()
     for what, source in inputs.items():
         if source is None or not Path(source).exists():
@@ -61,17 +64,19 @@ def check_not_an_input(
         given = Path(source).resolve()
         if out == given or given.is_dir() and given in out.parents:
             raise PtqError(
-                f"cannot write {path}: it is {'within ' if out != given else ''}{what} {source}, read by this run"
+                f"cannot write {path}: it is {'within ' if out != given else ''}{what} {source}, "
+                "read by this run"
             )
         if replaced and out in given.parents:
             raise PtqError(
-                f"cannot write {path}: it holds {what} {source}, read by this run, and would replace it"
+                f"cannot write {path}: it holds {what} {source}, read by this run, and would "
+                "replace it"
             )
 
 
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success rename it onto `path`, on failure delete it."""
+    """Yield a temporary path next to `path`; on success rename it onto `path`, else delete it."""
     path = Path(path)
     _create_parent(path)
     try:
@@ -81,9 +86,8 @@ def atomic_path(path: Path) -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        os.chmod(
-            tmp_path, 0o666 & ~_umask()
-        )  # mkstemp makes 0600 files; outputs get the usual mode
+        # mkstemp makes 0600 files; outputs get the usual mode
+        os.chmod(tmp_path, 0o666 & ~_umask())
         yield tmp_path
         os.replace(tmp_path, path)
     except OSError as e:
@@ -109,9 +113,9 @@ def _reason(e: OSError) -> str:
 
 
 def check_output_dir(directory: Path) -> None:
-    """Make sure files can be created in `directory`, before any long work, without leaving anything:
-    the probe file goes into the directory, or into its nearest existing ancestor when the directory
-    does not exist yet (it is created only when the outputs are written)."""
+    """Make sure files can be created in `directory`, before any long work, without leaving
+    anything: the probe file goes into the directory, or into its nearest existing ancestor when the
+    directory does not exist yet (it is created only when the outputs are written)."""
     existing = Path(directory)
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -122,9 +126,10 @@ def check_output_dir(directory: Path) -> None:
 
 
 def make_dir(directory: Path, what: str = "output directory", hint: str = "") -> Path:
-    """Create `directory` and its missing parents now and make sure files can be created in it: for a
-    folder that is written long after the command starts (the model cache, filled after a conversion).
-    A folder that cannot be created or written is one line naming it, followed by `hint`."""
+    """Create `directory` and its missing parents now and make sure files can be created in it: for
+    a folder that is written long after the command starts (the model cache, filled after a
+    conversion). A folder that cannot be created or written is one line naming it, followed by
+    `hint`."""
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -135,8 +140,8 @@ def make_dir(directory: Path, what: str = "output directory", hint: str = "") ->
 
 
 def _probe(directory: Path) -> None:
-    """Create and remove a file in `directory`: this works where permission bits say nothing (root, a
-    read-only mount), and raises OSError where a file could not be created."""
+    """Create and remove a file in `directory`: this works where permission bits say nothing (root,
+    a read-only mount), and raises OSError where a file could not be created."""
     if not directory.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "not a directory")
     fd, probe = tempfile.mkstemp(prefix=".ptq-probe.", dir=directory)
@@ -145,8 +150,9 @@ def _probe(directory: Path) -> None:
 
 
 def safe_join(directory: Path, name: str) -> Path:
-    """directory / name for a `name` that comes from a user's file (a tensor or layer name, a recipe):
-    refused if it is absolute, climbs with '..', or resolves (through symlinks) outside `directory`."""
+    """directory / name for a `name` that comes from a user's file (a tensor or layer name, a
+    recipe): refused if it is absolute, climbs with '..', or resolves (through symlinks) outside
+    `directory`."""
     directory = Path(directory)
     relative = Path(name)
     if not name or "\x00" in name or relative.is_absolute() or ".." in relative.parts:
@@ -180,9 +186,9 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str]) -> Non
 
 
 def write_set_atomic(writers: dict[Path, Callable[[Path], None]]) -> None:
-    """Files that belong together (results.json, report.md and its plots): each written by its function into a
-    temporary file, all renamed only once every one is complete, so a failure (a full disk) leaves the old set or
-    none."""
+    """Files that belong together (results.json, report.md and its plots): each written by its
+    function into a temporary file, all renamed only once every one is complete, so a failure (a
+    full disk) leaves the old set or none."""
     with ExitStack() as stack:
         tmps = {path: stack.enter_context(atomic_path(path)) for path in writers}
         for path, tmp in tmps.items():
@@ -211,15 +217,15 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     except OSError as e:
         raise PtqError(f"cannot write in {path.parent}: {_reason(e)}") from None
     try:
-        os.chmod(
-            tmp_path, 0o777 & ~_umask()
-        )  # mkdtemp makes 0700 folders; a checkpoint or cache gets the usual mode
+        # mkdtemp makes 0700 folders; a checkpoint or cache gets the usual mode
+        os.chmod(tmp_path, 0o777 & ~_umask())
         yield tmp_path
         for f in tmp_path.rglob("*"):  # and its files too: safetensors' save_file makes them 0600
             if f.is_file() and not f.is_symlink():
                 os.chmod(f, 0o666 & ~_umask())
-        # An existing folder (--force) is moved aside, not deleted, until the new one is in place: an interruption
-        # in between leaves one of the two under `path` (the other under a hidden temporary name), never neither.
+        # An existing folder (--force) is moved aside, not deleted, until the new one is in place:
+        # an interruption in between leaves one of the two under `path` (the other under a hidden
+        # temporary name), never neither.
         old = None
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
@@ -233,9 +239,8 @@ def atomic_dir(path: Path) -> Iterator[Path]:
             raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except (
-        OSError
-    ) as e:  # a full disk, a quota, a read-only mount while the folder was written: one line
+    # a full disk, a quota, a read-only mount while the folder was written: one line
+    except OSError as e:
         shutil.rmtree(tmp_path, ignore_errors=True)
         where = f" ({e.filename})" if e.filename else ""
         raise PtqError(f"cannot write {path}: {_reason(e)}{where} (nothing was written)") from None
@@ -245,19 +250,20 @@ def atomic_dir(path: Path) -> Iterator[Path]:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """yaml.safe_load's loader, except that a key given twice in one mapping is an error: PyYAML keeps the last one
-    silently, so `weights:` written twice would quantize by whichever came second."""
+    """yaml.safe_load's loader, except that a key given twice in one mapping is an error: PyYAML
+    keeps the last one silently, so `weights:` written twice would quantize by whichever came
+    second."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
-            if (
-                key_node.tag == "tag:yaml.org,2002:merge"
-            ):  # `<<: *base`: merged keys may be overridden, as YAML says
+            # `<<: *base`: merged keys may be overridden, as YAML says
+            if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, Hashable):
-                # a list or mapping as a key ([1, 2]: 3): PyYAML's own error, with its line, not a TypeError here
+                # a list or mapping as a key ([1, 2]: 3): PyYAML's own error, with its line, not a
+                # TypeError here
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping",
                     node.start_mark,
@@ -276,15 +282,16 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 class _TaggedLoader(_StrictLoader):
-    """lm-eval's task files tag values (`!function utils.process_docs`): read as None, for checking only."""
+    """lm-eval's task files tag values (`!function utils.process_docs`): read as None, for checking
+    only."""
 
 
 _TaggedLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 
 def read_yaml(path: Path, what: str, tags: bool = False) -> object:
-    """A user's YAML file, safe-loaded (no Python objects), a key given twice refused; a problem is one line with
-    its line and column. tags: custom tags (lm-eval's !function) allowed, as None."""
+    """A user's YAML file, safe-loaded (no Python objects), a key given twice refused; a problem is
+    one line with its line and column. tags: custom tags (lm-eval's !function) allowed, as None."""
     try:
         text = Path(path).read_text(encoding="utf-8")
         return yaml.load(text, Loader=_TaggedLoader if tags else _StrictLoader)  # noqa: S506 (SafeLoader subclasses)

@@ -17,7 +17,8 @@ from rich.progress import (
 
 stderr = Console(stderr=True)
 QUIET = False  # set by the CLI's --quiet
-# notes said once the command has run (ptq.cli.main): before a user mistake's one-line error they would make it two
+# notes said once the command has run (ptq.cli.main): before a user mistake's one-line error they
+# would make it two
 NOTES: list[str] = []
 
 
@@ -35,7 +36,7 @@ def print_notes() -> None:
 def progress(
     description: str, total: int, tokens_per_step: int = 0
 ) -> Iterator[Callable[[int], None]]:
-    """Yield `advance(steps)`; shows steps done, tokens/s when tokens_per_step is given, and time left."""
+    """Yield `advance(steps)`; shows steps done, tokens/s (with tokens_per_step) and time left."""
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
     if tokens_per_step:
         columns.append(TextColumn("{task.fields[rate]}"))

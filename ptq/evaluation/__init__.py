@@ -1,1 +1,1 @@
-"""Evaluation: text and token windows, the one evaluation loop, tasks, statistics, per-layer statistics."""
+"""Evaluation: text and token windows, the one evaluation loop, tasks, statistics, layer SNR."""

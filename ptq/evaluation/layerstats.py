@@ -2,13 +2,13 @@
 
 SNR (signal-to-quantization-noise ratio) of a tensor x and its quantized-and-dequantized x_q, in dB:
     10 * log10(sum(x^2) / sum((x - x_q)^2))
-- weights: every weight of every quantized Linear (times SmoothQuant's s where smoothed), against the
-  weight the variant actually uses;
+- weights: every weight of every quantized Linear (times SmoothQuant's s where smoothed), against
+  the weight the variant actually uses;
 - inputs: each variant's own input to each Linear over the first few evaluation windows, against its
   rounding in that layer (static scale, or per token). The noise is that layer's own rounding and
-  saturation only; measured while the evaluation runs, so it costs no extra forward pass. A mixture-of-experts
-  expert sees only the tokens routed to it: its input is measured over the first windows' worth of tokens it is
-  given (4 x the window length), wherever in the text they come from.
+  saturation only; measured while the evaluation runs, so it costs no extra forward pass. A
+  mixture-of-experts expert sees only the tokens routed to it: its input is measured over the first
+  windows' worth of tokens it is given (4 x the window length), wherever in the text they come from.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
 
 
 def weight_snr_db(original: nn.Module, quantized: nn.Module) -> dict[str, float | None]:
-    """SNR of each quantized layer's weight: `original` is the float model `quantized` was made from. A
-    SmoothQuant layer rounds W * s (columns scaled): its noise is measured against that."""
+    """SNR of each quantized layer's weight: `original` is the float model `quantized` was made
+    from. A SmoothQuant layer rounds W * s (columns scaled): its noise is measured against that."""
     modules = dict(original.named_modules())
     return {
         name: snr_db(
@@ -65,11 +65,11 @@ _fused_powers = fused(_powers)  # one pass, no temporaries
 def input_snr_db(
     quantized: dict[str, nn.Module], window_tokens: int, windows: int = INPUT_SNR_WINDOWS
 ):
-    """While the variants run (the evaluation), measure the SNR of each scaled-input layer's input over the
-    first `windows` windows it sees (windows of `window_tokens` tokens; an expert's input, a row per token routed
-    to it, over the first windows x window_tokens rows). Yields {variant: {layer: dB}}, filled in when the block
-    ends; a layer given no input is not in it. A layer's hook removes itself once it has measured its share, so the
-    rest of the evaluation runs without."""
+    """While the variants run (the evaluation), measure the SNR of each scaled-input layer's input
+    over the first `windows` windows it sees (windows of `window_tokens` tokens; an expert's input,
+    a row per token routed to it, over the first windows x window_tokens rows). Yields {variant:
+    {layer: dB}}, filled in when the block ends; a layer given no input is not in it. A layer's hook
+    removes itself once it has measured its share, so the rest of the evaluation runs without."""
     budget = windows * window_tokens  # tokens per layer
     sums: dict[str, dict[str, list]] = {}
     hooks = []
@@ -78,25 +78,20 @@ def input_snr_db(
         def hook(module: QuantLinear, args: tuple) -> None:
             x = args[0]
             room = budget - sums_of_layer[1]
-            per_row = (
-                x[:1].numel() // x.shape[-1]
-            )  # tokens in one window [S, in], or 1 for an expert's row [in]
+            # tokens in one window [S, in], or 1 for an expert's row [in]
+            per_row = x[:1].numel() // x.shape[-1]
             if len(x) * per_row > room:
                 x = x[: room // per_row]
             if len(x):
-                with onloaded(
-                    module
-                ):  # offloaded by --device-map: its scale is on the device during its forward only
-                    x_in, x_q = module.quantize_input(
-                        x
-                    )  # the call the forward makes next (an input is rounded once)
-                    if (
-                        last.get("x_q") is not x_q
-                    ):  # q/k/v (gate/up) share one input and its rounding: sum it once
+                # offloaded by --device-map: its scale is on the device during its forward only
+                with onloaded(module):
+                    # the call the forward makes next (an input is rounded once)
+                    x_in, x_q = module.quantize_input(x)
+                    # q/k/v (gate/up) share one input and its rounding: sum it once
+                    if last.get("x_q") is not x_q:
                         last["x_q"] = x_q  # held, so that its identity cannot be reused meanwhile
-                        last["sums"] = _fused_powers(
-                            x_in.detach(), x_q
-                        )  # left on the device: no sync per layer
+                        # left on the device: no sync per layer
+                        last["sums"] = _fused_powers(x_in.detach(), x_q)
                 sums_of_layer[0] = (
                     last["sums"] if sums_of_layer[0] is None else sums_of_layer[0] + last["sums"]
                 )
@@ -122,7 +117,8 @@ def input_snr_db(
     finally:
         for h in hooks:
             h.remove()
-    # a layer given no input (an expert no token was routed to) was not measured: left out, not null (exact)
+    # a layer given no input (an expert no token was routed to) was not measured: left out, not null
+    # (exact)
     result.update(
         {
             v: {
@@ -138,9 +134,9 @@ def input_snr_db(
 def layer_snr(
     weights: dict[str, dict], inputs: dict[str, dict], windows: int = INPUT_SNR_WINDOWS
 ) -> dict[str, dict | None]:
-    """{variant: {"weights": {layer: dB}, "inputs": {layer: dB}, "input_windows": n}} for the report, from
-    weight_snr_db and input_snr_db per variant; None for a variant that quantizes nothing to 8 bits (no
-    layer in its weight SNR)."""
+    """{variant: {"weights": {layer: dB}, "inputs": {layer: dB}, "input_windows": n}} for the
+    report, from weight_snr_db and input_snr_db per variant; None for a variant that quantizes
+    nothing to 8 bits (no layer in its weight SNR)."""
     return {
         v: {"weights": w, "inputs": inputs.get(v, {}), "input_windows": windows} if w else None
         for v, w in weights.items()

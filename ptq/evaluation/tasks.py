@@ -1,8 +1,9 @@
 """Cloze items built from any text: what lm-evaluation-harness lacks, ptq builds, and lm-eval scores
-(ptq/evaluation/harness.py, lm_eval_tasks/_ptq_cloze.yaml: loglikelihood of " " + word, acc = greedy decoding
-yields every token of it, lm-eval's is_greedy). Every other task is lm-eval's own.
+(ptq/evaluation/harness.py, lm_eval_tasks/_ptq_cloze.yaml: loglikelihood of " " + word, acc = greedy
+decoding yields every token of it, lm-eval's is_greedy). Every other task is lm-eval's own.
 
-Items may be an evenly spaced subset (--max-items): such numbers are not comparable with full-set ones.
+Items may be an evenly spaced subset (--max-items): such numbers are not comparable with full-set
+ones.
 """
 
 from __future__ import annotations
@@ -24,14 +25,12 @@ DELIMITER = " "  # lm-eval's default target_delimiter between context and contin
 
 @dataclass(frozen=True)
 class Item:
-    contexts: tuple[
-        str, ...
-    ]  # one per choice; all equal except for partial evaluation (winogrande)
+    # one per choice; all equal except for partial evaluation (winogrande)
+    contexts: tuple[str, ...]
     continuations: tuple[str, ...]  # the scored text of each choice
     label: int
-    norm_lengths: tuple[
-        int, ...
-    ] = ()  # acc_norm divisor of each choice (characters); empty: no acc_norm
+    # acc_norm divisor of each choice (characters); empty: no acc_norm
+    norm_lengths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,8 +75,8 @@ class Task:
 
 
 def subsample(task: Task, max_items: int | None) -> Task:
-    """At most `max_items` items, evenly spaced (index round(i * n / max_items)), so a sample covers the
-    whole set and is the same on every run."""
+    """At most `max_items` items, evenly spaced (index round(i * n / max_items)), so a sample covers
+    the whole set and is the same on every run."""
     n = len(task.items)
     if max_items is None or n <= max_items:
         return task
@@ -95,8 +94,9 @@ def subsample(task: Task, max_items: int | None) -> Task:
 
 
 def scored_chance(task: Task, limit: float | None) -> tuple[float, int]:
-    """The chance of the items lm-eval scores under --limit (the first ceil(n * limit) of them for a fraction, else
-    the first `limit`: lm_eval.evaluator_utils.get_sample_size), and how many those are."""
+    """The chance of the items lm-eval scores under --limit (the first ceil(n * limit) of them for a
+    fraction, else the first `limit`: lm_eval.evaluator_utils.get_sample_size), and how many those
+    are."""
     n = (
         len(task.items)
         if limit is None
@@ -133,20 +133,21 @@ def _task(
 # ----------------------------------------------------------------------------------------------
 # Cloze: LAMBADA-style items from any text
 
+# a passage's context: whole lines, at least 200, at most 600 characters
 CLOZE_CONTEXT_CHARS = (
     200,
     600,
-)  # a passage's context: whole lines, at least 200, at most 600 characters
-CLOZE_LAST_WORD = re.compile(
-    r"(?<= )([a-z]{3,})[.!?]$"
-)  # a line that ends a sentence with a plain word
+)
+# a line that ends a sentence with a plain word
+CLOZE_LAST_WORD = re.compile(r"(?<= )([a-z]{3,})[.!?]$")
 
 
 def build_cloze(corpus: Corpus, name: str = "cloze") -> Task:
     """Deterministic cloze items (the construction is the same for every model and tokenizer):
 
-    1. A target is the last word of a line that ends a sentence: a space, 3+ lowercase ASCII letters,
-       then one of . ! ? and the end of the line (so no speaker names, stage directions or numbers).
+    1. A target is the last word of a line that ends a sentence: a space, 3+ lowercase ASCII
+       letters, then one of . ! ? and the end of the line (so no speaker names, stage directions or
+       numbers).
     2. The passage is the longest run of whole preceding lines of the same document with 200-600
        characters, then the target's line up to the word; the final punctuation is dropped.
     3. The target must occur earlier in the passage (case-insensitive, whole word): like LAMBADA's
@@ -157,9 +158,9 @@ def build_cloze(corpus: Corpus, name: str = "cloze") -> Task:
     """
     lo, hi = CLOZE_CONTEXT_CHARS
     notes = (
-        f"passages: whole lines, {lo}-{hi} characters of context; target: a lowercase word of 3+ letters "
-        "ending a line and a sentence, also found earlier in the passage; non-overlapping passages; "
-        "correct when greedy decoding yields all of the word's tokens",
+        f"passages: whole lines, {lo}-{hi} characters of context; target: a lowercase word of 3+ "
+        "letters ending a line and a sentence, also found earlier in the passage; non-overlapping "
+        "passages; correct when greedy decoding yields all of the word's tokens",
     )
     items = cloze_items(corpus)
     if not items:
@@ -171,13 +172,14 @@ def build_cloze(corpus: Corpus, name: str = "cloze") -> Task:
 
 def no_cloze_items(corpus: Corpus) -> str:
     return (
-        f"no line of {corpus.source} ends a sentence with a lowercase word that occurs earlier in its "
-        f"{CLOZE_CONTEXT_CHARS[0]}-{CLOZE_CONTEXT_CHARS[1]} character passage"
+        f"no line of {corpus.source} ends a sentence with a lowercase word that occurs earlier in "
+        f"its {CLOZE_CONTEXT_CHARS[0]}-{CLOZE_CONTEXT_CHARS[1]} character passage"
     )
 
 
 def cloze_items(corpus: Corpus) -> list[Item]:
-    """The items of build_cloze (none where no line of the text qualifies: a text without line breaks, say)."""
+    """The items of build_cloze (none where no line of the text qualifies: a text without line
+    breaks, say)."""
     lo, hi = CLOZE_CONTEXT_CHARS
     items: list[Item] = []
     for doc in corpus.documents:
@@ -204,7 +206,8 @@ def cloze_items(corpus: Corpus) -> list[Item]:
 
 
 def cloze_rows(task: Task) -> list[dict]:
-    """The rows lm-eval scores a cloze task on (lm_eval_tasks/_ptq_cloze.yaml): context and target word."""
+    """The rows lm-eval scores a cloze task on (lm_eval_tasks/_ptq_cloze.yaml): context and target
+    word."""
     return [
         {"context": i.contexts[0], "target": i.continuations[0].removeprefix(DELIMITER)}
         for i in task.items

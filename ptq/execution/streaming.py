@@ -1,35 +1,38 @@
-"""Models larger than memory: `ptq calibrate`, `ptq compare` and `ptq quantize` with `--low-memory` read a local
-safetensors checkpoint one decoder layer at a time, for every architecture ptq loads (dense families, GPT-2,
-mixture-of-experts), as llm-compressor's sequential pipeline, GPTQ and AutoAWQ do.
+"""Models larger than memory: `ptq calibrate`, `ptq compare` and `ptq quantize` with `--low-memory`
+read a local safetensors checkpoint one decoder layer at a time, for every architecture ptq loads
+(dense families, GPT-2, mixture-of-experts), as llm-compressor's sequential pipeline, GPTQ and
+AutoAWQ do.
 
-The model is built on the meta device (shapes, no data), twice: as transformers builds it (each decoder layer is
-copied from it when it is read) and linearized (ptq.models.matmuls: the names that recipes select, calibration
-files are keyed by and the export writes). `LayerByLayer` runs it (ptq.execution.executors):
-1. The trunk: everything but the decoder layers (embeddings, rotary embeddings, final norm, lm_head), read from
-   disk; in its list of decoder layers, `LayerSlot`s without weights stand in.
-2. Capture: the model's own forward runs on each batch, on what the caller's `parts` makes of the trunk (below:
-   what runs before the first decoder layer, OPT's project_in, is then quantized and observed as in memory); each
-   slot records what it is called with (position embeddings, attention masks, cache positions, whatever the family
-   passes to that layer; the first one also the hidden states) and the last one stops the forward.
-3. Each decoder layer is read (safetensors, memory-mapped, only that layer's tensors, under the names
-   `save_pretrained` gives them: ptq.export.checkpoint.checkpoint_names; an already quantized checkpoint's weights
-   dequantized as they are read, see SafetensorsCheckpoint), in float32 and laid out as
-   ptq.models.loading lays it out (a copy of transformers' layer, then linearized), run on every batch, its
-   outputs replacing its inputs, and freed before the next one is read.
-4. The logits: the model's forward runs on the trunk again, each slot passing its input on and the last one
-   returning the last layer's output, so the final norm, the lm_head and whatever the family does after it
-   (Gemma's soft-capping) are the model's own code; what ran before the first slot runs again without its hooks
-   (observed once). Without logits, the base model's forward runs so, when it has Linear layers after the last
-   decoder layer (OPT's project_out).
-What is computed on each part (the trunk, then each layer as it is read) is the caller's `parts`: calibration's
-observers, compare's quantized variants and their SNR hooks, as on the whole model in memory. The same float32
-ops run on the same batches in the same order as in memory: the amax, the scores and the checkpoint files are
-identical (tests/test_streaming.py).
+The model is built on the meta device (shapes, no data), twice: as transformers builds it (each
+decoder layer is copied from it when it is read) and linearized (ptq.models.matmuls: the names that
+recipes select, calibration files are keyed by and the export writes). `LayerByLayer` runs it
+(ptq.execution.executors):
+1. The trunk: everything but the decoder layers (embeddings, rotary embeddings, final norm,
+   lm_head), read from disk; in its list of decoder layers, `LayerSlot`s without weights stand in.
+2. Capture: the model's own forward runs on each batch, on what the caller's `parts` makes of the
+   trunk (below: what runs before the first decoder layer, OPT's project_in, is then quantized and
+   observed as in memory); each slot records what it is called with (position embeddings, attention
+   masks, cache positions, whatever the family passes to that layer; the first one also the hidden
+   states) and the last one stops the forward.
+3. Each decoder layer is read (safetensors, memory-mapped, only that layer's tensors, under the
+   names `save_pretrained` gives them: ptq.export.checkpoint.checkpoint_names; an already quantized
+   checkpoint's weights dequantized as they are read, see SafetensorsCheckpoint), in float32 and
+   laid out as ptq.models.loading lays it out (a copy of transformers' layer, then linearized), run
+   on every batch, its outputs replacing its inputs, and freed before the next one is read.
+4. The logits: the model's forward runs on the trunk again, each slot passing its input on and the
+   last one returning the last layer's output, so the final norm, the lm_head and whatever the
+   family does after it (Gemma's soft-capping) are the model's own code; what ran before the first
+   slot runs again without its hooks (observed once). Without logits, the base model's forward runs
+   so, when it has Linear layers after the last decoder layer (OPT's project_out).
+What is computed on each part (the trunk, then each layer as it is read) is the caller's `parts`:
+calibration's observers, compare's quantized variants and their SNR hooks, as on the whole model in
+memory. The same float32 ops run on the same batches in the same order as in memory: the amax, the
+scores and the checkpoint files are identical (tests/test_streaming.py).
 
-Memory: the trunk, one decoder layer (in float32, and the variants' weight codes in compare), and every batch's
-hidden states (windows x seq_len x hidden x 4 bytes, per variant in compare), all on the compute device: on CUDA
-one decoder layer is on the GPU at a time. Export has no forward: each tensor is read when its shard is written
-(ptq.export.checkpoint.plan_checkpoint with `read`).
+Memory: the trunk, one decoder layer (in float32, and the variants' weight codes in compare), and
+every batch's hidden states (windows x seq_len x hidden x 4 bytes, per variant in compare), all on
+the compute device: on CUDA one decoder layer is on the GPU at a time. Export has no forward: each
+tensor is read when its shard is written (ptq.export.checkpoint.plan_checkpoint with `read`).
 """
 
 from __future__ import annotations
@@ -61,23 +64,24 @@ from ptq.models.matmuls import kind, linearize, quantizable
 from ptq.runtime.devices import LAYER_BY_LAYER_WAYS_OUT, default_device
 
 LOW_MEMORY_FLAG = "--low-memory"
+# already quantized checkpoints read dequantized, tensor by tensor
 STREAMED_METHODS = (
     "fp8",
     "compressed-tensors",
-)  # already quantized checkpoints read dequantized, tensor by tensor
+)
 
 
 class SafetensorsCheckpoint:
-    """The tensors of a local safetensors checkpoint, read one at a time (nothing is kept open or cached). Of an
-    already quantized checkpoint (FP8, 8-bit compressed-tensors), each weight is read dequantized by `dequantizer`
-    (ptq.models.loading.stored_dequantizer): its codes times its scales, in float32, as transformers loads it."""
+    """The tensors of a local safetensors checkpoint, read one at a time (nothing is kept open or
+    cached). Of an already quantized checkpoint (FP8, 8-bit compressed-tensors), each weight is read
+    dequantized by `dequantizer` (ptq.models.loading.stored_dequantizer): its codes times its
+    scales, in float32, as transformers loads it."""
 
     def __init__(self, directory: Path, dequantizer=None):
         self.directory = Path(directory)
         self.dequantizer = dequantizer
-        self.transposed: set[str] = (
-            set()
-        )  # weights stored [in, out] (Conv1D's): dequantized as [out, in], per row
+        # weights stored [in, out] (Conv1D's): dequantized as [out, in], per row
+        self.transposed: set[str] = set()
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -87,9 +91,8 @@ class SafetensorsCheckpoint:
         else:
             files = [p.name for p in sorted(self.directory.glob("*.safetensors"))]
         self.file: dict[str, Path] = {}
-        self.stored: dict[
-            str, str
-        ] = {}  # a name the tensor is read under -> its name in the file, where they differ
+        # a name the tensor is read under -> its name in the file, where they differ
+        self.stored: dict[str, str] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}  # safetensors dtype names: "BF16", "F32", ...
         for name in files:
@@ -99,7 +102,8 @@ class SafetensorsCheckpoint:
                     for key in f.keys():
                         if key in self.file:
                             raise PtqError(
-                                f"tensor '{key}' is stored twice, in {self.file[key].name} and {name}"
+                                f"tensor '{key}' is stored twice, in {self.file[key].name} and "
+                                f"{name}"
                             )
                         piece = f.get_slice(key)
                         self.file[key], self.shape[key], self.dtype[key] = (
@@ -113,9 +117,10 @@ class SafetensorsCheckpoint:
                 raise unreadable_weights(path, e) from None
 
     def add_prefix(self, prefix: str) -> None:
-        """A checkpoint of the base model alone (openai-community/gpt2's `wte.weight`, not `transformer.wte.weight`)
-        read under the names the causal LM gives its tensors, as transformers loads it: when no tensor's name starts
-        with `prefix.`, each is also found under `prefix.<name>`."""
+        """A checkpoint of the base model alone (openai-community/gpt2's `wte.weight`, not
+        `transformer.wte.weight`) read under the names the causal LM gives its tensors, as
+        transformers loads it: when no tensor's name starts with `prefix.`, each is also found under
+        `prefix.<name>`."""
         if not prefix or any(key.startswith(f"{prefix}.") for key in self.file):
             return
         for key in list(self.file):
@@ -129,25 +134,27 @@ class SafetensorsCheckpoint:
                 self.stored[alias] = key
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named tensors, in their stored dtype; each file is opened once per call and closed after."""
+        """The named tensors, in their stored dtype; each file is opened once per call and closed
+        after."""
         return dict(self.each(names))
 
     def read_one(self, name: str) -> torch.Tensor:
         return self.read([name])[name]
 
     def each(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The named tensors one at a time (each file opened once), so that one is in memory at a time."""
+        """The named tensors one at a time (each file opened once), so that one is in memory at a
+        time."""
         missing = [n for n in names if n not in self.file]
         if missing:
             raise PtqError(f"the checkpoint in {self.directory} has no tensor '{missing[0]}'")
-        scales = {
-            n: self._scales(n) for n in names
-        }  # read first: small (MX: a 32nd of the codes, at most)
+        # read first: small (MX: a 32nd of the codes, at most)
+        scales = {n: self._scales(n) for n in names}
         read = dict(self._plain(sorted({s for ss in scales.values() for s in ss})))
         for k, tensor in self._plain(names):
             if scales.get(k):
                 stored, flip = self.stored.get(k, k), k in self.transposed
-                # compressed-tensors' scales are per output row: a Conv1D weight's rows are its columns on disk
+                # compressed-tensors' scales are per output row: a Conv1D weight's rows are its
+                # columns on disk
                 codes = tensor.t() if flip else tensor
                 tensor = self.dequantizer.process(
                     {stored: codes} | {s: read[s] for s in scales[k]}
@@ -156,10 +163,11 @@ class SafetensorsCheckpoint:
             yield k, tensor
 
     def _scales(self, name: str) -> list[str]:
-        """The tensors (scales) that `name` is dequantized with; none for a tensor stored in 16 or 32 bits. The
-        converter names a scale for every weight its config targets (compressed-tensors' "Linear" matches a norm's
-        weight too): a weight with none of them stored is stored as it is; one with some, or 8-bit codes without
-        scales, is a damaged checkpoint."""
+        """The tensors (scales) that `name` is dequantized with; none for a tensor stored in 16 or
+        32 bits. The converter names a scale for every weight its config targets
+        (compressed-tensors' "Linear" matches a norm's weight too): a weight with none of them
+        stored is stored as it is; one with some, or 8-bit codes without scales, is a damaged
+        checkpoint."""
         if self.dequantizer is None:
             return []
         wanted = sorted(self.dequantizer.get_dependencies(self.stored.get(name, name)))
@@ -169,13 +177,12 @@ class SafetensorsCheckpoint:
             raise PtqError(
                 f"the checkpoint in {self.directory} has no tensor '{missing}', a scale of '{name}'"
             )
-        codes = ("F8_E4M3", "F8_E5M2") + (
-            ("I8", "U8") if wanted else ()
-        )  # other 8-bit tensors: masks, ids
+        # other 8-bit tensors: masks, ids
+        codes = ("F8_E4M3", "F8_E5M2") + (("I8", "U8") if wanted else ())
         if not present and self.dtype[name] in codes:
             raise PtqError(
-                f"tensor '{name}' in {self.directory} holds 8-bit codes ({self.dtype[name]}) but the checkpoint has "
-                "no scale for it"
+                f"tensor '{name}' in {self.directory} holds 8-bit codes ({self.dtype[name]}) but "
+                "the checkpoint has no scale for it"
             )
         return present
 
@@ -191,16 +198,19 @@ class SafetensorsCheckpoint:
 
 
 def supports(spec: str | None) -> bool:
-    """Whether `spec` is a safetensors checkpoint in a folder (a local one, or a Hub id's in the Hugging Face cache,
-    downloaded first: loading would download it anyway), 16/32-bit or quantized by a method read dequantized
-    (ptq.models.loading.stored_dequantizer; what it cannot read is refused there, in one line)."""
+    """Whether `spec` is a safetensors checkpoint in a folder (a local one, or a Hub id's in the
+    Hugging Face cache, downloaded first: loading would download it anyway), 16/32-bit or quantized
+    by a method read dequantized (ptq.models.loading.stored_dequantizer; what it cannot read is
+    refused there, in one line)."""
     return _directory(spec) is not None
 
 
 def _directory(spec: str | None) -> Path | None:
     """The folder `supports` answers for; None for a spec it does not."""
     if model_kind(spec) == "gguf":
-        return None  # automatic streaming only for folders: the default model fits anyway, a .gguf converts whole
+        # automatic streaming only for folders: the default model fits anyway, a .gguf converts
+        # whole
+        return None
     found = local_directory(spec)
     if found is None:
         return None
@@ -220,9 +230,9 @@ def _directory(spec: str | None) -> Path | None:
 
 
 def too_big(spec: str | None, copies: float = 1) -> bool:
-    """The estimate of ptq.runtime.resources (float32 weights times `copies` vs the memory available) says the model
-    does not fit; on a GPU, also when its float32 weights do not fit the host's memory, where loading reads them
-    first (ptq.models.loading)."""
+    """The estimate of ptq.runtime.resources (float32 weights times `copies` vs the memory
+    available) says the model does not fit; on a GPU, also when its float32 weights do not fit the
+    host's memory, where loading reads them first (ptq.models.loading)."""
     from ptq.runtime.resources import shortfall
 
     directory = _directory(spec)
@@ -236,8 +246,9 @@ def too_big(spec: str | None, copies: float = 1) -> bool:
 
 @dataclass
 class Streamed:
-    """What a streamed model is read from: the model as transformers builds it (on the meta device), the checkpoint,
-    the checkpoint's name of each tensor of the linearized model, and where its decoder layers are."""
+    """What a streamed model is read from: the model as transformers builds it (on the meta device),
+    the checkpoint, the checkpoint's name of each tensor of the linearized model, and where its
+    decoder layers are."""
 
     built: nn.Module
     checkpoint: SafetensorsCheckpoint
@@ -248,16 +259,18 @@ class Streamed:
 def load_streamed(
     spec: str | None, trust_remote_code: bool = False, memory_check: bool = True
 ) -> LoadedModel:
-    """The model on the meta device, linearized (no weights in memory), its tokenizer, and what to read it from.
-    No remote code runs: only the architectures transformers itself implements are streamed. `memory_check`: a .gguf
-    not yet converted is refused when the host cannot hold it in float32 (its conversion loads it whole)."""
+    """The model on the meta device, linearized (no weights in memory), its tokenizer, and what to
+    read it from. No remote code runs: only the architectures transformers itself implements are
+    streamed. `memory_check`: a .gguf not yet converted is refused when the host cannot hold it in
+    float32 (its conversion loads it whole)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
     found = local_directory(spec, memory_check)
     if found is None:
         raise PtqError(
-            f"{LOW_MEMORY_FLAG} works on a model folder with safetensors weights or a Hub id; '{spec}' is neither"
+            f"{LOW_MEMORY_FLAG} works on a model folder with safetensors weights or a Hub id; "
+            f"'{spec}' is neither"
         )
     directory, caveats, source = found
     if not (directory / "config.json").is_file():
@@ -276,9 +289,8 @@ def load_streamed(
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PtqError(f"cannot load model '{spec}': {reason}") from None
     quantized = getattr(config, "quantization_config", None)
-    if (
-        quantized is not None
-    ):  # an FP8 or 8-bit compressed-tensors checkpoint: read dequantized, as in memory
+    # an FP8 or 8-bit compressed-tensors checkpoint: read dequantized, as in memory
+    if quantized is not None:
         stored = {
             "quantization_config": quantized if isinstance(quantized, dict) else quantized.to_dict()
         }
@@ -300,8 +312,9 @@ def load_streamed(
     absent = [name for name in disk.values() if name not in checkpoint.file]
     if absent:
         raise PtqError(
-            f"the checkpoint in {directory} has no tensor '{absent[0]}', which {type(model).__name__} has: "
-            f"{LOW_MEMORY_FLAG} reads checkpoints written in the layout of this transformers version"
+            f"the checkpoint in {directory} has no tensor '{absent[0]}', which "
+            f"{type(model).__name__} has: {LOW_MEMORY_FLAG} reads checkpoints written in the "
+            "layout of this transformers version"
         )
     _check_shapes(model, disk, checkpoint, directory)
     checkpoint.transposed = {disk[name] for name in conv1d_weights(model) if name in disk}
@@ -315,9 +328,10 @@ def load_streamed(
 
 
 def _tie_as_loaded(built: nn.Module, checkpoint: SafetensorsCheckpoint) -> None:
-    """Tie the weights the config ties, as from_pretrained does (init_empty_weights leaves them apart); as
-    transformers does too, not a pair that the checkpoint stores both of with different values (a tied config whose
-    checkpoint has its own lm_head.weight): those stay apart, each read from its own tensor."""
+    """Tie the weights the config ties, as from_pretrained does (init_empty_weights leaves them
+    apart); as transformers does too, not a pair that the checkpoint stores both of with different
+    values (a tied config whose checkpoint has its own lm_head.weight): those stay apart, each read
+    from its own tensor."""
     tied = getattr(built, "all_tied_weights_keys", None)
     if not isinstance(tied, dict):
         built.tie_weights()
@@ -335,8 +349,9 @@ def _tie_as_loaded(built: nn.Module, checkpoint: SafetensorsCheckpoint) -> None:
 def _check_shapes(
     model: nn.Module, disk: dict[str, str], checkpoint: SafetensorsCheckpoint, directory: Path
 ) -> None:
-    """Every tensor's shape in the checkpoint against the model's (config.json), before anything runs: copied into
-    a tensor of another shape, it would be broadcast silently. Conv1D's weight is [in, out] on disk."""
+    """Every tensor's shape in the checkpoint against the model's (config.json), before anything
+    runs: copied into a tensor of another shape, it would be broadcast silently. Conv1D's weight is
+    [in, out] on disk."""
     tensors = model.state_dict(keep_vars=True)
     conv1d = conv1d_weights(model)
     for name, stored in disk.items():
@@ -346,13 +361,14 @@ def _check_shapes(
         if got != want:
             raise PtqError(
                 f"tensor '{stored}' in the checkpoint in {directory} has shape {list(got)}, but "
-                f"{type(model).__name__} as its config.json describes it has {list(want)}: the checkpoint does not "
-                "match its config"
+                f"{type(model).__name__} as its config.json describes it has {list(want)}: the "
+                "checkpoint does not match its config"
             )
 
 
 def conv1d_weights(model: nn.Module) -> set[str]:
-    """The state-dict names of the linearized model's Conv1D weights: [in, out] on disk, [out, in] in the model."""
+    """The state-dict names of the linearized model's Conv1D weights: [in, out] on disk, [out, in]
+    in the model."""
     return {
         f"{name}.weight"
         for name, m in model.named_modules()
@@ -363,21 +379,22 @@ def conv1d_weights(model: nn.Module) -> set[str]:
 def whole_reader(
     spec: str | None, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
 ):
-    """ptq's reader for ptq.models.loading.load_model's `reader`: a compressed-tensors checkpoint that transformers'
-    loader cannot dequantize (GPT-2's Conv1D layers, an MXFP8 model's merged experts), read whole onto a device."""
+    """ptq's reader for ptq.models.loading.load_model's `reader`: a compressed-tensors checkpoint
+    that transformers' loader cannot dequantize (GPT-2's Conv1D layers, an MXFP8 model's merged
+    experts), read whole onto a device."""
 
     def reader(device: torch.device) -> LoadedModel:
-        loaded = load_streamed(
-            spec, trust_remote_code, memory_check=False
-        )  # (remote code: the tokenizer's)
+        # (remote code: the tokenizer's)
+        loaded = load_streamed(spec, trust_remote_code, memory_check=False)
         return read_whole(loaded, device, dtype)
 
     return reader
 
 
 def read_whole(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """A model loaded by load_streamed, read whole into memory on `device` in `dtype`: how ptq loads a checkpoint
-    that transformers' loader cannot dequantize (ptq.models.loading.load_model: compressed-tensors Conv1D layers)."""
+    """A model loaded by load_streamed, read whole into memory on `device` in `dtype`: how ptq loads
+    a checkpoint that transformers' loader cannot dequantize (ptq.models.loading.load_model:
+    compressed-tensors Conv1D layers)."""
     streamed = loaded.model.ptq_streamed
     model = _materialise(streamed.built, streamed, device)
     model.generation_config = loaded.model.generation_config
@@ -389,8 +406,9 @@ def is_streamed(model: nn.Module) -> bool:
 
 
 def decoder_layers(model: nn.Module) -> str:
-    """The name of the model's list of decoder layers: the first ModuleList of num_hidden_layers modules of one of
-    the classes transformers keeps whole when it splits a model (`_no_split_modules`)."""
+    """The name of the model's list of decoder layers: the first ModuleList of num_hidden_layers
+    modules of one of the classes transformers keeps whole when it splits a model
+    (`_no_split_modules`)."""
     config = (
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     )
@@ -405,15 +423,15 @@ def decoder_layers(model: nn.Module) -> str:
         ):
             return name
     raise PtqError(
-        f"cannot find the decoder layers of {type(model).__name__}: {LOW_MEMORY_FLAG} runs a model one decoder "
-        "layer at a time; load it whole"
+        f"cannot find the decoder layers of {type(model).__name__}: {LOW_MEMORY_FLAG} runs a model "
+        "one decoder layer at a time; load it whole"
     )
 
 
 def check_compare_recipes(recipes: list) -> None:
-    """Layer by layer, the layers run as transformers' code with ptq's Linear layers: recipes that quantize
-    attention's matmul inputs, the KV cache or the residual adds (which switch the whole model's attention) need the
-    model whole."""
+    """Layer by layer, the layers run as transformers' code with ptq's Linear layers: recipes that
+    quantize attention's matmul inputs, the KV cache or the residual adds (which switch the whole
+    model's attention) need the model whole."""
     for r in recipes:
         if r.beyond_linear:
             words = {
@@ -422,14 +440,15 @@ def check_compare_recipes(recipes: list) -> None:
                 "residual": "residual adds",
             }
             raise PtqError(
-                f"recipe '{r.name}' quantizes {' and '.join(words[k] for k in r.beyond_linear)}: {LOW_MEMORY_FLAG} "
-                "compares Linear-layer recipes only; load the model whole"
+                f"recipe '{r.name}' quantizes {' and '.join(words[k] for k in r.beyond_linear)}: "
+                f"{LOW_MEMORY_FLAG} compares Linear-layer recipes only; load the model whole"
             )
 
 
 class LayerSlot(nn.Module):
-    """Stands in for a decoder layer in the trunk: no weights, the layer's plain attributes (a family's forward may
-    read `attention_type` or `layer_idx` off its layers); what a call does is `action`, set by LayerByLayer."""
+    """Stands in for a decoder layer in the trunk: no weights, the layer's plain attributes (a
+    family's forward may read `attention_type` or `layer_idx` off its layers); what a call does is
+    `action`, set by LayerByLayer."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -456,8 +475,8 @@ def _as_is(part: nn.Module) -> Iterator[dict[str, nn.Module]]:
 
 
 def _mounted(module: nn.Module, path: str) -> nn.Module:
-    """A container holding `module` at `path` (e.g. "model.layers.3"), so that its layers have their names in the
-    whole model, which recipes select on and calibration files are keyed by."""
+    """A container holding `module` at `path` (e.g. "model.layers.3"), so that its layers have their
+    names in the whole model, which recipes select on and calibration files are keyed by."""
     root = parent = nn.Module()
     *parents, leaf = path.split(".")
     for part in parents:
@@ -473,12 +492,14 @@ HIDDEN_ON_GPU_FRACTION = (
 
 
 class LayerByLayer:
-    """The executor (ptq.execution.executors) of a streamed model: one decoder layer in memory at a time.
+    """The executor (ptq.execution.executors) of a streamed model: one decoder layer in memory at a
+    time.
 
-    parts(part) -> context manager yielding {name: module}: what runs of each part of the model, given the part
-    with its tensors read from disk and its modules under their names in the whole model (the trunk is a model whose
-    decoder layers are slots; a layer is mounted at its path). Calibration yields the part itself with observers
-    hooked on it; compare yields the part's quantized variants. Default: the part itself, as "model"."""
+    parts(part) -> context manager yielding {name: module}: what runs of each part of the model,
+    given the part with its tensors read from disk and its modules under their names in the whole
+    model (the trunk is a model whose decoder layers are slots; a layer is mounted at its path).
+    Calibration yields the part itself with observers hooked on it; compare yields the part's
+    quantized variants. Default: the part itself, as "model"."""
 
     def __init__(
         self,
@@ -516,32 +537,34 @@ class LayerByLayer:
     ) -> Iterator[tuple[torch.Tensor, Iterator]]:
         batches = [b.to(self.device) for b in input_ids.split(size)]
         trunk = self._trunk(logits)
-        # The trunk's Linear layers that the base model runs after its last decoder layer (OPT's project_out): run
-        # when the logits are not computed too, as calibration runs the base model in memory (ptq's `_runner`)
+        # The trunk's Linear layers that the base model runs after its last decoder layer (OPT's
+        # project_out): run when the logits are not computed too, as calibration runs the base model
+        # in memory (ptq's `_runner`)
         linears = {n for n, m in trunk.named_modules() if quantizable(m) and _in_base(trunk, n)}
         with self.parts(trunk) as trunks:
             del trunk
-            # Each model's own inputs of its first decoder layer: what runs before it (OPT's project_in) is part of
-            # the trunk, quantized in a variant and observed in calibration as in memory (and checked batch by batch,
-            # so that a fault there is named with its own batch)
+            # Each model's own inputs of its first decoder layer: what runs before it (OPT's
+            # project_in) is part of the trunk, quantized in a variant and observed in calibration
+            # as in memory (and checked batch by batch, so that a fault there is named with its own
+            # batch)
             captured, store = {name: [] for name in self.names}, None
             for name in self.names:
                 for b, batch in enumerate(batches):
                     h, c, e = self._capture(trunks[name], batch)
                     if store is None:
                         store = self._hidden_store(h, len(batch), len(input_ids))
-                    # each model's own hidden states, every batch, in buffers that each layer's outputs are copied
-                    # into (new long-lived tensors at every layer would fragment the host's memory: its peak would
-                    # grow layer by layer)
+                    # each model's own hidden states, every batch, in buffers that each layer's
+                    # outputs are copied into (new long-lived tensors at every layer would fragment
+                    # the host's memory: its peak would grow layer by layer)
                     captured[name].append((h.to(store, copy=True), c, e))
                     del h
                     if after_batch is not None:
                         after_batch(b)
-            # per batch, per layer: (positional arguments after the hidden states, keywords), the same for every model
+            # per batch, per layer: (positional arguments after the hidden states, keywords), the
+            # same for every model
             calls = [c for _, c, _ in captured[self.names[0]]]
-            early = {
-                name: captured[name][0][2] for name in self.names
-            }  # modules run before the first decoder layer
+            # modules run before the first decoder layer
+            early = {name: captured[name][0][2] for name in self.names}
             ran = {
                 n
                 for n, m in trunks[self.names[0]].named_modules()
@@ -557,9 +580,8 @@ class LayerByLayer:
                         layer = layers[name].get_submodule(path)
                         for b, batch in enumerate(batches):
                             args, kwargs = calls[b][i]
-                            h = hidden[name][b].to(
-                                self.device
-                            )  # the same tensor where they wait on the device
+                            # the same tensor where they wait on the device
+                            h = hidden[name][b].to(self.device)
                             out = layer(h, *args, **kwargs)
                             returns_tuple = isinstance(out, tuple)
                             hidden[name][b].copy_(out[0] if returns_tuple else out)
@@ -569,10 +591,13 @@ class LayerByLayer:
                             advance(len(batch))
                     del layer
                 del layers
-                gc.collect()  # this layer's weights are freed before the next one is read (its copies hold cycles)
+                # this layer's weights are freed before the next one is read (its copies hold
+                # cycles)
+                gc.collect()
             for b, batch in enumerate(batches):
                 finals = [hidden[name][b].to(self.device) for name in self.names]
-                # what runs after the last decoder layer (final norm, lm_head, project_out) is checked too
+                # what runs after the last decoder layer (final norm, lm_head, project_out) is
+                # checked too
                 if logits:
                     yield (
                         batch,
@@ -596,11 +621,12 @@ class LayerByLayer:
                     hidden[name][b] = None
 
     def _hidden_store(self, hidden: torch.Tensor, batch_windows: int, windows: int) -> torch.device:
-        """Where every window's hidden states wait between decoder layers: on the compute device while all of them
-        (every model's) take at most HIDDEN_ON_GPU_FRACTION of its free memory, else in host memory, each batch
-        copied over for its layer. They do not shrink with the batch size: held on a GPU they could not fit (a
-        405B model's 512 calibration windows of 2048 tokens: 64 GiB in float32), every out-of-memory back-off would
-        read the whole checkpoint again, to fail at batch size 1."""
+        """Where every window's hidden states wait between decoder layers: on the compute device
+        while all of them (every model's) take at most HIDDEN_ON_GPU_FRACTION of its free memory,
+        else in host memory, each batch copied over for its layer. They do not shrink with the batch
+        size: held on a GPU they could not fit (a 405B model's 512 calibration windows of 2048
+        tokens: 64 GiB in float32), every out-of-memory back-off would read the whole checkpoint
+        again, to fail at batch size 1."""
         if self.device.type != "cuda":
             return self.device
         need = hidden.numel() * hidden.element_size() * windows * len(self.names) // batch_windows
@@ -608,8 +634,9 @@ class LayerByLayer:
         return self.device if need <= HIDDEN_ON_GPU_FRACTION * free else torch.device("cpu")
 
     def _trunk(self, logits: bool) -> nn.Module:
-        """The model with its tensors outside the decoder layers read, and LayerSlots for the decoder layers. Without
-        `logits`, the lm_head is not read (unless it is the input embeddings, tied)."""
+        """The model with its tensors outside the decoder layers read, and LayerSlots for the
+        decoder layers. Without `logits`, the lm_head is not read (unless it is the input
+        embeddings, tied)."""
         built = self.streamed.built
         parent_name, _, attr = self.streamed.layers.rpartition(".")
         parent = built.get_submodule(parent_name)
@@ -639,8 +666,8 @@ class LayerByLayer:
     def _capture(
         self, trunk: nn.Module, batch: torch.Tensor
     ) -> tuple[torch.Tensor, list[tuple[tuple, dict]], list[nn.Module]]:
-        """The first decoder layer's hidden states and every decoder layer's other arguments on one batch, and the
-        trunk's modules that ran before the first decoder layer."""
+        """The first decoder layer's hidden states and every decoder layer's other arguments on one
+        batch, and the trunk's modules that ran before the first decoder layer."""
         slots = trunk.get_submodule(self.streamed.layers)
         calls = []
         early: list[nn.Module] = []
@@ -671,8 +698,8 @@ class LayerByLayer:
                 h.remove()
         if len(calls) != len(slots):
             raise PtqError(
-                f"the forward of {type(trunk).__name__} called {len(calls)} of its {len(slots)} decoder layers: "
-                f"{LOW_MEMORY_FLAG} cannot run it layer by layer; load it whole"
+                f"the forward of {type(trunk).__name__} called {len(calls)} of its {len(slots)} "
+                f"decoder layers: {LOW_MEMORY_FLAG} cannot run it layer by layer; load it whole"
             )
         return calls[0][0], [c for _, c in calls], early
 
@@ -685,9 +712,10 @@ class LayerByLayer:
         early: dict[str, list[nn.Module]],
         base: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each model's logits on `batch` from its last decoder layer's output `finals[i]`, by the model's forward
-        (`base`: the base model's forward, no lm_head: its last hidden states). What runs before the first decoder
-        layer ran on this batch at the capture: run again here without its hooks (observers, SNR), its output unused."""
+        """Each model's logits on `batch` from its last decoder layer's output `finals[i]`, by the
+        model's forward (`base`: the base model's forward, no lm_head: its last hidden states). What
+        runs before the first decoder layer ran on this batch at the capture: run again here without
+        its hooks (observers, SNR), its output unused."""
         wrap = (lambda x: (x,)) if returns_tuple else (lambda x: x)  # noqa: E731  as the layers return it
         for name, final in zip(self.names, finals):
             trunk = trunks[name]
@@ -708,9 +736,10 @@ class LayerByLayer:
 
 
 def _no_aux_outputs(trunk: nn.Module) -> dict:
-    """A MoE config with `output_router_logits` makes the model's forward gather every layer's router logits for its
-    load-balancing loss, which the trunk, its layers run apart, does not have (an IndexError): asked off, as the
-    loss is not used (the whole model computes it and drops it). Nothing is passed to a model without it."""
+    """A MoE config with `output_router_logits` makes the model's forward gather every layer's
+    router logits for its load-balancing loss, which the trunk, its layers run apart, does not have
+    (an IndexError): asked off, as the loss is not used (the whole model computes it and drops it).
+    Nothing is passed to a model without it."""
     return (
         {"output_router_logits": False}
         if getattr(trunk.config, "output_router_logits", False)
@@ -753,11 +782,12 @@ def _materialise(
     path: str = "",
     unread: tuple[str, ...] = (),
 ) -> nn.Module:
-    """A copy of `built` (a meta-device module as transformers builds it, at `path` in the model) with its tensors
-    read from the checkpoint in float32, linearized as ptq.models.loading loads every model (the experts' and
-    Conv1D's Linear layers are views into the tensors transformers lays out); mounted at `path`. The tensors of
-    the linearized module are written through those views, each from its own tensor in the checkpoint. The modules
-    named in `unread` keep their tensors on the meta device."""
+    """A copy of `built` (a meta-device module as transformers builds it, at `path` in the model)
+    with its tensors read from the checkpoint in float32, linearized as ptq.models.loading loads
+    every model (the experts' and Conv1D's Linear layers are views into the tensors transformers
+    lays out); mounted at `path`. The tensors of the linearized module are written through those
+    views, each from its own tensor in the checkpoint. The modules named in `unread` keep their
+    tensors on the meta device."""
     module = copy.deepcopy(built)
     made: dict[int, nn.Parameter] = {}
     left = {id(m) for name in unread for m in module.get_submodule(name).modules()}
@@ -789,9 +819,8 @@ def _materialise(
         id(t) for m in module.modules() if id(m) in left for t in (*m.parameters(), *m.buffers())
     }
     done: set[int] = set()
-    targets: dict[
-        str, tuple[str, torch.Tensor]
-    ] = {}  # checkpoint name -> (model name, the tensor to fill)
+    # checkpoint name -> (model name, the tensor to fill)
+    targets: dict[str, tuple[str, torch.Tensor]] = {}
     for name, tensor in root.state_dict(keep_vars=True).items():
         if id(tensor) in done or id(tensor) in left_tensors:
             continue  # tied to a tensor already listed, or left unread
@@ -800,14 +829,14 @@ def _materialise(
             targets[streamed.disk[name]] = (name, tensor)
         elif id(tensor) in params:
             raise PtqError(
-                f"tensor '{name}' of the model is not in the checkpoint: {LOW_MEMORY_FLAG} cannot read it"
+                f"tensor '{name}' of the model is not in the checkpoint: {LOW_MEMORY_FLAG} cannot "
+                "read it"
             )
         # else a buffer the checkpoint does not keep: as the model computes it
     with torch.no_grad():
         for stored_name, value in streamed.checkpoint.each(list(targets)):
             name, tensor = targets[stored_name]
-            tensor.copy_(
-                value.t() if name in conv1d else value
-            )  # Conv1D keeps its weight [in, out] on disk
+            # Conv1D keeps its weight [in, out] on disk
+            tensor.copy_(value.t() if name in conv1d else value)
             del value
     return root

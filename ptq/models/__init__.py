@@ -1,1 +1,1 @@
-"""Loading models (Hub id, local directory, .gguf, the offline default) and finding their matmuls."""
+"""Loading models (Hub id, local directory, .gguf, the offline default), finding their matmuls."""

@@ -3,18 +3,20 @@
 One table of constants (FORMATS) and a handful of functions over torch tensors:
 
     amax -> compute_scale -> quantize (grid values) -> to_storage (fp8/int8/bf16 tensor)
-                             fake_quantize = dequantize(quantize(...))  (simulation in forward passes)
+                             fake_quantize = dequantize(quantize(...))
+                             (simulation in forward passes)
 
-Everything is computed in float32 and is vectorised, so it runs the same on CPU and CUDA.
-Rounding is done arithmetically (round to nearest, ties to even) rather than by torch's dtype
-casts, whose overflow behaviour differs between versions and devices (torch 2.13 CPU saturates
-inf -> 448 when casting to float8_e4m3fn; older versions return NaN). One exception, the hot one:
-saturating E4M3 clamps to +-448 first, so that nothing can overflow, and then casts (eager ops, GPUs) or, in a
-fused CPU loop, rounds by Veltkamp's split (_split_round), which Inductor vectorises where it does not the cast.
+Everything is computed in float32 and is vectorised, so it runs the same on CPU and CUDA. Rounding
+is done arithmetically (round to nearest, ties to even) rather than by torch's dtype casts, whose
+overflow behaviour differs between versions and devices (torch 2.13 CPU saturates inf -> 448 when
+casting to float8_e4m3fn; older versions return NaN). One exception, the hot one: saturating E4M3
+clamps to +-448 first, so that nothing can overflow, and then casts (eager ops, GPUs) or, in a fused
+CPU loop, rounds by Veltkamp's split (_split_round), which Inductor vectorises where it does not the
+cast.
 
 int8 convention: symmetric, scale = amax / 127, codes in [-127, 127] (the NVIDIA ModelOpt
-convention). `lowest=-128` widens the clamp to the full int8 range, as the activation kernels of vLLM and
-compressed-tensors saturate (ptq.quantization.engines, rule 3); weights never use it.
+convention). `lowest=-128` widens the clamp to the full int8 range, as the activation kernels of
+vLLM and compressed-tensors saturate (ptq.quantization.engines, rule 3); weights never use it.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ _ALIASES = {
 
 
 def get_format(name: str) -> NumberFormat:
-    """The format called `name` (case-insensitive; aliases such as "fp8-e4m3" or "bfloat16" accepted)."""
+    """The format called `name` (case-insensitive; aliases such as "fp8-e4m3" or "bfloat16"
+    accepted)."""
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key not in FORMATS:
@@ -102,27 +105,27 @@ def exact_exp2(k: torch.Tensor) -> torch.Tensor:
 
 
 def _to_float32(x: torch.Tensor) -> torch.Tensor:
-    """x as float32, from which rounding to any format of ptq is that of x itself. Every dtype but float64 converts
-    exactly. A float64 is rounded to odd (toward zero, the last bit set where bits were dropped): rounding it on to
-    a format of 22 significant bits or fewer then equals rounding the float64 once, where rounding to nearest twice
-    can make a tie that x is not on (1.0625 + 2^-40 rounds to 1.0625 in float32, then to the even 1.0 in E4M3; it is
-    nearer 1.125)."""
+    """x as float32, from which rounding to any format of ptq is that of x itself. Every dtype but
+    float64 converts exactly. A float64 is rounded to odd (toward zero, the last bit set where bits
+    were dropped): rounding it on to a format of 22 significant bits or fewer then equals rounding
+    the float64 once, where rounding to nearest twice can make a tie that x is not on (1.0625 +
+    2^-40 rounds to 1.0625 in float32, then to the even 1.0 in E4M3; it is nearer 1.125)."""
     if x.dtype != torch.float64:
         return x.float()
     y = x.float()
     bits = y.view(torch.int32)
-    bits = torch.where(
-        y.double().abs() > x.abs(), bits - 1, bits
-    )  # rounded away from zero: one ulp back
+    # rounded away from zero: one ulp back
+    bits = torch.where(y.double().abs() > x.abs(), bits - 1, bits)
     return torch.where(y.double() != x, bits | 1, bits).view(torch.float32)  # NaN: stays NaN
 
 
 def _split_round(x: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     """x (float32, |x| <= fmt.max) rounded to nearest even on fmt's grid, by float arithmetic alone.
 
-    Normal range: Veltkamp's split, c = x * (2^(24 - p) + 1) and c - (c - x), rounds x to p = mantissa_bits + 1
-    significant bits (exact in binary32 arithmetic that rounds each operation to nearest even and fuses none:
-    Inductor's CPU flags, -ffp-contract=off). Below min_normal the grid is fixed-point, with the subnormal quantum.
+    Normal range: Veltkamp's split, c = x * (2^(24 - p) + 1) and c - (c - x), rounds x to p =
+    mantissa_bits + 1 significant bits (exact in binary32 arithmetic that rounds each operation to
+    nearest even and fuses none: Inductor's CPU flags, -ffp-contract=off). Below min_normal the grid
+    is fixed-point, with the subnormal quantum.
     """
     c = x * float(2 ** (23 - fmt.mantissa_bits) + 1)
     normal = c - (c - x)
@@ -151,19 +154,20 @@ def round_to_format(
     as TPUs do for bf16.
 
     int8 rounds to integers and always clamps to [-127, 127], or [lowest, 127] (`saturate` and
-    `flush_subnormals` do not apply: there is no inf and there are no subnormals); NaN stays NaN. Rounding
-    first and clamping to integer bounds equals clamping first and rounding (vLLM's order).
+    `flush_subnormals` do not apply: there is no inf and there are no subnormals); NaN stays NaN.
+    Rounding first and clamping to integer bounds equals clamping first and rounding (vLLM's order).
 
     Any float dtype is rounded once, exactly: float64 too (see _to_float32).
     """
     x = _to_float32(x)
     if saturate and not flush_subnormals and fmt.torch_dtype == torch.float8_e4m3fn:
-        # Every matmul input of an FP8 recipe comes here. Clamped to +-max first, nothing can overflow (where the
-        # cast differs between versions); NaN stays NaN, and +-inf saturates as below. Within +-max both ways
-        # round to nearest even, bit for bit the arithmetic below (checked against ml_dtypes for every float32
-        # in [-480, 480], eager and compiled): the cast in eager ops and on GPUs (which convert in hardware), the
-        # split in a fused CPU loop, where Inductor vectorises float arithmetic on every x86 CPU but the float8
-        # conversion only with AVX-512 (2-2.5x faster on AVX2).
+        # Every matmul input of an FP8 recipe comes here. Clamped to +-max first, nothing can
+        # overflow (where the cast differs between versions); NaN stays NaN, and +-inf saturates as
+        # below. Within +-max both ways round to nearest even, bit for bit the arithmetic below
+        # (checked against ml_dtypes for every float32 in [-480, 480], eager and compiled): the cast
+        # in eager ops and on GPUs (which convert in hardware), the split in a fused CPU loop, where
+        # Inductor vectorises float arithmetic on every x86 CPU but the float8 conversion only with
+        # AVX-512 (without it the split is about twice as fast).
         x = x.clamp(-fmt.max, fmt.max)
         if (
             x.device.type == "cpu"
@@ -217,12 +221,12 @@ def compute_scale(amax: torch.Tensor | float, fmt: NumberFormat) -> torch.Tensor
 
 
 def usable_scale(scale: torch.Tensor) -> torch.Tensor:
-    """amax / max made a scale every consumer can use. Zero (an all-zero tensor or token, or an amax so small that
-    the division underflows): 1, since any scale represents zeros and a zero scale would divide by zero. Below the
-    smallest normal float32, 2^-126 (amax under 448 * 2^-126 for E4M3): the reciprocal of a subnormal scale of
-    2^-128 or less is inf, and engines that multiply by it (vLLM, static FP8 inputs) would turn a 0 into NaN; one
-    floor for every subnormal (whose division flushes to zero on some hardware besides), and 2^-126 still fits the
-    amax."""
+    """amax / max made a scale every consumer can use. Zero (an all-zero tensor or token, or an amax
+    so small that the division underflows): 1, since any scale represents zeros and a zero scale
+    would divide by zero. Below the smallest normal float32, 2^-126 (amax under 448 * 2^-126 for
+    E4M3): the reciprocal of a subnormal scale of 2^-128 or less is inf, and engines that multiply
+    by it (vLLM, static FP8 inputs) would turn a 0 into NaN; one floor for every subnormal (whose
+    division flushes to zero on some hardware besides), and 2^-126 still fits the amax."""
     return torch.where(scale > 0, scale.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
 
 
@@ -234,16 +238,18 @@ def quantize(
     lowest: float | None = None,
     reciprocal: bool = False,
 ) -> torch.Tensor:
-    """x / scale rounded to fmt's grid, as float32 values (the codes' values); `lowest`: see round_to_format.
-    reciprocal=True: x times the float32 reciprocal of the scale instead, as vLLM's FP8 kernels scale a static
-    input (ptq.quantization.engines, rule 5); the two differ where x / scale is within an ulp of a tie.
+    """x / scale rounded to fmt's grid, as float32 values (the codes' values); `lowest`: see
+    round_to_format. reciprocal=True: x times the float32 reciprocal of the scale instead, as vLLM's
+    FP8 kernels scale a static input (ptq.quantization.engines, rule 5); the two differ where x /
+    scale is within an ulp of a tie.
 
     scale broadcasts: a scalar, or shape [out_features, 1] for per-channel weights.
     """
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    # 1 / scale as a division of two float32 tensors, not scale.reciprocal(): the same value in eager ops, but
-    # Inductor up to torch 2.11 lowers reciprocal to Triton's approximate division even with kernels.EAGER_NUMERICS
-    # (pytorch#174751), and a compiled CUDA kernel then rounds one code off next to a tie (seen on an H200)
+    # 1 / scale as a division of two float32 tensors, not scale.reciprocal(): the same value in
+    # eager ops, but Inductor up to torch 2.11 lowers reciprocal to Triton's approximate division
+    # even with kernels.EAGER_NUMERICS (pytorch#174751), and a compiled CUDA kernel then rounds one
+    # code off next to a tie
     scaled = x.float() * (torch.ones_like(scale) / scale) if reciprocal else x.float() / scale
     return round_to_format(scaled, fmt, saturate, lowest=lowest)
 
@@ -251,8 +257,8 @@ def quantize(
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """q * scale in float32; q may be grid values or a storage tensor (cast exactly). `dtype`: the product then
-    rounded to it (the compute dtype), in the same loop when fused."""
+    """q * scale in float32; q may be grid values or a storage tensor (cast exactly). `dtype`: the
+    product then rounded to it (the compute dtype), in the same loop when fused."""
     scale = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
     return (q.float() * scale).to(dtype)
 

@@ -1,18 +1,20 @@
-"""Attention's batched matmuls: quantize Q and K before Q.K^T, and the softmax output P and V before P.V.
+"""Attention's batched matmuls: quantize Q and K before Q.K^T, and the softmax output P and V before
+P.V.
 
 transformers dispatches every attention layer through ALL_ATTENTION_FUNCTIONS by the name in
-`config._attn_implementation` ("eager", "sdpa", ...). We register one more, "ptq": the eager computation
-with a hook point on each matmul input. A layer whose module carries a `ptq_attention` (an
-AttentionQuant) has those inputs passed through its quantizers; any other runs unchanged. Fused SDPA
-kernels never expose P, so a model switched to "ptq" computes attention the eager way (same math), and
-the masks are built the eager way too. Calibration of an SDPA model instead switches to "ptq-observe-sdpa":
-the observers see Q, K, V and P (computed for them alone) and the output is SDPA's, with SDPA's masks, so
-the calibration forward is the baseline's to the bit whatever the recipes cover (for an eager model,
-"ptq" is already its math, bit for bit). Works for every architecture whose attention layer calls the
-attention interface with (module, query, key, value, mask, scaling=...): Llama, Gemma, Qwen2, GPT-2, ...
+`config._attn_implementation` ("eager", "sdpa", ...). We register one more, "ptq": the eager
+computation with a hook point on each matmul input. A layer whose module carries a `ptq_attention`
+(an AttentionQuant) has those inputs passed through its quantizers; any other runs unchanged. Fused
+SDPA kernels never expose P, so a model switched to "ptq" computes attention the eager way (same
+math), and the masks are built the eager way too. Calibration of an SDPA model instead switches to
+"ptq-observe-sdpa": the observers see Q, K, V and P (computed for them alone) and the output is
+SDPA's, with SDPA's masks, so the calibration forward is the baseline's to the bit whatever the
+recipes cover (for an eager model, "ptq" is already its math, bit for bit). Works for every
+architecture whose attention layer calls the attention interface with (module, query, key, value,
+mask, scaling=...): Llama, Gemma, Qwen2, GPT-2, ...
 
-K and V arrive after RoPE and after the KV-cache update: what is quantized here is exactly what a cache
-stores, so `kv_cache` quantization is applied at the same point, before the matmul quantizers.
+K and V arrive after RoPE and after the KV-cache update: what is quantized here is exactly what a
+cache stores, so `kv_cache` quantization is applied at the same point, before the matmul quantizers.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ TENSORS = ("query", "key", "value", "probs")
 
 
 class AttentionQuant(nn.Module):
-    """The quantizers of one attention layer: tensor name -> a callable on that tensor (nn.Modules for
-    real quantization, any callable for observers); a missing name is left as is."""
+    """The quantizers of one attention layer: tensor name -> a callable on that tensor (nn.Modules
+    for real quantization, any callable for observers); a missing name is left as is."""
 
     def __init__(
         self, quantizers: dict[str, Callable], kv_cache: dict[str, Callable] | None = None
@@ -57,7 +59,8 @@ class AttentionQuant(nn.Module):
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[b, kv_heads, L, d] -> [b, kv_heads * n_rep, L, d] (grouped-query attention), as transformers does."""
+    """[b, kv_heads, L, d] -> [b, kv_heads * n_rep, L, d] (grouped-query attention), as transformers
+    does."""
     if n_rep == 1:
         return x
     b, h, length, d = x.shape
@@ -76,8 +79,9 @@ def quantized_attention(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' eager attention, with the matmul inputs passed through the layer's AttentionQuant; Gemma 2's
-    logit soft-capping (`softcap`) and GPT-OSS's attention sinks (`s_aux`) as their own eager functions compute them."""
+    """transformers' eager attention, with the matmul inputs passed through the layer's
+    AttentionQuant; Gemma 2's logit soft-capping (`softcap`) and GPT-OSS's attention sinks (`s_aux`)
+    as their own eager functions compute them."""
     aq: AttentionQuant | None = getattr(module, "ptq_attention", None)
     if aq is not None:
         key, value = aq.apply_cache("key", key), aq.apply_cache("value", value)
@@ -98,13 +102,15 @@ def quantized_attention(
 
 
 def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Q.K^T * scaling soft-capped, tanh(s / cap) * cap (Gemma 2), before the mask as in the eager order."""
+    """Q.K^T * scaling soft-capped, tanh(s / cap) * cap (Gemma 2), before the mask as in the eager
+    order."""
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """softmax(scores) in float32; with attention sinks (GPT-OSS: one learned logit per head), each row's softmax over
-    its scores and its head's sink, less the row's max, in the scores' dtype, the sink's share then dropped."""
+    """softmax(scores) in float32; with attention sinks (GPT-OSS: one learned logit per head), each
+    row's softmax over its scores and its head's sink, less the row's max, in the scores' dtype, the
+    sink's share then dropped."""
     if sinks is None:
         return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
     sinks = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[-2], -1)
@@ -121,8 +127,8 @@ def _observed_probs(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The softmax output P, as the eager computation makes it, from SDPA's mask: boolean (True attends),
-    None (SDPA's causal shortcut, query and key aligned at the start) or additive."""
+    """The softmax output P, as the eager computation makes it, from SDPA's mask: boolean (True
+    attends), None (SDPA's causal shortcut, query and key aligned at the start) or additive."""
     scores = _softcapped(torch.matmul(query, key.transpose(2, 3)) * scaling, softcap)
     if attention_mask is None:
         q_len, k_len = scores.shape[-2:]
@@ -145,7 +151,8 @@ def observed_attention(
     scaling: float | None = None,
     **kwargs,
 ):
-    """Calibration: show Q, K, V and P to the layer's observers, return SDPA's output (the baseline's)."""
+    """Calibration: show Q, K, V and P to the layer's observers, return SDPA's output (the
+    baseline's)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     aq: AttentionQuant | None = getattr(module, "ptq_attention", None)
@@ -200,8 +207,9 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def other_attention(model: nn.Module) -> dict[str, str]:
-    """Attention layers that do not dispatch through the attention interface (their own softmax(QK^T)V code), by
-    module name -> class name: ptq cannot quantize their matmul inputs or KV cache."""
+    """Attention layers that do not dispatch through the attention interface (their own
+    softmax(QK^T)V code), by module name -> class name: ptq cannot quantize their matmul inputs or
+    KV cache."""
     found, taken = {}, attention_modules(model)
     for name, module in model.named_modules():
         within = any(name.startswith(f"{outer}.") for outer in (*taken, *found))

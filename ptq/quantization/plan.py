@@ -1,26 +1,30 @@
 """The plan: what one recipe does to one model, resolved once.
 
-For every matmul (Linear, Conv1D, each expert's projections: ptq.models.matmuls), every attention input and
-KV-cache tensor, and every residual-add input, the plan says whether it is quantized, how (a TensorQuant for
-its weight and one for its input), and if not, why. Calibration (which tensors need a static scale), quantize_,
-coverage, `ptq inspect`, layer statistics and export read the plan; none of them decides again.
+For every matmul (Linear, Conv1D, each expert's projections: ptq.models.matmuls), every attention
+input and KV-cache tensor, and every residual-add input, the plan says whether it is quantized, how
+(a TensorQuant for its weight and one for its input), and if not, why. Calibration (which tensors
+need a static scale), quantize_, coverage, `ptq inspect`, layer statistics and export read the plan;
+none of them decides again.
 
 Reasons a matmul is left in the compute dtype (16-bit in every variant, as in the baseline):
     - its kind is not among the recipe's targets (e.g. Experts for SmoothQuant);
     - its name matches the recipe's `ignore` patterns, or no `include` pattern;
-    - its shape: the reduction dimension is not a multiple of the recipe's group size (per-group scales along
-      the input: MX's 32, the block scheme's 1 x 128 input groups). vLLM's per-token-group quantization and
-      compressed-tensors' group quantization both require whole groups, so such a layer could not run as
-      simulated; partial 128 x 128 weight *tiles* (rows or columns) are fine: their scales are laid out by
-      ceil division, as compressed-tensors and vLLM do.
-Weights that multiply activations but are not matmuls ptq quantizes (routers, unknown layouts) are listed by
-ptq.models.matmuls.unsupported and appear in the coverage with their own reason. So do the attention inputs and
-KV-cache tensors an attention or KV-cache recipe asks for and leaves out: by its ignore patterns, or because the
-layer computes attention in its own code (attention.other_attention), where ptq cannot reach them.
+    - its shape: the reduction dimension is not a multiple of the recipe's group size (per-group
+      scales along the input: MX's 32, the block scheme's 1 x 128 input groups). vLLM's
+      per-token-group quantization and compressed-tensors' group quantization both require whole
+      groups, so such a layer could not run as simulated; partial 128 x 128 weight *tiles* (rows or
+      columns) are fine: their scales are laid out by ceil division, as compressed-tensors and vLLM
+      do.
+Weights that multiply activations but are not matmuls ptq quantizes (routers, unknown layouts) are
+listed by ptq.models.matmuls.unsupported and appear in the coverage with their own reason. So do the
+attention inputs and KV-cache tensors an attention or KV-cache recipe asks for and leaves out: by
+its ignore patterns, or because the layer computes attention in its own code
+(attention.other_attention), where ptq cannot reach them.
 
-The plan is resolved for a target engine (ptq.quantization.engines): under vllm it says which layers share one
-weight scale or one input scale (vLLM's fused q/k/v and gate/up, its fused experts) and that int8 inputs round
-over [-128, 127]; quantize_ and export compute those shared scales from the amaxes, and decide nothing again.
+The plan is resolved for a target engine (ptq.quantization.engines): under vllm it says which layers
+share one weight scale or one input scale (vLLM's fused q/k/v and gate/up, its fused experts) and
+that int8 inputs round over [-128, 127]; quantize_ and export compute those shared scales from the
+amaxes, and decide nothing again.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from ptq.quantization.recipes import BASELINE_LINEAR, Recipe, TensorQuant
 
 @dataclass(frozen=True)
 class MatmulPlan:
-    """One matmul: its (weights, inputs) quantization, or BASELINE_LINEAR for both and the reason it is left out."""
+    """One matmul: its (weights, inputs) quantization, or BASELINE_LINEAR for both and the reason it
+    is left out."""
 
     name: str
     kind: str  # Linear, Conv1D, Experts (ptq.models.matmuls.kind)
@@ -50,8 +55,8 @@ class MatmulPlan:
     inputs: TensorQuant
     reason: str | None = None  # None: quantized as the recipe says
     smooth: bool = False  # SmoothQuant rescales its input channels (needs per-channel input maxima)
-    # the layers the target engine makes share one per-tensor weight scale / one static input scale with it
-    # (itself included; empty: its own scales)
+    # the layers the target engine makes share one per-tensor weight scale / one static input scale
+    # with it (itself included; empty: its own scales)
     weight_group: tuple[str, ...] = ()
     input_group: tuple[str, ...] = ()
 
@@ -64,19 +69,18 @@ class MatmulPlan:
 class Plan:
     recipe: Recipe
     matmuls: dict[str, MatmulPlan]
-    attention: dict[
-        str, dict[str, TensorQuant]
-    ]  # layer -> {tensor: how}; KV cache as "kv_cache.key" / ".value"
+    # layer -> {tensor: how}; KV cache as "kv_cache.key" / ".value"
+    attention: dict[str, dict[str, TensorQuant]]
     residual: dict[str, dict[str, TensorQuant]]  # decoder block -> {tensor: how}
-    unsupported: list[LeftOut] = field(
-        default_factory=list
-    )  # weights no recipe can quantize (routers, ...)
-    attention_layers: tuple[
-        str, ...
-    ] = ()  # every attention layer and decoder block, quantized or not (rows)
+    # weights no recipe can quantize (routers, ...)
+    unsupported: list[LeftOut] = field(default_factory=list)
+    # every attention layer and decoder block, quantized or not (rows)
+    attention_layers: tuple[str, ...] = ()
     residual_blocks: tuple[str, ...] = ()
-    target: str = "transformers"  # the engine whose load-time rules the plan applies (ptq.quantization.engines)
-    # with an attention or KV-cache recipe: attention layers ptq cannot quantize (attention.other_attention)
+    # the engine whose load-time rules the plan applies (ptq.quantization.engines)
+    target: str = "transformers"
+    # with an attention or KV-cache recipe: attention layers ptq cannot quantize
+    # (attention.other_attention)
     other_attention: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -84,9 +88,10 @@ class Plan:
         return [name for name, m in self.matmuls.items() if m.quantized]
 
     def within(self, part: nn.Module) -> Plan:
-        """The plan of the entries that are in `part`: one part of the model (its trunk, or one decoder layer) with
-        its modules under their names in the whole model, as the layer-by-layer executor runs it
-        (ptq.execution.streaming). A fused group is whole within one decoder layer."""
+        """The plan of the entries that are in `part`: one part of the model (its trunk, or one
+        decoder layer) with its modules under their names in the whole model, as the layer-by-layer
+        executor runs it (ptq.execution.streaming). A fused group is whole within one decoder
+        layer."""
         names = {name for name, _ in part.named_modules()}
         return dataclasses.replace(
             self,
@@ -100,10 +105,10 @@ class Plan:
         return [name for name, m in self.matmuls.items() if not m.quantized]
 
     def quantizes_nothing(self) -> str | None:
-        """Why a recipe that quantizes (8-bit weights or inputs, attention, KV cache, residual adds) rounds nothing
-        of this model to 8 bits ("12 layers left out by the recipe (...)"), or None where it rounds something (or is
-        the 16-bit baseline). Such a variant measures the 16-bit model under the recipe's name: a typo in `include`
-        would pass every gate."""
+        """Why a recipe that quantizes (8-bit weights or inputs, attention, KV cache, residual adds)
+        rounds nothing of this model to 8 bits ("12 layers left out by the recipe (...)"), or None
+        where it rounds something (or is the 16-bit baseline). Such a variant measures the 16-bit
+        model under the recipe's name: a typo in `include` would pass every gate."""
         r = self.recipe
         quantizing = (
             r.weights.format.scaled
@@ -121,7 +126,8 @@ class Plan:
         return self.left_out_reasons()
 
     def left_out_reasons(self) -> str:
-        """What the plan leaves out, counted by reason: "12 layers left out by the recipe (...); 1 layer ..."."""
+        """What the plan leaves out, counted by reason: "12 layers left out by the recipe (...); 1
+        layer ..."."""
         reasons = collections.Counter(x["reason"] for x in self.coverage()["left_out"])
         return "; ".join(
             f"{n} {'layer' if n == 1 else 'layers'} {reason}" for reason, n in reasons.items()
@@ -129,12 +135,14 @@ class Plan:
 
     @property
     def smoothed(self) -> list[str]:
-        """Matmuls whose input SmoothQuant rescales (they need per-channel input amax from calibration)."""
+        """Matmuls whose input SmoothQuant rescales (they need per-channel input amax from
+        calibration)."""
         return [name for name, m in self.matmuls.items() if m.smooth]
 
     @property
     def per_head(self) -> list[str]:
-        """KV-cache tensors with per-head scales: their calibration records the amax of each head."""
+        """KV-cache tensors with per-head scales: their calibration records the amax of each
+        head."""
         return sorted(
             {
                 calibration_key(layer, t)
@@ -146,8 +154,9 @@ class Plan:
 
     @property
     def calibrated(self) -> list[str]:
-        """Tensors whose static scale must come from calibration: matmul names, "<attention layer>.<tensor>"
-        (K and V shared by attention and the KV cache) and "<block>.residual.<tensor>"."""
+        """Tensors whose static scale must come from calibration: matmul names, "<attention
+        layer>.<tensor>" (K and V shared by attention and the KV cache) and
+        "<block>.residual.<tensor>"."""
         names = [name for name, m in self.matmuls.items() if m.quantized and m.inputs.static]
         names += sorted(
             {
@@ -166,8 +175,9 @@ class Plan:
         return names
 
     def attention_left_out(self) -> list[dict]:
-        """The attention inputs and KV-cache tensors the recipe asks for that stay in the compute dtype, and why:
-        [{"name", "reason"}], a layer's tensors by name ("<layer>.kv_cache.key"), an unsupported layer whole."""
+        """The attention inputs and KV-cache tensors the recipe asks for that stay in the compute
+        dtype, and why: [{"name", "reason"}], a layer's tensors by name ("<layer>.kv_cache.key"), an
+        unsupported layer whole."""
         asked = (
             [f"kv_cache.{t}" for t in ("key", "value")] if self.recipe.kv_cache is not None else []
         )
@@ -184,19 +194,20 @@ class Plan:
         return left + [
             {
                 "name": layer,
-                "reason": f"not supported: {cls} computes attention in its own code, not through transformers' "
-                "attention interface, where ptq quantizes attention inputs and the KV cache",
+                "reason": f"not supported: {cls} computes attention in its own code, not "
+                "through transformers' attention interface, where ptq quantizes attention inputs "
+                "and the KV cache",
             }
             for layer, cls in self.other_attention.items()
         ]
 
     def coverage(self) -> dict:
         """How much of the model's matmul weights the recipe quantizes: {"quantized_weight_params",
-        "matmul_weight_params", "left_out": [{"name", "params", "reason"}], "attention_left_out"}, where matmul
-        weights are every weight that multiplies activations (Linear, Conv1D, experts, lm_head, routers; not
-        embedding look-ups), `left_out` names what stays in the compute dtype and why, largest first (then in block
-        order), and `attention_left_out` the attention inputs and KV-cache tensors the recipe asks for that stay
-        there."""
+        "matmul_weight_params", "left_out": [{"name", "params", "reason"}], "attention_left_out"},
+        where matmul weights are every weight that multiplies activations (Linear, Conv1D, experts,
+        lm_head, routers; not embedding look-ups), `left_out` names what stays in the compute dtype
+        and why, largest first (then in block order), and `attention_left_out` the attention inputs
+        and KV-cache tensors the recipe asks for that stay there."""
         left = [
             LeftOut(m.name, m.params, m.reason) for m in self.matmuls.values() if not m.quantized
         ]
@@ -210,7 +221,8 @@ class Plan:
         }
 
     def rows(self) -> list[dict]:
-        """One row per quantizable tensor: what the recipe does to it (for `ptq inspect` and reports)."""
+        """One row per quantizable tensor: what the recipe does to it (for `ptq inspect` and
+        reports)."""
         rows = [
             {
                 "name": m.name,
@@ -282,14 +294,14 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
         g = spec.granularity
         if isinstance(g, PerGroup) and module.in_features % g.size:
             return (
-                f"shape: in_features {module.in_features} is not a multiple of the {role} group of {g.size} "
-                "(vLLM and compressed-tensors quantize whole groups)"
+                f"shape: in_features {module.in_features} is not a multiple of the {role} group of "
+                f"{g.size} (vLLM and compressed-tensors quantize whole groups)"
             )
         if isinstance(g, PerBlock) and module.in_features % g.cols:
             return (
-                f"shape: in_features {module.in_features} is not a multiple of the weight block's {g.cols} "
-                "columns (vLLM's block kernels and compressed-tensors need whole blocks along the input; "
-                "partial rows are fine)"
+                f"shape: in_features {module.in_features} is not a multiple of the weight block's "
+                f"{g.cols} columns (vLLM's block kernels and compressed-tensors need whole blocks "
+                "along the input; partial rows are fine)"
             )
     return None
 
@@ -297,10 +309,11 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
 def _leave_out_unblockable_fused(
     model: nn.Module, matmuls: dict[str, MatmulPlan], rows: int
 ) -> None:
-    """In place: vLLM loads q/k/v and gate/up into one merged layer (engines.fused_groups) and refuses block weights
-    there unless every part but the last is whole blocks of `rows` rows (fp8_utils.validate_fp8_block_shape: "Weight
-    output_partition_size = ... is not divisible by weight quantization block_n"); such a group is left out whole (a
-    part alone would be refused too). Experts are left to FusedMoE's rule (down_proj's in_features, the same size)."""
+    """In place: vLLM loads q/k/v and gate/up into one merged layer (engines.fused_groups) and
+    refuses block weights there unless every part but the last is whole blocks of `rows` rows
+    (fp8_utils.validate_fp8_block_shape: "Weight output_partition_size = ... is not divisible by
+    weight quantization block_n"); such a group is left out whole (a part alone would be refused
+    too). Experts are left to FusedMoE's rule (down_proj's in_features, the same size)."""
     modules = dict(model.named_modules())
     experts = {path for path, m in modules.items() if isinstance(m, LinearExperts)}
     for group in engines.fused_groups(model):
@@ -311,9 +324,9 @@ def _leave_out_unblockable_fused(
             continue
         short = [n.rpartition(".")[2] for n in group]
         reason = (
-            f"shape: vLLM runs {'/'.join(short)} as one layer, whose parts but the last must be whole {rows}-row "
-            f"weight blocks ({short[group.index(bad[0])]} has {modules[bad[0]].out_features} output rows); it "
-            "refuses the checkpoint otherwise"
+            f"shape: vLLM runs {'/'.join(short)} as one layer, whose parts but the last must be "
+            f"whole {rows}-row weight blocks ({short[group.index(bad[0])]} has "
+            f"{modules[bad[0]].out_features} output rows); it refuses the checkpoint otherwise"
         )
         for n in group:
             if matmuls[n].quantized:
@@ -333,10 +346,11 @@ def resolve_plan(
     int8_range: str | None = None,
     reciprocal: bool | None = None,
 ) -> Plan:
-    """The plan of `recipe` for a linearized `model` (ptq.models.matmuls.linearize), before quantization, as
-    `target` serves it: its inputs as the engine rounds them (engines.served_inputs; `int8_range`, "symmetric"
-    [-127, 127] or "full" [-128, 127], and `reciprocal`: how int8 inputs round and static FP8 inputs are scaled
-    when not as the target does, for the loader of the export's reload check)."""
+    """The plan of `recipe` for a linearized `model` (ptq.models.matmuls.linearize), before
+    quantization, as `target` serves it: its inputs as the engine rounds them
+    (engines.served_inputs; `int8_range`, "symmetric" [-127, 127] or "full" [-128, 127], and
+    `reciprocal`: how int8 inputs round and static FP8 inputs are scaled when not as the target
+    does, for the loader of the export's reload check)."""
     matmuls = {}
     for name, module in model.named_modules():
         if not quantizable(module):
@@ -418,13 +432,15 @@ def resolve_plan(
 def resolve_plans(
     model: nn.Module, recipes: list[Recipe], target: str = "transformers"
 ) -> dict[str, Plan]:
-    """Each recipe's plan (resolve_plan), by recipe name: what a command resolves once and hands to every step."""
+    """Each recipe's plan (resolve_plan), by recipe name: what a command resolves once and hands to
+    every step."""
     return {r.name: resolve_plan(model, r, target) for r in recipes}
 
 
 def calibration_targets(plans: Iterable[Plan]) -> tuple[list[str], list[str]]:
-    """What calibrating for the recipes of `plans` observes: (every tensor that needs a static scale or per-channel
-    maxima, the tensors that need per-channel maxima: SmoothQuant's matmul inputs, per-head KV-cache K and V)."""
+    """What calibrating for the recipes of `plans` observes: (every tensor that needs a static scale
+    or per-channel maxima, the tensors that need per-channel maxima: SmoothQuant's matmul inputs,
+    per-head KV-cache K and V)."""
     plans = list(plans)
     channels = sorted({name for p in plans for name in (*p.smoothed, *p.per_head)})
     layers = sorted({name for p in plans for name in p.calibrated} | set(channels))

@@ -2,11 +2,10 @@
 
 A recipe names the modules it targets (by type), the ones it leaves out (by name pattern), and one
 `TensorQuant` for the weights and one for the inputs of every targeted layer: the vocabulary of
-compressed-tensors' QuantizationArgs (format, granularity, static or dynamic, the scale's own format,
-the observer of static scales), validated here so that a combination that makes no sense is refused
-when the recipe is read. Linear layers a recipe
-leaves out run as in the 16-bit baseline (bf16 weights and inputs), so that a variant differs from the
-baseline only where the recipe says.
+compressed-tensors' QuantizationArgs (format, granularity, static or dynamic, the scale's own
+format, the observer of static scales), validated here so that a combination that makes no sense is
+refused when the recipe is read. Linear layers a recipe leaves out run as in the 16-bit baseline
+(bf16 weights and inputs), so that a variant differs from the baseline only where the recipe says.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from ptq.numerics.granularity import (
     PerToken,
 )
 
+# YAML names of ptq.numerics.granularity
 GRANULARITIES = (
     "tensor",
     "channel",
@@ -42,27 +42,32 @@ GRANULARITIES = (
     "group",
     "block",
     "head",
-)  # YAML names of ptq.numerics.granularity
-# `--recipes NAME+kv` / `NAME+kv-head`: any FP8 recipe with an E4M3 KV cache, static per-tensor or per-head K/V scales
-# (vLLM's kv_cache_dtype=fp8 with compressed-tensors' kv_cache_scheme, strategy tensor or attn_head)
+)
+# `--recipes NAME+kv` / `NAME+kv-head`: any FP8 recipe with an E4M3 KV cache, static per-tensor or
+# per-head K/V scales (vLLM's kv_cache_dtype=fp8 with compressed-tensors' kv_cache_scheme, strategy
+# tensor or attn_head)
 KV_CACHE_OPTIONS = {"kv": "tensor", "kv-head": "head"}
+# a scale's own format: float32, or an MX power of two (one byte on disk)
 SCALE_FORMATS = (
     "fp32",
     "e8m0",
-)  # a scale's own format: float32, or an MX power of two (one byte on disk)
-TARGET_TYPES = KINDS  # the kinds of matmul (ptq.models.matmuls): Linear, Conv1D (GPT-2), Experts (fused MoE experts)
+)
+# the kinds of matmul (ptq.models.matmuls): Linear, Conv1D (GPT-2), Experts (fused MoE experts)
+TARGET_TYPES = KINDS
 OBSERVERS = ("max", "percentile", "mse", "entropy", "best")  # see ptq/calibration/observers.py
+# amax / format max; rounded up to a power of two; 1 (plain cast)
 SCALE_MODES = (
     "amax",
     "pow2",
     "unscaled",
-)  # amax / format max; rounded up to a power of two; 1 (plain cast)
+)
+# inputs of attention's batched matmuls Q.K^T and P.V
 ATTENTION_TENSORS = (
     "query",
     "key",
     "value",
     "probs",
-)  # inputs of attention's batched matmuls Q.K^T and P.V
+)
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,8 @@ class TensorQuant:
     """How one tensor is quantized (the idea of compressed-tensors' QuantizationArgs)."""
 
     format: NumberFormat
-    granularity: Granularity = (
-        PerTensor()
-    )  # which elements share a scale (ptq.numerics.granularity)
+    # which elements share a scale (ptq.numerics.granularity)
+    granularity: Granularity = PerTensor()
     saturate: bool = True  # out-of-range values clamp to the format's max (False: NaN / inf)
     observer: str = "max"  # how a static activation scale is calibrated (OBSERVERS)
     percentile: float = 99.99  # for observer: percentile
@@ -85,19 +89,23 @@ class TensorQuant:
     scale_format: str = (
         "fp32"  # SCALE_FORMATS: "e8m0" is the MX power-of-two scale (granularity.e8m0_scale)
     )
-    # int8 activations: "symmetric" codes in [-127, 127] (ptq's, ModelOpt's), or "full" [-128, 127], as vLLM's and
-    # compressed-tensors' kernels saturate them; set by the plan for the target engine, never by a recipe
+    # int8 activations: "symmetric" codes in [-127, 127] (ptq's, ModelOpt's), or "full" [-128, 127],
+    # as vLLM's and compressed-tensors' kernels saturate them; set by the plan for the target
+    # engine, never by a recipe
     int_range: str = "symmetric"
-    # dynamic scales: at least this (vLLM's 1 / (448 * 512) for FP8 inputs); set by the plan for the target
+    # dynamic scales: at least this (vLLM's 1 / (448 * 512) for FP8 inputs); set by the plan for the
+    # target
     min_scale: float = 0.0
-    # applied as x * (1 / scale), not x / scale: set by the plan for static FP8 inputs under the vllm target (vLLM's
-    # FP8 input kernels); dynamic scales honour it too (vLLM-CPU's native path multiplies for those as well), and
-    # dynamic int8 inputs as vLLM's kernel does, x * (127 / amax) (ptq.quantization.engines, rule 3)
+    # applied as x * (1 / scale), not x / scale: set by the plan for static FP8 inputs under the
+    # vllm target (vLLM's FP8 input kernels); dynamic scales honour it too (vLLM-CPU's native path
+    # multiplies for those as well), and dynamic int8 inputs as vLLM's kernel does, x * (127 / amax)
+    # (ptq.quantization.engines, rule 3)
     reciprocal: bool = False
 
     @property
     def lowest(self) -> float | None:
-        """The lowest code when it is not -max (formats.round_to_format's `lowest`): -128 for full-range int8."""
+        """The lowest code when it is not -max (formats.round_to_format's `lowest`): -128 for
+        full-range int8."""
         return -128.0 if self.int_range == "full" and self.format.kind == "int" else None
 
     @property
@@ -133,9 +141,8 @@ class Recipe:
     targets: tuple[str, ...] = KINDS
     ignore: tuple[str, ...] = ("lm_head",)
     source: str = ""
-    include: tuple[str, ...] = (
-        "*",
-    )  # name patterns a quantized tensor must match (then `ignore` removes)
+    # name patterns a quantized tensor must match (then `ignore` removes)
+    include: tuple[str, ...] = ("*",)
     attention: TensorQuant | None = None  # attention's batched-matmul inputs (None: left in fp32)
     attention_tensors: tuple[str, ...] = ATTENTION_TENSORS
     kv_cache: TensorQuant | None = None  # K and V as stored in the KV cache (after RoPE)
@@ -146,7 +153,8 @@ class Recipe:
 
     @property
     def needs_calibration(self) -> bool:
-        """Static scales come from calibration; 16-bit formats, dynamic and unscaled ones need none."""
+        """Static scales come from calibration; 16-bit formats, dynamic and unscaled ones need
+        none."""
         return (
             any(
                 q is not None and q.static
@@ -157,8 +165,8 @@ class Recipe:
 
     @property
     def beyond_linear(self) -> list[str]:
-        """The recipe keys that quantize tensors other than Linear layers' weights and inputs (they patch the
-        whole model's attention or decoder blocks)."""
+        """The recipe keys that quantize tensors other than Linear layers' weights and inputs (they
+        patch the whole model's attention or decoder blocks)."""
         return [
             key for key in ("attention", "kv_cache", "residual") if getattr(self, key) is not None
         ]
@@ -170,8 +178,8 @@ class Recipe:
         )
 
     def targets_module(self, name: str, module: nn.Module) -> bool:
-        """Whether the recipe quantizes this Linear layer of a linearized model (ptq.models.matmuls): its kind is
-        among the recipe's targets and its name is selected."""
+        """Whether the recipe quantizes this Linear layer of a linearized model
+        (ptq.models.matmuls): its kind is among the recipe's targets and its name is selected."""
         return kind(module) in self.targets and self.selects(name)
 
 
@@ -190,32 +198,35 @@ def builtin_recipe_names() -> list[str]:
 
 
 def load_recipe(name_or_path: str) -> Recipe:
-    """A built-in recipe name (`fp8-e4m3`) or a path to a YAML file; `+kv` or `+kv-head` after either adds an
-    E4M3 KV cache with static per-tensor or per-head scales (KV_CACHE_OPTIONS)."""
+    """A built-in recipe name (`fp8-e4m3`) or a path to a YAML file; `+kv` or `+kv-head` after
+    either adds an E4M3 KV cache with static per-tensor or per-head scales (KV_CACHE_OPTIONS)."""
     base, plus, option = str(name_or_path).rpartition("+")
     if plus and option in KV_CACHE_OPTIONS:
         return with_kv_cache(load_recipe(base), option)
     text = str(name_or_path)
     if not text.strip():  # Path("") is the current directory
         raise PtqError(
-            f"no recipe given (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml file)"
+            f"no recipe given (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml "
+            "file)"
         )
     path = Path(text)
-    # A built-in name is the built-in recipe, even where a file or folder of that name is in the current directory
-    # (`ptq quantize --recipe int8 -o int8` makes one); a path is written as one: with a folder or a .yaml suffix.
+    # A built-in name is the built-in recipe, even where a file or folder of that name is in the
+    # current directory (`ptq quantize --recipe int8 -o int8` makes one); a path is written as one:
+    # with a folder or a .yaml suffix.
     written_as_path = path.suffix in (".yaml", ".yml") or "/" in text or os.sep in text
     builtin = recipes_dir() / f"{text}.yaml"
     if not written_as_path and (builtin.is_file() or not path.exists()):
         path = builtin
-        if (
-            not path.is_file() and "," in text
-        ):  # `ptq eval --recipe fp8-e4m3,int8`: a list where one is taken
+        # `ptq eval --recipe fp8-e4m3,int8`: a list where one is taken
+        if not path.is_file() and "," in text:
             raise PtqError(
-                f"'{name_or_path}' names several recipes: this command takes one (`ptq compare --recipes` takes a list)"
+                f"'{name_or_path}' names several recipes: this command takes one (`ptq compare "
+                "--recipes` takes a list)"
             )
         if not path.is_file():
             raise PtqError(
-                f"unknown recipe '{name_or_path}' (built-in: {', '.join(builtin_recipe_names())}; or a path to a .yaml file)"
+                f"unknown recipe '{name_or_path}' (built-in: {', '.join(builtin_recipe_names())}; "
+                "or a path to a .yaml file)"
             )
     if path.is_dir():
         raise PtqError(
@@ -227,7 +238,8 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 
 def with_kv_cache(recipe: Recipe, option: str) -> Recipe:
-    """`recipe` with an E4M3 KV cache (K and V after RoPE, static scales per tensor or per KV head)."""
+    """`recipe` with an E4M3 KV cache (K and V after RoPE, static scales per tensor or per KV
+    head)."""
     if recipe.weights.format.kind != "float" or not recipe.weights.format.scaled:
         raise PtqError(
             f"+{option} adds an FP8 KV cache to an FP8 recipe; '{recipe.name}' stores weights as "
@@ -268,7 +280,8 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
     name = _string(fields["name"], f"{where}: 'name'")
     if problem := name_problem(name):
         raise PtqError(f"{where}: 'name' {problem}")
-    # SmoothQuant folds one factor per input channel into a layer: experts (routed inputs) are not targeted by default
+    # SmoothQuant folds one factor per input channel into a layer: experts (routed inputs) are not
+    # targeted by default
     default_targets = (
         [k for k in KINDS if k != "Experts"] if "smoothquant" in fields else list(KINDS)
     )
@@ -291,7 +304,8 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
             for t in attention_tensors:
                 if t not in ATTENTION_TENSORS:
                     raise PtqError(
-                        f"{where}: unknown attention tensor '{t}' (known: {', '.join(ATTENTION_TENSORS)})"
+                        f"{where}: unknown attention tensor '{t}' (known: "
+                        f"{', '.join(ATTENTION_TENSORS)})"
                     )
         attention = _tensor_quant(spec, f"{where}: 'attention'", role="activations")
     kv_cache = (
@@ -316,8 +330,8 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
             or not 0 <= smoothquant <= 1
         ):
             raise PtqError(
-                f"{where}: smoothquant.alpha must be a number in [0, 1], not {reprlib.repr(smoothquant)}"
-                + _text_number(smoothquant)
+                f"{where}: smoothquant.alpha must be a number in [0, 1], not "
+                f"{reprlib.repr(smoothquant)}" + _text_number(smoothquant)
             )
         if not inputs.static or inputs.observer != "max":
             raise PtqError(
@@ -326,8 +340,9 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
             )
         if "Experts" in targets:
             raise PtqError(
-                f"{where}: smoothquant applies to Linear and Conv1D targets (experts' inputs are routed per "
-                "expert, so one smoothing factor per channel does not fold into the layer before them)"
+                f"{where}: smoothquant applies to Linear and Conv1D targets (experts' inputs are "
+                "routed per expert, so one smoothing factor per channel does not fold into the "
+                "layer before them)"
             )
         smoothquant = float(smoothquant)
     return Recipe(
@@ -350,8 +365,9 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
 
 
 def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granularity:
-    """The YAML granularity (+ group_size / block_size) as a ptq.numerics.granularity dataclass, refusing what
-    cannot work: per-token weights, per-channel or block inputs, static per-group or per-token inputs."""
+    """The YAML granularity (+ group_size / block_size) as a ptq.numerics.granularity dataclass,
+    refusing what cannot work: per-token weights, per-channel or block inputs, static per-group or
+    per-token inputs."""
     name = fields.get("granularity", "token" if dynamic and role != "weights" else "tensor")
     if name not in GRANULARITIES:
         raise PtqError(
@@ -368,12 +384,13 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
     if role == "weights":
         if name == "token":
             raise PtqError(
-                f"{where}: per-token scales apply to activations; weights use tensor, channel, group or block"
+                f"{where}: per-token scales apply to activations; weights use tensor, channel, "
+                "group or block"
             )
     elif name in ("channel", "block"):
         raise PtqError(
-            f"{where}: per-{name} scales apply to weights only (an input's scale must factor out of the "
-            "matmul: per tensor, per token or per group along the reduction dimension)"
+            f"{where}: per-{name} scales apply to weights only (an input's scale must factor out "
+            "of the matmul: per tensor, per token or per group along the reduction dimension)"
         )
     elif name in ("token", "group") and not dynamic:
         raise PtqError(
@@ -386,7 +403,8 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
         size = fields.get("group_size")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise PtqError(
-                f"{where}: granularity 'group' needs 'group_size', a positive integer, not {reprlib.repr(size)}"
+                f"{where}: granularity 'group' needs 'group_size', a positive integer, not "
+                f"{reprlib.repr(size)}"
             )
         return PerGroup(size)
     if name == "block":
@@ -407,7 +425,8 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
 
 
 def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
-    """role: "weights", "inputs" (matmul inputs) or "activations" (attention, KV cache, residual inputs)."""
+    """role: "weights", "inputs" (matmul inputs) or "activations" (attention, KV cache, residual
+    inputs)."""
     fields = _mapping(
         data,
         where,
@@ -441,9 +460,8 @@ def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
             f"{where}: {fmt.name} is not scaled, so 'dynamic' (a scale per token) does not apply"
         )
     granularity = _granularity(fields, where, role, dynamic)
-    saturate = fields.get(
-        "saturate", fmt.scaled
-    )  # 16-bit formats overflow to inf like an IEEE cast
+    # 16-bit formats overflow to inf like an IEEE cast
+    saturate = fields.get("saturate", fmt.scaled)
     if not isinstance(saturate, bool):
         raise PtqError(f"{where}.saturate must be true or false, not {reprlib.repr(saturate)}")
     if "saturate" in fields and fmt.kind == "int":
@@ -493,7 +511,8 @@ def _tensor_quant(data: object, where: str, role: str) -> TensorQuant:
     scale_format = fields.get("scale_format", "fp32")
     if scale_format not in SCALE_FORMATS:
         raise PtqError(
-            f"{where}: unknown scale_format {reprlib.repr(scale_format)} (known: {', '.join(SCALE_FORMATS)})"
+            f"{where}: unknown scale_format {reprlib.repr(scale_format)} (known: "
+            f"{', '.join(SCALE_FORMATS)})"
         )
     if scale_format == "e8m0" and (scale != "amax" or fmt.kind != "float" or not fmt.scaled):
         raise PtqError(
@@ -527,8 +546,8 @@ def _mapping(data: object, where: str, required: set[str], optional: set[str]) -
 
 
 def _text_number(value: object) -> str:
-    """Why a number came as text, where YAML read it so: YAML 1.1 (PyYAML) takes 1e-3 for a string, 1.0e-3 for a
-    number."""
+    """Why a number came as text, where YAML read it so: YAML 1.1 (PyYAML) takes 1e-3 for a string,
+    1.0e-3 for a number."""
     if not isinstance(value, str):
         return ""
     try:
@@ -553,8 +572,8 @@ def _string(value: object, where: str) -> str:
 
 
 def _string_list(value: object, where: str, empty: bool = True) -> list[str]:
-    """empty=False: a list that selects what is quantized, where [] would quantize nothing (a variant that is the
-    baseline, reported as a recipe)."""
+    """empty=False: a list that selects what is quantized, where [] would quantize nothing (a
+    variant that is the baseline, reported as a recipe)."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise PtqError(f"{where} must be a list of strings, not {reprlib.repr(value)}")
     if not value and not empty:

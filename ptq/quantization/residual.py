@@ -1,17 +1,19 @@
-"""Residual-add inputs (the paper's section 4.3): the two operands of each of a decoder block's two adds.
+"""Residual-add inputs (the paper's section 4.3): the two operands of each of a decoder block's two
+adds.
 
 Pre-norm blocks (Llama, Gemma, Qwen2, GPT-2) compute
     s = x + attn(norm1(x));  y = s + mlp(norm2(s))
-so the add inputs are the block input x, the attention output, the mid-block sum s and the MLP output.
-x, attn and mlp are a hook away. s is both the second add's residual and norm2's input, the same tensor,
-so norm2's pre-hook rounds it in place: the residual stream is then stored rounded, as FP8 storage would.
+so the add inputs are the block input x, the attention output, the mid-block sum s and the MLP
+output. x, attn and mlp are a hook away. s is both the second add's residual and norm2's input, the
+same tensor, so norm2's pre-hook rounds it in place: the residual stream is then stored rounded, as
+FP8 storage would.
 
 Sandwich-norm blocks add normalised outputs instead:
     s = x + norm_a(attn(...));  y = s + norm_m(mlp(pre_mlp_norm(s)))
-(Gemma 2/3: post_attention_layernorm, post_feedforward_layernorm, pre_feedforward_layernorm; OLMo 2 and EXAONE 4
-have no pre-MLP norm, so the MLP reads s itself; GLM-4: post_self_attn_layernorm, post_mlp_layernorm, and
-post_attention_layernorm is its pre-MLP norm). There the add inputs are those norms' outputs, and s is the input
-of the pre-MLP norm (or of the MLP).
+(Gemma 2/3: post_attention_layernorm, post_feedforward_layernorm, pre_feedforward_layernorm; OLMo 2
+and EXAONE 4 have no pre-MLP norm, so the MLP reads s itself; GLM-4: post_self_attn_layernorm,
+post_mlp_layernorm, and post_attention_layernorm is its pre-MLP norm). There the add inputs are
+those norms' outputs, and s is the input of the pre-MLP norm (or of the MLP).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ def _child(block: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
 
 
 def add_inputs(block: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
-    """(the module whose output is the attention add input, the one whose output is the MLP add input, the one
-    whose input is the mid-block sum s) for either layout above."""
+    """(the module whose output is the attention add input, the one whose output is the MLP add
+    input, the one whose input is the mid-block sum s) for either layout above."""
     attn, mlp, norm2 = (_child(block, names) for names in (_ATTN, _MLP, _NORM2))
     post_mlp = _child(block, ("post_feedforward_layernorm", "post_mlp_layernorm"))
     if post_mlp is None:  # pre-norm
@@ -55,7 +57,8 @@ def residual_blocks(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def install(model: nn.Module, quantizers: dict[str, dict[str, Callable]]) -> list:
-    """Hook each block's residual-add inputs: block name -> {tensor: callable}. Returns the hook handles."""
+    """Hook each block's residual-add inputs: block name -> {tensor: callable}. Returns the hook
+    handles."""
     blocks, handles = residual_blocks(model), []
     for name, qs in quantizers.items():
         block = blocks[name]

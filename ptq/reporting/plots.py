@@ -1,8 +1,11 @@
 """Plots for report.md, drawn from results.json alone (PNG, matplotlib, no pyplot global state).
 
-    <stem>-metrics.png     each metric per recipe, with intervals where the results carry them, and gate limits
-    <stem>-layer-amax.png  per-layer input and weight amax (log scale) against each variant format's max
-    <stem>-layer-snr.png   per-layer quantization SNR (dB) of weights and inputs, one line per variant
+    <stem>-metrics.png     each metric per recipe, with intervals where the results carry them,
+                           and gate limits
+    <stem>-layer-amax.png  per-layer input and weight amax (log scale) against each variant
+                           format's max
+    <stem>-layer-snr.png   per-layer quantization SNR (dB) of weights and inputs, one line per
+                           variant
 
 File names are fixed by the report's name, so a rerun replaces its plots; the PNG carries no
 version or date, so the same results give the same bytes.
@@ -44,8 +47,8 @@ def available(results: CompareResults) -> list[str]:
 
 
 def plot_writers(results: CompareResults, report: Path) -> dict[Path, Callable[[Path], None]]:
-    """Every available plot next to `report`: its path, and the function that draws it into a (temporary) file
-    (ptq.files.write_set_atomic writes them with the report, as one set)."""
+    """Every available plot next to `report`: its path, and the function that draws it into a
+    (temporary) file (ptq.files.write_set_atomic writes them with the report, as one set)."""
     paths = plot_paths(Path(report))
     draw = {"metrics": metrics_figure, "layer-amax": amax_figure, "layer-snr": snr_figure}
 
@@ -60,7 +63,8 @@ def plot_writers(results: CompareResults, report: Path) -> dict[Path, Callable[[
 def _figure(width: float, height: float, rows: int = 1, cols: int = 1):
     from matplotlib.figure import Figure
 
-    # Fixed margins, sized for these figures' labels: a layout engine would cost more than the drawing.
+    # Fixed margins, sized for these figures' labels: a layout engine would cost more than the
+    # drawing.
     fig = Figure(figsize=(width, height))
     fig.subplots_adjust(
         left=0.07,
@@ -74,7 +78,8 @@ def _figure(width: float, height: float, rows: int = 1, cols: int = 1):
 
 
 def _block_ticks(ax, layers: list[str]) -> None:
-    """Tick each transformer block's first Linear with the block number (names like model.layers.7.mlp)."""
+    """Tick each transformer block's first Linear with the block number (names like
+    model.layers.7.mlp)."""
     ticks, labels, seen = [], [], set()
     for i, name in enumerate(layers):
         m = re.search(r"\.(\d+)\.", name)
@@ -102,9 +107,10 @@ def metrics_figure(results: CompareResults):
         ("kl_div", f"KL vs {base.name} (nats/token)", 1.0),
         ("top1_agreement", f"top-1 agreement with {base.name} (%)", 100.0),
     ]
-    # The names under the bars, side by side, must not run together: a character is about 0.6 of the font size wide
-    # and each bar has 4.6 inches (a panel) / bars; the font shrinks to fit, down to 6 points, below which the names
-    # stand upright in 8 points, the figure taller by their length under each row of panels.
+    # The names under the bars, side by side, must not run together: a character is about 0.6 of the
+    # font size wide and each bar has 4.6 inches (a panel) / bars; the font shrinks to fit, down to
+    # 6 points, below which the names stand upright in 8 points, the figure taller by their length
+    # under each row of panels.
     longest = max(map(len, names))
     fit = 0.85 * 4.6 / len(names) / (0.6 / 72 * longest)
     upright = fit < 6
@@ -113,20 +119,19 @@ def metrics_figure(results: CompareResults):
         names_in = 0.6 * 8 / 72 * longest + 0.15  # the upright names' height, inches
         height = 6.5 + 2 * names_in
         fig, axes = _figure(11, height, 2, 2)
-        axes_in = (
-            0.9 * height - (0.4 + names_in) - (0.5 + names_in)
-        ) / 2  # each row's height, inches
+        # each row's height, inches
+        axes_in = (0.9 * height - (0.4 + names_in) - (0.5 + names_in)) / 2
         fig.subplots_adjust(bottom=(0.4 + names_in) / height, hspace=(0.5 + names_in) / axes_in)
     else:
         fig, axes = _figure(11, 6.5, 2, 2)
     for ax, (key, label, factor) in zip(axes, panels):
-        rows = [
-            (i, e) for i, e in enumerate(entries) if hasattr(e, key)
-        ]  # the baseline has no KL or agreement
+        # the baseline has no KL or agreement
+        rows = [(i, e) for i, e in enumerate(entries) if hasattr(e, key)]
         xs = [i for i, _ in rows]
         values = [factor * getattr(e, key) for _, e in rows]
-        # A bar of inf (a collapsed variant's perplexity) or NaN cannot be drawn: height 0, its value written on it.
-        # An interval that is not there (NaN ends: too few windows) or not finite: no error bar.
+        # A bar of inf (a collapsed variant's perplexity) or NaN cannot be drawn: height 0, its
+        # value written on it. An interval that is not there (NaN ends: too few windows) or not
+        # finite: no error bar.
         ys = [y if math.isfinite(y) else 0.0 for y in values]
         err = [[0.0] * len(rows), [0.0] * len(rows)]
         for j, (_, e) in enumerate(rows):
@@ -158,7 +163,8 @@ def metrics_figure(results: CompareResults):
         ax.set_title(label, fontsize=10)
         ax.margins(y=0.15)
     fig.suptitle(
-        f"{results.model.name}: {results.eval.windows} windows x {results.eval.seq_len} tokens; bars show 95% intervals",
+        f"{results.model.name}: {results.eval.windows} windows x {results.eval.seq_len} tokens; "
+        "bars show 95% intervals",
         fontsize=11,
     )
     return fig
@@ -167,7 +173,8 @@ def metrics_figure(results: CompareResults):
 def _limit_line(key: str, base: Entry, limits: Limits) -> float | None:
     if key == "perplexity" and limits.max_ppl_increase_pct is not None:
         return base.perplexity * (1 + limits.max_ppl_increase_pct / 100)
-    # next-token accuracy is gated by its own limit (`next-token=P%`) where given, as the checks judge it
+    # next-token accuracy is gated by its own limit (`next-token=P%`) where given, as the checks
+    # judge it
     recovery = limits.task_accuracy_recovery_pct.get(NEXT_TOKEN, limits.min_accuracy_recovery_pct)
     if key == "accuracy" and recovery is not None:
         return base.accuracy * recovery / 100
@@ -218,8 +225,8 @@ def amax_figure(results: CompareResults):
     _block_ticks(ax, names)
     ax.legend(fontsize=8, loc="best")
     ax.set_title(
-        "Per-layer amax from calibration; a static per-tensor scale maps each amax onto the format's max "
-        "(without a scale, values above the max would saturate)",
+        "Per-layer amax from calibration; a static per-tensor scale maps each amax onto the "
+        "format's max (without a scale, values above the max would saturate)",
         fontsize=9,
     )
     return fig
@@ -253,8 +260,8 @@ def snr_figure(results: CompareResults):
     _block_ticks(ax, order)
     ax.legend(fontsize=8, loc="best")
     ax.set_title(
-        "Quantization SNR per layer: weights; inputs on each variant's own activations over the first "
-        f"{windows} evaluation windows",
+        "Quantization SNR per layer: weights; inputs on each variant's own activations over the "
+        f"first {windows} evaluation windows",
         fontsize=9,
     )
     return fig

@@ -1,11 +1,12 @@
 """Trend: what moved between a previous results file and this one.
 
-Entries are matched by name (the baseline, each variant, each task). A change is flagged as beyond its
-intervals when the two runs' 95% intervals for the metric (its `<metric>_ci` field, [low, high]) do not
-overlap, a conservative test. Whether a change is better or worse follows the metric's direction: for a task metric,
-the one results.json records for the task (lm-eval's higher_is_better). Where the two runs were measured in a
-different setup (model, text, windows, task documents, dtype, matmul path, target, calibration, a recipe's formats
-under the same name, ...), `setup_changes` names it.
+Entries are matched by name (the baseline, each variant, each task). A change is flagged as beyond
+its intervals when the two runs' 95% intervals for the metric (its `<metric>_ci` field, [low, high])
+do not overlap, a conservative test. Whether a change is better or worse follows the metric's
+direction: for a task metric, the one results.json records for the task (lm-eval's
+higher_is_better). Where the two runs were measured in a different setup (model, text, windows, task
+documents, dtype, matmul path, target, calibration, a recipe's formats under the same name, ...),
+`setup_changes` names it.
 """
 
 from __future__ import annotations
@@ -68,14 +69,16 @@ RECIPE_SETUP = (
 
 
 def setup_changes(results: CompareResults, previous: CompareResults) -> list[str]:
-    """What differs in how the two runs measured: "what: previous -> now", one entry each. Tasks are compared where
-    both runs scored them: their documents (how many, and the sha256 over lm-eval's document hashes) and shots."""
+    """What differs in how the two runs measured: "what: previous -> now", one entry each. Tasks are
+    compared where both runs scored them: their documents (how many, and the sha256 over lm-eval's
+    document hashes) and shots."""
     changes = [
         f"{what}: {get(previous)} -> {get(results)}"
         for what, get in SETUP
         if get(previous) != get(results)
     ]
-    # entries are matched by name: one whose recipe quantizes otherwise under the same name is a different measurement
+    # entries are matched by name: one whose recipe quantizes otherwise under the same name is a
+    # different measurement
     old_entries = {e.name: e for e in [previous.baseline, *previous.variants]}
     for new in [results.baseline, *results.variants]:
         old = old_entries.get(new.name)
@@ -110,7 +113,8 @@ class Move:
     previous_ci: tuple[float, float]
     current_ci: tuple[float, float]
     better: str | None = None  # "higher" or "lower"; None: the metric's in METRICS
-    # a task metric: whether it is a share in [0, 1] (printed as a percentage) or in its own units; None: not a task's
+    # a task metric: whether it is a share in [0, 1] (printed as a percentage) or in its own units;
+    # None: not a task's
     share: bool | None = None
 
     @property
@@ -167,9 +171,8 @@ def _moves(
                 share = task_metric_is_share(results, task, metric) and task_metric_is_share(
                     previous_results, task, metric
                 )
-                kind = (
-                    "accuracy" if higher and share else "task_metric"
-                )  # an accuracy, or a task's other metric
+                # an accuracy, or a task's other metric
+                kind = "accuracy" if higher and share else "task_metric"
                 better = "higher" if higher else "lower"
                 moves.append(
                     Move(name, kind, label, old.value, new.value, old.ci, new.ci, better, share)

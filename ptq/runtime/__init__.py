@@ -1,1 +1,1 @@
-"""Runtime helpers every stage may use: devices, memory resources, the host allocator, distributed ranks."""
+"""Helpers every stage may use: devices, memory resources, the host allocator, distributed ranks."""

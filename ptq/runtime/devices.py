@@ -1,9 +1,10 @@
-"""The machine ptq runs on: where it computes (default_device, PTQ_DEVICE), in which dtype (compute_dtype), where a
-(possibly placed) model's inputs go (input_device), and GPU memory faults: a CUDA out-of-memory becomes one line
-that names what did not fit and the way out (gpu_memory, out_of_memory), freed memory goes back (release).
+"""The machine ptq runs on: where it computes (default_device, PTQ_DEVICE), in which dtype
+(compute_dtype), where a (possibly placed) model's inputs go (input_device), and GPU memory faults:
+a CUDA out-of-memory becomes one line that names what did not fit and the way out (gpu_memory,
+out_of_memory), freed memory goes back (release).
 
-A leaf: it imports nothing of ptq but the errors, so that loading, batching, placement, calibration and evaluation
-can all use it.
+A leaf: it imports nothing of ptq but the errors, so that loading, batching, placement, calibration
+and evaluation can all use it.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from torch import nn
 
 from ptq.errors import PtqError
 
-WAYS_OUT = "use a smaller --batch-size, --low-memory (one decoder layer on the GPU at a time), or fewer recipes per run"
+WAYS_OUT = (
+    "use a smaller --batch-size, --low-memory (one decoder layer on the GPU at a time), or fewer "
+    "recipes per run"
+)
 # already one decoder layer at a time (ptq.execution.streaming.LayerByLayer)
 LAYER_BY_LAYER_WAYS_OUT = "use a smaller --batch-size or fewer recipes per run"
 
 
 def default_device() -> torch.device:
-    """Where ptq computes: the GPU when there is one (under torchrun / accelerate launch, the process's own:
-    cuda:LOCAL_RANK), else the CPU. PTQ_DEVICE (cpu, cuda, cuda:1) chooses instead; the tests set it to cpu, so
-    that they build and compare on the CPU on any machine (the CUDA tests ask for cuda themselves)."""
+    """Where ptq computes: the GPU when there is one (under torchrun / accelerate launch, the
+    process's own: cuda:LOCAL_RANK), else the CPU. PTQ_DEVICE (cpu, cuda, cuda:1) chooses instead;
+    the tests set it to cpu, so that they build and compare on the CPU on any machine (the CUDA
+    tests ask for cuda themselves)."""
     name = os.environ.get("PTQ_DEVICE", "").strip()
     if name:
         try:
@@ -34,12 +39,14 @@ def default_device() -> torch.device:
             raise PtqError(
                 f"PTQ_DEVICE={name!r} is not a device (cpu, cuda, cuda:1, ...)"
             ) from None
+        # mps, xpu, meta...: kernels, dtypes and memory checks are for these
         if device.type not in (
             "cpu",
             "cuda",
-        ):  # mps, xpu, meta...: kernels, dtypes and memory checks are for these
+        ):
             raise PtqError(
-                f"PTQ_DEVICE={name!r}: ptq computes on cpu or cuda (an NVIDIA GPU), not {device.type}"
+                f"PTQ_DEVICE={name!r}: ptq computes on cpu or cuda (an NVIDIA GPU), not "
+                f"{device.type}"
             )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise PtqError(f"PTQ_DEVICE={name!r} but torch sees no CUDA device")
@@ -65,10 +72,11 @@ COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """The processor's model name ("Intel(R) Xeon(R) Processor @ 2.60GHz", "AMD EPYC ..."): on Linux from
-    /proc/cpuinfo, elsewhere platform.processor(); None when neither names it. torch's float32 CPU kernels round apart
-    per processor, not only per instruction set (the offline model's 16-bit baseline reads 41.2510 on an Intel Xeon
-    and 41.2528 on an AMD EPYC, both AVX512), so a report names it."""
+    """The processor's model name ("Intel(R) Xeon(R) Processor @ 2.60GHz", "AMD EPYC ..."): on Linux
+    from /proc/cpuinfo, elsewhere platform.processor(); None when neither names it. torch's float32
+    CPU kernels round apart per processor, not only per instruction set (the offline model's 16-bit
+    baseline reads 41.2510 on an Intel Xeon and 41.2528 on an AMD EPYC, both AVX512), so a report
+    names it."""
     import platform
 
     with contextlib.suppress(OSError):
@@ -82,8 +90,9 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
 
 
 def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """The dtype a model computes in: `name` ("float32" or "bfloat16"), by default bfloat16 on CUDA (its fast
-    path) and float32 on CPU, where a simulated product of 8- or 16-bit values is exact."""
+    """The dtype a model computes in: `name` ("float32" or "bfloat16"), by default bfloat16 on CUDA
+    (its fast path) and float32 on CPU, where a simulated product of 8- or 16-bit values is
+    exact."""
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in COMPUTE_DTYPES:
@@ -92,8 +101,8 @@ def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def input_device(model: nn.Module) -> torch.device:
-    """Where a model's inputs go: its main device when placed (where its first modules run), else its first
-    parameter's device."""
+    """Where a model's inputs go: its main device when placed (where its first modules run), else
+    its first parameter's device."""
     mapping = getattr(model, "hf_device_map", None)
     if mapping:
         gpus = [d for d in mapping.values() if d not in ("cpu", "disk")]
@@ -112,8 +121,9 @@ def _gib(n: float) -> str:
 def out_of_memory(
     what: str, error: str | None = None, estimate: int | None = None, ways_out: str = WAYS_OUT
 ) -> PtqError:
-    """The one-line error for a CUDA out-of-memory: what did not fit, the estimate if known, the way out.
-    `error` is torch's message (its first sentence is kept: "CUDA out of memory. Tried to allocate 2.00 GiB")."""
+    """The one-line error for a CUDA out-of-memory: what did not fit, the estimate if known, the way
+    out. `error` is torch's message (its first sentence is kept: "CUDA out of memory. Tried to
+    allocate 2.00 GiB")."""
     detail = ""
     if error:
         first = (error.strip().splitlines() or [""])[0]

@@ -1,15 +1,17 @@
-"""Data-parallel evaluation under `torchrun --nproc-per-node N` or `accelerate launch` (WORLD_SIZE > 1).
+"""Data-parallel evaluation under `torchrun --nproc-per-node N` or `accelerate launch` (WORLD_SIZE >
+1).
 
-Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.runtime.devices.default_device) and builds the
-same variants. Calibration is split by batches: one batch size for all (the smallest automatic one), each process
-observes a contiguous share of the one-process run's batches, and the observers are gathered and merged
-(ptq.calibration.calibrate.merge_shares): every process then holds the one-process calibration, bit for bit (a
-running max and a histogram of fixed bins do not depend on which process saw a batch).
-The evaluation windows are split into contiguous shares, one per process (the first process's share holds the
-windows the input SNR is measured on); the scores are gathered with
-all_gather_object, so that every process has the whole result, and merged window by window in their order
-(ptq.evaluation.evaluate.gather_scores): the numbers are those of one process (Scores sums one window at a time, so
-the merge replays the same additions). Only the first process (rank 0) writes the report and prints; the others print nothing.
+Every process loads the model (on its own GPU: cuda:LOCAL_RANK, ptq.runtime.devices.default_device)
+and builds the same variants. Calibration is split by batches: one batch size for all (the smallest
+automatic one), each process observes a contiguous share of the one-process run's batches, and the
+observers are gathered and merged (ptq.calibration.calibrate.merge_shares): every process then holds
+the one-process calibration, bit for bit (a running max and a histogram of fixed bins do not depend
+on which process saw a batch). The evaluation windows are split into contiguous shares, one per
+process (the first process's share holds the windows the input SNR is measured on); the scores are
+gathered with all_gather_object, so that every process has the whole result, and merged window by
+window in their order (ptq.evaluation.evaluate.gather_scores): the numbers are those of one process
+(Scores sums one window at a time, so the merge replays the same additions). Only the first process
+(rank 0) writes the report and prints; the others print nothing.
 """
 
 from __future__ import annotations
@@ -24,19 +26,21 @@ from ptq.errors import PtqError
 
 
 def world() -> tuple[int, int]:
-    """(rank, world size) from torch.distributed's environment (RANK, WORLD_SIZE); (0, 1) without it."""
+    """(rank, world size) from torch.distributed's environment (RANK, WORLD_SIZE); (0, 1) without
+    it."""
     try:
         return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         raise PtqError(
-            f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not "
-            "integers: start several processes with torchrun or accelerate launch"
+            f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are "
+            "not integers: start several processes with torchrun or accelerate launch"
         ) from None
 
 
 def local_processes() -> int:
-    """How many processes of this run are on this machine: LOCAL_WORLD_SIZE (torchrun and accelerate launch set it),
-    else WORLD_SIZE (all of them, at most); 1 without torch.distributed's environment."""
+    """How many processes of this run are on this machine: LOCAL_WORLD_SIZE (torchrun and accelerate
+    launch set it), else WORLD_SIZE (all of them, at most); 1 without torch.distributed's
+    environment."""
     size = world()[1]
     if size == 1:
         return 1
@@ -44,8 +48,8 @@ def local_processes() -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", size))
     except ValueError:
         raise PtqError(
-            f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r} is not an integer: start several processes "
-            "with torchrun or accelerate launch"
+            f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r} is not an integer: start "
+            "several processes with torchrun or accelerate launch"
         ) from None
 
 
@@ -66,7 +70,8 @@ def is_main() -> bool:
 
 
 def setup() -> None:
-    """Join the process group (NCCL between GPUs, gloo on CPUs) once; the other ranks print nothing."""
+    """Join the process group (NCCL between GPUs, gloo on CPUs) once; the other ranks print
+    nothing."""
     if not active():
         return
     import torch.distributed as dist
@@ -78,8 +83,9 @@ def setup() -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        # Leave the group while the interpreter is whole: a process that exits without it can be aborted (SIGABRT,
-        # "terminate called without an active exception") by gloo's worker threads during finalization.
+        # Leave the group while the interpreter is whole: a process that exits without it can be
+        # aborted (SIGABRT, "terminate called without an active exception") by gloo's worker threads
+        # during finalization.
         atexit.register(leave)
     if not is_main():
         from ptq import progress
@@ -98,7 +104,8 @@ def leave() -> None:
 
 def share(n: int, first_at_least: int = 0) -> range:
     """This process's contiguous share of n items (windows), in order: near-equal shares, the first
-    of at least `first_at_least` items (where the input SNR is measured) when there are that many."""
+    of at least `first_at_least` items (where the input SNR is measured) when there are that
+    many."""
     rank, size = world()
     if size == 1:
         return range(n)

@@ -1,6 +1,6 @@
-"""Datasets of ptq's shipped lm-evaluation-harness tasks (`custom_dataset: !function utils.NAME` in their YAML):
-local files, found next to this module, so that the tasks run offline from lm-eval's own CLI as well
-(`lm_eval --include_path <this folder> --tasks ptq_arith`)."""
+"""Datasets of ptq's shipped lm-evaluation-harness tasks (`custom_dataset: !function utils.NAME` in
+their YAML): local files, found next to this module, so that the tasks run offline from lm-eval's
+own CLI as well (`lm_eval --include_path <this folder> --tasks ptq_arith`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def local_jsonl(**splits):
-    """A DatasetDict of JSONL files, one per split (test=FILE, train=FILE); relative names are in this folder.
-    lm-eval passes the task's metadata too (version...): keys whose values are not file names are ignored."""
+    """A DatasetDict of JSONL files, one per split (test=FILE, train=FILE); relative names are in
+    this folder. lm-eval passes the task's metadata too (version...): keys whose values are not file
+    names are ignored."""
     import datasets
 
     files = {
@@ -23,7 +24,8 @@ def local_jsonl(**splits):
 
 
 def default_cloze(max_items: int = 300, **_):
-    """ptq's cloze items from its default evaluation text, as ptq compare --tasks cloze builds them."""
+    """ptq's cloze items from its default evaluation text, as ptq compare --tasks cloze builds
+    them."""
     import datasets
 
     from ptq.evaluation.data import load_corpus
