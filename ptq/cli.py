@@ -329,11 +329,11 @@ def inspect(
 @_command(
     "quantize",
     model=ModelOptions,
+    checkpoint=CheckpointOptions,  # first: --verify heads its panel, --verify-windows after it
     data=DataOptions,
     calibration=CalibrationOptions,
     compute=ComputeOptions,
     output=OutputOptions,
-    checkpoint=CheckpointOptions,
 )
 def quantize(
     options: dict[str, Any],
