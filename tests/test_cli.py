@@ -1091,3 +1091,55 @@ def test_a_recipe_name_given_twice_or_the_baselines_is_named(ptq_cli, tiny_model
         )
         assert code == 2 and len(err.strip().splitlines()) == 1 and f"error: {message}" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "command, panels",
+    [
+        (
+            "compare",
+            {
+                "Options": ["--recipes", "--target"],
+                "Output": ["--out", "--force", "--no-plots", "--quiet", "--json"],
+                "Data": ["--eval-data", "--seq-len", "--max-windows"],
+                "Calibration": ["--calib", "--calib-data", "--calib-samples", "--on-unseen"],
+                "Tasks": ["--tasks", "--max-items", "--num-fewshot", "--limit"],
+                "Gates": ["--max-ppl-increase", "--min-accuracy-recovery", "--max-kl"],
+                "Hardware and placement": ["--batch-size", "--dtype", "--device-map", "--matmul"],
+                "Loading and safety": [
+                    "--trust-remote-code",
+                    "--allow-pickle",
+                    "--strict-coverage",
+                ],
+            },
+        ),
+        (
+            "quantize",
+            {
+                "Output": ["--output", "--force"],
+                "Data": ["--data", "--seq-len"],
+                "Calibration": ["--calib", "--samples", "--calibrate-all-experts"],
+                "Checkpoint": ["--verify", "--verify-windows", "--shard-size", "--push-to-hub"],
+                "Hardware and placement": ["--low-memory", "--max-memory"],
+                "Loading and safety": ["--no-memory-check"],
+            },
+        ),
+    ],
+)
+def test_help_groups_the_options_in_panels(ptq_cli, monkeypatch, command, panels):
+    """`ptq compare --help` is not one panel of 35 options: each option is shown in its group's
+    panel, the panels in a fixed order."""
+    import re
+
+    monkeypatch.setenv("COLUMNS", "200")
+    code, stdout, _ = ptq_cli(command, "--help")
+    assert code == 0
+    shown = {
+        m.group(1): re.findall(r"^│ [ *]*(--[\w-]+)", m.group(2), flags=re.MULTILINE)
+        for m in re.finditer(r"╭─ (.+?) ─+╮\n(.*?)╰", stdout, flags=re.DOTALL)
+    }
+    assert [p for p in shown if p in panels] == list(panels)  # in this order
+    for panel, flags in panels.items():
+        assert set(flags) <= set(shown[panel]), (panel, shown[panel])
+    every = [flag for flags in shown.values() for flag in flags]
+    assert len(every) == len(set(every))  # each option in one panel

@@ -505,3 +505,130 @@ def test_options_a_command_does_not_use_are_refused_in_one_line(tiny_model, tmp_
         DataOptions("text.txt", 16)  # by name only: neighbouring numbers cannot be swapped
     with pytest.raises(PtqError, match="--on-nonfinite must be one of"):
         CalibrationOptions(on_nonfinite="ignore")
+
+
+def _built(monkeypatch, groups: dict, *commands: str) -> tuple:
+    """`commands` built by ptq.cli's helper from `groups`, on an app of their own: (the app, what the
+    last call of each command was given)."""
+    import typer
+
+    from ptq import cli
+
+    monkeypatch.setattr(cli, "app", typer.Typer(add_completion=False))
+    got = {}
+
+    def record(name):
+        def command(options):
+            """A command built from options groups."""
+            got[name] = options
+
+        return command
+
+    for name in commands:
+        cli._command(name, **groups)(record(name))
+    return cli.app, got
+
+
+def test_a_field_added_to_a_group_is_a_flag_of_every_command_that_takes_it(monkeypatch):
+    """An option is declared once, as a field: the commands that take its group (compare, eval)
+    both get its flag, with its help, default, range and panel, and hand its value on."""
+    from dataclasses import dataclass
+
+    import typer.main
+    from typer.testing import CliRunner
+
+    from ptq import cli
+    from ptq.commands.options import DATA, option
+
+    @dataclass(frozen=True, kw_only=True)
+    class StridedData(DataOptions):
+        stride: int = option(7, "--stride", min=1, help="Tokens between windows.", panel=DATA)
+
+    groups = {**cli.EVALUATION, "data": StridedData}
+    app, got = _built(monkeypatch, groups, "compare", "eval")
+    runner = CliRunner()
+    commands = typer.main.get_command(app).commands
+    for name in ("compare", "eval"):
+        (stride,) = [p for p in commands[name].params if p.name == "stride"]
+        assert (stride.opts, stride.default, stride.help) == (
+            ["--stride"],
+            7,
+            "Tokens between windows.",
+        )
+        help_text = runner.invoke(app, [name, "--help"], env={"COLUMNS": "200"}).output
+        assert "--stride" in _panels(help_text)["Data"]
+        assert runner.invoke(app, [name, "m", "--stride", "3"]).exit_code == 0
+        assert got[name]["data"].stride == 3 and got[name]["model"].model == "m"
+        assert runner.invoke(app, [name, "--stride", "0"]).exit_code == 2  # its range
+    runner.invoke(app, ["eval"])
+    assert got["eval"]["data"].stride == 7 and got["eval"]["data"].tasks == "auto"
+
+
+def _panels(help_text: str) -> dict[str, str]:
+    """--help's panels by title: the text inside each box."""
+    import re
+
+    return {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"╭─ (.+?) ─+╮\n(.*?)╰", help_text, flags=re.DOTALL)
+    }
+
+
+def test_compare_and_eval_take_the_same_options_but_their_own(monkeypatch):
+    """The flags of compare and eval come from the same groups: they differ only where one command
+    has a use for an option the other has not (compare's recipes, gates, plots and JSON)."""
+    import typer.main
+
+    from ptq import cli
+
+    commands = typer.main.get_command(cli.app).commands
+    compare, eval_ = ({p.name for p in commands[c].params} for c in ("compare", "eval"))
+    assert compare - eval_ == {
+        "recipes",
+        "as_json",
+        "no_plots",
+        "max_ppl_increase",
+        "min_accuracy_recovery",
+        "max_kl",
+    }
+    assert eval_ - compare == {"recipe"}
+
+
+def test_a_field_that_is_read_from_other_flags_is_converted_and_named_in_each_commands_spelling():
+    """--no-memory-check, --no-plots, --device-map with --max-memory and the gates become their
+    fields; --calib with the calibration text is refused under each command's own flag."""
+    from ptq.commands.options import from_flags, parameters
+
+    groups = {"model": ModelOptions, "calibration": CalibrationOptions, "output": OutputOptions}
+    values = {name: default for name, (_, _, default) in parameters("compare", groups).items()}
+    built = from_flags(
+        "compare", groups, values | {"no_memory_check": True, "no_plots": True, "max_kl": "0.01"}
+    )
+    assert built["model"].memory_check is False and built["model"].placement is None
+    assert built["output"].plots is False and built["output"].limits.max_kl == 0.01
+    assert built["output"].path == Path("reports/compare")
+    both = {"calib": Path("c.safetensors"), "calib_data": "t.txt"}
+    with pytest.raises(PtqError, match="^give either --calib .* or --calib-data .*, not both$"):
+        from_flags("compare", groups, values | both)
+    values = {name: default for name, (_, _, default) in parameters("quantize", groups).items()}
+    with pytest.raises(PtqError, match="^give either --calib .* or --data .*, not both$"):
+        from_flags(
+            "quantize", groups, values | {"calib": Path("c"), "data": "t.txt", "output": "q"}
+        )
+
+
+def test_an_option_declaration_naming_no_command_or_two_flags_alike_is_refused():
+    from dataclasses import dataclass
+
+    from ptq.commands.options import option, parameters
+
+    with pytest.raises(ValueError, match="no such command: evaluate"):
+        option(1, "--n", help="n", commands=("evaluate",))
+
+    @dataclass(frozen=True, kw_only=True)
+    class Twice:
+        a: int = option(1, "--seq-len", help="one")
+        b: int = option(1, "--seq-len", help="another")
+
+    with pytest.raises(TypeError, match="two different flags named seq_len"):
+        parameters("eval", {"twice": Twice})
