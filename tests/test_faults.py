@@ -514,7 +514,9 @@ def test_killed_calibration_resumes_to_identical_bytes(
     assert out.read_bytes() == (tmp_path / "straight.st").read_bytes()
 
 
-def test_resume_refuses_a_checkpoint_of_another_run(tiny_model, text_file, tmp_path, ptq_cli):
+def test_resume_refuses_a_checkpoint_of_another_run(
+    tiny_model, text_file, tmp_path, ptq_cli, ptq_run
+):
     out = tmp_path / "c.st"
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))
     assert code == 2 and "no checkpoint to resume from" in err
@@ -522,20 +524,8 @@ def test_resume_refuses_a_checkpoint_of_another_run(tiny_model, text_file, tmp_p
     wait_for_checkpoint(proc, checkpoint_path(out))
     proc.kill()
     proc.communicate(timeout=60)
-    code, _, err = ptq_cli(
-        "calibrate",
-        str(tiny_model),
-        "--data",
-        str(text_file),
-        "--samples",
-        "24",
-        "--seq-len",
-        "32",
-        "-o",
-        str(out),
-        "-q",
-        "--resume",
-    )
+    # calib_args but for --seq-len: another run
+    code, _, err = ptq_run("calibrate", tiny_model, samples=24, seq_len=32, o=out, resume=True)
     assert code == 2 and "was made by a different run" in err
     checkpoint_path(out).write_bytes(b"garbage")
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))
@@ -659,25 +649,11 @@ def test_low_memory_calibration_refuses_checkpoint_options_and_says_how_a_leftov
 # 3. Determinism ----------------------------------------------------------------------------------
 
 
-def test_same_command_gives_identical_bytes(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def test_same_command_gives_identical_bytes(
+    tiny_model, text_file, tmp_path, ptq_cli, ptq_run, monkeypatch
+):
     def compare(out):
-        code, _, err = ptq_cli(
-            "compare",
-            str(tiny_model),
-            "--calib-data",
-            str(text_file),
-            "--eval-data",
-            str(text_file),
-            "--calib-samples",
-            "8",
-            "--seq-len",
-            "32",
-            "--max-windows",
-            "4",
-            "--out",
-            str(out),
-            "-q",
-        )
+        code, _, err = ptq_run("compare", tiny_model, calib_samples=8, out=out)
         assert code == 0, err
 
     compare(tmp_path / "a")

@@ -47,7 +47,7 @@ def test_disk_full_while_writing_calibration(tiny_model, text_file, tmp_path, pt
 
 
 def test_disk_full_while_writing_report_keeps_the_old_pair(
-    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+    tiny_model, tmp_path, ptq_run, monkeypatch
 ):
     out = tmp_path / "out"
     out.mkdir()
@@ -61,25 +61,8 @@ def test_disk_full_while_writing_report_keeps_the_old_pair(
         return real_write(self, text, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", full_on_report)
-    code, _, err = ptq_cli(
-        "compare",
-        str(tiny_model),
-        "--recipes",
-        "fp8-e4m3",
-        "--calib-data",
-        str(text_file),
-        "--eval-data",
-        str(text_file),
-        "--calib-samples",
-        "4",
-        "--seq-len",
-        "16",
-        "--max-windows",
-        "2",
-        "--out",
-        str(out),
-        "--force",
-        "-q",
+    code, _, err = ptq_run(
+        "compare", tiny_model, recipes="fp8-e4m3", seq_len=16, max_windows=2, out=out, force=True
     )
     assert code == 2 and one_error_line(err) and "no space left on device" in err
     # results.json was complete first, but nothing is renamed until both are: the old pair stays.
@@ -115,7 +98,7 @@ def test_unwritable_output_fails_before_any_work(
 
 
 def test_model_too_big_fails_early_with_estimate_and_flag(
-    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+    tiny_model, text_file, tmp_path, ptq_cli, ptq_run, monkeypatch
 ):
     loaded = load_model(str(tiny_model))
     params = sum(
@@ -149,54 +132,26 @@ def test_model_too_big_fails_early_with_estimate_and_flag(
         and "compare fewer recipes" in err
         and not (tmp_path / "o" / "results.json").exists()
     )
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "compare",
-        str(tiny_model),
-        "--recipes",
-        "fp8-e4m3,int8",
-        "--calib-data",
-        str(text_file),
-        "--eval-data",
-        str(text_file),
-        "--calib-samples",
-        "4",
-        "--seq-len",
-        "16",
-        "--max-windows",
-        "2",
-        "--out",
-        str(tmp_path / "o"),
-        "-q",
-        "--no-memory-check",
+        tiny_model,
+        recipes="fp8-e4m3,int8",
+        seq_len=16,
+        max_windows=2,
+        out=tmp_path / "o",
+        no_memory_check=True,
     )
     assert code == 0, err
 
 
-def test_output_symlink_is_replaced_not_followed(tiny_model, text_file, tmp_path, ptq_cli):
+def test_output_symlink_is_replaced_not_followed(tiny_model, tmp_path, ptq_run):
     outside = tmp_path / "outside.json"
     outside.write_text("precious")
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").symlink_to(outside)
-    code, _, err = ptq_cli(
-        "compare",
-        str(tiny_model),
-        "--recipes",
-        "fp8-e4m3",
-        "--calib-data",
-        str(text_file),
-        "--eval-data",
-        str(text_file),
-        "--calib-samples",
-        "4",
-        "--seq-len",
-        "16",
-        "--max-windows",
-        "2",
-        "--out",
-        str(out),
-        "--force",
-        "-q",
+    code, _, err = ptq_run(
+        "compare", tiny_model, recipes="fp8-e4m3", seq_len=16, max_windows=2, out=out, force=True
     )
     assert code == 0, err
     assert outside.read_text() == "precious" and not (out / "results.json").is_symlink()
