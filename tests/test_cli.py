@@ -964,3 +964,32 @@ def test_a_recipe_name_given_twice_or_the_baselines_is_named(ptq_cli, tiny_model
         )
         assert code == 2 and len(err.strip().splitlines()) == 1 and f"error: {message}" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_ptq_run_is_the_small_run_with_the_tests_flags_laid_over(ptq_run, tiny_model, text_file):
+    """The helper the tests invoke the CLI with: its defaults, keyword -> flag, None drops, no flag twice."""
+    assert ptq_run.argv("compare", tiny_model, out="r") == [
+        "compare",
+        str(tiny_model),
+        *("--calib-data", str(text_file), "--eval-data", str(text_file), "--calib-samples", "4"),
+        *("--seq-len", "32", "--max-windows", "4", "--quiet", "--out", "r"),
+    ]
+    assert ptq_run.argv("calibrate", "m", "--resume", seq_len=16, quiet=None, o="c.st") == [
+        *("calibrate", "m", "--resume", "--data", str(text_file), "--samples", "4"),
+        *("--seq-len", "16", "-o", "c.st"),
+    ]
+    assert ptq_run.argv(
+        "quantize", "m", data=None, samples=None, no_verify=True, shard_size=0.5
+    ) == [
+        *("quantize", "m", "--seq-len", "32", "--quiet", "--no-verify", "--shard-size", "0.5"),
+    ]
+    assert ptq_run.argv("eval", "m", max_windows=None, tasks="") == [
+        *("eval", "m", "--eval-data", str(text_file), "--seq-len", "32", "--quiet", "--tasks", ""),
+    ]
+    assert ptq_run.argv("report", "results.json", no_plots=True) == [
+        *("report", "results.json", "--no-plots"),
+    ]
+    with pytest.raises(ValueError, match="--quiet"):
+        ptq_run.argv("eval", "m", "-q")
+    with pytest.raises(ValueError, match="--seq-len"):
+        ptq_run.argv("eval", "m", "--seq-len", "8")

@@ -95,28 +95,21 @@ def test_nan_weight_is_named_with_its_index(tiny_model, text_file, tmp_path, ptq
     assert not (tmp_path / "c.st").exists()
 
 
-def test_nan_weight_without_calibration_is_named_when_quantized(
-    tiny_model, text_file, tmp_path, ptq_cli
-):
+def test_nan_weight_without_calibration_is_named_when_quantized(tiny_model, tmp_path, ptq_run):
     # A recipe with dynamic inputs needs no calibration: the weight's own rounding finds the NaN.
     def poison(t):
         t["model.layers.1.self_attn.o_proj.weight"][0, 0] = float("nan")
 
     model = edited_model(tiny_model, tmp_path / "m", poison)
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "compare",
-        str(model),
-        "--recipes",
-        "fp8-e4m3-dynamic",
-        "--eval-data",
-        str(text_file),
-        "--seq-len",
-        "16",
-        "--max-windows",
-        "2",
-        "--out",
-        str(tmp_path / "r"),
-        "-q",
+        model,
+        calib_data=None,
+        calib_samples=None,
+        recipes="fp8-e4m3-dynamic",
+        seq_len=16,
+        max_windows=2,
+        out=tmp_path / "r",
     )
     assert code == 2 and one_error_line(err)
     assert "the weight of layer 'model.layers.1.self_attn.o_proj' contains NaN or inf" in err

@@ -176,7 +176,7 @@ def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(
 
 
 def test_cloze_and_jsonl_against_itself_give_zero_deltas_and_gates_per_metric(
-    ptq_cli, tiny_model, tmp_path
+    ptq_run, tiny_model, tmp_path
 ):
     recipe = tmp_path / "bf16-again.yaml"
     recipe.write_text(
@@ -186,27 +186,19 @@ def test_cloze_and_jsonl_against_itself_give_zero_deltas_and_gates_per_metric(
     text = tmp_path / "lines.txt"
     text.write_text(LINES)
     mc = write_jsonl(tmp_path / "mc.jsonl", varied_rows(12))
-    code, out, err = ptq_cli(
+    code, out, err = ptq_run(
         "compare",
         tiny_model,
-        "--recipes",
-        recipe,
-        "--eval-data",
-        text,
-        "--seq-len",
-        "32",
-        "--max-windows",
-        "2",
-        "--tasks",
-        f"cloze,mine={mc}",
-        "--max-items",
-        "8",
-        "--no-plots",
-        "--min-accuracy-recovery",
-        "100%",
-        "--out",
-        tmp_path / "out",
-        "-q",
+        calib_data=None,
+        calib_samples=None,
+        recipes=recipe,
+        eval_data=text,
+        max_windows=2,
+        tasks=f"cloze,mine={mc}",
+        max_items=8,
+        no_plots=True,
+        min_accuracy_recovery="100%",
+        out=tmp_path / "out",
     )
     assert code == 0, out + err
     r = json.loads((tmp_path / "out" / "results.json").read_text())

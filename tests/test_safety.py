@@ -593,9 +593,7 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path, size):
     assert gguf_key(first) != gguf_key(second)
 
 
-def test_disk_full_while_writing_a_checkpoint(
-    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
-):
+def test_disk_full_while_writing_a_checkpoint(tiny_model, tmp_path, ptq_run, monkeypatch):
     """A shard that cannot be written (no space left) ends `ptq quantize` in one line, exit 2, with no folder and
     no temporary left behind. safetensors reports it as its own SafetensorError (not an OSError), in these words."""
     import safetensors.torch
@@ -607,17 +605,15 @@ def test_disk_full_while_writing_a_checkpoint(
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = tmp_path / "out"
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "quantize",
         tiny_model,
-        "--recipe",
-        "fp8-dynamic",
-        "--seq-len",
-        "16",
-        "--no-verify",
-        "-o",
-        out,
-        "-q",
+        data=None,
+        samples=None,
+        recipe="fp8-dynamic",
+        seq_len=16,
+        no_verify=True,
+        o=out,
     )
     assert code == 2 and one_error_line(err), err
     assert f"cannot write {out}: no space left on device" in err
@@ -665,7 +661,7 @@ def test_a_shard_over_the_file_size_limit_is_one_line_and_leaves_nothing(
 
 
 def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_any_shard(
-    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+    tiny_model, tmp_path, ptq_run, monkeypatch
 ):
     """The shards' size is known before the first is written: a disk without the room for them is one line at once,
     not a failure at the last shard of a 100B-parameter model, with nothing written and nothing left behind."""
@@ -678,17 +674,15 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_any_shard(
     written = []
     monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: written.append(a))
     out = tmp_path / "out"
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "quantize",
         tiny_model,
-        "--recipe",
-        "fp8-dynamic",
-        "--seq-len",
-        "16",
-        "--no-verify",
-        "-o",
-        out,
-        "-q",
+        data=None,
+        samples=None,
+        recipe="fp8-dynamic",
+        seq_len=16,
+        no_verify=True,
+        o=out,
     )
     assert code == 2 and one_error_line(err), err
     assert (

@@ -544,27 +544,22 @@ def test_per_head_kv_amax_is_each_heads_max_of_k_and_v_after_rope(tiny_model):
 
 @pytest.mark.parametrize("option", ["kv", "kv-head"])
 def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(
-    option, tiny_model, ptq_cli, ptq_run, tmp_path
+    option, tiny_model, ptq_run, tmp_path
 ):
     from ptq.calibration.calibrate import load_calibration
 
     out, calib = tmp_path / option, tmp_path / "calib.safetensors"
     code, _, err = ptq_run("calibrate", tiny_model, recipe=f"fp8-e4m3+{option}", o=calib)
     assert code == 0, err
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "quantize",
         tiny_model,
-        "--recipe",
-        f"fp8-e4m3+{option}",
-        "--calib",
-        calib,
-        "--seq-len",
-        "32",
-        "--verify-windows",
-        "2",
-        "-o",
-        out,
-        "-q",
+        data=None,
+        samples=None,
+        recipe=f"fp8-e4m3+{option}",
+        calib=calib,
+        verify_windows=2,
+        o=out,
     )
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())["quantization_config"]
