@@ -97,3 +97,72 @@ def ptq_cli(monkeypatch, capsys):
         return code, out.out, out.err
 
     return run
+
+
+# What `ptq_run` adds to a command's argv unless the test says otherwise: a small run on the tiny text.
+# TEXT_FILE stands for the `text_file` fixture's file (made only when a run uses it).
+TEXT_FILE = object()
+SMALL_RUN = {
+    "calibrate": {"data": TEXT_FILE, "samples": 4, "seq_len": 32, "quiet": True},
+    "quantize": {"data": TEXT_FILE, "samples": 4, "seq_len": 32, "quiet": True},
+    "compare": {
+        "calib_data": TEXT_FILE,
+        "eval_data": TEXT_FILE,
+        "calib_samples": 4,
+        "seq_len": 32,
+        "max_windows": 4,
+        "quiet": True,
+    },
+    "eval": {"eval_data": TEXT_FILE, "seq_len": 32, "max_windows": 4, "quiet": True},
+}
+SHORT_FLAGS = {"-o": "--output", "-q": "--quiet"}
+
+
+def flag(name: str) -> str:
+    """A keyword's flag: `max_windows` -> `--max-windows`; a one-letter name is a short flag, `o` -> `-o`."""
+    return f"-{name}" if len(name) == 1 else "--" + name.replace("_", "-")
+
+
+@pytest.fixture
+def ptq_run(ptq_cli, request):
+    """Run `ptq COMMAND ARGS... FLAGS...` in-process, as a small run on the tiny text; return (exit code, stdout,
+    stderr), as `ptq_cli` does.
+
+    The argv is the command, then `args` as given (the model, and any raw words such as `*extra`), then this
+    command's small-run defaults with `flags` laid over them. The defaults (SMALL_RUN; TEXT = the `text_file`
+    fixture's file):
+        calibrate, quantize: --data TEXT --samples 4 --seq-len 32 --quiet
+        compare:             --calib-data TEXT --eval-data TEXT --calib-samples 4 --seq-len 32 --max-windows 4 --quiet
+        eval:                --eval-data TEXT --seq-len 32 --max-windows 4 --quiet
+        any other command:   none
+    A keyword is a flag: `max_windows=4` -> `--max-windows 4`, a one-letter name a short flag (`o=path` -> `-o path`);
+    `True` -> the bare flag (`no_verify=True` -> `--no-verify`); `None` or `False` -> no such flag, which drops a
+    default (`data=None`: no `--data`). A raw word in `args` that repeats a default or a keyword's flag is an error,
+    so no flag is given twice. `ptq_run.argv(...)` returns the argv (after `ptq`) without running it."""
+
+    def argv(command: str, *args, **flags) -> list[str]:
+        given = SMALL_RUN.get(command, {}) | flags
+        words = [str(a) for a in args]
+        flagged = [
+            flag(name) for name, value in given.items() if value is not None and value is not False
+        ]
+        clash = {SHORT_FLAGS.get(w, w) for w in words} & {SHORT_FLAGS.get(f, f) for f in flagged}
+        if clash:
+            raise ValueError(
+                f"ptq_run: {sorted(clash)} given both as a word and as a keyword or default"
+            )
+        for name, value in given.items():
+            if value is None or value is False:
+                continue
+            words.append(flag(name))
+            if value is not True:
+                words.append(
+                    str(request.getfixturevalue("text_file") if value is TEXT_FILE else value)
+                )
+        return [command, *words]
+
+    def run(command: str, *args, **flags) -> tuple[int, str, str]:
+        return ptq_cli(*argv(command, *args, **flags))
+
+    run.argv = argv
+    return run

@@ -122,23 +122,13 @@ def test_an_explicit_batch_size_that_does_not_fit_is_one_line(tiny_model, monkey
 
 
 def test_compare_with_an_automatic_batch_size_survives_out_of_memory(
-    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+    ptq_run, tiny_model, tmp_path, monkeypatch
 ):
     runs = {}
     for name, limit in (("plain", 100), ("oom", 1)):
         with monkeypatch.context() as m:
             oom_above(m, limit)
-            code, _, stderr = ptq_cli(
-                "compare",
-                tiny_model,
-                "--calib-data",
-                text_file,
-                "--eval-data",
-                text_file,
-                "--out",
-                tmp_path / name,
-                *FAST,
-            )
+            code, _, stderr = ptq_run("compare", tiny_model, out=tmp_path / name, max_windows=6)
         assert code == 0, stderr
         runs[name] = json.loads((tmp_path / name / "results.json").read_text())
     for key in ("perplexity", "accuracy", "window_nll"):
@@ -152,23 +142,11 @@ def test_compare_with_an_automatic_batch_size_survives_out_of_memory(
 
 
 def test_compare_with_an_explicit_batch_size_that_does_not_fit_is_one_line_exit_2(
-    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+    ptq_run, tiny_model, tmp_path, monkeypatch
 ):
     oom_above(monkeypatch, 1)
     out = tmp_path / "x"
-    code, _, stderr = ptq_cli(
-        "compare",
-        tiny_model,
-        "--calib-data",
-        text_file,
-        "--eval-data",
-        text_file,
-        "--out",
-        out,
-        "--batch-size",
-        "2",
-        *FAST,
-    )
+    code, _, stderr = ptq_run("compare", tiny_model, out=out, batch_size=2, max_windows=6)
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert (
         "out of GPU memory evaluating 3 model(s) on 2 window(s)" in stderr
@@ -178,17 +156,9 @@ def test_compare_with_an_explicit_batch_size_that_does_not_fit_is_one_line_exit_
 
 
 @pytest.mark.parametrize("value", ["0", "lots"])
-def test_a_bad_batch_size_is_one_line_exit_2(ptq_cli, tiny_model, text_file, tmp_path, value):
-    code, _, stderr = ptq_cli(
-        "compare",
-        tiny_model,
-        "--eval-data",
-        text_file,
-        "--out",
-        tmp_path / "x",
-        "--batch-size",
-        value,
-        *FAST,
+def test_a_bad_batch_size_is_one_line_exit_2(ptq_run, tiny_model, tmp_path, value):
+    code, _, stderr = ptq_run(
+        "compare", tiny_model, calib_data=None, out=tmp_path / "x", batch_size=value, max_windows=6
     )
     assert code == 2 and "--batch-size must be a positive integer or 'auto'" in stderr
     assert len(stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
@@ -224,9 +194,7 @@ def test_out_of_memory_while_loading_is_one_line_naming_the_model(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]  # no output, no checkpoint
 
 
-def test_out_of_memory_while_exporting_leaves_nothing(
-    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
-):
+def test_out_of_memory_while_exporting_leaves_nothing(ptq_run, tiny_model, tmp_path, monkeypatch):
     pytest.importorskip("compressed_tensors")
     import ptq.export.checkpoint
 
@@ -235,21 +203,7 @@ def test_out_of_memory_while_exporting_leaves_nothing(
 
     monkeypatch.setattr(ptq.export.checkpoint, "reload", no_room)
     out = tmp_path / "exported"
-    code, _, stderr = ptq_cli(
-        "quantize",
-        tiny_model,
-        "--recipe",
-        "fp8-e4m3",
-        "--data",
-        text_file,
-        "--samples",
-        "4",
-        "--seq-len",
-        "32",
-        "-o",
-        out,
-        "--quiet",
-    )
+    code, _, stderr = ptq_run("quantize", tiny_model, recipe="fp8-e4m3", o=out)
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert "out of GPU memory exporting and verifying the checkpoint" in stderr
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
@@ -426,42 +380,17 @@ def test_calibrate_command_batch_size(ptq_cli, tiny_model, text_file, tmp_path, 
     assert code == 2 and "--batch-size must be a positive integer or 'auto'" in stderr
 
 
-def test_compare_and_quantize_calibrate_on_their_batch_size(
-    ptq_cli, tiny_model, text_file, tmp_path
-):
-    code, _, stderr = ptq_cli(
-        "compare",
-        tiny_model,
-        "--calib-data",
-        text_file,
-        "--eval-data",
-        text_file,
-        "--out",
-        tmp_path / "c",
-        "--batch-size",
-        "3",
-        *FAST,
+def test_compare_and_quantize_calibrate_on_their_batch_size(ptq_run, tiny_model, tmp_path):
+    code, _, stderr = ptq_run(
+        "compare", tiny_model, out=tmp_path / "c", batch_size=3, max_windows=6
     )
     assert code == 0, stderr
     assert (
         json.loads((tmp_path / "c" / "results.json").read_text())["calibration"]["batch_size"] == 3
     )
     pytest.importorskip("compressed_tensors")
-    code, _, stderr = ptq_cli(
-        "quantize",
-        tiny_model,
-        "--data",
-        text_file,
-        "--samples",
-        "4",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "1",
-        "--no-verify",
-        "-o",
-        tmp_path / "q",
-        "--quiet",
+    code, _, stderr = ptq_run(
+        "quantize", tiny_model, batch_size=1, no_verify=True, o=tmp_path / "q"
     )
     assert code == 0, stderr
     assert (

@@ -13,19 +13,9 @@ from ptq.runtime.devices import cpu_model
 FAST = ["--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--quiet"]
 
 
-def test_compare_writes_report_and_results(ptq_cli, tiny_model, text_file, tmp_path):
+def test_compare_writes_report_and_results(ptq_run, tiny_model, tmp_path):
     out = tmp_path / "rep"
-    code, stdout, stderr = ptq_cli(
-        "compare",
-        tiny_model,
-        "--calib-data",
-        text_file,
-        "--eval-data",
-        text_file,
-        "--out",
-        out,
-        *FAST,
-    )
+    code, stdout, stderr = ptq_run("compare", tiny_model, out=out)
     assert code == 0, stderr
     results = json.loads((out / "results.json").read_text())
     assert results["model"]["name"] == str(tiny_model)
@@ -55,7 +45,7 @@ def test_compare_writes_report_and_results(ptq_cli, tiny_model, text_file, tmp_p
     assert "fp8-e4m3" in stdout and "wrote" in stdout
 
 
-def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, text_file, tmp_path):
+def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_run, tiny_model, tmp_path):
     """--matmul fp8 (torch._scaled_mm, which CPUs run too) gives the simulation's numbers up to summation order;
     --dtype bfloat16 (the CUDA default) runs the whole model in bf16 and says so in the report."""
     runs = {}
@@ -66,18 +56,7 @@ def test_compare_with_real_fp8_matmuls_and_bf16_compute(ptq_cli, tiny_model, tex
         ("bf16", ["--dtype", "bfloat16"]),
     ):
         out = tmp_path / name
-        code, _, stderr = ptq_cli(
-            "compare",
-            tiny_model,
-            "--calib-data",
-            text_file,
-            "--eval-data",
-            text_file,
-            "--out",
-            out,
-            *FAST,
-            *extra,
-        )
+        code, _, stderr = ptq_run("compare", tiny_model, *extra, out=out)
         assert code == 0, stderr
         runs[name] = json.loads((out / "results.json").read_text())
     assert (
@@ -161,22 +140,10 @@ def test_an_error_message_keeps_its_square_brackets(ptq_cli, tiny_model, text_fi
 
 
 def test_calibration_file_is_reused_and_gives_the_same_results(
-    ptq_cli, tiny_model, text_file, tmp_path
+    ptq_cli, ptq_run, tiny_model, text_file, tmp_path
 ):
     calib = tmp_path / "c.safetensors"
-    code, stdout, stderr = ptq_cli(
-        "calibrate",
-        tiny_model,
-        "--data",
-        text_file,
-        "--samples",
-        "4",
-        "--seq-len",
-        "32",
-        "-o",
-        calib,
-        "--quiet",
-    )
+    code, stdout, stderr = ptq_run("calibrate", tiny_model, o=calib)
     assert code == 0, stderr
     assert "largest input amax" in stdout
     cal = load_calibration(calib)
@@ -197,41 +164,18 @@ def test_calibration_file_is_reused_and_gives_the_same_results(
         )[0]
         == 0
     )
-    assert (
-        ptq_cli(
-            "compare",
-            tiny_model,
-            "--calib-data",
-            text_file,
-            "--eval-data",
-            text_file,
-            "--out",
-            b,
-            *FAST,
-        )[0]
-        == 0
-    )
+    assert ptq_run("compare", tiny_model, out=b)[0] == 0
     ra, rb = (json.loads((d / "results.json").read_text()) for d in (a, b))
     assert [v["perplexity"] for v in ra["variants"]] == [v["perplexity"] for v in rb["variants"]]
 
 
-def test_e5m2_and_a_custom_recipe_file(ptq_cli, tiny_model, text_file, tmp_path):
+def test_e5m2_and_a_custom_recipe_file(ptq_run, tiny_model, tmp_path):
     recipe = tmp_path / "no-mlp.yaml"
     recipe.write_text(
         "name: no-mlp\nignore: [lm_head, '*.mlp.*']\nweights: {format: e4m3}\ninputs: {format: e4m3}\n"
     )
-    code, _, stderr = ptq_cli(
-        "compare",
-        tiny_model,
-        "--recipes",
-        f"fp8-e5m2,{recipe}",
-        "--calib-data",
-        text_file,
-        "--eval-data",
-        text_file,
-        "--out",
-        tmp_path / "r",
-        *FAST,
+    code, _, stderr = ptq_run(
+        "compare", tiny_model, recipes=f"fp8-e5m2,{recipe}", out=tmp_path / "r"
     )
     assert code == 0, stderr
     names = [
@@ -265,7 +209,7 @@ def corrupted_model(src, tmp_path):
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
-    case, ptq_cli, tiny_model, other_tiny_model, text_file, tmp_path
+    case, ptq_cli, ptq_run, tiny_model, other_tiny_model, text_file, tmp_path
 ):
     out = tmp_path / "out"
     model, data, extra = str(tiny_model), str(text_file), []
@@ -290,22 +234,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
         extra, expected = ["--recipes", str(tmp_path / "r.yaml")], "unknown key 'dynamik'"
     elif case == "other model's calibration":
         calib = tmp_path / "other.safetensors"
-        assert (
-            ptq_cli(
-                "calibrate",
-                other_tiny_model,
-                "--data",
-                text_file,
-                "--samples",
-                "2",
-                "--seq-len",
-                "32",
-                "-o",
-                calib,
-                "--quiet",
-            )[0]
-            == 0
-        )
+        assert ptq_run("calibrate", other_tiny_model, samples=2, o=calib)[0] == 0
         extra, expected = ["--calib", str(calib)], "made for another model"
     elif case == "broken tokenizer":  # the JSON error alone did not say which file
         broken = tmp_path / "broken-tokenizer"
@@ -593,67 +522,26 @@ def test_verify_windows_with_no_verify_is_refused_not_dropped(ptq_cli, tiny_mode
     assert not out.exists()
 
 
-def test_fewer_calibration_windows_than_asked_for_are_said(
-    ptq_cli, tiny_model, text_file, tmp_path
-):
+def test_fewer_calibration_windows_than_asked_for_are_said(ptq_run, tiny_model, tmp_path):
     from ptq.calibration.calibrate import load_calibration
 
     out = tmp_path / "c.safetensors"
-    code, _, err = ptq_cli(
-        "calibrate",
-        tiny_model,
-        "--data",
-        text_file,
-        "--samples",
-        "100000",
-        "--seq-len",
-        "32",
-        "-o",
-        out,
-        "-q",
-    )
+    code, _, err = ptq_run("calibrate", tiny_model, samples=100000, o=out)
     assert code == 0, err
     windows = load_calibration(out).metadata["windows"]
     assert 0 < windows < 100000
     assert f"calibrating on {windows}, not the 100000 asked for" in " ".join(err.split())
-    code, _, err = ptq_cli(
-        "calibrate",
-        tiny_model,
-        "--data",
-        text_file,
-        "--samples",
-        "8",
-        "--seq-len",
-        "32",
-        "-o",
-        out,
-        "-q",
-        "--force",
-    )
+    code, _, err = ptq_run("calibrate", tiny_model, samples=8, o=out, force=True)
     assert code == 0 and "asked for" not in err, err
 
 
 def test_calibration_options_where_nothing_is_calibrated_are_named_in_a_note(
-    ptq_cli, tiny_model, text_file, tmp_path
+    ptq_cli, ptq_run, tiny_model, text_file, tmp_path
 ):
     """With --calib (a file reused) or recipes that need no calibration, --calib-samples, --on-unseen and the others
     of a calibration run here do nothing: said in a note, not dropped in silence; used, they bring no note."""
     calib = tmp_path / "c.safetensors"
-    assert (
-        ptq_cli(
-            "calibrate",
-            tiny_model,
-            "--data",
-            text_file,
-            *FAST[:2],
-            "--samples",
-            "2",
-            "-o",
-            calib,
-            "-q",
-        )[0]
-        == 0
-    )
+    assert ptq_run("calibrate", tiny_model, samples=2, o=calib)[0] == 0
     common = (
         "--eval-data",
         text_file,
@@ -695,27 +583,12 @@ def test_calibration_options_where_nothing_is_calibrated_are_named_in_a_note(
 
 
 def test_calibration_options_a_run_does_not_use_are_refused(
-    ptq_cli, tiny_model, text_file, tmp_path
+    ptq_cli, ptq_run, tiny_model, text_file, tmp_path
 ):
     """bf16 needs no calibration: --calib-data (even a file that does not exist) and --calib are refused, not
     dropped; so is --calib for a quantize recipe that computes its scales on the fly."""
     calib = tmp_path / "c.safetensors"
-    assert (
-        ptq_cli(
-            "calibrate",
-            tiny_model,
-            "--data",
-            text_file,
-            "--samples",
-            "2",
-            "--seq-len",
-            "32",
-            "-o",
-            calib,
-            "-q",
-        )[0]
-        == 0
-    )
+    assert ptq_run("calibrate", tiny_model, samples=2, o=calib)[0] == 0
     base = (
         "eval",
         tiny_model,
@@ -1143,3 +1016,32 @@ def test_help_groups_the_options_in_panels(ptq_cli, monkeypatch, command, panels
         assert set(flags) <= set(shown[panel]), (panel, shown[panel])
     every = [flag for flags in shown.values() for flag in flags]
     assert len(every) == len(set(every))  # each option in one panel
+
+
+def test_ptq_run_is_the_small_run_with_the_tests_flags_laid_over(ptq_run, tiny_model, text_file):
+    """The helper the tests invoke the CLI with: its defaults, keyword -> flag, None drops, no flag twice."""
+    assert ptq_run.argv("compare", tiny_model, out="r") == [
+        "compare",
+        str(tiny_model),
+        *("--calib-data", str(text_file), "--eval-data", str(text_file), "--calib-samples", "4"),
+        *("--seq-len", "32", "--max-windows", "4", "--quiet", "--out", "r"),
+    ]
+    assert ptq_run.argv("calibrate", "m", "--resume", seq_len=16, quiet=None, o="c.st") == [
+        *("calibrate", "m", "--resume", "--data", str(text_file), "--samples", "4"),
+        *("--seq-len", "16", "-o", "c.st"),
+    ]
+    assert ptq_run.argv(
+        "quantize", "m", data=None, samples=None, no_verify=True, shard_size=0.5
+    ) == [
+        *("quantize", "m", "--seq-len", "32", "--quiet", "--no-verify", "--shard-size", "0.5"),
+    ]
+    assert ptq_run.argv("eval", "m", max_windows=None, tasks="") == [
+        *("eval", "m", "--eval-data", str(text_file), "--seq-len", "32", "--quiet", "--tasks", ""),
+    ]
+    assert ptq_run.argv("report", "results.json", no_plots=True) == [
+        *("report", "results.json", "--no-plots"),
+    ]
+    with pytest.raises(ValueError, match="--quiet"):
+        ptq_run.argv("eval", "m", "-q")
+    with pytest.raises(ValueError, match="--seq-len"):
+        ptq_run.argv("eval", "m", "--seq-len", "8")

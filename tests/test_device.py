@@ -72,30 +72,14 @@ def test_evaluate_feeds_each_model_on_its_own_device_and_scores_on_the_first(tin
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("matmul", ["simulated", "fp8"])
-def test_compare_on_cuda_gives_the_cpu_numbers(
-    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch, matmul
-):
+def test_compare_on_cuda_gives_the_cpu_numbers(ptq_run, tiny_model, tmp_path, monkeypatch, matmul):
     if matmul == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs FP8 matmuls (compute capability 8.9+)")
     runs = {}
     for device in ("cpu", "cuda"):
         monkeypatch.setenv("PTQ_DEVICE", device)
         out = tmp_path / device
-        code, _, stderr = ptq_cli(
-            "compare",
-            tiny_model,
-            "--calib-data",
-            text_file,
-            "--eval-data",
-            text_file,
-            "--out",
-            out,
-            "--dtype",
-            "float32",
-            "--matmul",
-            matmul,
-            *FAST,
-        )
+        code, _, stderr = ptq_run("compare", tiny_model, out=out, dtype="float32", matmul=matmul)
         assert code == 0, stderr
         runs[device] = json.loads((out / "results.json").read_text())
     assert runs["cuda"]["compute"]["device"] == "cuda"
@@ -112,7 +96,7 @@ def test_compare_on_cuda_gives_the_cpu_numbers(
 @pytest.mark.cuda
 @needs_cuda
 def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(
-    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+    ptq_run, tiny_model, tmp_path, monkeypatch
 ):
     import re
 
@@ -127,43 +111,19 @@ def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(
     for device in ("cpu", "cuda"):
         monkeypatch.setenv("PTQ_DEVICE", device)
         calib = tmp_path / f"{device}.safetensors"
-        code, _, stderr = ptq_cli(
-            "calibrate",
-            tiny_model,
-            "--data",
-            text_file,
-            "--samples",
-            "4",
-            "--seq-len",
-            "32",
-            "-o",
-            calib,
-            "--quiet",
-        )
+        code, _, stderr = ptq_run("calibrate", tiny_model, o=calib)
         assert code == 0, stderr
         amax[device] = load_calibration(calib).input_amax
-        code, _, stderr = ptq_cli(
+        code, _, stderr = ptq_run(
             "eval",
             tiny_model,
-            "--recipe",
-            "fp8-e4m3",
-            "--calib",
-            calib,
-            "--eval-data",
-            lines,
-            "--tasks",
-            "cloze",
-            "--max-items",
-            "8",
-            "--seq-len",
-            "32",
-            "--max-windows",
-            "4",
-            "--dtype",
-            "float32",
-            "--out",
-            tmp_path / f"eval-{device}",
-            "--quiet",
+            recipe="fp8-e4m3",
+            calib=calib,
+            eval_data=lines,
+            tasks="cloze",
+            max_items=8,
+            dtype="float32",
+            out=tmp_path / f"eval-{device}",
         )
         assert code == 0, stderr
     for name, value in amax["cpu"].items():
@@ -176,7 +136,7 @@ def test_calibrate_and_eval_on_cuda_give_the_cpu_numbers(
     "family, hidden_on_host", [("llama", False), ("mixtral", False), ("llama", True)]
 )
 def test_low_memory_on_cuda_gives_the_cpu_numbers(
-    family, hidden_on_host, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+    family, hidden_on_host, ptq_run, tiny_model, tmp_path, monkeypatch
 ):
     """--low-memory on the GPU: one decoder layer on it at a time, read from disk, the same float32 numbers; also
     with the hidden states waiting in host memory between layers (where the GPU could not hold them)."""
@@ -196,20 +156,8 @@ def test_low_memory_on_cuda_gives_the_cpu_numbers(
     for device in ("cpu", "cuda"):
         monkeypatch.setenv("PTQ_DEVICE", device)
         out = tmp_path / device
-        code, _, stderr = ptq_cli(
-            "compare",
-            model,
-            "--calib-data",
-            text_file,
-            "--eval-data",
-            text_file,
-            "--out",
-            out,
-            "--low-memory",
-            "--matmul",
-            "simulated",
-            "--no-plots",
-            *FAST,
+        code, _, stderr = ptq_run(
+            "compare", model, out=out, low_memory=True, matmul="simulated", no_plots=True
         )
         assert code == 0, stderr
         runs[device] = json.loads((out / "results.json").read_text())
@@ -225,7 +173,7 @@ def test_low_memory_on_cuda_gives_the_cpu_numbers(
 @needs_cuda
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_device_map_on_cuda_gives_the_cpu_numbers(
-    family, ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
+    family, ptq_run, tiny_model, tmp_path, monkeypatch
 ):
     """--device-map with a GPU limit smaller than the models: their first modules on the GPU, the others offloaded to
     CPU memory and copied to the GPU for each forward (the experts' grouped matmul too); the CPU's float32 numbers."""
@@ -250,22 +198,8 @@ def test_device_map_on_cuda_gives_the_cpu_numbers(
     ):
         monkeypatch.setenv("PTQ_DEVICE", device)
         out = tmp_path / device
-        code, _, stderr = ptq_cli(
-            "compare",
-            model,
-            "--calib-data",
-            text_file,
-            "--eval-data",
-            text_file,
-            "--out",
-            out,
-            "--dtype",
-            "float32",
-            "--matmul",
-            "simulated",
-            "--no-plots",
-            *extra,
-            *FAST,
+        code, _, stderr = ptq_run(
+            "compare", model, *extra, out=out, dtype="float32", matmul="simulated", no_plots=True
         )
         assert code == 0, stderr
         runs[device] = json.loads((out / "results.json").read_text())

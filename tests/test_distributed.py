@@ -72,25 +72,13 @@ def test_shares_are_contiguous_cover_everything_and_the_first_holds_the_snr_wind
 
 @pytest.mark.parametrize("calibration", ["file", "in the run"])
 def test_compare_with_two_processes_gives_the_numbers_of_one(
-    calibration, ptq_cli, tiny_model, text_file, tmp_path
+    calibration, ptq_cli, ptq_run, tiny_model, text_file, tmp_path
 ):
     """With a calibration file, and calibrating in the run (each process on its share of the 3 batches of 4
     windows, the observers merged): the numbers of one process."""
     if calibration == "file":
         calib = ["--calib", tmp_path / "c.safetensors"]
-        code, _, stderr = ptq_cli(
-            "calibrate",
-            tiny_model,
-            "--data",
-            text_file,
-            "--samples",
-            "4",
-            "--seq-len",
-            "32",
-            "-o",
-            calib[1],
-            "-q",
-        )
+        code, _, stderr = ptq_run("calibrate", tiny_model, o=calib[1])
         assert code == 0, stderr
     else:
         calib = ["--calib-data", text_file, "--calib-samples", "12"]

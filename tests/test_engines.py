@@ -562,7 +562,7 @@ def test_dynamic_int8_inputs_round_as_vllms_kernel_under_the_vllm_target():
 
 
 def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(
-    tmp_path, ptq_cli, text_file, capsys
+    tmp_path, ptq_run, capsys
 ):
     """Under vllm, a mixture-of-experts layer's static input scales are one for all gate/up (w13) and one for all down
     (w2), the largest across experts (vLLM's process_fp8_input_tensor_strategy_moe), each expert's gate and up share
@@ -600,20 +600,8 @@ def test_moe_input_scales_collapse_to_the_largest_and_the_export_holds_them(
     model_dir = tmp_path / "mixtral"
     families.build("mixtral").save_pretrained(model_dir)
     make_tokenizer().save_pretrained(model_dir)
-    code, _, err = ptq_cli(
-        "quantize",
-        model_dir,
-        "--data",
-        text_file,
-        "--seq-len",
-        "16",
-        "--samples",
-        "2",
-        "--verify-windows",
-        "2",
-        "-o",
-        tmp_path / "ckpt",
-        "-q",
+    code, _, err = ptq_run(
+        "quantize", model_dir, seq_len=16, samples=2, verify_windows=2, o=tmp_path / "ckpt"
     )
     assert code == 0, err
     tensors = _tensors(tmp_path / "ckpt")

@@ -177,7 +177,7 @@ def collapse(name: str, nats: float):
 
 
 def test_compare_with_a_collapsed_variant_reports_inf_and_fails_the_gate(
-    ptq_cli, tiny_model, text_file, tmp_path, monkeypatch, recwarn
+    ptq_cli, ptq_run, tiny_model, tmp_path, monkeypatch, recwarn
 ):
     import ptq.commands.workflows
 
@@ -185,11 +185,9 @@ def test_compare_with_a_collapsed_variant_reports_inf_and_fails_the_gate(
     other = tmp_path / "other.txt"  # evaluation text apart from the calibration text
     other.write_text(" ".join(reversed(TEXT.split())) * 3)
     out = tmp_path / "out"
-    code, _, err = ptq_cli(
-        "compare", tiny_model, "--recipes", "fp8-e4m3", "--calib-data", text_file, "--eval-data", other,
-        "--seq-len", "32", "--max-windows", "4", "--calib-samples", "4", "--max-ppl-increase", "5%",
-        "--out", out, "-q",
-    )  # fmt: skip
+    code, _, err = ptq_run(
+        "compare", tiny_model, recipes="fp8-e4m3", eval_data=other, max_ppl_increase="5%", out=out
+    )
     assert code == 1, err  # the gate fails; the run does not crash
     assert "Traceback" not in err
     assert not [

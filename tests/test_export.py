@@ -326,7 +326,7 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
     )
 
 
-def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp_path):
+def test_compare_accepts_an_exported_directory(exported, ptq_run, tmp_path):
     """ptq compare DIR evaluates the dequantized weights; re-quantizing them with the export's recipe
     reproduces the stored codes exactly."""
     from ptq.models.loading import load_model
@@ -349,24 +349,8 @@ def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp
     assert codes.dtype == tensors[f"{layer}.weight"].dtype
     assert torch.equal(codes.view(torch.uint8), tensors[f"{layer}.weight"].view(torch.uint8))
 
-    code, stdout, stderr = ptq_cli(
-        "compare",
-        out,
-        "--recipes",
-        recipe_name,
-        "--calib-data",
-        text_file,
-        "--eval-data",
-        text_file,
-        "--calib-samples",
-        "2",
-        "--seq-len",
-        "32",
-        "--max-windows",
-        "2",
-        "--out",
-        tmp_path / "cmp",
-        "-q",
+    code, stdout, stderr = ptq_run(
+        "compare", out, recipes=recipe_name, calib_samples=2, max_windows=2, out=tmp_path / "cmp"
     )
     assert code == 0, stderr
     results = json.loads((tmp_path / "cmp" / "results.json").read_text())
@@ -522,7 +506,7 @@ ARCHITECTURES = {
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_other_architectures_round_trip(arch, ptq_cli, text_file, tmp_path):
+def test_other_architectures_round_trip(arch, ptq_run, tmp_path):
     """A small random model of each architecture exports, reloads in transformers and matches the simulation."""
     import transformers
 
@@ -546,22 +530,8 @@ def test_other_architectures_round_trip(arch, ptq_cli, text_file, tmp_path):
     )  # a 16-bit checkpoint
     tokenizer.save_pretrained(source)
     out = tmp_path / "out"
-    code, stdout, err = ptq_cli(
-        "quantize",
-        source,
-        "--recipe",
-        "fp8-e4m3",
-        "-o",
-        out,
-        "--data",
-        text_file,
-        "--samples",
-        "2",
-        "--seq-len",
-        "32",
-        "--verify-windows",
-        "2",
-        "-q",
+    code, stdout, err = ptq_run(
+        "quantize", source, recipe="fp8-e4m3", o=out, samples=2, verify_windows=2
     )
     assert code == 0, err
     info = json.loads((out / "ptq-export.json").read_text())
@@ -576,7 +546,7 @@ def test_other_architectures_round_trip(arch, ptq_cli, text_file, tmp_path):
     assert info["size"]["bytes_saved"] > 0 and "saved" in stdout
 
 
-def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_cli, text_file, tmp_path):
+def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_run, tmp_path):
     """GPT-2 builds its projections from Conv1D: a recipe that targets Linear layers only (lm_head left out)
     quantizes nothing there, and says so (the built-in recipes target Conv1D too: tests/test_families.py)."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -591,21 +561,7 @@ def test_a_linear_only_recipe_has_nothing_to_export_in_gpt2(ptq_cli, text_file, 
     recipe.write_text(
         "name: linear-only\ntargets: [Linear]\nweights: {format: e4m3}\ninputs: {format: e4m3}\n"
     )
-    code, _, err = ptq_cli(
-        "quantize",
-        source,
-        "--recipe",
-        recipe,
-        "-o",
-        tmp_path / "out",
-        "--data",
-        text_file,
-        "--samples",
-        "2",
-        "--seq-len",
-        "32",
-        "-q",
-    )
+    code, _, err = ptq_run("quantize", source, recipe=recipe, o=tmp_path / "out", samples=2)
     assert code == 2 and "quantizes no layer" in err and not (tmp_path / "out").exists()
 
 
@@ -633,7 +589,7 @@ PARTIAL_KV = (
     ],
 )
 def test_pairs_no_loader_takes_are_refused_before_calibration(
-    family, recipe, message, ptq_cli, text_file, tmp_path, monkeypatch, capsys
+    family, recipe, message, ptq_run, tmp_path, monkeypatch, capsys
 ):
     """int8 experts with static inputs (neither transformers nor vLLM loads them), experts a checkpoint keeps fused, a
     KV cache the checkpoint cannot name or that the plan leaves partly in 16 bits (a checkpoint's kv_cache_scheme
@@ -663,20 +619,8 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
         recipe = tmp_path / f"{recipe}.yaml"
     calibrated = []
     monkeypatch.setattr(workflows, "_calibrate", lambda *a, **k: calibrated.append(1))
-    code, _, err = ptq_cli(
-        "quantize",
-        model_dir,
-        "--recipe",
-        recipe,
-        "--data",
-        text_file,
-        "--samples",
-        "2",
-        "--seq-len",
-        "16",
-        "-o",
-        tmp_path / "out",
-        "-q",
+    code, _, err = ptq_run(
+        "quantize", model_dir, recipe=recipe, samples=2, seq_len=16, o=tmp_path / "out"
     )
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not calibrated and not (tmp_path / "out").exists()
@@ -688,18 +632,8 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
             "name: int8-dense\nweights: {format: int8, granularity: channel}\ninputs: {format: int8}\n"
             "ignore: [lm_head, '*.experts.*']\n"
         )
-        code, _, err = ptq_cli(
-            "quantize",
-            model_dir,
-            "--recipe",
-            dense,
-            "--data",
-            text_file,
-            "--seq-len",
-            "16",
-            "-o",
-            tmp_path / "out",
-            "-q",
+        code, _, err = ptq_run(
+            "quantize", model_dir, samples=None, recipe=dense, seq_len=16, o=tmp_path / "out"
         )
         assert code == 2 and "transformers cannot load" in err and not calibrated
 
@@ -1281,7 +1215,7 @@ def test_a_bf16_pickle_source_is_exported_in_bf16(tiny_model, ptq_cli, text_file
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_static_input_scales_are_exported_under_the_recipes_observer(
-    family, tiny_model, ptq_cli, text_file, tmp_path
+    family, tiny_model, ptq_cli, ptq_run, tmp_path
 ):
     """A percentile observer clips each static input below its amax: the checkpoint's input_scale is that clip / 448,
     the scale the simulation (compare) uses, for dense layers and experts alike, and the export verifies; not the
@@ -1299,20 +1233,7 @@ def test_static_input_scales_are_exported_under_the_recipes_observer(
         "inputs: {format: e4m3, observer: percentile, percentile: 99.0}\n"
     )
     calib = tmp_path / "calib.safetensors"
-    code, _, err = ptq_cli(
-        "calibrate",
-        source,
-        "--recipe",
-        recipe,
-        "--data",
-        text_file,
-        "--samples",
-        "4",
-        "--seq-len",
-        "64",
-        "-o",
-        calib,
-    )
+    code, _, err = ptq_run("calibrate", source, quiet=None, recipe=recipe, seq_len=64, o=calib)
     assert code == 0, err
     out = tmp_path / "out"
     code, _, err = ptq_cli(
@@ -1397,7 +1318,7 @@ def test_an_fp8_source_is_exported_from_its_dequantized_weights_in_its_own_dtype
 
 @pytest.mark.parametrize("target", ["vllm", "transformers"])
 def test_a_reload_check_that_would_not_fit_keeps_the_checkpoint_unverified(
-    target, tiny_model, ptq_cli, text_file, tmp_path, monkeypatch
+    target, tiny_model, ptq_run, tmp_path, monkeypatch
 ):
     """Memory for 1.5 float32 copies: the model loads, and the check fits under transformers (the reload, one copy) but
     not under vllm, where static FP8 inputs are also simulated as vLLM rounds them (a second copy): the checkpoint is
@@ -1407,20 +1328,7 @@ def test_a_reload_check_that_would_not_fit_keeps_the_checkpoint_unverified(
     free = int(resources.checkpoint_parameters(Path(tiny_model)) * 4 * 1.5)
     monkeypatch.setattr(resources, "available_memory", lambda device: free)
     out = tmp_path / target
-    code, _, err = ptq_cli(
-        "quantize",
-        tiny_model,
-        "-o",
-        out,
-        "--target",
-        target,
-        "--data",
-        text_file,
-        "--samples",
-        "2",
-        "--seq-len",
-        "32",
-    )
+    code, _, err = ptq_run("quantize", tiny_model, quiet=None, o=out, target=target, samples=2)
     assert code == 0, err
     info = json.loads((out / "ptq-export.json").read_text())
     if target == "vllm":

@@ -209,7 +209,7 @@ def test_a_large_experts_layer_is_dequantized_a_few_experts_at_a_time_with_the_s
             made.clear()
 
 
-def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, text_file):
+def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, ptq_run, text_file):
     from conftest import make_tokenizer
 
     model_dir = tmp_path / "mixtral"
@@ -245,19 +245,14 @@ def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, 
     assert (
         "of matmul weight parameters quantized" in report and "router (MixtralTopKRouter)" in report
     )
-    code, out, err = ptq_cli(
+    code, out, err = ptq_run(
         "quantize",
         model_dir,
-        "--data",
-        str(text_file),
-        "--seq-len",
-        "16",
-        "--samples",
-        "2",
-        "--verify-windows",
-        "2",
-        "-o",
-        tmp_path / "ckpt",
+        quiet=None,
+        seq_len=16,
+        samples=2,
+        verify_windows=2,
+        o=tmp_path / "ckpt",
     )
     assert code == 0, err
     info = json.loads((tmp_path / "ckpt" / "ptq-export.json").read_text())
@@ -281,7 +276,7 @@ def test_compare_and_quantize_a_moe_model_cover_every_expert(tmp_path, ptq_cli, 
 
 
 def test_gpt2_conv1d_layers_are_quantized_and_exported_in_conv1d_orientation(
-    tmp_path, ptq_cli, text_file
+    tmp_path, ptq_cli, ptq_run, text_file
 ):
     import ml_dtypes
     import numpy as np
@@ -310,17 +305,8 @@ def test_gpt2_conv1d_layers_are_quantized_and_exported_in_conv1d_orientation(
     assert code == 0, err
     cov = json.loads((tmp_path / "r" / "results.json").read_text())["variants"][0]["coverage"]
     assert [x["name"] for x in cov["left_out"]] == ["lm_head"]
-    code, _, err = ptq_cli(
-        "quantize",
-        model_dir,
-        "--data",
-        str(text_file),
-        "--seq-len",
-        "16",
-        "--samples",
-        "2",
-        "-o",
-        tmp_path / "ckpt",
+    code, _, err = ptq_run(
+        "quantize", model_dir, quiet=None, seq_len=16, samples=2, o=tmp_path / "ckpt"
     )
     assert code == 0, err
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:

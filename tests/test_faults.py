@@ -95,28 +95,21 @@ def test_nan_weight_is_named_with_its_index(tiny_model, text_file, tmp_path, ptq
     assert not (tmp_path / "c.st").exists()
 
 
-def test_nan_weight_without_calibration_is_named_when_quantized(
-    tiny_model, text_file, tmp_path, ptq_cli
-):
+def test_nan_weight_without_calibration_is_named_when_quantized(tiny_model, tmp_path, ptq_run):
     # A recipe with dynamic inputs needs no calibration: the weight's own rounding finds the NaN.
     def poison(t):
         t["model.layers.1.self_attn.o_proj.weight"][0, 0] = float("nan")
 
     model = edited_model(tiny_model, tmp_path / "m", poison)
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "compare",
-        str(model),
-        "--recipes",
-        "fp8-e4m3-dynamic",
-        "--eval-data",
-        str(text_file),
-        "--seq-len",
-        "16",
-        "--max-windows",
-        "2",
-        "--out",
-        str(tmp_path / "r"),
-        "-q",
+        model,
+        calib_data=None,
+        calib_samples=None,
+        recipes="fp8-e4m3-dynamic",
+        seq_len=16,
+        max_windows=2,
+        out=tmp_path / "r",
     )
     assert code == 2 and one_error_line(err)
     assert "the weight of layer 'model.layers.1.self_attn.o_proj' contains NaN or inf" in err
@@ -514,7 +507,9 @@ def test_killed_calibration_resumes_to_identical_bytes(
     assert out.read_bytes() == (tmp_path / "straight.st").read_bytes()
 
 
-def test_resume_refuses_a_checkpoint_of_another_run(tiny_model, text_file, tmp_path, ptq_cli):
+def test_resume_refuses_a_checkpoint_of_another_run(
+    tiny_model, text_file, tmp_path, ptq_cli, ptq_run
+):
     out = tmp_path / "c.st"
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))
     assert code == 2 and "no checkpoint to resume from" in err
@@ -522,20 +517,8 @@ def test_resume_refuses_a_checkpoint_of_another_run(tiny_model, text_file, tmp_p
     wait_for_checkpoint(proc, checkpoint_path(out))
     proc.kill()
     proc.communicate(timeout=60)
-    code, _, err = ptq_cli(
-        "calibrate",
-        str(tiny_model),
-        "--data",
-        str(text_file),
-        "--samples",
-        "24",
-        "--seq-len",
-        "32",
-        "-o",
-        str(out),
-        "-q",
-        "--resume",
-    )
+    # calib_args but for --seq-len: another run
+    code, _, err = ptq_run("calibrate", tiny_model, samples=24, seq_len=32, o=out, resume=True)
     assert code == 2 and "was made by a different run" in err
     checkpoint_path(out).write_bytes(b"garbage")
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, out, "--resume"))
@@ -659,25 +642,11 @@ def test_low_memory_calibration_refuses_checkpoint_options_and_says_how_a_leftov
 # 3. Determinism ----------------------------------------------------------------------------------
 
 
-def test_same_command_gives_identical_bytes(tiny_model, text_file, tmp_path, ptq_cli, monkeypatch):
+def test_same_command_gives_identical_bytes(
+    tiny_model, text_file, tmp_path, ptq_cli, ptq_run, monkeypatch
+):
     def compare(out):
-        code, _, err = ptq_cli(
-            "compare",
-            str(tiny_model),
-            "--calib-data",
-            str(text_file),
-            "--eval-data",
-            str(text_file),
-            "--calib-samples",
-            "8",
-            "--seq-len",
-            "32",
-            "--max-windows",
-            "4",
-            "--out",
-            str(out),
-            "-q",
-        )
+        code, _, err = ptq_run("compare", tiny_model, calib_samples=8, out=out)
         assert code == 0, err
 
     compare(tmp_path / "a")

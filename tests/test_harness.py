@@ -88,7 +88,7 @@ def lm_eval_cli(
 
 
 def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(
-    ptq_cli, bf16_model, mc_folder, tmp_path, monkeypatch
+    ptq_run, bf16_model, mc_folder, tmp_path, monkeypatch
 ):
     """A generation task (ptq_arith, shipped), a multiple-choice one (the user's YAML) and a loglikelihood one
     (ptq_cloze, shipped) in one compare, offline."""
@@ -97,33 +97,20 @@ def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(
     text.write_text(LINES)
     out = tmp_path / "out"
     tasks = f"{SHIPPED / 'ptq_arith.yaml'},{mc_folder},{SHIPPED / 'ptq_cloze.yaml'}"
-    code, stdout, err = ptq_cli(
+    code, stdout, err = ptq_run(
         "compare",
         bf16_model,
-        "--recipes",
-        "fp8-e4m3",
-        "--calib-data",
-        text,
-        "--calib-samples",
-        "2",
-        "--eval-data",
-        text,
-        "--seq-len",
-        "32",
-        "--max-windows",
-        "2",
-        "--dtype",
-        "bfloat16",
-        "--batch-size",
-        "4",
-        "--tasks",
-        tasks,
-        "--limit",
-        LIMIT,
-        "--no-plots",
-        "--out",
-        out,
-        "-q",
+        recipes="fp8-e4m3",
+        calib_data=text,
+        calib_samples=2,
+        eval_data=text,
+        max_windows=2,
+        dtype="bfloat16",
+        batch_size=4,
+        tasks=tasks,
+        limit=LIMIT,
+        no_plots=True,
+        out=out,
     )
     assert code == 0, err
     r = json.loads((out / "results.json").read_text())
@@ -189,7 +176,7 @@ def test_compare_baseline_is_lm_eval_cli_exactly_and_variants_are_paired(
 
 
 def test_cloze_and_jsonl_against_itself_give_zero_deltas_and_gates_per_metric(
-    ptq_cli, tiny_model, tmp_path
+    ptq_run, tiny_model, tmp_path
 ):
     recipe = tmp_path / "bf16-again.yaml"
     recipe.write_text(
@@ -199,27 +186,19 @@ def test_cloze_and_jsonl_against_itself_give_zero_deltas_and_gates_per_metric(
     text = tmp_path / "lines.txt"
     text.write_text(LINES)
     mc = write_jsonl(tmp_path / "mc.jsonl", varied_rows(12))
-    code, out, err = ptq_cli(
+    code, out, err = ptq_run(
         "compare",
         tiny_model,
-        "--recipes",
-        recipe,
-        "--eval-data",
-        text,
-        "--seq-len",
-        "32",
-        "--max-windows",
-        "2",
-        "--tasks",
-        f"cloze,mine={mc}",
-        "--max-items",
-        "8",
-        "--no-plots",
-        "--min-accuracy-recovery",
-        "100%",
-        "--out",
-        tmp_path / "out",
-        "-q",
+        calib_data=None,
+        calib_samples=None,
+        recipes=recipe,
+        eval_data=text,
+        max_windows=2,
+        tasks=f"cloze,mine={mc}",
+        max_items=8,
+        no_plots=True,
+        min_accuracy_recovery="100%",
+        out=tmp_path / "out",
     )
     assert code == 0, out + err
     r = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -251,32 +230,21 @@ def test_cloze_and_jsonl_against_itself_give_zero_deltas_and_gates_per_metric(
     assert "chance" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_eval_one_configuration_with_tasks(ptq_cli, tiny_model, tmp_path):
+def test_eval_one_configuration_with_tasks(ptq_run, tiny_model, tmp_path):
     text = tmp_path / "lines.txt"
     text.write_text(LINES)
     small, large = (write_jsonl(tmp_path / f"mc{n}.jsonl", varied_rows(n)) for n in (8, 40))
-    code, out, err = ptq_cli(
+    code, out, err = ptq_run(
         "eval",
         tiny_model,
-        "--recipe",
-        "fp8-e4m3",
-        "--calib-data",
-        text,
-        "--calib-samples",
-        "2",
-        "--eval-data",
-        text,
-        "--seq-len",
-        "32",
-        "--max-windows",
-        "2",
-        "--batch-size",
-        "16",
-        "--tasks",
-        f"small={small},large={large}",
-        "--out",
-        tmp_path / "out",
-        "-q",
+        recipe="fp8-e4m3",
+        calib_data=text,
+        calib_samples=2,
+        eval_data=text,
+        max_windows=2,
+        batch_size=16,
+        tasks=f"small={small},large={large}",
+        out=tmp_path / "out",
     )
     assert code == 0, err
     r = json.loads((tmp_path / "out" / "results.json").read_text())

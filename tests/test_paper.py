@@ -275,28 +275,17 @@ def test_describe_plan_lists_linear_and_attention_tensors(tiny_model):
     )
 
 
-def test_compare_sweep_with_paper_recipes_reports_sqnr(ptq_cli, tiny_model, text_file, tmp_path):
+def test_compare_sweep_with_paper_recipes_reports_sqnr(ptq_run, tiny_model, tmp_path):
     import json
 
     out = tmp_path / "out"
-    code, stdout, stderr = ptq_cli(
+    code, stdout, stderr = ptq_run(
         "compare",
         tiny_model,
-        "--recipes",
-        "paper-e4m3,paper-int8-smoothquant,fp8-e4m3-dynamic",
-        "--calib-data",
-        text_file,
-        "--eval-data",
-        text_file,
-        "--seq-len",
-        "32",
-        "--calib-samples",
-        "2",
-        "--max-windows",
-        "2",
-        "--out",
-        out,
-        "--quiet",
+        recipes="paper-e4m3,paper-int8-smoothquant,fp8-e4m3-dynamic",
+        calib_samples=2,
+        max_windows=2,
+        out=out,
     )
     assert code == 0, stderr
     results = json.loads((out / "results.json").read_text())
@@ -366,7 +355,7 @@ def test_residual_recipe_calibrates_and_quantizes(tiny_model):
 
 
 def test_rounding_noise_example_reproduces_compare_and_nudges_only_calibrated_scales(
-    ptq_cli, tiny_model, text_file, tmp_path
+    ptq_run, tiny_model, text_file, tmp_path
 ):
     """examples/rounding_noise.py (docs/paper.md): its as-calibrated row is what `ptq compare` reports, and a
     nudge of the calibrated amax leaves a recipe without calibrated scales exactly where it was."""
@@ -401,25 +390,14 @@ def test_rounding_noise_example_reproduces_compare_and_nudges_only_calibrated_sc
         assert not torch.equal(before, after) and torch.allclose(before, after, rtol=1e-5, atol=0)
 
     out = tmp_path / "out"
-    code, _, stderr = ptq_cli(
+    code, _, stderr = ptq_run(
         "compare",
         tiny_model,
-        "--recipes",
-        "fp8-e4m3,fp8-e4m3-dynamic",
-        "--calib-data",
-        text_file,
-        "--eval-data",
-        text_file,
-        "--seq-len",
-        "32",
-        "--calib-samples",
-        "2",
-        "--max-windows",
-        "3",
-        "--out",
-        out,
-        "--quiet",
-        "--no-plots",
+        recipes="fp8-e4m3,fp8-e4m3-dynamic",
+        calib_samples=2,
+        max_windows=3,
+        out=out,
+        no_plots=True,
     )
     assert code == 0, stderr
     for v in json.loads((out / "results.json").read_text())["variants"]:

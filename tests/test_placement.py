@@ -133,7 +133,7 @@ def test_offloading_to_a_disk_without_room_is_refused_before_writing(
     assert code == 0, err
 
 
-def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tiny_model):
+def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, ptq_run, text_file, tiny_model):
     model = _model_dir("qwen3_moe", tmp_path, tiny_model)
     args = ["--data", text_file, "--seq-len", "16", "--samples", "2"]
     assert ptq_cli("calibrate", model, *args, "-o", tmp_path / "memory.safetensors")[0] == 0
@@ -155,26 +155,18 @@ def test_calibrate_and_eval_with_offloaded_moe(tmp_path, ptq_cli, text_file, tin
         assert torch.equal(memory.input_hist[name], placed.input_hist[name]), name
     evaluated = {}
     for name, extra in (("memory", []), ("placed", OFFLOADED)):
-        code, _, err = ptq_cli(
+        code, _, err = ptq_run(
             "eval",
             model,
-            "--recipe",
-            "fp8-e4m3",
-            "--calib",
-            tmp_path / "memory.safetensors",
-            "--eval-data",
-            text_file,
-            "--tasks",
-            "ptq_shakespeare",
-            "--limit",
-            "3",
-            "--seq-len",
-            "16",
-            "--max-windows",
-            "2",
             *(extra[:-1] + ["cpu=150KB"] if extra else []),  # one model: a smaller limit
-            "--out",
-            tmp_path / f"eval-{name}",
+            quiet=None,
+            recipe="fp8-e4m3",
+            calib=tmp_path / "memory.safetensors",
+            tasks="ptq_shakespeare",
+            limit=3,
+            seq_len=16,
+            max_windows=2,
+            out=tmp_path / f"eval-{name}",
         )
         assert code == 0, err
         evaluated[name] = json.loads((tmp_path / f"eval-{name}" / "results.json").read_text())

@@ -17,17 +17,6 @@ import torch
 from ptq.reporting.gates import Limits, accuracy_recovery_pct, check, parse_limits
 from ptq.reporting.report import render_markdown
 
-COMPARE_ARGS = (
-    "--seq-len",
-    "64",
-    "--max-windows",
-    "8",
-    "--calib-samples",
-    "4",
-    "--batch-size",
-    "4",
-)
-
 
 @pytest.fixture(scope="module")
 def small_text(tmp_path_factory) -> Path:
@@ -439,26 +428,22 @@ def test_a_value_beyond_its_limit_never_prints_as_the_limit():
 
 
 def test_compare_failing_gate_exits_1_marks_cells_and_still_writes(
-    ptq_cli, tiny_model, small_text, tmp_path
+    ptq_run, tiny_model, small_text, tmp_path
 ):
     out = tmp_path / "out"
-    code, stdout, _ = ptq_cli(
+    code, stdout, _ = ptq_run(
         "compare",
         tiny_model,
-        *COMPARE_ARGS,
-        "--out",
-        out,
-        "--eval-data",
-        small_text,
-        "--calib-data",
-        small_text,
-        "--max-kl",
-        "0",
-        "--max-ppl-increase",
-        "50%",
-        "--no-plots",
-        "--json",
-        "--quiet",
+        seq_len=64,
+        max_windows=8,
+        batch_size=4,
+        out=out,
+        eval_data=small_text,
+        calib_data=small_text,
+        max_kl=0,
+        max_ppl_increase="50%",
+        no_plots=True,
+        json=True,
     )
     assert code == 1
     results = json.loads(stdout)  # --json: the results file's content on stdout

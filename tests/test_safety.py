@@ -47,7 +47,7 @@ def test_disk_full_while_writing_calibration(tiny_model, text_file, tmp_path, pt
 
 
 def test_disk_full_while_writing_report_keeps_the_old_pair(
-    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+    tiny_model, tmp_path, ptq_run, monkeypatch
 ):
     out = tmp_path / "out"
     out.mkdir()
@@ -61,25 +61,8 @@ def test_disk_full_while_writing_report_keeps_the_old_pair(
         return real_write(self, text, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", full_on_report)
-    code, _, err = ptq_cli(
-        "compare",
-        str(tiny_model),
-        "--recipes",
-        "fp8-e4m3",
-        "--calib-data",
-        str(text_file),
-        "--eval-data",
-        str(text_file),
-        "--calib-samples",
-        "4",
-        "--seq-len",
-        "16",
-        "--max-windows",
-        "2",
-        "--out",
-        str(out),
-        "--force",
-        "-q",
+    code, _, err = ptq_run(
+        "compare", tiny_model, recipes="fp8-e4m3", seq_len=16, max_windows=2, out=out, force=True
     )
     assert code == 2 and one_error_line(err) and "no space left on device" in err
     # results.json was complete first, but nothing is renamed until both are: the old pair stays.
@@ -115,7 +98,7 @@ def test_unwritable_output_fails_before_any_work(
 
 
 def test_model_too_big_fails_early_with_estimate_and_flag(
-    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+    tiny_model, text_file, tmp_path, ptq_cli, ptq_run, monkeypatch
 ):
     loaded = load_model(str(tiny_model))
     params = sum(
@@ -149,54 +132,26 @@ def test_model_too_big_fails_early_with_estimate_and_flag(
         and "compare fewer recipes" in err
         and not (tmp_path / "o" / "results.json").exists()
     )
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "compare",
-        str(tiny_model),
-        "--recipes",
-        "fp8-e4m3,int8",
-        "--calib-data",
-        str(text_file),
-        "--eval-data",
-        str(text_file),
-        "--calib-samples",
-        "4",
-        "--seq-len",
-        "16",
-        "--max-windows",
-        "2",
-        "--out",
-        str(tmp_path / "o"),
-        "-q",
-        "--no-memory-check",
+        tiny_model,
+        recipes="fp8-e4m3,int8",
+        seq_len=16,
+        max_windows=2,
+        out=tmp_path / "o",
+        no_memory_check=True,
     )
     assert code == 0, err
 
 
-def test_output_symlink_is_replaced_not_followed(tiny_model, text_file, tmp_path, ptq_cli):
+def test_output_symlink_is_replaced_not_followed(tiny_model, tmp_path, ptq_run):
     outside = tmp_path / "outside.json"
     outside.write_text("precious")
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").symlink_to(outside)
-    code, _, err = ptq_cli(
-        "compare",
-        str(tiny_model),
-        "--recipes",
-        "fp8-e4m3",
-        "--calib-data",
-        str(text_file),
-        "--eval-data",
-        str(text_file),
-        "--calib-samples",
-        "4",
-        "--seq-len",
-        "16",
-        "--max-windows",
-        "2",
-        "--out",
-        str(out),
-        "--force",
-        "-q",
+    code, _, err = ptq_run(
+        "compare", tiny_model, recipes="fp8-e4m3", seq_len=16, max_windows=2, out=out, force=True
     )
     assert code == 0, err
     assert outside.read_text() == "precious" and not (out / "results.json").is_symlink()
@@ -638,9 +593,7 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path, size):
     assert gguf_key(first) != gguf_key(second)
 
 
-def test_disk_full_while_writing_a_checkpoint(
-    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
-):
+def test_disk_full_while_writing_a_checkpoint(tiny_model, tmp_path, ptq_run, monkeypatch):
     """A shard that cannot be written (no space left) ends `ptq quantize` in one line, exit 2, with no folder and
     no temporary left behind. safetensors reports it as its own SafetensorError (not an OSError), in these words."""
     import safetensors.torch
@@ -652,17 +605,15 @@ def test_disk_full_while_writing_a_checkpoint(
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = tmp_path / "out"
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "quantize",
         tiny_model,
-        "--recipe",
-        "fp8-dynamic",
-        "--seq-len",
-        "16",
-        "--no-verify",
-        "-o",
-        out,
-        "-q",
+        data=None,
+        samples=None,
+        recipe="fp8-dynamic",
+        seq_len=16,
+        no_verify=True,
+        o=out,
     )
     assert code == 2 and one_error_line(err), err
     assert f"cannot write {out}: no space left on device" in err
@@ -710,7 +661,7 @@ def test_a_shard_over_the_file_size_limit_is_one_line_and_leaves_nothing(
 
 
 def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_any_shard(
-    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+    tiny_model, tmp_path, ptq_run, monkeypatch
 ):
     """The shards' size is known before the first is written: a disk without the room for them is one line at once,
     not a failure at the last shard of a 100B-parameter model, with nothing written and nothing left behind."""
@@ -723,17 +674,15 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_any_shard(
     written = []
     monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: written.append(a))
     out = tmp_path / "out"
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "quantize",
         tiny_model,
-        "--recipe",
-        "fp8-dynamic",
-        "--seq-len",
-        "16",
-        "--no-verify",
-        "-o",
-        out,
-        "-q",
+        data=None,
+        samples=None,
+        recipe="fp8-dynamic",
+        seq_len=16,
+        no_verify=True,
+        o=out,
     )
     assert code == 2 and one_error_line(err), err
     assert (

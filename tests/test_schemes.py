@@ -233,9 +233,7 @@ def _odd_llama(path):
     )
 
 
-def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(
-    tmp_path, ptq_cli, text_file
-):
+def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(tmp_path, ptq_run):
     from ptq.commands.workflows import run_inspect
 
     model = _odd_llama(tmp_path / "odd")
@@ -261,20 +259,8 @@ def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(
     coverage = inspected["recipes"]["mx-layer0"]["coverage"]
     assert {x["name"]: x["reason"] for x in coverage["left_out"]} == reasons
 
-    code, _, err = ptq_cli(
-        "quantize",
-        model,
-        "--recipe",
-        recipe,
-        "--data",
-        text_file,
-        "--seq-len",
-        "32",
-        "--verify-windows",
-        "2",
-        "-o",
-        tmp_path / "out",
-        "-q",
+    code, _, err = ptq_run(
+        "quantize", model, samples=None, recipe=recipe, verify_windows=2, o=tmp_path / "out"
     )
     assert code == 0, err
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
@@ -420,22 +406,10 @@ def wide_llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8-block", "mxfp8"])
-def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_cli, text_file, tmp_path):
+def test_checkpoint_names_shapes_dtypes_and_codes(recipe, wide_llama, ptq_run, tmp_path):
     out = tmp_path / recipe
-    code, _, err = ptq_cli(
-        "quantize",
-        wide_llama,
-        "--recipe",
-        recipe,
-        "--data",
-        text_file,
-        "--seq-len",
-        "32",
-        "--verify-windows",
-        "2",
-        "-o",
-        out,
-        "-q",
+    code, _, err = ptq_run(
+        "quantize", wide_llama, samples=None, recipe=recipe, verify_windows=2, o=out
     )
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -570,41 +544,22 @@ def test_per_head_kv_amax_is_each_heads_max_of_k_and_v_after_rope(tiny_model):
 
 @pytest.mark.parametrize("option", ["kv", "kv-head"])
 def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(
-    option, tiny_model, ptq_cli, text_file, tmp_path
+    option, tiny_model, ptq_run, tmp_path
 ):
     from ptq.calibration.calibrate import load_calibration
 
     out, calib = tmp_path / option, tmp_path / "calib.safetensors"
-    code, _, err = ptq_cli(
-        "calibrate",
-        tiny_model,
-        "--recipe",
-        f"fp8-e4m3+{option}",
-        "--data",
-        text_file,
-        "--samples",
-        "4",
-        "--seq-len",
-        "32",
-        "-o",
-        calib,
-        "-q",
-    )
+    code, _, err = ptq_run("calibrate", tiny_model, recipe=f"fp8-e4m3+{option}", o=calib)
     assert code == 0, err
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "quantize",
         tiny_model,
-        "--recipe",
-        f"fp8-e4m3+{option}",
-        "--calib",
-        calib,
-        "--seq-len",
-        "32",
-        "--verify-windows",
-        "2",
-        "-o",
-        out,
-        "-q",
+        data=None,
+        samples=None,
+        recipe=f"fp8-e4m3+{option}",
+        calib=calib,
+        verify_windows=2,
+        o=out,
     )
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -658,9 +613,7 @@ def test_kv_cache_checkpoint_has_compressed_tensors_kv_scales(
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_every_scheme_exports_a_moe_model_per_expert_and_verifies(
-    family, tmp_path, ptq_cli, text_file
-):
+def test_every_scheme_exports_a_moe_model_per_expert_and_verifies(family, tmp_path, ptq_run):
     """Dimensions of 128 (the block scheme's tiles); each expert's projections written 2-D under the checkpoint's
     own names, with the scheme's scales; reloaded (by transformers, or ptq's reader where transformers cannot
     run the scheme) and equal to the simulation."""
@@ -683,20 +636,8 @@ def test_every_scheme_exports_a_moe_model_per_expert_and_verifies(
         ("mxfp8", (128, 4), torch.uint8),
     ):
         out = tmp_path / f"{family}-{recipe}"
-        code, _, err = ptq_cli(
-            "quantize",
-            model_dir,
-            "--recipe",
-            recipe,
-            "--data",
-            text_file,
-            "--seq-len",
-            "16",
-            "--verify-windows",
-            "2",
-            "-o",
-            out,
-            "-q",
+        code, _, err = ptq_run(
+            "quantize", model_dir, samples=None, recipe=recipe, seq_len=16, verify_windows=2, o=out
         )
         assert code == 0, err
         tensors = safetensors.torch.load_file(str(out / "model.safetensors"))

@@ -393,7 +393,7 @@ def checkpoint_files(directory: Path) -> dict[str, bytes]:
     ],
 )
 def test_layer_by_layer_quantize_writes_the_same_checkpoint(
-    family, recipe, checkpoints, tmp_path, ptq_cli
+    family, recipe, checkpoints, tmp_path, ptq_cli, ptq_run
 ):
     """`ptq quantize --low-memory` (calibrating in the run) and with a --calib file from `ptq calibrate --low-memory`
     write the same bytes (codes, scales, untouched tensors, index, config) as the in-memory `ptq quantize`."""
@@ -429,21 +429,14 @@ def test_layer_by_layer_quantize_writes_the_same_checkpoint(
     )
     assert code == 0, err
     assert "not verified (exported layer by layer with `--low-memory`" in " ".join(out.split())
-    code, _, err = ptq_cli(
+    code, _, err = ptq_run(
         "calibrate",
         model,
-        "--data",
-        text,
-        "--samples",
-        "5",
-        "--seq-len",
-        "32",
-        "--recipe",
-        recipe,
-        "--low-memory",
-        "-q",
-        "-o",
-        tmp_path / "c.safetensors",
+        data=text,
+        samples=5,
+        recipe=recipe,
+        low_memory=True,
+        o=tmp_path / "c.safetensors",
     )
     assert code == 0, err
     code, _, err = ptq_cli(
@@ -648,7 +641,7 @@ def test_layer_by_layer_compare_refuses_what_needs_the_whole_model(
 
 @pytest.mark.parametrize("stored", ["bf16", "fp8"])
 def test_streams_automatically_when_the_model_does_not_fit(
-    stored, checkpoints, text_file, tmp_path, ptq_cli, monkeypatch
+    stored, checkpoints, tmp_path, ptq_run, monkeypatch
 ):
     model = checkpoints["qwen3_moe"]  # any architecture; an FP8 checkpoint too, read dequantized
     if stored == "fp8":
@@ -657,17 +650,8 @@ def test_streams_automatically_when_the_model_does_not_fit(
     monkeypatch.setattr(
         resources, "available_memory", lambda device: params * 4 - 1
     )  # float32 weights do not fit
-    code, _, err = ptq_cli(
-        "calibrate",
-        model,
-        "--data",
-        text_file,
-        "--samples",
-        "2",
-        "--seq-len",
-        "16",
-        "-o",
-        tmp_path / "c.st",
+    code, _, err = ptq_run(
+        "calibrate", model, quiet=None, samples=2, seq_len=16, o=tmp_path / "c.st"
     )
     assert code == 0, err
     assert (
@@ -676,18 +660,8 @@ def test_streams_automatically_when_the_model_does_not_fit(
     )
     assert "layer by layer" in load_calibration(tmp_path / "c.st").metadata["low_memory"]
     # --in-memory keeps the old behaviour: refuse with the estimate
-    code, _, err = ptq_cli(
-        "calibrate",
-        model,
-        "--data",
-        text_file,
-        "--samples",
-        "2",
-        "--seq-len",
-        "16",
-        "--in-memory",
-        "-o",
-        tmp_path / "d.st",
+    code, _, err = ptq_run(
+        "calibrate", model, quiet=None, samples=2, seq_len=16, in_memory=True, o=tmp_path / "d.st"
     )
     assert code == 2 and "needs at least" in err and not (tmp_path / "d.st").exists()
 
