@@ -312,7 +312,7 @@ def calibrate(
     progress.QUIET = quiet or as_json
     from ptq.calibration.calibrate import summary_rows
     from ptq.commands.options import CalibrationOptions, ComputeOptions, OutputOptions
-    from ptq.commands.workflows import run_calibrate
+    from ptq.commands.calibrate import run_calibrate
 
     options = dict(
         model=_model_options(
@@ -418,7 +418,7 @@ def compare(
     """
     progress.QUIET = quiet or as_json
     from ptq.commands.options import OutputOptions
-    from ptq.commands.workflows import run_compare
+    from ptq.commands.compare import run_compare
     from ptq.reporting.gates import parse_limits
 
     results = run_compare(
@@ -502,7 +502,7 @@ def report(
 
     Example: ptq report reports/pr/results.json --previous reports/main/results.json --max-ppl-increase 2% >> "$GITHUB_STEP_SUMMARY"
     """
-    from ptq.commands.workflows import run_report
+    from ptq.commands.report import run_report
     from ptq.reporting.gates import parse_limits
     from ptq.reporting.report import report_summary
 
@@ -535,7 +535,7 @@ def inspect(
 
     Example: ptq inspect smollm2 --recipe fp8-e4m3
     """
-    from ptq.commands.workflows import run_inspect
+    from ptq.commands.inspect import run_inspect
 
     info = run_inspect(model, _split(recipe), trust_remote_code, target)
     if as_json:
@@ -998,7 +998,7 @@ def eval_(
     """
     progress.QUIET = quiet
     from ptq.commands.options import OutputOptions
-    from ptq.commands.workflows import run_eval
+    from ptq.commands.evaluate import run_eval
 
     results = run_eval(
         recipe,

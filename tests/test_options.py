@@ -23,7 +23,9 @@ from ptq.commands.options import (
     OutputOptions,
     refuse_unused,
 )
-from ptq.commands.workflows import run_calibrate, run_eval, run_quantize
+from ptq.commands.calibrate import run_calibrate
+from ptq.commands.evaluate import run_eval
+from ptq.commands.workflows import run_quantize
 from ptq.errors import PtqError
 from ptq.runtime import resources
 

@@ -37,7 +37,7 @@ def built(tiny_model, text, tmp_path_factory) -> tuple[CompareResults, Path]:
     folder it wrote."""
     from ptq import progress
     from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions
-    from ptq.commands.workflows import run_compare
+    from ptq.commands.compare import run_compare
     from ptq.reporting.gates import parse_limits
 
     out = tmp_path_factory.mktemp("results") / "out"
@@ -96,7 +96,7 @@ def test_results_json_is_exactly_the_schema(built):
 def test_eval_results_round_trip(tiny_model, text, tmp_path):
     from ptq import progress
     from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions
-    from ptq.commands.workflows import run_eval
+    from ptq.commands.evaluate import run_eval
 
     progress.QUIET = True
     try:
