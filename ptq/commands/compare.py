@@ -15,14 +15,14 @@ from ptq.commands.common import _refuse_resume, _refuse_unused_calibration, _str
 from ptq.commands.measure import (
     BASELINE_RECIPE,
     Prepared,
-    _check_report_outputs,
-    _compute_info,
-    _task_suite,
+    check_report_outputs,
     check_task_options,
+    checked_compute_path,
     prepare,
     read_texts,
     score_layer_by_layer,
     score_whole,
+    task_suite,
 )
 from ptq.commands.options import (
     CalibrationOptions,
@@ -67,8 +67,8 @@ def run_compare(
     distributed.setup()
     copies = _peak_copies(model, len(recipes))
     streamed = _streamed(model, compute, copies, len(recipes))
-    compute_info = _compute_info(model, compute, data, streamed)
-    _check_report_outputs(output)
+    compute_info = checked_compute_path(model, compute, data, streamed)
+    check_report_outputs(output)
     baseline, variants = _compared_recipes(recipes)
     if streamed:
         streaming.check_compare_recipes(variants)
@@ -80,7 +80,7 @@ def run_compare(
         "--calib-data",
     )
     texts = read_texts(calibration, data, needed)
-    task_work, suite = _task_suite(data, texts.evaluation)  # fail before the model
+    task_work, suite = task_suite(data, texts.evaluation)  # fail before the model
     refuse_unmeasured_gates(output.limits, suite.scored if suite else set())
     prepared = prepare(
         model,

@@ -17,14 +17,14 @@ from ptq.commands.measure import (
     AUTO_TASKS,
     BASELINE_RECIPE,
     Prepared,
-    _check_report_outputs,
-    _compute_info,
-    _task_suite,
+    check_report_outputs,
     check_task_options,
+    checked_compute_path,
     prepare,
     read_texts,
     score_layer_by_layer,
     score_whole,
+    task_suite,
 )
 from ptq.commands.options import (
     CalibrationOptions,
@@ -80,8 +80,8 @@ def run_eval(
     if auto_tasks:
         data = _default_tasks(data, streamed)
         check_task_options(data)
-    compute_info = _compute_info(model, compute, data, streamed)
-    _check_report_outputs(output)
+    compute_info = checked_compute_path(model, compute, data, streamed)
+    check_report_outputs(output)
     config = load_recipe(recipe)
     if streamed:
         streaming.check_compare_recipes([config])
@@ -95,7 +95,7 @@ def run_eval(
     texts = read_texts(calibration, data, needed)
     if auto_tasks and data.tasks == "cloze" and not cloze_items(texts.evaluation):
         data = _without_cloze(data, texts.evaluation)
-    task_work, suite = _task_suite(data, texts.evaluation)  # fail before the model
+    task_work, suite = task_suite(data, texts.evaluation)  # fail before the model
     prepared = prepare(
         model,
         data,

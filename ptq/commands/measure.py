@@ -91,7 +91,7 @@ def check_task_options(data: DataOptions) -> None:
         raise PtqError(f"--num-fewshot must be 0 or more, not {data.num_fewshot}")
 
 
-def _compute_info(
+def checked_compute_path(
     model: ModelOptions, compute: ComputeOptions, data: DataOptions, streamed: bool
 ) -> dict:
     """compute_path, with what a layer-by-layer run cannot do refused before anything is loaded."""
@@ -110,7 +110,7 @@ def _compute_info(
     return info
 
 
-def _check_report_outputs(output: OutputOptions) -> None:
+def check_report_outputs(output: OutputOptions) -> None:
     """report.md, results.json and the plots in output.path (drawn, or an earlier run's, which are
     removed): refused if they exist without --force, the folder checked, before any work."""
     from ptq.reporting.plots import plot_paths
@@ -143,7 +143,7 @@ def read_texts(calibration: CalibrationOptions, data: DataOptions, needed: list[
     return Texts(reused, calib_corpus, eval_corpus)
 
 
-def _task_suite(data: DataOptions, eval_corpus: Corpus):
+def task_suite(data: DataOptions, eval_corpus: Corpus):
     """The lm-eval tasks of --tasks (ptq.evaluation.harness.prepare), loaded once so that a bad task
     stops before the model, and the temporary folder of the task files ptq generates (cloze items,
     local copies), removed at exit: the caller holds it while the tasks run."""
