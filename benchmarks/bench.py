@@ -25,6 +25,7 @@ import torch
 
 from ptq import progress
 from ptq.calibration.calibrate import calibrate, save_calibration
+from ptq.commands.compare import run_compare
 from ptq.commands.options import (
     CalibrationOptions,
     ComputeOptions,
@@ -32,7 +33,6 @@ from ptq.commands.options import (
     ModelOptions,
     OutputOptions,
 )
-from ptq.commands.workflows import run_compare
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
 from ptq.models.loading import load_model
@@ -107,7 +107,7 @@ def peak_rss_runs(python_args: list[str], tmp: Path) -> list[int]:
 # tokenizer (its skeleton on the meta device), the evaluation text tokenized, and each fused kernel compiled.
 FIXED_FOOTPRINT = """
 import torch
-import ptq.cli, ptq.reporting.plots, ptq.commands.workflows
+import ptq.cli, ptq.reporting.plots, ptq.commands.compare
 from ptq.evaluation import evaluate
 from ptq.evaluation import layerstats
 from ptq.quantization import quantize

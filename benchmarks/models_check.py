@@ -17,8 +17,8 @@ os.environ.setdefault("PTQ_DEVICE", "cpu")
 import families  # noqa: E402
 
 from ptq import progress  # noqa: E402
+from ptq.commands.compare import run_compare  # noqa: E402
 from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions  # noqa: E402
-from ptq.commands.workflows import run_compare  # noqa: E402
 from ptq.models.matmuls import describe_coverage  # noqa: E402
 from ptq.reporting.results import to_json  # noqa: E402
 

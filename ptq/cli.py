@@ -1,4 +1,4 @@
-"""The `ptq` command line. Thin on purpose: parse, call one function from ptq.commands.workflows,
+"""The `ptq` command line. Thin on purpose: parse, call one function from ptq.commands,
 print.
 
 The options of calibrate, compare, eval and quantize are declared once, as the fields of the options
@@ -188,7 +188,7 @@ def calibrate(
     """
     progress.QUIET = quiet or as_json
     from ptq.calibration.calibrate import checkpoint_path, summary_rows
-    from ptq.commands.workflows import run_calibrate
+    from ptq.commands.calibrate import run_calibrate
 
     output = options["output"].path
     try:
@@ -233,7 +233,7 @@ def compare(
     reports/smollm2
     """
     progress.QUIET = quiet or as_json
-    from ptq.commands.workflows import run_compare
+    from ptq.commands.compare import run_compare
 
     results = run_compare(_split(recipes), **options)
     if results.calibration:
@@ -284,7 +284,7 @@ def report(
     Example: ptq report reports/pr/results.json --previous reports/main/results.json
     --max-ppl-increase 2% >> "$GITHUB_STEP_SUMMARY"
     """
-    from ptq.commands.workflows import run_report
+    from ptq.commands.report import run_report
     from ptq.reporting.gates import parse_limits
     from ptq.reporting.report import report_summary
 
@@ -317,7 +317,7 @@ def inspect(
 
     Example: ptq inspect smollm2 --recipe fp8-e4m3
     """
-    from ptq.commands.workflows import run_inspect
+    from ptq.commands.inspect import run_inspect
 
     info = run_inspect(model, _split(recipe), trust_remote_code, target)
     if as_json:
@@ -393,7 +393,7 @@ def eval_(
     Example: ptq eval smollm2 --recipe fp8-e4m3 --calib smollm2.calib.safetensors --tasks cloze
     """
     progress.QUIET = quiet
-    from ptq.commands.workflows import run_eval
+    from ptq.commands.evaluate import run_eval
 
     results = run_eval(recipe, **options)
     if results.calibration:

@@ -167,14 +167,14 @@ def test_a_bad_batch_size_is_one_line_exit_2(ptq_run, tiny_model, tmp_path, valu
 def test_out_of_memory_while_loading_is_one_line_naming_the_model(
     ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
 ):
-    import ptq.commands.workflows
+    import ptq.commands.common
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError(
             "CUDA out of memory. Tried to allocate 28.00 GiB. GPU 0 has 1.0 GiB free."
         )
 
-    monkeypatch.setattr(ptq.commands.workflows, "load_model", no_room)
+    monkeypatch.setattr(ptq.commands.common, "load_model", no_room)
     for command in (
         ["compare", "--out", tmp_path / "c"],
         ["eval", "--tasks", "", "--out", tmp_path / "e"],
@@ -212,12 +212,12 @@ def test_out_of_memory_while_exporting_leaves_nothing(ptq_run, tiny_model, tmp_p
 def test_an_out_of_memory_no_step_names_is_still_one_line(
     ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
 ):
-    import ptq.commands.workflows
+    import ptq.commands.common
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.00 GiB.")
 
-    monkeypatch.setattr(ptq.commands.workflows, "make_windows", no_room)
+    monkeypatch.setattr(ptq.commands.common, "make_windows", no_room)
     code, _, stderr = ptq_cli(
         "compare", tiny_model, "--eval-data", text_file, "--out", tmp_path / "x", *FAST
     )

@@ -275,7 +275,7 @@ def test_calibrate_with_nothing_to_calibrate_stops_before_loading_the_model(
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("ptq.commands.workflows.load_model", never)
+    monkeypatch.setattr("ptq.commands.common.load_model", never)
     out = tmp_path / "c.safetensors"
     code, _, err = ptq_cli(
         "calibrate", tiny_model, "--recipe", recipes, "--data", text_file, "-o", out, "-q"

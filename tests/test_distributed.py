@@ -312,14 +312,14 @@ def test_under_torchrun_a_model_too_big_for_the_copies_is_not_switched_to_layer_
 ):
     """Layer by layer runs in one process: under torchrun the automatic switch would only be refused after it; the
     memory check's own error (with its process count) is what the user sees instead."""
-    from ptq.commands import workflows
+    from ptq.commands import common
     from ptq.commands.options import ModelOptions
     from ptq.execution import streaming
 
     monkeypatch.setattr(streaming, "too_big", lambda spec, copies=1: True)
-    assert workflows._streams(ModelOptions(model="some/dir"), None) is True
+    assert common._streams(ModelOptions(model="some/dir"), None) is True
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert workflows._streams(ModelOptions(model="some/dir"), None) is False
+    assert common._streams(ModelOptions(model="some/dir"), None) is False
     assert (
-        workflows._streams(ModelOptions(model="some/dir"), True) is True
+        common._streams(ModelOptions(model="some/dir"), True) is True
     )  # asked for: _compute_info refuses it

@@ -159,10 +159,10 @@ def test_perplexity_past_the_float_range_is_inf_not_an_error():
 
 
 def collapse(name: str, nats: float):
-    """A stand-in for ptq.commands.workflows.evaluate whose variant `name` scores `nats` worse on every token."""
-    import ptq.commands.workflows
+    """A stand-in for ptq.commands.measure.evaluate whose variant `name` scores `nats` worse on every token."""
+    import ptq.commands.measure
 
-    real = ptq.commands.workflows.evaluate
+    real = ptq.commands.measure.evaluate
 
     def evaluate_collapsed(models, input_ids, batch_size=4):
         scores = real(models, input_ids, batch_size)
@@ -179,9 +179,9 @@ def collapse(name: str, nats: float):
 def test_compare_with_a_collapsed_variant_reports_inf_and_fails_the_gate(
     ptq_cli, ptq_run, tiny_model, tmp_path, monkeypatch, recwarn
 ):
-    import ptq.commands.workflows
+    import ptq.commands.measure
 
-    monkeypatch.setattr(ptq.commands.workflows, "evaluate", collapse("fp8-e4m3", 800.0))
+    monkeypatch.setattr(ptq.commands.measure, "evaluate", collapse("fp8-e4m3", 800.0))
     other = tmp_path / "other.txt"  # evaluation text apart from the calibration text
     other.write_text(" ".join(reversed(TEXT.split())) * 3)
     out = tmp_path / "out"

@@ -595,7 +595,7 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
     KV cache the checkpoint cannot name or that the plan leaves partly in 16 bits (a checkpoint's kv_cache_scheme
     covers every layer), group scales on Conv1D: one line, exit 2, before any calibration."""
 
-    from ptq.commands import workflows
+    from ptq.commands import common
 
     model_dir = tmp_path / family
     families.build(family).save_pretrained(model_dir)
@@ -618,7 +618,7 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
         (tmp_path / f"{recipe}.yaml").write_text(f"name: {recipe}\n{custom[recipe]}")
         recipe = tmp_path / f"{recipe}.yaml"
     calibrated = []
-    monkeypatch.setattr(workflows, "_calibrate", lambda *a, **k: calibrated.append(1))
+    monkeypatch.setattr(common, "_calibrate", lambda *a, **k: calibrated.append(1))
     code, _, err = ptq_run(
         "quantize", model_dir, recipe=recipe, samples=2, seq_len=16, o=tmp_path / "out"
     )

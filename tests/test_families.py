@@ -355,10 +355,10 @@ def test_strict_coverage_refuses_weights_ptq_cannot_quantize(
         mlp.down_proj = Unknown(mlp.down_proj)
         return loaded
 
-    import ptq.commands.workflows as workflows
+    import ptq.commands.common as common
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(workflows, "load_model", load_with_unknown)
+        mp.setattr(common, "load_model", load_with_unknown)
         args = [
             "compare",
             tiny_model,

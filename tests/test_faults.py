@@ -24,8 +24,9 @@ from ptq.calibration.calibrate import (
     load_calibration,
     range_findings,
 )
+from ptq.commands.common import _calibrate
 from ptq.commands.options import CalibrationOptions
-from ptq.commands.workflows import _calibrate, calibration_faults
+from ptq.commands.results import calibration_faults
 from ptq.errors import PtqError
 from ptq.evaluation.data import load_corpus
 from ptq.models.loading import load_model

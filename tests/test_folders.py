@@ -120,8 +120,8 @@ def results_file(tiny_model, tmp_path_factory) -> Path:
     from conftest import TEXT
 
     from ptq import progress
+    from ptq.commands.compare import run_compare
     from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions
-    from ptq.commands.workflows import run_compare
 
     directory = tmp_path_factory.mktemp("compared")
     (directory / "text.txt").write_text(TEXT * 3)
@@ -242,7 +242,7 @@ def test_outputs_under_a_file_are_refused_in_one_line_before_any_work(
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the output was checked")
 
-    monkeypatch.setattr("ptq.commands.workflows.load_model", never)
+    monkeypatch.setattr("ptq.commands.common.load_model", never)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     args, _ = command(name, tiny_model, text_file, results_file, blocker / "dir")
@@ -260,7 +260,7 @@ def test_a_file_output_that_is_a_directory_is_refused_before_any_work_even_with_
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the output was checked")
 
-    monkeypatch.setattr("ptq.commands.workflows.load_model", never)
+    monkeypatch.setattr("ptq.commands.common.load_model", never)
     args, written = command(name, tiny_model, text_file, results_file, tmp_path / "out")
     written[0].mkdir(parents=True)
     (written[0] / "keep.txt").write_text("mine")

@@ -15,6 +15,8 @@ from test_faults import edited_model, one_error_line
 from test_safety import copy_model
 
 from ptq.calibration.calibrate import TensorObserver, load_calibration
+from ptq.commands.calibrate import run_calibrate
+from ptq.commands.evaluate import run_eval
 from ptq.commands.options import (
     CalibrationOptions,
     ComputeOptions,
@@ -23,7 +25,7 @@ from ptq.commands.options import (
     OutputOptions,
     refuse_unused,
 )
-from ptq.commands.workflows import run_calibrate, run_eval, run_quantize
+from ptq.commands.workflows import run_quantize
 from ptq.errors import PtqError
 from ptq.runtime import resources
 

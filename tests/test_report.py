@@ -32,8 +32,8 @@ def compared(tiny_model, small_text, tmp_path_factory) -> Path:
     """One compare of the tiny model with a KL gate that must fail (any quantization moves KL above 0)
     and a perplexity gate that must pass."""
     from ptq import progress
+    from ptq.commands.compare import run_compare
     from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions
-    from ptq.commands.workflows import run_compare
 
     out = tmp_path_factory.mktemp("compare") / "out"
     progress.QUIET = True

@@ -36,8 +36,8 @@ def built(tiny_model, text, tmp_path_factory) -> tuple[CompareResults, Path]:
     """What run_compare built, with every optional part filled (calibration, diagnostics, tasks, gates), and the
     folder it wrote."""
     from ptq import progress
+    from ptq.commands.compare import run_compare
     from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions
-    from ptq.commands.workflows import run_compare
     from ptq.reporting.gates import parse_limits
 
     out = tmp_path_factory.mktemp("results") / "out"
@@ -95,8 +95,8 @@ def test_results_json_is_exactly_the_schema(built):
 
 def test_eval_results_round_trip(tiny_model, text, tmp_path):
     from ptq import progress
+    from ptq.commands.evaluate import run_eval
     from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions
-    from ptq.commands.workflows import run_eval
 
     progress.QUIET = True
     try:

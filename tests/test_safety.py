@@ -78,7 +78,7 @@ def test_unwritable_output_fails_before_any_work(
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the output was checked")
 
-    monkeypatch.setattr("ptq.commands.workflows.load_model", never)
+    monkeypatch.setattr("ptq.commands.common.load_model", never)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     code, _, err = ptq_cli(*calib_args(tiny_model, text_file, blocker / "c.st"))

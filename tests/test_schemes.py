@@ -234,7 +234,7 @@ def _odd_llama(path):
 
 
 def test_coverage_inspect_and_export_agree_on_layers_left_out_for_three_reasons(tmp_path, ptq_run):
-    from ptq.commands.workflows import run_inspect
+    from ptq.commands.inspect import run_inspect
 
     model = _odd_llama(tmp_path / "odd")
     recipe = tmp_path / "mx-layer0.yaml"
@@ -281,7 +281,7 @@ def test_kv_cache_and_attention_inputs_left_out_are_named_with_their_reason(
     that compute attention in their own code (Bloom's), which --strict-coverage refuses."""
     import families
 
-    from ptq.commands.workflows import run_inspect
+    from ptq.commands.inspect import run_inspect
 
     llama = tmp_path / "llama"
     families.build("llama").save_pretrained(llama)

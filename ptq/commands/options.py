@@ -1,6 +1,6 @@
 """What a command is told, in groups, built once by the CLI (ptq.cli) and passed whole to the
-command's function (ptq.commands.workflows): the model, the evaluation data, the calibration, the
-computation, the outputs; and, for `quantize`, the checkpoint.
+command's function (run_compare in ptq.commands.compare, ...): the model, the evaluation data, the
+calibration, the computation, the outputs; and, for `quantize`, the checkpoint.
 
 Each option is declared once, in its field's metadata (`option`): its flag, help, default on the
 command line, range, metavar and help panel. ptq.cli builds every command that takes a group from

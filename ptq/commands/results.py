@@ -1,6 +1,7 @@
-"""The one builder of results documents (ptq.reporting.results): what `ptq compare` and `ptq eval` measured, as the
-typed document that results.json, report.md, the gates, the trend and the plots are made of. run_compare and run_eval
-(ptq.commands.workflows) measure; build_results assembles, here and nowhere else.
+"""The one builder of results documents (ptq.reporting.results): what `ptq compare` and `ptq eval`
+measured, as the typed document that results.json, report.md, the gates, the trend and the plots are
+made of. run_compare and run_eval (ptq.commands.compare, ptq.commands.evaluate) measure;
+build_results assembles, here and nowhere else.
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def build_results(
     layer_order: list[str] = (),
     limits: Limits | None = None,
 ) -> Results:
-    """compare's document when given a `baseline` (the variants are `recipes`, each measured against it, with their
-    layer SNR `snr` and the gates of `limits`), else eval's (`recipes` is its one configuration). `scores` and
-    `coverages` are keyed by recipe name; `tasks` is lm-eval's run (--tasks); `calibration` the one the recipes used,
-    from `calibration_source`, its layers listed in `layer_order` (the model's)."""
+    """compare's document when given a `baseline` (the variants are `recipes`, each measured against
+    it, with their layer SNR `snr` and the gates of `limits`), else eval's (`recipes` is its one
+    configuration). `scores` and `coverages` are keyed by recipe name; `tasks` is lm-eval's run
+    (--tasks); `calibration` the one the recipes used, from `calibration_source`, its layers listed
+    in `layer_order` (the model's)."""
     described = harness.describe_tasks(*tasks) if tasks else []
     names = [r.name for r in ([baseline] if baseline else []) + recipes]
     task_entries = _task_entries(tasks[0], described, names, baseline) if tasks else {}
@@ -125,7 +127,8 @@ def build_results(
 def _entry(
     kind: type, recipe: Recipe, s: Scores, coverages: dict, tasks: dict | None, base=None, **fields
 ) -> Entry:
-    """The baseline's, a variant's (kind Variant, measured against `base`) or eval's configuration's entry."""
+    """The baseline's, a variant's (kind Variant, measured against `base`) or eval's configuration's
+    entry."""
     if kind is Variant:
         fields |= {
             "ppl_delta_pct": 100 * (s.perplexity / base.perplexity - 1),
@@ -180,8 +183,8 @@ def window_statistics(s: Scores, base: Scores | None = None) -> dict:
 def _task_entries(
     run: harness.HarnessRun, described: list[dict], names: list[str], baseline: Recipe | None
 ) -> dict[str, dict]:
-    """Per entry: lm-eval's numbers per task (tasks, task_samples) and, for a variant, its paired deltas against
-    the baseline (task_deltas)."""
+    """Per entry: lm-eval's numbers per task (tasks, task_samples) and, for a variant, its paired
+    deltas against the baseline (task_deltas)."""
     out = {}
     for name in names:
         against = baseline.name if baseline and name != baseline.name else None
@@ -199,8 +202,8 @@ def _task_entries(
 def calibration_entry(
     calibration: Calibration, source: str, layer_order: list[str]
 ) -> CalibrationEntry:
-    """Where the calibration came from, its text, summary, faults (what calibration worked around, and the range
-    warnings) and every layer's amax, in the model's order."""
+    """Where the calibration came from, its text, summary, faults (what calibration worked around,
+    and the range warnings) and every layer's amax, in the model's order."""
     m = calibration.metadata
     return CalibrationEntry(
         source=source,
@@ -225,8 +228,8 @@ def calibration_entry(
 
 
 def calibration_faults(metadata: dict) -> CalibrationFaults:
-    """What calibration had to work around, from a calibration's metadata, for reports: unseen layers and their
-    fallback, skipped non-finite batches, and range warnings."""
+    """What calibration had to work around, from a calibration's metadata, for reports: unseen
+    layers and their fallback, skipped non-finite batches, and range warnings."""
     return parse(
         CalibrationFaults,
         {
@@ -246,17 +249,21 @@ def describe_compute(compute: dict) -> str:
             compute.get("blockwise_partial_simulated"),
         )
         blocks = (
-            "128 x 128 weight blocks with 1 x 128 input groups too (torch.nn.functional.scaled_mm block-wise)"
+            "128 x 128 weight blocks with 1 x 128 input groups too "
+            "(torch.nn.functional.scaled_mm block-wise)"
             + (f", but layers with partial blocks simulated ({partial})" if partial else "")
             if why is None
             else f"128 x 128 blocks simulated ({why})"
         )
         matmul = (
-            f"FP8 layers with per-tensor or per-row scales as real FP8 matmuls (torch._scaled_mm); {blocks}; MX "
-            "groups, and the others, simulated"
+            "FP8 layers with per-tensor or per-row scales as real FP8 matmuls (torch._scaled_mm); "
+            f"{blocks}; MX groups, and the others, simulated"
         )
     else:
-        matmul = "quantized layers simulated (rounded operands, dequantized, multiplied in the compute dtype)"
+        matmul = (
+            "quantized layers simulated (rounded operands, dequantized, multiplied in the compute "
+            "dtype)"
+        )
     blocks = "; layer by layer from disk (--low-memory)" if compute.get("low_memory") else ""
     placed_text = (
         f"; {describe_placement(compute['placement'])}" if compute.get("placement") else ""
@@ -269,7 +276,8 @@ def describe_compute(compute: dict) -> str:
 
 
 def text_stride(windows: Windows) -> int:
-    """Text tokens from one window of the grid to the next: a window's tokens, less the BOS that starts each."""
+    """Text tokens from one window of the grid to the next: a window's tokens, less the BOS that
+    starts each."""
     return windows.seq_len - (1 if windows.bos else 0)
 
 
@@ -305,42 +313,54 @@ def recipe_summary(r: Recipe) -> RecipeSummary:
 
 
 def protocol(windows, compute: dict, baseline: Recipe | None = None) -> list[str]:
-    """How the numbers of a results file were measured, one sentence each; with a `baseline` (compare), also how the
-    variants are measured against it."""
+    """How the numbers of a results file were measured, one sentence each; with a `baseline`
+    (compare), also how the variants are measured against it."""
     int8 = get_format("int8")
     dtype = "fp32" if compute["dtype"] == "float32" else compute["dtype"]
     product = (
         "product in fp32"
         if dtype == "fp32"
-        else f"operands dequantized to {dtype} (one {dtype} rounding of each), product accumulated in fp32"
+        else f"operands dequantized to {dtype} (one {dtype} rounding of each), product accumulated "
+        "in fp32"
     )
     if compute["matmul"] == "fp8":
         product += (
-            "; layers with FP8 weights and inputs multiply their float8 codes for real (torch._scaled_mm: "
-            "fp32 accumulation, both scales applied in fp32)"
+            "; layers with FP8 weights and inputs multiply their float8 codes for real "
+            "(torch._scaled_mm: fp32 accumulation, both scales applied in fp32)"
         )
     against_baseline = (
         []
         if baseline is None
         else [
-            "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted positions of "
-            f"KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the variant's top-1 token equals the baseline's.",
-            f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. Embeddings, norms, attention "
-            f"and activations run in {dtype} in every variant, so variants differ only in the Linear layers' weights and inputs, "
-            "except where a recipe also quantizes attention's batched-matmul inputs (Q, K, V, softmax output) or the KV cache "
-            "(its `attention` / `kv_cache` entries): such variants compute attention the eager way with those inputs rounded.",
+            "Next-token accuracy: top-1 prediction equals the next token. KL: mean over predicted "
+            f"positions of KL(p_{baseline.name} || p_variant) in nats. Top-1 agreement: the "
+            "variant's top-1 token equals the baseline's.",
+            f"Baseline `{baseline.name}`: {baseline.description}; matmuls accumulate in fp32. "
+            f"Embeddings, norms, attention and activations run in {dtype} in every variant, so "
+            "variants differ only in the Linear layers' weights and inputs, except where a recipe "
+            "also quantizes attention's batched-matmul inputs (Q, K, V, softmax output) or the KV "
+            "cache (its `attention` / `kv_cache` entries): such variants compute attention the "
+            "eager way with those inputs rounded.",
         ]
     )
+    bos = (
+        "a BOS token starts every window"
+        if windows.bos
+        else "no BOS token (the tokenizer adds none)"
+    )
     return [
-        f"Perplexity: {windows.description}. Each window is scored on its own tokens 2..{windows.seq_len} "
-        f"({windows.seq_len - 1} predictions per window, stride {text_stride(windows)} text tokens, no overlap); "
-        f"{'a BOS token starts every window' if windows.bos else 'no BOS token (the tokenizer adds none)'}.",
+        f"Perplexity: {windows.description}. Each window is scored on its own tokens "
+        f"2..{windows.seq_len} ({windows.seq_len - 1} predictions per window, stride "
+        f"{text_stride(windows)} text tokens, no overlap); {bos}.",
         *against_baseline,
-        "Quantized Linear: weights quantized once (one scale per tensor, output channel, 128 x 128 tile or group of the "
-        "input dimension, as the recipe says); inputs quantized on every forward with the static per-tensor scale from "
-        "calibration, or dynamic scales per token or per input group computed from the input itself; scale = amax / "
-        "format max (MX: the smallest power of two with which the amax does not clip, E8M0); round to nearest even, "
+        "Quantized Linear: weights quantized once (one scale per tensor, output channel, 128 x 128 "
+        "tile or group of the input dimension, as the recipe says); inputs quantized on every "
+        "forward with the static per-tensor scale from calibration, or dynamic scales per token or "
+        "per input group computed from the input itself; scale = amax / format max (MX: the "
+        "smallest power of two with which the amax does not clip, E8M0); round to nearest even, "
         "then saturate to the format's max; "
-        f"{product}. Linear layers a recipe leaves out (lm_head by default) run as in the baseline.",
-        f"int8 is symmetric: scale = amax / {int8.max:g}, codes in [-{int8.max:g}, {int8.max:g}] (ModelOpt's convention).",
+        f"{product}. Linear layers a recipe leaves out (lm_head by default) run as in the "
+        "baseline.",
+        f"int8 is symmetric: scale = amax / {int8.max:g}, codes in [-{int8.max:g}, "
+        f"{int8.max:g}] (ModelOpt's convention).",
     ]
