@@ -825,7 +825,7 @@ def quantize(
     progress.QUIET = quiet
     from ptq.commands.options import CheckpointOptions, ComputeOptions, DataOptions, OutputOptions
     from ptq.commands.workflows import run_quantize
-    from ptq.export.checkpoint import VerificationFailed
+    from ptq.export.verify import VerificationFailed
 
     if (
         not verify and verify_windows != VERIFY_WINDOWS

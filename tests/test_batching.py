@@ -228,12 +228,12 @@ def test_out_of_memory_while_exporting_leaves_nothing(
     ptq_cli, tiny_model, text_file, tmp_path, monkeypatch
 ):
     pytest.importorskip("compressed_tensors")
-    import ptq.export.checkpoint
+    import ptq.export.reading
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
 
-    monkeypatch.setattr(ptq.export.checkpoint, "reload", no_room)
+    monkeypatch.setattr(ptq.export.reading, "reload", no_room)
     out = tmp_path / "exported"
     code, _, stderr = ptq_cli(
         "quantize",

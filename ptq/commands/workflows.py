@@ -1202,7 +1202,11 @@ def run_quantize(
     exported from CPU memory; calibration and the verification's models placed over the devices
     (ptq.execution.placement)."""
     from ptq.export import checkpoint as export
+    from ptq.export import verify as check
+    from ptq.export.format import check_exportable, quantization_config
+    from ptq.export.reading import reload_or_read
     from ptq.files import atomic_dir
+    from ptq.models.names import checkpoint_names
     from ptq.progress import progress
     from ptq.reporting.report import render_model_card
 
@@ -1238,7 +1242,7 @@ def run_quantize(
     target = engines.check_target(compute.target)
     check_placement(placement, compute.low_memory)
     r = load_recipe(recipe)
-    export.check_exportable(r)
+    check_exportable(r)
     _refuse_unused_calibration(
         calibration, r.needs_calibration, f"recipe {r.name} needs no calibration", None
     )
@@ -1319,7 +1323,7 @@ def run_quantize(
         "target_rules": engines.describe(target),
         "format": {
             "quant_method": "compressed-tensors",
-            "format": export.quantization_config(r, ignored).format,
+            "format": quantization_config(r, ignored).format,
             "compressed_tensors": importlib.metadata.version("compressed-tensors"),
             "quantized_layers": len(quantized),
             "ignored_layers": ignored,
@@ -1384,24 +1388,24 @@ def run_quantize(
             # Layers whose input scales the reloading loader does not apply (experts in transformers; every layer where
             # transformers cannot load Conv1D quantized and ptq's own dequantizing reader stands in) are simulated with
             # their inputs as they are, and their input scales are checked in the files instead.
-            unrounded = export.unapplied_input_layers(
+            unrounded = check.unapplied_input_layers(
                 loaded.model, quantized, conv1d=bool(conv1d), dynamic=r.inputs.dynamic
             )
             # The loader first, so that the simulation computes its arithmetic: compressed-tensors in transformers takes
             # one dynamic "token" scale for a whole 2-D input (ptq's reader, and vLLM, scale each token).
-            reloaded, load_info = export.reload_or_read(
+            reloaded, load_info = reload_or_read(
                 tmp, conv1d=bool(conv1d), trust_remote_code=model.trust_remote_code
             )
             if (
                 "loader" in load_info and not conv1d
             ):  # ptq's reader stood in for transformers: its input rounding
-                unrounded = export.unapplied_input_layers(
+                unrounded = check.unapplied_input_layers(
                     loaded.model, quantized, conv1d=True, dynamic=r.inputs.dynamic
                 )
             token_rule = (
                 []
                 if "loader" in load_info
-                else export.token_rule_layers(
+                else check.token_rule_layers(
                     loaded.model, r, [n for n in quantized if n not in unrounded], windows.input_ids
                 )
             )
@@ -1410,14 +1414,14 @@ def run_quantize(
                     None,
                     (
                         engines.unlike_reload_loader(r.inputs, target),
-                        export.describe_token_rule(token_rule),
+                        check.describe_token_rule(token_rule),
                     ),
                 )
             )
             own = (
                 (
                     own_rounding,
-                    export.simulate_export(
+                    check.simulate_export(
                         copy.deepcopy(loaded.model),
                         r,
                         calib,
@@ -1429,9 +1433,9 @@ def run_quantize(
                 if own_rounding
                 else None
             )
-            disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
-            scales = export.unapplied_scales(loaded.model, unrounded, calib, plans[r.name])
-            simulated = export.simulate_export(
+            disk = checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
+            scales = check.unapplied_scales(loaded.model, unrounded, calib, plans[r.name])
+            simulated = check.simulate_export(
                 loaded.model,
                 r,
                 calib,
@@ -1440,11 +1444,11 @@ def run_quantize(
                 token_rule_inputs=token_rule,
                 kv_cache=load_info.get("kv_cache_quantized", False),
             )
-            expected = export.simulated_tensors(simulated, disk, conv1d)
+            expected = check.simulated_tensors(simulated, disk, conv1d)
             # the experts' input scales as the target engine has them (vllm: one per layer, the largest)
             scales = {k: expected.get(k, v) for k, v in scales.items()}
             reloaded.to(next(simulated.parameters()).device)  # reloaded as a user would: on the CPU
-            info["verification"] = export.verify(
+            info["verification"] = check.verify(
                 simulated,
                 reloaded,
                 load_info,
@@ -1471,7 +1475,7 @@ def run_quantize(
             }
             del reloaded
             if not info["verification"]["passed"]:
-                raise export.VerificationFailed(info)
+                raise check.VerificationFailed(info)
         (tmp / export.EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         (tmp / "README.md").write_text(render_model_card(info), encoding="utf-8")
     if checkpoint.push_to_hub:
