@@ -824,7 +824,7 @@ def quantize(
     """
     progress.QUIET = quiet
     from ptq.commands.options import CheckpointOptions, ComputeOptions, DataOptions, OutputOptions
-    from ptq.commands.workflows import run_quantize
+    from ptq.commands.quantize import run_quantize
     from ptq.export.verify import VerificationFailed
 
     if (

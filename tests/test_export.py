@@ -261,6 +261,7 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
     from ptq.export import verify as export
     from ptq.export.checkpoint import export_layers
     from ptq.export.reading import reload
+    from ptq.export.record import Verification
     from ptq.models.loading import load_model
     from ptq.models.names import checkpoint_names
     from ptq.quantization.plan import calibrated_layers
@@ -281,20 +282,15 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
     expected = export.simulated_tensors(simulated, disk, [])
     assert len(expected) == 3 * 14
 
-    def verify(directory: Path) -> dict:
+    def verify(directory: Path) -> Verification:
         reloaded, info = reload(directory)
         return export.verify(
             simulated, reloaded, info, 14, windows, expected_tensors=expected, directory=directory
         )
 
     good = verify(out)
-    assert (
-        good["passed"] and good["tensors_checked_in_file"] == 42 and not good["tensors_differing"]
-    )
-    assert (
-        good["noise_floor"]["kl_div"] >= 0
-        and "eager instead of sdpa" in good["noise_floor"]["what"]
-    )
+    assert good.passed and good.tensors_checked_in_file == 42 and not good.tensors_differing
+    assert good.noise_floor.kl_div >= 0 and "eager instead of sdpa" in good.noise_floor.what
     for name, change in (
         ("input_scale", lambda k: k.endswith(".input_scale")),
         ("weight_scale", lambda k: k == "model.layers.1.mlp.down_proj.weight_scale"),
@@ -309,9 +305,9 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
             }
             safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
         result = verify(bad)
-        assert not result["passed"] and any("KL" in p for p in result["problems"])
-        assert any("differ from ptq's" in p for p in result["problems"])
-        assert len(result["tensors_differing"]) == (14 if name == "input_scale" else 1)
+        assert not result.passed and any("KL" in p for p in result.problems)
+        assert any("differ from ptq's" in p for p in result.problems)
+        assert len(result.tensors_differing) == (14 if name == "input_scale" else 1)
 
     dense = AutoModelForCausalLM.from_pretrained(
         str(out), dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
@@ -324,9 +320,7 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
         "input_quantized_layers": 0,
     }
     result = export.verify(simulated, dense.eval(), info, 14, windows)
-    assert not result["passed"] and any(
-        "input quantization in 0 of 14" in p for p in result["problems"]
-    )
+    assert not result.passed and any("input quantization in 0 of 14" in p for p in result.problems)
 
 
 def test_compare_accepts_an_exported_directory(exported, ptq_cli, text_file, tmp_path):

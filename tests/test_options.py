@@ -23,7 +23,8 @@ from ptq.commands.options import (
     OutputOptions,
     refuse_unused,
 )
-from ptq.commands.workflows import run_calibrate, run_eval, run_quantize
+from ptq.commands.quantize import run_quantize
+from ptq.commands.workflows import run_calibrate, run_eval
 from ptq.errors import PtqError
 from ptq.runtime import resources
 

@@ -15,6 +15,7 @@ from ptq.calibration.calibrate import Calibration
 from ptq.export.checkpoint import _input_scale, kv_cache_entries
 from ptq.export.format import weight_scale_shape
 from ptq.export.reading import _read_tensors
+from ptq.export.record import ExportRecord, NoiseFloor, Tolerance, Verification
 from ptq.models.matmuls import LinearExperts, quantizable
 from ptq.models.names import checkpoint_names, saved_names
 from ptq.numerics.granularity import (
@@ -50,11 +51,13 @@ VERIFY_CRITERION = (
 
 
 class VerificationFailed(Exception):
-    """The reloaded checkpoint does not match the simulation; carries the export info with its verification."""
+    """The reloaded checkpoint does not match the simulation; carries the export record with its
+    verification, and (info) that record as ptq-export.json would hold it."""
 
-    def __init__(self, info: dict):
-        super().__init__("; ".join(info["verification"]["problems"]))
-        self.info = info
+    def __init__(self, record: ExportRecord):
+        super().__init__("; ".join(record.verification.problems))
+        self.record = record
+        self.info = record.to_json()
 
 
 def simulate_export(
@@ -282,7 +285,7 @@ def verify(
     unapplied_input_scales: dict[str, torch.Tensor] | None = None,
     directory: Path | None = None,
     expected_tensors: dict[str, torch.Tensor] | None = None,
-) -> dict:
+) -> Verification:
     """Score the reloaded checkpoint against the simulation that computes what the loader computes (the gate on
     logits: KL and top-1), check the files against `expected_tensors` (simulated_tensors) bit for bit, and report
     the measured noise floor (the simulation with another attention implementation), all on the same windows,
@@ -352,44 +355,40 @@ def verify(
         problems.append(
             f"same top-1 token at {100 * rel.top1_agreement:.2f}% of positions (limit {100 * VERIFY_MIN_TOP1:g}%)"
         )
-    return {
-        "passed": not problems,
-        "problems": problems,
-        "criterion": VERIFY_CRITERION,
-        "windows": len(input_ids),
-        "seq_len": int(input_ids.shape[1]),
-        "tokens": sim.tokens,
-        "simulated_perplexity": sim.perplexity,
-        "reloaded_perplexity": rel.perplexity,
-        "ptq_perplexity": own.perplexity,
-        "ppl_delta_pct": 100 * ppl_delta,
-        "kl_div": rel.kl_div,
-        "top1_agreement": rel.top1_agreement,
-        # measured, not a limit: None where no other float order runs the model, and why
-        "noise_floor": {
-            "what": f"ptq's simulation with {noise.implementation} instead of "
+    return Verification(
+        passed=not problems,
+        problems=problems,
+        criterion=VERIFY_CRITERION,
+        windows=len(input_ids),
+        seq_len=int(input_ids.shape[1]),
+        tokens=sim.tokens,
+        simulated_perplexity=sim.perplexity,
+        reloaded_perplexity=rel.perplexity,
+        ptq_perplexity=own.perplexity,
+        ppl_delta_pct=100 * ppl_delta,
+        kl_div=rel.kl_div,
+        top1_agreement=rel.top1_agreement,
+        noise_floor=NoiseFloor(
+            what=f"ptq's simulation with {noise.implementation} instead of "
             f"{simulated.config._attn_implementation} attention",
-            "ppl_delta_pct": 100 * (floor.perplexity / sim.perplexity - 1),
-            "kl_div": floor.kl_div,
-            "top1_agreement": floor.top1_agreement,
-        }
+            ppl_delta_pct=100 * (floor.perplexity / sim.perplexity - 1),
+            kl_div=floor.kl_div,
+            top1_agreement=floor.top1_agreement,
+        )
         if floor is not None
         else None,
-        "no_noise_floor": no_noise_floor,
-        "ptq_rounding": ptq_own[0] if ptq_own is not None else None,
-        "tensors_checked_in_file": len(expected_tensors),
-        "tensors_differing": differing,
-        # the scales the loader has no place for, checked in the files: input scales, and the KV cache's k/v scales
-        "input_scales_checked_in_file": sum(
+        no_noise_floor=no_noise_floor,
+        ptq_rounding=ptq_own[0] if ptq_own is not None else None,
+        tensors_checked_in_file=len(expected_tensors),
+        tensors_differing=differing,
+        input_scales_checked_in_file=sum(
             1 for k in expert_input_scales if k.endswith(".input_scale")
         ),
-        "kv_scales_checked_in_file": sum(
+        kv_scales_checked_in_file=sum(
             1 for k in expert_input_scales if k.endswith((".k_scale", ".v_scale"))
         ),
-        "tolerance": {
-            "max_kl_div": VERIFY_MAX_KL,
-            "min_top1_agreement": VERIFY_MIN_TOP1,
-            "files": "bit for bit",
-        },
-        "load": load_info,
-    }
+        tolerance=Tolerance(
+            max_kl_div=VERIFY_MAX_KL, min_top1_agreement=VERIFY_MIN_TOP1, files="bit for bit"
+        ),
+        load=load_info,
+    )
