@@ -253,8 +253,8 @@ def _plan(
     plan: Plan,
     streamed: bool,
 ) -> tuple[dict, list, list[str], list[str]]:
-    """The source's dtypes and what the checkpoint holds (export.plan_checkpoint): a streamed model's
-    tensors are read from its checkpoint as their shards are written."""
+    """The source's dtypes and what the checkpoint holds (export.plan_checkpoint): a streamed
+    model's tensors are read from its checkpoint as their shards are written."""
     if streamed:
         dtypes = export.source_dtypes(str(loaded.model.ptq_checkpoint.directory))
         planned = export.plan_checkpoint(
@@ -485,11 +485,12 @@ def _ptq_own(
 
 
 def _verification_shortfall(model: torch.nn.Module, recipe: Recipe, target: str) -> str | None:
-    """Why reloading and comparing the checkpoint would not fit in memory (None: it fits, or memory is unknown). The
-    check holds, next to the model, the checkpoint reloaded in float32 (read on the host, then moved to the model's
-    device) and, where the target rounds inputs unlike the reload's loader, a float32 copy of the model for ptq's own
-    simulation. Checked before the check starts: running out of memory there would throw away a checkpoint written
-    correctly; this way it is kept, unverified, and the card says why."""
+    """Why reloading and comparing the checkpoint would not fit in memory (None: it fits, or memory
+    is unknown). The check holds, next to the model, the checkpoint reloaded in float32 (read on
+    the host, then moved to the model's device) and, where the target rounds inputs unlike the
+    reload's loader, a float32 copy of the model for ptq's own simulation. Checked before the
+    check starts: running out of memory there would throw away a checkpoint written correctly;
+    this way it is kept, unverified, and the card says why."""
     from ptq.runtime.resources import parameters_shortfall, size_text
 
     params = sum(p.numel() for p in model.parameters())
@@ -513,8 +514,8 @@ def _verification_shortfall(model: torch.nn.Module, recipe: Recipe, target: str)
 
 
 def check_export_target(output: Path, force: bool) -> None:
-    """Refuse an existing output without --force; with it, replace only an earlier ptq export or an empty
-    directory, never a directory that ptq did not write."""
+    """Refuse an existing output without --force; with it, replace only an earlier ptq export or an
+    empty directory, never a directory that ptq did not write."""
     check_writable(output, force, directory=True)
     if output.exists():
         if not output.is_dir():
@@ -526,8 +527,9 @@ def check_export_target(output: Path, force: bool) -> None:
 
 
 def check_compare_model(compare: dict, loaded: LoadedModel) -> None:
-    """Refuse the results of a compare of another model (--compare-results): their numbers would go into this
-    model's card. The model is known by where its weights came from (a folder, a Hub id, a GGUF file)."""
+    """Refuse the results of a compare of another model (--compare-results): their numbers would go
+    into this model's card. The model is known by where its weights came from (a folder, a Hub id, a
+    GGUF file)."""
     if compare.get("model_source") != loaded.source:
         raise PtqError(
             f"{compare['file']} compares another model ('{compare['model']}', from {compare.get('model_source')}), "
@@ -536,9 +538,10 @@ def check_compare_model(compare: dict, loaded: LoadedModel) -> None:
 
 
 def check_compare_calibration(compare: dict, calibration: Calibration | None) -> None:
-    """Refuse the results of a compare whose calibration gave other input scales than this checkpoint's
-    (--compare-results with another --calib, text or number of windows): the card would quote numbers measured with
-    other scales. Known by the layers' input amax, which results.json records exactly (a float32 as a double)."""
+    """Refuse the results of a compare whose calibration gave other input scales than this
+    checkpoint's (--compare-results with another --calib, text or number of windows): the card
+    would quote numbers measured with other scales. Known by the layers' input amax, which
+    results.json records exactly (a float32 as a double)."""
     theirs = (
         (compare.get("calibration") or {}).get("input_amax") if calibration is not None else None
     )
@@ -554,16 +557,18 @@ def check_compare_calibration(compare: dict, calibration: Calibration | None) ->
 
 
 def _without_amax(calibration: dict | None) -> dict | None:
-    """The compare's calibration as ptq-export.json records it: its text and windows, not every layer's amax."""
+    """The compare's calibration as ptq-export.json records it: its text and windows, not every
+    layer's amax."""
     return (
         None if calibration is None else {k: v for k, v in calibration.items() if k != "input_amax"}
     )
 
 
 def load_compare_results(path: Path, recipe: Recipe, target: str) -> dict:
-    """The rows of a `ptq compare` results.json (a file or its directory) for the model card: the variant of this
-    recipe's name, refused unless it quantized as this recipe does, for the same target (a name alone can be another
-    recipe's: a card would then quote another configuration's numbers)."""
+    """The rows of a `ptq compare` results.json (a file or its directory) for the model card: the
+    variant of this recipe's name, refused unless it quantized as this recipe does, for the same
+    target (a name alone can be another recipe's: a card would then quote another configuration's
+    numbers)."""
     path = Path(path)
     path = path / "results.json" if path.is_dir() else path
     r = load_compare(path)
@@ -593,7 +598,8 @@ def load_compare_results(path: Path, recipe: Recipe, target: str) -> dict:
         "file": str(path),
         "model": r.model.name,
         "model_source": r.model.source,
-        # what the variant's static scales came from, checked against this checkpoint's (check_compare_calibration)
+        # what the variant's static scales came from, checked against this checkpoint's
+        # (check_compare_calibration)
         "calibration": None
         if c is None
         else {

@@ -1,5 +1,6 @@
 """The model card (README.md) of a `ptq quantize` checkpoint, rendered from its export record
-(ptq.export.record) alone: what was quantized and how, how the files were verified, how to load them.
+(ptq.export.record) alone: what was quantized and how, how the files were verified, how to load
+them.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def render_model_card(e: ExportRecord) -> str:
     ]
     lines += [f"Note: {c}" for c in e.model.caveats]
     lines += ["", "## Verification", ""]
-    # ptq's own reader stands in where transformers cannot run the checkpoint as quantized (Conv1D, some schemes)
+    # ptq's own reader stands in where transformers cannot run the checkpoint as quantized (Conv1D,
+    # some schemes)
     reader = ver is not None and str(ver.loader or "").startswith("ptq's")
     if ver is None:
         skipped = e.verification_skipped

@@ -1,14 +1,14 @@
 """Export: a quantized model as a Hugging Face checkpoint in the compressed-tensors format, which
 transformers and vLLM load (FP8 E4M3 `float-quantized`, int8 `int-quantized`), for every scheme
 llm-compressor writes: FP8 (static per-tensor inputs), FP8_DYNAMIC (per-channel weights, per-token
-dynamic inputs), FP8_BLOCK (128 x 128 weight blocks, dynamic 1 x 128 input groups), MXFP8 (groups of 32,
-E8M0 scales), and int8 W8A8. What the files hold: ptq.export.format.
+dynamic inputs), FP8_BLOCK (128 x 128 weight blocks, dynamic 1 x 128 input groups), MXFP8 (groups of
+32, E8M0 scales), and int8 W8A8. What the files hold: ptq.export.format.
 
-Planning (every tensor to write, in state-dict order, each made when its shard is written) and writing
-(the shards, config.json, the model's own code). The codes come from
-ptq.quantization.quantize.quantize_weight, the same function the simulation dequantizes, so the file holds
-exactly what `ptq compare` simulated. Shards are written one at a time: peak memory stays near the
-model plus one shard.
+Planning (every tensor to write, in state-dict order, each made when its shard is written) and
+writing (the shards, config.json, the model's own code). The codes come from
+ptq.quantization.quantize.quantize_weight, the same function the simulation dequantizes, so the file
+holds exactly what `ptq compare` simulated. Shards are written one at a time: peak memory stays near
+the model plus one shard.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ DEFAULT_SHARD_BYTES = 1 << 30
 
 @dataclass
 class _Entry:
-    """One tensor of the checkpoint: its name, shape and dtype, and how to produce it when its shard is written."""
+    """One tensor of the checkpoint: its name, shape and dtype, and how to produce it when its shard
+    is written."""
 
     name: str
     shape: tuple[int, ...]
@@ -76,8 +77,8 @@ class _Entry:
 
 
 class SourceDtypes(dict):
-    """Tensor name -> its dtype in the source checkpoint, and (`elements`) the number of values each floating-point
-    dtype holds there."""
+    """Tensor name -> its dtype in the source checkpoint, and (`elements`) the number of values each
+    floating-point dtype holds there."""
 
     def __init__(self, dtypes: dict[str, torch.dtype], elements: dict[torch.dtype, int]):
         super().__init__(dtypes)
@@ -85,10 +86,11 @@ class SourceDtypes(dict):
 
 
 def source_dtypes(location: str) -> SourceDtypes:
-    """The dtype of every tensor in the source checkpoint (a local directory's safetensors headers; for a checkpoint
-    with pickle weights only, loaded with --allow-pickle, its pytorch_model*.bin files, memory-mapped by
-    torch.load(weights_only=True)), so that tensors ptq does not quantize are written back as they were, not in the
-    float32 ptq computes in. Tensors of other dtypes (an FP8 checkpoint's codes, dequantized on load) are left out."""
+    """The dtype of every tensor in the source checkpoint (a local directory's safetensors headers;
+    for a checkpoint with pickle weights only, loaded with --allow-pickle, its pytorch_model*.bin
+    files, memory-mapped by torch.load(weights_only=True)), so that tensors ptq does not quantize
+    are written back as they were, not in the float32 ptq computes in. Tensors of other dtypes
+    (an FP8 checkpoint's codes, dequantized on load) are left out."""
     directory = Path(location)
     if not directory.is_dir():  # a Hub id: its files are in the local cache, if anywhere
         try:
@@ -130,18 +132,21 @@ def source_dtypes(location: str) -> SourceDtypes:
 def export_layers(
     model: nn.Module, recipe: Recipe, plan: Plan | None = None
 ) -> tuple[list[str], list[str], list[str]]:
-    """The Linear layers the recipe's plan quantizes and those it leaves out, and the state-dict names to save;
-    refuses, before any calibration, a model where that is nothing, where a quantized weight is tied to another
-    tensor, or whose checkpoint could not hold what the plan simulates (check_kv_cache, Conv1D with group scales)."""
+    """The Linear layers the recipe's plan quantizes and those it leaves out, and the state-dict
+    names to save; refuses, before any calibration, a model where that is nothing, where a
+    quantized weight is tied to another tensor, or whose checkpoint could not hold what the plan
+    simulates (check_kv_cache, Conv1D with group scales)."""
     plan = plan or plan_of(model, recipe)
-    # and the routers that are Linear layers (ptq.models.matmuls: MoE routers, Qwen2-MoE's shared_expert_gate), which
-    # the checkpoint's "Linear" target would otherwise cover: the loaders must keep them as stored
+    # and the routers that are Linear layers (ptq.models.matmuls: MoE routers, Qwen2-MoE's
+    # shared_expert_gate), which the checkpoint's "Linear" target would otherwise cover: the loaders
+    # must keep them as stored
     routers = [
         name for name, m in model.named_modules() if isinstance(m, nn.Linear) and kind(m) == ROUTER
     ]
-    # and the routers that are modules of their own (transformers 5's Qwen3MoeTopKRouter, MixtralTopKRouter...):
-    # vLLM builds them as ReplicatedLinear, which the "Linear" target matches (its qwen3_moe.py hands the gate its
-    # quant_config), so they are listed too, as compressed-tensors does (quant_config.get_vllm_module_type)
+    # and the routers that are modules of their own (transformers 5's Qwen3MoeTopKRouter,
+    # MixtralTopKRouter...): vLLM builds them as ReplicatedLinear, which the "Linear" target matches
+    # (its qwen3_moe.py hands the gate its quant_config), so they are listed too, as
+    # compressed-tensors does (quant_config.get_vllm_module_type)
     routers += [
         x.name.rpartition(".")[0] for x in plan.unsupported if x.reason.startswith("router")
     ]
@@ -180,12 +185,13 @@ def plan_checkpoint(
     read: Callable[[str], torch.Tensor] | None = None,
     plan: Plan | None = None,
 ) -> tuple[list[_Entry], list[str], list[str]]:
-    """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers. `target`:
-    whose scales to write (ptq.quantization.engines: vllm, the shared scales vLLM serves).
-    read: the tensor of that name in the source checkpoint, for a model whose weights are not in memory (on the
-    meta device: ptq.execution.streaming); each tensor is then read when its shard is written, and each quantized
-    weight checked against the calibration as it is read (the first one before anything is written). `plan`: the
-    recipe's plan for `model` and `target`, when the command has resolved it."""
+    """Every tensor to write, in state-dict order; and the quantized and the left-out Linear layers.
+    `target`: whose scales to write (ptq.quantization.engines: vllm, the shared scales vLLM serves).
+    read: the tensor of that name in the source checkpoint, for a model whose weights are not in
+    memory (on the meta device: ptq.execution.streaming); each tensor is then read when its shard is
+    written, and each quantized weight checked against the calibration as it is read (the first one
+    before anything is written). `plan`: the recipe's plan for `model` and `target`, when the
+    command has resolved it."""
     plan = plan or plan_of(model, recipe, target)
     quantized, ignored, names = export_layers(model, recipe, plan)
     if recipe.needs_calibration:
@@ -219,12 +225,14 @@ def plan_checkpoint(
             return calibration.weight_amax[n]
         return amax(read(disk[f"{n}.weight"]).float())
 
-    # the scales the target engine serves, for the groups the plan says share one (ptq.quantization.engines)
+    # the scales the target engine serves, for the groups the plan says share one
+    # (ptq.quantization.engines)
     shared_weight_amax = engines.shared_amax(
         {n: plan.matmuls[n].weight_group for n in quantized if plan.matmuls[n].weight_group},
         weight_amax,
     )
-    # each static input's clip under the recipe's observer (max: the amax), as the simulation takes it
+    # each static input's clip under the recipe's observer (max: the amax), as the simulation takes
+    # it
     clip = lambda n: input_clip(calibration, n, plan.matmuls[n].inputs)  # noqa: E731
     shared_input_amax = engines.shared_amax(
         {n: plan.matmuls[n].input_group for n in quantized if plan.matmuls[n].input_group}, clip
@@ -275,9 +283,10 @@ def plan_checkpoint(
                 and params[name].dim() == 1
             ):
                 _checked_tensor(name, read(disk[name]), calibration)
-    # each left-out layer under its name in the files, which vLLM matches, and under its module's name where
-    # transformers names it otherwise (GPT-NeoX's lm_head is embed_out on disk, PhiMoE's mlp.router is
-    # block_sparse_moe.gate): compressed-tensors matches the ignore list against transformers' module names
+    # each left-out layer under its name in the files, which vLLM matches, and under its module's
+    # name where transformers names it otherwise (GPT-NeoX's lm_head is embed_out on disk, PhiMoE's
+    # mlp.router is block_sparse_moe.gate): compressed-tensors matches the ignore list against
+    # transformers' module names
     ignored = sorted(
         {
             n
@@ -291,8 +300,9 @@ def plan_checkpoint(
 def kv_cache_entries(
     model: nn.Module, plan, calibration: Calibration | None, disk: dict[str, str]
 ) -> list[_Entry]:
-    """`<attention>.k_scale` and `.v_scale` of every attention layer whose KV cache the plan quantizes: float32,
-    [1] per tensor or [kv heads, 1, 1] per head (compressed-tensors' attn_head layout), the simulation's scales."""
+    """`<attention>.k_scale` and `.v_scale` of every attention layer whose KV cache the plan
+    quantizes: float32, [1] per tensor or [kv heads, 1, 1] per head (compressed-tensors'
+    attn_head layout), the simulation's scales."""
     entries = []
     for layer, tensors in plan.attention.items():  # each with a k_proj (check_kv_cache)
         prefix = disk[f"{layer}.k_proj.weight"].removesuffix(".k_proj.weight")
@@ -326,10 +336,11 @@ def quantized_entries(
     transposed: bool = False,
     weight_amax: torch.Tensor | None = None,
 ) -> list[_Entry]:
-    """The tensors of a quantized Linear: its codes, weight scale and (static inputs) input scale. `weight()` gives the
-    weight [out, in] when its shard is written (from the model in memory, or from disk: ptq.execution.streaming);
-    `transposed`: the codes are written [in, out], as Conv1D stores its weight. `weight_amax`: a fused group's shared
-    amax for the weight scale (ptq.quantization.engines), instead of the weight's own."""
+    """The tensors of a quantized Linear: its codes, weight scale and (static inputs) input scale.
+    `weight()` gives the weight [out, in] when its shard is written (from the model in memory, or
+    from disk: ptq.execution.streaming); `transposed`: the codes are written [in, out], as Conv1D
+    stores its weight. `weight_amax`: a fused group's shared amax for the weight scale
+    (ptq.quantization.engines), instead of the weight's own."""
     weights, inputs = recipe.weights, recipe.inputs
     scale_shape = weight_scale_shape(shape, weights)
     mx = weights.scale_format == "e8m0"
@@ -365,7 +376,8 @@ def quantized_entries(
 def _checked_weight(
     layer: str, weight: torch.Tensor, calibration: Calibration | None
 ) -> torch.Tensor:
-    """A weight read from disk, in float32, refused when its amax is not the calibration's (another model)."""
+    """A weight read from disk, in float32, refused when its amax is not the calibration's (another
+    model)."""
     w = weight.float()
     if calibration is not None:
         calibration.check_weight(layer, w)
@@ -375,8 +387,9 @@ def _checked_weight(
 def _checked_tensor(
     name: str, tensor: torch.Tensor, calibration: Calibration | None
 ) -> torch.Tensor:
-    """A tensor read from disk that is not quantized (a norm, an embedding), refused when the calibration recorded
-    another amax for it (Calibration.tensor_amax: another model whose Linear weights are this one's)."""
+    """A tensor read from disk that is not quantized (a norm, an embedding), refused when the
+    calibration recorded another amax for it (Calibration.tensor_amax: another model whose Linear
+    weights are this one's)."""
     if calibration is not None:
         calibration.check_tensor(name, tensor.float() if tensor.is_floating_point() else tensor)
     return tensor
@@ -399,8 +412,9 @@ def _input_scale(input_amax: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
 
 
 def _dominant_dtype(dtypes: dict[str, torch.dtype]) -> torch.dtype:
-    """The source checkpoint's own dtype: the floating-point dtype that holds most of its values (SourceDtypes), not
-    most of its tensors (an FP8 checkpoint has a float32 weight_scale_inv next to each weight, its values in bf16)."""
+    """The source checkpoint's own dtype: the floating-point dtype that holds most of its values
+    (SourceDtypes), not most of its tensors (an FP8 checkpoint has a float32 weight_scale_inv next
+    to each weight, its values in bf16)."""
     elements = getattr(dtypes, "elements", None)
     if elements is None:
         elements = collections.Counter(d for d in dtypes.values() if d.is_floating_point)
@@ -426,9 +440,10 @@ def write_weights(
     max_shard_bytes: int,
     advance: Callable[[int], None] = lambda n: None,
 ) -> dict:
-    """Write the safetensors shards (and the index when there is more than one), one shard in memory at a time; refused
-    at once when the disk has not the room for them (a streamed model's weights are read and quantized as its shards
-    are written: a full disk is found out before that work, not at the last shard)."""
+    """Write the safetensors shards (and the index when there is more than one), one shard in memory
+    at a time; refused at once when the disk has not the room for them (a streamed model's
+    weights are read and quantized as its shards are written: a full disk is found out before
+    that work, not at the last shard)."""
     from ptq.runtime.resources import check_disk
 
     total = sum(e.nbytes for e in entries)
@@ -455,8 +470,9 @@ def write_weights(
 
 
 def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors.torch.save_file, whose I/O errors (a full disk, a quota) come as SafetensorError ("... (os error
-    28)"), not OSError: raised as the OSError they are, which ptq.files.atomic_dir turns into one line."""
+    """safetensors.torch.save_file, whose I/O errors (a full disk, a quota) come as SafetensorError
+    ("... (os error 28)"), not OSError: raised as the OSError they are, which ptq.files.atomic_dir
+    turns into one line."""
     try:
         safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
     except safetensors.SafetensorError as e:
@@ -474,8 +490,8 @@ def write_config(
     dtypes: dict[str, torch.dtype],
     directory: Path,
 ) -> dict:
-    """config.json with the compressed-tensors quantization_config (written by compressed-tensors itself),
-    and generation_config.json; returns the quantization_config as written."""
+    """config.json with the compressed-tensors quantization_config (written by compressed-tensors
+    itself), and generation_config.json; returns the quantization_config as written."""
     from compressed_tensors.compressors import ModelCompressor
 
     config = copy.deepcopy(model.config)
@@ -499,8 +515,9 @@ def write_config(
 
 
 def remote_code_files(auto_map: dict | None) -> list[str]:
-    """The Python files of the model's own directory that config.json's auto_map names ("modeling_x.XForCausalLM" ->
-    modeling_x.py; a reference into another repository, "owner/repo--modeling_x.X", is fetched from there)."""
+    """The Python files of the model's own directory that config.json's auto_map names
+    ("modeling_x.XForCausalLM" -> modeling_x.py; a reference into another repository,
+    "owner/repo--modeling_x.X", is fetched from there)."""
     names = []
     for value in (auto_map or {}).values():
         for reference in value if isinstance(value, (list, tuple)) else [value]:
@@ -510,10 +527,11 @@ def remote_code_files(auto_map: dict | None) -> list[str]:
 
 
 def copy_remote_code(source: str, auto_map: dict | None, directory: Path) -> list[str]:
-    """Copy into `directory` the source checkpoint's Python files that auto_map names, with the files they import
-    relatively (transformers' get_relative_import_files, as its save_pretrained does): the exported config.json keeps
-    the source's auto_map, so its code must travel with it (loading it needs trust_remote_code, as the source did).
-    `source`: the source's local directory, or a Hub id whose files are in the local cache. Returns the names copied."""
+    """Copy into `directory` the source checkpoint's Python files that auto_map names, with the
+    files they import relatively (transformers' get_relative_import_files, as its save_pretrained
+    does): the exported config.json keeps the source's auto_map, so its code must travel with it
+    (loading it needs trust_remote_code, as the source did). `source`: the source's local
+    directory, or a Hub id whose files are in the local cache. Returns the names copied."""
     import shutil
 
     from transformers.dynamic_module_utils import get_relative_import_files
@@ -541,8 +559,9 @@ def copy_remote_code(source: str, auto_map: dict | None, directory: Path) -> lis
 
 
 def checkpoint_bytes(entries: list[_Entry], quantized_layers: list[str]) -> dict:
-    """Bytes of the tensors written, and of the same model as a 16-bit checkpoint: every parameter of a
-    floating-point or quantized tensor at 2 bytes (the scales are not part of a 16-bit checkpoint)."""
+    """Bytes of the tensors written, and of the same model as a 16-bit checkpoint: every parameter
+    of a floating-point or quantized tensor at 2 bytes (the scales are not part of a 16-bit
+    checkpoint)."""
     codes = {f"{layer}.weight" for layer in quantized_layers}
     scales = {
         f"{layer}.{kind}" for layer in quantized_layers for kind in ("weight_scale", "input_scale")

@@ -1,6 +1,7 @@
 """What a compressed-tensors checkpoint holds and what its loaders (transformers, vLLM) accept: the
-recipes the format can express, the quantization_config written into config.json, the scale layouts, and
-the recipe x architecture pairs refused before any work because no loader would run them as simulated.
+recipes the format can express, the quantization_config written into config.json, the scale
+layouts, and the recipe x architecture pairs refused before any work because no loader would run
+them as simulated.
 
 For every Linear the recipe quantizes, the checkpoint holds
     <layer>.weight        float8_e4m3fn / int8 codes, 1 byte per parameter
@@ -114,11 +115,11 @@ def check_exportable(recipe: Recipe) -> None:
 def _check_vllm_pairing(recipe: Recipe) -> None:
     """The weight x input pairs vLLM's compressed-tensors schemes serve as written (vllm 0.32
     compressed_tensors.py, `_is_fp8_w8a8`, `_is_static_tensor_w8a8`, `_is_dynamic_token_w8a8`, and
-    CompressedTensorsW8A8Fp8): block weights take dynamic input groups of block_structure[0] (whatever group
-    the config names) and no static input scale (an assert at load); per-tensor and per-channel weights take a
-    static per-tensor input scale (recipes allow no other static one) or a dynamic per-token one (other dynamic
-    inputs are served per token); int8 weights are per-tensor or per-channel ("No compressed-tensors compatible
-    scheme" otherwise)."""
+    CompressedTensorsW8A8Fp8): block weights take dynamic input groups of block_structure[0]
+    (whatever group the config names) and no static input scale (an assert at load); per-tensor and
+    per-channel weights take a static per-tensor input scale (recipes allow no other static one) or
+    a dynamic per-token one (other dynamic inputs are served per token); int8 weights are per-tensor
+    or per-channel ("No compressed-tensors compatible scheme" otherwise)."""
     w, x = recipe.weights, recipe.inputs
     wg, xg = w.granularity, x.granularity
     pair = f"recipe '{recipe.name}' pairs {wg.describe()} weights with {x.describe()} inputs"
@@ -177,8 +178,9 @@ def quantization_args(spec: TensorQuant):
 
 
 def quantization_config(recipe: Recipe, ignore: list[str]):
-    """The compressed-tensors QuantizationConfig for `recipe`: one config group for every Linear except the
-    `ignore`d layers (their exact names), symmetric scales, weights already compressed on disk."""
+    """The compressed-tensors QuantizationConfig for `recipe`: one config group for every Linear
+    except the `ignore`d layers (their exact names), symmetric scales, weights already compressed
+    on disk."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     scheme = QuantizationScheme(
@@ -209,7 +211,8 @@ def quantization_config(recipe: Recipe, ignore: list[str]):
 
 
 def weight_scale_shape(shape: tuple[int, ...], weights: TensorQuant) -> tuple[int, ...]:
-    """The shape of a weight [out, in]'s weight_scale on disk (partial groups and blocks counted: ceil)."""
+    """The shape of a weight [out, in]'s weight_scale on disk (partial groups and blocks counted:
+    ceil)."""
     g, (rows, cols) = weights.granularity, shape
     if isinstance(g, PerChannel):
         return (rows, 1)
@@ -221,10 +224,11 @@ def weight_scale_shape(shape: tuple[int, ...], weights: TensorQuant) -> tuple[in
 
 
 def check_kv_cache(model: nn.Module, plan: Plan, names: list[str]) -> None:
-    """Refuse a KV-cache recipe whose plan leaves some attention layer's K or V in the compute dtype: the
-    checkpoint's kv_cache_scheme has no per-layer list (compressed-tensors applies it to every attention layer,
-    and vLLM stores a layer without k_scale / v_scale in FP8 at scale 1), so it would not run as simulated. And one
-    whose attention has no k_proj to name the scales after."""
+    """Refuse a KV-cache recipe whose plan leaves some attention layer's K or V in the compute
+    dtype: the checkpoint's kv_cache_scheme has no per-layer list (compressed-tensors applies it
+    to every attention layer, and vLLM stores a layer without k_scale / v_scale in FP8 at scale
+    1), so it would not run as simulated. And one whose attention has no k_proj to name the
+    scales after."""
     if plan.recipe.kv_cache is None:
         return
     left = [
@@ -249,10 +253,11 @@ def check_kv_cache(model: nn.Module, plan: Plan, names: list[str]) -> None:
 
 
 def check_fused_precision(model: nn.Module, quantized: list[str]) -> None:
-    """Refuse, for --target vllm, a checkpoint where one of vLLM's fused layers is partly quantized: q/k/v, gate/up
-    (engines.fused_groups) or an experts module (one FusedMoE: vLLM skips it whole if any expert layer is ignored).
-    vLLM refuses the first ("Detected some but not all shards of ... are quantized. All shards of fused layers to have
-    the same precision") and would load the second unquantized. transformers loads both (--target transformers)."""
+    """Refuse, for --target vllm, a checkpoint where one of vLLM's fused layers is partly quantized:
+    q/k/v, gate/up (engines.fused_groups) or an experts module (one FusedMoE: vLLM skips it whole if
+    any expert layer is ignored). vLLM refuses the first ("Detected some but not all shards of ...
+    are quantized. All shards of fused layers to have the same precision") and would load the second
+    unquantized. transformers loads both (--target transformers)."""
     done = set(quantized)
     groups = [tuple(g) for g in engines.fused_groups(model)]
     for path, m in model.named_modules():
@@ -274,12 +279,13 @@ def check_fused_precision(model: nn.Module, quantized: list[str]) -> None:
 
 
 def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> None:
-    """Refuse, before any calibration, a recipe x architecture pair whose checkpoint no loader takes, or that the
-    reload check cannot load. int8 experts with static input scales: vLLM has no fused-MoE method for them (its
-    compressed_tensors_moe `get_moe_method` takes int8 W8A8 experts with dynamic per-token inputs only: "Unsupported
-    FusedMoe scheme"). And transformers loads no int-quantized checkpoint of a model with fused experts, quantized or
-    left out ("Concatenate on tensors destined for ...experts.gate_up_proj. Ckpt contains: 0"). And experts that
-    checkpoints keep fused (check_experts_per_expert)."""
+    """Refuse, before any calibration, a recipe x architecture pair whose checkpoint no loader
+    takes, or that the reload check cannot load. int8 experts with static input scales: vLLM has
+    no fused-MoE method for them (its compressed_tensors_moe `get_moe_method` takes int8 W8A8
+    experts with dynamic per-token inputs only: "Unsupported FusedMoe scheme"). And transformers
+    loads no int-quantized checkpoint of a model with fused experts, quantized or left out
+    ("Concatenate on tensors destined for ...experts.gate_up_proj. Ckpt contains: 0"). And
+    experts that checkpoints keep fused (check_experts_per_expert)."""
     experts = [path for path, m in model.named_modules() if isinstance(m, LinearExperts)]
     if experts and recipe.weights.format.kind == "int":
         quantized_experts = any(kind(model.get_submodule(name)) == "Experts" for name in quantized)
@@ -308,8 +314,9 @@ def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> No
     check_experts_per_expert(model)
 
 
-# (weights, inputs, dynamic inputs) of FP8 experts as vLLM 0.32 serves them (compressed_tensors_moe_w8a8_fp8.py:
-# per_tensor, per_channel, and block scales keyed as kFp8Static128BlockSym with kFp8Dynamic128Sym inputs)
+# (weights, inputs, dynamic inputs) of FP8 experts as vLLM 0.32 serves them
+# (compressed_tensors_moe_w8a8_fp8.py: per_tensor, per_channel, and block scales keyed as
+# kFp8Static128BlockSym with kFp8Dynamic128Sym inputs)
 _VLLM_FP8_EXPERTS = {
     (PerTensor(), PerTensor(), False),
     (PerChannel(), PerToken(), True),

@@ -1,6 +1,6 @@
 """Reading a written checkpoint back for its verification: as a user would, with transformers
-(reload), or, where transformers cannot run it as quantized, with ptq's own dequantizing reader, which
-reads the files and config.json alone.
+(reload), or, where transformers cannot run it as quantized, with ptq's own dequantizing reader,
+which reads the files and config.json alone.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from ptq.export.checkpoint import remote_code_files
 def reload(
     directory: Path, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Module, dict]:
-    """Load the checkpoint as a user would (AutoModelForCausalLM.from_pretrained, float32, default options; the
-    model's own code, copied with it, runs only with `trust_remote_code`, as the user asked for the source),
-    and describe what transformers made of it. `dtype`: bfloat16 for bfloat16_check only."""
+    """Load the checkpoint as a user would (AutoModelForCausalLM.from_pretrained, float32, default
+    options; the model's own code, copied with it, runs only with `trust_remote_code`, as the user
+    asked for the source), and describe what transformers made of it. `dtype`: bfloat16 for
+    bfloat16_check only."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -44,8 +45,9 @@ def reload(
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PtqError(f"transformers cannot load the exported checkpoint: {reason}") from None
-    # asked for float32, some transformers versions still hold weights in 16 bits (5.17 dequantizes fused experts
-    # into bfloat16): the loader then computes another model than the checkpoint's, and the check would measure that
+    # asked for float32, some transformers versions still hold weights in 16 bits (5.17 dequantizes
+    # fused experts into bfloat16): the loader then computes another model than the checkpoint's,
+    # and the check would measure that
     state = model.state_dict()
     narrowed = [n for n, t in state.items() if t.dtype in (torch.bfloat16, torch.float16)]
     if narrowed and dtype == torch.float32:
@@ -57,8 +59,8 @@ def reload(
     model.requires_grad_(False)
     quantized = [m for m in model.modules() if getattr(m, "quantization_scheme", None) is not None]
     return model, {
-        # some versions (5.17) quantize the KV cache themselves, by compressed-tensors' attention hook, from the
-        # checkpoint's k_scale / v_scale; others leave them unused (unexpected keys)
+        # some versions (5.17) quantize the KV cache themselves, by compressed-tensors' attention
+        # hook, from the checkpoint's k_scale / v_scale; others leave them unused (unexpected keys)
         "kv_cache_quantized": any(n.endswith((".k_scale", ".v_scale")) for n in state),
         "missing_keys": sorted(info.get("missing_keys", [])),
         "unexpected_keys": sorted(info.get("unexpected_keys", [])),
@@ -76,9 +78,10 @@ def reload(
 def reload_or_read(
     directory: Path, conv1d: bool, trust_remote_code: bool = False
 ) -> tuple[nn.Module, dict]:
-    """The checkpoint reloaded by transformers; where transformers cannot run it (Conv1D layers, or its error on
-    load: block or MX scales on some shapes), by ptq's own reader, with transformers' reason recorded.
-    `trust_remote_code`: as the user gave it for the source (the checkpoint carries the source's own code)."""
+    """The checkpoint reloaded by transformers; where transformers cannot run it (Conv1D layers, or
+    its error on load: block or MX scales on some shapes), by ptq's own reader, with
+    transformers' reason recorded. `trust_remote_code`: as the user gave it for the source (the
+    checkpoint carries the source's own code)."""
     if conv1d:
         return reload_dequantized(directory, trust_remote_code=trust_remote_code)
     try:
@@ -94,12 +97,13 @@ def reload_or_read(
 
 
 def bfloat16_check(directory: Path, read: nn.Module, trust_remote_code: bool = False) -> dict:
-    """Where transformers cannot run the checkpoint in float32, does it in bfloat16, the dtype users load 16-bit
-    models in? (compressed-tensors' MX decompression returns bfloat16 scales: "expected m1 and m2 to have the same
-    dtype" in float32.) And are the weights it decompresses the files' codes x scales, those of ptq's reader (`read`,
-    float32) in bfloat16? An E4M3 code times a power of two is exact in bfloat16, so MX weights must be equal bit for
-    bit. {"runs", "error" where it does not, "layers": quantized layers compared, "equal": how many were}. The
-    bfloat16 model (half the float32 reload's memory) is freed before the check scores anything."""
+    """Where transformers cannot run the checkpoint in float32, does it in bfloat16, the dtype users
+    load 16-bit models in? (compressed-tensors' MX decompression returns bfloat16 scales: "expected
+    m1 and m2 to have the same dtype" in float32.) And are the weights it decompresses the files'
+    codes x scales, those of ptq's reader (`read`, float32) in bfloat16? An E4M3 code times a power
+    of two is exact in bfloat16, so MX weights must be equal bit for bit. {"runs", "error" where it
+    does not, "layers": quantized layers compared, "equal": how many were}. The bfloat16 model (half
+    the float32 reload's memory) is freed before the check scores anything."""
     try:
         model, _ = reload(directory, trust_remote_code, dtype=torch.bfloat16)
     except PtqError as e:
@@ -125,17 +129,19 @@ def reload_dequantized(
     why: str = "transformers does not load compressed-tensors Conv1D layers",
     trust_remote_code: bool = False,
 ) -> tuple[nn.Module, dict]:
-    """ptq's own reader, for checkpoints transformers cannot run as quantized (Conv1D layers; block and MX scales
-    where transformers' compressed-tensors integration fails): every quantized weight dequantized from the files
-    (codes x weight_scale, each scale repeated over its group or tile as config.json's weights say: block_structure
-    rows x columns, or group_size columns, cropped at the edges; E8M0 bytes read as 2^(u - 127); in the
-    file's orientation: [in, out] for Conv1D), every other tensor as stored, written as a plain float32
-    checkpoint that transformers then loads with its own weight conversions (experts merged as usual);
-    dynamic inputs (per tensor, token or group, as config.json's input_activations say) of the plain layers
-    quantized on the fly with torch's own float8 cast. Static input scales and experts' inputs are not applied
-    (verify checks static scales in the files). Deliberately simple arithmetic, read from the files and
-    config.json alone, so that it checks the files rather than ptq's simulation. A model with its own code (auto_map)
-    runs it with `trust_remote_code` only."""
+    """ptq's own reader, for checkpoints transformers cannot run as quantized (Conv1D layers; block
+    and MX scales where transformers' compressed-tensors integration fails): every quantized
+    weight dequantized from the files (codes x weight_scale, each scale repeated over its group
+    or tile as config.json's weights say: block_structure rows x columns, or group_size columns,
+    cropped at the edges; E8M0 bytes read as 2^(u - 127); in the file's orientation: [in, out]
+    for Conv1D), every other tensor as stored, written as a plain float32 checkpoint that
+    transformers then loads with its own weight conversions (experts merged as usual); dynamic
+    inputs (per tensor, token or group, as config.json's input_activations say) of the plain
+    layers quantized on the fly with torch's own float8 cast. Static input scales and experts'
+    inputs are not applied (verify checks static scales in the files). Deliberately simple
+    arithmetic, read from the files and config.json alone, so that it checks the files rather
+    than ptq's simulation. A model with its own code (auto_map) runs it with `trust_remote_code`
+    only."""
     import shutil
     import tempfile
 
@@ -200,8 +206,9 @@ def _read_dequantized(
     skeleton: nn.Module,
     trust_remote_code: bool,
 ) -> tuple[nn.Module, dict, dict, list[str]]:
-    """reload_dequantized's reading: the files' weights dequantized into `tmp` (holding the plain config.json), loaded
-    by transformers; (the model, its loading info, the stored tensors, the layers with dynamic inputs)."""
+    """reload_dequantized's reading: the files' weights dequantized into `tmp` (holding the plain
+    config.json), loaded by transformers; (the model, its loading info, the stored tensors, the
+    layers with dynamic inputs)."""
     from transformers import AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
@@ -242,8 +249,9 @@ def _read_dequantized(
 
 
 def _dynamic_fp8(x: torch.Tensor, args: dict) -> torch.Tensor:
-    """Dynamic E4M3 input quantization as config.json describes it (per tensor, token or group; fp32 or E8M0
-    scales: the smallest power of two >= amax / 448), by torch's float8 cast: the reader's own arithmetic."""
+    """Dynamic E4M3 input quantization as config.json describes it (per tensor, token or group; fp32
+    or E8M0 scales: the smallest power of two >= amax / 448), by torch's float8 cast: the
+    reader's own arithmetic."""
     shape, size = x.shape, (args.get("group_size") if args.get("strategy") == "group" else None)
     v = x.float()
     if size:

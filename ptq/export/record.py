@@ -34,7 +34,8 @@ def to_json(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class NoiseFloor:
-    """The simulation with another attention implementation: float-order noise, measured, not a limit."""
+    """The simulation with another attention implementation: float-order noise, measured, not a
+    limit."""
 
     what: str
     ppl_delta_pct: float

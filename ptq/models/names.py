@@ -1,6 +1,6 @@
 """Checkpoint naming: which state-dict tensors `save_pretrained` writes, and the names it gives them
-on disk (transformers renames and re-fuses some tensors on save). Used by export and by layer-by-layer
-execution, which reads a checkpoint's tensors by those names.
+on disk (transformers renames and re-fuses some tensors on save). Used by export and by
+layer-by-layer execution, which reads a checkpoint's tensors by those names.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ def saved_names(model: nn.Module) -> list[str]:
 
 
 def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
-    """State-dict name of the linearized model (ptq.models.matmuls) -> the name `save_pretrained` gives that tensor on
-    disk. transformers merges per-expert 2-D checkpoint tensors into 3-D ones on load and splits them back on
-    save (its weight conversions, e.g. Mixtral's experts.{e}.w1/w3 -> gate_up_proj), renaming some modules too.
-    The same reversal is run on stand-ins: a one-element tensor holding each plain tensor's index, and for each
-    experts module its fused 3-D tensors holding (projection, expert, row) codes, read back after the split.
-    Experts a checkpoint keeps fused (3-D tensors on disk) cannot be written per expert: refused."""
+    """State-dict name of the linearized model (ptq.models.matmuls) -> the name `save_pretrained`
+    gives that tensor on disk. transformers merges per-expert 2-D checkpoint tensors into 3-D
+    ones on load and splits them back on save (its weight conversions, e.g. Mixtral's
+    experts.{e}.w1/w3 -> gate_up_proj), renaming some modules too. The same reversal is run on
+    stand-ins: a one-element tensor holding each plain tensor's index, and for each experts
+    module its fused 3-D tensors holding (projection, expert, row) codes, read back after the
+    split. Experts a checkpoint keeps fused (3-D tensors on disk) cannot be written per expert:
+    refused."""
     from transformers.core_model_loading import revert_weight_conversion
 
     experts = {path: m for path, m in model.named_modules() if isinstance(m, LinearExperts)}
@@ -47,7 +49,8 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
             projections[str(code)] = [path, *parts]
             e = torch.arange(len(m), dtype=torch.float64)[:, None, None]
             r = torch.arange(rows, dtype=torch.float64)[None, :, None]
-            # two columns, not one: transformers 5.17's split squeezes a size-1 dimension away (a 1-D tensor back)
+            # two columns, not one: transformers 5.17's split squeezes a size-1 dimension away (a
+            # 1-D tensor back)
             stand_ins[f"{path}.{fused_name}"] = ((code * 4096 + e) * 2.0**24 + r).expand(-1, -1, 2)
     try:
         reverted = revert_weight_conversion(model, stand_ins)
@@ -75,13 +78,14 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
         raise PtqError(
             f"cannot work out the checkpoint name of '{missing[0]}' in {type(model).__name__}"
         )
-    # the stand-ins cover every projection of every experts module; only the names asked for are answered (a recipe
-    # may quantize some of an expert's projections and not others)
+    # the stand-ins cover every projection of every experts module; only the names asked for are
+    # answered (a recipe may quantize some of an expert's projections and not others)
     return {n: mapping[n] for n in names}
 
 
 def check_experts_per_expert(model: nn.Module) -> None:
-    """Experts whose checkpoints keep them fused (3-D, with biases: GPT-OSS) cannot be written per expert: refused."""
+    """Experts whose checkpoints keep them fused (3-D, with biases: GPT-OSS) cannot be written per
+    expert: refused."""
     for path, m in model.named_modules():
         if isinstance(m, LinearExperts) and m[0].down_proj.bias is not None:
             raise PtqError(
