@@ -67,7 +67,7 @@ def ptq_simulation(
     (noise_floor_pct) and ptq's layers on vLLM's own inputs (layer_by_layer). Without them there is nothing to
     compare with, and the perturbed runs are not made."""
     from ptq.evaluation.evaluate import evaluate
-    from ptq.export.checkpoint import OtherAttention, simulate_export
+    from ptq.export.verify import OtherAttention, simulate_export
     from ptq.models.loading import load_model
     from ptq.quantization.recipes import load_recipe
 

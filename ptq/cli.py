@@ -355,8 +355,8 @@ def quantize(
     Example: ptq quantize smollm2 --recipe fp8-e4m3 -o smollm2-fp8
     """
     progress.QUIET = quiet
-    from ptq.commands.workflows import run_quantize
-    from ptq.export.checkpoint import VerificationFailed
+    from ptq.commands.quantize import run_quantize
+    from ptq.export.verify import VerificationFailed
 
     # an option takes effect or is refused, never dropped
     if not options["checkpoint"].verify and options["data"].windows != opts.VERIFY_WINDOWS:

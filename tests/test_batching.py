@@ -196,12 +196,12 @@ def test_out_of_memory_while_loading_is_one_line_naming_the_model(
 
 def test_out_of_memory_while_exporting_leaves_nothing(ptq_run, tiny_model, tmp_path, monkeypatch):
     pytest.importorskip("compressed_tensors")
-    import ptq.export.checkpoint
+    import ptq.export.reading
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
 
-    monkeypatch.setattr(ptq.export.checkpoint, "reload", no_room)
+    monkeypatch.setattr(ptq.export.reading, "reload", no_room)
     out = tmp_path / "exported"
     code, _, stderr = ptq_run("quantize", tiny_model, recipe="fp8-e4m3", o=out)
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr

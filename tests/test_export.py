@@ -194,7 +194,7 @@ def test_the_reload_check_simulates_the_loaders_division_and_compare_vllms_recip
 ):
     from ptq.calibration.calibrate import calibrate
     from ptq.evaluation.data import load_corpus, make_windows
-    from ptq.export import checkpoint as export
+    from ptq.export import verify as export
     from ptq.models.loading import load_model
     from ptq.quantization.plan import calibrated_layers
     from ptq.quantization.quantize import QuantLinear
@@ -228,7 +228,7 @@ def test_the_reload_check_quantizes_the_kv_cache_where_its_loader_does(
     quantizes the KV cache in the first case only (the KV-cache exports of tests/test_schemes.py verify under both:
     checked under 5.17 in a venv of its own)."""
     from ptq.calibration.calibrate import load_calibration
-    from ptq.export import checkpoint as export
+    from ptq.export import verify as export
     from ptq.models.loading import load_model
     from ptq.quantization.recipes import load_recipe
 
@@ -258,8 +258,12 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
 
     from ptq.calibration.calibrate import calibrate
     from ptq.evaluation.data import load_corpus, make_windows
-    from ptq.export import checkpoint as export
+    from ptq.export import verify as export
+    from ptq.export.checkpoint import export_layers
+    from ptq.export.reading import reload
+    from ptq.export.record import Verification
     from ptq.models.loading import load_model
+    from ptq.models.names import checkpoint_names
     from ptq.quantization.plan import calibrated_layers
     from ptq.quantization.recipes import load_recipe
 
@@ -270,28 +274,23 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
     text.write_text(TEXT * 3)
     windows = make_windows(load_corpus(str(text), "calibration"), loaded.tokenizer, 64, 4).input_ids
     calibration = calibrate(loaded.model, windows, calibrated_layers(loaded.model, recipe))
-    quantized = export.export_layers(loaded.model, recipe)[0]
-    disk = export.checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
+    quantized = export_layers(loaded.model, recipe)[0]
+    disk = checkpoint_names(loaded.model, [f"{name}.weight" for name in quantized])
     simulated = export.simulate_export(
         loaded.model, recipe, calibration, target="vllm"
     )  # as exported
     expected = export.simulated_tensors(simulated, disk, [])
     assert len(expected) == 3 * 14
 
-    def verify(directory: Path) -> dict:
-        reloaded, info = export.reload(directory)
+    def verify(directory: Path) -> Verification:
+        reloaded, info = reload(directory)
         return export.verify(
             simulated, reloaded, info, 14, windows, expected_tensors=expected, directory=directory
         )
 
     good = verify(out)
-    assert (
-        good["passed"] and good["tensors_checked_in_file"] == 42 and not good["tensors_differing"]
-    )
-    assert (
-        good["noise_floor"]["kl_div"] >= 0
-        and "eager instead of sdpa" in good["noise_floor"]["what"]
-    )
+    assert good.passed and good.tensors_checked_in_file == 42 and not good.tensors_differing
+    assert good.noise_floor.kl_div >= 0 and "eager instead of sdpa" in good.noise_floor.what
     for name, change in (
         ("input_scale", lambda k: k.endswith(".input_scale")),
         ("weight_scale", lambda k: k == "model.layers.1.mlp.down_proj.weight_scale"),
@@ -306,9 +305,9 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
             }
             safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
         result = verify(bad)
-        assert not result["passed"] and any("KL" in p for p in result["problems"])
-        assert any("differ from ptq's" in p for p in result["problems"])
-        assert len(result["tensors_differing"]) == (14 if name == "input_scale" else 1)
+        assert not result.passed and any("KL" in p for p in result.problems)
+        assert any("differ from ptq's" in p for p in result.problems)
+        assert len(result.tensors_differing) == (14 if name == "input_scale" else 1)
 
     dense = AutoModelForCausalLM.from_pretrained(
         str(out), dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
@@ -321,9 +320,7 @@ def test_verification_fails_on_a_wrong_scale(exported, tiny_model, tmp_path):
         "input_quantized_layers": 0,
     }
     result = export.verify(simulated, dense.eval(), info, 14, windows)
-    assert not result["passed"] and any(
-        "input quantization in 0 of 14" in p for p in result["problems"]
-    )
+    assert not result.passed and any("input quantization in 0 of 14" in p for p in result.problems)
 
 
 def test_compare_accepts_an_exported_directory(exported, ptq_run, tmp_path):
@@ -445,7 +442,7 @@ VLLM_PAIRS = [
 @pytest.mark.parametrize("weights, inputs, refused", VLLM_PAIRS)
 def test_only_pairs_vllm_serves_as_simulated_are_exportable(weights, inputs, refused, tmp_path):
     from ptq.errors import PtqError
-    from ptq.export.checkpoint import check_exportable
+    from ptq.export.format import check_exportable
     from ptq.quantization.recipes import load_recipe
 
     path = tmp_path / "pair.yaml"
@@ -666,8 +663,8 @@ def quantize_cli(ptq_cli, source, recipe, out, text_file, *extra):
 def test_checkpoint_names_answers_the_names_asked_for_only():
     """The expert stand-ins cover every projection; a caller asking for some expert weights gets those only."""
 
-    from ptq.export.checkpoint import checkpoint_names
     from ptq.models.matmuls import linearize
+    from ptq.models.names import checkpoint_names
 
     model = linearize(families.build("qwen3_moe"))
     asked = [
@@ -682,8 +679,8 @@ def test_checkpoint_names_survive_a_split_that_squeezes_size_one_dimensions(monk
     that their split still reads back 2-D (the name of every expert weight), under such a split too."""
     from transformers import core_model_loading
 
-    from ptq.export.checkpoint import checkpoint_names
     from ptq.models.matmuls import linearize
+    from ptq.models.names import checkpoint_names
 
     revert = core_model_loading.revert_weight_conversion
 
@@ -712,7 +709,7 @@ def test_a_reload_that_holds_weights_in_16_bits_is_left_to_ptqs_reader(
     and with that reader's input rounding (dynamic scales; static ones are checked in the files)."""
     import transformers
 
-    from ptq.export import checkpoint as export
+    from ptq.export import reading as export
 
     exported = tmp_path / "out"
     common = ["--data", str(tmp_path / "t.txt"), "--samples", "2", "--seq-len", "32", "-q"]
@@ -892,7 +889,7 @@ def test_the_reload_check_takes_compressed_tensors_token_scales_for_2d_and_4d_in
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
 
-    from ptq.export import checkpoint as export
+    from ptq.export import verify as export
     from ptq.models.loading import load_model
     from ptq.quantization.recipes import load_recipe
 
@@ -999,7 +996,8 @@ def test_routers_that_are_not_linear_layers_are_in_ignore(family, tmp_path):
     that compressed-tensors lists (Mixtral's mlp.gate)."""
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
-    from ptq.export.checkpoint import plan_checkpoint, quantization_config
+    from ptq.export.checkpoint import plan_checkpoint
+    from ptq.export.format import quantization_config
     from ptq.models.matmuls import linearize
     from ptq.quantization.recipes import load_recipe
 
@@ -1067,7 +1065,8 @@ def test_the_loader_quantizes_exactly_the_layers_ptq_quantizes_in_every_family(f
     reader's; GPT-OSS is refused for export)."""
     from compressed_tensors.quantization import apply_quantization_config
 
-    from ptq.export.checkpoint import plan_checkpoint, quantization_config
+    from ptq.export.checkpoint import plan_checkpoint
+    from ptq.export.format import quantization_config
     from ptq.models.matmuls import linearize
     from ptq.quantization.recipes import load_recipe
 
@@ -1095,7 +1094,7 @@ def test_ptq_reader_expands_block_scales_by_block_structure(hidden, ptq_cli, tex
     For transformers: vLLM refuses gate/up of 200 rows as one merged layer of blocks (they stay 16-bit for it)."""
     from conftest import save_tiny_llama
 
-    from ptq.export.checkpoint import reload_dequantized
+    from ptq.export.reading import reload_dequantized
 
     source = save_tiny_llama(
         tmp_path / "llama", hidden_size=hidden, intermediate_size=200, tie_word_embeddings=False
@@ -1137,7 +1136,7 @@ def test_remote_code_travels_with_the_checkpoint_and_runs_only_when_trusted(
     import shutil
 
     from ptq.errors import PtqError
-    from ptq.export.checkpoint import reload_dequantized
+    from ptq.export.reading import reload_dequantized
 
     source = tmp_path / "ptq-remote-llama"
     shutil.copytree(tiny_model, source)
@@ -1257,8 +1256,8 @@ def test_static_input_scales_are_exported_under_the_recipes_observer(
     assert json.loads((out / "ptq-export.json").read_text())["verification"]["passed"]
     from transformers import AutoModelForCausalLM
 
-    from ptq.export.checkpoint import checkpoint_names
     from ptq.models.matmuls import linearize
+    from ptq.models.names import checkpoint_names
 
     amax = {
         k.removeprefix("input_amax/"): v

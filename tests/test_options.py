@@ -25,7 +25,7 @@ from ptq.commands.options import (
     OutputOptions,
     refuse_unused,
 )
-from ptq.commands.workflows import run_quantize
+from ptq.commands.quantize import run_quantize
 from ptq.errors import PtqError
 from ptq.runtime import resources
 

@@ -310,7 +310,7 @@ def test_report_gates_trend_and_plots_work_from_the_typed_document(built, tmp_pa
 def test_quantize_reads_compare_results_through_the_reader(built, tmp_path):
     import dataclasses
 
-    from ptq.commands.workflows import load_compare_results
+    from ptq.commands.quantize import load_compare_results
     from ptq.quantization.recipes import load_recipe
 
     results, out = built

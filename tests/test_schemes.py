@@ -378,7 +378,7 @@ ARG_FIELDS = (
 def test_quantization_args_are_compressed_tensors_presets(recipe):
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    from ptq.export.checkpoint import quantization_config
+    from ptq.export.format import quantization_config
 
     preset = PRESET_SCHEMES[PRESETS[recipe]]
     scheme = quantization_config(load_recipe(recipe), []).config_groups["group_0"]

@@ -15,7 +15,7 @@ recipes select, calibration files are keyed by and the export writes). `LayerByL
    masks, cache positions, whatever the family passes to that layer; the first one also the hidden
    states) and the last one stops the forward.
 3. Each decoder layer is read (safetensors, memory-mapped, only that layer's tensors, under the
-   names `save_pretrained` gives them: ptq.export.checkpoint.checkpoint_names; an already quantized
+   names `save_pretrained` gives them: ptq.models.names.checkpoint_names; an already quantized
    checkpoint's weights dequantized as they are read, see SafetensorsCheckpoint), in float32 and
    laid out as ptq.models.loading lays it out (a copy of transformers' layer, then linearized), run
    on every batch, its outputs replacing its inputs, and freed before the next one is read.
@@ -51,7 +51,6 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError, unreadable_weights
-from ptq.export.checkpoint import _saved_names, checkpoint_names
 from ptq.models.loading import (
     LoadedModel,
     local_directory,
@@ -61,6 +60,7 @@ from ptq.models.loading import (
     weightless,
 )
 from ptq.models.matmuls import kind, linearize, quantizable
+from ptq.models.names import checkpoint_names, saved_names
 from ptq.runtime.devices import LAYER_BY_LAYER_WAYS_OUT, default_device
 
 LOW_MEMORY_FLAG = "--low-memory"
@@ -306,7 +306,7 @@ def load_streamed(
     model = linearize(copy.deepcopy(built))
     layers = decoder_layers(model)
     try:
-        disk = checkpoint_names(model, _saved_names(model))
+        disk = checkpoint_names(model, saved_names(model))
     except PtqError as e:
         raise PtqError(f"{LOW_MEMORY_FLAG} cannot read {spec} layer by layer: {e}") from None
     absent = [name for name in disk.values() if name not in checkpoint.file]

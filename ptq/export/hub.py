@@ -1,11 +1,13 @@
-"""Publishing a checkpoint on the Hugging Face Hub: `ptq quantize MODEL -o DIR --push-to-hub org/name`.
+"""Publishing a checkpoint on the Hugging Face Hub: `ptq quantize MODEL -o DIR --push-to-hub
+org/name`.
 
-Everything the upload needs is checked before the long work (the repository id, a connection to the Hub, a token
-that may write, what the repository already holds), so that a quantization of hours does not end in "401". The
-checkpoint is written and verified on disk first, as without the flag, and then uploaded in one commit: the
-repository then holds exactly the checkpoint's files (with --force, the files of an earlier upload that this one
-does not have are deleted in the same commit, so that no stale shard is left beside the new ones). An upload that
-fails leaves the checkpoint on disk, and the error says how to upload it again.
+Everything the upload needs is checked before the long work (the repository id, a connection to
+the Hub, a token that may write, what the repository already holds), so that a quantization of
+hours does not end in "401". The checkpoint is written and verified on disk first, as without the
+flag, and then uploaded in one commit: the repository then holds exactly the checkpoint's files
+(with --force, the files of an earlier upload that this one does not have are deleted in the same
+commit, so that no stale shard is left beside the new ones). An upload that fails leaves the
+checkpoint on disk, and the error says how to upload it again.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ KEPT = ".gitattributes"  # the Hub's LFS rules: kept by huggingface_hub even whe
 
 
 def check_push(repo: str, force: bool) -> None:
-    """Refuse, in one line and before any work, an upload to `repo` that would fail or overwrite: an id that is not
-    org/name, no connection to the Hub, no token, a read-only one or a fine-grained one without write access to `repo`,
-    or a repository that already holds files (replaced only with `force`)."""
+    """Refuse, in one line and before any work, an upload to `repo` that would fail or overwrite: an
+    id that is not org/name, no connection to the Hub, no token, a read-only one or a
+    fine-grained one without write access to `repo`, or a repository that already holds files
+    (replaced only with `force`)."""
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
@@ -76,9 +79,10 @@ def check_push(repo: str, force: bool) -> None:
 
 
 def fine_grained_may_write(permissions: dict | None, repo: str) -> bool:
-    """Whether a fine-grained token's permissions (whoami's accessToken.fineGrained: scoped entries, each an entity and
-    what the token may do to it) include 'repo.write' on `repo` or on its owner, a user or an organization. A shape
-    this does not know (no scoped list, an entity without a name) counts as allowed: the upload then decides."""
+    """Whether a fine-grained token's permissions (whoami's accessToken.fineGrained: scoped entries,
+    each an entity and what the token may do to it) include 'repo.write' on `repo` or on its owner,
+    a user or an organization. A shape this does not know (no scoped list, an entity without a name)
+    counts as allowed: the upload then decides."""
     scoped = (permissions or {}).get("scoped")
     if not isinstance(scoped, list):
         return True
@@ -99,9 +103,10 @@ def fine_grained_may_write(permissions: dict | None, repo: str) -> bool:
 
 
 def push(folder: Path, repo: str, private: bool, message: str) -> dict:
-    """Upload the checkpoint `folder` to `repo` in one commit, its files replacing whatever the repository held (a
-    repository it creates is private with `private`, else as the account or organization makes new ones; an existing
-    one keeps its visibility). Returns the repository's address and the commit."""
+    """Upload the checkpoint `folder` to `repo` in one commit, its files replacing whatever the
+    repository held (a repository it creates is private with `private`, else as the account or
+    organization makes new ones; an existing one keeps its visibility). Returns the repository's
+    address and the commit."""
     from huggingface_hub import HfApi, constants
 
     from ptq.models.loading import hub_transfers, one_line
@@ -109,7 +114,8 @@ def push(folder: Path, repo: str, private: bool, message: str) -> dict:
     hub_transfers()
     api = HfApi()
     try:
-        # without --private: the Hub's default (an organization may make its new repositories private)
+        # without --private: the Hub's default (an organization may make its new repositories
+        # private)
         api.create_repo(repo, private=True if private else None, exist_ok=True)
         commit = api.upload_folder(
             folder_path=folder, repo_id=repo, commit_message=message, delete_patterns="*"
