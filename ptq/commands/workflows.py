@@ -55,7 +55,7 @@ from ptq.execution.placement import summary as placement_summary
 from ptq.export import hub
 from ptq.files import check_not_an_input, check_output_dir, check_writable
 from ptq.models.loading import LoadedModel, hub_repo, linear_layers, load_model, load_structure
-from ptq.models.matmuls import describe_coverage, kind, unsupported_weights
+from ptq.models.matmuls import kind, unsupported_weights
 from ptq.numerics.granularity import PerToken
 from ptq.progress import note_at_end, stderr
 from ptq.quantization import engines
@@ -67,6 +67,7 @@ from ptq.quantization.quantize import (
     resolve_matmul,
 )
 from ptq.quantization.recipes import Recipe, load_recipe
+from ptq.reporting.coverage import describe_coverage
 from ptq.reporting.gates import Limits, gate_results, refuse_unmeasured_gates, rejudged, task_scores
 from ptq.reporting.report import (
     render_markdown,

@@ -16,6 +16,7 @@ from pathlib import Path
 from ptq.errors import PtqError
 from ptq.evaluation.stats import MIN_UNITS
 from ptq.files import check_writable, text_writer, write_set_atomic
+from ptq.reporting.coverage import NAMES_SHOWN, describe_coverage, left_out_groups, quantized_share
 from ptq.reporting.gates import (
     accuracy_recovery_pct,
     rejudged,
@@ -162,8 +163,6 @@ def ppl_delta_text(v: Variant, checks: list[Check]) -> str:
 
 def quantized_share_pct(e: Entry) -> float:
     """The share of the model's matmul weight parameters an entry quantizes, in percent."""
-    from ptq.models.matmuls import quantized_share
-
     return 100 * quantized_share(
         e.coverage.quantized_weight_params, e.coverage.matmul_weight_params
     )
@@ -445,7 +444,6 @@ def faults_lines(faults: CalibrationFaults) -> list[str]:
 
 def render_model_card(e: dict) -> str:
     """README.md of a `ptq quantize` checkpoint, rendered from its ptq-export.json alone."""
-    from ptq.models.matmuls import describe_coverage
     from ptq.runtime.resources import size_text
 
     rec, fmt, cal, size, ver = (
@@ -686,7 +684,6 @@ def render_diagnostics(r: CompareResults, top: int = 10) -> list[str]:
 def coverage_lines(entries: list[Entry]) -> list[str]:
     """What share of the model's matmul weights each variant quantizes, and what stayed in the compute dtype and
     why: shown under the results table, since a variant that left most weights alone is not an answer about 8 bits."""
-    from ptq.models.matmuls import describe_coverage
     from ptq.numerics.formats import get_format
 
     def line(e: Entry) -> str:
@@ -710,8 +707,6 @@ def coverage_lines(entries: list[Entry]) -> list[str]:
 def every_left_out(entries: list[Entry]) -> list[str]:
     """Every matmul weight and attention input each entry left unquantized, by reason, where the coverage line names
     only the first few of a reason's: collapsed, since a recipe may leave hundreds."""
-    from ptq.models.matmuls import NAMES_SHOWN, left_out_groups
-
     lines = []
     for e in entries:
         for kind, groups in zip(
