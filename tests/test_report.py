@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from ptq.reporting.gates import Limits, accuracy_recovery_pct, check, parse_limits
+from ptq.evaluation.recovery import accuracy_recovery_pct
+from ptq.reporting.gates import Limits, check, parse_limits
 from ptq.reporting.report import render_markdown
 
 COMPARE_ARGS = (
@@ -195,7 +196,7 @@ def test_lower_is_better_task_metrics_follow_the_recorded_direction():
 
     from sample_results import baseline, compare_results, variant
 
-    from ptq.reporting.gates import higher_is_better
+    from ptq.evaluation.recovery import higher_is_better
     from ptq.reporting.report import tasks_section, trend_section
     from ptq.reporting.trend import trend
 
@@ -333,7 +334,7 @@ def test_a_variant_exactly_at_the_accuracy_recovery_limit_passes():
 
     from sample_results import baseline, compare_results, variant
 
-    from ptq.reporting.gates import accuracy_recovery_pct
+    from ptq.evaluation.recovery import accuracy_recovery_pct
 
     assert 100 * ((99 / 104) / (100 / 104)) < 99  # what the plain quotient says
     assert accuracy_recovery_pct(99 / 104, 100 / 104) == 99.0
@@ -352,7 +353,7 @@ def test_a_variant_exactly_at_the_accuracy_recovery_limit_passes():
 
 
 def test_a_nan_never_passes_a_gate():
-    from ptq.reporting.gates import accuracy_recovery_pct
+    from ptq.evaluation.recovery import accuracy_recovery_pct
 
     assert math.isnan(accuracy_recovery_pct(0.3, float("nan"))) and math.isnan(
         accuracy_recovery_pct(float("nan"), 0.5)

@@ -35,6 +35,7 @@ import numpy as np
 import yaml
 
 from ptq.errors import PtqError, name_problem
+from ptq.evaluation.recovery import accuracy_recovery_pct, higher_is_better, ratio_pct
 from ptq.files import read_yaml
 
 TASKS_DIR = Path(__file__).resolve().with_name("lm_eval_tasks")  # the task YAMLs ptq ships
@@ -808,7 +809,6 @@ def add_task_metrics(
     recovery_pct is 100 * variant / baseline either way; only a higher-is-better metric (as lm-eval records it for
     the task) takes an accuracy's rule that a zero baseline counts as 100%."""
     from ptq.evaluation import stats
-    from ptq.reporting.gates import accuracy_recovery_pct, higher_is_better, ratio_pct
 
     mine = run.models[entry["name"]]
     entry["tasks"], entry["task_samples"], deltas = {}, {}, {}

@@ -14,11 +14,11 @@ import statistics
 from pathlib import Path
 
 from ptq.errors import PtqError
+from ptq.evaluation.recovery import accuracy_recovery_pct
 from ptq.evaluation.stats import MIN_UNITS
 from ptq.files import check_writable, text_writer, write_set_atomic
 from ptq.reporting.coverage import NAMES_SHOWN, describe_coverage, left_out_groups, quantized_share
 from ptq.reporting.gates import (
-    accuracy_recovery_pct,
     rejudged,
     stored_checks,
     task_higher_is_better,
