@@ -558,11 +558,11 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     """E4M3 per-tensor through ml_dtypes' cast, int8 per-channel through numpy (plain, and SmoothQuant's W * s
     against W * s), against ptq.evaluation.layerstats."""
     from ptq.calibration.calibrate import calibrate
+    from ptq.calibration.clips import quantize_variants
     from ptq.evaluation.evaluate import evaluate
     from ptq.evaluation.layerstats import input_snr_db, layer_snr, weight_snr_db
     from ptq.models.loading import load_model
     from ptq.quantization.plan import calibrated_layers, resolve_plan
-    from ptq.quantization.quantize import quantize_variants
     from ptq.quantization.recipes import load_recipe
 
     loaded = load_model(str(tiny_model), device=torch.device("cpu"))
@@ -633,11 +633,11 @@ def test_every_experts_input_snr_is_measured_grouped_as_one_by_one_against_an_in
     import families
 
     from ptq.calibration.calibrate import calibrate
+    from ptq.calibration.clips import quantize_variants
     from ptq.evaluation.evaluate import evaluate
     from ptq.evaluation.layerstats import input_snr_db, quantized_layers
     from ptq.models.matmuls import LinearExperts, linearize
     from ptq.quantization.plan import calibrated_layers
-    from ptq.quantization.quantize import quantize_variants
     from ptq.quantization.recipes import load_recipe
 
     model = linearize(families.build("mixtral"))

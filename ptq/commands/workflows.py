@@ -32,6 +32,7 @@ from ptq.calibration.calibrate import (
     range_findings,
     save_calibration,
 )
+from ptq.calibration.clips import quantize_, quantize_variants
 from ptq.commands.options import (
     DEFAULT_MAX_ITEMS,
     CalibrationOptions,
@@ -60,12 +61,7 @@ from ptq.numerics.granularity import PerToken
 from ptq.progress import note_at_end, stderr
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_targets, resolve_plans
-from ptq.quantization.quantize import (
-    blockwise_unavailable,
-    quantize_,
-    quantize_variants,
-    resolve_matmul,
-)
+from ptq.quantization.quantize import blockwise_unavailable, resolve_matmul
 from ptq.quantization.recipes import Recipe, load_recipe
 from ptq.reporting.coverage import describe_coverage
 from ptq.reporting.gates import Limits, gate_results, refuse_unmeasured_gates, rejudged, task_scores

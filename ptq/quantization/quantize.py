@@ -1,4 +1,5 @@
-"""Simulated quantization: `quantize_(model, recipe, calibration)` swaps every Linear for a QuantLinear.
+"""Simulated quantization: `quantize_(model, recipe, clips)` swaps every Linear for a QuantLinear
+(ptq.calibration.clips.quantize_ takes the clips from a calibration).
 
 A QuantLinear holds its weight already quantized (done once, not per forward), as codes in the format's
 storage dtype (float8_e4m3fn, float8_e5m2, int8, bfloat16: one byte per weight for the 8-bit formats) and a
@@ -25,8 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptq.calibration.calibrate import Calibration
-from ptq.calibration.observers import choose_clip
 from ptq.errors import PtqError
 from ptq.models.matmuls import kind, quantizable
 from ptq.numerics import granularity as gr
@@ -654,25 +653,15 @@ def blockwise_unavailable(
     return _BLOCKWISE[key]
 
 
-def input_clip(calibration: Calibration, name: str, spec: TensorQuant) -> torch.Tensor:
-    """The calibrated clip of one activation under the spec's observer (per head: each head's amax)."""
-    if isinstance(spec.granularity, gr.PerHead):
-        if name not in calibration.input_channel_amax:
-            raise PtqError(
-                f"calibration file has no per-head amax for '{name}' (per-head KV-cache scales need one: "
-                "recalibrate with this recipe)"
-            )
-        return calibration.input_channel_amax[name]
-    amax_ = calibration.input_amax[name]
-    if spec.observer == "max":
-        return amax_
-    hist = calibration.input_hist.get(name)
-    if hist is None:
-        raise PtqError(
-            f"calibration file has no histogram for '{name}' (observer '{spec.observer}' needs one; recalibrate)"
-        )
-    _, clip = choose_clip(spec.observer, hist, float(amax_), spec.format, spec.percentile)
-    return torch.tensor(clip, dtype=torch.float32)
+@dataclasses.dataclass
+class Clips:
+    """What quantize_ takes from a calibration (ptq.calibration.clips.static_clips), as tensors:
+    `inputs`, the clip of each static input it quantizes, by its calibration key (a Linear's name, an
+    attention tensor's calibration_key, `<block>.residual.<tensor>`); `channel_amax`, each SmoothQuant
+    layer's per-channel input amax."""
+
+    inputs: dict[str, torch.Tensor]
+    channel_amax: dict[str, torch.Tensor]
 
 
 def smoothing_factors(
@@ -686,14 +675,15 @@ def smoothing_factors(
 def quantize_(
     model: nn.Module,
     recipe: Recipe,
-    calibration: Calibration | None,
+    clips: Clips | None,
     weight_cache: dict | None = None,
     matmul: str = "simulated",
     target: str = "transformers",
     plan: Plan | None = None,
 ) -> nn.Module:
     """Replace, in place, each Linear of `model` by the QuantLinear the plan of `recipe` asks for, and quantize
-    attention's matmul inputs where the recipe covers them. `weight_cache` (see quantize_variants) lets
+    attention's matmul inputs where the recipe covers them. `clips`: the static inputs' clips (None for a
+    recipe without static inputs or SmoothQuant). `weight_cache` (see quantize_variants) lets
     several variants of one model share the weight codes they have in common. matmul="fp8" runs the layers
     whose weights and inputs are both FP8 as real FP8 matmuls (torch._scaled_mm); "auto" where the device
     has them (resolve_matmul). `target` (ptq.quantization.engines): "vllm" applies the scales and int8 rounding vLLM
@@ -705,30 +695,22 @@ def quantize_(
         raise ValueError(
             f"a plan of '{plan.recipe.name}' for {plan.target} given to quantize '{recipe.name}' for {target}"
         )
-    needed = plan.calibrated
     smoothed = set(plan.smoothed)
-    if needed or smoothed:
-        if calibration is None:
-            raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
-        calibration.check_model(model, needed)
-        missing = sorted(smoothed - set(calibration.input_channel_amax))
-        if missing:
-            raise PtqError(
-                f"calibration file has no per-channel input amax for '{missing[0]}' "
-                f"(SmoothQuant needs one: calibrate with --recipe {recipe.name})"
-            )
+    if (plan.calibrated or smoothed) and clips is None:
+        raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
+    static = clips.inputs if clips is not None else {}
     input_quantizer = ActivationQuantizer()
     scales: dict[
         tuple, torch.Tensor
     ] = {}  # Linears that share an input (same amax) share one scale tensor
-    clips = {
-        name: input_clip(calibration, name, e.inputs)
+    matmul_clips = {
+        name: static[name]
         for name, e in plan.matmuls.items()
         if e.quantized and e.inputs.static and name not in smoothed
     }
     smooths = {  # SmoothQuant's factors: the weights stored (and their amax) are W * s
         name: smoothing_factors(
-            calibration.input_channel_amax[name],
+            clips.channel_amax[name],
             model.get_submodule(name).weight,
             recipe.smoothquant,
         )
@@ -744,7 +726,8 @@ def quantize_(
         {n: e.weight_group for n, e in plan.matmuls.items() if e.weight_group}, weight_amax
     )
     shared_input_amax = engines.shared_amax(
-        {n: e.input_group for n, e in plan.matmuls.items() if e.input_group}, clips.__getitem__
+        {n: e.input_group for n, e in plan.matmuls.items() if e.input_group},
+        matmul_clips.__getitem__,
     )
     for name, entry in plan.matmuls.items():
         weights, inputs = entry.weights, entry.inputs
@@ -755,10 +738,10 @@ def quantize_(
         if name in smoothed:
             smooth = smooths[name]
             input_amax = (
-                calibration.input_channel_amax[name] / smooth
+                clips.channel_amax[name] / smooth
             ).max()  # the smoothed input's amax, exactly
         elif inputs.static:
-            input_amax = shared_input_amax.get(name, clips.get(name))
+            input_amax = shared_input_amax.get(name, matmul_clips.get(name))
         q = QuantLinear(
             linear,
             weights,
@@ -783,7 +766,7 @@ def quantize_(
         made = {
             t: ActQuant(
                 spec,
-                input_clip(calibration, calibration_key(layer, t), spec) if spec.static else None,
+                static[calibration_key(layer, t)] if spec.static else None,
             )
             for t, spec in tensors.items()
         }
@@ -797,7 +780,7 @@ def quantize_(
             {
                 t: ActQuant(
                     spec,
-                    input_clip(calibration, f"{block}.residual.{t}", spec) if spec.static else None,
+                    static[f"{block}.residual.{t}"] if spec.static else None,
                 )
                 for t, spec in tensors.items()
             }
@@ -810,7 +793,7 @@ def quantize_(
 def quantize_variants(
     model: nn.Module,
     recipes: list[Recipe],
-    calibration: Calibration | None,
+    clips: dict[str, Clips | None] | None,
     matmul: str = "simulated",
     target: str = "transformers",
     plans: dict[str, Plan] | None = None,
@@ -818,7 +801,8 @@ def quantize_variants(
     """One quantized variant of `model` per recipe, built to share memory: the variants share one copy of
     the tensors no recipe replaces (embeddings, norms, biases), and weights quantized the same way (the
     layers left in 16-bit) are stored once. `model` itself is left as it was, and no variant refers to
-    its tensors: once the caller drops it, it is freed whole. `plans`: the recipes' plans for `model` and
+    its tensors: once the caller drops it, it is freed whole. `clips`: each recipe's clips (quantize_), by
+    recipe name. `plans`: the recipes' plans for `model` and
     `target`, by recipe name (plan.resolve_plans), when the caller has resolved them already."""
     # Linear weights are replaced in every variant: referenced until then. Everything else is copied, so
     # that nothing of `model` stays referenced (its weights may be a memory map of the checkpoint, which
@@ -844,7 +828,7 @@ def quantize_variants(
         r.name: quantize_(
             copy.deepcopy(model, memo=dict(tensors)),
             r,
-            calibration,
+            (clips or {}).get(r.name),
             weight_cache,
             matmul,
             target,
