@@ -1,8 +1,9 @@
 """The clips a calibration gives a recipe's static inputs, and quantization with them: quantize_ and
 quantize_variants as ptq.quantization.quantize has them, given a Calibration instead of its clips.
 
-Quantization takes plain tensors (ptq.quantization.quantize.Clips); reading them out of a calibration
-(its amax, or the clip its histogram gives under the recipe's observer) is calibration's work."""
+Quantization takes plain tensors (ptq.quantization.quantize.Clips); reading them out of a
+calibration (its amax, or the clip its histogram gives under the recipe's observer) is calibration's
+work."""
 
 from __future__ import annotations
 
@@ -56,23 +57,29 @@ def static_clips(calibration: Calibration | None, model: nn.Module, plan: Plan) 
             f"calibration file has no per-channel input amax for '{missing[0]}' "
             f"(SmoothQuant needs one: calibrate with --recipe {plan.recipe.name})"
         )
-    inputs = {
+    matmuls = {
         name: input_clip(calibration, name, e.inputs)
         for name, e in plan.matmuls.items()
         if e.quantized and e.inputs.static and name not in smoothed
     }
-    for layer, tensors in plan.attention.items():
-        for t, spec in tensors.items():
-            if spec.static:
-                key = calibration_key(layer, t)
-                inputs[key] = input_clip(calibration, key, spec)
-    for block, tensors in plan.residual.items():
-        for t, spec in tensors.items():
-            if spec.static:
-                key = f"{block}.residual.{t}"
-                inputs[key] = input_clip(calibration, key, spec)
+    attention = {
+        layer: {
+            t: input_clip(calibration, calibration_key(layer, t), spec)
+            for t, spec in tensors.items()
+            if spec.static
+        }
+        for layer, tensors in plan.attention.items()
+    }
+    residual = {
+        block: {
+            t: input_clip(calibration, f"{block}.residual.{t}", spec)
+            for t, spec in tensors.items()
+            if spec.static
+        }
+        for block, tensors in plan.residual.items()
+    }
     channel_amax = {name: calibration.input_channel_amax[name] for name in smoothed}
-    return Clips(inputs, channel_amax)
+    return Clips(matmuls, attention, residual, channel_amax)
 
 
 def quantize_(

@@ -42,7 +42,7 @@ from ptq.numerics.formats import (
 from ptq.numerics.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
 from ptq.quantization import attention, engines, residual
 from ptq.quantization.attention import AttentionQuant
-from ptq.quantization.plan import Plan, calibration_key, resolve_plan
+from ptq.quantization.plan import Plan, resolve_plan
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 
@@ -655,12 +655,16 @@ def blockwise_unavailable(
 
 @dataclasses.dataclass
 class Clips:
-    """What quantize_ takes from a calibration (ptq.calibration.clips.static_clips), as tensors:
-    `inputs`, the clip of each static input it quantizes, by its calibration key (a Linear's name, an
-    attention tensor's calibration_key, `<block>.residual.<tensor>`); `channel_amax`, each SmoothQuant
-    layer's per-channel input amax."""
+    """What quantize_ takes from a calibration (ptq.calibration.clips.static_clips), as tensors,
+    keyed as the plan keys what they clip: the clip of each static input, of a Linear (`matmuls`), of
+    an attention layer's tensor (`attention`: layer -> {tensor: clip}; attention's key and the KV
+    cache's share statistics, not always a clip) and of a decoder block's residual tensor
+    (`residual`: block -> {tensor: clip}); and each SmoothQuant layer's per-channel input amax
+    (`channel_amax`)."""
 
-    inputs: dict[str, torch.Tensor]
+    matmuls: dict[str, torch.Tensor]
+    attention: dict[str, dict[str, torch.Tensor]]
+    residual: dict[str, dict[str, torch.Tensor]]
     channel_amax: dict[str, torch.Tensor]
 
 
@@ -698,16 +702,11 @@ def quantize_(
     smoothed = set(plan.smoothed)
     if (plan.calibrated or smoothed) and clips is None:
         raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
-    static = clips.inputs if clips is not None else {}
     input_quantizer = ActivationQuantizer()
     scales: dict[
         tuple, torch.Tensor
     ] = {}  # Linears that share an input (same amax) share one scale tensor
-    matmul_clips = {
-        name: static[name]
-        for name, e in plan.matmuls.items()
-        if e.quantized and e.inputs.static and name not in smoothed
-    }
+    matmul_clips = clips.matmuls if clips is not None else {}
     smooths = {  # SmoothQuant's factors: the weights stored (and their amax) are W * s
         name: smoothing_factors(
             clips.channel_amax[name],
@@ -766,7 +765,7 @@ def quantize_(
         made = {
             t: ActQuant(
                 spec,
-                static[calibration_key(layer, t)] if spec.static else None,
+                clips.attention[layer][t] if spec.static else None,
             )
             for t, spec in tensors.items()
         }
@@ -780,7 +779,7 @@ def quantize_(
             {
                 t: ActQuant(
                     spec,
-                    static[f"{block}.residual.{t}"] if spec.static else None,
+                    clips.residual[block][t] if spec.static else None,
                 )
                 for t, spec in tensors.items()
             }
