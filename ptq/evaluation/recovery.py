@@ -24,12 +24,13 @@ def higher_is_better(metric: str, recorded: dict[str, bool] | None = None) -> bo
 
 
 def accuracy_recovery_pct(variant_acc: float, baseline_acc: float) -> float:
-    """100 * variant / baseline; a zero baseline cannot be fallen short of (100%); NaN when either is
-    NaN (a NaN fails every gate). An accuracy is a count over a count held as the nearest float: each
-    is read back as that fraction (denominators up to 10^7: two such fractions lie 10^-14 apart or
-    more, a float's rounding 10^-16) and the ratio rounded once, so that a variant exactly at a limit
-    is at it: 99 of 104 against 100 of 104 is 99%, not the 98.99999999999999% of the float quotient,
-    which would fail a 99% gate that the documentation calls inclusive."""
+    """100 * variant / baseline; a zero baseline cannot be fallen short of (100%); NaN when
+    either is NaN (a NaN fails every gate). An accuracy is a count over a count held as the
+    nearest float: each is read back as that fraction (denominators up to 10^7: two such
+    fractions lie 10^-14 apart or more, a float's rounding 10^-16) and the ratio rounded once, so
+    that a variant exactly at a limit is at it: 99 of 104 against 100 of 104 is 99%, not the
+    98.99999999999999% of the float quotient, which would fail a 99% gate that the documentation
+    calls inclusive."""
     if math.isnan(variant_acc) or math.isnan(baseline_acc):
         return math.nan
     if not baseline_acc > 0:
@@ -48,8 +49,8 @@ def _count_ratio(share: float) -> Fraction:
 
 
 def ratio_pct(variant: float, baseline: float) -> float:
-    """100 * variant / baseline for a lower-is-better metric (above 100: worse); 100 when both are 0,
-    NaN when only the baseline is 0 or either is NaN."""
+    """100 * variant / baseline for a lower-is-better metric (above 100: worse); 100 when both are
+    0, NaN when only the baseline is 0 or either is NaN."""
     if baseline == 0:
         return 100.0 if variant == 0 else math.nan
     return 100.0 * variant / baseline
