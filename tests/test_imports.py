@@ -1,5 +1,6 @@
-"""The package has no import cycle, counting the imports inside functions too: a cycle hidden behind a
-function-local import is still a cycle (the modules cannot be understood, tested or moved apart)."""
+"""The package's imports go one way, counting the imports inside functions too: no import cycle
+between modules (a cycle hidden behind a function-local import is still a cycle: the modules cannot
+be understood, tested or moved apart), and no stage imports a later stage (LAYERS)."""
 
 import ast
 from pathlib import Path
@@ -116,7 +117,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("numerics", ("ptq.numerics",)),
     # a model: loading it, and finding its matmuls
     ("models", ("ptq.models",)),
-    # how a model is run, whole or layer by layer: batch sizes, placement, executors, streaming
+    # how a model is run, whole or layer by layer: batch sizes, placement, executors, streaming.
+    # It needs only a model; calibration and evaluation run models through it, and what runs
+    # (a quantized layer or not) is not its concern
     ("execution", ("ptq.execution",)),
     # recipes, the plan of what is quantized, and the modules that quantize a layer
     ("quantization", ("ptq.quantization",)),
