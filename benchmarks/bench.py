@@ -25,6 +25,7 @@ import torch
 
 from ptq import progress
 from ptq.calibration.calibrate import calibrate, save_calibration
+from ptq.calibration.clips import quantize_variants
 from ptq.commands.compare import run_compare
 from ptq.commands.options import (
     CalibrationOptions,
@@ -38,7 +39,7 @@ from ptq.evaluation.evaluate import evaluate
 from ptq.models.loading import load_model
 from ptq.numerics.formats import FORMATS, compute_scale, fake_quantize
 from ptq.quantization.plan import calibrated_layers
-from ptq.quantization.quantize import fused, quantize_variants
+from ptq.quantization.quantize import fused
 from ptq.quantization.recipes import load_recipe
 from ptq.runtime.allocator import keep_freed_host_memory
 from ptq.runtime.devices import compute_dtype, default_device
@@ -382,9 +383,9 @@ def moe_ratios(repeats: int) -> None:
     ptq's grouped, simulated E4M3 experts, and calibration that sends every token through every expert."""
     import transformers
 
+    from ptq.calibration.clips import quantize_variants
     from ptq.models.matmuls import linearize
     from ptq.quantization.plan import calibration_targets, resolve_plans
-    from ptq.quantization.quantize import quantize_variants
 
     config = transformers.Qwen3MoeConfig(
         vocab_size=1000,

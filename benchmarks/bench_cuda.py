@@ -26,9 +26,9 @@ import torch
 
 from ptq import progress
 from ptq.calibration.calibrate import calibrate
+from ptq.calibration.clips import quantize_variants
 from ptq.evaluation.evaluate import evaluate
 from ptq.quantization.plan import calibrated_layers
-from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
 
 LLAMA_8B = dict(

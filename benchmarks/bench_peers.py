@@ -126,10 +126,10 @@ def run_ptq_side(model_dir: Path, windows: Path, out: Path, batch_size: int = 4)
     import compressed_tensors.compressors  # noqa: F401  imported before the clock, as llm-compressor's process has it
 
     from ptq.calibration.calibrate import calibrate
+    from ptq.calibration.clips import quantize_
     from ptq.export import checkpoint as export
     from ptq.models.loading import load_model
     from ptq.quantization.plan import calibrated_layers
-    from ptq.quantization.quantize import quantize_
     from ptq.quantization.recipes import load_recipe
 
     progress.QUIET = True

@@ -19,7 +19,7 @@ import families  # noqa: E402
 from ptq import progress  # noqa: E402
 from ptq.commands.compare import run_compare  # noqa: E402
 from ptq.commands.options import CalibrationOptions, DataOptions, ModelOptions, OutputOptions  # noqa: E402
-from ptq.models.matmuls import describe_coverage  # noqa: E402
+from ptq.reporting.coverage import describe_coverage  # noqa: E402
 from ptq.reporting.results import to_json  # noqa: E402
 
 

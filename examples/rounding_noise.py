@@ -18,12 +18,12 @@ import json
 import torch
 
 from ptq.calibration.calibrate import Calibration, calibrate
+from ptq.calibration.clips import quantize_variants
 from ptq.evaluation.data import load_corpus, make_windows
 from ptq.evaluation.evaluate import evaluate
 from ptq.models.loading import load_model
 from ptq.quantization.engines import DEFAULT_TARGET
 from ptq.quantization.plan import calibration_targets, resolve_plans
-from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
 
 

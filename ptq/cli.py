@@ -584,7 +584,7 @@ def _print_calibration(summary: dict, metadata: dict, output: Path) -> None:
 def _print_compare(results, out: Path) -> None:
     from rich.table import Table
 
-    from ptq.models.matmuls import describe_coverage
+    from ptq.reporting.coverage import describe_coverage
     from ptq.reporting.gates import stored_checks
     from ptq.reporting.report import kl_div_text, ppl_delta_text
 

@@ -233,6 +233,7 @@ def test_fp8_matmuls_where_the_cpu_scaled_mm_takes_per_tensor_scales_only(
 
     import ptq.quantization.quantize as quantize_module
     from ptq.calibration.calibrate import calibrate
+    from ptq.calibration.clips import quantize_
     from ptq.quantization.plan import calibrated_layers
     from ptq.quantization.recipes import load_recipe
 
@@ -279,8 +280,8 @@ def test_fp8_matmuls_where_the_cpu_scaled_mm_takes_per_tensor_scales_only(
         if recipe.needs_calibration
         else None
     )
-    simulated = quantize_module.quantize_(copy.deepcopy(model), recipe, cal)
-    real = quantize_module.quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
+    simulated = quantize_(copy.deepcopy(model), recipe, cal)
+    real = quantize_(copy.deepcopy(model), recipe, cal, matmul="fp8")
     monkeypatch.setattr(
         torch,
         "_scaled_mm",

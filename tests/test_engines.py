@@ -16,9 +16,10 @@ import torch
 from conftest import make_tokenizer
 
 from ptq.calibration.calibrate import calibrate
+from ptq.calibration.clips import quantize_
 from ptq.models.matmuls import LinearExperts, linearize
 from ptq.quantization.plan import calibrated_layers, resolve_plan
-from ptq.quantization.quantize import QuantLinear, quantize_
+from ptq.quantization.quantize import QuantLinear
 from ptq.quantization.recipes import load_recipe, parse_recipe
 
 FUSED = (

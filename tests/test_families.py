@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from ptq.calibration.calibrate import calibrate
+from ptq.calibration.clips import quantize_, quantize_variants
 from ptq.models.matmuls import LinearExperts, kind, linearize
 from ptq.numerics.formats import NumberFormat
 from ptq.quantization import quantize as quantize_module
 from ptq.quantization.plan import calibration_targets, resolve_plan, resolve_plans
-from ptq.quantization.quantize import QuantLinear, quantize_, quantize_variants
+from ptq.quantization.quantize import QuantLinear
 from ptq.quantization.recipes import Recipe, TensorQuant, load_recipe
 
 # float32 "rounding": 23 mantissa bits and float32's own exponent range, so rounding is the identity; unscaled

@@ -273,7 +273,7 @@ def test_per_channel_amax_of_another_length_is_refused(tiny_model, tmp_path):
     """A calibration file whose per-channel input amax has another length than the layer's inputs (damaged, or
     edited) was used: a single value broadcast over every channel into SmoothQuant's factors, silently."""
     from ptq.calibration.calibrate import save_calibration
-    from ptq.quantization.quantize import quantize_
+    from ptq.calibration.clips import quantize_
 
     model = load_model(str(tiny_model)).model
     recipe = load_recipe("int8-smoothquant")

@@ -1,5 +1,6 @@
-"""The package has no import cycle, counting the imports inside functions too: a cycle hidden behind a
-function-local import is still a cycle (the modules cannot be understood, tested or moved apart)."""
+"""The package's imports go one way, counting the imports inside functions too: no import cycle
+between modules (a cycle hidden behind a function-local import is still a cycle: the modules cannot
+be understood, tested or moved apart), and no stage imports a later stage (LAYERS)."""
 
 import ast
 from pathlib import Path
@@ -103,3 +104,101 @@ def test_function_local_and_relative_imports_count(tmp_path):
     assert find_cycle(graph := import_graph(pkg)) == ["ptq.sub.b", "ptq.sub.c", "ptq.sub.b"], graph
     (pkg / "sub" / "c.py").write_text("import json\n")
     assert find_cycle(import_graph(pkg)) is None
+
+
+# The package's layers, lowest first: a module may import its own layer's modules and those of lower
+# layers, never a later layer's (module-level and function-local imports alike). A prefix names a
+# module and the modules under it (`ptq.models` names ptq.models.loading).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    # leaves: the package's version, errors, files, progress lines, and the runtime (devices,
+    # memory, the host allocator, distributed ranks) that every stage may use
+    ("leaves", ("ptq", "ptq.errors", "ptq.files", "ptq.progress", "ptq.runtime")),
+    # number formats, granularities and the kernels that round to them
+    ("numerics", ("ptq.numerics",)),
+    # a model: loading it, and finding its matmuls
+    ("models", ("ptq.models",)),
+    # how a model is run, whole or layer by layer: batch sizes, placement, executors, streaming.
+    # It needs only a model; calibration and evaluation run models through it, and what runs
+    # (a quantized layer or not) is not its concern
+    ("execution", ("ptq.execution",)),
+    # recipes, the plan of what is quantized, and the modules that quantize a layer
+    ("quantization", ("ptq.quantization",)),
+    # observers, the calibration run, and the clips a calibration gives a recipe's static inputs
+    ("calibration", ("ptq.calibration",)),
+    # evaluation text, the evaluation loop, tasks, statistics, how a variant measures up
+    ("evaluation", ("ptq.evaluation",)),
+    # results.json, gates, report.md, trend and plots
+    ("reporting", ("ptq.reporting",)),
+    # the quantized checkpoint and the Hub
+    ("export", ("ptq.export",)),
+    # the commands' work, one function each
+    ("commands", ("ptq.commands",)),
+    # the command line
+    ("cli", ("ptq.cli", "ptq.__main__")),
+]
+
+
+def layer_of(module: str, layers=LAYERS) -> int:
+    """The index of the layer `module` belongs to. The package itself ("ptq") names only its
+    __init__, so that a new top-level module must be given a layer."""
+    for index, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            if module == prefix or ("." in prefix and module.startswith(prefix + ".")):
+                return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def import_lines(root: Path = PACKAGE) -> dict[tuple[str, str], int]:
+    """(importer, imported) -> the first line of the importer that imports it."""
+    paths = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    modules = set(paths)
+    lines: dict[tuple[str, str], int] = {}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                one = ast.Module(body=[node], type_ignores=[])
+                for target in imported_modules(one, name, is_package, modules):
+                    key = (name, target)
+                    lines[key] = min(lines.get(key, node.lineno), node.lineno)
+    return lines
+
+
+def upward_imports(root: Path = PACKAGE, layers=LAYERS) -> list[str]:
+    """Each import of a later layer's module, as 'importer (layer) line N imports module (layer)'."""
+    found = []
+    for (importer, imported), line in sorted(import_lines(root).items()):
+        low, high = layer_of(importer, layers), layer_of(imported, layers)
+        if high > low:
+            found.append(
+                f"{importer} ({layers[low][0]}) line {line} imports {imported} ({layers[high][0]})"
+            )
+    return found
+
+
+def test_no_stage_imports_a_later_stage():
+    assert len(import_lines()) > 30  # the walk found the package
+    upward = upward_imports()
+    assert not upward, "imports of a later layer:\n" + "\n".join(upward)
+
+
+def test_every_module_is_in_a_layer():
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_an_upward_import_is_reported(tmp_path):
+    """The checker itself: an import of a later layer, inside a function, is found with its line;
+    the same import downward is not."""
+    pkg = tmp_path / "ptq"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "high").mkdir()
+    for init in (pkg, pkg / "low", pkg / "high"):
+        (init / "__init__.py").write_text("")
+    (pkg / "high" / "top.py").write_text("from ptq.low import base\n")
+    (pkg / "low" / "base.py").write_text("import os\n\n\ndef f():\n    from ..high.top import x\n")
+    layers = [("base", ("ptq", "ptq.low")), ("top", ("ptq.high",))]
+    assert upward_imports(pkg, layers) == ["ptq.low.base (base) line 5 imports ptq.high.top (top)"]
+    (pkg / "low" / "base.py").write_text("import os\n")
+    assert upward_imports(pkg, layers) == []

@@ -162,10 +162,10 @@ def test_an_unseen_layer_under_a_histogram_observer_takes_its_siblings_clip(
 ):
     # --on-unseen fallback gave the layer its sibling's amax but no histogram: every observer but max then stopped
     # the run with "calibration file has no histogram ... recalibrate", in a run that had calibrated itself.
+    from ptq.calibration.clips import input_clip
     from ptq.calibration.diagnostics import sqnr_table
     from ptq.calibration.observers import choose_clip
     from ptq.numerics.formats import get_format
-    from ptq.quantization.quantize import input_clip
     from ptq.quantization.recipes import load_recipe
 
     if recipe == "percentile":

@@ -11,10 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ptq.calibration.calibrate import calibrate, load_calibration, save_calibration
+from ptq.calibration.clips import input_clip, quantize_
 from ptq.calibration.observers import percentile_clip
 from ptq.quantization.attention import attention_modules
 from ptq.quantization.plan import calibrated_layers, resolve_plan
-from ptq.quantization.quantize import QuantLinear, input_clip, quantize_, smoothing_factors
+from ptq.quantization.quantize import QuantLinear, smoothing_factors
 from ptq.quantization.recipes import parse_recipe
 
 E4M3 = ml_dtypes.float8_e4m3fn

@@ -292,9 +292,10 @@ def test_a_placed_model_holds_no_buffer_in_two_modules(tmp_path):
     meta device standing in for the GPU; place() gives each module its own buffers before accelerate's hooks."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
+    from ptq.calibration.clips import quantize_
     from ptq.execution.placement import Placement, own_buffers, place
     from ptq.models.matmuls import LinearExperts, linearize
-    from ptq.quantization.quantize import QuantLinear, quantize_
+    from ptq.quantization.quantize import QuantLinear
     from ptq.quantization.recipes import load_recipe
 
     def quantized():

@@ -12,9 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ptq.calibration.calibrate import calibrate
+from ptq.calibration.clips import quantize_, quantize_variants
 from ptq.errors import PtqError
 from ptq.quantization.plan import calibrated_layers, resolve_plan
-from ptq.quantization.quantize import QuantLinear, quantize_, quantize_variants
+from ptq.quantization.quantize import QuantLinear
 from ptq.quantization.recipes import load_recipe
 
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from ptq.reporting.gates import Limits, accuracy_recovery_pct, check, parse_limits
+from ptq.evaluation.recovery import accuracy_recovery_pct
+from ptq.reporting.gates import Limits, check, parse_limits
 from ptq.reporting.report import render_markdown
 
 
@@ -184,7 +185,7 @@ def test_lower_is_better_task_metrics_follow_the_recorded_direction():
 
     from sample_results import baseline, compare_results, variant
 
-    from ptq.reporting.gates import higher_is_better
+    from ptq.evaluation.recovery import higher_is_better
     from ptq.reporting.report import tasks_section, trend_section
     from ptq.reporting.trend import trend
 
@@ -322,7 +323,7 @@ def test_a_variant_exactly_at_the_accuracy_recovery_limit_passes():
 
     from sample_results import baseline, compare_results, variant
 
-    from ptq.reporting.gates import accuracy_recovery_pct
+    from ptq.evaluation.recovery import accuracy_recovery_pct
 
     assert 100 * ((99 / 104) / (100 / 104)) < 99  # what the plain quotient says
     assert accuracy_recovery_pct(99 / 104, 100 / 104) == 99.0
@@ -341,7 +342,7 @@ def test_a_variant_exactly_at_the_accuracy_recovery_limit_passes():
 
 
 def test_a_nan_never_passes_a_gate():
-    from ptq.reporting.gates import accuracy_recovery_pct
+    from ptq.evaluation.recovery import accuracy_recovery_pct
 
     assert math.isnan(accuracy_recovery_pct(0.3, float("nan"))) and math.isnan(
         accuracy_recovery_pct(float("nan"), 0.5)
@@ -542,11 +543,11 @@ def test_weight_and_input_snr_match_an_independent_reference(tiny_model):
     """E4M3 per-tensor through ml_dtypes' cast, int8 per-channel through numpy (plain, and SmoothQuant's W * s
     against W * s), against ptq.evaluation.layerstats."""
     from ptq.calibration.calibrate import calibrate
+    from ptq.calibration.clips import quantize_variants
     from ptq.evaluation.evaluate import evaluate
     from ptq.evaluation.layerstats import input_snr_db, layer_snr, weight_snr_db
     from ptq.models.loading import load_model
     from ptq.quantization.plan import calibrated_layers, resolve_plan
-    from ptq.quantization.quantize import quantize_variants
     from ptq.quantization.recipes import load_recipe
 
     loaded = load_model(str(tiny_model), device=torch.device("cpu"))
@@ -617,11 +618,11 @@ def test_every_experts_input_snr_is_measured_grouped_as_one_by_one_against_an_in
     import families
 
     from ptq.calibration.calibrate import calibrate
+    from ptq.calibration.clips import quantize_variants
     from ptq.evaluation.evaluate import evaluate
     from ptq.evaluation.layerstats import input_snr_db, quantized_layers
     from ptq.models.matmuls import LinearExperts, linearize
     from ptq.quantization.plan import calibrated_layers
-    from ptq.quantization.quantize import quantize_variants
     from ptq.quantization.recipes import load_recipe
 
     model = linearize(families.build("mixtral"))

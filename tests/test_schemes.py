@@ -666,7 +666,8 @@ def test_group_and_block_scales_stay_simulated_under_matmul_fp8_where_torch_has_
 
     from transformers import AutoModelForCausalLM
 
-    from ptq.quantization.quantize import QuantLinear, blockwise_unavailable, quantize_
+    from ptq.calibration.clips import quantize_
+    from ptq.quantization.quantize import QuantLinear, blockwise_unavailable
 
     why = blockwise_unavailable(torch.device("cpu"), torch.float32)
     # torch's own refusal, in its own words (2.13: "ValueError: Invalid scaling configuration"; 2.11:
@@ -710,7 +711,8 @@ def test_cuda_block_fp8_matmul_matches_the_simulation_or_says_why_not(wide_llama
 
     from transformers import AutoModelForCausalLM
 
-    from ptq.quantization.quantize import QuantLinear, blockwise_unavailable, quantize_
+    from ptq.calibration.clips import quantize_
+    from ptq.quantization.quantize import QuantLinear, blockwise_unavailable
 
     model = AutoModelForCausalLM.from_pretrained(wide_llama).to("cuda", torch.bfloat16)
     r = load_recipe("fp8-block")

@@ -22,13 +22,13 @@ from conftest import TEXT, make_tokenizer
 from test_loading import save_fp8_checkpoint
 
 from ptq.calibration.calibrate import calibrate, load_calibration
+from ptq.calibration.clips import quantize_variants
 from ptq.errors import PtqError
 from ptq.evaluation.evaluate import evaluate
 from ptq.execution import streaming
 from ptq.models.loading import linear_layers, load_model, load_structure
 from ptq.models.matmuls import kind
 from ptq.quantization.plan import calibration_targets, resolve_plans
-from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import load_recipe
 from ptq.runtime import resources
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ptq.calibration.clips import quantize_variants
 from ptq.commands.common import _refuse_resume, _refuse_unused_calibration, _streams, now, versions
 from ptq.commands.measure import (
     BASELINE_RECIPE,
@@ -37,7 +38,6 @@ from ptq.evaluation import harness
 from ptq.evaluation.layerstats import layer_snr, weight_snr_db
 from ptq.execution import streaming
 from ptq.execution.placement import Placement
-from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import Recipe, load_recipe
 from ptq.reporting.gates import refuse_unmeasured_gates
 from ptq.reporting.report import write_report

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ptq.calibration.clips import quantize_
 from ptq.commands.common import _refuse_resume, _refuse_unused_calibration, _streams, now, versions
 from ptq.commands.measure import (
     AUTO_TASKS,
@@ -42,7 +43,6 @@ from ptq.evaluation.tasks import cloze_items, no_cloze_items
 from ptq.execution import streaming
 from ptq.execution.placement import Placement
 from ptq.progress import stderr
-from ptq.quantization.quantize import quantize_
 from ptq.quantization.recipes import Recipe, load_recipe
 from ptq.reporting.report import write_report
 from ptq.reporting.results import EvalResults

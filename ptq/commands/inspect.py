@@ -11,10 +11,11 @@ import torch
 from ptq.commands.common import check_coverage
 from ptq.errors import PtqError
 from ptq.models.loading import linear_layers, load_structure
-from ptq.models.matmuls import describe_coverage, kind
+from ptq.models.matmuls import kind
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, resolve_plans
 from ptq.quantization.recipes import Recipe, load_recipe
+from ptq.reporting.coverage import describe_coverage
 
 
 def run_inspect(

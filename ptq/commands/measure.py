@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ptq.calibration.calibrate import Calibration, load_calibration
+from ptq.calibration.clips import quantize_variants
 from ptq.commands.common import (
     _calibration,
     _load,
@@ -47,7 +48,6 @@ from ptq.files import check_output_dir, check_writable
 from ptq.models.loading import LoadedModel, linear_layers
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, resolve_plans
-from ptq.quantization.quantize import quantize_variants
 from ptq.quantization.recipes import Recipe
 from ptq.runtime import distributed
 

@@ -1,24 +1,28 @@
 """Task accuracy by lm-evaluation-harness (lm-eval 0.4), on the models ptq built, in memory.
 
-Each model (the baseline and every variant) is wrapped as `lm_eval.models.huggingface.HFLM(pretrained=model)`
-and scored by `lm_eval.simple_evaluate(..., log_samples=True)` on the same tasks: the numbers are lm-eval's,
-the ones `lm_eval --model hf` prints for the same weights. What lm-eval does not give, ptq adds from its
-per-sample results: every variant paired with the baseline on the same documents (ptq.evaluation.stats).
+Each model (the baseline and every variant) is wrapped as
+`lm_eval.models.huggingface.HFLM(pretrained=model)` and scored by
+`lm_eval.simple_evaluate(..., log_samples=True)` on the same tasks: the numbers are lm-eval's, the
+ones `lm_eval --model hf` prints for the same weights. What lm-eval does not give, ptq adds from its
+per-sample results: every variant paired with the baseline on the same documents
+(ptq.evaluation.stats).
 
 Task specs (`--tasks`, comma-separated):
 
-    NAME                  an lm-eval task, group or tag by name (hellaswag, mmlu, gsm8k, ...): its dataset from
-                          the Hugging Face Hub, so a network or a warm datasets cache
-    NAME=FILE.jsonl       an lm-eval task over a local copy of its dataset (rows in the dataset's own fields);
-                          or, when the rows are {"context": ..., "choices": [...], "label": i}, a multiple-choice
-                          task of that name (lm_eval_tasks/_ptq_choice.yaml)
+    NAME                  an lm-eval task, group or tag by name (hellaswag, mmlu, gsm8k, ...):
+                          its dataset from the Hugging Face Hub, so a network or a warm datasets
+                          cache
+    NAME=FILE.jsonl       an lm-eval task over a local copy of its dataset (rows in the dataset's
+                          own fields); or, when the rows are {"context": ..., "choices": [...],
+                          "label": i}, a multiple-choice task of that name
+                          (lm_eval_tasks/_ptq_choice.yaml)
     FILE.jsonl            the same, named after the file
     FILE.yaml, FOLDER     task YAML files (lm-eval's format): the task(s) they define
-    cloze, cloze=TEXT     cloze items ptq builds from the evaluation text (or TEXT), scored by lm-eval
-                          (lm_eval_tasks/_ptq_cloze.yaml)
+    cloze, cloze=TEXT     cloze items ptq builds from the evaluation text (or TEXT), scored by
+                          lm-eval (lm_eval_tasks/_ptq_cloze.yaml)
 
-The generated task files (cloze items, local copies) are written to a temporary folder, removed at exit; what
-each task was (its source, its documents' sha256) is in results.json's `tasks`.
+The generated task files (cloze items, local copies) are written to a temporary folder, removed at
+exit; what each task was (its source, its documents' sha256) is in results.json's `tasks`.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ import numpy as np
 import yaml
 
 from ptq.errors import PtqError, name_problem
+from ptq.evaluation.recovery import accuracy_recovery_pct, higher_is_better, ratio_pct
 from ptq.files import read_yaml
 
 TASKS_DIR = Path(__file__).resolve().with_name("lm_eval_tasks")  # the task YAMLs ptq ships
-NOT_REPORTED = "not reported:"  # opens a task note naming metrics ptq cannot pair (describe_tasks; the console)
+# opens a task note naming metrics ptq cannot pair (describe_tasks; the console)
+NOT_REPORTED = "not reported:"
 CHOICE_TEMPLATE = TASKS_DIR / "_ptq_choice.yaml"
 CLOZE_TEMPLATE = TASKS_DIR / "_ptq_cloze.yaml"
 CHOICE_FIELDS = ("context", "choices", "label")
@@ -66,7 +72,8 @@ class Suite:
 
 @functools.lru_cache(maxsize=1)
 def _default_index() -> dict:
-    """lm-eval's index of its own ~15,000 task configs (about 10 s to build here): built once per process."""
+    """lm-eval's index of its own ~15,000 task configs (about 10 s to build here): built once per
+    process."""
     import lm_eval.tasks
     from lm_eval.tasks._index import TaskIndex
 
@@ -74,8 +81,9 @@ def _default_index() -> dict:
 
 
 def _manager(include_paths: tuple[str, ...], defaults: bool):
-    """TaskManager(include_path=..., include_defaults=defaults), with lm-eval's own index reused from _default_index:
-    the same entries (include paths override lm-eval's tasks, as TaskManager merges them), built once per process."""
+    """TaskManager(include_path=..., include_defaults=defaults), with lm-eval's own index reused
+    from _default_index: the same entries (include paths override lm-eval's tasks, as TaskManager
+    merges them), built once per process."""
     from collections import defaultdict
 
     from lm_eval.tasks import TaskManager
@@ -102,14 +110,16 @@ def lm_eval_version() -> str:
 
 @contextlib.contextmanager
 def quiet_lm_eval():
-    """lm-eval logs every step at INFO and warns about passing a built model (which is what ptq means to do):
-    keep its errors only, and its progress bars and datasets' off when ptq is quiet."""
+    """lm-eval logs every step at INFO and warns about passing a built model (which is what ptq
+    means to do): keep its errors only, and its progress bars and datasets' off when ptq is
+    quiet."""
     import lm_eval.loggers.utils as lm_eval_utils
 
     from ptq import progress
 
-    # lm-eval records `git describe` of the working directory: outside a git checkout git's "fatal: not a git
-    # repository" went to ptq's stderr. The same command, its stderr discarded (its result is unchanged).
+    # lm-eval records `git describe` of the working directory: outside a git checkout git's "fatal:
+    # not a git repository" went to ptq's stderr. The same command, its stderr discarded (its result
+    # is unchanged).
     git = lm_eval_utils.subprocess
     lm_eval_utils.subprocess = _QuietSubprocess(git)
     loggers = [logging.getLogger(n) for n in ("lm-eval", "lm_eval", "datasets")]
@@ -166,7 +176,8 @@ def _split_specs(spec: str) -> list[tuple[str, str | None]]:
         name, sep, path = (s.strip() for s in part.partition("="))
         if sep and not (name and path):
             raise PtqError(
-                f"bad task '{part}': expected NAME, NAME=FILE.jsonl, FILE.jsonl, FILE.yaml or a folder"
+                f"bad task '{part}': expected NAME, NAME=FILE.jsonl, FILE.jsonl, FILE.yaml or a "
+                "folder"
             )
         out.append((name, path) if sep else (part, None))
     if not out:
@@ -235,9 +246,9 @@ def _task_yaml(name: str, include: Path, data: dict[str, str], extra: dict | Non
 
 
 def _check_includes(path: Path, seen: tuple[Path, ...] = ()) -> None:
-    """Read a task file and the files it includes, as lm-eval resolves them (`include:` a path relative to the
-    including file's folder, or absolute): a file that is not there is named, where lm-eval's index would drop the
-    task in silence ("defines no lm-eval task")."""
+    """Read a task file and the files it includes, as lm-eval resolves them (`include:` a path
+    relative to the including file's folder, or absolute): a file that is not there is named, where
+    lm-eval's index would drop the task in silence ("defines no lm-eval task")."""
     config = read_yaml(path, "task file", tags=True)
     includes = config.get("include") if isinstance(config, dict) else None
     for include in (
@@ -252,8 +263,8 @@ def _check_includes(path: Path, seen: tuple[Path, ...] = ()) -> None:
         )
         if not found.is_file():
             raise PtqError(
-                f"task file {path} includes {include}, which is not a file ({found}: an include is found beside the "
-                "file that includes it, or by its absolute path)"
+                f"task file {path} includes {include}, which is not a file ({found}: an include is "
+                "found beside the file that includes it, or by its absolute path)"
             )
         if found.resolve() in seen:
             raise PtqError(f"task file {path} includes {include}, which includes it again")
@@ -261,12 +272,13 @@ def _check_includes(path: Path, seen: tuple[Path, ...] = ()) -> None:
 
 
 def _yaml_names(target: Path) -> list[str]:
-    """The tasks a YAML file or a folder of them defines, as lm-eval indexes them (groups first: a folder that
-    defines groups runs its groups, not their members twice)."""
+    """The tasks a YAML file or a folder of them defines, as lm-eval indexes them (groups first: a
+    folder that defines groups runs its groups, not their members twice)."""
     from lm_eval.tasks._index import Kind, TaskIndex
 
-    # lm-eval's index passes over a file it cannot read in silence: the user's files are read here first, so that
-    # a typo is named with its line, not reported as "no task" (or, with a key given twice, run as the other task)
+    # lm-eval's index passes over a file it cannot read in silence: the user's files are read here
+    # first, so that a typo is named with its line, not reported as "no task" (or, with a key given
+    # twice, run as the other task)
     for path in (
         sorted(p for p in target.rglob("*") if p.suffix in (".yaml", ".yml"))
         if target.is_dir()
@@ -296,9 +308,9 @@ def prepare(
     num_fewshot: int | None = None,
     limit: float | None = None,
 ) -> Suite:
-    """The lm-eval tasks of `spec`, with the files they need generated in `work` (cloze items, local copies).
-    Every task is then loaded once by lm-eval, so that a task it cannot find or whose data it cannot reach stops
-    here, in one line, before any model is loaded."""
+    """The lm-eval tasks of `spec`, with the files they need generated in `work` (cloze items, local
+    copies). Every task is then loaded once by lm-eval, so that a task it cannot find or whose data
+    it cannot reach stops here, in one line, before any model is loaded."""
     from ptq.evaluation.data import load_corpus
     from ptq.evaluation.tasks import build_cloze, cloze_rows, scored_chance, subsample
 
@@ -338,7 +350,8 @@ def prepare(
             found = _yaml_names(target)
             if not found:
                 raise PtqError(
-                    f"{target} defines no lm-eval task (a YAML file with a 'task:' or 'group:' name)"
+                    f"{target} defines no lm-eval task (a YAML file with a 'task:' or 'group:' "
+                    "name)"
                 )
             include.append(target.resolve() if target.is_dir() else target.resolve().parent)
             names += found
@@ -350,8 +363,8 @@ def prepare(
             continue
         if path is not None and (target.is_dir() or target.suffix in (".yaml", ".yml")):
             raise PtqError(
-                f"{name}={path}: NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of them is given "
-                f"without NAME= (--tasks {path}: its tasks are named inside it)"
+                f"{name}={path}: NAME=FILE takes a .jsonl file of rows; a task YAML or a folder of "
+                f"them is given without NAME= (--tasks {path}: its tasks are named inside it)"
             )
         task_name = name if path is not None else target.stem
         rows = _jsonl_rows(target)
@@ -441,17 +454,19 @@ def prepare(
         found = Path(entry.yaml_path).resolve() if entry is not None and entry.yaml_path else None
         if generated.is_file() and found != generated.resolve():
             raise PtqError(
-                f"task name '{name}' is taken by {'ptq' if found and found.is_relative_to(TASKS_DIR) else 'lm-eval'}'s "
-                f"own task of that name, which would run instead of {sources.get(name, 'yours')}: name yours "
-                "otherwise (NAME=FILE.jsonl)"
+                f"task name '{name}' is taken by "
+                f"{'ptq' if found and found.is_relative_to(TASKS_DIR) else 'lm-eval'}'s own task "
+                f"of that name, which would run instead of {sources.get(name, 'yours')}: name "
+                "yours otherwise (NAME=FILE.jsonl)"
             )
     load_check(suite, manager)
     return suite
 
 
 def load_check(suite: Suite, manager) -> None:
-    """Load every task once (its dataset included), turning lm-eval's and datasets' errors into one line. A task that
-    may use the Hub is loaded from the local datasets cache only when the Hub cannot be used (data.hub_or_cache)."""
+    """Load every task once (its dataset included), turning lm-eval's and datasets' errors into one
+    line. A task that may use the Hub is loaded from the local datasets cache only when the Hub
+    cannot be used (data.hub_or_cache)."""
     from ptq.evaluation.data import cache_failure, hub_or_cache
 
     for name in suite.names:
@@ -463,9 +478,9 @@ def load_check(suite: Suite, manager) -> None:
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                 why = cache_failure(offline, e) if offline else f"{type(e).__name__}: {reason}"
                 raise PtqError(
-                    f"cannot load task '{name}': {why}. Offline, point it at local files: {name}=FILE.jsonl (rows in "
-                    "its dataset's own fields), or a task YAML with dataset_path: json and dataset_kwargs: "
-                    "{data_files: ...}"
+                    f"cannot load task '{name}': {why}. Offline, point it at local files: "
+                    f"{name}=FILE.jsonl (rows in its dataset's own fields), or a task YAML with "
+                    "dataset_path: json and dataset_kwargs: {data_files: ...}"
                 ) from None
         for task_name, task in (
             (loaded.get("tasks") or {}).items() if isinstance(loaded, dict) else ()
@@ -489,11 +504,13 @@ LOCAL_BUILDERS = (
 
 
 def _uses_hub(name: str, manager) -> bool:
-    """Whether loading task `name` may download from the Hub. Not for a task ptq ships (their data are files next to
-    them), nor for one task whose data are local files read by one of datasets' packaged builders (ptq's generated
-    tasks; a user's YAML with dataset_path: json); a group, a tag, a Python task or any other task may (so the Hub is
-    probed for it: one quick connect per process)."""
-    try:  # lm-eval's own index and YAML reader (private modules: where they moved, the Hub is probed)
+    """Whether loading task `name` may download from the Hub. Not for a task ptq ships (their data
+    are files next to them), nor for one task whose data are local files read by one of datasets'
+    packaged builders (ptq's generated tasks; a user's YAML with dataset_path: json); a group, a
+    tag, a Python task or any other task may (so the Hub is probed for it: one quick connect per
+    process)."""
+    # lm-eval's own index and YAML reader (private modules: where they moved, the Hub is probed)
+    try:
         from lm_eval.tasks._index import Kind
         from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -513,8 +530,8 @@ def _uses_hub(name: str, manager) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _reads_remote_data(yaml_path: str, modified: int, load_yaml) -> bool:
-    """Whether the task YAML at `yaml_path` (as of its modification time `modified`) may read its data from the Hub
-    (see _uses_hub): read once for the check before the run and the run."""
+    """Whether the task YAML at `yaml_path` (as of its modification time `modified`) may read its
+    data from the Hub (see _uses_hub): read once for the check before the run and the run."""
     try:
         config = load_yaml(yaml_path, resolve_func=False)
     except Exception:  # noqa: BLE001  (a YAML lm-eval will refuse: its load says why)
@@ -537,10 +554,10 @@ def _strings(value) -> list[str]:
 
 
 def check_fewshot(name: str, task, num_fewshot: int | None) -> None:
-    """Refuse more few-shot examples (--num-fewshot, else the task's own num_fewshot) than the task's few-shot pool
-    holds (lm-eval would stop with "Sample larger than population"); drawn from the test split itself (fewshot_split
-    naming it: ptq's _ptq_choice.yaml and _ptq_cloze.yaml), lm-eval leaves the document being scored out, so one
-    fewer."""
+    """Refuse more few-shot examples (--num-fewshot, else the task's own num_fewshot) than the
+    task's few-shot pool holds (lm-eval would stop with "Sample larger than population"); drawn from
+    the test split itself (fewshot_split naming it: ptq's _ptq_choice.yaml and _ptq_cloze.yaml),
+    lm-eval leaves the document being scored out, so one fewer."""
     config = getattr(task, "config", None)
     n = num_fewshot if num_fewshot is not None else getattr(config, "num_fewshot", None)
     if not n or config is None:
@@ -566,8 +583,8 @@ def check_fewshot(name: str, task, num_fewshot: int | None) -> None:
 
 @dataclass
 class ModelTasks:
-    """What lm-eval returned for one model: its aggregate results and, per task, per metric, the per-document
-    values (ordered by doc_id) that the pairing resamples."""
+    """What lm-eval returned for one model: its aggregate results and, per task, per metric, the
+    per-document values (ordered by doc_id) that the pairing resamples."""
 
     results: dict  # lm-eval's results[task] (metric keys "acc,none", "acc_stderr,none", ...)
     samples: dict[str, dict[str, np.ndarray]]  # task -> "metric,filter" -> values per document
@@ -623,7 +640,8 @@ def run(models: dict, tokenizer, suite: Suite, batch_size: int) -> HarnessRun:
 
     out: dict[str, ModelTasks] = {}
     manager = suite.task_manager()
-    # simple_evaluate loads every task's data again: from the cache only, as load_check did, when the Hub cannot be used
+    # simple_evaluate loads every task's data again: from the cache only, as load_check did, when
+    # the Hub cannot be used
     uses_hub = any(_uses_hub(name, manager) for name in suite.names)
     last = None
     for name, model in models.items():
@@ -659,7 +677,8 @@ def run(models: dict, tokenizer, suite: Suite, batch_size: int) -> HarnessRun:
     for name, m in out.items():
         if m.doc_hashes != first.doc_hashes:
             raise PtqError(
-                f"lm-eval scored different documents for {name} than for {next(iter(out))}: cannot pair them"
+                f"lm-eval scored different documents for {name} than for {next(iter(out))}: cannot "
+                "pair them"
             )
     return HarnessRun(
         out,
@@ -685,9 +704,9 @@ def _leaves(group: str, members: dict, scored: dict) -> list[str]:
 
 @contextlib.contextmanager
 def _untied(model):
-    """HFLM calls model.tie_weights(): on a variant whose lm_head ptq replaced (a quantized one, or the
-    baseline's bf16 one) that would put the embedding back in its place. The variants are built as they are
-    meant to run: no tying."""
+    """HFLM calls model.tie_weights(): on a variant whose lm_head ptq replaced (a quantized one, or
+    the baseline's bf16 one) that would put the embedding back in its place. The variants are built
+    as they are meant to run: no tying."""
     tie = getattr(model, "tie_weights", None)
     if tie is None:
         yield
@@ -704,14 +723,15 @@ def _untied(model):
 
 
 def metric_key(key: str) -> str:
-    """lm-eval's "acc,none" -> "acc"; "exact_match,strict-match" stays as it is (the filter is part of the name)."""
+    """lm-eval's "acc,none" -> "acc"; "exact_match,strict-match" stays as it is (the filter is part
+    of the name)."""
     metric, _, filt = key.partition(",")
     return metric if filt in ("", "none") else key
 
 
 def _is_mean(values: np.ndarray, reported) -> bool:
-    """Whether lm-eval's number is the mean of the per-document values (acc, exact_match: yes; perplexity, bleu,
-    corpus-level f1: no), the condition for bootstrapping documents."""
+    """Whether lm-eval's number is the mean of the per-document values (acc, exact_match: yes;
+    perplexity, bleu, corpus-level f1: no), the condition for bootstrapping documents."""
     return (
         isinstance(reported, (int, float, np.floating))
         and len(values) > 0
@@ -720,7 +740,8 @@ def _is_mean(values: np.ndarray, reported) -> bool:
 
 
 def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
-    """results.json's "tasks": one entry per task lm-eval scored (a group's members each), in lm-eval's order."""
+    """results.json's "tasks": one entry per task lm-eval scored (a group's members each), in
+    lm-eval's order."""
     first = next(iter(run.models.values()))
     out = []
     order: list[str] = []
@@ -739,9 +760,12 @@ def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
         samples, reported = first.samples[task], first.results[task]
         metrics = [metric_key(k) for k, v in samples.items() if _is_mean(v, reported.get(k))]
         if task in run.group_subtasks and not metrics:
-            continue  # a group whose number is not its documents' mean (not weighted by size): its members only
-        # lm-eval's numbers that are no mean over documents (a perplexity, bleu): ptq pairs documents, so it cannot
-        # give them an interval or a paired delta; named, never silently left out
+            # a group whose number is not its documents' mean (not weighted by size): its members
+            # only
+            continue
+        # lm-eval's numbers that are no mean over documents (a perplexity, bleu): ptq pairs
+        # documents, so it cannot give them an interval or a paired delta; named, never silently
+        # left out
         unpaired = sorted(
             {metric_key(k) for k in reported if "," in k and "_stderr," not in k} - set(metrics),
         )
@@ -776,8 +800,9 @@ def describe_tasks(run: HarnessRun, suite: Suite) -> list[dict]:
             "notes": suite.notes.get(task, [])
             + (
                 [
-                    f"{NOT_REPORTED} {', '.join(unpaired)} (lm-eval's {'value is' if len(unpaired) == 1 else 'values are'} "
-                    "not a mean over the documents, such as a perplexity or a corpus-level score, and ptq reports "
+                    f"{NOT_REPORTED} {', '.join(unpaired)} (lm-eval's "
+                    f"{'value is' if len(unpaired) == 1 else 'values are'} not a mean over the "
+                    "documents, such as a perplexity or a corpus-level score, and ptq reports "
                     "per-document means, paired between models; lm-eval's own output has "
                     f"{'it' if len(unpaired) == 1 else 'them'})"
                 ]
@@ -802,13 +827,13 @@ def _sha256(hashes: list[str]) -> str:
 def add_task_metrics(
     entry: dict, run: HarnessRun, tasks: list[dict], baseline: str | None = None
 ) -> None:
-    """entry["tasks"] = {task: {metric: lm-eval's value, metric_stderr: lm-eval's, metric_ci: bootstrap 95%, n}};
-    with a baseline also entry["task_deltas"] = {task: {metric: {delta, stderr, ci, significant, n, recovery_pct}}},
-    paired on the same documents, and entry["task_samples"] (the per-document values the intervals resample).
-    recovery_pct is 100 * variant / baseline either way; only a higher-is-better metric (as lm-eval records it for
-    the task) takes an accuracy's rule that a zero baseline counts as 100%."""
+    """entry["tasks"] = {task: {metric: lm-eval's value, metric_stderr: lm-eval's, metric_ci:
+    bootstrap 95%, n}}; with a baseline also entry["task_deltas"] = {task: {metric: {delta, stderr,
+    ci, significant, n, recovery_pct}}}, paired on the same documents, and entry["task_samples"]
+    (the per-document values the intervals resample). recovery_pct is 100 * variant / baseline
+    either way; only a higher-is-better metric (as lm-eval records it for the task) takes an
+    accuracy's rule that a zero baseline counts as 100%."""
     from ptq.evaluation import stats
-    from ptq.reporting.gates import accuracy_recovery_pct, higher_is_better, ratio_pct
 
     mine = run.models[entry["name"]]
     entry["tasks"], entry["task_samples"], deltas = {}, {}, {}
@@ -833,7 +858,8 @@ def add_task_metrics(
             if baseline is not None:
                 base = run.models[baseline]
                 d = stats.paired_delta(base.samples[name][key], values, stats.difference)
-                # an accuracy's recovery (a zero baseline counts as 100%), or a lower-is-better metric's plain ratio
+                # an accuracy's recovery (a zero baseline counts as 100%), or a lower-is-better
+                # metric's plain ratio
                 recover = (
                     accuracy_recovery_pct
                     if higher_is_better(metric, task.get("higher_is_better"))
@@ -874,11 +900,12 @@ def protocol(tasks: list[dict]) -> list[str]:
     s = stats.describe()
     return [
         f"Tasks: scored by lm-evaluation-harness ({lm_eval_version()}) on each model in memory "
-        "(lm_eval.models.huggingface.HFLM around the model ptq built; simple_evaluate with log_samples): the values and "
-        "their stderr are lm-eval's, as `lm_eval --model hf` reports them for the same weights.",
-        f"Task intervals: {s['method']} ({s['resamples']} resamples, seed {s['seed']}) over the documents of lm-eval's "
-        "per-sample results, except a metric that is 0 or 1 per document (acc, exact_match): Wilson's score interval "
-        "for a proportion; deltas vs the baseline are paired (the same resampled documents for both) and marked "
-        "distinguishable from 0 when their 95% interval excludes 0. Recovery = variant / baseline, as model cards "
-        "report it.",
+        "(lm_eval.models.huggingface.HFLM around the model ptq built; simple_evaluate with "
+        "log_samples): the values and their stderr are lm-eval's, as `lm_eval --model hf` reports "
+        "them for the same weights.",
+        f"Task intervals: {s['method']} ({s['resamples']} resamples, seed {s['seed']}) over the "
+        "documents of lm-eval's per-sample results, except a metric that is 0 or 1 per document "
+        "(acc, exact_match): Wilson's score interval for a proportion; deltas vs the baseline are "
+        "paired (the same resampled documents for both) and marked distinguishable from 0 when "
+        "their 95% interval excludes 0. Recovery = variant / baseline, as model cards report it.",
     ]

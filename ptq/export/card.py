@@ -6,13 +6,12 @@ them.
 from __future__ import annotations
 
 from ptq.export.record import ExportRecord
+from ptq.reporting.coverage import describe_coverage
+from ptq.runtime.resources import size_text
 
 
 def render_model_card(e: ExportRecord) -> str:
     """README.md of a `ptq quantize` checkpoint, rendered from its export record alone."""
-    from ptq.models.matmuls import describe_coverage
-    from ptq.runtime.resources import size_text
-
     rec, fmt, cal, size, ver = e.recipe, e.format, e.calibration, e.size, e.verification
     lines = [
         "---",

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ptq.calibration.calibrate import Calibration
+from ptq.calibration.clips import input_clip
 from ptq.errors import PtqError
 from ptq.export.format import (
     _DTYPE_NAMES,
@@ -50,7 +51,7 @@ from ptq.numerics.granularity import (
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, calibration_key
 from ptq.quantization.plan import resolve_plan as plan_of
-from ptq.quantization.quantize import input_clip, quantize_weight, scale_for
+from ptq.quantization.quantize import quantize_weight, scale_for
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ptq.calibration.calibrate import Calibration
+from ptq.calibration.clips import input_clip, quantize_
 from ptq.export.checkpoint import _input_scale, kv_cache_entries
 from ptq.export.format import weight_scale_shape
 from ptq.export.reading import _read_tensors
@@ -26,7 +27,7 @@ from ptq.numerics.granularity import (
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan
 from ptq.quantization.plan import resolve_plan as plan_of
-from ptq.quantization.quantize import QuantLinear, input_clip, quantize_
+from ptq.quantization.quantize import QuantLinear
 from ptq.quantization.recipes import Recipe
 
 # What verification checks, and why these limits. The gate is what separates a wrong checkpoint from

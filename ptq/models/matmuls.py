@@ -1,19 +1,23 @@
-"""What ptq quantizes: every matmul of a model whose weight multiplies activations, as an `nn.Linear`.
+"""What ptq quantizes: every matmul of a model whose weight multiplies activations, as an
+`nn.Linear`.
 
-Transformers builds those matmuls three ways, and `linearize(model)` turns each into Linear layers, so that
-calibration, quantization, evaluation, per-layer statistics, inspect and export all deal with one thing:
+Transformers builds those matmuls three ways, and `linearize(model)` turns each into Linear layers,
+so that calibration, quantization, evaluation, per-layer statistics, inspect and export all deal
+with one thing:
 - `nn.Linear`: kept as it is (kind "Linear").
-- GPT-2's `Conv1D` (weight stored [in, out], `addmm`): an nn.Linear whose weight is the transposed view of the
-  same storage (kind "Conv1D"); same product, no copy.
-- Fused experts (`@use_experts_implementation` modules holding 3-D parameters, `gate_up_proj` [E, 2I, H] and
-  `down_proj` [E, H, I], or transposed, gate/up concatenated or interleaved, with or without biases):
-  `LinearExperts`, one `{e}.gate_proj`, `{e}.up_proj`, `{e}.down_proj` Linear per expert (kind "Experts"), each
-  a view into the 3-D parameters. Its forward computes what the fused module computes: routed tokens only,
-  the family's own gating function; once every expert is quantized alike it runs as one grouped matmul per
-  projection (`LinearExperts.forward`), not a Python loop over experts.
+- GPT-2's `Conv1D` (weight stored [in, out], `addmm`): an nn.Linear whose weight is the transposed
+  view of the same storage (kind "Conv1D"); same product, no copy.
+- Fused experts (`@use_experts_implementation` modules holding 3-D parameters, `gate_up_proj`
+  [E, 2I, H] and `down_proj` [E, H, I], or transposed, gate/up concatenated or interleaved, with or
+  without biases): `LinearExperts`, one `{e}.gate_proj`, `{e}.up_proj`, `{e}.down_proj` Linear per
+  expert (kind "Experts"), each a view into the 3-D parameters. Its forward computes what the fused
+  module computes: routed tokens only, the family's own gating function; once every expert is
+  quantized alike it runs as one grouped matmul per projection (`LinearExperts.forward`), not a
+  Python loop over experts.
 
-What cannot be made a Linear (a router kept as a bare weight, a convolution, an experts layout ptq does not
-know) is listed by `coverage`, with the reason, so that reports never leave weights in 16-bit silently.
+What cannot be made a Linear (a router kept as a bare weight, a convolution, an experts layout ptq
+does not know) is listed by `coverage`, with the reason, so that reports never leave weights in
+16-bit silently.
 """
 
 from __future__ import annotations
@@ -27,27 +31,35 @@ import torch.nn.functional as F
 from torch import nn
 
 KINDS = ("Linear", "Conv1D", "Experts")  # what recipes target (Recipe.targets)
-ROUTER = "Router"  # an MoE router that is a Linear layer: left in the compute dtype, like routers of other kinds
-# Qwen2-MoE's gate of its shared expert (Linear H -> 1, sigmoid): a gating weight like the router's, which vLLM's
-# qwen2_moe.py keeps a plain torch.nn.Linear (no quantized weight loads into it) and llm-compressor's Qwen-MoE
-# examples leave out (`re:.*mlp.shared_expert_gate$`): left out with the routers, for its own reason
+# an MoE router that is a Linear layer: left in the compute dtype, like routers of other kinds
+ROUTER = "Router"
+# Qwen2-MoE's gate of its shared expert (Linear H -> 1, sigmoid): a gating weight like the router's,
+# which vLLM's qwen2_moe.py keeps a plain torch.nn.Linear (no quantized weight loads into it) and
+# llm-compressor's Qwen-MoE examples leave out (`re:.*mlp.shared_expert_gate$`): left out with the
+# routers, for its own reason
 SHARED_EXPERT_GATE = "shared_expert_gate"
-_SHARED_EXPERT_GATE_REASON = "router (shared-expert gate, Linear): its gating stays in the compute dtype, as vLLM keeps it (a plain nn.Linear)"
-# What a quantized matmul (ptq.quantization.quantize.QuantLinear) has that this module reads without importing it:
-QUANTIZED = "quantized_matmul"  # a class attribute, True: a matmul already quantized (coverage skips it and its parts)
+_SHARED_EXPERT_GATE_REASON = (
+    "router (shared-expert gate, Linear): its gating stays in the compute dtype, as vLLM keeps it "
+    "(a plain nn.Linear)"
+)
+# What a quantized matmul (ptq.quantization.quantize.QuantLinear) has that this module reads without
+# importing it. QUANTIZED: a class attribute, True: a matmul already quantized (coverage skips it and
+# its parts)
+QUANTIZED = "quantized_matmul"
 GROUPING = (
     "grouped_experts"  # (experts, layers) -> the grouped form of a LinearExperts' layers, or None
 )
 
 
 def kind(module: nn.Module) -> str:
-    """The kind of matmul a Linear layer of a linearized model came from ("Linear", "Conv1D", "Experts", "Router")."""
+    """The kind of matmul a Linear layer of a linearized model came from ("Linear", "Conv1D",
+    "Experts", "Router")."""
     return getattr(module, "ptq_kind", "Linear")
 
 
 def quantizable(module: nn.Module) -> bool:
-    """A Linear layer that ptq quantizes when a recipe targets its kind: not a router (routing decisions are
-    left alone; a router subclassing Linear may not even return a tensor)."""
+    """A Linear layer that ptq quantizes when a recipe targets its kind: not a router (routing
+    decisions are left alone; a router subclassing Linear may not even return a tensor)."""
     return isinstance(module, nn.Linear) and kind(module) in KINDS
 
 
@@ -97,12 +109,13 @@ class ExpertLinears(nn.Module):
 
 
 class LinearExperts(nn.ModuleList):
-    """A fused-experts module as one `ExpertLinears` per expert (`experts.{e}.gate_proj`, ... : the names
-    per-expert checkpoints use), called like the fused module: (hidden_states [T, H], top_k_index [T, k],
-    top_k_weights [T, k]) -> [T, H].
+    """A fused-experts module as one `ExpertLinears` per expert (`experts.{e}.gate_proj`, ... : the
+    names per-expert checkpoints use), called like the fused module: (hidden_states [T, H],
+    top_k_index [T, k], top_k_weights [T, k]) -> [T, H].
 
-    `all_experts` (calibration): every token also goes through every expert, so that each expert's layers see
-    inputs (and get a scale) even when no token is routed to it; the output still uses routed tokens only."""
+    `all_experts` (calibration): every token also goes through every expert, so that each expert's
+    layers see inputs (and get a scale) even when no token is routed to it; the output still uses
+    routed tokens only."""
 
     def __init__(self, fused: nn.Module):
         experts = []
@@ -134,7 +147,8 @@ class LinearExperts(nn.ModuleList):
         super().__init__(experts)
         self.has_gate, self.concatenated = fused.has_gate, fused.is_concatenated
         self.all_experts = False
-        # The family's gating function (activation, clamps, interleaving) on the fused module, without its weights.
+        # The family's gating function (activation, clamps, interleaving) on the fused module,
+        # without its weights.
         activation = copy.copy(fused)
         activation._parameters = {}
         object.__setattr__(self, "_activation", activation)  # not a submodule: it holds no tensor
@@ -142,7 +156,8 @@ class LinearExperts(nn.ModuleList):
         self._grouped: tuple | None = None
 
     def gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The family's activation of the gate/up product (its `_apply_gate`), or `act_fn` without a gate."""
+        """The family's activation of the gate/up product (its `_apply_gate`), or `act_fn` without a
+        gate."""
         return (
             self._activation._apply_gate(gate_up)
             if self.has_gate
@@ -150,13 +165,15 @@ class LinearExperts(nn.ModuleList):
         )
 
     def _gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """gate and up outputs [..., I] laid out as the fused module lays them out (concatenated or interleaved)."""
+        """gate and up outputs [..., I] laid out as the fused module lays them out (concatenated or
+        interleaved)."""
         if self.concatenated:
             return torch.cat([gate, up], dim=-1)
         return torch.stack([gate, up], dim=-1).flatten(-2)
 
     def expert_forward(self, e: int, x: torch.Tensor, modules: bool = True) -> torch.Tensor:
-        """Expert e on rows x: through its modules (hooks and quantizers run), or with their weights only."""
+        """Expert e on rows x: through its modules (hooks and quantizers run), or with their weights
+        only."""
         expert = self[e]
         run = (lambda m, t: m(t)) if modules else (lambda m, t: F.linear(t, m.weight, m.bias))
         if self.has_gate:
@@ -184,17 +201,19 @@ class LinearExperts(nn.ModuleList):
         return out
 
     def regroup(self) -> None:
-        """Forget the grouped form: it is stacked again on the next forward from the layers' current tensors (after
-        their scales were changed in place, which the cache key of modules and device does not see)."""
+        """Forget the grouped form: it is stacked again on the next forward from the layers' current
+        tensors (after their scales were changed in place, which the cache key of modules and device
+        does not see)."""
         self._grouped = None
 
     def _grouped_weights(self):
-        """When every expert matrix is a QuantLinear without SmoothQuant, and the experts of each projection share
-        their formats: their codes stacked along a leading expert dimension, made once (the QuantLinears then keep
-        views into them). None otherwise: the loop over experts (calibration, mixed recipes).
+        """When every expert matrix is a QuantLinear without SmoothQuant, and the experts of each
+        projection share their formats: their codes stacked along a leading expert dimension, made
+        once (the QuantLinears then keep views into them). None otherwise: the loop over experts
+        (calibration, mixed recipes).
 
-        The quantized layers say how they run grouped (their `grouped_experts`, GROUPING): finding matmuls does not
-        depend on quantizing them."""
+        The quantized layers say how they run grouped (their `grouped_experts`, GROUPING): finding
+        matmuls does not depend on quantizing them."""
         grouped_experts = getattr(self[0].down_proj, GROUPING, None)
         if grouped_experts is None:  # not quantized: the loop over experts
             return None
@@ -204,9 +223,8 @@ class LinearExperts(nn.ModuleList):
             if hasattr(self[0], p)
         }
         if getattr(getattr(self, "_hf_hook", None), "offload", False):
-            return grouped_experts(
-                self, layers
-            )  # offloaded (ptq.execution.placement): its tensors are on the device for this call only
+            # offloaded (ptq.execution.placement): its tensors are on the device for this call only
+            return grouped_experts(self, layers)
         first = next(itertools.chain(self[0].down_proj.buffers(), self[0].down_proj.parameters()))
         key = (*(id(m) for group in layers.values() for m in group), first.device)
         if (
@@ -232,9 +250,9 @@ def grouped_forward(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """transformers' grouped_mm experts forward over ptq's quantized operands: (token, slot) pairs sorted by
-    expert, each projection's inputs rounded with their expert's scale (one kernel for all rows), one grouped
-    matmul per projection over the dequantized stacked weights."""
+    """transformers' grouped_mm experts forward over ptq's quantized operands: (token, slot) pairs
+    sorted by expert, each projection's inputs rounded with their expert's scale (one kernel for all
+    rows), one grouped matmul per projection over the dequantized stacked weights."""
     k = top_k_index.shape[-1]
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
     x = hidden_states[perm // k]
@@ -250,17 +268,18 @@ def grouped_forward(
 def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x [S, in] (rows sorted by expert) times weight[e].T ([E, out, in]) for each expert's rows, plus that
-    expert's bias row ([S, out]): transformers' own grouped matmul (torch's grouped_mm where the device and dtype
-    have it, a loop over experts elsewhere), so that unquantized operands give the fused module's exact output."""
+    """x [S, in] (rows sorted by expert) times weight[e].T ([E, out, in]) for each expert's rows,
+    plus that expert's bias row ([S, out]): transformers' own grouped matmul (torch's grouped_mm
+    where the device and dtype have it, a loop over experts elsewhere), so that unquantized operands
+    give the fused module's exact output."""
     from transformers.integrations.moe import _grouped_linear
 
     return _grouped_linear(x, weight, offsets, bias=bias)
 
 
 def linearize(model: nn.Module) -> nn.Module:
-    """Replace, in place, every Conv1D and every fused-experts module ptq knows by Linear layers (views of
-    the same weights). Idempotent; returns the model."""
+    """Replace, in place, every Conv1D and every fused-experts module ptq knows by Linear layers
+    (views of the same weights). Idempotent; returns the model."""
     conv1d = _conv1d_type()
     for name, module in list(model.named_modules()):
         if not name:
@@ -290,8 +309,9 @@ class LeftOut:
 
 
 def unsupported(model: nn.Module) -> list[LeftOut]:
-    """Weights that multiply activations but that ptq cannot quantize (after linearize): routers that keep a
-    bare weight, fused experts of an unknown layout, convolutions. Embedding look-ups and norms are not matmuls."""
+    """Weights that multiply activations but that ptq cannot quantize (after linearize): routers
+    that keep a bare weight, fused experts of an unknown layout, convolutions. Embedding look-ups
+    and norms are not matmuls."""
 
     def skip(module: nn.Module) -> bool:
         return isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag)) or getattr(
@@ -343,59 +363,16 @@ def _parents(model: nn.Module, name: str) -> list[nn.Module]:
 
 
 def natural_key(name: str) -> tuple:
-    """Layer names in block order: model.layers.2 before model.layers.10 (each dotted part a number or a word)."""
+    """Layer names in block order: model.layers.2 before model.layers.10 (each dotted part a number
+    or a word)."""
     return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
 
 
 def unsupported_weights(cov: dict) -> list[dict]:
-    """The left-out weights of a coverage that no recipe could quantize for lack of support (routers are left out
-    by design and are not counted here)."""
+    """The left-out weights of a coverage that no recipe could quantize for lack of support (routers
+    are left out by design and are not counted here)."""
     return [
         x
         for x in cov["left_out"]
         if x["reason"].startswith(("not supported", "fused experts of a layout"))
     ]
-
-
-def quantized_share(quantized_params: int, matmul_params: int) -> float:
-    """The share (0 to 1) of the model's matmul weight parameters a recipe quantizes; 0 for a model without any."""
-    return quantized_params / matmul_params if matmul_params else 0.0
-
-
-def left_out_groups(cov: dict) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
-    """A coverage's left-out matmul weights and attention inputs, each grouped by reason ({reason: [entries]})."""
-    groups: dict[str, list[dict]] = {}
-    for x in cov["left_out"]:
-        groups.setdefault(x["reason"], []).append(x)
-    attention: dict[str, list[dict]] = {}
-    for x in cov.get("attention_left_out", []):
-        attention.setdefault(x["reason"], []).append(x)
-    return groups, attention
-
-
-def describe_coverage(cov: dict) -> str:
-    """One line: share of matmul weights quantized, and what is left out, grouped by reason (the first few names of
-    each: NAMES_SHOWN)."""
-    share = quantized_share(cov["quantized_weight_params"], cov["matmul_weight_params"])
-    groups, attention = left_out_groups(cov)
-    parts = [
-        f"{_names(items)} ({sum(i['params'] for i in items):,} params): {reason}"
-        for reason, items in groups.items()
-    ]
-    parts += [f"{_names(items)}: {reason}" for reason, items in attention.items()]
-    from ptq.reporting.results import fmt_against  # a share that is not all reads as less than 100%
-
-    return (
-        f"{fmt_against(100 * share, None, '.2f', 0, 100)}% of matmul weight parameters quantized "
-        f"({cov['quantized_weight_params']:,} of "
-        f"{cov['matmul_weight_params']:,})"
-        + (f"; left unquantized: {'; '.join(parts)}" if parts else "")
-    )
-
-
-NAMES_SHOWN = 3  # names per reason in describe_coverage's line; the report lists every one below it
-
-
-def _names(items: list[dict], shown: int = NAMES_SHOWN) -> str:
-    names = ", ".join(f"`{i['name']}`" for i in items[:shown])
-    return names + (f" and {len(items) - shown} more" if len(items) > shown else "")

@@ -1,17 +1,20 @@
-"""Simulated quantization: `quantize_(model, recipe, calibration)` swaps every Linear for a QuantLinear.
+"""Simulated quantization: `quantize_(model, recipe, clips)` swaps every Linear for a QuantLinear
+(ptq.calibration.clips.quantize_ takes the clips from a calibration).
 
-A QuantLinear holds its weight already quantized (done once, not per forward), as codes in the format's
-storage dtype (float8_e4m3fn, float8_e5m2, int8, bfloat16: one byte per weight for the 8-bit formats) and a
-scale; it dequantizes them on each forward (one fused cast-and-multiply, under 1% of the matmul on CPU), rounds its input
-to the recipe's format (static per-tensor scale from calibration, or one scale per token computed on the
-fly), and multiplies in float32. A product of two 8- or 16-bit values is exact in float32, but the simulation
-multiplies the dequantized operands, code x scale, and that product is itself rounded to float32 (for most inputs:
-a scale is rarely a power of two), where FP8 hardware multiplies the codes and applies the scales after
-accumulating: so it simulates fp32-accumulating FP8/int8/bf16 hardware up to summation order and one float32
-rounding of each dequantized operand (relative 3e-7 of the output's max on a 576-wide layer, as torch._scaled_mm
-on a CPU). With `attention` (or `kv_cache`) in the recipe, attention's batched-matmul inputs are
-rounded too (ptq/quantization/attention.py). SmoothQuant divides each input channel by s and multiplies the weight's
-column by s (ModelOpt's per-layer pre-quant scale, foldable into the preceding norm or layer).
+A QuantLinear holds its weight already quantized (done once, not per forward), as codes in the
+format's storage dtype (float8_e4m3fn, float8_e5m2, int8, bfloat16: one byte per weight for the
+8-bit formats) and a scale; it dequantizes them on each forward (one fused cast-and-multiply, under
+1% of the matmul on CPU), rounds its input to the recipe's format (static per-tensor scale from
+calibration, or one scale per token computed on the fly), and multiplies in float32. A product of
+two 8- or 16-bit values is exact in float32, but the simulation multiplies the dequantized operands,
+code x scale, and that product is itself rounded to float32 (for most inputs: a scale is rarely a
+power of two), where FP8 hardware multiplies the codes and applies the scales after accumulating: so
+it simulates fp32-accumulating FP8/int8/bf16 hardware up to summation order and one float32 rounding
+of each dequantized operand (relative 3e-7 of the output's max on a 576-wide layer, as
+torch._scaled_mm on a CPU). With `attention` (or `kv_cache`) in the recipe, attention's
+batched-matmul inputs are rounded too (ptq/quantization/attention.py). SmoothQuant divides each
+input channel by s and multiplies the weight's column by s (ModelOpt's per-layer pre-quant scale,
+foldable into the preceding norm or layer).
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptq.calibration.calibrate import Calibration
-from ptq.calibration.observers import choose_clip
 from ptq.errors import PtqError
 from ptq.models.matmuls import kind, quantizable
 from ptq.numerics import granularity as gr
@@ -43,15 +44,15 @@ from ptq.numerics.formats import (
 from ptq.numerics.kernels import FALLBACKS, fused  # noqa: F401  (fused is used by the modules that import it from here)
 from ptq.quantization import attention, engines, residual
 from ptq.quantization.attention import AttentionQuant
-from ptq.quantization.plan import Plan, calibration_key, resolve_plan
+from ptq.quantization.plan import Plan, resolve_plan
 from ptq.quantization.recipes import Recipe, TensorQuant
 
 
 def scale_for(clip: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
-    """The scale that maps `clip` (a calibrated or observed amax, per tensor or per group) onto the format's max,
-    per the spec's scale mode: amax / max as float32; rounded up to a power of two ("pow2": a per-tensor exponent
-    bias, so the clip never overflows); E8M0 (the MX power of two, granularity.e8m0_scale); or 1 ("unscaled": a
-    plain cast). 16-bit formats: 1."""
+    """The scale that maps `clip` (a calibrated or observed amax, per tensor or per group) onto the
+    format's max, per the spec's scale mode: amax / max as float32; rounded up to a power of two
+    ("pow2": a per-tensor exponent bias, so the clip never overflows); E8M0 (the MX power of two,
+    granularity.e8m0_scale); or 1 ("unscaled": a plain cast). 16-bit formats: 1."""
     if spec.scale == "unscaled" or not spec.format.scaled:
         return torch.ones_like(torch.as_tensor(clip, dtype=torch.float32))
     if spec.scale_format == "e8m0":
@@ -61,16 +62,18 @@ def scale_for(clip: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
 
 
 def pow2_at_least(scale: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= scale (positive normal float32; inf and NaN stay), from its bits: exp2(ceil(log2))
-    rounds down where log2 of a scale a few ulps above 2^j rounds to j, and the clip then overflows."""
+    """The smallest power of two >= scale (positive normal float32; inf and NaN stay), from its
+    bits: exp2(ceil(log2)) rounds down where log2 of a scale a few ulps above 2^j rounds to j, and
+    the clip then overflows."""
     bits = scale.view(torch.int32)
     next_power = (((bits >> 23) + 1) << 23).view(torch.float32)
     return torch.where(((bits & 0x7FFFFF) != 0) & torch.isfinite(scale), next_power, scale)
 
 
 def dynamic_scale(x: torch.Tensor, spec: TensorQuant) -> torch.Tensor:
-    """Dynamic scales from the activation itself, shaped to broadcast over its grouped view (granularity.grouped):
-    one per tensor ([]), per token (row of the last dimension: [..., 1]) or per group of that row."""
+    """Dynamic scales from the activation itself, shaped to broadcast over its grouped view
+    (granularity.grouped): one per tensor ([]), per token (row of the last dimension: [..., 1]) or
+    per group of that row."""
     x_amax = gr.amax_of(gr.grouped(x, spec.granularity), spec.granularity)
     if spec.scale_format == "e8m0":
         return gr.e8m0_scale(x_amax, spec.format.max)
@@ -94,9 +97,10 @@ def _round_activation(
     codes: bool,
     reciprocal: bool = False,
 ) -> torch.Tensor:
-    """x / scale rounded to the format (scale broadcasts over x's grouped view), as float32 values on the grid
-    times the scale (the simulation), or as storage codes (what a real FP8 matmul takes; the storage cast keeps
-    grid values exactly: tests check it against formats.to_storage). reciprocal: x * (1 / scale), formats.quantize."""
+    """x / scale rounded to the format (scale broadcasts over x's grouped view), as float32 values
+    on the grid times the scale (the simulation), or as storage codes (what a real FP8 matmul takes;
+    the storage cast keeps grid values exactly: tests check it against formats.to_storage).
+    reciprocal: x * (1 / scale), formats.quantize."""
     q = quantize(gr.grouped(x, g), scale, fmt, saturate, lowest, reciprocal)
     return gr.ungrouped(q.to(fmt.torch_dtype) if codes else dequantize(q, scale), g, x.shape)
 
@@ -104,19 +108,22 @@ def _round_activation(
 def _round_dynamic(
     x: torch.Tensor, spec: TensorQuant, codes: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x rounded with dynamic scales taken from x itself (dynamic_scale), and the scales: one function, so that its
-    fused kernel reads each row (token or group) once for its maximum and its rounding, without a temporary |x|."""
+    """x rounded with dynamic scales taken from x itself (dynamic_scale), and the scales: one
+    function, so that its fused kernel reads each row (token or group) once for its maximum and its
+    rounding, without a temporary |x|."""
     if spec.reciprocal and spec.format.kind == "int":
-        # vLLM's dynamic int8 kernel multiplies by max / amax, which is not always the float32 reciprocal of the scale
-        # amax / max: next to a tie the two round to neighbouring codes (ptq.quantization.engines, rule 3). Its scale
-        # is amax / max unfloored; below amax 127 / FLT_MAX the multiplier is inf, every nonzero element saturates,
-        # and a zero (0 * inf: NaN) converts to code 0, as every zero does.
+        # vLLM's dynamic int8 kernel multiplies by max / amax, which is not always the float32
+        # reciprocal of the scale amax / max: next to a tie the two round to neighbouring codes
+        # (ptq.quantization.engines, rule 3). Its scale is amax / max unfloored; below amax 127 /
+        # FLT_MAX the multiplier is inf, every nonzero element saturates, and a zero (0 * inf: NaN)
+        # converts to code 0, as every zero does.
         g = spec.granularity
         view = gr.grouped(x, g)
         x_amax = gr.amax_of(view, g).float()
         scale = torch.where(x_amax > 0, x_amax / spec.format.max, 1.0)
         # max / amax in one rounding, as the kernel's 127.0f / amax: Python's `127.0 / tensor` is
-        # tensor.reciprocal() * 127, two roundings, a different multiplier for a quarter of the amaxes
+        # tensor.reciprocal() * 127, two roundings, a different multiplier for a quarter of the
+        # amaxes
         multiplier = torch.full_like(x_amax, spec.format.max) / x_amax
         scaled = view.float() * torch.where(x_amax > 0, multiplier, 0.0)
         q = round_to_format(torch.where(view == 0, 0.0, scaled), spec.format)
@@ -138,20 +145,22 @@ _dynamic_rounding = fused(_round_dynamic)
 def quantize_activation(
     x: torch.Tensor, spec: TensorQuant, scale: torch.Tensor | None = None, codes: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one activation rounding, for every granularity: (x rounded as `spec` says, the scale it took). `scale`:
-    a static scale (per tensor, per head, or one per row: an expert's); None: dynamic, from x itself."""
+    """The one activation rounding, for every granularity: (x rounded as `spec` says, the scale it
+    took). `scale`: a static scale (per tensor, per head, or one per row: an expert's); None:
+    dynamic, from x itself."""
     return ActivationQuantizer.round(
         (_activation_rounding, _dynamic_rounding), x, spec, scale, codes
     )
 
 
 class ActivationQuantizer:
-    """quantize_activation for every QuantLinear of one model, with one addition: an input shared by several
-    Linears (q/k/v, gate/up) and quantized alike is rounded once. The last input is held (so its memory cannot be
-    reused) and matched by identity and version."""
+    """quantize_activation for every QuantLinear of one model, with one addition: an input shared by
+    several Linears (q/k/v, gate/up) and quantized alike is rounded once. The last input is held (so
+    its memory cannot be reused) and matched by identity and version."""
 
     def __init__(self, compile: bool | None = None):
-        # compile=None: the process's shared kernels (PTQ_COMPILE decides); False / True: kernels of its own
+        # compile=None: the process's shared kernels (PTQ_COMPILE decides); False / True: kernels of
+        # its own
         self._kernels = (
             (_activation_rounding, _dynamic_rounding)
             if compile is None
@@ -164,8 +173,9 @@ class ActivationQuantizer:
         kernels, x, spec: TensorQuant, scale, codes: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not spec.format.scaled and x.dtype == spec.format.torch_dtype and not codes:
-            # a 16-bit input already in its format (bf16 compute: the baseline, the layers a recipe leaves out)
-            # rounds to itself, inf and NaN included (tests/test_formats.py, every bf16 bit pattern): no pass over it
+            # a 16-bit input already in its format (bf16 compute: the baseline, the layers a recipe
+            # leaves out) rounds to itself, inf and NaN included (tests/test_formats.py, every bf16
+            # bit pattern): no pass over it
             return x, scale
         static, dynamic = kernels
         if scale is None:
@@ -206,8 +216,9 @@ class ActivationQuantizer:
 
 
 class ActQuant(nn.Module):
-    """Fake-quantizes an activation other than a matmul input (attention's, the KV cache's, a residual's): with a
-    static scale from calibration (per tensor or per head), or dynamic scales."""
+    """Fake-quantizes an activation other than a matmul input (attention's, the KV cache's, a
+    residual's): with a static scale from calibration (per tensor or per head), or dynamic
+    scales."""
 
     def __init__(self, spec: TensorQuant, clip: torch.Tensor | None):
         super().__init__()
@@ -229,12 +240,14 @@ class ActQuant(nn.Module):
 
 
 class QuantLinear(nn.Module):
-    round_inputs = True  # False: weights only (what transformers computes for fused experts; ptq.export.checkpoint)
+    # False: weights only (what transformers computes for fused experts; ptq.export.checkpoint)
+    round_inputs = True
     quantized_matmul = True  # ptq.models.matmuls.QUANTIZED: a matmul already quantized
 
     @staticmethod
     def grouped_experts(experts, layers: dict[str, list]):
-        """ptq.models.matmuls.GROUPING: how a LinearExperts whose layers are QuantLinears runs grouped."""
+        """ptq.models.matmuls.GROUPING: how a LinearExperts whose layers are QuantLinears runs
+        grouped."""
         return grouped_experts(experts, layers)
 
     def __init__(
@@ -252,7 +265,8 @@ class QuantLinear(nn.Module):
     ):
         super().__init__()
         self.input_quantizer = input_quantizer or ActivationQuantizer(compile=False)
-        # True: this layer multiplies real FP8 codes with torch._scaled_mm (asked for, and see fp8_matmul_applies)
+        # True: this layer multiplies real FP8 codes with torch._scaled_mm (asked for, and see
+        # fp8_matmul_applies)
         self.fp8_matmul = fp8 and fp8_matmul_applies(linear, weights, inputs, smooth)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weights, self.inputs = weights, inputs
@@ -260,9 +274,9 @@ class QuantLinear(nn.Module):
         if smooth is not None:  # SmoothQuant: x / s times W * s is the same product, with easier x
             smooth = smooth.to(w.device)
         self.register_buffer("smooth", smooth)
-        # Variants of one model quantize many weights the same way (layers a recipe leaves out run as the
-        # baseline): one copy of the codes serves them all.
-        # weight_amax: the amax its scale comes from when not its own (a fused group's: ptq.quantization.engines)
+        # Variants of one model quantize many weights the same way (layers a recipe leaves out run
+        # as the baseline): one copy of the codes serves them all. weight_amax: the amax its scale
+        # comes from when not its own (a fused group's: ptq.quantization.engines)
         key = (
             (id(linear.weight), weights, None if weight_amax is None else float(weight_amax))
             if smooth is None
@@ -291,7 +305,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_scale", scale)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the input the rounding sees, after SmoothQuant's division; its rounded values in float32)."""
+        """(the input the rounding sees, after SmoothQuant's division; its rounded values in
+        float32)."""
         if self.smooth is not None:
             x = x / self.smooth
         if not self.round_inputs:
@@ -310,10 +325,10 @@ class QuantLinear(nn.Module):
         )
 
     def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The same product as the simulation, by a real FP8 matmul: torch._scaled_mm multiplies the input's
-        and the weight's float8 codes, accumulates in float32 and applies both scales (per tensor, or per
-        row: per token and per output channel; or 1 x 128 input groups and 128 x 128 weight blocks), with the
-        output in the compute dtype."""
+        """The same product as the simulation, by a real FP8 matmul: torch._scaled_mm multiplies the
+        input's and the weight's float8 codes, accumulates in float32 and applies both scales (per
+        tensor, or per row: per token and per output channel; or 1 x 128 input groups and 128 x 128
+        weight blocks), with the output in the compute dtype."""
         codes, scale_x = self.input_quantizer(
             x, self.inputs, None if self.inputs.dynamic else self.input_scale, True
         )
@@ -324,8 +339,9 @@ class QuantLinear(nn.Module):
         if blockwise:
             scale_x = scale_x.reshape(rows, -1)  # [rows, in / 128]
         elif scale_x.dim() or scale_w.dim() or not (codes.is_cuda or tensorwise_only):
-            # row-wise scaling needs both scales row-wise; on CPUs torch's tensor-wise path is a slow reference
-            # loop (70x the row-wise one here), so per-tensor scales go row-wise there too: the same product
+            # row-wise scaling needs both scales row-wise; on CPUs torch's tensor-wise path is a
+            # slow reference loop (70x the row-wise one here), so per-tensor scales go row-wise
+            # there too: the same product
             scale_x = scale_x.reshape(-1, 1).expand(rows, 1).contiguous()
             scale_w = scale_w.reshape(1, -1).expand(1, self.out_features).contiguous()
         pad = -rows % 16 if codes.is_cuda else 0  # cuBLAS wants each dimension a multiple of 16
@@ -339,8 +355,8 @@ class QuantLinear(nn.Module):
             tensorwise_only
             or (x.dtype == torch.float32 and rowwise_float32_unavailable(codes.device))
         ):
-            # the product with unit scales, then both scales (and the bias) in float32, as the row-wise kernel's
-            # epilogue applies them, rounded once to the compute dtype
+            # the product with unit scales, then both scales (and the bias) in float32, as the
+            # row-wise kernel's epilogue applies them, rounded once to the compute dtype
             one = torch.ones((), device=codes.device)
             y = torch._scaled_mm(
                 codes, self.weight_codes.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
@@ -348,7 +364,8 @@ class QuantLinear(nn.Module):
             y = y * scale_w * scale_x
             y = (y if self.bias is None else y + self.bias).to(x.dtype)
         else:
-            # cuBLAS takes no bias with a float32 output ("Bias is not supported when out_dtype is set to Float32")
+            # cuBLAS takes no bias with a float32 output ("Bias is not supported when out_dtype is
+            # set to Float32")
             fused_bias = self.bias if x.dtype != torch.float32 else None
             y = torch._scaled_mm(
                 codes,
@@ -365,21 +382,25 @@ class QuantLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight (float32), made from the codes on each call by one fused loop
-        (formats.dequantize: codes * scale, in float32). The forward makes it in the compute dtype directly: on a
-        GPU in bf16, one loop writing 2 bytes a weight rather than 4 and another cast."""
+        (formats.dequantize: codes * scale, in float32). The forward makes it in the compute dtype
+        directly: on a GPU in bf16, one loop writing 2 bytes a weight rather than 4 and another
+        cast."""
         return dequantize_weight(self.weight_codes, self.weight_scale, self.weights)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, weights={self.weights.describe()}, inputs={self.inputs.describe()}"
+        return (
+            f"{self.in_features}, {self.out_features}, weights={self.weights.describe()}, "
+            f"inputs={self.inputs.describe()}"
+        )
 
 
 def quantize_weight(
     w: torch.Tensor, weights: TensorQuant, layer: str = "?", shared_amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Linear weight's codes in the format's storage dtype (formats.FORMATS: float8_e4m3fn, int8, ...)
-    and its scale as checkpoints store it ([], [out, 1], [out, in/G] or [ceil(out/R), ceil(in/C)];
-    granularity.stored), rounded and stored by one fused loop.
-    The one code path for weights: the simulation dequantizes these codes, `ptq quantize` writes them."""
+    """A Linear weight's codes in the format's storage dtype (formats.FORMATS: float8_e4m3fn, int8,
+    ...) and its scale as checkpoints store it ([], [out, 1], [out, in/G] or [ceil(out/R),
+    ceil(in/C)]; granularity.stored), rounded and stored by one fused loop. The one code path for
+    weights: the simulation dequantizes these codes, `ptq quantize` writes them."""
     w = w.detach().float()
     g = weights.granularity
     if isinstance(
@@ -404,7 +425,8 @@ def quantize_weight(
 
 
 def is_its_own_weight(codes: torch.Tensor, weights: TensorQuant, dtype: torch.dtype) -> bool:
-    """A 16-bit weight whose codes are already in the compute dtype: dequantize_weight returns the codes themselves."""
+    """A 16-bit weight whose codes are already in the compute dtype: dequantize_weight returns the
+    codes themselves."""
     return codes.dtype == dtype and not weights.format.scaled
 
 
@@ -414,9 +436,9 @@ def dequantize_weight(
     weights: TensorQuant,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """codes * scale (the stored scale of quantize_weight), in `dtype`, by one fused loop. A 16-bit weight whose codes
-    are already in `dtype` (bf16 compute: the baseline, the layers a recipe leaves out) is its codes: its scale is 1,
-    and no copy of it is made per forward."""
+    """codes * scale (the stored scale of quantize_weight), in `dtype`, by one fused loop. A 16-bit
+    weight whose codes are already in `dtype` (bf16 compute: the baseline, the layers a recipe
+    leaves out) is its codes: its scale is 1, and no copy of it is made per forward."""
     if is_its_own_weight(codes, weights, dtype):
         return codes
     g = weights.granularity
@@ -425,10 +447,11 @@ def dequantize_weight(
     return _grouped_dequantize(codes, gr.broadcastable(scale, g), g, dtype)
 
 
-# The simulation makes a weight from its codes in the compute dtype on each forward. One whose copy would be larger
-# than this (a vocabulary-sized lm_head in float32 on a CPU, a large model's MLP) is made and multiplied a block of
-# output rows at a time, each block's product written into the output, so that the forward's transient is one block
-# rather than a second copy of the largest layer.
+# The simulation makes a weight from its codes in the compute dtype on each forward. One whose copy
+# would be larger than this (a vocabulary-sized lm_head in float32 on a CPU, a large model's MLP) is
+# made and multiplied a block of output rows at a time, each block's product written into the
+# output, so that the forward's transient is one block rather than a second copy of the largest
+# layer.
 WEIGHT_BLOCK_BYTES = 64 * 2**20
 
 
@@ -439,8 +462,9 @@ def simulated_linear(
     weights: TensorQuant,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """F.linear(x, dequantize_weight(codes, scale, weights, x.dtype), bias), in blocks of output rows where the
-    dequantized weight would exceed WEIGHT_BLOCK_BYTES (without autograd: the blocks write into the output)."""
+    """F.linear(x, dequantize_weight(codes, scale, weights, x.dtype), bias), in blocks of output
+    rows where the dequantized weight would exceed WEIGHT_BLOCK_BYTES (without autograd: the blocks
+    write into the output)."""
     out_features, in_features = codes.shape
     g = weights.granularity
     align = (
@@ -469,7 +493,8 @@ def simulated_linear(
 
 
 def _scale_rows(scale: torch.Tensor, g: gr.Granularity, start: int, stop: int) -> torch.Tensor:
-    """The stored scale (granularity.stored) of a weight's rows start:stop (start on a block's first row)."""
+    """The stored scale (granularity.stored) of a weight's rows start:stop (start on a block's first
+    row)."""
     if isinstance(g, gr.PerTensor):
         return scale
     if isinstance(g, gr.PerBlock):
@@ -480,8 +505,8 @@ def _scale_rows(scale: torch.Tensor, g: gr.Granularity, start: int, stop: int) -
 def _rounded_codes(
     w: torch.Tensor, scale: torch.Tensor, fmt: NumberFormat, saturate: bool
 ) -> torch.Tensor:
-    # quantize gives values on the format's grid, which the storage cast keeps exactly (tests check it
-    # against formats.to_storage)
+    # quantize gives values on the format's grid, which the storage cast keeps exactly (tests check
+    # it against formats.to_storage)
     return quantize(w, scale, fmt, saturate).to(fmt.torch_dtype)
 
 
@@ -505,16 +530,18 @@ MATMULS = ("simulated", "fp8", "auto")
 
 
 def fp8_matmul_available(device: torch.device) -> bool:
-    """Whether `device` multiplies float8 natively: CUDA compute capability 8.9 or higher (Ada, Hopper,
-    Blackwell). torch._scaled_mm also runs on CPU, slower than the simulation, so "auto" leaves CPUs simulated."""
+    """Whether `device` multiplies float8 natively: CUDA compute capability 8.9 or higher (Ada,
+    Hopper, Blackwell). torch._scaled_mm also runs on CPU, slower than the simulation, so "auto"
+    leaves CPUs simulated."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def rowwise_float32_unavailable(device: torch.device) -> bool:
-    """Whether torch._scaled_mm refuses a float32 output with row-wise scales on `device`: only cuBLAS's row-wise
-    kernel writes float32, and torch calls it on Hopper (compute capability 9.x) with CUDA 12.9+; elsewhere (Ada,
-    Blackwell, older CUDA) it runs CUTLASS's, which writes bf16 or fp16 ("Only bf16 and fp16 high precision output
-    types are supported for row-wise scaling", torch 2.11's ScaledBlas.cpp)."""
+    """Whether torch._scaled_mm refuses a float32 output with row-wise scales on `device`: only
+    cuBLAS's row-wise kernel writes float32, and torch calls it on Hopper (compute capability 9.x)
+    with CUDA 12.9+; elsewhere (Ada, Blackwell, older CUDA) it runs CUTLASS's, which writes bf16 or
+    fp16 ("Only bf16 and fp16 high precision output types are supported for row-wise scaling", torch
+    2.11's ScaledBlas.cpp)."""
     if device.type != "cuda":
         return False
     cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
@@ -523,9 +550,10 @@ def rowwise_float32_unavailable(device: torch.device) -> bool:
 
 @functools.cache
 def cpu_scaled_mm_tensorwise_only() -> bool:
-    """Whether this torch's CPU torch._scaled_mm takes per-tensor scales only (torch 2.11: "Now _scaled_mm only
-    supports per-tensor scaling for CPU backend"; later ones take row-wise scales too). Tried once per process on a
-    16 x 16 product, through torch.ops so that a wrapper of torch._scaled_mm does not see the trial."""
+    """Whether this torch's CPU torch._scaled_mm takes per-tensor scales only (torch 2.11: "Now
+    _scaled_mm only supports per-tensor scaling for CPU backend"; later ones take row-wise scales
+    too). Tried once per process on a 16 x 16 product, through torch.ops so that a wrapper of
+    torch._scaled_mm does not see the trial."""
     a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
     try:
         torch.ops.aten._scaled_mm(
@@ -537,7 +565,8 @@ def cpu_scaled_mm_tensorwise_only() -> bool:
 
 
 def resolve_matmul(matmul: str, device: torch.device) -> str:
-    """ "simulated" or "fp8" for `matmul` ("simulated", "fp8", or "auto": fp8 where the device has it)."""
+    """ "simulated" or "fp8" for `matmul` ("simulated", "fp8", or "auto": fp8 where the device has
+    it)."""
     if matmul not in MATMULS:
         raise PtqError(f"unknown matmul '{matmul}' (known: {', '.join(MATMULS)})")
     if matmul == "auto":
@@ -548,12 +577,13 @@ def resolve_matmul(matmul: str, device: torch.device) -> str:
 def fp8_matmul_applies(
     linear: nn.Linear, weights: TensorQuant, inputs: TensorQuant, smooth
 ) -> bool:
-    """A layer can run as a real FP8 matmul when its weight and its input are both in a scaled 8-bit float
-    format (E4M3 or E5M2) with per-tensor or per-row scales (torch._scaled_mm's tensor-wise and row-wise
-    scaling), or with 128 x 128 weight blocks and dynamic 1 x 128 input groups where torch multiplies those on the
-    layer's device (blockwise_unavailable, tried apart for layers with partial blocks); MX groups (E8M0 scales)
-    stay simulated, and so does an E5M2 input times E5M2 weight (cuBLAS has no such product). Without SmoothQuant,
-    and its dimensions multiples of 16 (cuBLAS's rule)."""
+    """A layer can run as a real FP8 matmul when its weight and its input are both in a scaled 8-bit
+    float format (E4M3 or E5M2) with per-tensor or per-row scales (torch._scaled_mm's tensor-wise
+    and row-wise scaling), or with 128 x 128 weight blocks and dynamic 1 x 128 input groups where
+    torch multiplies those on the layer's device (blockwise_unavailable, tried apart for layers with
+    partial blocks); MX groups (E8M0 scales) stay simulated, and so does an E5M2 input times E5M2
+    weight (cuBLAS has no such product). Without SmoothQuant, and its dimensions multiples of 16
+    (cuBLAS's rule)."""
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     if (
         weights.format.torch_dtype not in fp8
@@ -587,12 +617,13 @@ def _blockwise_mm(
     scale_w: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """FP8 codes [rows, in] with 1 x 128 group scales [rows, in / 128] times weight codes [out, in] with 128 x 128
-    block scales [out / 128, in / 128] (DeepSeek-V3's layout), by torch.nn.functional.scaled_mm. The scales'
-    memory layouts are the ones torch checks for (aten/src/ATen/native/cuda/ScaledBlas.cpp,
-    is_blockwise_1x128_scaling: the input's column-major; is_blockwise_128x128_scaling of the transposed second
-    operand: the weight's row-major), with the weight's K blocks padded to a multiple of 4
-    (_scaled_block1x128_block128x128: [round_up(K / 128, 4), N / 128], strides (1, that); the padding is never read)."""
+    """FP8 codes [rows, in] with 1 x 128 group scales [rows, in / 128] times weight codes [out, in]
+    with 128 x 128 block scales [out / 128, in / 128] (DeepSeek-V3's layout), by
+    torch.nn.functional.scaled_mm. The scales' memory layouts are the ones torch checks for
+    (aten/src/ATen/native/cuda/ScaledBlas.cpp, is_blockwise_1x128_scaling: the input's column-major;
+    is_blockwise_128x128_scaling of the transposed second operand: the weight's row-major), with the
+    weight's K blocks padded to a multiple of 4 (_scaled_block1x128_block128x128:
+    [round_up(K / 128, 4), N / 128], strides (1, that); the padding is never read)."""
     return F.scaled_mm(
         codes,
         weight_codes.t(),
@@ -610,11 +641,13 @@ _BLOCKWISE: dict[tuple[str, torch.dtype, bool], str | None] = {}
 def blockwise_unavailable(
     device: torch.device, dtype: torch.dtype, whole_blocks: bool = True
 ) -> str | None:
-    """None when torch multiplies 1 x 128-group inputs by 128 x 128-block weights on `device` with output in
-    `dtype` (cuBLAS on Hopper with CUDA 12.9 or later); else why not, in one line. Tried once per device and dtype
-    on a small product and compared with the simulation's, so that a kernel which accepts the scales but reads them
-    otherwise is not used either; `whole_blocks=False` tries a weight whose last row of blocks is partial (192 outputs:
-    the layers whose out_features is not a multiple of 128), which the kernel may read otherwise than the simulation."""
+    """None when torch multiplies 1 x 128-group inputs by 128 x 128-block weights on `device` with
+    output in `dtype` (cuBLAS on Hopper with CUDA 12.9 or later); else why not, in one line. Tried
+    once per device and dtype on a small product and compared with the simulation's, so that a
+    kernel which accepts the scales but reads them otherwise is not used either;
+    `whole_blocks=False` tries a weight whose last row of blocks is partial (192 outputs: the layers
+    whose out_features is not a multiple of 128), which the kernel may read otherwise than the
+    simulation."""
     key = (str(device), dtype, whole_blocks)
     if key not in _BLOCKWISE:
         g = torch.Generator().manual_seed(0)
@@ -654,31 +687,26 @@ def blockwise_unavailable(
     return _BLOCKWISE[key]
 
 
-def input_clip(calibration: Calibration, name: str, spec: TensorQuant) -> torch.Tensor:
-    """The calibrated clip of one activation under the spec's observer (per head: each head's amax)."""
-    if isinstance(spec.granularity, gr.PerHead):
-        if name not in calibration.input_channel_amax:
-            raise PtqError(
-                f"calibration file has no per-head amax for '{name}' (per-head KV-cache scales need one: "
-                "recalibrate with this recipe)"
-            )
-        return calibration.input_channel_amax[name]
-    amax_ = calibration.input_amax[name]
-    if spec.observer == "max":
-        return amax_
-    hist = calibration.input_hist.get(name)
-    if hist is None:
-        raise PtqError(
-            f"calibration file has no histogram for '{name}' (observer '{spec.observer}' needs one; recalibrate)"
-        )
-    _, clip = choose_clip(spec.observer, hist, float(amax_), spec.format, spec.percentile)
-    return torch.tensor(clip, dtype=torch.float32)
+@dataclasses.dataclass
+class Clips:
+    """What quantize_ takes from a calibration (ptq.calibration.clips.static_clips), as tensors,
+    keyed as the plan keys what they clip: the clip of each static input, of a Linear (`matmuls`),
+    of an attention layer's tensor (`attention`: layer -> {tensor: clip}; attention's key and the KV
+    cache's share statistics, not always a clip) and of a decoder block's residual tensor
+    (`residual`: block -> {tensor: clip}); and each SmoothQuant layer's per-channel input amax
+    (`channel_amax`)."""
+
+    matmuls: dict[str, torch.Tensor]
+    attention: dict[str, dict[str, torch.Tensor]]
+    residual: dict[str, dict[str, torch.Tensor]]
+    channel_amax: dict[str, torch.Tensor]
 
 
 def smoothing_factors(
     channel_amax: torch.Tensor, weight: torch.Tensor, alpha: float
 ) -> torch.Tensor:
-    """SmoothQuant's s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) per input channel j (Xiao et al. 2022)."""
+    """SmoothQuant's s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) per input channel j (Xiao et al.
+    2022)."""
     w_amax = weight.detach().float().abs().amax(0).clamp(min=1e-5)
     return (channel_amax.float().clamp(min=1e-5).pow(alpha) / w_amax.pow(1 - alpha)).clamp(min=1e-5)
 
@@ -686,49 +714,40 @@ def smoothing_factors(
 def quantize_(
     model: nn.Module,
     recipe: Recipe,
-    calibration: Calibration | None,
+    clips: Clips | None,
     weight_cache: dict | None = None,
     matmul: str = "simulated",
     target: str = "transformers",
     plan: Plan | None = None,
 ) -> nn.Module:
-    """Replace, in place, each Linear of `model` by the QuantLinear the plan of `recipe` asks for, and quantize
-    attention's matmul inputs where the recipe covers them. `weight_cache` (see quantize_variants) lets
-    several variants of one model share the weight codes they have in common. matmul="fp8" runs the layers
-    whose weights and inputs are both FP8 as real FP8 matmuls (torch._scaled_mm); "auto" where the device
-    has them (resolve_matmul). `target` (ptq.quantization.engines): "vllm" applies the scales and int8 rounding vLLM
-    serves; "transformers" each layer's own scales and ptq's int8 convention. `plan`: the plan already resolved for
-    this model, recipe and target (resolve_plan), so that it is resolved once per command."""
+    """Replace, in place, each Linear of `model` by the QuantLinear the plan of `recipe` asks for,
+    and quantize attention's matmul inputs where the recipe covers them. `clips`: the static inputs'
+    clips (None for a recipe without static inputs or SmoothQuant). `weight_cache` (see
+    quantize_variants) lets several variants of one model share the weight codes they have in
+    common. matmul="fp8" runs the layers whose weights and inputs are both FP8 as real FP8 matmuls
+    (torch._scaled_mm); "auto" where the device has them (resolve_matmul). `target`
+    (ptq.quantization.engines): "vllm" applies the scales and int8 rounding vLLM serves;
+    "transformers" each layer's own scales and ptq's int8 convention. `plan`: the plan already
+    resolved for this model, recipe and target (resolve_plan), so that it is resolved once per
+    command."""
     matmul = resolve_matmul(matmul, next(model.parameters()).device)
     plan = plan or resolve_plan(model, recipe, target)
     if plan.target != target or plan.recipe.name != recipe.name:
         raise ValueError(
-            f"a plan of '{plan.recipe.name}' for {plan.target} given to quantize '{recipe.name}' for {target}"
+            f"a plan of '{plan.recipe.name}' for {plan.target} given to quantize '{recipe.name}' "
+            f"for {target}"
         )
-    needed = plan.calibrated
     smoothed = set(plan.smoothed)
-    if needed or smoothed:
-        if calibration is None:
-            raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
-        calibration.check_model(model, needed)
-        missing = sorted(smoothed - set(calibration.input_channel_amax))
-        if missing:
-            raise PtqError(
-                f"calibration file has no per-channel input amax for '{missing[0]}' "
-                f"(SmoothQuant needs one: calibrate with --recipe {recipe.name})"
-            )
+    if (plan.calibrated or smoothed) and clips is None:
+        raise PtqError(f"recipe '{recipe.name}' needs calibration (static input scales)")
     input_quantizer = ActivationQuantizer()
     scales: dict[
         tuple, torch.Tensor
     ] = {}  # Linears that share an input (same amax) share one scale tensor
-    clips = {
-        name: input_clip(calibration, name, e.inputs)
-        for name, e in plan.matmuls.items()
-        if e.quantized and e.inputs.static and name not in smoothed
-    }
+    matmul_clips = clips.matmuls if clips is not None else {}
     smooths = {  # SmoothQuant's factors: the weights stored (and their amax) are W * s
         name: smoothing_factors(
-            calibration.input_channel_amax[name],
+            clips.channel_amax[name],
             model.get_submodule(name).weight,
             recipe.smoothquant,
         )
@@ -739,12 +758,14 @@ def quantize_(
         w = model.get_submodule(name).weight
         return amax(w.float() * smooths[name].to(w.device)) if name in smooths else amax(w)
 
-    # the scales the target engine serves, for the groups the plan says share one (ptq.quantization.engines)
+    # the scales the target engine serves, for the groups the plan says share one
+    # (ptq.quantization.engines)
     shared_weight_amax = engines.shared_amax(
         {n: e.weight_group for n, e in plan.matmuls.items() if e.weight_group}, weight_amax
     )
     shared_input_amax = engines.shared_amax(
-        {n: e.input_group for n, e in plan.matmuls.items() if e.input_group}, clips.__getitem__
+        {n: e.input_group for n, e in plan.matmuls.items() if e.input_group},
+        matmul_clips.__getitem__,
     )
     for name, entry in plan.matmuls.items():
         weights, inputs = entry.weights, entry.inputs
@@ -755,10 +776,10 @@ def quantize_(
         if name in smoothed:
             smooth = smooths[name]
             input_amax = (
-                calibration.input_channel_amax[name] / smooth
+                clips.channel_amax[name] / smooth
             ).max()  # the smoothed input's amax, exactly
         elif inputs.static:
-            input_amax = shared_input_amax.get(name, clips.get(name))
+            input_amax = shared_input_amax.get(name, matmul_clips.get(name))
         q = QuantLinear(
             linear,
             weights,
@@ -783,7 +804,7 @@ def quantize_(
         made = {
             t: ActQuant(
                 spec,
-                input_clip(calibration, calibration_key(layer, t), spec) if spec.static else None,
+                clips.attention[layer][t] if spec.static else None,
             )
             for t, spec in tensors.items()
         }
@@ -797,7 +818,7 @@ def quantize_(
             {
                 t: ActQuant(
                     spec,
-                    input_clip(calibration, f"{block}.residual.{t}", spec) if spec.static else None,
+                    clips.residual[block][t] if spec.static else None,
                 )
                 for t, spec in tensors.items()
             }
@@ -810,19 +831,20 @@ def quantize_(
 def quantize_variants(
     model: nn.Module,
     recipes: list[Recipe],
-    calibration: Calibration | None,
+    clips: dict[str, Clips | None] | None,
     matmul: str = "simulated",
     target: str = "transformers",
     plans: dict[str, Plan] | None = None,
 ) -> dict[str, nn.Module]:
-    """One quantized variant of `model` per recipe, built to share memory: the variants share one copy of
-    the tensors no recipe replaces (embeddings, norms, biases), and weights quantized the same way (the
-    layers left in 16-bit) are stored once. `model` itself is left as it was, and no variant refers to
-    its tensors: once the caller drops it, it is freed whole. `plans`: the recipes' plans for `model` and
+    """One quantized variant of `model` per recipe, built to share memory: the variants share one
+    copy of the tensors no recipe replaces (embeddings, norms, biases), and weights quantized the
+    same way (the layers left in 16-bit) are stored once. `model` itself is left as it was, and no
+    variant refers to its tensors: once the caller drops it, it is freed whole. `clips`: each
+    recipe's clips (quantize_), by recipe name. `plans`: the recipes' plans for `model` and
     `target`, by recipe name (plan.resolve_plans), when the caller has resolved them already."""
-    # Linear weights are replaced in every variant: referenced until then. Everything else is copied, so
-    # that nothing of `model` stays referenced (its weights may be a memory map of the checkpoint, which
-    # one remaining tensor would keep whole).
+    # Linear weights are replaced in every variant: referenced until then. Everything else is
+    # copied, so that nothing of `model` stays referenced (its weights may be a memory map of the
+    # checkpoint, which one remaining tensor would keep whole).
     kept = {
         id(t)
         for m in model.modules()
@@ -844,7 +866,7 @@ def quantize_variants(
         r.name: quantize_(
             copy.deepcopy(model, memo=dict(tensors)),
             r,
-            calibration,
+            (clips or {}).get(r.name),
             weight_cache,
             matmul,
             target,
@@ -855,11 +877,12 @@ def quantize_variants(
 
 
 class GroupedExperts:
-    """One projection of a LinearExperts (gate and up together, as the fused module computes them; or down) for
-    all experts at once: their QuantLinears' weight codes stacked [E, rows, in] (the QuantLinears keep views into
-    them, so nothing is stored twice), weight scales [E, rows, 1] (per tensor or channel) or [E, rows, in / G] (per
-    group: a row's scales travel with it; 128 x 128 blocks: each row takes its block row's scales, so that gate and
-    up rows, interleaved or not, stack as for groups of 128 along the input), input scales [E] and biases [E, rows]."""
+    """One projection of a LinearExperts (gate and up together, as the fused module computes them;
+    or down) for all experts at once: their QuantLinears' weight codes stacked [E, rows, in] (the
+    QuantLinears keep views into them, so nothing is stored twice), weight scales [E, rows, 1] (per
+    tensor or channel) or [E, rows, in / G] (per group: a row's scales travel with it; 128 x 128
+    blocks: each row takes its block row's scales, so that gate and up rows, interleaved or not,
+    stack as for groups of 128 along the input), input scales [E] and biases [E, rows]."""
 
     def __init__(self, layers: list[list[QuantLinear]], concatenated: bool):
         def stack(
@@ -876,8 +899,9 @@ class GroupedExperts:
         first_group = layers[0]
         first = first_group[0]
         g = first.weights.granularity
-        # the stack's weights: a block's scales repeated over its rows are groups of its columns along the input (the
-        # plan takes only inputs of whole blocks); the same products, scale by scale
+        # the stack's weights: a block's scales repeated over its rows are groups of its columns
+        # along the input (the plan takes only inputs of whole blocks); the same products, scale by
+        # scale
         self.weights = (
             dataclasses.replace(first.weights, granularity=gr.PerGroup(g.cols))
             if isinstance(g, gr.PerBlock)
@@ -939,9 +963,9 @@ class GroupedExperts:
                 self.codes, self.weight_scale, self.weights, x.dtype
             )  # in the compute dtype
             return grouped_linear(x_q, weight, offsets, bias)
-        # All experts' weights dequantized at once would pass WEIGHT_BLOCK_BYTES (a large MoE layer: as large as the
-        # 16-bit layer): a few experts at a time, each group's rows into the output; experts no row is routed to
-        # are not dequantized at all
+        # All experts' weights dequantized at once would pass WEIGHT_BLOCK_BYTES (a large MoE layer:
+        # as large as the 16-bit layer): a few experts at a time, each group's rows into the output;
+        # experts no row is routed to are not dequantized at all
         ends = [0, *offsets.tolist()]  # expert e's rows are ends[e]:ends[e + 1]
         y = torch.empty(len(x), self.codes.shape[1], dtype=x.dtype, device=x.device)
         for first in range(0, len(self.codes), experts):
@@ -959,8 +983,9 @@ class GroupedExperts:
         return y
 
     def _expert_hooks(self, x: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Forward pre-hooks on an expert's own QuantLinears (ptq.evaluation.layerstats' input SNR) called with the
-        rows routed to that expert, as when the experts run one by one; an input a hook returns is not used here."""
+        """Forward pre-hooks on an expert's own QuantLinears (ptq.evaluation.layerstats' input SNR)
+        called with the rows routed to that expert, as when the experts run one by one; an input a
+        hook returns is not used here."""
         ends = [0, *offsets.tolist()]  # expert e's rows are ends[e]:ends[e + 1]
         for e, layers in enumerate(self.experts):
             if ends[e] == ends[e + 1] or not any(m._forward_pre_hooks for m in layers):
@@ -974,8 +999,9 @@ class GroupedExperts:
 
 
 def grouped_experts(experts, layers: dict[str, list]) -> dict[str, GroupedExperts] | None:
-    """The grouped form of a LinearExperts' quantized layers ({"gate_up": ..., "down": ...}), or None when they
-    are not all QuantLinears quantized alike per projection (then the experts run one by one)."""
+    """The grouped form of a LinearExperts' quantized layers ({"gate_up": ..., "down": ...}), or
+    None when they are not all QuantLinears quantized alike per projection (then the experts run one
+    by one)."""
     groups = {
         "gate_up": [layers[p] for p in ("gate_proj", "up_proj") if p in layers],
         "down": [layers["down_proj"]],
@@ -1005,5 +1031,7 @@ def grouped_experts(experts, layers: dict[str, list]) -> dict[str, GroupedExpert
             for g in group
             for e in range(len(g))
         ):
-            return None  # gate and up read the same input: one scale (they always agree when calibrated together)
+            # gate and up read the same input: one scale (they always agree when calibrated
+            # together)
+            return None
     return {name: GroupedExperts(group, experts.concatenated) for name, group in groups.items()}

@@ -2,26 +2,31 @@
 
     --max-ppl-increase 2%         perplexity may rise at most 2% over the baseline's:
                                   100 * (ppl_variant / ppl_baseline - 1) <= 2
-    --min-accuracy-recovery 99%   accuracy recovery = accuracy_variant / accuracy_baseline >= 99%,
-                                  for next-token accuracy and for every task in the results, each of its
-                                  higher-is-better metrics (acc and acc_norm; exact_match per filter; the
-                                  direction is the one results.json records per task, lm-eval's);
-                                  `TASK=98%` sets one task's limit (`next-token` names next-token accuracy);
-                                  a task with a limit but no score in the results fails its gate
-    --max-kl 0.01                 mean KL(p_baseline || p_variant) <= 0.01 nats per predicted token
+    --min-accuracy-recovery 99%   accuracy recovery = accuracy_variant / accuracy_baseline
+                                  >= 99%, for next-token accuracy and for every task in the
+                                  results, each of its higher-is-better metrics (acc and
+                                  acc_norm; exact_match per filter; the direction is the one
+                                  results.json records per task, lm-eval's); `TASK=98%` sets
+                                  one task's limit (`next-token` names next-token accuracy);
+                                  a task with a limit but no score in the results fails its
+                                  gate
+    --max-kl 0.01                 mean KL(p_baseline || p_variant) <= 0.01 nats per predicted
+                                  token
 
-A gate is a budget on the point estimate: it fails when the measured value is beyond the limit or not a number (a
-NaN never passes). A variant whose perplexity is not finite (NaN or inf logits) fails whatever gates are given. Intervals, where results carry them, are reported next to the values but do not decide a gate.
-Percent limits need the '%' sign, so that "0.99" can never be mistaken for 99%.
+A gate is a budget on the point estimate: it fails when the measured value is beyond the limit or
+not a number (a NaN never passes). A variant whose perplexity is not finite (NaN or inf logits)
+fails whatever gates are given. Intervals, where results carry them, are reported next to the values
+but do not decide a gate. Percent limits need the '%' sign, so that "0.99" can never be mistaken for
+99%.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from fractions import Fraction
 
 from ptq.errors import PtqError
+from ptq.evaluation.recovery import accuracy_recovery_pct, higher_is_better
 from ptq.reporting.results import (
     Check,
     CompareResults,
@@ -65,11 +70,11 @@ def parse_limits(
                 f"--min-accuracy-recovery: '{entry}' names no task (use TASK=99% or 99%)"
             )
         pct = parse_percent(value, "--min-accuracy-recovery")
-        if (
-            sep and task.strip() in per_task
-        ):  # the later one would loosen (or tighten) a gate unseen
+        # the later one would loosen (or tighten) a gate unseen
+        if sep and task.strip() in per_task:
             raise PtqError(
-                f"--min-accuracy-recovery sets {task.strip()} twice ({per_task[task.strip()]:g}%, {pct:g}%): give one"
+                f"--min-accuracy-recovery sets {task.strip()} twice "
+                f"({per_task[task.strip()]:g}%, {pct:g}%): give one"
             )
         if sep:
             per_task[task.strip()] = pct
@@ -98,8 +103,9 @@ def parse_limits(
 def refuse_unmeasured_gates(
     limits: Limits | None, scored: set[str], source: str = "this run"
 ) -> None:
-    """Stop when a per-task gate names a task that `source` does not score: that gate could only fail, and in compare
-    only after the whole run. `scored`: the tasks with results (compare: harness.Suite.scored, before the model)."""
+    """Stop when a per-task gate names a task that `source` does not score: that gate could only
+    fail, and in compare only after the whole run. `scored`: the tasks with results (compare:
+    harness.Suite.scored, before the model)."""
     unknown = [
         t
         for t in (limits.task_accuracy_recovery_pct if limits else {})
@@ -107,14 +113,10 @@ def refuse_unmeasured_gates(
     ]
     if unknown:
         raise PtqError(
-            f"--min-accuracy-recovery names task '{unknown[0]}', which {source} has no accuracy for (it has "
-            f"{', '.join([NEXT_TOKEN, *sorted(scored)])}): correct the name, or add the task to compare's --tasks"
+            f"--min-accuracy-recovery names task '{unknown[0]}', which {source} has no accuracy "
+            f"for (it has {', '.join([NEXT_TOKEN, *sorted(scored)])}): correct the name, or add "
+            "the task to compare's --tasks"
         )
-
-
-# lm-eval's lower-is-better metrics, for a metric whose direction the results do not record (results.json records
-# lm-eval's own per task, TaskInfo.higher_is_better, and that decides wherever it is known)
-LOWER_IS_BETTER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter")
 
 
 def task_scores(entry: Entry) -> dict[str, dict[str, TaskMetric]]:
@@ -122,22 +124,13 @@ def task_scores(entry: Entry) -> dict[str, dict[str, TaskMetric]]:
     return {name: scores.metrics for name, scores in (entry.tasks or {}).items()}
 
 
-def higher_is_better(metric: str, recorded: dict[str, bool] | None = None) -> bool:
-    """Whether a higher value of a task metric is better: as `recorded` (a TaskInfo's higher_is_better, keyed by
-    lm-eval's metric name, without the filter) says, else by the names of LOWER_IS_BETTER."""
-    name = metric.partition(",")[0]
-    for key in (metric, name):
-        if recorded and key in recorded:
-            return bool(recorded[key])
-    return name not in LOWER_IS_BETTER
-
-
 def task_info(results: Results, task: str) -> TaskInfo | None:
     return next((t for t in results.tasks or [] if t.name == task), None)
 
 
 def task_higher_is_better(results: Results, task: str, metric: str) -> bool:
-    """A task metric's direction, as the results record it for that task (lm-eval's), else by its name."""
+    """A task metric's direction, as the results record it for that task (lm-eval's), else by its
+    name."""
     info = task_info(results, task)
     return higher_is_better(metric, info.higher_is_better if info else None)
 
@@ -151,9 +144,10 @@ def entries(results: Results) -> list[Entry]:
 
 
 def task_metric_is_share(results: Results, task: str, metric: str) -> bool:
-    """Whether a task metric is a share in [0, 1] (acc, exact_match: printed as a percentage) rather than a quantity
-    in its own units (likelihood_diff, in nats): every per-document value the results hold lies in [0, 1] (a mean of
-    them then does too); without per-document values, every value and interval end does."""
+    """Whether a task metric is a share in [0, 1] (acc, exact_match: printed as a percentage) rather
+    than a quantity in its own units (likelihood_diff, in nats): every per-document value the
+    results hold lies in [0, 1] (a mean of them then does too); without per-document values, every
+    value and interval end does."""
     samples = [
         value
         for e in entries(results)
@@ -167,38 +161,6 @@ def task_metric_is_share(results: Results, task: str, metric: str) -> bool:
     return all(
         0.0 <= value <= 1.0 for value in samples if not math.isnan(value)
     )  # a NaN (no interval) says nothing
-
-
-def accuracy_recovery_pct(variant_acc: float, baseline_acc: float) -> float:
-    """100 * variant / baseline; a zero baseline cannot be fallen short of (100%); NaN when either is NaN (a NaN
-    fails every gate). An accuracy is a count over a count held as the nearest float: each is read back as that
-    fraction (denominators up to 10^7: two such fractions lie 10^-14 apart or more, a float's rounding 10^-16) and
-    the ratio rounded once, so
-    that a variant exactly at a limit is at it: 99 of 104 against 100 of 104 is 99%, not the 98.99999999999999% of
-    the float quotient, which would fail a 99% gate that the documentation calls inclusive."""
-    if math.isnan(variant_acc) or math.isnan(baseline_acc):
-        return math.nan
-    if not baseline_acc > 0:
-        return 100.0
-    if not math.isfinite(variant_acc) or not math.isfinite(baseline_acc):
-        return 100.0 * (variant_acc / baseline_acc)
-    exact = _count_ratio(variant_acc) / _count_ratio(baseline_acc)
-    return float(100 * exact)  # equal accuracies: exactly 100
-
-
-def _count_ratio(share: float) -> Fraction:
-    """The fraction of denominator up to 10^7 whose nearest float `share` is; `share` exactly where none is (a share
-    not from counts: 4e-08 would read as 0)."""
-    fraction = Fraction(share).limit_denominator(10**7)
-    return fraction if float(fraction) == share else Fraction(share)
-
-
-def ratio_pct(variant: float, baseline: float) -> float:
-    """100 * variant / baseline for a lower-is-better metric (above 100: worse); 100 when both are 0, NaN when only
-    the baseline is 0 or either is NaN."""
-    if baseline == 0:
-        return 100.0 if variant == 0 else math.nan
-    return 100.0 * variant / baseline
 
 
 def check(results: CompareResults, limits: Limits) -> list[Check]:
@@ -253,8 +215,9 @@ def check(results: CompareResults, limits: Limits) -> list[Check]:
                 Check(v.name, "kl_div", None, v.kl_div, limits.max_kl, v.kl_div <= limits.max_kl)
             )
         if not math.isfinite(v.perplexity) and limits.max_ppl_increase_pct is None:
-            # NaN or inf logits (a non-saturating format's overflow): whatever gates were asked for, a model whose
-            # outputs are not numbers does not pass (its accuracy counts those positions wrong, and may still pass)
+            # NaN or inf logits (a non-saturating format's overflow): whatever gates were asked for,
+            # a model whose outputs are not numbers does not pass (its accuracy counts those
+            # positions wrong, and may still pass)
             checks.append(Check(v.name, "finite_outputs", None, v.perplexity, math.inf, False))
     return checks
 
@@ -268,14 +231,15 @@ def gate_results(results: CompareResults, limits: Limits) -> Gates | None:
 
 
 def stored_checks(results: CompareResults) -> list[Check]:
-    """The checks of a results file, recomputed from its stored limits (so they always match the numbers)."""
+    """The checks of a results file, recomputed from its stored limits (so they always match the
+    numbers)."""
     return check(results, results.gates.limits) if results.gates else []
 
 
 def rejudged(results: CompareResults) -> CompareResults:
-    """The results with their stored gates judged anew from the stored limits: the checks and `passed` of the
-    numbers as they are, whatever flag the file stored (an older ptq's, or one edited by hand). What `ptq report`
-    renders, prints with --json and exits by."""
+    """The results with their stored gates judged anew from the stored limits: the checks and
+    `passed` of the numbers as they are, whatever flag the file stored (an older ptq's, or one
+    edited by hand). What `ptq report` renders, prints with --json and exits by."""
     if results.gates is None:
         return results
     checks = stored_checks(results)

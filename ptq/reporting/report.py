@@ -1,7 +1,7 @@
-"""The one writer of reports: results.json (machine-readable, the source of truth), report.md rendered
-from it alone (plus, for a trend, a previous results file), and the plots next to report.md, also drawn
-from it alone, so a results file can be re-rendered later by `ptq report`. Every function here reads the typed
-document of ptq.reporting.results.
+"""The one writer of reports: results.json (machine-readable, the source of truth), report.md
+rendered from it alone (plus, for a trend, a previous results file), and the plots next to
+report.md, also drawn from it alone, so a results file can be re-rendered later by `ptq report`.
+Every function here reads the typed document of ptq.reporting.results.
 
 report.md reads top-down for a pull request: a one-line verdict, the table (cells that fail a gate
 marked), the trend against a previous run, then the plots and details folded in <details>.
@@ -14,10 +14,11 @@ import statistics
 from pathlib import Path
 
 from ptq.errors import PtqError
+from ptq.evaluation.recovery import accuracy_recovery_pct
 from ptq.evaluation.stats import MIN_UNITS
 from ptq.files import check_writable, text_writer, write_set_atomic
+from ptq.reporting.coverage import NAMES_SHOWN, describe_coverage, left_out_groups, quantized_share
 from ptq.reporting.gates import (
-    accuracy_recovery_pct,
     rejudged,
     stored_checks,
     task_higher_is_better,
@@ -58,10 +59,10 @@ def write_report(
 
 
 def report_outputs(report: Path, results: Results, plots: bool) -> list[Path]:
-    """Every file writing `report` creates or replaces: the markdown, with plots the PNGs next to it, and the plots of
-    `report` an earlier run left that this one does not draw (removed: they would show another run's numbers beside
-    this report). An output that is an existing directory is refused here, before any work: --force cannot
-    overwrite a directory."""
+    """Every file writing `report` creates or replaces: the markdown, with plots the PNGs next to
+    it, and the plots of `report` an earlier run left that this one does not draw (removed: they
+    would show another run's numbers beside this report). An output that is an existing directory is
+    refused here, before any work: --force cannot overwrite a directory."""
     report = _not_a_directory(Path(report))
     drawn = _drawn_plots(report, results, plots)
     return [report] + [_not_a_directory(p) for p in drawn] + _stale_plots(report, drawn)
@@ -87,7 +88,8 @@ def _stale_plots(report: Path, drawn: list[Path]) -> list[Path]:
 def _not_a_directory(path: Path) -> Path:
     if Path(path).is_dir():
         raise PtqError(
-            f"cannot write {path}: it is a directory; give a file name such as {Path(path) / 'report.md'}"
+            f"cannot write {path}: it is a directory; give a file name such as "
+            f"{Path(path) / 'report.md'}"
         )
     return Path(path)
 
@@ -101,7 +103,8 @@ def _plot_links(results: CompareResults, report: Path) -> dict[str, str]:
 
 
 def _write_set(report: Path, texts: dict[Path, str], plotted: CompareResults | None) -> None:
-    """The texts and (for `plotted` results) the plots of `report`, as one set (ptq.files.write_set_atomic)."""
+    """The texts and (for `plotted` results) the plots of `report`, as one set
+    (ptq.files.write_set_atomic)."""
     from ptq.reporting.plots import plot_writers
 
     plots = plot_writers(plotted, report) if plotted is not None else {}
@@ -155,28 +158,29 @@ def render_markdown(
 
 
 def ppl_delta_text(v: Variant, checks: list[Check]) -> str:
-    """A variant's Δ ppl, with the digits that tell it from its gate's limit (+2.004% against 2%, not +2.00%)."""
+    """A variant's Δ ppl, with the digits that tell it from its gate's limit (+2.004% against 2%,
+    not +2.00%)."""
     limit = _limit([c for c in checks if c.variant == v.name and c.metric == "ppl_delta_pct"])
     return f"{fmt_against(v.ppl_delta_pct, limit, '+.2f', 0)}%"
 
 
 def quantized_share_pct(e: Entry) -> float:
     """The share of the model's matmul weight parameters an entry quantizes, in percent."""
-    from ptq.models.matmuls import quantized_share
-
     return 100 * quantized_share(
         e.coverage.quantized_weight_params, e.coverage.matmul_weight_params
     )
 
 
 def share_text(e: Entry) -> str:
-    """quantized_share_pct as text, with the digits that keep a share that is not all from reading 100.00%."""
+    """quantized_share_pct as text, with the digits that keep a share that is not all from reading
+    100.00%."""
     return f"{fmt_against(quantized_share_pct(e), None, '.2f', 0, 100)}%"
 
 
 def partial_variants(r: CompareResults) -> set[str]:
-    """The variants that quantize fewer matmul weights than the most complete one (layers a format cannot take,
-    left in 16 bits): their deltas are not an answer about 8 bits, and the verdict and table say so."""
+    """The variants that quantize fewer matmul weights than the most complete one (layers a format
+    cannot take, left in 16 bits): their deltas are not an answer about 8 bits, and the verdict and
+    table say so."""
     most = max((quantized_share_pct(v) for v in r.variants), default=0.0)
     return {v.name for v in r.variants if quantized_share_pct(v) < most}
 
@@ -199,19 +203,26 @@ def verdict(r: CompareResults, checks: list[Check] | None = None, moves: dict | 
             else "**Baseline only.**"
         )
     elif failed:
-        line = f"{FAIL} **{len(failed)} of {len(checks)} gate checks fail** ({', '.join(sorted({c.variant for c in failed}))}); {ppl}"
+        line = (
+            f"{FAIL} **{len(failed)} of {len(checks)} gate checks fail** "
+            f"({', '.join(sorted({c.variant for c in failed}))}); {ppl}"
+        )
     else:
         line = f"{PASS} **All {len(checks)} gate checks pass**; {ppl}"
     if moves is not None:
         beyond = [m for m in moves["moves"] if m.beyond_intervals]
         if beyond:
-            line += f" {MOVED} {len(beyond)} change{'s' if len(beyond) > 1 else ''} beyond the intervals since the previous run."
+            line += (
+                f" {MOVED} {len(beyond)} change{'s' if len(beyond) > 1 else ''} beyond the "
+                "intervals since the previous run."
+            )
     return line
 
 
 def kl_text(value: float, limit: float | None = None, sign: str = "") -> str:
-    """A KL (nats/token) with 5 decimals, or with as many as two significant digits take below 1e-4: a KL of 3.4e-06
-    is not 0.00000, which reads as a variant identical to the baseline; and with the digits that tell it from `limit`."""
+    """A KL (nats/token) with 5 decimals, or with as many as two significant digits take below 1e-4:
+    a KL of 3.4e-06 is not 0.00000, which reads as a variant identical to the baseline; and with the
+    digits that tell it from `limit`."""
     digits = 5
     if math.isfinite(value) and 0 < abs(value) < 1e-4:
         digits = min(17, 1 - math.floor(math.log10(abs(value))))
@@ -246,9 +257,11 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
             (c.variant, c.metric if c.task in (None, "next-token") else "tasks"), []
         ).append(c)
     lines = [
-        f"| variant | weights | inputs | perplexity | Δ ppl vs {base.name} | next-token acc | acc recovery | KL vs {base.name} (nats/token) | top-1 agreement | matmul weights quantized |",
+        f"| variant | weights | inputs | perplexity | Δ ppl vs {base.name} | next-token acc | acc "
+        f"recovery | KL vs {base.name} (nats/token) | top-1 agreement | matmul weights quantized |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
-        f"| **{base.name}** (baseline) | {base.recipe.weights} | {base.recipe.inputs} | {base.perplexity:.4f} | | {100 * base.accuracy:.2f}% | | | | |",
+        f"| **{base.name}** (baseline) | {base.recipe.weights} | {base.recipe.inputs} | "
+        f"{base.perplexity:.4f} | | {100 * base.accuracy:.2f}% | | | | |",
     ]
     partial = partial_variants(r)
     for v in r.variants:
@@ -264,7 +277,8 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
             for m in ("ppl_delta_pct", "accuracy_recovery_pct", "kl_div", "finite_outputs")
         }
         cell = {m: [c for c in checks if not c.passed] for m, checks in gated.items()}
-        # a value next to its limit gets the digits that tell it from the limit (+2.004% against 2%, not +2.00%)
+        # a value next to its limit gets the digits that tell it from the limit (+2.004% against 2%,
+        # not +2.00%)
         ppl_delta = _cell(ppl_delta_text(v, checks), cell["ppl_delta_pct"])
         recovery = _cell(
             f"{fmt_against(recovery, _limit(gated['accuracy_recovery_pct']), '.2f')}%",
@@ -273,9 +287,10 @@ def results_table(r: CompareResults, checks: list[Check]) -> list[str]:
         kl = _cell(kl_text(v.kl_div, _limit(gated["kl_div"])), cell["kl_div"])
         share = share_text(v)
         lines.append(
-            f"| {v.name}{mark} | {v.recipe.weights} | {v.recipe.inputs} | {_cell(f'{v.perplexity:.4f}', cell['finite_outputs'])} "
-            f"| {ppl_delta} | {100 * v.accuracy:.2f}% | {recovery} | {kl} | {100 * v.top1_agreement:.2f}% "
-            f"| {share if v.name not in partial else f'**{share}**'} |"
+            f"| {v.name}{mark} | {v.recipe.weights} | {v.recipe.inputs} | "
+            f"{_cell(f'{v.perplexity:.4f}', cell['finite_outputs'])} | {ppl_delta} | "
+            f"{100 * v.accuracy:.2f}% | {recovery} | {kl} | {100 * v.top1_agreement:.2f}% | "
+            f"{share if v.name not in partial else f'**{share}**'} |"
         )
     return lines
 
@@ -285,8 +300,9 @@ def gates_note(r: CompareResults) -> str:
         "<sub>Gates: "
         + "; ".join(r.gates.limits.describe())
         + ". Δ ppl = 100 * (ppl_variant / ppl_baseline - 1) %; "
-        "accuracy recovery = 100 * accuracy_variant / accuracy_baseline % (next-token accuracy and each task); "
-        "KL = mean KL(baseline || variant) per token. A gate judges the measured value, not its interval.</sub>"
+        "accuracy recovery = 100 * accuracy_variant / accuracy_baseline % (next-token accuracy "
+        "and each task); KL = mean KL(baseline || variant) per token. A gate judges the measured "
+        "value, not its interval.</sub>"
     )
 
 
@@ -331,15 +347,18 @@ def trend_section(t: dict, previous: CompareResults) -> list[str]:
     beyond = [m for m in moves if m.beyond_intervals]
     lines = [f"## Trend vs the previous run ({previous.created})", ""]
     lines.append(
-        f"{len(beyond)} of {len(moves)} changes are beyond their 95% intervals (the two runs' intervals do not overlap)."
+        f"{len(beyond)} of {len(moves)} changes are beyond their 95% intervals (the two runs' "
+        "intervals do not overlap)."
     )
     if t["setup_changes"]:
         lines.append(
-            f"{MOVED} The runs differ in setup ({'; '.join(t['setup_changes'])}): changes mix the code change with that."
+            f"{MOVED} The runs differ in setup ({'; '.join(t['setup_changes'])}): changes mix the "
+            "code change with that."
         )
     if t["only_now"] or t["only_before"]:
         lines.append(
-            f"New: {', '.join(t['only_now']) or 'none'}; gone: {', '.join(t['only_before']) or 'none'}."
+            f"New: {', '.join(t['only_now']) or 'none'}; gone: "
+            f"{', '.join(t['only_before']) or 'none'}."
         )
     lines += [
         "",
@@ -352,8 +371,10 @@ def trend_section(t: dict, previous: CompareResults) -> list[str]:
             label += " (lower is better)"
         flag = f"{MOVED} {'worse' if m.worse else 'better'}" if m.beyond_intervals else "no"
         lines.append(
-            f"| {m.entry} | {label} | {_fmt(m.metric, m.previous, m.share)}{_ci_text(m.previous_ci, m.metric, m.share)} "
-            f"| {_fmt(m.metric, m.current, m.share)}{_ci_text(m.current_ci, m.metric, m.share)} | {_fmt_change(m)} | {flag} |"
+            f"| {m.entry} | {label} | "
+            f"{_fmt(m.metric, m.previous, m.share)}{_ci_text(m.previous_ci, m.metric, m.share)} | "
+            f"{_fmt(m.metric, m.current, m.share)}{_ci_text(m.current_ci, m.metric, m.share)} | "
+            f"{_fmt_change(m)} | {flag} |"
         )
     return lines
 
@@ -381,7 +402,8 @@ def details_sections(r: CompareResults) -> list[str]:
         tokens = f"{cal.tokens:,}" if cal.tokens is not None else "?"
         body = [
             f"- {cal.source}",
-            f"- Text: {cal.data} (sha256 `{str(cal.data_sha256)[:16]}`), {cal.windows} windows x {cal.seq_len} tokens = {tokens} tokens.",
+            f"- Text: {cal.data} (sha256 `{str(cal.data_sha256)[:16]}`), {cal.windows} windows x "
+            f"{cal.seq_len} tokens = {tokens} tokens.",
             f"- {s.layers} layers; input amax across layers: min {s.input_amax_min:.4g}, "
             f"median {s.input_amax_median:.4g}, max {s.input_amax_max:.4g}.",
             "",
@@ -398,9 +420,11 @@ def details_sections(r: CompareResults) -> list[str]:
     snr = [v for v in r.variants if v.snr_db]
     if snr:
         body = [
-            "Median and worst quantization SNR over the quantized layers (dB; see the SNR plot for every layer):",
+            "Median and worst quantization SNR over the quantized layers (dB; see the SNR plot for "
+            "every layer):",
             "",
-            "| variant | weights median | weights worst (layer) | inputs median | inputs worst (layer) |",
+            "| variant | weights median | weights worst (layer) | inputs median | inputs worst "
+            "(layer) |",
             "|---|---:|---:|---:|---:|",
         ]
         for v in snr:
@@ -427,16 +451,19 @@ def _snr_summary(values: dict[str, float | None]) -> str:
 
 
 def faults_lines(faults: CalibrationFaults) -> list[str]:
-    """What calibration worked around (ptq.calibration.calibrate's fault rules), so no fallback goes unnoticed."""
+    """What calibration worked around (ptq.calibration.calibrate's fault rules), so no fallback goes
+    unnoticed."""
     if not (faults.unseen_layers or faults.nonfinite_batches or faults.warnings):
         return []
     lines = ["", "### Calibration faults", ""]
     lines += [
-        f"- Layer `{u.layer}` received no calibration data: input amax {u.input_amax:.4g} ({u.rule})."
+        f"- Layer `{u.layer}` received no calibration data: input amax {u.input_amax:.4g} "
+        f"({u.rule})."
         for u in faults.unseen_layers
     ]
     lines += [
-        f"- Layer `{layer}`: {n} calibration batch(es) with NaN/inf inputs left out (--on-nonfinite skip)."
+        f"- Layer `{layer}`: {n} calibration batch(es) with NaN/inf inputs left out "
+        "(--on-nonfinite skip)."
         for layer, n in faults.nonfinite_batches.items()
     ]
     lines += [f"- Warning: {w}." for w in faults.warnings]
@@ -444,7 +471,8 @@ def faults_lines(faults: CalibrationFaults) -> list[str]:
 
 
 def render_diagnostics(r: CompareResults, top: int = 10) -> list[str]:
-    """Per-tensor SQNR under E4M3 and int8 (the results' diagnostics): the worst tensors of each, then all."""
+    """Per-tensor SQNR under E4M3 and int8 (the results' diagnostics): the worst tensors of each,
+    then all."""
     d = r.diagnostics
     if not d:
         return []
@@ -454,7 +482,10 @@ def render_diagnostics(r: CompareResults, top: int = 10) -> list[str]:
         return "exact" if v is None else f"{v:.1f}"
 
     def row_line(t: str) -> str:
-        return f"| `{t}` | {rows[t].amax:.4g} | {fmt_db(rows[t].sqnr_e4m3_db)} | {fmt_db(rows[t].sqnr_int8_db)} |"
+        return (
+            f"| `{t}` | {rows[t].amax:.4g} | {fmt_db(rows[t].sqnr_e4m3_db)} "
+            f"| {fmt_db(rows[t].sqnr_int8_db)} |"
+        )
 
     head = [
         "| layer (its input) | input amax | SQNR E4M3 (dB) | SQNR int8 (dB) |",
@@ -472,9 +503,9 @@ def render_diagnostics(r: CompareResults, top: int = 10) -> list[str]:
 
 
 def coverage_lines(entries: list[Entry]) -> list[str]:
-    """What share of the model's matmul weights each variant quantizes, and what stayed in the compute dtype and
-    why: shown under the results table, since a variant that left most weights alone is not an answer about 8 bits."""
-    from ptq.models.matmuls import describe_coverage
+    """What share of the model's matmul weights each variant quantizes, and what stayed in the
+    compute dtype and why: shown under the results table, since a variant that left most weights
+    alone is not an answer about 8 bits."""
     from ptq.numerics.formats import get_format
 
     def line(e: Entry) -> str:
@@ -496,10 +527,9 @@ def coverage_lines(entries: list[Entry]) -> list[str]:
 
 
 def every_left_out(entries: list[Entry]) -> list[str]:
-    """Every matmul weight and attention input each entry left unquantized, by reason, where the coverage line names
-    only the first few of a reason's: collapsed, since a recipe may leave hundreds."""
-    from ptq.models.matmuls import NAMES_SHOWN, left_out_groups
-
+    """Every matmul weight and attention input each entry left unquantized, by reason, where the
+    coverage line names only the first few of a reason's: collapsed, since a recipe may leave
+    hundreds."""
     lines = []
     for e in entries:
         for kind, groups in zip(
@@ -522,7 +552,8 @@ def every_left_out(entries: list[Entry]) -> list[str]:
 
 
 def render_coverage(r: CompareResults) -> list[str]:
-    """What each variant quantizes beyond Linear weights and inputs (attention, KV cache, SmoothQuant)."""
+    """What each variant quantizes beyond Linear weights and inputs (attention, KV cache,
+    SmoothQuant)."""
     rows = [
         v
         for v in r.variants
@@ -534,14 +565,16 @@ def render_coverage(r: CompareResults) -> list[str]:
     if not rows:
         return []
     lines = [
-        "| variant | attention matmul inputs | KV cache | residual-add inputs | SmoothQuant alpha |",
+        "| variant | attention matmul inputs | KV cache | residual-add inputs | SmoothQuant alpha "
+        "|",
         "|---|---|---|---|---:|",
     ]
     for v in rows:
         rec = v.recipe
         alpha = "" if rec.smoothquant_alpha is None else f"{rec.smoothquant_alpha:g}"
         lines.append(
-            f"| {v.name} | {rec.attention or 'fp32'} | {rec.kv_cache or 'fp32'} | {rec.residual or 'fp32'} | {alpha} |"
+            f"| {v.name} | {rec.attention or 'fp32'} | {rec.kv_cache or 'fp32'} | "
+            f"{rec.residual or 'fp32'} | {alpha} |"
         )
     return lines
 
@@ -549,11 +582,16 @@ def render_coverage(r: CompareResults) -> list[str]:
 def interval_text(
     ci: tuple[float, float], scale: float = 1, fmt: str = ".2f", unit: str = ""
 ) -> str:
-    """An interval as [lo, hi]; "n/a" where there is none (NaN ends: fewer units than an interval needs)."""
+    """An interval as [lo, hi]; "n/a" where there is none (NaN ends: fewer units than an interval
+    needs)."""
     if any(c != c for c in ci):
         return "n/a"
-    # an end that is not 0 never reads as 0 (+0.0034 is not +0.00, beside "distinguishable from 0: yes")
-    return f"[{fmt_against(scale * ci[0], None, fmt, 0)}, {fmt_against(scale * ci[1], None, fmt, 0)}]{unit}"
+    # an end that is not 0 never reads as 0 (+0.0034 is not +0.00, beside "distinguishable from 0:
+    # yes")
+    return (
+        f"[{fmt_against(scale * ci[0], None, fmt, 0)}, "
+        f"{fmt_against(scale * ci[1], None, fmt, 0)}]{unit}"
+    )
 
 
 def _distinguishable(significant: bool) -> str:
@@ -561,32 +599,39 @@ def _distinguishable(significant: bool) -> str:
 
 
 def intervals_section(r: CompareResults) -> list[str]:
-    """Perplexity and next-token accuracy with 95% intervals, and the paired deltas vs the baseline."""
+    """Perplexity and next-token accuracy with 95% intervals, and the paired deltas vs the
+    baseline."""
     base = r.baseline
     checks = stored_checks(r)
     lines = [
         "",
         "## Intervals (95%)",
         "",
-        f"Bootstrap over the {r.eval.windows} evaluation windows; a delta is paired (same windows for "
-        f"{base.name} and the variant) and is distinguishable from zero when its interval excludes 0. The "
-        "intervals cover the choice of windows, not the rounding: scales that differ in their last digits can "
-        "move a perplexity delta by tenths of a point while the KL barely moves (ptq's docs/paper.md, \"Noise beyond "
-        f'the intervals"); compare close recipes by their KL. Fewer than {MIN_UNITS} windows give no interval (n/a): '
+        f"Bootstrap over the {r.eval.windows} evaluation windows; a delta is paired (same windows "
+        f"for {base.name} and the variant) and is distinguishable from zero when its interval "
+        "excludes 0. The intervals cover the choice of windows, not the rounding: scales that "
+        "differ in their last digits can move a perplexity delta by tenths of a point while the "
+        'KL barely moves (ptq\'s docs/paper.md, "Noise beyond the intervals"); compare close '
+        f"recipes by their KL. Fewer than {MIN_UNITS} windows give no interval (n/a): "
         "with so few, a percentile interval is only the range of the windows.",
         "",
         f"| variant | perplexity | 95% CI | Δ ppl vs {base.name} | 95% CI | distinguishable from 0 "
         "| next-token acc | 95% CI | Δ acc (points) | 95% CI | distinguishable from 0 |",
         "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
-        f"| **{base.name}** (baseline) | {base.perplexity:.4f} | {interval_text(base.perplexity_ci, fmt='.4f')} | | | "
-        f"| {100 * base.accuracy:.2f}% | {interval_text(base.accuracy_ci, 100)} | | | |",
+        f"| **{base.name}** (baseline) | {base.perplexity:.4f} | "
+        f"{interval_text(base.perplexity_ci, fmt='.4f')} | | | | {100 * base.accuracy:.2f}% | "
+        f"{interval_text(base.accuracy_ci, 100)} | | | |",
     ]
     for v in r.variants:
         lines.append(
-            f"| {v.name} | {v.perplexity:.4f} | {interval_text(v.perplexity_ci, fmt='.4f')} | {ppl_delta_text(v, checks)} "
-            f"| {interval_text(v.ppl_delta_pct_ci, fmt='+.2f', unit='%')} | {_distinguishable(v.ppl_delta_significant)} "
-            f"| {100 * v.accuracy:.2f}% | {interval_text(v.accuracy_ci, 100)} | {fmt_against(100 * v.accuracy_delta, None, '+.2f', 0)} "
-            f"| {interval_text(v.accuracy_delta_ci, 100, '+.2f')} | {_distinguishable(v.accuracy_delta_significant)} |"
+            f"| {v.name} | {v.perplexity:.4f} | {interval_text(v.perplexity_ci, fmt='.4f')} | "
+            f"{ppl_delta_text(v, checks)} | "
+            f"{interval_text(v.ppl_delta_pct_ci, fmt='+.2f', unit='%')} | "
+            f"{_distinguishable(v.ppl_delta_significant)} | {100 * v.accuracy:.2f}% | "
+            f"{interval_text(v.accuracy_ci, 100)} | "
+            f"{fmt_against(100 * v.accuracy_delta, None, '+.2f', 0)} | "
+            f"{interval_text(v.accuracy_delta_ci, 100, '+.2f')} | "
+            f"{_distinguishable(v.accuracy_delta_significant)} |"
         )
     # the agreement with the baseline, by which close recipes are told apart, with its intervals
     lines += [
@@ -603,8 +648,8 @@ def intervals_section(r: CompareResults) -> list[str]:
 
 
 def tasks_section(r: Results) -> list[str]:
-    """Per task and metric (lm-evaluation-harness's): each variant's value with its interval, its paired delta vs the
-    baseline and its recovery (variant / baseline)."""
+    """Per task and metric (lm-evaluation-harness's): each variant's value with its interval, its
+    paired delta vs the baseline and its recovery (variant / baseline)."""
     if not r.tasks:
         return []
     compare = isinstance(r, CompareResults)
@@ -617,7 +662,8 @@ def tasks_section(r: Results) -> list[str]:
         head += f" Δ vs {base_name} (points) | 95% CI | distinguishable from 0 | recovery |"
         rule += "---:|---:|---|---:|"
     lines += [head, rule]
-    # the recovery gates' limits, so that a recovery next to its limit is printed with the digits that tell them apart
+    # the recovery gates' limits, so that a recovery next to its limit is printed with the digits
+    # that tell them apart
     checks = stored_checks(r) if compare else []
     in_units, lower = (
         [],
@@ -640,16 +686,18 @@ def tasks_section(r: Results) -> list[str]:
                 row = (
                     f"| {task.name} | {label} | {t.n} | {shots} | "
                     f"{'**' + e.name + '**' if e.name == base_name else e.name} | "
-                    f"{scale * m.value:.{places}f}{unit} | {interval_text(m.ci, scale, f'.{places}f')} |"
+                    f"{scale * m.value:.{places}f}{unit} | "
+                    f"{interval_text(m.ci, scale, f'.{places}f')} |"
                 )
                 if base_name:
                     d = task_delta(e, task.name, metric)
                     gated = task_checks(checks, e.name, task.name, metric)
                     recovery = f"{fmt_against(d.recovery_pct, _limit(gated), '.2f')}%" if d else ""
                     row += (
-                        f" {fmt_against(scale * d.delta, None, f'+.{places}f', 0)} "
-                        f"| {interval_text(d.ci, scale, f'+.{places}f')} | {_distinguishable(d.significant)} "
-                        f"| {_cell(recovery, [c for c in gated if not c.passed])} |"
+                        f" {fmt_against(scale * d.delta, None, f'+.{places}f', 0)} | "
+                        f"{interval_text(d.ci, scale, f'+.{places}f')} | "
+                        f"{_distinguishable(d.significant)} | "
+                        f"{_cell(recovery, [c for c in gated if not c.passed])} |"
                         if d
                         else " | | | |"
                     )
@@ -657,18 +705,21 @@ def tasks_section(r: Results) -> list[str]:
     if any(t.n < MIN_UNITS for t in r.tasks):
         lines += [
             "",
-            f"Fewer than {MIN_UNITS} documents give no interval (n/a): with so few, it is only their range.",
+            f"Fewer than {MIN_UNITS} documents give no interval (n/a): with so few, it is only "
+            "their range.",
         ]
     if in_units:
         lines += [
             "",
-            f"In their own units, not percentages (values, intervals and deltas): {', '.join(in_units)}.",
+            "In their own units, not percentages (values, intervals and deltas): "
+            f"{', '.join(in_units)}.",
         ]
     if lower:
         lines += [
             "",
-            f"Lower is better (as lm-eval records it): {', '.join(lower)}; recovery is variant / baseline, so above "
-            "100% is a loss there, and the accuracy-recovery gate does not apply.",
+            f"Lower is better (as lm-eval records it): {', '.join(lower)}; recovery is variant / "
+            "baseline, so above 100% is a loss there, and the accuracy-recovery gate does not "
+            "apply.",
         ]
     lines += ["", "Tasks:", ""]
     for task in r.tasks:
@@ -700,7 +751,8 @@ def task_checks(checks: list[Check], variant: str, task: str, metric: str) -> li
 
 
 def task_delta(e: Entry, task: str, metric: str):
-    """A variant's paired delta on one task metric (None for the baseline and eval's configuration)."""
+    """A variant's paired delta on one task metric (None for the baseline and eval's
+    configuration)."""
     return ((e.task_deltas or {}).get(task) or {}).get(metric) if isinstance(e, Variant) else None
 
 
@@ -712,8 +764,9 @@ def render_eval_markdown(r: EvalResults) -> str:
         "",
         "| configuration | weights | inputs | perplexity | 95% CI | next-token acc | 95% CI |",
         "|---|---|---|---:|---:|---:|---:|",
-        f"| {c.name} | {c.recipe.weights} | {c.recipe.inputs} | {c.perplexity:.4f} "
-        f"| {interval_text(c.perplexity_ci, fmt='.4f')} | {100 * c.accuracy:.2f}% | {interval_text(c.accuracy_ci, 100)} |",
+        f"| {c.name} | {c.recipe.weights} | {c.recipe.inputs} | {c.perplexity:.4f} | "
+        f"{interval_text(c.perplexity_ci, fmt='.4f')} | {100 * c.accuracy:.2f}% | "
+        f"{interval_text(c.accuracy_ci, 100)} |",
     ]
     lines += tasks_section(r)
     lines += [""] + coverage_lines([c])
@@ -736,7 +789,8 @@ def render_eval_markdown(r: EvalResults) -> str:
 def report_summary(
     results: CompareResults, previous: CompareResults | None, output: Path | None
 ) -> dict:
-    """What `ptq report --json` prints: the verdict, whether every gate passed, the gates, and the trend."""
+    """What `ptq report --json` prints: the verdict, whether every gate passed, the gates, and the
+    trend."""
     results = rejudged(results)  # one set of checks for the verdict, `passed` and `gates`
     moves = trend(results, previous) if previous is not None else None
     return {
