@@ -1,28 +1,31 @@
-"""Calibration: run text through the model and record the amax (max |x|) of every tensor that a recipe
-quantizes: each targeted Linear's weight and its input, attention's batched-matmul inputs
+"""Calibration: run text through the model and record the amax (max |x|) of every tensor that a
+recipe quantizes: each targeted Linear's weight and its input, attention's batched-matmul inputs
 ("<attention layer>.query|key|value|probs") and residual-add inputs ("<block>.residual.<tensor>").
-Observers stream (a running max, a fixed-bin histogram of |x| for the percentile/MSE/entropy observers
-and the diagnostics, per-channel maxima for SmoothQuant; ptq/calibration/observers.py), they never keep
-activations. The result is saved as safetensors (the amax tensors) plus JSON metadata.
+Observers stream (a running max, a fixed-bin histogram of |x| for the percentile/MSE/entropy
+observers and the diagnostics, per-channel maxima for SmoothQuant; ptq/calibration/observers.py),
+they never keep activations. The result is saved as safetensors (the amax tensors) plus JSON
+metadata.
 
 Faults, each with one documented rule (docs/reliability.md):
 - NaN/inf in a weight: always an error naming the layer and the element (the checkpoint is broken).
 - NaN/inf in a layer's input: `on_nonfinite="fail"` (default) stops at the first such batch, naming
   the layer and the batch; "skip" leaves that batch out of that layer's amax and counts it.
-- A layer no calibration batch reached (an MoE expert no token was routed to): `on_unseen="fallback"`
-  (default) gives it the largest input amax of its siblings (see fallback_amax), listed in the
-  metadata; "fail" stops.
+- A layer no calibration batch reached (an MoE expert no token was routed to):
+  `on_unseen="fallback"` (default) gives it the largest input amax of its siblings (see
+  fallback_amax), listed in the metadata; "fail" stops.
 - amax 0 (an all-zero tensor) or so small that its scale is not a normal float32: a warning (the
   scale is finite and the tensor is zero to the format's precision); an amax whose largest quantized
   value would overflow float32: an error (see range_findings).
 
-Long runs save the observers to a checkpoint every `checkpoint_every` seconds (atomically); a resumed
-run skips the batches already seen and, since a running max does not depend on how the batches are
-split between runs (nor do histogram counts), ends with exactly the same statistics. A checkpoint records
-its batch size (an automatic one resumes with it) and is refused for other settings (run_fingerprint).
+Long runs save the observers to a checkpoint every `checkpoint_every` seconds (atomically); a
+resumed run skips the batches already seen and, since a running max does not depend on how the
+batches are split between runs (nor do histogram counts), ends with exactly the same statistics. A
+checkpoint records its batch size (an automatic one resumes with it) and is refused for other
+settings (run_fingerprint).
 
-Batch size: explicit, or automatic (`--batch-size auto`: ptq.execution.batching); a CUDA out-of-memory with an
-automatic size starts the calibration over on half the batch size (see calibrate for why).
+Batch size: explicit, or automatic (`--batch-size auto`: ptq.execution.batching); a CUDA
+out-of-memory with an automatic size starts the calibration over on half the batch size (see
+calibrate for why).
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ from ptq.progress import progress
 from ptq.runtime import distributed
 from ptq.runtime.devices import WAYS_OUT, input_device
 
-# /2: histogram bins read off the float32 bit pattern (ptq/calibration/observers.py); /3: up to 2^32, not 2^16
+# /2: histogram bins read off the float32 bit pattern (ptq/calibration/observers.py); /3: up to
+# 2^32, not 2^16
 FILE_KIND = "ptq-calibration/3"
 CHECKPOINT_KIND = "ptq-calibration-checkpoint/2"
 NONFINITE_POLICIES = ("fail", "skip")
@@ -69,27 +73,26 @@ class Calibration:
     input_amax: dict[str, torch.Tensor]  # layer name -> scalar float32
     weight_amax: dict[str, torch.Tensor]  # layer name -> scalar float32; also identifies the model
     metadata: dict = field(default_factory=dict)
-    input_hist: dict[str, torch.Tensor] = field(
-        default_factory=dict
-    )  # name -> int64 [NUM_BINS] counts of |x|
-    input_channel_amax: dict[str, torch.Tensor] = field(
-        default_factory=dict
-    )  # name -> float32 [in_features]
-    # every other parameter (norms, embeddings, biases, routers, ...) -> scalar float32 amax: a model whose Linear
-    # weights are another's, with other norms (a fine-tune that kept them), is another model
+    # name -> int64 [NUM_BINS] counts of |x|
+    input_hist: dict[str, torch.Tensor] = field(default_factory=dict)
+    # name -> float32 [in_features]
+    input_channel_amax: dict[str, torch.Tensor] = field(default_factory=dict)
+    # every other parameter (norms, embeddings, biases, routers, ...) -> scalar float32 amax: a
+    # model whose Linear weights are another's, with other norms (a fine-tune that kept them), is
+    # another model
     tensor_amax: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def check_model(self, model: nn.Module, layers: list[str]) -> None:
-        """Refuse a calibration made for another model: same layers, same weights (by their amax). An attention matmul
-        input or a residual-add input has no weight of its own: the weights of the matmuls of its attention layer or
-        block (recorded by calibrate) identify the model."""
+        """Refuse a calibration made for another model: same layers, same weights (by their amax).
+        An attention matmul input or a residual-add input has no weight of its own: the weights of
+        the matmuls of its attention layer or block (recorded by calibrate) identify the model."""
         modules = dict(model.named_modules())
         checked = set()
         for name in layers:
             if name not in self.input_amax:
                 raise PtqError(
-                    f"calibration file has no amax for layer '{name}' "
-                    f"(made for model '{self.metadata.get('model', '?')}'; recalibrate for this model and recipe)"
+                    f"calibration file has no amax for layer '{name}' (made for model "
+                    f"'{self.metadata.get('model', '?')}'; recalibrate for this model and recipe)"
                 )
             module = modules.get(name)
             channels = self.input_channel_amax.get(name)
@@ -99,8 +102,9 @@ class Calibration:
                 and channels.shape != module.weight.shape[1:]
             ):
                 raise PtqError(
-                    f"calibration file has {channels.numel()} per-channel input amax for layer '{name}', which has "
-                    f"{module.weight.shape[1]} input channels: the file is damaged; recalibrate"
+                    f"calibration file has {channels.numel()} per-channel input amax for layer "
+                    f"'{name}', which has {module.weight.shape[1]} input channels: the file is "
+                    "damaged; recalibrate"
                 )
             owner = weightless_owner(name)
             if module is None and name not in self.weight_amax and owner in modules:
@@ -112,22 +116,23 @@ class Calibration:
             if not quantizable(module) or name not in self.weight_amax:
                 raise self.another_model(f"the weights of layer '{name}' differ")
             self.check_weight(name, module.weight)
+        # those in memory: a part of the model, layer by layer
         for (
             name,
             p,
-        ) in model.named_parameters():  # those in memory: a part of the model, layer by layer
+        ) in model.named_parameters():
             if p.device.type != "meta":
                 self.check_tensor(name, p)
-        if (
-            layers and not checked
-        ):  # K/V or residual amax alone would be taken from any model with the same names
+        # K/V or residual amax alone would be taken from any model with the same names
+        if layers and not checked:
             raise PtqError(
-                f"calibration file (made for model '{self.metadata.get('model', '?')}') has no weight amax to check it "
-                "against this model: recalibrate with this version of ptq"
+                f"calibration file (made for model '{self.metadata.get('model', '?')}') has no "
+                "weight amax to check it against this model: recalibrate with this version of ptq"
             )
 
     def check_weight(self, layer: str, weight: torch.Tensor) -> None:
-        """Refuse `weight` (in memory or read from disk) when the file recorded another amax for `layer`."""
+        """Refuse `weight` (in memory or read from disk) when the file recorded another amax for
+        `layer`."""
         recorded = self.weight_amax.get(layer)
         if recorded is not None and not torch.equal(
             amax(weight).cpu(), _as_weight(recorded, weight)
@@ -135,8 +140,8 @@ class Calibration:
             raise self.another_model(f"the weights of layer '{layer}' differ")
 
     def check_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """Refuse a tensor that is not quantized (a norm, an embedding: tensor_amax) when the file recorded another
-        amax for it."""
+        """Refuse a tensor that is not quantized (a norm, an embedding: tensor_amax) when the file
+        recorded another amax for it."""
         recorded = self.tensor_amax.get(name)
         if (
             recorded is not None
@@ -147,25 +152,29 @@ class Calibration:
 
     def another_model(self, what: str) -> PtqError:
         return PtqError(
-            f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): {what}"
+            f"calibration file was made for another model ('{self.metadata.get('model', '?')}'): "
+            f"{what}"
         )
 
 
 def _as_weight(recorded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A weight amax recorded in float32 (ptq calibrate reads float32) as it is for the weight in its compute dtype:
-    rounding is monotonic, so the amax of a float32 checkpoint's weights rounded to bfloat16 is its amax rounded."""
+    """A weight amax recorded in float32 (ptq calibrate reads float32) as it is for the weight in
+    its compute dtype: rounding is monotonic, so the amax of a float32 checkpoint's weights rounded
+    to bfloat16 is its amax rounded."""
     return recorded.to(weight.dtype).float() if weight.dtype != recorded.dtype else recorded
 
 
 def weightless_owner(name: str) -> str:
-    """The attention layer of an attention matmul input or KV-cache tensor ("<layer>.key"), the decoder block of a
-    residual-add input ("<block>.residual.mid"): the module whose matmuls' weights identify the model for it."""
+    """The attention layer of an attention matmul input or KV-cache tensor ("<layer>.key"), the
+    decoder block of a residual-add input ("<block>.residual.mid"): the module whose matmuls'
+    weights identify the model for it."""
     return name.split(".residual.")[0] if ".residual." in name else name.rpartition(".")[0]
 
 
 def checkpoint_path(output: Path) -> Path:
-    """Where `ptq calibrate -o OUTPUT` keeps its checkpoint: OUTPUT.checkpoint (a different kind of file,
-    which load_calibration refuses, so it can never be mistaken for a finished calibration)."""
+    """Where `ptq calibrate -o OUTPUT` keeps its checkpoint: OUTPUT.checkpoint (a different kind of
+    file, which load_calibration refuses, so it can never be mistaken for a finished
+    calibration)."""
     return Path(output).with_name(Path(output).name + ".checkpoint")
 
 
@@ -185,30 +194,34 @@ def calibrate(
     layer_by_layer=None,
 ) -> Calibration:
     """Record input and weight amax of the named Linear layers (and attention matmul / residual-add
-    inputs) over the calibration windows, with histograms of every input, and per-channel input amax of
-    the Linear layers in `channels`. With `all_experts`, every token also runs through every expert of a
-    mixture-of-experts layer (observed, the output unchanged), so that no expert is left without a scale.
+    inputs) over the calibration windows, with histograms of every input, and per-channel input amax
+    of the Linear layers in `channels`. With `all_experts`, every token also runs through every
+    expert of a mixture-of-experts layer (observed, the output unchanged), so that no expert is left
+    without a scale.
 
-    batch_size: windows per forward pass; None for automatic (ptq.execution.batching.auto_batch_size with calibration's
-    per-window estimate: on CUDA from the free memory, CPU_BATCH_SIZE on the CPU). Resuming with None takes the
-    batch size the checkpoint was made with. The size used is `metadata["batch_size"]`.
+    batch_size: windows per forward pass; None for automatic (ptq.execution.batching.auto_batch_size
+    with calibration's per-window estimate: on CUDA from the free memory, CPU_BATCH_SIZE on the
+    CPU). Resuming with None takes the batch size the checkpoint was made with. The size used is
+    `metadata["batch_size"]`.
 
-    CUDA out of memory: with an explicit batch size, the one-line error naming the batch size (ptq.execution.batching).
-    With an automatic one, the batch size is halved (ptq.execution.batching.back_off) and the calibration RESTARTS FROM
-    THE FIRST BATCH with new observers, any checkpoint's statistics included: a batch that ran out of memory
-    half-way has already been counted by the observers of the layers it went through (their running max,
-    histogram counts, per-channel max and batch counts), and undoing that exactly is not possible, so every
-    statistic is dropped. The result is then exactly that of a run on the smaller batch size from the start
-    (tests/test_batching.py). The batches already done are computed again; an out of memory happens on the
-    first batch in practice (every batch but the last has the same shape).
+    CUDA out of memory: with an explicit batch size, the one-line error naming the batch size
+    (ptq.execution.batching). With an automatic one, the batch size is halved
+    (ptq.execution.batching.back_off) and the calibration RESTARTS FROM THE FIRST BATCH with new
+    observers, any checkpoint's statistics included: a batch that ran out of memory half-way has
+    already been counted by the observers of the layers it went through (their running max,
+    histogram counts, per-channel max and batch counts), and undoing that exactly is not possible,
+    so every statistic is dropped. The result is then exactly that of a run on the smaller batch
+    size from the start (tests/test_batching.py). The batches already done are computed again; an
+    out of memory happens on the first batch in practice (every batch but the last has the same
+    shape).
 
     With `checkpoint`, the observers are saved there (atomically) at most every `checkpoint_every`
-    seconds; `resume=True` continues from it. The caller deletes the checkpoint once the result is saved.
-    `weights_of`: the model the weight amax are read from, when `model` is a copy placed over the devices
-    (ptq.execution.placement) whose offloaded weights are not in memory.
+    seconds; `resume=True` continues from it. The caller deletes the checkpoint once the result is
+    saved. `weights_of`: the model the weight amax are read from, when `model` is a copy placed over
+    the devices (ptq.execution.placement) whose offloaded weights are not in memory.
     `layer_by_layer`: the executor that runs `model` one decoder layer at a time from disk
-    (ptq.execution.streaming.LayerByLayer); the observers are hooked on each layer as it is read. Linear inputs
-    only, without checkpoints.
+    (ptq.execution.streaming.LayerByLayer); the observers are hooked on each layer as it is read.
+    Linear inputs only, without checkpoints.
     """
     if on_nonfinite not in NONFINITE_POLICIES or on_unseen not in UNSEEN_POLICIES:
         raise PtqError(f"unknown policy: on_nonfinite={on_nonfinite!r}, on_unseen={on_unseen!r}")
@@ -220,8 +233,9 @@ def calibrate(
         )
     else:
         size = batch_size
-    # Under torchrun each process runs its share of the batches and the observers are merged: one batch size for all
-    # (an automatic one follows each GPU's free memory), so that every batch is one of the one-process run's
+    # Under torchrun each process runs its share of the batches and the observers are merged: one
+    # batch size for all (an automatic one follows each GPU's free memory), so that every batch is
+    # one of the one-process run's
     split = distributed.joined() and layer_by_layer is None and checkpoint is None
     if split:
         size = min(distributed.gather(size))
@@ -253,7 +267,8 @@ def calibrate(
             if not split:
                 raise
             failure = str(e)
-        if split:  # what one process met (a NaN in its share, out of memory) stops or backs off every process
+        # what one process met (a NaN in its share, out of memory) stops or backs off every process
+        if split:
             outcomes = distributed.gather((failure, error))
             failure = next((f for f, _ in outcomes if f), None)
             if failure is not None:
@@ -287,8 +302,8 @@ def calibrate(
 
 
 def _observe_heads(observer: TensorObserver, x: torch.Tensor) -> torch.Tensor:
-    """K or V observed with the head dimension last: the same amax and histogram, and per-head maxima as its
-    per-channel amax (KV-cache scales per head)."""
+    """K or V observed with the head dimension last: the same amax and histogram, and per-head
+    maxima as its per-channel amax (KV-cache scales per head)."""
     observer.observe(x.transpose(1, -1))
     return x
 
@@ -309,9 +324,10 @@ def _calibrate_batches(
     layer_by_layer=None,
     first_batch: int = 0,
 ) -> tuple[dict[str, TensorObserver], dict[str, torch.Tensor]]:
-    """One calibration run on batches of `batch_size` windows, with new observers (see calibrate): the observers
-    and the weights' amax. restarted: the batch size that ran out of memory before this run, for the progress bar.
-    first_batch: the number of the first batch among all processes' (torchrun), for the messages."""
+    """One calibration run on batches of `batch_size` windows, with new observers (see calibrate):
+    the observers and the weights' amax. restarted: the batch size that ran out of memory before
+    this run, for the progress bar. first_batch: the number of the first batch among all processes'
+    (torchrun), for the messages."""
     from ptq.quantization import attention, residual
 
     modules = dict(model.named_modules())
@@ -319,14 +335,15 @@ def _calibrate_batches(
     observers = {name: TensorObserver(channels=name in set(channels)) for name in layers}
     weight_amax: dict[str, torch.Tensor] = {}
     tensor_amax: dict[str, torch.Tensor] = {}  # every other parameter's (Calibration.tensor_amax)
-    # attention layers and blocks whose inputs are calibrated: their matmuls' weight amax identify the model
-    # (Calibration.check_model), calibrated or not
+    # attention layers and blocks whose inputs are calibrated: their matmuls' weight amax identify
+    # the model (Calibration.check_model), calibrated or not
     owners = tuple(weightless_owner(name) + "." for name in layers if name not in linears)
 
     @contextlib.contextmanager
     def observed(part: nn.Module):
-        """The observers hooked on the calibrated Linear layers of `part` (the whole model, or the part of it that
-        is in memory, its modules under their names in the model), their weights' amax recorded."""
+        """The observers hooked on the calibrated Linear layers of `part` (the whole model, or the
+        part of it that is in memory, its modules under their names in the model), their weights'
+        amax recorded."""
         here = dict(part.named_modules())
         weights = dict(weights_of.named_modules()) if weights_of is not None else here
         hooks = []
@@ -338,9 +355,8 @@ def _calibrate_batches(
             if owners and name not in weight_amax and name.startswith(owners) and quantizable(m):
                 weight_amax[name] = check_weight(name, weights[name].weight)
         recorded = {f"{name}.weight" for name in weight_amax}
-        for name, p in (
-            weights_of or part
-        ).named_parameters():  # a part's are named as in the model
+        # a part's are named as in the model
+        for name, p in (weights_of or part).named_parameters():
             if (
                 p.device.type != "meta"
                 and p.is_floating_point()
@@ -365,16 +381,16 @@ def _calibrate_batches(
     for name in layers:
         if name not in linears:
             layer, _, tensor = name.rpartition(".")
-            if layer.endswith(
-                ".residual"
-            ):  # "<block>.residual.<tensor>": ptq/quantization/residual.py
+            # "<block>.residual.<tensor>": ptq/quantization/residual.py
+            if layer.endswith(".residual"):
                 residual_blocks.setdefault(layer.removesuffix(".residual"), {})[tensor] = observers[
                     name
                 ].observe
+            # [batch, kv heads, tokens, dim]: heads last, so "channels" are heads
             elif tensor in (
                 "key",
                 "value",
-            ):  # [batch, kv heads, tokens, dim]: heads last, so "channels" are heads
+            ):
                 attention_layers.setdefault(layer, {})[tensor] = partial(
                     _observe_heads, observers[name]
                 )
@@ -388,17 +404,24 @@ def _calibrate_batches(
             beyond = [name for name in layers if name not in linears]
             if beyond:
                 raise PtqError(
-                    f"calibrating layer by layer (--low-memory) observes Linear inputs only; '{beyond[0]}' "
-                    "(attention or residual coverage) needs the model in memory"
+                    "calibrating layer by layer (--low-memory) observes Linear inputs only; "
+                    f"'{beyond[0]}' (attention or residual coverage) needs the model in memory"
                 )
             run = layer_by_layer.with_parts(observed, ["original"])
-            checkpoint = None  # layer by layer, no batch is done before the last layer: nothing to resume from
+            # layer by layer, no batch is done before the last layer: nothing to resume from
+            checkpoint = None
         else:
             stack.enter_context(observed(model))
+            # the model's digest reads every weight: only where a checkpoint is written (ptq
+            # calibrate)
+            digest = (
+                model_digest(weights_of if weights_of is not None else model)
+                if checkpoint is not None
+                else b""
+            )
             fingerprint = run_fingerprint(
                 input_ids, layers, batch_size, on_nonfinite, weight_amax, channels, all_experts,
-                # the model's digest reads every weight: only where a checkpoint is written (ptq calibrate)
-                model_digest(weights_of if weights_of is not None else model) if checkpoint is not None else b"",
+                digest,
             )  # fmt: skip
             if resume:
                 start = load_checkpoint(
@@ -419,9 +442,8 @@ def _calibrate_batches(
             for hook in residual.install(model, residual_blocks):
                 stack.callback(hook.remove)
             run = WholeModels({"original": _runner(model, layers)}, input_device(model))
-        stack.callback(
-            setattr, TensorObserver, "shared", ()
-        )  # release the last activations it holds
+        # release the last activations it holds
+        stack.callback(setattr, TensorObserver, "shared", ())
         saved_at = time.monotonic()
         description = (
             f"calibrating again on batches of {batch_size} (out of GPU memory on {restarted})"
@@ -435,7 +457,9 @@ def _calibrate_batches(
             else None
         )
         with (
-            torch.no_grad(),  # not inference_mode: its tensors have no version, which the observers' shared statistics need
+            # not inference_mode: its tensors have no version, which the observers' shared
+            # statistics need
+            torch.no_grad(),
             progress(description, run.steps(len(input_ids), logits), input_ids.shape[1]) as advance,
         ):
             advance(done)
@@ -456,13 +480,15 @@ def _calibrate_batches(
                         checkpoint, observers, fingerprint, i + 1, len(batches), batch_size
                     )
                     saved_at = time.monotonic()
-    # the calibrated layers in their order (as read, layer by layer, they come part by part), then the others
+    # the calibrated layers in their order (as read, layer by layer, they come part by part), then
+    # the others
     return observers, {name: weight_amax[name] for name in linears} | weight_amax, tensor_amax
 
 
 def merge_shares(shares: list[dict[str, TensorObserver]]) -> dict[str, TensorObserver]:
-    """The observers of every process's share of the batches (torchrun), in rank order, merged: those of one process
-    that saw every batch (TensorObserver.merge; the histogram's bins are fixed, so the sum is exact)."""
+    """The observers of every process's share of the batches (torchrun), in rank order, merged:
+    those of one process that saw every batch (TensorObserver.merge; the histogram's bins are fixed,
+    so the sum is exact)."""
     merged = shares[0]
     for other in shares[1:]:
         for name, observer in merged.items():
@@ -477,8 +503,8 @@ def finish(
     on_nonfinite: str,
     on_unseen: str,
 ) -> Calibration:
-    """The Calibration from the observers once every batch has run: unseen layers get their fallback amax
-    (or stop the run), skipped non-finite batches are counted in the metadata."""
+    """The Calibration from the observers once every batch has run: unseen layers get their fallback
+    amax (or stop the run), skipped non-finite batches are counted in the metadata."""
     input_amax, unseen, skipped = {}, [], {}
     for name, obs in observers.items():
         if int(obs.nonfinite):
@@ -487,17 +513,17 @@ def finish(
             unseen.append(name)
         else:
             input_amax[name] = obs.amax.float().cpu()
-    if (
-        skipped and on_nonfinite == "fail"
-    ):  # an executor checks each batch as it goes; none may pass unchecked
+    # an executor checks each batch as it goes; none may pass unchecked
+    if skipped and on_nonfinite == "fail":
         name = next(iter(skipped))
         raise PtqError(
-            f"input of layer '{name}' contains NaN or inf in {skipped[name]} calibration batch(es); use "
-            "--on-nonfinite skip to leave such batches out of that layer's amax"
+            f"input of layer '{name}' contains NaN or inf in {skipped[name]} calibration "
+            "batch(es); use --on-nonfinite skip to leave such batches out of that layer's amax"
         )
     if len(unseen) == len(layers):
         raise PtqError(
-            "no calibration batch reached any calibrated layer with finite values: nothing to calibrate from"
+            "no calibration batch reached any calibrated layer with finite values: nothing to "
+            "calibrate from"
         )
     metadata: dict = {"on_nonfinite": on_nonfinite, "on_unseen": on_unseen}
     if skipped:
@@ -507,7 +533,8 @@ def finish(
         for name, obs in observers.items()
         if obs.finite_batches() and obs.hist is not None
     }
-    # per-channel maxima of the batches kept (a layer whose every batch was non-finite has zeros: none)
+    # per-channel maxima of the batches kept (a layer whose every batch was non-finite has zeros:
+    # none)
     channel_amax = {
         name: obs.channel_amax.cpu()
         for name, obs in observers.items()
@@ -516,24 +543,23 @@ def finish(
     if unseen:
         if on_unseen == "fail":
             raise PtqError(
-                f"{len(unseen)} layer(s) received no calibration data, e.g. '{unseen[0]}' (an MoE expert no "
-                "token was routed to?): calibrate on more text, or use --on-unseen fallback"
+                f"{len(unseen)} layer(s) received no calibration data, e.g. '{unseen[0]}' (an MoE "
+                "expert no token was routed to?): calibrate on more text, or use --on-unseen "
+                "fallback"
             )
         metadata["unseen_layers"] = []
         unseen_set = set(unseen)
-        calibrated = {
-            n: v for n, v in input_amax.items() if n not in unseen_set
-        }  # no fallback is another's source
+        # no fallback is another's source
+        calibrated = {n: v for n, v in input_amax.items() if n not in unseen_set}
         for name in unseen:
             source, rule = _fallback_source(name, calibrated)
             value = input_amax[name] = input_amax[source].clone()
-            if (
-                source in hists
-            ):  # the observers other than max read a histogram: that of the layer the amax comes from
-                hists[name] = hists[
-                    source
-                ].clone()  # its own tensor: safetensors saves no shared memory
-            # SmoothQuant's per-channel maxima, likewise, where the layer's own shape is known to be the source's
+            # the observers other than max read a histogram: that of the layer the amax comes from
+            if source in hists:
+                # its own tensor: safetensors saves no shared memory
+                hists[name] = hists[source].clone()
+            # SmoothQuant's per-channel maxima, likewise, where the layer's own shape is known to be
+            # the source's
             shape = getattr(observers[name].channel_amax, "shape", None)
             if source in channel_amax and shape == channel_amax[source].shape:
                 channel_amax[name] = channel_amax[source].clone()
@@ -569,15 +595,16 @@ def check_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
         bad = (~torch.isfinite(weight.detach())).nonzero()[0].tolist()
         what = "NaN" if torch.isnan(weight.detach()).any() else "inf"
         raise PtqError(
-            f"weight of layer '{name}' contains {what} (first at index {bad}): the model's weights are "
-            "damaged; --on-nonfinite skip applies to activations only"
+            f"weight of layer '{name}' contains {what} (first at index {bad}): the model's weights "
+            "are damaged; --on-nonfinite skip applies to activations only"
         )
     return value.cpu()
 
 
 def _fail_on_nonfinite(observers: dict[str, TensorObserver], batch: int, batch_size: int) -> None:
-    # One device sync per batch and device, only in "fail" mode. An observer not called yet (an MoE expert no token
-    # reached; layer by layer, every later layer's) holds an int: no tensor made and copied to the GPU for it per check
+    # One device sync per batch and device, only in "fail" mode. An observer not called yet (an MoE
+    # expert no token reached; layer by layer, every later layer's) holds an int: no tensor made and
+    # copied to the GPU for it per check
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for o in observers.values():
         if torch.is_tensor(o.nonfinite):
@@ -591,14 +618,15 @@ def _fail_on_nonfinite(observers: dict[str, TensorObserver], batch: int, batch_s
         what = "NaN" if torch.isnan(obs.last) else "inf"
         raise PtqError(
             f"input of layer '{name}' contains {what} in calibration batch {batch} (windows "
-            f"{batch * batch_size}-{batch * batch_size + batch_size - 1}); use --on-nonfinite skip to leave "
-            "such batches out of that layer's amax"
+            f"{batch * batch_size}-{batch * batch_size + batch_size - 1}); use --on-nonfinite skip "
+            "to leave such batches out of that layer's amax"
         )
 
 
 def fallback_amax(name: str, seen: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
     """Input amax for a layer no batch reached: the largest among its closest relatives, in order
-    (1) same name but for the last number (the other experts of the same block: experts.*.down_proj),
+    (1) same name but for the last number (the other experts of the same block:
+        experts.*.down_proj),
     (2) same name but for every number (that projection in every block), (3) every calibrated layer.
     The largest, because a too-large scale costs precision while a too-small one clips."""
     source, rule = _fallback_source(name, seen)
@@ -606,7 +634,8 @@ def fallback_amax(name: str, seen: dict[str, torch.Tensor]) -> tuple[torch.Tenso
 
 
 def _fallback_source(name: str, seen: dict[str, torch.Tensor]) -> tuple[str, str]:
-    """The calibrated layer whose input amax fallback_amax gives `name`, and the rule that chose it."""
+    """The calibrated layer whose input amax fallback_amax gives `name`, and the rule that chose
+    it."""
     parts = name.split(".")
     numbers = [i for i, p in enumerate(parts) if p.isdigit()]
     wildcards = [{numbers[-1]}, set(numbers)] if numbers else []
@@ -628,11 +657,12 @@ def _fallback_source(name: str, seen: dict[str, torch.Tensor]) -> tuple[str, str
 
 
 def range_findings(checks: list[tuple[str, str, torch.Tensor, NumberFormat]]) -> list[str]:
-    """Apply the range rule to (layer, tensor, amax, format) tuples; return the warnings, raise for errors.
+    """Apply the range rule to (layer, tensor, amax, format) tuples; return the warnings, raise for
+    errors.
 
     With a per-tensor scale (amax / format max) every finite amax maps onto the format, so the only
-    failures are at float32's own edges: an amax whose scale is not a normal float32 (below
-    format max * 2^-126, about 5e-36 for E4M3) quantizes coarsely but the tensor is then zero for any
+    failures are at float32's own edges: an amax whose scale is not a normal float32 (below format
+    max * 2^-126, about 5e-36 for E4M3) quantizes coarsely but the tensor is then zero for any
     practical purpose (warning, like an all-zero tensor, whose scale is 1); an amax so close to
     float32's max that the largest quantized value, format max * scale, rounds to inf is an error.
     """
@@ -643,15 +673,16 @@ def range_findings(checks: list[tuple[str, str, torch.Tensor, NumberFormat]]) ->
         top = fake_quantize(value.reshape(1), compute_scale(value, fmt), fmt)
         if not bool(torch.isfinite(top).all()):
             raise PtqError(
-                f"{tensor} amax {float(value):.4g} of layer '{layer}' is beyond {fmt.name}'s reach in float32: "
-                "its largest quantized value overflows to inf"
+                f"{tensor} amax {float(value):.4g} of layer '{layer}' is beyond {fmt.name}'s reach "
+                "in float32: its largest quantized value overflows to inf"
             )
         if float(value) == 0:
             warnings.append(f"{tensor} of layer '{layer}' is all zeros (amax 0): scale 1 is used")
         elif float(value) < fmt.max * 2.0**-126:
             warnings.append(
-                f"{tensor} amax {float(value):.3g} of layer '{layer}' is below {fmt.max * 2.0**-126:.3g}: its "
-                f"{fmt.name} scale is not a normal float32, so it quantizes coarsely (the tensor is nearly zero)"
+                f"{tensor} amax {float(value):.3g} of layer '{layer}' is below "
+                f"{fmt.max * 2.0**-126:.3g}: its {fmt.name} scale is not a normal float32, so it "
+                "quantizes coarsely (the tensor is nearly zero)"
             )
     return list(dict.fromkeys(warnings))
 
@@ -666,9 +697,9 @@ def run_fingerprint(
     all_experts: bool = True,
     model: bytes = b"",
 ) -> str:
-    """What a checkpoint must match to be resumed: the same windows, layers, batches, policy, weights, and
-    whether every expert saw every token (`all_experts`: the statistics of the two settings differ); `model`: the
-    model's model_digest."""
+    """What a checkpoint must match to be resumed: the same windows, layers, batches, policy,
+    weights, and whether every expert saw every token (`all_experts`: the statistics of the two
+    settings differ); `model`: the model's model_digest."""
     h = hashlib.sha256(model)
     h.update(
         json.dumps(
@@ -692,10 +723,11 @@ def run_fingerprint(
 
 
 def model_digest(model: nn.Module) -> bytes:
-    """The model a calibration runs, for a resumed run to match: its config (less the fields that name a copy: its
-    path, dtype, transformers' version) and every parameter and buffer by name, shape, dtype and two float64 moments
-    (sum and 2-norm: one pass each, on the tensor's own device; tensors offloaded to the meta device by name alone).
-    The calibrated layers' weight amax alone let a fine-tune of the norms, or another rope_theta, resume this run."""
+    """The model a calibration runs, for a resumed run to match: its config (less the fields that
+    name a copy: its path, dtype, transformers' version) and every parameter and buffer by name,
+    shape, dtype and two float64 moments (sum and 2-norm: one pass each, on the tensor's own device;
+    tensors offloaded to the meta device by name alone). The calibrated layers' weight amax alone
+    let a fine-tune of the norms, or another rope_theta, resume this run."""
     h = hashlib.sha256()
     config = getattr(model, "config", None)
     if config is not None:
@@ -752,8 +784,8 @@ def save_checkpoint(
 
 
 def checkpoint_batch_size(path: Path | None) -> int | None:
-    """The batch size a checkpoint was made with (what `--batch-size auto` resumes with), or None when there is
-    no readable one (load_checkpoint then says what is wrong)."""
+    """The batch size a checkpoint was made with (what `--batch-size auto` resumes with), or None
+    when there is no readable one (load_checkpoint then says what is wrong)."""
     try:
         with safetensors.safe_open(str(path), framework="pt") as f:
             size = int((f.metadata() or {}).get("batch_size", ""))
@@ -770,8 +802,8 @@ def load_checkpoint(
     device: torch.device | str = "cpu",
     batch_size: int | None = None,
 ) -> int:
-    """Restore the observers from `path`; return the number of batches it covers. batch_size: this run's, to
-    name a mismatch (the fingerprint covers it as well)."""
+    """Restore the observers from `path`; return the number of batches it covers. batch_size: this
+    run's, to name a mismatch (the fingerprint covers it as well)."""
     if path is None or not Path(path).is_file():
         raise PtqError(
             f"no checkpoint to resume from ({path} does not exist); run without --resume"
@@ -783,7 +815,8 @@ def load_checkpoint(
         done = int(header.get("batches_done", ""))
     except Exception:
         raise PtqError(
-            f"{path} is not a readable calibration checkpoint; delete it or use --force to start over"
+            f"{path} is not a readable calibration checkpoint; delete it or use --force to start "
+            "over"
         ) from None
     made_on = header.get("batch_size")
     if (
@@ -792,8 +825,8 @@ def load_checkpoint(
         and made_on not in (None, str(batch_size))
     ):
         raise PtqError(
-            f"{path} was made on batches of {made_on} windows, not {batch_size}: resume with --batch-size "
-            f"{made_on} (or auto), or use --force to start over"
+            f"{path} was made on batches of {made_on} windows, not {batch_size}: resume with "
+            f"--batch-size {made_on} (or auto), or use --force to start over"
         )
     if (
         header.get("kind") != CHECKPOINT_KIND
@@ -801,13 +834,14 @@ def load_checkpoint(
         or not 0 < done < total
     ):
         raise PtqError(
-            f"{path} is not a checkpoint of this calibration (kind or batch count differ); use --force to start over"
+            f"{path} is not a checkpoint of this calibration (kind or batch count differ); use "
+            "--force to start over"
         )
     if header.get("fingerprint") != fingerprint:
         raise PtqError(
-            f"{path} was made by a different run (model, data, layers, --samples, --seq-len, --batch-size, "
-            "--on-nonfinite or --calibrate-all-experts/--routed-experts-only differ); rerun with the same "
-            "options, or use --force to start over"
+            f"{path} was made by a different run (model, data, layers, --samples, --seq-len, "
+            "--batch-size, --on-nonfinite or --calibrate-all-experts/--routed-experts-only "
+            "differ); rerun with the same options, or use --force to start over"
         )
     for name, obs in observers.items():
         counts = tensors.get(f"counts/{name}")
@@ -843,7 +877,8 @@ def load_calibration(path: Path) -> Calibration:
     path = Path(path)
     if path.is_dir():
         raise PtqError(
-            f"calibration file {path} is a folder: give the .safetensors file that `ptq calibrate` wrote"
+            f"calibration file {path} is a folder: give the .safetensors file that `ptq calibrate` "
+            "wrote"
         )
     if not path.is_file():
         raise PtqError(f"calibration file {path} does not exist")
@@ -857,7 +892,8 @@ def load_calibration(path: Path) -> Calibration:
                 f"cannot read the calibration file {path}: {os_reason(path, e)}"
             ) from None
         raise PtqError(
-            f"{path} is not a readable calibration file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            f"{path} is not a readable calibration file: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
         ) from None
     kind = header.get("kind")
     if (
@@ -866,12 +902,14 @@ def load_calibration(path: Path) -> Calibration:
         and kind != FILE_KIND
     ):
         raise PtqError(
-            f"{path} was written by another version of ptq (kind {reprlib.repr(kind)}; this version reads "
-            f"{FILE_KIND!r}, whose histograms are binned differently): calibrate again"
+            f"{path} was written by another version of ptq (kind {reprlib.repr(kind)}; this "
+            f"version reads {FILE_KIND!r}, whose histograms are binned differently): calibrate "
+            "again"
         )
     if kind != FILE_KIND:
         raise PtqError(
-            f"{path} is not a ptq calibration file (kind {reprlib.repr(kind)}, expected {FILE_KIND!r})"
+            f"{path} is not a ptq calibration file (kind {reprlib.repr(kind)}, expected "
+            f"{FILE_KIND!r})"
         )
     try:
         metadata = json.loads(header.get("metadata", "{}"))
@@ -898,8 +936,8 @@ def load_calibration(path: Path) -> Calibration:
             or tensor.item() < 0
         ):
             raise PtqError(
-                f"{path}: invalid entry {reprlib.repr(key)} (expected input_amax/LAYER, weight_amax/LAYER or "
-                "tensor_amax/TENSOR: a finite, non-negative float32 scalar)"
+                f"{path}: invalid entry {reprlib.repr(key)} (expected input_amax/LAYER, "
+                "weight_amax/LAYER or tensor_amax/TENSOR: a finite, non-negative float32 scalar)"
             )
         target[name] = tensor.reshape(())
     if not calibration.input_amax:
@@ -912,12 +950,14 @@ def load_calibration(path: Path) -> Calibration:
 
 
 def _load_statistics(calibration: Calibration, path: Path, key: str, tensor: torch.Tensor) -> None:
-    """Histograms (int64 counts, NUM_BINS) and per-channel amax (finite, non-negative float32 vectors)."""
+    """Histograms (int64 counts, NUM_BINS) and per-channel amax (finite, non-negative float32
+    vectors)."""
     kind, _, name = key.partition("/")
     if kind == "input_hist":
         if tensor.dtype != torch.int64 or tensor.shape != (NUM_BINS,) or bool((tensor < 0).any()):
             raise PtqError(
-                f"{path}: invalid entry {reprlib.repr(key)} (expected {NUM_BINS} non-negative int64 counts)"
+                f"{path}: invalid entry {reprlib.repr(key)} (expected {NUM_BINS} non-negative "
+                "int64 counts)"
             )
         calibration.input_hist[name] = tensor
     else:
@@ -928,13 +968,15 @@ def _load_statistics(calibration: Calibration, path: Path, key: str, tensor: tor
             or bool((tensor < 0).any())
         ):
             raise PtqError(
-                f"{path}: invalid entry {reprlib.repr(key)} (expected a finite, non-negative float32 vector)"
+                f"{path}: invalid entry {reprlib.repr(key)} (expected a finite, non-negative "
+                "float32 vector)"
             )
         calibration.input_channel_amax[name] = tensor
 
 
 def check_metadata(metadata: object, path: Path) -> None:
-    """The metadata is read into reports: it must be a JSON object with the fields they use, well typed."""
+    """The metadata is read into reports: it must be a JSON object with the fields they use, well
+    typed."""
     if not isinstance(metadata, dict):
         raise PtqError(
             f"{path}: calibration metadata must be a JSON object, not {type(metadata).__name__}"
@@ -943,8 +985,8 @@ def check_metadata(metadata: object, path: Path) -> None:
         value = metadata.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
             raise PtqError(
-                f"{path}: calibration metadata field '{key}' must be a {'non-negative integer' if kind is int else 'string'}, "
-                f"not {reprlib.repr(value)}"
+                f"{path}: calibration metadata field '{key}' must be a "
+                f"{'non-negative integer' if kind is int else 'string'}, not {reprlib.repr(value)}"
             )
     unseen = metadata.get("unseen_layers", [])
     if not isinstance(unseen, list) or not all(
@@ -963,7 +1005,8 @@ def check_metadata(metadata: object, path: Path) -> None:
 
 def summary_rows(calibration: Calibration, top: int = 10) -> dict:
     """The tensors with the largest input amax, and the spread across layers, for reports."""
-    # Linear layers only (they have weights); attention matmul inputs are in the per-tensor diagnostics.
+    # Linear layers only (they have weights); attention matmul inputs are in the per-tensor
+    # diagnostics.
     items = sorted(
         ((k, float(v)) for k, v in calibration.input_amax.items() if k in calibration.weight_amax),
         key=lambda kv: -kv[1],
@@ -973,9 +1016,8 @@ def summary_rows(calibration: Calibration, top: int = 10) -> dict:
     return {
         "layers": len(items),
         "input_amax_min": min(values),
-        "input_amax_median": statistics.median(
-            values
-        ),  # the mean of the middle two (torch's median: the lower)
+        # the mean of the middle two (torch's median: the lower)
+        "input_amax_median": statistics.median(values),
         "input_amax_max": max(values),
         "largest": [
             {"layer": k, "input_amax": v, "weight_amax": float(weights[k])} for k, v in items[:top]

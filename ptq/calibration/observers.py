@@ -1,18 +1,20 @@
 """Activation observers: what calibration records about each quantized activation, and the clipping
-value (the amax that the scale maps onto the format's max) that each calibration method derives from it.
+value (the amax that the scale maps onto the format's max) that each calibration method derives from
+it.
 
-Observers stream: a running max, a running per-channel max (for SmoothQuant) and a histogram of |x| on
-fixed bins: 32 per power of two, the float32 values that share an exponent and their top 5 mantissa
-bits, so that a value's bin is read off its bit pattern (a mask, a shift, a bincount: about as cheap as
-the amax itself). Fixed bins make histograms mergeable (add the counts) and let one calibration pass
-serve every method and every format: nothing about the activations is kept.
+Observers stream: a running max, a running per-channel max (for SmoothQuant) and a histogram of |x|
+on fixed bins: 32 per power of two, the float32 values that share an exponent and their top 5
+mantissa bits, so that a value's bin is read off its bit pattern (a mask, a shift, a bincount: about
+as cheap as the amax itself). Fixed bins make histograms mergeable (add the counts) and let one
+calibration pass serve every method and every format: nothing about the activations is kept.
 
 Methods (the recipe's `observer`):
     max         the running max |x|
     percentile  the p-th percentile of |x| (e.g. 99.99)
     mse         the clip that minimises the mean squared quantization error for the target format
     entropy     the clip that minimises KL(P || Q) between the histogram and its quantized version
-    best        per tensor, whichever of max / percentile / mse gives the lowest error (the paper's choice)
+    best        per tensor, whichever of max / percentile / mse gives the lowest error (the
+                paper's choice)
 
 Errors are estimated on the histogram: each bin stands for SUBSAMPLES values spread evenly over it.
 """
@@ -28,14 +30,14 @@ from ptq.numerics.formats import NumberFormat, amax, fake_quantize
 
 MANTISSA_BITS = 5  # a bin is the float32 values with one exponent and the same top 5 mantissa bits
 BINS_PER_OCTAVE = 2**MANTISSA_BITS
-# |x| below 2^-24 lands in bin 0, at or above 2^32 in the last bin. The top reaches past fp16's 65504 because
-# bf16 models' matmul inputs can (a down-projection's outliers); a histogram cannot place what its last bin
-# holds, so above 2^32 the methods that read it give way to the max (choose_clip).
+# |x| below 2^-24 lands in bin 0, at or above 2^32 in the last bin. The top reaches past fp16's
+# 65504 because bf16 models' matmul inputs can (a down-projection's outliers); a histogram cannot
+# place what its last bin holds, so above 2^32 the methods that read it give way to the max
+# (choose_clip).
 MIN_EXPONENT, MAX_EXPONENT = -24, 32
 NUM_BINS = (MAX_EXPONENT - MIN_EXPONENT) * BINS_PER_OCTAVE
-_FIRST_BIN = (
-    MIN_EXPONENT + 127
-) << MANTISSA_BITS  # the bit pattern of 2^-24 (float32 bias 127), shifted
+# the bit pattern of 2^-24 (float32 bias 127), shifted
+_FIRST_BIN = (MIN_EXPONENT + 127) << MANTISSA_BITS
 SUBSAMPLES = 4
 MSE_CANDIDATES = 128  # clips tried between amax / 2^8 and amax
 METHODS = ("max", "percentile", "mse", "entropy", "best")
@@ -52,8 +54,8 @@ def bin_edges() -> torch.Tensor:
 
 
 def histogram(x: torch.Tensor) -> torch.Tensor:
-    """Counts of |x| in the fixed bins (int64, length NUM_BINS). For finite x (NaN and inf would land in
-    the last bin): calibration leaves batches with NaN/inf out of every statistic."""
+    """Counts of |x| in the fixed bins (int64, length NUM_BINS). For finite x (NaN and inf would
+    land in the last bin): calibration leaves batches with NaN/inf out of every statistic."""
     bits = x.detach().float().reshape(-1).view(torch.int32) & 0x7FFFFFFF  # |x|, as its bit pattern
     index = bits.bitwise_right_shift_(23 - MANTISSA_BITS).sub_(_FIRST_BIN).clamp_(0, NUM_BINS - 1)
     return torch.bincount(index, minlength=NUM_BINS)
@@ -63,16 +65,17 @@ _CALLS = itertools.count()  # orders observer calls, so a fault is reported wher
 
 
 class TensorObserver:
-    """Streaming statistics of one activation: running max |x|, optionally a histogram of |x| and the
-    running max |x| of each channel (the last dimension).
+    """Streaming statistics of one activation: running max |x|, optionally a histogram of |x| and
+    the running max |x| of each channel (the last dimension).
 
-    A batch with NaN or inf is left out of every statistic and counted instead (calibration applies the
-    --on-nonfinite policy); `last` keeps its amax so that the fault can be named.
+    A batch with NaN or inf is left out of every statistic and counted instead (calibration applies
+    the --on-nonfinite policy); `last` keeps its amax so that the fault can be named.
 
-    Nothing here waits for the device: whether a batch is finite is a tensor that selects what the running
-    statistics keep (torch.where), the histogram is accumulated where the activations are and copied to the CPU
-    only when read (`hist`), and `nonfinite` is a count on the device. A forward with observers on its layers
-    runs without a host sync per layer (on CUDA, each sync stalls the GPU's queue)."""
+    Nothing here waits for the device: whether a batch is finite is a tensor that selects what the
+    running statistics keep (torch.where), the histogram is accumulated where the activations are
+    and copied to the CPU only when read (`hist`), and `nonfinite` is a count on the device. A
+    forward with observers on its layers runs without a host sync per layer (on CUDA, each sync
+    stalls the GPU's queue)."""
 
     def __init__(self, hist: bool = True, channels: bool = False) -> None:
         self.amax: torch.Tensor | None = None  # max over finite batches; None until the first batch
@@ -88,10 +91,11 @@ class TensorObserver:
         )
         self.step = -1  # when it was last called, in the order of all observers' calls
 
-    # The statistics of the last two tensors observed, the latest used first: q/k/v (and gate/up) see the same input
-    # tensor, which is then measured once, and so do all experts' gate/up when every token goes through every expert
-    # (gate/up of each, on the layer's input, then its down_proj on its own). Held by reference (their memory cannot
-    # be reused meanwhile); calibration clears them.
+    # The statistics of the last two tensors observed, the latest used first: q/k/v (and gate/up)
+    # see the same input tensor, which is then measured once, and so do all experts' gate/up when
+    # every token goes through every expert (gate/up of each, on the layer's input, then its
+    # down_proj on its own). Held by reference (their memory cannot be reused meanwhile);
+    # calibration clears them.
     shared: tuple = ()
 
     @property
@@ -110,7 +114,8 @@ class TensorObserver:
         self.nonfinite = (~finite).long() + (
             self.nonfinite.to(a.device) if torch.is_tensor(self.nonfinite) else self.nonfinite
         )
-        # A batch with NaN/inf leaves every statistic as it was (amax: 0 until a finite batch; finite_batches() says)
+        # A batch with NaN/inf leaves every statistic as it was (amax: 0 until a finite batch;
+        # finite_batches() says)
         previous = self.amax if self.amax is not None else torch.zeros_like(a)
         self.amax = torch.where(
             finite, torch.maximum(previous.to(a.device), a), previous.to(a.device)
@@ -128,18 +133,22 @@ class TensorObserver:
         return x.detach()
 
     def _statistics(self, x: torch.Tensor) -> tuple:
-        """(amax, histogram, per-channel amax) of x, measured once for the layers that read the same tensor: the
-        tensor itself and its version are the key (a detached view would be a new object on every call; a tensor
-        written in place, as layer by layer the hidden states are, has a new version). An inference tensor has no
-        version: not cached (calibration runs under no_grad)."""
+        """(amax, histogram, per-channel amax) of x, measured once for the layers that read the same
+        tensor: the tensor itself and its version are the key (a detached view would be a new object
+        on every call; a tensor written in place, as layer by layer the hidden states are, has a new
+        version). An inference tensor has no version: not cached (calibration runs under
+        no_grad)."""
         version = None if x.is_inference() else x._version
+        # not `hist`: a copy to the host, a device sync
         wants = (
             self._hist is not None,
             self.channels,
-        )  # not `hist`: a copy to the host, a device sync
+        )
         for i, (seen, seen_version, seen_wants, statistics) in enumerate(TensorObserver.shared):
             if seen is x and seen_version == version and seen_wants == wants:
-                if i:  # the latest used first: it is kept while each expert's down_proj input comes and goes
+                # the latest used first: it is kept while each expert's down_proj input comes and
+                # goes
+                if i:
                     TensorObserver.shared = TensorObserver.shared[::-1]
                 return statistics
         data = x.detach()
@@ -160,7 +169,8 @@ class TensorObserver:
         return self.calls - self.nonfinite
 
     def cpu(self) -> TensorObserver:
-        """A copy whose statistics are on the CPU (to be sent to another process: torchrun's shares)."""
+        """A copy whose statistics are on the CPU (to be sent to another process: torchrun's
+        shares)."""
         copy = TensorObserver(hist=self._hist is not None, channels=self.channels)
         on_cpu = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731
         copy.amax, copy._hist, copy.channel_amax = (
@@ -177,20 +187,22 @@ class TensorObserver:
         return copy
 
     def merge(self, other: TensorObserver) -> None:
-        """Fold in another observer's statistics of the same activation (e.g. from another process or shard): the
-        same as if this one had seen its batches too, on this observer's device. Observers that keep different
-        statistics (a histogram or per-channel maxima on one only, or channels of another count) are refused: the
-        merged statistics would hold part of the batches."""
+        """Fold in another observer's statistics of the same activation (e.g. from another process
+        or shard): the same as if this one had seen its batches too, on this observer's device.
+        Observers that keep different statistics (a histogram or per-channel maxima on one only, or
+        channels of another count) are refused: the merged statistics would hold part of the
+        batches."""
         if (self._hist is None) != (other._hist is None) or self.channels != other.channels:
             raise ValueError(
-                f"cannot merge observers that keep different statistics (histogram {self._hist is not None} / "
-                f"{other._hist is not None}, per-channel amax {self.channels} / {other.channels})"
+                "cannot merge observers that keep different statistics (histogram "
+                f"{self._hist is not None} / {other._hist is not None}, per-channel amax "
+                f"{self.channels} / {other.channels})"
             )
         if self.channel_amax is not None and other.channel_amax is not None:
             if self.channel_amax.shape != other.channel_amax.shape:
                 raise ValueError(
-                    f"cannot merge per-channel amax of {list(other.channel_amax.shape)} channels into "
-                    f"{list(self.channel_amax.shape)}: not the same activation"
+                    f"cannot merge per-channel amax of {list(other.channel_amax.shape)} channels "
+                    f"into {list(self.channel_amax.shape)}: not the same activation"
                 )
         self.calls += other.calls
         self.nonfinite = _fold(self.nonfinite, other.nonfinite, torch.add)
@@ -202,7 +214,8 @@ class TensorObserver:
 
 
 def _fold(mine, theirs, op):
-    """op(mine, theirs) on mine's device; the other one where either is None. A count (op add) may be an int."""
+    """op(mine, theirs) on mine's device; the other one where either is None. A count (op add) may
+    be an int."""
     if theirs is None:
         return mine
     if mine is None:
@@ -218,8 +231,8 @@ def _fold(mine, theirs, op):
 
 
 def _bin_values(hist: torch.Tensor, amax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, weights): SUBSAMPLES representative magnitudes per non-empty bin (spread evenly over the
-    bin, capped at amax) and the count each stands for. float64."""
+    """(values, weights): SUBSAMPLES representative magnitudes per non-empty bin (spread evenly over
+    the bin, capped at amax) and the count each stands for. float64."""
     hist = hist.double()
     nonzero = torch.nonzero(hist).flatten()
     edges = bin_edges()
@@ -233,7 +246,8 @@ def _bin_values(hist: torch.Tensor, amax: float) -> tuple[torch.Tensor, torch.Te
 def clip_errors(
     hist: torch.Tensor, amax: float, clips: torch.Tensor, fmt: NumberFormat
 ) -> torch.Tensor:
-    """Mean squared error of quantizing the histogram's values with scale clip / fmt.max, per clip."""
+    """Mean squared error of quantizing the histogram's values with scale clip / fmt.max, per
+    clip."""
     values, weights = _bin_values(hist, amax)
     if values.numel() == 0:
         return torch.zeros_like(clips, dtype=torch.float64)
@@ -245,8 +259,8 @@ def clip_errors(
 
 
 def snr_db(signal_power: float, noise_power: float) -> float | None:
-    """10 log10(signal / noise); None where there is no noise (an infinite ratio, which JSON cannot hold)
-    or no signal (an all-zero tensor: no ratio to report)."""
+    """10 log10(signal / noise); None where there is no noise (an infinite ratio, which JSON cannot
+    hold) or no signal (an all-zero tensor: no ratio to report)."""
     if noise_power <= 0 or signal_power <= 0:
         return None
     return 10.0 * math.log10(signal_power / noise_power)
@@ -268,8 +282,8 @@ def sqnr_db(
 
 
 def percentile_clip(hist: torch.Tensor, amax: float, percentile: float) -> float:
-    """The `percentile`-th percentile of |x| (0 < percentile <= 100), interpolated linearly inside its
-    bin, never above amax."""
+    """The `percentile`-th percentile of |x| (0 < percentile <= 100), interpolated linearly inside
+    its bin, never above amax."""
     hist = hist.double()
     total = float(hist.sum())
     if total == 0 or percentile >= 100:
@@ -290,7 +304,8 @@ def _candidates(amax: float) -> torch.Tensor:
 
 
 def mse_clip(hist: torch.Tensor, amax: float, fmt: NumberFormat) -> float:
-    """The clip (between amax / 256 and amax) whose scale gives the least mean squared error in `fmt`."""
+    """The clip (between amax / 256 and amax) whose scale gives the least mean squared error in
+    `fmt`."""
     if amax <= 0:
         return amax
     clips = _candidates(amax)
@@ -307,9 +322,10 @@ def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> float:
 def quantized_histogram(
     hist: torch.Tensor, clip_bin: int, levels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """TensorRT's entropy construction, for any grid: P is hist[:clip_bin + 1] with the mass above folded
-    into its last bin; Q spreads the mass of each quantization level (bins that round to the same grid
-    value, given by `levels`) evenly over that level's non-empty bins, from the unfolded slice."""
+    """TensorRT's entropy construction, for any grid: P is hist[:clip_bin + 1] with the mass above
+    folded into its last bin; Q spreads the mass of each quantization level (bins that round to the
+    same grid value, given by `levels`) evenly over that level's non-empty bins, from the unfolded
+    slice."""
     sliced = hist[: clip_bin + 1].double()
     p = sliced.clone()
     p[-1] += hist[clip_bin + 1 :].double().sum()
@@ -322,7 +338,8 @@ def quantized_histogram(
 
 
 def entropy_clip(hist: torch.Tensor, amax: float, fmt: NumberFormat) -> float:
-    """The clip (a bin's upper edge) minimising KL(P || Q) between the histogram and its quantized version."""
+    """The clip (a bin's upper edge) minimising KL(P || Q) between the histogram and its quantized
+    version."""
     if amax <= 0 or hist.sum() == 0:
         return amax
     edges = bin_edges()
@@ -348,9 +365,9 @@ def choose_clip(
     fmt: NumberFormat,
     percentile: float = 99.99,
 ) -> tuple[str, float]:
-    """(method used, clip) for one activation. `best` tries max, percentile and mse and keeps the one with
-    the lowest mean squared error on the calibration histogram. An amax at or above the histogram's top
-    (2^MAX_EXPONENT, where the last bin gathers values it cannot place): the max."""
+    """(method used, clip) for one activation. `best` tries max, percentile and mse and keeps the
+    one with the lowest mean squared error on the calibration histogram. An amax at or above the
+    histogram's top (2^MAX_EXPONENT, where the last bin gathers values it cannot place): the max."""
     if method == "max" or hist is None or amax >= 2.0**MAX_EXPONENT:
         return "max", amax
     if method == "percentile":

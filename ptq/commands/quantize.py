@@ -177,9 +177,8 @@ def _check_options(
     }
     check_not_an_input(out, inputs, replaced=True)
     if checkpoint.push_to_hub:
-        hub.check_push(
-            checkpoint.push_to_hub, output.force
-        )  # before the long work, as the folder is
+        # before the long work, as the folder is
+        hub.check_push(checkpoint.push_to_hub, output.force)
     elif checkpoint.private:
         raise PtqError("--private applies with --push-to-hub (the repository it creates)")
     target = engines.check_target(compute.target)
@@ -505,10 +504,11 @@ def _verification_shortfall(model: torch.nn.Module, recipe: Recipe, target: str)
         short = parameters_shortfall(params, n, where)
         if short is not None:
             return (
-                f"reloading and comparing the checkpoint needs about {size_text(short[1])} on {where.type} beside the "
-                f"model ({'two float32 copies' if n == 2 else 'a float32 copy'} of the model) and {size_text(short[2])} "
-                "is free: the checkpoint is written but not verified; compare it where it fits (`ptq compare "
-                "CHECKPOINT`), or serve it with vLLM"
+                f"reloading and comparing the checkpoint needs about {size_text(short[1])} on "
+                f"{where.type} beside the model "
+                f"({'two float32 copies' if n == 2 else 'a float32 copy'} of the model) and "
+                f"{size_text(short[2])} is free: the checkpoint is written but not verified; "
+                "compare it where it fits (`ptq compare CHECKPOINT`), or serve it with vLLM"
             )
     return None
 
@@ -522,7 +522,8 @@ def check_export_target(output: Path, force: bool) -> None:
             raise PtqError(f"{output} exists and is not a directory")
         if any(output.iterdir()) and not (output / EXPORT_INFO).is_file():
             raise PtqError(
-                f"{output} is not a ptq export (no {EXPORT_INFO}): not replacing it, even with --force"
+                f"{output} is not a ptq export (no {EXPORT_INFO}): not replacing it, even with "
+                "--force"
             )
 
 
@@ -532,8 +533,9 @@ def check_compare_model(compare: dict, loaded: LoadedModel) -> None:
     GGUF file)."""
     if compare.get("model_source") != loaded.source:
         raise PtqError(
-            f"{compare['file']} compares another model ('{compare['model']}', from {compare.get('model_source')}), "
-            f"not '{loaded.name}' (from {loaded.source}): its numbers do not belong in this model's card"
+            f"{compare['file']} compares another model ('{compare['model']}', from "
+            f"{compare.get('model_source')}), not '{loaded.name}' (from {loaded.source}): its "
+            "numbers do not belong in this model's card"
         )
 
 
@@ -549,10 +551,11 @@ def check_compare_calibration(compare: dict, calibration: Calibration | None) ->
         if layer in calibration.input_amax and float(calibration.input_amax[layer]) != amax:
             c, m = compare["calibration"], calibration.metadata
             raise PtqError(
-                f"{compare['file']} was calibrated otherwise ({c['data']}, {c['windows']} x {c['seq_len']} tokens) than "
-                f"this checkpoint ({m.get('data')}, {m.get('windows')} x {m.get('seq_len')} tokens): the input amax of "
-                f"'{layer}' is {amax:.6g} there, {float(calibration.input_amax[layer]):.6g} here, so its numbers are "
-                "not this checkpoint's; quantize with the compare's calibration (--calib), or compare again"
+                f"{compare['file']} was calibrated otherwise ({c['data']}, {c['windows']} x "
+                f"{c['seq_len']} tokens) than this checkpoint ({m.get('data')}, {m.get('windows')} "
+                f"x {m.get('seq_len')} tokens): the input amax of '{layer}' is {amax:.6g} there, "
+                f"{float(calibration.input_amax[layer]):.6g} here, so its numbers are not this "
+                "checkpoint's; quantize with the compare's calibration (--calib), or compare again"
             )
 
 
@@ -575,7 +578,8 @@ def load_compare_results(path: Path, recipe: Recipe, target: str) -> dict:
     variant = next((v for v in r.variants if v.name == recipe.name), None)
     if variant is None:
         raise PtqError(
-            f"{path} has no results for recipe '{recipe.name}' (it compares {', '.join(v.name for v in r.variants) or 'nothing'})"
+            f"{path} has no results for recipe '{recipe.name}' (it compares "
+            f"{', '.join(v.name for v in r.variants) or 'nothing'})"
         )
     mine, theirs = to_json(recipe_summary(recipe)), to_json(variant.recipe)
     differs = [
@@ -584,13 +588,14 @@ def load_compare_results(path: Path, recipe: Recipe, target: str) -> dict:
     if differs:
         k = differs[0]
         raise PtqError(
-            f"{path}'s '{recipe.name}' is another recipe of that name ({k}: {theirs.get(k)}, here: {mine[k]}): "
-            "its numbers are not this checkpoint's"
+            f"{path}'s '{recipe.name}' is another recipe of that name ({k}: {theirs.get(k)}, here: "
+            f"{mine[k]}): its numbers are not this checkpoint's"
         )
     if r.target != target:
         raise PtqError(
-            f"{path} simulated '{recipe.name}' as {r.target} serves it; this checkpoint is for --target {target}: "
-            f"compare with --target {target}, or quantize with --target {r.target}"
+            f"{path} simulated '{recipe.name}' as {r.target} serves it; this checkpoint is for "
+            f"--target {target}: compare with --target {target}, or quantize with --target "
+            f"{r.target}"
         )
     base, ev = r.baseline, r.eval
     c = r.calibration

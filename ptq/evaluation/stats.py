@@ -1,21 +1,23 @@
 """Uncertainty of every reported number: percentile bootstrap over the evaluation units (windows for
-perplexity, items for task accuracy), with a fixed seed so the same results give the same intervals. A task metric
-that is 0 or 1 per item (a proportion) has Wilson's score interval instead (estimate_share).
+perplexity, items for task accuracy), with a fixed seed so the same results give the same intervals.
+A task metric that is 0 or 1 per item (a proportion) has Wilson's score interval instead
+(estimate_share).
 
 A variant and the baseline are scored on the same units, so their difference is estimated *paired*:
 each resample draws one set of units and computes both metrics on it. Unit-to-unit difficulty then
-cancels, and the interval of the difference is far narrower than the two intervals side by side would
-suggest. A difference is "distinguishable from zero" when its 95% interval excludes 0.
+cancels, and the interval of the difference is far narrower than the two intervals side by side
+would suggest. A difference is "distinguishable from zero" when its 95% interval excludes 0.
 
-Fewer than MIN_UNITS units give no interval: the standard error and both ends are NaN (results.json's value for a
-number that is not available) and no difference is distinguishable from zero. With n <= 3 units the resample that
-draws the smallest unit n times has probability n ** -n >= 1/27 = 3.7%, above the 2.5% of a tail (and so for the
-largest), so the percentile "interval" is the smallest and largest unit: the range of the data, not an estimate
-(two windows of one sign made any difference "distinguishable"). From MIN_UNITS up the interval exists but is still
-narrower than a 95% one for few units (docs/reports.md gives its measured coverage).
+Fewer than MIN_UNITS units give no interval: the standard error and both ends are NaN
+(results.json's value for a number that is not available) and no difference is distinguishable from
+zero. With n <= 3 units the resample that draws the smallest unit n times has probability n ** -n >=
+1/27 = 3.7%, above the 2.5% of a tail (and so for the largest), so the percentile "interval" is the
+smallest and largest unit: the range of the data, not an estimate (two windows of one sign made any
+difference "distinguishable"). From MIN_UNITS up the interval exists but is still narrower than a
+95% one for few units (docs/reports.md gives its measured coverage).
 
-A statistic that overflows (the perplexity of a collapsed variant, exp of a mean NLL past 709 nats) is inf, and so
-are the interval's ends that it reaches; they are not interpolated into NaN.
+A statistic that overflows (the perplexity of a collapsed variant, exp of a mean NLL past 709 nats)
+is inf, and so are the interval's ends that it reaches; they are not interpolated into NaN.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def describe() -> dict:
 
 
 def _resampled_means(units: np.ndarray) -> np.ndarray:
-    """Means of `units` [k, n] (k metrics on the same n units) over RESAMPLES resamples of the n units:
-    [k, RESAMPLES]. Every metric sees the same resampled units (that is what makes deltas paired)."""
+    """Means of `units` [k, n] (k metrics on the same n units) over RESAMPLES resamples of the n
+    units: [k, RESAMPLES]. Every metric sees the same resampled units (that is what makes deltas
+    paired)."""
     units = np.atleast_2d(np.asarray(units, dtype=np.float64))
     n = units.shape[1]
     if n == 0:
@@ -91,8 +94,8 @@ def _check_units(n: int) -> None:
 
 
 def estimate(units, statistic: Statistic = identity) -> dict:
-    """`statistic(mean of units)` with its bootstrap standard error and 95% interval (NaN with fewer than MIN_UNITS
-    units)."""
+    """`statistic(mean of units)` with its bootstrap standard error and 95% interval (NaN with fewer
+    than MIN_UNITS units)."""
     units = np.asarray(units, dtype=np.float64)
     _check_units(len(units))
     with np.errstate(over="ignore"):  # exp of a huge mean NLL: an infinite perplexity, as it is
@@ -105,11 +108,12 @@ def estimate(units, statistic: Statistic = identity) -> dict:
 
 
 def estimate_share(units) -> dict:
-    """estimate() of per-document scores (task metrics). Where every unit is 0 or 1 (acc, exact_match: a count of
-    successes) the 95% interval is Wilson's score interval for a binomial proportion: the percentile bootstrap's
-    collapses at the edge (6 of 6 right gave [1, 1]; at 20 documents and p = 0.97 it held p 45% of the time),
-    Wilson's about 95% of the time on average over p at any n (98% there; it dips to 84-85% for some p near 0 or 1:
-    0.978 at n = 8, 0.004 at n = 40). Other scores keep the bootstrap's."""
+    """estimate() of per-document scores (task metrics). Where every unit is 0 or 1 (acc,
+    exact_match: a count of successes) the 95% interval is Wilson's score interval for a binomial
+    proportion: the percentile bootstrap's collapses at the edge (6 of 6 right gave [1, 1]; at 20
+    documents and p = 0.97 it held p 45% of the time), Wilson's about 95% of the time on average
+    over p at any n (98% there; it dips to 84-85% for some p near 0 or 1: 0.978 at n = 8, 0.004 at n
+    = 40). Other scores keep the bootstrap's."""
     e = estimate(units)
     units = np.asarray(units, dtype=np.float64)
     if len(units) >= MIN_UNITS and np.isin(units, (0.0, 1.0)).all():
@@ -130,8 +134,9 @@ def wilson(successes: int, n: int) -> list[float]:
 def paired_delta(
     base_units, variant_units, delta: Callable[[np.ndarray, np.ndarray], np.ndarray]
 ) -> dict:
-    """`delta(variant mean, base mean)` on the same units, with a paired bootstrap interval and whether
-    that interval excludes zero (never with fewer than MIN_UNITS units: then no interval, NaN)."""
+    """`delta(variant mean, base mean)` on the same units, with a paired bootstrap interval and
+    whether that interval excludes zero (never with fewer than MIN_UNITS units: then no interval,
+    NaN)."""
     base_units = np.asarray(base_units, dtype=np.float64)
     variant_units = np.asarray(variant_units, dtype=np.float64)
     if base_units.shape != variant_units.shape:
@@ -150,9 +155,8 @@ def paired_delta(
         "delta": value,
         "stderr": stderr,
         "ci": ci,
-        "significant": bool(
-            ci[0] > 0 or ci[1] < 0
-        ),  # False for NaN ends: no interval, nothing distinguished
+        # False for NaN ends: no interval, nothing distinguished
+        "significant": bool(ci[0] > 0 or ci[1] < 0),
         "n": int(len(base_units)),
     }
 

@@ -54,7 +54,8 @@ from ptq.quantization.plan import resolve_plan as plan_of
 from ptq.quantization.quantize import quantize_weight, scale_for
 from ptq.quantization.recipes import Recipe, TensorQuant
 
-EXPORT_INFO = "ptq-export.json"  # what was exported and how it was verified; the model card is rendered from it
+# what was exported and how it was verified; the model card is rendered from it
+EXPORT_INFO = "ptq-export.json"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 1 << 30
 
@@ -118,9 +119,8 @@ def source_dtypes(location: str) -> SourceDtypes:
         for path in sorted(directory.glob("pytorch_model*.bin")):
             try:  # memory-mapped: the dtypes are read, not the tensors
                 state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-            except (
-                Exception
-            ):  # an old (non-zip) pickle cannot be memory-mapped: read as loading read it
+            # an old (non-zip) pickle cannot be memory-mapped: read as loading read it
+            except Exception:
                 state = torch.load(str(path), map_location="cpu", weights_only=True)
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.dtype in _DTYPE_NAMES.values():
@@ -154,15 +154,16 @@ def export_layers(
     quantized, ignored = plan.quantized, sorted({*plan.left_out, *routers})
     if not quantized:
         raise PtqError(
-            f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} ({plan.left_out_reasons()})"
+            f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} "
+            f"({plan.left_out_reasons()})"
         )
     check_loadable(model, recipe, quantized)
     conv1d = [name for name in quantized if kind(model.get_submodule(name)) == "Conv1D"]
     if conv1d and isinstance(recipe.weights.granularity, (PerGroup, PerBlock)):
         raise PtqError(
-            f"recipe '{recipe.name}' has {recipe.weights.granularity.describe()} weight scales and this "
-            f"{type(model).__name__} has Conv1D layers: ptq quantize writes group and block scales for "
-            "Linear weights only; `ptq compare` covers this model"
+            f"recipe '{recipe.name}' has {recipe.weights.granularity.describe()} weight scales and "
+            f"this {type(model).__name__} has Conv1D layers: ptq quantize writes group and block "
+            "scales for Linear weights only; `ptq compare` covers this model"
         )
     if plan.target == "vllm":
         check_fused_precision(model, quantized)
@@ -171,8 +172,8 @@ def export_layers(
     tied = [name for name in quantized if f"{name}.weight" not in names]
     if tied:
         raise PtqError(
-            f"layer '{tied[0]}' shares its weight with another tensor (tied embeddings): leave it out "
-            f"of recipe '{recipe.name}' (ignore: [{tied[0]}])"
+            f"layer '{tied[0]}' shares its weight with another tensor (tied embeddings): leave it "
+            f"out of recipe '{recipe.name}' (ignore: [{tied[0]}])"
         )
     return quantized, ignored, names
 
@@ -206,7 +207,8 @@ def plan_checkpoint(
             if missing:
                 raise PtqError(
                     f"calibration file has no amax for layer '{missing[0]}' (made for model "
-                    f"'{calibration.metadata.get('model', '?')}'; recalibrate for this model and recipe)"
+                    f"'{calibration.metadata.get('model', '?')}'; recalibrate for this model and "
+                    "recipe)"
                 )
     params = dict(model.state_dict())
     by_weight = {f"{name}.weight": name for name in quantized}
@@ -217,9 +219,10 @@ def plan_checkpoint(
         f"{name}.weight" for name, m in modules.items() if quantizable(m) and kind(m) == "Conv1D"
     }
 
+    # in memory; else the calibration's, or read (no calibration is needed)
     def weight_amax(
         n: str,
-    ) -> torch.Tensor:  # in memory; else the calibration's, or read (no calibration is needed)
+    ) -> torch.Tensor:
         if read is None:
             return amax(modules[n].weight)
         if calibration is not None and n in calibration.weight_amax:
@@ -275,9 +278,8 @@ def plan_checkpoint(
     entries += kv_cache_entries(model, plan, calibration, disk)
     if read is not None:  # a calibration of another model is refused before anything is written
         _checked_weight(quantized[0], read(disk[f"{quantized[0]}.weight"]), calibration)
-        for name in (
-            names
-        ):  # and the vectors it recorded (norms, biases: small), each checked again as written
+        # and the vectors it recorded (norms, biases: small), each checked again as written
+        for name in names:
             if (
                 calibration is not None
                 and name in calibration.tensor_amax
@@ -423,7 +425,8 @@ def _dominant_dtype(dtypes: dict[str, torch.dtype]) -> torch.dtype:
 
 
 def shard(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
-    """Consecutive groups of at most max_bytes (a tensor larger than that gets a shard of its own)."""
+    """Consecutive groups of at most max_bytes (a tensor larger than that gets a shard of its
+    own)."""
     shards: list[list[_Entry]] = [[]]
     size = 0
     for e in entries:
@@ -496,9 +499,8 @@ def write_config(
     from compressed_tensors.compressors import ModelCompressor
 
     config = copy.deepcopy(model.config)
-    config.dtype = _dominant_dtype(
-        dtypes
-    )  # the checkpoint's own dtype, not the float32 ptq computed in
+    # the checkpoint's own dtype, not the float32 ptq computed in
+    config.dtype = _dominant_dtype(dtypes)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(directory)
@@ -552,9 +554,8 @@ def copy_remote_code(source: str, auto_map: dict | None, directory: Path) -> lis
     for f in list(files):
         files |= {Path(p) for p in get_relative_import_files(str(f)) if Path(p).is_file()}
     for f in sorted(files):
-        if not (
-            directory / f.name
-        ).exists():  # config.save_pretrained already copies the configuration's own file
+        # config.save_pretrained already copies the configuration's own file
+        if not (directory / f.name).exists():
             shutil.copyfile(f, directory / f.name)
     return sorted(f.name for f in files)
 
@@ -567,9 +568,8 @@ def checkpoint_bytes(entries: list[_Entry], quantized_layers: list[str]) -> dict
     scales = {
         f"{layer}.{kind}" for layer in quantized_layers for kind in ("weight_scale", "input_scale")
     }
-    scales |= {
-        e.name for e in entries if e.name.endswith((".k_scale", ".v_scale"))
-    }  # the FP8 KV cache's: new too
+    # the FP8 KV cache's: new too
+    scales |= {e.name for e in entries if e.name.endswith((".k_scale", ".v_scale"))}
     model = [e for e in entries if e.name not in scales]
     bytes_16bit = sum(
         e.nbytes

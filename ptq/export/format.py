@@ -5,9 +5,11 @@ them as simulated.
 
 For every Linear the recipe quantizes, the checkpoint holds
     <layer>.weight        float8_e4m3fn / int8 codes, 1 byte per parameter
-    <layer>.weight_scale  float32: [1] (per-tensor), [out, 1] (per-channel), [ceil(out/R), ceil(in/C)]
-                          (block); or uint8 E8M0 exponents [out, in/32] (MX)
-    <layer>.input_scale   float32, [1], the static input scale from calibration (none for dynamic inputs)
+    <layer>.weight_scale  float32: [1] (per-tensor), [out, 1] (per-channel),
+                          [ceil(out/R), ceil(in/C)] (block); or uint8 E8M0 exponents [out, in/32]
+                          (MX)
+    <layer>.input_scale   float32, [1], the static input scale from calibration (none for dynamic
+                          inputs)
 and every other tensor unchanged, in its dtype in the source checkpoint.
 """
 
@@ -31,10 +33,11 @@ from ptq.quantization import engines
 from ptq.quantization.plan import Plan
 from ptq.quantization.recipes import Recipe, TensorQuant
 
+# ptq NumberFormat.kind -> compressed-tensors QuantizationType
 _CT_TYPE = {
     "float": "float",
     "int": "int",
-}  # ptq NumberFormat.kind -> compressed-tensors QuantizationType
+}
 _CT_FORMAT = {"float": "float-quantized", "int": "int-quantized"}
 _DTYPE_NAMES = {
     "F64": torch.float64,
@@ -49,40 +52,43 @@ def check_exportable(recipe: Recipe) -> None:
     w, x = recipe.weights, recipe.inputs
     if w.format.name not in ("e4m3", "int8"):
         raise PtqError(
-            f"recipe '{recipe.name}' stores weights as {w.format.name}: ptq quantize exports FP8 E4M3 and "
-            "int8 only (the formats transformers and vLLM load as compressed-tensors)"
+            f"recipe '{recipe.name}' stores weights as {w.format.name}: ptq quantize exports FP8 "
+            "E4M3 and int8 only (the formats transformers and vLLM load as compressed-tensors)"
         )
     if x.format != w.format:
         raise PtqError(
-            f"recipe '{recipe.name}' quantizes weights to {w.format.name} but inputs to {x.format.name}: "
-            "compressed-tensors W8A8 checkpoints use one format for both"
+            f"recipe '{recipe.name}' quantizes weights to {w.format.name} but inputs to "
+            f"{x.format.name}: compressed-tensors W8A8 checkpoints use one format for both"
         )
     if not (w.saturate and x.saturate):
         raise PtqError(
-            f"recipe '{recipe.name}' is non-saturating: transformers and vLLM always saturate (clamp) "
-            "when they quantize, so the checkpoint would not run as simulated"
+            f"recipe '{recipe.name}' is non-saturating: transformers and vLLM always saturate "
+            "(clamp) when they quantize, so the checkpoint would not run as simulated"
         )
     if "unscaled" in (w.scale, x.scale) or "pow2" in (w.scale, x.scale):
         raise PtqError(
-            f"recipe '{recipe.name}' uses '{w.scale if w.scale != 'amax' else x.scale}' scales: the "
-            "checkpoint format takes amax-derived scales (or MX's E8M0), so it would not run as simulated"
+            f"recipe '{recipe.name}' uses '{w.scale if w.scale != 'amax' else x.scale}' scales: "
+            "the checkpoint format takes amax-derived scales (or MX's E8M0), so it would not run "
+            "as simulated"
         )
     if x.dynamic and isinstance(x.granularity, PerTensor):
         raise PtqError(
-            f"recipe '{recipe.name}' takes one dynamic scale per input tensor: vLLM serves a compressed-tensors "
-            "checkpoint's dynamic inputs per token whatever strategy it names (CompressedTensorsW8A8Fp8 / Int8), so "
-            "it would not run as simulated; use dynamic per-token inputs (fp8-dynamic)"
+            f"recipe '{recipe.name}' takes one dynamic scale per input tensor: vLLM serves a "
+            "compressed-tensors checkpoint's dynamic inputs per token whatever strategy it names "
+            "(CompressedTensorsW8A8Fp8 / Int8), so it would not run as simulated; use dynamic "
+            "per-token inputs (fp8-dynamic)"
         )
     mx = [s.scale_format == "e8m0" for s in (w, x)]
     if any(mx) and not (all(mx) and w.granularity == x.granularity == PerGroup(32)):
         raise PtqError(
-            f"recipe '{recipe.name}': E8M0 scales are exported as MXFP8 only (weights and inputs in groups "
-            "of 32, both with E8M0 scales), the layout compressed-tensors and vLLM read"
+            f"recipe '{recipe.name}': E8M0 scales are exported as MXFP8 only (weights and inputs "
+            "in groups of 32, both with E8M0 scales), the layout compressed-tensors and vLLM read"
         )
     if isinstance(w.granularity, PerGroup) and not any(mx):
         raise PtqError(
-            f"recipe '{recipe.name}' has per-group FP32 weight scales: ptq quantize exports groups as "
-            "MXFP8 (E8M0, 32) only; use per-block weights (fp8-block) for FP32 scales over tiles"
+            f"recipe '{recipe.name}' has per-group FP32 weight scales: ptq quantize exports groups "
+            "as MXFP8 (E8M0, 32) only; use per-block weights (fp8-block) for FP32 scales over "
+            "tiles"
         )
     kv = recipe.kv_cache
     if kv is not None and not (
@@ -95,13 +101,15 @@ def check_exportable(recipe: Recipe) -> None:
     ):
         raise PtqError(
             f"recipe '{recipe.name}' quantizes the KV cache as {kv.describe()}: the checkpoint's "
-            "kv_cache_scheme takes E4M3 with static per-tensor or per-head scales from max calibration"
+            "kv_cache_scheme takes E4M3 with static per-tensor or per-head scales from max "
+            "calibration"
         )
     beyond = [key for key in recipe.beyond_linear if key != "kv_cache"]
     if beyond:
         raise PtqError(
-            f"recipe '{recipe.name}' quantizes {' and '.join(recipe.beyond_linear)} inputs: the checkpoint "
-            "format quantizes Linear layers and the KV cache only, so it would not run as simulated"
+            f"recipe '{recipe.name}' quantizes {' and '.join(recipe.beyond_linear)} inputs: the "
+            "checkpoint format quantizes Linear layers and the KV cache only, so it would not run "
+            "as simulated"
         )
     if recipe.smoothquant is not None:
         raise PtqError(
@@ -126,8 +134,8 @@ def _check_vllm_pairing(recipe: Recipe) -> None:
     if isinstance(wg, PerBlock):
         if w.format.kind == "int":
             raise PtqError(
-                f"recipe '{recipe.name}' has int8 block weights: vLLM loads int8 weights per tensor or per channel "
-                "only; use fp8-block, or per-channel int8 weights"
+                f"recipe '{recipe.name}' has int8 block weights: vLLM loads int8 weights per "
+                "tensor or per channel only; use fp8-block, or per-channel int8 weights"
             )
         if not x.dynamic:
             raise PtqError(
@@ -135,14 +143,16 @@ def _check_vllm_pairing(recipe: Recipe) -> None:
             )
         if not (wg.rows == wg.cols and xg == PerGroup(wg.cols)):
             raise PtqError(
-                f"{pair}: vLLM serves block weights' inputs in dynamic groups of 1 x {wg.rows} (the block's rows) "
-                "whatever the checkpoint names, so it would not run as simulated; use square blocks and input "
-                "groups of their size (fp8-block: 128 x 128, groups of 128)"
+                f"{pair}: vLLM serves block weights' inputs in dynamic groups of 1 x {wg.rows} "
+                "(the block's rows) whatever the checkpoint names, so it would not run as "
+                "simulated; use square blocks and input groups of their size (fp8-block: 128 x "
+                "128, groups of 128)"
             )
     elif x.dynamic and not isinstance(xg, PerToken):
         raise PtqError(
-            f"{pair}: vLLM serves the dynamic inputs of per-tensor and per-channel weights per token whatever the "
-            "checkpoint names, so it would not run as simulated; use dynamic per-token inputs"
+            f"{pair}: vLLM serves the dynamic inputs of per-tensor and per-channel weights per "
+            "token whatever the checkpoint names, so it would not run as simulated; use dynamic "
+            "per-token inputs"
             + (" (fp8-dynamic), or fp8-block for groups" if w.format.kind == "float" else "")
         )
 
@@ -240,15 +250,16 @@ def check_kv_cache(model: nn.Module, plan: Plan, names: list[str]) -> None:
         left = [{"name": type(model).__name__, "reason": "no attention layer ptq can quantize"}]
     if left:
         raise PtqError(
-            f"recipe '{plan.recipe.name}' leaves the KV cache of '{left[0]['name']}' in the compute dtype "
-            f"({left[0]['reason']}): a checkpoint's kv_cache_scheme covers every attention layer, so the engine "
-            "would serve it otherwise than simulated; quantize every layer's KV cache or none"
+            f"recipe '{plan.recipe.name}' leaves the KV cache of '{left[0]['name']}' in the "
+            f"compute dtype ({left[0]['reason']}): a checkpoint's kv_cache_scheme covers every "
+            "attention layer, so the engine would serve it otherwise than simulated; quantize "
+            "every layer's KV cache or none"
         )
     for layer in plan.attention:
         if f"{layer}.k_proj.weight" not in names:
             raise PtqError(
-                f"attention layer '{layer}' of {type(model).__name__} has no k_proj: ptq quantize writes "
-                "KV-cache scales for q/k/v-projection attention only"
+                f"attention layer '{layer}' of {type(model).__name__} has no k_proj: ptq quantize "
+                "writes KV-cache scales for q/k/v-projection attention only"
             )
 
 
@@ -272,9 +283,9 @@ def check_fused_precision(model: nn.Module, quantized: list[str]) -> None:
         if partly and len(partly) < len(group):
             kept = next(n for n in group if n in done)
             raise PtqError(
-                f"'{partly[0]}' would stay in 16 bits while '{kept}' is quantized, and vLLM runs them as one fused "
-                "layer of one precision (it refuses such a checkpoint): quantize both or neither, or export for "
-                "transformers (--target transformers)"
+                f"'{partly[0]}' would stay in 16 bits while '{kept}' is quantized, and vLLM runs "
+                "them as one fused layer of one precision (it refuses such a checkpoint): "
+                "quantize both or neither, or export for transformers (--target transformers)"
             )
 
 
@@ -290,14 +301,15 @@ def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> No
     if experts and recipe.weights.format.kind == "int":
         quantized_experts = any(kind(model.get_submodule(name)) == "Experts" for name in quantized)
         why = (
-            'vLLM answers "Unsupported FusedMoe scheme" for int8 experts with static input scales, and transformers '
+            'vLLM answers "Unsupported FusedMoe scheme" for int8 experts with static input scales, '
+            "and transformers "
             if quantized_experts and recipe.inputs.static
             else "transformers "
         )
         raise PtqError(
-            f"recipe '{recipe.name}' writes an int8 checkpoint of {type(model).__name__}, a mixture-of-experts "
-            f"model: no loader takes it ({why}cannot load int-quantized checkpoints with fused experts); "
-            "use fp8-e4m3"
+            f"recipe '{recipe.name}' writes an int8 checkpoint of {type(model).__name__}, a "
+            f"mixture-of-experts model: no loader takes it ({why}cannot load int-quantized "
+            "checkpoints with fused experts); use fp8-e4m3"
         )
     w, x = recipe.weights, recipe.inputs
     fp8_experts = w.scale_format != "e8m0" and any(
@@ -305,10 +317,11 @@ def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> No
     )
     if fp8_experts and (w.granularity, x.granularity, x.dynamic) not in _VLLM_FP8_EXPERTS:
         raise PtqError(
-            f"recipe '{recipe.name}' quantizes the experts of {type(model).__name__} with {w.granularity.describe()} "
-            f"weights and {x.describe()} inputs: vLLM's fused-MoE FP8 method takes per-tensor weights with a static "
-            "per-tensor input scale (fp8-e4m3), per-channel weights with dynamic per-token inputs (fp8-dynamic), or "
-            "128 x 128 blocks with dynamic 1 x 128 input groups (fp8-block), and refuses or reshapes the others; "
+            f"recipe '{recipe.name}' quantizes the experts of {type(model).__name__} with "
+            f"{w.granularity.describe()} weights and {x.describe()} inputs: vLLM's fused-MoE FP8 "
+            "method takes per-tensor weights with a static per-tensor input scale (fp8-e4m3), "
+            "per-channel weights with dynamic per-token inputs (fp8-dynamic), or 128 x 128 blocks "
+            "with dynamic 1 x 128 input groups (fp8-block), and refuses or reshapes the others; "
             "use one of those, or leave the experts out (targets without Experts)"
         )
     check_experts_per_expert(model)

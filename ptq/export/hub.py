@@ -17,7 +17,8 @@ from pathlib import Path
 from ptq.errors import PtqError
 
 FLAG = "--push-to-hub"
-KEPT = ".gitattributes"  # the Hub's LFS rules: kept by huggingface_hub even when a delete pattern matches it
+# the Hub's LFS rules: kept by huggingface_hub even when a delete pattern matches it
+KEPT = ".gitattributes"
 
 
 def check_push(repo: str, force: bool) -> None:
@@ -30,11 +31,11 @@ def check_push(repo: str, force: bool) -> None:
 
     from ptq.models.loading import HUB_REPO, hub_offline, hub_unreachable, one_line
 
-    if not HUB_REPO.fullmatch(
-        repo
-    ):  # org/name, no bare name or @revision: where it goes is explicit
+    # org/name, no bare name or @revision: where it goes is explicit
+    if not HUB_REPO.fullmatch(repo):
         raise PtqError(
-            f"{FLAG} takes a Hub repository id org/name (your account or organization, then a name), not '{repo}'"
+            f"{FLAG} takes a Hub repository id org/name (your account or organization, then a "
+            f"name), not '{repo}'"
         )
     reason = "HF_HUB_OFFLINE is set" if hub_offline() else hub_unreachable()
     if reason:
@@ -52,15 +53,17 @@ def check_push(repo: str, force: bool) -> None:
         ) from None
     if token.get("role") == "read":
         raise PtqError(
-            f"{FLAG} needs a Hugging Face token that may write; the one set is read-only (HF_TOKEN, `hf auth login`)"
+            f"{FLAG} needs a Hugging Face token that may write; the one set is read-only "
+            "(HF_TOKEN, `hf auth login`)"
         )
     if token.get("role") == "fineGrained" and not fine_grained_may_write(
         token.get("fineGrained"), repo
     ):
         owner = repo.split("/")[0]
         raise PtqError(
-            f"{FLAG} {repo}: the fine-grained token set may not write there; give it write access to the repositories "
-            f"of {owner}, or to {repo} itself if it exists (huggingface.co/settings/tokens)"
+            f"{FLAG} {repo}: the fine-grained token set may not write there; give it write access "
+            f"to the repositories of {owner}, or to {repo} itself if it exists "
+            "(huggingface.co/settings/tokens)"
         )
     try:
         files = api.list_repo_files(repo)
@@ -74,7 +77,8 @@ def check_push(repo: str, force: bool) -> None:
     if held and not force:
         shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
         raise PtqError(
-            f"Hub repository {repo} already holds files ({shown}): --force replaces them with this checkpoint"
+            f"Hub repository {repo} already holds files ({shown}): --force replaces them with this "
+            "checkpoint"
         )
 
 
@@ -122,7 +126,7 @@ def push(folder: Path, repo: str, private: bool, message: str) -> dict:
         )
     except Exception as e:  # noqa: BLE001  (whatever failed, the checkpoint is kept and can be uploaded again)
         raise PtqError(
-            f"the checkpoint is written to {folder}, but uploading it to {repo} failed ({one_line(e, 200)}): "
-            f"upload it with `hf upload {repo} {folder}`"
+            f"the checkpoint is written to {folder}, but uploading it to {repo} failed "
+            f"({one_line(e, 200)}): upload it with `hf upload {repo} {folder}`"
         ) from None
     return {"repo": repo, "url": f"{constants.ENDPOINT}/{repo}", "commit": commit.oid}

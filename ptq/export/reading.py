@@ -38,9 +38,8 @@ def reload(
                 output_loading_info=True,
                 trust_remote_code=trust_remote_code,
             )
-            with (
-                torch.inference_mode()
-            ):  # compressed-tensors decompresses the weights on the first forward
+            # compressed-tensors decompresses the weights on the first forward
+            with torch.inference_mode():
                 model(input_ids=torch.zeros((1, 1), dtype=torch.long))
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -52,8 +51,8 @@ def reload(
     narrowed = [n for n, t in state.items() if t.dtype in (torch.bfloat16, torch.float16)]
     if narrowed and dtype == torch.float32:
         raise PtqError(
-            f"transformers cannot load the exported checkpoint: it holds {len(narrowed)} tensor(s) in 16 bits though "
-            f"float32 was asked for ('{narrowed[0]}', {state[narrowed[0]].dtype})"
+            f"transformers cannot load the exported checkpoint: it holds {len(narrowed)} tensor(s) "
+            f"in 16 bits though float32 was asked for ('{narrowed[0]}', {state[narrowed[0]].dtype})"
         )
     model.eval()
     model.requires_grad_(False)
@@ -89,7 +88,8 @@ def reload_or_read(
     except PtqError as e:
         model, info = reload_dequantized(
             directory,
-            f"transformers cannot run this checkpoint: {str(e).removeprefix('transformers cannot load the exported checkpoint: ')}",
+            "transformers cannot run this checkpoint: "
+            f"{str(e).removeprefix('transformers cannot load the exported checkpoint: ')}",
             trust_remote_code,
         )
     info["bfloat16"] = bfloat16_check(directory, model, trust_remote_code)
@@ -159,9 +159,8 @@ def reload_dequantized(
     )
     with tempfile.TemporaryDirectory(prefix="ptq-reader-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
-        if remote_code_files(
-            config.get("auto_map")
-        ):  # the model's own code, copied with the checkpoint, goes along
+        # the model's own code, copied with the checkpoint, goes along
+        if remote_code_files(config.get("auto_map")):
             for f in Path(directory).glob("*.py"):
                 shutil.copyfile(f, Path(tmp) / f.name)
         try:
@@ -180,9 +179,8 @@ def reload_dequantized(
         )
     input_args = scheme.get("input_activations")
     modules = dict(model.named_modules())
-    hooked = [
-        name for name in dynamic_layers if name in modules
-    ]  # experts are merged on load: weights only
+    # experts are merged on load: weights only
+    hooked = [name for name in dynamic_layers if name in modules]
     for name in hooked:
         modules[name].register_forward_pre_hook(
             lambda m, args, a=input_args: (_dynamic_fp8(args[0], a),)
@@ -224,9 +222,8 @@ def _read_dequantized(
             if scale.dtype == torch.uint8:  # E8M0
                 scale = torch.exp2(scale.float() - 127)
             rows, cols = t.shape
-            if (
-                tile is not None
-            ):  # tiles, or groups along the input: each scale over its tile, the last ones partial
+            # tiles, or groups along the input: each scale over its tile, the last ones partial
+            if tile is not None:
                 scale = scale.repeat_interleave(tile[0], 0)[:rows].repeat_interleave(tile[1], 1)[
                     :, :cols
                 ]
@@ -243,7 +240,8 @@ def _read_dequantized(
         )
     except Exception as e:  # a tensor of the wrong shape (e.g. a Conv1D weight not in [in, out])
         raise PtqError(
-            f"the exported checkpoint does not fit its architecture: {str(e).strip().splitlines()[-1]}"
+            "the exported checkpoint does not fit its architecture: "
+            f"{str(e).strip().splitlines()[-1]}"
         ) from None
     return model, info, stored, dynamic_layers
 

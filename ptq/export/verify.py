@@ -45,10 +45,11 @@ from ptq.quantization.recipes import Recipe
 VERIFY_MAX_KL = 1e-6  # mean KL(simulated || reloaded), nats per predicted token
 VERIFY_MIN_TOP1 = 0.99  # share of positions where both predict the same next token
 VERIFY_CRITERION = (
-    "the files hold ptq's quantized tensors bit for bit, and the reloaded model reproduces ptq's simulation "
-    f"of the loader's arithmetic (KL <= {VERIFY_MAX_KL:g} nats/token, same top-1 >= {100 * VERIFY_MIN_TOP1:g}%); "
-    "the perplexity difference from ptq's own simulation is reported next to the float-order noise floor "
-    "(the simulation with another attention implementation), which can exceed a wrong scale's effect"
+    "the files hold ptq's quantized tensors bit for bit, and the reloaded model reproduces ptq's "
+    f"simulation of the loader's arithmetic (KL <= {VERIFY_MAX_KL:g} nats/token, same top-1 >= "
+    f"{100 * VERIFY_MIN_TOP1:g}%); the perplexity difference from ptq's own simulation is reported "
+    "next to the float-order noise floor (the simulation with another attention implementation), "
+    "which can exceed a wrong scale's effect"
 )
 
 
@@ -124,9 +125,8 @@ class _TokenScalesOfTheLoader(QuantLinear):
             return x, self.input_quantizer(
                 x, dataclasses.replace(self.inputs, granularity=PerTensor()), None
             )[0]
-        rows = x.reshape(
-            x.shape[0] * x.shape[1], -1
-        )  # a row per index of the first two dimensions: a scale each
+        # a row per index of the first two dimensions: a scale each
+        rows = x.reshape(x.shape[0] * x.shape[1], -1)
         return x, self.input_quantizer(rows, self.inputs, None)[0].reshape(x.shape)
 
 
@@ -165,9 +165,9 @@ def describe_token_rule(layers: list[str]) -> str | None:
         return None
     shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
     return (
-        f"vLLM's per-token dynamic input scales in the {len(layers)} layer(s) fed inputs other than 3-D ({shown}), "
-        "where transformers' compressed-tensors takes one scale per index of their first two dimensions (one per "
-        "2-D input)"
+        f"vLLM's per-token dynamic input scales in the {len(layers)} layer(s) fed inputs other "
+        f"than 3-D ({shown}), where transformers' compressed-tensors takes one scale per index of "
+        "their first two dimensions (one per 2-D input)"
     )
 
 
@@ -348,13 +348,15 @@ def verify(
         ]
         if wrong:
             problems.append(
-                f"expert input or KV-cache scales in the checkpoint differ from ptq's: {', '.join(wrong[:3])}"
+                "expert input or KV-cache scales in the checkpoint differ from ptq's: "
+                f"{', '.join(wrong[:3])}"
             )
     expected_tensors = expected_tensors or {}
     differing = differing_tensors(expected_tensors, directory) if expected_tensors else []
     if differing:
         problems.append(
-            f"{len(differing)} quantized tensor(s) in the checkpoint differ from ptq's: {', '.join(differing[:3])}"
+            f"{len(differing)} quantized tensor(s) in the checkpoint differ from ptq's: "
+            f"{', '.join(differing[:3])}"
         )
     if load_info["input_quantized_layers"] != expected_layers:
         problems.append(
@@ -367,7 +369,8 @@ def verify(
         )
     if not rel.top1_agreement >= VERIFY_MIN_TOP1:
         problems.append(
-            f"same top-1 token at {100 * rel.top1_agreement:.2f}% of positions (limit {100 * VERIFY_MIN_TOP1:g}%)"
+            f"same top-1 token at {100 * rel.top1_agreement:.2f}% of positions (limit "
+            f"{100 * VERIFY_MIN_TOP1:g}%)"
         )
     return Verification(
         passed=not problems,

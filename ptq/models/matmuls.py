@@ -43,8 +43,8 @@ _SHARED_EXPERT_GATE_REASON = (
     "(a plain nn.Linear)"
 )
 # What a quantized matmul (ptq.quantization.quantize.QuantLinear) has that this module reads without
-# importing it. QUANTIZED: a class attribute, True: a matmul already quantized (coverage skips it and
-# its parts)
+# importing it. QUANTIZED: a class attribute, True: a matmul already quantized (coverage skips it
+# and its parts)
 QUANTIZED = "quantized_matmul"
 GROUPING = (
     "grouped_experts"  # (experts, layers) -> the grouped form of a LinearExperts' layers, or None
@@ -187,9 +187,8 @@ class LinearExperts(nn.ModuleList):
     ) -> torch.Tensor:
         if self.all_experts:
             for e in range(len(self)):
-                self.expert_forward(
-                    e, hidden_states
-                )  # observed by calibration's hooks; the output is not used
+                # observed by calibration's hooks; the output is not used
+                self.expert_forward(e, hidden_states)
         grouped = self._grouped_weights()
         if grouped is not None:
             return grouped_forward(self, grouped, hidden_states, top_k_index, top_k_weights)
@@ -227,9 +226,8 @@ class LinearExperts(nn.ModuleList):
             return grouped_experts(self, layers)
         first = next(itertools.chain(self[0].down_proj.buffers(), self[0].down_proj.parameters()))
         key = (*(id(m) for group in layers.values() for m in group), first.device)
-        if (
-            self._grouped is None or self._grouped[0] != key
-        ):  # made again when the modules or their device change
+        # made again when the modules or their device change
+        if self._grouped is None or self._grouped[0] != key:
             self._grouped = (key, grouped_experts(self, layers))
         return self._grouped[1]
 
@@ -290,10 +288,11 @@ def linearize(model: nn.Module) -> nn.Module:
             setattr(parent, child, linear_view(module.weight.t(), module.bias, "Conv1D"))
         elif is_fused_experts(module):
             setattr(parent, child, LinearExperts(module))
+            # the MoE block's router, where it is a Linear layer
             for (
                 sibling,
                 m,
-            ) in parent.named_children():  # the MoE block's router, where it is a Linear layer
+            ) in parent.named_children():
                 if sibling in ("gate", "router", SHARED_EXPERT_GATE) and isinstance(m, nn.Linear):
                     m.ptq_kind = ROUTER
         elif isinstance(module, nn.Linear) and "router" in type(module).__name__.lower():
@@ -333,9 +332,8 @@ def unsupported(model: nn.Module) -> list[LeftOut]:
             continue
         if skip(module) or any(skip(p) for p in _parents(model, name)):
             continue
-        conv = isinstance(
-            module, nn.modules.conv._ConvNd
-        )  # Conv1d/2d/3d and transposed: any kernel size
+        # Conv1d/2d/3d and transposed: any kernel size
+        conv = isinstance(module, nn.modules.conv._ConvNd)
         for pname, p in module.named_parameters(recurse=False):
             if not (conv and pname == "weight") and (
                 not (p.dim() == 3 or (p.dim() == 2 and pname.endswith("weight")))

@@ -56,7 +56,8 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
         reverted = revert_weight_conversion(model, stand_ins)
     except Exception as e:
         raise PtqError(
-            f"cannot work out the checkpoint names of {type(model).__name__} ({type(e).__name__}: {e})"
+            f"cannot work out the checkpoint names of {type(model).__name__} ({type(e).__name__}: "
+            f"{e})"
         ) from None
     mapping = {}
     for disk, t in reverted.items():
@@ -65,8 +66,9 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
             continue
         if t.dim() != 2:
             raise PtqError(
-                f"{type(model).__name__} stores its experts fused ('{disk}', {t.dim()}-D) in its checkpoint: "
-                "ptq quantize writes per-expert 2-D weights only; `ptq compare` covers this model"
+                f"{type(model).__name__} stores its experts fused ('{disk}', {t.dim()}-D) in its "
+                "checkpoint: ptq quantize writes per-expert 2-D weights only; `ptq compare` "
+                "covers this model"
             )
         value = int(t[0, 0].item())
         code, e, row = value // 2**24 // 4096, value // 2**24 % 4096, value % 2**24
@@ -89,6 +91,7 @@ def check_experts_per_expert(model: nn.Module) -> None:
     for path, m in model.named_modules():
         if isinstance(m, LinearExperts) and m[0].down_proj.bias is not None:
             raise PtqError(
-                f"the experts of {m.fused_type} ('{path}') have biases and are stored fused (3-D) in their "
-                "checkpoints: ptq quantize writes per-expert 2-D weights only; `ptq compare` covers this model"
+                f"the experts of {m.fused_type} ('{path}') have biases and are stored fused (3-D) "
+                "in their checkpoints: ptq quantize writes per-expert 2-D weights only; `ptq "
+                "compare` covers this model"
             )

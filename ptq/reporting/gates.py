@@ -80,7 +80,8 @@ def parse_limits(
             per_task[task.strip()] = pct
         elif default is not None:
             raise PtqError(
-                "--min-accuracy-recovery: give one limit for all tasks (99%) and per-task limits as TASK=99%"
+                "--min-accuracy-recovery: give one limit for all tasks (99%) and per-task limits "
+                "as TASK=99%"
             )
         else:
             default = pct
@@ -158,9 +159,8 @@ def task_metric_is_share(results: Results, task: str, metric: str) -> bool:
             m = task_scores(e).get(task, {}).get(metric)
             if m is not None:
                 samples += [m.value, *m.ci]
-    return all(
-        0.0 <= value <= 1.0 for value in samples if not math.isnan(value)
-    )  # a NaN (no interval) says nothing
+    # a NaN (no interval) says nothing
+    return all(0.0 <= value <= 1.0 for value in samples if not math.isnan(value))
 
 
 def check(results: CompareResults, limits: Limits) -> list[Check]:
@@ -206,9 +206,8 @@ def check(results: CompareResults, limits: Limits) -> list[Check]:
                 )
         measured = {task for task, _ in accuracies}
         for task, limit in limits.task_accuracy_recovery_pct.items():
-            if (
-                task not in measured
-            ):  # a gate on a task that was not measured must not pass silently
+            # a gate on a task that was not measured must not pass silently
+            if task not in measured:
                 checks.append(Check(v.name, "accuracy_recovery_pct", task, None, limit, False))
         if limits.max_kl is not None:
             checks.append(

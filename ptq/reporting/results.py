@@ -1,15 +1,17 @@
-"""The results schema: what `ptq compare` and `ptq eval` write to results.json, as typed dataclasses.
+"""The results schema: what `ptq compare` and `ptq eval` write to results.json, as typed
+dataclasses.
 
-results.json is the source of truth: report.md, the gates, the trend, the plots and `ptq report --json` are drawn
-from it alone, and they read it through `load_results`, which gives the typed document or refuses the file in one
-line naming the problem. The document is built in one place (ptq.commands.results) and written by `to_json`.
+results.json is the source of truth: report.md, the gates, the trend, the plots and `ptq report
+--json` are drawn from it alone, and they read it through `load_results`, which gives the typed
+document or refuses the file in one line naming the problem. The document is built in one place
+(ptq.commands.results) and written by `to_json`.
 
-The JSON keys are the dataclasses' field names, nested as the dataclasses are; `X | None` fields are written as
-null when there is nothing to record (no tasks, no calibration, no gates) and read as None when missing. Only
-TaskScores is written flat (lm-eval's layout: {metric, metric_stderr, metric_ci, n}). docs/reports.md documents
-every field and the version policy: SCHEMA_VERSION changes when a field is renamed, removed or changes meaning;
-a results file of another version is refused, one without a version (written before versions, same layout as
-version 1) is read as version 1.
+The JSON keys are the dataclasses' field names, nested as the dataclasses are; `X | None` fields are
+written as null when there is nothing to record (no tasks, no calibration, no gates) and read as
+None when missing. Only TaskScores is written flat (lm-eval's layout: {metric, metric_stderr,
+metric_ci, n}). docs/reports.md documents every field and the version policy: SCHEMA_VERSION changes
+when a field is renamed, removed or changes meaning; a results file of another version is refused,
+one without a version (written before versions, same layout as version 1) is read as version 1.
 """
 
 from __future__ import annotations
@@ -39,9 +41,8 @@ Interval = tuple[float, float]  # a 95% interval [low, high]
 class ModelInfo:
     name: str  # as given (Hub id, folder, .gguf file, or smollm2)
     source: str  # where the weights came from (a folder, a Hub revision, a GGUF conversion)
-    caveats: list[
-        str
-    ]  # what differs from the model as published (a GGUF conversion's dequantized weights, ...)
+    # what differs from the model as published (a GGUF conversion's dequantized weights, ...)
+    caveats: list[str]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,16 +51,18 @@ class Compute:
     dtype: str  # float32 or bfloat16: the compute dtype
     matmul: str  # simulated or fp8 (real FP8 matmuls, torch._scaled_mm)
     low_memory: bool  # layer by layer from disk (--low-memory)
-    # matmul fp8: why 128 x 128 weight blocks are simulated (None: real block-wise FP8 matmuls, or matmul simulated)
+    # matmul fp8: why 128 x 128 weight blocks are simulated (None: real block-wise FP8 matmuls, or
+    # matmul simulated)
     blockwise_simulated: str | None = None
-    # and why layers with a partial row of blocks (out_features not a multiple of 128) are, where whole blocks are not
+    # and why layers with a partial row of blocks (out_features not a multiple of 128) are, where
+    # whole blocks are not
     blockwise_partial_simulated: str | None = None
     placement: dict[str, dict[str, int]] | None = (
         None  # --device-map: per model, device-map entries per device
     )
-    # on a CPU: the vector instruction set torch's kernels run with (AVX2, AVX512, ...), and the processor's model
-    # name. Their float32 results round apart in the last bits per set and per processor, so a perplexity repeats to
-    # every digit only on the same kind of CPU.
+    # on a CPU: the vector instruction set torch's kernels run with (AVX2, AVX512, ...), and the
+    # processor's model name. Their float32 results round apart in the last bits per set and per
+    # processor, so a perplexity repeats to every digit only on the same kind of CPU.
     cpu_kernels: str | None = None
     cpu: str | None = None
 
@@ -71,7 +74,8 @@ class EvalSetup:
     data: str  # the text's source
     data_sha256: str
     seq_len: int  # tokens per window
-    stride: int  # text tokens between the starts of the grid's windows: seq_len, less 1 where a BOS starts each
+    # text tokens between the starts of the grid's windows: seq_len, less 1 where a BOS starts each
+    stride: int
     windows: int
     tokens: int  # predicted tokens scored, over all windows
     bos: bool  # whether a BOS token starts every window
@@ -114,13 +118,15 @@ class LeftOut:
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionLeftOut:
-    name: str  # "<layer>.kv_cache.key", "<layer>.query", ... or an attention layer ptq cannot quantize, whole
+    # "<layer>.kv_cache.key", "<layer>.query", ... or an attention layer ptq cannot quantize, whole
+    name: str
     reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
 class Coverage:
-    """What share of the model's matmul weights (Linear, Conv1D, experts, lm_head, routers) a recipe quantizes."""
+    """What share of the model's matmul weights (Linear, Conv1D, experts, lm_head, routers) a recipe
+    quantizes."""
 
     quantized_weight_params: int
     matmul_weight_params: int
@@ -134,9 +140,8 @@ class LayerSnr:
     """Quantization SNR in dB per layer (None: exact), in model order."""
 
     weights: dict[str, float | None]
-    inputs: dict[
-        str, float | None
-    ]  # on the variant's own inputs over the first `input_windows` windows
+    # on the variant's own inputs over the first `input_windows` windows
+    inputs: dict[str, float | None]
     input_windows: int
 
 
@@ -176,8 +181,8 @@ class TaskMetric:
 
 @dataclass(frozen=True, kw_only=True)
 class TaskScores:
-    """One task's scores in an entry; written flat, as lm-eval reports them: {metric: value, metric_stderr: s,
-    metric_ci: [low, high], ..., n: documents}."""
+    """One task's scores in an entry; written flat, as lm-eval reports them: {metric: value,
+    metric_stderr: s, metric_ci: [low, high], ..., n: documents}."""
 
     n: int
     metrics: dict[str, TaskMetric]
@@ -224,8 +229,8 @@ class TaskDelta:
 
 @dataclass(frozen=True, kw_only=True)
 class Entry:
-    """The measurements of one configuration: compare's baseline, eval's configuration, and (Variant) each of
-    compare's variants."""
+    """The measurements of one configuration: compare's baseline, eval's configuration, and
+    (Variant) each of compare's variants."""
 
     name: str
     recipe: RecipeSummary
@@ -265,7 +270,8 @@ class Variant(Entry):
     task_deltas: dict[str, dict[str, TaskDelta]] | None = None  # per task and metric (--tasks)
 
 
-# --- calibration, diagnostics, gates ---------------------------------------------------------------
+# --- calibration, diagnostics, gates
+# ---------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -368,11 +374,12 @@ class Limits:
 
 
 def fmt_against(value: float, limit: float | None, spec: str, *landmarks: float) -> str:
-    """`value` formatted by `spec` ("+.2f", ".2f", ".5f", ".4g"), with as many more digits as it takes not to read
-    as `limit` when it is not the limit: a Δ ppl of 2.004% against a 2% limit prints +2.004%, not +2.00%, and a KL of
-    4e-06 against 1e-06 prints 0.000004 under ".5f", not 0.00000. `landmarks`: other values it must not read as
-    unless it is them (0 for an interval's end next to "distinguishable from 0", 100 for a share that is not all).
-    Values well away from them print as `spec`."""
+    """`value` formatted by `spec` ("+.2f", ".2f", ".5f", ".4g"), with as many more digits as it
+    takes not to read as `limit` when it is not the limit: a Δ ppl of 2.004% against a 2% limit
+    prints +2.004%, not +2.00%, and a KL of 4e-06 against 1e-06 prints 0.000004 under ".5f", not
+    0.00000. `landmarks`: other values it must not read as unless it is them (0 for an interval's
+    end next to "distinguishable from 0", 100 for a share that is not all). Values well away from
+    them print as `spec`."""
     sign, _, rest = spec.rpartition(".")
     digits, kind = int(rest[:-1]), rest[-1]
     apart = [x for x in (limit, *landmarks) if x is not None and math.isfinite(x) and x != value]
@@ -389,7 +396,9 @@ class Check:
     """One gate against one variant."""
 
     variant: str
-    metric: str  # "ppl_delta_pct", "accuracy_recovery_pct", "kl_div" or "finite_outputs" (fails: perplexity not finite)
+    # "ppl_delta_pct", "accuracy_recovery_pct", "kl_div" or "finite_outputs" (fails: perplexity not
+    # finite)
+    metric: str
     task: str | None  # for accuracy recovery: NEXT_TOKEN or a task name
     value: float | None  # None: the task is not in the results, which fails its gate
     limit: float
@@ -405,7 +414,10 @@ class Check:
             value = fmt_against(self.value, self.limit, "+.2f")
             return f"{self.variant}: perplexity {value}% {self._op('<=', '>')} +{self.limit:g}%"
         if self.metric == "finite_outputs":
-            return f"{self.variant}: perplexity {self.value} (NaN or inf logits): a model whose outputs are not numbers fails every gate"
+            return (
+                f"{self.variant}: perplexity {self.value} (NaN or inf logits): a model whose "
+                "outputs are not numbers fails every gate"
+            )
         if self.metric == "kl_div":
             value = fmt_against(self.value, self.limit, ".4g")
             return f"{self.variant}: KL {value} {self._op('<=', '>')} {self.limit:g}"
@@ -414,7 +426,8 @@ class Check:
         return f"{self.variant}: {what} recovery {value}% {self._op('>=', '<')} {self.limit:g}%"
 
     def _op(self, meets: str, beyond: str) -> str:
-        """How the value compares with the limit: a NaN is neither within nor beyond it, and fails."""
+        """How the value compares with the limit: a NaN is neither within nor beyond it, and
+        fails."""
         if self.passed:
             return meets
         return f"is not {meets}" if self.value is not None and math.isnan(self.value) else beyond
@@ -427,7 +440,8 @@ class Gates:
     checks: list[Check]
 
 
-# --- the documents -----------------------------------------------------------------------------------
+# --- the documents
+# -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -446,9 +460,8 @@ class Run:
     calibration: CalibrationEntry | None  # None: no recipe needed one
     tasks: list[TaskInfo] | None = None  # --tasks, in lm-eval's order
     task_scoring: TaskScoring | None = None
-    versions: dict[
-        str, str
-    ]  # package -> version (ptq, torch, transformers, python; lm_eval with --tasks)
+    # package -> version (ptq, torch, transformers, python; lm_eval with --tasks)
+    versions: dict[str, str]
     created: str  # ISO 8601, UTC (SOURCE_DATE_EPOCH pins it)
 
 
@@ -474,12 +487,13 @@ class EvalResults(Run):
 Results = CompareResults | EvalResults
 
 
-# --- writing ---------------------------------------------------------------------------------------
+# --- writing
+# ---------------------------------------------------------------------------------------
 
 
 def to_json(value: Any) -> Any:
-    """A results document (or any part of it) as JSON values: dataclasses as objects keyed by field name, tuples as
-    lists."""
+    """A results document (or any part of it) as JSON values: dataclasses as objects keyed by field
+    name, tuples as lists."""
     if hasattr(value, "_to_json"):
         return value._to_json()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -496,7 +510,8 @@ def dumps(results: Results) -> str:
     return json.dumps(to_json(results), indent=2) + "\n"
 
 
-# --- reading ---------------------------------------------------------------------------------------
+# --- reading
+# ---------------------------------------------------------------------------------------
 
 
 class _Invalid(Exception):
@@ -504,11 +519,11 @@ class _Invalid(Exception):
 
 
 def load_results(path: Path, what: str = "results file") -> Results:
-    """The typed document of a results.json, or a PtqError in one line naming what is wrong with the file."""
+    """The typed document of a results.json, or a PtqError in one line naming what is wrong with the
+    file."""
     path = Path(path)
-    if (
-        path.is_dir() and (path / "results.json").is_file()
-    ):  # the folder compare wrote (--out): its results.json
+    # the folder compare wrote (--out): its results.json
+    if path.is_dir() and (path / "results.json").is_file():
         path = path / "results.json"
     if path.is_dir():
         raise PtqError(f"{what} {path} is a folder without a results.json")
@@ -532,7 +547,8 @@ def load_compare(path: Path, what: str = "results file") -> CompareResults:
 
 
 def from_json(data: Any, name: str = "results") -> Results:
-    """The typed document of parsed results.json content; `name` (the file) starts every error message."""
+    """The typed document of parsed results.json content; `name` (the file) starts every error
+    message."""
     if not isinstance(data, dict):
         raise PtqError(
             f"{name} is not a ptq results file: a JSON object expected, not {_kind(data)}"
@@ -548,11 +564,11 @@ def from_json(data: Any, name: str = "results") -> Results:
             else "rerun the command to write it anew"
         )
         raise PtqError(
-            f"{name} has results schema version {version}; this ptq reads version {SCHEMA_VERSION}: {advice}"
+            f"{name} has results schema version {version}; this ptq reads version "
+            f"{SCHEMA_VERSION}: {advice}"
         )
-    command = data.get(
-        "command", "compare"
-    )  # files from before the version: compare's had no `command`
+    # files from before the version: compare's had no `command`
+    command = data.get("command", "compare")
     cls = (
         {"compare": CompareResults, "eval": EvalResults}.get(command)
         if isinstance(command, str)
@@ -569,13 +585,15 @@ def from_json(data: Any, name: str = "results") -> Results:
     except _Invalid as e:
         written = " (written before schema versions: rerun the command)" if legacy else ""
         raise PtqError(
-            f"{name} is not a valid ptq results file of schema version {SCHEMA_VERSION}{written}: {e}"
+            f"{name} is not a valid ptq results file of schema version {SCHEMA_VERSION}{written}: "
+            f"{e}"
         ) from None
 
 
 def _check_references(results: Results) -> None:
-    """What the schema's types alone do not say and the readers rely on: every entry has a score for each task and
-    metric the document lists, names fit in a table row, a recipe names its formats."""
+    """What the schema's types alone do not say and the readers rely on: every entry has a score for
+    each task and metric the document lists, names fit in a table row, a recipe names its
+    formats."""
     entries = (
         [
             ("baseline", results.baseline),
@@ -606,18 +624,19 @@ def _check_references(results: Results) -> None:
 
 
 def _check_measurements(results: Results, entries: list[tuple[str, Entry]]) -> None:
-    """The numbers a report shows side by side, and the gates judge, must be one run's: a value no measurement
-    gives (a perplexity under 1, an agreement over 100%), a delta that is not its variant's against the baseline, or
-    windows other than the run's, is a file edited or damaged, which would be rendered and judged as it stands."""
+    """The numbers a report shows side by side, and the gates judge, must be one run's: a value no
+    measurement gives (a perplexity under 1, an agreement over 100%), a delta that is not its
+    variant's against the baseline, or windows other than the run's, is a file edited or damaged,
+    which would be rendered and judged as it stands."""
     names = [e.name for _, e in entries]
     if len(set(names)) < len(names):
         raise _Invalid(
-            f"the name '{next(n for n in names if names.count(n) > 1)}' is given to two configurations"
+            f"the name '{next(n for n in names if names.count(n) > 1)}' is given to two "
+            "configurations"
         )
 
-    def within(
-        value: float, low: float, high: float
-    ) -> bool:  # NaN: a measurement that failed, reported as such
+    # NaN: a measurement that failed, reported as such
+    def within(value: float, low: float, high: float) -> bool:
         return math.isnan(value) or low <= value <= high
 
     def agrees(stored: float, computed: float) -> bool:
@@ -628,7 +647,8 @@ def _check_measurements(results: Results, entries: list[tuple[str, Entry]]) -> N
     for where, e in entries:
         if len(e.window_nll) != results.eval.windows:
             raise _Invalid(
-                f"{where}.window_nll: {len(e.window_nll)} values for the run's {results.eval.windows} windows"
+                f"{where}.window_nll: {len(e.window_nll)} values for the run's "
+                f"{results.eval.windows} windows"
             )
         # a perplexity is exp(mean NLL) >= 1, less a rounding where every token was all but certain
         for field_name, low, high in (("perplexity", 1 - 1e-6, math.inf), ("accuracy", 0, 1)):
@@ -649,19 +669,21 @@ def _check_measurements(results: Results, entries: list[tuple[str, Entry]]) -> N
         ppl_delta = 100 * (v.perplexity / base.perplexity - 1) if base.perplexity else math.nan
         if not agrees(v.ppl_delta_pct, ppl_delta):
             raise _Invalid(
-                f"{where}.ppl_delta_pct: {v.ppl_delta_pct:+.4g}% is not its perplexity {v.perplexity:.6g} against the "
-                f"baseline's {base.perplexity:.6g} ({ppl_delta:+.4g}%)"
+                f"{where}.ppl_delta_pct: {v.ppl_delta_pct:+.4g}% is not its perplexity "
+                f"{v.perplexity:.6g} against the baseline's {base.perplexity:.6g} "
+                f"({ppl_delta:+.4g}%)"
             )
         if not agrees(v.accuracy_delta, v.accuracy - base.accuracy):
             raise _Invalid(
-                f"{where}.accuracy_delta: {v.accuracy_delta:+.6g} is not its accuracy {v.accuracy:.6g} less the "
-                f"baseline's {base.accuracy:.6g}"
+                f"{where}.accuracy_delta: {v.accuracy_delta:+.6g} is not its accuracy "
+                f"{v.accuracy:.6g} less the baseline's {base.accuracy:.6g}"
             )
 
 
 def parse(kind: Any, value: Any) -> Any:
-    """`value` (JSON values, as other modules give them) as `kind`, a type of this schema, checked all the way down:
-    how the builder (ptq.commands.results) takes in what calibration, evaluation and lm-eval report."""
+    """`value` (JSON values, as other modules give them) as `kind`, a type of this schema, checked
+    all the way down: how the builder (ptq.commands.results) takes in what calibration, evaluation
+    and lm-eval report."""
     try:
         return _parse(kind, value, "")
     except _Invalid as e:
@@ -738,16 +760,16 @@ def _parse(kind: Any, value: Any, where: str) -> Any:
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _Invalid(
-                f"{where}: expected an integer, got {_kind(value) if not isinstance(value, float) else value}"
+                f"{where}: expected an integer, got "
+                f"{_kind(value) if not isinstance(value, float) else value}"
             )
         return value
     if kind in (str, bool):
         if not isinstance(value, kind):
             raise _Invalid(f"{where}: expected {_kind(kind())}, got {_kind(value)}")
         return value
-    raise TypeError(
-        f"results schema: no reader for {kind!r}"
-    )  # a type added to the schema without one
+    # a type added to the schema without one
+    raise TypeError(f"results schema: no reader for {kind!r}")
 
 
 def _optional(kind: Any) -> bool:
