@@ -317,9 +317,9 @@ def test_under_torchrun_a_model_too_big_for_the_copies_is_not_switched_to_layer_
     from ptq.execution import streaming
 
     monkeypatch.setattr(streaming, "too_big", lambda spec, copies=1: True)
-    assert common._streams(ModelOptions(model="some/dir"), None) is True
+    assert common.runs_layer_by_layer(ModelOptions(model="some/dir"), None) is True
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert common._streams(ModelOptions(model="some/dir"), None) is False
+    assert common.runs_layer_by_layer(ModelOptions(model="some/dir"), None) is False
     assert (
-        common._streams(ModelOptions(model="some/dir"), True) is True
+        common.runs_layer_by_layer(ModelOptions(model="some/dir"), True) is True
     )  # asked for: _compute_info refuses it

@@ -615,7 +615,7 @@ def test_pairs_no_loader_takes_are_refused_before_calibration(
         (tmp_path / f"{recipe}.yaml").write_text(f"name: {recipe}\n{custom[recipe]}")
         recipe = tmp_path / f"{recipe}.yaml"
     calibrated = []
-    monkeypatch.setattr(common, "_calibrate", lambda *a, **k: calibrated.append(1))
+    monkeypatch.setattr(common, "calibrate_on_text", lambda *a, **k: calibrated.append(1))
     code, _, err = ptq_run(
         "quantize", model_dir, recipe=recipe, samples=2, seq_len=16, o=tmp_path / "out"
     )

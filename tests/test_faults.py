@@ -24,7 +24,7 @@ from ptq.calibration.calibrate import (
     load_calibration,
     range_findings,
 )
-from ptq.commands.common import _calibrate
+from ptq.commands.common import calibrate_on_text
 from ptq.commands.options import CalibrationOptions
 from ptq.commands.results import calibration_faults
 from ptq.errors import PtqError
@@ -195,7 +195,7 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
     loaded.model.model.layers[0].mlp = TinyMoE(loaded.model.config.hidden_size)
     recipe = load_recipe("fp8-e4m3")
     corpus = load_corpus(str(text_file), "calibration")
-    calibration = _calibrate(
+    calibration = calibrate_on_text(
         loaded,
         corpus,
         resolve_plans(loaded.model, [recipe]),
@@ -219,7 +219,7 @@ def test_unseen_expert_gets_its_siblings_amax_and_is_listed(tiny_model, text_fil
         PtqError,
         match=r"1 layer\(s\) received no calibration data, e.g. 'model.layers.0.mlp.experts.2'",
     ):
-        _calibrate(
+        calibrate_on_text(
             loaded,
             corpus,
             resolve_plans(loaded.model, [recipe]),

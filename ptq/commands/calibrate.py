@@ -1,8 +1,8 @@
 """ptq calibrate: model + calibration text -> amax of every quantized tensor -> calibration file.
 
 Everything that can be refused is refused before the (slow) model load: the options, the output
-and its checkpoint, the recipes, the text. The calibration itself (common._calibrate) is the one
-compare, eval and quantize run when they are given no calibration file.
+and its checkpoint, the recipes, the text. The calibration itself (common.calibrate_on_text) is
+the one compare, eval and quantize run when they are given no calibration file.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 
 from ptq.calibration.calibrate import Calibration, checkpoint_path
 from ptq.commands.common import (
-    _calibrate,
-    _load,
-    _refuse_torchrun,
-    _streams,
+    calibrate_on_text,
     check_coverage,
     check_placement,
     check_seq_len,
+    load_model_for,
+    refuse_torchrun,
+    runs_layer_by_layer,
 )
 from ptq.commands.options import (
     CalibrationOptions,
@@ -45,7 +45,7 @@ def run_calibrate(
     while running and removed at the end. compute.low_memory: layer by layer from disk
     (ptq.execution.streaming); None: when the model does not fit in memory. model.placement: the
     model placed over the GPUs and offloaded (ptq.execution.placement)."""
-    _refuse_torchrun("calibrate")
+    refuse_torchrun("calibrate")
     refuse_unused("calibrate", model, dtype="--dtype")
     refuse_unused("calibrate", calibration, file="--calib")
     refuse_unused("calibrate", compute, matmul="--matmul")
@@ -56,7 +56,7 @@ def run_calibrate(
     loaded_recipes = _recipes_to_calibrate(recipes)
     # bad data fails before the (slow) model load
     corpus = load_corpus(calibration.data, role="calibration")
-    streamed = not calibration.resume and _streams(
+    streamed = not calibration.resume and runs_layer_by_layer(
         model,
         compute.low_memory,
         note=(
@@ -64,11 +64,11 @@ def run_calibrate(
             "layer from disk (--low-memory)"
         ),
     )
-    loaded = _load(model, streamed)
+    loaded = load_model_for(model, streamed)
     check_seq_len(loaded, calibration.seq_len)
     plans = resolve_plans(loaded.model, loaded_recipes)
     check_coverage(plans, model.strict_coverage)
-    result = _calibrate(
+    result = calibrate_on_text(
         loaded,
         corpus,
         plans,

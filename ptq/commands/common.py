@@ -63,7 +63,7 @@ def now() -> str:
 # ---- refused before any work
 
 
-def _refuse_torchrun(command: str) -> None:
+def refuse_torchrun(command: str) -> None:
     """calibrate and quantize run in one process (their outputs are one file or folder, which every
     torchrun process would compute and write alike): refused under torchrun, before any work."""
     if distributed.active():
@@ -73,11 +73,11 @@ def _refuse_torchrun(command: str) -> None:
         )
 
 
-def _refuse_resume(command: str, calibration: CalibrationOptions) -> None:
+def refuse_resume(command: str, calibration: CalibrationOptions) -> None:
     refuse_unused(command, calibration, resume="--resume", checkpoint_every="--checkpoint-every")
 
 
-def _refuse_unused_calibration(
+def refuse_unused_calibration(
     calibration: CalibrationOptions, needs: bool, why: str, data_flag: str | None
 ) -> None:
     """--calib and the calibration text (`data_flag`) when no recipe of the run needs a calibration:
@@ -168,7 +168,7 @@ def compute_path(
 # ---- the model
 
 
-def _streams(
+def runs_layer_by_layer(
     model: ModelOptions, low_memory: bool | None, copies: float = 1, note: str = ""
 ) -> bool:
     """Whether the model runs layer by layer from disk (ptq.execution.streaming): `low_memory` as
@@ -187,7 +187,7 @@ def _streams(
     return streamed
 
 
-def _load(
+def load_model_for(
     model: ModelOptions,
     streamed: bool = False,
     *,
@@ -216,7 +216,7 @@ def check_seq_len(loaded: LoadedModel, seq_len: int) -> None:
     """--seq-len against the model's context: refused beyond a learned position table (an embedding
     with one row per position, GPT-2's wpe: a longer window indexes past it), warned about beyond a
     rotary or other computed position encoding's trained range (it runs, extrapolated)."""
-    limit = _max_len({"model": loaded.model})
+    limit = max_len({"model": loaded.model})
     if not limit or seq_len <= limit:
         return
     inputs = (
@@ -244,7 +244,7 @@ def check_seq_len(loaded: LoadedModel, seq_len: int) -> None:
     )
 
 
-def _max_len(models: dict) -> int | None:
+def max_len(models: dict) -> int | None:
     """The context of the first of `models`, from its config; None where the config names none."""
     config = getattr(next(iter(models.values())), "config", None)
     for key in ("max_position_embeddings", "n_positions", "n_ctx"):
@@ -325,7 +325,7 @@ def check_coverage(
 # ---- the calibration
 
 
-def _calibrate(
+def calibrate_on_text(
     loaded: LoadedModel,
     corpus: Corpus,
     plans: dict[str, Plan],
@@ -470,7 +470,7 @@ def check_ranges(calibration: Calibration, plans: dict[str, Plan]) -> list[str]:
     return range_findings(checks)
 
 
-def _calibration(
+def calibration_for(
     loaded: LoadedModel,
     options: CalibrationOptions,
     plans: dict[str, Plan],
@@ -499,6 +499,8 @@ def _calibration(
     if corpus is None:
         return None, ""
     return (
-        _calibrate(loaded, corpus, plans, options, batch_size=batch_size, placement=placement),
+        calibrate_on_text(
+            loaded, corpus, plans, options, batch_size=batch_size, placement=placement
+        ),
         "Calibrated in this run (no --calib file).",
     )

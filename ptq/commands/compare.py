@@ -12,7 +12,13 @@ from pathlib import Path
 import torch
 
 from ptq.calibration.clips import quantize_variants
-from ptq.commands.common import _refuse_resume, _refuse_unused_calibration, _streams, now, versions
+from ptq.commands.common import (
+    now,
+    refuse_resume,
+    refuse_unused_calibration,
+    runs_layer_by_layer,
+    versions,
+)
 from ptq.commands.measure import (
     BASELINE_RECIPE,
     Prepared,
@@ -62,7 +68,7 @@ def run_compare(
     its variants' weight codes do not fit in memory. model.placement (--device-map): the model
     loaded and quantized on the CPU, each variant then placed over the GPUs and offloaded
     (ptq.execution.placement)."""
-    _refuse_resume("compare", calibration)
+    refuse_resume("compare", calibration)
     check_task_options(data)
     distributed.setup()
     copies = _peak_copies(model, len(recipes))
@@ -73,7 +79,7 @@ def run_compare(
     if streamed:
         streaming.check_compare_recipes(variants)
     needed = [r for r in variants if r.needs_calibration]
-    _refuse_unused_calibration(
+    refuse_unused_calibration(
         calibration,
         bool(needed),
         f"recipe(s) {', '.join(r.name for r in variants)} need no calibration",
@@ -132,7 +138,7 @@ def _peak_copies(model: ModelOptions, variants: int) -> float:
 def _streamed(model: ModelOptions, compute: ComputeOptions, copies: float, variants: int) -> bool:
     """Whether the comparison runs layer by layer from disk: asked for, or (automatic) where the
     model and its variants, `copies` float32 copies of it, do not fit in memory, said in a note."""
-    return _streams(
+    return runs_layer_by_layer(
         model,
         compute.low_memory,
         copies,

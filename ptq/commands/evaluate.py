@@ -13,7 +13,13 @@ from pathlib import Path
 import torch
 
 from ptq.calibration.clips import quantize_
-from ptq.commands.common import _refuse_resume, _refuse_unused_calibration, _streams, now, versions
+from ptq.commands.common import (
+    now,
+    refuse_resume,
+    refuse_unused_calibration,
+    runs_layer_by_layer,
+    versions,
+)
 from ptq.commands.measure import (
     AUTO_TASKS,
     BASELINE_RECIPE,
@@ -63,13 +69,13 @@ def run_eval(
     compute.low_memory: layer by layer from disk (ptq.execution.streaming); None: when the model
     does not fit in memory. model.placement (--device-map): loaded and quantized on the CPU, then
     placed over the GPUs (ptq.execution.placement)."""
-    _refuse_resume("eval", calibration)
+    refuse_resume("eval", calibration)
     refuse_unused("eval", output, limits="a gate (they compare with a baseline: use ptq compare)")
     auto_tasks = data.tasks == AUTO_TASKS
     if not auto_tasks:  # tasks given: checked before torch.distributed starts
         check_task_options(data)
     distributed.setup()
-    streamed = _streams(
+    streamed = runs_layer_by_layer(
         model,
         compute.low_memory,
         note=(
@@ -85,7 +91,7 @@ def run_eval(
     config = load_recipe(recipe)
     if streamed:
         streaming.check_compare_recipes([config])
-    _refuse_unused_calibration(
+    refuse_unused_calibration(
         calibration,
         config.needs_calibration,
         f"recipe {config.name} needs no calibration",

@@ -20,12 +20,12 @@ import torch
 from ptq.calibration.calibrate import Calibration, load_calibration
 from ptq.calibration.clips import quantize_variants
 from ptq.commands.common import (
-    _calibration,
-    _load,
-    _max_len,
+    calibration_for,
     check_coverage,
     check_seq_len,
     compute_path,
+    load_model_for,
+    max_len,
     model_windows,
 )
 from ptq.commands.options import (
@@ -194,12 +194,12 @@ def prepare(
     text (`texts`: read_texts) into windows, resolve each recipe's plan and its coverage, and
     calibrate for the `needed` recipes (or check the file's calibration against them)."""
     reused, calib_corpus, eval_corpus = texts
-    loaded = _load(model, streamed, dtype=dtype, copies=copies)
+    loaded = load_model_for(model, streamed, dtype=dtype, copies=copies)
     check_seq_len(loaded, data.seq_len)
     windows = model_windows(eval_corpus, loaded, data.seq_len, data.windows)
     plans = resolve_plans(loaded.model, recipes, compute.target)
     coverages = check_coverage(plans, model.strict_coverage)
-    calib, calibration_source = _calibration(
+    calib, calibration_source = calibration_for(
         loaded,
         calibration,
         {r.name: plans[r.name] for r in needed},
@@ -379,5 +379,5 @@ def _task_batch_size(models: dict, batch_size: int | None) -> int:
     variant may compute attention eagerly)."""
     if batch_size is not None:
         return batch_size
-    context = min(_max_len(models) or 2048, 2048)
+    context = min(max_len(models) or 2048, 2048)
     return batching.auto_batch_size(list(models.values()), context, batching.MAX_AUTO_BATCH_SIZE, 1)

@@ -17,17 +17,17 @@ import torch
 from ptq import __version__
 from ptq.calibration.calibrate import Calibration, load_calibration
 from ptq.commands.common import (
-    _calibration,
-    _load,
-    _refuse_resume,
-    _refuse_torchrun,
-    _refuse_unused_calibration,
-    _streams,
+    calibration_for,
     check_coverage,
     check_placement,
     check_seq_len,
+    load_model_for,
     model_windows,
     now,
+    refuse_resume,
+    refuse_torchrun,
+    refuse_unused_calibration,
+    runs_layer_by_layer,
     versions,
 )
 from ptq.commands.options import (
@@ -93,8 +93,8 @@ def run_quantize(
     check_output_dir(out.parent)
     # checked early
     calib_corpus = load_corpus(calibration.data, role="calibration") if reused is None else None
-    streamed = _streams(model, compute.low_memory, note=_too_big(model))
-    loaded = _load(model, streamed)
+    streamed = runs_layer_by_layer(model, compute.low_memory, note=_too_big(model))
+    loaded = load_model_for(model, streamed)
     check_seq_len(loaded, data.seq_len)
     if compare is not None:
         check_compare_model(compare, loaded)
@@ -155,12 +155,12 @@ def _check_options(
     checkpoint: CheckpointOptions,
 ) -> tuple[Path, str]:
     """The options quantize refuses before any work; its output directory and target engine."""
-    _refuse_torchrun("quantize")
+    refuse_torchrun("quantize")
     refuse_unused("quantize", model, dtype="--dtype")
     refuse_unused("quantize", data, tasks="--tasks")
     refuse_unused("quantize", compute, matmul="--matmul")
     refuse_unused("quantize", output, limits="a gate")
-    _refuse_resume("quantize", calibration)
+    refuse_resume("quantize", calibration)
     if not 0 < checkpoint.shard_size_mb < 1e12:  # inf and nan too
         raise PtqError(
             "--shard-size must be a number of MB above 0 and below 1e12, not "
@@ -193,7 +193,7 @@ def _inputs(
     the card (--compare-results) and the calibration to reuse (--calib), where given."""
     r = load_recipe(recipe)
     check_exportable(r)
-    _refuse_unused_calibration(
+    refuse_unused_calibration(
         calibration, r.needs_calibration, f"recipe {r.name} needs no calibration", None
     )
     compare = (
@@ -226,7 +226,7 @@ def _quantize_calibration(
     """The checkpoint's calibration (reused from --calib, made here, or none where the recipe needs
     none), checked against the compare results' where given, and its source for the card."""
     needed = recipe.needs_calibration
-    calib, _ = _calibration(
+    calib, _ = calibration_for(
         loaded,
         calibration,
         plans if needed else {},
