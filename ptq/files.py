@@ -8,7 +8,8 @@ reproducible: `check_output_dir` (fail before hours of work, not after), `make_d
 created and checked up front, such as the model cache), `safe_join` (a name taken from a user's file
 cannot escape the output directory), `save_safetensors` (byte-identical files for identical
 content), and `cache_root` (where converted models and offloaded weights are kept). And the one
-reader of the YAML files users write (recipes, task files): `read_yaml`.
+reader of the YAML files users write (recipes, task files), `read_yaml`, and of JSON from outside
+(configs, indexes, results, JSONL rows), `read_json` and `parse_json`.
 """
 
 from __future__ import annotations
@@ -305,3 +306,25 @@ def read_yaml(path: Path, what: str, tags: bool = False) -> object:
         raise PtqError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     except RecursionError:  # PyYAML builds nested collections recursively
         raise PtqError(f"{what} {path} is nested too deeply") from None
+
+
+def parse_json(text: str | bytes, what: str) -> object:
+    """JSON from outside ptq (a config, a checkpoint index, a results file, a JSONL row): a problem
+    is one line naming `what` ("config.json of MODEL", "line 3 of rows.jsonl"), never a traceback;
+    nesting deep enough to exhaust Python's stack is refused like any other malformed input."""
+    try:
+        return json.loads(text)
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise PtqError(f"{what} is nested too deeply to be read as JSON") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise PtqError(f"{what} is not valid JSON: {e}") from None
+
+
+def read_json(path: Path, what: str | None = None) -> object:
+    """A JSON file from outside ptq, read as parse_json reads text; `what` defaults to the path."""
+    what = what or str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PtqError(f"cannot read {what}: {e}") from None
+    return parse_json(text, what)

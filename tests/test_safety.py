@@ -785,3 +785,20 @@ def test_quantize_never_replaces_or_writes_into_what_it_reads(
         )
         assert code == 2 and one_error_line(err) and message in err, err
         assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == before
+
+
+def test_json_from_outside_is_one_line_for_every_fault(tmp_path):
+    """parse_json / read_json: nesting that exhausts the stack, malformed text, bytes that are not
+    UTF-8 and a missing file are each a PtqError naming what was read, never a traceback."""
+    from ptq.files import parse_json, read_json
+
+    assert parse_json('{"a": [1, 2]}', "x") == {"a": [1, 2]}
+    with pytest.raises(PtqError, match=r"^config.json of m is nested too deeply"):
+        parse_json("[" * 100_000 + "]" * 100_000, "config.json of m")
+    with pytest.raises(PtqError, match=r"^line 3 of rows.jsonl is not valid JSON: Expecting"):
+        parse_json('{"context": ', "line 3 of rows.jsonl")
+    (tmp_path / "bad.json").write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(PtqError, match=r"^cannot read .*bad.json"):
+        read_json(tmp_path / "bad.json")
+    with pytest.raises(PtqError, match=r"^cannot read index of m"):
+        read_json(tmp_path / "missing.json", "index of m")
