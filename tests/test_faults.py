@@ -120,9 +120,10 @@ def test_nan_weight_without_calibration_is_named_when_quantized(tiny_model, tmp_
 def test_inf_activation_fails_naming_layer_then_skip_falls_back(
     tiny_model, text_file, tmp_path, ptq_cli
 ):
-    # An inf norm weight is not a quantized tensor, but it makes every input of layer 1 non-finite.
+    # A finite but huge norm weight (a damaged parameter is refused before any forward pass) makes
+    # every input of layer 1 non-finite: each token has an element above 1 after the RMS norm.
     def poison(t):
-        t["model.layers.1.input_layernorm.weight"][0] = float("inf")
+        t["model.layers.1.input_layernorm.weight"][:] = FLT_MAX
 
     model = edited_model(tiny_model, tmp_path / "m", poison)
     out = tmp_path / "c.st"
@@ -149,6 +150,72 @@ def test_inf_activation_fails_naming_layer_then_skip_falls_back(
         == calibration.input_amax["model.layers.0.self_attn.q_proj"]
     )
     assert "received no calibration data" in err
+
+
+DAMAGED = {
+    "model.layers.1.post_attention_layernorm.weight": [7],
+    "model.norm.weight": [0],
+    "model.embed_tokens.weight": [5, 3],
+}
+
+
+@pytest.mark.parametrize("low_memory", [False, True], ids=["in-memory", "layer-by-layer"])
+@pytest.mark.parametrize("command", ["calibrate", "quantize", "eval", "compare"])
+@pytest.mark.parametrize("tensor", list(DAMAGED))
+def test_a_damaged_parameter_is_named_before_any_forward_pass(
+    tiny_model, tmp_path, ptq_run, command, low_memory, tensor
+):
+    """An inf in a parameter that is not a matmul weight (a norm, the embeddings) is named as itself
+    with its first bad element, by every command, in memory and layer by layer, under
+    --on-nonfinite skip too: never as a layer's non-finite input, never written to a checkpoint."""
+    index = DAMAGED[tensor]
+
+    def poison(t):
+        t[tensor][tuple(index)] = float("inf")
+
+    model = edited_model(tiny_model, tmp_path / "m", poison)
+    out = tmp_path / "out"
+    flags = {"o": out} if command in ("calibrate", "quantize") else {"out": out}
+    if command in ("calibrate", "quantize"):
+        flags["on_nonfinite"] = "skip"
+    if command == "quantize":
+        flags["recipe"] = "fp8-e4m3"
+    if command == "compare":
+        flags["recipes"] = "fp8-e4m3"
+    code, _, err = ptq_run(command, model, low_memory=low_memory, **flags)
+    assert code == 2 and one_error_line(err), err
+    assert f"parameter '{tensor}' contains inf (first at index {index})" in err
+    assert "input of layer" not in err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_damaged_parameter_is_refused_by_a_quantize_that_runs_no_forward_pass(
+    tiny_model, tmp_path, ptq_run
+):
+    """A recipe without calibration, layer by layer: no forward pass, each tensor read as it is
+    written, and the damaged one refused there (not copied, not "verification passed")."""
+
+    def poison(t):
+        t["model.layers.0.input_layernorm.weight"][2] = float("nan")
+
+    model = edited_model(tiny_model, tmp_path / "m", poison)
+    for low_memory in (False, True):
+        code, out, err = ptq_run(
+            "quantize",
+            model,
+            data=None,
+            samples=None,
+            seq_len=None,
+            recipe="fp8-e4m3-dynamic",
+            low_memory=low_memory,
+            o=tmp_path / f"q{low_memory}",
+        )
+        assert code == 2 and one_error_line(err), err
+        assert (
+            "parameter 'model.layers.0.input_layernorm.weight' contains NaN (first at index [2])"
+            in err
+        )
+        assert "verification passed" not in out
 
 
 def test_skip_leaves_exactly_the_bad_batches_out(tiny_model):

@@ -120,6 +120,37 @@ def test_recipe_from_a_path(tmp_path):
         ),  # used to give a variant that is the baseline
         ({"include": []}, "'include' is empty: it would select nothing"),
         ({"attention": {"format": "e4m3", "tensors": []}}, "'attention.tensors' is empty"),
+        # numbers no tensor can meet: refused before any model is read (issue #45)
+        (
+            {"weights": {"format": "e4m3", "granularity": "block", "block_size": [10**9, 10**9]}},
+            r"block_size \[1000000000, 1000000000\] is larger than any tensor's dimension",
+        ),
+        (
+            {"weights": {"format": "e4m3", "granularity": "block", "block_size": [128, 2**40]}},
+            "block_size .* is larger than any tensor's dimension",
+        ),
+        (
+            {"weights": {"format": "e4m3", "granularity": "group", "group_size": 2**20 + 1}},
+            "group_size 1048577 is larger than any tensor's dimension",
+        ),
+        (
+            {"weights": {"format": "e4m3", "granularity": "group", "group_size": -8}},
+            "needs 'group_size', a positive integer",
+        ),
+        (
+            {"weights": {"format": "e4m3", "granularity": "block", "block_size": [0, 128]}},
+            "needs 'block_size', two positive integers",
+        ),
+        (
+            {"inputs": {"format": "e4m3", "observer": "percentile", "percentile": float("nan")}},
+            "percentile must be a number in",
+        ),
+        (
+            {"inputs": {"format": "e4m3", "observer": "percentile", "percentile": 0}},
+            "percentile must be a number in",
+        ),
+        ({"smoothquant": {"alpha": -0.1}}, "alpha must be a number in"),
+        ({"smoothquant": {"alpha": float("nan")}}, "alpha must be a number in"),
     ],
 )
 def test_invalid_recipes_name_the_problem(change, message):
@@ -323,3 +354,64 @@ def test_targets_default_to_every_matmul_kind_and_smoothquant_leaves_experts_out
         parse_recipe(smooth | {"targets": ["Linear", "Experts"]})
     with pytest.raises(PtqError, match="unknown target type 'Conv2D'"):
         parse_recipe(base | {"targets": ["Conv2D"]})
+
+
+HUGE_BLOCK = (
+    "name: huge\nweights: {format: e4m3, granularity: block, block_size: [%d, 64]}\n"
+    "inputs: {format: e4m3, dynamic: true}\n"
+)
+# as vLLM serves blocks (fp8-block): square, with input groups of their size
+HUGE_SQUARE = (
+    "name: huge\nweights: {format: e4m3, granularity: block, block_size: [%d, %d]}\n"
+    "inputs: {format: e4m3, granularity: group, group_size: %d, dynamic: true}\n"
+)
+
+
+@pytest.mark.parametrize("command", ["inspect", "calibrate", "quantize", "eval", "compare"])
+def test_a_block_no_tensor_of_the_model_can_have_is_refused_by_every_command(
+    tiny_model, tmp_path, ptq_run, command
+):
+    """A block (or group) larger than every dimension of the model's tensors passed the recipe
+    check and inspect, then padded each weight to it: refused where the recipe meets the model
+    (plan.check_granules), one line, exit 2, inspect too."""
+    from test_faults import one_error_line
+
+    recipe = tmp_path / "huge.yaml"
+    text = HUGE_SQUARE % ((2**20,) * 3) if command == "quantize" else HUGE_BLOCK % 2**20
+    # calibrate needs an input to calibrate
+    recipe.write_text(text.replace(", dynamic: true", "") if command == "calibrate" else text)
+    flags = {
+        "inspect": {"recipe": recipe},
+        "calibrate": {"recipe": recipe, "o": tmp_path / "c.st"},
+        "quantize": {"recipe": recipe, "o": tmp_path / "q", "data": None, "samples": None},
+        "eval": {"recipe": recipe, "out": tmp_path / "e"},
+        "compare": {
+            "recipes": recipe,
+            "out": tmp_path / "r",
+            "calib_data": None,
+            "calib_samples": None,
+        },
+    }[command]
+    code, _, err = ptq_run(command, tiny_model, **flags)
+    assert code == 2 and one_error_line(err), err
+    assert "recipe 'huge': weights per-block-1048576x" in err
+    assert "is larger than every dimension of the model's tensors (the largest: " in err
+
+
+def test_a_block_that_pads_a_weight_to_many_times_its_size_is_refused(tiny_model, monkeypatch):
+    """Within the model's dimensions, a block can still pad a small weight to many times its size
+    (a vocabulary-high block on a 2-head k_proj): refused, naming the layer, before allocating."""
+    from ptq.models.loading import load_model
+    from ptq.quantization import plan
+
+    model = load_model(str(tiny_model)).model
+    # the tiny model's weights are all small, and its largest dimension (the vocabulary) 300
+    monkeypatch.setattr(plan, "PAD_FLOOR", 1024)
+    monkeypatch.setattr(plan, "PAD_FACTOR", 4)
+    recipe = parse_recipe(yaml.safe_load(HUGE_BLOCK % 256))
+    with pytest.raises(
+        PtqError, match=r"pads the weight of layer 'model.layers.0.self_attn.k_proj"
+    ):
+        plan.resolve_plan(model, recipe)
+    # the usual 128 x 128 block pads the tiny model's weights a few times: fine
+    plan.resolve_plan(model, load_recipe("fp8-block"))

@@ -7,7 +7,9 @@ they never keep activations. The result is saved as safetensors (the amax tensor
 metadata.
 
 Faults, each with one documented rule (docs/reliability.md):
-- NaN/inf in a weight: always an error naming the layer and the element (the checkpoint is broken).
+- NaN/inf in a weight, or in any other parameter (a norm, an embedding, a bias, a router:
+  ptq.models.damage): always an error naming the layer or parameter and the element, before any
+  forward pass (the checkpoint is broken); --on-nonfinite skip does not apply to them.
 - NaN/inf in a layer's input: `on_nonfinite="fail"` (default) stops at the first such batch, naming
   the layer and the batch; "skip" leaves that batch out of that layer's amax and counts it.
 - A layer no calibration batch reached (an MoE expert no token was routed to):
@@ -52,6 +54,7 @@ from ptq.errors import PtqError, os_reason
 from ptq.execution import batching
 from ptq.execution.executors import WholeModels
 from ptq.files import check_writable, save_safetensors
+from ptq.models.damage import check_parameter
 from ptq.models.matmuls import LinearExperts, quantizable
 from ptq.numerics.formats import NumberFormat, amax, compute_scale, fake_quantize
 from ptq.progress import progress
@@ -364,8 +367,9 @@ def _calibrate_batches(
                 and name not in recorded
             ):
                 value = amax(p.detach()).cpu()
-                if torch.isfinite(value):  # a NaN weight is the observers' and the report's to name
-                    tensor_amax[name] = value
+                if not torch.isfinite(value):  # named as itself, never as the next layer's input
+                    check_parameter(name, p)
+                tensor_amax[name] = value
         experts = [m for m in part.modules() if isinstance(m, LinearExperts)]
         for m in experts:
             m.all_experts = all_experts

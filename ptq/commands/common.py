@@ -21,6 +21,7 @@ from ptq.errors import PtqError
 from ptq.evaluation.data import Corpus, make_windows
 from ptq.execution import streaming
 from ptq.execution.placement import Placement, placed, placed_copy
+from ptq.models.damage import check_parameters
 from ptq.models.loading import LoadedModel, load_model
 from ptq.models.matmuls import unsupported_weights
 from ptq.progress import note_at_end, stderr
@@ -200,7 +201,7 @@ def load_model_for(
     if streamed:
         return streaming.load_streamed(model.model, model.trust_remote_code, model.memory_check)
     with devices.gpu_memory(f"loading model '{model.model}'"):
-        return load_model(
+        loaded = load_model(
             model.model,
             model.trust_remote_code,
             torch.device("cpu") if model.placement else None,
@@ -210,6 +211,10 @@ def load_model_for(
             copies=copies,
             reader=streaming.whole_reader(model.model, model.trust_remote_code, dtype),
         )
+    # before any forward pass, for every command: a damaged norm or embedding is named as itself,
+    # not as the non-finite input of the layer after it (layer by layer: each part as it is read)
+    check_parameters(loaded.model)
+    return loaded
 
 
 def check_seq_len(loaded: LoadedModel, seq_len: int) -> None:

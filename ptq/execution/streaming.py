@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError, unreadable_weights
+from ptq.models.damage import check_parameters
 from ptq.models.loading import (
     LoadedModel,
     local_directory,
@@ -839,4 +840,6 @@ def _materialise(
             # Conv1D keeps its weight [in, out] on disk
             tensor.copy_(value.t() if name in conv1d else value)
             del value
+    # as each part is read from disk, before it runs (a model in memory: once it is loaded)
+    check_parameters(root)
     return root

@@ -39,6 +39,7 @@ from ptq.export.format import (
     quantization_config,
     weight_scale_shape,
 )
+from ptq.models.damage import check_parameter
 from ptq.models.matmuls import ROUTER, kind, quantizable
 from ptq.models.names import checkpoint_names, saved_names
 from ptq.numerics.formats import NumberFormat, amax, compute_scale
@@ -393,6 +394,7 @@ def _checked_tensor(
     """A tensor read from disk that is not quantized (a norm, an embedding), refused when the
     calibration recorded another amax for it (Calibration.tensor_amax: another model whose Linear
     weights are this one's)."""
+    check_parameter(name, tensor)  # never a damaged tensor copied into the checkpoint
     if calibration is not None:
         calibration.check_tensor(name, tensor.float() if tensor.is_floating_point() else tensor)
     return tensor

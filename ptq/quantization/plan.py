@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ptq.errors import PtqError
 from ptq.models.matmuls import LeftOut, LinearExperts, kind, natural_key, quantizable, unsupported
 from ptq.numerics.granularity import PerBlock, PerGroup, PerHead
 from ptq.quantization import attention, engines, residual
@@ -373,6 +374,7 @@ def resolve_plan(
             reason,
             smooth,
         )
+    check_granules(model, recipe, [name for name, m in matmuls.items() if m.quantized])
     if engines.check_target(target) == "vllm" and isinstance(recipe.weights.granularity, PerBlock):
         _leave_out_unblockable_fused(model, matmuls, recipe.weights.granularity.rows)
     targeted = {name for name, m in matmuls.items() if m.quantized}
@@ -427,6 +429,50 @@ def resolve_plan(
         target,
         attention.other_attention(model) if beyond else {},
     )
+
+
+# A block pads a weight up to a multiple of its rows (ptq.numerics.granularity.grouped; a group
+# or a block's columns must divide the width, or the layer is left out: _why_left_out): more than
+# PAD_FACTOR times the weight's own elements, and more than PAD_FLOOR elements (a 128x128 block on a
+# tiny model's 32-row projection pads 4x, 16k elements: fine), is refused.
+PAD_FACTOR = 16
+PAD_FLOOR = 2**24
+
+
+def check_granules(model: nn.Module, recipe: Recipe, quantized: list[str]) -> None:
+    """Refuse the recipe's group or block size where it meets the tensors of `model`: larger than
+    every dimension of the model's tensors (no tensor can have it), or padding a weight it quantizes
+    (`quantized`, the matmuls' names) to many times its size. One line before anything is
+    allocated, for every command (inspect too)."""
+    roles = [
+        (role, spec.granularity)
+        for role, spec in (("weights", recipe.weights), ("inputs", recipe.inputs))
+        if isinstance(spec.granularity, (PerGroup, PerBlock))
+    ]
+    if not roles:
+        return
+    largest = max((d for p in model.parameters() for d in p.shape), default=0)
+    modules = dict(model.named_modules())
+    for role, g in roles:
+        sides = (g.size,) if isinstance(g, PerGroup) else (g.rows, g.cols)
+        where = f"recipe '{recipe.name}': {role} {g.describe()}"
+        if max(sides) > largest:
+            raise PtqError(
+                f"{where} is larger than every dimension of the model's tensors (the largest: "
+                f"{largest}): no tensor of this model can have it"
+            )
+        if role != "weights":
+            continue
+        for name in quantized:
+            out, inp = modules[name].weight.shape
+            cols = -(-inp // sides[-1]) * sides[-1]
+            rows = -(-out // g.rows) * g.rows if isinstance(g, PerBlock) else out
+            if rows * cols > PAD_FACTOR * out * inp and rows * cols > PAD_FLOOR:
+                raise PtqError(
+                    f"{where} pads the weight of layer '{name}' ([{out}, {inp}]) to "
+                    f"[{rows}, {cols}], {rows * cols / (out * inp):,.0f} times its size: use a "
+                    "block size closer to the model's dimensions"
+                )
 
 
 def resolve_plans(

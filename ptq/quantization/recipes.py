@@ -54,6 +54,10 @@ SCALE_FORMATS = (
 )
 # the kinds of matmul (ptq.models.matmuls): Linear, Conv1D (GPT-2), Experts (fused MoE experts)
 TARGET_TYPES = KINDS
+# The largest group or block side a recipe may give, whatever the model (2^20: no matmul of any
+# model has a dimension that large, the largest vocabularies are about 2^18). Against the model's
+# own tensors, when the plan is resolved: ptq.quantization.plan.check_granules.
+MAX_GRANULE = 2**20
 OBSERVERS = ("max", "percentile", "mse", "entropy", "best")  # see ptq/calibration/observers.py
 # amax / format max; rounded up to a power of two; 1 (plain cast)
 SCALE_MODES = (
@@ -406,6 +410,11 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
                 f"{where}: granularity 'group' needs 'group_size', a positive integer, not "
                 f"{reprlib.repr(size)}"
             )
+        if size > MAX_GRANULE:
+            raise PtqError(
+                f"{where}: group_size {reprlib.repr(size)} is larger than any tensor's dimension "
+                f"(at most {MAX_GRANULE})"
+            )
         return PerGroup(size)
     if name == "block":
         size = fields.get("block_size")
@@ -417,6 +426,11 @@ def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granular
             raise PtqError(
                 f"{where}: granularity 'block' needs 'block_size', two positive integers "
                 f"[rows, columns], not {reprlib.repr(size)}"
+            )
+        if max(size) > MAX_GRANULE:
+            raise PtqError(
+                f"{where}: block_size {reprlib.repr(size)} is larger than any tensor's dimension "
+                f"(each at most {MAX_GRANULE})"
             )
         return PerBlock(*size)
     return {"tensor": PerTensor(), "channel": PerChannel(), "token": PerToken(), "head": PerHead()}[
