@@ -23,12 +23,10 @@ def nonfinite(tensor: torch.Tensor) -> tuple[str, list[int]] | None:
     t = tensor.detach()
     if not t.is_floating_point() or t.numel() == 0 or t.device.type == "meta":
         return None
-    # one reduction for the common, finite case
-    if bool(torch.isfinite(t.sum(dtype=torch.float32))) and bool(torch.isfinite(t).all()):
+    finite = torch.isfinite(t)
+    if bool(finite.all()):
         return None
-    bad = (~torch.isfinite(t)).nonzero()
-    if not len(bad):
-        return None
+    bad = (~finite).nonzero()
     return ("NaN" if bool(torch.isnan(t).any()) else "inf"), bad[0].tolist()
 
 
