@@ -663,3 +663,23 @@ def test_a_metric_that_is_not_a_mean_over_documents_is_named_not_silently_droppe
     )
     assert note in (tmp_path / "out" / "report.md").read_text()
     assert f"rolling: {note}" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    "content, reads_as",
+    [("just some words\n", "text"), ("- a\n- b\n", "a list"), ("", "nothing"), ("7\n", "a value")],
+)
+def test_an_include_that_is_not_a_task_yaml_is_named(tmp_path, content, reads_as):
+    """`include: notes.txt` (a file YAML reads as text, a list, or nothing) was reported as "defines no lm-eval task":
+    lm-eval's index dropped the task in silence. It is named, with what it reads as."""
+    from ptq.errors import PtqError
+
+    (tmp_path / "notes.txt").write_text(content)
+    task = tmp_path / "t.yaml"
+    task.write_text("include: notes.txt\ntask: mine\ndataset_path: json\n")
+    with pytest.raises(PtqError) as e:
+        harness.prepare(str(task), None, tmp_path / "work", max_items=None)
+    assert str(e.value) == (
+        f"task file {task} includes notes.txt, which is not a task YAML: {tmp_path / 'notes.txt'} reads as "
+        f"{reads_as}, not a mapping of keys (task:, dataset_path:, ...)"
+    )

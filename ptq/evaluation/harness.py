@@ -265,6 +265,13 @@ def _check_includes(path: Path, seen: tuple[Path, ...] = ()) -> None:
         if found.resolve() in seen:
             raise PtqError(f"task file {path} includes {include}, which includes it again")
         _check_includes(found, (*seen, path.resolve()))
+        # a text file that YAML reads as a string: lm-eval's index dropped the including task
+        if not isinstance(included := read_yaml(found, "task file", tags=True), dict):
+            kind = {str: "text", list: "a list", type(None): "nothing"}.get(type(included))
+            raise PtqError(
+                f"task file {path} includes {include}, which is not a task YAML: {found} reads as "
+                f"{kind or 'a value'}, not a mapping of keys (task:, dataset_path:, ...)"
+            )
 
 
 def _yaml_names(target: Path) -> list[str]:
