@@ -1045,3 +1045,17 @@ def test_ptq_run_is_the_small_run_with_the_tests_flags_laid_over(ptq_run, tiny_m
         ptq_run.argv("eval", "m", "-q")
     with pytest.raises(ValueError, match="--seq-len"):
         ptq_run.argv("eval", "m", "--seq-len", "8")
+
+
+@pytest.mark.parametrize("command", ["compare", "eval"])
+def test_tasks_help_says_task_files_run_their_python(ptq_cli, monkeypatch, command):
+    """A task YAML's `!function` imports and runs Python beside it, as lm-eval does: --help says so where --tasks is
+    described (and docs/tasks.md), so a folder from elsewhere is not taken for data."""
+    monkeypatch.setenv("COLUMNS", "300")
+    code, stdout, _ = ptq_cli(command, "--help")
+    text = " ".join(stdout.replace("│", " ").split())
+    assert code == 0 and "(their !function Python runs, as in lm-eval: trusted files only)" in text
+    from pathlib import Path
+
+    docs = (Path(__file__).parent.parent / "docs" / "tasks.md").read_text()
+    assert "its `!function` entries import and run Python" in " ".join(docs.split())

@@ -436,8 +436,71 @@ def test_folder_without_text_files(tmp_path):
 
 def test_bad_jsonl_line_names_file_and_line(tmp_path):
     path = write(tmp_path / "d.jsonl", '{"text": "ok"}\n\n{"text": broken}\n')
-    with pytest.raises(PtqError, match=r"d\.jsonl, line 3: not valid JSON"):
+    with pytest.raises(PtqError, match=r"d\.jsonl, line 3 is not valid JSON"):
         load_corpus(path, "calibration")
+
+
+def test_jsonl_row_nested_too_deeply_names_file_and_line(tmp_path):
+    """A row nested deep enough to exhaust Python's stack: one line naming the file and the line, not
+    a RecursionError."""
+    path = write(
+        tmp_path / "d.jsonl", '{"text": "ok"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    )
+    with pytest.raises(PtqError, match=r"d\.jsonl, line 2 is nested too deeply to be read as JSON"):
+        load_corpus(path, "calibration")
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32", "utf-32-be", "utf-8-sig"])
+def test_text_with_a_byte_order_mark_is_decoded_by_it(tmp_path, encoding):
+    """UTF-16 and UTF-32 with a byte-order mark were refused as "not UTF-8"; they are read as what their mark says
+    (and the mark is not text)."""
+    text = "Ünïcode line one.\nline two: 日本語\n"
+    bom = {"utf-16-be": "\ufeff", "utf-32-be": "\ufeff"}.get(encoding, "")
+    path = tmp_path / "bom.txt"
+    path.write_bytes((bom + text).encode(encoding))
+    assert load_corpus(str(path), "calibration").documents == [text]
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes((bom + json.dumps({"text": text}) + "\n").encode(encoding))
+    assert load_corpus(str(jsonl), "calibration").documents == [text]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le"])
+@pytest.mark.parametrize(
+    "text", ["plain ASCII text, every other byte a NUL\n", "non-ASCII: café 日本\n"]
+)
+def test_utf16_or_utf32_without_a_byte_order_mark_is_refused(tmp_path, encoding, text):
+    """Without a mark, UTF-16 or UTF-32 ASCII is valid UTF-8 with a NUL after every letter: it was read as that text
+    (and calibrated on). It is refused in one line saying it is not UTF-8, and what it likely is."""
+    path = tmp_path / "wide.txt"
+    path.write_bytes(text.encode(encoding))
+    with pytest.raises(PtqError) as e:
+        load_corpus(str(path), "calibration")
+    message = str(e.value)
+    assert message.startswith(f"{path} is not UTF-8 text") and len(message.splitlines()) == 1
+    assert "UTF-16 or UTF-32 without a byte-order mark? convert it to UTF-8" in message
+
+
+def test_text_beyond_the_size_limit_or_not_a_file_is_refused_before_reading(tmp_path, monkeypatch):
+    """A multi-GB text (one line or many files) was read whole into memory and tokenized whole (hours, and memory
+    several times its size) for a sample of windows: above MAX_TEXT_BYTES (1 GiB; small here) it is refused before a
+    byte is read. A FIFO named data.txt blocked the read forever: refused as not a regular file."""
+    import os
+
+    monkeypatch.setattr(data, "MAX_TEXT_BYTES", 1000)
+    big = write(tmp_path / "big.txt", "word " * 300)
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} was read"))
+    with pytest.raises(PtqError, match=r"big\.txt holds 0 MiB of text, more than ptq reads"):
+        load_corpus(big, "calibration")
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(5):
+        write(folder / f"{i}.txt", "word " * 50)
+    with pytest.raises(PtqError, match=r"folder .*many holds 0 MiB of text, more than ptq reads"):
+        load_corpus(str(folder), "calibration")
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    with pytest.raises(PtqError, match=r"pipe\.txt is not a regular file"):
+        load_corpus(str(fifo), "calibration")
 
 
 def test_jsonl_missing_field_names_line_and_field(tmp_path):

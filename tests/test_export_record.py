@@ -62,3 +62,22 @@ def test_the_card_renders_from_the_record():
         )
     )
     assert "Not verified (too big)." in card and "base_model: org/tiny" in card
+
+
+def test_names_from_outside_cannot_break_the_card():
+    """A model folder named with a newline, '|' or backticks ended the card's heading and split its table rows: such
+    names are rendered visibly (\\n) and escaped, so every row still has its two cells."""
+    evil = "/models/a\nb|c`d#"
+    card = render_model_card(
+        record(
+            model=dataclasses.replace(record().model, name=evil, source=evil),
+            calibration=dataclasses.replace(record().calibration, data="x|\r\ny.txt"),
+        )
+    )
+    lines = card.splitlines()
+    heading = next(line for line in lines if line.startswith("# "))
+    assert heading.startswith("# /models/a\\\\nb\\|c\\`d\\# — fp8-e4m3"), heading
+    rows = [line for line in lines if line.startswith("| ")]
+    assert all(line.replace("\\|", "").count("|") == 3 for line in rows[:12]), rows
+    assert "| source model | /models/a\\nb\\|c`d# (LlamaForCausalLM) |" in card
+    assert "| calibration | x\\|\\r\\ny.txt (sha256" in card

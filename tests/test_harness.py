@@ -389,7 +389,7 @@ def test_recovery_of_a_lower_is_better_metric_is_its_plain_ratio():
 @pytest.mark.parametrize(
     "task, message",
     [
-        ("{bad}", "line 2: not valid JSON"),
+        ("{bad}", "line 2 is not valid JSON"),
         ("{wrong}", "line 1: expected the fields 'context, choices, label'"),
         ("mc={label}", "line 1: 'label' must be an integer index"),
         ("mc=missing.jsonl", "does not exist"),
@@ -475,6 +475,39 @@ def test_bad_task_input_is_one_line(ptq_cli, tiny_model, tmp_path, task, message
     )
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not out_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        # a RecursionError traceback, exit 1
+        (
+            "deep.jsonl",
+            b'{"context": "a", "choices": ["b", "c"], "label": 0}\n{"context": '
+            + b"[" * 100_000
+            + b"]" * 100_000
+            + b"}\n",
+            "deep.jsonl, line 2 is nested too deeply to be read as JSON",
+        ),
+        # UTF-16 with its byte-order mark: "cannot read task file" (a codec's error message)
+        (
+            "wide.jsonl",
+            '{"context": "a", "choices": ["b", "c"], "label": 7}\n'.encode("utf-16"),
+            "wide.jsonl, line 1: 'label' must be an integer index",
+        ),
+        ("narrow.jsonl", b"{}\n".decode().encode("utf-16-le"), "narrow.jsonl is not UTF-8 text"),
+    ],
+)
+def test_task_rows_are_read_as_data_rows_are(tmp_path, name, content, message):
+    """Task rows (--tasks NAME=FILE.jsonl) are read by the text reader and the one JSON reader: too deep a row is
+    one line naming the file and the line; UTF-16 is decoded by its byte-order mark, refused without one."""
+    from ptq.errors import PtqError
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(PtqError) as e:
+        harness.prepare(f"mc={path}", None, tmp_path / "work", max_items=None)
+    assert message in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
 
 
 def test_hub_task_offline_and_unknown_task_are_one_line(tmp_path, monkeypatch):
@@ -630,3 +663,23 @@ def test_a_metric_that_is_not_a_mean_over_documents_is_named_not_silently_droppe
     )
     assert note in (tmp_path / "out" / "report.md").read_text()
     assert f"rolling: {note}" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    "content, reads_as",
+    [("just some words\n", "text"), ("- a\n- b\n", "a list"), ("", "nothing"), ("7\n", "a value")],
+)
+def test_an_include_that_is_not_a_task_yaml_is_named(tmp_path, content, reads_as):
+    """`include: notes.txt` (a file YAML reads as text, a list, or nothing) was reported as "defines no lm-eval task":
+    lm-eval's index dropped the task in silence. It is named, with what it reads as."""
+    from ptq.errors import PtqError
+
+    (tmp_path / "notes.txt").write_text(content)
+    task = tmp_path / "t.yaml"
+    task.write_text("include: notes.txt\ntask: mine\ndataset_path: json\n")
+    with pytest.raises(PtqError) as e:
+        harness.prepare(str(task), None, tmp_path / "work", max_items=None)
+    assert str(e.value) == (
+        f"task file {task} includes notes.txt, which is not a task YAML: {tmp_path / 'notes.txt'} reads as "
+        f"{reads_as}, not a mapping of keys (task:, dataset_path:, ...)"
+    )

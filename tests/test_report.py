@@ -1482,3 +1482,27 @@ def test_the_report_names_every_layer_a_variant_left_unquantized():
     assert "Every layer left unquantized" not in render_markdown(
         compare_results(variants=[variant("all")])
     )
+
+
+def test_names_from_outside_cannot_break_the_report():
+    """A model folder named with a newline, '|' or backticks ended report.md's heading (the rest of the name a
+    paragraph) and broke its code span: names are rendered visibly (\\n) and escaped."""
+    import dataclasses
+
+    from sample_results import compare_results
+
+    from ptq.reporting.report import render_markdown
+    from ptq.reporting.results import ModelInfo
+
+    evil = "/m/a\nb|c``d"
+    r = compare_results()
+    r = dataclasses.replace(
+        r,
+        model=ModelInfo(name=evil, source=f"the folder {evil}", caveats=[]),
+        eval=dataclasses.replace(r.eval, data="t\u2028x.txt"),
+    )
+    md = render_markdown(r)
+    assert md.splitlines()[0] == "# ptq compare: /m/a\\\\nb\\|c\\`\\`d"
+    assert "- Model: ```/m/a\\nb|c``d```, the folder /m/a\\nb|c``d." in md
+    assert "- Evaluation text: t\\u2028x.txt (sha256" in md
+    assert "\n" + "b|c" not in md and "\u2028" not in md

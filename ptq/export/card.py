@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ptq.export.record import ExportRecord
 from ptq.reporting.coverage import describe_coverage
+from ptq.reporting.markdown import cell, code, inline, visible
 from ptq.runtime.resources import size_text
 
 
@@ -27,13 +28,13 @@ def render_model_card(e: ExportRecord) -> str:
         ),
         "---",
         "",
-        f"# {e.model.name} — {rec['name']} (ptq {e.versions['ptq']})",
+        f"# {inline(e.model.name)} — {rec['name']} (ptq {e.versions['ptq']})",
         "",
         f"Post-training quantized with ptq, recipe `{rec['name']}`: {rec['description']}.",
         "",
         "| | |",
         "|---|---|",
-        f"| source model | {e.model.source} ({e.model.architecture}) |",
+        f"| source model | {cell(e.model.source)} ({e.model.architecture}) |",
         f"| weights | {rec['weights']}, stored 1 byte per parameter |",
         f"| inputs (activations) | {rec['inputs']}, "
         + (
@@ -54,10 +55,11 @@ def render_model_card(e: ExportRecord) -> str:
         f"| other tensors | unchanged from the source ({', '.join(size.other_dtypes)}, "
         f"{size_text(size.other_bytes, si=True)}) |",
         (
-            f"| calibration | {cal.data} (sha256 `{str(cal.data_sha256)[:16]}`), {cal.windows} "
-            f"windows x {cal.seq_len} tokens = {cal.tokens:,} tokens; {cal.source} |"
+            f"| calibration | {cell(cal.data)} (sha256 `{str(cal.data_sha256)[:16]}`), "
+            f"{cal.windows} windows x {cal.seq_len} tokens = {cal.tokens:,} tokens; "
+            f"{cell(cal.source)} |"
             if cal.tokens is not None
-            else f"| calibration | {cal.source} |"
+            else f"| calibration | {cell(cal.source)} |"
         ),
         "",
     ]
@@ -183,7 +185,8 @@ def render_model_card(e: ExportRecord) -> str:
             "",
             "## Accuracy (ptq compare)",
             "",
-            f"From `{c['file']}` (model `{c['model']}`; evaluation: {c['eval']}, sha256 "
+            f"From {code(c['file'])} (model {code(c['model'])}; evaluation: {visible(c['eval'])}, "
+            f"sha256 "
             f"`{str(c['eval_sha256'])[:16]}`); simulated, on the source model:",
             "",
             f"| variant | perplexity | Δ ppl vs {b['name']} | next-token acc | KL vs {b['name']} | "

@@ -24,6 +24,7 @@ from ptq.reporting.gates import (
     task_higher_is_better,
     task_metric_is_share,
 )
+from ptq.reporting.markdown import code, inline, visible
 from ptq.reporting.results import (
     CalibrationFaults,
     Check,
@@ -136,7 +137,7 @@ def render_markdown(
 ) -> str:
     checks = stored_checks(r)
     moves = trend(r, previous) if previous is not None else None
-    lines = [f"# ptq compare: {r.model.name}", "", verdict(r, checks, moves), ""]
+    lines = [f"# ptq compare: {inline(r.model.name)}", "", verdict(r, checks, moves), ""]
     failed = [c for c in checks if not c.passed]
     if failed:
         lines += [f"- {FAIL} {c.describe()}" for c in failed] + [""]
@@ -390,10 +391,10 @@ def _versions_line(r: Results) -> str:
 def details_sections(r: CompareResults) -> list[str]:
     ev, cal = r.eval, r.calibration
     out = _details("Protocol", [f"- {line}" for line in r.protocol])
-    model = [f"- Model: `{r.model.name}`, {r.model.source}."]
+    model = [f"- Model: {code(r.model.name)}, {visible(r.model.source)}."]
     model += [f"- Note: {c}" for c in r.model.caveats]
     model += [
-        f"- Evaluation text: {ev.data} (sha256 `{ev.data_sha256[:16]}`).",
+        f"- Evaluation text: {visible(ev.data)} (sha256 `{ev.data_sha256[:16]}`).",
         f"- Device: {r.device}.",
     ]
     out += _details("Model and data", model)
@@ -401,9 +402,9 @@ def details_sections(r: CompareResults) -> list[str]:
         s = cal.summary
         tokens = f"{cal.tokens:,}" if cal.tokens is not None else "?"
         body = [
-            f"- {cal.source}",
-            f"- Text: {cal.data} (sha256 `{str(cal.data_sha256)[:16]}`), {cal.windows} windows x "
-            f"{cal.seq_len} tokens = {tokens} tokens.",
+            f"- {visible(cal.source)}",
+            f"- Text: {visible(cal.data)} (sha256 `{str(cal.data_sha256)[:16]}`), "
+            f"{cal.windows} windows x {cal.seq_len} tokens = {tokens} tokens.",
             f"- {s.layers} layers; input amax across layers: min {s.input_amax_min:.4g}, "
             f"median {s.input_amax_median:.4g}, max {s.input_amax_max:.4g}.",
             "",
@@ -729,7 +730,7 @@ def tasks_section(r: Results) -> list[str]:
             else ""
         )
         lines.append(
-            f"- **{task.name}** ({task.kind}): {task.source}; {task.n} documents; "
+            f"- **{task.name}** ({task.kind}): {visible(task.source)}; {task.n} documents; "
             f"documents sha256 `{task.documents_sha256[:16]}`.{chance}"
         )
         lines += [f"  - {note}" for note in task.notes]
@@ -760,7 +761,7 @@ def render_eval_markdown(r: EvalResults) -> str:
     """The report of `ptq eval`: one configuration, no baseline."""
     c, ev, cal = r.config, r.eval, r.calibration
     lines = [
-        f"# ptq eval: {r.model.name} with {c.name}",
+        f"# ptq eval: {inline(r.model.name)} with {c.name}",
         "",
         "| configuration | weights | inputs | perplexity | 95% CI | next-token acc | 95% CI |",
         "|---|---|---|---:|---:|---:|---:|",
@@ -771,15 +772,22 @@ def render_eval_markdown(r: EvalResults) -> str:
     lines += tasks_section(r)
     lines += [""] + coverage_lines([c])
     lines += ["## Protocol", ""] + [f"- {line}" for line in r.protocol]
-    lines += ["", "## Model and data", "", f"- Model: `{r.model.name}`, {r.model.source}."]
+    lines += [
+        "",
+        "## Model and data",
+        "",
+        f"- Model: {code(r.model.name)}, {visible(r.model.source)}.",
+    ]
     lines += [f"- Note: {note}" for note in r.model.caveats]
     lines += [
-        f"- Evaluation text: {ev.data} (sha256 `{ev.data_sha256[:16]}`), {ev.description}.",
+        f"- Evaluation text: {visible(ev.data)} (sha256 `{ev.data_sha256[:16]}`), "
+        f"{ev.description}.",
         f"- Device: {r.device}.",
     ]
     if cal:
         lines += [
-            f"- Calibration: {cal.source} {cal.data}, {cal.windows} windows x {cal.seq_len} tokens."
+            f"- Calibration: {visible(cal.source)} {visible(cal.data)}, {cal.windows} windows x "
+            f"{cal.seq_len} tokens."
         ]
         lines += faults_lines(cal.faults)
     lines += ["", "## Versions", "", _versions_line(r), ""]

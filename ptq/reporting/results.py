@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ptq.errors import PtqError, name_problem
+from ptq.files import read_json
 
 SCHEMA_VERSION = 1
 COMMANDS = ("compare", "eval")
@@ -529,10 +530,8 @@ def load_results(path: Path, what: str = "results file") -> Results:
         raise PtqError(f"{what} {path} is a folder without a results.json")
     if not path.is_file():
         raise PtqError(f"{what} {path} does not exist")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PtqError(f"{path} is not a readable JSON {what}: {str(e).splitlines()[0]}") from None
+    # the one reader of JSON from outside: malformed or nested too deeply is one line naming it
+    data = read_json(path, f"{what} {path}")
     return from_json(data, str(path))
 
 
