@@ -3,25 +3,31 @@ so an interrupted run never leaves a file that looks complete. A failed write (a
 permission) is one line for the user, and the temporary file is removed.
 
 Folders above an output that do not exist yet are created when it is written (a first run on a new
-machine has no ~/.cache; `-o new/dir/file`). Also the helpers that keep outputs safe and
-reproducible: `check_output_dir` (fail before hours of work, not after), `make_dir` (a folder
-created and checked up front, such as the model cache), `safe_join` (a name taken from a user's file
-cannot escape the output directory), `save_safetensors` (byte-identical files for identical
-content), and `cache_root` (where converted models and offloaded weights are kept). And the one
-reader of the YAML files users write (recipes, task files), `read_yaml`, and of JSON from outside
-(configs, indexes, results, JSONL rows), `read_json` and `parse_json`.
+machine has no ~/.cache; `-o new/dir/file`). `check_outputs` is the one rule for what a command's
+outputs may replace (never an input of the run, an existing one only with --force), and claims them
+for the run (`writes_outputs`): two runs never both write one output. Also the helpers that keep
+outputs safe and reproducible: `check_output_dir` (fail before hours of work, not after),
+`make_dir` (a folder created and checked up front, such as the model cache), `safe_join` (a name
+taken from a user's file cannot escape the output directory), `save_safetensors` (byte-identical
+files for identical content), and `cache_root` (where converted models and offloaded weights are
+kept). And the one reader of the YAML files users write (recipes, task files), `read_yaml`, and of
+JSON from outside (configs, indexes, results, JSONL rows), `read_json` and `parse_json`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
+import functools
 import json
 import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import yaml
@@ -51,28 +57,203 @@ def check_writable(path: Path, force: bool, directory: bool = False) -> None:
         raise PtqError(f"{path} already exists (use --force to overwrite)")
 
 
-def check_not_an_input(
-    path: Path, inputs: dict[str, str | Path | None], replaced: bool = False
+# ---- outputs and inputs: one rule for every command that writes
+
+# The outputs claimed by the run now going (check_outputs), released when it ends (writes_outputs);
+# those claimed without --force may not replace what appears under their name meanwhile.
+_RUN_CLAIMS: ContextVar[ExitStack | None] = ContextVar("ptq_output_claims", default=None)
+_NO_REPLACE: set[Path] = set()
+
+
+def writes_outputs(run: Callable) -> Callable:
+    """Decorates a command's run function: the outputs it claims with check_outputs are held until
+    it returns and released then; where it fails or is interrupted, the folders the claim created
+    are removed again (where they are still empty)."""
+
+    @functools.wraps(run)
+    def holding_claims(*args, **kwargs):
+        with ExitStack() as stack:
+            token = _RUN_CLAIMS.set(stack)
+            try:
+                return run(*args, **kwargs)
+            finally:
+                _RUN_CLAIMS.reset(token)
+
+    return holding_claims
+
+
+def check_outputs(
+    outputs: Sequence[str | Path],
+    inputs: Mapping[str, str | Path | None | Sequence[str | Path | None]],
+    force: bool,
+    *,
+    folder: bool = False,
+    claim: bool = True,
 ) -> None:
-    """Refuse an output that is one of the run's inputs or lies within one (a model folder), --force
-    or not: the run would replace what it reads. `inputs`: what each is ("--data") -> a local path,
-    or None (a Hub name, the default). `replaced`: the output is a folder replaced whole
-    (quantize's), so one that holds an input is refused too."""
-    out = Path(path).resolve()
-    for what, source in inputs.items():
-        if source is None or not Path(source).exists():
-            continue
+    """The one rule for what a run may write, checked before any work by every command that writes
+    (calibrate, compare, eval, quantize, report):
+    - an output is never an input of the run, nor lies within one (a model folder, a folder of task
+      files), --force or not: the run would replace what it reads; `inputs`: what each is ("the
+      calibration text") -> its local path(s), None where it is not local (a Hub name, a default);
+    - a `folder` output (the first, replaced whole: quantize's checkpoint) never holds an input;
+    - an output that exists is replaced only with --force (check_writable);
+    - the first output is claimed for this run (`claim`; under torchrun only the writing process
+      claims): a second run writing it meanwhile is refused in one line, and an output that
+      appears under a new output's name while this run works is not replaced at the end. The
+      folders created for the claim are removed again if the run fails or is interrupted.
+    The caller is a run function decorated with writes_outputs, which holds the claim."""
+    paths = [Path(p) for p in outputs]
+    given = [
+        (what, source)
+        for what, sources in inputs.items()
+        for source in (sources if isinstance(sources, list | tuple) else [sources])
+        if source is not None and str(source) and Path(source).exists()
+    ]
+    for i, path in enumerate(paths):
+        _refuse_inputs(path, given, replaced=folder and i == 0)
+    check_output_dir(paths[0].parent)
+    if claim:
+        _claim(paths, force)
+    for i, path in enumerate(paths):
+        check_writable(path, force, directory=folder and i == 0)
+
+
+def _location(path: Path) -> Path:
+    """Where `path` is written: its folder resolved, its own name not (a symlink there is replaced,
+    not followed)."""
+    path = Path(path)
+    return path.parent.resolve() / path.name
+
+
+def _refuse_inputs(path: Path, inputs: list[tuple[str, str | Path]], replaced: bool) -> None:
+    out = _location(path)
+    for what, source in inputs:
         given = Path(source).resolve()
-        if out == given or given.is_dir() and given in out.parents:
-            raise PtqError(
-                f"cannot write {path}: it is {'within ' if out != given else ''}{what} {source}, "
-                "read by this run"
-            )
+        if out in (given, _location(Path(source))):
+            raise PtqError(f"cannot write {path}: it is {what} {source}, read by this run")
+        if given.is_dir() and given in out.parents:
+            raise PtqError(f"cannot write {path}: it is within {what} {source}, read by this run")
         if replaced and out in given.parents:
             raise PtqError(
                 f"cannot write {path}: it holds {what} {source}, read by this run, and would "
                 "replace it"
             )
+
+
+def _claim(paths: list[Path], force: bool) -> None:
+    """Hold paths[0] for this run (a lock file beside it, flock'ed: released by the kernel if the
+    process dies), and mark the outputs new to this run as not to be replaced at the end."""
+    stack = _RUN_CLAIMS.get()
+    if stack is None:
+        raise RuntimeError("check_outputs claims outputs for a run decorated with writes_outputs")
+    created = _create_folders(paths[0].parent)
+    stack.push(lambda kind, *_: _remove_empty(created) if kind is not None else None)
+    lock = paths[0].with_name(f".{paths[0].name}.ptq-lock")
+    fd = _lock(lock, paths[0])
+    if fd is not None:
+        stack.callback(_unlock, lock, fd)
+    if not force:
+        for path in paths:
+            _NO_REPLACE.add(_location(path))
+            stack.callback(_NO_REPLACE.discard, _location(path))
+
+
+def _create_folders(directory: Path) -> list[Path]:
+    """Create `directory` and its missing parents; the ones created, outermost first."""
+    missing = []
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    missing.reverse()
+    for folder in missing:
+        try:
+            folder.mkdir(exist_ok=True)
+        except OSError as e:
+            raise PtqError(f"cannot create output directory {folder}: {_reason(e)}") from None
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (a calibration's checkpoint is kept), or gone
+            return
+
+
+def _lock(lock: Path, path: Path) -> int | None:
+    """Open and flock `lock` without waiting; another run holding it: one line. None where the
+    filesystem has no locks (the final rename still refuses to replace a new output)."""
+    for _ in range(10):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+        except OSError as e:
+            where = lock.parent
+            raise PtqError(f"cannot write in output directory {where}: {_reason(e)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PtqError(
+                f"{path} is being written by another ptq run (it holds {lock}): wait for it to "
+                "end, or write elsewhere"
+            ) from None
+        except OSError:
+            os.close(fd)
+            return None
+        # the run that held it may have removed it as it ended: then lock the new one
+        try:
+            ours = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            ours = False
+        if ours:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)
+    raise PtqError(f"cannot claim {path}: {lock} keeps changing (other ptq runs write there)")
+
+
+def _unlock(lock: Path, fd: int) -> None:
+    try:
+        if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+            lock.unlink()
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def _move_into_place(tmp: Path, path: Path) -> None:
+    """Rename `tmp` onto `path`: replacing it, unless `path` is an output claimed new by this run
+    (then an output that appeared meanwhile, another run's, is kept, and this fails with EEXIST)."""
+    if _location(path) not in _NO_REPLACE:
+        os.replace(tmp, path)
+        return
+    if _RENAMEAT2 is not None:
+        if _RENAMEAT2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(path), 1) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(path))
+    if os.path.lexists(path):  # no renameat2 here: checked, then renamed
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
+    os.rename(tmp, path)
+
+
+def _renameat2():
+    """libc's renameat2 (Linux: RENAME_NOREPLACE, an atomic rename that never replaces), or None."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    path, fd = ctypes.c_char_p, ctypes.c_int
+    function.argtypes = [fd, path, fd, path, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_AT_FDCWD = -100
+_RENAMEAT2 = _renameat2()
 
 
 @contextmanager
@@ -90,7 +271,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
         # mkstemp makes 0600 files; outputs get the usual mode
         os.chmod(tmp_path, 0o666 & ~_umask())
         yield tmp_path
-        os.replace(tmp_path, path)
+        _move_into_place(tmp_path, path)
     except OSError as e:
         tmp_path.unlink(missing_ok=True)
         raise PtqError(f"cannot write {path}: {_reason(e)} (nothing was written)") from None
@@ -110,6 +291,8 @@ def _create_parent(path: Path) -> None:
 def _reason(e: OSError) -> str:
     if e.errno == errno.ENOSPC:
         return "no space left on device"
+    if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+        return "it appeared while this run worked (another run or program wrote it): not replaced"
     return e.strerror or str(e) or type(e).__name__
 
 
@@ -228,11 +411,11 @@ def atomic_dir(path: Path) -> Iterator[Path]:
         # an interruption in between leaves one of the two under `path` (the other under a hidden
         # temporary name), never neither.
         old = None
-        if path.exists():
+        if path.exists() and _location(path) not in _NO_REPLACE:
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.replace(path, old / path.name)
         try:
-            os.replace(tmp_path, path)
+            _move_into_place(tmp_path, path)
         except BaseException:
             if old is not None:
                 os.replace(old / path.name, path)

@@ -805,10 +805,18 @@ def test_report_never_writes_over_the_results_it_reads(ptq_cli, tmp_path):
     code, out, err = ptq_cli("report", results)
     assert code == 0 and out.startswith("# ptq compare"), err  # a results file report reads
     before = results.read_bytes()
-    for target in (results, tmp_path / "." / "results.json"):
-        code, out, err = ptq_cli("report", results, "-o", target, "--force", "--no-plots")
-        assert code == 2 and one_line(err) and "is the input" in err, err
-    assert results.read_bytes() == before
+    previous = tmp_path / "previous.json"
+    previous.write_bytes(before)
+    for target, what in (
+        (results, f"the results file {results}"),
+        (tmp_path / "." / "results.json", f"the results file {results}"),
+        (previous, f"the previous results file {previous}"),
+    ):
+        code, out, err = ptq_cli(
+            "report", results, "--previous", previous, "-o", target, "--force", "--no-plots"
+        )
+        assert code == 2 and one_line(err) and f"it is {what}, read by this run" in err, err
+    assert results.read_bytes() == before and previous.read_bytes() == before
     for flag in (
         "--no-plots",
         "--force",

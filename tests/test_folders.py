@@ -326,3 +326,177 @@ def test_replacing_a_directory_keeps_the_old_one_until_the_new_one_is_in_place(
     assert [p.name for p in target.iterdir()] == ["new.txt"] and sorted(
         p.name for p in tmp_path.iterdir()
     ) == ["ckpt"]
+
+
+# Outputs and inputs: one rule for every command that writes (ptq.files.check_outputs) --------------
+
+
+def never_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the outputs were checked")
+
+
+def measure_args(name: str, model: Path, out: Path, **given) -> tuple:
+    """compare or eval of `model` into `out` with --force; `given`: flag -> value, laid over the
+    defaults (None drops one)."""
+    flags = {"--calib-data": None, "--eval-data": None, "--tasks": ""} | given
+    recipe = "--recipes" if name == "compare" else "--recipe"
+    words = [w for f, v in flags.items() if v is not None for w in (f, v)]
+    return (name, model, recipe, "fp8-e4m3", *words, *FAST, "--out", out, "--force")
+
+
+@pytest.mark.parametrize("name", ["compare", "eval"])
+def test_compare_and_eval_never_write_over_what_they_read(
+    name, tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    """`compare --eval-data out/report.md --out out --force` replaced the text it read with its
+    report (and a calibration file, a task's rows or task folder alike); `--out MODEL` wrote
+    report.md and results.json into the model's folder, --force or not."""
+    from test_safety import copy_model
+
+    monkeypatch.setattr("ptq.commands.common.load_model", never_load)
+    model = copy_model(tiny_model, tmp_path / "model")
+    out = tmp_path / "out"
+    out.mkdir()
+    for f in ("report.md", "results.json", "report-metrics.png"):
+        (out / f).write_bytes(text_file.read_bytes())
+    text = str(text_file)
+    cases = [
+        (
+            {"--eval-data": out / "report.md", "--calib-data": text},
+            "report.md",
+            "the evaluation text",
+        ),
+        (
+            {"--eval-data": text, "--calib-data": f"{out / 'results.json'},field=text"},
+            "results.json",
+            "the calibration text",
+        ),
+        (
+            {"--eval-data": text, "--calib": out / "report-metrics.png"},
+            "report-metrics.png",
+            "the calibration file",
+        ),
+        (
+            {"--eval-data": text, "--calib-data": text, "--tasks": f"rows={out / 'results.json'}"},
+            "results.json",
+            "the task file",
+        ),
+    ]
+    for given, clash, what in cases:
+        before = {p: p.read_bytes() for p in out.iterdir()}
+        code, _, err = ptq_cli(*measure_args(name, model, out, **given))
+        source = out / clash
+        message = f"cannot write {out / clash}: it is {what} {source}, read by this run"
+        assert code == 2 and one_error_line(err) and message in err, (given, err)
+        assert {p: p.read_bytes() for p in out.iterdir()} == before
+    # a folder of task files, and the model's folder: nothing is written within them
+    for given, where, what, force in (
+        ({"--tasks": out}, out, f"the task file {out}", True),
+        ({}, model, f"the model {model}", True),
+        ({}, model / "reports", f"the model {model}", False),
+    ):
+        before = {p: p.read_bytes() for p in (*out.iterdir(), *model.iterdir())}
+        args = measure_args(
+            name, model, where, **{"--eval-data": text, "--calib-data": text}, **given
+        )
+        code, _, err = ptq_cli(*(args if force else args[:-1]))
+        message = f"cannot write {where / 'report.md'}: it is within {what}, read by this run"
+        assert code == 2 and one_error_line(err) and message in err, (given, err)
+        assert {p: p.read_bytes() for p in (*out.iterdir(), *model.iterdir())} == before
+        assert not (model / "reports").exists()
+
+
+@pytest.mark.parametrize("name", ["calibrate", "compare"])
+def test_a_second_run_into_an_output_being_written_is_refused_before_any_work(
+    name, tiny_model, text_file, results_file, tmp_path, ptq_cli, monkeypatch
+):
+    """Two runs into one new output both ran to the end: calibrate and compare refused the second
+    only then, after all its work. The output is claimed at the start: the second is one line."""
+    args, written = command(name, tiny_model, text_file, results_file, tmp_path / "out")
+    monkeypatch.setattr("ptq.commands.common.load_model", never_load)
+
+    @files.writes_outputs
+    def another_run_writing():  # holds the output as a run of its own would, meanwhile
+        files.check_outputs(
+            [tmp_path / "out" / "report.md" if name == "compare" else written[0]], {}, False
+        )
+        return ptq_cli(*args)
+
+    code, _, err = another_run_writing()
+    assert code == 2 and one_error_line(err), err
+    assert "is being written by another ptq run" in err
+    assert list((tmp_path / "out").iterdir()) == []  # nothing of the refused run
+
+
+def test_two_quantize_runs_into_one_new_folder_one_is_refused(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    """Two `ptq quantize -o same` at once both said they succeeded, the later checkpoint silently
+    replacing the earlier one. Here the second starts while the first writes its checkpoint."""
+    from ptq.commands import quantize
+
+    args, written = command("quantize", tiny_model, text_file, None, tmp_path / "out")
+    real_write, second = quantize._write, []
+
+    def write(*a, **k):
+        if not second:
+            second.append(ptq_cli(*args))
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(quantize, "_write", write)
+    code, _, err = ptq_cli(*args)
+    assert code == 0, err
+    code, _, err = second[0]
+    assert code == 2 and one_error_line(err) and "is being written by another ptq run" in err, err
+    assert all(p.is_file() for p in written)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["ckpt"]  # no lock, no temporary
+
+
+def test_an_output_that_appears_while_a_run_works_is_not_replaced(
+    tiny_model, text_file, tmp_path, ptq_cli, monkeypatch
+):
+    """Another writer (not a ptq run) creates the new output between the start's check and the
+    final rename: the run fails in one line and leaves it as it is."""
+    from ptq.commands import quantize
+
+    args, _ = command("quantize", tiny_model, text_file, None, tmp_path / "out")
+    target = tmp_path / "out" / "ckpt"
+    real_write = quantize._write
+
+    def write(*a, **k):
+        target.mkdir()
+        (target / "theirs.txt").write_text("theirs")
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(quantize, "_write", write)
+    code, _, err = ptq_cli(*args)
+    assert code == 2 and one_error_line(err), err
+    assert f"cannot write {target}: it appeared while this run worked" in err
+    assert [p.name for p in target.iterdir()] == ["theirs.txt"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["ckpt"]
+
+
+@pytest.mark.parametrize("when", ["loading the model", "drawing the plots"])
+def test_an_interrupted_compare_leaves_nothing_it_created(
+    when, tiny_model, text_file, results_file, tmp_path, ptq_cli, monkeypatch
+):
+    """Ctrl-C (or SIGTERM, which unwinds alike) while compare drew its plots left an empty output
+    folder behind (and the new folders above it)."""
+    from ptq.reporting import plots
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    real_writers = plots.plot_writers
+    if when == "loading the model":
+        monkeypatch.setattr("ptq.commands.common.load_model", interrupted)
+    else:
+        monkeypatch.setattr(
+            plots,
+            "plot_writers",
+            lambda *a: {path: interrupted for path in real_writers(*a)},
+        )
+    args, _ = command("compare", tiny_model, text_file, results_file, tmp_path / "new" / "out")
+    code, _, err = ptq_cli(*args)
+    assert code == 130 and "interrupted" in err, err
+    assert not (tmp_path / "new").exists()

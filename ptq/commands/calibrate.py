@@ -28,11 +28,12 @@ from ptq.commands.options import (
 )
 from ptq.errors import PtqError
 from ptq.evaluation.data import load_corpus, spec_source
-from ptq.files import check_not_an_input, check_output_dir, check_writable
+from ptq.files import check_outputs, writes_outputs
 from ptq.quantization.plan import resolve_plans
 from ptq.quantization.recipes import Recipe, load_recipe
 
 
+@writes_outputs
 def run_calibrate(
     recipes: list[str],
     *,
@@ -52,8 +53,8 @@ def run_calibrate(
     refuse_unused("calibrate", output, limits="a gate")
     check_placement(model.placement, compute.low_memory)
     _refuse_checkpointing_layer_by_layer(calibration, compute)
-    checkpoint = _check_output(model, calibration, compute, output)
     loaded_recipes = _recipes_to_calibrate(recipes)
+    checkpoint = _check_output(model, calibration, compute, output, loaded_recipes)
     # bad data fails before the (slow) model load
     corpus = load_corpus(calibration.data, role="calibration")
     streamed = not calibration.resume and runs_layer_by_layer(
@@ -104,15 +105,17 @@ def _check_output(
     calibration: CalibrationOptions,
     compute: ComputeOptions,
     output: OutputOptions,
+    recipes: list[Recipe],
 ) -> Path:
-    """The calibration file: writable, none of the inputs, its folder usable, and no checkpoint of
-    an interrupted run in the way unless it is resumed (or --force starts over). Returns the
-    checkpoint's path."""
-    check_writable(output.path, output.force)
-    check_not_an_input(
-        output.path,
-        {"the model": model.model, "the calibration text": spec_source(calibration.data)},
-    )
+    """The calibration file: none of the inputs, claimed for this run, replaced only with --force
+    (ptq.files.check_outputs), and no checkpoint of an interrupted run in the way unless it is
+    resumed (or --force starts over). Returns the checkpoint's path."""
+    inputs = {
+        "the model": model.model,
+        "the calibration text": spec_source(calibration.data),
+        "the recipe": [r.source for r in recipes],
+    }
+    check_outputs([output.path], inputs, output.force)
     checkpoint = checkpoint_path(output.path)
     if checkpoint.exists() and not (calibration.resume or output.force):
         resume = (
@@ -122,7 +125,6 @@ def _check_output(
             f"{checkpoint} is left from an interrupted run: {resume} to continue it, or --force to "
             "start over"
         )
-    check_output_dir(Path(output.path).parent)
     return checkpoint
 
 

@@ -44,6 +44,7 @@ from ptq.evaluation import harness
 from ptq.evaluation.layerstats import layer_snr, weight_snr_db
 from ptq.execution import streaming
 from ptq.execution.placement import Placement
+from ptq.files import writes_outputs
 from ptq.quantization.recipes import Recipe, load_recipe
 from ptq.reporting.gates import refuse_unmeasured_gates
 from ptq.reporting.report import write_report
@@ -54,6 +55,7 @@ from ptq.runtime.devices import compute_dtype, default_device
 DEFAULT_RECIPES = ("fp8-e4m3", "int8")
 
 
+@writes_outputs
 def run_compare(
     recipes: list[str],
     *,
@@ -74,8 +76,8 @@ def run_compare(
     copies = _peak_copies(model, len(recipes))
     streamed = _streamed(model, compute, copies, len(recipes))
     compute_info = checked_compute_path(model, compute, data, streamed)
-    check_report_outputs(output)
     baseline, variants = _compared_recipes(recipes)
+    check_report_outputs(output, model, data, calibration, variants)
     if streamed:
         streaming.check_compare_recipes(variants)
     needed = [r for r in variants if r.needs_calibration]

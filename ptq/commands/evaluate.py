@@ -48,6 +48,7 @@ from ptq.evaluation.data import Corpus
 from ptq.evaluation.tasks import cloze_items, no_cloze_items
 from ptq.execution import streaming
 from ptq.execution.placement import Placement
+from ptq.files import writes_outputs
 from ptq.progress import stderr
 from ptq.quantization.recipes import Recipe, load_recipe
 from ptq.reporting.report import write_report
@@ -55,6 +56,7 @@ from ptq.reporting.results import EvalResults
 from ptq.runtime import distributed
 
 
+@writes_outputs
 def run_eval(
     recipe: str = BASELINE_RECIPE,
     *,
@@ -87,8 +89,8 @@ def run_eval(
         data = _default_tasks(data, streamed)
         check_task_options(data)
     compute_info = checked_compute_path(model, compute, data, streamed)
-    check_report_outputs(output)
     config = load_recipe(recipe)
+    check_report_outputs(output, model, data, calibration, [config])
     if streamed:
         streaming.check_compare_recipes([config])
     refuse_unused_calibration(

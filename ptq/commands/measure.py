@@ -38,13 +38,13 @@ from ptq.commands.options import (
 )
 from ptq.errors import PtqError
 from ptq.evaluation import harness
-from ptq.evaluation.data import Corpus, Windows, load_corpus, shared_text
+from ptq.evaluation.data import Corpus, Windows, load_corpus, shared_text, spec_source
 from ptq.evaluation.evaluate import evaluate, gather_scores
 from ptq.evaluation.layerstats import INPUT_SNR_WINDOWS, input_snr_db, weight_snr_db
 from ptq.execution import batching, streaming
 from ptq.execution.placement import Placement, placed
 from ptq.execution.placement import summary as placement_summary
-from ptq.files import check_output_dir, check_writable
+from ptq.files import check_outputs
 from ptq.models.loading import LoadedModel, linear_layers
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan, resolve_plans
@@ -110,15 +110,33 @@ def checked_compute_path(
     return info
 
 
-def check_report_outputs(output: OutputOptions) -> None:
+def check_report_outputs(
+    output: OutputOptions,
+    model: ModelOptions,
+    data: DataOptions,
+    calibration: CalibrationOptions,
+    recipes: list[Recipe],
+) -> None:
     """report.md, results.json and the plots in output.path (drawn, or an earlier run's, which are
-    removed): refused if they exist without --force, the folder checked, before any work."""
+    removed), before any work (ptq.files.check_outputs): none of the run's inputs nor within one
+    (the model's folder), replaced only with --force, the folder checked, claimed for this run."""
     from ptq.reporting.plots import plot_paths
 
     out = Path(output.path)
-    for path in [out / "report.md", out / "results.json", *plot_paths(out / "report.md").values()]:
-        check_writable(path, output.force)
-    check_output_dir(out)
+    inputs = {
+        "the model": model.model,
+        "the evaluation text": spec_source(data.data),
+        "the calibration text": spec_source(calibration.data),
+        "the calibration file": calibration.file,
+        "the task file": harness.task_paths(data.tasks),
+        "the recipe": [r.source for r in recipes],
+    }
+    check_outputs(
+        [out / "report.md", out / "results.json", *plot_paths(out / "report.md").values()],
+        inputs,
+        output.force,
+        claim=distributed.is_main(),  # the process that writes them
+    )
 
 
 # ---- the inputs

@@ -58,7 +58,7 @@ from ptq.export.record import (
     ExportRecord,
     Verification,
 )
-from ptq.files import check_not_an_input, check_output_dir, check_writable
+from ptq.files import check_outputs, check_writable, writes_outputs
 from ptq.models.loading import LoadedModel, hub_repo
 from ptq.models.matmuls import kind
 from ptq.models.names import checkpoint_names
@@ -70,6 +70,7 @@ from ptq.reporting.results import load_compare, to_json
 from ptq.runtime import devices
 
 
+@writes_outputs
 def run_quantize(
     recipe: str,
     *,
@@ -88,9 +89,8 @@ def run_quantize(
     the verification's models placed over the devices (ptq.execution.placement)."""
     from ptq.files import atomic_dir
 
-    out, target = _check_options(model, data, calibration, compute, output, checkpoint)
+    out, target = _check_options(recipe, model, data, calibration, compute, output, checkpoint)
     r, compare, reused = _inputs(recipe, target, calibration, checkpoint)
-    check_output_dir(out.parent)
     # checked early
     calib_corpus = load_corpus(calibration.data, role="calibration") if reused is None else None
     streamed = runs_layer_by_layer(model, compute.low_memory, note=_too_big(model))
@@ -147,6 +147,7 @@ def run_quantize(
 
 
 def _check_options(
+    recipe: str,
     model: ModelOptions,
     data: DataOptions,
     calibration: CalibrationOptions,
@@ -167,15 +168,16 @@ def _check_options(
             f"{checkpoint.shard_size_mb:g}"
         )
     out = Path(output.path)
-    check_export_target(out, output.force)
     inputs = {
         "the model": model.model,
         "the calibration text": spec_source(calibration.data),
         "the calibration file": calibration.file,
         "the compare results": checkpoint.compare_results,
         "the verification text": spec_source(data.data),
+        "the recipe": load_recipe(recipe).source,
     }
-    check_not_an_input(out, inputs, replaced=True)
+    check_outputs([out], inputs, output.force, folder=True)
+    check_export_target(out, output.force)
     if checkpoint.push_to_hub:
         # before the long work, as the folder is
         hub.check_push(checkpoint.push_to_hub, output.force)

@@ -10,13 +10,14 @@ import dataclasses
 from pathlib import Path
 
 from ptq.errors import PtqError
-from ptq.files import check_writable
+from ptq.files import check_outputs, writes_outputs
 from ptq.progress import stderr
 from ptq.reporting.gates import Limits, gate_results, refuse_unmeasured_gates, rejudged, task_scores
 from ptq.reporting.report import render_markdown, report_outputs, write_markdown
 from ptq.reporting.results import CompareResults, load_compare
 
 
+@writes_outputs
 def run_report(
     results_file: Path,
     previous_file: Path | None = None,
@@ -40,15 +41,8 @@ def run_report(
     results = _judged(results, results_file, limits)
     if output is None:
         return results, previous, render_markdown(results, previous)
-    inputs = {Path(f).resolve(): f for f in (results_file, previous_file) if f is not None}
-    for path in report_outputs(Path(output), results, plots):
-        # --force would replace the file being read with its own rendering
-        if Path(path).resolve() in inputs:
-            raise PtqError(
-                f"--output {path} is the input {inputs[Path(path).resolve()]}: write the report "
-                "elsewhere"
-            )
-        check_writable(path, force)
+    inputs = {"the results file": results_file, "the previous results file": previous_file}
+    check_outputs(report_outputs(Path(output), results, plots), inputs, force)
     write_markdown(Path(output), results, previous, plots, force=True)
     return results, previous, Path(output).read_text(encoding="utf-8")
 

@@ -185,6 +185,20 @@ def _split_specs(spec: str) -> list[tuple[str, str | None]]:
     return out
 
 
+def task_paths(spec: str | None) -> list[str]:
+    """What --tasks `spec` may read from disk (NAME=FILE.jsonl, FILE.jsonl, FILE.yaml, a folder of
+    task files, cloze=TEXT's text): the paths as given, whether or not they exist."""
+    from ptq.evaluation.data import spec_source
+
+    if not spec:
+        return []
+    return [
+        spec_source(path) if name == "cloze" else path or name
+        for name, path in _split_specs(spec)
+        if name != "cloze" or path
+    ]
+
+
 def scores_cloze(spec: str | None) -> bool:
     """Whether --tasks `spec` has the cloze task built from text (what --max-items caps)."""
     return bool(spec) and any(name == "cloze" for name, _ in _split_specs(spec))
