@@ -52,7 +52,7 @@ def parse_budget(max_kl: str | None, max_ppl_increase: str | None) -> dict:
         "metric": "ppl",
         "flag": "--max-ppl-increase",
         "given": max_ppl_increase,
-        "value": limits.max_ppl_increase,
+        "value": limits.max_ppl_increase_pct,
     }
 
 
