@@ -60,9 +60,7 @@ def test_search_writes_a_recipe_that_compare_and_inspect_accept(
     code, stdout, err = ptq_run("inspect", tiny_model, recipe=str(out / "searched.yaml"), json=True)
     assert code == 0, err
     plan = resolve_plan(
-        linearize(
-            __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model)
-        ),
+        linearize(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model)),
         recipe,
         "vllm",
     )
