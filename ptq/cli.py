@@ -245,6 +245,70 @@ def compare(
     _exit_for_gates(results)
 
 
+@_command("search", **EVALUATION)
+def search(
+    options: dict[str, Any],
+    recipes: Annotated[
+        str,
+        typer.Option(
+            "--recipes",
+            help="The recipe to search (a name in recipes/ or a .yaml path); one for now.",
+        ),
+    ] = "fp8-e4m3",
+    max_kl: Annotated[
+        str | None,
+        typer.Option(
+            "--max-kl",
+            metavar="NATS",
+            help="Budget: the held-out mean KL from the bf16 baseline, nats per token (e.g. 0.01).",
+        ),
+    ] = None,
+    max_ppl_increase: Annotated[
+        str | None,
+        typer.Option(
+            "--max-ppl-increase",
+            metavar="PCT",
+            help="Budget: the held-out perplexity increase over the bf16 baseline (e.g. 1%).",
+        ),
+    ] = None,
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """Find the fewest units (what vLLM serves as one layer) to keep in 16-bit so that a recipe
+    meets a budget, verified on held-out windows; write DIR/searched.yaml, a recipe for compare,
+    quantize, inspect and eval, with search.json, search.md and the curve.
+
+    Exits 1 when the held-out interval's upper bound misses the budget; the files are written
+    either way.
+
+    Example: ptq search smollm2 --recipes fp8-e4m3 --max-kl 0.01 --out reports/search
+    """
+    progress.QUIET = quiet or as_json
+    from ptq.commands.search import parse_budget, run_search
+
+    budget = parse_budget(max_kl, max_ppl_increase)
+    record = run_search(_split(recipes), budget, **options)
+    if as_json:
+        _print_json(to_json(record))
+    else:
+        v = record["verdict"]
+        verdict = "meets" if v["meets"] else "misses"
+        progress.stderr.print(
+            escape(
+                f"{record['model']}: {len(record['chosen'])} of {len(record['units'])} unit(s) "
+                f"kept in 16-bit, {100 * record['fraction_quantized']:.1f}% of matmul weights "
+                f"quantized; held-out {record['budget']['measure']} {v['value']:.4g} "
+                f"[{v['ci'][0]:.4g}, {v['ci'][1]:.4g}]: {verdict} the budget "
+                f"{record['budget']['given']}"
+            ),
+            highlight=False,
+            soft_wrap=True,
+        )
+        print(f"wrote {options['output'].path}/searched.yaml, search.json, search.md, search.png")
+    if not record["verdict"]["meets"]:
+        raise typer.Exit(1)
+
+
 @_command("report")
 def report(
     results: Annotated[

@@ -127,6 +127,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("calibration", ("ptq.calibration",)),
     # evaluation text, the evaluation loop, tasks, statistics, how a variant measures up
     ("evaluation", ("ptq.evaluation",)),
+    # the search: units, sensitivity, selection under a budget, the held-out verdict
+    ("search", ("ptq.search",)),
     # results.json, gates, report.md, trend and plots
     ("reporting", ("ptq.reporting",)),
     # the quantized checkpoint and the Hub

@@ -32,7 +32,13 @@ if TYPE_CHECKING:
     from ptq.execution.placement import Placement
     from ptq.reporting.gates import Limits
 
-COMMANDS = ("calibrate", "compare", "eval", "quantize")  # the commands built from these options
+COMMANDS = (  # the commands built from these options
+    "calibrate",
+    "compare",
+    "eval",
+    "quantize",
+    "search",
+)
 EVALUATING = ("compare", "eval")
 
 # the help panels of `ptq COMMAND --help`, in the order shown; None: the main "Options" panel
@@ -327,7 +333,7 @@ class ModelOptions:
         help="Compute dtype: float32 or bfloat16.",
         show_default="bfloat16 on CUDA, float32 on CPU",
         panel=HARDWARE,
-        commands=EVALUATING,
+        commands=(*EVALUATING, "search"),
     )
     placement: Placement | None = option(None, flags=PLACEMENT_FLAGS, convert=_placement)
     strict_coverage: bool = option(
@@ -522,7 +528,7 @@ class ComputeOptions:
         help="Layers with FP8 weights and inputs: 'simulated', 'fp8' (real FP8 matmuls, "
         "torch._scaled_mm), or 'auto' (fp8 on GPUs that have it: compute capability 8.9+).",
         panel=HARDWARE,
-        commands=EVALUATING,
+        commands=(*EVALUATING, "search"),
     )
     low_memory: bool | None = option(  # None: layer by layer when the model does not fit
         None,
@@ -540,7 +546,7 @@ class ComputeOptions:
         help="The engine whose load-time rules the simulation applies: 'vllm' (fused q/k/v and "
         "gate/up share one FP8 weight scale, expert input scales collapse to their maximum, int8 "
         "inputs in [-128, 127]) or 'transformers' (each tensor as stored).",
-        commands=("compare", "eval", "quantize"),
+        commands=("compare", "eval", "quantize", "search"),
     )
 
     def __post_init__(self):
@@ -574,6 +580,11 @@ class OutputOptions:
                 ),
                 "quantize": dict(
                     decls=("--output", "-o"), cli_default=..., help="Checkpoint directory to write."
+                ),
+                "search": dict(
+                    cli_default=Path("reports/search"),
+                    help="Directory for searched.yaml, search.json, search.md and search.png "
+                    "(refused if it exists, unless --force).",
                 ),
             },
         )

@@ -1,0 +1,286 @@
+"""The search: units, their sensitivity, the selection under a budget, the held-out verdict.
+
+Every configuration is a recipe: the chosen recipe with the units kept in 16-bit added to its
+`ignore` list (config_recipe), quantized from the loaded model by quantize_variants as compare does
+and scored by the one evaluation loop against the bf16 baseline on the same windows. What the
+search measures is therefore exactly what searched.yaml gives `ptq compare` or `ptq quantize`.
+
+Sensitivity (SENSITIVITY): one unit at a time, exactly: the KL from the baseline of the model with
+only that unit quantized, on the search windows. It is the damage the unit does on its own, never
+negative, and the quantity the budget is stated in; how units interact is left to the selection,
+which checks every candidate end to end. Its cost: one forward per unit and search window, plus
+one baseline forward per chunk of units.
+
+Selection: units ranked by damage per matmul weight (what keeping the unit in 16-bit avoids, per
+byte it keeps in 16-bit); keeping the first k of that list is evaluated end to end for a few k at
+once, and the interval between the largest k that misses the budget and the smallest that meets
+it is narrowed until they are neighbours (a bisection, a few points per pass). The configurations
+evaluated are the curve of damage against the fraction of matmul weights quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ptq import progress
+from ptq.calibration.calibrate import Calibration
+from ptq.calibration.clips import quantize_variants
+from ptq.evaluation import stats
+from ptq.evaluation.evaluate import Scores, evaluate
+from ptq.quantization import engines
+from ptq.quantization.plan import Plan
+from ptq.quantization.recipes import Recipe
+
+SENSITIVITY = (
+    "exact, one unit at a time: the mean KL (nats per token, vs the bf16 baseline) of the model "
+    "with only that unit quantized, on the search windows; units ranked by that KL per matmul "
+    "weight the unit holds"
+)
+CHUNK = 8  # configurations quantized and evaluated together (one baseline forward per chunk)
+RANDOM_DRAWS = 3  # seeded draws of the random baseline
+POINTS_PER_PASS = 3  # configurations evaluated per pass of the bisection
+METRICS = {"kl": "mean KL (nats per token)", "ppl": "perplexity increase (%)"}
+_EXPERTS = re.compile(r"^(.*\.experts)\.\d+\.")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What the engine serves as one layer: kept in 16-bit or quantized as a whole."""
+
+    name: str
+    members: tuple[str, ...]  # the matmuls (names in the linearized model)
+    params: int  # matmul weights
+    patterns: tuple[str, ...]  # what a recipe's `ignore` list gets to keep the unit in 16-bit
+
+
+def units_of(model: nn.Module, plan: Plan) -> list[Unit]:
+    """The units of the matmuls `plan` quantizes, in the model's order. Under --target vllm: a
+    mixture-of-experts layer's experts are one unit, q/k/v one, gate/up one
+    (engines.fused_groups); otherwise each matmul is its own unit."""
+    quantized = [n for n, m in plan.matmuls.items() if m.quantized]
+    owner: dict[str, str] = {}
+    patterns: dict[str, tuple[str, ...]] = {}
+    if plan.target == "vllm":
+        for name in quantized:
+            if match := _EXPERTS.match(name):
+                owner[name] = match.group(1)
+                patterns[match.group(1)] = (f"{match.group(1)}.*",)
+        inside = set(quantized)
+        for group in engines.fused_groups(model):
+            present = [n for n in group if n in inside and n not in owner]
+            if len(present) < 2:
+                continue
+            parent = present[0].rpartition(".")[0]
+            short = ",".join(n.rpartition(".")[2] for n in present)
+            key = f"{parent}.{{{short}}}"
+            owner |= dict.fromkeys(present, key)
+            patterns[key] = tuple(present)
+    members: dict[str, list[str]] = {}
+    for name in quantized:
+        key = owner.get(name, name)
+        members.setdefault(key, []).append(name)
+        patterns.setdefault(key, (name,))
+    return [
+        Unit(key, tuple(names), sum(plan.matmuls[n].params for n in names), patterns[key])
+        for key, names in members.items()
+    ]
+
+
+def config_recipe(recipe: Recipe, kept: list[Unit], name: str) -> Recipe:
+    """`recipe` with the `kept` units in 16-bit (their patterns added to its ignore list)."""
+    extra = [p for u in kept for p in u.patterns]
+    return dataclasses.replace(recipe, name=name, ignore=(*recipe.ignore, *extra))
+
+
+def damage(metric: str, s: Scores, base: Scores) -> float:
+    """The budget's measure of one configuration's scores against the baseline's, same windows."""
+    if metric == "kl":
+        return s.kl_div
+    with np.errstate(over="ignore"):
+        return float(100 * np.expm1((s.nll_sum - base.nll_sum) / s.tokens))
+
+
+class Scorer:
+    """Quantizes configurations (recipes) of one model and scores them with the baseline on given
+    windows, CHUNK at a time; counts the forward passes (of one window) and the time spent."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        baseline: Recipe,
+        calibration: Calibration | None,
+        matmul: str,
+        target: str,
+        batch_size: int | None,
+    ):
+        self.model, self.baseline, self.calibration = model, baseline, calibration
+        self.matmul, self.target, self.batch_size = matmul, target, batch_size
+        self.forwards, self.seconds = 0, 0.0
+
+    def score(
+        self, configs: list[Recipe], input_ids: torch.Tensor, what: str
+    ) -> tuple[dict[str, Scores], Scores]:
+        """Each configuration's scores by recipe name, and the baseline's."""
+        out: dict[str, Scores] = {}
+        base = None
+        chunks = range(0, len(configs), CHUNK)
+        for i, start in enumerate(chunks):
+            part = configs[start : start + CHUNK]
+            if not progress.QUIET:
+                progress.stderr.print(f"{what}: {i + 1} of {len(chunks)}", highlight=False)
+            began = time.perf_counter()
+            models = quantize_variants(
+                self.model, [self.baseline, *part], self.calibration, self.matmul, self.target
+            )
+            scores = evaluate(models, input_ids, self.batch_size)
+            del models
+            self.seconds += time.perf_counter() - began
+            self.forwards += (len(part) + 1) * len(input_ids)
+            base = scores[self.baseline.name]
+            out |= {r.name: scores[r.name] for r in part}
+        if base is None:  # no configuration: the baseline alone
+            models = quantize_variants(self.model, [self.baseline], None, self.matmul, self.target)
+            base = evaluate(models, input_ids, self.batch_size)[self.baseline.name]
+            self.forwards += len(input_ids)
+        return out, base
+
+
+def sensitivity(
+    scorer: Scorer, recipe: Recipe, units: list[Unit], input_ids: torch.Tensor
+) -> dict[str, float]:
+    """Each unit's KL with only it quantized (SENSITIVITY), by unit name."""
+    configs = [
+        config_recipe(recipe, [v for v in units if v is not u], f"only:{u.name}") for u in units
+    ]
+    scores, _ = scorer.score(configs, input_ids, "sensitivity (one unit at a time)")
+    return {u.name: scores[f"only:{u.name}"].kl_div for u in units}
+
+
+def ranked(units: list[Unit], sens: dict[str, float]) -> list[Unit]:
+    """The units by damage avoided per matmul weight kept in 16-bit, most first (ties: model
+    order)."""
+    return sorted(units, key=lambda u: -sens[u.name] / max(u.params, 1))
+
+
+def select(
+    scorer: Scorer,
+    recipe: Recipe,
+    order: list[Unit],
+    input_ids: torch.Tensor,
+    metric: str,
+    budget: float,
+    fraction: Callable[[list[Unit]], float],
+) -> tuple[int, list[dict]]:
+    """The smallest k such that keeping order[:k] in 16-bit meets `budget` on the search windows
+    (by bisection over k, checked end to end), and the curve of the configurations evaluated."""
+    n = len(order)
+    points: dict[int, dict] = {
+        n: {"kept": n, "damage": 0.0, "kl": 0.0, "ppl_increase": 0.0, "evaluated": False}
+    }
+
+    def run(ks: list[int]) -> None:
+        ks = sorted(set(ks) - set(points))
+        configs = [config_recipe(recipe, order[:k], f"keep:{k}") for k in ks]
+        scores, base = scorer.score(configs, input_ids, f"selection: {len(ks)} configuration(s)")
+        for k in ks:
+            s = scores[f"keep:{k}"]
+            points[k] = {
+                "kept": k,
+                "damage": damage(metric, s, base),
+                "kl": s.kl_div,
+                "ppl_increase": damage("ppl", s, base),
+                "evaluated": True,
+            }
+
+    run([0, n // 8, n // 4, n // 2])
+    while True:
+        hi = min(k for k, p in points.items() if p["damage"] <= budget)
+        below = [k for k in points if k < hi]
+        if not below or hi - max(below) <= 1:
+            break
+        lo = max(below)
+        step = (hi - lo) / (POINTS_PER_PASS + 1)
+        run([lo + max(1, round(step * (i + 1))) for i in range(POINTS_PER_PASS) if lo + 1 < hi])
+    curve = [
+        p | {"fraction_quantized": fraction(order[: p["kept"]]), "meets": p["damage"] <= budget}
+        for _, p in sorted(points.items())
+    ]
+    return hi, curve
+
+
+def unit_amax(units: list[Unit], calibration: Calibration | None) -> dict[str, float] | None:
+    """Each unit's largest calibrated input amax over its members (None: no calibration)."""
+    if calibration is None:
+        return None
+    return {
+        u.name: max(float(calibration.input_amax[n]) for n in u.members) if u.members else 0.0
+        for u in units
+        if all(n in calibration.input_amax for n in u.members)
+    }
+
+
+def verdict(metric: str, budget: float, s: Scores, base: Scores) -> dict:
+    """The held-out measure of one configuration with its 95% paired bootstrap interval, and whether
+    the interval's upper bound meets the budget (and by how much it misses)."""
+    if metric == "kl":
+        e = stats.estimate(s.window_kl)
+        value, ci = e["value"], e["ci"]
+    else:
+        d = stats.paired_delta(base.window_nll, s.window_nll, stats.ratio_pct_of_exp)
+        value, ci = d["delta"], d["ci"]
+    upper = ci[1]
+    meets = bool(upper <= budget) if not math.isnan(upper) else False
+    return {
+        "value": value,
+        "ci": ci,
+        "n": len(s.window_nll),
+        "meets": meets,
+        "miss": None if meets or math.isnan(upper) else upper - budget,
+        "kl": s.kl_div,
+        "ppl_increase": damage("ppl", s, base),
+    }
+
+
+def held_out(
+    scorer: Scorer,
+    recipe: Recipe,
+    units: list[Unit],
+    order: list[Unit],
+    k: int,
+    amax: dict[str, float] | None,
+    input_ids: torch.Tensor,
+    metric: str,
+    budget: float,
+    seed: int,
+) -> tuple[dict, list[dict]]:
+    """The chosen configuration's verdict on the held-out windows, and the baselines' (the recipe
+    whole; the same number of units by largest input amax; at random, RANDOM_DRAWS seeded draws),
+    all evaluated together on those windows."""
+    configs = {"searched": order[:k], "recipe": []}
+    if 0 < k < len(units):
+        if amax is not None and len(amax) == len(units):
+            configs["amax"] = sorted(units, key=lambda u: -amax[u.name])[:k]
+        for draw in range(RANDOM_DRAWS):
+            configs[f"random:{draw}"] = random.Random(seed + draw).sample(units, k)
+    scores, base = scorer.score(
+        [config_recipe(recipe, kept, name) for name, kept in configs.items()],
+        input_ids,
+        "held-out verification",
+    )
+    results = {
+        name: verdict(metric, budget, scores[name], base)
+        | {"kept": sorted(u.name for u in kept), "count": len(kept)}
+        for name, kept in configs.items()
+    }
+    baselines = [{"name": name} | r for name, r in results.items() if name != "searched"]
+    return results["searched"], baselines

@@ -1,0 +1,143 @@
+"""ptq search on tiny random models: the files it writes, the recipe it writes, the budget logic,
+units that never split what the engine fuses."""
+
+from __future__ import annotations
+
+import json
+
+import families
+import pytest
+import yaml
+
+from ptq.models.matmuls import linearize
+from ptq.quantization import engines
+from ptq.quantization.plan import resolve_plan
+from ptq.quantization.recipes import load_recipe
+from ptq.search.search import units_of
+
+SMALL = {
+    "calib_data": None,  # filled with the text file
+    "calib_samples": 4,
+    "seq_len": 32,
+    "max_windows": 8,
+    "quiet": True,
+}
+
+
+def _search(ptq_run, model, text, out, **flags):
+    given = SMALL | {"calib_data": text, "eval_data": text, "out": out, "force": True} | flags
+    return ptq_run("search", model, **given)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-moe")
+    families.build("qwen3_moe").save_pretrained(path)
+    families.make_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_search_writes_a_recipe_that_compare_and_inspect_accept(
+    ptq_run, tiny_model, text_file, tmp_path
+):
+    out = tmp_path / "search"
+    code, _, err = _search(ptq_run, tiny_model, text_file, out, max_kl="0.000012")
+    assert code in (0, 1), err
+    assert {p.name for p in out.iterdir()} == {
+        "searched.yaml",
+        "search.json",
+        "search.md",
+        "search.png",
+    }
+    record = json.loads((out / "search.json").read_text())
+    assert record["budget"]["metric"] == "kl" and record["method"]
+    assert record["windows"]["search"] + record["windows"]["held_out"] == 8
+    assert {b["name"] for b in record["baselines"]} >= {"recipe"}
+    assert "## Verdict" in (out / "search.md").read_text()
+    # the recipe keeps exactly the chosen units' layers in bf16, and nothing else beyond lm_head
+    recipe = load_recipe(str(out / "searched.yaml"))
+    kept = {m for u in record["units"] if u["name"] in record["chosen"] for m in u["members"]}
+    code, stdout, err = ptq_run("inspect", tiny_model, recipe=str(out / "searched.yaml"), json=True)
+    assert code == 0, err
+    plan = resolve_plan(
+        linearize(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model)),
+        recipe,
+        "vllm",
+    )
+    assert set(plan.left_out) == kept | {"lm_head"}
+    code, _, err = ptq_run(
+        "compare",
+        tiny_model,
+        recipes=str(out / "searched.yaml"),
+        out=tmp_path / "compare",
+        no_plots=True,
+    )
+    assert code == 0, err
+
+
+def test_budget_zero_keeps_everything_and_huge_keeps_nothing(
+    ptq_run, tiny_model, text_file, tmp_path
+):
+    code, _, err = _search(ptq_run, tiny_model, text_file, tmp_path / "zero", max_kl="0")
+    assert code == 0, err  # every unit kept: the baseline itself, KL exactly 0
+    record = json.loads((tmp_path / "zero" / "search.json").read_text())
+    assert len(record["chosen"]) == len(record["units"]) and record["verdict"]["meets"]
+    assert record["fraction_quantized"] == 0
+    code, _, err = _search(
+        ptq_run, tiny_model, text_file, tmp_path / "huge", max_ppl_increase="1000%"
+    )
+    assert code == 0, err
+    record = json.loads((tmp_path / "huge" / "search.json").read_text())
+    assert record["chosen"] == [] and record["verdict"]["meets"]
+    assert record["budget"]["metric"] == "ppl"
+
+
+def test_moe_search_keeps_experts_whole(ptq_run, moe_model, text_file, tmp_path):
+    out = tmp_path / "moe"
+    code, _, err = _search(ptq_run, moe_model, text_file, out, max_kl="0")
+    assert code == 0, err
+    record = json.loads((out / "search.json").read_text())
+    experts = [u for u in record["units"] if u["name"].endswith(".experts")]
+    assert experts and all(len(u["members"]) > 3 for u in experts)
+    assert set(record["chosen"]) == {u["name"] for u in record["units"]}
+    text = (out / "searched.yaml").read_text()
+    assert yaml.safe_load(text)["name"] == "fp8-e4m3-searched"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_units_never_split_a_fused_group(family):
+    model = linearize(families.build(family))
+    plan = resolve_plan(model, load_recipe("fp8-e4m3"), "vllm")
+    units = units_of(model, plan)
+    owner = {m: u.name for u in units for m in u.members}
+    assert sorted(owner) == sorted(plan.quantized)  # every quantized matmul in exactly one unit
+    for group in engines.fused_groups(model):
+        assert len({owner[n] for n in group}) == 1, group
+    for group in engines.expert_input_groups(model):
+        assert len({owner[n] for n in group if n in owner}) == 1, group
+    # under transformers each matmul is its own unit
+    plan = resolve_plan(model, load_recipe("fp8-e4m3"), "transformers")
+    assert all(len(u.members) == 1 for u in units_of(model, plan))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"max_kl": "0.01", "recipes": "fp8-e4m3,int8"}, "one recipe"),
+        ({}, "give one budget"),
+        ({"max_kl": "0.01", "max_ppl_increase": "1%"}, "give one budget"),
+        ({"max_kl": "0.01", "low_memory": True}, "--low-memory does not apply"),
+        ({"max_kl": "0.01", "device_map": "auto"}, "--device-map does not apply"),
+        ({"max_kl": "0.01", "recipes": "fp8-e4m3+kv"}, "does not search these"),
+    ],
+)
+def test_refused_in_one_line(ptq_run, tiny_model, text_file, tmp_path, flags, message):
+    code, _, err = _search(ptq_run, tiny_model, text_file, tmp_path / "x", **flags)
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_existing_out_refused_without_force(ptq_run, tiny_model, text_file, tmp_path):
+    (tmp_path / "x").mkdir()
+    code, _, err = _search(ptq_run, tiny_model, text_file, tmp_path / "x", max_kl="1", force=False)
+    assert code == 2 and "already exists" in err
