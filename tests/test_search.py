@@ -141,3 +141,19 @@ def test_existing_out_refused_without_force(ptq_run, tiny_model, text_file, tmp_
     (tmp_path / "x").mkdir()
     code, _, err = _search(ptq_run, tiny_model, text_file, tmp_path / "x", max_kl="1", force=False)
     assert code == 2 and "already exists" in err
+
+
+def test_search_never_writes_over_or_into_what_it_reads(ptq_run, tiny_model, text_file, tmp_path):
+    """The one output rule (ptq.files.check_outputs) holds for search too: not into the model's
+    folder, not over its text, and an existing folder only with --force; refused before any
+    work, nothing written."""
+    before = sorted(p.name for p in tiny_model.iterdir())
+    for out in (tiny_model / "search", text_file):
+        code, _, err = _search(ptq_run, tiny_model, text_file, out, max_kl="0.01")
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tiny_model.iterdir()) == before and text_file.is_file()
+    (tmp_path / "taken").mkdir()
+    code, _, err = _search(
+        ptq_run, tiny_model, text_file, tmp_path / "taken", max_kl="0.01", force=None
+    )
+    assert code == 2 and "--force" in err, err
