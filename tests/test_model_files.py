@@ -212,3 +212,26 @@ def test_remote_code_named_in_the_tokenizer_config_is_said_to_be_there(
     assert code == 2 and one_error_line(err), err
     assert "(auto_map in its tokenizer_config.json), which ptq runs only with" in err, err
     assert not marker.exists()
+
+
+def test_an_exports_source_dtypes_are_read_from_the_files_loading_read(sharded, tmp_path):
+    """source_dtypes (the dtypes the export writes untouched tensors in) reads the shards the index
+    names, as loading does, not a repository's other copy of the weights (Mistral's
+    consolidated.safetensors), nor a file the rule refuses."""
+    import safetensors.torch
+    import torch
+
+    from ptq.errors import PtqError
+    from ptq.export.checkpoint import source_dtypes
+
+    model = copied(sharded, tmp_path / "m")
+    safetensors.torch.save_file(
+        {"model.norm.weight": torch.zeros(64, dtype=torch.float16)},
+        str(model / "consolidated.safetensors"),
+    )
+    assert set(source_dtypes(str(model)).values()) == {torch.float32}
+    shard = last_shard(model)
+    (model / shard).rename(tmp_path / "elsewhere.safetensors")
+    (model / shard).symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(PtqError, match="outside the model folder"):
+        source_dtypes(str(model))
