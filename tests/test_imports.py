@@ -110,9 +110,12 @@ def test_function_local_and_relative_imports_count(tmp_path):
 # layers, never a later layer's (module-level and function-local imports alike). A prefix names a
 # module and the modules under it (`ptq.models` names ptq.models.loading).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # leaves: the package's version, errors, files, progress lines, and the runtime (devices,
+    # leaves: the package's version, errors, files (and which a model may be read from), progress lines, and the runtime (devices,
     # memory, the host allocator, distributed ranks) that every stage may use
-    ("leaves", ("ptq", "ptq.errors", "ptq.files", "ptq.progress", "ptq.runtime")),
+    (
+        "leaves",
+        ("ptq", "ptq.errors", "ptq.files", "ptq.model_files", "ptq.progress", "ptq.runtime"),
+    ),
     # number formats, granularities and the kernels that round to them
     ("numerics", ("ptq.numerics",)),
     # a model: loading it, and finding its matmuls

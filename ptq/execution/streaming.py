@@ -41,7 +41,6 @@ import contextlib
 import copy
 import dataclasses
 import gc
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,11 +50,13 @@ import torch
 from torch import nn
 
 from ptq.errors import PtqError, unreadable_weights
+from ptq.model_files import read_config, refuse_extra_layers, safetensors_files
 from ptq.models.damage import check_parameters
 from ptq.models.loading import (
     LoadedModel,
     local_directory,
     model_kind,
+    one_line,
     stored_dequantizer,
     to_compute,
     weightless,
@@ -83,21 +84,15 @@ class SafetensorsCheckpoint:
         self.dequantizer = dequantizer
         # weights stored [in, out] (Conv1D's): dequantized as [out, in], per row
         self.transposed: set[str] = set()
-        index = self.directory / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                raise PtqError(f"{index} is not a readable safetensors index") from None
-        else:
-            files = [p.name for p in sorted(self.directory.glob("*.safetensors"))]
+        # the files the index names, or every .safetensors file, each inside the folder
+        files = safetensors_files(self.directory)
         self.file: dict[str, Path] = {}
         # a name the tensor is read under -> its name in the file, where they differ
         self.stored: dict[str, str] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}  # safetensors dtype names: "BF16", "F32", ...
-        for name in files:
-            path = self.directory / name
+        for path in files:
+            name = path.name
             try:
                 with safetensors.safe_open(str(path), framework="pt") as f:
                     for key in f.keys():
@@ -216,10 +211,7 @@ def _directory(spec: str | None) -> Path | None:
     if found is None:
         return None
     directory = found[0]
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    config = read_config(directory)  # one line for malformed or too deeply nested JSON
     if not isinstance(config, dict) or not any(directory.glob("*.safetensors")):
         return None
     quantized = config.get("quantization_config")
@@ -287,8 +279,7 @@ def load_streamed(
             str(directory), trust_remote_code=trust_remote_code
         )
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PtqError(f"cannot load model '{spec}': {reason}") from None
+        raise PtqError(f"cannot load model '{spec}': {one_line(e, directory=directory)}") from None
     quantized = getattr(config, "quantization_config", None)
     # an FP8 or 8-bit compressed-tensors checkpoint: read dequantized, as in memory
     if quantized is not None:
@@ -303,6 +294,8 @@ def load_streamed(
     checkpoint = SafetensorsCheckpoint(directory, dequantizer)
     built = weightless(config, spec)  # no remote code: streamed architectures are transformers' own
     checkpoint.add_prefix(getattr(built, "base_model_prefix", ""))
+    # as in memory (ptq.models.loading.check_loading_info): layers past the config's are refused
+    refuse_extra_layers(built, list(checkpoint.file), spec)
     _tie_as_loaded(built, checkpoint)
     model = linearize(copy.deepcopy(built))
     layers = decoder_layers(model)

@@ -39,6 +39,7 @@ from ptq.export.format import (
     quantization_config,
     weight_scale_shape,
 )
+from ptq.model_files import safetensors_files
 from ptq.models.damage import check_parameter
 from ptq.models.matmuls import ROUTER, kind, quantizable
 from ptq.models.names import checkpoint_names, saved_names
@@ -108,7 +109,8 @@ def source_dtypes(location: str) -> SourceDtypes:
             return SourceDtypes({}, {})
     dtypes: dict[str, torch.dtype] = {}
     elements: collections.Counter = collections.Counter()
-    for path in sorted(directory.glob("*.safetensors")):
+    # the files loading read (those the index names), by the rule loading follows (ptq.model_files)
+    for path in safetensors_files(directory):
         with safetensors.safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 piece = f.get_slice(key)

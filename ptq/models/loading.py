@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ptq import model_files
 from ptq.errors import PtqError
 from ptq.files import atomic_dir, cache_root, make_dir
 from ptq.models.matmuls import linearize, quantizable
@@ -144,6 +145,7 @@ def _model_folder(
         raise PtqError(f"model folder or file {spec} does not exist: {EXPECTED}")
     if not (directory / "config.json").is_file():
         raise PtqError(f"{spec} is not a Hugging Face model directory (no config.json)")
+    model_files.check_folder(directory)
     source = str(directory.resolve()) if local else hub_source(spec, directory)
     quantized = dequantized_loading(
         _read_config(directory / "config.json"), directory.name if local else spec, spec
@@ -417,9 +419,8 @@ def _weight_files(directory: Path, allow_pickle: bool) -> list[str]:
         names.append(("pytorch_model.bin.index.json", "pytorch_model.bin"))
     files: list[str] = []
     for index, single in names:
-        config = _read_config(directory / index)
-        weight_map = config.get("weight_map") if isinstance(config, dict) else None
-        files += sorted(set(weight_map.values())) if isinstance(weight_map, dict) else [single]
+        weight_map = model_files.weight_map(directory, index)
+        files += sorted(set(weight_map.values())) if weight_map is not None else [single]
     return files
 
 
@@ -562,9 +563,13 @@ def local_directory(
         return directory, caveats, found[1]
     directory = Path(spec).expanduser()
     if model_kind(spec) == "folder":
-        return (directory, (), str(directory.resolve())) if directory.is_dir() else None
+        if not directory.is_dir():
+            return None
+        model_files.check_folder(directory)
+        return directory, (), str(directory.resolve())
     if hub_repo(spec):
         directory = hub_snapshot(spec)
+        model_files.check_folder(directory)
         return directory, (), hub_source(spec, directory)
     return None
 
@@ -637,7 +642,7 @@ def _from_pretrained(
                     raise PtqError(
                         f"cannot load model '{spec}': {f} is not valid JSON ({one_line(bad)})"
                     ) from None
-        raise PtqError(f"cannot load model '{spec}': {one_line(e)}") from None
+        raise PtqError(f"cannot load model '{spec}': {one_line(e, directory=location)}") from None
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             location,
@@ -653,7 +658,7 @@ def _from_pretrained(
         )
     # transformers raises OSError, ValueError, safetensors errors, ... for bad models
     except Exception as e:
-        raise PtqError(f"cannot load model '{spec}': {one_line(e)}") from None
+        raise PtqError(f"cannot load model '{spec}': {one_line(e, directory=location)}") from None
     check_loading_info(model, info, spec)
     model.eval()
     model.requires_grad_(False)
@@ -674,6 +679,8 @@ def check_loading_info(model: nn.Module, info: dict, spec: str) -> None:
             f"checkpoint but {list(expected)} in {type(model).__name__} as its config.json "
             f"describes it{more(mismatched)}: the checkpoint does not match its config"
         )
+    # tensors the model does not use are dropped by transformers, named only in that report
+    model_files.refuse_extra_layers(model, info.get("unexpected_keys") or (), spec)
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise PtqError(
@@ -700,16 +707,18 @@ def _tokenizer_files(directory: Path) -> list[str]:
     return [name for name in TOKENIZER_FILES if (directory / name).is_file()]
 
 
-def one_line(e: Exception, limit: int = 400) -> str:
+def one_line(e: Exception, limit: int = 400, directory: Path | str | None = None) -> str:
     """An exception's whole message on one line (transformers' span several, and the first alone can
     stop mid-sentence), cut at `limit` characters. Where the message tells a Python caller what to
     pass (transformers' trust_remote_code, torch.load's weights_only), what the user of ptq can do
-    instead."""
+    instead; for remote code, naming the files of the model folder `directory` that ask for it."""
     text = " ".join(str(e).split()) or type(e).__name__
     # transformers' advice, with an hf.co address made from a local path
-    if "trust_remote_code=True" in text:
+    if "trust_remote_code=True" in text or "contains custom code which must be executed" in text:
+        named = model_files.remote_code_files(Path(directory)) if directory is not None else []
+        where = " and ".join(named) if named else "its config"
         return (
-            "it runs code of its own (auto_map in its config.json), which ptq runs only with "
+            f"it runs code of its own (auto_map in its {where}), which ptq runs only with "
             "--trust-remote-code: read that code first"
         )
     # torch.load's advice is weights_only=False, which ptq never passes
@@ -725,15 +734,9 @@ def one_line(e: Exception, limit: int = 400) -> str:
 
 
 def _read_config(path: Path) -> dict | None:
-    """A JSON file (config.json, a weights index) as a dict; None when it cannot be read
-    (transformers then says what is wrong with a config)."""
-    import json
-
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
+    """A model folder's config.json as a dict (ptq.models.model_files.read_config: malformed or too
+    deeply nested JSON, and an invalid layer count, are one line); None without one."""
+    return model_files.read_config(path.parent)
 
 
 # quant_method of an already quantized checkpoint -> the transformers config class that loads it

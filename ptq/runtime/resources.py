@@ -29,18 +29,12 @@ def checkpoint_parameters(directory: Path) -> int | None:
     the common case); None if unknown. With a model.safetensors.index.json, only the files its
     weight_map names, which are what loads (Mistral's repositories also ship the same weights as
     consolidated.safetensors)."""
-    import json
-
     import safetensors
 
-    files = sorted(Path(directory).glob("*.safetensors"))
-    index = Path(directory) / "model.safetensors.index.json"
-    if files and index.is_file():
-        try:
-            named = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise PtqError(f"{index} is not a readable safetensors index") from None
-        files = [Path(directory) / name for name in sorted(named)]
+    from ptq.model_files import safetensors_files
+
+    # the files the index names (each inside the folder: ptq.model_files), or every one
+    files = safetensors_files(directory) if any(Path(directory).glob("*.safetensors")) else []
     if files:
         total, packed, unpacked = 0, {}, {}
         for f in files:
