@@ -148,6 +148,9 @@ def _compressed_tensors(qc: dict, table: Table, spec: str) -> list[tuple[str, st
             raise _missing(table, name, scale)
         # several groups of the same type (other tools'): the shape must fit one of them
         needs = [_scale_shape(shape, s[1]) for s in fitting]
+        # Conv1D weights (GPT-2's) are stored [in, out], their scales per output still
+        if len(shape) == 2:
+            needs += [_scale_shape(shape[::-1], s[1]) for s in fitting]
         got = table[scale][2]
         if not any(_fits(got, need) for need in needs):
             strategy = fitting[0][1].get("strategy")
