@@ -63,6 +63,7 @@ from ptq.models.loading import (
 )
 from ptq.models.matmuls import kind, linearize, quantizable
 from ptq.models.names import checkpoint_names, saved_names
+from ptq.models.quantized import check_quantized_tensors
 from ptq.runtime.devices import LAYER_BY_LAYER_WAYS_OUT, default_device
 
 LOW_MEMORY_FLAG = "--low-memory"
@@ -79,7 +80,7 @@ class SafetensorsCheckpoint:
     dequantized by `dequantizer` (ptq.models.loading.stored_dequantizer): its codes times its
     scales, in float32, as transformers loads it."""
 
-    def __init__(self, directory: Path, dequantizer=None):
+    def __init__(self, directory: Path, dequantizer=None, quantization_config=None):
         self.directory = Path(directory)
         self.dequantizer = dequantizer
         # weights stored [in, out] (Conv1D's): dequantized as [out, in], per row
@@ -111,6 +112,11 @@ class SafetensorsCheckpoint:
                 raise
             except Exception as e:
                 raise unreadable_weights(path, e) from None
+        # a damaged quantized checkpoint (a scale missing, of the wrong shape or sign) is refused
+        # before any of its weights is read
+        if quantization_config is not None:
+            table = {k: (p, self.dtype[k], self.shape[k]) for k, p in self.file.items()}
+            check_quantized_tensors(quantization_config, table, str(self.directory))
 
     def add_prefix(self, prefix: str) -> None:
         """A checkpoint of the base model alone (openai-community/gpt2's `wte.weight`, not
@@ -291,7 +297,9 @@ def load_streamed(
         del config.quantization_config  # the model is built, run and exported as a 16/32-bit one
     else:
         dequantizer = None
-    checkpoint = SafetensorsCheckpoint(directory, dequantizer)
+    checkpoint = SafetensorsCheckpoint(
+        directory, dequantizer, stored["quantization_config"] if dequantizer else None
+    )
     built = weightless(config, spec)  # no remote code: streamed architectures are transformers' own
     checkpoint.add_prefix(getattr(built, "base_model_prefix", ""))
     # as in memory (ptq.models.loading.check_loading_info): layers past the config's are refused

@@ -93,6 +93,8 @@ def load_model(
                 )
     if memory_check:  # dequantized: as large in float32 as a 16-bit checkpoint
         _check_memory(Path(directory), copies, device, spec)
+    if quantized is not None:  # its tensors as its config says, before any reader uses them
+        _check_quantized(Path(directory), spec)
     # transformers' compressed-tensors loader quantizes Linear layers only: on Conv1D's codes and
     # scales 5.25 fails (the fallback below), but 5.17 loads the int8 codes as the weights,
     # silently, so a quantized Conv1D model goes to ptq's layer-by-layer reader (the one
@@ -151,6 +153,18 @@ def _model_folder(
         _read_config(directory / "config.json"), directory.name if local else spec, spec
     )
     return directory, local, source, quantized
+
+
+def _check_quantized(directory: Path, spec: str) -> None:
+    """An already quantized checkpoint's weight files (those its index names) checked against its
+    quantization_config (ptq.models.quantized): a damaged one is refused before it loads."""
+    from ptq.files import read_json
+    from ptq.models.quantized import check_quantized_files
+
+    config = read_json(directory / "config.json", f"config.json of {spec}")
+    files = [directory / f for f in _weight_files(directory, False) if (directory / f).is_file()]
+    if isinstance(config, dict):
+        check_quantized_files(config.get("quantization_config"), files, spec)
 
 
 def _ptq_reads(directory: Path) -> bool:
@@ -821,6 +835,9 @@ def stored_dequantizer(directory: Path, config: dict, spec: str) -> tuple[object
         return None
     # refuses what cannot be dequantized, in one line
     caveat = dequantized_loading(config, directory.name, spec)[1]
+    from ptq.models.quantized import check_quantization_config
+
+    check_quantization_config(qc, spec)  # in ptq's words, before the converter's
     from compressed_tensors.entrypoints.convert import (
         CompressedTensorsDequantizer,
         FP8BlockDequantizer,
