@@ -17,6 +17,8 @@ from torch import nn
 
 from ptq.errors import PtqError
 from ptq.export.checkpoint import remote_code_files
+from ptq.files import read_json
+from ptq.models.quantized import check_quantized_files
 
 
 def reload(
@@ -147,7 +149,10 @@ def reload_dequantized(
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = json.loads((Path(directory) / "config.json").read_text())
+    config = read_json(Path(directory) / "config.json", f"config.json of {directory}")
+    # the same check of codes against their scales as every other reader's, before any is used
+    files = sorted(Path(directory).glob("*.safetensors"))
+    check_quantized_files(config.get("quantization_config"), files, str(directory))
     scheme = next(iter(config.pop("quantization_config")["config_groups"].values()))
     weight_args = scheme.get("weights") or {}
     tile = (
