@@ -9,6 +9,7 @@ import families
 import pytest
 import yaml
 
+from ptq.commands.search import FILES
 from ptq.models.matmuls import linearize
 from ptq.quantization import engines
 from ptq.quantization.plan import resolve_plan
@@ -157,3 +158,59 @@ def test_search_never_writes_over_or_into_what_it_reads(ptq_run, tiny_model, tex
         ptq_run, tiny_model, text_file, tmp_path / "taken", max_kl="0.01", force=None
     )
     assert code == 2 and "--force" in err, err
+
+
+FAMILY_RUN = {"calib_samples": 2, "seq_len": 16, "max_windows": 4}
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_search_on_every_family(family, ptq_run, text_file, tmp_path):
+    """Every supported family through `ptq search`, with a budget that forces a choice (a quarter
+    of the whole recipe's KL, as a first search with no binding budget measured it on the same
+    windows): exit 0 or 1 with the files written, the recipe loads, its plan keeps exactly the
+    chosen units' layers in 16-bit, no unit splits a fused group."""
+    import transformers
+
+    model_dir = tmp_path / family
+    families.build(family).save_pretrained(model_dir)
+    families.make_tokenizer().save_pretrained(model_dir)
+    free = tmp_path / "free"
+    code, _, err = _search(
+        ptq_run, model_dir, text_file, free, max_ppl_increase="1000%", **FAMILY_RUN
+    )
+    assert code in (0, 1), err
+    whole = json.loads((free / "search.json").read_text())["curve"][0]
+    assert whole["kept"] == 0 and whole["kl"] > 0
+    out = tmp_path / "search"
+    code, _, err = _search(
+        ptq_run, model_dir, text_file, out, max_kl=f"{whole['kl'] / 4:.3g}", **FAMILY_RUN
+    )
+    assert code in (0, 1), err
+    assert {p.name for p in out.iterdir()} == set(FILES)
+    record = json.loads((out / "search.json").read_text())
+    assert 0 < len(record["chosen"]) < len(record["units"])  # a choice, not an end of the curve
+    recipe = load_recipe(str(out / "searched.yaml"))
+    model = linearize(transformers.AutoModelForCausalLM.from_pretrained(model_dir))
+    plan = resolve_plan(model, recipe, "vllm")
+    full = resolve_plan(model, load_recipe("fp8-e4m3"), "vllm")
+    kept = {m for u in record["units"] if u["name"] in record["chosen"] for m in u["members"]}
+    assert set(plan.left_out) - set(full.left_out) == kept
+    assert set(plan.quantized) == set(full.quantized) - kept
+    owner = {m: u["name"] for u in record["units"] for m in u["members"]}
+    assert sorted(owner) == sorted(full.quantized)
+    for group in engines.fused_groups(model) + engines.expert_input_groups(model):
+        assert len({owner.get(n) for n in group}) == 1, group
+
+
+def test_units_that_would_split_a_served_group_are_refused(monkeypatch):
+    """A group vLLM serves together that the units cannot hold whole is refused in one line, never
+    searched mis-grouped."""
+    from ptq.errors import PtqError
+
+    model = linearize(families.build("llama"))
+    plan = resolve_plan(model, load_recipe("fp8-e4m3"), "vllm")
+    odd = ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    monkeypatch.setattr(engines, "expert_input_groups", lambda m: [odd])
+    with pytest.raises(PtqError, match="cannot form search units") as e:
+        units_of(model, plan)
+    assert "\n" not in str(e.value)
