@@ -14,7 +14,8 @@ from ptq.models.matmuls import linearize
 from ptq.quantization import engines
 from ptq.quantization.plan import resolve_plan
 from ptq.quantization.recipes import load_recipe
-from ptq.search.search import units_of
+from ptq.reporting.search import search_markdown
+from ptq.search.search import closest, units_of
 
 SMALL = {
     "calib_data": None,  # filled with the text file
@@ -54,6 +55,7 @@ def test_search_writes_a_recipe_that_compare_and_inspect_accept(
     assert record["budget"]["metric"] == "kl" and record["method"]
     assert record["windows"]["search"] + record["windows"]["held_out"] == 8
     assert {b["name"] for b in record["baselines"]} >= {"recipe"}
+    assert (record["closest"] is None) == record["verdict"]["meets"]
     assert "## Verdict" in (out / "search.md").read_text()
     # the recipe keeps exactly the chosen units' layers in bf16, and nothing else beyond lm_head
     recipe = load_recipe(str(out / "searched.yaml"))
@@ -200,6 +202,67 @@ def test_search_on_every_family(family, ptq_run, text_file, tmp_path):
     assert sorted(owner) == sorted(full.quantized)
     for group in engines.fused_groups(model) + engines.expert_input_groups(model):
         assert len({owner.get(n) for n in group}) == 1, group
+
+
+def _measured(name, kept, upper, budget=0.01):
+    return {
+        "name": name,
+        "kept": kept,
+        "count": len(kept),
+        "value": upper / 2,
+        "ci": [0.0, upper],
+        "n": 4,
+        "meets": upper <= budget,
+        "miss": None if upper <= budget else upper - budget,
+    }
+
+
+def test_closest_configuration_when_the_held_out_check_misses():
+    """A miss names the configuration evaluated on the held-out windows whose upper bound came
+    nearest the budget (a baseline that keeps the searched units is the same configuration); a
+    searched configuration alone says it was the only one verified; a meet names none."""
+    searched = _measured("searched", ["a"], 0.03)
+    baselines = [
+        _measured("recipe", [], 0.05),
+        _measured("amax", ["b"], 0.02),
+        _measured("random:0", ["a"], 0.001),  # the searched configuration itself
+        {"name": "skipped", "skipped": "no amax"},
+    ]
+    c = closest({k: v for k, v in searched.items() if k != "name"}, baselines)
+    assert c["name"] == "amax" and c["count"] == 1 and not c["only"] and c["verified"] == 3
+    assert c["miss"] == pytest.approx(0.01)
+    c = closest(searched, [_measured("recipe", ["a"], 0.05)])
+    assert c["name"] == "searched" and c["only"]
+    assert closest(_measured("searched", ["a"], 0.001), baselines) is None
+    record = {
+        "model": "m",
+        "recipe": "fp8-e4m3",
+        "target": "vllm",
+        "budget": {
+            "metric": "kl",
+            "flag": "--max-kl",
+            "given": "0.01",
+            "value": 0.01,
+            "measure": "mean KL (nats per token)",
+        },
+        "verdict": searched,
+        "baselines": baselines[:2],
+        "closest": closest(searched, baselines),
+        "chosen": ["a"],
+        "units": [{"name": "a", "params": 1, "sensitivity": 0.1, "patterns": ["a"]}],
+        "fraction_quantized": 0.5,
+        "windows": {"description": "d", "total": 8},
+        "units_description": "u",
+        "method": "m",
+        "selection": "s",
+        "cost": {"forwards": 1, "evaluations": 1.0, "seconds": 1.0, "sensitivity_seconds": 0.5},
+        "curve": [],
+    }
+    md = search_markdown(record)
+    assert "Closest configuration on the held-out windows (3 verified): **amax**, 1 unit(s)" in md
+    assert "misses it by 0.01 nats" in md
+    record["closest"] = closest(searched, [_measured("recipe", ["a"], 0.05)])
+    assert "the only configuration verified" in search_markdown(record)
 
 
 def test_units_that_would_split_a_served_group_are_refused(monkeypatch):

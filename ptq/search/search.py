@@ -303,3 +303,30 @@ def held_out(
     }
     baselines = [{"name": name} | r for name, r in results.items() if name != "searched"]
     return results["searched"], baselines
+
+
+def closest(verdict: dict, baselines: list[dict]) -> dict | None:
+    """When the searched configuration misses the budget on the held-out windows: of the
+    configurations evaluated there, the one whose interval's upper bound came nearest to the budget
+    (the searched one itself included; baselines that keep the same units as the searched one are
+    the same configuration and not counted again), with `only` true where the searched
+    configuration was the only one verified. None when it meets the budget."""
+    if verdict["meets"]:
+        return None
+    searched = {"name": "searched"} | verdict
+    others = [b for b in baselines if "ci" in b and sorted(b["kept"]) != sorted(verdict["kept"])]
+    verified = [x for x in [searched, *others] if not math.isnan(x["ci"][1])]
+    if not verified:
+        return {"name": None, "only": not others, "verified": 0}
+    best = min(verified, key=lambda x: x["ci"][1])
+    return {
+        "name": best["name"],
+        "count": best["count"],
+        "kept": best["kept"],
+        "value": best["value"],
+        "ci": best["ci"],
+        "meets": best["meets"],
+        "miss": best["miss"],
+        "only": not others,
+        "verified": len(verified),
+    }
