@@ -376,6 +376,71 @@ def main() -> None:
         f"eager ops {gbps(t_qdq):.1f} GB/s; torch cast round trip {gbps(t_cast):.1f} GB/s; copy {gbps(t_copy):.1f} GB/s"
     )
     moe_ratios(args.repeats)
+    for text in search_cost(loaded.tokenizer, tmp):
+        print(text)
+
+
+SEARCH_SIZE = dict(layers=4, hidden=256, windows=8, seq_len=128, budget="0.001")
+
+
+def search_cost(tokenizer, tmp: Path, **size) -> list[str]:
+    """`ptq search` on a small random Llama (the default model's tokenizer; SEARCH_SIZE, a budget
+    stated, no target): its window forwards and its wall time as a multiple of one evaluation of the
+    same model and windows (the baseline and one fp8-e4m3 variant quantized and evaluated). The
+    search's wall time is its own, from its first sensitivity evaluation to its verdict; loading,
+    cutting windows and calibrating, which it shares with compare, are not counted."""
+    import transformers
+
+    from ptq.commands.search import parse_budget, run_search
+
+    n = SEARCH_SIZE | size
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=n["hidden"],
+        intermediate_size=2 * n["hidden"],
+        num_hidden_layers=n["layers"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(256, n["seq_len"]),
+    )
+    torch.manual_seed(0)
+    model_dir = tmp / "search-model"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = DataOptions(seq_len=n["seq_len"], windows=n["windows"])
+    calib = CalibrationOptions(samples=4, seq_len=n["seq_len"])
+    record = run_search(
+        ["fp8-e4m3"],
+        parse_budget(n["budget"], None),
+        model=ModelOptions(model=str(model_dir)),
+        data=data,
+        calibration=calib,
+        output=OutputOptions(path=tmp / "search", force=True),
+    )
+    # one evaluation: the same model, windows and calibration text, the baseline and one variant
+    loaded = load_model(str(model_dir), dtype=compute_dtype(None, default_device()))
+    ids = make_windows(
+        load_corpus(None, "evaluation"), loaded.tokenizer, n["seq_len"], n["windows"]
+    ).input_ids
+    assert len(ids) == record["windows"]["total"], (len(ids), record["windows"])
+    calib_ids = make_windows(
+        load_corpus(None, "calibration"), loaded.tokenizer, n["seq_len"], 4
+    ).input_ids
+    e4m3 = load_recipe("fp8-e4m3")
+    calibration = calibrate(loaded.model, calib_ids, calibrated_layers(loaded.model, e4m3))
+    recipes = [load_recipe("bf16"), e4m3]
+    t_eval = once(lambda: evaluate(quantize_variants(loaded.model, recipes, calibration), ids))
+    cost = record["cost"]
+    what = (
+        f"search (random Llama {n['layers']} layers x {n['hidden']}, {len(record['units'])} "
+        f"units, {len(ids)} windows x {n['seq_len']} tokens, --max-kl {n['budget']})"
+    )
+    return [
+        f"INFO  {what}: {cost['evaluations']:.1f}x one evaluation's window forwards "
+        f"({cost['forwards']} / {2 * len(ids)}), {cost['seconds'] / t_eval:.1f}x its wall time "
+        f"({cost['seconds']:.1f} s / {t_eval:.2f} s; no target; a small random model, not the "
+        "default one, whose search, a forward per unit and window, is too long for the bench)"
+    ]
 
 
 def moe_ratios(repeats: int) -> None:

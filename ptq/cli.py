@@ -285,6 +285,7 @@ def search(
     """
     progress.QUIET = quiet or as_json
     from ptq.commands.search import parse_budget, run_search
+    from ptq.reporting.search import closest_line
 
     budget = parse_budget(max_kl, max_ppl_increase)
     record = run_search(_split(recipes), budget, **options)
@@ -304,6 +305,8 @@ def search(
             highlight=False,
             soft_wrap=True,
         )
+        if line := closest_line(record):
+            progress.stderr.print(escape(line.replace("**", "")), highlight=False, soft_wrap=True)
         print(f"wrote {options['output'].path}/searched.yaml, search.json, search.md, search.png")
     if not record["verdict"]["meets"]:
         raise typer.Exit(1)

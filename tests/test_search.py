@@ -9,11 +9,13 @@ import families
 import pytest
 import yaml
 
+from ptq.commands.search import FILES
 from ptq.models.matmuls import linearize
 from ptq.quantization import engines
 from ptq.quantization.plan import resolve_plan
 from ptq.quantization.recipes import load_recipe
-from ptq.search.search import units_of
+from ptq.reporting.search import search_markdown
+from ptq.search.search import closest, units_of
 
 SMALL = {
     "calib_data": None,  # filled with the text file
@@ -53,6 +55,7 @@ def test_search_writes_a_recipe_that_compare_and_inspect_accept(
     assert record["budget"]["metric"] == "kl" and record["method"]
     assert record["windows"]["search"] + record["windows"]["held_out"] == 8
     assert {b["name"] for b in record["baselines"]} >= {"recipe"}
+    assert (record["closest"] is None) == record["verdict"]["meets"]
     assert "## Verdict" in (out / "search.md").read_text()
     # the recipe keeps exactly the chosen units' layers in bf16, and nothing else beyond lm_head
     recipe = load_recipe(str(out / "searched.yaml"))
@@ -157,3 +160,120 @@ def test_search_never_writes_over_or_into_what_it_reads(ptq_run, tiny_model, tex
         ptq_run, tiny_model, text_file, tmp_path / "taken", max_kl="0.01", force=None
     )
     assert code == 2 and "--force" in err, err
+
+
+FAMILY_RUN = {"calib_samples": 2, "seq_len": 16, "max_windows": 4}
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_search_on_every_family(family, ptq_run, text_file, tmp_path):
+    """Every supported family through `ptq search`, with a budget that forces a choice (a quarter
+    of the whole recipe's KL, as a first search with no binding budget measured it on the same
+    windows): exit 0 or 1 with the files written, the recipe loads, its plan keeps exactly the
+    chosen units' layers in 16-bit, no unit splits a fused group."""
+    import transformers
+
+    model_dir = tmp_path / family
+    families.build(family).save_pretrained(model_dir)
+    families.make_tokenizer().save_pretrained(model_dir)
+    free = tmp_path / "free"
+    code, _, err = _search(
+        ptq_run, model_dir, text_file, free, max_ppl_increase="1000%", **FAMILY_RUN
+    )
+    assert code in (0, 1), err
+    whole = json.loads((free / "search.json").read_text())["curve"][0]
+    assert whole["kept"] == 0 and whole["kl"] > 0
+    out = tmp_path / "search"
+    code, _, err = _search(
+        ptq_run, model_dir, text_file, out, max_kl=f"{whole['kl'] / 4:.3g}", **FAMILY_RUN
+    )
+    assert code in (0, 1), err
+    assert {p.name for p in out.iterdir()} == set(FILES)
+    record = json.loads((out / "search.json").read_text())
+    assert 0 < len(record["chosen"]) < len(record["units"])  # a choice, not an end of the curve
+    recipe = load_recipe(str(out / "searched.yaml"))
+    model = linearize(transformers.AutoModelForCausalLM.from_pretrained(model_dir))
+    plan = resolve_plan(model, recipe, "vllm")
+    full = resolve_plan(model, load_recipe("fp8-e4m3"), "vllm")
+    kept = {m for u in record["units"] if u["name"] in record["chosen"] for m in u["members"]}
+    assert set(plan.left_out) - set(full.left_out) == kept
+    assert set(plan.quantized) == set(full.quantized) - kept
+    owner = {m: u["name"] for u in record["units"] for m in u["members"]}
+    assert sorted(owner) == sorted(full.quantized)
+    for group in engines.fused_groups(model) + engines.expert_input_groups(model):
+        assert len({owner.get(n) for n in group}) == 1, group
+
+
+def _measured(name, kept, upper, budget=0.01):
+    return {
+        "name": name,
+        "kept": kept,
+        "count": len(kept),
+        "value": upper / 2,
+        "ci": [0.0, upper],
+        "n": 4,
+        "meets": upper <= budget,
+        "miss": None if upper <= budget else upper - budget,
+    }
+
+
+def test_closest_configuration_when_the_held_out_check_misses():
+    """A miss names the configuration evaluated on the held-out windows whose upper bound came
+    nearest the budget (a baseline that keeps the searched units is the same configuration); a
+    searched configuration alone says it was the only one verified; a meet names none."""
+    searched = _measured("searched", ["a"], 0.03)
+    baselines = [
+        _measured("recipe", [], 0.05),
+        _measured("amax", ["b"], 0.02),
+        _measured("random:0", ["a"], 0.001),  # the searched configuration itself
+        {"name": "skipped", "skipped": "no amax"},
+    ]
+    c = closest({k: v for k, v in searched.items() if k != "name"}, baselines)
+    assert c["name"] == "amax" and c["count"] == 1 and not c["only"] and c["verified"] == 3
+    assert c["miss"] == pytest.approx(0.01)
+    c = closest(searched, [_measured("recipe", ["a"], 0.05)])
+    assert c["name"] == "searched" and c["only"]
+    assert closest(_measured("searched", ["a"], 0.001), baselines) is None
+    record = {
+        "model": "m",
+        "recipe": "fp8-e4m3",
+        "target": "vllm",
+        "budget": {
+            "metric": "kl",
+            "flag": "--max-kl",
+            "given": "0.01",
+            "value": 0.01,
+            "measure": "mean KL (nats per token)",
+        },
+        "verdict": searched,
+        "baselines": baselines[:2],
+        "closest": closest(searched, baselines),
+        "chosen": ["a"],
+        "units": [{"name": "a", "params": 1, "sensitivity": 0.1, "patterns": ["a"]}],
+        "fraction_quantized": 0.5,
+        "windows": {"description": "d", "total": 8},
+        "units_description": "u",
+        "method": "m",
+        "selection": "s",
+        "cost": {"forwards": 1, "evaluations": 1.0, "seconds": 1.0, "sensitivity_seconds": 0.5},
+        "curve": [],
+    }
+    md = search_markdown(record)
+    assert "Closest configuration on the held-out windows (3 verified): **amax**, 1 unit(s)" in md
+    assert "misses it by 0.01 nats" in md
+    record["closest"] = closest(searched, [_measured("recipe", ["a"], 0.05)])
+    assert "the only configuration verified" in search_markdown(record)
+
+
+def test_units_that_would_split_a_served_group_are_refused(monkeypatch):
+    """A group vLLM serves together that the units cannot hold whole is refused in one line, never
+    searched mis-grouped."""
+    from ptq.errors import PtqError
+
+    model = linearize(families.build("llama"))
+    plan = resolve_plan(model, load_recipe("fp8-e4m3"), "vllm")
+    odd = ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    monkeypatch.setattr(engines, "expert_input_groups", lambda m: [odd])
+    with pytest.raises(PtqError, match="cannot form search units") as e:
+        units_of(model, plan)
+    assert "\n" not in str(e.value)

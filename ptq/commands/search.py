@@ -233,6 +233,7 @@ def _record(prepared, recipe, target, budget, ids, units, found: _Found) -> dict
         "fraction_quantized": found.fraction,
         "verdict": found.verdict,
         "baselines": found.baselines,
+        "closest": s.closest(found.verdict, found.baselines),
         "seed": SEED,
         "cost": {
             "forwards": found.forwards,

@@ -52,6 +52,32 @@ def searched_yaml(record: dict, source: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def closest_line(record: dict) -> str | None:
+    """Which configuration evaluated on the held-out windows came closest to the budget, when the
+    searched one misses it (None when it meets it)."""
+    c = record.get("closest")
+    if c is None:
+        return None
+    if c["name"] is None:
+        return "No configuration could be verified: too few held-out windows for an interval."
+    if c["only"]:
+        return (
+            "Closest configuration: the searched one, the only configuration verified on the "
+            "held-out windows."
+        )
+    unit = " nats" if record["budget"]["metric"] == "kl" else "%"
+    how = "meets the budget" if c["meets"] else f"misses it by {_num(c['miss'])}{unit}"
+    return (
+        f"Closest configuration on the held-out windows ({c['verified']} verified): "
+        f"**{c['name']}**, {c['count']} unit(s) in 16-bit, {_measure(record, c)}; it {how}."
+    )
+
+
+def _closest(record: dict) -> list[str]:
+    line = closest_line(record)
+    return [] if line is None else ["", line]
+
+
 def search_markdown(record: dict) -> str:
     b, v, cost = record["budget"], record["verdict"], record["cost"]
     unit = " nats" if b["metric"] == "kl" else "%"
@@ -79,6 +105,7 @@ def search_markdown(record: dict) -> str:
                 else "**Not verified**: too few held-out windows for an interval."
             )
         ),
+        *_closest(record),
         "",
         "## Method",
         "",

@@ -35,6 +35,7 @@ from torch import nn
 from ptq import progress
 from ptq.calibration.calibrate import Calibration
 from ptq.calibration.clips import quantize_variants
+from ptq.errors import PtqError
 from ptq.evaluation import stats
 from ptq.evaluation.evaluate import Scores, evaluate
 from ptq.quantization import engines
@@ -90,10 +91,28 @@ def units_of(model: nn.Module, plan: Plan) -> list[Unit]:
         key = owner.get(name, name)
         members.setdefault(key, []).append(name)
         patterns.setdefault(key, (name,))
-    return [
+    units = [
         Unit(key, tuple(names), sum(plan.matmuls[n].params for n in names), patterns[key])
         for key, names in members.items()
     ]
+    if plan.target == "vllm":
+        _refuse_split(model, units)
+    return units
+
+
+def _refuse_split(model: nn.Module, units: list[Unit]) -> None:
+    """A group vLLM serves together (fused layers, an experts module's shared input scales) whose
+    quantized members fall in several units cannot be kept in 16-bit as a whole: refused."""
+    owner = {m: u.name for u in units for m in u.members}
+    for group in engines.fused_groups(model) + engines.expert_input_groups(model):
+        owners = sorted({owner[n] for n in group if n in owner})
+        if len(owners) > 1:
+            raise PtqError(
+                f"cannot form search units of this model: {', '.join(group[:3])}"
+                f"{', ...' if len(group) > 3 else ''} are served together under --target vllm "
+                f"but fall in {len(owners)} units ({', '.join(owners[:3])}); search it with "
+                "--target transformers"
+            )
 
 
 def config_recipe(recipe: Recipe, kept: list[Unit], name: str) -> Recipe:
@@ -284,3 +303,30 @@ def held_out(
     }
     baselines = [{"name": name} | r for name, r in results.items() if name != "searched"]
     return results["searched"], baselines
+
+
+def closest(verdict: dict, baselines: list[dict]) -> dict | None:
+    """When the searched configuration misses the budget on the held-out windows: of the
+    configurations evaluated there, the one whose interval's upper bound came nearest to the budget
+    (the searched one itself included; baselines that keep the same units as the searched one are
+    the same configuration and not counted again), with `only` true where the searched
+    configuration was the only one verified. None when it meets the budget."""
+    if verdict["meets"]:
+        return None
+    searched = {"name": "searched"} | verdict
+    others = [b for b in baselines if "ci" in b and sorted(b["kept"]) != sorted(verdict["kept"])]
+    verified = [x for x in [searched, *others] if not math.isnan(x["ci"][1])]
+    if not verified:
+        return {"name": None, "only": not others, "verified": 0}
+    best = min(verified, key=lambda x: x["ci"][1])
+    return {
+        "name": best["name"],
+        "count": best["count"],
+        "kept": best["kept"],
+        "value": best["value"],
+        "ci": best["ci"],
+        "meets": best["meets"],
+        "miss": best["miss"],
+        "only": not others,
+        "verified": len(verified),
+    }
