@@ -285,7 +285,7 @@ def search(
     """
     progress.QUIET = quiet or as_json
     from ptq.commands.search import parse_budget, run_search
-    from ptq.reporting.search import closest_line
+    from ptq.reporting.search import closest_line, verdict_word
 
     budget = parse_budget(max_kl, max_ppl_increase)
     record = run_search(_split(recipes), budget, **options)
@@ -293,7 +293,7 @@ def search(
         _print_json(to_json(record))
     else:
         v = record["verdict"]
-        verdict = "meets" if v["meets"] else "misses"
+        verdict = verdict_word(v)
         progress.stderr.print(
             escape(
                 f"{record['model']}: {len(record['chosen'])} of {len(record['units'])} unit(s) "

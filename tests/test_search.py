@@ -277,3 +277,13 @@ def test_units_that_would_split_a_served_group_are_refused(monkeypatch):
     with pytest.raises(PtqError, match="cannot form search units") as e:
         units_of(model, plan)
     assert "\n" not in str(e.value)
+
+
+def test_a_verdict_without_an_interval_is_not_verified_not_missed():
+    """Too few held-out windows give no interval: the summary says the budget is not verified,
+    never that it is missed (or met)."""
+    from ptq.reporting.search import verdict_word
+
+    assert verdict_word({"meets": True, "miss": None}) == "meets"
+    assert verdict_word({"meets": False, "miss": 0.5}) == "misses"
+    assert verdict_word({"meets": False, "miss": None}) == "is not verified against"

@@ -22,6 +22,14 @@ def _measure(record: dict, v: dict) -> str:
     return f"{_num(v['value'])}{unit} [{_num(lo)}, {_num(hi)}]"
 
 
+def verdict_word(v: dict) -> str:
+    """A held-out verdict in words: it meets the budget only where the interval's upper bound does;
+    without an interval (too few held-out windows) it is not verified, and says so."""
+    if v["meets"]:
+        return "meets"
+    return "misses" if v["miss"] is not None else "is not verified against"
+
+
 def searched_yaml(record: dict, source: dict) -> str:
     """The chosen recipe (`source`: its YAML as a mapping) with the kept units added to its ignore
     list, one comment per unit giving its sensitivity."""
@@ -35,7 +43,7 @@ def searched_yaml(record: dict, source: dict) -> str:
     head = (
         f"# ptq search: {record['model']}, recipe {source['name']}, budget "
         f"{record['budget']['flag']} {record['budget']['given']}\n"
-        f"# held-out verdict: {'meets' if record['verdict']['meets'] else 'misses'} the budget "
+        f"# held-out verdict: {verdict_word(record['verdict'])} the budget "
         f"({_measure(record, record['verdict'])}, 95% interval)\n"
     )
     lines = [head + yaml.safe_dump(data, sort_keys=False, width=1000).rstrip("\n"), "ignore:"]
