@@ -245,9 +245,12 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
             f"{broken / 'tokenizer.json'} is not valid JSON (Expecting property name",
         )
     elif case == "calibration folder":
+        # a folder beside the output (one that held the output would be refused first: an output
+        # is never written into an input of the run)
+        (tmp_path / "calibrations").mkdir()
         extra, expected = (
-            ["--calib", str(tmp_path)],
-            f"calibration file {tmp_path} is a folder: give the .safetensors",
+            ["--calib", str(tmp_path / "calibrations")],
+            f"calibration file {tmp_path / 'calibrations'} is a folder: give the .safetensors",
         )
     else:
         (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
