@@ -182,9 +182,10 @@ def unapplied_input_layers(
     quantizes their inputs), or, for static inputs, every layer when ptq's own reader stands in
     (Conv1D models: it applies dynamic input quantization, not static scales). `dynamic`: whether
     the inputs are dynamic, or the layers whose inputs are (a recipe with overrides)."""
-    if conv1d and dynamic is not True:
-        return [name for name in quantized if not (dynamic and name in dynamic)]
-    in_experts = {
+    if conv1d and not dynamic:
+        return list(quantized)
+    static = set() if dynamic is True or not conv1d else set(quantized) - set(dynamic)
+    in_experts = static | {
         f"{path}.{name}"
         for path, e in model.named_modules()
         if isinstance(e, LinearExperts)
