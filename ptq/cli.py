@@ -534,7 +534,9 @@ def _print_inspect(info: dict) -> None:
         for name in names:
             r = row["recipes"][name]
             cells.append(
-                f"{short(r['weights'])} / {short(r['inputs'])}" if r["quantized"] else "- (bf16)"
+                (f"{short(r['weights'])} / {short(r['inputs'])}" if r["quantized"] else "- (bf16)")
+                # a recipe with overrides: the scheme each layer gets
+                + (f" ({r['scheme']})" if r.get("scheme") not in (None, name, "bf16") else "")
             )
         table.add_row(row["layer"], row["kind"], f"{row['shape'][0]} x {row['shape'][1]}", *cells)
     console = stdout_console()

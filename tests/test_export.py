@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+import yaml
 from conftest import TEXT, make_tokenizer
 
 from ptq import cli, progress
+from ptq.errors import PtqError
+from ptq.quantization.recipes import parse_recipe
 
 FORMATS = {"fp8-e4m3": (torch.float8_e4m3fn, "float", 448.0), "int8": (torch.int8, "int", 127.0)}
 
@@ -1336,3 +1339,77 @@ def test_a_reload_check_that_would_not_fit_keeps_the_checkpoint_unverified(
     else:
         assert info["verification"]["passed"] and "verification_skipped" not in info
     assert read_checkpoint(out)  # written either way
+
+
+MIXED_RECIPE = """\
+name: mixed
+targets: [Linear]
+weights: {format: e4m3, granularity: tensor}
+inputs: {format: e4m3, granularity: tensor}
+overrides:
+  - match: ["model.layers.0.mlp.*"]
+    keep: bf16
+  - match: ["model.layers.1.mlp.*", "model.layers.1.self_attn.o_proj"]
+    scheme: fp8-dynamic
+"""
+
+
+def test_a_recipe_with_overrides_exports_a_config_group_per_scheme_and_verifies(
+    tiny_model, ptq_run, tmp_path
+):
+    """fp8 static per-tensor for most layers, fp8-dynamic for some, bf16 for others: one checkpoint,
+    a config group per scheme (the overrides' layers by name), reloaded by transformers and checked
+    against the simulation; the layer-by-layer export writes the same files."""
+    recipe = tmp_path / "mixed.yaml"
+    recipe.write_text(MIXED_RECIPE)
+    out, streamed = tmp_path / "out", tmp_path / "streamed"
+    code, stdout, err = ptq_run("quantize", tiny_model, recipe=recipe, o=out, quiet=None, samples=2)
+    assert code == 0, err
+    assert "verification passed" in stdout and "input quantization in 11/11 layers" in stdout
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = qc["config_groups"]
+    assert sorted(groups) == ["group_0", "group_1"] and qc["format"] == "float-quantized"
+    assert groups["group_0"]["targets"] == ["Linear"]
+    assert groups["group_0"]["input_activations"]["strategy"] == "tensor"
+    assert groups["group_1"]["targets"] == [
+        "model.layers.1.mlp.down_proj",
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.mlp.up_proj",
+        "model.layers.1.self_attn.o_proj",
+    ]
+    assert groups["group_1"]["weights"]["strategy"] == "channel"
+    assert groups["group_1"]["input_activations"]["dynamic"] is True
+    assert "model.layers.0.mlp.up_proj" in qc["ignore"] and "lm_head" in qc["ignore"]
+    info = json.loads((out / "ptq-export.json").read_text())
+    assert info["verification"]["passed"] and info["recipe"]["weights"].endswith(
+        "overrides: bf16, e4m3 per-channel"
+    )
+    tensors = safetensors.torch.load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.up_proj.input_scale" not in tensors  # bf16
+    assert tensors["model.layers.0.mlp.up_proj.weight"].dtype != torch.float8_e4m3fn
+    assert "model.layers.1.mlp.up_proj.input_scale" not in tensors  # dynamic
+    assert tensors["model.layers.1.mlp.up_proj.weight_scale"].shape == (128, 1)
+    assert tensors["model.layers.1.self_attn.q_proj.input_scale"].shape == (1,)
+    code, _, err = ptq_run(
+        "quantize", tiny_model, recipe=recipe, o=streamed, samples=2, low_memory=True
+    )
+    assert code == 0, err
+    assert json.loads((streamed / "config.json").read_text())["quantization_config"] == qc
+    again = safetensors.torch.load_file(streamed / "model.safetensors")
+    assert again.keys() == tensors.keys()
+    assert all(torch.equal(again[k].float(), tensors[k].float()) for k in tensors)
+
+
+def test_a_recipe_whose_overrides_mix_checkpoint_formats_is_refused(tmp_path):
+    from ptq.export.format import check_exportable
+
+    recipe = parse_recipe(
+        yaml.safe_load(MIXED_RECIPE.replace("scheme: fp8-dynamic", "scheme: int8")), "mixed.yaml"
+    )
+    with pytest.raises(
+        PtqError, match="mixes float-quantized .'mixed'. and int-quantized .'int8'."
+    ):
+        check_exportable(recipe)
+    bad = yaml.safe_load(MIXED_RECIPE.replace("scheme: fp8-dynamic", "scheme: fp8-e5m2"))
+    with pytest.raises(PtqError, match="recipe 'fp8-e5m2' stores weights as e5m2"):
+        check_exportable(parse_recipe(bad))

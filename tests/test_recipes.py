@@ -415,3 +415,155 @@ def test_a_block_that_pads_a_weight_to_many_times_its_size_is_refused(tiny_model
         plan.resolve_plan(model, recipe)
     # the usual 128 x 128 block pads the tiny model's weights a few times: fine
     plan.resolve_plan(model, load_recipe("fp8-block"))
+
+
+MIXED = {
+    "name": "mixed",
+    "targets": ["Linear"],
+    "weights": {"format": "e4m3", "granularity": "tensor"},
+    "inputs": {"format": "e4m3", "granularity": "tensor"},
+    "overrides": [
+        {"match": ["model.layers.0.mlp.*"], "keep": "bf16"},
+        {"match": ["model.layers.1.mlp.*"], "scheme": "fp8-dynamic"},
+        {
+            "match": ["model.layers.1.self_attn.o_proj"],
+            "weights": {"format": "e4m3", "granularity": "channel"},
+            "inputs": {"format": "e4m3", "granularity": "token", "dynamic": True},
+        },
+        {"match": ["model.layers.0.self_attn.o_proj"], "scheme": "fp8-block"},
+    ],
+}
+
+
+def test_overrides_parse_into_schemes_and_bf16():
+    r = parse_recipe(MIXED)
+    assert [o.number for o in r.overrides] == [1, 2, 3, 4] and r.overrides[0].keep
+    # the inline override is fp8-dynamic's scheme: one scheme, named after the recipe that gave it
+    assert [s.name for s in r.schemes] == ["mixed", "fp8-dynamic", "fp8-block"]
+    assert r.scheme_index(r.overrides[2]) == r.scheme_index(r.overrides[1]) == 1
+    assert r.override_for("model.layers.1.mlp.up_proj").number == 2
+    assert r.override_for("model.layers.1.self_attn.q_proj") is None
+    assert r.needs_calibration  # the recipe's own static inputs
+    dynamic = {
+        **MIXED,
+        "inputs": {"format": "e4m3", "dynamic": True},
+        "overrides": MIXED["overrides"][:3],
+    }
+    assert not parse_recipe(dynamic).needs_calibration
+    static = {**dynamic, "overrides": [{"match": ["*"], "scheme": "fp8-e4m3"}]}
+    assert parse_recipe(static).needs_calibration  # the override's static inputs
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"match": ["*"]}, "overrides' must be a list"),
+        ([{"keep": "bf16"}], "entry 1: missing key 'match'"),
+        ([{"match": [], "keep": "bf16"}], "entry 1: 'match' is empty"),
+        ([{"match": ["*"], "keep": "fp16"}], "'keep' must be bf16"),
+        ([{"match": ["*"], "keep": "bf16", "scheme": "int8"}], "not scheme + keep"),
+        ([{"match": ["*"], "weights": {"format": "e4m3"}}], "not weights"),
+        ([{"match": ["*"]}], "not none of them"),
+        ([{"match": ["*"], "scheme": "nope"}], "entry 1: 'scheme': unknown recipe 'nope'"),
+        ([{"match": ["*"], "scheme": "bf16"}], "quantizes nothing: write 'keep: bf16'"),
+        ([{"match": ["*"], "scheme": "fp8-e4m3+kv"}], "also sets kv_cache"),
+        ([{"match": ["*"], "scheme": "int8-smoothquant"}], "also sets smoothquant"),
+        (
+            [
+                {
+                    "match": ["*"],
+                    "weights": {"format": "e4m3"},
+                    "inputs": {"format": "e4m3", "granularity": "channel"},
+                }
+            ],
+            "entry 1: 'inputs': per-channel scales apply to weights only",
+        ),
+        ([{"match": ["*"], "keep": "bf16", "colour": 1}], "unknown key 'colour'"),
+    ],
+)
+def test_overrides_are_validated_in_one_line(overrides, message):
+    with pytest.raises(PtqError, match="recipe <recipe>") as e:
+        parse_recipe({**VALID, "overrides": overrides})
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_overrides_do_not_combine_with_smoothquant():
+    data = {**VALID, "smoothquant": {"alpha": 0.5}, "overrides": [{"match": ["*"], "keep": "bf16"}]}
+    with pytest.raises(PtqError, match="'overrides' and 'smoothquant' do not combine"):
+        parse_recipe(data)
+
+
+def test_an_override_scheme_may_be_a_recipe_file_next_to_the_recipe(tmp_path):
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({**VALID, "name": "mine"}))
+    path = tmp_path / "mixed.yaml"
+    path.write_text(
+        yaml.safe_dump({**VALID, "overrides": [{"match": ["*"], "scheme": "mine.yaml"}]})
+    )
+    assert load_recipe(str(path)).overrides[0].scheme == "mine"
+
+
+def test_the_plan_gives_each_matmul_its_overrides_scheme(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from ptq.quantization.plan import resolve_plan
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    plan = resolve_plan(model, parse_recipe(MIXED), target="vllm")
+    m = plan.matmuls
+    assert not m["model.layers.0.mlp.up_proj"].quantized
+    assert "kept in bf16 by the recipe's override 1 (match: model.layers.0.mlp.*)" == (
+        m["model.layers.0.mlp.up_proj"].reason
+    )
+    assert m["model.layers.1.mlp.up_proj"].weights.granularity == PerChannel()
+    assert (
+        m["model.layers.1.mlp.up_proj"].inputs.dynamic
+        and m["model.layers.1.mlp.up_proj"].scheme == 1
+    )
+    assert m["model.layers.0.self_attn.o_proj"].scheme == 2
+    assert m["model.layers.0.self_attn.q_proj"].weights.granularity == PerTensor()
+    # vLLM's shared q/k/v weight scale still holds for the recipe's own scheme
+    assert len(m["model.layers.0.self_attn.q_proj"].weight_group) == 3
+    # calibration observes the static inputs only
+    assert "model.layers.1.mlp.up_proj" not in plan.calibrated
+    assert "model.layers.0.self_attn.q_proj" in plan.calibrated
+    rows = {r["name"]: r for r in plan.rows()}
+    assert rows["model.layers.1.mlp.up_proj"]["scheme"] == "fp8-dynamic"
+    assert rows["model.layers.0.mlp.up_proj"]["scheme"] == "bf16"
+    assert "override 1" in plan.left_out_reasons()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [{"match": ["*.q_proj"], "scheme": "fp8-dynamic"}],
+            "its overrides give 'model.layers.0.self_attn.q_proj' e4m3 per-channel weights",
+        ),
+        (
+            [{"match": ["*.gate_proj"], "keep": "bf16"}],
+            "vLLM serves gate_proj/up_proj as one layer",
+        ),
+        (
+            [{"match": ["*.mlp.*", "*.nothing"], "keep": "bf16"}],
+            "override 1 (match: *.mlp.*, *.nothing): '*.nothing' matches no layer",
+        ),
+        ([{"match": ["lm_head"], "scheme": "fp8-dynamic"}], "'lm_head' matches no layer"),
+        (
+            [
+                {"match": ["*.mlp.*"], "keep": "bf16"},
+                {"match": ["*.layers.0.mlp.*"], "keep": "bf16"},
+            ],
+            "override 2 (match: *.layers.0.mlp.*) takes no layer",
+        ),
+    ],
+)
+def test_overrides_the_model_cannot_take_are_refused_with_the_plan(tiny_model, overrides, message):
+    from transformers import AutoModelForCausalLM
+
+    from ptq.quantization.plan import resolve_plan
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    recipe = parse_recipe({**VALID, "overrides": overrides})
+    with pytest.raises(PtqError, match="recipe 'x'") as e:
+        resolve_plan(model, recipe, target="transformers")
+    assert message in str(e.value) and "\n" not in str(e.value)

@@ -78,4 +78,6 @@ def _layer_row(
             "reason": entry.reason,
             "shares_scale_with": sorted({*entry.weight_group, *entry.input_group} - {name}) or None,
         }
+        if r.overrides:  # which of the recipe's schemes (its own, an override's, bf16)
+            row["recipes"][r.name]["scheme"] = plans[r.name].scheme_name(entry)
     return row

@@ -119,7 +119,9 @@ def run_quantize(
         compare,
     )
     with atomic_dir(out) as tmp, devices.gpu_memory("exporting and verifying the checkpoint"):
-        written = _write(tmp, entries, loaded, r, ignored, dtypes, checkpoint.shard_size_mb)
+        written = _write(
+            tmp, entries, loaded, r, ignored, dtypes, checkpoint.shard_size_mb, plans[r.name]
+        )
         del entries
         skipped = _unverified(checkpoint, model, streamed, loaded.model, r, target)
         verification = (
@@ -332,6 +334,7 @@ def _write(
     ignored: list[str],
     dtypes: dict,
     shard_size_mb: float,
+    plan: Plan,
 ) -> dict:
     """The checkpoint's files in `directory`: the shards, config.json (the quantization_config) and
     the tokenizer; what write_weights wrote."""
@@ -339,7 +342,7 @@ def _write(
 
     with progress("writing", len(entries)) as advance:
         written = export.write_weights(entries, directory, int(shard_size_mb * 1e6), advance)
-    export.write_config(loaded.model, recipe, ignored, dtypes, directory)
+    export.write_config(loaded.model, recipe, ignored, dtypes, directory, plan)
     loaded.tokenizer.save_pretrained(directory)
     return written
 
@@ -402,15 +405,19 @@ def _verify(
     # quantized) are simulated with their inputs as they are, and their input scales are checked
     # in the files instead.
     reader = bool(conv1d) or "loader" in load_info
-    unrounded = check.unapplied_input_layers(
-        source, quantized, conv1d=reader, dynamic=r.inputs.dynamic
-    )
+    dynamic = {n for n in quantized if plan.matmuls[n].inputs.dynamic}
+    unrounded = check.unapplied_input_layers(source, quantized, conv1d=reader, dynamic=dynamic)
+    per_token = [
+        n
+        for n in quantized
+        if n not in unrounded
+        and n in dynamic
+        and isinstance(plan.matmuls[n].inputs.granularity, PerToken)
+    ]
     token_rule = (
         []
         if "loader" in load_info
-        else check.token_rule_layers(
-            source, r, [n for n in quantized if n not in unrounded], windows.input_ids
-        )
+        else check.token_rule_layers(source, r, per_token, windows.input_ids)
     )
     own = _ptq_own(source, r, calib, target, unrounded, token_rule)
     disk = checkpoint_names(source, [f"{name}.weight" for name in quantized])
@@ -468,7 +475,9 @@ def _ptq_own(
         filter(
             None,
             (
-                engines.unlike_reload_loader(recipe.inputs, target),
+                *dict.fromkeys(
+                    engines.unlike_reload_loader(s.inputs, target) for s in recipe.schemes
+                ),
                 check.describe_token_rule(token_rule),
             ),
         )
@@ -495,8 +504,10 @@ def _verification_shortfall(model: torch.nn.Module, recipe: Recipe, target: str)
     from ptq.runtime.resources import parameters_shortfall, size_text
 
     params = sum(p.numel() for p in model.parameters())
-    own_copy = engines.unlike_reload_loader(recipe.inputs, target) is not None or (
-        recipe.inputs.dynamic and isinstance(recipe.inputs.granularity, PerToken)
+    own_copy = any(
+        engines.unlike_reload_loader(s.inputs, target) is not None
+        or (s.inputs.dynamic and isinstance(s.inputs.granularity, PerToken))
+        for s in recipe.schemes
     )
     device = next(model.parameters()).device
     copies = {device: 2 if own_copy else 1}

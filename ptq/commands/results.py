@@ -295,12 +295,22 @@ def _eval_setup(corpus: Corpus, windows: Windows, scores: Scores) -> EvalSetup:
     )
 
 
+def _with_overrides(r: Recipe, role: str) -> str:
+    """The recipe's weights or inputs, and its overrides' ("e4m3 per-tensor; overrides: bf16,
+    e4m3 ch")."""
+    own = getattr(r, role).describe()
+    if not r.overrides:
+        return own
+    theirs = dict.fromkeys("bf16" if o.keep else getattr(o, role).describe() for o in r.overrides)
+    return f"{own}; overrides: {', '.join(theirs)}"
+
+
 def recipe_summary(r: Recipe) -> RecipeSummary:
     return RecipeSummary(
         name=r.name,
         description=r.description,
-        weights=r.weights.describe(),
-        inputs=r.inputs.describe(),
+        weights=_with_overrides(r, "weights"),
+        inputs=_with_overrides(r, "inputs"),
         ignore=list(r.ignore),
         source=Path(r.source).name,
         attention=r.attention.describe() + f" ({', '.join(r.attention_tensors)})"

@@ -160,11 +160,17 @@ def export_layers(
             f"recipe '{recipe.name}' quantizes no layer of this {type(model).__name__} "
             f"({plan.left_out_reasons()})"
         )
-    check_loadable(model, recipe, quantized)
-    conv1d = [name for name in quantized if kind(model.get_submodule(name)) == "Conv1D"]
-    if conv1d and isinstance(recipe.weights.granularity, (PerGroup, PerBlock)):
+    check_loadable(model, recipe, quantized, plan)
+    conv1d = [
+        name
+        for name in quantized
+        if kind(model.get_submodule(name)) == "Conv1D"
+        and isinstance(plan.matmuls[name].weights.granularity, (PerGroup, PerBlock))
+    ]
+    if conv1d:
         raise PtqError(
-            f"recipe '{recipe.name}' has {recipe.weights.granularity.describe()} weight scales and "
+            f"recipe '{recipe.name}' has {plan.matmuls[conv1d[0]].weights.granularity.describe()} "
+            "weight scales and "
             f"this {type(model).__name__} has Conv1D layers: ptq quantize writes group and block "
             "scales for Linear weights only; `ptq compare` covers this model"
         )
@@ -273,8 +279,10 @@ def plan_checkpoint(
             disk[name].removesuffix(".weight"),
             tuple(tensor.shape),
             weight,
-            recipe,
-            shared_input_amax.get(layer, clip(layer)) if recipe.inputs.static else None,
+            recipe.schemes[plan.matmuls[layer].scheme],
+            shared_input_amax.get(layer, clip(layer))
+            if plan.matmuls[layer].inputs.static
+            else None,
             transposed=name in conv1d,
             weight_amax=shared_weight_amax.get(layer),
         )
@@ -491,15 +499,29 @@ def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
         raise OSError(code, os.strerror(code), str(path)) from None
 
 
+def scheme_layers(model: nn.Module, plan: Plan) -> dict[int, list[str]]:
+    """The quantized layers of each of the plan's schemes (Recipe.schemes index -> names), each
+    under its module's name and its name in the files where they differ (as the ignore list)."""
+    quantized = plan.quantized
+    disk = checkpoint_names(model, [f"{n}.weight" for n in quantized])
+    out: dict[int, list[str]] = {}
+    for n in quantized:
+        names = {n, disk.get(f"{n}.weight", n).removesuffix(".weight")}
+        out.setdefault(plan.matmuls[n].scheme, []).extend(sorted(names))
+    return out
+
+
 def write_config(
     model: nn.Module,
     recipe: Recipe,
     ignored: list[str],
     dtypes: dict[str, torch.dtype],
     directory: Path,
+    plan: Plan | None = None,
 ) -> dict:
     """config.json with the compressed-tensors quantization_config (written by compressed-tensors
-    itself), and generation_config.json; returns the quantization_config as written."""
+    itself), and generation_config.json; returns the quantization_config as written. `plan`: for
+    a recipe with overrides, which layers get each scheme (a config group each)."""
     from compressed_tensors.compressors import ModelCompressor
 
     config = copy.deepcopy(model.config)
@@ -513,7 +535,8 @@ def write_config(
         getattr(model.config, "auto_map", None),
         directory,
     )
-    ModelCompressor(quantization_config=quantization_config(recipe, ignored)).update_config(
+    layers = scheme_layers(model, plan) if plan is not None and recipe.overrides else None
+    ModelCompressor(quantization_config=quantization_config(recipe, ignored, layers)).update_config(
         str(directory)
     )
     if getattr(model, "generation_config", None) is not None:

@@ -15,11 +15,13 @@ and every other tensor unchanged, in its dtype in the source checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from ptq.errors import PtqError
-from ptq.models.matmuls import LinearExperts, kind, quantizable
+from ptq.models.matmuls import LinearExperts, kind
 from ptq.models.names import check_experts_per_expert
 from ptq.numerics.granularity import (
     PerBlock,
@@ -48,7 +50,29 @@ _DTYPE_NAMES = {
 
 
 def check_exportable(recipe: Recipe) -> None:
-    """The recipes the compressed-tensors formats can express; anything else is refused up front."""
+    """The recipes the compressed-tensors formats can express; anything else is refused up front.
+    A recipe with overrides: each of its schemes (a config group each), in one checkpoint format."""
+    schemes = recipe.schemes
+    for scheme in schemes[1:]:
+        _check_exportable(scheme)
+    _check_exportable(dataclasses.replace(recipe, overrides=()))
+    formats = {checkpoint_format(s): s.name for s in schemes}
+    if len(formats) > 1:
+        (a, first), (b, second) = list(formats.items())[:2]
+        raise PtqError(
+            f"recipe '{recipe.name}' mixes {a} ('{first}') and {b} ('{second}') layers: ptq "
+            "quantize writes one compressed-tensors format per checkpoint"
+        )
+
+
+def checkpoint_format(recipe: Recipe) -> str:
+    """The compressed-tensors format of a recipe's checkpoint (of one of its schemes)."""
+    if recipe.weights.scale_format == "e8m0":
+        return "mxfp8-quantized"
+    return _CT_FORMAT[recipe.weights.format.kind]
+
+
+def _check_exportable(recipe: Recipe) -> None:
     w, x = recipe.weights, recipe.inputs
     if w.format.name not in ("e4m3", "int8"):
         raise PtqError(
@@ -187,17 +211,26 @@ def quantization_args(spec: TensorQuant):
     )
 
 
-def quantization_config(recipe: Recipe, ignore: list[str]):
+def quantization_config(
+    recipe: Recipe, ignore: list[str], layers: dict[int, list[str]] | None = None
+):
     """The compressed-tensors QuantizationConfig for `recipe`: one config group for every Linear
     except the `ignore`d layers (their exact names), symmetric scales, weights already compressed
-    on disk."""
+    on disk. A recipe with overrides: `layers`, the layers of each of its other schemes
+    (Recipe.schemes index -> names), a config group each that targets them by name (compressed-
+    tensors and vLLM take a layer's exact name over the class "Linear"), as llm-compressor writes
+    mixed schemes."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-    scheme = QuantizationScheme(
-        targets=["Linear"],
-        weights=quantization_args(recipe.weights),
-        input_activations=quantization_args(recipe.inputs),
-    )
+    groups = {}
+    for i, s in enumerate(recipe.schemes):
+        targets = ["Linear"] if i == 0 else sorted((layers or {}).get(i, []))
+        if targets:
+            groups[f"group_{i}"] = QuantizationScheme(
+                targets=targets,
+                weights=quantization_args(s.weights),
+                input_activations=quantization_args(s.inputs),
+            )
     kv_cache_scheme = None
     if recipe.kv_cache is not None:  # K and V in E4M3, static scales: self_attn.k_scale / v_scale
         from compressed_tensors.quantization import QuantizationArgs
@@ -206,15 +239,10 @@ def quantization_config(recipe: Recipe, ignore: list[str]):
         kv_cache_scheme = QuantizationArgs(
             num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False
         )
-    fmt = (
-        "mxfp8-quantized"
-        if recipe.weights.scale_format == "e8m0"
-        else _CT_FORMAT[recipe.weights.format.kind]
-    )
     return QuantizationConfig(
-        config_groups={"group_0": scheme},
+        config_groups=groups,
         ignore=ignore,
-        format=fmt,
+        format=checkpoint_format(recipe),
         kv_cache_scheme=kv_cache_scheme,
         quantization_status="compressed",
     )
@@ -270,14 +298,7 @@ def check_fused_precision(model: nn.Module, quantized: list[str]) -> None:
     are quantized. All shards of fused layers to have the same precision") and would load the second
     unquantized. transformers loads both (--target transformers)."""
     done = set(quantized)
-    groups = [tuple(g) for g in engines.fused_groups(model)]
-    for path, m in model.named_modules():
-        if isinstance(m, LinearExperts):
-            groups.append(
-                tuple(
-                    n for n, sub in m.named_modules(prefix=path) if quantizable(sub) and n != path
-                )
-            )
+    groups = engines.served_together(model)
     for group in groups:
         partly = [n for n in group if n not in done]
         if partly and len(partly) < len(group):
@@ -289,14 +310,23 @@ def check_fused_precision(model: nn.Module, quantized: list[str]) -> None:
             )
 
 
-def check_loadable(model: nn.Module, recipe: Recipe, quantized: list[str]) -> None:
+def check_loadable(
+    model: nn.Module, recipe: Recipe, quantized: list[str], plan: Plan | None = None
+) -> None:
     """Refuse, before any calibration, a recipe x architecture pair whose checkpoint no loader
     takes, or that the reload check cannot load. int8 experts with static input scales: vLLM has
     no fused-MoE method for them (its compressed_tensors_moe `get_moe_method` takes int8 W8A8
     experts with dynamic per-token inputs only: "Unsupported FusedMoe scheme"). And transformers
     loads no int-quantized checkpoint of a model with fused experts, quantized or left out
     ("Concatenate on tensors destined for ...experts.gate_up_proj. Ckpt contains: 0"). And
-    experts that checkpoints keep fused (check_experts_per_expert)."""
+    experts that checkpoints keep fused (check_experts_per_expert). A recipe with overrides: each
+    of its schemes with the layers `plan` gives it."""
+    if recipe.overrides and plan is not None:
+        for i, scheme in enumerate(recipe.schemes):
+            layers = [n for n in quantized if plan.matmuls[n].scheme == i]
+            if layers:
+                check_loadable(model, dataclasses.replace(scheme, overrides=()), layers)
+        return
     experts = [path for path, m in model.named_modules() if isinstance(m, LinearExperts)]
     if experts and recipe.weights.format.kind == "int":
         quantized_experts = any(kind(model.get_submodule(name)) == "Experts" for name in quantized)

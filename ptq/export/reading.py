@@ -153,7 +153,13 @@ def reload_dequantized(
     # the same check of codes against their scales as every other reader's, before any is used
     files = sorted(Path(directory).glob("*.safetensors"))
     check_quantized_files(config.get("quantization_config"), files, str(directory))
-    scheme = next(iter(config.pop("quantization_config")["config_groups"].values()))
+    groups = config.pop("quantization_config")["config_groups"]
+    if len(groups) > 1:
+        raise PtqError(
+            f"ptq's reader reads checkpoints of one config group; {directory} has {len(groups)} "
+            "(a recipe with overrides): export it with --no-verify, or without overrides"
+        )
+    scheme = next(iter(groups.values()))
     weight_args = scheme.get("weights") or {}
     tile = (
         tuple(weight_args["block_structure"])

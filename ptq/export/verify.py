@@ -136,9 +136,12 @@ def token_rule_layers(
     """The `layers` (quantized, with their inputs rounded by the reload check's loader) whose
     dynamic per-token inputs reach them other than 3-D, where compressed-tensors' scales are not
     per token (_TokenScalesOfTheLoader): found by one forward of the unquantized `model` over the
-    first window. None of them for other recipes."""
+    first window. None of them for other recipes (a recipe with overrides: `layers` are those of
+    its dynamic per-token schemes)."""
     if (
-        not (recipe.inputs.dynamic and isinstance(recipe.inputs.granularity, PerToken))
+        not any(
+            s.inputs.dynamic and isinstance(s.inputs.granularity, PerToken) for s in recipe.schemes
+        )
         or not layers
     ):
         return []
@@ -172,15 +175,17 @@ def describe_token_rule(layers: list[str]) -> str | None:
 
 
 def unapplied_input_layers(
-    model: nn.Module, quantized: list[str], conv1d: bool, dynamic: bool = False
+    model: nn.Module, quantized: list[str], conv1d: bool, dynamic: bool | set[str] = False
 ) -> list[str]:
     """The quantized layers whose input quantization the reload check's loader does not apply: the
     experts' (transformers has no place for their input scales and runs them weights-only; vLLM
     quantizes their inputs), or, for static inputs, every layer when ptq's own reader stands in
-    (Conv1D models: it applies dynamic input quantization, not static scales)."""
+    (Conv1D models: it applies dynamic input quantization, not static scales). `dynamic`: whether
+    the inputs are dynamic, or the layers whose inputs are (a recipe with overrides)."""
     if conv1d and not dynamic:
         return list(quantized)
-    in_experts = {
+    static = set() if dynamic is True or not conv1d else set(quantized) - set(dynamic)
+    in_experts = static | {
         f"{path}.{name}"
         for path, e in model.named_modules()
         if isinstance(e, LinearExperts)
@@ -200,12 +205,14 @@ def unapplied_scales(
     if recipe.kv_cache is not None:
         disk = checkpoint_names(model, saved_names(model))
         scales = {e.name: e.make() for e in kv_cache_entries(model, plan, calibration, disk)}
-    if not recipe.inputs.static:
+    layers = [name for name in layers if plan.matmuls[name].inputs.static]
+    if not layers:
         return scales
-    disk = checkpoint_names(model, [f"{name}.weight" for name in layers]) if layers else {}
+    disk = checkpoint_names(model, [f"{name}.weight" for name in layers])
     return scales | {
         disk[f"{name}.weight"].removesuffix(".weight") + ".input_scale": _input_scale(
-            input_clip(calibration, name, plan.matmuls[name].inputs), recipe.inputs.format
+            input_clip(calibration, name, plan.matmuls[name].inputs),
+            plan.matmuls[name].inputs.format,
         )
         for name in layers
     }

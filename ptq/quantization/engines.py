@@ -183,8 +183,26 @@ def expert_input_groups(model: nn.Module) -> list[list[str]]:
     return groups
 
 
+def served_together(model: nn.Module) -> list[tuple[str, ...]]:
+    """The matmuls vLLM serves as one layer, of one precision and one scheme: q/k/v and gate/up
+    (fused_groups), and each experts module whole (one FusedMoE)."""
+    groups = [tuple(g) for g in fused_groups(model)]
+    for path, m in model.named_modules():
+        if isinstance(m, LinearExperts):
+            groups.append(
+                tuple(
+                    n for n, sub in m.named_modules(prefix=path) if quantizable(sub) and n != path
+                )
+            )
+    return groups
+
+
 def engine_groups(
-    model: nn.Module, recipe, target: str, static_inputs: set[str], targeted: set[str]
+    model: nn.Module,
+    schemes: dict[str, tuple[TensorQuant, TensorQuant]],
+    target: str,
+    static_inputs: set[str],
+    targeted: set[str],
 ) -> EngineGroups:
     """The scale groups `target` serves for `recipe` on `model` (rules 1 and 2 of the module
     docstring). `targeted`: the layers the plan quantizes as the recipe says (a group is shared only
@@ -193,22 +211,26 @@ def engine_groups(
     out = EngineGroups()
     if check_target(target) != "vllm":
         return out
-    w, x = recipe.weights, recipe.inputs
-    fp8_tensor_weights = (
-        w.format.kind == "float" and w.format.bits == 8 and isinstance(w.granularity, PerTensor)
-    )
-    fp8_static_inputs = x.format.kind == "float" and x.format.bits == 8 and x.static
+
+    def fp8_tensor_weights(n: str) -> bool:
+        w = schemes[n][0]
+        return (
+            w.format.kind == "float" and w.format.bits == 8 and isinstance(w.granularity, PerTensor)
+        )
+
+    def fp8_static_inputs(n: str) -> bool:
+        x = schemes[n][1]
+        return x.format.kind == "float" and x.format.bits == 8 and x.static
+
     dense = fused_groups(model)
-    if fp8_tensor_weights:
-        for group in dense:
-            if set(group) <= targeted:
-                out.weight.update(dict.fromkeys(group, tuple(group)))
-    if fp8_static_inputs:
-        experts = {path for path, m in model.named_modules() if isinstance(m, LinearExperts)}
-        dense = [g for g in dense if g[0].rpartition(".")[0].rpartition(".")[0] not in experts]
-        for group in dense + expert_input_groups(model):
-            if set(group) <= static_inputs:
-                out.input.update(dict.fromkeys(group, tuple(group)))
+    for group in dense:
+        if set(group) <= targeted and all(fp8_tensor_weights(n) for n in group):
+            out.weight.update(dict.fromkeys(group, tuple(group)))
+    experts = {path for path, m in model.named_modules() if isinstance(m, LinearExperts)}
+    dense = [g for g in dense if g[0].rpartition(".")[0].rpartition(".")[0] not in experts]
+    for group in dense + expert_input_groups(model):
+        if set(group) <= static_inputs and all(fp8_static_inputs(n) for n in group):
+            out.input.update(dict.fromkeys(group, tuple(group)))
     return out
 
 

@@ -60,6 +60,8 @@ class MatmulPlan:
     # with it (itself included; empty: its own scales)
     weight_group: tuple[str, ...] = ()
     input_group: tuple[str, ...] = ()
+    # which of the recipe's schemes it gets (Recipe.schemes: 0, the recipe's own, or an override's)
+    scheme: int = 0
 
     @property
     def quantized(self) -> bool:
@@ -112,8 +114,7 @@ class Plan:
         model under the recipe's name: a typo in `include` would pass every gate."""
         r = self.recipe
         quantizing = (
-            r.weights.format.scaled
-            or r.inputs.format.scaled
+            any(s.weights.format.scaled or s.inputs.format.scaled for s in r.schemes)
             or r.attention
             or r.kv_cache
             or r.residual
@@ -221,6 +222,11 @@ class Plan:
             "attention_left_out": self.attention_left_out(),
         }
 
+    def scheme_name(self, m: MatmulPlan) -> str:
+        """The name of the scheme a matmul gets: the recipe's, an override's scheme (its recipe's
+        name, or "<recipe> override N"), or "bf16" where it is left out."""
+        return self.recipe.schemes[m.scheme].name if m.quantized else "bf16"
+
     def rows(self) -> list[dict]:
         """One row per quantizable tensor: what the recipe does to it (for `ptq inspect` and
         reports)."""
@@ -233,6 +239,7 @@ class Plan:
                 "inputs": m.inputs.describe(),
                 "reason": m.reason,
                 "smoothquant": self.recipe.smoothquant if m.smooth else None,
+                **({"scheme": self.scheme_name(m)} if self.recipe.overrides else {}),
             }
             for m in self.matmuls.values()
         ]
@@ -282,7 +289,7 @@ def _why_not_selected(name: str, recipe: Recipe) -> str:
     )
 
 
-def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
+def _why_not_targeted(name: str, module: nn.Module, recipe: Recipe) -> str | None:
     k = kind(module)
     if k not in recipe.targets:
         article = "an" if k[0] in "AEIOU" else "a"
@@ -291,6 +298,14 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
         )
     if not recipe.selects(name):
         return _why_not_selected(name, recipe)
+    return None
+
+
+def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
+    """Why the matmul `name` stays in the compute dtype under `recipe` (one of its schemes: the
+    override's bf16 is decided by resolve_plan), or None."""
+    if reason := _why_not_targeted(name, module, recipe):
+        return reason
     for role, spec in (("weight", recipe.weights), ("input", recipe.inputs)):
         g = spec.granularity
         if isinstance(g, PerGroup) and module.in_features % g.size:
@@ -307,9 +322,7 @@ def _why_left_out(name: str, module: nn.Module, recipe: Recipe) -> str | None:
     return None
 
 
-def _leave_out_unblockable_fused(
-    model: nn.Module, matmuls: dict[str, MatmulPlan], rows: int
-) -> None:
+def _leave_out_unblockable_fused(model: nn.Module, matmuls: dict[str, MatmulPlan]) -> None:
     """In place: vLLM loads q/k/v and gate/up into one merged layer (engines.fused_groups) and
     refuses block weights there unless every part but the last is whole blocks of `rows` rows
     (fp8_utils.validate_fp8_block_shape: "Weight output_partition_size = ... is not divisible by
@@ -320,6 +333,14 @@ def _leave_out_unblockable_fused(
     for group in engines.fused_groups(model):
         if group[0].rpartition(".")[0].rpartition(".")[0] in experts:
             continue
+        blocks = [
+            matmuls[n].weights.granularity
+            for n in group
+            if matmuls[n].quantized and isinstance(matmuls[n].weights.granularity, PerBlock)
+        ]
+        if not blocks:
+            continue
+        rows = blocks[0].rows
         bad = [n for n in group[:-1] if modules[n].out_features % rows]
         if not bad or not any(matmuls[n].quantized for n in group):
             continue
@@ -340,6 +361,99 @@ def _leave_out_unblockable_fused(
                 )
 
 
+def _matmul_plans(
+    model: nn.Module,
+    recipe: Recipe,
+    target: str,
+    int8_range: str | None,
+    reciprocal: bool | None,
+) -> dict[str, MatmulPlan]:
+    """Each matmul's plan under `recipe`: the scheme of the first override that matches it, or the
+    recipe's own; bf16 where an override keeps it so, or where the recipe leaves it out (and why).
+    Refuses an override pattern that matches no matmul the recipe selects, and an override that
+    splits one of the groups the engine serves as one layer (check_served_together)."""
+    matmuls, schemes = {}, recipe.schemes
+    used: set[int] = set()
+    for name, module in model.named_modules():
+        if not quantizable(module):
+            continue
+        override = recipe.override_for(name) if recipe.overrides else None
+        if override is not None and _why_not_targeted(name, module, recipe) is None:
+            used.add(override.number)
+        index = recipe.scheme_index(override)
+        scheme = schemes[index]
+        reason = _why_left_out(name, module, scheme)
+        if reason is None and override is not None and override.keep:
+            reason = f"kept in bf16 by the recipe's {override.describe()}"
+        weights, inputs = (scheme.weights, scheme.inputs)
+        if reason is not None:
+            weights, inputs = BASELINE_LINEAR, BASELINE_LINEAR
+        smooth = reason is None and recipe.smoothquant is not None
+        if reason is None:
+            inputs = engines.served_inputs(inputs, target, int8_range, reciprocal)
+        matmuls[name] = MatmulPlan(
+            name,
+            getattr(module, "ptq_kind", kind(module)),
+            module.weight.numel(),
+            weights,
+            inputs,
+            reason,
+            smooth,
+            scheme=index,
+        )
+    for i, scheme in enumerate(schemes):
+        check_granules(
+            model, scheme, [n for n, m in matmuls.items() if m.quantized and m.scheme == i]
+        )
+    if recipe.overrides:
+        _check_overrides(model, recipe, matmuls, used)
+    return matmuls
+
+
+def _check_overrides(
+    model: nn.Module, recipe: Recipe, matmuls: dict[str, MatmulPlan], used: set[int]
+) -> None:
+    """Refuse an override pattern that matches no matmul the recipe selects, an override every
+    layer of which an earlier one takes (first match wins), and a group the engine serves as one
+    layer (q/k/v, gate/up, an experts module) whose parts would get different schemes."""
+    modules = dict(model.named_modules())
+    selected = [n for n in matmuls if _why_not_targeted(n, modules[n], recipe) is None]
+    for o in recipe.overrides:
+        for pattern in o.match:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in selected):
+                raise PtqError(
+                    f"recipe '{recipe.name}': {o.describe()}: '{pattern}' matches no layer of "
+                    f"this {type(model).__name__} that the recipe quantizes (its targets, include "
+                    "and ignore select them)"
+                )
+        if o.number not in used:
+            raise PtqError(
+                f"recipe '{recipe.name}': {o.describe()} takes no layer: earlier overrides match "
+                "all of its layers first (the first override that matches a layer wins)"
+            )
+    for group in engines.served_together(model):
+        if not any(recipe.override_for(n) for n in group):
+            continue
+        how = {
+            n: (matmuls[n].weights, matmuls[n].inputs) if matmuls[n].quantized else None
+            for n in group
+        }
+        if len(set(how.values())) > 1:
+            a, b = group[0], next(n for n in group if how[n] != how[group[0]])
+            short = "/".join(dict.fromkeys(n.rpartition(".")[2] for n in group))
+            raise PtqError(
+                f"recipe '{recipe.name}': its overrides give '{a}' "
+                f"{_scheme_words(matmuls[a])} but '{b}' {_scheme_words(matmuls[b])}, and vLLM "
+                f"serves {short} as one layer: match all of them or none"
+            )
+
+
+def _scheme_words(m: MatmulPlan) -> str:
+    if not m.quantized:
+        return "bf16"
+    return f"{m.weights.describe()} weights, {m.inputs.describe()} inputs"
+
+
 def resolve_plan(
     model: nn.Module,
     recipe: Recipe,
@@ -352,36 +466,15 @@ def resolve_plan(
     (engines.served_inputs; `int8_range`, "symmetric" [-127, 127] or "full" [-128, 127], and
     `reciprocal`: how int8 inputs round and static FP8 inputs are scaled when not as the target
     does, for the loader of the export's reload check)."""
-    matmuls = {}
-    for name, module in model.named_modules():
-        if not quantizable(module):
-            continue
-        reason = _why_left_out(name, module, recipe)
-        weights, inputs = (
-            (recipe.weights, recipe.inputs)
-            if reason is None
-            else (BASELINE_LINEAR, BASELINE_LINEAR)
-        )
-        smooth = reason is None and recipe.smoothquant is not None
-        if reason is None:
-            inputs = engines.served_inputs(inputs, target, int8_range, reciprocal)
-        matmuls[name] = MatmulPlan(
-            name,
-            getattr(module, "ptq_kind", kind(module)),
-            module.weight.numel(),
-            weights,
-            inputs,
-            reason,
-            smooth,
-        )
-    check_granules(model, recipe, [name for name, m in matmuls.items() if m.quantized])
-    if engines.check_target(target) == "vllm" and isinstance(recipe.weights.granularity, PerBlock):
-        _leave_out_unblockable_fused(model, matmuls, recipe.weights.granularity.rows)
+    matmuls = _matmul_plans(model, recipe, target, int8_range, reciprocal)
+    if engines.check_target(target) == "vllm":
+        _leave_out_unblockable_fused(model, matmuls)
     targeted = {name for name, m in matmuls.items() if m.quantized}
     static_inputs = {
         name for name in targeted if matmuls[name].inputs.static and not matmuls[name].smooth
     }
-    groups = engines.engine_groups(model, recipe, target, static_inputs, targeted)
+    schemes = {n: (m.weights, m.inputs) for n, m in matmuls.items()}
+    groups = engines.engine_groups(model, schemes, target, static_inputs, targeted)
     for name in groups.weight.keys() | groups.input.keys():
         matmuls[name] = dataclasses.replace(
             matmuls[name],

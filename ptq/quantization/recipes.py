@@ -137,6 +137,29 @@ class TensorQuant:
 
 
 @dataclass(frozen=True)
+class Override:
+    """One entry of a recipe's `overrides`: the layers whose names match one of `match` (the first
+    override that matches a layer wins) take this scheme instead of the recipe's own, or stay in
+    bf16 (`weights` None: `keep: bf16`)."""
+
+    number: int  # its position in the recipe's list, from 1
+    match: tuple[str, ...]
+    weights: TensorQuant | None = None
+    inputs: TensorQuant | None = None
+    scheme: str = ""  # the recipe it takes its scheme from (`scheme:`), or "" (written inline)
+
+    @property
+    def keep(self) -> bool:
+        return self.weights is None
+
+    def matches(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.match)
+
+    def describe(self) -> str:
+        return f"override {self.number} (match: {', '.join(self.match)})"
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     description: str
@@ -154,6 +177,45 @@ class Recipe:
     residual: TensorQuant | None = (
         None  # residual-add inputs of each decoder block (ptq/quantization/residual.py)
     )
+    # per-layer schemes (or bf16) for the matmuls the recipe selects; the first match wins
+    overrides: tuple[Override, ...] = ()
+
+    def override_for(self, name: str) -> Override | None:
+        """The first override whose patterns match the matmul `name`, or None."""
+        return next((o for o in self.overrides if o.matches(name)), None)
+
+    @property
+    def schemes(self) -> list[Recipe]:
+        """The distinct schemes the recipe gives matmuls: itself first, then one per distinct
+        (weights, inputs) of its overrides (bf16 ones aside), each as a plain recipe with the
+        override's weights and inputs: what is checked, simulated and exported per scheme (a
+        config group each)."""
+        out = [self]
+        for o in self.overrides:
+            if o.keep or any((o.weights, o.inputs) == (s.weights, s.inputs) for s in out):
+                continue
+            out.append(
+                dataclasses.replace(
+                    self,
+                    name=o.scheme or f"{self.name} override {o.number}",
+                    description=o.describe(),
+                    weights=o.weights,
+                    inputs=o.inputs,
+                    overrides=(),
+                )
+            )
+        return out
+
+    def scheme_index(self, override: Override | None) -> int:
+        """The index in `schemes` of the scheme `override` gives (0: the recipe's own; None or a
+        bf16 override: 0)."""
+        if override is None or override.keep:
+            return 0
+        return next(
+            i
+            for i, s in enumerate(self.schemes)
+            if (s.weights, s.inputs) == (override.weights, override.inputs)
+        )
 
     @property
     def needs_calibration(self) -> bool:
@@ -165,6 +227,7 @@ class Recipe:
                 for q in (self.inputs, self.attention, self.kv_cache, self.residual)
             )
             or self.smoothquant is not None
+            or any(o.inputs is not None and o.inputs.static for o in self.overrides)
         )
 
     @property
@@ -279,6 +342,7 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
             "kv_cache",
             "smoothquant",
             "residual",
+            "overrides",
         },
     )
     name = _string(fields["name"], f"{where}: 'name'")
@@ -349,6 +413,12 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
                 "layer before them)"
             )
         smoothquant = float(smoothquant)
+    overrides = _overrides(fields.get("overrides", []), where, source)
+    if overrides and smoothquant is not None:
+        raise PtqError(
+            f"{where}: 'overrides' and 'smoothquant' do not combine (SmoothQuant's factors are "
+            "calibrated for the recipe's one input scheme)"
+        )
     return Recipe(
         name=name,
         description=_string(fields.get("description", name), f"{where}: 'description'"),
@@ -365,7 +435,74 @@ def parse_recipe(data: object, source: str = "<recipe>") -> Recipe:
         kv_cache=kv_cache,
         smoothquant=smoothquant,
         residual=residual,
+        overrides=overrides,
     )
+
+
+# what `keep` may say: the layers stay in the compute dtype, as in the 16-bit baseline
+KEEP = ("bf16",)
+
+
+def _overrides(data: object, where: str, source: str) -> tuple[Override, ...]:
+    """`overrides`: a list of {match, and one of: weights + inputs, scheme (a recipe's name or
+    path, whose weights and inputs it takes), keep: bf16}."""
+    if not isinstance(data, list):
+        raise PtqError(f"{where}: 'overrides' must be a list, not {reprlib.repr(data)}")
+    out = []
+    for number, item in enumerate(data, 1):
+        at = f"{where}: 'overrides' entry {number}"
+        fields = _mapping(
+            item, at, required={"match"}, optional={"weights", "inputs", "scheme", "keep"}
+        )
+        match = tuple(_string_list(fields["match"], f"{at}: 'match'", empty=False))
+        given = [k for k in ("weights", "inputs", "scheme", "keep") if k in fields]
+        if given not in (["weights", "inputs"], ["scheme"], ["keep"]):
+            raise PtqError(
+                f"{at}: give 'weights' and 'inputs', or 'scheme' (a recipe's name), or "
+                f"'keep: bf16', not {' + '.join(given) or 'none of them'}"
+            )
+        if "keep" in fields:
+            if fields["keep"] not in KEEP:
+                raise PtqError(
+                    f"{at}: 'keep' must be {' or '.join(KEEP)} (the 16-bit baseline's dtype), not "
+                    f"{reprlib.repr(fields['keep'])}"
+                )
+            out.append(Override(number, match))
+        elif "scheme" in fields:
+            out.append(_scheme_override(number, match, fields["scheme"], at, source))
+        else:
+            weights = _tensor_quant(fields["weights"], f"{at}: 'weights'", role="weights")
+            inputs = _tensor_quant(fields["inputs"], f"{at}: 'inputs'", role="inputs")
+            out.append(Override(number, match, weights, inputs))
+    return tuple(out)
+
+
+def _scheme_override(number: int, match: tuple, name: object, at: str, source: str) -> Override:
+    """An override that takes the weights and inputs of a recipe (a built-in name, or a path,
+    relative to the recipe file's folder where it is not absolute)."""
+    text = _string(name, f"{at}: 'scheme'")
+    path = Path(text)
+    if (path.suffix in (".yaml", ".yml") or "/" in text) and not path.is_absolute():
+        path = Path(source).parent / path
+        text = str(path)
+    try:
+        scheme = load_recipe(text)
+    except PtqError as e:
+        raise PtqError(f"{at}: 'scheme': {e}") from None
+    extra = [*scheme.beyond_linear, *(["smoothquant"] if scheme.smoothquant else [])]
+    if scheme.overrides:
+        extra.append("overrides")
+    if not (scheme.weights.format.scaled or scheme.inputs.format.scaled):
+        raise PtqError(
+            f"{at}: scheme '{scheme.name}' quantizes nothing: write 'keep: bf16' to leave layers "
+            "in 16 bits (recorded as left out by the override)"
+        )
+    if extra:
+        raise PtqError(
+            f"{at}: scheme '{scheme.name}' also sets {', '.join(extra)}: an override takes a "
+            "recipe's weights and inputs only"
+        )
+    return Override(number, match, scheme.weights, scheme.inputs, scheme.name)
 
 
 def _granularity(fields: dict, where: str, role: str, dynamic: bool) -> Granularity:
