@@ -307,19 +307,28 @@ def _by_recipe(model, baseline, recipe, configs, calibration, target, ids):
 @pytest.mark.parametrize(
     "family,target", [("llama", "vllm"), ("llama", "transformers"), ("qwen3_moe", "vllm")]
 )
-def test_swapped_configurations_score_exactly_as_their_recipes(family, target):
+def test_swapped_configurations_score_exactly_as_their_recipes(family, target, monkeypatch):
     """The search's configurations (layers swapped between one 16-bit and one quantized copy of the
-    model) score, bit for bit, as their recipes quantized from the model (config_recipe): the
-    sensitivities, the selection's configurations and the held-out ones measure what searched.yaml
-    gives compare."""
+    model, the decoder layers before the first quantized one given the baseline's outputs) score,
+    bit for bit, as their recipes quantized from the model (config_recipe): the sensitivities, the
+    selection's configurations and the held-out ones measure what searched.yaml gives compare."""
     import random
 
     import torch
 
     from ptq.calibration.calibrate import calibrate
     from ptq.quantization.plan import calibrated_layers
+    from ptq.search import search
     from ptq.search.search import CHUNK, Scorer
 
+    given = []  # the decoder layers whose baseline outputs were reused
+
+    class Given(search._Given):
+        def __init__(self, output):
+            super().__init__(output)
+            given.append(output)
+
+    monkeypatch.setattr(search, "_Given", Given)
     model = linearize(families.build(family)).to(torch.bfloat16).eval()
     recipe, baseline = load_recipe("fp8-e4m3"), load_recipe("bf16")
     torch.manual_seed(0)
@@ -337,3 +346,4 @@ def test_swapped_configurations_score_exactly_as_their_recipes(family, target):
     for name in configs:
         assert scores[name] == expected[name], name
     assert scores["only:" + units[0].name].kl_div > 0
+    assert given  # the layers before a configuration's first quantized one were not run again

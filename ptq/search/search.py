@@ -42,6 +42,7 @@ from ptq.errors import PtqError
 from ptq.evaluation import stats
 from ptq.evaluation.evaluate import Scores, evaluate
 from ptq.execution.executors import WholeModels
+from ptq.execution.streaming import decoder_layers
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan
 from ptq.quantization.recipes import Recipe
@@ -197,7 +198,7 @@ class Scorer:
             for name in part:
                 keep = {n for u in configs[name] for n in u.members}
                 swaps[name] = {n: off[n] if n in keep else on[n] for n in off}
-            run = Configurations(self.baseline.name, base_model, working, swaps)
+            run = Configurations(self.baseline.name, base_model, working, swaps, off)
             scores = evaluate(run, input_ids, self.batch_size)
             self.seconds += time.perf_counter() - began
             self.forwards += (len(part) + 1) * len(input_ids)
@@ -211,12 +212,26 @@ class Scorer:
         return out, base
 
 
+PREFIX_BYTES = 1 << 30  # at most this much of the baseline's decoder-layer outputs kept per batch
+
+
 class Configurations(WholeModels):
     """The baseline, then each configuration: the working model with its layers swapped in
-    (`swaps`: configuration -> layer name -> module) before it runs on each batch."""
+    (`swaps`: configuration -> layer name -> module) before it runs on each batch.
+
+    A configuration's decoder layers before its first quantized one are the baseline's layers (the
+    same 16-bit layers: the search's recipes quantize matmuls only), and their outputs on the batch
+    are the baseline's: they are not run again but replaced by stand-ins that give the baseline's
+    outputs, kept as it ran (when they take at most PREFIX_BYTES). The numbers are the same; the
+    forward of a configuration whose first quantized unit is in layer j costs the layers from j."""
 
     def __init__(
-        self, baseline: str, base_model: nn.Module, working: nn.Module, swaps: dict[str, dict]
+        self,
+        baseline: str,
+        base_model: nn.Module,
+        working: nn.Module,
+        swaps: dict[str, dict],
+        off: dict[str, nn.Module],
     ):
         super().__init__({baseline: base_model} | dict.fromkeys(swaps, working))
         self.swaps = swaps
@@ -225,18 +240,76 @@ class Configurations(WholeModels):
             for layers in swaps.values()
             for n in layers
         }
+        self.layers = self.base_layers = None
+        self.first: dict[str, int] = {}
+        try:
+            path = decoder_layers(working)
+        except PtqError:
+            return
+        self.layers, self.base_layers = working.get_submodule(path), base_model.get_submodule(path)
+        for name, layers in swaps.items():
+            quantized = [n for n, m in layers.items() if m is not off[n]]
+            self.first[name] = min((_layer_index(n, path) for n in quantized), default=0)
+        self.first = {k: v for k, v in self.first.items() if v > 0}
 
     def _outputs(self, batch, logits, i, after_batch):
+        kept: list = []
         for name in self.names:
             for n, module in self.swaps.get(name, {}).items():
                 parent, child = self.slots[n]
                 if getattr(parent, child) is not module:
                     setattr(parent, child, module)
-            out = self.models[name](input_ids=batch.to(self.devices[name]), **self.options[name])
+            first = self.first.get(name, 0) if self.layers and len(kept) == len(self.layers) else 0
+            hooks = [] if name in self.swaps or not self.first else self._keep(kept, batch)
+            originals = [self.layers[j] for j in range(first)]
+            for j in range(first):
+                self.layers[j] = _Given(kept[j])
+            try:
+                out = self.models[name](
+                    input_ids=batch.to(self.devices[name]), **self.options[name]
+                )
+            finally:
+                for j, layer in enumerate(originals):
+                    self.layers[j] = layer
+                for h in hooks:
+                    h.remove()
             yield name, out.logits.to(self.device) if logits else None
             del out
         if after_batch is not None:
             after_batch(i)
+
+    def _keep(self, kept: list, batch: torch.Tensor) -> list:
+        """Hooks that keep the baseline's decoder-layer outputs on `batch` in `kept` (none when they
+        would take more than PREFIX_BYTES)."""
+        config = self.model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        size = getattr(config, "hidden_size", 0) * batch.numel() * len(self.base_layers)
+        if not size or size * self.dtype.itemsize > PREFIX_BYTES:
+            return []
+        return [
+            layer.register_forward_hook(lambda m, args, out: kept.append(out))
+            for layer in self.base_layers
+        ]
+
+
+class _Given(nn.Module):
+    """A decoder layer's stand-in: gives the output the baseline's layer gave on this batch."""
+
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args, **kwargs):
+        return self.output
+
+
+def _layer_index(name: str, layers: str) -> int:
+    """The decoder layer `name` is in (0 outside the decoder layers: nothing before it reused)."""
+    prefix = f"{layers}." if layers else ""
+    if not name.startswith(prefix):
+        return 0
+    head = name[len(prefix) :].partition(".")[0]
+    return int(head) if head.isdigit() else 0
 
 
 def sensitivity(scorer: Scorer, units: list[Unit], input_ids: torch.Tensor) -> dict[str, float]:
