@@ -287,3 +287,63 @@ def test_a_verdict_without_an_interval_is_not_verified_not_missed():
     assert verdict_word({"meets": True, "miss": None}) == "meets"
     assert verdict_word({"meets": False, "miss": 0.5}) == "misses"
     assert verdict_word({"meets": False, "miss": None}) == "is not verified against"
+
+
+def _by_recipe(model, baseline, recipe, configs, calibration, target, ids):
+    """The reference: each configuration's recipe (config_recipe) quantized by quantize_variants
+    and evaluated with the baseline, CHUNK at a time, as the first version of the search did."""
+    from ptq.calibration.clips import quantize_variants
+    from ptq.evaluation.evaluate import evaluate
+    from ptq.search.search import CHUNK, config_recipe
+
+    out, names = {}, list(configs)
+    for start in range(0, len(names), CHUNK):
+        part = [config_recipe(recipe, configs[n], n) for n in names[start : start + CHUNK]]
+        models = quantize_variants(model, [baseline, *part], calibration, "simulated", target)
+        out |= evaluate(models, ids, None)
+    return out
+
+
+@pytest.mark.parametrize(
+    "family,target", [("llama", "vllm"), ("llama", "transformers"), ("qwen3_moe", "vllm")]
+)
+def test_swapped_configurations_score_exactly_as_their_recipes(family, target, monkeypatch):
+    """The search's configurations (layers swapped between one 16-bit and one quantized copy of the
+    model, the decoder layers before the first quantized one given the baseline's outputs) score,
+    bit for bit, as their recipes quantized from the model (config_recipe): the sensitivities, the
+    selection's configurations and the held-out ones measure what searched.yaml gives compare."""
+    import random
+
+    import torch
+
+    from ptq.calibration.calibrate import calibrate
+    from ptq.quantization.plan import calibrated_layers
+    from ptq.search import search
+    from ptq.search.search import CHUNK, Scorer
+
+    given = []  # the decoder layers whose baseline outputs were reused
+
+    class Given(search._Given):
+        def __init__(self, output):
+            super().__init__(output)
+            given.append(output)
+
+    monkeypatch.setattr(search, "_Given", Given)
+    model = linearize(families.build(family)).to(torch.bfloat16).eval()
+    recipe, baseline = load_recipe("fp8-e4m3"), load_recipe("bf16")
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 16))
+    calibration = calibrate(model, ids, calibrated_layers(model, recipe))
+    units = units_of(model, resolve_plan(model, recipe, target))
+    rng = random.Random(0)
+    configs = {f"only:{u.name}": [v for v in units if v is not u] for u in units}
+    configs |= {f"keep:{k}": rng.sample(units, k) for k in (0, 1, len(units) // 2, len(units))}
+    assert len(configs) > CHUNK  # several chunks, each with its baseline
+    scorer = Scorer(model, baseline, recipe, units, calibration, "simulated", target, None)
+    scores, base = scorer.score(configs, ids, "test")
+    expected = _by_recipe(model, baseline, recipe, configs, calibration, target, ids)
+    assert base == expected[baseline.name]
+    for name in configs:
+        assert scores[name] == expected[name], name
+    assert scores["only:" + units[0].name].kl_div > 0
+    assert given  # the layers before a configuration's first quantized one were not run again

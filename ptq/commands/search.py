@@ -94,8 +94,8 @@ def run_search(
         )
     calibrated = prepared.calibration if needed else None
     scorer = s.Scorer(
-        prepared.loaded.model, baseline, calibrated, compute_info["matmul"], compute.target,
-        compute.batch_size,
+        prepared.loaded.model, baseline, recipe, units, calibrated, compute_info["matmul"],
+        compute.target, compute.batch_size,
     )  # fmt: skip
     began = time.perf_counter()
     found = _search(scorer, recipe, plan, units, ids, budget, calibrated)
@@ -172,15 +172,13 @@ def _search(scorer, recipe, plan, units, ids, budget, calibrated) -> _Found:
     def fraction(kept: list[s.Unit]) -> float:
         return (quantized - sum(u.params for u in kept)) / total
 
-    sensitivity = s.sensitivity(scorer, recipe, units, search_ids)
+    sensitivity = s.sensitivity(scorer, units, search_ids)
     sensitivity_seconds = scorer.seconds
     order = s.ranked(units, sensitivity)
     metric, value = budget["metric"], budget["value"]
-    kept, curve = s.select(scorer, recipe, order, search_ids, metric, value, fraction)
+    kept, curve = s.select(scorer, order, search_ids, metric, value, fraction)
     amax = s.unit_amax(units, calibrated)
-    verdict, baselines = s.held_out(
-        scorer, recipe, units, order, kept, amax, held_ids, metric, value, SEED
-    )
+    verdict, baselines = s.held_out(scorer, units, order, kept, amax, held_ids, metric, value, SEED)
     if amax is None or len(amax) < len(units):
         baselines.append({"name": "amax", "skipped": "no calibrated input amax for every unit"})
     return _Found(

@@ -1,9 +1,12 @@
 """The search: units, their sensitivity, the selection under a budget, the held-out verdict.
 
 Every configuration is a recipe: the chosen recipe with the units kept in 16-bit added to its
-`ignore` list (config_recipe), quantized from the loaded model by quantize_variants as compare does
-and scored by the one evaluation loop against the bf16 baseline on the same windows. What the
-search measures is therefore exactly what searched.yaml gives `ptq compare` or `ptq quantize`.
+`ignore` list (config_recipe), scored by the one evaluation loop against the bf16 baseline on the
+same windows. It is not quantized anew: the model is quantized once with every unit in 16-bit and
+once whole, and a configuration swaps in the quantized layers of the units it does not keep
+(Scorer), the very modules quantize_variants makes of its recipe. What the search measures is
+therefore exactly what searched.yaml gives `ptq compare` or `ptq quantize` (tests/test_search.py
+checks it number for number).
 
 Sensitivity (SENSITIVITY): one unit at a time, exactly: the KL from the baseline of the model with
 only that unit quantized, on the search windows. It is the damage the unit does on its own, never
@@ -38,6 +41,8 @@ from ptq.calibration.clips import quantize_variants
 from ptq.errors import PtqError
 from ptq.evaluation import stats
 from ptq.evaluation.evaluate import Scores, evaluate
+from ptq.execution.executors import WholeModels
+from ptq.execution.streaming import decoder_layers
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan
 from ptq.quantization.recipes import Recipe
@@ -130,57 +135,186 @@ def damage(metric: str, s: Scores, base: Scores) -> float:
 
 
 class Scorer:
-    """Quantizes configurations (recipes) of one model and scores them with the baseline on given
-    windows, CHUNK at a time; counts the forward passes (of one window) and the time spent."""
+    """Scores configurations of one model (the units kept in 16-bit, by configuration name) with
+    the baseline on given windows, CHUNK at a time; counts the forward passes (of one window) and
+    the time spent.
+
+    The model is quantized once, three ways (quantize_variants): the baseline, the recipe with
+    every unit kept in 16-bit (config_recipe) and the recipe whole. A configuration is the second
+    with the quantized layers of the units it does not keep swapped in from the third (module
+    references, no copy): the same QuantLinears, built the same way, that quantize_variants makes of
+    the configuration's own recipe (config_recipe), so the same numbers (tests/test_search.py) at
+    the cost of the forwards only."""
 
     def __init__(
         self,
         model: nn.Module,
         baseline: Recipe,
+        recipe: Recipe,
+        units: list[Unit],
         calibration: Calibration | None,
         matmul: str,
         target: str,
         batch_size: int | None,
     ):
-        self.model, self.baseline, self.calibration = model, baseline, calibration
-        self.matmul, self.target, self.batch_size = matmul, target, batch_size
+        self.model, self.baseline, self.recipe, self.units = model, baseline, recipe, units
+        self.calibration, self.matmul, self.target = calibration, matmul, target
+        self.batch_size = batch_size
         self.forwards, self.seconds = 0, 0.0
+        self._built: tuple[nn.Module, nn.Module, dict, dict] | None = None
+
+    def _build(self) -> tuple[nn.Module, nn.Module, dict, dict]:
+        """The baseline, the working model (every unit in 16-bit), and each unit's members in 16-bit
+        and quantized, by member name."""
+        if self._built is None:
+            kept = config_recipe(self.recipe, self.units, "ptq-search:kept")
+            whole = dataclasses.replace(self.recipe, name="ptq-search:quantized")
+            models = quantize_variants(
+                self.model, [self.baseline, kept, whole], self.calibration, self.matmul,
+                self.target,
+            )  # fmt: skip
+            working, quantized = models[kept.name], models[whole.name]
+            members = [n for u in self.units for n in u.members]
+            off = {n: working.get_submodule(n) for n in members}
+            on = {n: quantized.get_submodule(n) for n in members}
+            self._built = (models[self.baseline.name], working, off, on)
+        return self._built
 
     def score(
-        self, configs: list[Recipe], input_ids: torch.Tensor, what: str
+        self, configs: dict[str, list[Unit]], input_ids: torch.Tensor, what: str
     ) -> tuple[dict[str, Scores], Scores]:
-        """Each configuration's scores by recipe name, and the baseline's."""
+        """Each configuration's scores by name, and the baseline's."""
+        base_model, working, off, on = self._build()
         out: dict[str, Scores] = {}
         base = None
-        chunks = range(0, len(configs), CHUNK)
+        names = list(configs)
+        chunks = range(0, len(names), CHUNK)
         for i, start in enumerate(chunks):
-            part = configs[start : start + CHUNK]
+            part = names[start : start + CHUNK]
             if not progress.QUIET:
                 progress.stderr.print(f"{what}: {i + 1} of {len(chunks)}", highlight=False)
             began = time.perf_counter()
-            models = quantize_variants(
-                self.model, [self.baseline, *part], self.calibration, self.matmul, self.target
-            )
-            scores = evaluate(models, input_ids, self.batch_size)
-            del models
+            swaps = {}
+            for name in part:
+                keep = {n for u in configs[name] for n in u.members}
+                swaps[name] = {n: off[n] if n in keep else on[n] for n in off}
+            run = Configurations(self.baseline.name, base_model, working, swaps, off)
+            scores = evaluate(run, input_ids, self.batch_size)
             self.seconds += time.perf_counter() - began
             self.forwards += (len(part) + 1) * len(input_ids)
             base = scores[self.baseline.name]
-            out |= {r.name: scores[r.name] for r in part}
+            out |= {name: scores[name] for name in part}
         if base is None:  # no configuration: the baseline alone
-            models = quantize_variants(self.model, [self.baseline], None, self.matmul, self.target)
-            base = evaluate(models, input_ids, self.batch_size)[self.baseline.name]
+            base = evaluate({self.baseline.name: base_model}, input_ids, self.batch_size)[
+                self.baseline.name
+            ]
             self.forwards += len(input_ids)
         return out, base
 
 
-def sensitivity(
-    scorer: Scorer, recipe: Recipe, units: list[Unit], input_ids: torch.Tensor
-) -> dict[str, float]:
+PREFIX_BYTES = 1 << 30  # at most this much of the baseline's decoder-layer outputs kept per batch
+
+
+class Configurations(WholeModels):
+    """The baseline, then each configuration: the working model with its layers swapped in
+    (`swaps`: configuration -> layer name -> module) before it runs on each batch.
+
+    A configuration's decoder layers before its first quantized one are the baseline's layers (the
+    same 16-bit layers: the search's recipes quantize matmuls only), and their outputs on the batch
+    are the baseline's: they are not run again but replaced by stand-ins that give the baseline's
+    outputs, kept as it ran (when they take at most PREFIX_BYTES). The numbers are the same; the
+    forward of a configuration whose first quantized unit is in layer j costs the layers from j."""
+
+    def __init__(
+        self,
+        baseline: str,
+        base_model: nn.Module,
+        working: nn.Module,
+        swaps: dict[str, dict],
+        off: dict[str, nn.Module],
+    ):
+        super().__init__({baseline: base_model} | dict.fromkeys(swaps, working))
+        self.swaps = swaps
+        self.slots = {
+            n: (working.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+            for layers in swaps.values()
+            for n in layers
+        }
+        self.layers = self.base_layers = None
+        self.first: dict[str, int] = {}
+        try:
+            path = decoder_layers(working)
+        except PtqError:
+            return
+        self.layers, self.base_layers = working.get_submodule(path), base_model.get_submodule(path)
+        for name, layers in swaps.items():
+            quantized = [n for n, m in layers.items() if m is not off[n]]
+            self.first[name] = min((_layer_index(n, path) for n in quantized), default=0)
+        self.first = {k: v for k, v in self.first.items() if v > 0}
+
+    def _outputs(self, batch, logits, i, after_batch):
+        kept: list = []
+        for name in self.names:
+            for n, module in self.swaps.get(name, {}).items():
+                parent, child = self.slots[n]
+                if getattr(parent, child) is not module:
+                    setattr(parent, child, module)
+            first = self.first.get(name, 0) if self.layers and len(kept) == len(self.layers) else 0
+            hooks = [] if name in self.swaps or not self.first else self._keep(kept, batch)
+            originals = [self.layers[j] for j in range(first)]
+            for j in range(first):
+                self.layers[j] = _Given(kept[j])
+            try:
+                out = self.models[name](
+                    input_ids=batch.to(self.devices[name]), **self.options[name]
+                )
+            finally:
+                for j, layer in enumerate(originals):
+                    self.layers[j] = layer
+                for h in hooks:
+                    h.remove()
+            yield name, out.logits.to(self.device) if logits else None
+            del out
+        if after_batch is not None:
+            after_batch(i)
+
+    def _keep(self, kept: list, batch: torch.Tensor) -> list:
+        """Hooks that keep the baseline's decoder-layer outputs on `batch` in `kept` (none when they
+        would take more than PREFIX_BYTES)."""
+        config = self.model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        size = getattr(config, "hidden_size", 0) * batch.numel() * len(self.base_layers)
+        if not size or size * self.dtype.itemsize > PREFIX_BYTES:
+            return []
+        return [
+            layer.register_forward_hook(lambda m, args, out: kept.append(out))
+            for layer in self.base_layers
+        ]
+
+
+class _Given(nn.Module):
+    """A decoder layer's stand-in: gives the output the baseline's layer gave on this batch."""
+
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args, **kwargs):
+        return self.output
+
+
+def _layer_index(name: str, layers: str) -> int:
+    """The decoder layer `name` is in (0 outside the decoder layers: nothing before it reused)."""
+    prefix = f"{layers}." if layers else ""
+    if not name.startswith(prefix):
+        return 0
+    head = name[len(prefix) :].partition(".")[0]
+    return int(head) if head.isdigit() else 0
+
+
+def sensitivity(scorer: Scorer, units: list[Unit], input_ids: torch.Tensor) -> dict[str, float]:
     """Each unit's KL with only it quantized (SENSITIVITY), by unit name."""
-    configs = [
-        config_recipe(recipe, [v for v in units if v is not u], f"only:{u.name}") for u in units
-    ]
+    configs = {f"only:{u.name}": [v for v in units if v is not u] for u in units}
     scores, _ = scorer.score(configs, input_ids, "sensitivity (one unit at a time)")
     return {u.name: scores[f"only:{u.name}"].kl_div for u in units}
 
@@ -193,7 +327,6 @@ def ranked(units: list[Unit], sens: dict[str, float]) -> list[Unit]:
 
 def select(
     scorer: Scorer,
-    recipe: Recipe,
     order: list[Unit],
     input_ids: torch.Tensor,
     metric: str,
@@ -209,7 +342,7 @@ def select(
 
     def run(ks: list[int]) -> None:
         ks = sorted(set(ks) - set(points))
-        configs = [config_recipe(recipe, order[:k], f"keep:{k}") for k in ks]
+        configs = {f"keep:{k}": order[:k] for k in ks}
         scores, base = scorer.score(configs, input_ids, f"selection: {len(ks)} configuration(s)")
         for k in ks:
             s = scores[f"keep:{k}"]
@@ -272,7 +405,6 @@ def verdict(metric: str, budget: float, s: Scores, base: Scores) -> dict:
 
 def held_out(
     scorer: Scorer,
-    recipe: Recipe,
     units: list[Unit],
     order: list[Unit],
     k: int,
@@ -291,11 +423,7 @@ def held_out(
             configs["amax"] = sorted(units, key=lambda u: -amax[u.name])[:k]
         for draw in range(RANDOM_DRAWS):
             configs[f"random:{draw}"] = random.Random(seed + draw).sample(units, k)
-    scores, base = scorer.score(
-        [config_recipe(recipe, kept, name) for name, kept in configs.items()],
-        input_ids,
-        "held-out verification",
-    )
+    scores, base = scorer.score(configs, input_ids, "held-out verification")
     results = {
         name: verdict(metric, budget, scores[name], base)
         | {"kept": sorted(u.name for u in kept), "count": len(kept)}
