@@ -305,7 +305,8 @@ def _by_recipe(model, baseline, recipe, configs, calibration, target, ids):
 
 
 @pytest.mark.parametrize(
-    "family,target", [("llama", "vllm"), ("llama", "transformers"), ("qwen3_moe", "vllm")]
+    "family,target",
+    [("llama", "transformers"), *((family, "vllm") for family in sorted(families.FAMILIES))],
 )
 def test_swapped_configurations_score_exactly_as_their_recipes(family, target, monkeypatch):
     """The search's configurations (layers swapped between one 16-bit and one quantized copy of the
