@@ -289,21 +289,23 @@ def check_text_size(files: list[Path], what: str) -> None:
 
 def read_text(path: Path) -> str:
     """A text file, decoded: UTF-8, or UTF-16 or UTF-32 with a byte-order mark. Anything else is
-    refused in one line: text with NUL bytes is not UTF-8 (most likely UTF-16 or UTF-32 without a
-    byte-order mark), which would otherwise be read as text with a NUL between its letters."""
+    refused in one line: text that is a quarter NUL bytes or more is not UTF-8 (most likely UTF-16
+    or UTF-32 without a byte-order mark), which would otherwise be read as text with a NUL between
+    its letters."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise PtqError(f"cannot read {path}: {e.strerror}") from None
     codec, name = next(((c, n) for bom, c, n in _BOMS if data.startswith(bom)), ("utf-8", "UTF-8"))
-    # no text holds NUL; UTF-16 or UTF-32 read as UTF-8 holds many
     without_bom = "UTF-16 or UTF-32 without a byte-order mark? " if name == "UTF-8" else ""
     try:
         text = data.decode(codec)
     except UnicodeDecodeError as e:
         hint = f"; {without_bom}convert it to UTF-8" if b"\x00" in data else ""
         raise PtqError(f"{path} is not {name} text (bad byte at offset {e.start}){hint}") from None
-    if "\x00" in text:
+    # UTF-16 text read as UTF-8 has a NUL for every ASCII letter, UTF-32 three: a text that is a
+    # quarter NUL or more is one of them; a stray NUL in real text (a symbol dump) is text
+    if text.count("\x00") * 4 >= len(text) > 0:
         raise PtqError(
             f"{path} is not {name} text: it holds NUL bytes (the first at character "
             f"{text.index(chr(0))}); {without_bom}convert it to UTF-8"
