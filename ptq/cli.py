@@ -252,7 +252,8 @@ def search(
         str,
         typer.Option(
             "--recipes",
-            help="The recipe to search (a name in recipes/ or a .yaml path); one for now.",
+            help="The recipes a unit may take, cheapest first, comma-separated (names in recipes/ "
+            "or .yaml paths); 16-bit is the last resort.",
         ),
     ] = "fp8-e4m3",
     max_kl: Annotated[
@@ -274,21 +275,32 @@ def search(
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Find the fewest units (what vLLM serves as one layer) to keep in 16-bit so that a recipe
-    meets a budget, verified on held-out windows; write DIR/searched.yaml, a recipe for compare,
-    quantize, inspect and eval, with search.json, search.md and the curve.
+    """Find the fewest units (what vLLM serves as one layer) to keep in 16-bit, or at a finer
+    recipe, so that the model meets a budget, verified on held-out windows; write
+    DIR/searched.yaml, a recipe for compare, quantize, inspect and eval, with search.json,
+    search.md and the curve.
 
     Exits 1 when the held-out interval's upper bound misses the budget; the files are written
     either way.
 
-    Example: ptq search smollm2 --recipes fp8-e4m3 --max-kl 0.01 --out reports/search
+    Example: ptq search smollm2 --recipes fp8-e4m3,fp8-dynamic --max-kl 0.01 --out reports/search
     """
     progress.QUIET = quiet or as_json
-    from ptq.commands.search import parse_budget, run_search
-    from ptq.reporting.search import closest_line, verdict_word
+    from ptq.commands.search import parse_budget, run_search, state_path
+    from ptq.reporting.search import closest_line, finer_words, verdict_word
 
     budget = parse_budget(max_kl, max_ppl_increase)
-    record = run_search(_split(recipes), budget, **options)
+    try:
+        record = run_search(_split(recipes), budget, **options)
+    except KeyboardInterrupt:
+        if (state := state_path(Path(options["output"].path))).is_file():
+            progress.stderr.print(
+                escape(f"the configurations scored so far are in {state}: rerun with --resume "
+                       "to continue"),
+                highlight=False,
+                soft_wrap=True,
+            )  # fmt: skip
+        raise
     if as_json:
         _print_json(to_json(record))
     else:
@@ -297,8 +309,9 @@ def search(
         progress.stderr.print(
             escape(
                 f"{record['model']}: {len(record['chosen'])} of {len(record['units'])} unit(s) "
-                f"kept in 16-bit, {100 * record['fraction_quantized']:.1f}% of matmul weights "
-                f"quantized; held-out {record['budget']['measure']} {v['value']:.4g} "
+                f"kept in 16-bit{finer_words(record)}, "
+                f"{100 * record['fraction_quantized']:.1f}% of matmul weights quantized; "
+                f"held-out {record['budget']['measure']} {v['value']:.4g} "
                 f"[{v['ci'][0]:.4g}, {v['ci'][1]:.4g}]: {verdict} the budget "
                 f"{record['budget']['given']}"
             ),

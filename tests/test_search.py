@@ -54,7 +54,7 @@ def test_search_writes_a_recipe_that_compare_and_inspect_accept(
     record = json.loads((out / "search.json").read_text())
     assert record["budget"]["metric"] == "kl" and record["method"]
     assert record["windows"]["search"] + record["windows"]["held_out"] == 8
-    assert {b["name"] for b in record["baselines"]} >= {"recipe"}
+    assert {b["name"] for b in record["baselines"]} >= {"recipe:fp8-e4m3", "amax:budget"}
     assert (record["closest"] is None) == record["verdict"]["meets"]
     assert "## Verdict" in (out / "search.md").read_text()
     # the recipe keeps exactly the chosen units' layers in bf16, and nothing else beyond lm_head
@@ -126,7 +126,8 @@ def test_units_never_split_a_fused_group(family):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ({"max_kl": "0.01", "recipes": "fp8-e4m3,int8"}, "one recipe"),
+        ({"max_kl": "0.01", "recipes": "fp8-e4m3,fp8-e4m3"}, "names a recipe twice"),
+        ({"max_kl": "0.01", "recipes": "fp8-e4m3,int8-smoothquant"}, "searched alone"),
         ({}, "give one budget"),
         ({"max_kl": "0.01", "max_ppl_increase": "1%"}, "give one budget"),
         ({"max_kl": "0.01", "low_memory": True}, "--low-memory does not apply"),
@@ -208,6 +209,7 @@ def _measured(name, kept, upper, budget=0.01):
     return {
         "name": name,
         "kept": kept,
+        "config": dict.fromkeys(kept, "16-bit"),
         "count": len(kept),
         "value": upper / 2,
         "ci": [0.0, upper],
@@ -237,6 +239,7 @@ def test_closest_configuration_when_the_held_out_check_misses():
     record = {
         "model": "m",
         "recipe": "fp8-e4m3",
+        "recipes": ["fp8-e4m3"],
         "target": "vllm",
         "budget": {
             "metric": "kl",
@@ -249,7 +252,16 @@ def test_closest_configuration_when_the_held_out_check_misses():
         "baselines": baselines[:2],
         "closest": closest(searched, baselines),
         "chosen": ["a"],
-        "units": [{"name": "a", "params": 1, "sensitivity": 0.1, "patterns": ["a"]}],
+        "finer": {},
+        "units": [
+            {
+                "name": "a",
+                "params": 1,
+                "sensitivity": {"fp8-e4m3": 0.1},
+                "patterns": ["a"],
+                "level": "16-bit",
+            }
+        ],
         "fraction_quantized": 0.5,
         "windows": {"description": "d", "total": 8},
         "units_description": "u",
@@ -257,6 +269,7 @@ def test_closest_configuration_when_the_held_out_check_misses():
         "selection": "s",
         "cost": {"forwards": 1, "evaluations": 1.0, "seconds": 1.0, "sensitivity_seconds": 0.5},
         "curve": [],
+        "amax_curve": None,
     }
     md = search_markdown(record)
     assert "Closest configuration on the held-out windows (3 verified): **amax**, 1 unit(s)" in md
@@ -289,7 +302,7 @@ def test_a_verdict_without_an_interval_is_not_verified_not_missed():
     assert verdict_word({"meets": False, "miss": None}) == "is not verified against"
 
 
-def _by_recipe(model, baseline, recipe, configs, calibration, target, ids):
+def _by_recipe(model, baseline, recipes, units, configs, calibration, target, ids):
     """The reference: each configuration's recipe (config_recipe) quantized by quantize_variants
     and evaluated with the baseline, CHUNK at a time, as the first version of the search did."""
     from ptq.calibration.clips import quantize_variants
@@ -298,7 +311,7 @@ def _by_recipe(model, baseline, recipe, configs, calibration, target, ids):
 
     out, names = {}, list(configs)
     for start in range(0, len(names), CHUNK):
-        part = [config_recipe(recipe, configs[n], n) for n in names[start : start + CHUNK]]
+        part = [config_recipe(recipes, units, configs[n], n) for n in names[start : start + CHUNK]]
         models = quantize_variants(model, [baseline, *part], calibration, "simulated", target)
         out |= evaluate(models, ids, None)
     return out
@@ -331,20 +344,128 @@ def test_swapped_configurations_score_exactly_as_their_recipes(family, target, m
 
     monkeypatch.setattr(search, "_Given", Given)
     model = linearize(families.build(family)).to(torch.bfloat16).eval()
-    recipe, baseline = load_recipe("fp8-e4m3"), load_recipe("bf16")
+    recipes = [load_recipe("fp8-e4m3"), load_recipe("fp8-dynamic")]
+    baseline = load_recipe("bf16")
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (3, 16))
-    calibration = calibrate(model, ids, calibrated_layers(model, recipe))
-    units = units_of(model, resolve_plan(model, recipe, target))
+    calibration = calibrate(model, ids, calibrated_layers(model, recipes[0]))
+    units = units_of(model, resolve_plan(model, recipes[0], target), served=True)
     rng = random.Random(0)
-    configs = {f"only:{u.name}": [v for v in units if v is not u] for u in units}
-    configs |= {f"keep:{k}": rng.sample(units, k) for k in (0, 1, len(units) // 2, len(units))}
+    everything = dict.fromkeys((u.name for u in units), search.KEEP)
+    configs = {f"only:{u.name}": everything | {u.name: 0} for u in units}
+    configs |= {f"dynamic:{u.name}": everything | {u.name: 1} for u in units[:2]}
+    for k in (0, 1, len(units) // 2, len(units)):  # k units at random levels, the rest at the first
+        configs[f"mixed:{k}"] = {u.name: rng.choice([search.KEEP, 0, 1]) for u in units[:k]}
     assert len(configs) > CHUNK  # several chunks, each with its baseline
-    scorer = Scorer(model, baseline, recipe, units, calibration, "simulated", target, None)
+    scorer = Scorer(model, baseline, recipes, units, calibration, "simulated", target, None)
     scores, base = scorer.score(configs, ids, "test")
-    expected = _by_recipe(model, baseline, recipe, configs, calibration, target, ids)
+    expected = _by_recipe(model, baseline, recipes, units, configs, calibration, target, ids)
     assert base == expected[baseline.name]
     for name in configs:
         assert scores[name] == expected[name], name
     assert scores["only:" + units[0].name].kl_div > 0
+    assert scores["dynamic:" + units[0].name] != scores["only:" + units[0].name]
     assert given  # the layers before a configuration's first quantized one were not run again
+
+
+def test_the_ladder_takes_the_most_damage_avoided_per_byte_first():
+    """Hand-computed: a step to a finer scheme of the same width adds no byte and comes first; a
+    finer scheme that does no better is skipped; a unit's own steps keep their order; with one
+    recipe the order is sensitivity per weight, most first."""
+    from ptq.search.search import KEEP, Unit, configuration, ladder
+
+    recipes = [load_recipe("fp8-e4m3"), load_recipe("fp8-dynamic")]
+    units = [Unit("a", ("a",), 100, ("a",)), Unit("b", ("b",), 10, ("b",))]
+    units.append(Unit("c", ("c",), 1000, ("c",)))
+    sens = {"a": [0.4, 0.1], "b": [0.05, 0.06], "c": [0.2, 0.2]}
+    # a -> fp8-dynamic avoids 0.3 for 0 bytes; b -> 16-bit 0.05 / 10 bytes; a -> 16-bit from
+    # fp8-dynamic 0.1 / 100; c -> 16-bit 0.2 / 1000 (its fp8-dynamic does no better: skipped)
+    steps = ladder(units, recipes, sens)
+    assert steps == [("a", 1), ("b", KEEP), ("a", KEEP), ("c", KEEP)]
+    assert configuration(steps, 3) == {"a": KEEP, "b": KEEP}
+    one = {"a": [0.4], "b": [0.05], "c": [0.2]}  # per weight: 0.004, 0.005, 0.0002
+    assert ladder(units, recipes[:1], one) == [("b", KEEP), ("a", KEEP), ("c", KEEP)]
+
+
+def test_a_mixed_search_writes_a_recipe_that_quantize_exports_and_verifies(
+    ptq_run, tiny_model, text_file, tmp_path
+):
+    """`--recipes fp8-e4m3,fp8-dynamic`: units take the finer recipe or 16-bit; searched.yaml
+    gives each unit's layers the level the record names (the plan's scheme per matmul), and `ptq
+    quantize` writes it as one checkpoint with a config group per scheme, reloaded by transformers
+    and verified."""
+    import transformers
+
+    free = tmp_path / "free"
+    code, _, err = _search(ptq_run, tiny_model, text_file, free, max_ppl_increase="1000%")
+    assert code in (0, 1), err
+    whole = json.loads((free / "search.json").read_text())["curve"][0]
+    out = tmp_path / "mixed"
+    code, _, err = _search(
+        ptq_run, tiny_model, text_file, out, max_kl=f"{whole['kl'] / 4:.3g}",
+        recipes="fp8-e4m3,fp8-dynamic",
+    )  # fmt: skip
+    assert code in (0, 1), err
+    record = json.loads((out / "search.json").read_text())
+    assert record["recipes"] == ["fp8-e4m3", "fp8-dynamic"]
+    assert record["finer"] and set(record["finer"].values()) == {"fp8-dynamic"}
+    assert all(set(u["sensitivity"]) == {"fp8-e4m3", "fp8-dynamic"} for u in record["units"])
+    recipe = load_recipe(str(out / "searched.yaml"))
+    model = linearize(transformers.AutoModelForCausalLM.from_pretrained(tiny_model))
+    plan = resolve_plan(model, recipe, "vllm")
+    for u in record["units"]:
+        want = {"16-bit": "bf16", record["base"]: recipe.name}.get(u["level"], u["level"])
+        assert {plan.scheme_name(plan.matmuls[m]) for m in u["members"]} == {want}, u["name"]
+    checkpoint = tmp_path / "checkpoint"
+    # the recipe is built on the cheapest recipe a unit takes: calibrated where that one is
+    assert recipe.needs_calibration == (record["base"] == "fp8-e4m3")
+    calibrated = {"samples": 2} if recipe.needs_calibration else {"data": None, "samples": None}
+    code, stdout, err = ptq_run(
+        "quantize", tiny_model, recipe=out / "searched.yaml", o=checkpoint, quiet=None, **calibrated
+    )
+    assert code == 0, err
+    assert "verification passed" in stdout
+    groups = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+    schemes = {u["level"] for u in record["units"]} - {"16-bit"}
+    assert len(groups["config_groups"]) == len(schemes)  # a config group per scheme used
+
+
+def test_an_interrupted_search_resumes_to_the_same_result(
+    ptq_run, tiny_model, text_file, tmp_path, monkeypatch
+):
+    """Ctrl-C in the middle: nothing written but the state beside OUT (the configurations scored
+    so far); the same command refuses to run over it, --resume continues it without scoring those
+    again, and the result is the uninterrupted search's, number for number."""
+    from ptq.commands.search import state_path
+    from ptq.search import search
+
+    budget = {"max_kl": "0.00005"}
+    code, _, err = _search(ptq_run, tiny_model, text_file, tmp_path / "whole", **budget)
+    assert code in (0, 1), err
+    calls, evaluate = [], search.evaluate
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(search, "evaluate", interrupted)
+    out = tmp_path / "search"
+    code, _, err = _search(ptq_run, tiny_model, text_file, out, force=None, **budget)
+    assert code == 130 and "--resume" in err, err
+    assert not out.exists() and state_path(out).is_file()
+    code, _, err = _search(ptq_run, tiny_model, text_file, out, force=None, **budget)
+    assert code == 2 and "pass --resume to continue it" in err, err
+    calls.clear()
+    code, _, err = _search(ptq_run, tiny_model, text_file, out, force=None, resume=True, **budget)
+    assert code in (0, 1), err
+    assert not state_path(out).exists()
+    whole = json.loads((tmp_path / "whole" / "search.json").read_text())
+    resumed = json.loads((out / "search.json").read_text())
+    for key in ("units", "steps", "curve", "amax_curve", "chosen", "verdict", "baselines"):
+        assert resumed[key] == whole[key], key
+    assert resumed["cost"]["reused"] >= whole["cost"]["reused"] + 2 * 8  # two chunks resumed
+    assert resumed["cost"]["forwards"] < whole["cost"]["forwards"]
+    code, _, err = _search(ptq_run, tiny_model, text_file, tmp_path / "new", resume=True, **budget)
+    assert code == 2 and "no search to resume" in err, err

@@ -473,9 +473,10 @@ class CalibrationOptions:
     resume: bool = option(
         False,
         "--resume",
-        help="Continue an interrupted run from OUTPUT.checkpoint.",
+        help="Continue an interrupted run: calibrate from OUTPUT.checkpoint, search from "
+        "OUT.search-state.json (the configurations already scored).",
         panel=CALIBRATION,
-        commands=("calibrate",),
+        commands=("calibrate", "search"),
     )
     checkpoint_every: float = option(  # seconds
         60.0,

@@ -1,35 +1,42 @@
 """The search: units, their sensitivity, the selection under a budget, the held-out verdict.
 
-Every configuration is a recipe: the chosen recipe with the units kept in 16-bit added to its
-`ignore` list (config_recipe), scored by the one evaluation loop against the bf16 baseline on the
-same windows. It is not quantized anew: the model is quantized once with every unit in 16-bit and
-once whole, and a configuration swaps in the quantized layers of the units it does not keep
-(Scorer), the very modules quantize_variants makes of its recipe. What the search measures is
-therefore exactly what searched.yaml gives `ptq compare` or `ptq quantize` (tests/test_search.py
-checks it number for number).
+A configuration gives each unit a level: one of the candidate recipes (the user's order, cheapest
+first) or KEEP, 16-bit. Every configuration is a recipe (config_recipe): the first recipe, with the
+units kept in 16-bit added to its `ignore` list and an override per later recipe naming its units,
+scored by the one evaluation loop against the bf16 baseline on the same windows. It is not
+quantized anew: the model is quantized once with every unit in 16-bit and once whole per recipe,
+and a configuration swaps in the quantized layers of its units' levels (Scorer), the very modules
+quantize_variants makes of its recipe. What the search measures is therefore exactly what
+searched.yaml gives `ptq compare` or `ptq quantize` (tests/test_search.py checks it number for
+number).
 
 Sensitivity (SENSITIVITY): one unit at a time, exactly: the KL from the baseline of the model with
-only that unit quantized, on the search windows. It is the damage the unit does on its own, never
-negative, and the quantity the budget is stated in; how units interact is left to the selection,
-which checks every candidate end to end. Its cost: one forward per unit and search window, plus
-one baseline forward per chunk of units.
+only that unit quantized, by each recipe, on the search windows. It is the damage the unit does on
+its own, never negative, and the quantity the budget is stated in; how units interact is left to
+the selection, which checks every candidate end to end. Its cost: one forward per unit, recipe and
+search window, plus one baseline forward per chunk of configurations.
 
-Selection: units ranked by damage per matmul weight (what keeping the unit in 16-bit avoids, per
-byte it keeps in 16-bit); keeping the first k of that list is evaluated end to end for a few k at
-once, and the interval between the largest k that misses the budget and the smallest that meets
-it is narrowed until they are neighbours (a bisection, a few points per pass). The configurations
-evaluated are the curve of damage against the fraction of matmul weights quantized.
+Selection: the steps from every unit at the first recipe to every unit in 16-bit (ladder), ordered
+by damage avoided per weight byte added (a step to a finer scheme of the same width adds none and
+comes first); taking the first k steps is evaluated end to end for a few k at once, and the interval
+between the largest k that misses the budget and the smallest that meets it is narrowed until they
+are neighbours (a bisection, a few points per pass). A configuration meets the budget on the search
+windows only where the upper bound of its 95% interval does, as the held-out verdict asks. The
+configurations evaluated are the curve of damage against the fraction of matmul weights quantized.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import random
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -43,14 +50,15 @@ from ptq.evaluation import stats
 from ptq.evaluation.evaluate import Scores, evaluate
 from ptq.execution.executors import WholeModels
 from ptq.execution.streaming import decoder_layers
+from ptq.files import read_json, text_writer, write_set_atomic
 from ptq.quantization import engines
 from ptq.quantization.plan import Plan
-from ptq.quantization.recipes import Recipe
+from ptq.quantization.recipes import Override, Recipe
 
 SENSITIVITY = (
     "exact, one unit at a time: the mean KL (nats per token, vs the bf16 baseline) of the model "
-    "with only that unit quantized, on the search windows; units ranked by that KL per matmul "
-    "weight the unit holds"
+    "with only that unit quantized, by each recipe, on the search windows; the steps from the "
+    "first recipe to 16-bit ranked by that KL avoided per weight byte added"
 )
 CHUNK = 8  # configurations quantized and evaluated together (one baseline forward per chunk)
 RANDOM_DRAWS = 3  # seeded draws of the random baseline
@@ -69,14 +77,16 @@ class Unit:
     patterns: tuple[str, ...]  # what a recipe's `ignore` list gets to keep the unit in 16-bit
 
 
-def units_of(model: nn.Module, plan: Plan) -> list[Unit]:
-    """The units of the matmuls `plan` quantizes, in the model's order. Under --target vllm: a
-    mixture-of-experts layer's experts are one unit, q/k/v one, gate/up one
-    (engines.fused_groups); otherwise each matmul is its own unit."""
+def units_of(model: nn.Module, plan: Plan, served: bool | None = None) -> list[Unit]:
+    """The units of the matmuls `plan` quantizes, in the model's order. Served as vLLM does (the
+    default under --target vllm; always for a search of several recipes, whose overrides may not
+    split what vLLM serves as one layer): a mixture-of-experts layer's experts are one unit, q/k/v
+    one, gate/up one (engines.fused_groups); otherwise each matmul is its own unit."""
+    served = plan.target == "vllm" if served is None else served
     quantized = [n for n, m in plan.matmuls.items() if m.quantized]
     owner: dict[str, str] = {}
     patterns: dict[str, tuple[str, ...]] = {}
-    if plan.target == "vllm":
+    if served:
         for name in quantized:
             if match := _EXPERTS.match(name):
                 owner[name] = match.group(1)
@@ -100,7 +110,7 @@ def units_of(model: nn.Module, plan: Plan) -> list[Unit]:
         Unit(key, tuple(names), sum(plan.matmuls[n].params for n in names), patterns[key])
         for key, names in members.items()
     ]
-    if plan.target == "vllm":
+    if served:
         _refuse_split(model, units)
     return units
 
@@ -120,10 +130,33 @@ def _refuse_split(model: nn.Module, units: list[Unit]) -> None:
             )
 
 
-def config_recipe(recipe: Recipe, kept: list[Unit], name: str) -> Recipe:
-    """`recipe` with the `kept` units in 16-bit (their patterns added to its ignore list)."""
-    extra = [p for u in kept for p in u.patterns]
-    return dataclasses.replace(recipe, name=name, ignore=(*recipe.ignore, *extra))
+KEEP = None  # a unit's level when it stays in 16-bit; otherwise the index of its recipe
+Config = dict[str, int | None]  # unit name -> level; a unit not named takes the first recipe
+
+
+def base_level(units: list[Unit], config: Config) -> int:
+    """The recipe a configuration's recipe is built on: the cheapest one a unit takes (the first
+    where every unit is kept in 16-bit), so that its own scheme is one the model uses."""
+    return min((x for u in units if (x := config.get(u.name, 0)) is not KEEP), default=0)
+
+
+def config_recipe(recipes: list[Recipe], units: list[Unit], config: Config, name: str) -> Recipe:
+    """The configuration as a recipe: the recipe of base_level with the units `config` keeps in
+    16-bit added to its ignore list, and one override per finer recipe giving that recipe's scheme
+    to the units at its level (searched.yaml holds the same)."""
+    first = base_level(units, config)
+    base = recipes[first]
+    kept = [p for u in units if u.name in config and config[u.name] is KEEP for p in u.patterns]
+    overrides: list[Override] = []
+    for level, r in enumerate(recipes[first + 1 :], first + 1):
+        match = tuple(p for u in units if config.get(u.name, 0) == level for p in u.patterns)
+        if match:
+            overrides.append(
+                Override(len(overrides) + 1, match, r.weights, r.inputs, scheme=r.name)
+            )
+    return dataclasses.replace(
+        base, name=name, ignore=(*base.ignore, *kept), overrides=tuple(overrides)
+    )
 
 
 def damage(metric: str, s: Scores, base: Scores) -> float:
@@ -134,82 +167,176 @@ def damage(metric: str, s: Scores, base: Scores) -> float:
         return float(100 * np.expm1((s.nll_sum - base.nll_sum) / s.tokens))
 
 
-class Scorer:
-    """Scores configurations of one model (the units kept in 16-bit, by configuration name) with
-    the baseline on given windows, CHUNK at a time; counts the forward passes (of one window) and
-    the time spent.
+class Journal:
+    """The scores of the configurations evaluated so far, kept in a file (`path`; None: none kept)
+    so that an interrupted search resumes where it stopped. Each configuration's Scores (and each
+    window set's baseline) by key (key_of), under a fingerprint of everything else the scores
+    depend on (the model, the recipes, the calibration, the target and arithmetic); rewritten whole
+    (atomically) after every chunk."""
 
-    The model is quantized once, three ways (quantize_variants): the baseline, the recipe with
-    every unit kept in 16-bit (config_recipe) and the recipe whole. A configuration is the second
-    with the quantized layers of the units it does not keep swapped in from the third (module
+    KIND = "ptq-search-state"
+
+    def __init__(self, path: Path | None, fingerprint: str, resume: bool):
+        self.path, self.fingerprint = path, fingerprint
+        self.scores: dict[str, dict] = {}
+        self.reused = 0  # configurations scored before (by this run, or the one resumed)
+        if resume and path is not None:
+            self.scores = self._read(path)
+
+    def _read(self, path: Path) -> dict[str, dict]:
+        data = read_json(path, "search state")
+        if not isinstance(data, dict) or data.get("kind") != self.KIND:
+            raise PtqError(f"{path} is not a ptq search state; use --force to start over")
+        if data.get("fingerprint") != self.fingerprint:
+            raise PtqError(
+                f"{path} was left by a different search (model, recipes, calibration, data or "
+                "compute options differ); rerun with the same options, or use --force to start "
+                "over"
+            )
+        return dict(data.get("scores", {}))
+
+    def get(self, key: str, count: bool = True) -> Scores | None:
+        if key not in self.scores:
+            return None
+        try:
+            scores = Scores(**self.scores[key])
+        except TypeError:
+            raise PtqError(f"{self.path} is damaged; use --force to start over") from None
+        self.reused += count
+        return scores
+
+    def put(self, scores: dict[str, Scores]) -> None:
+        self.scores |= {key: dataclasses.asdict(s) for key, s in scores.items()}
+        if self.path is not None:
+            body = {"kind": self.KIND, "fingerprint": self.fingerprint, "scores": self.scores}
+            write_set_atomic({self.path: text_writer(json.dumps(body))})
+
+
+def key_of(units: list[Unit], config: Config, windows: str) -> str:
+    """A configuration's key in the journal: the windows' digest and every unit's level."""
+    levels = (config.get(u.name, 0) for u in units)
+    return windows + ":" + ",".join("16" if x is KEEP else str(x) for x in levels)
+
+
+def windows_digest(input_ids: torch.Tensor) -> str:
+    return hashlib.sha256(input_ids.cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+class Scorer:
+    """Scores configurations of one model (each unit's level, by configuration name) with the
+    baseline on given windows, CHUNK at a time; counts the forward passes (of one window) and the
+    time spent.
+
+    The model is quantized once per recipe and once more (quantize_variants): the baseline, every
+    unit kept in 16-bit (config_recipe) and each recipe whole. A configuration is the second with
+    the quantized layers of each unit's level swapped in from the recipe's whole copy (module
     references, no copy): the same QuantLinears, built the same way, that quantize_variants makes of
     the configuration's own recipe (config_recipe), so the same numbers (tests/test_search.py) at
-    the cost of the forwards only."""
+    the cost of the forwards only. Of the whole copies only the swapped layers are held."""
 
     def __init__(
         self,
         model: nn.Module,
         baseline: Recipe,
-        recipe: Recipe,
+        recipes: list[Recipe],
         units: list[Unit],
         calibration: Calibration | None,
         matmul: str,
         target: str,
         batch_size: int | None,
+        journal: Journal | None = None,
     ):
-        self.model, self.baseline, self.recipe, self.units = model, baseline, recipe, units
+        self.model, self.baseline, self.recipes, self.units = model, baseline, recipes, units
         self.calibration, self.matmul, self.target = calibration, matmul, target
         self.batch_size = batch_size
+        self.journal = journal or Journal(None, "", resume=False)
         self.forwards, self.seconds = 0, 0.0
-        self._built: tuple[nn.Module, nn.Module, dict, dict] | None = None
+        self._built: tuple[nn.Module, nn.Module, dict, list[dict]] | None = None
 
-    def _build(self) -> tuple[nn.Module, nn.Module, dict, dict]:
-        """The baseline, the working model (every unit in 16-bit), and each unit's members in 16-bit
-        and quantized, by member name."""
+    def _build(self) -> tuple[nn.Module, nn.Module, dict, list[dict]]:
+        """The baseline, the working model (every unit in 16-bit), each unit's members in 16-bit by
+        member name, and the same quantized by each recipe."""
         if self._built is None:
-            kept = config_recipe(self.recipe, self.units, "ptq-search:kept")
-            whole = dataclasses.replace(self.recipe, name="ptq-search:quantized")
+            everything = dict.fromkeys((u.name for u in self.units), KEEP)
+            kept = config_recipe(self.recipes, self.units, everything, "ptq-search:kept")
+            wholes = [
+                dataclasses.replace(r, name=f"ptq-search:{level}")
+                for level, r in enumerate(self.recipes)
+            ]
             models = quantize_variants(
-                self.model, [self.baseline, kept, whole], self.calibration, self.matmul,
+                self.model, [self.baseline, kept, *wholes], self.calibration, self.matmul,
                 self.target,
             )  # fmt: skip
-            working, quantized = models[kept.name], models[whole.name]
+            working = models[kept.name]
             members = [n for u in self.units for n in u.members]
             off = {n: working.get_submodule(n) for n in members}
-            on = {n: quantized.get_submodule(n) for n in members}
+            on = []
+            for w in wholes:  # the rest of each whole copy is dropped
+                quantized = models.pop(w.name)
+                on.append({n: quantized.get_submodule(n) for n in members})
             self._built = (models[self.baseline.name], working, off, on)
         return self._built
 
     def score(
-        self, configs: dict[str, list[Unit]], input_ids: torch.Tensor, what: str
+        self, configs: dict[str, Config], input_ids: torch.Tensor, what: str
     ) -> tuple[dict[str, Scores], Scores]:
-        """Each configuration's scores by name, and the baseline's."""
+        """Each configuration's scores by name, and the baseline's; those the journal holds are
+        taken from it, the others evaluated and added to it chunk by chunk."""
+        windows = windows_digest(input_ids)
+        keys = {name: key_of(self.units, config, windows) for name, config in configs.items()}
+        out = {name: s for name in configs if (s := self.journal.get(keys[name])) is not None}
+        base = self.journal.get(f"{windows}:baseline", count=False)
+        names = [name for name in configs if name not in out]
+        if not names and base is not None:
+            return out, base
         base_model, working, off, on = self._build()
-        out: dict[str, Scores] = {}
-        base = None
-        names = list(configs)
         chunks = range(0, len(names), CHUNK)
+        began_all = time.perf_counter()
         for i, start in enumerate(chunks):
             part = names[start : start + CHUNK]
-            if not progress.QUIET:
-                progress.stderr.print(f"{what}: {i + 1} of {len(chunks)}", highlight=False)
+            _progress(what, i, len(chunks), time.perf_counter() - began_all)
             began = time.perf_counter()
-            swaps = {}
-            for name in part:
-                keep = {n for u in configs[name] for n in u.members}
-                swaps[name] = {n: off[n] if n in keep else on[n] for n in off}
+            swaps = {name: self._swaps(configs[name], off, on) for name in part}
             run = Configurations(self.baseline.name, base_model, working, swaps, off)
             scores = evaluate(run, input_ids, self.batch_size)
             self.seconds += time.perf_counter() - began
             self.forwards += (len(part) + 1) * len(input_ids)
             base = scores[self.baseline.name]
             out |= {name: scores[name] for name in part}
+            self.journal.put(
+                {keys[name]: scores[name] for name in part} | {f"{windows}:baseline": base}
+            )
         if base is None:  # no configuration: the baseline alone
             base = evaluate({self.baseline.name: base_model}, input_ids, self.batch_size)[
                 self.baseline.name
             ]
             self.forwards += len(input_ids)
         return out, base
+
+    def _swaps(self, config: Config, off: dict, on: list[dict]) -> dict[str, nn.Module]:
+        """Member name -> the module it runs as in `config`."""
+        swaps = {}
+        for u in self.units:
+            level = config.get(u.name, 0)
+            for n in u.members:
+                swaps[n] = off[n] if level is KEEP else on[level][n]
+        return swaps
+
+
+def _progress(what: str, done: int, total: int, seconds: float) -> None:
+    """`what: chunk i of n`, with the time left estimated from the chunks done."""
+    if progress.QUIET:
+        return
+    left = "" if not done else f", about {_duration(seconds / done * (total - done))} left"
+    progress.stderr.print(f"{what}: {done + 1} of {total}{left}", highlight=False)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 PREFIX_BYTES = 1 << 30  # at most this much of the baseline's decoder-layer outputs kept per batch
@@ -312,61 +439,99 @@ def _layer_index(name: str, layers: str) -> int:
     return int(head) if head.isdigit() else 0
 
 
-def sensitivity(scorer: Scorer, units: list[Unit], input_ids: torch.Tensor) -> dict[str, float]:
-    """Each unit's KL with only it quantized (SENSITIVITY), by unit name."""
-    configs = {f"only:{u.name}": [v for v in units if v is not u] for u in units}
+def sensitivity(
+    scorer: Scorer, units: list[Unit], input_ids: torch.Tensor
+) -> dict[str, list[float]]:
+    """Each unit's KL with only it quantized (SENSITIVITY): unit name -> one KL per recipe."""
+    levels = range(len(scorer.recipes))
+    everything = dict.fromkeys((u.name for u in units), KEEP)
+    configs = {f"only:{j}:{u.name}": everything | {u.name: j} for u in units for j in levels}
     scores, _ = scorer.score(configs, input_ids, "sensitivity (one unit at a time)")
-    return {u.name: scores[f"only:{u.name}"].kl_div for u in units}
+    return {u.name: [scores[f"only:{j}:{u.name}"].kl_div for j in levels] for u in units}
 
 
-def ranked(units: list[Unit], sens: dict[str, float]) -> list[Unit]:
-    """The units by damage avoided per matmul weight kept in 16-bit, most first (ties: model
-    order)."""
-    return sorted(units, key=lambda u: -sens[u.name] / max(u.params, 1))
+Step = tuple[str, int | None]  # a unit (by name) and the level it moves to
+
+
+def ladder(units: list[Unit], recipes: list[Recipe], sens: dict[str, list[float]]) -> list[Step]:
+    """The steps from every unit at the first recipe to every unit in 16-bit, in the order the
+    selection takes them: most damage avoided (a unit's sensitivity at its level, less that at the
+    next) per weight byte added first; a step that adds no byte (a finer scheme of the same width)
+    before any that does, most damage avoided first. From each level a unit takes the best such step
+    (a finer scheme that does no better is skipped), and a unit's steps keep their order. With one
+    recipe: the units by sensitivity per matmul weight, most first (ties: model order)."""
+    widths = [r.weights.format.bits for r in recipes] + [16]
+    levels: list[int | None] = [*range(len(recipes)), KEEP]
+    keyed = []
+    for index, u in enumerate(units):
+        dmg = [*sens[u.name], 0.0]
+        at, last = 0, None
+        while at < len(levels) - 1:
+            options = []
+            for nxt in range(at + 1, len(levels)):
+                avoided = dmg[at] - dmg[nxt]
+                if avoided <= 0 and nxt < len(levels) - 1:
+                    continue
+                added = (widths[nxt] - widths[at]) * u.params / 8
+                options.append(((added > 0, -avoided / added if added > 0 else -avoided), nxt))
+            key, at = min(options)
+            last = key if last is None else max(key, last)
+            keyed.append((last, index, len(keyed), (u.name, levels[at])))
+    return [step for *_, step in sorted(keyed)]
+
+
+def configuration(steps: list[Step], k: int) -> Config:
+    """The configuration after the first k steps."""
+    return dict(steps[:k])
 
 
 def select(
     scorer: Scorer,
-    order: list[Unit],
+    steps: list[Step],
     input_ids: torch.Tensor,
     metric: str,
     budget: float,
-    fraction: Callable[[list[Unit]], float],
+    fraction: Callable[[Config], float],
+    what: str = "selection",
 ) -> tuple[int, list[dict]]:
-    """The smallest k such that keeping order[:k] in 16-bit meets `budget` on the search windows
-    (by bisection over k, checked end to end), and the curve of the configurations evaluated."""
-    n = len(order)
+    """The smallest k such that the first k steps meet `budget` on the search windows (the upper
+    bound of the 95% interval within it; the estimate itself where there are too few windows for an
+    interval), by bisection over k with each candidate evaluated end to end; and the curve of the
+    configurations evaluated."""
+    n = len(steps)
+    end = configuration(steps, n)
     points: dict[int, dict] = {
-        n: {"kept": n, "damage": 0.0, "kl": 0.0, "ppl_increase": 0.0, "evaluated": False}
+        n: {"steps": n, "damage": 0.0, "ci": [0.0, 0.0], "kl": 0.0, "ppl_increase": 0.0}
+        | {"meets": True, "evaluated": False}
     }
 
     def run(ks: list[int]) -> None:
         ks = sorted(set(ks) - set(points))
-        configs = {f"keep:{k}": order[:k] for k in ks}
-        scores, base = scorer.score(configs, input_ids, f"selection: {len(ks)} configuration(s)")
+        configs = {f"steps:{k}": configuration(steps, k) for k in ks}
+        scores, base = scorer.score(configs, input_ids, f"{what}: {len(ks)} configuration(s)")
         for k in ks:
-            s = scores[f"keep:{k}"]
-            points[k] = {
-                "kept": k,
-                "damage": damage(metric, s, base),
-                "kl": s.kl_div,
-                "ppl_increase": damage("ppl", s, base),
+            v = verdict(metric, budget, scores[f"steps:{k}"], base)
+            upper = v["value"] if math.isnan(v["ci"][1]) else v["ci"][1]
+            points[k] = {"steps": k, "damage": v["value"], "ci": v["ci"], "kl": v["kl"]} | {
+                "ppl_increase": v["ppl_increase"],
+                "meets": bool(upper <= budget),
                 "evaluated": True,
             }
 
     run([0, n // 8, n // 4, n // 2])
     while True:
-        hi = min(k for k, p in points.items() if p["damage"] <= budget)
+        hi = min(k for k, p in points.items() if p["meets"])
         below = [k for k in points if k < hi]
         if not below or hi - max(below) <= 1:
             break
         lo = max(below)
         step = (hi - lo) / (POINTS_PER_PASS + 1)
         run([lo + max(1, round(step * (i + 1))) for i in range(POINTS_PER_PASS) if lo + 1 < hi])
-    curve = [
-        p | {"fraction_quantized": fraction(order[: p["kept"]]), "meets": p["damage"] <= budget}
-        for _, p in sorted(points.items())
-    ]
+    curve = []
+    for k, p in sorted(points.items()):
+        config = configuration(steps, k)
+        kept = sum(1 for u in end if config.get(u, 0) is KEEP)
+        curve.append(p | {"kept": kept, "fraction_quantized": fraction(config)})
     return hi, curve
 
 
@@ -403,32 +568,62 @@ def verdict(metric: str, budget: float, s: Scores, base: Scores) -> dict:
     }
 
 
+def labels(recipes: list[Recipe], units: list[Unit], config: Config) -> dict[str, str]:
+    """The units `config` does not leave at the first recipe: unit name -> "16-bit" or the name of
+    the recipe it takes."""
+    out = {}
+    for u in units:
+        level = config.get(u.name, 0)
+        if level != 0:
+            out[u.name] = "16-bit" if level is KEEP else recipes[level].name
+    return out
+
+
+def alike(order: list[Unit], config: Config, levels: int) -> Config:
+    """A configuration with as many units at each level as `config`, given to the units of `order`
+    in turn: 16-bit first, then the finer recipes, the last first."""
+    given = sorted(
+        (config.get(u.name, 0) for u in order), key=lambda x: -levels if x is KEEP else -x
+    )
+    return {u.name: level for u, level in zip(order, given)}
+
+
 def held_out(
     scorer: Scorer,
     units: list[Unit],
-    order: list[Unit],
-    k: int,
+    chosen: Config,
+    others: dict[str, Config],
     amax: dict[str, float] | None,
     input_ids: torch.Tensor,
     metric: str,
     budget: float,
     seed: int,
 ) -> tuple[dict, list[dict]]:
-    """The chosen configuration's verdict on the held-out windows, and the baselines' (the recipe
-    whole; the same number of units by largest input amax; at random, RANDOM_DRAWS seeded draws),
-    all evaluated together on those windows."""
-    configs = {"searched": order[:k], "recipe": []}
-    if 0 < k < len(units):
+    """The chosen configuration's verdict on the held-out windows, and the baselines' (each recipe
+    whole; as many units at each level chosen by largest input amax, and at random in
+    RANDOM_DRAWS seeded draws; `others`), all evaluated together on those windows."""
+    recipes = scorer.recipes
+    configs = {"searched": chosen}
+    configs |= {f"recipe:{r.name}": dict.fromkeys((u.name for u in units), j)
+                for j, r in enumerate(recipes)}  # fmt: skip
+    if len({chosen.get(u.name, 0) for u in units}) > 1:
         if amax is not None and len(amax) == len(units):
-            configs["amax"] = sorted(units, key=lambda u: -amax[u.name])[:k]
+            by_amax = sorted(units, key=lambda u: -amax[u.name])
+            configs["amax"] = alike(by_amax, chosen, len(recipes))
         for draw in range(RANDOM_DRAWS):
-            configs[f"random:{draw}"] = random.Random(seed + draw).sample(units, k)
+            drawn = random.Random(seed + draw).sample(units, len(units))
+            configs[f"random:{draw}"] = alike(drawn, chosen, len(recipes))
+    configs |= others
     scores, base = scorer.score(configs, input_ids, "held-out verification")
-    results = {
-        name: verdict(metric, budget, scores[name], base)
-        | {"kept": sorted(u.name for u in kept), "count": len(kept)}
-        for name, kept in configs.items()
-    }
+    results = {}
+    for name, config in configs.items():
+        changed = labels(recipes, units, config)
+        kept = sorted(u for u, label in changed.items() if label == "16-bit")
+        results[name] = verdict(metric, budget, scores[name], base) | {
+            "kept": kept,
+            "count": len(kept),
+            "config": changed,
+        }
     baselines = [{"name": name} | r for name, r in results.items() if name != "searched"]
     return results["searched"], baselines
 
@@ -436,13 +631,13 @@ def held_out(
 def closest(verdict: dict, baselines: list[dict]) -> dict | None:
     """When the searched configuration misses the budget on the held-out windows: of the
     configurations evaluated there, the one whose interval's upper bound came nearest to the budget
-    (the searched one itself included; baselines that keep the same units as the searched one are
+    (the searched one itself included; baselines that give every unit the searched one's level are
     the same configuration and not counted again), with `only` true where the searched
     configuration was the only one verified. None when it meets the budget."""
     if verdict["meets"]:
         return None
     searched = {"name": "searched"} | verdict
-    others = [b for b in baselines if "ci" in b and sorted(b["kept"]) != sorted(verdict["kept"])]
+    others = [b for b in baselines if "ci" in b and b["config"] != verdict["config"]]
     verified = [x for x in [searched, *others] if not math.isnan(x["ci"][1])]
     if not verified:
         return {"name": None, "only": not others, "verified": 0}
@@ -451,6 +646,7 @@ def closest(verdict: dict, baselines: list[dict]) -> dict | None:
         "name": best["name"],
         "count": best["count"],
         "kept": best["kept"],
+        "config": best["config"],
         "value": best["value"],
         "ci": best["ci"],
         "meets": best["meets"],
