@@ -272,6 +272,15 @@ def search(
             help="Budget: the held-out perplexity increase over the bf16 baseline (e.g. 1%).",
         ),
     ] = None,
+    min_accuracy_recovery: Annotated[
+        str | None,
+        typer.Option(
+            "--min-accuracy-recovery",
+            metavar="PCT",
+            help="Budget: the held-out next-token accuracy, as a share of the bf16 baseline's "
+            "(e.g. 99% or next-token=99%).",
+        ),
+    ] = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
@@ -289,7 +298,7 @@ def search(
     from ptq.commands.search import parse_budget, run_search, state_path
     from ptq.reporting.search import closest_line, finer_words, verdict_word
 
-    budget = parse_budget(max_kl, max_ppl_increase)
+    budget = parse_budget(max_kl, max_ppl_increase, min_accuracy_recovery)
     try:
         record = run_search(_split(recipes), budget, **options)
     except KeyboardInterrupt:

@@ -444,11 +444,11 @@ def test_an_interrupted_search_resumes_to_the_same_result(
     assert code in (0, 1), err
     calls, evaluate = [], search.evaluate
 
-    def interrupted(*args, **kwargs):
-        calls.append(1)
+    def interrupted(run, *args, **kwargs):
+        calls.append(len(run.swaps))  # the configurations of this chunk
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return evaluate(*args, **kwargs)
+        return evaluate(run, *args, **kwargs)
 
     monkeypatch.setattr(search, "evaluate", interrupted)
     out = tmp_path / "search"
@@ -457,6 +457,7 @@ def test_an_interrupted_search_resumes_to_the_same_result(
     assert not out.exists() and state_path(out).is_file()
     code, _, err = _search(ptq_run, tiny_model, text_file, out, force=None, **budget)
     assert code == 2 and "pass --resume to continue it" in err, err
+    scored = sum(calls[:2])  # the chunks scored before the interruption
     calls.clear()
     code, _, err = _search(ptq_run, tiny_model, text_file, out, force=None, resume=True, **budget)
     assert code in (0, 1), err
@@ -465,7 +466,33 @@ def test_an_interrupted_search_resumes_to_the_same_result(
     resumed = json.loads((out / "search.json").read_text())
     for key in ("units", "steps", "curve", "amax_curve", "chosen", "verdict", "baselines"):
         assert resumed[key] == whole[key], key
-    assert resumed["cost"]["reused"] >= whole["cost"]["reused"] + 2 * 8  # two chunks resumed
+    assert resumed["cost"]["reused"] == whole["cost"]["reused"] + scored
     assert resumed["cost"]["forwards"] < whole["cost"]["forwards"]
     code, _, err = _search(ptq_run, tiny_model, text_file, tmp_path / "new", resume=True, **budget)
     assert code == 2 and "no search to resume" in err, err
+
+
+def test_an_accuracy_budget_is_the_share_of_next_token_accuracy_kept():
+    """--min-accuracy-recovery P% budgets next-token accuracy: held as the accuracy it may lose
+    (100 - P, % of the baseline's); a configuration meets it where its interval's upper bound on
+    that loss does (the recovery's lower bound at least P); a task's accuracy is refused."""
+    from ptq.commands.search import parse_budget
+    from ptq.errors import PtqError
+    from ptq.evaluation.evaluate import Scores
+    from ptq.search.search import damage, verdict
+
+    for given in ("99%", "next-token=99%"):
+        b = parse_budget(None, None, given)
+        assert b["metric"] == "acc" and b["value"] == pytest.approx(1.0)
+    with pytest.raises(PtqError, match="not the accuracy of a task"):
+        parse_budget(None, None, "hellaswag=99%")
+    with pytest.raises(PtqError, match="give one budget"):
+        parse_budget("0.01", None, "99%")
+    base = Scores(tokens=400, correct=200, window_correct=[0.5, 0.4, 0.6, 0.5])
+    variant = Scores(tokens=400, correct=196, window_correct=[0.49, 0.39, 0.59, 0.49])
+    assert damage("acc", variant, base) == pytest.approx(2.0)  # 196 of 200 kept: 2% lost
+    v = verdict("acc", 2.5, variant, base)
+    assert v["value"] == pytest.approx(2.0)  # means 0.495 / 0.5 (paired windows)
+    lo, hi = v["ci"]
+    assert lo <= 2.0 <= hi and v["meets"] == (hi <= 2.5)
+    assert not verdict("acc", 1.0, variant, base)["meets"]  # every resample loses 1.6% or more

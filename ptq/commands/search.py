@@ -8,6 +8,7 @@ itself is ptq.search.search's."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -40,20 +41,41 @@ SEED = 0
 FILES = ("searched.yaml", "search.json", "search.md", "search.png")
 
 
-def parse_budget(max_kl: str | None, max_ppl_increase: str | None) -> dict:
-    """--max-kl NATS or --max-ppl-increase PCT, exactly one."""
+def parse_budget(
+    max_kl: str | None, max_ppl_increase: str | None, min_accuracy_recovery: str | None = None
+) -> dict:
+    """--max-kl NATS, --max-ppl-increase PCT or --min-accuracy-recovery [next-token=]PCT, exactly
+    one. An accuracy budget is held as the accuracy it may lose: 100 less the recovery."""
     from ptq.reporting.gates import parse_limits
 
-    if (max_kl is None) == (max_ppl_increase is None):
-        raise PtqError("give one budget: --max-kl NATS or --max-ppl-increase PCT")
-    limits = parse_limits(max_ppl_increase=max_ppl_increase, max_kl=max_kl)
+    given = [x for x in (max_kl, max_ppl_increase, min_accuracy_recovery) if x is not None]
+    if len(given) != 1:
+        raise PtqError(
+            "give one budget: --max-kl NATS, --max-ppl-increase PCT or --min-accuracy-recovery PCT"
+        )
+    accuracy = [min_accuracy_recovery] if min_accuracy_recovery is not None else None
+    limits = parse_limits(max_ppl_increase, accuracy, max_kl)
     if max_kl is not None:
         return {"metric": "kl", "flag": "--max-kl", "given": max_kl, "value": limits.max_kl}
+    if max_ppl_increase is not None:
+        return {
+            "metric": "ppl",
+            "flag": "--max-ppl-increase",
+            "given": max_ppl_increase,
+            "value": limits.max_ppl_increase_pct,
+        }
+    tasks = set(limits.task_accuracy_recovery_pct) - {"next-token"}
+    if tasks:
+        raise PtqError(
+            f"--min-accuracy-recovery {min_accuracy_recovery}: ptq search budgets next-token "
+            f"accuracy (99% or next-token=99%), not the accuracy of a task ({', '.join(tasks)})"
+        )
+    pct = limits.task_accuracy_recovery_pct.get("next-token", limits.min_accuracy_recovery_pct)
     return {
-        "metric": "ppl",
-        "flag": "--max-ppl-increase",
-        "given": max_ppl_increase,
-        "value": limits.max_ppl_increase_pct,
+        "metric": "acc",
+        "flag": "--min-accuracy-recovery",
+        "given": min_accuracy_recovery,
+        "value": 100 - pct,
     }
 
 
@@ -80,6 +102,8 @@ def run_search(
         "--calib-data",
     )  # fmt: skip
     texts = read_texts(calibration, data, needed)
+    # --resume resumes the search (its state file), not a calibration: that one is made again
+    resume, calibration = calibration.resume, dataclasses.replace(calibration, resume=False)
     baseline = load_recipe(BASELINE_RECIPE)
     dtype = getattr(torch, compute_info["dtype"])
     prepared = prepare(
@@ -96,7 +120,7 @@ def run_search(
         )
     calibrated = prepared.calibration if needed else None
     fingerprint = _fingerprint(prepared.loaded.model, searched, calibrated, compute_info, compute)
-    journal = s.Journal(state, fingerprint, calibration.resume)
+    journal = s.Journal(state, fingerprint, resume)
     scorer = s.Scorer(
         prepared.loaded.model, baseline, searched, units, calibrated, compute_info["matmul"],
         compute.target, compute.batch_size, journal,
@@ -135,7 +159,6 @@ def _fingerprint(model, recipes, calibration, compute_info: dict, compute) -> st
     """What a search's scores depend on besides its windows and each configuration (the journal's
     keys): the model (model_digest), the recipes, the calibrated scales, the target, the arithmetic
     and the batches."""
-    import dataclasses
     import hashlib
 
     from ptq.calibration.calibrate import model_digest

@@ -165,6 +165,13 @@ def difference(variant: np.ndarray, base: np.ndarray) -> np.ndarray:
     return variant - base
 
 
+def loss_pct(variant: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """How much of the baseline's mean (an accuracy) the variant's falls short of, in percent: 100
+    less the recovery."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return 100 * (1 - variant / base)
+
+
 def ratio_pct_of_exp(variant: np.ndarray, base: np.ndarray) -> np.ndarray:
     """Relative change of exp(mean NLL), i.e. of perplexity, in percent."""
     return 100 * np.expm1(variant - base)

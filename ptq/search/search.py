@@ -63,7 +63,11 @@ SENSITIVITY = (
 CHUNK = 8  # configurations quantized and evaluated together (one baseline forward per chunk)
 RANDOM_DRAWS = 3  # seeded draws of the random baseline
 POINTS_PER_PASS = 3  # configurations evaluated per pass of the bisection
-METRICS = {"kl": "mean KL (nats per token)", "ppl": "perplexity increase (%)"}
+METRICS = {
+    "kl": "mean KL (nats per token)",
+    "ppl": "perplexity increase (%)",
+    "acc": "next-token accuracy lost (% of the baseline's)",
+}
 _EXPERTS = re.compile(r"^(.*\.experts)\.\d+\.")
 
 
@@ -163,6 +167,8 @@ def damage(metric: str, s: Scores, base: Scores) -> float:
     """The budget's measure of one configuration's scores against the baseline's, same windows."""
     if metric == "kl":
         return s.kl_div
+    if metric == "acc":
+        return float(stats.loss_pct(s.correct, base.correct)) if base.correct else 0.0
     with np.errstate(over="ignore"):
         return float(100 * np.expm1((s.nll_sum - base.nll_sum) / s.tokens))
 
@@ -193,7 +199,10 @@ class Journal:
                 "compute options differ); rerun with the same options, or use --force to start "
                 "over"
             )
-        return dict(data.get("scores", {}))
+        scores = data.get("scores", {})
+        if not isinstance(scores, dict):
+            raise PtqError(f"{path} is damaged; use --force to start over")
+        return scores
 
     def get(self, key: str, count: bool = True) -> Scores | None:
         if key not in self.scores:
@@ -552,6 +561,9 @@ def verdict(metric: str, budget: float, s: Scores, base: Scores) -> dict:
     if metric == "kl":
         e = stats.estimate(s.window_kl)
         value, ci = e["value"], e["ci"]
+    elif metric == "acc":
+        d = stats.paired_delta(base.window_correct, s.window_correct, stats.loss_pct)
+        value, ci = d["delta"], d["ci"]
     else:
         d = stats.paired_delta(base.window_nll, s.window_nll, stats.ratio_pct_of_exp)
         value, ci = d["delta"], d["ci"]
