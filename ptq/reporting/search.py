@@ -209,7 +209,7 @@ def search_markdown(record: dict) -> str:
         f"# ptq search: {record['model']}",
         "",
         f"Recipes **{', '.join(record['recipes'])}** (cheapest first, 16-bit last), target "
-        f"{record['target']}, budget **{b['flag']} {b['given']}** ({b['measure']}).",
+        f"{record['target']}, budget **{b['flag']} {b['given']}**, measured as {b['measure']}.",
         "",
         "## Verdict (held-out windows)",
         "",
