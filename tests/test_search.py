@@ -130,8 +130,9 @@ def test_units_never_split_a_fused_group(family):
         ({"max_kl": "0.01", "recipes": "fp8-e4m3,int8-smoothquant"}, "searched alone"),
         ({}, "give one budget"),
         ({"max_kl": "0.01", "max_ppl_increase": "1%"}, "give one budget"),
-        ({"max_kl": "0.01", "low_memory": True}, "--low-memory does not apply"),
+        ({"max_kl": "0.01", "low_memory": True, "dtype": "bfloat16"}, "computes in float32"),
         ({"max_kl": "0.01", "device_map": "auto"}, "--device-map does not apply"),
+        ({"max_kl": "0.01", "device_map": "auto", "low_memory": True}, "use --low-memory"),
         ({"max_kl": "0.01", "recipes": "fp8-e4m3+kv"}, "does not search these"),
     ],
 )

@@ -4,7 +4,9 @@ DIR/searched.yaml, search.json, search.md, search.png.
 
 The model is loaded, its windows cut and the recipe calibrated as compare does (prepare); the
 evaluation windows alternate between the search (even) and the held-out (odd) windows; the search
-itself is ptq.search.search's."""
+itself is ptq.search.search's. With --low-memory (or automatically, as compare decides, when the
+model and its quantized copies do not fit in memory) the model is read layer by layer from disk,
+calibrated and searched so (ptq.search.search.Scorer), to the same numbers."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ptq.commands.common import (
     now,
     refuse_torchrun,
     refuse_unused_calibration,
+    runs_layer_by_layer,
     versions,
 )
 from ptq.commands.measure import BASELINE_RECIPE, checked_compute_path, prepare, read_texts
@@ -31,6 +34,7 @@ from ptq.commands.options import (
 )
 from ptq.errors import PtqError
 from ptq.evaluation.data import spec_source
+from ptq.execution import streaming
 from ptq.files import atomic_dir, check_outputs, read_yaml, text_writer, writes_outputs
 from ptq.quantization.recipes import Recipe, load_recipe
 from ptq.reporting.results import to_json
@@ -91,11 +95,17 @@ def run_search(
     output: OutputOptions,
 ) -> dict:
     """The search's record (search.json), its files written to output.path."""
-    _refuse(model, compute, calibration)
+    _refuse(model)
     searched, sources = _searched_recipes(recipes)
     out = _check_output(output, model, data, calibration, searched)
     state = _check_state(out, calibration.resume, output.force)
-    compute_info = checked_compute_path(model, compute, data, False)
+    copies = 1.5 + len(searched)
+    streamed = runs_layer_by_layer(
+        model, compute.low_memory, copies,
+        note=f"note: model '{model.model}' and its {len(searched) + 1} quantized copies do not fit "
+        f"in memory: searching layer by layer from disk ({streaming.LOW_MEMORY_FLAG})",
+    )  # fmt: skip
+    compute_info = checked_compute_path(model, compute, data, streamed)
     needed = [r for r in searched if r.needs_calibration]
     refuse_unused_calibration(
         calibration, bool(needed), f"recipe(s) {', '.join(recipes)} need no calibration",
@@ -108,7 +118,7 @@ def run_search(
     dtype = getattr(torch, compute_info["dtype"])
     prepared = prepare(
         model, data, calibration, compute, [baseline, *searched], needed, texts,
-        streamed=False, dtype=dtype, copies=1.5 + len(searched),
+        streamed=streamed, dtype=dtype, copies=copies,
     )  # fmt: skip
     ids = _windows(prepared.windows.input_ids)
     plan = prepared.plans[searched[0].name]
@@ -129,6 +139,7 @@ def run_search(
     found = _search(scorer, plan, units, ids, budget, calibrated)
     record = _record(prepared, searched, compute.target, budget, ids, units, found)
     record["cost"] |= {"seconds": time.perf_counter() - began, "reused": journal.reused}
+    record["cost"] |= {"chunks": scorer.chunks, "low_memory": streamed}
     _write(out, record, sources, _scheme_names(recipes, searched))
     state.unlink(missing_ok=True)
     return record
@@ -157,13 +168,15 @@ def _check_state(out: Path, resume: bool, force: bool) -> Path:
 
 def _fingerprint(model, recipes, calibration, compute_info: dict, compute) -> str:
     """What a search's scores depend on besides its windows and each configuration (the journal's
-    keys): the model (model_digest), the recipes, the calibrated scales, the target, the arithmetic
-    and the batches."""
+    keys): the model (model_digest; read layer by layer, its checkpoint's contents too), the
+    recipes, the calibrated scales, the target, the arithmetic and the batches."""
     import hashlib
 
     from ptq.calibration.calibrate import model_digest
 
     h = hashlib.sha256(model_digest(model))
+    if streaming.is_streamed(model):
+        h.update(model.ptq_checkpoint.digest())
     for r in recipes:
         h.update(repr(dataclasses.replace(r, source="")).encode())
     if calibration is not None:
@@ -383,13 +396,16 @@ def _record(prepared, recipes, target, budget, ids, units, found: _Found) -> dic
     }
 
 
-def _refuse(model: ModelOptions, compute: ComputeOptions, calibration: CalibrationOptions) -> None:
-    """What the search does not do yet, refused in one line before any work."""
+def _refuse(model: ModelOptions) -> None:
+    """What the search does not do yet, refused in one line before any work. --device-map: a
+    configuration swaps quantized layers into one 16-bit copy of the model, which accelerate's
+    hooks (placed and offloaded modules) do not follow."""
     refuse_torchrun("search")
     if model.placement is not None:
-        raise PtqError("--device-map does not apply to ptq search yet: the model runs whole")
-    if compute.low_memory:
-        raise PtqError("--low-memory does not apply to ptq search yet: the model runs whole")
+        raise PtqError(
+            "--device-map does not apply to ptq search yet: its configurations swap layers into "
+            f"one copy of the model; for a model larger than memory use {streaming.LOW_MEMORY_FLAG}"
+        )
 
 
 def _write(out: Path, record: dict, sources: list[dict], schemes: list[str]) -> None:

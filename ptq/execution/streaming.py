@@ -135,6 +135,29 @@ class SafetensorsCheckpoint:
                 )
                 self.stored[alias] = key
 
+    def digest(self) -> bytes:
+        """The checkpoint's contents: the sha256 of every file it reads (its name, size and bytes),
+        in name order, read once from start to end with a progress bar. What a resumed ptq search
+        knows a streamed model by: its weights are never in memory whole, to take the moments of
+        (ptq.calibration.calibrate.model_digest)."""
+        import hashlib
+
+        from ptq.progress import progress
+
+        files = sorted(set(self.file.values()), key=lambda path: path.name)
+        sizes = [path.stat().st_size for path in files]
+        h = hashlib.sha256()
+        with progress(
+            "fingerprinting the checkpoint (MiB)", -(-sum(sizes) // (1 << 20))
+        ) as advance:
+            for path, size in zip(files, sizes):
+                h.update(f"{path.name} {size}\n".encode())
+                with open(path, "rb") as f:
+                    while block := f.read(1 << 24):
+                        h.update(block)
+                        advance(len(block) >> 20)
+        return h.digest()
+
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The named tensors, in their stored dtype; each file is opened once per call and closed
         after."""
@@ -501,7 +524,16 @@ class LayerByLayer:
     given the part with its tensors read from disk and its modules under their names in the whole
     model (the trunk is a model whose decoder layers are slots; a layer is mounted at its path).
     Calibration yields the part itself with observers hooked on it; compare yields the part's
-    quantized variants. Default: the part itself, as "model"."""
+    quantized variants. Default: the part itself, as "model".
+
+    starts (ptq search's configurations): model name -> the decoder layer it starts at. Such a model
+    takes the first model's (the baseline's) hidden states as its input at that layer, copied as
+    the baseline is about to run it; its own trunk does not run before the first decoder layer and
+    its earlier layers do not run at all (`parts` need not give them: a layer part gives only the
+    models that run it). The caller vouches that they compute what the baseline's do, as the search
+    does for the layers before a configuration's first quantized one (16-bit layers both), so the
+    numbers are those of the model run whole; the hidden states of such a model are held from that
+    layer on only."""
 
     def __init__(
         self,
@@ -509,6 +541,7 @@ class LayerByLayer:
         parts: Callable | None = None,
         names: list[str] | None = None,
         device: torch.device | None = None,
+        starts: dict[str, int] | None = None,
     ):
         if not is_streamed(model):
             raise ValueError("LayerByLayer runs a model made by load_streamed")
@@ -519,6 +552,13 @@ class LayerByLayer:
         self.device = device or default_device()
         self.dtype = torch.float32  # every tensor is read in float32
         self.layer_count = len(model.get_submodule(self.streamed.layers))
+        # the baseline starts at the first layer; a start past the last layer: the baseline's
+        # output of the last one
+        self.starts = {
+            name: min(start, self.layer_count)
+            for name, start in (starts or {}).items()
+            if start > 0 and name in self.names[1:]
+        }
         self.description = f"layer by layer from disk ({self.layer_count} decoder layers)"
         self.ways_out = LAYER_BY_LAYER_WAYS_OUT  # of an out-of-memory: --low-memory is this
 
@@ -526,7 +566,12 @@ class LayerByLayer:
         return LayerByLayer(self.model, parts, names, self.device)
 
     def steps(self, windows: int, logits: bool = True) -> int:
-        return windows * len(self.names) * (self.layer_count + (1 if logits else 0))
+        layers = sum(self.layer_count - self.starts.get(name, 0) for name in self.names)
+        return windows * (layers + (len(self.names) if logits else 0))
+
+    def runs(self, name: str, layer: int) -> bool:
+        """Whether the model `name` runs decoder layer `layer` (see `starts`)."""
+        return self.starts.get(name, 0) <= layer
 
     def forward(
         self,
@@ -536,6 +581,17 @@ class LayerByLayer:
         logits: bool = True,
         after_batch: Callable[[int], None] | None = None,
         advance: Callable[[int], None] = lambda n: None,
+    ) -> Iterator[tuple[torch.Tensor, Iterator]]:
+        with _frozen_heap():
+            yield from self._forward(input_ids, size, logits, after_batch, advance)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        size: int,
+        logits: bool,
+        after_batch: Callable[[int], None] | None,
+        advance: Callable[[int], None],
     ) -> Iterator[tuple[torch.Tensor, Iterator]]:
         batches = [b.to(self.device) for b in input_ids.split(size)]
         trunk = self._trunk(logits)
@@ -549,8 +605,8 @@ class LayerByLayer:
             # project_in) is part of the trunk, quantized in a variant and observed in calibration
             # as in memory (and checked batch by batch, so that a fault there is named with its own
             # batch)
-            captured, store = {name: [] for name in self.names}, None
-            for name in self.names:
+            captured, store = {name: [] for name in self.names if name not in self.starts}, None
+            for name in captured:
                 for b, batch in enumerate(batches):
                     h, c, e = self._capture(trunks[name], batch)
                     if store is None:
@@ -565,20 +621,32 @@ class LayerByLayer:
             # per batch, per layer: (positional arguments after the hidden states, keywords), the
             # same for every model
             calls = [c for _, c, _ in captured[self.names[0]]]
-            # modules run before the first decoder layer
-            early = {name: captured[name][0][2] for name in self.names}
+            # modules run before the first decoder layer (by the models that start later: the
+            # same modules of their own trunks, which run them for the logits)
+            early = {name: captured[name][0][2] for name in captured}
             ran = {
                 n
                 for n, m in trunks[self.names[0]].named_modules()
                 if any(m is e for e in early[self.names[0]])
             }
+            for name in self.starts:
+                early[name] = [m for n, m in trunks[name].named_modules() if n in ran]
             tail = bool(linears - ran)
-            hidden = {name: [h for h, _, _ in captured.pop(name)] for name in self.names}
+            hidden = {name: [h for h, _, _ in captured.pop(name)] for name in list(captured)}
             returns_tuple = False
-            for i in range(self.layer_count):
+            for i in range(self.layer_count + 1):
+                # the models that start at this layer: the baseline's hidden states as it is
+                # about to run it (after the last layer: its output)
+                for name, start in self.starts.items():
+                    if start == i:
+                        hidden[name] = [h.clone() for h in hidden[self.names[0]]]
+                if i == self.layer_count:
+                    break
                 path = f"{self.streamed.layers}.{i}"
                 with self.parts(self._layer(i)) as layers:
                     for name in self.names:
+                        if not self.runs(name, i):
+                            continue
                         layer = layers[name].get_submodule(path)
                         for b, batch in enumerate(batches):
                             args, kwargs = calls[b][i]
@@ -735,6 +803,25 @@ class LayerByLayer:
                 else:
                     out = trunk(input_ids=batch, use_cache=False, **_no_aux_outputs(trunk)).logits
             yield name, out
+
+
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """For the block, the collections that free each decoder layer once it has run (gc.collect)
+    look at the objects made since it began only: those made before (the imported modules, the
+    skeleton: millions of objects, about 0.3 s a collection even on a tiny model, in which ptq
+    search's chunks of layers spent most of their time) are frozen out of them (gc.freeze), and
+    given back to the collector after (gc.unfreeze), once what the block made and left (the trunk's
+    copies) is collected. Nothing made before the block is garbage that the block must free."""
+    if gc.get_freeze_count():  # frozen by a caller: left as it is
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.unfreeze()
 
 
 def _no_aux_outputs(trunk: nn.Module) -> dict:

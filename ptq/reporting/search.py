@@ -225,6 +225,11 @@ def search_markdown(record: dict) -> str:
         f"evaluation (the baseline and one variant on all {record['windows']['total']} windows); "
         f"{cost['seconds']:.1f} s, of which sensitivity {cost['sensitivity_seconds']:.1f} s"
         + (
+            f", layer by layer from disk (--low-memory: the checkpoint read {cost['chunks']} times)"
+            if cost.get("low_memory")
+            else ""
+        )
+        + (
             f"; {cost['reused']} configuration(s) scored earlier, reused."
             if cost.get("reused")
             else "."

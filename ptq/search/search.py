@@ -8,7 +8,8 @@ quantized anew: the model is quantized once with every unit in 16-bit and once w
 and a configuration swaps in the quantized layers of its units' levels (Scorer), the very modules
 quantize_variants makes of its recipe. What the search measures is therefore exactly what
 searched.yaml gives `ptq compare` or `ptq quantize` (tests/test_search.py checks it number for
-number).
+number). A model larger than memory (`--low-memory`) is read layer by layer from disk for each
+chunk of configurations and scored so, to the same numbers (Scorer).
 
 Sensitivity (SENSITIVITY): one unit at a time, exactly: the KL from the baseline of the model with
 only that unit quantized, by each recipe, on the search windows. It is the damage the unit does on
@@ -27,6 +28,8 @@ configurations evaluated are the curve of damage against the fraction of matmul 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -49,10 +52,10 @@ from ptq.errors import PtqError
 from ptq.evaluation import stats
 from ptq.evaluation.evaluate import Scores, evaluate
 from ptq.execution.executors import WholeModels
-from ptq.execution.streaming import decoder_layers
+from ptq.execution.streaming import LayerByLayer, LayerSlot, decoder_layers, is_streamed
 from ptq.files import read_json, text_writer, write_set_atomic
 from ptq.quantization import engines
-from ptq.quantization.plan import Plan
+from ptq.quantization.plan import Plan, resolve_plans
 from ptq.quantization.recipes import Override, Recipe
 
 SENSITIVITY = (
@@ -233,15 +236,24 @@ def windows_digest(input_ids: torch.Tensor) -> str:
 
 class Scorer:
     """Scores configurations of one model (each unit's level, by configuration name) with the
-    baseline on given windows, CHUNK at a time; counts the forward passes (of one window) and the
-    time spent.
+    baseline on given windows, CHUNK at a time; counts the forward passes (of one window), the
+    evaluations (`chunks`: each one read of the checkpoint layer by layer) and the time spent.
 
     The model is quantized once per recipe and once more (quantize_variants): the baseline, every
     unit kept in 16-bit (config_recipe) and each recipe whole. A configuration is the second with
     the quantized layers of each unit's level swapped in from the recipe's whole copy (module
     references, no copy): the same QuantLinears, built the same way, that quantize_variants makes of
     the configuration's own recipe (config_recipe), so the same numbers (tests/test_search.py) at
-    the cost of the forwards only. Of the whole copies only the swapped layers are held."""
+    the cost of the forwards only. Of the whole copies only the swapped layers are held.
+
+    A model loaded by ptq.execution.streaming.load_streamed (`--low-memory`) is scored layer by
+    layer from disk instead (LayerByLayer with _ConfigurationParts), one chunk of configurations
+    at a time: as each part of the model (the trunk, then each decoder layer) is read, it is
+    quantized as above, restricted to that part (the plans' `within`, as compare does), and each
+    configuration gets its own copy of the part with the same modules swapped in; nothing is kept
+    between chunks, so each chunk reads the checkpoint and quantizes it anew. The same float32 ops
+    run on the same batches in the same order as in memory: the scores are equal, number for number
+    (tests/test_search_streaming.py)."""
 
     def __init__(
         self,
@@ -259,19 +271,27 @@ class Scorer:
         self.calibration, self.matmul, self.target = calibration, matmul, target
         self.batch_size = batch_size
         self.journal = journal or Journal(None, "", resume=False)
-        self.forwards, self.seconds = 0, 0.0
+        self.forwards, self.seconds, self.chunks = 0, 0.0, 0
         self._built: tuple[nn.Module, nn.Module, dict, list[dict]] | None = None
+        self.streamed = is_streamed(model)
+        self._plans: dict[str, Plan] | None = None
+
+    def _variants(self) -> tuple[Recipe, list[Recipe]]:
+        """The recipe of every unit in 16-bit (the working model's) and each recipe whole, under
+        names of their own."""
+        everything = dict.fromkeys((u.name for u in self.units), KEEP)
+        kept = config_recipe(self.recipes, self.units, everything, "ptq-search:kept")
+        wholes = [
+            dataclasses.replace(r, name=f"ptq-search:{level}")
+            for level, r in enumerate(self.recipes)
+        ]
+        return kept, wholes
 
     def _build(self) -> tuple[nn.Module, nn.Module, dict, list[dict]]:
         """The baseline, the working model (every unit in 16-bit), each unit's members in 16-bit by
         member name, and the same quantized by each recipe."""
         if self._built is None:
-            everything = dict.fromkeys((u.name for u in self.units), KEEP)
-            kept = config_recipe(self.recipes, self.units, everything, "ptq-search:kept")
-            wholes = [
-                dataclasses.replace(r, name=f"ptq-search:{level}")
-                for level, r in enumerate(self.recipes)
-            ]
+            kept, wholes = self._variants()
             models = quantize_variants(
                 self.model, [self.baseline, kept, *wholes], self.calibration, self.matmul,
                 self.target,
@@ -298,16 +318,17 @@ class Scorer:
         names = [name for name in configs if name not in out]
         if not names and base is not None:
             return out, base
-        base_model, working, off, on = self._build()
+        if not self.streamed:
+            self._build()
         chunks = range(0, len(names), CHUNK)
         began_all = time.perf_counter()
         for i, start in enumerate(chunks):
             part = names[start : start + CHUNK]
             _progress(what, i, len(chunks), time.perf_counter() - began_all)
             began = time.perf_counter()
-            swaps = {name: self._swaps(configs[name], off, on) for name in part}
-            run = Configurations(self.baseline.name, base_model, working, swaps, off)
+            run = self._executor({name: configs[name] for name in part})
             scores = evaluate(run, input_ids, self.batch_size)
+            self.chunks += 1
             self.seconds += time.perf_counter() - began
             self.forwards += (len(part) + 1) * len(input_ids)
             base = scores[self.baseline.name]
@@ -316,11 +337,29 @@ class Scorer:
                 {keys[name]: scores[name] for name in part} | {f"{windows}:baseline": base}
             )
         if base is None:  # no configuration: the baseline alone
-            base = evaluate({self.baseline.name: base_model}, input_ids, self.batch_size)[
-                self.baseline.name
-            ]
+            base = evaluate(self._executor({}), input_ids, self.batch_size)[self.baseline.name]
             self.forwards += len(input_ids)
+            self.chunks += 1
         return out, base
+
+    def _executor(self, configs: dict[str, Config]):
+        """What evaluates the baseline and then `configs` (none: the baseline alone): in memory,
+        Configurations over the model quantized once (_build); a streamed model layer by layer,
+        from each configuration's first quantized decoder layer on (_ConfigurationParts)."""
+        if self.streamed:
+            if self._plans is None:
+                kept, wholes = self._variants()
+                recipes = [self.baseline, kept, *wholes]
+                self._plans = resolve_plans(self.model, recipes, self.target)
+            path = self.model.ptq_streamed.layers
+            starts = {name: _first_layer(self.units, c, path) for name, c in configs.items()}
+            parts = _ConfigurationParts(self, configs, starts, self._plans)
+            return LayerByLayer(self.model, parts, [self.baseline.name, *configs], starts=starts)
+        base_model, working, off, on = self._build()
+        if not configs:
+            return {self.baseline.name: base_model}
+        swaps = {name: self._swaps(config, off, on) for name, config in configs.items()}
+        return Configurations(self.baseline.name, base_model, working, swaps, off)
 
     def _swaps(self, config: Config, off: dict, on: list[dict]) -> dict[str, nn.Module]:
         """Member name -> the module it runs as in `config`."""
@@ -330,6 +369,75 @@ class Scorer:
             for n in u.members:
                 swaps[n] = off[n] if level is KEEP else on[level][n]
         return swaps
+
+
+def _first_layer(units: list[Unit], config: Config, layers: str) -> int:
+    """The decoder layer of a configuration's first quantized unit (0 where one is outside the
+    decoder layers, or none is quantized), as Configurations finds it."""
+    quantized = [n for u in units if config.get(u.name, 0) is not KEEP for n in u.members]
+    return min((_layer_index(n, layers) for n in quantized), default=0)
+
+
+class _ConfigurationParts:
+    """LayerByLayer's `parts` for one chunk of configurations of a streamed model (Scorer): each
+    part, as it is read, quantized by quantize_variants as the whole model is in memory (the
+    baseline, every unit in 16-bit, each recipe whole; the plans restricted to the part), but only
+    by the recipes that some configuration running the part gives one of its units there. The
+    baseline runs the baseline's part; a configuration (from its first quantized layer on: `starts`)
+    the 16-bit copy itself where it keeps every unit of the part in 16-bit, else a copy of it (its
+    modules, not their tensors) with the quantized modules of its units' levels swapped in."""
+
+    def __init__(
+        self, scorer: Scorer, configs: dict[str, Config], starts: dict[str, int], plans: dict
+    ):
+        self.scorer, self.configs, self.starts, self.plans = scorer, configs, starts, plans
+        self.kept, self.wholes = scorer._variants()
+        self.layers = scorer.model.ptq_streamed.layers
+
+    def __call__(self, part: nn.Module) -> contextlib.AbstractContextManager[dict]:
+        scorer, index = self.scorer, _part_layer(part, self.layers)
+        running = [n for n in self.configs if index is None or self.starts[n] <= index]
+        inside = {name for name, _ in part.named_modules()}
+        here = [u for u in scorer.units if any(n in inside for n in u.members)]
+        levels = {self.configs[n].get(u.name, 0) for n in running for u in here} - {KEEP}
+        recipes = [scorer.baseline, *([self.kept] if running else [])]
+        recipes += [self.wholes[level] for level in sorted(levels)]
+        models = quantize_variants(
+            part, recipes, scorer.calibration, scorer.matmul, scorer.target,
+            {r.name: self.plans[r.name].within(part) for r in recipes},
+        )  # fmt: skip
+        out = {scorer.baseline.name: models[scorer.baseline.name]}
+        for name in running:
+            swaps = {
+                n: models[self.wholes[level].name].get_submodule(n)
+                for u in here
+                if (level := self.configs[name].get(u.name, 0)) is not KEEP
+                for n in u.members
+            }
+            out[name] = _swapped(models[self.kept.name], swaps) if swaps else models[self.kept.name]
+        return contextlib.nullcontext(out)
+
+
+def _part_layer(part: nn.Module, layers: str) -> int | None:
+    """The decoder layer a part of a streamed model is (mounted at its path); None for the trunk,
+    whose decoder layers are LayerSlots."""
+    prefix = f"{layers}."
+    for name, module in part.named_modules():
+        head = name.removeprefix(prefix)
+        if name.startswith(prefix) and head.isdigit():
+            return None if isinstance(module, LayerSlot) else int(head)
+    return None
+
+
+def _swapped(model: nn.Module, swaps: dict[str, nn.Module]) -> nn.Module:
+    """A copy of `model`'s modules over the same tensors (nothing copied), with the modules of
+    `swaps` (name -> module) in place of its own."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    out = copy.deepcopy(model, memo=tensors)
+    for name, module in swaps.items():
+        parent, _, child = name.rpartition(".")
+        setattr(out.get_submodule(parent), child, module)
+    return out
 
 
 def _progress(what: str, done: int, total: int, seconds: float) -> None:
