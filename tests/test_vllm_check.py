@@ -1,6 +1,6 @@
 """The vLLM check's two verdicts (benchmarks/vllm_check.py) without vLLM: the layer-by-layer comparison of ptq's
 layers on an engine's recorded inputs and outputs (here made by numpy, the independent reference), and the noise
-floor's statistic (against a printed t table)."""
+floor's statistic (against a printed t table); the mixed-scheme checkpoint's recipe and the check's --recipes."""
 
 import dataclasses
 import json
@@ -13,7 +13,18 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from benchmarks.vllm_check import LAYER_TOLERANCE, layer_by_layer, noise_floor_pct
+from benchmarks.vllm_check import (
+    LAYER_TOLERANCE,
+    MIXED,
+    MOE,
+    OFFLINE,
+    kernel_lines,
+    label,
+    layer_by_layer,
+    noise_floor_pct,
+    parse_names,
+    select,
+)
 from ptq.quantization.quantize import QuantLinear
 from ptq.quantization.recipes import load_recipe
 
@@ -213,3 +224,92 @@ def test_noise_floor_is_the_99_percent_bound_of_a_difference_of_two_runs(logs, t
 
 def test_noise_floor_of_identical_runs_is_zero():
     assert noise_floor_pct([41.25, 41.25, 41.25]) == 0.0
+
+
+def test_the_mixed_checkpoint_is_fp8_e4m3_with_fp8_dynamic_and_bf16_units():
+    """The mixed row's recipe is what its label says: fp8-e4m3's scheme, with whole units (q/k/v, gate/up and
+    down, one o_proj) in fp8-dynamic or kept in bf16, on a 4-layer Llama (SmolLM2's architecture and names)."""
+    import families
+
+    from ptq.quantization.plan import resolve_plan
+
+    recipe, fp8 = load_recipe(MIXED), load_recipe("fp8-e4m3")
+    assert (recipe.weights, recipe.inputs, recipe.targets, recipe.ignore) == (
+        fp8.weights,
+        fp8.inputs,
+        fp8.targets,
+        fp8.ignore,
+    )
+    assert recipe.needs_calibration
+    dynamic = load_recipe("fp8-dynamic")
+    assert [(s.weights, s.inputs) for s in recipe.schemes[1:]] == [
+        (dynamic.weights, dynamic.inputs)
+    ]
+    assert label(MIXED) == "mixed (fp8-e4m3 + fp8-dynamic + bf16)"
+    plan = resolve_plan(families.build("llama", num_hidden_layers=4), recipe, "vllm")
+    scheme = {
+        name: recipe.schemes[m.scheme].name if m.quantized else "bf16"
+        for name, m in plan.matmuls.items()
+        if name != "lm_head"
+    }
+    other = {name: s for name, s in scheme.items() if s != recipe.name}
+    qkv = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    mlp = [f"model.layers.{{}}.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    assert other == {
+        **{n.format(0): "bf16" for n in mlp},
+        **dict.fromkeys(qkv, "fp8-dynamic"),
+        **{n.format(2): "fp8-dynamic" for n in mlp},
+        "model.layers.3.self_attn.o_proj": "bf16",
+    }
+    # every other layer (4 x 7, less those 10) has fp8-e4m3's static per-tensor scheme
+    assert len(scheme) - len(other) == 4 * 7 - 10
+
+
+def test_recipes_option_selects_checkpoints_by_short_name():
+    names = parse_names("unquantized, mixed")
+    assert select(OFFLINE, names) == [None, MIXED]
+    assert select(MOE, names) == [None]  # the MoE control too
+    assert select(MOE, parse_names("mixed")) == []  # the tiny Mixtral is then not built
+    assert select(OFFLINE, None) == OFFLINE
+    with pytest.raises(
+        SystemExit, match="no checkpoint fp8-e5m2 in the check; its checkpoints are"
+    ):
+        parse_names("fp8-e5m2,int8")
+    with pytest.raises(SystemExit):
+        parse_names(" , ")
+
+
+def test_kernel_lines_name_the_layers_of_a_mixed_checkpoints_fewer_kernels():
+    per_tensor = "CompressedTensorsLinearMethod / CompressedTensorsW8A8Fp8 / PerTensorTorchFP8ScaledMMLinearKernel"
+    kernels = {
+        "model.embed_tokens": "UnquantizedEmbeddingMethod",
+        "model.layers.0.mlp.down_proj": per_tensor,
+    }
+    kernels |= {f"model.layers.{i}.self_attn.qkv_proj": per_tensor for i in range(9)}
+    one = {
+        "vllm": {
+            "layer_kernels": kernels,
+            "layers": {"UnquantizedEmbeddingMethod": 1, per_tensor: 10},
+        }
+    }
+    assert kernel_lines(one) == [
+        "1 x UnquantizedEmbeddingMethod",
+        f"10 x {per_tensor}",
+    ]  # one linear kernel
+    kernels = kernels | {"model.layers.0.mlp.down_proj": "UnquantizedLinearMethod"}
+    mixed = {
+        "vllm": {
+            "layer_kernels": kernels,
+            "layers": {
+                "UnquantizedEmbeddingMethod": 1,
+                per_tensor: 9,
+                "UnquantizedLinearMethod": 1,
+            },
+        }
+    }
+    assert kernel_lines(mixed) == [
+        "1 x UnquantizedEmbeddingMethod",
+        f"9 x {per_tensor}",  # more than NAMED_LAYERS: counted only
+        "1 x UnquantizedLinearMethod: model.layers.0.mlp.down_proj",
+    ]
+    assert kernel_lines({"vllm": {"error": "ValueError: no kernel"}}) == []
