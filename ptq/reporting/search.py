@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -38,9 +39,7 @@ def _sensitivity(u: dict) -> str:
 
 def finer_words(record: dict) -> str:
     """ ", N at RECIPE" for the units at each finer recipe ("" for none)."""
-    counts: dict[str, int] = {}
-    for name in record["finer"].values():
-        counts[name] = counts.get(name, 0) + 1
+    counts = Counter(record["finer"].values())
     return "".join(f", {n} at {name}" for name, n in counts.items())
 
 

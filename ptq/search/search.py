@@ -359,7 +359,16 @@ class Scorer:
         if not configs:
             return {self.baseline.name: base_model}
         swaps = {name: self._swaps(config, off, on) for name, config in configs.items()}
-        return Configurations(self.baseline.name, base_model, working, swaps, off)
+        try:
+            path = decoder_layers(working)
+        except PtqError:
+            path = None
+        starts = (
+            {}
+            if path is None
+            else {name: _first_layer(self.units, c, path) for name, c in configs.items()}
+        )
+        return Configurations(self.baseline.name, base_model, working, swaps, path, starts)
 
     def _swaps(self, config: Config, off: dict, on: list[dict]) -> dict[str, nn.Module]:
         """Member name -> the module it runs as in `config`."""
@@ -475,8 +484,11 @@ class Configurations(WholeModels):
         base_model: nn.Module,
         working: nn.Module,
         swaps: dict[str, dict],
-        off: dict[str, nn.Module],
+        path: str | None,
+        starts: dict[str, int],
     ):
+        """`path`: the decoder layers' (None: none found, nothing reused); `starts`: each
+        configuration's first quantized decoder layer (_first_layer)."""
         super().__init__({baseline: base_model} | dict.fromkeys(swaps, working))
         self.swaps = swaps
         self.slots = {
@@ -485,16 +497,10 @@ class Configurations(WholeModels):
             for n in layers
         }
         self.layers = self.base_layers = None
-        self.first: dict[str, int] = {}
-        try:
-            path = decoder_layers(working)
-        except PtqError:
-            return
-        self.layers, self.base_layers = working.get_submodule(path), base_model.get_submodule(path)
-        for name, layers in swaps.items():
-            quantized = [n for n, m in layers.items() if m is not off[n]]
-            self.first[name] = min((_layer_index(n, path) for n in quantized), default=0)
-        self.first = {k: v for k, v in self.first.items() if v > 0}
+        self.first = {name: j for name, j in starts.items() if j > 0}
+        if path is not None:
+            self.layers = working.get_submodule(path)
+            self.base_layers = base_model.get_submodule(path)
 
     def _outputs(self, batch, logits, i, after_batch):
         kept: list = []
